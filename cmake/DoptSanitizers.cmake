@@ -1,0 +1,11 @@
+# DOPT_SANITIZE: "" (off), "address,undefined", or "thread".
+set(DOPT_SANITIZE "" CACHE STRING "Sanitizers: '', 'address,undefined' or 'thread'")
+if(DOPT_SANITIZE)
+  set(_san -fsanitize=${DOPT_SANITIZE} -fno-omit-frame-pointer -g)
+  if(DOPT_SANITIZE MATCHES "undefined")
+    list(APPEND _san -fno-sanitize-recover=all)
+  endif()
+  add_compile_options(${_san})
+  add_link_options(${_san})
+  message(STATUS "distopt: sanitizers ${DOPT_SANITIZE}")
+endif()

@@ -1,0 +1,37 @@
+#include "testutil.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t ordered_bits(float f) {
+  int32_t i;
+  memcpy(&i, &f, sizeof i);
+  /* map the sign-magnitude float ordering onto two's complement */
+  return i < 0 ? (int64_t)INT32_MIN - (int64_t)i : (int64_t)i;
+}
+
+uint64_t dt_ulp_distance(float a, float b) {
+  int64_t d = ordered_bits(a) - ordered_bits(b);
+  return (uint64_t)(d < 0 ? -d : d);
+}
+
+uint64_t dt_rand_u64(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+double dt_rand_uniform(uint64_t *s) { return (double)(dt_rand_u64(s) >> 11) * 0x1.0p-53; }
+
+double dt_rand_normal(uint64_t *s) {
+  double u1 = dt_rand_uniform(s), u2 = dt_rand_uniform(s);
+  if (u1 < 1e-300) u1 = 1e-300;
+  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+const char *dt_source_dir(void) {
+  const char *d = getenv("DOPT_SOURCE_DIR");
+  return d && *d ? d : ".";
+}

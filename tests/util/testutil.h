@@ -1,0 +1,47 @@
+/* Test helpers. Include after <cmocka.h>'s prerequisites; every assertion here
+ * runs on the main thread only (cmocka is not thread-safe). */
+#ifndef DOPT_TESTUTIL_H
+#define DOPT_TESTUTIL_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "distopt/status.h"
+
+/* Fails the test, printing the status name and the thread's detailed message. */
+#define assert_ok(expr)                                                                  \
+  do {                                                                                   \
+    dopt_status s__ = (expr);                                                            \
+    if (s__ != DOPT_OK)                                                                  \
+      fail_msg("%s returned %s: %s", #expr, dopt_status_name(s__), dopt_last_error()); \
+  } while (0)
+
+/* Asserts a specific failing status and that the message mentions `needle`. */
+#define assert_status(expr, want, needle)                                                      \
+  do {                                                                                         \
+    dopt_status s__ = (expr);                                                                  \
+    if (s__ != (want))                                                                         \
+      fail_msg("%s returned %s, want %s (%s)", #expr, dopt_status_name(s__),                  \
+               dopt_status_name(want), dopt_last_error());                                     \
+    if ((needle) != NULL && strstr(dopt_last_error(), (needle)) == NULL)                       \
+      fail_msg("%s: message '%s' does not mention '%s'", #expr, dopt_last_error(), (needle)); \
+  } while (0)
+
+/* Distance in units in the last place between two finite floats (0 = identical
+ * bits, also +0 vs -0 count as 0). */
+uint64_t dt_ulp_distance(float a, float b);
+
+/* Deterministic generator for test data (splitmix64). */
+uint64_t dt_rand_u64(uint64_t *state);
+double dt_rand_uniform(uint64_t *state);   /* [0, 1) */
+double dt_rand_normal(uint64_t *state);
+
+/* Returns the repository root (DOPT_SOURCE_DIR, set by CTest) or ".". */
+const char *dt_source_dir(void);
+
+#include <string.h>
+#endif
