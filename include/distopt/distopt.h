@@ -1,0 +1,10 @@
+/* distopt — umbrella header. */
+#ifndef DISTOPT_H
+#define DISTOPT_H
+#include "distopt/status.h"
+#include "distopt/optim.h"
+#include "distopt/xsum.h"
+#define DOPT_VERSION_MAJOR 0
+#define DOPT_VERSION_MINOR 1
+#define DOPT_VERSION_PATCH 0
+#endif

@@ -1,0 +1,133 @@
+/* distopt — single-device reference optimizers.
+ *
+ * Usage (torch-like):
+ *   dopt_optim *o;
+ *   dopt_optim_create("adafactor", "beta1=0.9,weight_decay=0.01", &o);   // group defaults
+ *   int g_nodecay; dopt_optim_add_group(o, "weight_decay=0", &g_nodecay);  // another group
+ *   dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+ *   pc.name = "layer0.weight"; pc.ndim = 2; pc.shape[0] = 768; pc.shape[1] = 3072; pc.data = w;
+ *   int pid; dopt_optim_add_param(o, 0, &pc, &pid);
+ *   ... dopt_optim_step(o, grads);   // grads[pid] (NULL = no gradient: param skipped)
+ *   dopt_optim_destroy(o);
+ *
+ * Group 0 is created by dopt_optim_create with the given defaults; further
+ * groups override some keys on top of those defaults. Hyperparameters are
+ * validated when a group is created (rejections name the key and value).
+ * Parameters are fp32 tensors of any rank, updated in place; states are
+ * allocated at a parameter's first step (as torch does) and are readable and
+ * writable through dopt_optim_state().
+ */
+#ifndef DISTOPT_OPTIM_H
+#define DISTOPT_OPTIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "distopt/export.h"
+#include "distopt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DOPT_MAX_DIMS 8
+
+typedef enum dopt_dtype {
+  DOPT_F32 = 0,
+  DOPT_F64 = 1,
+  DOPT_BF16 = 2,
+  DOPT_F16 = 3,
+  DOPT_I32 = 4,
+  DOPT_I64 = 5,
+  DOPT_U8 = 6,
+  DOPT_I8 = 7,
+  DOPT_DTYPE_COUNT_
+} dopt_dtype;
+
+DOPT_API size_t dopt_dtype_size(dopt_dtype t);
+DOPT_API const char *dopt_dtype_name(dopt_dtype t); /* "F32", "BF16", ... (safetensors names) */
+
+typedef struct dopt_optim dopt_optim;
+
+/* Versioned parameter description (append-only; always start from
+ * DOPT_PARAM_CONFIG_INIT). */
+typedef struct dopt_param_config {
+  uint32_t struct_size;
+  uint32_t version;
+  const char *name;                /* copied; used for state names and errors */
+  int ndim;                        /* 0..DOPT_MAX_DIMS (0 = scalar) */
+  int64_t shape[DOPT_MAX_DIMS];
+  dopt_dtype dtype;                /* DOPT_F32. DOPT_BF16 working params need `master`
+                                      (reserved for the mixed-precision mode; rejected now) */
+  void *data;                      /* the working parameter, updated in place (borrowed) */
+  float *master;                   /* fp32 master weights for bf16 params (reserved) */
+  int layer;                       /* layer index for layer-wise optimizers (LISA); -1 = none */
+} dopt_param_config;
+
+#define DOPT_PARAM_CONFIG_VERSION 1
+#define DOPT_PARAM_CONFIG_INIT \
+  { sizeof(dopt_param_config), DOPT_PARAM_CONFIG_VERSION, NULL, 0, {0}, DOPT_F32, NULL, NULL, -1 }
+
+/* ---- registry ------------------------------------------------------------ */
+
+/* Number of registered optimizers and their names ("adamw", "adafactor", ...). */
+DOPT_API int dopt_optim_registry_count(void);
+DOPT_API const char *dopt_optim_registry_name(int i);
+/* Writes a human-readable list of `name`'s keys, defaults and meanings into
+ * buf (truncated to cap, always NUL-terminated). */
+DOPT_API dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap);
+
+/* ---- lifetime and groups --------------------------------------------------- */
+
+/* hparams: "key=value,key=value" (NULL or "" = upstream defaults). Values are
+ * numbers, true/false, or none (for optional keys such as Adafactor's lr). */
+DOPT_API dopt_status dopt_optim_create(const char *name, const char *hparams, dopt_optim **out);
+DOPT_API void dopt_optim_destroy(dopt_optim *o);
+DOPT_API const char *dopt_optim_name(const dopt_optim *o);
+
+DOPT_API dopt_status dopt_optim_add_group(dopt_optim *o, const char *overrides, int *group);
+DOPT_API int dopt_optim_num_groups(const dopt_optim *o);
+/* Reads a group's hyperparameter; optional keys that are unset give NaN. */
+DOPT_API dopt_status dopt_optim_get_hparam(const dopt_optim *o, int group, const char *key, double *value);
+/* Changes one hyperparameter of a group (e.g. an lr schedule); validated. */
+DOPT_API dopt_status dopt_optim_set_hparam(dopt_optim *o, int group, const char *key, double value);
+
+DOPT_API dopt_status dopt_optim_add_param(dopt_optim *o, int group, const dopt_param_config *cfg, int *param);
+DOPT_API int dopt_optim_num_params(const dopt_optim *o);
+DOPT_API const char *dopt_optim_param_name(const dopt_optim *o, int param);
+
+/* ---- stepping --------------------------------------------------------------- */
+
+/* One optimizer step over every parameter. grads[i] is parameter i's gradient
+ * (same shape, fp32); NULL means "no gradient" and leaves the parameter, its
+ * state and its step count untouched, as torch does for grad None. */
+DOPT_API dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads);
+
+/* ---- state ------------------------------------------------------------------- */
+
+typedef struct dopt_state_view {
+  const char *name;                /* upstream state_dict key: "exp_avg", "exp_avg_sq_row", ... */
+  dopt_dtype dtype;
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS];
+  void *data;                      /* writable: loading a checkpoint writes here */
+  size_t bytes;
+} dopt_state_view;
+
+/* Number of state tensors of a parameter (0 before its first step). */
+DOPT_API int dopt_optim_num_states(const dopt_optim *o, int param);
+DOPT_API dopt_status dopt_optim_state(dopt_optim *o, int param, int index, dopt_state_view *out);
+/* Allocates a parameter's state now (zeros, step 0), e.g. before loading. */
+DOPT_API dopt_status dopt_optim_init_state(dopt_optim *o, int param);
+DOPT_API dopt_status dopt_optim_get_step(const dopt_optim *o, int param, int64_t *step);
+DOPT_API dopt_status dopt_optim_set_step(dopt_optim *o, int param, int64_t step);
+
+/* Exact optimizer-state memory in bytes. param >= 0: that parameter;
+ * param = -1: all parameters. `allocated` = what is allocated now; `full` =
+ * what it is once every parameter has stepped. Either pointer may be NULL. */
+DOPT_API dopt_status dopt_optim_state_bytes(const dopt_optim *o, int param, size_t *allocated, size_t *full);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

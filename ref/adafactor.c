@@ -1,0 +1,166 @@
+/* Adafactor as transformers.optimization.Adafactor (HF), fp32.
+ *
+ * Per step t of a parameter P with gradient G (shapes: P, G [..., h, w]):
+ *   RMS   = ‖P‖/√numel                                  (before the update)
+ *   ρ     = relative_step ? min(warmup_init ? 1e-6·t : 1e-2, 1/√t) : lr
+ *   α     = scale_parameter ? ρ·max(eps2, RMS) : ρ
+ *   β2t   = 1 − t^decay_rate
+ *   U     = G² + eps1
+ *   factored (ndim ≥ 2, over the last two dims, leading dims are batch):
+ *     row [..., h] ← β2t·row + (1−β2t)·mean_w(U)
+ *     col [..., w] ← β2t·col + (1−β2t)·mean_h(U)
+ *     U ← (rsqrt(row/mean_h(row)) ⊗ rsqrt(col)) ⊙ G
+ *   else: v ← β2t·v + (1−β2t)·U;  U ← rsqrt(v) ⊙ G
+ *   U ← U / max(1, RMS(U)/clip_threshold);  U ← α·U
+ *   beta1: m ← β1·m + (1−β1)·U; U ← m          (momentum of the scaled update, as HF)
+ *   weight_decay: P ← P + (−wd·α)·P            (decoupled, scaled by α, before the update)
+ *   P ← P − U
+ * Every cross-element sum (means, RMS) is an exact xsum. */
+#include <math.h>
+
+#include "optim_impl.h"
+
+enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP, NHP };
+
+static const dopt_hp_def hps[NHP] = {
+    [LR] = {"lr", DOPT_HP_OPT, NAN, "external learning rate (requires relative_step=false)"},
+    [EPS1] = {"eps1", DOPT_HP_REAL, 1e-30, "added to g^2 (regulariser of the second moment)"},
+    [EPS2] = {"eps2", DOPT_HP_REAL, 1e-3, "floor of the parameter RMS in the step size"},
+    [CLIP] = {"clip_threshold", DOPT_HP_REAL, 1.0, "update RMS clipping threshold d"},
+    [DECAY] = {"decay_rate", DOPT_HP_REAL, -0.8, "beta2_t = 1 - t^decay_rate (must be < 0)"},
+    [BETA1] = {"beta1", DOPT_HP_OPT, NAN, "momentum of the update (none = no first moment)"},
+    [WD] = {"weight_decay", DOPT_HP_REAL, 0.0, "decoupled decay, scaled by the effective step size"},
+    [SCALE_P] = {"scale_parameter", DOPT_HP_BOOL, 1.0, "scale the step by max(eps2, RMS(p))"},
+    [REL_STEP] = {"relative_step", DOPT_HP_BOOL, 1.0, "time-dependent step min(1e-2, 1/sqrt(t))"},
+    [WARMUP] = {"warmup_init", DOPT_HP_BOOL, 0.0, "relative step 1e-6*t during warm-up"},
+};
+
+static dopt_status validate(const double *hp) {
+  /* what upstream rejects */
+  if (!isnan(hp[LR]) && hp[REL_STEP] != 0.0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG,
+                      "adafactor: lr=%g cannot be combined with relative_step=true (set relative_step=false)",
+                      hp[LR]);
+  if (hp[WARMUP] != 0.0 && hp[REL_STEP] == 0.0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: warmup_init=true requires relative_step=true");
+  /* what upstream misses (it fails at the first step or silently diverges) */
+  if (isnan(hp[LR]) && hp[REL_STEP] == 0.0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: relative_step=false needs an lr (lr=none)");
+  if (!isnan(hp[LR]) && hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: lr=%g must be >= 0", hp[LR]);
+  if (!(hp[DECAY] < 0))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: decay_rate=%g must be < 0 (beta2_t = 1 - t^decay_rate)",
+                      hp[DECAY]);
+  if (!(hp[CLIP] > 0)) return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: clip_threshold=%g must be > 0", hp[CLIP]);
+  if (hp[EPS1] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: eps1=%g must be >= 0", hp[EPS1]);
+  if (hp[EPS2] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: eps2=%g must be >= 0", hp[EPS2]);
+  if (!isnan(hp[BETA1]) && !(hp[BETA1] >= 0 && hp[BETA1] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: beta1=%g must be in [0, 1) or none", hp[BETA1]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: weight_decay=%g must be >= 0", hp[WD]);
+  return DOPT_OK;
+}
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+  int n = 0;
+  if (!isnan(hp[BETA1])) dopt_state_def(&out[n++], "exp_avg", ndim, shape);
+  if (ndim >= 2) {
+    int64_t col[DOPT_MAX_DIMS];
+    for (int i = 0; i < ndim - 2; i++) col[i] = shape[i];
+    col[ndim - 2] = shape[ndim - 1];
+    dopt_state_def(&out[n++], "exp_avg_sq_row", ndim - 1, shape);
+    dopt_state_def(&out[n++], "exp_avg_sq_col", ndim - 1, col);
+  } else {
+    dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
+  }
+  dopt_state_def(&out[n++], "RMS", 0, shape);
+  return n;
+}
+
+static size_t scratch(int ndim, const int64_t *shape) {
+  size_t numel = dopt_numel(ndim, shape);
+  if (ndim < 2) return numel;
+  size_t b, h, w;
+  dopt_split_bhw(ndim, shape, &b, &h, &w);
+  return numel + b * h + b * w; /* U, mean_w(U), mean_h(U) */
+}
+
+/* The step size α = ρ·max(eps2, RMS), in upstream's precision: the product is
+ * an fp32 tensor op when RMS wins the max, a double product otherwise. */
+static float step_size(const double *hp, double t, float rms) {
+  double rho;
+  if (hp[REL_STEP] != 0.0) {
+    double min_step = hp[WARMUP] != 0.0 ? 1e-6 * t : 1e-2;
+    double inv = 1.0 / sqrt(t);
+    rho = min_step < inv ? min_step : inv;
+  } else {
+    rho = hp[LR];
+  }
+  if (hp[SCALE_P] == 0.0) return (float)rho;
+  if (rms > (float)hp[EPS2]) return (float)rho * rms;
+  return (float)(rho * hp[EPS2]);
+}
+
+static dopt_status step(const double *hp, dopt_param *p, const float *g, float *ws) {
+  const size_t n = p->numel;
+  float *w = p->data;
+  int s = 0;
+  float *m = isnan(hp[BETA1]) ? NULL : p->st[s++].data;
+  const int factored = p->ndim >= 2;
+  float *row = p->st[s++].data;
+  float *col = factored ? p->st[s++].data : NULL;
+  float *rms_state = p->st[s].data;
+
+  const double t = (double)p->step;
+  const float rms = dopt_rms_from_ss(dopt_sumsq(w, n), n);
+  *rms_state = rms;
+  const float alpha = step_size(hp, t, rms);
+  const double beta2t = 1.0 - pow(t, hp[DECAY]);
+  const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
+  const float eps1 = (float)hp[EPS1];
+
+  float *u = ws;
+  for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
+  if (factored) {
+    size_t b, h, wd;
+    dopt_split_bhw(p->ndim, p->shape, &b, &h, &wd);
+    float *rmean = ws + n, *cmean = rmean + b * h;
+    DOPT_TRY(dopt_row_col_means(u, b, h, wd, rmean, cmean));
+    for (size_t i = 0; i < b * h; i++) row[i] = row[i] * b2t + omb2t * rmean[i];
+    for (size_t i = 0; i < b * wd; i++) col[i] = col[i] * b2t + omb2t * cmean[i];
+    DOPT_TRY(dopt_factored_apply(row, col, g, b, h, wd, u));
+  } else {
+    float *v = row;
+    for (size_t i = 0; i < n; i++) {
+      v[i] = v[i] * b2t + omb2t * u[i];
+      u[i] = (1.0f / sqrtf(v[i])) * g[i];
+    }
+  }
+  float urms = dopt_rms_from_ss(dopt_sumsq(u, n), n);
+  float div = urms / (float)hp[CLIP];
+  if (!(div > 1.0f)) div = div != div ? div : 1.0f; /* clamp(min=1); NaN propagates */
+  const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];
+  const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
+  const float decay = (float)(-hp[WD]) * alpha;
+  const int use_wd = hp[WD] != 0.0;
+  for (size_t i = 0; i < n; i++) {
+    float ui = (u[i] / div) * alpha;
+    if (m) {
+      m[i] = m[i] * b1 + omb1 * ui;
+      ui = m[i];
+    }
+    float wi = w[i];
+    if (use_wd) wi = wi + decay * wi;
+    w[i] = wi - ui;
+  }
+  return DOPT_OK;
+}
+
+const dopt_optim_impl dopt_impl_adafactor = {
+    .name = "adafactor",
+    .summary = "Adafactor as transformers.optimization.Adafactor (factored second moment over the last two dims)",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = layout,
+    .scratch = scratch,
+    .step = step,
+};

@@ -1,0 +1,82 @@
+/* AdamW as torch.optim.AdamW (single-tensor path, fp32), in torch's order of
+ * operations so results agree to the last few ulps:
+ *   p ← p·(1 − lr·wd)                          (decay before the moments)
+ *   m ← m·β1 + (1−β1)·g
+ *   v ← v·β2 + ((1−β2)·g)·g
+ *   v̂max ← max(v̂max, v)                       (amsgrad)
+ *   p ← p + (−lr/bc1 · m) / (√v / √bc2 + ε)     bc_i = 1 − β_i^t (host, double)
+ * State: exp_avg, exp_avg_sq [param shape], max_exp_avg_sq with amsgrad. */
+#include <math.h>
+
+#include "optim_impl.h"
+
+enum { LR, BETA1, BETA2, EPS, WD, AMSGRAD, NHP };
+
+static const dopt_hp_def hps[NHP] = {
+    [LR] = {"lr", DOPT_HP_REAL, 1e-3, "learning rate"},
+    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay"},
+    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay"},
+    [EPS] = {"eps", DOPT_HP_REAL, 1e-8, "added to sqrt(v_hat)"},
+    [WD] = {"weight_decay", DOPT_HP_REAL, 1e-2, "decoupled weight decay (p *= 1 - lr*wd)"},
+    [AMSGRAD] = {"amsgrad", DOPT_HP_BOOL, 0.0, "use the running max of v"},
+};
+
+static dopt_status validate(const double *hp) {
+  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw: lr=%g must be >= 0", hp[LR]);
+  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw: eps=%g must be >= 0", hp[EPS]);
+  if (!(hp[BETA1] >= 0 && hp[BETA1] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw: beta1=%g must be in [0, 1)", hp[BETA1]);
+  if (!(hp[BETA2] >= 0 && hp[BETA2] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw: beta2=%g must be in [0, 1)", hp[BETA2]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw: weight_decay=%g must be >= 0", hp[WD]);
+  return DOPT_OK;
+}
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+  int n = 0;
+  dopt_state_def(&out[n++], "exp_avg", ndim, shape);
+  dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
+  if (hp[AMSGRAD] != 0.0) dopt_state_def(&out[n++], "max_exp_avg_sq", ndim, shape);
+  return n;
+}
+
+static dopt_status step(const double *hp, dopt_param *p, const float *g, float *scratch) {
+  (void)scratch;
+  float *w = p->data, *m = p->st[0].data, *v = p->st[1].data;
+  float *vmax = hp[AMSGRAD] != 0.0 ? p->st[2].data : NULL;
+  /* step-dependent scalars: once, on the host, in double (as torch) */
+  double t = (double)p->step;
+  double bc1 = 1.0 - pow(hp[BETA1], t), bc2 = 1.0 - pow(hp[BETA2], t);
+  const float decay = (float)(1.0 - hp[LR] * hp[WD]);
+  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
+  const float neg_step = (float)(-(hp[LR] / bc1));
+  const float bc2_sqrt = (float)sqrt(bc2);
+  const float eps = (float)hp[EPS];
+  for (size_t i = 0; i < p->numel; i++) {
+    float wi = w[i] * decay;
+    float mi = m[i] * b1 + omb1 * g[i];
+    float vi = v[i] * b2 + (omb2 * g[i]) * g[i];
+    float vd = vi;
+    if (vmax) {
+      vd = vmax[i] > vi ? vmax[i] : vi;
+      vmax[i] = vd;
+    }
+    float denom = sqrtf(vd) / bc2_sqrt + eps;
+    w[i] = wi + (neg_step * mi) / denom;
+    m[i] = mi;
+    v[i] = vi;
+  }
+  return DOPT_OK;
+}
+
+const dopt_optim_impl dopt_impl_adamw = {
+    .name = "adamw",
+    .summary = "AdamW as torch.optim.AdamW (decoupled decay before the moments, eps on sqrt(v_hat))",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = layout,
+    .scratch = NULL,
+    .step = step,
+};

@@ -1,0 +1,154 @@
+/* CAME as the official came_pytorch CAME after the Feb-2024 fix (b368dc0), fp32.
+ *
+ * Per step of P with gradient G (factored over the last two dims if ndim ≥ 2):
+ *   U   = G² + eps1
+ *   row_v ← β2·row_v + (1−β2)·mean_w(U);  col_v ← β2·col_v + (1−β2)·mean_h(U)
+ *   U   ← (rsqrt(row_v/mean_h(row_v)) ⊗ rsqrt(col_v)) ⊙ G      [1-D: rsqrt(v) ⊙ G]
+ *   Û   = U / max(1, RMS(U)/clip_threshold)
+ *   m   ← β1·m + (1−β1)·Û
+ *   Res = (Û − m)² + eps2                                          (updated m)
+ *   row_r ← β3·row_r + (1−β3)·mean_w(Res);  col_r likewise
+ *   upd = (rsqrt(row_r/mean_h(row_r)) ⊗ rsqrt(col_r)) ⊙ m          [1-D: a copy of m]
+ *   weight_decay: P ← P + (−wd·lr)·P   (decoupled, before the update)
+ *   P ← P − lr·upd
+ * State: exp_avg [P]; factored: exp_avg_sq_row, exp_avg_res_row [..., h],
+ * exp_avg_sq_col, exp_avg_res_col [..., w]; 1-D: exp_avg_sq [P]; RMS (0-d,
+ * computed each step as upstream does, never used). Separate tensors for the
+ * second-moment and residual statistics (no aliasing). */
+#include <math.h>
+
+#include "optim_impl.h"
+
+enum { LR, EPS1, EPS2, CLIP, BETA1, BETA2, BETA3, WD, NHP };
+
+static const dopt_hp_def hps[NHP] = {
+    [LR] = {"lr", DOPT_HP_OPT, NAN, "learning rate (required, > 0)"},
+    [EPS1] = {"eps1", DOPT_HP_REAL, 1e-30, "added to g^2"},
+    [EPS2] = {"eps2", DOPT_HP_REAL, 1e-16, "added to the residual (U - m)^2"},
+    [CLIP] = {"clip_threshold", DOPT_HP_REAL, 1.0, "update RMS clipping threshold"},
+    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "momentum decay"},
+    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay"},
+    [BETA3] = {"beta3", DOPT_HP_REAL, 0.9999, "residual (confidence) decay"},
+    [WD] = {"weight_decay", DOPT_HP_REAL, 0.0, "decoupled decay p -= lr*wd*p"},
+};
+
+static dopt_status validate(const double *hp) {
+  if (isnan(hp[LR])) return dopt__fail(DOPT_ERR_INVALID_ARG, "came: lr=none: CAME needs an lr > 0");
+  if (!(hp[LR] > 0)) return dopt__fail(DOPT_ERR_INVALID_ARG, "came: lr=%g must be > 0", hp[LR]);
+  static const char *const bn[3] = {"beta1", "beta2", "beta3"};
+  for (int i = 0; i < 3; i++)
+    if (!(hp[BETA1 + i] >= 0 && hp[BETA1 + i] <= 1))
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "came: %s=%g must be in [0, 1]", bn[i], hp[BETA1 + i]);
+  if (!(hp[CLIP] > 0)) return dopt__fail(DOPT_ERR_INVALID_ARG, "came: clip_threshold=%g must be > 0", hp[CLIP]);
+  if (hp[EPS1] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "came: eps1=%g must be >= 0", hp[EPS1]);
+  if (hp[EPS2] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "came: eps2=%g must be >= 0", hp[EPS2]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "came: weight_decay=%g must be >= 0", hp[WD]);
+  return DOPT_OK;
+}
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+  (void)hp;
+  int n = 0;
+  dopt_state_def(&out[n++], "exp_avg", ndim, shape);
+  if (ndim >= 2) {
+    int64_t col[DOPT_MAX_DIMS];
+    for (int i = 0; i < ndim - 2; i++) col[i] = shape[i];
+    col[ndim - 2] = shape[ndim - 1];
+    dopt_state_def(&out[n++], "exp_avg_sq_row", ndim - 1, shape);
+    dopt_state_def(&out[n++], "exp_avg_sq_col", ndim - 1, col);
+    dopt_state_def(&out[n++], "exp_avg_res_row", ndim - 1, shape);
+    dopt_state_def(&out[n++], "exp_avg_res_col", ndim - 1, col);
+  } else {
+    dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
+  }
+  dopt_state_def(&out[n++], "RMS", 0, shape);
+  return n;
+}
+
+static size_t scratch(int ndim, const int64_t *shape) {
+  size_t numel = dopt_numel(ndim, shape);
+  if (ndim < 2) return numel;
+  size_t b, h, w;
+  dopt_split_bhw(ndim, shape, &b, &h, &w);
+  return numel + b * h + b * w;
+}
+
+/* stat ← β·stat + (1−β)·mean (row or column statistic update) */
+static void ema(float *stat, const float *mean, size_t n, double beta) {
+  const float b = (float)beta, omb = (float)(1.0 - beta);
+  for (size_t i = 0; i < n; i++) stat[i] = stat[i] * b + omb * mean[i];
+}
+
+static dopt_status step(const double *hp, dopt_param *p, const float *g, float *ws) {
+  const size_t n = p->numel;
+  const int factored = p->ndim >= 2;
+  float *w = p->data;
+  float *m = p->st[0].data;
+  float *sq_row = p->st[1].data, *sq_col = NULL, *res_row = NULL, *res_col = NULL;
+  float *rms_state;
+  if (factored) {
+    sq_col = p->st[2].data;
+    res_row = p->st[3].data;
+    res_col = p->st[4].data;
+    rms_state = p->st[5].data;
+  } else {
+    rms_state = p->st[2].data;
+  }
+  *rms_state = dopt_rms_from_ss(dopt_sumsq(w, n), n);
+
+  size_t b = 1, h = 1, wd = 1;
+  if (factored) dopt_split_bhw(p->ndim, p->shape, &b, &h, &wd);
+  float *u = ws, *rmean = ws + n, *cmean = rmean + b * h;
+  const float eps1 = (float)hp[EPS1], eps2 = (float)hp[EPS2];
+
+  for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
+  if (factored) {
+    DOPT_TRY(dopt_row_col_means(u, b, h, wd, rmean, cmean));
+    ema(sq_row, rmean, b * h, hp[BETA2]);
+    ema(sq_col, cmean, b * wd, hp[BETA2]);
+    DOPT_TRY(dopt_factored_apply(sq_row, sq_col, g, b, h, wd, u));
+  } else {
+    ema(sq_row, u, n, hp[BETA2]);
+    for (size_t i = 0; i < n; i++) u[i] = (1.0f / sqrtf(sq_row[i])) * g[i];
+  }
+  float urms = dopt_rms_from_ss(dopt_sumsq(u, n), n);
+  float div = urms / (float)hp[CLIP];
+  if (!(div > 1.0f)) div = div != div ? div : 1.0f;
+
+  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+  /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after) */
+  for (size_t i = 0; i < n; i++) {
+    float uh = u[i] / div;
+    m[i] = m[i] * b1 + omb1 * uh;
+    float r = uh - m[i];
+    u[i] = r * r + eps2;
+  }
+  const float *upd = m; /* 1-D: a copy of m (no confidence term) */
+  if (factored) {
+    DOPT_TRY(dopt_row_col_means(u, b, h, wd, rmean, cmean));
+    ema(res_row, rmean, b * h, hp[BETA3]);
+    ema(res_col, cmean, b * wd, hp[BETA3]);
+    DOPT_TRY(dopt_factored_apply(res_row, res_col, m, b, h, wd, u));
+    upd = u;
+  }
+  const float lr = (float)hp[LR];
+  const float decay = (float)(-hp[WD] * hp[LR]);
+  const int use_wd = hp[WD] != 0.0;
+  for (size_t i = 0; i < n; i++) {
+    float wi = w[i];
+    if (use_wd) wi = wi + decay * wi;
+    w[i] = wi - upd[i] * lr;
+  }
+  return DOPT_OK;
+}
+
+const dopt_optim_impl dopt_impl_came = {
+    .name = "came",
+    .summary = "CAME as the official came_pytorch (after the Feb-2024 fix): confidence-guided factored update",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = layout,
+    .scratch = scratch,
+    .step = step,
+};

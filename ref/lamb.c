@@ -1,0 +1,80 @@
+/* LAMB as ColossalAI's colossalai.nn.optimizer.Lamb (fp32):
+ *   m ← β1·m + (1−β1)·g;  v ← β2·v + ((1−β2)·g)·g      (moments not debiased)
+ *   lr' = bias_correction ? lr·√(1−β2^t)/(1−β1^t) : lr  (an lr factor, outside the ratio)
+ *   u   = m/(√v + eps) + wd·p
+ *   trust = ‖p‖/‖u‖ (no clamp), 1 if either norm is 0; adam=true forces 1
+ *   p ← p + (−lr'·trust)·u
+ * Norms are exact sums of squares (xsum), so they are partition-independent.
+ * State: exp_avg, exp_avg_sq [param shape]. */
+#include <math.h>
+
+#include "optim_impl.h"
+
+enum { LR, BETA1, BETA2, EPS, WD, ADAM, BIASCORR, NHP };
+
+static const dopt_hp_def hps[NHP] = {
+    [LR] = {"lr", DOPT_HP_REAL, 1e-3, "learning rate"},
+    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay"},
+    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay"},
+    [EPS] = {"eps", DOPT_HP_REAL, 1e-6, "added to sqrt(v)"},
+    [WD] = {"weight_decay", DOPT_HP_REAL, 0.0, "decay added to the update inside the trust ratio"},
+    [ADAM] = {"adam", DOPT_HP_BOOL, 0.0, "trust ratio 1 (Adam with decoupled decay)"},
+    [BIASCORR] = {"bias_correction", DOPT_HP_BOOL, 0.0, "lr * sqrt(1-beta2^t)/(1-beta1^t)"},
+};
+
+static dopt_status validate(const double *hp) {
+  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "lamb: lr=%g must be >= 0", hp[LR]);
+  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "lamb: eps=%g must be >= 0", hp[EPS]);
+  if (!(hp[BETA1] >= 0 && hp[BETA1] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "lamb: beta1=%g must be in [0, 1)", hp[BETA1]);
+  if (!(hp[BETA2] >= 0 && hp[BETA2] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "lamb: beta2=%g must be in [0, 1)", hp[BETA2]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "lamb: weight_decay=%g must be >= 0", hp[WD]);
+  return DOPT_OK;
+}
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+  (void)hp;
+  dopt_state_def(&out[0], "exp_avg", ndim, shape);
+  dopt_state_def(&out[1], "exp_avg_sq", ndim, shape);
+  return 2;
+}
+
+static size_t scratch(int ndim, const int64_t *shape) { return dopt_numel(ndim, shape); }
+
+static dopt_status step(const double *hp, dopt_param *p, const float *g, float *u) {
+  const size_t n = p->numel;
+  float *w = p->data, *m = p->st[0].data, *v = p->st[1].data;
+  const double t = (double)p->step;
+  double lr = hp[LR];
+  if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
+  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
+  const float eps = (float)hp[EPS], wd = (float)hp[WD];
+  const int use_wd = hp[WD] != 0.0;
+  for (size_t i = 0; i < n; i++) {
+    m[i] = m[i] * b1 + omb1 * g[i];
+    v[i] = v[i] * b2 + (omb2 * g[i]) * g[i];
+    float ui = m[i] / (sqrtf(v[i]) + eps);
+    if (use_wd) ui = ui + wd * w[i];
+    u[i] = ui;
+  }
+  float wnorm = (float)sqrt(dopt_sumsq(w, n));
+  float unorm = (float)sqrt(dopt_sumsq(u, n));
+  float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
+  if (hp[ADAM] != 0.0) trust = 1.0f;
+  const float a = (float)(-lr) * trust;
+  for (size_t i = 0; i < n; i++) w[i] = w[i] + a * u[i];
+  return DOPT_OK;
+}
+
+const dopt_optim_impl dopt_impl_lamb = {
+    .name = "lamb",
+    .summary = "LAMB as ColossalAI's Lamb (bias correction as an lr factor, optional adam mode)",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = layout,
+    .scratch = scratch,
+    .step = step,
+};

@@ -1,0 +1,424 @@
+/* Generic optimizer object: registry, "key=value" hyperparameters, torch-style
+ * parameter groups, lazily allocated states, the step loop. The math lives in
+ * one file per optimizer (ref/adamw.c, ref/adafactor.c, ref/came.c, ref/lamb.c). */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim_impl.h"
+
+static const dopt_optim_impl *const registry[] = {
+    &dopt_impl_adamw,
+    &dopt_impl_adafactor,
+    &dopt_impl_came,
+    &dopt_impl_lamb,
+};
+#define NREG ((int)(sizeof registry / sizeof registry[0]))
+
+int dopt_optim_registry_count(void) { return NREG; }
+const char *dopt_optim_registry_name(int i) { return i >= 0 && i < NREG ? registry[i]->name : NULL; }
+
+const dopt_optim_impl *dopt_find_impl(const char *name) {
+  for (int i = 0; name && i < NREG; i++)
+    if (strcmp(registry[i]->name, name) == 0) return registry[i];
+  return NULL;
+}
+
+size_t dopt_dtype_size(dopt_dtype t) {
+  static const size_t sz[] = {4, 8, 2, 2, 4, 8, 1, 1};
+  return (unsigned)t < DOPT_DTYPE_COUNT_ ? sz[t] : 0;
+}
+
+const char *dopt_dtype_name(dopt_dtype t) {
+  static const char *const nm[] = {"F32", "F64", "BF16", "F16", "I32", "I64", "U8", "I8"};
+  return (unsigned)t < DOPT_DTYPE_COUNT_ ? nm[t] : "?";
+}
+
+size_t dopt_numel(int ndim, const int64_t *shape) {
+  size_t n = 1;
+  for (int i = 0; i < ndim; i++) n *= (size_t)shape[i];
+  return n;
+}
+
+void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t *w) {
+  *b = dopt_numel(ndim - 2, shape);
+  *h = (size_t)shape[ndim - 2];
+  *w = (size_t)shape[ndim - 1];
+}
+
+void dopt_state_def(dopt_state_view *v, const char *name, int ndim, const int64_t *shape) {
+  memset(v, 0, sizeof *v);
+  v->name = name;
+  v->dtype = DOPT_F32;
+  v->ndim = ndim;
+  for (int i = 0; i < ndim; i++) v->shape[i] = shape[i];
+  v->bytes = dopt_numel(ndim, shape) * sizeof(float);
+}
+
+/* ---- the optimizer object ----------------------------------------------------- */
+
+typedef struct group {
+  double hp[DOPT_MAX_HPARAMS];
+} group;
+
+struct dopt_optim {
+  const dopt_optim_impl *impl;
+  group *groups;
+  int ngroups;
+  dopt_param *params;
+  int nparams;
+  float *scratch;
+  size_t scratch_cap;
+};
+
+static int find_key(const dopt_optim_impl *im, const char *key, size_t len) {
+  for (int i = 0; i < im->nhp; i++)
+    if (strlen(im->hp[i].key) == len && strncmp(im->hp[i].key, key, len) == 0) return i;
+  return -1;
+}
+
+static dopt_status unknown_key(const dopt_optim_impl *im, const char *key, size_t len) {
+  char known[256] = "";
+  size_t off = 0;
+  for (int i = 0; i < im->nhp && off < sizeof known; i++) {
+    int n = snprintf(known + off, sizeof known - off, "%s%s", i ? ", " : "", im->hp[i].key);
+    if (n < 0) break;
+    off += (size_t)n;
+  }
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: unknown hyperparameter '%.*s' (known: %s)", im->name, (int)len,
+                    key, known);
+}
+
+/* Checks one value against its key's kind. */
+static dopt_status check_kind(const dopt_optim_impl *im, int k, double v) {
+  const dopt_hp_def *d = &im->hp[k];
+  if (d->kind == DOPT_HP_OPT && isnan(v)) return DOPT_OK;
+  if (!isfinite(v)) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%g must be finite", im->name, d->key, v);
+  if (d->kind == DOPT_HP_BOOL && v != 0.0 && v != 1.0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%g must be true or false", im->name, d->key, v);
+  return DOPT_OK;
+}
+
+/* Parses "k=v,k=v" into hp[] (on top of what hp[] holds). */
+static dopt_status parse_hparams(const dopt_optim_impl *im, const char *text, double *hp) {
+  const char *s = text ? text : "";
+  while (*s) {
+    while (*s == ',' || isspace((unsigned char)*s)) s++;
+    if (!*s) break;
+    const char *key = s;
+    while (*s && *s != '=' && *s != ',') s++;
+    size_t klen = (size_t)(s - key);
+    while (klen > 0 && isspace((unsigned char)key[klen - 1])) klen--;
+    if (*s != '=')
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: hyperparameter '%.*s' has no '=value'", im->name, (int)klen,
+                        key);
+    s++;
+    while (isspace((unsigned char)*s)) s++;
+    const char *val = s;
+    while (*s && *s != ',') s++;
+    size_t vlen = (size_t)(s - val);
+    while (vlen > 0 && isspace((unsigned char)val[vlen - 1])) vlen--;
+    int k = find_key(im, key, klen);
+    if (k < 0) return unknown_key(im, key, klen);
+    char buf[64];
+    if (vlen == 0 || vlen >= sizeof buf)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s='%.*s' is not a value", im->name, im->hp[k].key, (int)vlen,
+                        val);
+    memcpy(buf, val, vlen);
+    buf[vlen] = '\0';
+    double v;
+    if (strcmp(buf, "true") == 0 || strcmp(buf, "True") == 0) {
+      v = 1.0;
+    } else if (strcmp(buf, "false") == 0 || strcmp(buf, "False") == 0) {
+      v = 0.0;
+    } else if (strcmp(buf, "none") == 0 || strcmp(buf, "None") == 0 || strcmp(buf, "null") == 0) {
+      if (im->hp[k].kind != DOPT_HP_OPT)
+        return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=none is not allowed (the key needs a value)", im->name,
+                          im->hp[k].key);
+      v = NAN;
+    } else {
+      char *end;
+      errno = 0;
+      v = strtod(buf, &end);
+      if (*end != '\0' || errno == ERANGE)
+        return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s='%s' is not a number", im->name, im->hp[k].key, buf);
+      if (isnan(v))
+        return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%s is NaN", im->name, im->hp[k].key, buf);
+    }
+    DOPT_TRY(check_kind(im, k, v));
+    hp[k] = v;
+  }
+  return DOPT_OK;
+}
+
+static dopt_status validate_group(const dopt_optim_impl *im, const double *hp) {
+  for (int k = 0; k < im->nhp; k++) DOPT_TRY(check_kind(im, k, hp[k]));
+  return im->validate ? im->validate(hp) : DOPT_OK;
+}
+
+static dopt_status push_group(dopt_optim *o, const double *hp, int *out) {
+  group *g = realloc(o->groups, (size_t)(o->ngroups + 1) * sizeof *g);
+  if (!g) return dopt__fail(DOPT_ERR_NO_MEMORY, "optimizer: group %d", o->ngroups);
+  o->groups = g;
+  memcpy(g[o->ngroups].hp, hp, sizeof g[o->ngroups].hp);
+  if (out) *out = o->ngroups;
+  o->ngroups++;
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_create(const char *name, const char *hparams, dopt_optim **out) {
+  DOPT_CHECK_ARG(out != NULL, "dopt_optim_create: out=NULL");
+  *out = NULL;
+  DOPT_CHECK_ARG(name != NULL, "dopt_optim_create: name=NULL");
+  const dopt_optim_impl *im = dopt_find_impl(name);
+  if (!im) {
+    char known[128] = "";
+    for (int i = 0; i < NREG; i++) {
+      strncat(known, i ? ", " : "", sizeof known - strlen(known) - 1);
+      strncat(known, registry[i]->name, sizeof known - strlen(known) - 1);
+    }
+    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s' (registered: %s)", name, known);
+  }
+  double hp[DOPT_MAX_HPARAMS];
+  for (int k = 0; k < im->nhp; k++) hp[k] = im->hp[k].def;
+  DOPT_TRY(parse_hparams(im, hparams, hp));
+  DOPT_TRY(validate_group(im, hp));
+  dopt_optim *o = calloc(1, sizeof *o);
+  if (!o) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_create: %s", name);
+  o->impl = im;
+  dopt_status s = push_group(o, hp, NULL);
+  if (s != DOPT_OK) {
+    free(o);
+    return s;
+  }
+  *out = o;
+  return DOPT_OK;
+}
+
+static void free_states(dopt_param *p) {
+  for (int i = 0; i < p->nstates; i++) free(p->st[i].data);
+  p->nstates = 0;
+}
+
+void dopt_optim_destroy(dopt_optim *o) {
+  if (!o) return;
+  for (int i = 0; i < o->nparams; i++) {
+    free_states(&o->params[i]);
+    free(o->params[i].name);
+  }
+  free(o->params);
+  free(o->groups);
+  free(o->scratch);
+  free(o);
+}
+
+const char *dopt_optim_name(const dopt_optim *o) { return o ? o->impl->name : NULL; }
+int dopt_optim_num_groups(const dopt_optim *o) { return o ? o->ngroups : 0; }
+int dopt_optim_num_params(const dopt_optim *o) { return o ? o->nparams : 0; }
+const char *dopt_optim_param_name(const dopt_optim *o, int i) {
+  return o && i >= 0 && i < o->nparams ? o->params[i].name : NULL;
+}
+
+dopt_status dopt_optim_add_group(dopt_optim *o, const char *overrides, int *groupid) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_add_group: optimizer=NULL");
+  double hp[DOPT_MAX_HPARAMS];
+  memcpy(hp, o->groups[0].hp, sizeof hp);
+  DOPT_TRY(parse_hparams(o->impl, overrides, hp));
+  DOPT_TRY(validate_group(o->impl, hp));
+  return push_group(o, hp, groupid);
+}
+
+static dopt_status check_group(const dopt_optim *o, int g, const char *fn) {
+  DOPT_CHECK_ARG(o != NULL, "%s: optimizer=NULL", fn);
+  DOPT_CHECK_ARG(g >= 0 && g < o->ngroups, "%s: group=%d out of range [0, %d)", fn, g, o->ngroups);
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_get_hparam(const dopt_optim *o, int g, const char *key, double *value) {
+  DOPT_TRY(check_group(o, g, "dopt_optim_get_hparam"));
+  DOPT_CHECK_ARG(key && value, "dopt_optim_get_hparam: key/value NULL");
+  int k = find_key(o->impl, key, strlen(key));
+  if (k < 0) return unknown_key(o->impl, key, strlen(key));
+  *value = o->groups[g].hp[k];
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double value) {
+  DOPT_TRY(check_group(o, g, "dopt_optim_set_hparam"));
+  DOPT_CHECK_ARG(key != NULL, "dopt_optim_set_hparam: key=NULL");
+  int k = find_key(o->impl, key, strlen(key));
+  if (k < 0) return unknown_key(o->impl, key, strlen(key));
+  double hp[DOPT_MAX_HPARAMS];
+  memcpy(hp, o->groups[g].hp, sizeof hp);
+  hp[k] = value;
+  DOPT_TRY(validate_group(o->impl, hp));
+  /* a change that alters the state layout of an already-stepped parameter
+   * (e.g. Adafactor beta1 none -> 0.9) is refused, as upstream would fail */
+  for (int i = 0; i < o->nparams; i++) {
+    dopt_param *p = &o->params[i];
+    if (p->group != g || p->nstates == 0) continue;
+    dopt_state_view lay[DOPT_MAX_STATES];
+    int n = o->impl->layout(hp, p->ndim, p->shape, lay);
+    if (n != p->nstates)
+      return dopt__fail(DOPT_ERR_STATE, "%s: changing %s on group %d would change the state of '%s'",
+                        o->impl->name, key, g, p->name);
+  }
+  o->groups[g].hp[k] = value;
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *cfg, int *pid) {
+  DOPT_TRY(check_group(o, g, "dopt_optim_add_param"));
+  DOPT_CHECK_ARG(cfg != NULL, "dopt_optim_add_param: config=NULL");
+  DOPT_CHECK_ARG(cfg->struct_size >= sizeof(dopt_param_config) && cfg->version == DOPT_PARAM_CONFIG_VERSION,
+                 "dopt_optim_add_param: config struct_size=%u version=%u (initialise with DOPT_PARAM_CONFIG_INIT)",
+                 cfg->struct_size, cfg->version);
+  const char *nm = cfg->name ? cfg->name : "";
+  DOPT_CHECK_ARG(cfg->ndim >= 0 && cfg->ndim <= DOPT_MAX_DIMS, "dopt_optim_add_param: '%s' ndim=%d outside [0, %d]",
+                 nm, cfg->ndim, DOPT_MAX_DIMS);
+  for (int i = 0; i < cfg->ndim; i++)
+    DOPT_CHECK_ARG(cfg->shape[i] > 0, "dopt_optim_add_param: '%s' shape[%d]=%lld must be > 0", nm, i,
+                   (long long)cfg->shape[i]);
+  if (cfg->dtype != DOPT_F32)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_optim_add_param: '%s' dtype=%s: the reference takes F32 parameters",
+                      nm, dopt_dtype_name(cfg->dtype));
+  DOPT_CHECK_ARG(cfg->data != NULL, "dopt_optim_add_param: '%s' data=NULL", nm);
+  for (int i = 0; i < o->nparams; i++)
+    if (o->params[i].data == cfg->data)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_optim_add_param: '%s' shares its data with '%s'", nm,
+                        o->params[i].name);
+  dopt_param *ps = realloc(o->params, (size_t)(o->nparams + 1) * sizeof *ps);
+  if (!ps) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: '%s'", nm);
+  o->params = ps;
+  dopt_param *p = &ps[o->nparams];
+  memset(p, 0, sizeof *p);
+  p->name = malloc(strlen(nm) + 1);
+  if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: '%s'", nm);
+  strcpy(p->name, nm);
+  p->group = g;
+  p->ndim = cfg->ndim;
+  memcpy(p->shape, cfg->shape, sizeof p->shape);
+  p->numel = dopt_numel(cfg->ndim, cfg->shape);
+  p->data = cfg->data;
+  p->layer = cfg->layer;
+  if (pid) *pid = o->nparams;
+  o->nparams++;
+  return DOPT_OK;
+}
+
+static dopt_status check_param(const dopt_optim *o, int i, const char *fn) {
+  DOPT_CHECK_ARG(o != NULL, "%s: optimizer=NULL", fn);
+  DOPT_CHECK_ARG(i >= 0 && i < o->nparams, "%s: param=%d out of range [0, %d)", fn, i, o->nparams);
+  return DOPT_OK;
+}
+
+static dopt_status alloc_states(dopt_optim *o, dopt_param *p) {
+  if (p->nstates > 0) return DOPT_OK;
+  dopt_state_view lay[DOPT_MAX_STATES];
+  int n = o->impl->layout(o->groups[p->group].hp, p->ndim, p->shape, lay);
+  for (int i = 0; i < n; i++) {
+    lay[i].data = calloc(1, lay[i].bytes ? lay[i].bytes : 1);
+    if (!lay[i].data) {
+      for (int j = 0; j < i; j++) free(lay[j].data);
+      return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: state '%s' of '%s' (%zu bytes)", o->impl->name, lay[i].name,
+                        p->name, lay[i].bytes);
+    }
+  }
+  memcpy(p->st, lay, (size_t)n * sizeof lay[0]);
+  p->nstates = n;
+  p->step = 0;
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_init_state(dopt_optim *o, int i) {
+  DOPT_TRY(check_param(o, i, "dopt_optim_init_state"));
+  return alloc_states(o, &o->params[i]);
+}
+
+int dopt_optim_num_states(const dopt_optim *o, int i) {
+  return o && i >= 0 && i < o->nparams ? o->params[i].nstates : 0;
+}
+
+dopt_status dopt_optim_state(dopt_optim *o, int i, int idx, dopt_state_view *out) {
+  DOPT_TRY(check_param(o, i, "dopt_optim_state"));
+  DOPT_CHECK_ARG(out != NULL, "dopt_optim_state: out=NULL");
+  const dopt_param *p = &o->params[i];
+  DOPT_CHECK_ARG(idx >= 0 && idx < p->nstates, "dopt_optim_state: '%s' state index=%d out of range [0, %d)",
+                 p->name, idx, p->nstates);
+  *out = p->st[idx];
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_get_step(const dopt_optim *o, int i, int64_t *step) {
+  DOPT_TRY(check_param(o, i, "dopt_optim_get_step"));
+  DOPT_CHECK_ARG(step != NULL, "dopt_optim_get_step: step=NULL");
+  *step = o->params[i].step;
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_set_step(dopt_optim *o, int i, int64_t step) {
+  DOPT_TRY(check_param(o, i, "dopt_optim_set_step"));
+  DOPT_CHECK_ARG(step >= 0, "dopt_optim_set_step: step=%lld must be >= 0", (long long)step);
+  DOPT_TRY(alloc_states(o, &o->params[i]));
+  o->params[i].step = step;
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_state_bytes(const dopt_optim *o, int i, size_t *allocated, size_t *full) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_state_bytes: optimizer=NULL");
+  DOPT_CHECK_ARG(i >= -1 && i < o->nparams, "dopt_optim_state_bytes: param=%d out of range [-1, %d)", i,
+                 o->nparams);
+  size_t a = 0, f = 0;
+  for (int k = (i < 0 ? 0 : i); k < (i < 0 ? o->nparams : i + 1); k++) {
+    const dopt_param *p = &o->params[k];
+    dopt_state_view lay[DOPT_MAX_STATES];
+    int n = o->impl->layout(o->groups[p->group].hp, p->ndim, p->shape, lay);
+    for (int s = 0; s < n; s++) f += lay[s].bytes;
+    for (int s = 0; s < p->nstates; s++) a += p->st[s].bytes;
+  }
+  if (allocated) *allocated = a;
+  if (full) *full = f;
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_step: optimizer=NULL");
+  DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");
+  for (int i = 0; i < o->nparams; i++) {
+    dopt_param *p = &o->params[i];
+    if (!grads[i]) continue; /* grad None: untouched, as torch */
+    size_t need = o->impl->scratch ? o->impl->scratch(p->ndim, p->shape) : 0;
+    if (need > o->scratch_cap) {
+      float *s = realloc(o->scratch, need * sizeof *s);
+      if (!s) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: scratch of %zu floats for '%s'", o->impl->name, need, p->name);
+      o->scratch = s;
+      o->scratch_cap = need;
+    }
+    DOPT_TRY(alloc_states(o, p));
+    p->step++;
+    DOPT_TRY(o->impl->step(o->groups[p->group].hp, p, grads[i], o->scratch));
+  }
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap) {
+  DOPT_CHECK_ARG(buf != NULL && cap > 0, "dopt_optim_describe: buf=NULL or cap=0");
+  const dopt_optim_impl *im = dopt_find_impl(name);
+  if (!im) return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s'", name ? name : "(null)");
+  size_t off = 0;
+  int n = snprintf(buf, cap, "%s: %s\n", im->name, im->summary);
+  for (int k = 0; n >= 0 && k < im->nhp; k++) {
+    off += (size_t)n;
+    if (off >= cap) break;
+    const dopt_hp_def *d = &im->hp[k];
+    char def[32];
+    if (d->kind == DOPT_HP_BOOL) snprintf(def, sizeof def, "%s", d->def != 0.0 ? "true" : "false");
+    else if (isnan(d->def)) snprintf(def, sizeof def, "none");
+    else snprintf(def, sizeof def, "%g", d->def);
+    n = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);
+  }
+  return DOPT_OK;
+}

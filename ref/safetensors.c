@@ -1,0 +1,368 @@
+/* safetensors reader/writer on cJSON (see include/distopt/safetensors.h). */
+#include "distopt/safetensors.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "optim_impl.h"
+
+/* Header larger than this is rejected (the format's own readers use 100 MB). */
+#define ST_MAX_HEADER (100u * 1024u * 1024u)
+
+struct dopt_st_file {
+  char *path;
+  unsigned char *buf; /* the data buffer (after the header) */
+  size_t buf_len;
+  cJSON *header;
+  dopt_st_tensor *t;
+  int n;
+};
+
+static int dtype_from_name(const char *s) {
+  for (int d = 0; d < DOPT_DTYPE_COUNT_; d++)
+    if (strcmp(dopt_dtype_name((dopt_dtype)d), s) == 0) return d;
+  return -1;
+}
+
+static int cmp_offsets(const void *a, const void *b) {
+  const dopt_st_tensor *x = a, *y = b;
+  const unsigned char *px = x->data, *py = y->data;
+  return px < py ? -1 : px > py;
+}
+
+void dopt_st_free(dopt_st_file *f) {
+  if (!f) return;
+  free(f->path);
+  free(f->buf);
+  cJSON_Delete(f->header);
+  free(f->t);
+  free(f);
+}
+
+/* Parses one tensor entry of the header. */
+static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *t) {
+  const char *p = f->path;
+  t->name = e->string;
+  if (!cJSON_IsObject(e)) return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': entry is not an object", p, t->name);
+  const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+  const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+  const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+  if (!cJSON_IsString(dt)) return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': missing dtype", p, t->name);
+  int d = dtype_from_name(dt->valuestring);
+  if (d < 0)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s': dtype '%s' not supported", p, t->name, dt->valuestring);
+  t->dtype = (dopt_dtype)d;
+  if (!cJSON_IsArray(sh)) return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': missing shape", p, t->name);
+  int nd = cJSON_GetArraySize(sh);
+  if (nd > DOPT_MAX_DIMS)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s': ndim=%d > %d", p, t->name, nd, DOPT_MAX_DIMS);
+  t->ndim = nd;
+  t->numel = 1;
+  for (int i = 0; i < nd; i++) {
+    const cJSON *x = cJSON_GetArrayItem(sh, i);
+    if (!cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble != floor(x->valuedouble) || x->valuedouble > 9e15)
+      return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': shape[%d] is not a non-negative integer", p, t->name, i);
+    t->shape[i] = (int64_t)x->valuedouble;
+    if (t->shape[i] > 0 && t->numel > SIZE_MAX / (size_t)t->shape[i])
+      return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': shape overflows", p, t->name);
+    t->numel *= (size_t)t->shape[i];
+  }
+  if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': data_offsets must be [begin, end]", p, t->name);
+  double b = cJSON_GetArrayItem(off, 0)->valuedouble, en = cJSON_GetArrayItem(off, 1)->valuedouble;
+  if (!(b >= 0 && en >= b && en <= (double)f->buf_len) || b != floor(b) || en != floor(en))
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': data_offsets [%.0f, %.0f] outside the %zu-byte buffer", p,
+                      t->name, b, en, f->buf_len);
+  t->bytes = (size_t)en - (size_t)b;
+  if (t->bytes != t->numel * dopt_dtype_size(t->dtype))
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': %zu bytes for %zu x %s elements", p, t->name, t->bytes,
+                      t->numel, dopt_dtype_name(t->dtype));
+  t->data = f->buf + (size_t)b;
+  return DOPT_OK;
+}
+
+dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
+  DOPT_CHECK_ARG(path && out, "dopt_st_load: path/out NULL");
+  *out = NULL;
+  FILE *fp = fopen(path, "rb");
+  if (!fp) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+  dopt_status s = DOPT_OK;
+  dopt_st_file *f = calloc(1, sizeof *f);
+  char *hdr = NULL;
+  unsigned char lenb[8];
+  if (!f || !(f->path = malloc(strlen(path) + 1))) {
+    s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: load", path);
+    goto done;
+  }
+  strcpy(f->path, path);
+  if (fseek(fp, 0, SEEK_END) != 0) {
+    s = dopt__fail(DOPT_ERR_IO, "%s: cannot seek", path);
+    goto done;
+  }
+  long fsz = ftell(fp);
+  rewind(fp);
+  if (fsz < 8 || fread(lenb, 1, 8, fp) != 8) {
+    s = dopt__fail(DOPT_ERR_FORMAT, "%s: truncated: %ld bytes, no 8-byte header length", path, fsz);
+    goto done;
+  }
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lenb[i];
+  if (hlen > ST_MAX_HEADER || hlen > (uint64_t)fsz - 8) {
+    s = dopt__fail(DOPT_ERR_FORMAT, "%s: header length %llu exceeds the file (%ld bytes)", path,
+                   (unsigned long long)hlen, fsz);
+    goto done;
+  }
+  hdr = malloc((size_t)hlen + 1);
+  f->buf_len = (size_t)((uint64_t)fsz - 8 - hlen);
+  f->buf = malloc(f->buf_len ? f->buf_len : 1);
+  if (!hdr || !f->buf) {
+    s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: %ld bytes", path, fsz);
+    goto done;
+  }
+  if (fread(hdr, 1, (size_t)hlen, fp) != hlen || fread(f->buf, 1, f->buf_len, fp) != f->buf_len) {
+    s = dopt__fail(DOPT_ERR_IO, "%s: short read", path);
+    goto done;
+  }
+  hdr[hlen] = '\0';
+  f->header = cJSON_ParseWithLength(hdr, (size_t)hlen);
+  if (!f->header || !cJSON_IsObject(f->header)) {
+    s = dopt__fail(DOPT_ERR_FORMAT, "%s: header is not a JSON object", path);
+    goto done;
+  }
+  int n = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, f->header) n += strcmp(e->string, "__metadata__") != 0;
+  f->t = calloc((size_t)(n ? n : 1), sizeof *f->t);
+  if (!f->t) {
+    s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: %d tensors", path, n);
+    goto done;
+  }
+  cJSON_ArrayForEach(e, f->header) {
+    if (strcmp(e->string, "__metadata__") == 0) {
+      const cJSON *m;
+      if (!cJSON_IsObject(e)) {
+        s = dopt__fail(DOPT_ERR_FORMAT, "%s: __metadata__ is not an object", path);
+        goto done;
+      }
+      cJSON_ArrayForEach(m, e) if (!cJSON_IsString(m)) {
+        s = dopt__fail(DOPT_ERR_FORMAT, "%s: __metadata__['%s'] is not a string", path, m->string);
+        goto done;
+      }
+      continue;
+    }
+    if ((s = parse_entry(f, e, &f->t[f->n])) != DOPT_OK) goto done;
+    for (int i = 0; i < f->n; i++)
+      if (strcmp(f->t[i].name, e->string) == 0) {
+        s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s' appears twice", path, e->string);
+        goto done;
+      }
+    f->n++;
+  }
+  /* no two tensors may share bytes */
+  {
+    dopt_st_tensor *sorted = malloc((size_t)(f->n ? f->n : 1) * sizeof *sorted);
+    if (!sorted) {
+      s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s", path);
+      goto done;
+    }
+    memcpy(sorted, f->t, (size_t)f->n * sizeof *sorted);
+    qsort(sorted, (size_t)f->n, sizeof *sorted, cmp_offsets);
+    for (int i = 1; i < f->n; i++) {
+      const unsigned char *prev_end = (const unsigned char *)sorted[i - 1].data + sorted[i - 1].bytes;
+      if ((const unsigned char *)sorted[i].data < prev_end) {
+        s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensors '%s' and '%s' overlap", path, sorted[i - 1].name, sorted[i].name);
+        break;
+      }
+    }
+    free(sorted);
+  }
+done:
+  fclose(fp);
+  free(hdr);
+  if (s != DOPT_OK) {
+    dopt_st_free(f);
+    return s;
+  }
+  *out = f;
+  return DOPT_OK;
+}
+
+int dopt_st_count(const dopt_st_file *f) { return f ? f->n : 0; }
+
+dopt_status dopt_st_get(const dopt_st_file *f, int i, dopt_st_tensor *out) {
+  DOPT_CHECK_ARG(f && out, "dopt_st_get: file/out NULL");
+  DOPT_CHECK_ARG(i >= 0 && i < f->n, "dopt_st_get: index=%d out of range [0, %d)", i, f->n);
+  *out = f->t[i];
+  return DOPT_OK;
+}
+
+dopt_status dopt_st_find(const dopt_st_file *f, const char *name, dopt_st_tensor *out) {
+  DOPT_CHECK_ARG(f && name && out, "dopt_st_find: NULL argument");
+  for (int i = 0; i < f->n; i++)
+    if (strcmp(f->t[i].name, name) == 0) {
+      *out = f->t[i];
+      return DOPT_OK;
+    }
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: no tensor '%s'", f->path, name);
+}
+
+const char *dopt_st_meta(const dopt_st_file *f, const char *key) {
+  if (!f || !key) return NULL;
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(f->header, "__metadata__");
+  const cJSON *v = m ? cJSON_GetObjectItemCaseSensitive(m, key) : NULL;
+  return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+dopt_status dopt_st_read_f32(const dopt_st_file *f, const char *name, float *dst, size_t n) {
+  dopt_st_tensor t;
+  DOPT_TRY(dopt_st_find(f, name, &t));
+  if (t.dtype != DOPT_F32)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s' is %s, expected F32", f->path, name,
+                      dopt_dtype_name(t.dtype));
+  if (t.numel != n)
+    return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s' has %zu elements, expected %zu", f->path, name, t.numel, n);
+  memcpy(dst, t.data, n * sizeof *dst);
+  return DOPT_OK;
+}
+
+/* ---- writer ------------------------------------------------------------------- */
+
+typedef struct st_item {
+  char *name;
+  dopt_dtype dtype;
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS];
+  void *data;
+  size_t bytes;
+} st_item;
+
+struct dopt_st_writer {
+  st_item *items;
+  int n, cap;
+  cJSON *meta;
+};
+
+dopt_status dopt_st_writer_create(dopt_st_writer **out) {
+  DOPT_CHECK_ARG(out != NULL, "dopt_st_writer_create: out=NULL");
+  dopt_st_writer *w = calloc(1, sizeof *w);
+  if (!w || !(w->meta = cJSON_CreateObject())) {
+    free(w);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_st_writer_create");
+  }
+  *out = w;
+  return DOPT_OK;
+}
+
+void dopt_st_writer_free(dopt_st_writer *w) {
+  if (!w) return;
+  for (int i = 0; i < w->n; i++) {
+    free(w->items[i].name);
+    free(w->items[i].data);
+  }
+  free(w->items);
+  cJSON_Delete(w->meta);
+  free(w);
+}
+
+dopt_status dopt_st_writer_add(dopt_st_writer *w, const char *name, dopt_dtype dtype, int ndim,
+                               const int64_t *shape, const void *data) {
+  DOPT_CHECK_ARG(w && name && (data || ndim >= 0), "dopt_st_writer_add: NULL argument");
+  DOPT_CHECK_ARG(*name && strcmp(name, "__metadata__") != 0, "dopt_st_writer_add: name='%s' is reserved", name);
+  DOPT_CHECK_ARG(ndim >= 0 && ndim <= DOPT_MAX_DIMS, "dopt_st_writer_add: '%s' ndim=%d", name, ndim);
+  DOPT_CHECK_ARG((unsigned)dtype < DOPT_DTYPE_COUNT_, "dopt_st_writer_add: '%s' dtype=%d", name, (int)dtype);
+  for (int i = 0; i < w->n; i++)
+    DOPT_CHECK_ARG(strcmp(w->items[i].name, name) != 0, "dopt_st_writer_add: tensor '%s' added twice", name);
+  if (w->n == w->cap) {
+    int cap = w->cap ? 2 * w->cap : 16;
+    st_item *it = realloc(w->items, (size_t)cap * sizeof *it);
+    if (!it) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_st_writer_add: '%s'", name);
+    w->items = it;
+    w->cap = cap;
+  }
+  st_item *it = &w->items[w->n];
+  memset(it, 0, sizeof *it);
+  it->dtype = dtype;
+  it->ndim = ndim;
+  for (int i = 0; i < ndim; i++) {
+    DOPT_CHECK_ARG(shape[i] >= 0, "dopt_st_writer_add: '%s' shape[%d]=%lld", name, i, (long long)shape[i]);
+    it->shape[i] = shape[i];
+  }
+  it->bytes = dopt_numel(ndim, shape) * dopt_dtype_size(dtype);
+  it->name = malloc(strlen(name) + 1);
+  it->data = malloc(it->bytes ? it->bytes : 1);
+  if (!it->name || !it->data) {
+    free(it->name);
+    free(it->data);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_st_writer_add: '%s' (%zu bytes)", name, it->bytes);
+  }
+  strcpy(it->name, name);
+  if (it->bytes) memcpy(it->data, data, it->bytes);
+  w->n++;
+  return DOPT_OK;
+}
+
+dopt_status dopt_st_writer_meta(dopt_st_writer *w, const char *key, const char *value) {
+  DOPT_CHECK_ARG(w && key && value, "dopt_st_writer_meta: NULL argument");
+  cJSON_DeleteItemFromObjectCaseSensitive(w->meta, key);
+  if (!cJSON_AddStringToObject(w->meta, key, value))
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_st_writer_meta: '%s'", key);
+  return DOPT_OK;
+}
+
+dopt_status dopt_st_writer_save(dopt_st_writer *w, const char *path) {
+  DOPT_CHECK_ARG(w && path, "dopt_st_writer_save: NULL argument");
+  cJSON *h = cJSON_CreateObject();
+  if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: header", path);
+  dopt_status s = DOPT_OK;
+  if (cJSON_GetArraySize(w->meta) > 0) cJSON_AddItemToObject(h, "__metadata__", cJSON_Duplicate(w->meta, 1));
+  size_t off = 0;
+  for (int i = 0; i < w->n && s == DOPT_OK; i++) {
+    const st_item *it = &w->items[i];
+    cJSON *e = cJSON_AddObjectToObject(h, it->name);
+    cJSON *sh = e ? cJSON_AddArrayToObject(e, "shape") : NULL;
+    cJSON *of = e ? cJSON_AddArrayToObject(e, "data_offsets") : NULL;
+    if (!e || !sh || !of || !cJSON_AddStringToObject(e, "dtype", dopt_dtype_name(it->dtype))) {
+      s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: header entry '%s'", path, it->name);
+      break;
+    }
+    for (int d = 0; d < it->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)it->shape[d]));
+    cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
+    cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + it->bytes)));
+    off += it->bytes;
+  }
+  char *json = s == DOPT_OK ? cJSON_PrintUnformatted(h) : NULL;
+  cJSON_Delete(h);
+  if (s != DOPT_OK) return s;
+  if (!json) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: header text", path);
+  size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7; /* data buffer 8-byte aligned */
+  size_t tl = strlen(path) + 32;
+  char *tmp = malloc(tl);
+  if (!tmp) {
+    free(json);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "%s", path);
+  }
+  snprintf(tmp, tl, "%s.tmp.%ld", path, (long)getpid());
+  FILE *fp = fopen(tmp, "wb");
+  if (!fp) {
+    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+  } else {
+    unsigned char lenb[8];
+    for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+    int ok = fwrite(lenb, 1, 8, fp) == 8 && fwrite(json, 1, jl, fp) == jl;
+    for (size_t i = jl; ok && i < padded; i++) ok = fputc(' ', fp) != EOF;
+    for (int i = 0; ok && i < w->n; i++)
+      ok = w->items[i].bytes == 0 || fwrite(w->items[i].data, 1, w->items[i].bytes, fp) == w->items[i].bytes;
+    if (fclose(fp) != 0) ok = 0;
+    if (!ok) s = dopt__fail(DOPT_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
+    else if (rename(tmp, path) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
+    if (s != DOPT_OK) remove(tmp);
+  }
+  free(tmp);
+  free(json);
+  return s;
+}
