@@ -1,0 +1,25 @@
+/* The `distopt` command-line tool: shared helpers of the subcommands. */
+#ifndef DOPT_CLI_H
+#define DOPT_CLI_H
+
+#include "distopt/distopt.h"
+#include "distopt/safetensors.h"
+
+/* Exit codes: 0 success, 1 failure of the computation (or a comparison),
+ * 2 bad usage or bad input (nothing is written). */
+enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2 };
+
+/* Prints "distopt <cmd>: <detail of the last error>" and returns CLI_USAGE. */
+int cli_error(const char *cmd, dopt_status s);
+/* printf-style one-line error, returns CLI_USAGE. */
+int cli_errorf(const char *cmd, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+int cmd_run(int argc, char **argv);
+int cmd_list(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+
+#endif

@@ -1,0 +1,16 @@
+/* distopt list: the registry with every optimizer's keys and defaults. */
+#include <stdio.h>
+
+#include "cli.h"
+
+int cmd_list(int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  char buf[4096];
+  for (int i = 0; i < dopt_optim_registry_count(); i++) {
+    dopt_status s = dopt_optim_describe(dopt_optim_registry_name(i), buf, sizeof buf);
+    if (s != DOPT_OK) return cli_error("list", s);
+    fputs(buf, stdout);
+  }
+  return CLI_OK;
+}

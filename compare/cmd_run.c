@@ -1,0 +1,322 @@
+/* distopt run: apply a registered optimizer to parameters and a sequence of
+ * gradients read from safetensors files, write parameters and states.
+ *
+ *   distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors
+ *               [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N]
+ *
+ * Parameters: the F32 tensors of P named "init/<name>" if any, otherwise every
+ * tensor whose name does not start with grad/, param/ or state/. Gradients:
+ * tensors "grad/<t>/<name>" (t = 1..N) of G (default: P); a missing one means
+ * "no gradient" for that parameter at that step. Optimizer, hyperparameters and
+ * groups default to P's metadata (optimizer, hparams, groups, group_hparams)
+ * when --optimizer is not given. Groups: each --group adds a parameter group
+ * whose overrides apply to parameters matching GLOB (first match wins; others
+ * stay in group 0).
+ * Output: "param/<name>", "state/<name>/<key>" and "state/<name>/step" (I64).
+ * Bad input: one-line error, exit 2, no output file. */
+#include <fnmatch.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+#define MAX_GROUPS 64
+
+typedef struct run_param {
+  char name[256];
+  float *data;
+  float *grad;
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS];
+  size_t numel;
+  int id;
+} run_param;
+
+typedef struct run_ctx {
+  const char *params_path, *grads_path, *out_path, *optimizer, *hparams;
+  const char *group_spec[MAX_GROUPS];
+  int ngroups;
+  long steps;
+  dopt_st_file *pf, *gf;
+  run_param *p;
+  int np;
+  dopt_optim *opt;
+} run_ctx;
+
+static const char *const CMD = "run";
+
+static void run_usage(FILE *f) {
+  fputs("usage: distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors\n"
+        "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N]\n"
+        "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
+        "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
+        "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n",
+        f);
+}
+
+static int has_prefix(const char *s, const char *p) { return strncmp(s, p, strlen(p)) == 0; }
+
+static int parse_args(run_ctx *c, int argc, char **argv) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      run_usage(stdout);
+      exit(CLI_OK);
+    }
+    if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", a);
+    const char *v = argv[++i];
+    if (strcmp(a, "--params") == 0) c->params_path = v;
+    else if (strcmp(a, "--grads") == 0) c->grads_path = v;
+    else if (strcmp(a, "--out") == 0) c->out_path = v;
+    else if (strcmp(a, "--optimizer") == 0) c->optimizer = v;
+    else if (strcmp(a, "--hparams") == 0) c->hparams = v;
+    else if (strcmp(a, "--group") == 0) {
+      if (c->ngroups == MAX_GROUPS) return cli_errorf(CMD, "--group: more than %d groups", MAX_GROUPS);
+      if (!strchr(v, ':')) return cli_errorf(CMD, "--group '%s': expected GLOB:key=value,...", v);
+      c->group_spec[c->ngroups++] = v;
+    } else if (strcmp(a, "--steps") == 0) {
+      char *end;
+      c->steps = strtol(v, &end, 10);
+      if (*end || c->steps <= 0 || c->steps > 100000000)
+        return cli_errorf(CMD, "--steps '%s': expected a positive integer", v);
+    } else {
+      return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
+    }
+  }
+  if (!c->params_path) return cli_errorf(CMD, "--params is required (see --help)");
+  if (!c->out_path) return cli_errorf(CMD, "--out is required (see --help)");
+  if (c->hparams && !c->optimizer) return cli_errorf(CMD, "--hparams needs --optimizer");
+  return CLI_OK;
+}
+
+static int load_params(run_ctx *c) {
+  int n = dopt_st_count(c->pf), use_init = 0;
+  dopt_st_tensor t;
+  for (int i = 0; i < n; i++)
+    if (dopt_st_get(c->pf, i, &t) == DOPT_OK && has_prefix(t.name, "init/")) use_init = 1;
+  c->p = calloc(n > 0 ? (size_t)n : 1, sizeof *c->p);
+  if (!c->p) return cli_errorf(CMD, "out of memory");
+  for (int i = 0; i < n; i++) {
+    dopt_st_get(c->pf, i, &t);
+    const char *nm;
+    if (use_init) {
+      if (!has_prefix(t.name, "init/")) continue;
+      nm = t.name + 5;
+    } else {
+      if (has_prefix(t.name, "grad/") || has_prefix(t.name, "param/") || has_prefix(t.name, "state/")) continue;
+      nm = t.name;
+    }
+    if (t.dtype != DOPT_F32)
+      return cli_errorf(CMD, "%s: parameter '%s' is %s; only F32 parameters are supported", c->params_path, nm,
+                        dopt_dtype_name(t.dtype));
+    if (strlen(nm) >= sizeof c->p[0].name) return cli_errorf(CMD, "%s: parameter name too long", c->params_path);
+    run_param *p = &c->p[c->np++];
+    strcpy(p->name, nm);
+    p->ndim = t.ndim;
+    memcpy(p->shape, t.shape, sizeof p->shape);
+    p->numel = t.numel;
+    p->data = malloc((p->numel ? p->numel : 1) * sizeof(float));
+    p->grad = malloc((p->numel ? p->numel : 1) * sizeof(float));
+    if (!p->data || !p->grad) return cli_errorf(CMD, "out of memory for '%s'", nm);
+    memcpy(p->data, t.data, p->numel * sizeof(float));
+    if (p->numel == 0) return cli_errorf(CMD, "%s: parameter '%s' is empty", c->params_path, nm);
+  }
+  if (c->np == 0) return cli_errorf(CMD, "%s: no parameters found", c->params_path);
+  return CLI_OK;
+}
+
+static run_param *find_param(run_ctx *c, const char *name) {
+  for (int i = 0; i < c->np; i++)
+    if (strcmp(c->p[i].name, name) == 0) return &c->p[i];
+  return NULL;
+}
+
+/* Validates every grad/<t>/<name> tensor up front (unknown names, shapes,
+ * dtypes, step range) so that no work is done on bad input. */
+static int check_grads(run_ctx *c) {
+  long max_t = 0;
+  dopt_st_tensor t;
+  for (int i = 0; i < dopt_st_count(c->gf); i++) {
+    dopt_st_get(c->gf, i, &t);
+    if (!has_prefix(t.name, "grad/")) continue;
+    char *end;
+    long step = strtol(t.name + 5, &end, 10);
+    if (end == t.name + 5 || *end != '/' || step <= 0)
+      return cli_errorf(CMD, "%s: tensor '%s': expected grad/<step>/<param>", c->grads_path, t.name);
+    run_param *p = find_param(c, end + 1);
+    if (!p) return cli_errorf(CMD, "%s: gradient '%s' names no parameter", c->grads_path, t.name);
+    if (t.dtype != DOPT_F32) return cli_errorf(CMD, "%s: gradient '%s' is %s, expected F32", c->grads_path, t.name, dopt_dtype_name(t.dtype));
+    int same = t.ndim == p->ndim;
+    for (int d = 0; same && d < t.ndim; d++) same = t.shape[d] == p->shape[d];
+    if (!same) {
+      char a[128] = "", b[128] = "";
+      for (int d = 0; d < t.ndim; d++) snprintf(a + strlen(a), sizeof a - strlen(a), "%s%lld", d ? "," : "", (long long)t.shape[d]);
+      for (int d = 0; d < p->ndim; d++) snprintf(b + strlen(b), sizeof b - strlen(b), "%s%lld", d ? "," : "", (long long)p->shape[d]);
+      return cli_errorf(CMD, "%s: gradient '%s' has shape [%s] but parameter '%s' has [%s]", c->grads_path, t.name,
+                        a, p->name, b);
+    }
+    if (step > max_t) max_t = step;
+  }
+  if (max_t == 0) return cli_errorf(CMD, "%s: no gradients (grad/<step>/<param>) found", c->grads_path);
+  if (c->steps == 0) c->steps = max_t;
+  if (c->steps > max_t)
+    return cli_errorf(CMD, "--steps %ld but %s has gradients for %ld steps", c->steps, c->grads_path, max_t);
+  return CLI_OK;
+}
+
+/* Builds the optimizer and its groups from the options or the metadata. */
+static int build_optimizer(run_ctx *c) {
+  const char *name = c->optimizer, *hp = c->hparams;
+  const char *meta_groups = NULL, *meta_ghp = NULL;
+  if (!name) {
+    name = dopt_st_meta(c->pf, "optimizer");
+    hp = dopt_st_meta(c->pf, "hparams");
+    meta_groups = dopt_st_meta(c->pf, "groups");
+    meta_ghp = dopt_st_meta(c->pf, "group_hparams");
+    if (!name) return cli_errorf(CMD, "--optimizer is required (%s has no 'optimizer' metadata)", c->params_path);
+  }
+  dopt_status s = dopt_optim_create(name, hp, &c->opt);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  int *gid = calloc(c->np > 0 ? (size_t)c->np : 1, sizeof *gid);
+  if (!gid) return cli_errorf(CMD, "out of memory");
+  int rc = CLI_OK;
+  if (c->ngroups == 0 && meta_groups && meta_ghp) {
+    /* metadata groups: "a,b|c,d" with "k=v|k=v,k=v" */
+    char *gs = strdup(meta_groups), *hs = strdup(meta_ghp);
+    char *gsave = NULL, *hsave = NULL;
+    char *gtok = strtok_r(gs, "|", &gsave), *htok = strtok_r(hs, "|", &hsave);
+    for (; gtok && htok && rc == CLI_OK; gtok = strtok_r(NULL, "|", &gsave), htok = strtok_r(NULL, "|", &hsave)) {
+      int g;
+      if ((s = dopt_optim_add_group(c->opt, htok, &g)) != DOPT_OK) {
+        rc = cli_error(CMD, s);
+        break;
+      }
+      char *psave = NULL;
+      for (char *pn = strtok_r(gtok, ",", &psave); pn; pn = strtok_r(NULL, ",", &psave)) {
+        run_param *p = find_param(c, pn);
+        if (!p) {
+          rc = cli_errorf(CMD, "%s: metadata group names unknown parameter '%s'", c->params_path, pn);
+          break;
+        }
+        gid[p - c->p] = g;
+      }
+    }
+    free(gs);
+    free(hs);
+  }
+  for (int k = 0; k < c->ngroups && rc == CLI_OK; k++) {
+    const char *spec = c->group_spec[k], *colon = strchr(spec, ':');
+    char glob[256];
+    size_t gl = (size_t)(colon - spec);
+    if (gl >= sizeof glob) {
+      rc = cli_errorf(CMD, "--group '%s': pattern too long", spec);
+      break;
+    }
+    memcpy(glob, spec, gl);
+    glob[gl] = '\0';
+    int g;
+    if ((s = dopt_optim_add_group(c->opt, colon + 1, &g)) != DOPT_OK) {
+      rc = cli_error(CMD, s);
+      break;
+    }
+    for (int i = 0; i < c->np; i++)
+      if (gid[i] == 0 && fnmatch(glob, c->p[i].name, 0) == 0) gid[i] = g;
+  }
+  for (int i = 0; i < c->np && rc == CLI_OK; i++) {
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = c->p[i].name;
+    pc.ndim = c->p[i].ndim;
+    memcpy(pc.shape, c->p[i].shape, sizeof pc.shape);
+    pc.data = c->p[i].data;
+    if ((s = dopt_optim_add_param(c->opt, gid[i], &pc, &c->p[i].id)) != DOPT_OK) rc = cli_error(CMD, s);
+  }
+  free(gid);
+  return rc;
+}
+
+static int run_steps(run_ctx *c) {
+  const float **grads = calloc(c->np > 0 ? (size_t)c->np : 1, sizeof *grads);
+  if (!grads) return cli_errorf(CMD, "out of memory");
+  int rc = CLI_OK;
+  char key[320];
+  for (long t = 1; t <= c->steps && rc == CLI_OK; t++) {
+    for (int i = 0; i < c->np; i++) {
+      dopt_st_tensor g;
+      snprintf(key, sizeof key, "grad/%ld/%s", t, c->p[i].name);
+      grads[c->p[i].id] = NULL;
+      if (dopt_st_find(c->gf, key, &g) != DOPT_OK) continue;
+      memcpy(c->p[i].grad, g.data, c->p[i].numel * sizeof(float));
+      grads[c->p[i].id] = c->p[i].grad;
+    }
+    dopt_status s = dopt_optim_step(c->opt, grads);
+    if (s != DOPT_OK) {
+      fprintf(stderr, "distopt run: step %ld: %s\n", t, dopt_last_error());
+      rc = CLI_FAIL;
+    }
+  }
+  free(grads);
+  return rc;
+}
+
+static int write_output(run_ctx *c) {
+  dopt_st_writer *w;
+  dopt_status s = dopt_st_writer_create(&w);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  char key[400], buf[64];
+  for (int i = 0; i < c->np && s == DOPT_OK; i++) {
+    run_param *p = &c->p[i];
+    snprintf(key, sizeof key, "param/%s", p->name);
+    s = dopt_st_writer_add(w, key, DOPT_F32, p->ndim, p->shape, p->data);
+    for (int k = 0; s == DOPT_OK && k < dopt_optim_num_states(c->opt, p->id); k++) {
+      dopt_state_view v;
+      s = dopt_optim_state(c->opt, p->id, k, &v);
+      snprintf(key, sizeof key, "state/%s/%s", p->name, v.name);
+      if (s == DOPT_OK) s = dopt_st_writer_add(w, key, v.dtype, v.ndim, v.shape, v.data);
+    }
+    int64_t step = 0;
+    if (s == DOPT_OK && dopt_optim_num_states(c->opt, p->id) > 0) {
+      dopt_optim_get_step(c->opt, p->id, &step);
+      snprintf(key, sizeof key, "state/%s/step", p->name);
+      s = dopt_st_writer_add(w, key, DOPT_I64, 0, NULL, &step);
+    }
+  }
+  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "optimizer", dopt_optim_name(c->opt));
+  snprintf(buf, sizeof buf, "%ld", c->steps);
+  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "steps", buf);
+  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "hparams", c->hparams ? c->hparams : (c->optimizer ? "" : dopt_st_meta(c->pf, "hparams") ? dopt_st_meta(c->pf, "hparams") : ""));
+  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "generator", "distopt run");
+  if (s == DOPT_OK) s = dopt_st_writer_save(w, c->out_path);
+  dopt_st_writer_free(w);
+  return s == DOPT_OK ? CLI_OK : cli_error(CMD, s);
+}
+
+int cmd_run(int argc, char **argv) {
+  run_ctx c;
+  memset(&c, 0, sizeof c);
+  int rc = parse_args(&c, argc, argv);
+  dopt_status s;
+  if (rc == CLI_OK && (s = dopt_st_load(c.params_path, &c.pf)) != DOPT_OK) rc = cli_error(CMD, s);
+  if (rc == CLI_OK) {
+    if (!c.grads_path || strcmp(c.grads_path, c.params_path) == 0) {
+      c.grads_path = c.params_path;
+      c.gf = c.pf;
+    } else if ((s = dopt_st_load(c.grads_path, &c.gf)) != DOPT_OK) {
+      rc = cli_error(CMD, s);
+    }
+  }
+  if (rc == CLI_OK) rc = load_params(&c);
+  if (rc == CLI_OK) rc = check_grads(&c);
+  if (rc == CLI_OK) rc = build_optimizer(&c);
+  if (rc == CLI_OK) rc = run_steps(&c);
+  if (rc == CLI_OK) rc = write_output(&c);
+  for (int i = 0; i < c.np; i++) {
+    free(c.p[i].data);
+    free(c.p[i].grad);
+  }
+  free(c.p);
+  dopt_optim_destroy(c.opt);
+  if (c.gf != c.pf) dopt_st_free(c.gf);
+  dopt_st_free(c.pf);
+  return rc;
+}

@@ -1,0 +1,50 @@
+/* distopt — command-line entry point. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+int cli_error(const char *cmd, dopt_status s) {
+  const char *msg = dopt_last_error();
+  fprintf(stderr, "distopt %s: %s\n", cmd, *msg ? msg : dopt_status_str(s));
+  return CLI_USAGE;
+}
+
+int cli_errorf(const char *cmd, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "distopt %s: ", cmd);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  return CLI_USAGE;
+}
+
+static void usage(FILE *f) {
+  fputs("usage: distopt <command> [options]\n"
+        "commands:\n"
+        "  run     apply a registered optimizer to parameters and gradients from safetensors files\n"
+        "  list    list the registered optimizers and their hyperparameters\n"
+        "  bench   time each optimizer step against the machine's memory bandwidth floor\n"
+        "run 'distopt <command> --help' for the command's options\n",
+        f);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return CLI_USAGE;
+  }
+  const char *c = argv[1];
+  if (strcmp(c, "run") == 0) return cmd_run(argc - 1, argv + 1);
+  if (strcmp(c, "list") == 0) return cmd_list(argc - 1, argv + 1);
+  if (strcmp(c, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
+  if (strcmp(c, "--help") == 0 || strcmp(c, "-h") == 0 || strcmp(c, "help") == 0) {
+    usage(stdout);
+    return CLI_OK;
+  }
+  fprintf(stderr, "distopt: unknown command '%s'\n", c);
+  usage(stderr);
+  return CLI_USAGE;
+}
