@@ -3,7 +3,9 @@
 
 Runs the *upstream* optimizer implementations (torch.optim.AdamW,
 transformers' Adafactor, came_pytorch's CAME, ColossalAI's Lamb) in fp32 on
-CPU with one thread and writes one safetensors file per case into this
+CPU with one thread.  It writes the shared inputs (initial parameters and
+every step's gradients) once to ``inputs.safetensors`` and one safetensors
+file per case (parameters and optimizer state after every step) into this
 folder.  Nothing here reimplements optimizer math: the generator only builds
 parameters/gradients, calls ``optimizer.step()`` and records what upstream
 produced.
@@ -60,16 +62,18 @@ DOWNLOADS = os.path.join(VENV, "downloads")
 LAMB_FILE = os.path.join(DOWNLOADS, "colossalai-%s-lamb.py" % COLOSSALAI_VERSION)
 STAMP = os.path.join(VENV, "golden-requirements.txt")
 GENERATOR_REL = "datasets/golden/gen_golden.py"
+INPUTS_NAME = "inputs.safetensors"
+INPUTS = os.path.join(HERE, INPUTS_NAME)
 
 SEED = 20240229
-STEPS = 24
+STEPS = 20
 PARAM_SHAPES = [
     ("vec", [13]),
     ("row", [1, 37]),
     ("small", [7, 13]),
-    ("tall", [65, 33]),
+    ("tall", [13, 7]),
     ("wide", [33, 65]),
-    ("sq", [24, 24]),
+    ("sq", [16, 16]),
     ("t3", [2, 3, 5]),
     ("zeros", [5, 8]),
 ]
@@ -79,6 +83,7 @@ GRAD_SCALE = {"vec": 1.0, "row": 0.3, "small": 0.1, "tall": 3e-2,
 ZERO_GRAD_STEPS = (7, 8)      # every param gets an all-zero gradient
 NONE_GRAD = {3: ("small",)}   # grad=None (absent) at these steps
 SQ_ZEROS_STEP = 5             # `sq` gradient has some exact zeros
+SQ_ZEROS = ((0, 0), (3, 11), (11, 11), (15, 5), (15, 15), (7, 0))
 
 
 # --------------------------------------------------------------------------
@@ -349,11 +354,48 @@ def make_inputs(torch):
             if t in ZERO_GRAD_STEPS:
                 gr = torch.zeros(shape)
             if name == "sq" and t == SQ_ZEROS_STEP:
-                for (r, c) in ((0, 0), (3, 17), (11, 11), (23, 5), (23, 23), (7, 0)):
+                for (r, c) in SQ_ZEROS:
                     gr[r, c] = 0.0
             if name in NONE_GRAD.get(t, ()):
                 continue
             grads[(t, name)] = gr.contiguous()
+    return init, grads
+
+
+def inputs_tensors(torch, init, grads):
+    order = [n for n, _ in PARAM_SHAPES]
+    tensors = [("init/" + n, to_np(torch, init[n])) for n in order]
+    for t in range(1, STEPS + 1):
+        for n in order:
+            if (t, n) in grads:
+                tensors.append(("grad/%d/%s" % (t, n), to_np(torch, grads[(t, n)])))
+    return tensors
+
+
+def inputs_meta():
+    return {
+        "params": ",".join(n for n, _ in PARAM_SHAPES),
+        "steps": str(STEPS),
+        "seed": str(SEED),
+        "generator": GENERATOR_REL,
+    }
+
+
+def load_inputs(torch):
+    """Read inputs.safetensors back; every case runs on exactly these tensors."""
+    meta, data = read_safetensors(INPUTS)
+    assert meta == inputs_meta(), meta
+    init = {}
+    grads = {}
+    for key, arr in data.items():
+        parts = key.split("/")
+        x = torch.from_numpy(arr.copy())
+        if parts[0] == "init":
+            init[parts[1]] = x
+        elif parts[0] == "grad":
+            grads[(int(parts[1]), parts[2])] = x
+        else:
+            raise ValueError(key)
     return init, grads
 
 
@@ -387,13 +429,11 @@ def run_case(U, name, opt, overrides, groups, init, grads):
             pg.append(d)
     optim = cls(pg, **upstream_kwargs(opt, hp))
 
-    tensors = [("init/" + n, to_np(torch, init[n])) for n in order]
+    tensors = []
     for t in range(1, STEPS + 1):
         for n in order:
             g = grads.get((t, n))
             params[n].grad = None if g is None else g.clone()
-            if g is not None:
-                tensors.append(("grad/%d/%s" % (t, n), to_np(torch, g)))
         optim.step()
         for n in order:
             tensors.append(("param/%d/%s" % (t, n), to_np(torch, params[n])))
@@ -421,6 +461,7 @@ def run_case(U, name, opt, overrides, groups, init, grads):
         "case": name,
         "seed": str(SEED),
         "dtype": "float32 cpu torch.set_num_threads(1)",
+        "inputs": INPUTS_NAME,
     }
     if opt == "came":
         meta["upstream_sha256"] = U["came_sha"]
@@ -434,23 +475,44 @@ def run_case(U, name, opt, overrides, groups, init, grads):
 
 
 def check_files(names):
-    """Read every file back with the safetensors package and our own reader."""
+    """Read every file back with the safetensors package and our own reader,
+    and check the layout: inputs only in inputs.safetensors, and every case
+    file holding param/<t>/<p> for every step and param plus state/... only."""
     from safetensors import safe_open
     from safetensors.numpy import load_file
     import numpy as np
-    print("%-20s %-10s %8s %10s" % ("case", "optimizer", "tensors", "bytes"))
-    total = 0
-    for name in names:
-        path = os.path.join(HERE, name + ".safetensors")
+    order = [n for n, _ in PARAM_SHAPES]
+
+    def read_both(path):
         ref = load_file(path)
         with safe_open(path, framework="numpy") as f:
             meta_ref = f.metadata()
         meta, mine = read_safetensors(path)
-        assert meta == meta_ref, name
-        assert set(ref) == set(mine), name
+        assert meta == meta_ref, path
+        assert set(ref) == set(mine), path
         for k in ref:
-            assert ref[k].dtype == np.float32 and np.array_equal(ref[k], mine[k]), (name, k)
-        assert all(np.isfinite(v).all() for v in mine.values()), name
+            assert ref[k].dtype == np.float32 and np.array_equal(ref[k], mine[k]), (path, k)
+        assert all(np.isfinite(v).all() for v in mine.values()), path
+        return meta, mine
+
+    print("%-20s %-10s %8s %10s" % ("file", "optimizer", "tensors", "bytes"))
+    meta, inp = read_both(INPUTS)
+    assert meta == inputs_meta(), meta
+    want = {"init/" + n for n in order}
+    want |= {"grad/%d/%s" % (t, n) for t in range(1, STEPS + 1) for n in order
+             if n not in NONE_GRAD.get(t, ())}
+    assert set(inp) == want, sorted(set(inp) ^ want)
+    total = os.path.getsize(INPUTS)
+    print("%-20s %-10s %8d %10d" % ("inputs", "-", len(inp), total))
+    for name in names:
+        path = os.path.join(HERE, name + ".safetensors")
+        meta, mine = read_both(path)
+        assert meta["inputs"] == INPUTS_NAME, name
+        for k in ("params", "steps", "seed", "generator"):
+            assert meta[k] == inputs_meta()[k], (name, k)
+        params = {"param/%d/%s" % (t, n) for t in range(1, STEPS + 1) for n in order}
+        assert params <= set(mine), name
+        assert all(k in params or k.startswith("state/") for k in mine), name
         size = os.path.getsize(path)
         total += size
         print("%-20s %-10s %8d %10d" % (name, meta["optimizer"], len(mine), size))
@@ -467,7 +529,15 @@ def main():
     if not U["came_fix"]:
         print("WARNING: came-pytorch %s lacks the 1-D exp_avg.clone() fix" % CAME_VERSION)
     init, grads = make_inputs(torch)
+    tensors = inputs_tensors(torch, init, grads)
+    write_safetensors(INPUTS, tensors, inputs_meta())
+    print("wrote inputs (%d tensors)" % len(tensors), flush=True)
+    # run every case on what was written, so the file is exactly what they used
+    init, grads = load_inputs(torch)
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    unknown = set(only) - {c[0] for c in CASES}
+    if unknown:
+        sys.exit("unknown case(s): " + " ".join(sorted(unknown)))
     names = []
     for name, opt, ov, groups in CASES:
         if only and name not in only:
