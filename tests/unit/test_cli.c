@@ -1,0 +1,202 @@
+/* `distopt run` end to end: a good run equals the library bit for bit; bad
+ * input gives one line on stderr naming the problem, exit code 2, and no
+ * output file. argv[1] = path of the distopt binary. */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "distopt/distopt.h"
+#include "distopt/safetensors.h"
+
+static const char *bin;
+static char dir[256], inputs[512], errfile[600];
+
+static int setup(void **st) {
+  (void)st;
+  snprintf(dir, sizeof dir, "/tmp/dopt_cli_%ld", (long)getpid());
+  snprintf(inputs, sizeof inputs, "%s/datasets/golden/inputs.safetensors", dt_source_dir());
+  snprintf(errfile, sizeof errfile, "%s/stderr.txt", dir);
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
+  return system(cmd);
+}
+
+static int teardown(void **st) {
+  (void)st;
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  return system(cmd);
+}
+
+/* Runs the binary with args (NULL-terminated), stderr to errfile; returns the exit code. */
+static int run(const char *const *args) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    FILE *e = freopen(errfile, "w", stderr);
+    FILE *o = freopen("/dev/null", "w", stdout);
+    (void)e, (void)o;
+    const char *argv[32];
+    int n = 0;
+    argv[n++] = bin;
+    for (; args[n - 1] && n < 31; n++) argv[n] = args[n - 1];
+    argv[n] = NULL;
+    execv(bin, (char *const *)argv);
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void expect_usage_error(const char *const *args, const char *needle, const char *out) {
+  unlink(out);
+  int rc = run(args);
+  FILE *f = fopen(errfile, "r");
+  char buf[2048] = "";
+  size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+  buf[n] = '\0';
+  if (f) fclose(f);
+  int lines = 0;
+  for (size_t i = 0; i < n; i++) lines += buf[i] == '\n';
+  if (rc != 2 || lines != 1 || !strstr(buf, needle))
+    fail_msg("args[0..]=%s %s: rc %d, %d lines, stderr '%s' (want '%s')", args[0], args[1], rc, lines, buf, needle);
+  if (access(out, F_OK) == 0) fail_msg("output file written despite the error: %s", out);
+}
+
+static void test_good_run_equals_library(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/out.safetensors", dir);
+  const char *args[] = {"run",     "--params", inputs,  "--optimizer", "adafactor", "--hparams",
+                        "beta1=0.9,weight_decay=0.01", "--group", "v*:weight_decay=0", "--steps", "12",
+                        "--out", out, NULL};
+  assert_int_equal(run(args), 0);
+  dopt_st_file *in, *res;
+  assert_ok(dopt_st_load(inputs, &in));
+  assert_ok(dopt_st_load(out, &res));
+  /* the same computation through the library */
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adafactor", "beta1=0.9,weight_decay=0.01", &o));
+  int g;
+  assert_ok(dopt_optim_add_group(o, "weight_decay=0", &g));
+  float *data[32], *grad[32];
+  char names[32][64], key[300];
+  int np = 0;
+  for (int i = 0; i < dopt_st_count(in); i++) {
+    dopt_st_tensor t;
+    assert_ok(dopt_st_get(in, i, &t));
+    if (strncmp(t.name, "init/", 5) != 0) continue;
+    snprintf(names[np], 64, "%s", t.name + 5);
+    data[np] = malloc(t.numel * 4);
+    grad[np] = malloc(t.numel * 4);
+    memcpy(data[np], t.data, t.numel * 4);
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = names[np];
+    pc.ndim = t.ndim;
+    memcpy(pc.shape, t.shape, sizeof pc.shape);
+    pc.data = data[np];
+    assert_ok(dopt_optim_add_param(o, names[np][0] == 'v' ? g : 0, &pc, NULL));
+    np++;
+  }
+  assert_true(np >= 8);
+  for (int t = 1; t <= 12; t++) {
+    const float *gp[32];
+    for (int i = 0; i < np; i++) {
+      dopt_st_tensor gt;
+      snprintf(key, sizeof key, "grad/%d/%s", t, names[i]);
+      gp[i] = NULL;
+      if (dopt_st_find(in, key, &gt) == DOPT_OK) {
+        memcpy(grad[i], gt.data, gt.bytes);
+        gp[i] = grad[i];
+      }
+    }
+    assert_ok(dopt_optim_step(o, gp));
+  }
+  for (int i = 0; i < np; i++) {
+    dopt_st_tensor t;
+    snprintf(key, sizeof key, "param/%s", names[i]);
+    assert_ok(dopt_st_find(res, key, &t));
+    if (memcmp(t.data, data[i], t.bytes) != 0) fail_msg("CLI result for %s differs from the library", names[i]);
+    for (int s = 0; s < dopt_optim_num_states(o, i); s++) {
+      dopt_state_view v;
+      assert_ok(dopt_optim_state(o, i, s, &v));
+      snprintf(key, sizeof key, "state/%s/%s", names[i], v.name);
+      assert_ok(dopt_st_find(res, key, &t));
+      if (t.bytes != v.bytes || memcmp(t.data, v.data, v.bytes) != 0) fail_msg("CLI state %s differs", key);
+    }
+    snprintf(key, sizeof key, "state/%s/step", names[i]);
+    assert_ok(dopt_st_find(res, key, &t));
+    assert_int_equal(t.dtype, DOPT_I64);
+    free(data[i]);
+    free(grad[i]);
+  }
+  assert_string_equal(dopt_st_meta(res, "optimizer"), "adafactor");
+  dopt_optim_destroy(o);
+  dopt_st_free(in);
+  dopt_st_free(res);
+}
+
+static void test_bad_input(void **st) {
+  (void)st;
+  char out[600], garbage[600], trunc[600], shaped[600];
+  snprintf(out, sizeof out, "%s/bad_out.safetensors", dir);
+  snprintf(garbage, sizeof garbage, "%s/garbage.safetensors", dir);
+  snprintf(trunc, sizeof trunc, "%s/trunc.safetensors", dir);
+  snprintf(shaped, sizeof shaped, "%s/shaped.safetensors", dir);
+  FILE *f = fopen(garbage, "wb");
+  fputs("this is not a safetensors file at all", f);
+  fclose(f);
+  /* truncated copy of the inputs */
+  FILE *src = fopen(inputs, "rb");
+  f = fopen(trunc, "wb");
+  char buf[4096];
+  size_t n = fread(buf, 1, sizeof buf, src);
+  fwrite(buf, 1, n / 2, f);
+  fclose(f);
+  fclose(src);
+  /* a params file whose 'vec' has the wrong shape for the gradients */
+  dopt_st_writer *w;
+  assert_ok(dopt_st_writer_create(&w));
+  float v[12] = {0};
+  const int64_t s12[1] = {12};
+  assert_ok(dopt_st_writer_add(w, "vec", DOPT_F32, 1, s12, v));
+  assert_ok(dopt_st_writer_save(w, shaped));
+  dopt_st_writer_free(w);
+
+#define ARGS(...) ((const char *const[]){"run", __VA_ARGS__, NULL})
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamx", "--out", out), "unknown optimizer 'adamx'", out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "came", "--hparams", "lr=1e-3,gamma=2", "--out", out),
+                     "'gamma'", out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--hparams", "lr=nan", "--out", out), "lr=nan",
+                     out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "came", "--out", out), "lr=none", out);
+  expect_usage_error(ARGS("--params", "/nonexistent/p.safetensors", "--optimizer", "adamw", "--out", out),
+                     "/nonexistent/p.safetensors", out);
+  expect_usage_error(ARGS("--params", garbage, "--optimizer", "adamw", "--out", out), "garbage.safetensors", out);
+  expect_usage_error(ARGS("--params", trunc, "--optimizer", "adamw", "--out", out), "trunc.safetensors", out);
+  expect_usage_error(ARGS("--params", shaped, "--grads", inputs, "--optimizer", "adamw", "--out", out), "shape", out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--steps", "500", "--out", out), "--steps 500",
+                     out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--frobnicate", "1", "--out", out),
+                     "--frobnicate", out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw"), "--out", out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--group", "nocolon", "--out", out), "nocolon",
+                     out);
+#undef ARGS
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s PATH-TO-distopt\n", argv[0]);
+    return 2;
+  }
+  bin = argv[1];
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_good_run_equals_library),
+      cmocka_unit_test(test_bad_input),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,312 @@
+/* The optimizer API: registry, key=value hyperparameters and their
+ * validation, groups, grad-None skipping, state layout and exact memory
+ * accounting, determinism and edge cases (zero weights, zero gradients). */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "distopt/distopt.h"
+
+static void test_registry(void **st) {
+  (void)st;
+  const char *want[] = {"adamw", "adafactor", "came", "lamb"};
+  assert_int_equal(dopt_optim_registry_count(), 4);
+  for (int i = 0; i < 4; i++) assert_string_equal(dopt_optim_registry_name(i), want[i]);
+  assert_null(dopt_optim_registry_name(4));
+  dopt_optim *o = (dopt_optim *)1;
+  assert_status(dopt_optim_create("adamx", NULL, &o), DOPT_ERR_NOT_FOUND, "'adamx'");
+  assert_null(o);
+  assert_true(strstr(dopt_last_error(), "adafactor") != NULL); /* lists what exists */
+  char buf[2048];
+  assert_ok(dopt_optim_describe("came", buf, sizeof buf));
+  assert_non_null(strstr(buf, "beta3"));
+}
+
+/* Every rejection names the key and the offending value. */
+static void test_hparam_parsing(void **st) {
+  (void)st;
+  dopt_optim *o = NULL;
+  assert_status(dopt_optim_create("adamw", "lrr=1", &o), DOPT_ERR_NOT_FOUND, "'lrr'");
+  assert_status(dopt_optim_create("adamw", "lr=nan", &o), DOPT_ERR_INVALID_ARG, "lr=nan");
+  assert_status(dopt_optim_create("adamw", "lr=inf", &o), DOPT_ERR_INVALID_ARG, "lr=inf");
+  assert_status(dopt_optim_create("adamw", "lr=1e-3x", &o), DOPT_ERR_INVALID_ARG, "lr='1e-3x'");
+  assert_status(dopt_optim_create("adamw", "lr", &o), DOPT_ERR_INVALID_ARG, "'lr'");
+  assert_status(dopt_optim_create("adamw", "lr=none", &o), DOPT_ERR_INVALID_ARG, "lr=none");
+  assert_status(dopt_optim_create("adamw", "amsgrad=2", &o), DOPT_ERR_INVALID_ARG, "amsgrad=2");
+  assert_status(dopt_optim_create("adamw", "lr=-1", &o), DOPT_ERR_INVALID_ARG, "lr=-1");
+  assert_status(dopt_optim_create("adamw", "beta1=1", &o), DOPT_ERR_INVALID_ARG, "beta1=1");
+  assert_status(dopt_optim_create("lamb", "eps=-1e-6", &o), DOPT_ERR_INVALID_ARG, "eps=-1e-06");
+  assert_ok(dopt_optim_create("adamw", " lr = 0.01 , amsgrad=true,weight_decay=0 ", &o));
+  double v;
+  assert_ok(dopt_optim_get_hparam(o, 0, "lr", &v));
+  assert_true(v == 0.01);
+  assert_ok(dopt_optim_get_hparam(o, 0, "amsgrad", &v));
+  assert_true(v == 1.0);
+  assert_ok(dopt_optim_get_hparam(o, 0, "eps", &v));
+  assert_true(v == 1e-8); /* torch default */
+  dopt_optim_destroy(o);
+}
+
+/* Adafactor: what upstream rejects and what it misses. */
+static void test_adafactor_validation(void **st) {
+  (void)st;
+  dopt_optim *o = NULL;
+  assert_status(dopt_optim_create("adafactor", "lr=1e-3", &o), DOPT_ERR_INVALID_ARG, "relative_step");
+  assert_status(dopt_optim_create("adafactor", "warmup_init=true,relative_step=false,lr=1e-3", &o),
+                DOPT_ERR_INVALID_ARG, "warmup_init");
+  assert_status(dopt_optim_create("adafactor", "relative_step=false", &o), DOPT_ERR_INVALID_ARG, "lr=none");
+  assert_status(dopt_optim_create("adafactor", "decay_rate=0.8", &o), DOPT_ERR_INVALID_ARG, "decay_rate=0.8");
+  assert_status(dopt_optim_create("adafactor", "decay_rate=0", &o), DOPT_ERR_INVALID_ARG, "decay_rate=0");
+  assert_status(dopt_optim_create("adafactor", "clip_threshold=0", &o), DOPT_ERR_INVALID_ARG, "clip_threshold=0");
+  assert_status(dopt_optim_create("adafactor", "eps1=-1e-30", &o), DOPT_ERR_INVALID_ARG, "eps1=-1e-30");
+  assert_status(dopt_optim_create("adafactor", "eps2=-1", &o), DOPT_ERR_INVALID_ARG, "eps2=-1");
+  assert_status(dopt_optim_create("adafactor", "beta1=1.5", &o), DOPT_ERR_INVALID_ARG, "beta1=1.5");
+  assert_ok(dopt_optim_create("adafactor", "relative_step=false,lr=1e-3,beta1=none", &o));
+  dopt_optim_destroy(o);
+  assert_status(dopt_optim_create("came", NULL, &o), DOPT_ERR_INVALID_ARG, "lr=none");
+  assert_status(dopt_optim_create("came", "lr=0", &o), DOPT_ERR_INVALID_ARG, "lr=0");
+  assert_status(dopt_optim_create("came", "lr=1e-4,beta3=1.1", &o), DOPT_ERR_INVALID_ARG, "beta3=1.1");
+  /* a group override is validated on top of the defaults */
+  assert_ok(dopt_optim_create("adafactor", NULL, &o));
+  int g;
+  assert_status(dopt_optim_add_group(o, "lr=0.1", &g), DOPT_ERR_INVALID_ARG, "relative_step");
+  assert_int_equal(dopt_optim_num_groups(o), 1);
+  dopt_optim_destroy(o);
+}
+
+static float *make_param(size_t n, uint64_t seed) {
+  float *p = malloc(n * sizeof *p);
+  for (size_t i = 0; i < n; i++) p[i] = (float)dt_rand_normal(&seed);
+  return p;
+}
+
+static int add(dopt_optim *o, int g, const char *name, int ndim, const int64_t *shape, float *data) {
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = name;
+  pc.ndim = ndim;
+  for (int i = 0; i < ndim; i++) pc.shape[i] = shape[i];
+  pc.data = data;
+  int id = -1;
+  assert_ok(dopt_optim_add_param(o, g, &pc, &id));
+  return id;
+}
+
+static void test_add_param_errors(void **st) {
+  (void)st;
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adamw", NULL, &o));
+  float buf[16];
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = "w";
+  pc.ndim = 2;
+  pc.shape[0] = 4;
+  pc.shape[1] = 0;
+  pc.data = buf;
+  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_INVALID_ARG, "shape[1]=0");
+  pc.shape[1] = 4;
+  pc.dtype = DOPT_BF16;
+  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_UNSUPPORTED, "BF16");
+  pc.dtype = DOPT_F32;
+  assert_status(dopt_optim_add_param(o, 3, &pc, NULL), DOPT_ERR_INVALID_ARG, "group=3");
+  pc.version = 99;
+  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_INVALID_ARG, "version=99");
+  pc.version = DOPT_PARAM_CONFIG_VERSION;
+  assert_ok(dopt_optim_add_param(o, 0, &pc, NULL));
+  pc.name = "alias";
+  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_INVALID_ARG, "'w'");
+  dopt_optim_destroy(o);
+}
+
+/* Exact state memory, before and after the first step, per layout. */
+static void test_state_bytes(void **st) {
+  (void)st;
+  struct {
+    const char *name, *hp;
+    size_t full_2d, full_1d, full_3d; /* [64,48], [100], [2,3,5] */
+  } cases[] = {
+      {"adamw", NULL, 8 * 64 * 48, 8 * 100, 8 * 30},
+      {"adamw", "amsgrad=true", 12 * 64 * 48, 12 * 100, 12 * 30},
+      {"adafactor", NULL, 4 * (64 + 48) + 4, 4 * 100 + 4, 4 * (6 + 10) + 4},
+      {"adafactor", "beta1=0.9", 4 * 64 * 48 + 4 * (64 + 48) + 4, 8 * 100 + 4, 4 * 30 + 4 * 16 + 4},
+      {"came", "lr=1e-4", 4 * 64 * 48 + 8 * (64 + 48) + 4, 8 * 100 + 4, 4 * 30 + 8 * 16 + 4},
+      {"lamb", NULL, 8 * 64 * 48, 8 * 100, 8 * 30},
+  };
+  const int64_t s2[2] = {64, 48}, s1[1] = {100}, s3[3] = {2, 3, 5};
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    dopt_optim *o;
+    assert_ok(dopt_optim_create(cases[c].name, cases[c].hp, &o));
+    float *a = make_param(64 * 48, 1), *b = make_param(100, 2), *d = make_param(30, 3);
+    float *ga = make_param(64 * 48, 4), *gb = make_param(100, 5), *gd = make_param(30, 6);
+    add(o, 0, "a", 2, s2, a);
+    add(o, 0, "b", 1, s1, b);
+    add(o, 0, "d", 3, s3, d);
+    size_t alloc, full;
+    assert_ok(dopt_optim_state_bytes(o, -1, &alloc, &full));
+    assert_int_equal(alloc, 0);
+    assert_int_equal(full, cases[c].full_2d + cases[c].full_1d + cases[c].full_3d);
+    const float *g[3] = {ga, NULL, gd};
+    assert_ok(dopt_optim_step(o, g));
+    assert_ok(dopt_optim_state_bytes(o, 0, &alloc, &full));
+    assert_int_equal(alloc, cases[c].full_2d);
+    assert_int_equal(full, cases[c].full_2d);
+    assert_ok(dopt_optim_state_bytes(o, 1, &alloc, NULL));
+    assert_int_equal(alloc, 0); /* grad None: no state yet, as torch */
+    assert_ok(dopt_optim_state_bytes(o, -1, &alloc, NULL));
+    assert_int_equal(alloc, cases[c].full_2d + cases[c].full_3d);
+    (void)gb;
+    dopt_optim_destroy(o);
+    free(a), free(b), free(d), free(ga), free(gb), free(gd);
+  }
+}
+
+/* Factored statistics of a 3-D parameter: leading dims are batch. */
+static void test_factored_shapes(void **st) {
+  (void)st;
+  const char *opts[] = {"adafactor", "came"};
+  for (int k = 0; k < 2; k++) {
+    dopt_optim *o;
+    assert_ok(dopt_optim_create(opts[k], k ? "lr=1e-4" : NULL, &o));
+    const int64_t s3[3] = {2, 3, 5};
+    float *p = make_param(30, 9), *g = make_param(30, 10);
+    add(o, 0, "t3", 3, s3, p);
+    const float *gg[1] = {g};
+    assert_ok(dopt_optim_step(o, gg));
+    int found = 0;
+    for (int s = 0; s < dopt_optim_num_states(o, 0); s++) {
+      dopt_state_view v;
+      assert_ok(dopt_optim_state(o, 0, s, &v));
+      if (strstr(v.name, "_row")) {
+        assert_int_equal(v.ndim, 2);
+        assert_int_equal(v.shape[0], 2);
+        assert_int_equal(v.shape[1], 3);
+        found++;
+      } else if (strstr(v.name, "_col")) {
+        assert_int_equal(v.ndim, 2);
+        assert_int_equal(v.shape[0], 2);
+        assert_int_equal(v.shape[1], 5);
+        found++;
+      }
+    }
+    assert_int_equal(found, k ? 4 : 2);
+    dopt_optim_destroy(o);
+    free(p), free(g);
+  }
+}
+
+/* Groups: a no-decay group equals a separate optimizer built with wd=0, bit
+ * for bit; grad None leaves parameter, state and step untouched. */
+static void test_groups_and_skip(void **st) {
+  (void)st;
+  const int64_t s[2] = {9, 7};
+  for (int k = 0; k < dopt_optim_registry_count(); k++) {
+    const char *name = dopt_optim_registry_name(k);
+    int came = strcmp(name, "came") == 0;
+    dopt_optim *o, *ref;
+    assert_ok(dopt_optim_create(name, came ? "lr=1e-3,weight_decay=0.1" : "weight_decay=0.1", &o));
+    assert_ok(dopt_optim_create(name, came ? "lr=1e-3,weight_decay=0" : "weight_decay=0", &ref));
+    int g;
+    assert_ok(dopt_optim_add_group(o, "weight_decay=0", &g));
+    assert_int_equal(g, 1);
+    float *a = make_param(63, 11), *b = make_param(63, 12), *r = make_param(63, 12);
+    float *b0 = make_param(63, 12);
+    add(o, 0, "decayed", 2, s, a);
+    add(o, 1, "bias", 2, s, b);
+    add(ref, 0, "bias", 2, s, r);
+    float *ga = make_param(63, 13), *gb = make_param(63, 14);
+    for (int t = 0; t < 5; t++) {
+      const float *g2[2] = {ga, t == 2 ? NULL : gb};
+      const float *g1[1] = {gb};
+      assert_ok(dopt_optim_step(o, g2));
+      if (t != 2) assert_ok(dopt_optim_step(ref, g1));
+      if (t == 0) {
+        int64_t step;
+        assert_ok(dopt_optim_get_step(o, 1, &step));
+        assert_int_equal(step, 1);
+      }
+    }
+    int64_t sa, sb;
+    assert_ok(dopt_optim_get_step(o, 0, &sa));
+    assert_ok(dopt_optim_get_step(o, 1, &sb));
+    assert_int_equal(sa, 5);
+    assert_int_equal(sb, 4);
+    if (memcmp(b, r, 63 * sizeof(float)) != 0) fail_msg("%s: no-decay group differs from a wd=0 optimizer", name);
+    assert_true(memcmp(b, b0, 63 * sizeof(float)) != 0);
+    dopt_optim_destroy(o);
+    dopt_optim_destroy(ref);
+    free(a), free(b), free(r), free(b0), free(ga), free(gb);
+  }
+}
+
+/* Zero weights and zero gradients never produce NaN/Inf; the run is
+ * bitwise reproducible. */
+static void test_zero_edges_and_determinism(void **st) {
+  (void)st;
+  const int64_t s[2] = {5, 8};
+  for (int k = 0; k < dopt_optim_registry_count(); k++) {
+    const char *name = dopt_optim_registry_name(k);
+    float out[2][40];
+    for (int run = 0; run < 2; run++) {
+      dopt_optim *o;
+      assert_ok(dopt_optim_create(name, strcmp(name, "came") == 0 ? "lr=1e-3" : NULL, &o));
+      float p[40] = {0}, z[40] = {0};
+      float *g = make_param(40, 77);
+      add(o, 0, "zeros", 2, s, p);
+      for (int t = 0; t < 6; t++) {
+        const float *gg[1] = {t % 2 ? z : g};
+        assert_ok(dopt_optim_step(o, gg));
+      }
+      for (int i = 0; i < 40; i++)
+        if (!isfinite(p[i])) fail_msg("%s: non-finite parameter %d after zero weights/gradients", name, i);
+      for (int sidx = 0; sidx < dopt_optim_num_states(o, 0); sidx++) {
+        dopt_state_view v;
+        assert_ok(dopt_optim_state(o, 0, sidx, &v));
+        const float *d = v.data;
+        for (size_t i = 0; i < v.bytes / 4; i++)
+          if (!isfinite(d[i])) fail_msg("%s: state %s non-finite", name, v.name);
+      }
+      memcpy(out[run], p, sizeof p);
+      dopt_optim_destroy(o);
+      free(g);
+    }
+    assert_memory_equal(out[0], out[1], sizeof out[0]);
+  }
+}
+
+static void test_set_hparam(void **st) {
+  (void)st;
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adafactor", "relative_step=false,lr=0.01", &o));
+  const int64_t s[2] = {3, 4};
+  float *p = make_param(12, 1), *g = make_param(12, 2);
+  add(o, 0, "w", 2, s, p);
+  const float *gg[1] = {g};
+  assert_ok(dopt_optim_step(o, gg));
+  assert_ok(dopt_optim_set_hparam(o, 0, "lr", 0.005));
+  assert_status(dopt_optim_set_hparam(o, 0, "lr", NAN), DOPT_ERR_INVALID_ARG, "lr");
+  assert_status(dopt_optim_set_hparam(o, 0, "beta1", 0.9), DOPT_ERR_STATE, "beta1");
+  assert_status(dopt_optim_set_hparam(o, 0, "decay_rate", 1.0), DOPT_ERR_INVALID_ARG, "decay_rate=1");
+  assert_status(dopt_optim_set_hparam(o, 5, "lr", 1.0), DOPT_ERR_INVALID_ARG, "group=5");
+  double v;
+  assert_ok(dopt_optim_get_hparam(o, 0, "lr", &v));
+  assert_true(v == 0.005);
+  assert_ok(dopt_optim_get_hparam(o, 0, "beta1", &v));
+  assert_true(isnan(v));
+  dopt_optim_destroy(o);
+  free(p), free(g);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_registry),
+      cmocka_unit_test(test_hparam_parsing),
+      cmocka_unit_test(test_adafactor_validation),
+      cmocka_unit_test(test_add_param_errors),
+      cmocka_unit_test(test_state_bytes),
+      cmocka_unit_test(test_factored_shapes),
+      cmocka_unit_test(test_groups_and_skip),
+      cmocka_unit_test(test_zero_edges_and_determinism),
+      cmocka_unit_test(test_set_hparam),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
