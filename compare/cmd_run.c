@@ -15,6 +15,7 @@
  * Output: "param/<name>", "state/<name>/<key>" and "state/<name>/step" (I64).
  * Bad input: one-line error, exit 2, no output file. */
 #include <fnmatch.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,7 @@ typedef struct run_param {
   char name[256];
   float *data;
   float *grad;
+  double rms0; /* RMS of the initial parameter, for the summary */
   int ndim;
   int64_t shape[DOPT_MAX_DIMS];
   size_t numel;
@@ -38,6 +40,7 @@ typedef struct run_ctx {
   const char *group_spec[MAX_GROUPS];
   int ngroups;
   long steps;
+  int quiet;
   dopt_st_file *pf, *gf;
   run_param *p;
   int np;
@@ -48,7 +51,7 @@ static const char *const CMD = "run";
 
 static void run_usage(FILE *f) {
   fputs("usage: distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors\n"
-        "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N]\n"
+        "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N] [--quiet]\n"
         "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
         "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
         "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n",
@@ -63,6 +66,10 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       run_usage(stdout);
       exit(CLI_OK);
+    }
+    if (strcmp(a, "--quiet") == 0) {
+      c->quiet = 1;
+      continue;
     }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", a);
     const char *v = argv[++i];
@@ -120,6 +127,7 @@ static int load_params(run_ctx *c) {
     p->grad = malloc((p->numel ? p->numel : 1) * sizeof(float));
     if (!p->data || !p->grad) return cli_errorf(CMD, "out of memory for '%s'", nm);
     memcpy(p->data, t.data, p->numel * sizeof(float));
+    p->rms0 = sqrt(dopt_xsum_sq(p->data, p->numel) / (double)p->numel);
     if (p->numel == 0) return cli_errorf(CMD, "%s: parameter '%s' is empty", c->params_path, nm);
   }
   if (c->np == 0) return cli_errorf(CMD, "%s: no parameters found", c->params_path);
@@ -291,6 +299,27 @@ static int write_output(run_ctx *c) {
   return s == DOPT_OK ? CLI_OK : cli_error(CMD, s);
 }
 
+/* One line per parameter: shape, group, steps taken, RMS before/after, state bytes. */
+static void print_summary(const run_ctx *c) {
+  size_t total = 0;
+  printf("distopt run: %s, %ld steps, %d parameters -> %s\n", dopt_optim_name(c->opt), c->steps, c->np, c->out_path);
+  printf("%-24s %-14s %6s %12s %12s %12s\n", "parameter", "shape", "steps", "rms before", "rms after", "state bytes");
+  for (int i = 0; i < c->np; i++) {
+    const run_param *p = &c->p[i];
+    char shape[64] = "";
+    for (int d = 0; d < p->ndim; d++)
+      snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "%s%lld", d ? "x" : "", (long long)p->shape[d]);
+    int64_t steps = 0;
+    size_t bytes = 0;
+    dopt_optim_get_step(c->opt, p->id, &steps);
+    dopt_optim_state_bytes(c->opt, p->id, &bytes, NULL);
+    total += bytes;
+    printf("%-24s %-14s %6lld %12.6g %12.6g %12zu\n", p->name, shape[0] ? shape : "scalar", (long long)steps, p->rms0,
+           sqrt(dopt_xsum_sq(p->data, p->numel) / (double)p->numel), bytes);
+  }
+  printf("total optimizer state: %zu bytes\n", total);
+}
+
 int cmd_run(int argc, char **argv) {
   run_ctx c;
   memset(&c, 0, sizeof c);
@@ -310,6 +339,7 @@ int cmd_run(int argc, char **argv) {
   if (rc == CLI_OK) rc = build_optimizer(&c);
   if (rc == CLI_OK) rc = run_steps(&c);
   if (rc == CLI_OK) rc = write_output(&c);
+  if (rc == CLI_OK && !c.quiet) print_summary(&c);
   for (int i = 0; i < c.np; i++) {
     free(c.p[i].data);
     free(c.p[i].grad);

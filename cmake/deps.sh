@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs distopt's build and test dependencies (Debian packages) when run as
+# root; otherwise prints the exact apt-get line and fails.
+set -euo pipefail
+pkgs=(cmake make gcc pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ]; then
+  echo "deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "deps: missing Debian packages; run:" >&2
+  echo "  sudo apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds distopt with warnings as errors and runs every test; then the same
+# tests under AddressSanitizer + UndefinedBehaviorSanitizer, and the simulator
+# tests under ThreadSanitizer. `./test.sh --quick` runs only the first part.
+# Installs missing Debian packages when run as root.
+set -euo pipefail
+cd "$(dirname "$0")"
+bash cmake/deps.sh
+jobs=$(nproc)
+quick=0
+[ "${1:-}" = "--quick" ] && quick=1
+
+step() { printf '\n=== %s\n' "$*"; }
+
+step "build (Release, -Werror) and all tests"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DDOPT_WERROR=ON >/dev/null
+cmake --build build -j"$jobs" >/dev/null
+ctest --test-dir build --output-on-failure -j"$jobs"
+[ $quick -eq 1 ] && exit 0
+
+step "AddressSanitizer + UndefinedBehaviorSanitizer: all tests"
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DDOPT_WERROR=ON -DDOPT_SANITIZE=address,undefined \
+  -DDOPT_TIMEOUT_SCALE=4 >/dev/null
+cmake --build build-asan -j"$jobs" >/dev/null
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+if ctest --test-dir build -N -L sim 2>/dev/null | grep -q "Total Tests: [1-9]"; then
+  step "ThreadSanitizer: simulator tests"
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DDOPT_WERROR=ON -DDOPT_SANITIZE=thread \
+    -DDOPT_TIMEOUT_SCALE=8 >/dev/null
+  cmake --build build-tsan -j"$jobs" >/dev/null
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --output-on-failure -L sim -j"$jobs"
+fi
