@@ -205,6 +205,7 @@ void dopt__xacc_add_cols_block(dopt_xacc *cacc, const double *cs, const float *u
     return;
   }
 #endif
+  (void)ws;
   for (size_t i = 0; i < rows; i++)
     for (size_t j = 0; j < w; j++) add_scaled(&cacc[j], cs[j], (double)u[i * w + j]);
 }
