@@ -1,2 +1,384 @@
+/* distopt bench: time one optimizer step of each registered optimizer on one
+ * fp32 [H, W] parameter and compare the memory traffic it implies with the
+ * machine's streaming bandwidth, measured in the same run.
+ *
+ *   distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--torch PYTHON]
+ *
+ * Per optimizer: median and minimum ms/step over N timed steps (after the
+ * warm-up steps, which also allocate the states), the bytes one step moves
+ * under the byte model below, achieved GB/s = bytes / median time, and that
+ * bandwidth as a fraction of the floor. The floor is a STREAM-style triad
+ * a[i] = b[i] + s*c[i] over arrays of the parameter's size (3*4*n bytes
+ * counted, median over N runs) and a memcpy (2*4*n bytes counted). Times are
+ * wall clock (CLOCK_MONOTONIC). --torch PYTHON runs compare/bench_torch.py
+ * with that interpreter and adds PyTorch CPU eager ms/step and our speed-up.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
 #include "cli.h"
-int cmd_bench(int argc, char **argv) { (void)argc; (void)argv; return cli_errorf("bench", "not yet"); }
+
+static const char *const CMD = "bench";
+
+/* ---- the byte model ----------------------------------------------------------
+ * Full-size (n-element fp32) arrays read and written by one step of the
+ * implementation in ref/, at the hyperparameters used here (defaults; CAME
+ * lr=2e-4): each pass over an n-element array counts 4*n bytes. Row/column
+ * vectors (h + w elements) are ignored; write-allocate traffic is not counted
+ * (as STREAM does not). Exact sums (xsum) take two passes: absmax, then the
+ * fixed-point accumulation; a pass that fuses the absmax into the loop that
+ * writes the array saves the first.
+ *
+ * adamw     one fused loop: reads p, g, m, v; writes p, m, v            4R 3W
+ * adafactor sumsq(p) 2R; U=g²+eps1 1R 1W; row/col means of U 2R; U =
+ *           factors⊙g 1R 1W; sumsq(U) 2R; p -= clip(U)·α: reads U, p,
+ *           writes p (no beta1, no weight decay at the defaults)        10R 3W
+ * came      sumsq(p) 2R; U=g²+eps1 1R 1W; row/col means 2R; U = factors⊙g
+ *           1R 1W; sumsq(U) 2R; m and the residual: reads U, m, writes
+ *           m, U; row/col means of the residual 2R; upd = factors⊙m 1R 1W;
+ *           p -= lr·upd 2R 1W                                           15R 6W
+ * lamb      moments loop: reads g, m, v, writes m, v, u; sumsq(p) 2R;
+ *           sumsq(u) 2R; p += a·u: 2R 1W                                 9R 4W
+ */
+typedef struct byte_model {
+  const char *name;
+  int reads, writes; /* n-element fp32 arrays per step */
+} byte_model;
+
+static const byte_model MODELS[] = {
+    {"adamw", 4, 3},
+    {"adafactor", 10, 3},
+    {"came", 15, 6},
+    {"lamb", 9, 4},
+};
+
+static const byte_model *find_model(const char *name) {
+  for (size_t i = 0; i < sizeof MODELS / sizeof MODELS[0]; i++)
+    if (strcmp(MODELS[i].name, name) == 0) return &MODELS[i];
+  return NULL;
+}
+
+/* hyperparameters for the bench (defaults unless an optimizer needs more) */
+static const char *bench_hparams(const char *name) {
+  if (strcmp(name, "came") == 0) return "lr=2e-4";
+  return NULL;
+}
+
+/* ---- timing helpers ------------------------------------------------------------- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* deterministic pseudo-random fill (xorshift), roughly N(0, sd²) */
+static void fill_random(float *x, size_t n, uint64_t seed, float sd) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; i++) {
+    double acc = 0;
+    for (int k = 0; k < 4; k++) {
+      s ^= s << 13;
+      s ^= s >> 7;
+      s ^= s << 17;
+      acc += (double)(s >> 11) * (1.0 / 9007199254740992.0);
+    }
+    x[i] = (float)((acc - 2.0) * 1.7320508 * sd); /* sum of 4 U(0,1): var 1/3 */
+  }
+}
+
+/* ---- the floor ------------------------------------------------------------------- */
+
+typedef struct floor_result {
+  double triad_gbs, triad_ms, copy_gbs, copy_ms;
+} floor_result;
+
+/* volatile scalar so that the triad is not folded into something cheaper */
+static volatile float triad_s = 3.0f;
+
+static void triad(float *restrict a, const float *restrict b, const float *restrict c, size_t n) {
+  const float s = triad_s;
+  for (size_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
+
+static int measure_floor(size_t n, int iters, floor_result *r) {
+  float *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b), *c = malloc(n * sizeof *c);
+  double *t = malloc((size_t)(iters + 1) * 2 * sizeof *t);
+  if (!a || !b || !c || !t) {
+    free(a), free(b), free(c), free(t);
+    return cli_errorf(CMD, "out of memory for the bandwidth floor (3 x %zu floats)", n);
+  }
+  fill_random(b, n, 11, 1.0f);
+  fill_random(c, n, 12, 1.0f);
+  memset(a, 0, n * sizeof *a);
+  triad(a, b, c, n); /* warm-up: page faults, caches */
+  for (int k = 0; k < iters; k++) {
+    double t0 = now_s();
+    triad(a, b, c, n);
+    t[k] = now_s() - t0;
+  }
+  double tri = median(t, iters);
+  memcpy(a, b, n * sizeof *a);
+  for (int k = 0; k < iters; k++) {
+    double t0 = now_s();
+    memcpy(a, k % 2 ? b : c, n * sizeof *a);
+    t[k] = now_s() - t0;
+  }
+  double cp = median(t, iters);
+  r->triad_ms = 1e3 * tri;
+  r->triad_gbs = 3.0 * 4.0 * (double)n / tri * 1e-9;
+  r->copy_ms = 1e3 * cp;
+  r->copy_gbs = 2.0 * 4.0 * (double)n / cp * 1e-9;
+  free(a), free(b), free(c), free(t);
+  return CLI_OK;
+}
+
+/* ---- one optimizer ----------------------------------------------------------------- */
+
+typedef struct opt_result {
+  const char *name;
+  double med_ms, min_ms;
+  double bytes; /* per step, 0 if no byte model */
+  size_t state_bytes;
+  double torch_ms; /* NAN if not measured */
+} opt_result;
+
+static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int iters, float *param,
+                     const float *init, const float *grad, opt_result *r) {
+  size_t n = (size_t)h * (size_t)w;
+  memcpy(param, init, n * sizeof *param);
+  dopt_optim *o = NULL;
+  dopt_status s = dopt_optim_create(name, bench_hparams(name), &o);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = "weight";
+  pc.ndim = 2;
+  pc.shape[0] = h;
+  pc.shape[1] = w;
+  pc.data = param;
+  int pid;
+  double *t = malloc((size_t)iters * sizeof *t);
+  if (!t) {
+    dopt_optim_destroy(o);
+    return cli_errorf(CMD, "out of memory");
+  }
+  int rc = CLI_OK;
+  if ((s = dopt_optim_add_param(o, 0, &pc, &pid)) != DOPT_OK) rc = cli_error(CMD, s);
+  const float *grads[1] = {grad};
+  for (int k = 0; k < warmup && rc == CLI_OK; k++)
+    if ((s = dopt_optim_step(o, grads)) != DOPT_OK) rc = cli_error(CMD, s);
+  for (int k = 0; k < iters && rc == CLI_OK; k++) {
+    double t0 = now_s();
+    s = dopt_optim_step(o, grads);
+    t[k] = now_s() - t0;
+    if (s != DOPT_OK) rc = cli_error(CMD, s);
+  }
+  if (rc == CLI_OK) {
+    r->name = name;
+    r->med_ms = 1e3 * median(t, iters);
+    r->min_ms = 1e3 * t[0]; /* sorted by median() */
+    const byte_model *bm = find_model(name);
+    r->bytes = bm ? (double)(bm->reads + bm->writes) * 4.0 * (double)n : 0.0;
+    dopt_optim_state_bytes(o, -1, NULL, &r->state_bytes);
+    r->torch_ms = NAN;
+    /* sanity: the step must leave finite parameters */
+    for (size_t i = 0; i < n; i += n / 97 + 1)
+      if (!isfinite(param[i])) {
+        rc = cli_errorf(CMD, "%s: non-finite parameter after %d steps", name, warmup + iters);
+        break;
+      }
+  }
+  free(t);
+  dopt_optim_destroy(o);
+  return rc;
+}
+
+/* ---- PyTorch comparison (optional) ---------------------------------------------------- */
+
+/* Runs compare/bench_torch.py; fills torch_ms of the results it reports
+ * ("name ms" lines). Returns 0 if it ran, -1 (after a message) if not. */
+static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int iters, opt_result *res, int nres) {
+  /* the script: $DOPT_BENCH_TORCH_SCRIPT, else next to this source file, else ./compare/ */
+  const char *script = NULL;
+  const char *env = getenv("DOPT_BENCH_TORCH_SCRIPT");
+  char here[4096];
+  snprintf(here, sizeof here, "%s", __FILE__);
+  char *slash = strrchr(here, '/');
+  if (slash) slash[1] = '\0';
+  else here[0] = '\0';
+  char cand[3][4096];
+  snprintf(cand[0], sizeof cand[0], "%s", env ? env : "");
+  snprintf(cand[1], sizeof cand[1], "%sbench_torch.py", here);
+  snprintf(cand[2], sizeof cand[2], "compare/bench_torch.py");
+  for (int i = 0; i < 3 && !script; i++) {
+    FILE *f = cand[i][0] ? fopen(cand[i], "r") : NULL;
+    if (f) {
+      fclose(f);
+      script = cand[i];
+    }
+  }
+  if (!script) {
+    fprintf(stderr, "distopt bench: --torch: bench_torch.py not found (set DOPT_BENCH_TORCH_SCRIPT); skipping PyTorch\n");
+    return -1;
+  }
+  if (strchr(python, '\'') || strchr(script, '\'')) {
+    fprintf(stderr, "distopt bench: --torch: quotes in paths are not supported; skipping PyTorch\n");
+    return -1;
+  }
+  char cmd[16384], names[256] = "";
+  for (int i = 0; i < nres; i++)
+    snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? "," : "", res[i].name);
+  snprintf(cmd, sizeof cmd, "'%s' '%s' --size %lldx%lld --warmup %d --iters %d --optimizers %s 2>&1", python, script,
+           (long long)h, (long long)w, warmup, iters, names);
+  fflush(stdout);
+  FILE *p = popen(cmd, "r");
+  if (!p) {
+    fprintf(stderr, "distopt bench: --torch: cannot run %s; skipping PyTorch\n", python);
+    return -1;
+  }
+  char line[1024];
+  int got = 0;
+  while (fgets(line, sizeof line, p)) {
+    char nm[64];
+    double ms;
+    if (sscanf(line, "RESULT %63s %lf", nm, &ms) == 2) {
+      for (int i = 0; i < nres; i++)
+        if (strcmp(res[i].name, nm) == 0) res[i].torch_ms = ms;
+      got++;
+    } else if (strncmp(line, "SKIP", 4) == 0 || strncmp(line, "NOTE", 4) == 0) {
+      fprintf(stderr, "distopt bench: torch: %s", line + 5);
+    } else {
+      fprintf(stderr, "distopt bench: torch: %s", line);
+    }
+  }
+  int st = pclose(p);
+  if (got == 0) {
+    fprintf(stderr, "distopt bench: --torch: no PyTorch timings (exit status %d); skipping PyTorch\n", st);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- the command ----------------------------------------------------------------------- */
+
+static void bench_usage(FILE *f) {
+  fputs("usage: distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--torch PYTHON]\n"
+        "  times one step of each registered optimizer (or NAME) on one fp32 [H, W] parameter\n"
+        "  (default 4096x4096, 10 timed steps after 2 warm-up steps; median and min reported) and\n"
+        "  compares the bytes a step moves with a triad/memcpy bandwidth floor measured in the same run.\n"
+        "  --torch PYTHON: also time PyTorch CPU eager steps (compare/bench_torch.py; 2 threads)\n",
+        f);
+}
+
+static int parse_int(const char *opt, const char *v, long lo, long hi, long *out) {
+  char *end;
+  long x = strtol(v, &end, 10);
+  if (*end || end == v || x < lo || x > hi) return cli_errorf(CMD, "%s '%s': expected an integer in [%ld, %ld]", opt, v, lo, hi);
+  *out = x;
+  return CLI_OK;
+}
+
+int cmd_bench(int argc, char **argv) {
+  long h = 4096, w = 4096, iters = 10, warmup = 2;
+  const char *only = NULL, *python = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      bench_usage(stdout);
+      return CLI_OK;
+    }
+    if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", a);
+    const char *v = argv[++i];
+    int rc = CLI_OK;
+    if (strcmp(a, "--size") == 0) {
+      char *end;
+      h = strtol(v, &end, 10);
+      if (end == v || (*end != 'x' && *end != 'X')) return cli_errorf(CMD, "--size '%s': expected HxW, e.g. 4096x4096", v);
+      const char *ws = end + 1;
+      w = strtol(ws, &end, 10);
+      if (end == ws || *end || h <= 0 || w <= 0 || h > 1L << 20 || w > 1L << 20 || (double)h * (double)w > 1e9)
+        return cli_errorf(CMD, "--size '%s': expected HxW with positive sides and at most 1e9 elements", v);
+    } else if (strcmp(a, "--iters") == 0) {
+      rc = parse_int(a, v, 1, 100000, &iters);
+    } else if (strcmp(a, "--warmup") == 0) {
+      rc = parse_int(a, v, 0, 100000, &warmup);
+    } else if (strcmp(a, "--optimizer") == 0) {
+      only = v;
+    } else if (strcmp(a, "--torch") == 0) {
+      python = v;
+    } else {
+      return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
+    }
+    if (rc != CLI_OK) return rc;
+  }
+  int nreg = dopt_optim_registry_count(), found = 0;
+  for (int i = 0; only && i < nreg; i++) found |= strcmp(dopt_optim_registry_name(i), only) == 0;
+  if (only && !found) return cli_errorf(CMD, "--optimizer '%s': not registered (see 'distopt list')", only);
+
+  size_t n = (size_t)h * (size_t)w;
+  float *init = malloc(n * sizeof *init), *param = malloc(n * sizeof *param), *grad = malloc(n * sizeof *grad);
+  opt_result *res = calloc((size_t)nreg, sizeof *res);
+  if (!init || !param || !grad || !res) {
+    free(init), free(param), free(grad), free(res);
+    return cli_errorf(CMD, "out of memory for a %ldx%ld parameter", h, w);
+  }
+  fill_random(init, n, 1, 0.02f);
+  fill_random(grad, n, 2, 1e-3f);
+
+  printf("distopt bench: one fp32 [%ld, %ld] parameter (%.1f MiB), %ld warm-up + %ld timed steps, median\n", h, w,
+         (double)n * 4.0 / 1048576.0, warmup, iters);
+  fflush(stdout);
+  floor_result fl = {0, 0, 0, 0};
+  int rc = measure_floor(n, (int)(iters < 5 ? 5 : iters), &fl);
+  int nres = 0;
+  for (int i = 0; i < nreg && rc == CLI_OK; i++) {
+    const char *name = dopt_optim_registry_name(i);
+    if (only && strcmp(name, only) != 0) continue;
+    rc = bench_one(name, h, w, (int)warmup, (int)iters, param, init, grad, &res[nres]);
+    if (rc == CLI_OK) nres++;
+  }
+  int have_torch = 0;
+  if (rc == CLI_OK && python) have_torch = run_torch(python, h, w, (int)warmup, (int)iters, res, nres) == 0;
+
+  if (rc == CLI_OK) {
+    printf("%-10s %10s %10s %12s %8s %8s %12s", "optimizer", "median_ms", "min_ms", "MB/step", "GB/s", "%floor",
+           "state_MiB");
+    if (have_torch) printf(" %10s %9s", "torch_ms", "vs_torch");
+    printf("\n");
+    for (int i = 0; i < nres; i++) {
+      const opt_result *r = &res[i];
+      printf("%-10s %10.2f %10.2f ", r->name, r->med_ms, r->min_ms);
+      if (r->bytes > 0) {
+        double gbs = r->bytes / (r->med_ms * 1e-3) * 1e-9;
+        printf("%12.1f %8.2f %7.1f%%", r->bytes / 1e6, gbs, 100.0 * gbs / fl.triad_gbs);
+      } else {
+        printf("%12s %8s %8s", "?", "?", "?");
+      }
+      printf(" %12.2f", (double)r->state_bytes / 1048576.0);
+      if (have_torch) {
+        if (isnan(r->torch_ms)) printf(" %10s %9s", "-", "-");
+        else printf(" %10.2f %8.2fx", r->torch_ms, r->torch_ms / r->med_ms);
+      }
+      printf("\n");
+    }
+    printf("floor: triad a=b+s*c %.2f GB/s (%.2f ms, 12 B/elem), memcpy %.2f GB/s (%.2f ms, 8 B/elem); "
+           "%%floor = GB/s / triad GB/s; vs_torch = torch_ms / median_ms\n",
+           fl.triad_gbs, fl.triad_ms, fl.copy_gbs, fl.copy_ms);
+  }
+  free(init), free(param), free(grad), free(res);
+  return rc;
+}

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "optim_impl.h"
+#include "xsum_fast.h"
 
 float dopt_rms_from_ss(double ss, size_t n) {
   float norm = (float)sqrt(ss);
@@ -15,36 +16,41 @@ float dopt_rms_from_ss(double ss, size_t n) {
 double dopt_sumsq(const float *x, size_t n) { return dopt_xsum_sq(x, n); }
 
 void dopt_rowcol_absmax(const float *u, size_t b, size_t h, size_t w, double *rmax, double *cmax) {
+  float *cm = malloc((w ? w : 1) * sizeof *cm);
   for (size_t k = 0; k < b; k++) {
-    double *cm = cmax + k * w;
-    for (size_t j = 0; j < w; j++) cm[j] = 0.0;
-    for (size_t i = 0; i < h; i++) {
-      const float *r = u + (k * h + i) * w;
-      float m = 0.0f;
-      for (size_t j = 0; j < w; j++) {
-        float a = fabsf(r[j]);
-        if (!(a <= 3.4028234664e38f)) continue; /* non-finite: counted in phase 2 */
-        m = a > m ? a : m;
-        cm[j] = (double)a > cm[j] ? (double)a : cm[j];
+    double *cmk = cmax + k * w;
+    if (!cm) { /* no scratch: the per-element definition */
+      for (size_t j = 0; j < w; j++) cmk[j] = 0.0;
+      for (size_t i = 0; i < h; i++) {
+        const float *r = u + (k * h + i) * w;
+        float m = 0.0f;
+        for (size_t j = 0; j < w; j++) {
+          float a = fabsf(r[j]);
+          if (!(a <= 3.4028234664e38f)) continue; /* non-finite: counted in phase 2 */
+          m = a > m ? a : m;
+          cmk[j] = (double)a > cmk[j] ? (double)a : cmk[j];
+        }
+        rmax[k * h + i] = (double)m;
       }
-      rmax[k * h + i] = (double)m;
+      continue;
     }
+    /* float maxima (exact; the double conversion is monotone) */
+    for (size_t j = 0; j < w; j++) cm[j] = 0.0f;
+    for (size_t i = 0; i < h; i++) rmax[k * h + i] = (double)dopt__absmax_row_cols(u + (k * h + i) * w, w, cm);
+    for (size_t j = 0; j < w; j++) cmk[j] = (double)cm[j];
   }
+  free(cm);
 }
 
 void dopt_rowcol_accum(const float *u, size_t b, size_t h, size_t w, const double *rscale,
                        const double *cscale, dopt_xacc *racc, dopt_xacc *cacc) {
+  double *ws = malloc((w ? 2 * w : 1) * sizeof *ws); /* NULL: slow path */
   for (size_t k = 0; k < b; k++) {
-    for (size_t i = 0; i < h; i++) {
-      const float *r = u + (k * h + i) * w;
-      dopt_xacc *ra = racc + k * h + i;
-      double rs = rscale[k * h + i];
-      dopt_xacc_add_n(ra, rs, r, w, 1);
-      dopt_xacc *ca = cacc + k * w;
-      const double *cs = cscale + k * w;
-      for (size_t j = 0; j < w; j++) dopt_xacc_add(&ca[j], cs[j], (double)r[j]);
-    }
+    const float *uk = u + k * h * w;
+    for (size_t i = 0; i < h; i++) dopt__xacc_add_run(racc + k * h + i, rscale[k * h + i], uk + i * w, w, 0);
+    dopt__xacc_add_cols_block(cacc + k * w, cscale + k * w, uk, h, w, ws);
   }
+  free(ws);
 }
 
 dopt_status dopt_row_col_means(const float *u, size_t b, size_t h, size_t w, float *row_mean,

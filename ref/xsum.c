@@ -2,6 +2,8 @@
  * docs/exact-reductions.md. */
 #include "distopt/xsum.h"
 
+#include "xsum_fast.h"
+
 #include <math.h>
 
 enum { W_HI = 0, W_LO = 1, W_NAN = 2, W_PINF = 3, W_NINF = 4 };
@@ -30,15 +32,272 @@ static inline void add_scaled(dopt_xacc *a, double scale, double x) {
 
 void dopt_xacc_add(dopt_xacc *acc, double scale, double x) { add_scaled(acc, scale, x); }
 
+/* ---- fast paths (ref/xsum_fast.h) ---------------------------------------------
+ * The per-element definition above, restated in double arithmetic that a
+ * vector unit executes without integer conversions: for finite v = x·scale
+ * with |v| < 2^63,
+ *   q = rint(v)                 (exact integer, |q| < 2^63)
+ *   h = floor(q·2^-32)          (exact: power-of-two scaling of an integer)
+ *   l = q − h·2^32 ∈ [0, 2^32)  (exact: an integer below 2^32)
+ * and h, l are exactly the words q >> 32 and q & 0xffffffff. Sums of h
+ * (|h| < 2^31) and of l over at most XBLOCK elements stay below 2^53 in
+ * magnitude, so every double addition is exact and the lane sums are the
+ * integer sums in any order; they are converted to int64 per block. A block
+ * with a non-finite value (its sums become inf/NaN) or with |q| ≥ 2^63 (only
+ * possible with a scale smaller than dopt_xsum_scale(absmax) asks for) is
+ * redone with the per-element definition, so every input gives the very words
+ * of the definition. */
+#define XBLOCK ((size_t)1 << 18)
+
+static void add_run_scalar(dopt_xacc *acc, double scale, const float *x, size_t n, int sq) {
+  dopt_xacc a = *acc; /* local copy: keeps the words in registers */
+  for (size_t i = 0; i < n; i++) {
+    double v = (double)x[i];
+    add_scaled(&a, scale, sq ? v * v : v);
+  }
+  *acc = a;
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+#define DOPT_HAVE_AVX_PATH 1
+
+static int have_avx(void) {
+  static int cached = -1;
+  if (cached < 0) {
+    __builtin_cpu_init();
+    cached = __builtin_cpu_supports("avx") ? 1 : 0;
+  }
+  return cached;
+}
+
+#define ROUND_CUR (_MM_FROUND_CUR_DIRECTION)
+
+/* h, l sums of one contiguous block (n ≤ XBLOCK); returns 0 and the words,
+ * or 1 if the block must be redone per element. */
+__attribute__((target("avx"))) static int run_block_avx(double scale, const float *x, size_t n, int sq,
+                                                        int64_t *hi, int64_t *lo) {
+  const __m256d s = _mm256_set1_pd(scale), k = _mm256_set1_pd(0x1p-32), kk = _mm256_set1_pd(0x1p32);
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  __m256d sh0 = _mm256_setzero_pd(), sl0 = sh0, sh1 = sh0, sl1 = sh0, mx = sh0;
+  size_t i = 0;
+  float tail[8];
+  for (;;) {
+    const float *p = x + i;
+    if (i + 8 > n) {
+      if (i >= n) break;
+      size_t r = n - i;
+      for (size_t j = 0; j < 8; j++) tail[j] = j < r ? x[i + j] : 0.0f; /* zeros add 0 to both words */
+      p = tail;
+    }
+    __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(p)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(p + 4));
+    if (sq) {
+      v0 = _mm256_mul_pd(v0, v0);
+      v1 = _mm256_mul_pd(v1, v1);
+    }
+    __m256d q0 = _mm256_round_pd(_mm256_mul_pd(v0, s), ROUND_CUR);
+    __m256d q1 = _mm256_round_pd(_mm256_mul_pd(v1, s), ROUND_CUR);
+    __m256d h0 = _mm256_floor_pd(_mm256_mul_pd(q0, k)), h1 = _mm256_floor_pd(_mm256_mul_pd(q1, k));
+    sl0 = _mm256_add_pd(sl0, _mm256_sub_pd(q0, _mm256_mul_pd(h0, kk)));
+    sl1 = _mm256_add_pd(sl1, _mm256_sub_pd(q1, _mm256_mul_pd(h1, kk)));
+    sh0 = _mm256_add_pd(sh0, h0);
+    sh1 = _mm256_add_pd(sh1, h1);
+    mx = _mm256_max_pd(mx, _mm256_max_pd(_mm256_andnot_pd(sign, q0), _mm256_andnot_pd(sign, q1)));
+    i += 8;
+  }
+  double a[4], b[4], c[4], d[4], m[4];
+  _mm256_storeu_pd(a, sh0);
+  _mm256_storeu_pd(b, sh1);
+  _mm256_storeu_pd(c, sl0);
+  _mm256_storeu_pd(d, sl1);
+  _mm256_storeu_pd(m, mx);
+  int64_t h = 0, l = 0;
+  for (int j = 0; j < 4; j++) {
+    /* non-finite input: inf/NaN sums; out of range: |q| ≥ 2^63 */
+    if (!(a[j] - a[j] == 0.0 && b[j] - b[j] == 0.0 && c[j] - c[j] == 0.0 && d[j] - d[j] == 0.0)) return 1;
+    if (!(m[j] < 0x1p63)) return 1;
+    h += (int64_t)a[j] + (int64_t)b[j];
+    l += (int64_t)c[j] + (int64_t)d[j];
+  }
+  *hi = h;
+  *lo = l;
+  return 0;
+}
+
+/* Column sums of rows r[0..rows) (row stride w) into sh/sl (double, exact
+ * while rows ≤ XBLOCK); returns the max |q| seen (≥ 2^63 or NaN/inf: redo). */
+__attribute__((target("avx"))) static double cols_block_avx(const float *u, size_t rows, size_t w,
+                                                            const double *cs, double *sh, double *sl) {
+  const __m256d k = _mm256_set1_pd(0x1p-32), kk = _mm256_set1_pd(0x1p32), sign = _mm256_set1_pd(-0.0);
+  __m256d mx = _mm256_setzero_pd();
+  const size_t w4 = w & ~(size_t)3;
+  for (size_t i = 0; i < rows; i++) {
+    const float *r = u + i * w;
+    for (size_t j = 0; j < w4; j += 4) {
+      __m256d v = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + j)), _mm256_loadu_pd(cs + j));
+      __m256d q = _mm256_round_pd(v, ROUND_CUR);
+      __m256d h = _mm256_floor_pd(_mm256_mul_pd(q, k));
+      _mm256_storeu_pd(sl + j, _mm256_add_pd(_mm256_loadu_pd(sl + j), _mm256_sub_pd(q, _mm256_mul_pd(h, kk))));
+      _mm256_storeu_pd(sh + j, _mm256_add_pd(_mm256_loadu_pd(sh + j), h));
+      mx = _mm256_max_pd(mx, _mm256_andnot_pd(sign, q));
+    }
+    for (size_t j = w4; j < w; j++) {
+      __m128d v = _mm_set_sd((double)r[j] * cs[j]);
+      __m128d q = _mm_round_sd(v, v, ROUND_CUR);
+      __m128d hq = _mm_mul_sd(q, _mm_set_sd(0x1p-32));
+      __m128d h = _mm_floor_sd(hq, hq);
+      double qd = _mm_cvtsd_f64(q), hd = _mm_cvtsd_f64(h);
+      sl[j] += qd - hd * 0x1p32;
+      sh[j] += hd;
+      if (!(fabs(qd) < 0x1p63)) return INFINITY; /* non-finite or out of range: redo the block */
+    }
+  }
+  double m[4];
+  _mm256_storeu_pd(m, mx);
+  double r = 0;
+  for (int j = 0; j < 4; j++) {
+    if (!(m[j] < 0x1p63)) return INFINITY;
+    if (m[j] > r) r = m[j];
+  }
+  return r;
+}
+#endif
+
+void dopt__xacc_add_run(dopt_xacc *acc, double scale, const float *x, size_t n, int sq) {
+#ifdef DOPT_HAVE_AVX_PATH
+  if (have_avx()) {
+    for (size_t i = 0; i < n; i += XBLOCK) {
+      size_t m = n - i < XBLOCK ? n - i : XBLOCK;
+      int64_t h, l;
+      if (run_block_avx(scale, x + i, m, sq, &h, &l) == 0) {
+        /* unsigned: the words wrap as the per-element int64 additions do */
+        acc->w[W_HI] = (int64_t)((uint64_t)acc->w[W_HI] + (uint64_t)h);
+        acc->w[W_LO] = (int64_t)((uint64_t)acc->w[W_LO] + (uint64_t)l);
+      } else {
+        add_run_scalar(acc, scale, x + i, m, sq);
+      }
+    }
+    return;
+  }
+#endif
+  add_run_scalar(acc, scale, x, n, sq);
+}
+
+void dopt__xacc_add_cols_block(dopt_xacc *cacc, const double *cs, const float *u, size_t rows, size_t w,
+                               double *ws) {
+#ifdef DOPT_HAVE_AVX_PATH
+  if (have_avx() && ws) {
+    double *sh = ws, *sl = ws + w;
+    for (size_t i0 = 0; i0 < rows; i0 += XBLOCK) {
+      size_t m = rows - i0 < XBLOCK ? rows - i0 : XBLOCK;
+      for (size_t j = 0; j < 2 * w; j++) ws[j] = 0.0;
+      double mx = cols_block_avx(u + i0 * w, m, w, cs, sh, sl);
+      int all_ok = mx < 0x1p63;
+      for (size_t j = 0; j < w; j++) {
+        if (all_ok && sh[j] - sh[j] == 0.0 && sl[j] - sl[j] == 0.0) {
+          cacc[j].w[W_HI] = (int64_t)((uint64_t)cacc[j].w[W_HI] + (uint64_t)(int64_t)sh[j]);
+          cacc[j].w[W_LO] = (int64_t)((uint64_t)cacc[j].w[W_LO] + (uint64_t)(int64_t)sl[j]);
+        } else {
+          for (size_t i = 0; i < m; i++) add_scaled(&cacc[j], cs[j], (double)u[(i0 + i) * w + j]);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  (void)ws;
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < w; j++) add_scaled(&cacc[j], cs[j], (double)u[i * w + j]);
+}
+
 void dopt_xacc_add_n(dopt_xacc *acc, double scale, const float *x, size_t n, size_t stride) {
-  for (size_t i = 0; i < n; i++) add_scaled(acc, scale, (double)x[i * stride]);
+  if (stride == 1) {
+    dopt__xacc_add_run(acc, scale, x, n, 0);
+    return;
+  }
+  dopt_xacc a = *acc;
+  for (size_t i = 0; i < n; i++) add_scaled(&a, scale, (double)x[i * stride]);
+  *acc = a;
 }
 
 void dopt_xacc_add_sq_n(dopt_xacc *acc, double scale, const float *x, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    double v = (double)x[i];
-    add_scaled(acc, scale, v * v); /* fp32·fp32 is exact in double */
+  dopt__xacc_add_run(acc, scale, x, n, 1);
+}
+
+/* ---- maxima ------------------------------------------------------------------------ */
+
+#ifdef DOPT_HAVE_AVX_PATH
+__attribute__((target("avx"))) static float absmax_avx(const float *x, size_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4028234664e38f);
+  __m256 m0 = _mm256_setzero_ps(), m1 = m0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 a0 = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), a1 = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8));
+    /* non-finite (|x| > FLT_MAX or NaN: the ordered compare is false) -> 0 */
+    a0 = _mm256_and_ps(a0, _mm256_cmp_ps(a0, big, _CMP_LE_OQ));
+    a1 = _mm256_and_ps(a1, _mm256_cmp_ps(a1, big, _CMP_LE_OQ));
+    m0 = _mm256_max_ps(m0, a0);
+    m1 = _mm256_max_ps(m1, a1);
   }
+  float t[8];
+  _mm256_storeu_ps(t, _mm256_max_ps(m0, m1));
+  float m = 0.0f;
+  for (int j = 0; j < 8; j++) m = t[j] > m ? t[j] : m;
+  for (; i < n; i++) {
+    float a = fabsf(x[i]);
+    if (a > m && a <= 3.4028234664e38f) m = a;
+  }
+  return m;
+}
+
+__attribute__((target("avx"))) static float absmax_row_cols_avx(const float *r, size_t w, float *cmax) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4028234664e38f);
+  __m256 m0 = _mm256_setzero_ps();
+  size_t j = 0;
+  for (; j + 8 <= w; j += 8) {
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(r + j));
+    a = _mm256_and_ps(a, _mm256_cmp_ps(a, big, _CMP_LE_OQ));
+    m0 = _mm256_max_ps(m0, a);
+    _mm256_storeu_ps(cmax + j, _mm256_max_ps(_mm256_loadu_ps(cmax + j), a));
+  }
+  float t[8];
+  _mm256_storeu_ps(t, m0);
+  float m = 0.0f;
+  for (int k = 0; k < 8; k++) m = t[k] > m ? t[k] : m;
+  for (; j < w; j++) {
+    float a = fabsf(r[j]);
+    if (!(a <= 3.4028234664e38f)) continue;
+    m = a > m ? a : m;
+    cmax[j] = a > cmax[j] ? a : cmax[j];
+  }
+  return m;
+}
+#endif
+
+float dopt__absmax_run(const float *x, size_t n) {
+#ifdef DOPT_HAVE_AVX_PATH
+  if (have_avx()) return absmax_avx(x, n);
+#endif
+  float m = 0.0f;
+  for (size_t i = 0; i < n; i++) {
+    float a = fabsf(x[i]);
+    if (a > m && a <= 3.4028234664e38f) m = a;
+  }
+  return m;
+}
+
+float dopt__absmax_row_cols(const float *r, size_t w, float *cmax) {
+#ifdef DOPT_HAVE_AVX_PATH
+  if (have_avx()) return absmax_row_cols_avx(r, w, cmax);
+#endif
+  float m = 0.0f;
+  for (size_t j = 0; j < w; j++) {
+    float a = fabsf(r[j]);
+    if (!(a <= 3.4028234664e38f)) continue;
+    m = a > m ? a : m;
+    cmax[j] = a > cmax[j] ? a : cmax[j];
+  }
+  return m;
 }
 
 void dopt_xacc_merge(dopt_xacc *acc, const dopt_xacc *other) {
@@ -60,6 +319,7 @@ double dopt_xacc_value(const dopt_xacc *acc, double scale) {
 }
 
 double dopt_absmax(const float *x, size_t n, size_t stride) {
+  if (stride == 1) return (double)dopt__absmax_run(x, n);
   float m = 0.0f;
   for (size_t i = 0; i < n; i++) {
     float a = fabsf(x[i * stride]);
