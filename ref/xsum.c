@@ -25,7 +25,9 @@ static inline void add_scaled(dopt_xacc *a, double scale, double x) {
   /* x·scale is exact (power of two, no overflow for finite fp32-derived x). */
   int64_t q = (int64_t)rint(x * scale);
   uint64_t uq = (uint64_t)q;
+  /* signed low word in [-2^31, 2^31): 2^32 - 1 of them cannot overflow */
   int64_t lo = (int64_t)(uq & 0xffffffffu);
+  if (lo >= 2147483648) lo -= 4294967296;
   a->w[W_HI] += (q - lo) / 4294967296; /* exact: q - lo is a multiple of 2^32 */
   a->w[W_LO] += lo;
 }
@@ -39,8 +41,9 @@ void dopt_xacc_add(dopt_xacc *acc, double scale, double x) { add_scaled(acc, sca
  *   q = rint(v)                 (exact integer, |q| < 2^63)
  *   h = floor(q·2^-32)          (exact: power-of-two scaling of an integer)
  *   l = q − h·2^32 ∈ [0, 2^32)  (exact: an integer below 2^32)
- * and h, l are exactly the words q >> 32 and q & 0xffffffff. Sums of h
- * (|h| < 2^31) and of l over at most XBLOCK elements stay below 2^53 in
+ *   if l ≥ 2^31: l −= 2^32, h += 1   (signed low word in [−2^31, 2^31))
+ * and h, l are exactly the words of add_scaled(). Sums of h
+ * (|h| ≤ 2^31) and of l over at most XBLOCK elements stay below 2^53 in
  * magnitude, so every double addition is exact and the lane sums are the
  * integer sums in any order; they are converted to int64 per block. A block
  * with a non-finite value (its sums become inf/NaN) or with |q| ≥ 2^63 (only
@@ -62,16 +65,19 @@ static void add_run_scalar(dopt_xacc *acc, double scale, const float *x, size_t 
 #include <immintrin.h>
 #define DOPT_HAVE_AVX_PATH 1
 
-static int have_avx(void) {
-  static int cached = -1;
-  if (cached < 0) {
-    __builtin_cpu_init();
-    cached = __builtin_cpu_supports("avx") ? 1 : 0;
-  }
-  return cached;
-}
+/* Read-only after libgcc's constructor ran: safe from any thread (no static
+ * cache here: every rank thread calls this). */
+static int have_avx(void) { return __builtin_cpu_supports("avx") != 0; }
 
 #define ROUND_CUR (_MM_FROUND_CUR_DIRECTION)
+
+/* l ∈ [0, 2^32) → [−2^31, 2^31) with the carry into h (exact double ops) */
+__attribute__((target("avx"))) static inline void signed_words(__m256d *h, __m256d *l) {
+  const __m256d half = _mm256_set1_pd(0x1p31), kk = _mm256_set1_pd(0x1p32), one = _mm256_set1_pd(1.0);
+  __m256d m = _mm256_cmp_pd(*l, half, _CMP_GE_OQ);
+  *l = _mm256_sub_pd(*l, _mm256_and_pd(m, kk));
+  *h = _mm256_add_pd(*h, _mm256_and_pd(m, one));
+}
 
 /* h, l sums of one contiguous block (n ≤ XBLOCK); returns 0 and the words,
  * or 1 if the block must be redone per element. */
@@ -98,8 +104,11 @@ __attribute__((target("avx"))) static int run_block_avx(double scale, const floa
     __m256d q0 = _mm256_round_pd(_mm256_mul_pd(v0, s), ROUND_CUR);
     __m256d q1 = _mm256_round_pd(_mm256_mul_pd(v1, s), ROUND_CUR);
     __m256d h0 = _mm256_floor_pd(_mm256_mul_pd(q0, k)), h1 = _mm256_floor_pd(_mm256_mul_pd(q1, k));
-    sl0 = _mm256_add_pd(sl0, _mm256_sub_pd(q0, _mm256_mul_pd(h0, kk)));
-    sl1 = _mm256_add_pd(sl1, _mm256_sub_pd(q1, _mm256_mul_pd(h1, kk)));
+    __m256d l0 = _mm256_sub_pd(q0, _mm256_mul_pd(h0, kk)), l1 = _mm256_sub_pd(q1, _mm256_mul_pd(h1, kk));
+    signed_words(&h0, &l0);
+    signed_words(&h1, &l1);
+    sl0 = _mm256_add_pd(sl0, l0);
+    sl1 = _mm256_add_pd(sl1, l1);
     sh0 = _mm256_add_pd(sh0, h0);
     sh1 = _mm256_add_pd(sh1, h1);
     mx = _mm256_max_pd(mx, _mm256_max_pd(_mm256_andnot_pd(sign, q0), _mm256_andnot_pd(sign, q1)));
@@ -137,7 +146,9 @@ __attribute__((target("avx"))) static double cols_block_avx(const float *u, size
       __m256d v = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + j)), _mm256_loadu_pd(cs + j));
       __m256d q = _mm256_round_pd(v, ROUND_CUR);
       __m256d h = _mm256_floor_pd(_mm256_mul_pd(q, k));
-      _mm256_storeu_pd(sl + j, _mm256_add_pd(_mm256_loadu_pd(sl + j), _mm256_sub_pd(q, _mm256_mul_pd(h, kk))));
+      __m256d l = _mm256_sub_pd(q, _mm256_mul_pd(h, kk));
+      signed_words(&h, &l);
+      _mm256_storeu_pd(sl + j, _mm256_add_pd(_mm256_loadu_pd(sl + j), l));
       _mm256_storeu_pd(sh + j, _mm256_add_pd(_mm256_loadu_pd(sh + j), h));
       mx = _mm256_max_pd(mx, _mm256_andnot_pd(sign, q));
     }
@@ -146,8 +157,12 @@ __attribute__((target("avx"))) static double cols_block_avx(const float *u, size
       __m128d q = _mm_round_sd(v, v, ROUND_CUR);
       __m128d hq = _mm_mul_sd(q, _mm_set_sd(0x1p-32));
       __m128d h = _mm_floor_sd(hq, hq);
-      double qd = _mm_cvtsd_f64(q), hd = _mm_cvtsd_f64(h);
-      sl[j] += qd - hd * 0x1p32;
+      double qd = _mm_cvtsd_f64(q), hd = _mm_cvtsd_f64(h), ld = qd - hd * 0x1p32;
+      if (ld >= 0x1p31) {
+        ld -= 0x1p32;
+        hd += 1.0;
+      }
+      sl[j] += ld;
       sh[j] += hd;
       if (!(fabs(qd) < 0x1p63)) return INFINITY; /* non-finite or out of range: redo the block */
     }

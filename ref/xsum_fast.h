@@ -1,7 +1,8 @@
 /* Internal fast paths of the exact sums (ref/xsum.c). Every function here
  * produces exactly the accumulator words (and maxima) of the straightforward
  * per-element definition in include/distopt/xsum.h:
- *   q = (int64_t)rint(x·scale);  hi += q >> 32 (floor);  lo += q & 0xffffffff,
+ *   q = (int64_t)rint(x·scale);  lo = q mod 2^32 as a signed value in [-2^31, 2^31);
+ *   hi += (q - lo) / 2^32;  acc lo += lo,
  * non-finite x counted in the NaN/+inf/-inf words. tests/unit/test_xsum_fast.c
  * checks them bitwise against a scalar transcription of that definition. */
 #ifndef DISTOPT_XSUM_FAST_H

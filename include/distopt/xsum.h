@@ -10,7 +10,8 @@
  *   2. accumulate: with the shared scale 2^s chosen from M (|x|·2^s < 2^62),
  *      every x_i is rounded to the integer q_i = rint(x_i·2^s) (a per-element
  *      operation, hence partition-independent) and the q_i are added as
- *      integers in two int64 words (hi = q>>32, lo = q & 0xffffffff).
+ *      integers in two int64 words (lo = q mod 2^32 taken in [-2^31, 2^31),
+ *      hi = (q - lo)/2^32).
  *      Integer addition is associative, so partial accumulators combine
  *      exactly in any order (collective: integer SUM on int64). Non-finite
  *      inputs are counted in three extra words (NaN, +inf, -inf).

@@ -155,12 +155,31 @@ static void test_non_finite(void **st) {
   assert_true(dopt_xsum(e, 1) == 0.0 && dopt_xsum(e, 0) == 0.0);
 }
 
+/* Close to the documented limit (2^32 - 1 elements per segment): ~3·10^9
+ * elements whose fixed-point low words are near 2^32 (the worst case for
+ * the low word) still sum exactly. Built by merging one block accumulator
+ * many times, exactly what an integer-sum collective over many ranks does. */
+static void test_large_count_no_overflow(void **st) {
+  (void)st;
+  const float one = 1.0f, x = (float)(16777215.0 * 0x1p-53); /* q = (2^24-1)·2^8 */
+  const double scale = dopt_xsum_scale(1.0);
+  dopt_xacc block = {{0}}, total = {{0}};
+  for (int i = 0; i < 65536; i++) dopt_xacc_add(&block, scale, (double)x);
+  const long k = 46341; /* k·65536 ≈ 2^31.5 elements */
+  for (long i = 0; i < k; i++) dopt_xacc_merge(&total, &block);
+  dopt_xacc_add(&total, scale, (double)one);
+  long double exact = 1.0L + (long double)k * 65536.0L * (long double)x;
+  double got = dopt_xacc_value(&total, scale);
+  if (fabsl((long double)got - exact) > 0x1p-50L) fail_msg("sum of 3e9 elements %.17g, exact %.20Lg", got, exact);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_partition_and_order_independence),
       cmocka_unit_test(test_accuracy_against_long_double),
       cmocka_unit_test(test_tiny_sums_stay_nonzero),
       cmocka_unit_test(test_non_finite),
+      cmocka_unit_test(test_large_count_no_overflow),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

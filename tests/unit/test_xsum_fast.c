@@ -25,6 +25,7 @@ static void ref_add(dopt_xacc *a, double scale, double x) {
   }
   int64_t q = (int64_t)rint(x * scale);
   int64_t lo = (int64_t)((uint64_t)q & 0xffffffffu);
+  if (lo >= 2147483648) lo -= 4294967296; /* signed low word in [-2^31, 2^31) */
   a->w[0] = (int64_t)((uint64_t)a->w[0] + (uint64_t)((q - lo) / 4294967296));
   a->w[1] = (int64_t)((uint64_t)a->w[1] + (uint64_t)lo);
 }
