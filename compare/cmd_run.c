@@ -9,11 +9,14 @@
  * tensors "grad/<t>/<name>" (t = 1..N) of G (default: P); a missing one means
  * "no gradient" for that parameter at that step. Optimizer, hyperparameters and
  * groups default to P's metadata (optimizer, hparams, groups, group_hparams)
- * when --optimizer is not given. Groups: each --group adds a parameter group
+ * when --optimizer is not given; a file with only param/ and state/ tensors
+ * and an "inputs" metadata entry (the golden case files) takes parameters and
+ * gradients from that file. Groups: each --group adds a parameter group
  * whose overrides apply to parameters matching GLOB (first match wins; others
  * stay in group 0).
  * Output: "param/<name>", "state/<name>/<key>" and "state/<name>/step" (I64).
- * Bad input: one-line error, exit 2, no output file. */
+ * Bad input: one-line error, exit 2, no output file; a failure while
+ * computing or writing: exit 1, no output file. */
 #include <fnmatch.h>
 #include <math.h>
 #include <stdio.h>
@@ -42,6 +45,8 @@ typedef struct run_ctx {
   long steps;
   int quiet;
   dopt_st_file *pf, *gf;
+  dopt_st_file *mf; /* metadata source: the --params file (a golden case file points to its inputs) */
+  char *inputs_path;
   run_param *p;
   int np;
   dopt_optim *opt;
@@ -178,10 +183,10 @@ static int build_optimizer(run_ctx *c) {
   const char *name = c->optimizer, *hp = c->hparams;
   const char *meta_groups = NULL, *meta_ghp = NULL;
   if (!name) {
-    name = dopt_st_meta(c->pf, "optimizer");
-    hp = dopt_st_meta(c->pf, "hparams");
-    meta_groups = dopt_st_meta(c->pf, "groups");
-    meta_ghp = dopt_st_meta(c->pf, "group_hparams");
+    name = dopt_st_meta(c->mf, "optimizer");
+    hp = dopt_st_meta(c->mf, "hparams");
+    meta_groups = dopt_st_meta(c->mf, "groups");
+    meta_ghp = dopt_st_meta(c->mf, "group_hparams");
     if (!name) return cli_errorf(CMD, "--optimizer is required (%s has no 'optimizer' metadata)", c->params_path);
   }
   dopt_status s = dopt_optim_create(name, hp, &c->opt);
@@ -292,11 +297,18 @@ static int write_output(run_ctx *c) {
   if (s == DOPT_OK) s = dopt_st_writer_meta(w, "optimizer", dopt_optim_name(c->opt));
   snprintf(buf, sizeof buf, "%ld", c->steps);
   if (s == DOPT_OK) s = dopt_st_writer_meta(w, "steps", buf);
-  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "hparams", c->hparams ? c->hparams : (c->optimizer ? "" : dopt_st_meta(c->pf, "hparams") ? dopt_st_meta(c->pf, "hparams") : ""));
+  const char *hp = c->hparams ? c->hparams : (c->optimizer ? NULL : dopt_st_meta(c->mf, "hparams"));
+  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "hparams", hp ? hp : "");
+  for (int k = 0; k < c->ngroups && s == DOPT_OK; k++) {
+    snprintf(key, sizeof key, "group%d", k + 1);
+    s = dopt_st_writer_meta(w, key, c->group_spec[k]);
+  }
   if (s == DOPT_OK) s = dopt_st_writer_meta(w, "generator", "distopt run");
   if (s == DOPT_OK) s = dopt_st_writer_save(w, c->out_path);
   dopt_st_writer_free(w);
-  return s == DOPT_OK ? CLI_OK : cli_error(CMD, s);
+  if (s == DOPT_OK) return CLI_OK;
+  cli_error(CMD, s);
+  return CLI_FAIL; /* the computation ran; writing its result failed */
 }
 
 /* One line per parameter: shape, group, steps taken, RMS before/after, state bytes. */
@@ -320,12 +332,39 @@ static void print_summary(const run_ctx *c) {
   printf("total optimizer state: %zu bytes\n", total);
 }
 
+/* A golden case file holds no parameters but names its inputs file
+ * (metadata "inputs", relative to the case file): parameters and gradients
+ * then come from there, optimizer/hparams/groups from the case file. */
+static int follow_inputs(run_ctx *c) {
+  const char *inputs = dopt_st_meta(c->pf, "inputs");
+  dopt_st_tensor t;
+  for (int i = 0; i < dopt_st_count(c->pf); i++)
+    if (dopt_st_get(c->pf, i, &t) == DOPT_OK && !has_prefix(t.name, "param/") && !has_prefix(t.name, "state/"))
+      return CLI_OK; /* it has parameters or gradients of its own */
+  if (!inputs) return CLI_OK;
+  const char *slash = strrchr(c->params_path, '/');
+  size_t dl = slash ? (size_t)(slash - c->params_path) + 1 : 0;
+  c->inputs_path = malloc(dl + strlen(inputs) + 1);
+  if (!c->inputs_path) return cli_errorf(CMD, "out of memory");
+  memcpy(c->inputs_path, c->params_path, dl);
+  strcpy(c->inputs_path + dl, inputs);
+  dopt_status s = dopt_st_load(c->inputs_path, &c->pf);
+  if (s != DOPT_OK) {
+    c->pf = c->mf;
+    return cli_error(CMD, s);
+  }
+  c->params_path = c->inputs_path;
+  return CLI_OK;
+}
+
 int cmd_run(int argc, char **argv) {
   run_ctx c;
   memset(&c, 0, sizeof c);
   int rc = parse_args(&c, argc, argv);
   dopt_status s;
   if (rc == CLI_OK && (s = dopt_st_load(c.params_path, &c.pf)) != DOPT_OK) rc = cli_error(CMD, s);
+  c.mf = c.pf;
+  if (rc == CLI_OK) rc = follow_inputs(&c);
   if (rc == CLI_OK) {
     if (!c.grads_path || strcmp(c.grads_path, c.params_path) == 0) {
       c.grads_path = c.params_path;
@@ -347,6 +386,8 @@ int cmd_run(int argc, char **argv) {
   free(c.p);
   dopt_optim_destroy(c.opt);
   if (c.gf != c.pf) dopt_st_free(c.gf);
+  if (c.mf != c.pf) dopt_st_free(c.mf);
   dopt_st_free(c.pf);
+  free(c.inputs_path);
   return rc;
 }

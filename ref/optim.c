@@ -273,7 +273,8 @@ dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double 
 dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *cfg, int *pid) {
   DOPT_TRY(check_group(o, g, "dopt_optim_add_param"));
   DOPT_CHECK_ARG(cfg != NULL, "dopt_optim_add_param: config=NULL");
-  DOPT_CHECK_ARG(cfg->struct_size >= sizeof(dopt_param_config) && cfg->version == DOPT_PARAM_CONFIG_VERSION,
+  DOPT_CHECK_ARG(cfg->struct_size >= DOPT_PARAM_CONFIG_V1_SIZE && cfg->version >= 1 &&
+                     cfg->version <= DOPT_PARAM_CONFIG_VERSION,
                  "dopt_optim_add_param: config struct_size=%u version=%u (initialise with DOPT_PARAM_CONFIG_INIT)",
                  cfg->struct_size, cfg->version);
   const char *nm = cfg->name ? cfg->name : "";

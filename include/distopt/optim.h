@@ -65,6 +65,9 @@ typedef struct dopt_param_config {
 } dopt_param_config;
 
 #define DOPT_PARAM_CONFIG_VERSION 1
+/* Size of the version-1 struct: callers built against it stay accepted when
+ * fields are appended (later fields then take their defaults). */
+#define DOPT_PARAM_CONFIG_V1_SIZE (offsetof(dopt_param_config, layer) + sizeof(int))
 #define DOPT_PARAM_CONFIG_INIT \
   { sizeof(dopt_param_config), DOPT_PARAM_CONFIG_VERSION, NULL, 0, {0}, DOPT_F32, NULL, NULL, -1 }
 
