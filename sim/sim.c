@@ -272,8 +272,9 @@ static void split_locked(sim_group *g) {
     free(done);
     return;
   }
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < n; i++)
     g->arr[i].result = NULL;
+  for (int i = 0; i < n; i++) {
     if (done[i] || g->arr[i].color == DOPT_SIM_SPLIT_NOCOLOR)
       continue;
     int m = 0;
