@@ -839,103 +839,77 @@ static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
   return call_end(k, recv, rcount, dt);
 }
 
+/* Entry of every data collective: local argument checks (delivered to all
+ * ranks through the rendezvous), then the collective itself. */
+static dopt_status collective(dopt_sim_comm *comm, dopt_sim_kind kind, const void *send, void *recv,
+                              size_t count, dopt_sim_dtype dt, int op, int root) {
+  sim_call k;
+  DOPT_TRY(call_begin(&k, comm, kind));
+  size_t n = (size_t)comm->g->n, r = (size_t)comm->rank;
+  int rooted = kind == DOPT_SIM_KIND_BROADCAST || kind == DOPT_SIM_KIND_REDUCE;
+  int uses_send = kind != DOPT_SIM_KIND_BROADCAST || root == comm->rank; /* bcast: root only */
+  int uses_recv = kind != DOPT_SIM_KIND_REDUCE || root == comm->rank;    /* reduce: root only */
+  int reduces = kind == DOPT_SIM_KIND_ALL_REDUCE || kind == DOPT_SIM_KIND_REDUCE_SCATTER ||
+                kind == DOPT_SIM_KIND_REDUCE;
+  int scaled = kind == DOPT_SIM_KIND_REDUCE_SCATTER || kind == DOPT_SIM_KIND_ALL_GATHER ||
+               kind == DOPT_SIM_KIND_ALL_TO_ALL;
+  sim_arrival a = arrival_init(kind, uses_send ? send : NULL, uses_recv ? recv : NULL, count, dt,
+                               reduces ? op : -1, rooted ? root : -1);
+  check_common(&a, comm, scaled, reduces);
+  if (rooted)
+    check_root(&a, comm);
+  if (uses_send)
+    check_ptr(&a, send, "send");
+  if (uses_recv)
+    check_ptr(&a, recv, "recv");
+  if (a.status == DOPT_OK && uses_send && uses_recv) {
+    size_t b = count * dopt_sim_dtype_size(dt);
+    switch (kind) {
+    case DOPT_SIM_KIND_REDUCE_SCATTER: /* in place: recv == send + rank*count */
+      check_overlap(&a, b * n, b, (uintptr_t)recv - (uintptr_t)(r * b));
+      break;
+    case DOPT_SIM_KIND_ALL_GATHER: /* in place: send == recv + rank*count */
+      check_overlap(&a, b, b * n, (uintptr_t)recv + (uintptr_t)(r * b));
+      break;
+    case DOPT_SIM_KIND_ALL_TO_ALL: /* never in place */
+      check_overlap(&a, b * n, b * n, 0);
+      break;
+    default: /* in place: send == recv */
+      check_overlap(&a, b, b, (uintptr_t)recv);
+      break;
+    }
+  }
+  return run_collective(&k, &a);
+}
+
 dopt_status dopt_sim_all_reduce(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
                                 dopt_sim_op op, dopt_sim_comm *comm) {
-  sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_REDUCE));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_REDUCE, send, recv, count, dt, (int)op, -1);
-  check_common(&a, comm, 0, 1);
-  check_ptr(&a, send, "send");
-  check_ptr(&a, recv, "recv");
-  size_t bytes = count * dopt_sim_dtype_size(dt);
-  if (a.status == DOPT_OK)
-    check_overlap(&a, bytes, bytes, (uintptr_t)recv);
-  return run_collective(&k, &a);
+  return collective(comm, DOPT_SIM_KIND_ALL_REDUCE, send, recv, count, dt, (int)op, -1);
 }
 
 dopt_status dopt_sim_reduce_scatter(const void *send, void *recv, size_t recvcount,
                                     dopt_sim_dtype dt, dopt_sim_op op, dopt_sim_comm *comm) {
-  sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_REDUCE_SCATTER));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_REDUCE_SCATTER, send, recv, recvcount, dt, (int)op, -1);
-  check_common(&a, comm, 1, 1);
-  check_ptr(&a, send, "send");
-  check_ptr(&a, recv, "recv");
-  if (a.status == DOPT_OK) {
-    size_t bytes = recvcount * dopt_sim_dtype_size(dt);
-    /* in place: recv == send + rank*recvcount */
-    check_overlap(&a, bytes * (size_t)comm->g->n, bytes,
-                  (uintptr_t)recv - (uintptr_t)comm->rank * bytes);
-  }
-  return run_collective(&k, &a);
+  return collective(comm, DOPT_SIM_KIND_REDUCE_SCATTER, send, recv, recvcount, dt, (int)op, -1);
 }
 
 dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount, dopt_sim_dtype dt,
                                 dopt_sim_comm *comm) {
-  sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_GATHER));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_GATHER, send, recv, sendcount, dt, -1, -1);
-  check_common(&a, comm, 1, 0);
-  check_ptr(&a, send, "send");
-  check_ptr(&a, recv, "recv");
-  if (a.status == DOPT_OK) {
-    size_t bytes = sendcount * dopt_sim_dtype_size(dt);
-    check_overlap(&a, bytes, bytes * (size_t)comm->g->n, (uintptr_t)recv + (uintptr_t)comm->rank * bytes);
-  }
-  return run_collective(&k, &a);
+  return collective(comm, DOPT_SIM_KIND_ALL_GATHER, send, recv, sendcount, dt, -1, -1);
 }
 
 dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
                                int root, dopt_sim_comm *comm) {
-  sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_BROADCAST));
-  int is_root = root == comm->rank;
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_BROADCAST, is_root ? send : NULL, recv, count, dt, -1,
-                               root);
-  check_common(&a, comm, 0, 0);
-  check_root(&a, comm);
-  if (is_root)
-    check_ptr(&a, send, "send");
-  check_ptr(&a, recv, "recv");
-  if (a.status == DOPT_OK && is_root) {
-    size_t bytes = count * dopt_sim_dtype_size(dt);
-    check_overlap(&a, bytes, bytes, (uintptr_t)recv);
-  }
-  return run_collective(&k, &a);
+  return collective(comm, DOPT_SIM_KIND_BROADCAST, send, recv, count, dt, -1, root);
 }
 
 dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
                             dopt_sim_op op, int root, dopt_sim_comm *comm) {
-  sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_REDUCE));
-  int is_root = root == comm->rank;
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_REDUCE, send, is_root ? recv : NULL, count, dt, (int)op,
-                               root);
-  check_common(&a, comm, 0, 1);
-  check_root(&a, comm);
-  check_ptr(&a, send, "send");
-  if (is_root)
-    check_ptr(&a, recv, "recv");
-  if (a.status == DOPT_OK && is_root) {
-    size_t bytes = count * dopt_sim_dtype_size(dt);
-    check_overlap(&a, bytes, bytes, (uintptr_t)recv);
-  }
-  return run_collective(&k, &a);
+  return collective(comm, DOPT_SIM_KIND_REDUCE, send, recv, count, dt, (int)op, root);
 }
 
 dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
                                 dopt_sim_comm *comm) {
-  sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_TO_ALL));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_TO_ALL, send, recv, count, dt, -1, -1);
-  check_common(&a, comm, 1, 0);
-  check_ptr(&a, send, "send");
-  check_ptr(&a, recv, "recv");
-  if (a.status == DOPT_OK) {
-    size_t bytes = count * dopt_sim_dtype_size(dt) * (size_t)comm->g->n;
-    check_overlap(&a, bytes, bytes, 0);
-  }
-  return run_collective(&k, &a);
+  return collective(comm, DOPT_SIM_KIND_ALL_TO_ALL, send, recv, count, dt, -1, -1);
 }
 
 dopt_status dopt_sim_barrier(dopt_sim_comm *comm) {
@@ -948,22 +922,30 @@ dopt_status dopt_sim_barrier(dopt_sim_comm *comm) {
 
 /* ---- point to point ---------------------------------------------------------------- */
 
-static void check_p2p(sim_arrival *a, const dopt_sim_comm *c, const void *buf, const char *name) {
-  check_common(a, c, 0, 0);
-  if (a->sig.root < 0 || a->sig.root >= c->g->n)
-    arg_fail(a, DOPT_ERR_INVALID_ARG, "%s: peer=%d out of range [0,%d)",
-             dopt_sim_kind_name(a->sig.kind), a->sig.root, c->g->n);
-  check_ptr(a, buf, name);
+/* Entry of send/recv: checks are local (there is no rendezvous). */
+static dopt_status p2p_begin(sim_call *k, sim_arrival *a, dopt_sim_comm *comm, dopt_sim_kind kind,
+                             const void *send, void *recv, size_t count, dopt_sim_dtype dt,
+                             int peer) {
+  DOPT_TRY(call_begin(k, comm, kind));
+  *a = arrival_init(kind, send, recv, count, dt, -1, peer);
+  check_common(a, comm, 0, 0);
+  if (peer < 0 || peer >= comm->g->n)
+    arg_fail(a, DOPT_ERR_INVALID_ARG, "%s: peer=%d out of range [0,%d)", dopt_sim_kind_name(kind),
+             peer, comm->g->n);
+  if (kind == DOPT_SIM_KIND_SEND)
+    check_ptr(a, send, "send");
+  else
+    check_ptr(a, recv, "recv");
+  if (a->status != DOPT_OK)
+    return dopt__fail(a->status, "comm '%s' rank %d: %s", comm->g->label, comm->rank, a->msg);
+  return DOPT_OK;
 }
 
 dopt_status dopt_sim_send(const void *send, size_t count, dopt_sim_dtype dt, int peer,
                           dopt_sim_comm *comm) {
   sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_SEND));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_SEND, send, NULL, count, dt, -1, peer);
-  check_p2p(&a, comm, send, "send");
-  if (a.status != DOPT_OK)
-    return dopt__fail(a.status, "comm '%s' rank %d: %s", comm->g->label, comm->rank, a.msg);
+  sim_arrival a;
+  DOPT_TRY(p2p_begin(&k, &a, comm, DOPT_SIM_KIND_SEND, send, NULL, count, dt, peer));
   size_t bytes = count * dopt_sim_dtype_size(dt);
   sim_msg *m = malloc(sizeof *m + bytes);
   if (m == NULL)
@@ -995,11 +977,8 @@ dopt_status dopt_sim_send(const void *send, size_t count, dopt_sim_dtype dt, int
 dopt_status dopt_sim_recv(void *recv, size_t count, dopt_sim_dtype dt, int peer,
                           dopt_sim_comm *comm) {
   sim_call k;
-  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_RECV));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_RECV, NULL, recv, count, dt, -1, peer);
-  check_p2p(&a, comm, recv, "recv");
-  if (a.status != DOPT_OK)
-    return dopt__fail(a.status, "comm '%s' rank %d: %s", comm->g->label, comm->rank, a.msg);
+  sim_arrival a;
+  DOPT_TRY(p2p_begin(&k, &a, comm, DOPT_SIM_KIND_RECV, NULL, recv, count, dt, peer));
   sim_group *g = k.g;
   size_t q = (size_t)peer * (size_t)g->n + (size_t)comm->rank;
   pthread_mutex_lock(&k.w->mu);
