@@ -1,0 +1,361 @@
+/* Every collective, dtype and op, in and out of place, at 1, 2, 3, 4, 5 and 8
+ * ranks with integer-valued data (exact results, compared with memcmp);
+ * count 0; TP x DP grids built with split; point to point. */
+#include "simtest.h"
+
+enum { MAX_CASES = 1024, MAX_RANKS = 8 };
+
+typedef struct coll_case {
+  dopt_sim_kind kind;
+  dopt_sim_dtype dt;
+  dopt_sim_op op;
+  size_t count; /* per-rank count (NCCL convention) */
+  int inplace;
+  int root;
+} coll_case;
+
+typedef struct coll_run {
+  coll_case cases[MAX_CASES];
+  int ncases;
+  void *out[MAX_CASES][MAX_RANKS]; /* rank r's received data, owned by main */
+} coll_run;
+
+static size_t in_count(const coll_case *c, int n) {
+  return c->kind == DOPT_SIM_KIND_REDUCE_SCATTER || c->kind == DOPT_SIM_KIND_ALL_TO_ALL
+             ? c->count * (size_t)n
+             : c->count;
+}
+
+static size_t out_count(const coll_case *c, int n) {
+  return c->kind == DOPT_SIM_KIND_ALL_GATHER || c->kind == DOPT_SIM_KIND_ALL_TO_ALL
+             ? c->count * (size_t)n
+             : c->count;
+}
+
+/* Runs one case on this rank; on success *out holds the received data. */
+static dopt_status run_case(const coll_case *c, dopt_sim_comm *comm, int r, int n, void **out) {
+  size_t esz = dopt_sim_dtype_size(c->dt);
+  size_t nin = in_count(c, n), nout = out_count(c, n);
+  size_t big = (nin > nout ? nin : nout) + 1;
+  unsigned char *in = malloc(big * esz), *res = malloc(big * esz);
+  if (in == NULL || res == NULL) {
+    free(in);
+    free(res);
+    return DOPT_ERR_NO_MEMORY;
+  }
+  memset(res, 0xab, big * esz);
+  dopt_status s;
+  unsigned char *result = res; /* where the output lands */
+  switch (c->kind) {
+  case DOPT_SIM_KIND_ALL_GATHER:
+    /* in place: own block inside the receive buffer */
+    for (size_t e = 0; e < c->count; e++)
+      st_put(c->dt, c->inplace ? res + (size_t)r * c->count * esz : in, e,
+             st_value(c->dt, c->op, r, e));
+    s = dopt_sim_all_gather(c->inplace ? res + (size_t)r * c->count * esz : in, res, c->count,
+                            c->dt, comm);
+    break;
+  default: {
+    unsigned char *src = c->inplace ? res : in;
+    for (size_t e = 0; e < nin; e++)
+      st_put(c->dt, src, e, st_value(c->dt, c->op, r, e));
+    unsigned char *dst = res;
+    switch (c->kind) {
+    case DOPT_SIM_KIND_ALL_REDUCE:
+      s = dopt_sim_all_reduce(src, dst, c->count, c->dt, c->op, comm);
+      break;
+    case DOPT_SIM_KIND_REDUCE_SCATTER:
+      if (c->inplace)
+        result = dst = res + (size_t)r * c->count * esz;
+      s = dopt_sim_reduce_scatter(src, dst, c->count, c->dt, c->op, comm);
+      break;
+    case DOPT_SIM_KIND_BROADCAST:
+      s = dopt_sim_broadcast(src, dst, c->count, c->dt, c->root, comm);
+      break;
+    case DOPT_SIM_KIND_REDUCE:
+      s = dopt_sim_reduce(src, dst, c->count, c->dt, c->op, c->root, comm);
+      break;
+    default:
+      s = dopt_sim_all_to_all(src, dst, c->count, c->dt, comm);
+      break;
+    }
+  }
+  }
+  if (s == DOPT_OK) {
+    memmove(res, result, nout * esz);
+    *out = res;
+  } else {
+    free(res);
+  }
+  free(in);
+  return s;
+}
+
+static dopt_status coll_body(dopt_sim_comm *comm, int rank, void *user) {
+  coll_run *run = user;
+  int n = 0;
+  dopt_status s = dopt_sim_comm_size(comm, &n);
+  for (int i = 0; s == DOPT_OK && i < run->ncases; i++)
+    s = run_case(&run->cases[i], comm, rank, n, &run->out[i][rank]);
+  return s;
+}
+
+/* Expected output of rank i for case c, in a fresh buffer. */
+static void *expected(const coll_case *c, int i, int n) {
+  size_t esz = dopt_sim_dtype_size(c->dt), nout = out_count(c, n);
+  unsigned char *x = calloc(nout + 1, esz);
+  for (size_t e = 0; e < nout; e++) {
+    size_t blk = c->count ? e / c->count : 0, off = c->count ? e % c->count : 0;
+    switch (c->kind) {
+    case DOPT_SIM_KIND_ALL_REDUCE:
+    case DOPT_SIM_KIND_REDUCE:
+      st_expect_reduce(c->dt, c->op, n, e, x, e);
+      break;
+    case DOPT_SIM_KIND_REDUCE_SCATTER:
+      st_expect_reduce(c->dt, c->op, n, (size_t)i * c->count + e, x, e);
+      break;
+    case DOPT_SIM_KIND_ALL_GATHER:
+      st_put(c->dt, x, e, st_value(c->dt, c->op, (int)blk, off));
+      break;
+    case DOPT_SIM_KIND_BROADCAST:
+      st_put(c->dt, x, e, st_value(c->dt, c->op, c->root, e));
+      break;
+    default: /* all_to_all: block j from rank j's block i */
+      st_put(c->dt, x, e, st_value(c->dt, c->op, (int)blk, (size_t)i * c->count + off));
+      break;
+    }
+  }
+  return x;
+}
+
+static void add_case(coll_run *run, dopt_sim_kind kind, dopt_sim_dtype dt, dopt_sim_op op,
+                     size_t count, int inplace, int root) {
+  assert_true(run->ncases < MAX_CASES);
+  run->cases[run->ncases++] = (coll_case){kind, dt, op, count, inplace, root};
+}
+
+static void check_all_collectives(int n) {
+  static const size_t counts[] = {0, 1, 13, 1500}; /* 1500 > one reduction block */
+  coll_run *run = calloc(1, sizeof *run);
+  assert_non_null(run);
+  for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++) {
+    for (int dt = 0; dt < DOPT_SIM_DTYPE_COUNT; dt++) {
+      for (int ip = 0; ip < 2; ip++) {
+        int root = (run->ncases + 1) % n;
+        for (int op = 0; op < DOPT_SIM_OP_COUNT; op++) {
+          add_case(run, DOPT_SIM_KIND_ALL_REDUCE, dt, op, counts[ci], ip, -1);
+          add_case(run, DOPT_SIM_KIND_REDUCE_SCATTER, dt, op, counts[ci], ip, -1);
+          add_case(run, DOPT_SIM_KIND_REDUCE, dt, op, counts[ci], ip, root);
+        }
+        add_case(run, DOPT_SIM_KIND_ALL_GATHER, dt, DOPT_SIM_SUM, counts[ci], ip, -1);
+        add_case(run, DOPT_SIM_KIND_BROADCAST, dt, DOPT_SIM_SUM, counts[ci], ip, root);
+        if (!ip)
+          add_case(run, DOPT_SIM_KIND_ALL_TO_ALL, dt, DOPT_SIM_SUM, counts[ci], 0, -1);
+      }
+    }
+  }
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = n;
+  dopt_status st[MAX_RANKS];
+  dopt_sim_world *w;
+  st_run(&cfg, coll_body, run, st, NULL, &w);
+  for (int r = 0; r < n; r++)
+    if (st[r] != DOPT_OK)
+      fail_msg("n=%d rank %d: %s: %s", n, r, dopt_status_name(st[r]), dopt_sim_world_rank_error(w, r));
+  for (int i = 0; i < run->ncases; i++) {
+    const coll_case *c = &run->cases[i];
+    size_t bytes = out_count(c, n) * dopt_sim_dtype_size(c->dt);
+    for (int r = 0; r < n; r++) {
+      void *x = expected(c, r, n);
+      int skip = c->kind == DOPT_SIM_KIND_REDUCE && r != c->root; /* recv unused */
+      if (!skip && memcmp(x, run->out[i][r], bytes) != 0)
+        fail_msg("n=%d case %d %s %s %s count=%zu inplace=%d root=%d: rank %d differs", n, i,
+                 dopt_sim_kind_name(c->kind), dopt_sim_dtype_name(c->dt), dopt_sim_op_name(c->op),
+                 c->count, c->inplace, c->root, r);
+      free(x);
+      free(run->out[i][r]);
+    }
+  }
+  dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
+  dopt_sim_comm *c0;
+  assert_ok(dopt_sim_world_comm(w, 0, &c0));
+  assert_ok(dopt_sim_comm_stats(c0, &stats));
+  assert_string_equal(stats.label, "world");
+  uint64_t total = 0;
+  for (int k = 0; k < DOPT_SIM_KIND_COUNT; k++)
+    total += stats.ops[k];
+  assert_int_equal(total, (uint64_t)run->ncases);
+  dopt_sim_world_destroy(w);
+  free(run);
+}
+
+static void test_collectives_n1(void **st) { (void)st; check_all_collectives(1); }
+static void test_collectives_n2(void **st) { (void)st; check_all_collectives(2); }
+static void test_collectives_n3(void **st) { (void)st; check_all_collectives(3); }
+static void test_collectives_n4(void **st) { (void)st; check_all_collectives(4); }
+static void test_collectives_n5(void **st) { (void)st; check_all_collectives(5); }
+static void test_collectives_n8(void **st) { (void)st; check_all_collectives(8); }
+
+/* ---- TP x DP grids --------------------------------------------------------------
+ * TP groups: consecutive ranks (color rank / tp); DP groups: color rank % tp.
+ * ZeRO-style: reduce_scatter over DP then all_gather over DP restores the
+ * DP all-reduce; TP all-reduce sums the TP group's world ranks. */
+typedef struct grid {
+  int tp, dp;
+  int tp_rank[MAX_RANKS], dp_rank[MAX_RANKS], tp_size[MAX_RANKS], dp_size[MAX_RANKS];
+  int64_t tp_sum[MAX_RANKS];
+  int64_t zero[MAX_RANKS][4 * MAX_RANKS];
+  char tp_label[MAX_RANKS][DOPT_SIM_LABEL_MAX];
+  int nocolor_null[MAX_RANKS];
+} grid;
+
+static dopt_status grid_body(dopt_sim_comm *world, int rank, void *user) {
+  grid *g = user;
+  dopt_sim_comm *tp, *dp, *none;
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / g->tp, rank, "tp", &tp));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % g->tp, rank, "dp", &dp));
+  DOPT_TRY(dopt_sim_comm_split(world, DOPT_SIM_SPLIT_NOCOLOR, 0, &none));
+  g->nocolor_null[rank] = none == NULL;
+  DOPT_TRY(dopt_sim_comm_rank(tp, &g->tp_rank[rank]));
+  DOPT_TRY(dopt_sim_comm_rank(dp, &g->dp_rank[rank]));
+  DOPT_TRY(dopt_sim_comm_size(tp, &g->tp_size[rank]));
+  DOPT_TRY(dopt_sim_comm_size(dp, &g->dp_size[rank]));
+  snprintf(g->tp_label[rank], DOPT_SIM_LABEL_MAX, "%s", dopt_sim_comm_label(tp));
+  int64_t mine = rank;
+  DOPT_TRY(dopt_sim_all_reduce(&mine, &g->tp_sum[rank], 1, DOPT_SIM_I64, DOPT_SIM_SUM, tp));
+  /* ZeRO: grads of 4*dp elements, reduce-scatter then all-gather over DP */
+  int64_t grad[4 * MAX_RANKS], shard[4];
+  for (int e = 0; e < 4 * g->dp; e++)
+    grad[e] = rank * 100 + e;
+  DOPT_TRY(dopt_sim_reduce_scatter(grad, shard, 4, DOPT_SIM_I64, DOPT_SIM_SUM, dp));
+  DOPT_TRY(dopt_sim_all_gather(shard, g->zero[rank], 4, DOPT_SIM_I64, dp));
+  DOPT_TRY(dopt_sim_comm_destroy(tp));
+  return dopt_sim_comm_destroy(dp);
+}
+
+static void check_grid(int tp, int dp) {
+  grid *g = calloc(1, sizeof *g);
+  assert_non_null(g);
+  g->tp = tp;
+  g->dp = dp;
+  int n = tp * dp;
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = n;
+  dopt_status st[MAX_RANKS];
+  dopt_sim_world *w;
+  st_run(&cfg, grid_body, g, st, NULL, &w);
+  for (int r = 0; r < n; r++) {
+    if (st[r] != DOPT_OK)
+      fail_msg("tp=%d dp=%d rank %d: %s", tp, dp, r, dopt_sim_world_rank_error(w, r));
+    assert_true(g->nocolor_null[r]);
+    assert_int_equal(g->tp_size[r], tp);
+    assert_int_equal(g->dp_size[r], dp);
+    assert_int_equal(g->tp_rank[r], r % tp);
+    assert_int_equal(g->dp_rank[r], r / tp);
+    assert_string_equal(g->tp_label[r], "tp");
+    int base = (r / tp) * tp;
+    int64_t want = 0;
+    for (int j = 0; j < tp; j++)
+      want += base + j;
+    assert_int_equal(g->tp_sum[r], want);
+    for (int e = 0; e < 4 * dp; e++) {
+      int64_t z = 0;
+      for (int j = 0; j < dp; j++)
+        z += (r % tp + j * tp) * 100 + e;
+      assert_int_equal(g->zero[r][e], z);
+    }
+  }
+  dopt_sim_world_destroy(w);
+  free(g);
+}
+
+static void test_grids(void **st) {
+  (void)st;
+  check_grid(2, 2);
+  check_grid(2, 4);
+  check_grid(4, 2);
+  check_grid(1, 3);
+  check_grid(5, 1);
+}
+
+/* Split ordering: by key, then by parent rank. */
+typedef struct order_res {
+  int newrank[MAX_RANKS];
+} order_res;
+
+static dopt_status order_body(dopt_sim_comm *world, int rank, void *user) {
+  order_res *o = user;
+  dopt_sim_comm *c;
+  /* one color; key reverses the order for ranks 0..3, ties (key 9) keep parent order */
+  DOPT_TRY(dopt_sim_comm_split(world, 0, rank < 4 ? 4 - rank : 9, &c));
+  return dopt_sim_comm_rank(c, &o->newrank[rank]);
+}
+
+static void test_split_order(void **st) {
+  (void)st;
+  order_res o;
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 6;
+  dopt_status s[6];
+  st_run(&cfg, order_body, &o, s, NULL, NULL);
+  static const int want[6] = {3, 2, 1, 0, 4, 5};
+  for (int r = 0; r < 6; r++) {
+    assert_int_equal(s[r], DOPT_OK);
+    assert_int_equal(o.newrank[r], want[r]);
+  }
+}
+
+/* ---- point to point ----------------------------------------------------------------
+ * Ring shift of two messages: matched by peer and order; eager sends do not
+ * deadlock; the barrier separates rounds. */
+typedef struct p2p_res {
+  int32_t got[MAX_RANKS][2][5];
+} p2p_res;
+
+static dopt_status p2p_body(dopt_sim_comm *c, int rank, void *user) {
+  p2p_res *p = user;
+  int n;
+  DOPT_TRY(dopt_sim_comm_size(c, &n));
+  int32_t a[5], b[5];
+  for (int e = 0; e < 5; e++) {
+    a[e] = rank * 10 + e;
+    b[e] = -(rank * 10 + e);
+  }
+  DOPT_TRY(dopt_sim_send(a, 5, DOPT_SIM_I32, (rank + 1) % n, c));
+  DOPT_TRY(dopt_sim_send(b, 5, DOPT_SIM_I32, (rank + 1) % n, c));
+  DOPT_TRY(dopt_sim_recv(p->got[rank][0], 5, DOPT_SIM_I32, (rank + n - 1) % n, c));
+  DOPT_TRY(dopt_sim_recv(p->got[rank][1], 5, DOPT_SIM_I32, (rank + n - 1) % n, c));
+  DOPT_TRY(dopt_sim_send(NULL, 0, DOPT_SIM_F32, rank, c)); /* count 0 to self */
+  DOPT_TRY(dopt_sim_recv(NULL, 0, DOPT_SIM_F32, rank, c));
+  return dopt_sim_barrier(c);
+}
+
+static void test_send_recv(void **st) {
+  (void)st;
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    p2p_res p;
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = n;
+    dopt_status s[MAX_RANKS];
+    st_run(&cfg, p2p_body, &p, s, NULL, NULL);
+    for (int r = 0; r < n; r++) {
+      assert_int_equal(s[r], DOPT_OK);
+      int from = (r + n - 1) % n;
+      for (int e = 0; e < 5; e++) {
+        assert_int_equal(p.got[r][0][e], from * 10 + e);
+        assert_int_equal(p.got[r][1][e], -(from * 10 + e));
+      }
+    }
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_collectives_n1), cmocka_unit_test(test_collectives_n2),
+      cmocka_unit_test(test_collectives_n3), cmocka_unit_test(test_collectives_n4),
+      cmocka_unit_test(test_collectives_n5), cmocka_unit_test(test_collectives_n8),
+      cmocka_unit_test(test_grids),          cmocka_unit_test(test_split_order),
+      cmocka_unit_test(test_send_recv),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
