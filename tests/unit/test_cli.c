@@ -3,6 +3,7 @@
  * output file. argv[1] = path of the distopt binary. */
 #include "testutil.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -139,6 +140,43 @@ static void test_good_run_equals_library(void **st) {
   dopt_st_free(res);
 }
 
+/* A golden case file names its inputs; run takes optimizer, hyperparameters
+ * and groups from its metadata and reproduces its last step (same tolerance
+ * as test_golden.c). */
+static void test_run_golden_case(void **st) {
+  (void)st;
+  char cas[600], out[600];
+  snprintf(cas, sizeof cas, "%s/datasets/golden/adafactor_groups.safetensors", dt_source_dir());
+  snprintf(out, sizeof out, "%s/case_out.safetensors", dir);
+  const char *args[] = {"run", "--params", cas, "--out", out, "--quiet", NULL};
+  assert_int_equal(run(args), 0);
+  dopt_st_file *gold, *res;
+  assert_ok(dopt_st_load(cas, &gold));
+  assert_ok(dopt_st_load(out, &res));
+  assert_string_equal(dopt_st_meta(res, "optimizer"), "adafactor");
+  int checked = 0;
+  for (int i = 0; i < dopt_st_count(res); i++) {
+    dopt_st_tensor t, g;
+    assert_ok(dopt_st_get(res, i, &t));
+    if (strncmp(t.name, "param/", 6) != 0) continue;
+    char key[300];
+    snprintf(key, sizeof key, "param/20/%s", t.name + 6);
+    assert_ok(dopt_st_find(gold, key, &g));
+    const float *a = t.data, *b = g.data;
+    double maxd = 0, maxb = 0;
+    for (size_t k = 0; k < t.numel; k++) {
+      double d = fabs((double)a[k] - (double)b[k]);
+      maxd = d > maxd ? d : maxd;
+      maxb = fabs((double)b[k]) > maxb ? fabs((double)b[k]) : maxb;
+    }
+    if (maxd > 1e-6 * maxb) fail_msg("%s: normwise error %.3g", t.name, maxd / maxb);
+    checked++;
+  }
+  assert_int_equal(checked, 8);
+  dopt_st_free(gold);
+  dopt_st_free(res);
+}
+
 static void test_bad_input(void **st) {
   (void)st;
   char out[600], garbage[600], trunc[600], shaped[600];
@@ -196,6 +234,7 @@ int main(int argc, char **argv) {
   bin = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_good_run_equals_library),
+      cmocka_unit_test(test_run_golden_case),
       cmocka_unit_test(test_bad_input),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
