@@ -220,7 +220,7 @@ static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int i
   char *slash = strrchr(here, '/');
   if (slash) slash[1] = '\0';
   else here[0] = '\0';
-  char cand[3][4096];
+  char cand[3][4200];
   snprintf(cand[0], sizeof cand[0], "%s", env ? env : "");
   snprintf(cand[1], sizeof cand[1], "%sbench_torch.py", here);
   snprintf(cand[2], sizeof cand[2], "compare/bench_torch.py");
