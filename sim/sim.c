@@ -32,15 +32,9 @@ const char *dopt_sim_kind_name(dopt_sim_kind kind) {
   return (unsigned)kind < DOPT_SIM_KIND_COUNT ? kind_names[kind] : "unknown";
 }
 
-size_t dopt_sim_dtype_size(dopt_sim_dtype dt) {
-  static const size_t sizes[DOPT_SIM_DTYPE_COUNT] = {4, 8, 2, 4, 8, 1};
-  return (unsigned)dt < DOPT_SIM_DTYPE_COUNT ? sizes[dt] : 0;
-}
-
-const char *dopt_sim_dtype_name(dopt_sim_dtype dt) {
-  static const char *const names[DOPT_SIM_DTYPE_COUNT] = {"f32", "f64", "bf16",
-                                                          "i32", "i64", "u8"};
-  return (unsigned)dt < DOPT_SIM_DTYPE_COUNT ? names[dt] : "dtype?";
+/* Element size of a dtype the collectives support; 0 for the others. */
+static size_t sim_dtype_size(dopt_dtype dt) {
+  return dt == DOPT_F16 || dt == DOPT_I8 ? 0 : dopt_dtype_size(dt);
 }
 
 const char *dopt_sim_op_name(dopt_sim_op op) {
@@ -50,7 +44,7 @@ const char *dopt_sim_op_name(dopt_sim_op op) {
 
 static void sig_format(const sim_sig *s, char *buf, size_t len) {
   const char *k = dopt_sim_kind_name(s->kind);
-  const char *dt = dopt_sim_dtype_name((dopt_sim_dtype)s->dtype);
+  const char *dt = dopt_dtype_name((dopt_dtype)s->dtype);
   const char *op = dopt_sim_op_name((dopt_sim_op)s->op);
   switch (s->kind) {
   case DOPT_SIM_KIND_ALL_REDUCE:
@@ -347,7 +341,7 @@ static dopt_status arrive(sim_call *k, const sim_arrival *a) {
 }
 
 /* Successful end of a call: bit-flip fault on the received data, timing. */
-static dopt_status call_end(sim_call *k, void *recv, size_t count, dopt_sim_dtype dt) {
+static dopt_status call_end(sim_call *k, void *recv, size_t count, dopt_dtype dt) {
   if (k->flip != NULL && recv != NULL)
     dopt__sim_flip_bit(recv, count, dt, k->flip->elem, k->flip->bit);
   if (k->c->rank == 0 && k->kind != DOPT_SIM_KIND_SPLIT) {
@@ -364,9 +358,10 @@ static dopt_status call_end(sim_call *k, void *recv, size_t count, dopt_sim_dtyp
 static void check_common(sim_arrival *a, const dopt_sim_comm *c, int scale_by_n, int reduces) {
   const sim_sig *s = &a->sig;
   const char *k = dopt_sim_kind_name(s->kind);
-  size_t esz = dopt_sim_dtype_size((dopt_sim_dtype)s->dtype);
+  size_t esz = sim_dtype_size((dopt_dtype)s->dtype);
   if (esz == 0) {
-    arg_fail(a, DOPT_ERR_INVALID_ARG, "%s: dtype=%d is not a dopt_sim_dtype", k, s->dtype);
+    arg_fail(a, (unsigned)s->dtype < DOPT_DTYPE_COUNT_ ? DOPT_ERR_UNSUPPORTED : DOPT_ERR_INVALID_ARG,
+             "%s: dtype=%d (%s) is not supported by collectives", k, s->dtype, dopt_dtype_name((dopt_dtype)s->dtype));
     return;
   }
   if (reduces && (unsigned)s->op >= DOPT_SIM_OP_COUNT)
@@ -402,7 +397,7 @@ static void check_overlap(sim_arrival *a, size_t sbytes, size_t rbytes, uintptr_
 }
 
 static sim_arrival arrival_init(dopt_sim_kind kind, const void *send, void *recv, size_t count,
-                                dopt_sim_dtype dt, int op, int root) {
+                                dopt_dtype dt, int op, int root) {
   sim_arrival a;
   memset(&a, 0, sizeof a);
   a.sig.kind = kind;
@@ -740,7 +735,7 @@ dopt_status dopt_sim_comm_split_labeled(dopt_sim_comm *comm, int color, int key,
   DOPT_CHECK_ARG(newcomm != NULL, "split: newcomm=NULL");
   *newcomm = NULL;
   DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_SPLIT));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_SPLIT, NULL, NULL, 0, DOPT_SIM_U8, -1, -1);
+  sim_arrival a = arrival_init(DOPT_SIM_KIND_SPLIT, NULL, NULL, 0, DOPT_U8, -1, -1);
   a.color = color;
   a.key = key;
   if (label == NULL || label[0] == '\0' || strlen(label) >= DOPT_SIM_LABEL_MAX)
@@ -756,7 +751,7 @@ dopt_status dopt_sim_comm_split_labeled(dopt_sim_comm *comm, int color, int key,
   pthread_mutex_lock(&k.w->mu);
   *newcomm = k.g->arr[comm->rank].result;
   pthread_mutex_unlock(&k.w->mu);
-  return call_end(&k, NULL, 0, DOPT_SIM_U8);
+  return call_end(&k, NULL, 0, DOPT_U8);
 }
 
 dopt_status dopt_sim_comm_split(dopt_sim_comm *comm, int color, int key, dopt_sim_comm **newcomm) {
@@ -788,9 +783,9 @@ static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
   sim_group *g = k->g;
   const sim_arrival *arr = g->arr; /* stable until the final barrier */
   int n = g->n, i = k->c->rank;
-  dopt_sim_dtype dt = (dopt_sim_dtype)a->sig.dtype;
+  dopt_dtype dt = (dopt_dtype)a->sig.dtype;
   dopt_sim_op op = (dopt_sim_op)a->sig.op;
-  size_t cnt = a->sig.count, esz = dopt_sim_dtype_size(dt), blk = cnt * esz;
+  size_t cnt = a->sig.count, esz = sim_dtype_size(dt), blk = cnt * esz;
   char *recv = a->recv;
   switch (a->sig.kind) {
   case DOPT_SIM_KIND_ALL_REDUCE: {
@@ -842,7 +837,7 @@ static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
 /* Entry of every data collective: local argument checks (delivered to all
  * ranks through the rendezvous), then the collective itself. */
 static dopt_status collective(dopt_sim_comm *comm, dopt_sim_kind kind, const void *send, void *recv,
-                              size_t count, dopt_sim_dtype dt, int op, int root) {
+                              size_t count, dopt_dtype dt, int op, int root) {
   sim_call k;
   DOPT_TRY(call_begin(&k, comm, kind));
   size_t n = (size_t)comm->g->n, r = (size_t)comm->rank;
@@ -863,7 +858,7 @@ static dopt_status collective(dopt_sim_comm *comm, dopt_sim_kind kind, const voi
   if (uses_recv)
     check_ptr(&a, recv, "recv");
   if (a.status == DOPT_OK && uses_send && uses_recv) {
-    size_t b = count * dopt_sim_dtype_size(dt);
+    size_t b = count * dopt_dtype_size(dt);
     switch (kind) {
     case DOPT_SIM_KIND_REDUCE_SCATTER: /* in place: recv == send + rank*count */
       check_overlap(&a, b * n, b, (uintptr_t)recv - (uintptr_t)(r * b));
@@ -882,32 +877,32 @@ static dopt_status collective(dopt_sim_comm *comm, dopt_sim_kind kind, const voi
   return run_collective(&k, &a);
 }
 
-dopt_status dopt_sim_all_reduce(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
+dopt_status dopt_sim_all_reduce(const void *send, void *recv, size_t count, dopt_dtype dt,
                                 dopt_sim_op op, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_ALL_REDUCE, send, recv, count, dt, (int)op, -1);
 }
 
 dopt_status dopt_sim_reduce_scatter(const void *send, void *recv, size_t recvcount,
-                                    dopt_sim_dtype dt, dopt_sim_op op, dopt_sim_comm *comm) {
+                                    dopt_dtype dt, dopt_sim_op op, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_REDUCE_SCATTER, send, recv, recvcount, dt, (int)op, -1);
 }
 
-dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount, dopt_sim_dtype dt,
+dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount, dopt_dtype dt,
                                 dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_ALL_GATHER, send, recv, sendcount, dt, -1, -1);
 }
 
-dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
+dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t count, dopt_dtype dt,
                                int root, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_BROADCAST, send, recv, count, dt, -1, root);
 }
 
-dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
+dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count, dopt_dtype dt,
                             dopt_sim_op op, int root, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_REDUCE, send, recv, count, dt, (int)op, root);
 }
 
-dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count, dopt_sim_dtype dt,
+dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count, dopt_dtype dt,
                                 dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_ALL_TO_ALL, send, recv, count, dt, -1, -1);
 }
@@ -915,16 +910,16 @@ dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count, dopt
 dopt_status dopt_sim_barrier(dopt_sim_comm *comm) {
   sim_call k;
   DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_BARRIER));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_BARRIER, NULL, NULL, 0, DOPT_SIM_U8, -1, -1);
+  sim_arrival a = arrival_init(DOPT_SIM_KIND_BARRIER, NULL, NULL, 0, DOPT_U8, -1, -1);
   DOPT_TRY(arrive(&k, &a));
-  return call_end(&k, NULL, 0, DOPT_SIM_U8);
+  return call_end(&k, NULL, 0, DOPT_U8);
 }
 
 /* ---- point to point ---------------------------------------------------------------- */
 
 /* Entry of send/recv: checks are local (there is no rendezvous). */
 static dopt_status p2p_begin(sim_call *k, sim_arrival *a, dopt_sim_comm *comm, dopt_sim_kind kind,
-                             const void *send, void *recv, size_t count, dopt_sim_dtype dt,
+                             const void *send, void *recv, size_t count, dopt_dtype dt,
                              int peer) {
   DOPT_TRY(call_begin(k, comm, kind));
   *a = arrival_init(kind, send, recv, count, dt, -1, peer);
@@ -941,12 +936,12 @@ static dopt_status p2p_begin(sim_call *k, sim_arrival *a, dopt_sim_comm *comm, d
   return DOPT_OK;
 }
 
-dopt_status dopt_sim_send(const void *send, size_t count, dopt_sim_dtype dt, int peer,
+dopt_status dopt_sim_send(const void *send, size_t count, dopt_dtype dt, int peer,
                           dopt_sim_comm *comm) {
   sim_call k;
   sim_arrival a;
   DOPT_TRY(p2p_begin(&k, &a, comm, DOPT_SIM_KIND_SEND, send, NULL, count, dt, peer));
-  size_t bytes = count * dopt_sim_dtype_size(dt);
+  size_t bytes = count * dopt_dtype_size(dt);
   sim_msg *m = malloc(sizeof *m + bytes);
   if (m == NULL)
     return dopt__fail(DOPT_ERR_NO_MEMORY, "send: count=%zu", count);
@@ -974,7 +969,7 @@ dopt_status dopt_sim_send(const void *send, size_t count, dopt_sim_dtype dt, int
   return call_end(&k, NULL, 0, dt);
 }
 
-dopt_status dopt_sim_recv(void *recv, size_t count, dopt_sim_dtype dt, int peer,
+dopt_status dopt_sim_recv(void *recv, size_t count, dopt_dtype dt, int peer,
                           dopt_sim_comm *comm) {
   sim_call k;
   sim_arrival a;
@@ -1020,7 +1015,7 @@ dopt_status dopt_sim_recv(void *recv, size_t count, dopt_sim_dtype dt, int peer,
     return dopt__fail(DOPT_ERR_MISMATCH, "comm '%s': rank %d %s vs rank %d %s", g->label, peer, sa,
                       comm->rank, ra);
   }
-  dopt__sim_copy(recv, m + 1, count * dopt_sim_dtype_size(dt));
+  dopt__sim_copy(recv, m + 1, count * dopt_dtype_size(dt));
   free(m);
   return call_end(&k, recv, count, dt);
 }

@@ -9,7 +9,7 @@
 
 /* Message size as nccl-tests reports it. */
 static uint64_t op_bytes(const sim_sig *s, int n) {
-  uint64_t b = (uint64_t)s->count * dopt_sim_dtype_size((dopt_sim_dtype)s->dtype);
+  uint64_t b = (uint64_t)s->count * dopt_dtype_size((dopt_dtype)s->dtype);
   switch (s->kind) {
   case DOPT_SIM_KIND_REDUCE_SCATTER:
   case DOPT_SIM_KIND_ALL_GATHER:

@@ -96,21 +96,21 @@ SIM_DEFINE_REDUCER(reduce_i32, int32_t, int32_t, SIM_ID, SIM_ID, SIM_I32ADD, SIM
 SIM_DEFINE_REDUCER(reduce_i64, int64_t, int64_t, SIM_ID, SIM_ID, SIM_I64ADD, SIM_I64MUL, SIM_I64DIV)
 SIM_DEFINE_REDUCER(reduce_u8, uint8_t, uint8_t, SIM_ID, SIM_ID, SIM_U8ADD, SIM_U8MUL, SIM_U8DIV)
 
-void dopt__sim_reduce(dopt_sim_dtype dt, dopt_sim_op op, void *out, const void *const *srcs,
+void dopt__sim_reduce(dopt_dtype dt, dopt_sim_op op, void *out, const void *const *srcs,
                       int n, int start, size_t off, size_t count) {
   switch (dt) {
-  case DOPT_SIM_F32: reduce_f32(op, out, srcs, n, start, off, count); break;
-  case DOPT_SIM_F64: reduce_f64(op, out, srcs, n, start, off, count); break;
-  case DOPT_SIM_BF16: reduce_bf16(op, out, srcs, n, start, off, count); break;
-  case DOPT_SIM_I32: reduce_i32(op, out, srcs, n, start, off, count); break;
-  case DOPT_SIM_I64: reduce_i64(op, out, srcs, n, start, off, count); break;
-  case DOPT_SIM_U8: reduce_u8(op, out, srcs, n, start, off, count); break;
+  case DOPT_F32: reduce_f32(op, out, srcs, n, start, off, count); break;
+  case DOPT_F64: reduce_f64(op, out, srcs, n, start, off, count); break;
+  case DOPT_BF16: reduce_bf16(op, out, srcs, n, start, off, count); break;
+  case DOPT_I32: reduce_i32(op, out, srcs, n, start, off, count); break;
+  case DOPT_I64: reduce_i64(op, out, srcs, n, start, off, count); break;
+  case DOPT_U8: reduce_u8(op, out, srcs, n, start, off, count); break;
   default: break; /* validated by the caller */
   }
 }
 
-void dopt__sim_flip_bit(void *buf, size_t count, dopt_sim_dtype dt, uint64_t elem, uint32_t bit) {
-  size_t esz = dopt_sim_dtype_size(dt);
+void dopt__sim_flip_bit(void *buf, size_t count, dopt_dtype dt, uint64_t elem, uint32_t bit) {
+  size_t esz = dopt_dtype_size(dt);
   if (count == 0 || esz == 0)
     return;
   size_t b = (size_t)(bit % (uint32_t)(esz * 8u));

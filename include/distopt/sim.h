@@ -31,6 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "distopt/dtype.h"
 #include "distopt/export.h"
 #include "distopt/status.h"
 
@@ -41,16 +42,11 @@ extern "C" {
 typedef struct dopt_sim_world dopt_sim_world; /* N ranks, their communicators, faults, log */
 typedef struct dopt_sim_comm dopt_sim_comm;   /* one rank's handle on one communicator */
 
-typedef enum dopt_sim_dtype {
-  DOPT_SIM_F32 = 0,
-  DOPT_SIM_F64 = 1,
-  DOPT_SIM_BF16 = 2, /* uint16_t storage; reductions accumulate in fp32 in the
-                        fixed order and round to bf16 once (nearest-even) */
-  DOPT_SIM_I32 = 3,  /* integer sum/prod wrap modulo 2^bits */
-  DOPT_SIM_I64 = 4,
-  DOPT_SIM_U8 = 5,
-  DOPT_SIM_DTYPE_COUNT
-} dopt_sim_dtype;
+/* Element types: dopt_dtype (distopt/dtype.h). Collectives take DOPT_F32,
+ * DOPT_F64, DOPT_BF16 (uint16_t storage; reductions accumulate in fp32 in the
+ * fixed order and round to bf16 once, nearest-even), DOPT_I32, DOPT_I64
+ * (integer sum/prod wrap modulo 2^bits) and DOPT_U8; DOPT_F16 and DOPT_I8 are
+ * rejected with DOPT_ERR_UNSUPPORTED. */
 
 /* AVG = SUM in the fixed order, then one division by n (integer types:
  * truncating division of the wrapped sum). */
@@ -189,36 +185,34 @@ DOPT_API dopt_status dopt_sim_comm_destroy(dopt_sim_comm *comm);
  * Any other overlap of send and receive ranges: DOPT_ERR_OVERLAP. all_to_all
  * is never in place. */
 DOPT_API dopt_status dopt_sim_all_reduce(const void *send, void *recv, size_t count,
-                                         dopt_sim_dtype dt, dopt_sim_op op, dopt_sim_comm *comm);
+                                         dopt_dtype dt, dopt_sim_op op, dopt_sim_comm *comm);
 /* send: recvcount*n elements; recv: recvcount (block `rank` of the reduction). */
 DOPT_API dopt_status dopt_sim_reduce_scatter(const void *send, void *recv, size_t recvcount,
-                                             dopt_sim_dtype dt, dopt_sim_op op,
+                                             dopt_dtype dt, dopt_sim_op op,
                                              dopt_sim_comm *comm);
 /* send: sendcount elements; recv: sendcount*n, block r from rank r. */
 DOPT_API dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount,
-                                         dopt_sim_dtype dt, dopt_sim_comm *comm);
+                                         dopt_dtype dt, dopt_sim_comm *comm);
 /* send is read on root only. */
 DOPT_API dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t count,
-                                        dopt_sim_dtype dt, int root, dopt_sim_comm *comm);
+                                        dopt_dtype dt, int root, dopt_sim_comm *comm);
 /* recv is written on root only. */
 DOPT_API dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count,
-                                     dopt_sim_dtype dt, dopt_sim_op op, int root,
+                                     dopt_dtype dt, dopt_sim_op op, int root,
                                      dopt_sim_comm *comm);
 /* send and recv: count*n elements; block j of send goes to rank j, block j of
  * recv comes from rank j. */
 DOPT_API dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count,
-                                         dopt_sim_dtype dt, dopt_sim_comm *comm);
+                                         dopt_dtype dt, dopt_sim_comm *comm);
 /* Point to point, matched by (peer, order). send is eager: it copies the data
  * and returns; recv blocks (bounded by the timeout). A count/dtype mismatch
  * is reported by recv (DOPT_ERR_MISMATCH). */
-DOPT_API dopt_status dopt_sim_send(const void *send, size_t count, dopt_sim_dtype dt, int peer,
+DOPT_API dopt_status dopt_sim_send(const void *send, size_t count, dopt_dtype dt, int peer,
                                    dopt_sim_comm *comm);
-DOPT_API dopt_status dopt_sim_recv(void *recv, size_t count, dopt_sim_dtype dt, int peer,
+DOPT_API dopt_status dopt_sim_recv(void *recv, size_t count, dopt_dtype dt, int peer,
                                    dopt_sim_comm *comm);
 DOPT_API dopt_status dopt_sim_barrier(dopt_sim_comm *comm);
 
-DOPT_API size_t dopt_sim_dtype_size(dopt_sim_dtype dt);   /* 0 if invalid */
-DOPT_API const char *dopt_sim_dtype_name(dopt_sim_dtype dt);
 DOPT_API const char *dopt_sim_op_name(dopt_sim_op op);
 DOPT_API const char *dopt_sim_kind_name(dopt_sim_kind kind);
 

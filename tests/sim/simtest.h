@@ -29,28 +29,28 @@ static inline float st_from_bf16(uint16_t h) {
 }
 
 /* Stores an exactly representable value v as element i of buf. */
-static inline void st_put(dopt_sim_dtype dt, void *buf, size_t i, double v) {
+static inline void st_put(dopt_dtype dt, void *buf, size_t i, double v) {
   switch (dt) {
-  case DOPT_SIM_F32: ((float *)buf)[i] = (float)v; break;
-  case DOPT_SIM_F64: ((double *)buf)[i] = v; break;
-  case DOPT_SIM_BF16: ((uint16_t *)buf)[i] = st_bf16((float)v); break;
-  case DOPT_SIM_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
-  case DOPT_SIM_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
-  case DOPT_SIM_U8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
+  case DOPT_F32: ((float *)buf)[i] = (float)v; break;
+  case DOPT_F64: ((double *)buf)[i] = v; break;
+  case DOPT_BF16: ((uint16_t *)buf)[i] = st_bf16((float)v); break;
+  case DOPT_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+  case DOPT_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
+  case DOPT_U8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
   default: break;
   }
 }
 
 /* Element e of rank r's input: small integers, so every reduction is exact. */
-static inline double st_value(dopt_sim_dtype dt, dopt_sim_op op, int r, size_t e) {
+static inline double st_value(dopt_dtype dt, dopt_sim_op op, int r, size_t e) {
   if (op == DOPT_SIM_PROD)
     return ((size_t)r + e) % 3 == 0 ? 2.0 : 1.0;
   double v = (double)(((size_t)r * 7 + e * 3) % 5) + 1.0;
-  return dt == DOPT_SIM_U8 ? v : v - 3.0;
+  return dt == DOPT_U8 ? v : v - 3.0;
 }
 
 /* Expected reduction over ranks 0..n-1 of st_value(.., e), stored at out[i]. */
-static inline void st_expect_reduce(dopt_sim_dtype dt, dopt_sim_op op, int n, size_t e, void *out,
+static inline void st_expect_reduce(dopt_dtype dt, dopt_sim_op op, int n, size_t e, void *out,
                                     size_t i) {
   double acc = st_value(dt, op, 0, e);
   for (int j = 1; j < n; j++) {
@@ -64,9 +64,9 @@ static inline void st_expect_reduce(dopt_sim_dtype dt, dopt_sim_op op, int n, si
   }
   if (op == DOPT_SIM_AVG) {
     switch (dt) {
-    case DOPT_SIM_F32: ((float *)out)[i] = (float)acc / (float)n; return;
-    case DOPT_SIM_BF16: ((uint16_t *)out)[i] = st_bf16((float)acc / (float)n); return;
-    case DOPT_SIM_F64: acc /= n; break;
+    case DOPT_F32: ((float *)out)[i] = (float)acc / (float)n; return;
+    case DOPT_BF16: ((uint16_t *)out)[i] = st_bf16((float)acc / (float)n); return;
+    case DOPT_F64: acc /= n; break;
     default: acc = (double)((long long)acc / n); break; /* truncating */
     }
   }

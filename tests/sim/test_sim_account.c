@@ -19,14 +19,14 @@ static dopt_status step_body(dopt_sim_comm *world, int rank, void *user) {
   dopt_sim_comm *tp, *dp;
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / TP, rank, "tp", &tp));
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % TP, rank, "dp", &dp));
-  DOPT_TRY(dopt_sim_all_reduce(a->buf[rank], a->buf[rank], ELEMS, DOPT_SIM_F32, DOPT_SIM_SUM, tp));
-  DOPT_TRY(dopt_sim_reduce_scatter(a->buf[rank], a->shard[rank], ELEMS / DP, DOPT_SIM_F32,
+  DOPT_TRY(dopt_sim_all_reduce(a->buf[rank], a->buf[rank], ELEMS, DOPT_F32, DOPT_SIM_SUM, tp));
+  DOPT_TRY(dopt_sim_reduce_scatter(a->buf[rank], a->shard[rank], ELEMS / DP, DOPT_F32,
                                    DOPT_SIM_SUM, dp));
-  DOPT_TRY(dopt_sim_all_gather(a->shard[rank], a->buf[rank], ELEMS / DP, DOPT_SIM_F32, dp));
+  DOPT_TRY(dopt_sim_all_gather(a->shard[rank], a->buf[rank], ELEMS / DP, DOPT_F32, dp));
   if (rank == 0)
-    DOPT_TRY(dopt_sim_send(a->shard[rank], 16, DOPT_SIM_F32, 1, world));
+    DOPT_TRY(dopt_sim_send(a->shard[rank], 16, DOPT_F32, 1, world));
   if (rank == 1)
-    DOPT_TRY(dopt_sim_recv(a->shard[rank], 16, DOPT_SIM_F32, 0, world));
+    DOPT_TRY(dopt_sim_recv(a->shard[rank], 16, DOPT_F32, 0, world));
   return dopt_sim_barrier(world);
 }
 

@@ -47,13 +47,13 @@ static dopt_status mismatch_body(dopt_sim_comm *c, int rank, void *user) {
   fault_ctx *f = user;
   float x[8] = {0}, y[8];
   if (f->variant == 0) /* count differs on rank 2 */
-    return dopt_sim_all_reduce(x, y, rank == 2 ? 4 : 8, DOPT_SIM_F32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, y, rank == 2 ? 4 : 8, DOPT_F32, DOPT_SIM_SUM, c);
   if (f->variant == 1) /* kind differs on rank 1 */
-    return rank == 1 ? dopt_sim_barrier(c) : dopt_sim_all_reduce(x, y, 8, DOPT_SIM_F32, DOPT_SIM_SUM, c);
+    return rank == 1 ? dopt_sim_barrier(c) : dopt_sim_all_reduce(x, y, 8, DOPT_F32, DOPT_SIM_SUM, c);
   if (f->variant == 2) /* root differs */
-    return dopt_sim_broadcast(x, y, 8, DOPT_SIM_F32, rank == 3 ? 1 : 0, c);
+    return dopt_sim_broadcast(x, y, 8, DOPT_F32, rank == 3 ? 1 : 0, c);
   /* op and dtype differ */
-  return dopt_sim_all_reduce(x, y, 8, rank == 1 ? DOPT_SIM_I32 : DOPT_SIM_F32,
+  return dopt_sim_all_reduce(x, y, 8, rank == 1 ? DOPT_I32 : DOPT_F32,
                              rank == 1 ? DOPT_SIM_MAX : DOPT_SIM_SUM, c);
 }
 
@@ -62,15 +62,15 @@ static void test_mismatch(void **st) {
   fault_ctx f = {0};
   dopt_sim_config cfg = cfg_n(N, 5000);
   expect_all(&cfg, mismatch_body, &f, DOPT_ERR_MISMATCH, 0,
-             "rank 0 all_reduce(count=8,f32,sum) vs rank 2 all_reduce(count=4,f32,sum)");
+             "rank 0 all_reduce(count=8,F32,sum) vs rank 2 all_reduce(count=4,F32,sum)");
   f.variant = 1;
   expect_all(&cfg, mismatch_body, &f, DOPT_ERR_MISMATCH, 0,
-             "rank 0 all_reduce(count=8,f32,sum) vs rank 1 barrier()");
+             "rank 0 all_reduce(count=8,F32,sum) vs rank 1 barrier()");
   f.variant = 2;
   expect_all(&cfg, mismatch_body, &f, DOPT_ERR_MISMATCH, 0,
-             "rank 0 broadcast(count=8,f32,root=0) vs rank 3 broadcast(count=8,f32,root=1)");
+             "rank 0 broadcast(count=8,F32,root=0) vs rank 3 broadcast(count=8,F32,root=1)");
   f.variant = 3;
-  expect_all(&cfg, mismatch_body, &f, DOPT_ERR_MISMATCH, 0, "vs rank 1 all_reduce(count=8,i32,max)");
+  expect_all(&cfg, mismatch_body, &f, DOPT_ERR_MISMATCH, 0, "vs rank 1 all_reduce(count=8,I32,max)");
 }
 
 static dopt_status overlap_body(dopt_sim_comm *c, int rank, void *user) {
@@ -78,13 +78,13 @@ static dopt_status overlap_body(dopt_sim_comm *c, int rank, void *user) {
   int32_t *b = f->data[rank];
   switch (f->variant) {
   case 0: /* all_reduce: recv shifted by one element on rank 1 */
-    return dopt_sim_all_reduce(b, rank == 1 ? b + 1 : b, 4, DOPT_SIM_I32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(b, rank == 1 ? b + 1 : b, 4, DOPT_I32, DOPT_SIM_SUM, c);
   case 1: /* reduce_scatter: in place at the wrong offset */
-    return dopt_sim_reduce_scatter(b, b + ((rank + 1) % N) * 2, 2, DOPT_SIM_I32, DOPT_SIM_SUM, c);
+    return dopt_sim_reduce_scatter(b, b + ((rank + 1) % N) * 2, 2, DOPT_I32, DOPT_SIM_SUM, c);
   case 2: /* all_gather: send inside recv but not at rank*count */
-    return dopt_sim_all_gather(b + 1, b, 2, DOPT_SIM_I32, c);
+    return dopt_sim_all_gather(b + 1, b, 2, DOPT_I32, c);
   default: /* all_to_all never in place */
-    return dopt_sim_all_to_all(b, b, 2, DOPT_SIM_I32, c);
+    return dopt_sim_all_to_all(b, b, 2, DOPT_I32, c);
   }
 }
 
@@ -101,13 +101,15 @@ static dopt_status invalid_body(dopt_sim_comm *c, int rank, void *user) {
   float x[4] = {0};
   switch (f->variant) {
   case 0:
-    return dopt_sim_reduce(x, x, 4, DOPT_SIM_F32, DOPT_SIM_SUM, 7, c);
+    return dopt_sim_reduce(x, x, 4, DOPT_F32, DOPT_SIM_SUM, 7, c);
   case 1:
-    return dopt_sim_all_reduce(x, rank == 0 ? NULL : x, 4, DOPT_SIM_F32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, rank == 0 ? NULL : x, 4, DOPT_F32, DOPT_SIM_SUM, c);
   case 2:
-    return dopt_sim_all_gather(x, x, SIZE_MAX / 2, DOPT_SIM_F32, c);
+    return dopt_sim_all_gather(x, x, SIZE_MAX / 2, DOPT_F32, c);
+  case 4:
+    return dopt_sim_all_reduce(x, x, 4, DOPT_F16, DOPT_SIM_SUM, c);
   default:
-    return dopt_sim_all_reduce(x, x, 4, (dopt_sim_dtype)42, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, x, 4, (dopt_dtype)42, DOPT_SIM_SUM, c);
   }
 }
 
@@ -122,6 +124,8 @@ static void test_invalid_args(void **st) {
   expect_all(&cfg, invalid_body, &f, DOPT_ERR_INVALID_ARG, 0, "overflows");
   f.variant = 3;
   expect_all(&cfg, invalid_body, &f, DOPT_ERR_INVALID_ARG, 0, "dtype=42");
+  f.variant = 4;
+  expect_all(&cfg, invalid_body, &f, DOPT_ERR_UNSUPPORTED, 0, "(F16) is not supported");
   /* non-divisible sharding, config errors */
   dopt_sim_world *w;
   assert_ok(dopt_sim_world_create(&cfg, &w));
@@ -153,12 +157,12 @@ static dopt_status timeout_body(dopt_sim_comm *c, int rank, void *user) {
     DOPT_TRY(dopt_sim_comm_split_labeled(c, rank % 2, rank, "dp", &dp));
     if (rank == N - 1)
       return DOPT_OK;
-    DOPT_TRY(dopt_sim_all_reduce(x, y, 2, DOPT_SIM_I32, DOPT_SIM_SUM, dp));
+    DOPT_TRY(dopt_sim_all_reduce(x, y, 2, DOPT_I32, DOPT_SIM_SUM, dp));
     return dopt_sim_barrier(c);
   }
   if (f->variant == 2) /* recv with no matching send */
-    return rank == 0 ? dopt_sim_recv(y, 2, DOPT_SIM_I32, 1, c) : DOPT_OK;
-  return dopt_sim_all_reduce(x, y, 2, DOPT_SIM_I32, DOPT_SIM_SUM, c);
+    return rank == 0 ? dopt_sim_recv(y, 2, DOPT_I32, 1, c) : DOPT_OK;
+  return dopt_sim_all_reduce(x, y, 2, DOPT_I32, DOPT_SIM_SUM, c);
 }
 
 static void check_timeout(int variant, int nranks) {
@@ -203,7 +207,7 @@ static dopt_status abort_body(dopt_sim_comm *c, int rank, void *user) {
   }
   int32_t x = rank, y;
   if (rank == 1) /* blocks in the sub-communicator, waiting for rank 0 */
-    return dopt_sim_all_reduce(&x, &y, 1, DOPT_SIM_I32, DOPT_SIM_SUM, tp);
+    return dopt_sim_all_reduce(&x, &y, 1, DOPT_I32, DOPT_SIM_SUM, tp);
   return dopt_sim_barrier(c); /* ranks 2, 3 block in the parent */
 }
 
@@ -239,12 +243,12 @@ static dopt_status fault_body(dopt_sim_comm *c, int rank, void *user) {
     mine[e] = rank * 1000 + e;
   if (f->variant == 1 && rank == 1) {
     (void)dopt_sim_barrier(c);
-    (void)dopt_sim_all_gather(mine, f->data[rank], 4, DOPT_SIM_I32, c);
+    (void)dopt_sim_all_gather(mine, f->data[rank], 4, DOPT_I32, c);
     return dopt_sim_barrier(c) == DOPT_ERR_ABORTED ? DOPT_OK : DOPT_ERR_STATE; /* stays stopped */
   }
   clock_gettime(CLOCK_MONOTONIC, &t0);
   DOPT_TRY(dopt_sim_barrier(c));
-  DOPT_TRY(dopt_sim_all_gather(mine, f->data[rank], 4, DOPT_SIM_I32, c));
+  DOPT_TRY(dopt_sim_all_gather(mine, f->data[rank], 4, DOPT_I32, c));
   dopt_status s = dopt_sim_barrier(c);
   clock_gettime(CLOCK_MONOTONIC, &t1);
   f->t_rank[rank] = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
@@ -373,8 +377,8 @@ static dopt_status p2p_mismatch_body(dopt_sim_comm *c, int rank, void *user) {
   (void)user;
   float x[8] = {0};
   if (rank == 0)
-    return dopt_sim_send(x, 8, DOPT_SIM_F32, 1, c);
-  return dopt_sim_recv(x, 4, DOPT_SIM_F32, 0, c);
+    return dopt_sim_send(x, 8, DOPT_F32, 1, c);
+  return dopt_sim_recv(x, 4, DOPT_F32, 0, c);
 }
 
 static void test_p2p_mismatch(void **st) {
@@ -386,7 +390,7 @@ static void test_p2p_mismatch(void **st) {
   assert_int_equal(s[0], DOPT_OK);
   assert_int_equal(s[1], DOPT_ERR_MISMATCH);
   assert_non_null(strstr(dopt_sim_world_rank_error(w, 1),
-                         "rank 0 send(count=8,f32,peer=1) vs rank 1 recv(count=4,f32,peer=0)"));
+                         "rank 0 send(count=8,F32,peer=1) vs rank 1 recv(count=4,F32,peer=0)"));
   dopt_sim_world_destroy(w);
 }
 
