@@ -63,11 +63,7 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_v
   int n = 0;
   if (!isnan(hp[BETA1])) dopt_state_def(&out[n++], "exp_avg", ndim, shape);
   if (ndim >= 2) {
-    int64_t col[DOPT_MAX_DIMS];
-    for (int i = 0; i < ndim - 2; i++) col[i] = shape[i];
-    col[ndim - 2] = shape[ndim - 1];
-    dopt_state_def(&out[n++], "exp_avg_sq_row", ndim - 1, shape);
-    dopt_state_def(&out[n++], "exp_avg_sq_col", ndim - 1, col);
+    dopt_factored_state_defs("exp_avg_sq_row", "exp_avg_sq_col", ndim, shape, out, &n);
   } else {
     dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
   }
@@ -75,13 +71,6 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_v
   return n;
 }
 
-static size_t scratch(int ndim, const int64_t *shape) {
-  size_t numel = dopt_numel(ndim, shape);
-  if (ndim < 2) return numel;
-  size_t b, h, w;
-  dopt_split_bhw(ndim, shape, &b, &h, &w);
-  return numel + b * h + b * w; /* U, mean_w(U), mean_h(U) */
-}
 
 /* The step size α = ρ·max(eps2, RMS), in upstream's precision: the product is
  * an fp32 tensor op when RMS wins the max, a double product otherwise. */
@@ -161,6 +150,6 @@ const dopt_optim_impl dopt_impl_adafactor = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = scratch,
+    .scratch = dopt_factored_scratch,
     .step = step,
 };

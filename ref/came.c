@@ -51,13 +51,8 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_v
   int n = 0;
   dopt_state_def(&out[n++], "exp_avg", ndim, shape);
   if (ndim >= 2) {
-    int64_t col[DOPT_MAX_DIMS];
-    for (int i = 0; i < ndim - 2; i++) col[i] = shape[i];
-    col[ndim - 2] = shape[ndim - 1];
-    dopt_state_def(&out[n++], "exp_avg_sq_row", ndim - 1, shape);
-    dopt_state_def(&out[n++], "exp_avg_sq_col", ndim - 1, col);
-    dopt_state_def(&out[n++], "exp_avg_res_row", ndim - 1, shape);
-    dopt_state_def(&out[n++], "exp_avg_res_col", ndim - 1, col);
+    dopt_factored_state_defs("exp_avg_sq_row", "exp_avg_sq_col", ndim, shape, out, &n);
+    dopt_factored_state_defs("exp_avg_res_row", "exp_avg_res_col", ndim, shape, out, &n);
   } else {
     dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
   }
@@ -65,13 +60,6 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_v
   return n;
 }
 
-static size_t scratch(int ndim, const int64_t *shape) {
-  size_t numel = dopt_numel(ndim, shape);
-  if (ndim < 2) return numel;
-  size_t b, h, w;
-  dopt_split_bhw(ndim, shape, &b, &h, &w);
-  return numel + b * h + b * w;
-}
 
 /* stat ← β·stat + (1−β)·mean (row or column statistic update) */
 static void ema(float *stat, const float *mean, size_t n, double beta) {
@@ -149,6 +137,6 @@ const dopt_optim_impl dopt_impl_came = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = scratch,
+    .scratch = dopt_factored_scratch,
     .step = step,
 };

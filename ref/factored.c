@@ -13,6 +13,23 @@ float dopt_rms_from_ss(double ss, size_t n) {
   return norm / (float)sqrt((double)n);
 }
 
+void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
+                              dopt_state_view *out, int *n) {
+  int64_t col[DOPT_MAX_DIMS];
+  for (int i = 0; i < ndim - 2; i++) col[i] = shape[i];
+  col[ndim - 2] = shape[ndim - 1];
+  dopt_state_def(&out[(*n)++], row_name, ndim - 1, shape);
+  dopt_state_def(&out[(*n)++], col_name, ndim - 1, col);
+}
+
+size_t dopt_factored_scratch(int ndim, const int64_t *shape) {
+  size_t numel = dopt_numel(ndim, shape);
+  if (ndim < 2) return numel;
+  size_t b, h, w;
+  dopt_split_bhw(ndim, shape, &b, &h, &w);
+  return numel + b * h + b * w; /* U, mean_w(U), mean_h(U) */
+}
+
 double dopt_sumsq(const float *x, size_t n) { return dopt_xsum_sq(x, n); }
 
 void dopt_rowcol_absmax(const float *u, size_t b, size_t h, size_t w, double *rmax, double *cmax) {

@@ -95,6 +95,14 @@ dopt_status dopt_row_col_means(const float *u, size_t b, size_t h, size_t w, flo
 dopt_status dopt_factored_apply(const float *row, const float *col, const float *x, size_t b, size_t h,
                                 size_t w, float *out);
 
+/* Appends the factored statistics "<prefix>_row" [..., h] and "<prefix>_col"
+ * [..., w] of a >=2-D parameter to out[*n]. */
+void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
+                              dopt_state_view *out, int *n);
+/* Scratch floats of a factored step: U [numel] plus row and column means
+ * (numel alone for < 2-D parameters). */
+size_t dopt_factored_scratch(int ndim, const int64_t *shape);
+
 /* Exact sum of squares of x[n] (double). */
 double dopt_sumsq(const float *x, size_t n);
 

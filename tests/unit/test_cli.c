@@ -17,19 +17,15 @@ static char dir[256], inputs[512], errfile[600];
 
 static int setup(void **st) {
   (void)st;
-  snprintf(dir, sizeof dir, "/tmp/dopt_cli_%ld", (long)getpid());
   snprintf(inputs, sizeof inputs, "%s/datasets/golden/inputs.safetensors", dt_source_dir());
+  int rc = dt_make_tmpdir(dir, sizeof dir, "dopt_cli");
   snprintf(errfile, sizeof errfile, "%s/stderr.txt", dir);
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
-  return system(cmd);
+  return rc;
 }
 
 static int teardown(void **st) {
   (void)st;
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  return system(cmd);
+  return dt_remove_tmpdir(dir);
 }
 
 /* Runs the binary with args (NULL-terminated), stderr to errfile; returns the exit code. */

@@ -238,11 +238,11 @@ static void test_golden(void **st) {
     for (int i = 0; i < nf; i++) have |= strncmp(files[i], need[k], strlen(need[k])) == 0;
     if (!have) fail_msg("no golden case for %s* in %s", need[k], dir);
   }
-  printf("%-26s %8s %12s %12s %12s %12s\n", "case", "tensors", "param abs", "param rel", "state abs", "state rel");
+  printf("%-32s %8s %12s %12s %12s %12s\n", "case", "tensors", "param abs", "param rel", "state abs", "state rel");
   for (int i = 0; i < nf; i++) {
     errstat ep = {0, 0, ""}, es = {0, 0, ""};
     int n = run_case(dir, files[i], &ep, &es);
-    printf("%-26s %8d %12.3g %12.3g %12.3g %12.3g\n", files[i], n, ep.max_abs, ep.max_rel, es.max_abs, es.max_rel);
+    printf("%-32s %8d %12.3g %12.3g %12.3g %12.3g\n", files[i], n, ep.max_abs, ep.max_rel, es.max_abs, es.max_rel);
     free(files[i]);
   }
   free(dir);

@@ -12,17 +12,12 @@ static char dir[256];
 
 static int setup(void **st) {
   (void)st;
-  snprintf(dir, sizeof dir, "/tmp/dopt_st_%ld", (long)getpid());
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
-  return system(cmd);
+  return dt_make_tmpdir(dir, sizeof dir, "dopt_st");
 }
 
 static int teardown(void **st) {
   (void)st;
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  return system(cmd);
+  return dt_remove_tmpdir(dir);
 }
 
 /* Writes an 8-byte length, the header text and `data_len` bytes of data. */

@@ -2,7 +2,9 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 static int64_t ordered_bits(float f) {
   int32_t i;
@@ -34,4 +36,17 @@ double dt_rand_normal(uint64_t *s) {
 const char *dt_source_dir(void) {
   const char *d = getenv("DOPT_SOURCE_DIR");
   return d && *d ? d : ".";
+}
+
+int dt_make_tmpdir(char *buf, size_t cap, const char *tag) {
+  snprintf(buf, cap, "/tmp/%s_%ld", tag, (long)getpid());
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", buf, buf);
+  return system(cmd);
+}
+
+int dt_remove_tmpdir(const char *dir) {
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  return system(cmd);
 }

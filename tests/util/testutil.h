@@ -40,6 +40,10 @@ uint64_t dt_rand_u64(uint64_t *state);
 double dt_rand_uniform(uint64_t *state);   /* [0, 1) */
 double dt_rand_normal(uint64_t *state);
 
+/* Creates a fresh per-process directory /tmp/<tag>_<pid> into buf; removes it. */
+int dt_make_tmpdir(char *buf, size_t cap, const char *tag);
+int dt_remove_tmpdir(const char *dir);
+
 /* Returns the repository root (DOPT_SOURCE_DIR, set by CTest) or ".". */
 const char *dt_source_dir(void);
 
