@@ -48,10 +48,10 @@ static dopt_status run_op(dopt_sim_kind kind, bench *b, int rank, int n, size_t 
   size_t count = bytes / sizeof(float);
   switch (kind) {
   case DOPT_SIM_KIND_ALL_REDUCE:
-    return dopt_sim_all_reduce(b->send[rank], b->recv[rank], count, DOPT_F32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(b->send[rank], b->recv[rank], count, DOPT_F32, DOPT_SUM, c);
   case DOPT_SIM_KIND_REDUCE_SCATTER:
     return dopt_sim_reduce_scatter(b->send[rank], b->recv[rank], count / (size_t)n, DOPT_F32,
-                                   DOPT_SIM_SUM, c);
+                                   DOPT_SUM, c);
   default:
     return dopt_sim_all_gather(b->send[rank], b->recv[rank], count / (size_t)n, DOPT_F32, c);
   }

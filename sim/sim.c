@@ -37,15 +37,15 @@ static size_t sim_dtype_size(dopt_dtype dt) {
   return dt == DOPT_F16 || dt == DOPT_I8 ? 0 : dopt_dtype_size(dt);
 }
 
-const char *dopt_sim_op_name(dopt_sim_op op) {
-  static const char *const names[DOPT_SIM_OP_COUNT] = {"sum", "prod", "max", "min", "avg"};
-  return (unsigned)op < DOPT_SIM_OP_COUNT ? names[op] : "op?";
+const char *dopt_sim_op_name(dopt_redop op) {
+  static const char *const names[DOPT_REDOP_COUNT_] = {"sum", "prod", "max", "min", "avg"};
+  return (unsigned)op < DOPT_REDOP_COUNT_ ? names[op] : "op?";
 }
 
 static void sig_format(const sim_sig *s, char *buf, size_t len) {
   const char *k = dopt_sim_kind_name(s->kind);
   const char *dt = dopt_dtype_name((dopt_dtype)s->dtype);
-  const char *op = dopt_sim_op_name((dopt_sim_op)s->op);
+  const char *op = dopt_sim_op_name((dopt_redop)s->op);
   switch (s->kind) {
   case DOPT_SIM_KIND_ALL_REDUCE:
   case DOPT_SIM_KIND_REDUCE_SCATTER:
@@ -364,8 +364,8 @@ static void check_common(sim_arrival *a, const dopt_sim_comm *c, int scale_by_n,
              "%s: dtype=%d (%s) is not supported by collectives", k, s->dtype, dopt_dtype_name((dopt_dtype)s->dtype));
     return;
   }
-  if (reduces && (unsigned)s->op >= DOPT_SIM_OP_COUNT)
-    arg_fail(a, DOPT_ERR_INVALID_ARG, "%s: op=%d is not a dopt_sim_op", k, s->op);
+  if (reduces && (unsigned)s->op >= DOPT_REDOP_COUNT_)
+    arg_fail(a, DOPT_ERR_INVALID_ARG, "%s: op=%d is not a dopt_redop", k, s->op);
   size_t n = scale_by_n ? (size_t)c->g->n : 1u;
   if (s->count > SIZE_MAX / esz / n)
     arg_fail(a, DOPT_ERR_INVALID_ARG, "%s: count=%zu times %zu ranks overflows size_t", k, s->count,
@@ -784,7 +784,7 @@ static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
   const sim_arrival *arr = g->arr; /* stable until the final barrier */
   int n = g->n, i = k->c->rank;
   dopt_dtype dt = (dopt_dtype)a->sig.dtype;
-  dopt_sim_op op = (dopt_sim_op)a->sig.op;
+  dopt_redop op = (dopt_redop)a->sig.op;
   size_t cnt = a->sig.count, esz = sim_dtype_size(dt), blk = cnt * esz;
   char *recv = a->recv;
   switch (a->sig.kind) {
@@ -878,12 +878,12 @@ static dopt_status collective(dopt_sim_comm *comm, dopt_sim_kind kind, const voi
 }
 
 dopt_status dopt_sim_all_reduce(const void *send, void *recv, size_t count, dopt_dtype dt,
-                                dopt_sim_op op, dopt_sim_comm *comm) {
+                                dopt_redop op, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_ALL_REDUCE, send, recv, count, dt, (int)op, -1);
 }
 
 dopt_status dopt_sim_reduce_scatter(const void *send, void *recv, size_t recvcount,
-                                    dopt_dtype dt, dopt_sim_op op, dopt_sim_comm *comm) {
+                                    dopt_dtype dt, dopt_redop op, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_REDUCE_SCATTER, send, recv, recvcount, dt, (int)op, -1);
 }
 
@@ -898,7 +898,7 @@ dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t count, dopt_
 }
 
 dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count, dopt_dtype dt,
-                            dopt_sim_op op, int root, dopt_sim_comm *comm) {
+                            dopt_redop op, int root, dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_REDUCE, send, recv, count, dt, (int)op, root);
 }
 

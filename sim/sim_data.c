@@ -34,7 +34,7 @@ static uint16_t f32_to_bf16(float f) {
  * them, ADD/MUL combine two accumulators, DIV divides by n (AVG). Integer sums
  * and products wrap (computed in unsigned arithmetic). */
 #define SIM_DEFINE_REDUCER(NAME, T, A, LD, ST, ADD, MUL, DIV)                                \
-  static void NAME(dopt_sim_op op, void *out, const void *const *srcs, int n, int start,     \
+  static void NAME(dopt_redop op, void *out, const void *const *srcs, int n, int start,     \
                    size_t off, size_t count) {                                               \
     A acc[SIM_BLOCK];                                                                        \
     for (size_t b = 0; b < count; b += SIM_BLOCK) {                                          \
@@ -45,15 +45,15 @@ static uint16_t f32_to_bf16(float f) {
       for (int j = 1; j < n; j++) {                                                          \
         s = (const T *)srcs[(start + j) % n] + off + b;                                      \
         switch (op) {                                                                        \
-        case DOPT_SIM_PROD:                                                                  \
+        case DOPT_PROD:                                                                  \
           for (size_t k = 0; k < m; k++)                                                     \
             acc[k] = MUL(acc[k], LD(s[k]));                                                  \
           break;                                                                             \
-        case DOPT_SIM_MAX:                                                                   \
+        case DOPT_MAX:                                                                   \
           for (size_t k = 0; k < m; k++)                                                     \
             acc[k] = LD(s[k]) > acc[k] ? LD(s[k]) : acc[k];                                  \
           break;                                                                             \
-        case DOPT_SIM_MIN:                                                                   \
+        case DOPT_MIN:                                                                   \
           for (size_t k = 0; k < m; k++)                                                     \
             acc[k] = LD(s[k]) < acc[k] ? LD(s[k]) : acc[k];                                  \
           break;                                                                             \
@@ -64,7 +64,7 @@ static uint16_t f32_to_bf16(float f) {
         }                                                                                    \
       }                                                                                      \
       T *o = (T *)out + b;                                                                   \
-      if (op == DOPT_SIM_AVG)                                                                \
+      if (op == DOPT_AVG)                                                                \
         for (size_t k = 0; k < m; k++)                                                       \
           o[k] = ST(DIV(acc[k], n));                                                         \
       else                                                                                   \
@@ -96,7 +96,7 @@ SIM_DEFINE_REDUCER(reduce_i32, int32_t, int32_t, SIM_ID, SIM_ID, SIM_I32ADD, SIM
 SIM_DEFINE_REDUCER(reduce_i64, int64_t, int64_t, SIM_ID, SIM_ID, SIM_I64ADD, SIM_I64MUL, SIM_I64DIV)
 SIM_DEFINE_REDUCER(reduce_u8, uint8_t, uint8_t, SIM_ID, SIM_ID, SIM_U8ADD, SIM_U8MUL, SIM_U8DIV)
 
-void dopt__sim_reduce(dopt_dtype dt, dopt_sim_op op, void *out, const void *const *srcs,
+void dopt__sim_reduce(dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs,
                       int n, int start, size_t off, size_t count) {
   switch (dt) {
   case DOPT_F32: reduce_f32(op, out, srcs, n, start, off, count); break;

@@ -17,7 +17,7 @@ void dopt__sim_copy(void *dst, const void *src, size_t bytes);
  * o_j = (start + j) mod n: a fixed combination order. out may alias
  * srcs[j] + off (in place); it must not partially overlap any source. bf16 is
  * accumulated in fp32 and rounded once; AVG divides the sum by n once. */
-void dopt__sim_reduce(dopt_dtype dt, dopt_sim_op op, void *out, const void *const *srcs,
+void dopt__sim_reduce(dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs,
                       int n, int start, size_t off, size_t count);
 /* Flips bit `bit` (mod the element width) of element `elem` (mod count) of a
  * little-endian buffer; no-op when count is 0. */

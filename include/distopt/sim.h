@@ -34,6 +34,7 @@
 #include "distopt/dtype.h"
 #include "distopt/export.h"
 #include "distopt/status.h"
+#include "distopt/transport.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -48,16 +49,9 @@ typedef struct dopt_sim_comm dopt_sim_comm;   /* one rank's handle on one commun
  * (integer sum/prod wrap modulo 2^bits) and DOPT_U8; DOPT_F16 and DOPT_I8 are
  * rejected with DOPT_ERR_UNSUPPORTED. */
 
-/* AVG = SUM in the fixed order, then one division by n (integer types:
- * truncating division of the wrapped sum). */
-typedef enum dopt_sim_op {
-  DOPT_SIM_SUM = 0,
-  DOPT_SIM_PROD = 1,
-  DOPT_SIM_MAX = 2,
-  DOPT_SIM_MIN = 3,
-  DOPT_SIM_AVG = 4,
-  DOPT_SIM_OP_COUNT
-} dopt_sim_op;
+/* Reduction operators: dopt_redop (distopt/transport.h): DOPT_SUM, DOPT_PROD,
+ * DOPT_MAX, DOPT_MIN, DOPT_AVG (= SUM in the fixed order, then one division by
+ * n; integer types: truncating division of the wrapped sum). */
 
 /* Order in which reductions combine the ranks' contributions. */
 typedef enum dopt_sim_mode {
@@ -185,10 +179,10 @@ DOPT_API dopt_status dopt_sim_comm_destroy(dopt_sim_comm *comm);
  * Any other overlap of send and receive ranges: DOPT_ERR_OVERLAP. all_to_all
  * is never in place. */
 DOPT_API dopt_status dopt_sim_all_reduce(const void *send, void *recv, size_t count,
-                                         dopt_dtype dt, dopt_sim_op op, dopt_sim_comm *comm);
+                                         dopt_dtype dt, dopt_redop op, dopt_sim_comm *comm);
 /* send: recvcount*n elements; recv: recvcount (block `rank` of the reduction). */
 DOPT_API dopt_status dopt_sim_reduce_scatter(const void *send, void *recv, size_t recvcount,
-                                             dopt_dtype dt, dopt_sim_op op,
+                                             dopt_dtype dt, dopt_redop op,
                                              dopt_sim_comm *comm);
 /* send: sendcount elements; recv: sendcount*n, block r from rank r. */
 DOPT_API dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount,
@@ -198,7 +192,7 @@ DOPT_API dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t cou
                                         dopt_dtype dt, int root, dopt_sim_comm *comm);
 /* recv is written on root only. */
 DOPT_API dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count,
-                                     dopt_dtype dt, dopt_sim_op op, int root,
+                                     dopt_dtype dt, dopt_redop op, int root,
                                      dopt_sim_comm *comm);
 /* send and recv: count*n elements; block j of send goes to rank j, block j of
  * recv comes from rank j. */
@@ -213,7 +207,11 @@ DOPT_API dopt_status dopt_sim_recv(void *recv, size_t count, dopt_dtype dt, int 
                                    dopt_sim_comm *comm);
 DOPT_API dopt_status dopt_sim_barrier(dopt_sim_comm *comm);
 
-DOPT_API const char *dopt_sim_op_name(dopt_sim_op op);
+/* This rank's communicator as a dopt_transport (for dist/). The transport
+ * borrows the communicator. */
+DOPT_API dopt_status dopt_sim_transport(dopt_sim_comm *comm, dopt_transport *out);
+
+DOPT_API const char *dopt_sim_op_name(dopt_redop op);
 DOPT_API const char *dopt_sim_kind_name(dopt_sim_kind kind);
 
 /* ---- accounting ---------------------------------------------------------------

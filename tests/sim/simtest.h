@@ -42,27 +42,27 @@ static inline void st_put(dopt_dtype dt, void *buf, size_t i, double v) {
 }
 
 /* Element e of rank r's input: small integers, so every reduction is exact. */
-static inline double st_value(dopt_dtype dt, dopt_sim_op op, int r, size_t e) {
-  if (op == DOPT_SIM_PROD)
+static inline double st_value(dopt_dtype dt, dopt_redop op, int r, size_t e) {
+  if (op == DOPT_PROD)
     return ((size_t)r + e) % 3 == 0 ? 2.0 : 1.0;
   double v = (double)(((size_t)r * 7 + e * 3) % 5) + 1.0;
   return dt == DOPT_U8 ? v : v - 3.0;
 }
 
 /* Expected reduction over ranks 0..n-1 of st_value(.., e), stored at out[i]. */
-static inline void st_expect_reduce(dopt_dtype dt, dopt_sim_op op, int n, size_t e, void *out,
+static inline void st_expect_reduce(dopt_dtype dt, dopt_redop op, int n, size_t e, void *out,
                                     size_t i) {
   double acc = st_value(dt, op, 0, e);
   for (int j = 1; j < n; j++) {
     double v = st_value(dt, op, j, e);
     switch (op) {
-    case DOPT_SIM_PROD: acc *= v; break;
-    case DOPT_SIM_MAX: acc = v > acc ? v : acc; break;
-    case DOPT_SIM_MIN: acc = v < acc ? v : acc; break;
+    case DOPT_PROD: acc *= v; break;
+    case DOPT_MAX: acc = v > acc ? v : acc; break;
+    case DOPT_MIN: acc = v < acc ? v : acc; break;
     default: acc += v; break;
     }
   }
-  if (op == DOPT_SIM_AVG) {
+  if (op == DOPT_AVG) {
     switch (dt) {
     case DOPT_F32: ((float *)out)[i] = (float)acc / (float)n; return;
     case DOPT_BF16: ((uint16_t *)out)[i] = st_bf16((float)acc / (float)n); return;

@@ -19,9 +19,9 @@ static dopt_status step_body(dopt_sim_comm *world, int rank, void *user) {
   dopt_sim_comm *tp, *dp;
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / TP, rank, "tp", &tp));
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % TP, rank, "dp", &dp));
-  DOPT_TRY(dopt_sim_all_reduce(a->buf[rank], a->buf[rank], ELEMS, DOPT_F32, DOPT_SIM_SUM, tp));
+  DOPT_TRY(dopt_sim_all_reduce(a->buf[rank], a->buf[rank], ELEMS, DOPT_F32, DOPT_SUM, tp));
   DOPT_TRY(dopt_sim_reduce_scatter(a->buf[rank], a->shard[rank], ELEMS / DP, DOPT_F32,
-                                   DOPT_SIM_SUM, dp));
+                                   DOPT_SUM, dp));
   DOPT_TRY(dopt_sim_all_gather(a->shard[rank], a->buf[rank], ELEMS / DP, DOPT_F32, dp));
   if (rank == 0)
     DOPT_TRY(dopt_sim_send(a->shard[rank], 16, DOPT_F32, 1, world));

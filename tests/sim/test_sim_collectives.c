@@ -8,7 +8,7 @@ enum { MAX_CASES = 1024, MAX_RANKS = 8 };
 typedef struct coll_case {
   dopt_sim_kind kind;
   dopt_dtype dt;
-  dopt_sim_op op;
+  dopt_redop op;
   size_t count; /* per-rank count (NCCL convention) */
   int inplace;
   int root;
@@ -128,7 +128,7 @@ static void *expected(const coll_case *c, int i, int n) {
   return x;
 }
 
-static void add_case(coll_run *run, dopt_sim_kind kind, dopt_dtype dt, dopt_sim_op op,
+static void add_case(coll_run *run, dopt_sim_kind kind, dopt_dtype dt, dopt_redop op,
                      size_t count, int inplace, int root) {
   assert_true(run->ncases < MAX_CASES);
   run->cases[run->ncases++] = (coll_case){kind, dt, op, count, inplace, root};
@@ -143,15 +143,15 @@ static void check_all_collectives(int n) {
       if (dt == DOPT_F16 || dt == DOPT_I8) continue; /* not collective dtypes */
       for (int ip = 0; ip < 2; ip++) {
         int root = (run->ncases + 1) % n;
-        for (int op = 0; op < DOPT_SIM_OP_COUNT; op++) {
+        for (int op = 0; op < DOPT_REDOP_COUNT_; op++) {
           add_case(run, DOPT_SIM_KIND_ALL_REDUCE, dt, op, counts[ci], ip, -1);
           add_case(run, DOPT_SIM_KIND_REDUCE_SCATTER, dt, op, counts[ci], ip, -1);
           add_case(run, DOPT_SIM_KIND_REDUCE, dt, op, counts[ci], ip, root);
         }
-        add_case(run, DOPT_SIM_KIND_ALL_GATHER, dt, DOPT_SIM_SUM, counts[ci], ip, -1);
-        add_case(run, DOPT_SIM_KIND_BROADCAST, dt, DOPT_SIM_SUM, counts[ci], ip, root);
+        add_case(run, DOPT_SIM_KIND_ALL_GATHER, dt, DOPT_SUM, counts[ci], ip, -1);
+        add_case(run, DOPT_SIM_KIND_BROADCAST, dt, DOPT_SUM, counts[ci], ip, root);
         if (!ip)
-          add_case(run, DOPT_SIM_KIND_ALL_TO_ALL, dt, DOPT_SIM_SUM, counts[ci], 0, -1);
+          add_case(run, DOPT_SIM_KIND_ALL_TO_ALL, dt, DOPT_SUM, counts[ci], 0, -1);
       }
     }
   }
@@ -223,12 +223,12 @@ static dopt_status grid_body(dopt_sim_comm *world, int rank, void *user) {
   DOPT_TRY(dopt_sim_comm_size(dp, &g->dp_size[rank]));
   snprintf(g->tp_label[rank], DOPT_SIM_LABEL_MAX, "%s", dopt_sim_comm_label(tp));
   int64_t mine = rank;
-  DOPT_TRY(dopt_sim_all_reduce(&mine, &g->tp_sum[rank], 1, DOPT_I64, DOPT_SIM_SUM, tp));
+  DOPT_TRY(dopt_sim_all_reduce(&mine, &g->tp_sum[rank], 1, DOPT_I64, DOPT_SUM, tp));
   /* ZeRO: grads of 4*dp elements, reduce-scatter then all-gather over DP */
   int64_t grad[4 * MAX_RANKS], shard[4];
   for (int e = 0; e < 4 * g->dp; e++)
     grad[e] = rank * 100 + e;
-  DOPT_TRY(dopt_sim_reduce_scatter(grad, shard, 4, DOPT_I64, DOPT_SIM_SUM, dp));
+  DOPT_TRY(dopt_sim_reduce_scatter(grad, shard, 4, DOPT_I64, DOPT_SUM, dp));
   DOPT_TRY(dopt_sim_all_gather(shard, g->zero[rank], 4, DOPT_I64, dp));
   DOPT_TRY(dopt_sim_comm_destroy(tp));
   return dopt_sim_comm_destroy(dp);

@@ -17,9 +17,9 @@ static dopt_status det_body(dopt_sim_comm *c, int rank, void *user) {
   int n;
   DOPT_TRY(dopt_sim_comm_size(c, &n));
   for (int i = 0; i < 3; i++) /* repeated calls on the same communicator */
-    DOPT_TRY(dopt_sim_all_reduce(d->in[rank], d->out[rank], COUNT, DOPT_F32, DOPT_SIM_SUM, c));
+    DOPT_TRY(dopt_sim_all_reduce(d->in[rank], d->out[rank], COUNT, DOPT_F32, DOPT_SUM, c));
   return dopt_sim_reduce_scatter(d->in[rank], d->rs[rank], COUNT / (size_t)n, DOPT_F32,
-                                 DOPT_SIM_SUM, c);
+                                 DOPT_SUM, c);
 }
 
 static void fill_random(det_ctx *d, int n, uint64_t seed) {
@@ -107,7 +107,7 @@ typedef struct bf16_ctx {
 
 static dopt_status bf16_body(dopt_sim_comm *c, int rank, void *user) {
   bf16_ctx *b = user;
-  return dopt_sim_all_reduce(&b->in[rank], &b->out[rank], 1, DOPT_BF16, DOPT_SIM_SUM, c);
+  return dopt_sim_all_reduce(&b->in[rank], &b->out[rank], 1, DOPT_BF16, DOPT_SUM, c);
 }
 
 static void test_bf16_rounds_once(void **st) {

@@ -47,14 +47,14 @@ static dopt_status mismatch_body(dopt_sim_comm *c, int rank, void *user) {
   fault_ctx *f = user;
   float x[8] = {0}, y[8];
   if (f->variant == 0) /* count differs on rank 2 */
-    return dopt_sim_all_reduce(x, y, rank == 2 ? 4 : 8, DOPT_F32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, y, rank == 2 ? 4 : 8, DOPT_F32, DOPT_SUM, c);
   if (f->variant == 1) /* kind differs on rank 1 */
-    return rank == 1 ? dopt_sim_barrier(c) : dopt_sim_all_reduce(x, y, 8, DOPT_F32, DOPT_SIM_SUM, c);
+    return rank == 1 ? dopt_sim_barrier(c) : dopt_sim_all_reduce(x, y, 8, DOPT_F32, DOPT_SUM, c);
   if (f->variant == 2) /* root differs */
     return dopt_sim_broadcast(x, y, 8, DOPT_F32, rank == 3 ? 1 : 0, c);
   /* op and dtype differ */
   return dopt_sim_all_reduce(x, y, 8, rank == 1 ? DOPT_I32 : DOPT_F32,
-                             rank == 1 ? DOPT_SIM_MAX : DOPT_SIM_SUM, c);
+                             rank == 1 ? DOPT_MAX : DOPT_SUM, c);
 }
 
 static void test_mismatch(void **st) {
@@ -78,9 +78,9 @@ static dopt_status overlap_body(dopt_sim_comm *c, int rank, void *user) {
   int32_t *b = f->data[rank];
   switch (f->variant) {
   case 0: /* all_reduce: recv shifted by one element on rank 1 */
-    return dopt_sim_all_reduce(b, rank == 1 ? b + 1 : b, 4, DOPT_I32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(b, rank == 1 ? b + 1 : b, 4, DOPT_I32, DOPT_SUM, c);
   case 1: /* reduce_scatter: in place at the wrong offset */
-    return dopt_sim_reduce_scatter(b, b + ((rank + 1) % N) * 2, 2, DOPT_I32, DOPT_SIM_SUM, c);
+    return dopt_sim_reduce_scatter(b, b + ((rank + 1) % N) * 2, 2, DOPT_I32, DOPT_SUM, c);
   case 2: /* all_gather: send inside recv but not at rank*count */
     return dopt_sim_all_gather(b + 1, b, 2, DOPT_I32, c);
   default: /* all_to_all never in place */
@@ -101,15 +101,15 @@ static dopt_status invalid_body(dopt_sim_comm *c, int rank, void *user) {
   float x[4] = {0};
   switch (f->variant) {
   case 0:
-    return dopt_sim_reduce(x, x, 4, DOPT_F32, DOPT_SIM_SUM, 7, c);
+    return dopt_sim_reduce(x, x, 4, DOPT_F32, DOPT_SUM, 7, c);
   case 1:
-    return dopt_sim_all_reduce(x, rank == 0 ? NULL : x, 4, DOPT_F32, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, rank == 0 ? NULL : x, 4, DOPT_F32, DOPT_SUM, c);
   case 2:
     return dopt_sim_all_gather(x, x, SIZE_MAX / 2, DOPT_F32, c);
   case 4:
-    return dopt_sim_all_reduce(x, x, 4, DOPT_F16, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, x, 4, DOPT_F16, DOPT_SUM, c);
   default:
-    return dopt_sim_all_reduce(x, x, 4, (dopt_dtype)42, DOPT_SIM_SUM, c);
+    return dopt_sim_all_reduce(x, x, 4, (dopt_dtype)42, DOPT_SUM, c);
   }
 }
 
@@ -157,12 +157,12 @@ static dopt_status timeout_body(dopt_sim_comm *c, int rank, void *user) {
     DOPT_TRY(dopt_sim_comm_split_labeled(c, rank % 2, rank, "dp", &dp));
     if (rank == N - 1)
       return DOPT_OK;
-    DOPT_TRY(dopt_sim_all_reduce(x, y, 2, DOPT_I32, DOPT_SIM_SUM, dp));
+    DOPT_TRY(dopt_sim_all_reduce(x, y, 2, DOPT_I32, DOPT_SUM, dp));
     return dopt_sim_barrier(c);
   }
   if (f->variant == 2) /* recv with no matching send */
     return rank == 0 ? dopt_sim_recv(y, 2, DOPT_I32, 1, c) : DOPT_OK;
-  return dopt_sim_all_reduce(x, y, 2, DOPT_I32, DOPT_SIM_SUM, c);
+  return dopt_sim_all_reduce(x, y, 2, DOPT_I32, DOPT_SUM, c);
 }
 
 static void check_timeout(int variant, int nranks) {
@@ -207,7 +207,7 @@ static dopt_status abort_body(dopt_sim_comm *c, int rank, void *user) {
   }
   int32_t x = rank, y;
   if (rank == 1) /* blocks in the sub-communicator, waiting for rank 0 */
-    return dopt_sim_all_reduce(&x, &y, 1, DOPT_I32, DOPT_SIM_SUM, tp);
+    return dopt_sim_all_reduce(&x, &y, 1, DOPT_I32, DOPT_SUM, tp);
   return dopt_sim_barrier(c); /* ranks 2, 3 block in the parent */
 }
 

@@ -1,0 +1,26 @@
+/* The simulator behind the transport interface (distopt/transport.h). */
+#include "distopt/sim.h"
+#include "internal.h"
+
+static dopt_status t_all_reduce(void *c, const void *s, void *r, size_t n, dopt_dtype dt, dopt_redop op) {
+  return dopt_sim_all_reduce(s, r, n, dt, op, c);
+}
+static dopt_status t_reduce_scatter(void *c, const void *s, void *r, size_t n, dopt_dtype dt, dopt_redop op) {
+  return dopt_sim_reduce_scatter(s, r, n, dt, op, c);
+}
+static dopt_status t_all_gather(void *c, const void *s, void *r, size_t n, dopt_dtype dt) {
+  return dopt_sim_all_gather(s, r, n, dt, c);
+}
+static dopt_status t_broadcast(void *c, const void *s, void *r, size_t n, dopt_dtype dt, int root) {
+  return dopt_sim_broadcast(s, r, n, dt, root, c);
+}
+
+static const dopt_transport_ops sim_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast};
+
+dopt_status dopt_sim_transport(dopt_sim_comm *comm, dopt_transport *out) {
+  DOPT_CHECK_ARG(comm != NULL && out != NULL, "dopt_sim_transport: comm/out NULL");
+  out->ops = &sim_ops;
+  out->comm = comm;
+  DOPT_TRY(dopt_sim_comm_rank(comm, &out->rank));
+  return dopt_sim_comm_size(comm, &out->size);
+}
