@@ -59,18 +59,14 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   int n = 0;
-  if (!isnan(hp[BETA1])) dopt_state_def(&out[n++], "exp_avg", ndim, shape);
-  if (ndim >= 2) {
-    dopt_factored_state_defs("exp_avg_sq_row", "exp_avg_sq_col", ndim, shape, out, &n);
-  } else {
-    dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
-  }
-  dopt_state_def(&out[n++], "RMS", 0, shape);
+  if (!isnan(hp[BETA1])) dopt_state_def(&out[n++], "exp_avg", ndim, shape, 1);
+  if (ndim >= 2) dopt_factored_state_defs("exp_avg_sq_row", "exp_avg_sq_col", ndim, shape, out, &n);
+  else dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape, 1);
+  dopt_state_def(&out[n++], "RMS", 0, shape, 0);
   return n;
 }
-
 
 /* The step size α = ρ·max(eps2, RMS), in upstream's precision: the product is
  * an fp32 tensor op when RMS wins the max, a double product otherwise. */
@@ -88,34 +84,37 @@ static float step_size(const double *hp, double t, float rms) {
   return (float)(rho * hp[EPS2]);
 }
 
-static dopt_status step(const double *hp, dopt_param *p, const float *g, float *ws) {
-  const size_t n = p->numel;
-  float *w = p->data;
+static dopt_status step(const dopt_step_args *a) {
+  const double *hp = a->hp;
+  const dopt_piece *pc = a->piece;
+  const size_t n = pc->len;     /* local elements */
+  const size_t N = pc->numel;   /* logical elements: every mean and RMS divides by these */
+  const float *g = a->grad;
+  float *w = a->param;
   int s = 0;
-  float *m = isnan(hp[BETA1]) ? NULL : p->st[s++].data;
-  const int factored = p->ndim >= 2;
-  float *row = p->st[s++].data;
-  float *col = factored ? p->st[s++].data : NULL;
-  float *rms_state = p->st[s].data;
+  float *m = isnan(hp[BETA1]) ? NULL : a->state[s++];
+  float *row = a->state[s++]; /* [b, h] whole (1-D: exp_avg_sq, local) */
+  float *col = pc->factored ? a->state[s++] : NULL; /* [b, w] whole */
+  float *rms_state = a->state[s];
 
-  const double t = (double)p->step;
-  const float rms = dopt_rms_from_ss(dopt_sumsq(w, n), n);
+  const double t = (double)a->step;
+  double pss;
+  DOPT_TRY(dopt_piece_sumsq(w, n, a->red, &pss));
+  const float rms = dopt_rms_from_ss(pss, N);
   *rms_state = rms;
   const float alpha = step_size(hp, t, rms);
   const double beta2t = 1.0 - pow(t, hp[DECAY]);
   const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
   const float eps1 = (float)hp[EPS1];
 
-  float *u = ws;
+  float *u = a->ws; /* [n] */
   for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
-  if (factored) {
-    size_t b, h, wd;
-    dopt_split_bhw(p->ndim, p->shape, &b, &h, &wd);
-    float *rmean = ws + n, *cmean = rmean + b * h;
-    DOPT_TRY(dopt_row_col_means(u, b, h, wd, rmean, cmean));
-    for (size_t i = 0; i < b * h; i++) row[i] = row[i] * b2t + omb2t * rmean[i];
-    for (size_t i = 0; i < b * wd; i++) col[i] = col[i] * b2t + omb2t * cmean[i];
-    DOPT_TRY(dopt_factored_apply(row, col, g, b, h, wd, u));
+  if (pc->factored) {
+    float *rmean = a->ws + n, *cmean = rmean + pc->b * pc->h;
+    DOPT_TRY(dopt_piece_rowcol_means(u, pc, a->red, rmean, cmean));
+    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b2t + omb2t * rmean[i];
+    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b2t + omb2t * cmean[i];
+    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u));
   } else {
     float *v = row;
     for (size_t i = 0; i < n; i++) {
@@ -123,7 +122,9 @@ static dopt_status step(const double *hp, dopt_param *p, const float *g, float *
       u[i] = (1.0f / sqrtf(v[i])) * g[i];
     }
   }
-  float urms = dopt_rms_from_ss(dopt_sumsq(u, n), n);
+  double uss;
+  DOPT_TRY(dopt_piece_sumsq(u, n, a->red, &uss));
+  float urms = dopt_rms_from_ss(uss, N);
   float div = urms / (float)hp[CLIP];
   if (!(div > 1.0f)) div = div != div ? div : 1.0f; /* clamp(min=1); NaN propagates */
   const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];

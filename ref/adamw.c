@@ -32,20 +32,21 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   int n = 0;
-  dopt_state_def(&out[n++], "exp_avg", ndim, shape);
-  dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
-  if (hp[AMSGRAD] != 0.0) dopt_state_def(&out[n++], "max_exp_avg_sq", ndim, shape);
+  dopt_state_def(&out[n++], "exp_avg", ndim, shape, 1);
+  dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape, 1);
+  if (hp[AMSGRAD] != 0.0) dopt_state_def(&out[n++], "max_exp_avg_sq", ndim, shape, 1);
   return n;
 }
 
-static dopt_status step(const double *hp, dopt_param *p, const float *g, float *scratch) {
-  (void)scratch;
-  float *w = p->data, *m = p->st[0].data, *v = p->st[1].data;
-  float *vmax = hp[AMSGRAD] != 0.0 ? p->st[2].data : NULL;
+static dopt_status step(const dopt_step_args *a) {
+  const double *hp = a->hp;
+  const float *g = a->grad;
+  float *w = a->param, *m = a->state[0], *v = a->state[1];
+  float *vmax = hp[AMSGRAD] != 0.0 ? a->state[2] : NULL;
   /* step-dependent scalars: once, on the host, in double (as torch) */
-  double t = (double)p->step;
+  double t = (double)a->step;
   double bc1 = 1.0 - pow(hp[BETA1], t), bc2 = 1.0 - pow(hp[BETA2], t);
   const float decay = (float)(1.0 - hp[LR] * hp[WD]);
   const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
@@ -53,7 +54,7 @@ static dopt_status step(const double *hp, dopt_param *p, const float *g, float *
   const float neg_step = (float)(-(hp[LR] / bc1));
   const float bc2_sqrt = (float)sqrt(bc2);
   const float eps = (float)hp[EPS];
-  for (size_t i = 0; i < p->numel; i++) {
+  for (size_t i = 0; i < a->piece->len; i++) {
     float wi = w[i] * decay;
     float mi = m[i] * b1 + omb1 * g[i];
     float vi = v[i] * b2 + (omb2 * g[i]) * g[i];

@@ -46,20 +46,19 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   (void)hp;
   int n = 0;
-  dopt_state_def(&out[n++], "exp_avg", ndim, shape);
+  dopt_state_def(&out[n++], "exp_avg", ndim, shape, 1);
   if (ndim >= 2) {
     dopt_factored_state_defs("exp_avg_sq_row", "exp_avg_sq_col", ndim, shape, out, &n);
     dopt_factored_state_defs("exp_avg_res_row", "exp_avg_res_col", ndim, shape, out, &n);
   } else {
-    dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape);
+    dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape, 1);
   }
-  dopt_state_def(&out[n++], "RMS", 0, shape);
+  dopt_state_def(&out[n++], "RMS", 0, shape, 0);
   return n;
 }
-
 
 /* stat ← β·stat + (1−β)·mean (row or column statistic update) */
 static void ema(float *stat, const float *mean, size_t n, double beta) {
@@ -67,39 +66,45 @@ static void ema(float *stat, const float *mean, size_t n, double beta) {
   for (size_t i = 0; i < n; i++) stat[i] = stat[i] * b + omb * mean[i];
 }
 
-static dopt_status step(const double *hp, dopt_param *p, const float *g, float *ws) {
-  const size_t n = p->numel;
-  const int factored = p->ndim >= 2;
-  float *w = p->data;
-  float *m = p->st[0].data;
-  float *sq_row = p->st[1].data, *sq_col = NULL, *res_row = NULL, *res_col = NULL;
+static dopt_status step(const dopt_step_args *a) {
+  const double *hp = a->hp;
+  const dopt_piece *pc = a->piece;
+  const size_t n = pc->len, N = pc->numel; /* local and logical element counts */
+  const int factored = pc->factored;
+  const float *g = a->grad;
+  float *w = a->param;
+  float *m = a->state[0];
+  float *sq_row = a->state[1], *sq_col = NULL, *res_row = NULL, *res_col = NULL;
   float *rms_state;
   if (factored) {
-    sq_col = p->st[2].data;
-    res_row = p->st[3].data;
-    res_col = p->st[4].data;
-    rms_state = p->st[5].data;
+    sq_col = a->state[2];
+    res_row = a->state[3];
+    res_col = a->state[4];
+    rms_state = a->state[5];
   } else {
-    rms_state = p->st[2].data;
+    rms_state = a->state[2];
   }
-  *rms_state = dopt_rms_from_ss(dopt_sumsq(w, n), n);
+  double pss;
+  DOPT_TRY(dopt_piece_sumsq(w, n, a->red, &pss));
+  *rms_state = dopt_rms_from_ss(pss, N);
 
-  size_t b = 1, h = 1, wd = 1;
-  if (factored) dopt_split_bhw(p->ndim, p->shape, &b, &h, &wd);
-  float *u = ws, *rmean = ws + n, *cmean = rmean + b * h;
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
+  float *u = a->ws, *rmean = a->ws + n, *cmean = rmean + nr;
   const float eps1 = (float)hp[EPS1], eps2 = (float)hp[EPS2];
 
   for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
   if (factored) {
-    DOPT_TRY(dopt_row_col_means(u, b, h, wd, rmean, cmean));
-    ema(sq_row, rmean, b * h, hp[BETA2]);
-    ema(sq_col, cmean, b * wd, hp[BETA2]);
-    DOPT_TRY(dopt_factored_apply(sq_row, sq_col, g, b, h, wd, u));
+    DOPT_TRY(dopt_piece_rowcol_means(u, pc, a->red, rmean, cmean));
+    ema(sq_row, rmean, nr, hp[BETA2]);
+    ema(sq_col, cmean, nc, hp[BETA2]);
+    DOPT_TRY(dopt_piece_factored_apply(sq_row, sq_col, g, pc, u));
   } else {
     ema(sq_row, u, n, hp[BETA2]);
     for (size_t i = 0; i < n; i++) u[i] = (1.0f / sqrtf(sq_row[i])) * g[i];
   }
-  float urms = dopt_rms_from_ss(dopt_sumsq(u, n), n);
+  double uss;
+  DOPT_TRY(dopt_piece_sumsq(u, n, a->red, &uss));
+  float urms = dopt_rms_from_ss(uss, N);
   float div = urms / (float)hp[CLIP];
   if (!(div > 1.0f)) div = div != div ? div : 1.0f;
 
@@ -113,10 +118,10 @@ static dopt_status step(const double *hp, dopt_param *p, const float *g, float *
   }
   const float *upd = m; /* 1-D: a copy of m (no confidence term) */
   if (factored) {
-    DOPT_TRY(dopt_row_col_means(u, b, h, wd, rmean, cmean));
-    ema(res_row, rmean, b * h, hp[BETA3]);
-    ema(res_col, cmean, b * wd, hp[BETA3]);
-    DOPT_TRY(dopt_factored_apply(res_row, res_col, m, b, h, wd, u));
+    DOPT_TRY(dopt_piece_rowcol_means(u, pc, a->red, rmean, cmean));
+    ema(res_row, rmean, nr, hp[BETA3]);
+    ema(res_col, cmean, nc, hp[BETA3]);
+    DOPT_TRY(dopt_piece_factored_apply(res_row, res_col, m, pc, u));
     upd = u;
   }
   const float lr = (float)hp[LR];

@@ -33,19 +33,21 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out) {
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   (void)hp;
-  dopt_state_def(&out[0], "exp_avg", ndim, shape);
-  dopt_state_def(&out[1], "exp_avg_sq", ndim, shape);
+  dopt_state_def(&out[0], "exp_avg", ndim, shape, 1);
+  dopt_state_def(&out[1], "exp_avg_sq", ndim, shape, 1);
   return 2;
 }
 
-static size_t scratch(int ndim, const int64_t *shape) { return dopt_numel(ndim, shape); }
+static size_t scratch(const dopt_piece *pc) { return pc->len ? pc->len : 1; }
 
-static dopt_status step(const double *hp, dopt_param *p, const float *g, float *u) {
-  const size_t n = p->numel;
-  float *w = p->data, *m = p->st[0].data, *v = p->st[1].data;
-  const double t = (double)p->step;
+static dopt_status step(const dopt_step_args *a) {
+  const double *hp = a->hp;
+  const size_t n = a->piece->len;
+  const float *g = a->grad;
+  float *w = a->param, *m = a->state[0], *v = a->state[1], *u = a->ws;
+  const double t = (double)a->step;
   double lr = hp[LR];
   if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
   const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
@@ -59,12 +61,16 @@ static dopt_status step(const double *hp, dopt_param *p, const float *g, float *
     if (use_wd) ui = ui + wd * w[i];
     u[i] = ui;
   }
-  float wnorm = (float)sqrt(dopt_sumsq(w, n));
-  float unorm = (float)sqrt(dopt_sumsq(u, n));
+  /* ‖p‖ and ‖u‖ over the logical tensor */
+  double pss, uss;
+  DOPT_TRY(dopt_piece_sumsq(w, n, a->red, &pss));
+  DOPT_TRY(dopt_piece_sumsq(u, n, a->red, &uss));
+  float wnorm = (float)sqrt(pss);
+  float unorm = (float)sqrt(uss);
   float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
   if (hp[ADAM] != 0.0) trust = 1.0f;
-  const float a = (float)(-lr) * trust;
-  for (size_t i = 0; i < n; i++) w[i] = w[i] + a * u[i];
+  const float alpha = (float)(-lr) * trust;
+  for (size_t i = 0; i < n; i++) w[i] = w[i] + alpha * u[i];
   return DOPT_OK;
 }
 

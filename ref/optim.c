@@ -49,8 +49,10 @@ void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t
   *w = (size_t)shape[ndim - 1];
 }
 
-void dopt_state_def(dopt_state_view *v, const char *name, int ndim, const int64_t *shape) {
-  memset(v, 0, sizeof *v);
+void dopt_state_def(dopt_state_spec *spec, const char *name, int ndim, const int64_t *shape, int elementwise) {
+  memset(spec, 0, sizeof *spec);
+  spec->elementwise = elementwise;
+  dopt_state_view *v = &spec->v;
   v->name = name;
   v->dtype = DOPT_F32;
   v->ndim = ndim;
@@ -260,7 +262,7 @@ dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double 
   for (int i = 0; i < o->nparams; i++) {
     dopt_param *p = &o->params[i];
     if (p->group != g || p->nstates == 0) continue;
-    dopt_state_view lay[DOPT_MAX_STATES];
+    dopt_state_spec lay[DOPT_MAX_STATES];
     int n = o->impl->layout(hp, p->ndim, p->shape, lay);
     if (n != p->nstates)
       return dopt__fail(DOPT_ERR_STATE, "%s: changing %s on group %d would change the state of '%s'",
@@ -283,12 +285,14 @@ dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *
   for (int i = 0; i < cfg->ndim; i++)
     DOPT_CHECK_ARG(cfg->shape[i] > 0, "dopt_optim_add_param: '%s' shape[%d]=%lld must be > 0", nm, i,
                    (long long)cfg->shape[i]);
-  if (cfg->dtype != DOPT_F32)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_optim_add_param: '%s' dtype=%s: the reference takes F32 parameters",
-                      nm, dopt_dtype_name(cfg->dtype));
+  if (cfg->dtype != DOPT_F32 && cfg->dtype != DOPT_BF16)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_optim_add_param: '%s' dtype=%s: parameters are F32, or BF16 with an "
+                      "F32 master", nm, dopt_dtype_name(cfg->dtype));
   DOPT_CHECK_ARG(cfg->data != NULL, "dopt_optim_add_param: '%s' data=NULL", nm);
+  DOPT_CHECK_ARG(cfg->dtype != DOPT_BF16 || cfg->master != NULL,
+                 "dopt_optim_add_param: '%s' dtype=BF16 needs master (fp32 master weights)", nm);
   for (int i = 0; i < o->nparams; i++)
-    if (o->params[i].data == cfg->data)
+    if (o->params[i].data == cfg->data || (cfg->master && o->params[i].data == cfg->master))
       return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_optim_add_param: '%s' shares its data with '%s'", nm,
                         o->params[i].name);
   dopt_param *ps = realloc(o->params, (size_t)(o->nparams + 1) * sizeof *ps);
@@ -303,7 +307,12 @@ dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *
   p->ndim = cfg->ndim;
   memcpy(p->shape, cfg->shape, sizeof p->shape);
   p->numel = dopt_numel(cfg->ndim, cfg->shape);
-  p->data = cfg->data;
+  if (cfg->dtype == DOPT_BF16) { /* the optimizer updates the master; data is the bf16 working copy */
+    p->data = cfg->master;
+    p->work = cfg->data;
+  } else {
+    p->data = cfg->data;
+  }
   p->layer = cfg->layer;
   if (pid) *pid = o->nparams;
   o->nparams++;
@@ -318,17 +327,17 @@ static dopt_status check_param(const dopt_optim *o, int i, const char *fn) {
 
 static dopt_status alloc_states(dopt_optim *o, dopt_param *p) {
   if (p->nstates > 0) return DOPT_OK;
-  dopt_state_view lay[DOPT_MAX_STATES];
+  dopt_state_spec lay[DOPT_MAX_STATES];
   int n = o->impl->layout(o->groups[p->group].hp, p->ndim, p->shape, lay);
   for (int i = 0; i < n; i++) {
-    lay[i].data = calloc(1, lay[i].bytes ? lay[i].bytes : 1);
-    if (!lay[i].data) {
-      for (int j = 0; j < i; j++) free(lay[j].data);
-      return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: state '%s' of '%s' (%zu bytes)", o->impl->name, lay[i].name,
-                        p->name, lay[i].bytes);
+    p->st[i] = lay[i].v;
+    p->st[i].data = calloc(1, lay[i].v.bytes ? lay[i].v.bytes : 1);
+    if (!p->st[i].data) {
+      for (int j = 0; j < i; j++) free(p->st[j].data);
+      return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: state '%s' of '%s' (%zu bytes)", o->impl->name, lay[i].v.name,
+                        p->name, lay[i].v.bytes);
     }
   }
-  memcpy(p->st, lay, (size_t)n * sizeof lay[0]);
   p->nstates = n;
   p->step = 0;
   return DOPT_OK;
@@ -375,13 +384,23 @@ dopt_status dopt_optim_state_bytes(const dopt_optim *o, int i, size_t *allocated
   size_t a = 0, f = 0;
   for (int k = (i < 0 ? 0 : i); k < (i < 0 ? o->nparams : i + 1); k++) {
     const dopt_param *p = &o->params[k];
-    dopt_state_view lay[DOPT_MAX_STATES];
+    dopt_state_spec lay[DOPT_MAX_STATES];
     int n = o->impl->layout(o->groups[p->group].hp, p->ndim, p->shape, lay);
-    for (int s = 0; s < n; s++) f += lay[s].bytes;
+    for (int s = 0; s < n; s++) f += lay[s].v.bytes;
     for (int s = 0; s < p->nstates; s++) a += p->st[s].bytes;
   }
   if (allocated) *allocated = a;
   if (full) *full = f;
+  return DOPT_OK;
+}
+
+/* Grows the optimizer's scratch to at least `floats` floats. */
+static dopt_status ensure_scratch(dopt_optim *o, size_t floats, const char *who) {
+  if (floats <= o->scratch_cap) return DOPT_OK;
+  float *s = realloc(o->scratch, floats * sizeof *s);
+  if (!s) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: scratch of %zu floats for '%s'", o->impl->name, floats, who);
+  o->scratch = s;
+  o->scratch_cap = floats;
   return DOPT_OK;
 }
 
@@ -391,19 +410,24 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   for (int i = 0; i < o->nparams; i++) {
     dopt_param *p = &o->params[i];
     if (!grads[i]) continue; /* grad None: untouched, as torch */
-    size_t need = o->impl->scratch ? o->impl->scratch(p->ndim, p->shape) : 0;
-    if (need > o->scratch_cap) {
-      float *s = realloc(o->scratch, need * sizeof *s);
-      if (!s) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: scratch of %zu floats for '%s'", o->impl->name, need, p->name);
-      o->scratch = s;
-      o->scratch_cap = need;
-    }
+    dopt_piece piece;
+    dopt_piece_full(p->ndim, p->shape, &piece);
+    DOPT_TRY(ensure_scratch(o, o->impl->scratch ? o->impl->scratch(&piece) : 0, p->name));
     DOPT_TRY(alloc_states(o, p));
     p->step++;
-    DOPT_TRY(o->impl->step(o->groups[p->group].hp, p, grads[i], o->scratch));
+    void *state[DOPT_MAX_STATES];
+    for (int k = 0; k < p->nstates; k++) state[k] = p->st[k].data;
+    dopt_step_args a = {o->impl, o->groups[p->group].hp, p->step, &piece, p->data, grads[i], state, o->scratch, NULL};
+    DOPT_TRY(o->impl->step(&a));
+    /* mixed precision: the working bf16 copy is the rounded master */
+    for (size_t k = 0; p->work && k < p->numel; k++) p->work[k] = dopt_f32_to_bf16(p->data[k]);
   }
   return DOPT_OK;
 }
+
+const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o) { return o->impl; }
+const double *dopt__optim_group_hp(const dopt_optim *o, int g) { return o->groups[g].hp; }
+dopt_param *dopt__optim_param(dopt_optim *o, int i) { return &o->params[i]; }
 
 dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap) {
   DOPT_CHECK_ARG(buf != NULL && cap > 0, "dopt_optim_describe: buf=NULL or cap=0");

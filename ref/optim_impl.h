@@ -1,9 +1,15 @@
 /* Internal optimizer interface: each reference optimizer (ref/adamw.c, ...)
  * fills one dopt_optim_impl; ref/optim.c does registry, hyperparameters,
- * groups, parameters, state storage and the step loop. */
+ * groups, parameters, state storage and the step loop. The step of every
+ * optimizer is written once, on a *piece* of the logical tensor with a
+ * reducer for its cross-element statistics (distopt/device.h): the
+ * single-device reference calls it with the whole tensor and no reducer,
+ * dist/ with its shard and a reducer over the ranks sharing the tensor, so
+ * the two are the same computation. */
 #ifndef DISTOPT_OPTIM_IMPL_H
 #define DISTOPT_OPTIM_IMPL_H
 
+#include "distopt/device.h"
 #include "distopt/optim.h"
 #include "distopt/xsum.h"
 #include "internal.h"
@@ -24,19 +30,41 @@ typedef struct dopt_hp_def {
   const char *doc;
 } dopt_hp_def;
 
-/* A parameter as the optimizers see it. */
+/* A state tensor's description. Elementwise states have the parameter's
+ * shape and are sharded like it; the others (factored row/column statistics,
+ * the 0-d RMS) are small and every rank holds them whole. */
+typedef struct dopt_state_spec {
+  dopt_state_view v; /* name, dtype, shape, bytes (data NULL) */
+  int elementwise;
+} dopt_state_spec;
+
+/* A parameter as the single-device optimizer sees it. */
 typedef struct dopt_param {
   char *name;
   int group;
   int ndim;
   int64_t shape[DOPT_MAX_DIMS];
   size_t numel;
-  float *data;
+  float *data;      /* fp32 values the optimizer updates (the master for bf16) */
+  uint16_t *work;   /* bf16 working copy (NULL for fp32 parameters) */
   int layer;
   int64_t step;                        /* steps taken by this parameter */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
 } dopt_param;
+
+/* One step of one optimizer on one piece (what dopt_device_ops.step runs). */
+typedef struct dopt_step_args {
+  const struct dopt_optim_impl *impl;
+  const double *hp;        /* the group's hyperparameters, impl order */
+  int64_t step;            /* t, already incremented */
+  const dopt_piece *piece;
+  float *param;            /* [len] */
+  const float *grad;       /* [len] */
+  void *const *state;      /* elementwise states [len], the others whole */
+  float *ws;               /* scratch floats: impl->scratch(piece) */
+  const dopt_reducer *red; /* NULL: single device */
+} dopt_step_args;
 
 typedef struct dopt_optim_impl {
   const char *name;
@@ -46,13 +74,12 @@ typedef struct dopt_optim_impl {
   /* Cross-key validation beyond the per-key kind checks (e.g. Adafactor's lr
    * with relative_step). hp[] is indexed as the impl's hp table. */
   dopt_status (*validate)(const double *hp);
-  /* Writes the state tensors' names, dtypes and shapes (data NULL) for a
-   * parameter of this shape; returns their number. */
-  int (*layout)(const double *hp, int ndim, const int64_t *shape, dopt_state_view *out);
-  /* Scratch floats needed to step a parameter of this shape (NULL: none). */
-  size_t (*scratch)(int ndim, const int64_t *shape);
-  /* One step of one parameter; p->step was already incremented. */
-  dopt_status (*step)(const double *hp, dopt_param *p, const float *g, float *scratch);
+  /* The state tensors of a parameter of this logical shape; returns their number. */
+  int (*layout)(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out);
+  /* Scratch floats needed to step this piece (NULL: none). */
+  size_t (*scratch)(const dopt_piece *piece);
+  /* One step on one piece. */
+  dopt_status (*step)(const dopt_step_args *a);
 } dopt_optim_impl;
 
 extern const dopt_optim_impl dopt_impl_adamw;
@@ -61,49 +88,49 @@ extern const dopt_optim_impl dopt_impl_came;
 extern const dopt_optim_impl dopt_impl_lamb;
 
 const dopt_optim_impl *dopt_find_impl(const char *name);
+/* The implementation and group hyperparameters of a registry optimizer. */
+const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o);
+const double *dopt__optim_group_hp(const dopt_optim *o, int group);
+dopt_param *dopt__optim_param(dopt_optim *o, int i);
 
 /* Shape helpers. */
 size_t dopt_numel(int ndim, const int64_t *shape);
 /* Splits a >=2-D shape into batch x rows x cols (leading dims are batch). */
 void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t *w);
-/* Fills a state view's name/dtype/shape. */
-void dopt_state_def(dopt_state_view *v, const char *name, int ndim, const int64_t *shape);
+/* Fills a state spec's name/dtype/shape. */
+void dopt_state_def(dopt_state_spec *s, const char *name, int ndim, const int64_t *shape, int elementwise);
 
-/* ---- numerics shared by the factored optimizers (ref/factored.c) ---------- */
+/* ---- exact statistics of a piece (ref/stats.c) -------------------------------------- */
 
 /* RMS as upstream computes it from a sum of squares ss over n elements:
  * fp32 norm, then divided by fp32 sqrt(n). */
 float dopt_rms_from_ss(double ss, size_t n);
 
-/* Exact row/column sums of U [b, h, w] in the three phases a distributed
- * version interleaves with collectives (MAX on the maxima, integer SUM on the
- * accumulators):
- *   1. dopt_rowcol_absmax: rmax[b*h], cmax[b*w] = max |U| per row / column;
- *   2. dopt_rowcol_accum:  racc[b*h], cacc[b*w] += fixed-point U, with the
- *      scales dopt_xsum_scale(global max) (accumulators zeroed by the caller);
- *   3. dopt_xacc_value(acc, scale) / global count.
- * dopt_row_col_means does all three for an unsharded tensor. */
-void dopt_rowcol_absmax(const float *u, size_t b, size_t h, size_t w, double *rmax, double *cmax);
-void dopt_rowcol_accum(const float *u, size_t b, size_t h, size_t w, const double *rscale,
-                       const double *cscale, dopt_xacc *racc, dopt_xacc *cacc);
-dopt_status dopt_row_col_means(const float *u, size_t b, size_t h, size_t w, float *row_mean,
-                               float *col_mean);
+/* Exact Σx² over a piece's n local elements, combined by red (NULL: local). */
+dopt_status dopt_piece_sumsq(const float *x, size_t n, const dopt_reducer *red, double *out);
 
-/* Factored second-moment approximation times x (HF _approx_sq_grad):
- * out[b,i,j] = (rsqrt(row[b,i]/rmean[b]) * rsqrt(col[b,j])) * x[b,i,j],
- * where rmean[b] is the mean of row[b,:] (exact sum / h). */
-dopt_status dopt_factored_apply(const float *row, const float *col, const float *x, size_t b, size_t h,
-                                size_t w, float *out);
+/* Row and column means of U over the logical [b, h, w], U given as the
+ * piece's local elements: row_mean[b·h] = Σ_w U / w, col_mean[b·w] = Σ_h U / h
+ * (fp32), identical on every rank. Phases: absmax (reducer MAX), fixed-point
+ * accumulation (reducer SUM), finalisation. */
+dopt_status dopt_piece_rowcol_means(const float *u, const dopt_piece *pc, const dopt_reducer *red, float *row_mean,
+                                    float *col_mean);
 
-/* Appends the factored statistics "<prefix>_row" [..., h] and "<prefix>_col"
- * [..., w] of a >=2-D parameter to out[*n]. */
+/* Factored second-moment approximation times x on the piece (HF
+ * _approx_sq_grad): out[k] = (rsqrt(row[r]/rmean[b]) · rsqrt(col[c])) · x[k]
+ * for the local element k at logical row r and column c; rmean[b] is the mean
+ * of the whole row statistic of batch b (exact sum / h). row, col: whole. */
+dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
+                                      float *out);
+
+/* Appends the factored statistics (row [..., h], column [..., w]) of a >=2-D
+ * parameter to out[*n]. */
 void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
-                              dopt_state_view *out, int *n);
-/* Scratch floats of a factored step: U [numel] plus row and column means
- * (numel alone for < 2-D parameters). */
-size_t dopt_factored_scratch(int ndim, const int64_t *shape);
+                              dopt_state_spec *out, int *n);
+/* Scratch floats of a factored step: U [len] plus row and column means. */
+size_t dopt_factored_scratch(const dopt_piece *pc);
 
-/* Exact sum of squares of x[n] (double). */
+/* Exact sum of squares of a local array x[n] (double). */
 double dopt_sumsq(const float *x, size_t n);
 
 #endif

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "distopt/device.h"
 #include "distopt/distopt.h"
 
 static void test_registry(void **st) {
@@ -105,8 +106,10 @@ static void test_add_param_errors(void **st) {
   pc.data = buf;
   assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_INVALID_ARG, "shape[1]=0");
   pc.shape[1] = 4;
+  pc.dtype = DOPT_F16;
+  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_UNSUPPORTED, "F16");
   pc.dtype = DOPT_BF16;
-  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_UNSUPPORTED, "BF16");
+  assert_status(dopt_optim_add_param(o, 0, &pc, NULL), DOPT_ERR_INVALID_ARG, "needs master");
   pc.dtype = DOPT_F32;
   assert_status(dopt_optim_add_param(o, 3, &pc, NULL), DOPT_ERR_INVALID_ARG, "group=3");
   pc.version = 99;
@@ -296,6 +299,52 @@ static void test_set_hparam(void **st) {
   free(p), free(g);
 }
 
+/* Mixed precision: a bf16 working parameter with fp32 master weights; the
+ * optimizer steps the master exactly as an fp32 parameter and the working
+ * copy is the master rounded to bf16 (nearest even). */
+static void test_bf16_master(void **st) {
+  (void)st;
+  const int64_t s[2] = {6, 10};
+  for (int k = 0; k < dopt_optim_registry_count(); k++) {
+    const char *name = dopt_optim_registry_name(k);
+    const char *hp = strcmp(name, "came") == 0 ? "lr=1e-3" : NULL;
+    dopt_optim *mp, *fp;
+    assert_ok(dopt_optim_create(name, hp, &mp));
+    assert_ok(dopt_optim_create(name, hp, &fp));
+    float *master = make_param(60, 3), *ref = make_param(60, 3), *g = make_param(60, 4);
+    uint16_t work[60];
+    for (int i = 0; i < 60; i++) work[i] = dopt_f32_to_bf16(master[i]);
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = "w";
+    pc.ndim = 2;
+    pc.shape[0] = s[0];
+    pc.shape[1] = s[1];
+    pc.dtype = DOPT_BF16;
+    pc.data = work;
+    pc.master = master;
+    assert_ok(dopt_optim_add_param(mp, 0, &pc, NULL));
+    add(fp, 0, "w", 2, s, ref);
+    const float *gg[1] = {g};
+    for (int t = 0; t < 4; t++) {
+      assert_ok(dopt_optim_step(mp, gg));
+      assert_ok(dopt_optim_step(fp, gg));
+    }
+    assert_memory_equal(master, ref, 60 * sizeof(float));
+    for (int i = 0; i < 60; i++) {
+      uint16_t want = dopt_f32_to_bf16(master[i]);
+      if (work[i] != want) fail_msg("%s: work[%d]=%04x want %04x", name, i, work[i], want);
+    }
+    dopt_optim_destroy(mp);
+    dopt_optim_destroy(fp);
+    free(master), free(ref), free(g);
+  }
+  /* rounding: nearest even, NaN stays NaN */
+  assert_int_equal(dopt_f32_to_bf16(1.0f), 0x3f80);
+  assert_int_equal(dopt_f32_to_bf16(1.00390625f), 0x3f80);  /* tie -> even */
+  assert_int_equal(dopt_f32_to_bf16(1.01171875f), 0x3f82);  /* tie -> even (up) */
+  assert_true(dopt_bf16_to_f32(dopt_f32_to_bf16(NAN)) != dopt_bf16_to_f32(dopt_f32_to_bf16(NAN)));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_registry),
@@ -307,6 +356,7 @@ int main(void) {
       cmocka_unit_test(test_groups_and_skip),
       cmocka_unit_test(test_zero_edges_and_determinism),
       cmocka_unit_test(test_set_hparam),
+      cmocka_unit_test(test_bf16_master),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

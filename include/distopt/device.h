@@ -1,0 +1,89 @@
+/* distopt — the device interface: memory plus the few kernels the
+ * distributed optimizers need, behind a vtable, so dist/ runs unchanged on
+ * the CPU (dopt_device_cpu) and on CUDA (cuda/).
+ *
+ * Pieces. A distributed parameter is seen by a rank as a *piece* of its
+ * logical tensor, viewed as [b, h, w] (the last two dims; leading dims fold
+ * into b; 1-D and scalar tensors are [1, 1, numel]):
+ *   - the TP block: rows [h0, h0+hl) and columns [w0, w0+wl) of every batch
+ *     (the whole tensor when not tensor-parallel);
+ *   - the flat range [lo, lo+len) of that block stored row-major as
+ *     [b, hl, wl] (the whole block when not ZeRO-sharded).
+ * A piece holds exactly len valid elements: ZeRO padding never enters a
+ * kernel, a statistic or a count.
+ *
+ * Reducers. Cross-element statistics are computed with the exact sums of
+ * distopt/xsum.h: a MAX over doubles and a SUM over int64 words, both exact
+ * in any order. A reducer combines such arrays over the ranks that hold
+ * pieces of the same logical tensor (NULL: single device, nothing to do). */
+#ifndef DISTOPT_DEVICE_H
+#define DISTOPT_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "distopt/export.h"
+#include "distopt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dopt_piece {
+  size_t b, h, w;        /* logical [b, h, w] view */
+  size_t numel;          /* logical element count (b·h·w) */
+  int factored;          /* logical ndim >= 2 */
+  size_t h0, hl, w0, wl; /* this rank's TP block */
+  size_t lo, len;        /* this rank's flat range of the block */
+} dopt_piece;
+
+/* The piece of a whole, unsharded tensor. */
+DOPT_API void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *out);
+
+typedef struct dopt_reducer {
+  void *ctx;
+  /* in-place MAX over x[n] (F64) / SUM over x[n] (I64) across the ranks
+   * sharing the tensor; buffers are device memory */
+  dopt_status (*max_f64)(void *ctx, double *x, size_t n);
+  dopt_status (*sum_i64)(void *ctx, int64_t *x, size_t n);
+} dopt_reducer;
+
+struct dopt_step_args; /* internal: one optimizer step on one piece (ref/optim_impl.h) */
+
+typedef struct dopt_device_ops {
+  const char *name;
+  /* memory: alloc returns zero-filled memory */
+  dopt_status (*alloc)(void *ctx, size_t bytes, void **out);
+  void (*free)(void *ctx, void *ptr);
+  dopt_status (*upload)(void *ctx, void *dst, const void *host_src, size_t bytes);
+  dopt_status (*download)(void *ctx, void *host_dst, const void *src, size_t bytes);
+  dopt_status (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+  /* fp32 vector kernels over n elements */
+  dopt_status (*add)(void *ctx, float *acc, const float *x, size_t n);   /* acc[i] = acc[i] + x[i] */
+  dopt_status (*scale)(void *ctx, float *x, float a, size_t n);           /* x[i] = x[i] * a */
+  dopt_status (*divide)(void *ctx, float *x, float d, size_t n);          /* x[i] = x[i] / d */
+  dopt_status (*count_nonfinite)(void *ctx, const float *x, size_t n, int64_t *host_count);
+  /* exact Σx² of a piece's n local elements, combined by red (may be NULL) */
+  dopt_status (*sumsq)(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *host_ss);
+  /* y[i] = bf16(x[i]), round to nearest even */
+  dopt_status (*to_bf16)(void *ctx, const float *x, uint16_t *y, size_t n);
+  /* one optimizer step on one piece */
+  dopt_status (*step)(void *ctx, const struct dopt_step_args *args);
+} dopt_device_ops;
+
+typedef struct dopt_device {
+  const dopt_device_ops *ops;
+  void *ctx;
+} dopt_device;
+
+/* The host CPU: device memory is host memory; kernels are the reference's. */
+DOPT_API const dopt_device *dopt_device_cpu(void);
+
+/* bf16 helpers (round to nearest even; NaN stays NaN). */
+DOPT_API uint16_t dopt_f32_to_bf16(float x);
+DOPT_API float dopt_bf16_to_f32(uint16_t x);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

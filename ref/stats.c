@@ -1,0 +1,185 @@
+/* Exact statistics of a piece of a logical [b, h, w] tensor (see
+ * distopt/device.h): the sums of squares, row/column means and factored
+ * update shared by Adafactor, CAME and LAMB. The whole tensor is the piece
+ * with h0 = w0 = lo = 0; a distributed rank passes its shard and a reducer,
+ * and gets bitwise the same statistics. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim_impl.h"
+#include "xsum_fast.h"
+
+float dopt_rms_from_ss(double ss, size_t n) {
+  float norm = (float)sqrt(ss);
+  return norm / (float)sqrt((double)n);
+}
+
+void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *pc) {
+  memset(pc, 0, sizeof *pc);
+  pc->numel = dopt_numel(ndim, shape);
+  pc->factored = ndim >= 2;
+  if (pc->factored) {
+    dopt_split_bhw(ndim, shape, &pc->b, &pc->h, &pc->w);
+  } else {
+    pc->b = 1;
+    pc->h = 1;
+    pc->w = pc->numel;
+  }
+  pc->hl = pc->h;
+  pc->wl = pc->w;
+  pc->len = pc->numel;
+}
+
+void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
+                              dopt_state_spec *out, int *n) {
+  int64_t col[DOPT_MAX_DIMS];
+  for (int i = 0; i < ndim - 2; i++) col[i] = shape[i];
+  col[ndim - 2] = shape[ndim - 1];
+  dopt_state_def(&out[(*n)++], row_name, ndim - 1, shape, 0);
+  dopt_state_def(&out[(*n)++], col_name, ndim - 1, col, 0);
+}
+
+size_t dopt_factored_scratch(const dopt_piece *pc) {
+  if (!pc->factored) return pc->len ? pc->len : 1;
+  return pc->len + pc->b * pc->h + pc->b * pc->w; /* U, mean_w(U), mean_h(U) */
+}
+
+double dopt_sumsq(const float *x, size_t n) { return dopt_xsum_sq(x, n); }
+
+dopt_status dopt_piece_sumsq(const float *x, size_t n, const dopt_reducer *red, double *out) {
+  double m = (double)dopt__absmax_run(x, n);
+  m *= m; /* max of the squares, exact in double */
+  if (red) DOPT_TRY(red->max_f64(red->ctx, &m, 1));
+  double scale = dopt_xsum_scale(m);
+  dopt_xacc acc = {{0}};
+  dopt_xacc_add_sq_n(&acc, scale, x, n);
+  if (red) DOPT_TRY(red->sum_i64(red->ctx, acc.w, DOPT_XSUM_WORDS));
+  *out = dopt_xacc_value(&acc, scale);
+  return DOPT_OK;
+}
+
+/* ---- walking a piece ------------------------------------------------------------------
+ * The local range [lo, lo+len) of the row-major [b, hl, wl] block, cut into
+ * blocks of whole local rows (within one batch) and partial rows at the two
+ * ends. For each block: batch bi, first local row i, rows, first local column
+ * j, cols (the row stride of the block's data is cols) and the offset of its
+ * first element in the local buffer. */
+typedef struct piece_block {
+  size_t bi, i, rows, j, cols, off;
+} piece_block;
+
+static int next_block(const dopt_piece *pc, size_t *k, piece_block *blk) {
+  size_t end = pc->lo + pc->len, plane = pc->hl * pc->wl;
+  if (*k >= end || plane == 0) return 0;
+  size_t rem = *k % plane;
+  blk->bi = *k / plane;
+  blk->i = rem / pc->wl;
+  blk->j = rem % pc->wl;
+  blk->off = *k - pc->lo;
+  if (blk->j != 0 || end - *k < pc->wl) { /* a partial row */
+    blk->rows = 1;
+    blk->cols = pc->wl - blk->j < end - *k ? pc->wl - blk->j : end - *k;
+  } else { /* whole rows of this batch */
+    size_t rows = (end - *k) / pc->wl;
+    blk->rows = rows < pc->hl - blk->i ? rows : pc->hl - blk->i;
+    blk->cols = pc->wl;
+  }
+  *k += blk->rows * blk->cols;
+  return 1;
+}
+
+/* logical row / column index of a block's first local row / column */
+static size_t blk_row(const dopt_piece *pc, const piece_block *b) { return b->bi * pc->h + pc->h0 + b->i; }
+static size_t blk_col(const dopt_piece *pc, const piece_block *b) { return b->bi * pc->w + pc->w0 + b->j; }
+
+dopt_status dopt_piece_rowcol_means(const float *u, const dopt_piece *pc, const dopt_reducer *red, float *row_mean,
+                                    float *col_mean) {
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w, nacc = nr + nc;
+  double *scale = malloc(nacc * sizeof *scale);
+  float *cmax = calloc(nc ? nc : 1, sizeof *cmax);
+  double *ws = malloc((pc->wl ? 2 * pc->wl : 1) * sizeof *ws); /* column-sum scratch */
+  dopt_xacc *acc = calloc(nacc, sizeof *acc);
+  dopt_status s = DOPT_OK;
+  if (!scale || !cmax || !ws || !acc) {
+    s = dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu accumulators", nacc);
+    goto done;
+  }
+  /* 1. maxima (float maxima are exact; the conversion to double is monotone) */
+  for (size_t r = 0; r < nr; r++) scale[r] = 0.0;
+  piece_block blk;
+  size_t k = pc->lo;
+  while (next_block(pc, &k, &blk)) {
+    for (size_t r = 0; r < blk.rows; r++) {
+      double m = (double)dopt__absmax_row_cols(u + blk.off + r * blk.cols, blk.cols, cmax + blk_col(pc, &blk));
+      double *rm = &scale[blk_row(pc, &blk) + r];
+      *rm = m > *rm ? m : *rm;
+    }
+  }
+  for (size_t c = 0; c < nc; c++) scale[nr + c] = (double)cmax[c];
+  if (red && (s = red->max_f64(red->ctx, scale, nacc)) != DOPT_OK) goto done;
+  for (size_t i = 0; i < nacc; i++) scale[i] = dopt_xsum_scale(scale[i]);
+  /* 2. fixed-point accumulation */
+  k = pc->lo;
+  while (next_block(pc, &k, &blk)) {
+    const float *p = u + blk.off;
+    size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
+    for (size_t r = 0; r < blk.rows; r++) dopt__xacc_add_run(&acc[r0 + r], scale[r0 + r], p + r * blk.cols, blk.cols, 0);
+    dopt__xacc_add_cols_block(acc + nr + c0, scale + nr + c0, p, blk.rows, blk.cols, ws);
+  }
+  if (red && (s = red->sum_i64(red->ctx, &acc[0].w[0], nacc * DOPT_XSUM_WORDS)) != DOPT_OK) goto done;
+  /* 3. means over the logical extents */
+  for (size_t i = 0; i < nr; i++) row_mean[i] = (float)(dopt_xacc_value(&acc[i], scale[i]) / (double)pc->w);
+  for (size_t i = 0; i < nc; i++) col_mean[i] = (float)(dopt_xacc_value(&acc[nr + i], scale[nr + i]) / (double)pc->h);
+done:
+  free(scale);
+  free(cmax);
+  free(ws);
+  free(acc);
+  return s;
+}
+
+dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
+                                      float *out) {
+  float *rmean = malloc(pc->b * sizeof *rmean);
+  float *cf = malloc((pc->wl ? pc->wl : 1) * sizeof *cf);
+  if (!rmean || !cf) {
+    free(rmean);
+    free(cf);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "factored update: %zu column factors", pc->wl);
+  }
+  /* normaliser: mean of the (whole) row statistic over the h rows of each batch */
+  for (size_t bi = 0; bi < pc->b; bi++) rmean[bi] = (float)(dopt_xsum(row + bi * pc->h, pc->h) / (double)pc->h);
+  piece_block blk;
+  size_t k = pc->lo;
+  while (next_block(pc, &k, &blk)) {
+    size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
+    for (size_t j = 0; j < blk.cols; j++) cf[j] = 1.0f / sqrtf(col[c0 + j]);
+    for (size_t r = 0; r < blk.rows; r++) {
+      float rf = 1.0f / sqrtf(row[r0 + r] / rmean[blk.bi]);
+      const float *xr = x + blk.off + r * blk.cols;
+      float *orow = out + blk.off + r * blk.cols;
+      for (size_t j = 0; j < blk.cols; j++) orow[j] = (rf * cf[j]) * xr[j];
+    }
+  }
+  free(rmean);
+  free(cf);
+  return DOPT_OK;
+}
+
+/* ---- bf16 ----------------------------------------------------------------------------- */
+
+uint16_t dopt_f32_to_bf16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+
+float dopt_bf16_to_f32(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
