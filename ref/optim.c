@@ -447,3 +447,12 @@ dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap) {
   }
   return DOPT_OK;
 }
+
+float dopt_clip_coef(const double *ss, int n, double max_norm, double *norm) {
+  double total = 0.0;
+  for (int i = 0; i < n; i++) total += ss[i]; /* parameter order, double */
+  double nrm = sqrt(total);
+  if (norm) *norm = nrm;
+  double coef = max_norm / (nrm + 1e-6);
+  return (float)(coef > 1.0 ? 1.0 : coef); /* NaN norm: NaN coefficient, as torch */
+}

@@ -58,6 +58,7 @@ typedef struct dopt_device_ops {
   dopt_status (*upload)(void *ctx, void *dst, const void *host_src, size_t bytes);
   dopt_status (*download)(void *ctx, void *host_dst, const void *src, size_t bytes);
   dopt_status (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+  dopt_status (*zero)(void *ctx, void *dst, size_t bytes);
   /* fp32 vector kernels over n elements */
   dopt_status (*add)(void *ctx, float *acc, const float *x, size_t n);   /* acc[i] = acc[i] + x[i] */
   dopt_status (*scale)(void *ctx, float *x, float a, size_t n);           /* x[i] = x[i] * a */

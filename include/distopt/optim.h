@@ -114,6 +114,14 @@ DOPT_API dopt_status dopt_optim_set_step(dopt_optim *o, int param, int64_t step)
  * what it is once every parameter has stepped. Either pointer may be NULL. */
 DOPT_API dopt_status dopt_optim_state_bytes(const dopt_optim *o, int param, size_t *allocated, size_t *full);
 
+/* ---- gradient utilities shared by the reference and dist/ ------------------ */
+
+/* Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_, shared by
+ * the reference and dist/: ss[i] is parameter i's exact Σg²; the total norm
+ * is sqrt of their sum in parameter order (double); the coefficient is
+ * fp32(min(1, max_norm / (norm + 1e-6))). */
+DOPT_API float dopt_clip_coef(const double *ss, int n, double max_norm, double *norm);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,501 @@
+/* Distributed optimizers (include/distopt/dist.h, docs/distributed.md).
+ *
+ * Every rank runs the reference's step code (ref/optim_impl.h) on its piece
+ * of each logical tensor; the statistics that span the tensor go through a
+ * reducer over exactly the ranks that hold its pieces (TP if the tensor is
+ * TP-split, DP if it is ZeRO-sharded; replicas never add up twice) using MAX
+ * and integer SUM, which are exact in any order. Only the data-parallel
+ * gradient sum is a floating-point collective; the transport sums it in rank
+ * order, and the reference mirrors that order.
+ *
+ * This file never includes pthread, CUDA or NCCL headers: collectives go
+ * through dopt_transport, memory and kernels through dopt_device. */
+#include "distopt/dist.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim_impl.h"
+
+typedef struct dist_param dist_param;
+
+/* The reducer of one parameter: its split groups. */
+typedef struct red_ctx {
+  dopt_dist_optim *d;
+  int over_tp, over_dp;
+} red_ctx;
+
+struct dist_param {
+  char *name;
+  int group;
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS]; /* logical */
+  dopt_tp_role role;
+  int lndim;
+  int64_t lshape[DOPT_MAX_DIMS]; /* TP-local block */
+  size_t lnumel;
+  size_t chunk;  /* ZeRO shard size (lnumel when not sharded) */
+  size_t padded; /* chunk · dp when sharded, else lnumel */
+  dopt_piece pc;
+  int bf16;
+  float *grad;   /* [padded] accumulated gradients */
+  float *master; /* fp32 values: [padded] (zero 0-2) or [chunk] (zero 3) */
+  uint16_t *work; /* bf16 working copy, same extent as master (bf16 params) */
+  int nstates;
+  dopt_state_spec spec[DOPT_MAX_STATES];
+  void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; others whole */
+  int64_t step;
+  red_ctx rc;
+  dopt_reducer red;
+};
+
+struct dopt_dist_optim {
+  const dopt_optim_impl *impl;
+  double (*hp)[DOPT_MAX_HPARAMS]; /* per group */
+  int ngroups;
+  dist_param *p;
+  int np;
+  dopt_transport tp, dp;
+  const dopt_device *dev;
+  int zero;
+  double max_grad_norm;
+  int skip_nonfinite;
+  int micro;        /* micro-batches accumulated since the last step */
+  int64_t skipped;
+  float *ws;        /* device scratch for the step */
+  size_t ws_cap;
+  double *ss;       /* per-parameter Σg² (clipping) */
+};
+
+/* ---- helpers ------------------------------------------------------------------------- */
+
+#define DEV(d) ((d)->dev->ops)
+#define DCTX(d) ((d)->dev->ctx)
+
+static dopt_status red_max(void *ctx, double *x, size_t n) {
+  red_ctx *r = ctx;
+  if (r->over_tp) DOPT_TRY(r->d->tp.ops->all_reduce(r->d->tp.comm, x, x, n, DOPT_F64, DOPT_MAX));
+  if (r->over_dp) DOPT_TRY(r->d->dp.ops->all_reduce(r->d->dp.comm, x, x, n, DOPT_F64, DOPT_MAX));
+  return DOPT_OK;
+}
+
+static dopt_status red_sum(void *ctx, int64_t *x, size_t n) {
+  red_ctx *r = ctx;
+  if (r->over_tp) DOPT_TRY(r->d->tp.ops->all_reduce(r->d->tp.comm, x, x, n, DOPT_I64, DOPT_SUM));
+  if (r->over_dp) DOPT_TRY(r->d->dp.ops->all_reduce(r->d->dp.comm, x, x, n, DOPT_I64, DOPT_SUM));
+  return DOPT_OK;
+}
+
+/* Uneven split of n items over `parts`: part r gets base + (r < rem). */
+static void split_range(size_t n, int parts, int r, size_t *off, size_t *len) {
+  size_t base = n / (size_t)parts, rem = n % (size_t)parts, ur = (size_t)r;
+  *len = base + (ur < rem);
+  *off = ur * base + (ur < rem ? ur : rem);
+}
+
+/* The TP block of a parameter for TP rank r: rows/cols of the [b, h, w] view. */
+static void tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl) {
+  dopt_piece full;
+  dopt_piece_full(p->ndim, p->shape, &full);
+  *h0 = 0, *hl = full.h, *w0 = 0, *wl = full.w;
+  if (p->role == DOPT_TP_COLUMN && p->ndim >= 2) split_range(full.h, tp, r, h0, hl);
+  else if (p->role == DOPT_TP_COLUMN || p->role == DOPT_TP_ROW) split_range(full.w, tp, r, w0, wl);
+}
+
+static void free_param(dopt_dist_optim *d, dist_param *p) {
+  DEV(d)->free(DCTX(d), p->grad);
+  DEV(d)->free(DCTX(d), p->master);
+  if (p->work) DEV(d)->free(DCTX(d), p->work);
+  for (int k = 0; k < p->nstates; k++) DEV(d)->free(DCTX(d), p->state[k]);
+  free(p->name);
+}
+
+void dopt_dist_destroy(dopt_dist_optim *d) {
+  if (!d) return;
+  for (int i = 0; i < d->np; i++) free_param(d, &d->p[i]);
+  if (d->ws) DEV(d)->free(DCTX(d), d->ws);
+  free(d->p);
+  free(d->hp);
+  free(d->ss);
+  free(d);
+}
+
+/* ---- creation --------------------------------------------------------------------------- */
+
+static dopt_status check_config(const dopt_dist_config *cfg) {
+  DOPT_CHECK_ARG(cfg->struct_size >= sizeof(dopt_dist_config) && cfg->version == DOPT_DIST_CONFIG_VERSION,
+                 "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
+                 cfg->struct_size, cfg->version);
+  DOPT_CHECK_ARG(cfg->tp.ops && cfg->dp.ops, "dopt_dist_create: tp/dp transports not set");
+  DOPT_CHECK_ARG(cfg->tp.size >= 1 && cfg->dp.size >= 1 && cfg->tp.rank >= 0 && cfg->tp.rank < cfg->tp.size &&
+                     cfg->dp.rank >= 0 && cfg->dp.rank < cfg->dp.size,
+                 "dopt_dist_create: tp rank %d of %d, dp rank %d of %d", cfg->tp.rank, cfg->tp.size, cfg->dp.rank,
+                 cfg->dp.size);
+  DOPT_CHECK_ARG(cfg->zero_stage >= 0 && cfg->zero_stage <= 3, "dopt_dist_create: zero_stage=%d outside [0, 3]",
+                 cfg->zero_stage);
+  DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
+                 "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
+  const char *pl = cfg->plugin ? cfg->plugin : "";
+  if (strcmp(pl, "ddp") == 0) {
+    DOPT_CHECK_ARG(cfg->tp.size == 1 && cfg->zero_stage == 0, "plugin ddp: needs tp=1 and zero=0 (got tp=%d zero=%d)",
+                   cfg->tp.size, cfg->zero_stage);
+  } else if (strcmp(pl, "zero") == 0) {
+    DOPT_CHECK_ARG(cfg->tp.size == 1 && (cfg->zero_stage == 1 || cfg->zero_stage == 2),
+                   "plugin zero: needs tp=1 and zero 1 or 2 (got tp=%d zero=%d)", cfg->tp.size, cfg->zero_stage);
+  } else if (strcmp(pl, "hybrid") == 0) {
+    DOPT_CHECK_ARG(cfg->zero_stage <= 2, "plugin hybrid: zero=%d (0, 1 or 2; zero 3 is the fsdp plugin)",
+                   cfg->zero_stage);
+  } else if (strcmp(pl, "fsdp") == 0) {
+    DOPT_CHECK_ARG(cfg->zero_stage == 3, "plugin fsdp: needs zero=3 (got %d)", cfg->zero_stage);
+  } else {
+    return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_create: unknown plugin '%s' (ddp, zero, hybrid, fsdp)", pl);
+  }
+  return DOPT_OK;
+}
+
+static dopt_status dalloc(dopt_dist_optim *d, size_t bytes, void **out) {
+  return DEV(d)->alloc(DCTX(d), bytes ? bytes : 1, out);
+}
+
+/* Sets up one parameter: geometry, buffers, the initial values of its piece. */
+static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
+  const int tpn = d->tp.size, dpn = d->dp.size;
+  p->group = src->group;
+  p->ndim = src->ndim;
+  memcpy(p->shape, src->shape, sizeof p->shape);
+  p->role = tpn > 1 ? role : DOPT_TP_REPLICATED;
+  p->bf16 = src->work != NULL;
+  if (role == DOPT_TP_ROW && src->ndim < 2)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: '%s' role ROW needs a >= 2-D tensor (ndim=%d)", src->name,
+                      src->ndim);
+  if (role == DOPT_TP_COLUMN && src->ndim < 1)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: '%s' is a scalar; it can only be replicated", src->name);
+  dopt_piece *pc = &p->pc;
+  dopt_piece_full(p->ndim, p->shape, pc);
+  tp_block(p, tpn, d->tp.rank, &pc->h0, &pc->hl, &pc->w0, &pc->wl);
+  p->lnumel = pc->b * pc->hl * pc->wl;
+  p->lndim = p->ndim;
+  memcpy(p->lshape, p->shape, sizeof p->lshape);
+  if (p->role == DOPT_TP_COLUMN) p->lshape[p->ndim >= 2 ? p->ndim - 2 : 0] = (int64_t)(p->ndim >= 2 ? pc->hl : pc->wl);
+  if (p->role == DOPT_TP_ROW) p->lshape[p->ndim - 1] = (int64_t)pc->wl;
+  /* ZeRO: flatten, pad to a multiple of dp, split evenly */
+  if (d->zero >= 1) {
+    p->chunk = (p->lnumel + (size_t)dpn - 1) / (size_t)dpn;
+    p->padded = p->chunk * (size_t)dpn;
+    pc->lo = (size_t)d->dp.rank * p->chunk;
+    pc->len = pc->lo < p->lnumel ? (p->lnumel - pc->lo < p->chunk ? p->lnumel - pc->lo : p->chunk) : 0;
+    if (pc->lo > p->lnumel) pc->lo = p->lnumel;
+  } else {
+    p->chunk = p->padded = p->lnumel;
+    pc->lo = 0;
+    pc->len = p->lnumel;
+  }
+  size_t mext = d->zero == 3 ? p->chunk : p->padded; /* parameter storage */
+  DOPT_TRY(dalloc(d, p->padded * sizeof(float), (void **)&p->grad));
+  DOPT_TRY(dalloc(d, mext * sizeof(float), (void **)&p->master));
+  if (p->bf16) DOPT_TRY(dalloc(d, mext * sizeof(uint16_t), (void **)&p->work));
+  /* initial values: this rank's TP block of the logical tensor (row by row) */
+  float *blk = malloc((p->lnumel ? p->lnumel : 1) * sizeof *blk);
+  if (!blk) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
+  for (size_t bi = 0; bi < pc->b; bi++)
+    for (size_t i = 0; i < pc->hl; i++)
+      memcpy(blk + (bi * pc->hl + i) * pc->wl, src->data + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
+             pc->wl * sizeof(float));
+  size_t from = d->zero == 3 ? pc->lo : 0, count = d->zero == 3 ? pc->len : p->lnumel;
+  dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
+  free(blk);
+  DOPT_TRY(s);
+  if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), p->master, p->work, d->zero == 3 ? pc->len : p->lnumel));
+  /* states: elementwise ones are sharded like the parameter, the others whole */
+  p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
+  for (int k = 0; k < p->nstates; k++) {
+    size_t bytes = p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+    DOPT_TRY(dalloc(d, bytes, &p->state[k]));
+  }
+  p->step = src->step;
+  p->rc.d = d;
+  p->rc.over_tp = p->role != DOPT_TP_REPLICATED;
+  p->rc.over_dp = d->zero >= 1 && dpn > 1;
+  p->red.ctx = &p->rc;
+  p->red.max_f64 = red_max;
+  p->red.sum_i64 = red_sum;
+  /* scratch for the step */
+  size_t ws = d->impl->scratch ? d->impl->scratch(pc) : 0;
+  if (ws > d->ws_cap) {
+    if (d->ws) DEV(d)->free(DCTX(d), d->ws);
+    d->ws = NULL;
+    DOPT_TRY(dalloc(d, ws * sizeof(float), (void **)&d->ws));
+    d->ws_cap = ws;
+  }
+  p->name = malloc(strlen(src->name) + 1);
+  if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
+  strcpy(p->name, src->name);
+  return DOPT_OK;
+}
+
+dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cfg, const dopt_tp_role *roles,
+                             dopt_dist_optim **out) {
+  DOPT_CHECK_ARG(plain && cfg && out, "dopt_dist_create: NULL argument");
+  *out = NULL;
+  DOPT_TRY(check_config(cfg));
+  dopt_optim *po = (dopt_optim *)(uintptr_t)plain; /* read only */
+  dopt_dist_optim *d = calloc(1, sizeof *d);
+  if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create");
+  d->impl = dopt__optim_impl(plain);
+  d->tp = cfg->tp;
+  d->dp = cfg->dp;
+  d->dev = cfg->device ? cfg->device : dopt_device_cpu();
+  d->zero = cfg->zero_stage;
+  d->max_grad_norm = cfg->max_grad_norm;
+  d->skip_nonfinite = cfg->skip_nonfinite;
+  d->ngroups = dopt_optim_num_groups(plain);
+  d->np = dopt_optim_num_params(plain);
+  d->hp = calloc((size_t)d->ngroups, sizeof *d->hp);
+  d->p = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->p);
+  d->ss = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->ss);
+  if (!d->hp || !d->p || !d->ss) {
+    dopt_dist_destroy(d);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
+  }
+  for (int g = 0; g < d->ngroups; g++) memcpy(d->hp[g], dopt__optim_group_hp(plain, g), sizeof d->hp[g]);
+  for (int i = 0; i < d->np; i++) {
+    dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
+    dopt_status s = (unsigned)role > DOPT_TP_ROW
+                        ? dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role)
+                        : setup_param(d, &d->p[i], dopt__optim_param(po, i), role);
+    if (s != DOPT_OK) {
+      d->np = i + 1; /* free what was set up */
+      dopt_dist_destroy(d);
+      return s;
+    }
+  }
+  *out = d;
+  return DOPT_OK;
+}
+
+static dopt_status check_param(const dopt_dist_optim *d, int i, const char *fn) {
+  DOPT_CHECK_ARG(d != NULL, "%s: optimizer=NULL", fn);
+  DOPT_CHECK_ARG(i >= 0 && i < d->np, "%s: param=%d out of range [0, %d)", fn, i, d->np);
+  return DOPT_OK;
+}
+
+dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int i, int *ndim, int64_t *shape, size_t *numel) {
+  DOPT_TRY(check_param(d, i, "dopt_dist_local_shape"));
+  const dist_param *p = &d->p[i];
+  if (ndim) *ndim = p->lndim;
+  if (shape) memcpy(shape, p->lshape, sizeof p->lshape);
+  if (numel) *numel = p->lnumel;
+  return DOPT_OK;
+}
+
+/* ---- gradients and the step ----------------------------------------------------------------- */
+
+dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
+  DOPT_CHECK_ARG(d && grads, "dopt_dist_backward: NULL argument");
+  float *tmp = NULL;
+  size_t cap = 0;
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    DOPT_CHECK_ARG(grads[i] != NULL || p->lnumel == 0, "dopt_dist_backward: grads[%d] ('%s') is NULL", i, p->name);
+    if (p->lnumel == 0) continue;
+    if (p->lnumel > cap) {
+      if (tmp) DEV(d)->free(DCTX(d), tmp);
+      tmp = NULL;
+      DOPT_TRY(dalloc(d, p->lnumel * sizeof(float), (void **)&tmp));
+      cap = p->lnumel;
+    }
+    dopt_status s = DEV(d)->upload(DCTX(d), tmp, grads[i], p->lnumel * sizeof(float));
+    if (s == DOPT_OK) s = DEV(d)->add(DCTX(d), p->grad, tmp, p->lnumel);
+    if (s != DOPT_OK) {
+      DEV(d)->free(DCTX(d), tmp);
+      return s;
+    }
+  }
+  if (tmp) DEV(d)->free(DCTX(d), tmp);
+  d->micro++;
+  return DOPT_OK;
+}
+
+static dopt_status zero_grads(dopt_dist_optim *d) {
+  for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->zero(DCTX(d), d->p[i].grad, d->p[i].padded * sizeof(float)));
+  d->micro = 0;
+  return DOPT_OK;
+}
+
+/* The averaged gradient of each piece: SUM over dp in rank order (all-reduce
+ * for zero 0/1, reduce-scatter for zero 2/3), then one division by dp·micro. */
+static dopt_status reduce_grads(dopt_dist_optim *d) {
+  const float denom = (float)((double)d->dp.size * (double)d->micro);
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (d->dp.size > 1) {
+      if (d->zero >= 2) /* in place: this rank's block of the padded buffer */
+        DOPT_TRY(d->dp.ops->reduce_scatter(d->dp.comm, p->grad, p->grad + (size_t)d->dp.rank * p->chunk, p->chunk,
+                                           DOPT_F32, DOPT_SUM));
+      else
+        DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, p->grad, p->grad, p->padded, DOPT_F32, DOPT_SUM));
+    }
+    DOPT_TRY(DEV(d)->divide(DCTX(d), p->grad + p->pc.lo, denom, p->pc.len));
+  }
+  return DOPT_OK;
+}
+
+static dopt_status all_reduce_world_i64(dopt_dist_optim *d, int64_t *x) {
+  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, x, x, 1, DOPT_I64, DOPT_SUM));
+  return d->dp.ops->all_reduce(d->dp.comm, x, x, 1, DOPT_I64, DOPT_SUM);
+}
+
+dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
+  DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
+  if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
+  dopt_dist_step_info local = {0, -1.0, d->micro};
+  DOPT_TRY(reduce_grads(d));
+  if (d->skip_nonfinite) {
+    int64_t bad = 0;
+    for (int i = 0; i < d->np; i++) {
+      int64_t c;
+      DOPT_TRY(DEV(d)->count_nonfinite(DCTX(d), d->p[i].grad + d->p[i].pc.lo, d->p[i].pc.len, &c));
+      bad += c;
+    }
+    DOPT_TRY(all_reduce_world_i64(d, &bad));
+    if (bad > 0) {
+      d->skipped++;
+      local.skipped = 1;
+      if (info) *info = local;
+      return zero_grads(d);
+    }
+  }
+  if (d->max_grad_norm > 0) {
+    for (int i = 0; i < d->np; i++)
+      DOPT_TRY(DEV(d)->sumsq(DCTX(d), d->p[i].grad + d->p[i].pc.lo, d->p[i].pc.len, &d->p[i].red, &d->ss[i]));
+    float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
+    for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
+  }
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    p->step++;
+    float *param = p->master + (d->zero == 3 ? 0 : p->pc.lo);
+    dopt_step_args a = {d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state, d->ws, &p->red};
+    DOPT_TRY(DEV(d)->step(DCTX(d), &a));
+    if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
+    /* zero 1/2: every dp rank gets the whole TP-local parameter back */
+    if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) {
+      size_t me = (size_t)d->dp.rank * p->chunk;
+      DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->master + me, p->master, p->chunk, DOPT_F32));
+      if (p->bf16) DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->work + me, p->work, p->chunk, DOPT_BF16));
+    }
+  }
+  if (info) *info = local;
+  return zero_grads(d);
+}
+
+int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d) { return d ? d->skipped : 0; }
+
+/* ---- gathering logical tensors ------------------------------------------------------------------ */
+
+/* The whole TP-local block (host, [lnumel]) of a tensor stored as this rank's
+ * shard (sharded != 0: [chunk] at src) or whole (src [lnumel]). elem: 4 or 2. */
+static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
+                                   dopt_dtype dt, unsigned char *host) {
+  if (!sharded || d->dp.size == 1) return DEV(d)->download(DCTX(d), host, src, p->lnumel * elem);
+  void *buf;
+  DOPT_TRY(dalloc(d, p->padded * elem, &buf));
+  dopt_status s = d->dp.ops->all_gather(d->dp.comm, src, buf, p->chunk, dt);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem);
+  DEV(d)->free(DCTX(d), buf);
+  return s;
+}
+
+/* Assembles the logical tensor from every TP rank's block (host in, host out). */
+static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const unsigned char *mine, size_t elem,
+                               dopt_dtype dt, unsigned char *out) {
+  const dopt_piece *pc = &p->pc;
+  if (p->role == DOPT_TP_REPLICATED) {
+    memcpy(out, mine, p->lnumel * elem);
+    return DOPT_OK;
+  }
+  const int tpn = d->tp.size;
+  size_t maxblk = 0;
+  for (int r = 0; r < tpn; r++) {
+    size_t h0, hl, w0, wl;
+    tp_block(p, tpn, r, &h0, &hl, &w0, &wl);
+    maxblk = pc->b * hl * wl > maxblk ? pc->b * hl * wl : maxblk;
+  }
+  void *send, *recv;
+  DOPT_TRY(dalloc(d, (maxblk ? maxblk : 1) * elem, &send));
+  dopt_status s = dalloc(d, (maxblk ? maxblk : 1) * elem * (size_t)tpn, &recv);
+  unsigned char *all = s == DOPT_OK ? malloc((maxblk ? maxblk : 1) * elem * (size_t)tpn) : NULL;
+  if (s == DOPT_OK && !all) s = dopt__fail(DOPT_ERR_NO_MEMORY, "gather '%s'", p->name);
+  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), send, mine, p->lnumel * elem);
+  if (s == DOPT_OK && maxblk) s = d->tp.ops->all_gather(d->tp.comm, send, recv, maxblk, dt);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), all, recv, maxblk * elem * (size_t)tpn);
+  for (int r = 0; s == DOPT_OK && r < tpn; r++) {
+    size_t h0, hl, w0, wl;
+    tp_block(p, tpn, r, &h0, &hl, &w0, &wl);
+    const unsigned char *blk = all + (size_t)r * maxblk * elem;
+    for (size_t bi = 0; bi < pc->b; bi++)
+      for (size_t i = 0; i < hl; i++)
+        memcpy(out + ((bi * pc->h + h0 + i) * pc->w + w0) * elem, blk + (bi * hl + i) * wl * elem, wl * elem);
+  }
+  free(all);
+  DEV(d)->free(DCTX(d), send);
+  if (recv) DEV(d)->free(DCTX(d), recv);
+  return s;
+}
+
+static dopt_status gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
+                          dopt_dtype dt, void *out) {
+  unsigned char *mine = malloc((p->lnumel ? p->lnumel : 1) * elem);
+  if (!mine) return dopt__fail(DOPT_ERR_NO_MEMORY, "gather '%s'", p->name);
+  dopt_status s = gather_tp_local(d, p, src, sharded, elem, dt, mine);
+  if (s == DOPT_OK) s = assemble_tp(d, p, mine, elem, dt, out);
+  free(mine);
+  return s;
+}
+
+dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int i, float *out) {
+  DOPT_TRY(check_param(d, i, "dopt_dist_gather_param"));
+  DOPT_CHECK_ARG(out != NULL, "dopt_dist_gather_param: out=NULL");
+  return gather(d, &d->p[i], d->p[i].master, d->zero == 3, sizeof(float), DOPT_F32, out);
+}
+
+dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int i, uint16_t *out) {
+  DOPT_TRY(check_param(d, i, "dopt_dist_gather_work"));
+  DOPT_CHECK_ARG(out != NULL, "dopt_dist_gather_work: out=NULL");
+  if (!d->p[i].bf16) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_gather_work: '%s' is not a bf16 parameter", d->p[i].name);
+  return gather(d, &d->p[i], d->p[i].work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
+}
+
+dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, float *out) {
+  DOPT_TRY(check_param(d, i, "dopt_dist_gather_state"));
+  DOPT_CHECK_ARG(key && out, "dopt_dist_gather_state: key/out NULL");
+  dist_param *p = &d->p[i];
+  for (int k = 0; k < p->nstates; k++) {
+    if (strcmp(p->spec[k].v.name, key) != 0) continue;
+    if (!p->spec[k].elementwise) return DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes);
+    return gather(d, p, p->state[k], d->zero >= 1, sizeof(float), DOPT_F32, out);
+  }
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_gather_state: '%s' has no state '%s'", p->name, key);
+}
+
+dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int i, int64_t *step) {
+  DOPT_TRY(check_param(d, i, "dopt_dist_get_step"));
+  DOPT_CHECK_ARG(step != NULL, "dopt_dist_get_step: step=NULL");
+  *step = d->p[i].step;
+  return DOPT_OK;
+}
+
+dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m) {
+  DOPT_CHECK_ARG(d && m, "dopt_dist_memory_usage: NULL argument");
+  memset(m, 0, sizeof *m);
+  for (int i = 0; i < d->np; i++) {
+    const dist_param *p = &d->p[i];
+    size_t ext = d->zero == 3 ? p->chunk : p->padded;
+    m->param_bytes += ext * sizeof(float) + (p->bf16 ? ext * sizeof(uint16_t) : 0);
+    m->grad_bytes += p->padded * sizeof(float);
+    for (int k = 0; k < p->nstates; k++)
+      m->state_bytes += p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+  }
+  return DOPT_OK;
+}

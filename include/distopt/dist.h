@@ -1,0 +1,123 @@
+/* distopt — distributed optimizers: the registry's optimizers on
+ * tensor-parallel and ZeRO-sharded parameters, bitwise equal to the
+ * single-device reference (docs/distributed.md).
+ *
+ * Plugins (ColossalAI's booster names), all one mechanism over (tp, dp, zero):
+ *   ddp     tp = 1, zero 0: averaged all-reduce of gradients, full-replica step
+ *   zero    tp = 1, zero 1 (all-reduce, step the shard, all-gather parameters)
+ *           or 2 (reduce-scatter instead of all-reduce)
+ *   hybrid  tp ≥ 1 × dp ≥ 1, zero 0, 1 or 2
+ *   fsdp    zero 3: parameters stay sharded between steps (gathered on demand)
+ *
+ * Layout. Each parameter has a logical shape and a tensor-parallel role
+ * (Megatron's names; ColossalAI's code inverts them):
+ *   DOPT_TP_REPLICATED  every TP rank holds the whole tensor (LayerNorm, biases
+ *                       of row-parallel layers, anything not split)
+ *   DOPT_TP_COLUMN      split along dim -2 (dim 0 of a 1-D tensor): the output
+ *                       dim of a column-parallel linear weight [out, in], a
+ *                       vocab-parallel embedding [vocab, hidden], a
+ *                       column-parallel bias [out]
+ *   DOPT_TP_ROW         split along dim -1: the input dim of a row-parallel
+ *                       linear weight [out, in] (≥ 2-D tensors only)
+ * A TP split that does not divide evenly is uneven, not padded: TP rank r
+ * holds base + (r < rem) rows/columns (base = n / tp, rem = n % tp), possibly
+ * none. With ZeRO the TP-local tensor is flattened, zero-padded to a multiple
+ * of dp and split evenly (ColossalAI LowLevelZero); padding never enters a
+ * statistic or a count.
+ *
+ * Usage on every rank (collective calls marked [C]):
+ *   build the plain optimizer from the registry with the *logical* initial
+ *   parameters (dopt_optim_create/add_group/add_param);
+ *   dopt_dist_create(plain, &cfg, roles, &d)                [C]
+ *   per micro-batch: dopt_dist_backward(d, local_grads)      (TP-local gradients)
+ *   dopt_dist_step(d, &info)                                [C]
+ *   dopt_dist_gather_param / _gather_state / _gather_work   [C]
+ */
+#ifndef DISTOPT_DIST_H
+#define DISTOPT_DIST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "distopt/device.h"
+#include "distopt/optim.h"
+#include "distopt/transport.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum dopt_tp_role {
+  DOPT_TP_REPLICATED = 0,
+  DOPT_TP_COLUMN = 1,
+  DOPT_TP_ROW = 2,
+} dopt_tp_role;
+
+typedef struct dopt_dist_optim dopt_dist_optim;
+
+typedef struct dopt_dist_config {
+  uint32_t struct_size;
+  uint32_t version;
+  const char *plugin;       /* "ddp", "zero", "hybrid", "fsdp" */
+  int zero_stage;           /* 0..3 (see the plugin list) */
+  dopt_transport tp;        /* this rank's tensor-parallel group */
+  dopt_transport dp;        /* this rank's data-parallel (= ZeRO) group */
+  const dopt_device *device; /* NULL: dopt_device_cpu() */
+  double max_grad_norm;     /* global gradient-norm clipping; 0 = off */
+  int skip_nonfinite;       /* skip the whole step when any gradient is NaN/Inf */
+} dopt_dist_config;
+
+#define DOPT_DIST_CONFIG_VERSION 1
+#define DOPT_DIST_CONFIG_INIT \
+  { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1 }
+
+/* Converts a plain registry optimizer (its groups, hyperparameters and
+ * parameters with their logical initial values) into its distributed
+ * version on this rank (ColossalAI's cast_to_distributed + setup_distributed).
+ * roles[i] is parameter i's TP role (NULL: all replicated). The plain
+ * optimizer is only read; it must outlive nothing. [C] */
+DOPT_API dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cfg, const dopt_tp_role *roles,
+                                      dopt_dist_optim **out);
+DOPT_API void dopt_dist_destroy(dopt_dist_optim *d);
+
+/* This rank's TP-local block of parameter i: its shape (the logical shape
+ * with the split dim cut) and the offsets of the block in the logical
+ * [b, h, w] view. Gradients passed to dopt_dist_backward have this shape. */
+DOPT_API dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int param, int *ndim, int64_t *shape,
+                                           size_t *numel);
+
+/* Adds one micro-batch of this rank's TP-local gradients (host memory,
+ * grads[i] for every parameter) to the accumulators. */
+DOPT_API dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads);
+
+typedef struct dopt_dist_step_info {
+  int skipped;        /* 1: a non-finite gradient; nothing was updated */
+  double grad_norm;   /* global norm of the averaged gradients, before clipping */
+  int micro_batches;  /* accumulated micro-batches this step used */
+} dopt_dist_step_info;
+
+/* One optimizer step over the accumulated micro-batches: sum the gradients
+ * over dp (rank order) and divide by dp·micro_batches, check finiteness,
+ * clip, step every parameter's piece, re-gather parameters (zero 1/2). [C] */
+DOPT_API dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info);
+DOPT_API int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d);
+
+/* The whole logical parameter / working bf16 copy / state tensor (by
+ * upstream key) of parameter i, assembled in host memory on every rank. [C] */
+DOPT_API dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int param, float *out);
+DOPT_API dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int param, uint16_t *out);
+DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const char *key, float *out);
+DOPT_API dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int param, int64_t *step);
+
+/* Bytes this rank holds: parameters (incl. masters/working copies), optimizer
+ * states, gradient buffers. */
+typedef struct dopt_dist_memory {
+  size_t param_bytes, state_bytes, grad_bytes;
+} dopt_dist_memory;
+DOPT_API dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *out);
+
+
+#ifdef __cplusplus
+}
+#endif
+#endif

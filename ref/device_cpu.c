@@ -1,0 +1,94 @@
+/* The CPU device (distopt/device.h): device memory is host memory and the
+ * kernels are the reference's own loops, so a distributed run on the CPU
+ * executes exactly the reference's floating-point operations. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim_impl.h"
+
+static dopt_status cpu_alloc(void *ctx, size_t bytes, void **out) {
+  (void)ctx;
+  *out = calloc(1, bytes ? bytes : 1);
+  return *out ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "cpu device: alloc of %zu bytes", bytes);
+}
+
+static void cpu_free(void *ctx, void *p) {
+  (void)ctx;
+  free(p);
+}
+
+static dopt_status cpu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  (void)ctx;
+  if (bytes) memmove(dst, src, bytes);
+  return DOPT_OK;
+}
+
+static dopt_status cpu_zero(void *ctx, void *dst, size_t bytes) {
+  (void)ctx;
+  if (bytes) memset(dst, 0, bytes);
+  return DOPT_OK;
+}
+
+static dopt_status cpu_add(void *ctx, float *acc, const float *x, size_t n) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++) acc[i] = acc[i] + x[i];
+  return DOPT_OK;
+}
+
+static dopt_status cpu_scale(void *ctx, float *x, float a, size_t n) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++) x[i] = x[i] * a;
+  return DOPT_OK;
+}
+
+static dopt_status cpu_divide(void *ctx, float *x, float d, size_t n) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++) x[i] = x[i] / d;
+  return DOPT_OK;
+}
+
+static dopt_status cpu_count_nonfinite(void *ctx, const float *x, size_t n, int64_t *count) {
+  (void)ctx;
+  int64_t c = 0;
+  for (size_t i = 0; i < n; i++) c += !isfinite(x[i]);
+  *count = c;
+  return DOPT_OK;
+}
+
+static dopt_status cpu_sumsq(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *ss) {
+  (void)ctx;
+  return dopt_piece_sumsq(x, n, red, ss);
+}
+
+static dopt_status cpu_to_bf16(void *ctx, const float *x, uint16_t *y, size_t n) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++) y[i] = dopt_f32_to_bf16(x[i]);
+  return DOPT_OK;
+}
+
+static dopt_status cpu_step(void *ctx, const dopt_step_args *a) {
+  (void)ctx;
+  return a->impl->step(a);
+}
+
+static const dopt_device_ops cpu_ops = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .copy = cpu_copy,
+    .zero = cpu_zero,
+    .add = cpu_add,
+    .scale = cpu_scale,
+    .divide = cpu_divide,
+    .count_nonfinite = cpu_count_nonfinite,
+    .sumsq = cpu_sumsq,
+    .to_bf16 = cpu_to_bf16,
+    .step = cpu_step,
+};
+
+static const dopt_device cpu_device = {&cpu_ops, NULL};
+
+const dopt_device *dopt_device_cpu(void) { return &cpu_device; }

@@ -1,0 +1,384 @@
+#include "disttest.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "distopt/device.h"
+#include "distopt/xsum.h"
+#include "internal.h"
+
+static size_t numel_of(const dt_param *p) {
+  size_t n = 1;
+  for (int i = 0; i < p->ndim; i++) n *= (size_t)p->shape[i];
+  return n;
+}
+
+const char *dt_plugin(const dt_layout *l) {
+  if (l->zero == 3) return "fsdp";
+  if (l->tp == 1 && l->zero == 0) return "ddp";
+  if (l->tp == 1) return "zero";
+  return "hybrid";
+}
+
+static uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/* Low rank + noise, heavy-tailed rows, some exact zeros: realistic enough to
+ * make every statistic matter, and fully determined by the counters. */
+void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float *out) {
+  const dt_param *pp = &c->params[p];
+  size_t n = numel_of(pp), w = pp->ndim >= 1 ? (size_t)pp->shape[pp->ndim - 1] : 1;
+  uint64_t key = mix(c->seed ^ mix(((uint64_t)p << 48) ^ ((uint64_t)step << 24) ^ ((uint64_t)micro << 12) ^ (uint64_t)dprank));
+  double a = (double)(mix(key) >> 11) * 0x1.0p-53 - 0.5, b = (double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t h = mix(key + 0x9E3779B97F4A7C15ull * (i + 2));
+    double u = 0;
+    for (int k = 0; k < 4; k++) u += (double)((h >> (16 * k)) & 0xffff) / 65536.0;
+    double noise = u - 2.0; /* ~N(0, 1/3) */
+    size_t row = i / w, col = i % w;
+    double lowrank = a * sin(0.7 * (double)row + 0.3) * cos(0.4 * (double)col) + b * (double)((row + col) % 3);
+    double rowscale = (row % 5 == 1) ? 8.0 : 1.0; /* heavy-tailed rows */
+    double v = c->grad_scale * rowscale * (lowrank + 0.5 * noise);
+    if ((h >> 60) == 0) v = 0.0; /* ~6% exact zeros */
+    out[i] = (float)v;
+  }
+  if (c->nan_step == step && p == 0 && dprank == 0 && micro == 0) out[n / 2] = NAN;
+}
+
+static dopt_status build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
+  dopt_optim *o;
+  DOPT_TRY(dopt_optim_create(c->optimizer, c->hparams, &o));
+  int g1;
+  dopt_status s = dopt_optim_add_group(o, c->group1 ? c->group1 : "weight_decay=0", &g1);
+  for (int i = 0; s == DOPT_OK && i < c->nparams; i++) {
+    const dt_param *pp = &c->params[i];
+    size_t n = numel_of(pp);
+    data[i] = malloc(n * sizeof(float));
+    master[i] = NULL;
+    work[i] = NULL;
+    /* initial values: seeded, with one all-zero parameter to hit RMS 0 */
+    for (size_t k = 0; k < n; k++) {
+      uint64_t h = mix(c->seed * 31 + (uint64_t)i * 1000003 + k);
+      data[i][k] = strcmp(pp->name, "zeros") == 0 ? 0.0f : (float)((double)(h >> 11) * 0x1.0p-53 - 0.5);
+    }
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = pp->name;
+    pc.ndim = pp->ndim;
+    for (int k = 0; k < pp->ndim; k++) pc.shape[k] = pp->shape[k];
+    pc.data = data[i];
+    if (c->bf16) {
+      master[i] = data[i];
+      work[i] = malloc(n * sizeof(uint16_t));
+      for (size_t k = 0; k < n; k++) work[i][k] = dopt_f32_to_bf16(data[i][k]);
+      pc.dtype = DOPT_BF16;
+      pc.data = work[i];
+      pc.master = master[i];
+    }
+    s = dopt_optim_add_param(o, pp->group ? g1 : 0, &pc, NULL);
+  }
+  if (s != DOPT_OK) {
+    dopt_optim_destroy(o);
+    return s;
+  }
+  *out = o;
+  return DOPT_OK;
+}
+
+static int is_checkpoint(const dt_case *c, int t) { return t == c->steps || (c->check_every > 0 && t % c->check_every == 0); }
+
+static float *dup_f32(const float *x, size_t n) {
+  float *y = malloc((n ? n : 1) * sizeof *y);
+  if (y) memcpy(y, x, n * sizeof *y);
+  return y;
+}
+
+dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
+  memset(r, 0, sizeof *r);
+  float *data[DT_MAXP], *master[DT_MAXP], *avg[DT_MAXP], *acc[DT_MAXP], *g = NULL;
+  uint16_t *work[DT_MAXP];
+  const float *gp[DT_MAXP];
+  dopt_optim *o;
+  DOPT_TRY(build_plain(c, data, master, work, &o));
+  size_t maxn = 1;
+  for (int i = 0; i < c->nparams; i++) {
+    size_t n = numel_of(&c->params[i]);
+    maxn = n > maxn ? n : maxn;
+    avg[i] = malloc(n * sizeof(float));
+    acc[i] = malloc(n * sizeof(float));
+    gp[i] = avg[i];
+  }
+  g = malloc(maxn * sizeof(float));
+  dopt_status s = DOPT_OK;
+  const float denom = (float)((double)dp * (double)c->micro);
+  double ss[DT_MAXP];
+  for (int t = 1; t <= c->steps && s == DOPT_OK; t++) {
+    int bad = 0;
+    for (int i = 0; i < c->nparams; i++) {
+      size_t n = numel_of(&c->params[i]);
+      for (int d = 0; d < dp; d++) {
+        /* rank d's accumulator: 0 + g_0 + g_1 + ... (micro-batch order) */
+        for (size_t k = 0; k < n; k++) acc[i][k] = 0.0f;
+        for (int m = 0; m < c->micro; m++) {
+          dt_gradient(c, i, t, m, d, g);
+          for (size_t k = 0; k < n; k++) acc[i][k] = acc[i][k] + g[k];
+        }
+        /* the dp sum in rank order: ((a_0 + a_1) + a_2) + ... */
+        for (size_t k = 0; k < n; k++) avg[i][k] = d == 0 ? acc[i][k] : avg[i][k] + acc[i][k];
+      }
+      for (size_t k = 0; k < n; k++) {
+        avg[i][k] = avg[i][k] / denom;
+        bad |= !isfinite(avg[i][k]);
+      }
+    }
+    if (bad) { /* skip: nothing updated, no step counted */
+      r->skipped++;
+    } else {
+      if (c->max_grad_norm > 0) {
+        for (int i = 0; i < c->nparams; i++) ss[i] = dopt_xsum_sq(avg[i], numel_of(&c->params[i]));
+        float coef = dopt_clip_coef(ss, c->nparams, c->max_grad_norm, NULL);
+        for (int i = 0; i < c->nparams; i++)
+          for (size_t k = 0; k < numel_of(&c->params[i]); k++) avg[i][k] = avg[i][k] * coef;
+      }
+      s = dopt_optim_step(o, gp);
+    }
+    if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
+    int ck = r->nck++;
+    r->ck_step[ck] = t;
+    for (int i = 0; i < c->nparams; i++) {
+      size_t n = numel_of(&c->params[i]);
+      r->param[ck][i] = dup_f32(data[i], n);
+      if (work[i]) {
+        r->work[ck][i] = malloc(n * sizeof(uint16_t));
+        memcpy(r->work[ck][i], work[i], n * sizeof(uint16_t));
+      }
+      dopt_optim_get_step(o, i, &r->step[ck][i]);
+      r->nstates[i] = dopt_optim_num_states(o, i);
+      for (int k = 0; k < r->nstates[i]; k++) {
+        dopt_state_view v;
+        dopt_optim_state(o, i, k, &v);
+        snprintf(r->state_name[i][k], sizeof r->state_name[i][k], "%s", v.name);
+        r->state[ck][i][k] = dup_f32(v.data, v.bytes / sizeof(float));
+      }
+    }
+  }
+  dopt_optim_destroy(o);
+  for (int i = 0; i < c->nparams; i++) {
+    free(data[i]);
+    free(work[i]);
+    free(avg[i]);
+    free(acc[i]);
+  }
+  (void)master;
+  free(g);
+  return s;
+}
+
+/* ---- the distributed run ----------------------------------------------------------- */
+
+typedef struct run_ctx {
+  const dt_case *c;
+  const dt_layout *l;
+  dt_result *r; /* written by world rank 0 only */
+} run_ctx;
+
+static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
+  run_ctx *x = user;
+  const dt_case *c = x->c;
+  const dt_layout *l = x->l;
+  dopt_sim_comm *tpc = NULL, *dpc = NULL;
+  /* Megatron: TP groups are contiguous ranks; DP groups stride by tp */
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / l->tp, rank, "tp", &tpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % l->tp, rank, "dp", &dpc));
+  dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
+  cfg.plugin = dt_plugin(l);
+  cfg.zero_stage = l->zero;
+  cfg.max_grad_norm = c->max_grad_norm;
+  DOPT_TRY(dopt_sim_transport(tpc, &cfg.tp));
+  DOPT_TRY(dopt_sim_transport(dpc, &cfg.dp));
+  float *data[DT_MAXP], *master[DT_MAXP];
+  uint16_t *work[DT_MAXP];
+  dopt_optim *plain;
+  DOPT_TRY(build_plain(c, data, master, work, &plain));
+  dopt_tp_role roles[DT_MAXP];
+  for (int i = 0; i < c->nparams; i++) roles[i] = c->params[i].role;
+  dopt_dist_optim *d = NULL;
+  dopt_status s = dopt_dist_create(plain, &cfg, roles, &d);
+  size_t maxn = 1;
+  for (int i = 0; i < c->nparams; i++) maxn = numel_of(&c->params[i]) > maxn ? numel_of(&c->params[i]) : maxn;
+  float *full = malloc(maxn * sizeof(float)), *loc[DT_MAXP];
+  const float *lp[DT_MAXP];
+  for (int i = 0; i < c->nparams; i++) {
+    loc[i] = malloc(maxn * sizeof(float));
+    lp[i] = loc[i];
+  }
+  const int dprank = cfg.dp.rank, tprank = cfg.tp.rank;
+  for (int t = 1; t <= c->steps && s == DOPT_OK; t++) {
+    for (int m = 0; m < c->micro && s == DOPT_OK; m++) {
+      for (int i = 0; i < c->nparams; i++) {
+        /* this rank's TP block of the logical micro-batch gradient */
+        const dt_param *pp = &c->params[i];
+        dt_gradient(c, i, t, m, dprank, full);
+        dopt_piece pc;
+        dopt_piece_full(pp->ndim, pp->shape, &pc);
+        size_t h0 = 0, hl = pc.h, w0 = 0, wl = pc.w;
+        if (l->tp > 1 && pp->role != DOPT_TP_REPLICATED) {
+          int rowsplit = pp->role == DOPT_TP_COLUMN && pp->ndim >= 2;
+          size_t n = rowsplit ? pc.h : pc.w, base = n / (size_t)l->tp, rem = n % (size_t)l->tp, r = (size_t)tprank;
+          size_t len = base + (r < rem), off = r * base + (r < rem ? r : rem);
+          if (rowsplit) h0 = off, hl = len;
+          else w0 = off, wl = len;
+        }
+        for (size_t bi = 0; bi < pc.b; bi++)
+          for (size_t ii = 0; ii < hl; ii++)
+            memcpy(loc[i] + (bi * hl + ii) * wl, full + (bi * pc.h + h0 + ii) * pc.w + w0, wl * sizeof(float));
+      }
+      s = dopt_dist_backward(d, lp);
+    }
+    if (s == DOPT_OK) s = dopt_dist_step(d, NULL);
+    if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
+    /* gather (collective); world rank 0 keeps the result */
+    int keep = rank == 0, ck = x->r->nck;
+    for (int i = 0; i < c->nparams && s == DOPT_OK; i++) {
+      size_t n = numel_of(&c->params[i]);
+      float *buf = malloc(n * sizeof(float));
+      s = dopt_dist_gather_param(d, i, buf);
+      if (keep) x->r->param[ck][i] = buf;
+      else free(buf);
+      if (s == DOPT_OK && c->bf16) {
+        uint16_t *wb = malloc(n * sizeof(uint16_t));
+        s = dopt_dist_gather_work(d, i, wb);
+        if (keep) x->r->work[ck][i] = wb;
+        else free(wb);
+      }
+      if (keep && s == DOPT_OK) s = dopt_dist_get_step(d, i, &x->r->step[ck][i]);
+      /* every state, by the reference's names (same layout); every state of
+       * a parameter has at most numel elements */
+      for (int k = 0; s == DOPT_OK && k < x->r->nstates[i]; k++) {
+        float *sb = malloc(n * sizeof(float));
+        s = dopt_dist_gather_state(d, i, x->r->state_name[i][k], sb);
+        if (keep) x->r->state[ck][i][k] = sb;
+        else free(sb);
+      }
+    }
+    if (keep) {
+      x->r->ck_step[ck] = t;
+      x->r->nck++;
+    }
+  }
+  if (rank == 0 && d) x->r->skipped = dopt_dist_skipped_steps(d);
+  for (int i = 0; i < c->nparams; i++) {
+    free(loc[i]);
+    free(data[i]);
+    free(work[i]);
+  }
+  (void)master;
+  free(full);
+  dopt_dist_destroy(d);
+  dopt_optim_destroy(plain);
+  return s;
+}
+
+dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, char *err, size_t errcap) {
+  /* the state names come from the reference layout (same registry layout) */
+  char names[DT_MAXP][DT_MAXS][32];
+  int nst[DT_MAXP];
+  memcpy(names, out->state_name, sizeof names);
+  memcpy(nst, out->nstates, sizeof nst);
+  memset(out, 0, sizeof *out);
+  memcpy(out->state_name, names, sizeof names);
+  memcpy(out->nstates, nst, sizeof nst);
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = l->tp * l->dp;
+  cfg.timeout_ms = 20000;
+  dopt_sim_world *w;
+  DOPT_TRY(dopt_sim_world_create(&cfg, &w));
+  run_ctx x;
+  memset(&x, 0, sizeof x);
+  x.c = c;
+  x.l = l;
+  x.r = out;
+  dopt_status st[64];
+  dopt_status s = dopt_sim_launch(w, rank_body, &x, st);
+  for (int r = 0; s == DOPT_OK && r < cfg.nranks; r++)
+    if (st[r] != DOPT_OK) {
+      s = st[r];
+      snprintf(err, errcap, "rank %d: %s: %s", r, dopt_status_name(st[r]), dopt_sim_world_rank_error(w, r));
+    }
+  if (s != DOPT_OK && err[0] == '\0') snprintf(err, errcap, "%s: %s", dopt_status_name(s), dopt_last_error());
+  dopt_sim_world_destroy(w);
+  return s;
+}
+
+static int first_diff32(const float *a, const float *b, size_t n, size_t *at) {
+  for (size_t i = 0; i < n; i++)
+    if (memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      *at = i;
+      return 1;
+    }
+  return 0;
+}
+
+int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, char *msg, size_t cap) {
+  if (ref->nck != got->nck) {
+    snprintf(msg, cap, "checkpoints: reference %d, distributed %d", ref->nck, got->nck);
+    return 1;
+  }
+  if (ref->skipped != got->skipped) {
+    snprintf(msg, cap, "skipped steps: reference %lld, distributed %lld", (long long)ref->skipped, (long long)got->skipped);
+    return 1;
+  }
+  for (int k = 0; k < ref->nck; k++) {
+    for (int i = 0; i < c->nparams; i++) {
+      size_t n = numel_of(&c->params[i]), at = 0;
+      const char *pn = c->params[i].name;
+      if (ref->step[k][i] != got->step[k][i]) {
+        snprintf(msg, cap, "step %d: %s step counter %lld vs %lld", ref->ck_step[k], pn, (long long)ref->step[k][i],
+                 (long long)got->step[k][i]);
+        return 1;
+      }
+      if (first_diff32(ref->param[k][i], got->param[k][i], n, &at)) {
+        snprintf(msg, cap, "step %d: param %s[%zu] %.9g vs %.9g", ref->ck_step[k], pn, at, (double)ref->param[k][i][at],
+                 (double)got->param[k][i][at]);
+        return 1;
+      }
+      if (ref->work[k][i] && memcmp(ref->work[k][i], got->work[k][i], n * sizeof(uint16_t)) != 0) {
+        snprintf(msg, cap, "step %d: bf16 working copy of %s differs", ref->ck_step[k], pn);
+        return 1;
+      }
+      for (int s = 0; s < ref->nstates[i]; s++) {
+        /* whole-state size: numel for elementwise states, else the small ones */
+        size_t sn = n;
+        const char *sname = ref->state_name[i][s];
+        if (strstr(sname, "_row") || strstr(sname, "_col") || strcmp(sname, "RMS") == 0) {
+          const dt_param *pp = &c->params[i];
+          size_t b = 1;
+          for (int d = 0; d + 2 < pp->ndim; d++) b *= (size_t)pp->shape[d];
+          if (strcmp(sname, "RMS") == 0) sn = 1;
+          else if (strstr(sname, "_row")) sn = b * (size_t)pp->shape[pp->ndim - 2];
+          else sn = b * (size_t)pp->shape[pp->ndim - 1];
+        }
+        if (!got->state[k][i][s] || first_diff32(ref->state[k][i][s], got->state[k][i][s], sn, &at)) {
+          snprintf(msg, cap, "step %d: state %s/%s[%zu] %.9g vs %.9g", ref->ck_step[k], pn, sname, at,
+                   (double)ref->state[k][i][s][at], got->state[k][i][s] ? (double)got->state[k][i][s][at] : NAN);
+          return 1;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+void dt_result_free(dt_result *r) {
+  for (int k = 0; k < r->nck; k++)
+    for (int i = 0; i < DT_MAXP; i++) {
+      free(r->param[k][i]);
+      free(r->work[k][i]);
+      for (int s = 0; s < DT_MAXS; s++) free(r->state[k][i][s]);
+    }
+  memset(r, 0, sizeof *r);
+}

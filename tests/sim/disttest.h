@@ -1,0 +1,78 @@
+/* Equivalence harness for the distributed optimizers: the same seeded
+ * micro-batch gradients drive the single-device reference (main thread) and
+ * the distributed optimizer on the simulator (tp·dp rank threads); results
+ * are compared bit for bit. Rank bodies never assert: they return a status
+ * and leave their gathered tensors in per-run buffers. */
+#ifndef DOPT_DISTTEST_H
+#define DOPT_DISTTEST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "distopt/dist.h"
+#include "distopt/sim.h"
+
+#define DT_MAXP 16
+#define DT_MAXS 8
+#define DT_MAXCK 16
+
+typedef struct dt_param {
+  const char *name;
+  int ndim;
+  int64_t shape[4];
+  dopt_tp_role role;
+  int group; /* 0 or 1 (group 1: the "no decay" overrides) */
+} dt_param;
+
+typedef struct dt_case {
+  const char *optimizer;
+  const char *hparams;   /* group 0 */
+  const char *group1;    /* overrides of group 1 (NULL: "weight_decay=0") */
+  const dt_param *params;
+  int nparams;
+  int steps;
+  int micro;             /* micro-batches per step */
+  double max_grad_norm;  /* 0: off */
+  int bf16;              /* bf16 working params with fp32 masters */
+  uint64_t seed;
+  double grad_scale;
+  int nan_step;          /* a NaN in one gradient at this step (0: none) */
+  int check_every;       /* compare every k steps (and after the last) */
+} dt_case;
+
+typedef struct dt_layout {
+  int tp, dp, zero;
+} dt_layout;
+
+/* Results of one run at the checkpoints: parameters, bf16 working copies,
+ * states (by name), step counters; plus skipped steps. */
+typedef struct dt_result {
+  int nck;
+  int ck_step[DT_MAXCK];
+  float *param[DT_MAXCK][DT_MAXP];
+  uint16_t *work[DT_MAXCK][DT_MAXP];
+  int nstates[DT_MAXP];
+  char state_name[DT_MAXP][DT_MAXS][32];
+  float *state[DT_MAXCK][DT_MAXP][DT_MAXS];
+  int64_t step[DT_MAXCK][DT_MAXP];
+  int64_t skipped;
+} dt_result;
+
+/* The plugin name the layout belongs to. */
+const char *dt_plugin(const dt_layout *l);
+
+/* Runs the reference on the dp-average of the micro-batch gradients of dp
+ * data-parallel ranks (summed in rank order, as the transport does). */
+dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *out);
+/* Runs the distributed optimizer on tp·dp simulated ranks. */
+dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, char *err, size_t errcap);
+/* Compares two results bitwise; returns 0 if identical, else writes the first
+ * difference (checkpoint, tensor, index, values, ULP) into msg. */
+int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, char *msg, size_t cap);
+void dt_result_free(dt_result *r);
+
+/* The deterministic micro-batch gradient of parameter p (logical, numel
+ * elements) at (step, micro, dp rank). */
+void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float *out);
+
+#endif

@@ -1,0 +1,104 @@
+/* The equivalence grid: every optimizer × plugin × layout (tp, dp, zero) on
+ * a parameter set with square, tall, wide, 1-D, H=1, 3-D and scalar tensors
+ * whose sizes divide neither tp nor dp, run for 100 steps and compared bit
+ * for bit with the single-device reference: every gathered parameter, every
+ * optimizer state, every step counter. DOPT_GRID_FULL=1 runs every layout
+ * tp, dp ∈ {1..4} × zero ∈ {0..3} and more hyperparameter settings. */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "disttest.h"
+
+static const dt_param PARAMS[] = {
+    {"sq", 2, {12, 12}, DOPT_TP_COLUMN, 0},    {"tall", 2, {13, 5}, DOPT_TP_ROW, 0},
+    {"wide", 2, {5, 17}, DOPT_TP_COLUMN, 0},   {"emb", 2, {11, 6}, DOPT_TP_COLUMN, 0},
+    {"h1", 2, {1, 11}, DOPT_TP_ROW, 0},        {"h1col", 2, {1, 7}, DOPT_TP_COLUMN, 0},
+    {"t3", 3, {2, 3, 5}, DOPT_TP_COLUMN, 0},   {"vec", 1, {7}, DOPT_TP_COLUMN, 1},
+    {"bias", 1, {9}, DOPT_TP_REPLICATED, 1},   {"zeros", 2, {3, 4}, DOPT_TP_REPLICATED, 0},
+    {"s0", 0, {0}, DOPT_TP_REPLICATED, 1},
+};
+#define NPARAMS ((int)(sizeof PARAMS / sizeof PARAMS[0]))
+
+typedef struct hp_setting {
+  const char *opt, *hp;
+} hp_setting;
+
+static const hp_setting CI_HP[] = {
+    {"adamw", "lr=1e-2,weight_decay=0.01"},
+    {"adafactor", "beta1=0.9,weight_decay=0.01"},
+    {"came", "lr=1e-3,weight_decay=0.01"},
+    {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"},
+};
+static const hp_setting FULL_HP[] = {
+    {"adamw", "lr=1e-2,weight_decay=0.01"},
+    {"adamw", "lr=1e-2,amsgrad=true,weight_decay=0"},
+    {"adafactor", "beta1=0.9,weight_decay=0.01"},
+    {"adafactor", NULL},
+    {"adafactor", "relative_step=false,lr=1e-2,scale_parameter=false,clip_threshold=0.5"},
+    {"came", "lr=1e-3,weight_decay=0.01"},
+    {"came", "lr=2e-4,beta2=0.95,beta3=0.999"},
+    {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"},
+    {"lamb", "lr=1e-2"},
+    {"lamb", "lr=1e-2,adam=true,weight_decay=0.01"},
+};
+
+/* CI layouts: every tp, dp and zero value, each plugin, uneven splits. */
+static const dt_layout CI_LAYOUTS[] = {
+    {1, 1, 0}, {1, 2, 0}, {1, 3, 1}, {1, 4, 2}, {2, 1, 0}, {2, 2, 1}, {2, 2, 2},
+    {3, 2, 0}, {4, 1, 2}, {2, 3, 3}, {1, 3, 3}, {3, 4, 2}, {4, 2, 1}, {4, 4, 3},
+};
+
+static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int nlay, int steps) {
+  int runs = 0;
+  for (int h = 0; h < nhp; h++) {
+    dt_case c = {hps[h].opt, hps[h].hp, NULL, PARAMS, NPARAMS, steps, 1, 0.0, 0, 1234 + (uint64_t)h, 0.05, 0, 25};
+    dt_result ref[5];
+    int have_ref[5] = {0};
+    for (int li = 0; li < nlay; li++) {
+      const dt_layout *l = &lays[li];
+      if (!have_ref[l->dp]) {
+        assert_ok(dt_run_reference(&c, l->dp, &ref[l->dp]));
+        have_ref[l->dp] = 1;
+      }
+      dt_result got;
+      memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
+      memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
+      char err[512] = "", msg[512] = "";
+      dopt_status s = dt_run_dist(&c, l, &got, err, sizeof err);
+      if (s != DOPT_OK) fail_msg("%s [%s] tp%d dp%d zero%d (%s): %s", c.optimizer, c.hparams ? c.hparams : "", l->tp, l->dp, l->zero, dt_plugin(l), err);
+      if (dt_compare(&c, &ref[l->dp], &got, msg, sizeof msg))
+        fail_msg("%s [%s] tp%d dp%d zero%d (%s): not bitwise equal: %s", c.optimizer, c.hparams ? c.hparams : "",
+                 l->tp, l->dp, l->zero, dt_plugin(l), msg);
+      dt_result_free(&got);
+      runs++;
+    }
+    for (int d = 0; d < 5; d++)
+      if (have_ref[d]) dt_result_free(&ref[d]);
+  }
+  return runs;
+}
+
+static void test_grid(void **st) {
+  (void)st;
+  const char *full = getenv("DOPT_GRID_FULL");
+  int runs;
+  if (full && full[0] == '1') {
+    static dt_layout all[64];
+    int n = 0;
+    for (int tp = 1; tp <= 4; tp++)
+      for (int dp = 1; dp <= 4; dp++)
+        for (int z = 0; z <= 3; z++) all[n++] = (dt_layout){tp, dp, z};
+    runs = run_grid(FULL_HP, (int)(sizeof FULL_HP / sizeof FULL_HP[0]), all, n, 100);
+  } else {
+    runs = run_grid(CI_HP, (int)(sizeof CI_HP / sizeof CI_HP[0]), CI_LAYOUTS,
+                    (int)(sizeof CI_LAYOUTS / sizeof CI_LAYOUTS[0]), 100);
+  }
+  printf("equivalence grid: %d runs x 100 steps, %d parameters, bitwise equal\n", runs, NPARAMS);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid)};
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
