@@ -1,0 +1,166 @@
+/* Plugin features of the distributed optimizers, bitwise against the
+ * reference in the same mode: global gradient-norm clipping with gradient
+ * accumulation, bf16 working parameters with fp32 masters, skipping steps
+ * with non-finite gradients; and the configuration errors. */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "disttest.h"
+#include "internal.h"
+
+static const dt_param PARAMS[] = {
+    {"w", 2, {10, 9}, DOPT_TP_COLUMN, 0}, {"o", 2, {7, 10}, DOPT_TP_ROW, 0},   {"ln", 1, {9}, DOPT_TP_REPLICATED, 1},
+    {"b", 1, {10}, DOPT_TP_COLUMN, 1},    {"h1", 2, {1, 5}, DOPT_TP_COLUMN, 0},
+};
+#define NP ((int)(sizeof PARAMS / sizeof PARAMS[0]))
+
+static const dt_layout LAYOUTS[] = {{1, 1, 0}, {2, 2, 0}, {1, 3, 2}, {2, 2, 3}, {3, 2, 1}, {4, 1, 2}};
+#define NL ((int)(sizeof LAYOUTS / sizeof LAYOUTS[0]))
+
+static void check_case(dt_case *c) {
+  dt_result ref[5];
+  int have[5] = {0};
+  for (int li = 0; li < NL; li++) {
+    const dt_layout *l = &LAYOUTS[li];
+    if (!have[l->dp]) {
+      assert_ok(dt_run_reference(c, l->dp, &ref[l->dp]));
+      have[l->dp] = 1;
+    }
+    dt_result got;
+    memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
+    memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
+    char err[512] = "", msg[512] = "";
+    if (dt_run_dist(c, l, &got, err, sizeof err) != DOPT_OK)
+      fail_msg("%s tp%d dp%d zero%d: %s", c->optimizer, l->tp, l->dp, l->zero, err);
+    if (dt_compare(c, &ref[l->dp], &got, msg, sizeof msg))
+      fail_msg("%s tp%d dp%d zero%d (%s): %s", c->optimizer, l->tp, l->dp, l->zero, dt_plugin(l), msg);
+    dt_result_free(&got);
+  }
+  for (int d = 0; d < 5; d++)
+    if (have[d]) dt_result_free(&ref[d]);
+}
+
+/* Clipping active on every step (max norm far below the gradient norm) with
+ * 3 accumulated micro-batches per step. */
+static void test_clip_and_accumulation(void **st) {
+  (void)st;
+  const char *opts[][2] = {{"adamw", "lr=1e-2,eps=1e-3"}, {"adafactor", "beta1=0.9"}, {"lamb", "lr=1e-2"}};
+  for (int k = 0; k < 3; k++) {
+    dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 12, 3, 0.05, 0, 99 + (uint64_t)k, 0.5, 0, 4};
+    /* the clip must actually bite: the averaged gradient norm is >> 0.05 */
+    float g[90];
+    dt_gradient(&c, 0, 1, 0, 0, g);
+    double ss = 0;
+    for (int i = 0; i < 90; i++) ss += (double)g[i] * g[i];
+    assert_true(sqrt(ss) > 10 * c.max_grad_norm);
+    check_case(&c);
+  }
+}
+
+static void test_bf16_masters(void **st) {
+  (void)st;
+  const char *opts[][2] = {{"came", "lr=1e-3,weight_decay=0.01"}, {"adamw", "lr=1e-2"}};
+  for (int k = 0; k < 2; k++) {
+    dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 10, 1, 0.0, 1, 7 + (uint64_t)k, 0.05, 0, 5};
+    check_case(&c);
+  }
+}
+
+/* A NaN in one rank's micro-batch at step 4: the step is skipped everywhere
+ * (no parameter, state or step counter changes), then training continues. */
+static void test_nonfinite_skip(void **st) {
+  (void)st;
+  dt_case c = {"adafactor", "beta1=0.9", NULL, PARAMS, NP, 8, 2, 0.0, 0, 5, 0.05, 4, 1};
+  check_case(&c);
+  dt_result ref;
+  assert_ok(dt_run_reference(&c, 2, &ref));
+  assert_int_equal(ref.skipped, 1);
+  /* checkpoint 3 (after step 4) equals checkpoint 2 (after step 3) */
+  assert_int_equal(ref.ck_step[3], 4);
+  assert_memory_equal(ref.param[2][0], ref.param[3][0], 90 * sizeof(float));
+  assert_int_equal(ref.step[3][0], 3);
+  dt_result_free(&ref);
+}
+
+/* ---- configuration errors (one rank, no collectives needed) ------------------------ */
+
+typedef struct cfg_err {
+  const char *plugin;
+  int zero;
+  dopt_tp_role role;
+  const char *want;
+  dopt_status code;
+  dopt_status got;
+  char msg[256];
+} cfg_err;
+
+static dopt_status cfg_body(dopt_sim_comm *world, int rank, void *user) {
+  (void)rank;
+  cfg_err *e = user;
+  dopt_optim *o;
+  DOPT_TRY(dopt_optim_create("adamw", NULL, &o));
+  float v[6] = {0};
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = "v";
+  pc.ndim = 1;
+  pc.shape[0] = 6;
+  pc.data = v;
+  dopt_status s = dopt_optim_add_param(o, 0, &pc, NULL);
+  dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
+  cfg.plugin = e->plugin;
+  cfg.zero_stage = e->zero;
+  if (s == DOPT_OK) s = dopt_sim_transport(world, &cfg.tp);
+  if (s == DOPT_OK) s = dopt_sim_transport(world, &cfg.dp);
+  dopt_dist_optim *d = NULL;
+  if (s == DOPT_OK) {
+    e->got = dopt_dist_create(o, &cfg, &e->role, &d);
+    snprintf(e->msg, sizeof e->msg, "%s", dopt_last_error());
+    if (e->got == DOPT_OK) {
+      e->got = dopt_dist_step(d, NULL); /* no backward yet */
+      snprintf(e->msg, sizeof e->msg, "%s", dopt_last_error());
+    }
+  }
+  dopt_dist_destroy(d);
+  dopt_optim_destroy(o);
+  return s;
+}
+
+static void test_config_errors(void **st) {
+  (void)st;
+  cfg_err cases[] = {
+      {"ddp", 1, DOPT_TP_REPLICATED, "plugin ddp", DOPT_ERR_INVALID_ARG, 0, ""},
+      {"zero", 0, DOPT_TP_REPLICATED, "plugin zero", DOPT_ERR_INVALID_ARG, 0, ""},
+      {"fsdp", 2, DOPT_TP_REPLICATED, "plugin fsdp", DOPT_ERR_INVALID_ARG, 0, ""},
+      {"hybrid", 3, DOPT_TP_REPLICATED, "zero 3 is the fsdp plugin", DOPT_ERR_INVALID_ARG, 0, ""},
+      {"gemini", 0, DOPT_TP_REPLICATED, "unknown plugin 'gemini'", DOPT_ERR_NOT_FOUND, 0, ""},
+      {"hybrid", 4, DOPT_TP_REPLICATED, "zero_stage=4", DOPT_ERR_INVALID_ARG, 0, ""},
+      {"hybrid", 0, DOPT_TP_ROW, "'v' role ROW", DOPT_ERR_INVALID_ARG, 0, ""},
+      {"hybrid", 0, DOPT_TP_REPLICATED, "no gradients", DOPT_ERR_STATE, 0, ""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
+    sc.nranks = 1;
+    dopt_sim_world *w;
+    assert_ok(dopt_sim_world_create(&sc, &w));
+    dopt_status rs[1];
+    assert_ok(dopt_sim_launch(w, cfg_body, &cases[i], rs));
+    assert_ok(rs[0]);
+    if (cases[i].got != cases[i].code || !strstr(cases[i].msg, cases[i].want))
+      fail_msg("case %zu: %s '%s' (want %s '%s')", i, dopt_status_name(cases[i].got), cases[i].msg,
+               dopt_status_name(cases[i].code), cases[i].want);
+    dopt_sim_world_destroy(w);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_clip_and_accumulation),
+      cmocka_unit_test(test_bf16_masters),
+      cmocka_unit_test(test_nonfinite_skip),
+      cmocka_unit_test(test_config_errors),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
