@@ -13,7 +13,8 @@
  * Group 0 is created by dopt_optim_create with the given defaults; further
  * groups override some keys on top of those defaults. Hyperparameters are
  * validated when a group is created (rejections name the key and value).
- * Parameters are fp32 tensors of any rank, updated in place; states are
+ * Parameters are fp32 tensors of any rank (or bf16 working copies with fp32
+ * master weights), updated in place; states are
  * allocated at a parameter's first step (as torch does) and are readable and
  * writable through dopt_optim_state().
  */
@@ -41,10 +42,10 @@ typedef struct dopt_param_config {
   const char *name;                /* copied; used for state names and errors */
   int ndim;                        /* 0..DOPT_MAX_DIMS (0 = scalar) */
   int64_t shape[DOPT_MAX_DIMS];
-  dopt_dtype dtype;                /* DOPT_F32. DOPT_BF16 working params need `master`
-                                      (reserved for the mixed-precision mode; rejected now) */
+  dopt_dtype dtype;                /* DOPT_F32, or DOPT_BF16: data is the bf16 working copy
+                                      (uint16_t), `master` the fp32 weights the optimizer steps */
   void *data;                      /* the working parameter, updated in place (borrowed) */
-  float *master;                   /* fp32 master weights for bf16 params (reserved) */
+  float *master;                   /* fp32 master weights for bf16 params (borrowed) */
   int layer;                       /* layer index for layer-wise optimizers (LISA); -1 = none */
 } dopt_param_config;
 
