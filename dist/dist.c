@@ -39,9 +39,10 @@ struct dist_param {
   size_t padded; /* chunk · dp when sharded, else lnumel */
   dopt_piece pc;
   int bf16;
+  int master_sharded; /* zero 3, or bf16 with zero >= 1: the fp32 master stays a shard */
   float *grad;   /* [padded] accumulated gradients */
-  float *master; /* fp32 values: [padded] (zero 0-2) or [chunk] (zero 3) */
-  uint16_t *work; /* bf16 working copy, same extent as master (bf16 params) */
+  float *master; /* fp32 values: [chunk] if master_sharded, else [padded] */
+  uint16_t *work; /* bf16 working copy: [chunk] (zero 3) or [padded] */
   int nstates;
   dopt_state_spec spec[DOPT_MAX_STATES];
   void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; others whole */
@@ -63,6 +64,8 @@ struct dopt_dist_optim {
   int skip_nonfinite;
   int micro;        /* micro-batches accumulated since the last step */
   int64_t skipped;
+  float *up;        /* device buffer for uploading one gradient */
+  size_t up_cap;
   float *ws;        /* device scratch for the step */
   size_t ws_cap;
   double *ss;       /* per-parameter Σg² (clipping) */
@@ -115,6 +118,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (!d) return;
   for (int i = 0; i < d->np; i++) free_param(d, &d->p[i]);
   if (d->ws) DEV(d)->free(DCTX(d), d->ws);
+  if (d->up) DEV(d)->free(DCTX(d), d->up);
   free(d->p);
   free(d->hp);
   free(d->ss);
@@ -191,10 +195,13 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
     pc->lo = 0;
     pc->len = p->lnumel;
   }
-  size_t mext = d->zero == 3 ? p->chunk : p->padded; /* parameter storage */
+  /* fp32 parameters are the model weights: whole on every rank up to zero 2.
+   * With bf16 working copies only those are whole; the masters stay shards. */
+  p->master_sharded = d->zero == 3 || (p->bf16 && d->zero >= 1);
+  size_t mext = p->master_sharded ? p->chunk : p->padded, wext = d->zero == 3 ? p->chunk : p->padded;
   DOPT_TRY(dalloc(d, p->padded * sizeof(float), (void **)&p->grad));
   DOPT_TRY(dalloc(d, mext * sizeof(float), (void **)&p->master));
-  if (p->bf16) DOPT_TRY(dalloc(d, mext * sizeof(uint16_t), (void **)&p->work));
+  if (p->bf16) DOPT_TRY(dalloc(d, wext * sizeof(uint16_t), (void **)&p->work));
   /* initial values: this rank's TP block of the logical tensor (row by row) */
   float *blk = malloc((p->lnumel ? p->lnumel : 1) * sizeof *blk);
   if (!blk) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
@@ -202,11 +209,18 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
     for (size_t i = 0; i < pc->hl; i++)
       memcpy(blk + (bi * pc->hl + i) * pc->wl, src->data + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
              pc->wl * sizeof(float));
-  size_t from = d->zero == 3 ? pc->lo : 0, count = d->zero == 3 ? pc->len : p->lnumel;
+  size_t from = p->master_sharded ? pc->lo : 0, count = p->master_sharded ? pc->len : p->lnumel;
   dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
+  if (s == DOPT_OK && p->bf16) { /* the working copy of the extent this rank holds */
+    size_t wfrom = d->zero == 3 ? pc->lo : 0, wcount = d->zero == 3 ? pc->len : p->lnumel;
+    uint16_t *hw = malloc((wcount ? wcount : 1) * sizeof *hw);
+    if (!hw) s = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
+    for (size_t k = 0; hw && k < wcount; k++) hw[k] = dopt_f32_to_bf16(blk[wfrom + k]);
+    if (hw) s = DEV(d)->upload(DCTX(d), p->work, hw, wcount * sizeof *hw);
+    free(hw);
+  }
   free(blk);
   DOPT_TRY(s);
-  if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), p->master, p->work, d->zero == 3 ? pc->len : p->lnumel));
   /* states: elementwise ones are sharded like the parameter, the others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
   for (int k = 0; k < p->nstates; k++) {
@@ -293,26 +307,20 @@ dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int i, int *ndim, in
 
 dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   DOPT_CHECK_ARG(d && grads, "dopt_dist_backward: NULL argument");
-  float *tmp = NULL;
-  size_t cap = 0;
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     DOPT_CHECK_ARG(grads[i] != NULL || p->lnumel == 0, "dopt_dist_backward: grads[%d] ('%s') is NULL", i, p->name);
     if (p->lnumel == 0) continue;
-    if (p->lnumel > cap) {
-      if (tmp) DEV(d)->free(DCTX(d), tmp);
-      tmp = NULL;
-      DOPT_TRY(dalloc(d, p->lnumel * sizeof(float), (void **)&tmp));
-      cap = p->lnumel;
+    if (p->lnumel > d->up_cap) { /* grows to the largest TP-local tensor once */
+      if (d->up) DEV(d)->free(DCTX(d), d->up);
+      d->up = NULL;
+      d->up_cap = 0;
+      DOPT_TRY(dalloc(d, p->lnumel * sizeof(float), (void **)&d->up));
+      d->up_cap = p->lnumel;
     }
-    dopt_status s = DEV(d)->upload(DCTX(d), tmp, grads[i], p->lnumel * sizeof(float));
-    if (s == DOPT_OK) s = DEV(d)->add(DCTX(d), p->grad, tmp, p->lnumel);
-    if (s != DOPT_OK) {
-      DEV(d)->free(DCTX(d), tmp);
-      return s;
-    }
+    DOPT_TRY(DEV(d)->upload(DCTX(d), d->up, grads[i], p->lnumel * sizeof(float)));
+    DOPT_TRY(DEV(d)->add(DCTX(d), p->grad, d->up, p->lnumel));
   }
-  if (tmp) DEV(d)->free(DCTX(d), tmp);
   d->micro++;
   return DOPT_OK;
 }
@@ -375,15 +383,16 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     p->step++;
-    float *param = p->master + (d->zero == 3 ? 0 : p->pc.lo);
+    float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     dopt_step_args a = {d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state, d->ws, &p->red};
     DOPT_TRY(DEV(d)->step(DCTX(d), &a));
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
-    /* zero 1/2: every dp rank gets the whole TP-local parameter back */
+    /* zero 1/2: every dp rank gets the whole TP-local model weights back (the
+     * bf16 working copy, or the fp32 parameter itself) */
     if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) {
       size_t me = (size_t)d->dp.rank * p->chunk;
-      DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->master + me, p->master, p->chunk, DOPT_F32));
       if (p->bf16) DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->work + me, p->work, p->chunk, DOPT_BF16));
+      else DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->master + me, p->master, p->chunk, DOPT_F32));
     }
   }
   if (info) *info = local;
@@ -457,7 +466,7 @@ static dopt_status gather(dopt_dist_optim *d, const dist_param *p, const void *s
 dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int i, float *out) {
   DOPT_TRY(check_param(d, i, "dopt_dist_gather_param"));
   DOPT_CHECK_ARG(out != NULL, "dopt_dist_gather_param: out=NULL");
-  return gather(d, &d->p[i], d->p[i].master, d->zero == 3, sizeof(float), DOPT_F32, out);
+  return gather(d, &d->p[i], d->p[i].master, d->p[i].master_sharded, sizeof(float), DOPT_F32, out);
 }
 
 dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int i, uint16_t *out) {
@@ -491,8 +500,8 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
   memset(m, 0, sizeof *m);
   for (int i = 0; i < d->np; i++) {
     const dist_param *p = &d->p[i];
-    size_t ext = d->zero == 3 ? p->chunk : p->padded;
-    m->param_bytes += ext * sizeof(float) + (p->bf16 ? ext * sizeof(uint16_t) : 0);
+    size_t mext = p->master_sharded ? p->chunk : p->padded, wext = d->zero == 3 ? p->chunk : p->padded;
+    m->param_bytes += mext * sizeof(float) + (p->bf16 ? wext * sizeof(uint16_t) : 0);
     m->grad_bytes += p->padded * sizeof(float);
     for (int k = 0; k < p->nstates; k++)
       m->state_bytes += p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
