@@ -241,8 +241,10 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     }
     if (s == DOPT_OK) s = dopt_dist_step(d, NULL);
     if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
-    /* gather (collective); world rank 0 keeps the result */
-    int keep = rank == 0, ck = x->r->nck;
+    /* gather (collective); world rank 0 keeps the result (only it touches
+     * x->r: with only replicated tensors no collective orders the other
+     * ranks' reads after its nck++) */
+    int keep = rank == 0, ck = keep ? x->r->nck : 0;
     for (int i = 0; i < c->nparams && s == DOPT_OK; i++) {
       size_t n = numel_of(&c->params[i]);
       float *buf = malloc(n * sizeof(float));
