@@ -311,6 +311,10 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
     dist_param *p = &d->p[i];
     DOPT_CHECK_ARG(grads[i] != NULL || p->lnumel == 0, "dopt_dist_backward: grads[%d] ('%s') is NULL", i, p->name);
     if (p->lnumel == 0) continue;
+    if (d->micro == 0) { /* the first micro-batch is copied: acc = g0, then acc + g1 + ... */
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, grads[i], p->lnumel * sizeof(float)));
+      continue;
+    }
     if (p->lnumel > d->up_cap) { /* grows to the largest TP-local tensor once */
       if (d->up) DEV(d)->free(DCTX(d), d->up);
       d->up = NULL;
@@ -325,15 +329,11 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   return DOPT_OK;
 }
 
-static dopt_status zero_grads(dopt_dist_optim *d) {
-  for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->zero(DCTX(d), d->p[i].grad, d->p[i].padded * sizeof(float)));
-  d->micro = 0;
-  return DOPT_OK;
-}
-
 /* The averaged gradient of each piece: SUM over dp in rank order (all-reduce
- * for zero 0/1, reduce-scatter for zero 2/3), then one division by dp·micro. */
-static dopt_status reduce_grads(dopt_dist_optim *d) {
+ * for zero 0/1, reduce-scatter for zero 2/3), then one division by dp·micro;
+ * *nonfinite counts the non-finite averaged elements of this rank's pieces. */
+static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
+  *nonfinite = 0;
   const float denom = (float)((double)d->dp.size * (double)d->micro);
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
@@ -344,7 +344,9 @@ static dopt_status reduce_grads(dopt_dist_optim *d) {
       else
         DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, p->grad, p->grad, p->padded, DOPT_F32, DOPT_SUM));
     }
-    DOPT_TRY(DEV(d)->divide(DCTX(d), p->grad + p->pc.lo, denom, p->pc.len));
+    int64_t bad;
+    DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->pc.lo, denom, p->pc.len, &bad));
+    *nonfinite += bad;
   }
   return DOPT_OK;
 }
@@ -358,20 +360,16 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
   dopt_dist_step_info local = {0, -1.0, d->micro};
-  DOPT_TRY(reduce_grads(d));
+  int64_t bad;
+  DOPT_TRY(reduce_grads(d, &bad));
   if (d->skip_nonfinite) {
-    int64_t bad = 0;
-    for (int i = 0; i < d->np; i++) {
-      int64_t c;
-      DOPT_TRY(DEV(d)->count_nonfinite(DCTX(d), d->p[i].grad + d->p[i].pc.lo, d->p[i].pc.len, &c));
-      bad += c;
-    }
     DOPT_TRY(all_reduce_world_i64(d, &bad));
     if (bad > 0) {
       d->skipped++;
       local.skipped = 1;
       if (info) *info = local;
-      return zero_grads(d);
+      d->micro = 0;
+      return DOPT_OK;
     }
   }
   if (d->max_grad_norm > 0) {
@@ -396,7 +394,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     }
   }
   if (info) *info = local;
-  return zero_grads(d);
+  d->micro = 0; /* the next backward overwrites the accumulators */
+  return DOPT_OK;
 }
 
 int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d) { return d ? d->skipped : 0; }

@@ -24,12 +24,6 @@ static dopt_status cpu_copy(void *ctx, void *dst, const void *src, size_t bytes)
   return DOPT_OK;
 }
 
-static dopt_status cpu_zero(void *ctx, void *dst, size_t bytes) {
-  (void)ctx;
-  if (bytes) memset(dst, 0, bytes);
-  return DOPT_OK;
-}
-
 static dopt_status cpu_add(void *ctx, float *acc, const float *x, size_t n) {
   (void)ctx;
   for (size_t i = 0; i < n; i++) acc[i] = acc[i] + x[i];
@@ -42,17 +36,14 @@ static dopt_status cpu_scale(void *ctx, float *x, float a, size_t n) {
   return DOPT_OK;
 }
 
-static dopt_status cpu_divide(void *ctx, float *x, float d, size_t n) {
-  (void)ctx;
-  for (size_t i = 0; i < n; i++) x[i] = x[i] / d;
-  return DOPT_OK;
-}
-
-static dopt_status cpu_count_nonfinite(void *ctx, const float *x, size_t n, int64_t *count) {
+static dopt_status cpu_average(void *ctx, float *x, float d, size_t n, int64_t *nonfinite) {
   (void)ctx;
   int64_t c = 0;
-  for (size_t i = 0; i < n; i++) c += !isfinite(x[i]);
-  *count = c;
+  for (size_t i = 0; i < n; i++) {
+    x[i] = x[i] / d;
+    c += !isfinite(x[i]);
+  }
+  *nonfinite = c;
   return DOPT_OK;
 }
 
@@ -79,11 +70,9 @@ static const dopt_device_ops cpu_ops = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .copy = cpu_copy,
-    .zero = cpu_zero,
     .add = cpu_add,
     .scale = cpu_scale,
-    .divide = cpu_divide,
-    .count_nonfinite = cpu_count_nonfinite,
+    .average = cpu_average,
     .sumsq = cpu_sumsq,
     .to_bf16 = cpu_to_bf16,
     .step = cpu_step,

@@ -58,12 +58,11 @@ typedef struct dopt_device_ops {
   dopt_status (*upload)(void *ctx, void *dst, const void *host_src, size_t bytes);
   dopt_status (*download)(void *ctx, void *host_dst, const void *src, size_t bytes);
   dopt_status (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
-  dopt_status (*zero)(void *ctx, void *dst, size_t bytes);
   /* fp32 vector kernels over n elements */
-  dopt_status (*add)(void *ctx, float *acc, const float *x, size_t n);   /* acc[i] = acc[i] + x[i] */
-  dopt_status (*scale)(void *ctx, float *x, float a, size_t n);           /* x[i] = x[i] * a */
-  dopt_status (*divide)(void *ctx, float *x, float d, size_t n);          /* x[i] = x[i] / d */
-  dopt_status (*count_nonfinite)(void *ctx, const float *x, size_t n, int64_t *host_count);
+  dopt_status (*add)(void *ctx, float *acc, const float *x, size_t n); /* acc[i] = acc[i] + x[i] */
+  dopt_status (*scale)(void *ctx, float *x, float a, size_t n);         /* x[i] = x[i] * a */
+  /* x[i] = x[i] / d, and the number of non-finite results (host) */
+  dopt_status (*average)(void *ctx, float *x, float d, size_t n, int64_t *host_nonfinite);
   /* exact Σx² of a piece's n local elements, combined by red (may be NULL) */
   dopt_status (*sumsq)(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *host_ss);
   /* y[i] = bf16(x[i]), round to nearest even */

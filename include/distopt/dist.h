@@ -87,7 +87,8 @@ DOPT_API dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int param, 
                                            size_t *numel);
 
 /* Adds one micro-batch of this rank's TP-local gradients (host memory,
- * grads[i] for every parameter) to the accumulators. */
+ * grads[i] for every parameter) to the accumulators: the first micro-batch
+ * after a step is copied, the next ones added in order (g0 + g1 + ...). */
 DOPT_API dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads);
 
 typedef struct dopt_dist_step_info {

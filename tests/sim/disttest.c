@@ -121,11 +121,10 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
     for (int i = 0; i < c->nparams; i++) {
       size_t n = numel_of(&c->params[i]);
       for (int d = 0; d < dp; d++) {
-        /* rank d's accumulator: 0 + g_0 + g_1 + ... (micro-batch order) */
-        for (size_t k = 0; k < n; k++) acc[i][k] = 0.0f;
+        /* rank d's accumulator: g_0 + g_1 + ... (micro-batch order) */
         for (int m = 0; m < c->micro; m++) {
           dt_gradient(c, i, t, m, d, g);
-          for (size_t k = 0; k < n; k++) acc[i][k] = acc[i][k] + g[k];
+          for (size_t k = 0; k < n; k++) acc[i][k] = m == 0 ? g[k] : acc[i][k] + g[k];
         }
         /* the dp sum in rank order: ((a_0 + a_1) + a_2) + ... */
         for (size_t k = 0; k < n; k++) avg[i][k] = d == 0 ? acc[i][k] : avg[i][k] + acc[i][k];
