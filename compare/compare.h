@@ -1,0 +1,102 @@
+/* The equivalence harness behind `distopt compare`: runs a registered
+ * optimizer under a plugin and layout on the collective simulator beside the
+ * single-device reference, on the same gradients, and measures per step and
+ * per tensor how far the gathered distributed parameters and states are from
+ * the reference (max abs error, max ULP distance, first divergent step). */
+#ifndef DOPT_COMPARE_H
+#define DOPT_COMPARE_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "distopt/dist.h"
+#include "distopt/distopt.h"
+
+#define CMP_MAX_PARAMS 32
+#define CMP_MAX_GROUPS 8
+
+typedef struct cmp_param {
+  char name[64];
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS];
+  dopt_tp_role role;
+} cmp_param;
+
+typedef struct cmp_options {
+  char optimizer[32];
+  char hparams[512];                      /* group 0: "k=v,..." */
+  int ngroups;                            /* extra groups: parameters matching glob get hp overrides */
+  char group_glob[CMP_MAX_GROUPS][64];
+  char group_hp[CMP_MAX_GROUPS][256];
+  char plugin[16];                        /* ddp, zero, hybrid, fsdp */
+  int tp, dp, zero;
+  int ranks;                              /* world size asked for (0: tp·dp); must equal tp·dp */
+  int steps;
+  int micro;                              /* micro-batches per step (gradient accumulation) */
+  double max_grad_norm;                   /* 0: no clipping */
+  int bf16;                               /* bf16 working parameters with fp32 masters */
+  char source[16];                        /* "synthetic" or "trace" */
+  char trace_path[512];
+  uint64_t seed;                          /* synthetic gradients */
+  char json_path[512];                    /* "" = none */
+  char svg_path[512];                     /* "" = none */
+  int quiet;                              /* no progress line */
+} cmp_options;
+
+/* Defaults: adafactor, hybrid tp2 × dp2 × zero2, 100 steps, synthetic. */
+void cmp_options_default(cmp_options *o);
+
+/* Per tensor ("fc1.weight" or "fc1.weight/exp_avg"), over the steps run. */
+typedef struct cmp_tensor_stat {
+  char name[128];
+  int is_state;
+  double max_abs;          /* max |dist - ref| over all elements and steps */
+  uint64_t max_ulp;        /* max ULP distance (0 = bitwise equal) */
+  int first_diff;          /* first step with any difference (0: never) */
+  double *abs_per_step;    /* [steps]: max |dist - ref| after step t+1 */
+  uint64_t *ulp_per_step;  /* [steps] */
+} cmp_tensor_stat;
+
+typedef struct cmp_result {
+  int steps;               /* steps run */
+  int ntensors;
+  cmp_tensor_stat *t;
+  int64_t skipped_ref, skipped_dist;
+  double seconds;
+  uint64_t declared_ulp;   /* the optimizer's declared tolerance (0: bitwise) */
+  int equivalent;          /* every tensor within declared_ulp at every step, same skips */
+} cmp_result;
+
+typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t worst_ulp, void *user);
+
+/* Runs the comparison. Bad options or input (unknown optimizer, plugin or
+ * key, ranks ≠ tp·dp, unreadable/malformed trace) return an error with
+ * dopt_last_error() naming it; progress may be NULL. */
+dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user);
+void cmp_result_free(cmp_result *r);
+
+/* The declared tolerance of an optimizer, in ULP (0 = bitwise). */
+uint64_t cmp_declared_ulp(const char *optimizer);
+
+/* YAML configuration (compare/config.c, libyaml), in the shape of ms-swift's
+ * optimizer configs:
+ *   optimizer: {type: came, lr: 2e-4, weight_decay: 0.01}
+ *   groups: [{params: "*bias", weight_decay: 0}]          # optional
+ *   plugin: {type: hybrid, tp: 2, dp: 2, zero: 2}
+ *   steps: 100
+ *   accumulation: 1                                        # optional
+ *   max_grad_norm: 1.0                                     # optional
+ *   bf16: false                                            # optional
+ *   gradients: {source: synthetic, seed: 1} | {source: trace, path: FILE}
+ *   output: {json: FILE, plot: FILE.svg}                   # optional
+ * Loads into o (on top of its current values). Unknown keys and wrong types
+ * are rejected with the key and its line number (DOPT_ERR_FORMAT /
+ * DOPT_ERR_NOT_FOUND). */
+dopt_status cmp_load_yaml(const char *path, cmp_options *o);
+
+/* Reports (compare/report.c). */
+void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r);
+dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_result *r);
+dopt_status cmp_write_svg(const char *path, const cmp_options *o, const cmp_result *r);
+
+#endif
