@@ -21,5 +21,6 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 int cmd_run(int argc, char **argv);
 int cmd_list(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_compare(int argc, char **argv);
 
 #endif

@@ -41,6 +41,8 @@ typedef struct cmp_options {
   char json_path[512];                    /* "" = none */
   char svg_path[512];                     /* "" = none */
   int quiet;                              /* no progress line */
+  int ring_order;                         /* simulate a ring all-reduce's summation order
+                                             (what a real NCCL order changes: not bitwise for dp >= 3) */
 } cmp_options;
 
 /* Defaults: adafactor, hybrid tp2 × dp2 × zero2, 100 steps, synthetic. */

@@ -24,6 +24,7 @@ int cli_errorf(const char *cmd, const char *fmt, ...) {
 static void usage(FILE *f) {
   fputs("usage: distopt <command> [options]\n"
         "commands:\n"
+        "  compare run an optimizer distributed on the simulator beside the reference and compare\n"
         "  run     apply a registered optimizer to parameters and gradients from safetensors files\n"
         "  list    list the registered optimizers and their hyperparameters\n"
         "  bench   time each optimizer step against the machine's memory bandwidth floor\n"
@@ -40,6 +41,7 @@ int main(int argc, char **argv) {
   if (strcmp(c, "run") == 0) return cmd_run(argc - 1, argv + 1);
   if (strcmp(c, "list") == 0) return cmd_list(argc - 1, argv + 1);
   if (strcmp(c, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
+  if (strcmp(c, "compare") == 0) return cmd_compare(argc - 1, argv + 1);
   if (strcmp(c, "--help") == 0 || strcmp(c, "-h") == 0 || strcmp(c, "help") == 0) {
     usage(stdout);
     return CLI_OK;

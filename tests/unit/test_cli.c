@@ -222,6 +222,92 @@ static void test_bad_input(void **st) {
 #undef ARGS
 }
 
+/* Runs the binary with stdout to outfile too; returns the exit code. */
+static int run_out(const char *const *args, const char *outfile) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    FILE *e = freopen(errfile, "w", stderr);
+    FILE *o = freopen(outfile, "w", stdout);
+    (void)e, (void)o;
+    const char *argv[40];
+    int n = 0;
+    argv[n++] = bin;
+    for (; args[n - 1] && n < 39; n++) argv[n] = args[n - 1];
+    argv[n] = NULL;
+    execv(bin, (char *const *)argv);
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  rewind(f);
+  char *b = malloc((size_t)n + 1);
+  size_t got = fread(b, 1, (size_t)n, f);
+  b[got] = '\0';
+  fclose(f);
+  return b;
+}
+
+/* `distopt compare` on the bundled trace: bitwise table, exit 0, JSON and SVG
+ * written; a ring-order reduction at dp=3 is reported as diverged, exit 1. */
+static void test_compare(void **st) {
+  (void)st;
+  char trace[600], out[600], json[600], svg[600];
+  snprintf(trace, sizeof trace, "%s/datasets/trace/digits_mlp.safetensors", dt_source_dir());
+  snprintf(out, sizeof out, "%s/compare.txt", dir);
+  snprintf(json, sizeof json, "%s/compare.json", dir);
+  snprintf(svg, sizeof svg, "%s/compare.svg", dir);
+  const char *args[] = {"compare", "--trace", trace, "--steps", "30", "--json", json, "--plot", svg, NULL};
+  assert_int_equal(run_out(args, out), 0);
+  char *txt = slurp(out);
+  assert_non_null(txt);
+  if (!strstr(txt, "EQUIVALENT") || !strstr(txt, "fc1.weight") || !strstr(txt, "exp_avg_sq_row"))
+    fail_msg("compare table: %s", txt);
+  free(txt);
+  assert_int_equal(access(json, F_OK), 0);
+  assert_int_equal(access(svg, F_OK), 0);
+  /* the SVG parses as XML (python3's parser, which every Debian has) */
+  char cmd[1400];
+  snprintf(cmd, sizeof cmd, "python3 -c \"import sys, xml.etree.ElementTree as E; E.parse(sys.argv[1])\" %s", svg);
+  assert_int_equal(system(cmd), 0);
+  snprintf(cmd, sizeof cmd, "python3 -c \"import sys, json; d = json.load(open(sys.argv[1]))\" %s", json);
+  assert_int_equal(system(cmd), 0);
+  const char *ring[] = {"compare", "--optimizer", "adamw", "--plugin", "ddp", "--tp", "1", "--dp", "3", "--zero", "0",
+                        "--steps", "5", "--ring-order", NULL};
+  assert_int_equal(run_out(ring, out), 1);
+  txt = slurp(out);
+  if (!strstr(txt, "DIVERGED")) fail_msg("ring order not reported as diverged: %s", txt);
+  free(txt);
+}
+
+static void test_compare_bad_input(void **st) {
+  (void)st;
+  char json[600], trace[600], yaml[600];
+  snprintf(json, sizeof json, "%s/bad.json", dir);
+  snprintf(trace, sizeof trace, "%s/datasets/trace/digits_mlp.safetensors", dt_source_dir());
+  snprintf(yaml, sizeof yaml, "%s/bad.yaml", dir);
+  FILE *f = fopen(yaml, "w");
+  fputs("optimizer: {type: came, lr: 2e-4}\nplugin: {type: hybrid, tp: 2, dp: 2, zeroo: 2}\n", f);
+  fclose(f);
+#define ARGS(...) ((const char *const[]){"compare", __VA_ARGS__, "--json", json, NULL})
+  expect_usage_error(ARGS("--optimizer", "adamx"), "'adamx'", json);
+  expect_usage_error(ARGS("--plugin", "gemini"), "'gemini'", json);
+  expect_usage_error(ARGS("--optimizer", "came", "--hparams", "lr=1e-3,gamma=1"), "'gamma'", json);
+  expect_usage_error(ARGS("--tp", "2", "--dp", "2", "--ranks", "3"), "ranks=3", json);
+  expect_usage_error(ARGS("--trace", "/nonexistent/trace.safetensors"), "/nonexistent/trace.safetensors", json);
+  expect_usage_error(ARGS("--trace", trace, "--dp", "3", "--tp", "1"), "dp=3", json);
+  expect_usage_error(ARGS("--config", yaml), "zeroo", json);
+  expect_usage_error(ARGS("--steps", "0"), "--steps", json);
+#undef ARGS
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s PATH-TO-distopt\n", argv[0]);
@@ -232,6 +318,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_good_run_equals_library),
       cmocka_unit_test(test_run_golden_case),
       cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_compare),
+      cmocka_unit_test(test_compare_bad_input),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

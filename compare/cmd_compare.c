@@ -1,0 +1,186 @@
+/* distopt compare: run an optimizer under a plugin and layout beside the
+ * single-device reference and report, per parameter and state tensor, how far
+ * apart they are (see compare/compare.h, docs/cli.md).
+ *   exit 0: equivalent within the optimizer's declared tolerance (bitwise for
+ *           every current optimizer); 1: not; 2: bad usage or input. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "compare.h"
+
+static const char *const CMD = "compare";
+
+static void compare_usage(FILE *f) {
+  fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
+        "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
+        "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
+        "         [--trace FILE | --seed N] [--ring-order] [--json FILE] [--plot FILE.svg] [--quiet]\n"
+        "       distopt compare --matrix [--steps N]\n"
+        "  Runs the distributed optimizer on tp*dp simulated ranks beside the single-device reference on\n"
+        "  the same gradients (a recorded trace, or seeded synthetic gradients) and prints, per parameter\n"
+        "  and state, max abs error, max ULP distance, bitwise yes/no and the first divergent step.\n"
+        "  Defaults: adafactor, hybrid tp=2 dp=2 zero=2, 100 steps, synthetic gradients.\n"
+        "  --ring-order: the simulator sums like a ring all-reduce (as NCCL may) instead of in rank order.\n"
+        "  Exit: 0 equivalent (bitwise where declared), 1 not equivalent, 2 bad usage or input.\n",
+        f);
+}
+
+static int parse_int(const char *opt, const char *v, int lo, int hi, int *out) {
+  char *end;
+  long x = strtol(v, &end, 10);
+  if (*v == '\0' || *end || x < lo || x > hi) return cli_errorf(CMD, "%s '%s': expected an integer in [%d, %d]", opt, v, lo, hi);
+  *out = (int)x;
+  return CLI_OK;
+}
+
+static int copy_opt(const char *opt, const char *v, char *dst, size_t cap) {
+  if (strlen(v) >= cap) return cli_errorf(CMD, "%s: value too long (%zu bytes, at most %zu)", opt, strlen(v), cap - 1);
+  memcpy(dst, v, strlen(v) + 1);
+  return CLI_OK;
+}
+
+static void progress(int step, int steps, double elapsed, uint64_t worst, void *user) {
+  (void)user;
+  if (worst == UINT64_MAX) printf("\rstep %d/%d  %.1f s  worst: NaN mismatch   ", step, steps, elapsed);
+  else printf("\rstep %d/%d  %.1f s  worst ULP so far: %llu   ", step, steps, elapsed, (unsigned long long)worst);
+  if (step == steps) printf("\r%60s\r", "");
+  fflush(stdout);
+}
+
+/* The measured compatibility matrix: every registered optimizer under every
+ * plugin in a small default layout. */
+static int run_matrix(int steps) {
+  static const struct {
+    const char *plugin;
+    int tp, dp, zero;
+  } plugins[] = {{"ddp", 1, 2, 0}, {"zero", 1, 2, 1}, {"zero", 1, 3, 2}, {"hybrid", 2, 2, 2}, {"fsdp", 2, 2, 3}};
+  const int np = (int)(sizeof plugins / sizeof plugins[0]);
+  printf("measured compatibility (synthetic gradients, %d steps, bitwise against the reference)\n%-12s", steps,
+         "optimizer");
+  for (int p = 0; p < np; p++) {
+    char h[32];
+    snprintf(h, sizeof h, "%s z%d %dx%d", plugins[p].plugin, plugins[p].zero, plugins[p].tp, plugins[p].dp);
+    printf(" %-18s", h);
+  }
+  printf("\n");
+  int all = 1;
+  char reasons[4096] = "";
+  for (int k = 0; k < dopt_optim_registry_count(); k++) {
+    const char *name = dopt_optim_registry_name(k);
+    printf("%-12s", name);
+    for (int p = 0; p < np; p++) {
+      cmp_options o;
+      cmp_options_default(&o);
+      snprintf(o.optimizer, sizeof o.optimizer, "%s", name);
+      if (strcmp(name, "came") == 0) snprintf(o.hparams, sizeof o.hparams, "lr=2e-4");
+      snprintf(o.plugin, sizeof o.plugin, "%s", plugins[p].plugin);
+      o.tp = plugins[p].tp;
+      o.dp = plugins[p].dp;
+      o.zero = plugins[p].zero;
+      o.steps = steps;
+      cmp_result r;
+      dopt_status s = cmp_run(&o, &r, NULL, NULL);
+      const char *cell = "\xe2\x9c\x94 bitwise"; /* ✔ */
+      char why[256] = "";
+      if (s != DOPT_OK) snprintf(why, sizeof why, "%s", dopt_last_error());
+      else if (!r.equivalent) {
+        int worst = 0;
+        for (int t = 0; t < r.ntensors; t++)
+          if (r.t[t].max_ulp > r.t[worst].max_ulp) worst = t;
+        snprintf(why, sizeof why, "%s differs from step %d (%llu ULP)", r.t[worst].name, r.t[worst].first_diff,
+                 (unsigned long long)r.t[worst].max_ulp);
+      }
+      if (why[0]) {
+        cell = "\xe2\x9c\x98 see below"; /* ✘ */
+        all = 0;
+        snprintf(reasons + strlen(reasons), sizeof reasons - strlen(reasons), "  %s / %s: %s\n", name,
+                 plugins[p].plugin, why);
+      }
+      printf(" %-20s", cell);
+      if (s == DOPT_OK) cmp_result_free(&r);
+      fflush(stdout);
+    }
+    printf("\n");
+  }
+  if (reasons[0]) printf("reasons:\n%s", reasons);
+  return all ? CLI_OK : CLI_FAIL;
+}
+
+int cmd_compare(int argc, char **argv) {
+  cmp_options o;
+  cmp_options_default(&o);
+  int matrix = 0, rc = CLI_OK;
+  const char *config = NULL;
+  /* the config file first, so that options given on the command line win */
+  for (int i = 1; i + 1 < argc; i++)
+    if (strcmp(argv[i], "--config") == 0) config = argv[i + 1];
+  if (config) {
+    dopt_status s = cmp_load_yaml(config, &o);
+    if (s != DOPT_OK) return cli_error(CMD, s);
+  }
+  int steps_given = 0;
+  for (int i = 1; i < argc && rc == CLI_OK; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      compare_usage(stdout);
+      return CLI_OK;
+    }
+    if (strcmp(a, "--matrix") == 0) { matrix = 1; continue; }
+    if (strcmp(a, "--bf16") == 0) { o.bf16 = 1; continue; }
+    if (strcmp(a, "--quiet") == 0) { o.quiet = 1; continue; }
+    if (strcmp(a, "--ring-order") == 0) { o.ring_order = 1; continue; }
+    if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown; see --help)", a);
+    const char *v = argv[++i];
+    if (strcmp(a, "--config") == 0) continue;
+    else if (strcmp(a, "--optimizer") == 0) rc = copy_opt(a, v, o.optimizer, sizeof o.optimizer);
+    else if (strcmp(a, "--hparams") == 0) rc = copy_opt(a, v, o.hparams, sizeof o.hparams);
+    else if (strcmp(a, "--group") == 0) {
+      const char *colon = strchr(v, ':');
+      if (!colon) return cli_errorf(CMD, "--group '%s': expected GLOB:key=value,...", v);
+      if (o.ngroups == CMP_MAX_GROUPS) return cli_errorf(CMD, "--group: more than %d groups", CMP_MAX_GROUPS);
+      if ((size_t)(colon - v) >= sizeof o.group_glob[0]) return cli_errorf(CMD, "--group '%s': pattern too long", v);
+      memcpy(o.group_glob[o.ngroups], v, (size_t)(colon - v));
+      o.group_glob[o.ngroups][colon - v] = '\0';
+      rc = copy_opt(a, colon + 1, o.group_hp[o.ngroups], sizeof o.group_hp[0]);
+      o.ngroups++;
+    } else if (strcmp(a, "--plugin") == 0) rc = copy_opt(a, v, o.plugin, sizeof o.plugin);
+    else if (strcmp(a, "--tp") == 0) rc = parse_int(a, v, 1, 64, &o.tp);
+    else if (strcmp(a, "--dp") == 0) rc = parse_int(a, v, 1, 64, &o.dp);
+    else if (strcmp(a, "--zero") == 0) rc = parse_int(a, v, 0, 3, &o.zero);
+    else if (strcmp(a, "--ranks") == 0) rc = parse_int(a, v, 1, 64, &o.ranks);
+    else if (strcmp(a, "--steps") == 0) { rc = parse_int(a, v, 1, 1000000, &o.steps); steps_given = 1; }
+    else if (strcmp(a, "--accumulation") == 0) rc = parse_int(a, v, 1, 1024, &o.micro);
+    else if (strcmp(a, "--max-grad-norm") == 0) {
+      char *end;
+      o.max_grad_norm = strtod(v, &end);
+      if (*end || !(o.max_grad_norm >= 0)) return cli_errorf(CMD, "--max-grad-norm '%s': expected a number >= 0", v);
+    } else if (strcmp(a, "--trace") == 0) {
+      rc = copy_opt(a, v, o.trace_path, sizeof o.trace_path);
+      snprintf(o.source, sizeof o.source, "trace");
+    } else if (strcmp(a, "--seed") == 0) {
+      int seed;
+      rc = parse_int(a, v, 0, 2147483647, &seed);
+      o.seed = (uint64_t)seed;
+      snprintf(o.source, sizeof o.source, "synthetic");
+    } else if (strcmp(a, "--json") == 0) rc = copy_opt(a, v, o.json_path, sizeof o.json_path);
+    else if (strcmp(a, "--plot") == 0) rc = copy_opt(a, v, o.svg_path, sizeof o.svg_path);
+    else return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
+  }
+  if (rc != CLI_OK) return rc;
+  if (matrix) return run_matrix(steps_given ? o.steps : 20);
+  cmp_result r;
+  int tty = !o.quiet && isatty(STDOUT_FILENO);
+  dopt_status s = cmp_run(&o, &r, tty ? progress : NULL, NULL);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  cmp_print_table(stdout, &o, &r);
+  if (o.json_path[0] && (s = cmp_write_json(o.json_path, &o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
+  if (rc == CLI_OK && o.svg_path[0] && (s = cmp_write_svg(o.svg_path, &o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
+  int eq = r.equivalent;
+  cmp_result_free(&r);
+  if (rc != CLI_OK) return CLI_FAIL;
+  return eq ? CLI_OK : CLI_FAIL;
+}

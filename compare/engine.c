@@ -1,0 +1,540 @@
+/* The equivalence engine of `distopt compare` (compare/compare.h).
+ *
+ * One simulated world of tp·dp rank threads runs the distributed optimizer;
+ * world rank 0 also steps the single-device reference in lockstep, on the
+ * gradient the transport's reduction order defines (each DP rank's
+ * micro-batches summed in order, the DP ranks summed in rank order, one
+ * division by dp·micro), then every rank takes part in gathering the logical
+ * parameters and states, and rank 0 measures the differences. */
+#include <fnmatch.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "compare.h"
+#include "distopt/safetensors.h"
+#include "distopt/sim.h"
+#include "internal.h"
+#include "optim_impl.h"
+
+void cmp_options_default(cmp_options *o) {
+  memset(o, 0, sizeof *o);
+  snprintf(o->optimizer, sizeof o->optimizer, "adafactor");
+  snprintf(o->plugin, sizeof o->plugin, "hybrid");
+  o->tp = 2;
+  o->dp = 2;
+  o->zero = 2;
+  o->steps = 100;
+  o->micro = 1;
+  snprintf(o->source, sizeof o->source, "synthetic");
+  o->seed = 1;
+}
+
+uint64_t cmp_declared_ulp(const char *optimizer) {
+  (void)optimizer; /* adamw, adafactor, came, lamb: every statistic is exact */
+  return 0;
+}
+
+/* ---- gradient sources -------------------------------------------------------------- */
+
+/* A small transformer block: vocab-parallel embedding, column/row-parallel
+ * linears, replicated norms; sizes divide neither 3 nor 4. */
+static const cmp_param SYNTH[] = {
+    {"embed.weight", 2, {50, 32}, DOPT_TP_COLUMN},   {"attn.qkv.weight", 2, {96, 32}, DOPT_TP_COLUMN},
+    {"attn.out.weight", 2, {32, 32}, DOPT_TP_ROW},   {"mlp.fc1.weight", 2, {70, 32}, DOPT_TP_COLUMN},
+    {"mlp.fc1.bias", 1, {70}, DOPT_TP_COLUMN},       {"mlp.fc2.weight", 2, {32, 70}, DOPT_TP_ROW},
+    {"mlp.fc2.bias", 1, {32}, DOPT_TP_REPLICATED},   {"norm.weight", 1, {32}, DOPT_TP_REPLICATED},
+    {"head.scale", 2, {1, 32}, DOPT_TP_REPLICATED},
+};
+
+typedef struct source {
+  int np;
+  cmp_param p[CMP_MAX_PARAMS];
+  size_t numel[CMP_MAX_PARAMS];
+  float *init[CMP_MAX_PARAMS];
+  dopt_st_file *trace; /* NULL: synthetic */
+  int shards;          /* trace: shards per step */
+  uint64_t seed;
+} source;
+
+static uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/* Low rank plus noise, heavy-tailed rows, ~6% exact zeros; a pure function of
+ * (seed, parameter, step, shard). */
+static void synth_grad(const source *s, int i, int step, int shard, float *out) {
+  const cmp_param *p = &s->p[i];
+  size_t n = s->numel[i], w = p->ndim >= 1 ? (size_t)p->shape[p->ndim - 1] : 1;
+  uint64_t key = mix(s->seed ^ mix(((uint64_t)i << 48) ^ ((uint64_t)step << 20) ^ (uint64_t)shard));
+  double a = (double)(mix(key) >> 11) * 0x1.0p-53 - 0.5, b = (double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5;
+  for (size_t k = 0; k < n; k++) {
+    uint64_t h = mix(key + 0x9E3779B97F4A7C15ull * (k + 2));
+    double u = 0;
+    for (int j = 0; j < 4; j++) u += (double)((h >> (16 * j)) & 0xffff) / 65536.0;
+    size_t row = k / w, col = k % w;
+    double lowrank = a * sin(0.7 * (double)row + 0.3) * cos(0.4 * (double)col) + b * (double)((row + col) % 3);
+    double v = 0.05 * ((row % 5 == 1) ? 8.0 : 1.0) * (lowrank + 0.5 * (u - 2.0));
+    out[k] = (h >> 60) == 0 ? 0.0f : (float)v;
+  }
+}
+
+/* The gradient of parameter i for (step, shard): from the trace or synthetic. */
+static dopt_status shard_grad(const source *s, int i, int step, int shard, float *out) {
+  if (!s->trace) {
+    synth_grad(s, i, step, shard, out);
+    return DOPT_OK;
+  }
+  char key[200];
+  snprintf(key, sizeof key, "grad/%d/%d/%s", step, shard, s->p[i].name);
+  return dopt_st_read_f32(s->trace, key, out, s->numel[i]);
+}
+
+static dopt_status parse_roles(source *s, const char *roles) {
+  for (int i = 0; i < s->np; i++) s->p[i].role = DOPT_TP_REPLICATED;
+  if (!roles) return DOPT_OK;
+  char *copy = strdup(roles), *save = NULL;
+  dopt_status st = DOPT_OK;
+  for (char *tok = strtok_r(copy, ",", &save); tok && st == DOPT_OK; tok = strtok_r(NULL, ",", &save)) {
+    char *colon = strrchr(tok, ':');
+    if (!colon) {
+      st = dopt__fail(DOPT_ERR_FORMAT, "trace metadata tp_roles: '%s' is not name:role", tok);
+      break;
+    }
+    *colon = '\0';
+    int found = 0;
+    for (int i = 0; i < s->np; i++) {
+      if (strcmp(s->p[i].name, tok) != 0) continue;
+      found = 1;
+      if (strcmp(colon + 1, "column") == 0) s->p[i].role = DOPT_TP_COLUMN;
+      else if (strcmp(colon + 1, "row") == 0) s->p[i].role = DOPT_TP_ROW;
+      else if (strcmp(colon + 1, "replicated") != 0)
+        st = dopt__fail(DOPT_ERR_FORMAT, "trace metadata tp_roles: role '%s' of '%s' (column, row, replicated)",
+                        colon + 1, tok);
+    }
+    if (!found && st == DOPT_OK) st = dopt__fail(DOPT_ERR_FORMAT, "trace metadata tp_roles: no parameter '%s'", tok);
+  }
+  free(copy);
+  return st;
+}
+
+static void source_free(source *s) {
+  for (int i = 0; i < s->np; i++) free(s->init[i]);
+  dopt_st_free(s->trace);
+  memset(s, 0, sizeof *s);
+}
+
+static dopt_status load_source(const cmp_options *o, source *s) {
+  memset(s, 0, sizeof *s);
+  s->seed = o->seed;
+  if (strcmp(o->source, "synthetic") == 0) {
+    s->np = (int)(sizeof SYNTH / sizeof SYNTH[0]);
+    for (int i = 0; i < s->np; i++) {
+      s->p[i] = SYNTH[i];
+      s->numel[i] = dopt_numel(s->p[i].ndim, s->p[i].shape);
+      s->init[i] = malloc(s->numel[i] * sizeof(float));
+      if (!s->init[i]) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameters");
+      for (size_t k = 0; k < s->numel[i]; k++)
+        s->init[i][k] = (float)(((double)(mix(o->seed * 7919 + (uint64_t)i * 1000003 + k) >> 11) * 0x1.0p-53 - 0.5) * 0.2);
+    }
+    return DOPT_OK;
+  }
+  if (strcmp(o->source, "trace") != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "gradients source '%s' (synthetic or trace)", o->source);
+  if (!o->trace_path[0]) return dopt__fail(DOPT_ERR_INVALID_ARG, "gradients source trace needs a path");
+  DOPT_TRY(dopt_st_load(o->trace_path, &s->trace));
+  const char *params = dopt_st_meta(s->trace, "params"), *steps = dopt_st_meta(s->trace, "steps"),
+             *shards = dopt_st_meta(s->trace, "shards");
+  if (!params || !steps || !shards)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: not a gradient trace (metadata params, steps, shards)", o->trace_path);
+  s->shards = atoi(shards);
+  if (s->shards <= 0) return dopt__fail(DOPT_ERR_FORMAT, "%s: shards='%s'", o->trace_path, shards);
+  if (o->steps > atoi(steps))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "steps=%d but %s records %s steps", o->steps, o->trace_path, steps);
+  if (s->shards % o->dp != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "dp=%d does not divide the %d shards per step of %s", o->dp, s->shards,
+                      o->trace_path);
+  char *copy = strdup(params), *save = NULL;
+  dopt_status st = DOPT_OK;
+  for (char *tok = strtok_r(copy, ",", &save); tok && st == DOPT_OK; tok = strtok_r(NULL, ",", &save)) {
+    if (s->np == CMP_MAX_PARAMS) {
+      st = dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: more than %d parameters", o->trace_path, CMP_MAX_PARAMS);
+      break;
+    }
+    cmp_param *p = &s->p[s->np];
+    snprintf(p->name, sizeof p->name, "%s", tok);
+    char key[200];
+    snprintf(key, sizeof key, "init/%s", tok);
+    dopt_st_tensor t;
+    if ((st = dopt_st_find(s->trace, key, &t)) != DOPT_OK) break;
+    p->ndim = t.ndim;
+    memcpy(p->shape, t.shape, sizeof p->shape);
+    s->numel[s->np] = t.numel;
+    s->init[s->np] = malloc((t.numel ? t.numel : 1) * sizeof(float));
+    if (!s->init[s->np]) st = dopt__fail(DOPT_ERR_NO_MEMORY, "%s", o->trace_path);
+    else st = dopt_st_read_f32(s->trace, key, s->init[s->np], t.numel);
+    s->np++;
+  }
+  free(copy);
+  DOPT_TRY(st);
+  return parse_roles(s, dopt_st_meta(s->trace, "tp_roles"));
+}
+
+/* Micro-batch m of DP rank d: synthetic shard index d·micro + m; a trace's
+ * shards are split evenly over the DP ranks. */
+static int shard_of(const cmp_options *o, const source *s, int d, int m) {
+  return d * (s->trace ? s->shards / o->dp : o->micro) + m;
+}
+static int micro_of(const cmp_options *o, const source *s) { return s->trace ? s->shards / o->dp : o->micro; }
+
+/* ---- the optimizer on one rank ---------------------------------------------------------- */
+
+static dopt_status build_plain(const cmp_options *o, const source *s, float **data, uint16_t **work, dopt_optim **out) {
+  dopt_optim *opt;
+  DOPT_TRY(dopt_optim_create(o->optimizer, o->hparams, &opt));
+  int gid[CMP_MAX_GROUPS];
+  dopt_status st = DOPT_OK;
+  for (int g = 0; g < o->ngroups && st == DOPT_OK; g++) st = dopt_optim_add_group(opt, o->group_hp[g], &gid[g]);
+  for (int i = 0; i < s->np && st == DOPT_OK; i++) {
+    int group = 0;
+    for (int g = 0; g < o->ngroups; g++)
+      if (fnmatch(o->group_glob[g], s->p[i].name, 0) == 0) {
+        group = gid[g];
+        break;
+      }
+    data[i] = malloc(s->numel[i] * sizeof(float));
+    work[i] = NULL;
+    if (!data[i]) {
+      st = dopt__fail(DOPT_ERR_NO_MEMORY, "parameter '%s'", s->p[i].name);
+      break;
+    }
+    memcpy(data[i], s->init[i], s->numel[i] * sizeof(float));
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = s->p[i].name;
+    pc.ndim = s->p[i].ndim;
+    memcpy(pc.shape, s->p[i].shape, sizeof pc.shape);
+    pc.data = data[i];
+    if (o->bf16) {
+      work[i] = malloc(s->numel[i] * sizeof(uint16_t));
+      if (!work[i]) {
+        st = dopt__fail(DOPT_ERR_NO_MEMORY, "parameter '%s'", s->p[i].name);
+        break;
+      }
+      for (size_t k = 0; k < s->numel[i]; k++) work[i][k] = dopt_f32_to_bf16(data[i][k]);
+      pc.dtype = DOPT_BF16;
+      pc.master = data[i];
+      pc.data = work[i];
+    }
+    st = dopt_optim_add_param(opt, group, &pc, NULL);
+  }
+  if (st != DOPT_OK) {
+    dopt_optim_destroy(opt);
+    return st;
+  }
+  *out = opt;
+  return DOPT_OK;
+}
+
+static uint64_t ulp_distance(float a, float b) {
+  if (a != a || b != b) return memcmp(&a, &b, sizeof a) == 0 ? 0 : UINT64_MAX;
+  int32_t ia, ib;
+  memcpy(&ia, &a, sizeof ia);
+  memcpy(&ib, &b, sizeof ib);
+  int64_t oa = ia < 0 ? (int64_t)INT32_MIN - ia : ia, ob = ib < 0 ? (int64_t)INT32_MIN - ib : ib;
+  int64_t d = oa - ob;
+  return (uint64_t)(d < 0 ? -d : d);
+}
+
+/* Records the difference of one tensor after step t (1-based). */
+static void measure(cmp_tensor_stat *ts, int t, const float *ref, const float *got, size_t n) {
+  double mabs = 0;
+  uint64_t mulp = 0;
+  for (size_t k = 0; k < n; k++) {
+    if (memcmp(&ref[k], &got[k], sizeof(float)) == 0) continue;
+    double d = fabs((double)ref[k] - (double)got[k]);
+    if (!(d <= mabs)) mabs = d; /* NaN: kept as NaN */
+    uint64_t u = ulp_distance(ref[k], got[k]);
+    if (u == 0) u = 1; /* +0 vs -0 */
+    mulp = u > mulp ? u : mulp;
+  }
+  ts->abs_per_step[t - 1] = mabs;
+  ts->ulp_per_step[t - 1] = mulp;
+  if (!(mabs <= ts->max_abs)) ts->max_abs = mabs;
+  if (mulp > ts->max_ulp) ts->max_ulp = mulp;
+  if (mulp > 0 && ts->first_diff == 0) ts->first_diff = t;
+}
+
+typedef struct run_ctx {
+  const cmp_options *o;
+  const source *s;
+  cmp_result *r;
+  cmp_progress_fn progress;
+  void *user;
+  double t0;
+} run_ctx;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* This rank's TP block of a logical tensor [b, h, w] into blk. */
+static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float *blk) {
+  dopt_piece pc;
+  dopt_piece_full(p->ndim, p->shape, &pc);
+  size_t h0 = 0, hl = pc.h, w0 = 0, wl = pc.w;
+  if (tp > 1 && p->role != DOPT_TP_REPLICATED) {
+    int rowsplit = p->role == DOPT_TP_COLUMN && p->ndim >= 2;
+    size_t n = rowsplit ? pc.h : pc.w, base = n / (size_t)tp, rem = n % (size_t)tp, ur = (size_t)r;
+    size_t len = base + (ur < rem), off = ur * base + (ur < rem ? ur : rem);
+    if (rowsplit) h0 = off, hl = len;
+    else w0 = off, wl = len;
+  }
+  for (size_t bi = 0; bi < pc.b; bi++)
+    for (size_t i = 0; i < hl; i++)
+      memcpy(blk + (bi * hl + i) * wl, full + (bi * pc.h + h0 + i) * pc.w + w0, wl * sizeof(float));
+}
+
+/* The reference's gradient for step t: the DP average in the transport's order. */
+static dopt_status reference_grads(const cmp_options *o, const source *s, int t, float **avg, float *acc, float *g,
+                                   int *nonfinite) {
+  const int micro = micro_of(o, s);
+  const float denom = (float)((double)o->dp * (double)micro);
+  *nonfinite = 0;
+  for (int i = 0; i < s->np; i++) {
+    size_t n = s->numel[i];
+    for (int d = 0; d < o->dp; d++) {
+      for (int m = 0; m < micro; m++) {
+        DOPT_TRY(shard_grad(s, i, t, shard_of(o, s, d, m), g));
+        for (size_t k = 0; k < n; k++) acc[k] = m == 0 ? g[k] : acc[k] + g[k];
+      }
+      for (size_t k = 0; k < n; k++) avg[i][k] = d == 0 ? acc[k] : avg[i][k] + acc[k];
+    }
+    for (size_t k = 0; k < n; k++) {
+      avg[i][k] = avg[i][k] / denom;
+      *nonfinite |= !isfinite(avg[i][k]);
+    }
+  }
+  return DOPT_OK;
+}
+
+static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
+  run_ctx *x = user;
+  const cmp_options *o = x->o;
+  const source *s = x->s;
+  cmp_result *r = x->r;
+  dopt_sim_comm *tpc, *dpc;
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / o->tp, rank, "tp", &tpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % o->tp, rank, "dp", &dpc));
+  dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
+  cfg.plugin = o->plugin;
+  cfg.zero_stage = o->zero;
+  cfg.max_grad_norm = o->max_grad_norm;
+  DOPT_TRY(dopt_sim_transport(tpc, &cfg.tp));
+  DOPT_TRY(dopt_sim_transport(dpc, &cfg.dp));
+  const int lead = rank == 0, np = s->np, micro = micro_of(o, s);
+  float *data[CMP_MAX_PARAMS] = {0}, *rdata[CMP_MAX_PARAMS] = {0}, *avg[CMP_MAX_PARAMS] = {0};
+  float *loc[CMP_MAX_PARAMS] = {0};
+  uint16_t *work[CMP_MAX_PARAMS] = {0}, *rwork[CMP_MAX_PARAMS] = {0};
+  dopt_optim *plain = NULL, *ref = NULL;
+  dopt_dist_optim *d = NULL;
+  size_t maxn = 1;
+  for (int i = 0; i < np; i++) maxn = s->numel[i] > maxn ? s->numel[i] : maxn;
+  float *full = malloc(maxn * sizeof(float)), *acc = malloc(maxn * sizeof(float));
+  float *got = malloc(maxn * sizeof(float));
+  uint16_t *wgot = malloc(maxn * sizeof(uint16_t));
+  float *wf = malloc(2 * maxn * sizeof(float));
+  dopt_status st = full && acc && got && wgot && wf ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
+  if (st == DOPT_OK) st = build_plain(o, s, data, work, &plain);
+  dopt_tp_role roles[CMP_MAX_PARAMS];
+  for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
+  if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
+  if (st == DOPT_OK && lead) st = build_plain(o, s, rdata, rwork, &ref);
+  for (int i = 0; st == DOPT_OK && i < np; i++) {
+    loc[i] = malloc(s->numel[i] * sizeof(float));
+    if (lead) avg[i] = malloc(s->numel[i] * sizeof(float));
+    if (!loc[i] || (lead && !avg[i])) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
+  }
+  const float **lp = (const float **)loc, **ap = (const float **)avg;
+  for (int t = 1; t <= o->steps && st == DOPT_OK; t++) {
+    /* distributed: this rank's micro-batches, then the step */
+    for (int m = 0; m < micro && st == DOPT_OK; m++) {
+      for (int i = 0; i < np && st == DOPT_OK; i++) {
+        st = shard_grad(s, i, t, shard_of(o, s, cfg.dp.rank, m), full);
+        tp_slice(&s->p[i], o->tp, cfg.tp.rank, full, loc[i]);
+      }
+      if (st == DOPT_OK) st = dopt_dist_backward(d, lp);
+    }
+    dopt_dist_step_info info;
+    if (st == DOPT_OK) st = dopt_dist_step(d, &info);
+    if (st == DOPT_OK && info.skipped && lead) r->skipped_dist++;
+    /* reference, in lockstep on rank 0 */
+    if (st == DOPT_OK && lead) {
+      int bad;
+      st = reference_grads(o, s, t, avg, acc, full, &bad);
+      if (st == DOPT_OK && bad) {
+        r->skipped_ref++;
+      } else if (st == DOPT_OK) {
+        if (o->max_grad_norm > 0) {
+          double ss[CMP_MAX_PARAMS];
+          for (int i = 0; i < np; i++) ss[i] = dopt_xsum_sq(avg[i], s->numel[i]);
+          float coef = dopt_clip_coef(ss, np, o->max_grad_norm, NULL);
+          for (int i = 0; i < np; i++)
+            for (size_t k = 0; k < s->numel[i]; k++) avg[i][k] = avg[i][k] * coef;
+        }
+        st = dopt_optim_step(ref, ap);
+      }
+    }
+    /* gather (collective) and measure on rank 0 */
+    int ti = 0;
+    for (int i = 0; i < np && st == DOPT_OK; i++) {
+      st = dopt_dist_gather_param(d, i, got);
+      if (st == DOPT_OK && lead) measure(&r->t[ti], t, rdata[i], got, s->numel[i]);
+      ti++;
+      if (o->bf16 && st == DOPT_OK) {
+        st = dopt_dist_gather_work(d, i, wgot);
+        if (st == DOPT_OK && lead) {
+          for (size_t k = 0; k < s->numel[i]; k++) {
+            wf[k] = dopt_bf16_to_f32(rwork[i][k]);
+            wf[maxn + k] = dopt_bf16_to_f32(wgot[k]);
+          }
+          measure(&r->t[ti], t, wf, wf + maxn, s->numel[i]);
+        }
+        ti++;
+      }
+      /* its states, in the order plan_tensors listed them */
+      size_t pl = strlen(s->p[i].name);
+      while (st == DOPT_OK && ti < r->ntensors && r->t[ti].is_state && strncmp(r->t[ti].name, s->p[i].name, pl) == 0 &&
+             r->t[ti].name[pl] == '/') {
+        const char *name = r->t[ti].name + pl + 1;
+        st = dopt_dist_gather_state(d, i, name, got);
+        for (int q = 0; st == DOPT_OK && lead && q < dopt_optim_num_states(ref, i); q++) {
+          dopt_state_view v;
+          if (dopt_optim_state(ref, i, q, &v) == DOPT_OK && strcmp(v.name, name) == 0)
+            measure(&r->t[ti], t, v.data, got, v.bytes / sizeof(float));
+        }
+        ti++;
+      }
+    }
+    if (st == DOPT_OK && lead) {
+      r->steps = t;
+      uint64_t worst = 0;
+      for (int k = 0; k < r->ntensors; k++) worst = r->t[k].max_ulp > worst ? r->t[k].max_ulp : worst;
+      if (x->progress) x->progress(t, o->steps, now_s() - x->t0, worst, x->user);
+    }
+  }
+  for (int i = 0; i < np; i++) {
+    free(data[i]);
+    free(work[i]);
+    free(rdata[i]);
+    free(rwork[i]);
+    free(avg[i]);
+    free(loc[i]);
+  }
+  free(full);
+  free(acc);
+  free(got);
+  free(wgot);
+  free(wf);
+  dopt_dist_destroy(d);
+  dopt_optim_destroy(plain);
+  dopt_optim_destroy(ref);
+  return st;
+}
+
+/* The tensors measured: per parameter, the parameter, its bf16 working copy
+ * (with bf16), then every state of the optimizer's layout. */
+static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_result *r) {
+  float *data[CMP_MAX_PARAMS];
+  uint16_t *work[CMP_MAX_PARAMS];
+  dopt_optim *opt;
+  DOPT_TRY(build_plain(o, s, data, work, &opt));
+  int cap = s->np * (2 + DOPT_MAX_STATES), n = 0;
+  r->t = calloc((size_t)cap, sizeof *r->t);
+  dopt_status st = r->t ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare results");
+  for (int i = 0; i < s->np && st == DOPT_OK; i++) {
+    st = dopt_optim_init_state(opt, i);
+    snprintf(r->t[n++].name, sizeof r->t[0].name, "%s", s->p[i].name);
+    if (o->bf16) {
+      snprintf(r->t[n].name, sizeof r->t[0].name, "%s/bf16", s->p[i].name);
+      r->t[n++].is_state = 0;
+    }
+    for (int k = 0; st == DOPT_OK && k < dopt_optim_num_states(opt, i); k++) {
+      dopt_state_view v;
+      st = dopt_optim_state(opt, i, k, &v);
+      snprintf(r->t[n].name, sizeof r->t[0].name, "%s/%s", s->p[i].name, v.name);
+      r->t[n++].is_state = 1;
+    }
+  }
+  r->ntensors = n;
+  for (int k = 0; k < n && st == DOPT_OK; k++) {
+    r->t[k].abs_per_step = calloc((size_t)o->steps, sizeof(double));
+    r->t[k].ulp_per_step = calloc((size_t)o->steps, sizeof(uint64_t));
+    if (!r->t[k].abs_per_step || !r->t[k].ulp_per_step) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare results");
+  }
+  dopt_optim_destroy(opt);
+  for (int i = 0; i < s->np; i++) {
+    free(data[i]);
+    free(work[i]);
+  }
+  return st;
+}
+
+static dopt_status check_options(const cmp_options *o) {
+  DOPT_CHECK_ARG(o->tp >= 1 && o->dp >= 1 && o->tp * o->dp <= 64, "tp=%d dp=%d: each >= 1, tp*dp <= 64", o->tp, o->dp);
+  if (o->ranks != 0 && o->ranks != o->tp * o->dp)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "ranks=%d but tp x dp = %d x %d = %d", o->ranks, o->tp, o->dp,
+                      o->tp * o->dp);
+  DOPT_CHECK_ARG(o->steps >= 1 && o->steps <= 1000000, "steps=%d must be in [1, 1e6]", o->steps);
+  DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
+  DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
+  if (!dopt_find_impl(o->optimizer)) {
+    dopt_optim *probe;
+    return dopt_optim_create(o->optimizer, NULL, &probe); /* the registry's message */
+  }
+  return DOPT_OK;
+}
+
+dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
+  memset(r, 0, sizeof *r);
+  DOPT_TRY(check_options(o));
+  source s;
+  dopt_status st = load_source(o, &s);
+  if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
+  dopt_sim_world *w = NULL;
+  if (st == DOPT_OK) {
+    dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
+    sc.nranks = o->tp * o->dp;
+    sc.timeout_ms = 120000; /* rank 0 runs the reference between collectives */
+    sc.mode = o->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
+    st = dopt_sim_world_create(&sc, &w);
+  }
+  if (st == DOPT_OK) {
+    run_ctx x = {o, &s, r, progress, user, now_s()};
+    dopt_status rs[64];
+    st = dopt_sim_launch(w, rank_body, &x, rs);
+    for (int k = 0; st == DOPT_OK && k < o->tp * o->dp; k++)
+      if (rs[k] != DOPT_OK) st = dopt__fail(rs[k], "rank %d: %s", k, dopt_sim_world_rank_error(w, k));
+    r->seconds = now_s() - x.t0;
+  }
+  dopt_sim_world_destroy(w);
+  source_free(&s);
+  if (st != DOPT_OK) return st;
+  r->declared_ulp = cmp_declared_ulp(o->optimizer);
+  r->equivalent = r->skipped_ref == r->skipped_dist;
+  for (int k = 0; k < r->ntensors; k++) r->equivalent &= r->t[k].max_ulp <= r->declared_ulp;
+  return DOPT_OK;
+}
+
+void cmp_result_free(cmp_result *r) {
+  for (int k = 0; k < r->ntensors; k++) {
+    free(r->t[k].abs_per_step);
+    free(r->t[k].ulp_per_step);
+  }
+  free(r->t);
+  memset(r, 0, sizeof *r);
+}
