@@ -1,0 +1,406 @@
+/* `distopt compare` YAML configuration (see compare.h for the shape), read
+ * with libyaml's document API.
+ *
+ * Decisions:
+ *  - Every problem in the file's content is DOPT_ERR_FORMAT: malformed YAML
+ *    (libyaml's message and line), unknown keys at any level, duplicate keys,
+ *    wrong types, out-of-range counts, strings too long for their buffer,
+ *    unknown plugin or gradient source names. The message reads
+ *    "FILE:LINE: KEY: problem" with KEY dotted ("plugin.tp", "groups[1].params").
+ *    A file that cannot be opened is DOPT_ERR_IO.
+ *  - Optimizer hyperparameter names are not checked here (the registry does
+ *    that when the optimizer is created); their values must be scalars: a
+ *    number, true/false or none/null. Booleans are written "true"/"false",
+ *    nulls "none", numbers as written in the file.
+ *  - Booleans: true/false (also True/TRUE/False/FALSE); no yes/no/on/off.
+ *  - Quoting is not significant: `steps: "100"` is the integer 100.
+ *  - The file is loaded on top of o: sections that are absent leave their
+ *    fields alone. An `optimizer` mapping must name its `type` and replaces
+ *    the hyperparameters; a `groups` sequence replaces all groups.
+ *    `gradients.path` without `source` implies `source: trace`.
+ *  - Relative `gradients.path` is resolved against the YAML file's directory;
+ *    output paths are kept as written (relative to the working directory).
+ *  - o is only written when the whole file is valid: on error it is unchanged.
+ */
+#include "compare.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <yaml.h>
+
+#include "internal.h"
+
+typedef struct cfg_ctx {
+  const char *path;
+  yaml_document_t *doc;
+} cfg_ctx;
+
+static unsigned long node_line(const yaml_node_t *n) { return (unsigned long)n->start_mark.line + 1; }
+
+/* "FILE:LINE: KEY: problem" as DOPT_ERR_FORMAT. */
+static dopt_status cfg_fail(const cfg_ctx *c, const yaml_node_t *n, const char *key, const char *fmt, ...)
+    DOPT_PRINTF(4, 5);
+static dopt_status cfg_fail(const cfg_ctx *c, const yaml_node_t *n, const char *key, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  return dopt__fail(DOPT_ERR_FORMAT, "%s:%lu: %s: %s", c->path, node_line(n), key, msg);
+}
+
+static const char *node_kind(const yaml_node_t *n) {
+  switch (n->type) {
+  case YAML_SCALAR_NODE: return "a scalar";
+  case YAML_SEQUENCE_NODE: return "a sequence";
+  case YAML_MAPPING_NODE: return "a mapping";
+  default: return "nothing";
+  }
+}
+
+static const char *scalar(const yaml_node_t *n) { return (const char *)n->data.scalar.value; }
+
+static int is_null(const yaml_node_t *n) {
+  if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE) return 0;
+  const char *s = scalar(n);
+  return s[0] == '\0' || strcmp(s, "~") == 0 || strcmp(s, "null") == 0 || strcmp(s, "Null") == 0 ||
+         strcmp(s, "NULL") == 0;
+}
+
+/* Joins "parent.key" (or "parent[i]") into buf. */
+static const char *join_key(char *buf, size_t cap, const char *parent, const char *key) {
+  if (parent[0]) snprintf(buf, cap, "%s.%s", parent, key);
+  else snprintf(buf, cap, "%s", key);
+  return buf;
+}
+
+/* Checks that n is a mapping whose keys are distinct scalars, all in
+ * `allowed` (a NULL-terminated list; NULL: any key). */
+static dopt_status check_mapping(const cfg_ctx *c, yaml_node_t *n, const char *where, const char *const *allowed) {
+  if (n->type != YAML_MAPPING_NODE)
+    return cfg_fail(c, n, where[0] ? where : "(top level)", "must be a mapping, got %s", node_kind(n));
+  for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+    yaml_node_t *k = yaml_document_get_node(c->doc, p->key);
+    char kb[160];
+    if (!k || k->type != YAML_SCALAR_NODE)
+      return cfg_fail(c, k ? k : n, where[0] ? where : "(top level)", "keys must be scalars, got %s",
+                      k ? node_kind(k) : "nothing");
+    join_key(kb, sizeof kb, where, scalar(k));
+    for (yaml_node_pair_t *q = n->data.mapping.pairs.start; q < p; q++) {
+      yaml_node_t *k2 = yaml_document_get_node(c->doc, q->key);
+      if (strcmp(scalar(k2), scalar(k)) == 0)
+        return cfg_fail(c, k, kb, "duplicate key (first on line %lu)", node_line(k2));
+    }
+    if (!allowed) continue;
+    int ok = 0;
+    for (int i = 0; allowed[i] && !ok; i++) ok = strcmp(allowed[i], scalar(k)) == 0;
+    if (!ok) {
+      char list[256] = "";
+      size_t len = 0;
+      for (int i = 0; allowed[i]; i++) {
+        int w = snprintf(list + len, sizeof list - len, "%s%s", i ? ", " : "", allowed[i]);
+        if (w < 0 || (size_t)w >= sizeof list - len) break;
+        len += (size_t)w;
+      }
+      return cfg_fail(c, k, kb, "unknown key (expected one of: %s)", list);
+    }
+  }
+  return DOPT_OK;
+}
+
+/* The value of `key` in mapping n, or NULL. */
+static yaml_node_t *lookup(const cfg_ctx *c, yaml_node_t *n, const char *key) {
+  for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+    yaml_node_t *k = yaml_document_get_node(c->doc, p->key);
+    if (k && k->type == YAML_SCALAR_NODE && strcmp(scalar(k), key) == 0)
+      return yaml_document_get_node(c->doc, p->value);
+  }
+  return NULL;
+}
+
+static dopt_status need_scalar(const cfg_ctx *c, const yaml_node_t *v, const char *key, const char *what) {
+  if (v->type != YAML_SCALAR_NODE) return cfg_fail(c, v, key, "must be %s, got %s", what, node_kind(v));
+  if (is_null(v)) return cfg_fail(c, v, key, "must be %s, got null", what);
+  return DOPT_OK;
+}
+
+static dopt_status get_int(const cfg_ctx *c, const yaml_node_t *v, const char *key, long lo, long hi, int *out) {
+  DOPT_TRY(need_scalar(c, v, key, "an integer"));
+  const char *s = scalar(v);
+  char *end;
+  errno = 0;
+  long x = strtol(s, &end, 10);
+  if (end == s || *end != '\0') return cfg_fail(c, v, key, "must be an integer, got '%s'", s);
+  if (errno == ERANGE || x < lo || x > hi) {
+    if (lo == 1 && x < 1) return cfg_fail(c, v, key, "must be positive, got %s", s);
+    return cfg_fail(c, v, key, "must be in [%ld, %ld], got %s", lo, hi, s);
+  }
+  *out = (int)x;
+  return DOPT_OK;
+}
+
+static dopt_status get_u64(const cfg_ctx *c, const yaml_node_t *v, const char *key, uint64_t *out) {
+  DOPT_TRY(need_scalar(c, v, key, "a non-negative integer"));
+  const char *s = scalar(v);
+  char *end;
+  errno = 0;
+  if (s[0] == '-') return cfg_fail(c, v, key, "must be a non-negative integer, got '%s'", s);
+  unsigned long long x = strtoull(s, &end, 10);
+  if (end == s || *end != '\0') return cfg_fail(c, v, key, "must be a non-negative integer, got '%s'", s);
+  if (errno == ERANGE) return cfg_fail(c, v, key, "%s does not fit in 64 bits", s);
+  *out = (uint64_t)x;
+  return DOPT_OK;
+}
+
+static dopt_status get_double(const cfg_ctx *c, const yaml_node_t *v, const char *key, double *out) {
+  DOPT_TRY(need_scalar(c, v, key, "a number"));
+  const char *s = scalar(v);
+  char *end;
+  double x = strtod(s, &end);
+  if (end == s || *end != '\0' || !isfinite(x)) return cfg_fail(c, v, key, "must be a finite number, got '%s'", s);
+  *out = x;
+  return DOPT_OK;
+}
+
+/* 1 true, 0 false, -1 neither. */
+static int bool_word(const char *s) {
+  if (strcmp(s, "true") == 0 || strcmp(s, "True") == 0 || strcmp(s, "TRUE") == 0) return 1;
+  if (strcmp(s, "false") == 0 || strcmp(s, "False") == 0 || strcmp(s, "FALSE") == 0) return 0;
+  return -1;
+}
+
+static dopt_status get_bool(const cfg_ctx *c, const yaml_node_t *v, const char *key, int *out) {
+  DOPT_TRY(need_scalar(c, v, key, "true or false"));
+  int b = bool_word(scalar(v));
+  if (b < 0) return cfg_fail(c, v, key, "must be true or false, got '%s'", scalar(v));
+  *out = b;
+  return DOPT_OK;
+}
+
+static dopt_status get_str(const cfg_ctx *c, const yaml_node_t *v, const char *key, char *buf, size_t cap) {
+  DOPT_TRY(need_scalar(c, v, key, "a string"));
+  const char *s = scalar(v);
+  size_t n = v->data.scalar.length;
+  if (n == 0 || s[0] == '\0') return cfg_fail(c, v, key, "must be a non-empty string");
+  if (strlen(s) != n) return cfg_fail(c, v, key, "contains a NUL character");
+  if (n >= cap) return cfg_fail(c, v, key, "'%.40s...' is too long (%zu characters, at most %zu)", s, n, cap - 1);
+  memcpy(buf, s, n + 1);
+  return DOPT_OK;
+}
+
+/* Appends "key=value" for each pair of mapping n except `skip` to buf
+ * (comma-separated); values must be numbers, booleans or null. */
+static dopt_status collect_hparams(const cfg_ctx *c, yaml_node_t *n, const char *where, const char *skip, char *buf,
+                                   size_t cap) {
+  size_t len = 0;
+  buf[0] = '\0';
+  for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+    yaml_node_t *k = yaml_document_get_node(c->doc, p->key), *v = yaml_document_get_node(c->doc, p->value);
+    const char *ks = scalar(k);
+    if (strcmp(ks, skip) == 0) continue;
+    char kb[160];
+    join_key(kb, sizeof kb, where, ks);
+    if (ks[0] == '\0' || strpbrk(ks, ",= \t\r\n") != NULL)
+      return cfg_fail(c, k, kb, "not a valid hyperparameter name");
+    if (v->type != YAML_SCALAR_NODE)
+      return cfg_fail(c, v, kb, "must be a number, true/false or none, got %s", node_kind(v));
+    const char *vs = scalar(v);
+    const char *val;
+    if (is_null(v) || strcmp(vs, "none") == 0 || strcmp(vs, "None") == 0) {
+      val = "none";
+    } else if (bool_word(vs) >= 0) {
+      val = bool_word(vs) ? "true" : "false";
+    } else {
+      char *end;
+      double x = strtod(vs, &end);
+      if (end == vs || *end != '\0' || !isfinite(x) || strpbrk(vs, ", \t\r\n") != NULL)
+        return cfg_fail(c, v, kb, "must be a number, true/false or none, got '%s'", vs);
+      val = vs;
+    }
+    int w = snprintf(buf + len, cap - len, "%s%s=%s", len ? "," : "", ks, val);
+    if (w < 0 || (size_t)w >= cap - len)
+      return cfg_fail(c, k, kb, "the hyperparameters of '%s' are too long (at most %zu characters)",
+                      where[0] ? where : "(top level)", cap - 1);
+    len += (size_t)w;
+  }
+  return DOPT_OK;
+}
+
+static dopt_status load_optimizer(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  DOPT_TRY(check_mapping(c, n, "optimizer", NULL));
+  yaml_node_t *t = lookup(c, n, "type");
+  if (!t) return cfg_fail(c, n, "optimizer.type", "missing (the optimizer's registry name)");
+  DOPT_TRY(get_str(c, t, "optimizer.type", o->optimizer, sizeof o->optimizer));
+  return collect_hparams(c, n, "optimizer", "type", o->hparams, sizeof o->hparams);
+}
+
+static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  if (n->type != YAML_SEQUENCE_NODE)
+    return cfg_fail(c, n, "groups", "must be a sequence of mappings, got %s", node_kind(n));
+  int count = (int)(n->data.sequence.items.top - n->data.sequence.items.start);
+  if (count > CMP_MAX_GROUPS) {
+    yaml_node_t *extra = yaml_document_get_node(c->doc, n->data.sequence.items.start[CMP_MAX_GROUPS]);
+    return cfg_fail(c, extra, "groups", "too many groups (%d, at most %d)", count, CMP_MAX_GROUPS);
+  }
+  for (int i = 0; i < count; i++) {
+    yaml_node_t *g = yaml_document_get_node(c->doc, n->data.sequence.items.start[i]);
+    char where[32], kb[64];
+    snprintf(where, sizeof where, "groups[%d]", i);
+    DOPT_TRY(check_mapping(c, g, where, NULL));
+    yaml_node_t *pv = lookup(c, g, "params");
+    join_key(kb, sizeof kb, where, "params");
+    if (!pv) return cfg_fail(c, g, kb, "missing (a glob of parameter names)");
+    DOPT_TRY(get_str(c, pv, kb, o->group_glob[i], sizeof o->group_glob[i]));
+    DOPT_TRY(collect_hparams(c, g, where, "params", o->group_hp[i], sizeof o->group_hp[i]));
+  }
+  o->ngroups = count;
+  return DOPT_OK;
+}
+
+static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  static const char *const keys[] = {"type", "tp", "dp", "zero", "ranks", NULL};
+  DOPT_TRY(check_mapping(c, n, "plugin", keys));
+  yaml_node_t *v;
+  if ((v = lookup(c, n, "type"))) {
+    static const char *const names[] = {"ddp", "zero", "hybrid", "fsdp"};
+    DOPT_TRY(get_str(c, v, "plugin.type", o->plugin, sizeof o->plugin));
+    int ok = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) ok |= strcmp(names[i], o->plugin) == 0;
+    if (!ok)
+      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid or fsdp)", o->plugin);
+  }
+  if ((v = lookup(c, n, "tp"))) DOPT_TRY(get_int(c, v, "plugin.tp", 1, 1 << 20, &o->tp));
+  if ((v = lookup(c, n, "dp"))) DOPT_TRY(get_int(c, v, "plugin.dp", 1, 1 << 20, &o->dp));
+  if ((v = lookup(c, n, "zero"))) DOPT_TRY(get_int(c, v, "plugin.zero", 0, 3, &o->zero));
+  if ((v = lookup(c, n, "ranks"))) DOPT_TRY(get_int(c, v, "plugin.ranks", 1, 1 << 20, &o->ranks));
+  return DOPT_OK;
+}
+
+/* Resolves a relative trace path against the YAML file's directory. */
+static dopt_status resolve_path(const cfg_ctx *c, const yaml_node_t *v, const char *rel, char *out, size_t cap) {
+  const char *slash = strrchr(c->path, '/');
+  int w;
+  if (rel[0] == '/' || !slash) w = snprintf(out, cap, "%s", rel);
+  else w = snprintf(out, cap, "%.*s/%s", (int)(slash - c->path), c->path, rel);
+  if (w < 0 || (size_t)w >= cap)
+    return cfg_fail(c, v, "gradients.path", "'%.40s...' is too long once resolved (%d characters, at most %zu)", rel,
+                    w, cap - 1);
+  return DOPT_OK;
+}
+
+static dopt_status load_gradients(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  static const char *const keys[] = {"source", "seed", "path", NULL};
+  DOPT_TRY(check_mapping(c, n, "gradients", keys));
+  yaml_node_t *src = lookup(c, n, "source"), *seed = lookup(c, n, "seed"), *path = lookup(c, n, "path");
+  if (src) {
+    DOPT_TRY(get_str(c, src, "gradients.source", o->source, sizeof o->source));
+    if (strcmp(o->source, "synthetic") != 0 && strcmp(o->source, "trace") != 0)
+      return cfg_fail(c, src, "gradients.source", "unknown source '%s' (expected synthetic or trace)", o->source);
+  }
+  if (seed) {
+    if (src && strcmp(o->source, "trace") == 0)
+      return cfg_fail(c, seed, "gradients.seed", "only applies to source synthetic");
+    DOPT_TRY(get_u64(c, seed, "gradients.seed", &o->seed));
+  }
+  if (path) {
+    if (src && strcmp(o->source, "synthetic") == 0)
+      return cfg_fail(c, path, "gradients.path", "only applies to source trace");
+    char rel[sizeof o->trace_path];
+    DOPT_TRY(get_str(c, path, "gradients.path", rel, sizeof rel));
+    DOPT_TRY(resolve_path(c, path, rel, o->trace_path, sizeof o->trace_path));
+    if (!src) snprintf(o->source, sizeof o->source, "trace");
+  }
+  return DOPT_OK;
+}
+
+static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  static const char *const keys[] = {"json", "plot", NULL};
+  DOPT_TRY(check_mapping(c, n, "output", keys));
+  yaml_node_t *v;
+  if ((v = lookup(c, n, "json"))) DOPT_TRY(get_str(c, v, "output.json", o->json_path, sizeof o->json_path));
+  if ((v = lookup(c, n, "plot"))) DOPT_TRY(get_str(c, v, "output.plot", o->svg_path, sizeof o->svg_path));
+  return DOPT_OK;
+}
+
+static dopt_status load_root(const cfg_ctx *c, yaml_node_t *root, cmp_options *o) {
+  static const char *const keys[] = {"optimizer", "groups", "plugin", "steps", "accumulation", "max_grad_norm",
+                                     "bf16", "gradients", "output", NULL};
+  DOPT_TRY(check_mapping(c, root, "", keys));
+  yaml_node_t *v;
+  if ((v = lookup(c, root, "optimizer"))) DOPT_TRY(load_optimizer(c, v, o));
+  if ((v = lookup(c, root, "groups"))) DOPT_TRY(load_groups(c, v, o));
+  if ((v = lookup(c, root, "plugin"))) DOPT_TRY(load_plugin(c, v, o));
+  if ((v = lookup(c, root, "steps"))) DOPT_TRY(get_int(c, v, "steps", 1, 1L << 30, &o->steps));
+  if ((v = lookup(c, root, "accumulation"))) DOPT_TRY(get_int(c, v, "accumulation", 1, 1 << 20, &o->micro));
+  if ((v = lookup(c, root, "max_grad_norm"))) {
+    DOPT_TRY(get_double(c, v, "max_grad_norm", &o->max_grad_norm));
+    if (o->max_grad_norm < 0.0)
+      return cfg_fail(c, v, "max_grad_norm", "must be >= 0 (0: no clipping), got %s", scalar(v));
+  }
+  if ((v = lookup(c, root, "bf16"))) DOPT_TRY(get_bool(c, v, "bf16", &o->bf16));
+  if ((v = lookup(c, root, "gradients"))) DOPT_TRY(load_gradients(c, v, o));
+  if ((v = lookup(c, root, "output"))) DOPT_TRY(load_output(c, v, o));
+  return DOPT_OK;
+}
+
+static dopt_status parser_error(const char *path, const yaml_parser_t *p) {
+  const char *problem = p->problem ? p->problem : "unknown error";
+  if (p->error == YAML_MEMORY_ERROR) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: YAML parser out of memory", path);
+  if (p->error == YAML_READER_ERROR)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: byte %zu: YAML: %s", path, p->problem_offset, problem);
+  if (p->context)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s:%lu: YAML: %s (%s on line %lu)", path,
+                      (unsigned long)p->problem_mark.line + 1, problem, p->context,
+                      (unsigned long)p->context_mark.line + 1);
+  return dopt__fail(DOPT_ERR_FORMAT, "%s:%lu: YAML: %s", path, (unsigned long)p->problem_mark.line + 1, problem);
+}
+
+dopt_status cmp_load_yaml(const char *path, cmp_options *o) {
+  DOPT_CHECK_ARG(path != NULL, "cmp_load_yaml: path=NULL");
+  DOPT_CHECK_ARG(o != NULL, "cmp_load_yaml: o=NULL");
+  FILE *f = fopen(path, "rb");
+  if (!f) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+  yaml_parser_t parser;
+  if (!yaml_parser_initialize(&parser)) {
+    fclose(f);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: YAML parser", path);
+  }
+  yaml_parser_set_input_file(&parser, f);
+  yaml_document_t doc;
+  dopt_status s = DOPT_OK;
+  if (!yaml_parser_load(&parser, &doc)) {
+    s = parser_error(path, &parser);
+  } else {
+    cfg_ctx c = {path, &doc};
+    yaml_node_t *root = yaml_document_get_root_node(&doc);
+    if (!root) {
+      s = dopt__fail(DOPT_ERR_FORMAT, "%s: empty configuration (no YAML document)", path);
+    } else {
+      /* A second document is an error, not silently ignored. */
+      yaml_document_t next;
+      if (!yaml_parser_load(&parser, &next)) {
+        s = parser_error(path, &parser);
+      } else {
+        yaml_node_t *r2 = yaml_document_get_root_node(&next);
+        if (r2)
+          s = dopt__fail(DOPT_ERR_FORMAT, "%s:%lu: more than one YAML document", path,
+                         (unsigned long)r2->start_mark.line + 1);
+        yaml_document_delete(&next);
+      }
+      if (s == DOPT_OK) {
+        cmp_options tmp = *o; /* o changes only when the whole file is valid */
+        s = load_root(&c, root, &tmp);
+        if (s == DOPT_OK) *o = tmp;
+      }
+    }
+    yaml_document_delete(&doc);
+  }
+  yaml_parser_delete(&parser);
+  fclose(f);
+  return s;
+}

@@ -1,0 +1,613 @@
+/* Reports of `distopt compare`: a text table, a JSON record (cJSON) and an SVG
+ * plot of error against step (written directly).
+ *
+ * Decisions:
+ *  - A tensor is bitwise equal when max_ulp == 0 and first_diff == 0.
+ *  - The verdict: EQUIVALENT (bitwise, ...) when r->equivalent and every
+ *    tensor is bitwise equal; EQUIVALENT within D ULP (D = declared_ulp) when
+ *    r->equivalent otherwise; DIVERGED at step K (tensor X) naming the first
+ *    step at which a tensor exceeds declared_ulp (the first such tensor in
+ *    r->t order); DIVERGED (skipped steps differ ...) when no tensor exceeds
+ *    it but the result is not equivalent.
+ *  - Table rows: parameters in r->t order, each followed by its states
+ *    ("param/state", indented); states whose parameter is absent come last.
+ *  - JSON and SVG files are written to "PATH.tmp.PID" and renamed into place;
+ *    on failure the temporary file is removed and PATH is untouched.
+ *    Non-finite errors appear as null in JSON (cJSON's rendering).
+ */
+#include "compare.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* ---- verdict ------------------------------------------------------------ */
+
+typedef enum { V_BITWISE, V_WITHIN, V_DIVERGED, V_SKIPS } verdict_kind;
+
+typedef struct verdict {
+  verdict_kind kind;
+  int step;        /* V_DIVERGED: 1-based step */
+  int tensor;      /* V_DIVERGED: index into r->t */
+  uint64_t worst;  /* max ULP over all tensors */
+} verdict;
+
+static int is_bitwise(const cmp_tensor_stat *t) { return t->max_ulp == 0 && t->first_diff == 0; }
+
+static verdict compute_verdict(const cmp_result *r) {
+  verdict v = {V_BITWISE, 0, -1, 0};
+  int all_bitwise = 1;
+  for (int i = 0; i < r->ntensors; i++) {
+    const cmp_tensor_stat *t = &r->t[i];
+    if (t->max_ulp > v.worst) v.worst = t->max_ulp;
+    if (!is_bitwise(t)) all_bitwise = 0;
+  }
+  if (r->equivalent) {
+    v.kind = all_bitwise && r->skipped_ref == r->skipped_dist ? V_BITWISE : V_WITHIN;
+    return v;
+  }
+  for (int i = 0; i < r->ntensors; i++) {
+    const cmp_tensor_stat *t = &r->t[i];
+    int step = 0;
+    if (t->ulp_per_step) {
+      for (int s = 0; s < r->steps && !step; s++)
+        if (t->ulp_per_step[s] > r->declared_ulp || isnan(t->abs_per_step ? t->abs_per_step[s] : 0.0)) step = s + 1;
+    } else if (t->max_ulp > r->declared_ulp) {
+      step = t->first_diff > 0 ? t->first_diff : 1;
+    }
+    if (step && (v.tensor < 0 || step < v.step)) {
+      v.step = step;
+      v.tensor = i;
+    }
+  }
+  v.kind = v.tensor >= 0 ? V_DIVERGED : V_SKIPS;
+  return v;
+}
+
+static const char *plural(long n) { return n == 1 ? "" : "s"; }
+
+static void verdict_text(const cmp_result *r, const verdict *v, char *buf, size_t cap) {
+  switch (v->kind) {
+  case V_BITWISE:
+    snprintf(buf, cap, "EQUIVALENT (bitwise, %d tensor%s \xC3\x97 %d step%s)", r->ntensors, plural(r->ntensors),
+             r->steps, plural(r->steps));
+    break;
+  case V_WITHIN:
+    snprintf(buf, cap, "EQUIVALENT within %llu ULP (worst %llu ULP, %d tensor%s \xC3\x97 %d step%s)",
+             (unsigned long long)r->declared_ulp, (unsigned long long)v->worst, r->ntensors, plural(r->ntensors),
+             r->steps, plural(r->steps));
+    break;
+  case V_DIVERGED:
+    snprintf(buf, cap, "DIVERGED at step %d (tensor %s)", v->step, r->t[v->tensor].name);
+    break;
+  case V_SKIPS:
+    snprintf(buf, cap, "DIVERGED (skipped steps differ: reference %lld, distributed %lld)",
+             (long long)r->skipped_ref, (long long)r->skipped_dist);
+    break;
+  }
+}
+
+/* ---- table -------------------------------------------------------------- */
+
+/* Parameters in order, each followed by its states; orphan states last.
+ * order[] has r->ntensors entries; returns 0 on allocation failure. */
+static int *row_order(const cmp_result *r) {
+  int n = r->ntensors;
+  int *order = malloc((size_t)(n > 0 ? n : 1) * sizeof *order);
+  char *used = calloc((size_t)(n > 0 ? n : 1), 1);
+  if (!order || !used) {
+    free(order);
+    free(used);
+    return NULL;
+  }
+  int k = 0;
+  for (int i = 0; i < n; i++) {
+    if (r->t[i].is_state) continue;
+    order[k++] = i;
+    used[i] = 1;
+    size_t len = strlen(r->t[i].name);
+    for (int j = 0; j < n; j++)
+      if (!used[j] && r->t[j].is_state && strncmp(r->t[j].name, r->t[i].name, len) == 0 && r->t[j].name[len] == '/') {
+        order[k++] = j;
+        used[j] = 1;
+      }
+  }
+  for (int i = 0; i < n; i++)
+    if (!used[i]) order[k++] = i;
+  free(used);
+  return order;
+}
+
+/* Display width of UTF-8 text (code points). */
+static int text_width(const char *s) {
+  int w = 0;
+  for (; *s; s++) w += ((unsigned char)*s & 0xC0) != 0x80;
+  return w;
+}
+
+static void pad(FILE *f, int n) {
+  for (; n > 0; n--) fputc(' ', f);
+}
+
+static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
+  fprintf(f, "compare: %s", o->optimizer);
+  if (o->hparams[0]) fprintf(f, " %s", o->hparams);
+  fprintf(f, " | %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d | %d step%s", o->plugin, o->tp, o->dp, o->zero, r->steps,
+          plural(r->steps));
+  if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
+  if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
+  else fprintf(f, " | gradients: %s (seed %llu)", o->source, (unsigned long long)o->seed);
+  if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
+  if (o->bf16) fprintf(f, " | bf16");
+  fputc('\n', f);
+  for (int g = 0; g < o->ngroups && g < CMP_MAX_GROUPS; g++)
+    fprintf(f, "  group %d: %s: %s\n", g + 1, o->group_glob[g], o->group_hp[g][0] ? o->group_hp[g] : "(defaults)");
+}
+
+void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
+  if (!f || !o || !r) return;
+  print_header(f, o, r);
+  int *order = row_order(r);
+  int namew = 6;
+  for (int i = 0; i < r->ntensors; i++) {
+    int w = text_width(r->t[i].name) + (r->t[i].is_state ? 2 : 0);
+    if (w > namew) namew = w;
+  }
+  fprintf(f, "%-*s  %12s  %10s  %7s  %10s\n", namew, "tensor", "max abs err", "max ULP", "bitwise", "first diff");
+  for (int k = 0; k < r->ntensors; k++) {
+    const cmp_tensor_stat *t = &r->t[order ? order[k] : k];
+    int ind = t->is_state ? 2 : 0;
+    pad(f, ind);
+    fputs(t->name, f);
+    pad(f, namew - ind - text_width(t->name));
+    char first[24];
+    if (t->first_diff > 0) snprintf(first, sizeof first, "%d", t->first_diff);
+    else snprintf(first, sizeof first, "-");
+    /* ✓ / ✗ are one column wide, three bytes: pad by hand. */
+    fprintf(f, "  %12.3g  %10llu  %s%6s  %10s\n", t->max_abs, (unsigned long long)t->max_ulp,
+            is_bitwise(t) ? "\xE2\x9C\x93" : "\xE2\x9C\x97", "", first);
+  }
+  free(order);
+  verdict v = compute_verdict(r);
+  char text[256];
+  verdict_text(r, &v, text, sizeof text);
+  fprintf(f, "verdict: %s\n", text);
+  if (r->skipped_ref || r->skipped_dist)
+    fprintf(f, "skipped steps (non-finite gradients): reference %lld, distributed %lld\n", (long long)r->skipped_ref,
+            (long long)r->skipped_dist);
+}
+
+/* ---- atomic file writing ------------------------------------------------ */
+
+typedef int (*body_fn)(FILE *f, const void *ctx); /* nonzero: ok */
+
+static dopt_status write_atomic(const char *path, body_fn body, const void *ctx) {
+  size_t tl = strlen(path) + 32;
+  char *tmp = malloc(tl);
+  if (!tmp) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: temporary name", path);
+  snprintf(tmp, tl, "%s.tmp.%ld", path, (long)getpid());
+  dopt_status s = DOPT_OK;
+  FILE *fp = fopen(tmp, "wb");
+  if (!fp) {
+    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+  } else {
+    int ok = body(fp, ctx) && !ferror(fp);
+    if (fclose(fp) != 0) ok = 0;
+    if (!ok) s = dopt__fail(DOPT_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
+    else if (rename(tmp, path) != 0)
+      s = dopt__fail(DOPT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
+    if (s != DOPT_OK) remove(tmp);
+  }
+  free(tmp);
+  return s;
+}
+
+/* ---- JSON --------------------------------------------------------------- */
+
+typedef struct jb {
+  int ok;
+} jb;
+
+static cJSON *jadd(jb *b, cJSON *parent, const char *key, cJSON *item) {
+  if (!item) {
+    b->ok = 0;
+    return NULL;
+  }
+  if (key) {
+    if (!cJSON_AddItemToObject(parent, key, item)) {
+      cJSON_Delete(item);
+      b->ok = 0;
+      return NULL;
+    }
+  } else if (!cJSON_AddItemToArray(parent, item)) {
+    cJSON_Delete(item);
+    b->ok = 0;
+    return NULL;
+  }
+  return item;
+}
+
+/* uint64 as a number when exact in a double, otherwise as a decimal string. */
+static cJSON *ju64(uint64_t v) {
+  if (v <= (UINT64_C(1) << 53)) return cJSON_CreateNumber((double)v);
+  char buf[24];
+  snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
+  return cJSON_CreateString(buf);
+}
+
+static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
+  cJSON *root = cJSON_CreateObject();
+  if (!root) {
+    b->ok = 0;
+    return NULL;
+  }
+  cJSON *op = jadd(b, root, "options", cJSON_CreateObject());
+  if (op) {
+    jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
+    jadd(b, op, "hparams", cJSON_CreateString(o->hparams));
+    cJSON *gs = jadd(b, op, "groups", cJSON_CreateArray());
+    for (int g = 0; gs && g < o->ngroups && g < CMP_MAX_GROUPS; g++) {
+      cJSON *gi = jadd(b, gs, NULL, cJSON_CreateObject());
+      if (!gi) break;
+      jadd(b, gi, "params", cJSON_CreateString(o->group_glob[g]));
+      jadd(b, gi, "hparams", cJSON_CreateString(o->group_hp[g]));
+    }
+    jadd(b, op, "plugin", cJSON_CreateString(o->plugin));
+    jadd(b, op, "tp", cJSON_CreateNumber(o->tp));
+    jadd(b, op, "dp", cJSON_CreateNumber(o->dp));
+    jadd(b, op, "zero", cJSON_CreateNumber(o->zero));
+    jadd(b, op, "ranks", cJSON_CreateNumber(o->ranks > 0 ? o->ranks : o->tp * o->dp));
+    jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
+    jadd(b, op, "accumulation", cJSON_CreateNumber(o->micro));
+    jadd(b, op, "max_grad_norm", cJSON_CreateNumber(o->max_grad_norm));
+    jadd(b, op, "bf16", cJSON_CreateBool(o->bf16 != 0));
+    cJSON *gr = jadd(b, op, "gradients", cJSON_CreateObject());
+    if (gr) {
+      jadd(b, gr, "source", cJSON_CreateString(o->source));
+      if (strcmp(o->source, "trace") == 0) jadd(b, gr, "path", cJSON_CreateString(o->trace_path));
+      else jadd(b, gr, "seed", ju64(o->seed));
+    }
+  }
+  jadd(b, root, "steps", cJSON_CreateNumber(r->steps));
+  jadd(b, root, "seconds", cJSON_CreateNumber(r->seconds));
+  jadd(b, root, "declared_ulp", ju64(r->declared_ulp));
+  cJSON *sk = jadd(b, root, "skipped", cJSON_CreateObject());
+  if (sk) {
+    jadd(b, sk, "reference", cJSON_CreateNumber((double)r->skipped_ref));
+    jadd(b, sk, "distributed", cJSON_CreateNumber((double)r->skipped_dist));
+  }
+  cJSON *ts = jadd(b, root, "tensors", cJSON_CreateArray());
+  for (int i = 0; ts && i < r->ntensors && b->ok; i++) {
+    const cmp_tensor_stat *t = &r->t[i];
+    cJSON *ti = jadd(b, ts, NULL, cJSON_CreateObject());
+    if (!ti) break;
+    jadd(b, ti, "name", cJSON_CreateString(t->name));
+    jadd(b, ti, "is_state", cJSON_CreateBool(t->is_state != 0));
+    jadd(b, ti, "max_abs", cJSON_CreateNumber(t->max_abs));
+    jadd(b, ti, "max_ulp", ju64(t->max_ulp));
+    jadd(b, ti, "bitwise", cJSON_CreateBool(is_bitwise(t)));
+    jadd(b, ti, "first_diff", t->first_diff > 0 ? cJSON_CreateNumber(t->first_diff) : cJSON_CreateNull());
+    cJSON *ab = jadd(b, ti, "abs_per_step", cJSON_CreateArray());
+    cJSON *ul = jadd(b, ti, "ulp_per_step", cJSON_CreateArray());
+    for (int s = 0; ab && t->abs_per_step && s < r->steps && b->ok; s++)
+      jadd(b, ab, NULL, cJSON_CreateNumber(t->abs_per_step[s]));
+    for (int s = 0; ul && t->ulp_per_step && s < r->steps && b->ok; s++) jadd(b, ul, NULL, ju64(t->ulp_per_step[s]));
+  }
+  verdict v = compute_verdict(r);
+  char text[256];
+  verdict_text(r, &v, text, sizeof text);
+  cJSON *vj = jadd(b, root, "verdict", cJSON_CreateObject());
+  if (vj) {
+    static const char *const kinds[] = {"bitwise", "within_tolerance", "diverged", "skips_differ"};
+    jadd(b, vj, "equivalent", cJSON_CreateBool(r->equivalent != 0));
+    jadd(b, vj, "kind", cJSON_CreateString(kinds[v.kind]));
+    jadd(b, vj, "text", cJSON_CreateString(text));
+    jadd(b, vj, "worst_ulp", ju64(v.worst));
+    jadd(b, vj, "step", v.kind == V_DIVERGED ? cJSON_CreateNumber(v.step) : cJSON_CreateNull());
+    jadd(b, vj, "tensor", v.kind == V_DIVERGED ? cJSON_CreateString(r->t[v.tensor].name) : cJSON_CreateNull());
+  }
+  return root;
+}
+
+static int put_text(FILE *f, const void *ctx) {
+  const char *s = ctx;
+  size_t n = strlen(s);
+  return fwrite(s, 1, n, f) == n && fputc('\n', f) != EOF;
+}
+
+dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_result *r) {
+  DOPT_CHECK_ARG(path != NULL && path[0], "cmp_write_json: path is empty");
+  DOPT_CHECK_ARG(o != NULL && r != NULL, "cmp_write_json: options or result is NULL");
+  DOPT_CHECK_ARG(r->ntensors == 0 || r->t != NULL, "cmp_write_json: r->t=NULL with ntensors=%d", r->ntensors);
+  jb b = {1};
+  cJSON *root = build_json(o, r, &b);
+  char *text = b.ok && root ? cJSON_Print(root) : NULL;
+  cJSON_Delete(root);
+  if (!text) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: building the JSON report", path);
+  dopt_status s = write_atomic(path, put_text, text);
+  cJSON_free(text);
+  return s;
+}
+
+/* ---- SVG ---------------------------------------------------------------- */
+
+#define SVG_W 960
+#define SVG_H 540
+#define PL 84.0              /* plot area */
+#define PR (SVG_W - 280.0)
+#define PT 70.0
+#define PB (SVG_H - 110.0)
+#define BAND_T (PB + 8.0)    /* "bitwise equal" baseline band */
+#define BAND_B (PB + 38.0)
+#define BAND_Y (BAND_B - 9.0)  /* where zero errors are drawn */
+#define LEGEND_X (PR + 20.0)
+#define LEGEND_ROW 17.0
+
+/* Writes s escaped for XML text/attributes; at most `maxw` code points
+ * (0: all), "…" appended when cut. Control characters become '?'. */
+static void xml_text(FILE *f, const char *s, int maxw) {
+  int w = 0;
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if ((*p & 0xC0) != 0x80) {
+      if (maxw > 0 && w == maxw) {
+        fputs("\xE2\x80\xA6", f);
+        return;
+      }
+      w++;
+    }
+    switch (*p) {
+    case '&': fputs("&amp;", f); break;
+    case '<': fputs("&lt;", f); break;
+    case '>': fputs("&gt;", f); break;
+    case '"': fputs("&quot;", f); break;
+    case '\'': fputs("&apos;", f); break;
+    default:
+      if (*p < 0x20 || *p == 0x7F) fputc('?', f);
+      else fputc(*p, f);
+    }
+  }
+}
+
+/* Like xml_text, but a name wider than maxw code points keeps its start and
+ * its end around a "…" (tensor names differ at both ends). */
+static void xml_name(FILE *f, const char *s, int maxw) {
+  int w = text_width(s);
+  if (w <= maxw) {
+    xml_text(f, s, 0);
+    return;
+  }
+  int head = (maxw - 1) / 2, tail = maxw - 1 - head;
+  xml_text(f, s, head); /* writes the head and a "…" */
+  const char *p = s + strlen(s);
+  for (int k = 0; k < tail && p > s;) {
+    p--;
+    if (((unsigned char)*p & 0xC0) != 0x80) k++;
+  }
+  xml_text(f, p, 0);
+}
+
+typedef struct svg_ctx {
+  const cmp_options *o;
+  const cmp_result *r;
+} svg_ctx;
+
+static int ever_differs(const cmp_tensor_stat *t, int steps) {
+  if (!is_bitwise(t) || t->max_abs != 0.0) return 1;
+  for (int s = 0; t->abs_per_step && s < steps; s++)
+    if (t->abs_per_step[s] != 0.0) return 1;
+  return 0;
+}
+
+static double map_x(double step, double lo, double hi) { return PL + (step - lo) / (hi - lo) * (PR - PL); }
+
+static double map_y(double v, int dlo, int dhi) {
+  if (v == 0.0) return BAND_Y;
+  if (!(v > 0.0) || isinf(v)) return PT; /* non-finite: pinned to the top */
+  double y = PB - (log10(v) - dlo) / (double)(dhi - dlo) * (PB - PT);
+  return y < PT ? PT : y > PB ? PB : y;
+}
+
+static const char *const palette[] = {"#1f77b4", "#d62728", "#ff7f0e", "#9467bd", "#000000",
+                                      "#8c564b", "#e377c2", "#17becf", "#e6a100", "#7f7f7f"};
+static const char *const dashes[] = {"", "6 3", "2 2", "8 3 2 3"};
+
+static int svg_body(FILE *f, const void *vctx) {
+  const svg_ctx *c = vctx;
+  const cmp_options *o = c->o;
+  const cmp_result *r = c->r;
+  int steps = r->steps > 0 ? r->steps : 1;
+  /* y range over the finite nonzero errors, whole decades */
+  double mn = INFINITY, mx = 0.0;
+  int nonfinite = 0;
+  for (int i = 0; i < r->ntensors; i++)
+    for (int s = 0; r->t[i].abs_per_step && s < r->steps; s++) {
+      double v = r->t[i].abs_per_step[s];
+      if (!isfinite(v)) nonfinite = 1;
+      else if (v > 0.0) {
+        if (v < mn) mn = v;
+        if (v > mx) mx = v;
+      }
+    }
+  int dlo = -8, dhi = 0;
+  if (mx > 0.0) {
+    dlo = (int)floor(log10(mn));
+    dhi = (int)ceil(log10(mx));
+    if (dhi <= dlo) dhi = dlo + 1;
+  }
+  double xlo = 1.0, xhi = (double)steps;
+  if (steps == 1) {
+    xlo = 0.0;
+    xhi = 2.0;
+  }
+  verdict v = compute_verdict(r);
+  char vtext[256];
+  verdict_text(r, &v, vtext, sizeof vtext);
+
+  fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+  fprintf(f,
+          "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
+          "font-family=\"sans-serif\" font-size=\"12\">\n",
+          SVG_W, SVG_H, SVG_W, SVG_H);
+  fprintf(f, "<title>distopt compare: ");
+  xml_text(f, o->optimizer, 0);
+  fprintf(f, " on ");
+  xml_text(f, o->plugin, 0);
+  fprintf(f, "</title>\n<rect width=\"%d\" height=\"%d\" fill=\"#ffffff\"/>\n", SVG_W, SVG_H);
+  /* title and subtitle */
+  fprintf(f, "<text x=\"%.1f\" y=\"26\" font-size=\"16\" font-weight=\"bold\">", PL);
+  xml_text(f, o->optimizer, 0);
+  if (o->hparams[0]) {
+    fputs(" (", f);
+    xml_text(f, o->hparams, 60);
+    fputs(")", f);
+  }
+  fputs(" \xE2\x80\x94 ", f);
+  xml_text(f, o->plugin, 0);
+  fprintf(f, " tp%d\xC3\x97" "dp%d\xC3\x97zero%d</text>\n", o->tp, o->dp, o->zero);
+  fprintf(f, "<text x=\"%.1f\" y=\"46\" fill=\"#444444\">max |distributed \xE2\x88\x92 reference| per step, ", PL);
+  fprintf(f, "%d step%s", r->steps, plural(r->steps));
+  if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
+  fputs(", gradients: ", f);
+  xml_text(f, o->source, 0);
+  if (o->bf16) fputs(", bf16", f);
+  if (o->max_grad_norm > 0.0) fprintf(f, ", max_grad_norm %g", o->max_grad_norm);
+  fputs("</text>\n", f);
+  fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-weight=\"bold\" fill=\"%s\">verdict: ", PL, SVG_H - 14,
+          v.kind == V_BITWISE || v.kind == V_WITHIN ? "#2a7a2a" : "#b00000");
+  xml_text(f, vtext, 110);
+  fputs("</text>\n", f);
+
+  /* y grid, ticks and labels (decades) */
+  int ystep = (dhi - dlo + 9) / 10;
+  fprintf(f, "<g stroke=\"#e4e4e4\" stroke-width=\"1\">\n");
+  for (int d = dlo; d <= dhi; d += ystep) {
+    double y = PB - (double)(d - dlo) / (double)(dhi - dlo) * (PB - PT);
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>\n", PL, y, PR, y);
+  }
+  fprintf(f, "</g>\n<g text-anchor=\"end\" fill=\"#333333\">\n");
+  for (int d = dlo; d <= dhi; d += ystep) {
+    double y = PB - (double)(d - dlo) / (double)(dhi - dlo) * (PB - PT);
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333333\"/>", PL - 5, y, PL, y);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">1e%d</text>\n", PL - 8, y + 4, d);
+  }
+  fprintf(f, "</g>\n");
+  /* x ticks: 1, 2 or 5 × 10^k, about 8 of them */
+  double raw = (double)steps / 8.0, mag = pow(10.0, floor(log10(raw > 1.0 ? raw : 1.0)));
+  long xstep = (long)mag;
+  if (xstep < 1) xstep = 1;
+  if ((double)xstep < raw) xstep = (long)(2 * mag);
+  if ((double)xstep < raw) xstep = (long)(5 * mag);
+  if ((double)xstep < raw) xstep = (long)(10 * mag);
+  fprintf(f, "<g text-anchor=\"middle\" fill=\"#333333\">\n");
+  for (long s = xstep == 1 ? 1 : xstep; s <= steps; s += xstep) {
+    double x = map_x((double)s, xlo, xhi);
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333333\"/>", x, BAND_B, x, BAND_B + 5);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">%ld</text>\n", x, BAND_B + 19, s);
+  }
+  fprintf(f, "</g>\n");
+  /* axes, baseline band, labels */
+  fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#eaf5ea\" stroke=\"#9ccc9c\"/>\n", PL,
+          BAND_T, PR - PL, BAND_B - BAND_T);
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" fill=\"#3c7a3c\" font-size=\"10\">bitwise equal (error 0)</text>\n", PL + 6,
+          BAND_T + 11);
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\" fill=\"#333333\">0</text>\n", PL - 8, BAND_Y + 4);
+  fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" stroke=\"#333333\"/>\n", PL, PT,
+          PR - PL, PB - PT);
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step</text>\n", (PL + PR) / 2, BAND_B + 38);
+  fprintf(f,
+          "<text transform=\"translate(22 %.1f) rotate(-90)\" text-anchor=\"middle\">"
+          "max abs error (log scale)</text>\n",
+          (PT + PB) / 2);
+  if (mx == 0.0)
+    fprintf(f,
+            "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#777777\">"
+            "no step differs from the reference</text>\n",
+            (PL + PR) / 2, (PT + PB) / 2);
+  if (nonfinite)
+    fprintf(f,
+            "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\" fill=\"#b00000\" font-size=\"11\">"
+            "non-finite errors drawn at the top</text>\n",
+            PR - 4, PT + 14);
+
+  /* one polyline per tensor that ever differs; the rest share the baseline */
+  int ndiff = 0, nequal = 0;
+  for (int i = 0; i < r->ntensors; i++) {
+    if (ever_differs(&r->t[i], r->steps)) ndiff++;
+    else nequal++;
+  }
+  int drawn = 0;
+  for (int i = 0; i < r->ntensors; i++) {
+    const cmp_tensor_stat *t = &r->t[i];
+    if (!ever_differs(t, r->steps)) continue;
+    const char *col = palette[drawn % 10], *dash = dashes[(drawn / 10) % 4];
+    drawn++;
+    if (!t->abs_per_step || r->steps <= 0) continue;
+    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.6\" stroke-linejoin=\"round\"", col);
+    if (dash[0]) fprintf(f, " stroke-dasharray=\"%s\"", dash);
+    fputs(" points=\"", f);
+    for (int s = 0; s < r->steps; s++)
+      fprintf(f, "%s%.1f,%.1f", s ? " " : "", map_x((double)(s + 1), xlo, xhi), map_y(t->abs_per_step[s], dlo, dhi));
+    fputs("\"><title>", f);
+    xml_text(f, t->name, 0);
+    fputs("</title></polyline>\n", f);
+    if (r->steps <= 40)
+      for (int s = 0; s < r->steps; s++)
+        fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"2.5\" fill=\"%s\"/>\n", map_x((double)(s + 1), xlo, xhi),
+                map_y(t->abs_per_step[s], dlo, dhi), col);
+  }
+  if (nequal > 0 && r->steps == 1)
+    fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"#3c7a3c\"/>\n", map_x(1, xlo, xhi), BAND_Y);
+  else if (nequal > 0 && r->steps > 1)
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#3c7a3c\" stroke-width=\"2\"/>\n",
+            map_x(1, xlo, xhi), BAND_Y, map_x((double)r->steps, xlo, xhi), BAND_Y);
+
+  /* legend: tensors that ever differ, then the count of bitwise-equal ones */
+  int rows_fit = (int)((SVG_H - PT - 60.0) / LEGEND_ROW) - 2;
+  double y = PT + 4;
+  fprintf(f, "<g font-size=\"11\">\n<text x=\"%.1f\" y=\"%.1f\" font-weight=\"bold\">tensor (max ULP)</text>\n",
+          LEGEND_X, y);
+  y += LEGEND_ROW;
+  int shown = 0, k = 0;
+  for (int i = 0; i < r->ntensors; i++) {
+    const cmp_tensor_stat *t = &r->t[i];
+    if (!ever_differs(t, r->steps)) continue;
+    int idx = k++;
+    if (shown >= rows_fit && ndiff > shown + 1) continue;
+    const char *col = palette[idx % 10], *dash = dashes[(idx / 10) % 4];
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"", LEGEND_X,
+            y - 4, LEGEND_X + 22, y - 4, col);
+    if (dash[0]) fprintf(f, " stroke-dasharray=\"%s\"", dash);
+    fprintf(f, "/><text x=\"%.1f\" y=\"%.1f\">", LEGEND_X + 28, y);
+    xml_name(f, t->name, 30);
+    fprintf(f, " (%llu)</text>\n", (unsigned long long)t->max_ulp);
+    y += LEGEND_ROW;
+    shown++;
+  }
+  if (shown < ndiff) {
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" fill=\"#555555\">\xE2\x80\xA6 and %d more that differ</text>\n",
+            LEGEND_X + 28, y, ndiff - shown);
+    y += LEGEND_ROW;
+  }
+  if (nequal > 0) {
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#3c7a3c\" stroke-width=\"2\"/>",
+            LEGEND_X, y - 4, LEGEND_X + 22, y - 4);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">%d tensor%s bitwise equal</text>\n", LEGEND_X + 28, y,
+            nequal, nequal == 1 ? "" : "s");
+  }
+  fprintf(f, "</g>\n</svg>\n");
+  return !ferror(f);
+}
+
+dopt_status cmp_write_svg(const char *path, const cmp_options *o, const cmp_result *r) {
+  DOPT_CHECK_ARG(path != NULL && path[0], "cmp_write_svg: path is empty");
+  DOPT_CHECK_ARG(o != NULL && r != NULL, "cmp_write_svg: options or result is NULL");
+  DOPT_CHECK_ARG(r->ntensors == 0 || r->t != NULL, "cmp_write_svg: r->t=NULL with ntensors=%d", r->ntensors);
+  svg_ctx c = {o, r};
+  return write_atomic(path, svg_body, &c);
+}

@@ -1,0 +1,247 @@
+/* compare/config.c: a full configuration maps onto cmp_options; every error
+ * class (malformed YAML, unknown or duplicate key, wrong type, bad count,
+ * too-long string) is DOPT_ERR_FORMAT with the file, line and key in the
+ * message and leaves the options untouched; relative trace paths resolve
+ * against the YAML file's directory. */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include "compare.h"
+
+static char dir[256];
+
+static int setup(void **st) {
+  (void)st;
+  return dt_make_tmpdir(dir, sizeof dir, "dopt_cmpcfg");
+}
+
+static int teardown(void **st) {
+  (void)st;
+  return dt_remove_tmpdir(dir);
+}
+
+/* Independent of cmp_options_default (compare/engine.c). */
+static void base_options(cmp_options *o) {
+  memset(o, 0, sizeof *o);
+  snprintf(o->optimizer, sizeof o->optimizer, "adafactor");
+  snprintf(o->plugin, sizeof o->plugin, "hybrid");
+  o->tp = 2;
+  o->dp = 2;
+  o->zero = 2;
+  o->steps = 100;
+  o->micro = 1;
+  snprintf(o->source, sizeof o->source, "synthetic");
+  o->seed = 1;
+}
+
+static const char *write_yaml(const char *name, const char *text) {
+  static char path[512];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+  return path;
+}
+
+static void test_full(void **st) {
+  (void)st;
+  const char *p = write_yaml("full.yaml",
+                             "# a full configuration\n"
+                             "optimizer:\n"
+                             "  type: came\n"
+                             "  lr: 2e-4\n"
+                             "  weight_decay: 0.01\n"
+                             "  relative_step: False\n"
+                             "  clip_threshold: null\n"
+                             "groups:\n"
+                             "  - params: \"*bias\"\n"
+                             "    weight_decay: 0\n"
+                             "  - {params: 'ln*.weight', lr: 1e-3, amsgrad: true}\n"
+                             "plugin: {type: fsdp, tp: 4, dp: 2, zero: 3, ranks: 8}\n"
+                             "steps: 250\n"
+                             "accumulation: 4\n"
+                             "max_grad_norm: 1.0\n"
+                             "bf16: true\n"
+                             "gradients:\n"
+                             "  source: trace\n"
+                             "  path: traces/g.safetensors\n"
+                             "output: {json: out/r.json, plot: /abs/r.svg}\n");
+  cmp_options o;
+  base_options(&o);
+  o.quiet = 1;
+  assert_ok(cmp_load_yaml(p, &o));
+  assert_string_equal(o.optimizer, "came");
+  assert_string_equal(o.hparams, "lr=2e-4,weight_decay=0.01,relative_step=false,clip_threshold=none");
+  assert_int_equal(o.ngroups, 2);
+  assert_string_equal(o.group_glob[0], "*bias");
+  assert_string_equal(o.group_hp[0], "weight_decay=0");
+  assert_string_equal(o.group_glob[1], "ln*.weight");
+  assert_string_equal(o.group_hp[1], "lr=1e-3,amsgrad=true");
+  assert_string_equal(o.plugin, "fsdp");
+  assert_int_equal(o.tp, 4);
+  assert_int_equal(o.dp, 2);
+  assert_int_equal(o.zero, 3);
+  assert_int_equal(o.ranks, 8);
+  assert_int_equal(o.steps, 250);
+  assert_int_equal(o.micro, 4);
+  assert_true(o.max_grad_norm == 1.0);
+  assert_int_equal(o.bf16, 1);
+  assert_string_equal(o.source, "trace");
+  char want[600];
+  snprintf(want, sizeof want, "%s/traces/g.safetensors", dir);
+  assert_string_equal(o.trace_path, want);
+  assert_string_equal(o.json_path, "out/r.json");
+  assert_string_equal(o.svg_path, "/abs/r.svg");
+  assert_int_equal(o.quiet, 1); /* untouched */
+  assert_int_equal((int)o.seed, 1);
+}
+
+static void test_partial_on_top(void **st) {
+  (void)st;
+  /* only what the file names changes; path implies source trace */
+  const char *p = write_yaml("partial.yaml", "steps: \"7\"\ngradients: {path: /data/t.safetensors}\n");
+  cmp_options o, before;
+  base_options(&o);
+  o.ngroups = 1;
+  snprintf(o.group_glob[0], sizeof o.group_glob[0], "*");
+  before = o;
+  assert_ok(cmp_load_yaml(p, &o));
+  assert_int_equal(o.steps, 7);
+  assert_string_equal(o.source, "trace");
+  assert_string_equal(o.trace_path, "/data/t.safetensors"); /* absolute: unchanged */
+  assert_string_equal(o.optimizer, before.optimizer);
+  assert_int_equal(o.ngroups, 1);
+  assert_int_equal(o.tp, 2);
+  /* synthetic with the full 64-bit seed range; empty groups clear them */
+  p = write_yaml("seed.yaml", "gradients: {source: synthetic, seed: 18446744073709551615}\ngroups: []\n"
+                              "optimizer: {type: adamw}\nmax_grad_norm: 0\n");
+  assert_ok(cmp_load_yaml(p, &o));
+  assert_true(o.seed == UINT64_MAX);
+  assert_int_equal(o.ngroups, 0);
+  assert_string_equal(o.optimizer, "adamw");
+  assert_string_equal(o.hparams, "");
+}
+
+static void test_relative_trace_path(void **st) {
+  (void)st;
+  char sub[512], path[600];
+  snprintf(sub, sizeof sub, "%s/cfgs", dir);
+  assert_int_equal(mkdir(sub, 0755), 0);
+  snprintf(path, sizeof path, "%s/run.yaml", sub);
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  fputs("gradients:\n  source: trace\n  path: ../traces/a.safetensors\n", f);
+  fclose(f);
+  cmp_options o;
+  base_options(&o);
+  assert_ok(cmp_load_yaml(path, &o));
+  char want[700];
+  snprintf(want, sizeof want, "%s/../traces/a.safetensors", sub);
+  assert_string_equal(o.trace_path, want);
+  /* a resolved path longer than the buffer is an error, not a truncation */
+  char text[600];
+  snprintf(text, sizeof text, "gradients: {source: trace, path: %0500d}\n", 0);
+  f = fopen(path, "wb");
+  fputs(text, f);
+  fclose(f);
+  assert_status(cmp_load_yaml(path, &o), DOPT_ERR_FORMAT, "gradients.path");
+}
+
+static void test_errors(void **st) {
+  (void)st;
+  static char long_type[200], long_hp[2000], many_groups[1000];
+  snprintf(long_type, sizeof long_type, "optimizer:\n  type: %040d\n", 0);
+  size_t n = (size_t)snprintf(long_hp, sizeof long_hp, "steps: 1\noptimizer:\n  type: came\n");
+  for (int i = 0; i < 40; i++) n += (size_t)snprintf(long_hp + n, sizeof long_hp - n, "  key_number_%02d: 1\n", i);
+  n = (size_t)snprintf(many_groups, sizeof many_groups, "groups:\n");
+  for (int i = 0; i < CMP_MAX_GROUPS + 1; i++)
+    n += (size_t)snprintf(many_groups + n, sizeof many_groups - n, "  - {params: \"g%d*\"}\n", i);
+  static const struct {
+    const char *yaml;
+    dopt_status want;
+    const char *line; /* ":N:" */
+    const char *key;
+  } bad[] = {
+      {"steps: 3\nstepz: 4\n", DOPT_ERR_FORMAT, ":2:", "stepz"},
+      {"plugin:\n  type: hybrid\n  tpp: 2\n", DOPT_ERR_FORMAT, ":3:", "plugin.tpp"},
+      {"gradients: {source: synthetic, sed: 1}\n", DOPT_ERR_FORMAT, ":1:", "gradients.sed"},
+      {"output:\n  json: a.json\n  svg: b.svg\n", DOPT_ERR_FORMAT, ":3:", "output.svg"},
+      {"steps: abc\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"\nplugin: {tp: 1.5}\n", DOPT_ERR_FORMAT, ":2:", "plugin.tp"},
+      {"bf16: maybe\n", DOPT_ERR_FORMAT, ":1:", "bf16"},
+      {"steps:\n  a: 1\n", DOPT_ERR_FORMAT, ":2:", "steps"},
+      {"steps: [1, 2]\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"plugin: hybrid\n", DOPT_ERR_FORMAT, ":1:", "plugin"},
+      {"steps: 0\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"steps: 5\naccumulation: -1\n", DOPT_ERR_FORMAT, ":2:", "accumulation"},
+      {"plugin: {dp: 0}\n", DOPT_ERR_FORMAT, ":1:", "plugin.dp"},
+      {"plugin: {zero: 4}\n", DOPT_ERR_FORMAT, ":1:", "plugin.zero"},
+      {"plugin: {type: deepspeed}\n", DOPT_ERR_FORMAT, ":1:", "plugin.type"},
+      {"max_grad_norm: -1\n", DOPT_ERR_FORMAT, ":1:", "max_grad_norm"},
+      {"max_grad_norm: .inf\n", DOPT_ERR_FORMAT, ":1:", "max_grad_norm"},
+      {"steps: 99999999999999999999\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"gradients: {seed: -3}\n", DOPT_ERR_FORMAT, ":1:", "gradients.seed"},
+      {"gradients: {source: file}\n", DOPT_ERR_FORMAT, ":1:", "gradients.source"},
+      {"gradients: {source: synthetic, path: x}\n", DOPT_ERR_FORMAT, ":1:", "gradients.path"},
+      {"output:\n  json:\n", DOPT_ERR_FORMAT, ":2:", "output.json"},
+      {long_type, DOPT_ERR_FORMAT, ":2:", "optimizer.type"},
+      {long_hp, DOPT_ERR_FORMAT, ":", "optimizer."},
+      {"steps: 3\nplugin: {tp: 2}\nsteps: 4\n", DOPT_ERR_FORMAT, ":3:", "steps"},
+      {"optimizer: {type: came, lr: 1, lr: 2}\n", DOPT_ERR_FORMAT, ":1:", "optimizer.lr"},
+      {"optimizer:\n  type: came\n  lr: [1, 2]\n", DOPT_ERR_FORMAT, ":3:", "optimizer.lr"},
+      {"optimizer:\n  type: came\n  lr: fast\n", DOPT_ERR_FORMAT, ":3:", "optimizer.lr"},
+      {"optimizer:\n  lr: 1\n", DOPT_ERR_FORMAT, ":2:", "optimizer.type"},
+      {"optimizer: {type: came, \"a=b\": 1}\n", DOPT_ERR_FORMAT, ":1:", "optimizer.a=b"},
+      {"groups:\n  - {params: \"*\"}\n  - {lr: 1}\n", DOPT_ERR_FORMAT, ":3:", "groups[1].params"},
+      {"groups:\n  - params: [a, b]\n", DOPT_ERR_FORMAT, ":2:", "groups[0].params"},
+      {"groups: {params: a}\n", DOPT_ERR_FORMAT, ":1:", "groups"},
+      {many_groups, DOPT_ERR_FORMAT, ":10:", "groups"},
+      {"? [a, b]\n: 1\n", DOPT_ERR_FORMAT, ":1:", "keys must be scalars"},
+      {"- steps: 1\n", DOPT_ERR_FORMAT, ":1:", "top level"},
+      {"plugin: {type: hybrid\nsteps: 3\n", DOPT_ERR_FORMAT, ":2:", "YAML"},
+      {"steps: 1\n\tplugin: x\n", DOPT_ERR_FORMAT, ":2:", "YAML"},
+      {"steps: *nope\n", DOPT_ERR_FORMAT, ":1:", "YAML"},
+      {"steps: 1\n---\nsteps: 2\n", DOPT_ERR_FORMAT, ":3:", "more than one"},
+      {"", DOPT_ERR_FORMAT, "", "empty"},
+      {"# only a comment\n", DOPT_ERR_FORMAT, "", "empty"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "bad%zu.yaml", i);
+    const char *p = write_yaml(name, bad[i].yaml);
+    cmp_options o, before;
+    base_options(&o);
+    before = o;
+    dopt_clear_error();
+    dopt_status s = cmp_load_yaml(p, &o);
+    const char *msg = dopt_last_error();
+    if (s != bad[i].want || !strstr(msg, name) || !strstr(msg, bad[i].line) || !strstr(msg, bad[i].key))
+      fail_msg("case %zu: %s '%s' (want %s with '%s' and '%s')", i, dopt_status_name(s), msg,
+               dopt_status_name(bad[i].want), bad[i].line, bad[i].key);
+    if (memcmp(&o, &before, sizeof o) != 0) fail_msg("case %zu: options modified on error", i);
+  }
+}
+
+static void test_missing_file(void **st) {
+  (void)st;
+  char path[512];
+  snprintf(path, sizeof path, "%s/nope.yaml", dir);
+  cmp_options o;
+  base_options(&o);
+  assert_status(cmp_load_yaml(path, &o), DOPT_ERR_IO, "nope.yaml");
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_full),
+      cmocka_unit_test(test_partial_on_top),
+      cmocka_unit_test(test_relative_trace_path),
+      cmocka_unit_test(test_errors),
+      cmocka_unit_test(test_missing_file),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

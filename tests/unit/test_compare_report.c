@@ -1,0 +1,395 @@
+/* compare/report.c on a synthetic result (a bitwise-equal parameter and its
+ * state diverging at step 3): the table's marks, rows and verdict; the JSON
+ * parses with cJSON and carries per-step arrays of the right length; the SVG
+ * is well-formed XML (a C check always, plus Python's xml.etree when python3
+ * is on PATH) with one polyline per differing tensor and escaped names; failed
+ * writes leave no file. */
+#include "testutil.h"
+
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "compare.h"
+
+#define STEPS 5
+
+static char dir[256];
+
+static int setup(void **st) {
+  (void)st;
+  return dt_make_tmpdir(dir, sizeof dir, "dopt_cmprep");
+}
+
+static int teardown(void **st) {
+  (void)st;
+  return dt_remove_tmpdir(dir);
+}
+
+static void options(cmp_options *o) {
+  memset(o, 0, sizeof *o);
+  snprintf(o->optimizer, sizeof o->optimizer, "came");
+  snprintf(o->hparams, sizeof o->hparams, "lr=2e-4,weight_decay=0.01");
+  snprintf(o->plugin, sizeof o->plugin, "hybrid");
+  o->tp = 2;
+  o->dp = 2;
+  o->zero = 2;
+  o->steps = STEPS;
+  o->micro = 1;
+  snprintf(o->source, sizeof o->source, "synthetic");
+  o->seed = 7;
+}
+
+static double abs0[STEPS], abs1[STEPS] = {0, 0, 1.5e-8, 3e-7, 2.5e-6};
+static uint64_t ulp0[STEPS], ulp1[STEPS] = {0, 0, 1, 12, 300};
+static cmp_tensor_stat tens[2];
+
+/* The state is listed first in r->t: the table must still print the
+ * parameter first. */
+static void result(cmp_result *r) {
+  memset(r, 0, sizeof *r);
+  memset(tens, 0, sizeof tens);
+  snprintf(tens[0].name, sizeof tens[0].name, "fc1.weight/exp_avg");
+  tens[0].is_state = 1;
+  tens[0].max_abs = 2.5e-6;
+  tens[0].max_ulp = 300;
+  tens[0].first_diff = 3;
+  tens[0].abs_per_step = abs1;
+  tens[0].ulp_per_step = ulp1;
+  snprintf(tens[1].name, sizeof tens[1].name, "fc1.weight");
+  tens[1].abs_per_step = abs0;
+  tens[1].ulp_per_step = ulp0;
+  r->steps = STEPS;
+  r->ntensors = 2;
+  r->t = tens;
+  r->declared_ulp = 0;
+  r->equivalent = 0;
+}
+
+static char *table_text(const cmp_options *o, const cmp_result *r) {
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  assert_non_null(f);
+  cmp_print_table(f, o, r);
+  fclose(f);
+  return buf;
+}
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *b = malloc((size_t)n + 1);
+  assert_non_null(b);
+  assert_int_equal(fread(b, 1, (size_t)n, f), (size_t)n);
+  b[n] = '\0';
+  fclose(f);
+  return b;
+}
+
+/* No "*.tmp.*" file left in dir. */
+static void assert_no_temporaries(void) {
+  DIR *d = opendir(dir);
+  assert_non_null(d);
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (strstr(e->d_name, ".tmp.")) fail_msg("temporary file left: %s", e->d_name);
+  closedir(d);
+}
+
+static void test_table(void **st) {
+  (void)st;
+  cmp_options o;
+  cmp_result r;
+  options(&o);
+  result(&r);
+  char *t = table_text(&o, &r);
+  assert_non_null(strstr(t, "came lr=2e-4,weight_decay=0.01"));
+  assert_non_null(strstr(t, "hybrid tp2\xC3\x97" "dp2\xC3\x97zero2"));
+  assert_non_null(strstr(t, "synthetic"));
+  assert_non_null(strstr(t, "\xE2\x9C\x93")); /* ✓ */
+  assert_non_null(strstr(t, "\xE2\x9C\x97")); /* ✗ */
+  const char *param = strstr(t, "\nfc1.weight "), *state = strstr(t, "\n  fc1.weight/exp_avg ");
+  assert_non_null(param);
+  assert_non_null(state);
+  assert_true(param < state);
+  assert_non_null(strstr(state, "2.5e-06"));
+  assert_non_null(strstr(state, "300"));
+  assert_non_null(strstr(t, "verdict: DIVERGED at step 3 (tensor fc1.weight/exp_avg)\n"));
+  assert_null(strstr(t, "skipped"));
+  free(t);
+
+  /* a declared tolerance moves the divergence to the first step beyond it */
+  r.declared_ulp = 16;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: DIVERGED at step 5 (tensor fc1.weight/exp_avg)"));
+  free(t);
+  r.declared_ulp = 512;
+  r.equivalent = 1;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: EQUIVALENT within 512 ULP"));
+  free(t);
+
+  /* everything bitwise */
+  tens[0].max_abs = 0;
+  tens[0].max_ulp = 0;
+  tens[0].first_diff = 0;
+  tens[0].abs_per_step = abs0;
+  tens[0].ulp_per_step = ulp0;
+  r.declared_ulp = 0;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: EQUIVALENT (bitwise, 2 tensors \xC3\x97 5 steps)"));
+  assert_null(strstr(t, "\xE2\x9C\x97"));
+  free(t);
+
+  /* skipped steps reported; a mismatch is a divergence */
+  r.equivalent = 0;
+  r.skipped_ref = 1;
+  r.skipped_dist = 2;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: DIVERGED (skipped steps differ: reference 1, distributed 2)"));
+  assert_non_null(strstr(t, "skipped steps (non-finite gradients): reference 1, distributed 2"));
+  free(t);
+}
+
+static void test_json(void **st) {
+  (void)st;
+  cmp_options o;
+  cmp_result r;
+  options(&o);
+  result(&r);
+  char path[512];
+  snprintf(path, sizeof path, "%s/r.json", dir);
+  assert_ok(cmp_write_json(path, &o, &r));
+  assert_no_temporaries();
+  char *text = slurp(path);
+  cJSON *j = cJSON_Parse(text);
+  free(text);
+  assert_non_null(j);
+  cJSON *op = cJSON_GetObjectItemCaseSensitive(j, "options");
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(op, "optimizer")->valuestring, "came");
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(op, "tp")->valueint, 2);
+  cJSON *ts = cJSON_GetObjectItemCaseSensitive(j, "tensors");
+  assert_int_equal(cJSON_GetArraySize(ts), 2);
+  for (int i = 0; i < 2; i++) {
+    cJSON *ti = cJSON_GetArrayItem(ts, i);
+    cJSON *ab = cJSON_GetObjectItemCaseSensitive(ti, "abs_per_step");
+    cJSON *ul = cJSON_GetObjectItemCaseSensitive(ti, "ulp_per_step");
+    assert_true(cJSON_IsArray(ab) && cJSON_IsArray(ul));
+    assert_int_equal(cJSON_GetArraySize(ab), STEPS);
+    assert_int_equal(cJSON_GetArraySize(ul), STEPS);
+  }
+  cJSON *t0 = cJSON_GetArrayItem(ts, 0);
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(t0, "name")->valuestring, "fc1.weight/exp_avg");
+  assert_true(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(t0, "abs_per_step"), 4)->valuedouble == 2.5e-6);
+  assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(t0, "ulp_per_step"), 3)->valueint, 12);
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(t0, "first_diff")->valueint, 3);
+  assert_true(cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(t0, "bitwise")));
+  cJSON *t1 = cJSON_GetArrayItem(ts, 1);
+  assert_true(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(t1, "first_diff")));
+  assert_true(cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(t1, "bitwise")));
+  cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "verdict");
+  assert_true(cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(v, "equivalent")));
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(v, "step")->valueint, 3);
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(v, "tensor")->valuestring, "fc1.weight/exp_avg");
+  assert_non_null(strstr(cJSON_GetObjectItemCaseSensitive(v, "text")->valuestring, "DIVERGED at step 3"));
+  cJSON_Delete(j);
+
+  /* a failed write leaves nothing behind */
+  snprintf(path, sizeof path, "%s/no/such/dir/r.json", dir);
+  assert_status(cmp_write_json(path, &o, &r), DOPT_ERR_IO, "r.json");
+  assert_int_not_equal(access(path, F_OK), 0);
+}
+
+/* Minimal XML well-formedness: one root element, balanced and matching tags,
+ * quoted attributes, no raw '<' in text or attributes, only the five
+ * predefined entities or character references after '&'. */
+static int entity_ok(const char *p) {
+  static const char *const ents[] = {"&amp;", "&lt;", "&gt;", "&quot;", "&apos;"};
+  for (int i = 0; i < 5; i++)
+    if (strncmp(p, ents[i], strlen(ents[i])) == 0) return 1;
+  return p[1] == '#' && strchr(p, ';') != NULL;
+}
+
+static const char *xml_well_formed(const char *s) {
+  static char err[128];
+  char stack[64][64];
+  int depth = 0, roots = 0;
+  const char *p = s;
+  if (strncmp(p, "<?xml", 5) == 0) {
+    p = strstr(p, "?>");
+    if (!p) return "unterminated declaration";
+    p += 2;
+  }
+  while (*p) {
+    if (*p == '&') {
+      if (!entity_ok(p)) return "bad entity in text";
+      p++;
+      continue;
+    }
+    if (*p != '<') {
+      if (depth == 0 && !strchr(" \t\r\n", *p)) return "text outside the root";
+      p++;
+      continue;
+    }
+    if (strncmp(p, "<!--", 4) == 0) {
+      p = strstr(p, "-->");
+      if (!p) return "unterminated comment";
+      p += 3;
+      continue;
+    }
+    int closing = p[1] == '/';
+    p += closing ? 2 : 1;
+    char name[64];
+    size_t n = 0;
+    while (*p && !strchr(" \t\r\n/>", *p) && n < sizeof name - 1) name[n++] = *p++;
+    name[n] = '\0';
+    if (n == 0) return "empty tag name";
+    int self = 0;
+    while (*p && *p != '>') {
+      if (*p == '"' || *p == '\'') {
+        char q = *p++;
+        while (*p && *p != q) {
+          if (*p == '<') return "'<' in an attribute";
+          if (*p == '&' && !entity_ok(p)) return "bad entity in an attribute";
+          p++;
+        }
+        if (!*p) return "unterminated attribute";
+      } else if (*p == '/') {
+        self = 1;
+      } else if (*p == '<') {
+        return "'<' inside a tag";
+      }
+      p++;
+    }
+    if (!*p) return "unterminated tag";
+    p++;
+    if (closing) {
+      if (depth == 0 || strcmp(stack[depth - 1], name) != 0) {
+        snprintf(err, sizeof err, "mismatched </%s>", name);
+        return err;
+      }
+      depth--;
+    } else if (!self) {
+      if (depth == 0) roots++;
+      if (depth == 64) return "too deep";
+      snprintf(stack[depth++], sizeof stack[0], "%s", name);
+    } else if (depth == 0) {
+      roots++;
+    }
+  }
+  if (depth != 0) return "unclosed element";
+  if (roots != 1) return "not exactly one root element";
+  return NULL;
+}
+
+static int count(const char *s, const char *needle) {
+  int c = 0;
+  for (const char *p = strstr(s, needle); p; p = strstr(p + 1, needle)) c++;
+  return c;
+}
+
+/* Python's parser as a second opinion, when python3 exists: 1 ran and
+ * passed, 0 not available; fails the test when it ran and rejected. */
+static int python_check(const char *path, int polylines) {
+  if (system("command -v python3 >/dev/null 2>&1") != 0) return 0;
+  char cmd[1200];
+  snprintf(cmd, sizeof cmd,
+           "python3 -c \"import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); "
+           "ns = '{http://www.w3.org/2000/svg}'; "
+           "assert r.tag == ns + 'svg', r.tag; assert r.get('viewBox'), 'viewBox'; "
+           "assert len(r.findall('.//' + ns + 'polyline')) == int(sys.argv[2]), 'polylines'\" '%s' %d",
+           path, polylines);
+  int rc = system(cmd);
+  if (rc != 0) fail_msg("python3 xml.etree rejected %s (rc %d)", path, rc);
+  return 1;
+}
+
+static void test_svg(void **st) {
+  (void)st;
+  cmp_options o;
+  cmp_result r;
+  options(&o);
+  result(&r);
+  char path[512];
+  snprintf(path, sizeof path, "%s/r.svg", dir);
+  assert_ok(cmp_write_svg(path, &o, &r));
+  assert_no_temporaries();
+  char *svg = slurp(path);
+  const char *why = xml_well_formed(svg);
+  if (why) fail_msg("SVG not well-formed: %s", why);
+  assert_non_null(strstr(svg, "viewBox=\"0 0 "));
+  assert_int_equal(count(svg, "<polyline"), 1); /* only the tensor that differs */
+  assert_non_null(strstr(svg, "fc1.weight/exp_avg"));
+  assert_non_null(strstr(svg, "bitwise equal"));
+  assert_non_null(strstr(svg, "1 tensor bitwise equal")); /* legend count */
+  assert_non_null(strstr(svg, "came"));
+  int py = python_check(path, 1);
+  free(svg);
+
+  /* names and options with XML metacharacters are escaped */
+  snprintf(tens[0].name, sizeof tens[0].name, "a<b>&\"c'/exp_avg");
+  snprintf(tens[1].name, sizeof tens[1].name, "a<b>&\"c'");
+  snprintf(o.hparams, sizeof o.hparams, "lr=1&x<2");
+  assert_ok(cmp_write_svg(path, &o, &r));
+  svg = slurp(path);
+  why = xml_well_formed(svg);
+  if (why) fail_msg("SVG with metacharacters not well-formed: %s", why);
+  assert_non_null(strstr(svg, "a&lt;b&gt;&amp;&quot;c&apos;/exp_avg"));
+  free(svg);
+  python_check(path, 1);
+
+  /* many steps, all bitwise; a single step; non-finite errors */
+  static double big_abs[1000];
+  static uint64_t big_ulp[1000];
+  tens[0].abs_per_step = big_abs;
+  tens[0].ulp_per_step = big_ulp;
+  tens[1].abs_per_step = big_abs;
+  tens[1].ulp_per_step = big_ulp;
+  tens[0].max_abs = 0;
+  tens[0].max_ulp = 0;
+  tens[0].first_diff = 0;
+  r.steps = 1000;
+  r.equivalent = 1;
+  assert_ok(cmp_write_svg(path, &o, &r));
+  svg = slurp(path);
+  assert_null(xml_well_formed(svg));
+  assert_int_equal(count(svg, "<polyline"), 0);
+  assert_non_null(strstr(svg, "2 tensors bitwise equal"));
+  free(svg);
+  python_check(path, 0);
+  r.steps = 1;
+  r.equivalent = 0;
+  big_abs[0] = INFINITY;
+  big_ulp[0] = 5;
+  tens[0].max_abs = big_abs[0];
+  tens[0].max_ulp = 5;
+  tens[0].first_diff = 1;
+  assert_ok(cmp_write_svg(path, &o, &r));
+  svg = slurp(path);
+  assert_null(xml_well_formed(svg));
+  assert_null(strstr(svg, "nan"));
+  assert_null(strstr(svg, "inf\""));
+  free(svg);
+  python_check(path, 2); /* both tensors share big_abs: both differ */
+  print_message("SVG checked with the C well-formedness check%s\n", py ? " and python3 xml.etree" : " only");
+
+  snprintf(path, sizeof path, "%s/no/such/dir/r.svg", dir);
+  assert_status(cmp_write_svg(path, &o, &r), DOPT_ERR_IO, "r.svg");
+  assert_int_not_equal(access(path, F_OK), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_table),
+      cmocka_unit_test(test_json),
+      cmocka_unit_test(test_svg),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
