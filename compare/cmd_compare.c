@@ -162,7 +162,7 @@ int cmd_compare(int argc, char **argv) {
       rc = copy_opt(a, v, o.trace_path, sizeof o.trace_path);
       snprintf(o.source, sizeof o.source, "trace");
     } else if (strcmp(a, "--seed") == 0) {
-      int seed;
+      int seed = 0;
       rc = parse_int(a, v, 0, 2147483647, &seed);
       o.seed = (uint64_t)seed;
       snprintf(o.source, sizeof o.source, "synthetic");

@@ -54,7 +54,8 @@ typedef struct cmp_tensor_stat {
   int is_state;
   double max_abs;          /* max |dist - ref| over all elements and steps */
   uint64_t max_ulp;        /* max ULP distance (0 = bitwise equal) */
-  int first_diff;          /* first step with any difference (0: never) */
+  int first_diff;          /* first step with any bit difference (+0 vs -0 counts as 1 ULP; 0: never);
+                              bitwise = max_ulp == 0 && first_diff == 0 */
   double *abs_per_step;    /* [steps]: max |dist - ref| after step t+1 */
   uint64_t *ulp_per_step;  /* [steps] */
 } cmp_tensor_stat;
@@ -91,9 +92,10 @@ uint64_t cmp_declared_ulp(const char *optimizer);
  *   bf16: false                                            # optional
  *   gradients: {source: synthetic, seed: 1} | {source: trace, path: FILE}
  *   output: {json: FILE, plot: FILE.svg}                   # optional
- * Loads into o (on top of its current values). Unknown keys and wrong types
- * are rejected with the key and its line number (DOPT_ERR_FORMAT /
- * DOPT_ERR_NOT_FOUND). */
+ * Loads into o (on top of its current values). Unknown keys, wrong types,
+ * duplicate keys and malformed YAML are DOPT_ERR_FORMAT with
+ * "FILE:LINE: dotted.key: problem"; an unreadable file is DOPT_ERR_IO. o is
+ * unchanged on error. */
 dopt_status cmp_load_yaml(const char *path, cmp_options *o);
 
 /* Reports (compare/report.c). */
