@@ -285,6 +285,14 @@ static void test_compare(void **st) {
   txt = slurp(out);
   if (!strstr(txt, "DIVERGED")) fail_msg("ring order not reported as diverged: %s", txt);
   free(txt);
+  /* the measured compatibility matrix: every optimizer x plugin, all bitwise */
+  const char *matrix[] = {"compare", "--matrix", "--steps", "3", NULL};
+  assert_int_equal(run_out(matrix, out), 0);
+  txt = slurp(out);
+  for (int k = 0; k < dopt_optim_registry_count(); k++)
+    if (!strstr(txt, dopt_optim_registry_name(k))) fail_msg("matrix lacks %s: %s", dopt_optim_registry_name(k), txt);
+  if (!strstr(txt, "\xe2\x9c\x94") || strstr(txt, "\xe2\x9c\x98")) fail_msg("matrix: %s", txt);
+  free(txt);
 }
 
 static void test_compare_bad_input(void **st) {
