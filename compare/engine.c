@@ -492,6 +492,7 @@ static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->steps >= 1 && o->steps <= 1000000, "steps=%d must be in [1, 1e6]", o->steps);
   DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
   DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
+  DOPT_TRY(dopt_dist_check_layout(o->plugin, o->tp, o->dp, o->zero));
   if (!dopt_find_impl(o->optimizer)) {
     dopt_optim *probe;
     return dopt_optim_create(o->optimizer, NULL, &probe); /* the registry's message */
@@ -523,7 +524,10 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   }
   dopt_sim_world_destroy(w);
   source_free(&s);
-  if (st != DOPT_OK) return st;
+  if (st != DOPT_OK) {
+    cmp_result_free(r);
+    return st;
+  }
   r->declared_ulp = cmp_declared_ulp(o->optimizer);
   r->equivalent = r->skipped_ref == r->skipped_dist;
   for (int k = 0; k < r->ntensors; k++) r->equivalent &= r->t[k].max_ulp <= r->declared_ulp;

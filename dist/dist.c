@@ -136,24 +136,26 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
                      cfg->dp.rank >= 0 && cfg->dp.rank < cfg->dp.size,
                  "dopt_dist_create: tp rank %d of %d, dp rank %d of %d", cfg->tp.rank, cfg->tp.size, cfg->dp.rank,
                  cfg->dp.size);
-  DOPT_CHECK_ARG(cfg->zero_stage >= 0 && cfg->zero_stage <= 3, "dopt_dist_create: zero_stage=%d outside [0, 3]",
-                 cfg->zero_stage);
   DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
                  "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
-  const char *pl = cfg->plugin ? cfg->plugin : "";
+  return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
+}
+
+dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero) {
+  const char *pl = plugin ? plugin : "";
+  DOPT_CHECK_ARG(tp >= 1 && dp >= 1, "layout: tp=%d dp=%d must be >= 1", tp, dp);
+  DOPT_CHECK_ARG(zero >= 0 && zero <= 3, "layout: zero_stage=%d outside [0, 3]", zero);
   if (strcmp(pl, "ddp") == 0) {
-    DOPT_CHECK_ARG(cfg->tp.size == 1 && cfg->zero_stage == 0, "plugin ddp: needs tp=1 and zero=0 (got tp=%d zero=%d)",
-                   cfg->tp.size, cfg->zero_stage);
+    DOPT_CHECK_ARG(tp == 1 && zero == 0, "plugin ddp: needs tp=1 and zero=0 (got tp=%d zero=%d)", tp, zero);
   } else if (strcmp(pl, "zero") == 0) {
-    DOPT_CHECK_ARG(cfg->tp.size == 1 && (cfg->zero_stage == 1 || cfg->zero_stage == 2),
-                   "plugin zero: needs tp=1 and zero 1 or 2 (got tp=%d zero=%d)", cfg->tp.size, cfg->zero_stage);
+    DOPT_CHECK_ARG(tp == 1 && (zero == 1 || zero == 2), "plugin zero: needs tp=1 and zero 1 or 2 (got tp=%d zero=%d)",
+                   tp, zero);
   } else if (strcmp(pl, "hybrid") == 0) {
-    DOPT_CHECK_ARG(cfg->zero_stage <= 2, "plugin hybrid: zero=%d (0, 1 or 2; zero 3 is the fsdp plugin)",
-                   cfg->zero_stage);
+    DOPT_CHECK_ARG(zero <= 2, "plugin hybrid: zero=%d (0, 1 or 2; zero 3 is the fsdp plugin)", zero);
   } else if (strcmp(pl, "fsdp") == 0) {
-    DOPT_CHECK_ARG(cfg->zero_stage == 3, "plugin fsdp: needs zero=3 (got %d)", cfg->zero_stage);
+    DOPT_CHECK_ARG(zero == 3, "plugin fsdp: needs zero=3 (got %d)", zero);
   } else {
-    return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_create: unknown plugin '%s' (ddp, zero, hybrid, fsdp)", pl);
+    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp)", pl);
   }
   return DOPT_OK;
 }

@@ -71,6 +71,10 @@ typedef struct dopt_dist_config {
 #define DOPT_DIST_CONFIG_INIT \
   { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1 }
 
+/* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
+ * message names the plugin and what it needs. */
+DOPT_API dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero);
+
 /* Converts a plain registry optimizer (its groups, hyperparameters and
  * parameters with their logical initial values) into its distributed
  * version on this rank (ColossalAI's cast_to_distributed + setup_distributed).

@@ -273,12 +273,18 @@ static void test_compare(void **st) {
   free(txt);
   assert_int_equal(access(json, F_OK), 0);
   assert_int_equal(access(svg, F_OK), 0);
-  /* the SVG parses as XML (python3's parser, which every Debian has) */
-  char cmd[1400];
-  snprintf(cmd, sizeof cmd, "python3 -c \"import sys, xml.etree.ElementTree as E; E.parse(sys.argv[1])\" %s", svg);
-  assert_int_equal(system(cmd), 0);
-  snprintf(cmd, sizeof cmd, "python3 -c \"import sys, json; d = json.load(open(sys.argv[1]))\" %s", json);
-  assert_int_equal(system(cmd), 0);
+  /* the SVG parses as XML and the JSON as JSON: with python3's parsers where
+   * python3 exists (the writers themselves are checked without Python in
+   * test_compare_report.c) */
+  if (system("command -v python3 >/dev/null 2>&1") == 0) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "python3 -c \"import sys, xml.etree.ElementTree as E; E.parse(sys.argv[1])\" %s", svg);
+    assert_int_equal(system(cmd), 0);
+    snprintf(cmd, sizeof cmd, "python3 -c \"import sys, json; d = json.load(open(sys.argv[1]))\" %s", json);
+    assert_int_equal(system(cmd), 0);
+  } else {
+    printf("note: no python3: the SVG/JSON of the CLI run are checked by test_compare_report only\n");
+  }
   const char *ring[] = {"compare", "--optimizer", "adamw", "--plugin", "ddp", "--tp", "1", "--dp", "3", "--zero", "0",
                         "--steps", "5", "--ring-order", NULL};
   assert_int_equal(run_out(ring, out), 1);
