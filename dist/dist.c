@@ -259,6 +259,12 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   dopt_dist_optim *d = calloc(1, sizeof *d);
   if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create");
   d->impl = dopt__optim_impl(plain);
+  if (!d->impl->distributable) {
+    const char *name = d->impl->name;
+    free(d);
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_create: optimizer '%s' needs whole tensors (not distributable yet)",
+                      name);
+  }
   d->tp = cfg->tp;
   d->dp = cfg->dp;
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
@@ -384,7 +390,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     dist_param *p = &d->p[i];
     p->step++;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
-    dopt_step_args a = {d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state, d->ws, &p->red};
+    dopt_step_args a = {d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state, d->ws, &p->red,
+                        NULL};
     DOPT_TRY(DEV(d)->step(DCTX(d), &a));
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
     /* zero 1/2: every dp rank gets the whole TP-local model weights back (the

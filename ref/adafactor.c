@@ -153,4 +153,5 @@ const dopt_optim_impl dopt_impl_adafactor = {
     .layout = layout,
     .scratch = dopt_factored_scratch,
     .step = step,
+    .distributable = 1,
 };

@@ -80,4 +80,5 @@ const dopt_optim_impl dopt_impl_adamw = {
     .layout = layout,
     .scratch = NULL,
     .step = step,
+    .distributable = 1,
 };

@@ -144,4 +144,5 @@ const dopt_optim_impl dopt_impl_came = {
     .layout = layout,
     .scratch = dopt_factored_scratch,
     .step = step,
+    .distributable = 1,
 };

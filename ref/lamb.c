@@ -83,4 +83,5 @@ const dopt_optim_impl dopt_impl_lamb = {
     .layout = layout,
     .scratch = scratch,
     .step = step,
+    .distributable = 1,
 };

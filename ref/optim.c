@@ -50,14 +50,19 @@ void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t
 }
 
 void dopt_state_def(dopt_state_spec *spec, const char *name, int ndim, const int64_t *shape, int elementwise) {
+  dopt_state_def_dtype(spec, name, DOPT_F32, ndim, shape, elementwise);
+}
+
+void dopt_state_def_dtype(dopt_state_spec *spec, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
+                          int elementwise) {
   memset(spec, 0, sizeof *spec);
   spec->elementwise = elementwise;
   dopt_state_view *v = &spec->v;
   v->name = name;
-  v->dtype = DOPT_F32;
+  v->dtype = dtype;
   v->ndim = ndim;
   for (int i = 0; i < ndim; i++) v->shape[i] = shape[i];
-  v->bytes = dopt_numel(ndim, shape) * sizeof(float);
+  v->bytes = dopt_numel(ndim, shape) * dopt_dtype_size(dtype);
 }
 
 /* ---- the optimizer object ----------------------------------------------------- */
@@ -101,6 +106,12 @@ static dopt_status check_kind(const dopt_optim_impl *im, int k, double v) {
   if (!isfinite(v)) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%g must be finite", im->name, d->key, v);
   if (d->kind == DOPT_HP_BOOL && v != 0.0 && v != 1.0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%g must be true or false", im->name, d->key, v);
+  if (d->kind == DOPT_HP_ENUM) {
+    int n = 0;
+    while (d->choices[n]) n++;
+    if (v != floor(v) || v < 0 || v >= n)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%g is not a choice index in [0, %d)", im->name, d->key, v, n);
+  }
   return DOPT_OK;
 }
 
@@ -136,6 +147,16 @@ static dopt_status parse_hparams(const dopt_optim_impl *im, const char *text, do
       v = 1.0;
     } else if (strcmp(buf, "false") == 0 || strcmp(buf, "False") == 0) {
       v = 0.0;
+    } else if (im->hp[k].kind == DOPT_HP_ENUM) {
+      int found = -1;
+      char names[256] = "";
+      for (int c = 0; im->hp[k].choices[c]; c++) {
+        if (strcmp(buf, im->hp[k].choices[c]) == 0) found = c;
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", c ? ", " : "", im->hp[k].choices[c]);
+      }
+      if (found < 0)
+        return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s='%s' is not one of: %s", im->name, im->hp[k].key, buf, names);
+      v = (double)found;
     } else if (strcmp(buf, "none") == 0 || strcmp(buf, "None") == 0 || strcmp(buf, "null") == 0) {
       if (im->hp[k].kind != DOPT_HP_OPT)
         return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=none is not allowed (the key needs a value)", im->name,
@@ -417,11 +438,20 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     p->step++;
     void *state[DOPT_MAX_STATES];
     for (int k = 0; k < p->nstates; k++) state[k] = p->st[k].data;
-    dopt_step_args a = {o->impl, o->groups[p->group].hp, p->step, &piece, p->data, grads[i], state, o->scratch, NULL};
+    p->events = 0;
+    dopt_step_args a = {o->impl, o->groups[p->group].hp, p->step, &piece, p->data, grads[i], state, o->scratch, NULL,
+                        &p->events};
     DOPT_TRY(o->impl->step(&a));
     /* mixed precision: the working bf16 copy is the rounded master */
     for (size_t k = 0; p->work && k < p->numel; k++) p->work[k] = dopt_f32_to_bf16(p->data[k]);
   }
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_events(const dopt_optim *o, int i, unsigned *events) {
+  DOPT_TRY(check_param(o, i, "dopt_optim_events"));
+  DOPT_CHECK_ARG(events != NULL, "dopt_optim_events: events=NULL");
+  *events = o->params[i].events;
   return DOPT_OK;
 }
 
@@ -441,6 +471,7 @@ dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap) {
     const dopt_hp_def *d = &im->hp[k];
     char def[32];
     if (d->kind == DOPT_HP_BOOL) snprintf(def, sizeof def, "%s", d->def != 0.0 ? "true" : "false");
+    else if (d->kind == DOPT_HP_ENUM) snprintf(def, sizeof def, "%s", d->choices[(int)d->def]);
     else if (isnan(d->def)) snprintf(def, sizeof def, "none");
     else snprintf(def, sizeof def, "%g", d->def);
     n = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);

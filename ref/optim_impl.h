@@ -21,13 +21,15 @@ typedef enum dopt_hp_kind {
   DOPT_HP_REAL = 0, /* finite number */
   DOPT_HP_BOOL = 1, /* true/false (stored as 1.0/0.0) */
   DOPT_HP_OPT = 2,  /* finite number or none (stored as NaN) */
+  DOPT_HP_ENUM = 3, /* one of `choices` by name (stored as its index) */
 } dopt_hp_kind;
 
 typedef struct dopt_hp_def {
   const char *key;
   dopt_hp_kind kind;
-  double def; /* NaN = none (DOPT_HP_OPT only) */
+  double def; /* NaN = none (DOPT_HP_OPT only); the index for DOPT_HP_ENUM */
   const char *doc;
+  const char *const *choices; /* DOPT_HP_ENUM: NULL-terminated names */
 } dopt_hp_def;
 
 /* A state tensor's description. Elementwise states have the parameter's
@@ -49,6 +51,7 @@ typedef struct dopt_param {
   uint16_t *work;   /* bf16 working copy (NULL for fp32 parameters) */
   int layer;
   int64_t step;                        /* steps taken by this parameter */
+  unsigned events;                     /* DOPT_EVENT_* of the last step */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
 } dopt_param;
@@ -64,6 +67,7 @@ typedef struct dopt_step_args {
   void *const *state;      /* elementwise states [len], the others whole */
   float *ws;               /* scratch floats: impl->scratch(piece) */
   const dopt_reducer *red; /* NULL: single device */
+  unsigned *events;        /* the step ORs DOPT_EVENT_* flags here (may be NULL) */
 } dopt_step_args;
 
 typedef struct dopt_optim_impl {
@@ -80,6 +84,10 @@ typedef struct dopt_optim_impl {
   size_t (*scratch)(const dopt_piece *piece);
   /* One step on one piece. */
   dopt_status (*step)(const dopt_step_args *a);
+  /* 1: the step is correct on any piece with a reducer (dist/ may shard it);
+   * 0: it needs the whole tensor (e.g. an SVD of the full gradient) and
+   * dist/ refuses it. */
+  int distributable;
 } dopt_optim_impl;
 
 extern const dopt_optim_impl dopt_impl_adamw;
@@ -97,8 +105,10 @@ dopt_param *dopt__optim_param(dopt_optim *o, int i);
 size_t dopt_numel(int ndim, const int64_t *shape);
 /* Splits a >=2-D shape into batch x rows x cols (leading dims are batch). */
 void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t *w);
-/* Fills a state spec's name/dtype/shape. */
+/* Fills a state spec's name/dtype/shape (F32; _dtype: any dtype). */
 void dopt_state_def(dopt_state_spec *s, const char *name, int ndim, const int64_t *shape, int elementwise);
+void dopt_state_def_dtype(dopt_state_spec *s, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
+                          int elementwise);
 
 /* ---- exact statistics of a piece (ref/stats.c) -------------------------------------- */
 

@@ -110,6 +110,15 @@ DOPT_API dopt_status dopt_optim_init_state(dopt_optim *o, int param);
 DOPT_API dopt_status dopt_optim_get_step(const dopt_optim *o, int param, int64_t *step);
 DOPT_API dopt_status dopt_optim_set_step(dopt_optim *o, int param, int64_t step);
 
+/* What a parameter's last step had to do beyond the plain update (bit flags;
+ * 0 = nothing): */
+#define DOPT_EVENT_RANK_CLAMPED 0x1u   /* a projection rank > min(m, n) was clamped */
+#define DOPT_EVENT_SVD_FALLBACK 0x2u   /* sgesdd did not converge; sgesvd was used */
+#define DOPT_EVENT_SVD_FAILED 0x4u     /* both SVDs failed: the previous projector was kept */
+#define DOPT_EVENT_NONFINITE_RESET 0x8u /* non-finite gradient elements reset their states */
+#define DOPT_EVENT_CLIPPED 0x10u       /* a per-tensor clipping (e.g. percentile) scaled the gradient */
+DOPT_API dopt_status dopt_optim_events(const dopt_optim *o, int param, unsigned *events);
+
 /* Exact optimizer-state memory in bytes. param >= 0: that parameter;
  * param = -1: all parameters. `allocated` = what is allocated now; `full` =
  * what it is once every parameter has stepped. Either pointer may be NULL. */
