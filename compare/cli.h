@@ -22,5 +22,6 @@ int cmd_run(int argc, char **argv);
 int cmd_list(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_compare(int argc, char **argv);
+int cmd_mem(int argc, char **argv);
 
 #endif

@@ -425,6 +425,24 @@ static dopt_status ensure_scratch(dopt_optim *o, size_t floats, const char *who)
   return DOPT_OK;
 }
 
+dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, int ndim, const int64_t *shape,
+                                       size_t *bytes) {
+  DOPT_CHECK_ARG(bytes != NULL && (shape != NULL || ndim == 0), "dopt_optim_state_bytes_for: NULL argument");
+  DOPT_CHECK_ARG(ndim >= 0 && ndim <= DOPT_MAX_DIMS, "dopt_optim_state_bytes_for: ndim=%d", ndim);
+  const dopt_optim_impl *im = dopt_find_impl(name);
+  if (!im) return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s'", name ? name : "(null)");
+  double hp[DOPT_MAX_HPARAMS];
+  for (int k = 0; k < im->nhp; k++) hp[k] = im->hp[k].def;
+  DOPT_TRY(parse_hparams(im, hparams, hp));
+  DOPT_TRY(validate_group(im, hp));
+  dopt_state_spec lay[DOPT_MAX_STATES];
+  int n = im->layout(hp, ndim, shape, lay);
+  size_t b = 0;
+  for (int i = 0; i < n; i++) b += lay[i].v.bytes;
+  *bytes = b;
+  return DOPT_OK;
+}
+
 dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_step: optimizer=NULL");
   DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");

@@ -124,6 +124,12 @@ DOPT_API dopt_status dopt_optim_events(const dopt_optim *o, int param, unsigned 
  * what it is once every parameter has stepped. Either pointer may be NULL. */
 DOPT_API dopt_status dopt_optim_state_bytes(const dopt_optim *o, int param, size_t *allocated, size_t *full);
 
+/* The exact state bytes a parameter of this shape would get from optimizer
+ * `name` with hyperparameters `hparams`, without creating anything (for
+ * memory planning of models too large to allocate). */
+DOPT_API dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, int ndim, const int64_t *shape,
+                                                size_t *bytes);
+
 /* ---- gradient utilities shared by the reference and dist/ ------------------ */
 
 /* Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_, shared by

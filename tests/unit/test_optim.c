@@ -163,6 +163,21 @@ static void test_state_bytes(void **st) {
   }
 }
 
+/* Planning without allocating: the same bytes as a real optimizer's layout. */
+static void test_state_bytes_for(void **st) {
+  (void)st;
+  const int64_t big[2] = {11008, 4096}, v[1] = {4096};
+  size_t b;
+  assert_ok(dopt_optim_state_bytes_for("adamw", NULL, 2, big, &b));
+  assert_int_equal(b, (size_t)8 * 11008 * 4096);
+  assert_ok(dopt_optim_state_bytes_for("adafactor", "beta1=0.9", 2, big, &b));
+  assert_int_equal(b, (size_t)4 * 11008 * 4096 + 4 * (11008 + 4096) + 4);
+  assert_ok(dopt_optim_state_bytes_for("came", "lr=1e-4", 1, v, &b));
+  assert_int_equal(b, (size_t)8 * 4096 + 4);
+  assert_status(dopt_optim_state_bytes_for("came", NULL, 1, v, &b), DOPT_ERR_INVALID_ARG, "lr=none");
+  assert_status(dopt_optim_state_bytes_for("nope", NULL, 1, v, &b), DOPT_ERR_NOT_FOUND, "'nope'");
+}
+
 /* Factored statistics of a 3-D parameter: leading dims are batch. */
 static void test_factored_shapes(void **st) {
   (void)st;
@@ -353,6 +368,7 @@ int main(void) {
       cmocka_unit_test(test_add_param_errors),
       cmocka_unit_test(test_state_bytes),
       cmocka_unit_test(test_factored_shapes),
+      cmocka_unit_test(test_state_bytes_for),
       cmocka_unit_test(test_groups_and_skip),
       cmocka_unit_test(test_zero_edges_and_determinism),
       cmocka_unit_test(test_set_hparam),
