@@ -491,6 +491,19 @@ static void test_hparams(void **st) {
   assert_status(dopt_optim_create("adamw8bit", "min_8bit_size=1.5", &o), DOPT_ERR_INVALID_ARG, "min_8bit_size=1.5");
   assert_status(dopt_optim_create("adamw8bit", "beta2=1", &o), DOPT_ERR_INVALID_ARG, "beta2=1");
   assert_ok(dopt_optim_create("adamw8bit", NULL, &o));
+  /* a change of the state layout after the first step is refused (absmax size) */
+  {
+    const int64_t shape[1] = {5000};
+    float *p = make_param(5000, 2), *g = make_param(5000, 3);
+    add_param(o, "w", 1, shape, p);
+    const float *gg[1] = {g};
+    assert_ok(dopt_optim_step(o, gg));
+    assert_status(dopt_optim_set_hparam(o, 0, "block_size", 64), DOPT_ERR_STATE, "block_size");
+    assert_status(dopt_optim_set_hparam(o, 0, "min_8bit_size", 6000), DOPT_ERR_STATE, "min_8bit_size");
+    assert_ok(dopt_optim_set_hparam(o, 0, "lr", 2e-3));
+    assert_ok(dopt_optim_set_hparam(o, 0, "lr", 1e-3));
+    free(p), free(g);
+  }
   const char *keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "min_8bit_size", "percentile_clipping",
                         "block_size"};
   const double want[] = {1e-3, 0.9, 0.999, 1e-8, 1e-2, 4096, 100, 256};
