@@ -15,6 +15,7 @@ static const dopt_optim_impl *const registry[] = {
     &dopt_impl_adafactor,
     &dopt_impl_came,
     &dopt_impl_lamb,
+    &dopt_impl_adamw8bit,
 };
 #define NREG ((int)(sizeof registry / sizeof registry[0]))
 
@@ -284,8 +285,9 @@ dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double 
     dopt_param *p = &o->params[i];
     if (p->group != g || p->nstates == 0) continue;
     dopt_state_spec lay[DOPT_MAX_STATES];
-    int n = o->impl->layout(hp, p->ndim, p->shape, lay);
-    if (n != p->nstates)
+    int n = o->impl->layout(hp, p->ndim, p->shape, lay), same = n == p->nstates;
+    for (int s = 0; same && s < n; s++) same = lay[s].v.bytes == p->st[s].bytes && lay[s].v.dtype == p->st[s].dtype;
+    if (!same) /* also a different size or dtype, e.g. adamw8bit's block_size */
       return dopt__fail(DOPT_ERR_STATE, "%s: changing %s on group %d would change the state of '%s'",
                         o->impl->name, key, g, p->name);
   }

@@ -1,0 +1,121 @@
+/* AdamW8bit as bitsandbytes' CUDA `bnb.optim.AdamW8bit` (<= 0.49: block_wise,
+ * percentile_clipping; Optimizer2State with the "adam" kernels), fp32
+ * parameters. docs/adamw8bit.md has the semantics and where they come from.
+ *
+ *   numel >= min_8bit_size: blockwise 8-bit states (dopt_q8_adam_update):
+ *     state1 U8 [shape] (signed map), state2 U8 [shape] (unsigned map),
+ *     absmax1, absmax2 F32 [ceil(numel / block_size)]
+ *   else: fp32 state1, state2 [shape] and the 32-bit kernel (dopt_q8_adam32_update)
+ *   percentile_clipping < 100: + gnorm_vec F32 [100]
+ *
+ * All states start as zeros, as upstream initialises them (torch.zeros):
+ * state1 byte 0 decodes to code1[0]·absmax = −0.99296875·0 = −0.0, so the
+ * first step starts from m = −0, v = 0. (The padding of the last block uses
+ * byte 128 for state1; that is the kernel's fill value for slots beyond
+ * numel, not the initial value.) The quantisation maps qmap1/qmap2 are
+ * constants (dopt_q8_map) and not stored. */
+#include <math.h>
+
+#include "distopt/quant8.h"
+#include "optim_impl.h"
+
+enum { LR, BETA1, BETA2, EPS, WD, MIN8, PCT, BLOCK, NHP };
+
+static const dopt_hp_def hps[NHP] = {
+    [LR] = {"lr", DOPT_HP_REAL, 1e-3, "learning rate"},
+    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay"},
+    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay"},
+    [EPS] = {"eps", DOPT_HP_REAL, 1e-8, "added to sqrt(v_hat)"},
+    [WD] = {"weight_decay", DOPT_HP_REAL, 1e-2, "decoupled weight decay, applied after the step (p *= 1 - lr*wd)"},
+    [MIN8] = {"min_8bit_size", DOPT_HP_REAL, 4096, "tensors with fewer elements keep fp32 states"},
+    [PCT] = {"percentile_clipping", DOPT_HP_REAL, 100,
+             "clip the gradient at this percentile of its last 100 norms (100 = off)"},
+    [BLOCK] = {"block_size", DOPT_HP_REAL, DOPT_Q8_BLOCK_DEFAULT,
+               "quantisation block (256 = bitsandbytes >= 0.44, 2048 = <= 0.43)"},
+};
+
+static int is_int(double v) { return v == floor(v); }
+
+static dopt_status validate(const double *hp) {
+  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: lr=%g must be >= 0", hp[LR]);
+  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: eps=%g must be >= 0", hp[EPS]);
+  if (!(hp[BETA1] >= 0 && hp[BETA1] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: beta1=%g must be in [0, 1)", hp[BETA1]);
+  if (!(hp[BETA2] >= 0 && hp[BETA2] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: beta2=%g must be in [0, 1)", hp[BETA2]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: weight_decay=%g must be >= 0", hp[WD]);
+  if (!(hp[MIN8] >= 0 && is_int(hp[MIN8])))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: min_8bit_size=%g must be an integer >= 0", hp[MIN8]);
+  if (!(hp[PCT] >= 0 && hp[PCT] <= 100 && is_int(hp[PCT])))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: percentile_clipping=%g must be an integer in [0, 100]",
+                      hp[PCT]);
+  if (!(hp[BLOCK] >= 1 && hp[BLOCK] <= DOPT_Q8_BLOCK_MAX && is_int(hp[BLOCK]) && dopt_q8_block_ok((size_t)hp[BLOCK])))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: block_size=%g must be a power of two in [64, 4096]",
+                      hp[BLOCK]);
+  return DOPT_OK;
+}
+
+static int use_8bit(const double *hp, size_t numel) { return (double)numel >= hp[MIN8]; }
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+  const size_t numel = dopt_numel(ndim, shape);
+  int n = 0;
+  if (use_8bit(hp, numel)) {
+    const int64_t nb = (int64_t)dopt_q8_num_blocks(numel, (size_t)hp[BLOCK]);
+    dopt_state_def_dtype(&out[n++], "state1", DOPT_U8, ndim, shape, 1);
+    dopt_state_def_dtype(&out[n++], "state2", DOPT_U8, ndim, shape, 1);
+    dopt_state_def(&out[n++], "absmax1", 1, &nb, 0);
+    dopt_state_def(&out[n++], "absmax2", 1, &nb, 0);
+  } else {
+    dopt_state_def(&out[n++], "state1", ndim, shape, 1);
+    dopt_state_def(&out[n++], "state2", ndim, shape, 1);
+  }
+  if (hp[PCT] < 100) {
+    const int64_t h = DOPT_Q8_GNORM_HISTORY;
+    dopt_state_def(&out[n++], "gnorm_vec", 1, &h, 0);
+  }
+  return n;
+}
+
+static dopt_status step(const dopt_step_args *a) {
+  const double *hp = a->hp;
+  const size_t n = a->piece->len;
+  const int q8 = use_8bit(hp, n);
+  dopt_q8_adam_hp k = {
+      .lr = (float)hp[LR],
+      .beta1 = (float)hp[BETA1],
+      .beta2 = (float)hp[BETA2],
+      .eps = (float)hp[EPS],
+      .weight_decay = (float)hp[WD],
+      .gnorm_scale = 1.0f,
+      .step = a->step,
+      .block = (size_t)hp[BLOCK],
+  };
+  unsigned ev = 0;
+  if (hp[PCT] < 100) {
+    int clipped = 0;
+    k.gnorm_scale = dopt_q8_percentile_clipping(a->grad, n, a->state[q8 ? 4 : 2], a->step, (int)hp[PCT], &clipped);
+    if (clipped) ev |= DOPT_EVENT_CLIPPED;
+  }
+  if (q8) {
+    size_t bad = 0;
+    DOPT_TRY(dopt_q8_adam_update(a->param, a->grad, a->state[0], a->state[1], a->state[2], a->state[3], n, &k, &bad));
+    if (bad) ev |= DOPT_EVENT_NONFINITE_RESET;
+  } else {
+    DOPT_TRY(dopt_q8_adam32_update(a->param, a->grad, a->state[0], a->state[1], n, &k));
+  }
+  if (a->events) *a->events |= ev;
+  return DOPT_OK;
+}
+
+const dopt_optim_impl dopt_impl_adamw8bit = {
+    .name = "adamw8bit",
+    .summary = "bitsandbytes AdamW8bit (<= 0.49, CUDA kernel semantics): blockwise 8-bit states, decay after the step",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = layout,
+    .scratch = NULL,
+    .step = step,
+    .distributable = 0,
+};

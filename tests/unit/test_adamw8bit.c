@@ -1,0 +1,526 @@
+/* adamw8bit (bitsandbytes AdamW8bit, CUDA kernel semantics) against a float64
+ * implementation of the same algorithm written here, step by step: before
+ * every step the oracle takes the optimizer's current state (bytes, absmax,
+ * parameters), runs the step in double and is compared with the optimizer's
+ * result, so differences do not compound and every byte is checked at every
+ * step. Also: the fp32 path below min_8bit_size, NaN resets, all-zero blocks,
+ * percentile clipping's history, decay after the step, memory.
+ *
+ * What may differ, and the bounds (eps = 2^-24, one fp32 rounding):
+ *  - new states: the optimizer computes m' = β1·m + (1−β1)·g' and
+ *    v' = β2·v + ((1−β2)·g')·g' with m, v dequantised in fp32: at most 4
+ *    roundings, so |Δs| ≤ 4·eps·T with T = |β1·m| + |(1−β1)·g'| (resp. the
+ *    sum of the positive terms for v). absmax is one of the |s|, the division
+ *    x = s/absmax adds one rounding: |Δx| ≤ 4·eps·T/absmax + 6·eps·|x|. We
+ *    allow 16·eps·(T/absmax + |x|) (a factor ≥ 2.5 over the bound).
+ *  - state bytes: equal unless the oracle's x lies within that tolerance of
+ *    the midpoint of the two codes the two sides chose (adjacent codes: a
+ *    "midpoint flip"), or |x| is within the tolerance of 0 where the state1
+ *    sign fix may go either way (bytes 126..128). Every other difference
+ *    fails. Flips are counted; they need x within ~1e-6 relative of one of
+ *    255 midpoints, so with ~10^5 bytes compared they should be a handful at
+ *    most: we require ≤ 1 per 10,000 bytes.
+ *  - parameters: p + step_size·s1/(√s2 + c2·eps) then ·(1 − lr·wd): the add
+ *    and the decay round (≤ 1 ulp of p together); the update u carries the
+ *    state error 8·eps·T·|step_size|/den plus ≤ 8 roundings of its own
+ *    (powf, sqrt, division, products: 16·eps·|u|), and the fp32 bias
+ *    corrections' cancellation (ss_rel_err). Allowed: 2·ulp(p) +
+ *    |step_size|·8·eps·T/den + (16·eps + ss_rel_err)·|u|; we also report the
+ *    largest ULP distance seen. */
+#include "testutil.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "distopt/distopt.h"
+#include "distopt/quant8.h"
+
+#define EPS32 (1.0 / 16777216.0)
+#define NSTEPS 24
+
+typedef struct hpd {
+  double lr, b1, b2, eps, wd, gscale;
+} hpd;
+
+/* the kernel receives fp32 scalars: the oracle uses those values, in double */
+static hpd hp_of(double lr, double b1, double b2, double eps, double wd) {
+  hpd h = {(float)lr, (float)b1, (float)b2, (float)eps, (float)wd, 1.0};
+  return h;
+}
+
+/* nearest code in double; exact midpoints go to the even index (the CUDA
+ * search's final pivot is always even); NaN → 0 */
+static int nearest(const float *code, double x) {
+  if (isnan(x)) return 0;
+  if (x <= code[0]) return 0;
+  if (x >= code[255]) return 255;
+  int i = 0;
+  while (!(x >= code[i] && x <= code[i + 1])) i++;
+  const double mid = ((double)code[i] + code[i + 1]) / 2;
+  if (x < mid) return i;
+  if (x > mid) return i + 1;
+  return i % 2 == 0 ? i : i + 1;
+}
+
+typedef struct cmpstat {
+  size_t bytes, flips1, flips2, params;
+  uint64_t max_ulp, max_ulp_big; /* all; |p| >= 0.01 */
+  double max_pratio;
+} cmpstat;
+
+static float ulpf(double v) {
+  float f = fabsf((float)v);
+  return nextafterf(f, INFINITY) - f;
+}
+
+/* Relative error of the kernel's fp32 step size −lr·c2/c1: c_i = 1 − fp32(β_i^t)
+ * cancels, so one rounding of β^t (≤ 1 ulp from powf) becomes a relative error
+ * of eps·β^t/(1 − β^t) in c_i (halved by the square root for c2): ~500·eps
+ * for β2 = 0.999 at t = 2. The GPU's fast pow is worse; this is inherent to
+ * computing the bias corrections in fp32, not an implementation error. */
+static double ss_rel_err(hpd h, int64_t t) {
+  const double p1 = pow(h.b1, (double)t), p2 = pow(h.b2, (double)t);
+  return 2 * EPS32 * (4 + p1 / (1 - p1) + p2 / (1 - p2));
+}
+
+/* One oracle step on the whole tensor from the pre-step state; compares with
+ * the optimizer's post-step state. */
+static void check_step_8bit(const float *p0, const float *g, const uint8_t *q10, const uint8_t *q20, const float *a10,
+                            const float *a20, const float *p1, const uint8_t *q11, const uint8_t *q21,
+                            const float *a11, const float *a21, size_t n, size_t B, int64_t t, hpd h, cmpstat *cs,
+                            const char *what) {
+  const float *c1 = dopt_q8_map(1), *c2 = dopt_q8_map(0);
+  const double omb1 = 1.0 - h.b1, omb2 = 1.0 - h.b2;
+  const double k1 = 1.0 - pow(h.b1, (double)t), k2 = sqrt(1.0 - pow(h.b2, (double)t));
+  const double ss = -h.lr * k2 / k1, c2eps = k2 * h.eps, decay = 1.0 - h.lr * h.wd;
+  const double rss = ss_rel_err(h, t);
+  double *s1 = malloc(B * sizeof *s1), *s2 = malloc(B * sizeof *s2), *T1 = malloc(B * sizeof *T1),
+         *T2 = malloc(B * sizeof *T2);
+  for (size_t b0 = 0, blk = 0; b0 < n; b0 += B, blk++) {
+    const size_t valid = n - b0 < B ? n - b0 : B;
+    double m1 = 0, m2 = 0, TA1 = 0, TA2 = 0;
+    for (size_t j = 0; j < B; j++) {
+      const int in = j < valid;
+      const double gj = in ? g[b0 + j] : 0.0;
+      const int b1 = in ? q10[b0 + j] : 128, b2 = in ? q20[b0 + j] : 0;
+      s1[j] = s2[j] = T1[j] = T2[j] = 0;
+      if (isfinite(gj)) {
+        const double gs = gj * h.gscale, m = (double)c1[b1] * a10[blk], v = (double)c2[b2] * a20[blk];
+        s1[j] = h.b1 * m + omb1 * gs;
+        s2[j] = h.b2 * v + omb2 * gs * gs;
+        T1[j] = fabs(h.b1 * m) + fabs(omb1 * gs);
+        T2[j] = s2[j];
+      }
+      m1 = fmax(m1, fabs(s1[j]));
+      m2 = fmax(m2, s2[j]);
+      TA1 = fmax(TA1, T1[j]);
+      TA2 = fmax(TA2, T2[j]);
+    }
+    if (fabs(a11[blk] - m1) > 8 * EPS32 * TA1 || fabs(a21[blk] - m2) > 8 * EPS32 * TA2)
+      fail_msg("%s t=%lld block %zu: absmax %a %a, oracle %a %a", what, (long long)t, blk, (double)a11[blk],
+               (double)a21[blk], m1, m2);
+    for (size_t j = 0; j < valid; j++) {
+      const size_t i = b0 + j;
+      /* parameter */
+      double pe = p0[i], tol = 0;
+      if (isfinite(g[i])) {
+        const double den = sqrt(s2[j]) + c2eps, u = ss * s1[j] / den;
+        pe = p0[i] + u;
+        if (h.wd > 0) pe *= decay;
+        tol = 2.0 * ulpf(pe) + fabs(ss) * 8 * EPS32 * T1[j] / den + (16 * EPS32 + rss) * fabs(u);
+      }
+      const double d = fabs((double)p1[i] - pe);
+      if (d > tol) fail_msg("%s t=%lld: p[%zu] = %a, oracle %a (tol %g)", what, (long long)t, i, (double)p1[i], pe, tol);
+      if (tol > 0 && d / tol > cs->max_pratio) cs->max_pratio = d / tol;
+      const uint64_t ud = dt_ulp_distance(p1[i], (float)pe);
+      if (ud > cs->max_ulp) cs->max_ulp = ud;
+      if (fabs(pe) >= 0.01 && ud > cs->max_ulp_big) cs->max_ulp_big = ud;
+      cs->params++;
+      /* bytes */
+      for (int k = 0; k < 2; k++) {
+        const double s = k ? s2[j] : s1[j], m = k ? m2 : m1, T = k ? T2[j] : T1[j];
+        const float *c = k ? c2 : c1;
+        const double x = s / m;
+        int qo = nearest(c, x);
+        if (!k && (signbit(c[qo]) != 0) != (signbit(s) != 0)) qo = (uint8_t)(s > 0 ? qo + 1 : qo - 1);
+        const int qc = k ? q21[i] : q11[i];
+        cs->bytes++;
+        if (qo == qc) continue;
+        const double xtol = 16 * EPS32 * (T / m + fabs(x));
+        const int lo = qo < qc ? qo : qc;
+        const int flip = abs(qo - qc) == 1 && fabs(x - ((double)c[lo] + c[lo + 1]) / 2) <= xtol;
+        const int sign = !k && fabs(x) <= xtol && qo >= 126 && qo <= 128 && qc >= 126 && qc <= 128;
+        if (!flip && !sign)
+          fail_msg("%s t=%lld: state%d[%zu] byte %d, oracle %d (x=%.9g, codes %.9g %.9g)", what, (long long)t, k + 1,
+                   i, qc, qo, x, (double)c[qc], (double)c[qo]);
+        if (k) cs->flips2++;
+        else cs->flips1++;
+      }
+    }
+  }
+  free(s1), free(s2), free(T1), free(T2);
+}
+
+/* fp32 path (kOptimizer32bit2State) against double from the same pre-step state */
+static void check_step_32(const float *p0, const float *g, const float *m0, const float *v0, const float *p1,
+                          const float *m1, const float *v1, size_t n, int64_t t, hpd h, cmpstat *cs) {
+  const double k1 = 1.0 - pow(h.b1, (double)t), k2 = sqrt(1.0 - pow(h.b2, (double)t));
+  const double ss = -h.lr * k2 / k1, c2eps = k2 * h.eps, decay = 1.0 - h.lr * h.wd;
+  const double rss = ss_rel_err(h, t);
+  for (size_t i = 0; i < n; i++) {
+    const double gs = (double)g[i] * h.gscale;
+    const double m = h.b1 * m0[i] + (1 - h.b1) * gs, v = h.b2 * v0[i] + (1 - h.b2) * gs * gs;
+    const double T = fabs(h.b1 * m0[i]) + fabs((1 - h.b1) * gs);
+    if (fabs(m1[i] - m) > 4 * EPS32 * T || fabs(v1[i] - v) > 4 * EPS32 * v)
+      fail_msg("fp32 t=%lld: state[%zu] %a %a, oracle %a %a", (long long)t, i, (double)m1[i], (double)v1[i], m, v);
+    const double den = sqrt(v) + c2eps, u = ss * m / den;
+    double pe = (p0[i] + u) * (h.wd > 0 ? decay : 1.0);
+    const double tol = 2.0 * ulpf(pe) + fabs(ss) * 8 * EPS32 * T / den + (16 * EPS32 + rss) * fabs(u);
+    if (fabs(p1[i] - pe) > tol) fail_msg("fp32 t=%lld: p[%zu] %a, oracle %a", (long long)t, i, (double)p1[i], pe);
+    const uint64_t ud = dt_ulp_distance(p1[i], (float)pe);
+    if (ud > cs->max_ulp) cs->max_ulp = ud;
+    if (fabs(pe) >= 0.01 && ud > cs->max_ulp_big) cs->max_ulp_big = ud;
+    cs->params++;
+  }
+}
+
+/* gradient of step t (1-based): N(0,1)·scale, a few heavy elements, steps 7
+ * and 8 all zero, non-finite elements at step 12 when `nonfinite` */
+static void make_grad(float *g, size_t n, int t, uint64_t seed, double scale, int nonfinite) {
+  uint64_t r = seed * 1000003u + (uint64_t)t;
+  for (size_t i = 0; i < n; i++) g[i] = (float)(dt_rand_normal(&r) * scale);
+  for (int k = 0; k < 3; k++) g[dt_rand_u64(&r) % n] *= (float)exp(1 + 4 * dt_rand_uniform(&r));
+  if (t == 7 || t == 8)
+    for (size_t i = 0; i < n; i++) g[i] = 0.0f;
+  if (t == 12 && nonfinite) {
+    g[0] = NAN;
+    g[n / 2] = INFINITY;
+    g[n - 1] = -INFINITY;
+  }
+}
+
+static float *make_param(size_t n, uint64_t seed) {
+  float *p = malloc(n * sizeof *p);
+  uint64_t r = seed;
+  for (size_t i = 0; i < n; i++) p[i] = (float)(dt_rand_normal(&r) * 0.5);
+  return p;
+}
+
+static void add_param(dopt_optim *o, const char *name, int ndim, const int64_t *shape, float *data) {
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = name;
+  pc.ndim = ndim;
+  for (int i = 0; i < ndim; i++) pc.shape[i] = shape[i];
+  pc.data = data;
+  assert_ok(dopt_optim_add_param(o, 0, &pc, NULL));
+}
+
+static void *state_data(dopt_optim *o, int p, int idx, const char *name, dopt_dtype dt) {
+  dopt_state_view v;
+  assert_ok(dopt_optim_state(o, p, idx, &v));
+  assert_string_equal(v.name, name);
+  assert_int_equal(v.dtype, dt);
+  return v.data;
+}
+
+/* ≥ 20 steps, numel just below/at/above 4096 and not a multiple of B, both
+ * block sizes, against the oracle. */
+static void test_against_oracle(void **st) {
+  (void)st;
+  const struct {
+    int64_t shape[2];
+    int ndim;
+  } shapes[] = {{{4095, 0}, 1}, {{4096, 0}, 1}, {{4097, 0}, 1}, {{63, 80}, 2}, {{33, 200}, 2}};
+  const size_t blocks[] = {256, 2048};
+  const char *hps[] = {"", "lr=3e-3,beta2=0.99,weight_decay=0.1"};
+  cmpstat cs = {0}, cs32 = {0};
+  for (int bi = 0; bi < 2; bi++)
+    for (int hi = 0; hi < 2; hi++)
+      for (int si = 0; si < 5; si++) {
+        char hp[128];
+        snprintf(hp, sizeof hp, "block_size=%zu%s%s", blocks[bi], hps[hi][0] ? "," : "", hps[hi]);
+        dopt_optim *o;
+        assert_ok(dopt_optim_create("adamw8bit", hp, &o));
+        const size_t n = (size_t)(shapes[si].shape[0] * (shapes[si].ndim == 2 ? shapes[si].shape[1] : 1)), B = blocks[bi];
+        const int q8 = n >= 4096;
+        float *p = make_param(n, 11 + (uint64_t)si), *g = malloc(n * sizeof *g), *p0 = malloc(n * sizeof *p0);
+        add_param(o, "w", shapes[si].ndim, shapes[si].shape, p);
+        hpd h = hi ? hp_of(3e-3, 0.9, 0.99, 1e-8, 0.1) : hp_of(1e-3, 0.9, 0.999, 1e-8, 1e-2);
+        const size_t nb = dopt_q8_num_blocks(n, B);
+        uint8_t *q10 = malloc(n), *q20 = malloc(n);
+        float *a10 = calloc(nb, 4), *a20 = calloc(nb, 4), *m0 = calloc(n, 4), *v0 = calloc(n, 4);
+        memset(q10, 0, n), memset(q20, 0, n);
+        char what[200];
+        snprintf(what, sizeof what, "n=%zu B=%zu hp=%s", n, B, hp);
+        for (int t = 1; t <= NSTEPS; t++) {
+          make_grad(g, n, t, (uint64_t)si + 100 * (uint64_t)bi, hi ? 1e-2 : 1.0, q8);
+          memcpy(p0, p, n * 4);
+          const float *gg[1] = {g};
+          assert_ok(dopt_optim_step(o, gg));
+          unsigned ev;
+          assert_ok(dopt_optim_events(o, 0, &ev));
+          assert_int_equal(ev, (q8 && t == 12) ? DOPT_EVENT_NONFINITE_RESET : 0u);
+          if (q8) {
+            const uint8_t *q11 = state_data(o, 0, 0, "state1", DOPT_U8), *q21 = state_data(o, 0, 1, "state2", DOPT_U8);
+            const float *a11 = state_data(o, 0, 2, "absmax1", DOPT_F32), *a21 = state_data(o, 0, 3, "absmax2", DOPT_F32);
+            check_step_8bit(p0, g, q10, q20, a10, a20, p, q11, q21, a11, a21, n, B, t, h, &cs, what);
+            if (t == 12) { /* non-finite: parameter kept, moments reset to 0 */
+              const size_t bad[3] = {0, n / 2, n - 1};
+              for (int k = 0; k < 3; k++) {
+                assert_true(p[bad[k]] == p0[bad[k]]);
+                assert_int_equal(q11[bad[k]], 127);
+                assert_int_equal(q21[bad[k]], 0);
+              }
+            }
+            memcpy(q10, q11, n), memcpy(q20, q21, n), memcpy(a10, a11, nb * 4), memcpy(a20, a21, nb * 4);
+          } else {
+            const float *m1 = state_data(o, 0, 0, "state1", DOPT_F32), *v1 = state_data(o, 0, 1, "state2", DOPT_F32);
+            check_step_32(p0, g, m0, v0, p, m1, v1, n, t, h, &cs32);
+            memcpy(m0, m1, n * 4), memcpy(v0, v1, n * 4);
+          }
+        }
+        dopt_optim_destroy(o);
+        free(p), free(g), free(p0), free(q10), free(q20), free(a10), free(a20), free(m0), free(v0);
+      }
+  printf("8-bit: %zu bytes, midpoint flips state1 %zu state2 %zu; %zu params, max %llu ulp (%llu where |p| >= 0.01; "
+         "%.3g of the bound)\n",
+         cs.bytes, cs.flips1, cs.flips2, cs.params, (unsigned long long)cs.max_ulp,
+         (unsigned long long)cs.max_ulp_big, cs.max_pratio);
+  printf("fp32 path: %zu params, max %llu ulp (%llu where |p| >= 0.01)\n", cs32.params,
+         (unsigned long long)cs32.max_ulp, (unsigned long long)cs32.max_ulp_big);
+  assert_true(cs.bytes > 1000000);
+  assert_true((cs.flips1 + cs.flips2) * 10000 <= cs.bytes);
+  /* In ULPs, for |p| >= 0.01 (ulp(p) >= 2^-30): the non-ulp terms of the
+   * per-element bound are (16·eps + ss_rel_err)·|u| + state error, with
+   * |u| <= lr·|m_hat|/sqrt(v_hat) <~ 3·lr <= 1e-2 here and ss_rel_err <=
+   * ~1100·eps at t = 2 (beta2 = 0.999): <= ~7e-10 + 2 ulp, i.e. <= ~3 ulp +
+   * 2 ulp; 16 leaves room. Near-zero parameters have tiny ulps, hence the
+   * absolute bound above instead. */
+  assert_true(cs.max_ulp_big <= 16 && cs32.max_ulp_big <= 16);
+}
+
+/* All-zero gradient block: 0/0 = NaN → byte 0, then the sign fix (code1[0]
+ * is negative, s1 = +0 is not) moves it to 0 − 1 = 255; state2 stays 0. */
+static void test_zero_block_and_padding(void **st) {
+  (void)st;
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adamw8bit", "block_size=256", &o));
+  const size_t n = 4096 + 300;
+  const int64_t shape[1] = {(int64_t)n};
+  float *p = make_param(n, 3), *g = malloc(n * 4);
+  add_param(o, "w", 1, shape, p);
+  for (int t = 1; t <= 3; t++) {
+    make_grad(g, n, t, 9, 1.0, 0);
+    for (size_t i = 256; i < 512; i++) g[i] = 0.0f; /* block 1 */
+    const float *gg[1] = {g};
+    assert_ok(dopt_optim_step(o, gg));
+  }
+  const uint8_t *q1 = state_data(o, 0, 0, "state1", DOPT_U8), *q2 = state_data(o, 0, 1, "state2", DOPT_U8);
+  const float *a1 = state_data(o, 0, 2, "absmax1", DOPT_F32), *a2 = state_data(o, 0, 3, "absmax2", DOPT_F32);
+  assert_true(a1[1] == 0.0f && a2[1] == 0.0f);
+  for (size_t i = 256; i < 512; i++) {
+    assert_int_equal(q1[i], 255);
+    assert_int_equal(q2[i], 0);
+  }
+  /* the last block (44 valid slots) has absmax at least the padded slots'
+   * β1·code1[128]·absmax_old (byte 128 decodes to 5.5e-7) */
+  assert_true(a1[17] > 0);
+  dopt_optim_destroy(o);
+  free(p), free(g);
+}
+
+/* Decay after the step, in the kernel's fp32 order: p' = (p + step_size·
+ * (s1/(√s2 + c2·eps)))·(1 − lr·wd), from zero states at t = 1, for both
+ * paths; torch's decay-before order gives different results. */
+static void test_decay_after(void **st) {
+  (void)st;
+  for (int q8 = 0; q8 < 2; q8++) {
+    dopt_optim *o;
+    assert_ok(dopt_optim_create("adamw8bit", "lr=0.05,weight_decay=0.5", &o));
+    const size_t n = q8 ? 4096 : 100;
+    const int64_t shape[1] = {(int64_t)n};
+    float *p = make_param(n, 5), *p0 = malloc(n * 4), *g = malloc(n * 4);
+    memcpy(p0, p, n * 4);
+    make_grad(g, n, 1, 5, 1.0, 0);
+    add_param(o, "w", 1, shape, p);
+    const float *gg[1] = {g};
+    assert_ok(dopt_optim_step(o, gg));
+    const float lr = 0.05f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.5f;
+    const float c1 = 1.0f - powf(b1, 1.0f), c2 = sqrtf(1.0f - powf(b2, 1.0f));
+    const float ss = (-lr * c2) / c1, decay = 1.0f - lr * wd;
+    int differs = 0;
+    for (size_t i = 0; i < n; i++) {
+      const float s1 = (1.0f - b1) * g[i];
+      const float s2 = q8 ? ((1.0f - b2) * g[i]) * g[i] : (1.0f - b2) * (g[i] * g[i]); /* the kernels' orders */
+      const float upd = ss * (s1 / (sqrtf(s2) + c2 * eps));
+      const float after = (p0[i] + upd) * decay, before = p0[i] * decay + upd;
+      if (p[i] != after) fail_msg("q8=%d p[%zu] = %a, decay-after %a", q8, i, (double)p[i], (double)after);
+      differs += after != before;
+    }
+    assert_true(differs > (int)n / 4);
+    dopt_optim_destroy(o);
+    free(p), free(p0), free(g);
+  }
+}
+
+/* fp32 path has no guard: a NaN gradient poisons its element (upstream). */
+static void test_fp32_nan_propagates(void **st) {
+  (void)st;
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adamw8bit", NULL, &o));
+  const int64_t shape[1] = {64};
+  float *p = make_param(64, 8), g[64] = {0};
+  g[3] = NAN;
+  g[4] = 1.0f;
+  add_param(o, "w", 1, shape, p);
+  const float *gg[1] = {g};
+  assert_ok(dopt_optim_step(o, gg));
+  assert_true(isnan(p[3]) && isfinite(p[4]));
+  unsigned ev;
+  assert_ok(dopt_optim_events(o, 0, &ev));
+  assert_int_equal(ev, 0);
+  dopt_optim_destroy(o);
+  free(p);
+}
+
+/* percentile_clipping=5: the gnorm history (t = 1 fills all 100 slots, then
+ * slot t mod 100), the scale clip/current when current > clip, the event, and
+ * that the step equals an unclipped step on g·scale, bit for bit. */
+static void test_percentile_clipping(void **st) {
+  (void)st;
+  for (int q8 = 0; q8 < 2; q8++) {
+    dopt_optim *o, *ref;
+    assert_ok(dopt_optim_create("adamw8bit", "percentile_clipping=5", &o));
+    assert_ok(dopt_optim_create("adamw8bit", NULL, &ref));
+    const size_t n = q8 ? 5000 : 300;
+    const int64_t shape[1] = {(int64_t)n};
+    float *p = make_param(n, 21), *pr = make_param(n, 21), *g = malloc(n * 4), *gs = malloc(n * 4);
+    add_param(o, "w", 1, shape, p);
+    add_param(ref, "w", 1, shape, pr);
+    double hist[100];
+    int nclipped = 0;
+    for (int t = 1; t <= 130; t++) {
+      make_grad(g, n, t, 77, 0.1 * (1 + (t % 13)), 0); /* norms vary; 7 and 8 are zero */
+      double ss = 0;
+      for (size_t i = 0; i < n; i++) ss += (double)g[i] * g[i];
+      if (t == 1)
+        for (int k = 0; k < 100; k++) hist[k] = (float)ss;
+      else
+        hist[t % 100] = (float)ss;
+      double sorted[100];
+      memcpy(sorted, hist, sizeof sorted);
+      for (int a = 1; a < 100; a++) /* insertion sort */
+        for (int b = a; b > 0 && sorted[b - 1] > sorted[b]; b--) {
+          double tmp = sorted[b];
+          sorted[b] = sorted[b - 1];
+          sorted[b - 1] = tmp;
+        }
+      const float cur = sqrtf((float)hist[t % 100]), clip = sqrtf((float)sorted[5]);
+      const float scale = cur > clip ? clip / cur : 1.0f;
+      for (size_t i = 0; i < n; i++) gs[i] = g[i] * scale;
+      const float *gg[1] = {g}, *gr[1] = {gs};
+      assert_ok(dopt_optim_step(o, gg));
+      assert_ok(dopt_optim_step(ref, gr));
+      unsigned ev;
+      assert_ok(dopt_optim_events(o, 0, &ev));
+      assert_int_equal(ev, scale != 1.0f ? DOPT_EVENT_CLIPPED : 0u);
+      nclipped += scale != 1.0f;
+      const float *hv = state_data(o, 0, q8 ? 4 : 2, "gnorm_vec", DOPT_F32);
+      for (int k = 0; k < 100; k++)
+        if (hv[k] != (float)hist[k]) fail_msg("t=%d gnorm_vec[%d] = %a, want %a", t, k, (double)hv[k], hist[k]);
+      assert_memory_equal(p, pr, n * 4);
+      for (int s = 0; s < (q8 ? 4 : 2); s++) {
+        dopt_state_view a, b;
+        assert_ok(dopt_optim_state(o, 0, s, &a));
+        assert_ok(dopt_optim_state(ref, 0, s, &b));
+        assert_memory_equal(a.data, b.data, a.bytes);
+      }
+    }
+    assert_true(nclipped > 30 && nclipped < 125);
+    dopt_optim_destroy(o);
+    dopt_optim_destroy(ref);
+    free(p), free(pr), free(g), free(gs);
+  }
+}
+
+/* Exactly 1 byte per element per state + 4 bytes per block per state for
+ * 8-bit, 8 bytes per element below min_8bit_size, + 400 with percentile
+ * clipping. */
+static void test_memory(void **st) {
+  (void)st;
+  const struct {
+    const char *hp;
+    size_t n, want;
+  } cases[] = {
+      {NULL, 4096, 2 * 4096 + 2 * 4 * 16},
+      {NULL, 4097, 2 * 4097 + 2 * 4 * 17},
+      {NULL, 4095, 8 * 4095},
+      {"block_size=2048", 5000, 2 * 5000 + 2 * 4 * 3},
+      {"block_size=64", 5000, 2 * 5000 + 2 * 4 * 79},
+      {"percentile_clipping=5", 4096, 2 * 4096 + 2 * 4 * 16 + 400},
+      {"percentile_clipping=5", 100, 800 + 400},
+      {"min_8bit_size=0", 1, 2 + 8},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    dopt_optim *o;
+    assert_ok(dopt_optim_create("adamw8bit", cases[c].hp, &o));
+    const int64_t shape[1] = {(int64_t)cases[c].n};
+    float *p = make_param(cases[c].n, 1);
+    add_param(o, "w", 1, shape, p);
+    size_t alloc, full;
+    assert_ok(dopt_optim_state_bytes(o, 0, &alloc, &full));
+    assert_int_equal(alloc, 0);
+    assert_int_equal(full, cases[c].want);
+    assert_ok(dopt_optim_init_state(o, 0));
+    assert_ok(dopt_optim_state_bytes(o, -1, &alloc, &full));
+    assert_int_equal(alloc, cases[c].want);
+    dopt_optim_destroy(o);
+    free(p);
+  }
+}
+
+static void test_hparams(void **st) {
+  (void)st;
+  dopt_optim *o = NULL;
+  assert_status(dopt_optim_create("adamw8bit", "block_size=100", &o), DOPT_ERR_INVALID_ARG, "block_size=100");
+  assert_status(dopt_optim_create("adamw8bit", "block_size=8192", &o), DOPT_ERR_INVALID_ARG, "block_size=8192");
+  assert_status(dopt_optim_create("adamw8bit", "percentile_clipping=101", &o), DOPT_ERR_INVALID_ARG,
+                "percentile_clipping=101");
+  assert_status(dopt_optim_create("adamw8bit", "min_8bit_size=1.5", &o), DOPT_ERR_INVALID_ARG, "min_8bit_size=1.5");
+  assert_status(dopt_optim_create("adamw8bit", "beta2=1", &o), DOPT_ERR_INVALID_ARG, "beta2=1");
+  assert_ok(dopt_optim_create("adamw8bit", NULL, &o));
+  /* a change of the state layout after the first step is refused (absmax size) */
+  {
+    const int64_t shape[1] = {5000};
+    float *p = make_param(5000, 2), *g = make_param(5000, 3);
+    add_param(o, "w", 1, shape, p);
+    const float *gg[1] = {g};
+    assert_ok(dopt_optim_step(o, gg));
+    assert_status(dopt_optim_set_hparam(o, 0, "block_size", 64), DOPT_ERR_STATE, "block_size");
+    assert_status(dopt_optim_set_hparam(o, 0, "min_8bit_size", 6000), DOPT_ERR_STATE, "min_8bit_size");
+    assert_ok(dopt_optim_set_hparam(o, 0, "lr", 2e-3));
+    assert_ok(dopt_optim_set_hparam(o, 0, "lr", 1e-3));
+    free(p), free(g);
+  }
+  const char *keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "min_8bit_size", "percentile_clipping",
+                        "block_size"};
+  const double want[] = {1e-3, 0.9, 0.999, 1e-8, 1e-2, 4096, 100, 256};
+  for (int k = 0; k < 8; k++) {
+    double v;
+    assert_ok(dopt_optim_get_hparam(o, 0, keys[k], &v));
+    assert_true(v == want[k]);
+  }
+  dopt_optim_destroy(o);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_against_oracle),     cmocka_unit_test(test_zero_block_and_padding),
+      cmocka_unit_test(test_decay_after),        cmocka_unit_test(test_fp32_nan_propagates),
+      cmocka_unit_test(test_percentile_clipping), cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_hparams),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
