@@ -95,16 +95,16 @@ static int run_matrix(int steps) {
                  (unsigned long long)r.t[worst].max_ulp);
       }
       if (s == DOPT_ERR_UNSUPPORTED) { /* a whole-tensor optimizer (distributable = 0): not a failure */
-        cell = "- single-device";
-        snprintf(reasons + strlen(reasons), sizeof reasons - strlen(reasons), "  %s / %s: %s\n", name,
-                 plugins[p].plugin, why);
+        cell = "\xe2\x80\x93 single-device"; /* – */
+        if (p == 0)
+          snprintf(reasons + strlen(reasons), sizeof reasons - strlen(reasons), "  %s: %s\n", name, why);
       } else if (why[0]) {
         cell = "\xe2\x9c\x98 see below"; /* ✘ */
         all = 0;
         snprintf(reasons + strlen(reasons), sizeof reasons - strlen(reasons), "  %s / %s: %s\n", name,
                  plugins[p].plugin, why);
       }
-      printf(" %-20s", cell);
+      printf(" %-20s", cell); /* every cell has one 3-byte UTF-8 symbol: 18 columns */
       if (s == DOPT_OK) cmp_result_free(&r);
       fflush(stdout);
     }

@@ -493,10 +493,14 @@ static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
   DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
   DOPT_TRY(dopt_dist_check_layout(o->plugin, o->tp, o->dp, o->zero));
-  if (!dopt_find_impl(o->optimizer)) {
+  const dopt_optim_impl *im = dopt_find_impl(o->optimizer);
+  if (!im) {
     dopt_optim *probe;
     return dopt_optim_create(o->optimizer, NULL, &probe); /* the registry's message */
   }
+  if (!im->distributable)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "optimizer '%s' is single-device only (its step needs whole tensors)",
+                      o->optimizer);
   return DOPT_OK;
 }
 
