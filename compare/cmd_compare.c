@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "compare.h"
+#include "optim_impl.h"
 
 static const char *const CMD = "compare";
 
@@ -72,6 +73,11 @@ static int run_matrix(int steps) {
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
     printf("%-12s", name);
+    if (!dopt_find_impl(name)->distributable) { /* needs whole tensors (e.g. GaLore's SVD): dist/ refuses it */
+      for (int p = 0; p < np; p++) printf(" %-18s", "n/a whole tensor");
+      printf("\n");
+      continue;
+    }
     for (int p = 0; p < np; p++) {
       cmp_options o;
       cmp_options_default(&o);

@@ -15,6 +15,7 @@ static const dopt_optim_impl *const registry[] = {
     &dopt_impl_adafactor,
     &dopt_impl_came,
     &dopt_impl_lamb,
+    &dopt_impl_galore_adamw,
 };
 #define NREG ((int)(sizeof registry / sizeof registry[0]))
 

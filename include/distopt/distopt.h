@@ -3,6 +3,7 @@
 #define DISTOPT_H
 #include "distopt/status.h"
 #include "distopt/optim.h"
+#include "distopt/galore.h"
 #include "distopt/xsum.h"
 #define DOPT_VERSION_MAJOR 0
 #define DOPT_VERSION_MINOR 1

@@ -11,10 +11,10 @@
 
 static void test_registry(void **st) {
   (void)st;
-  const char *want[] = {"adamw", "adafactor", "came", "lamb"};
-  assert_int_equal(dopt_optim_registry_count(), 4);
+  const char *want[] = {"adamw", "adafactor", "came", "lamb"}; /* then the later additions (galore_adamw, ...) */
+  assert_true(dopt_optim_registry_count() >= 4);
   for (int i = 0; i < 4; i++) assert_string_equal(dopt_optim_registry_name(i), want[i]);
-  assert_null(dopt_optim_registry_name(4));
+  assert_null(dopt_optim_registry_name(dopt_optim_registry_count()));
   dopt_optim *o = (dopt_optim *)1;
   assert_status(dopt_optim_create("adamx", NULL, &o), DOPT_ERR_NOT_FOUND, "'adamx'");
   assert_null(o);
