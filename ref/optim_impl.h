@@ -95,6 +95,7 @@ extern const dopt_optim_impl dopt_impl_adafactor;
 extern const dopt_optim_impl dopt_impl_came;
 extern const dopt_optim_impl dopt_impl_lamb;
 extern const dopt_optim_impl dopt_impl_adamw8bit;
+extern const dopt_optim_impl dopt_impl_galore_adamw;
 
 const dopt_optim_impl *dopt_find_impl(const char *name);
 /* The implementation and group hyperparameters of a registry optimizer. */

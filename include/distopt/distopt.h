@@ -4,6 +4,7 @@
 #include "distopt/status.h"
 #include "distopt/optim.h"
 #include "distopt/quant8.h"
+#include "distopt/galore.h"
 #include "distopt/xsum.h"
 #define DOPT_VERSION_MAJOR 0
 #define DOPT_VERSION_MINOR 1
