@@ -36,28 +36,33 @@ static const dopt_hp_def hps[NHP] = {
 
 static int is_int(double v) { return v == floor(v); }
 
-static dopt_status validate(const double *hp) {
-  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: lr=%g must be >= 0", hp[LR]);
-  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: eps=%g must be >= 0", hp[EPS]);
+/* hp[0..7] in this table's order (galore_adamw8bit shares it); who: the
+ * optimizer name for messages. */
+dopt_status dopt__adamw8bit_validate(const char *who, const double *hp) {
+  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: lr=%g must be >= 0", who, hp[LR]);
+  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: eps=%g must be >= 0", who, hp[EPS]);
   if (!(hp[BETA1] >= 0 && hp[BETA1] < 1))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: beta1=%g must be in [0, 1)", hp[BETA1]);
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: beta1=%g must be in [0, 1)", who, hp[BETA1]);
   if (!(hp[BETA2] >= 0 && hp[BETA2] < 1))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: beta2=%g must be in [0, 1)", hp[BETA2]);
-  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: weight_decay=%g must be >= 0", hp[WD]);
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: beta2=%g must be in [0, 1)", who, hp[BETA2]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: weight_decay=%g must be >= 0", who, hp[WD]);
   if (!(hp[MIN8] >= 0 && is_int(hp[MIN8])))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: min_8bit_size=%g must be an integer >= 0", hp[MIN8]);
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: min_8bit_size=%g must be an integer >= 0", who, hp[MIN8]);
   if (!(hp[PCT] >= 0 && hp[PCT] <= 100 && is_int(hp[PCT])))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: percentile_clipping=%g must be an integer in [0, 100]",
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: percentile_clipping=%g must be an integer in [0, 100]", who,
                       hp[PCT]);
   if (!(hp[BLOCK] >= 1 && hp[BLOCK] <= DOPT_Q8_BLOCK_MAX && is_int(hp[BLOCK]) && dopt_q8_block_ok((size_t)hp[BLOCK])))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "adamw8bit: block_size=%g must be a power of two in [64, 4096]",
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: block_size=%g must be a power of two in [64, 4096]", who,
                       hp[BLOCK]);
   return DOPT_OK;
 }
 
 static int use_8bit(const double *hp, size_t numel) { return (double)numel >= hp[MIN8]; }
 
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+static dopt_status validate(const double *hp) { return dopt__adamw8bit_validate("adamw8bit", hp); }
+
+/* The states of an 8-bit Adam over a tensor of this shape (hp[0..7]). */
+int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   const size_t numel = dopt_numel(ndim, shape);
   int n = 0;
   if (use_8bit(hp, numel)) {
@@ -77,35 +82,44 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   return n;
 }
 
-static dopt_status step(const dopt_step_args *a) {
-  const double *hp = a->hp;
-  const size_t n = a->piece->len;
+/* One 8-bit Adam step of p[n] with gradient g[n] and the states of
+ * dopt__adamw8bit_layout (hp[0..7]; wd: the decay the kernel applies). */
+dopt_status dopt__adamw8bit_update(const double *hp, double wd, int64_t step, float *p, const float *g, size_t n,
+                                   void *const *state, unsigned *events) {
   const int q8 = use_8bit(hp, n);
   dopt_q8_adam_hp k = {
       .lr = (float)hp[LR],
       .beta1 = (float)hp[BETA1],
       .beta2 = (float)hp[BETA2],
       .eps = (float)hp[EPS],
-      .weight_decay = (float)hp[WD],
+      .weight_decay = (float)wd,
       .gnorm_scale = 1.0f,
-      .step = a->step,
+      .step = step,
       .block = (size_t)hp[BLOCK],
   };
   unsigned ev = 0;
   if (hp[PCT] < 100) {
     int clipped = 0;
-    k.gnorm_scale = dopt_q8_percentile_clipping(a->grad, n, a->state[q8 ? 4 : 2], a->step, (int)hp[PCT], &clipped);
+    k.gnorm_scale = dopt_q8_percentile_clipping(g, n, state[q8 ? 4 : 2], step, (int)hp[PCT], &clipped);
     if (clipped) ev |= DOPT_EVENT_CLIPPED;
   }
   if (q8) {
     size_t bad = 0;
-    DOPT_TRY(dopt_q8_adam_update(a->param, a->grad, a->state[0], a->state[1], a->state[2], a->state[3], n, &k, &bad));
+    DOPT_TRY(dopt_q8_adam_update(p, g, state[0], state[1], state[2], state[3], n, &k, &bad));
     if (bad) ev |= DOPT_EVENT_NONFINITE_RESET;
   } else {
-    DOPT_TRY(dopt_q8_adam32_update(a->param, a->grad, a->state[0], a->state[1], n, &k));
+    DOPT_TRY(dopt_q8_adam32_update(p, g, state[0], state[1], n, &k));
   }
-  if (a->events) *a->events |= ev;
+  if (events) *events |= ev;
   return DOPT_OK;
+}
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+  return dopt__adamw8bit_layout(hp, ndim, shape, out);
+}
+
+static dopt_status step(const dopt_step_args *a) {
+  return dopt__adamw8bit_update(a->hp, a->hp[WD], a->step, a->param, a->grad, a->piece->len, a->state, a->events);
 }
 
 const dopt_optim_impl dopt_impl_adamw8bit = {

@@ -17,6 +17,7 @@ static const dopt_optim_impl *const registry[] = {
     &dopt_impl_lamb,
     &dopt_impl_adamw8bit,
     &dopt_impl_galore_adamw,
+    &dopt_impl_galore_adamw8bit,
 };
 #define NREG ((int)(sizeof registry / sizeof registry[0]))
 
