@@ -2,7 +2,7 @@
  * top-r SVD of gradients with a decaying spectrum, and galore_adamw step
  * times. Not a test; numbers go into docs/galore.md.
  *
- *   dopt_svd_bench [--size N] [--ranks 128,512] [--reps 3] [--oversample 8] [--power-iters 2]
+ *   dopt_svd_bench [--size N] [--ranks 128,512] [--reps 3] [--oversample -1] [--power-iters 4]
  *
  * Gradient: G = X·diag(σ)·Yᵀ + noise, σ_i = i^-1.5 (i = 1..N/2), X, Y
  * Gaussian with unit-norm columns in expectation, noise 1e-6·N(0,1). The
@@ -79,7 +79,7 @@ static void step_times(const float *g, size_t n, int r, const char *svd, int rep
 
 int main(int argc, char **argv) {
   size_t n = 4096;
-  int ranks[8] = {128, 512}, nr = 2, reps = 3, over = 8, piters = 2;
+  int ranks[8] = {128, 512}, nr = 2, reps = 3, over = -1, piters = 4;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--size") && i + 1 < argc) n = (size_t)atol(argv[++i]);
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
       nr = 0;
       for (char *t = strtok(argv[++i], ","); t && nr < 8; t = strtok(NULL, ",")) ranks[nr++] = atoi(t);
     } else {
-      fprintf(stderr, "usage: %s [--size N] [--ranks 128,512] [--reps 3] [--oversample 8] [--power-iters 2]\n",
+      fprintf(stderr, "usage: %s [--size N] [--ranks 128,512] [--reps 3] [--oversample -1] [--power-iters 4]\n",
               argv[0]);
       return 2;
     }

@@ -36,8 +36,8 @@ static const dopt_hp_def hps[NHP] = {
     [SCALE] = {"scale", DOPT_HP_REAL, 1.0, "back-projection scale", NULL},
     [PROJ_TYPE] = {"proj_type", DOPT_HP_ENUM, 0.0, "projected side (docs/galore.md)", proj_types},
     [SVD] = {"svd", DOPT_HP_ENUM, 0.0, "exact (LAPACK) or randomized range finder", svd_kinds},
-    [OVERSAMPLE] = {"oversample", DOPT_HP_REAL, 8.0, "randomized SVD: extra columns", NULL},
-    [POWER_ITERS] = {"power_iters", DOPT_HP_REAL, 2.0, "randomized SVD: power iterations", NULL},
+    [OVERSAMPLE] = {"oversample", DOPT_HP_REAL, -1.0, "randomized SVD: extra columns (-1: as many as the rank)", NULL},
+    [POWER_ITERS] = {"power_iters", DOPT_HP_REAL, 4.0, "randomized SVD: power iterations", NULL},
     [SEED] = {"seed", DOPT_HP_REAL, 0.0, "randomized SVD: generator seed", NULL},
 };
 
@@ -55,8 +55,9 @@ static dopt_status validate(const double *hp) {
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: rank=%g must be an integer >= 0", hp[RANK]);
   if (!is_int(hp[GAP], 1, 1e15))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: update_proj_gap=%g must be an integer >= 1", hp[GAP]);
-  if (!is_int(hp[OVERSAMPLE], 0, 1e6))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: oversample=%g must be an integer >= 0", hp[OVERSAMPLE]);
+  if (!is_int(hp[OVERSAMPLE], -1, 1e6))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: oversample=%g must be an integer >= 0 (or -1: auto)",
+                      hp[OVERSAMPLE]);
   if (!is_int(hp[POWER_ITERS], 0, 100))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: power_iters=%g must be an integer in [0, 100]",
                       hp[POWER_ITERS]);

@@ -43,8 +43,8 @@ static const dopt_hp_def hps[NHP] = {
     [SCALE] = {"scale", DOPT_HP_REAL, 1.0, "back-projection scale", NULL},
     [PROJ_TYPE] = {"proj_type", DOPT_HP_ENUM, 0.0, "projected side (docs/galore.md)", proj_types},
     [SVD] = {"svd", DOPT_HP_ENUM, 0.0, "exact (LAPACK) or randomized range finder", svd_kinds},
-    [OVERSAMPLE] = {"oversample", DOPT_HP_REAL, 8.0, "randomized SVD: extra columns", NULL},
-    [POWER_ITERS] = {"power_iters", DOPT_HP_REAL, 2.0, "randomized SVD: power iterations", NULL},
+    [OVERSAMPLE] = {"oversample", DOPT_HP_REAL, -1.0, "randomized SVD: extra columns (-1: as many as the rank)", NULL},
+    [POWER_ITERS] = {"power_iters", DOPT_HP_REAL, 4.0, "randomized SVD: power iterations", NULL},
     [SEED] = {"seed", DOPT_HP_REAL, 0.0, "randomized SVD: generator seed", NULL},
 };
 
@@ -56,9 +56,9 @@ static dopt_status validate(const double *hp) {
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw8bit: rank=%g must be an integer >= 0", hp[RANK]);
   if (!is_int(hp[GAP], 1, 1e15))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw8bit: update_proj_gap=%g must be an integer >= 1", hp[GAP]);
-  if (!is_int(hp[OVERSAMPLE], 0, 1e6) || !is_int(hp[POWER_ITERS], 0, 100) || !is_int(hp[SEED], 0, 9007199254740992.0))
+  if (!is_int(hp[OVERSAMPLE], -1, 1e6) || !is_int(hp[POWER_ITERS], 0, 100) || !is_int(hp[SEED], 0, 9007199254740992.0))
     return dopt__fail(DOPT_ERR_INVALID_ARG,
-                      "galore_adamw8bit: oversample=%g, power_iters=%g, seed=%g must be integers (>= 0; <= 100; <= 2^53)",
+                      "galore_adamw8bit: oversample=%g, power_iters=%g, seed=%g must be integers (>= -1; <= 100; <= 2^53)",
                       hp[OVERSAMPLE], hp[POWER_ITERS], hp[SEED]);
   return DOPT_OK;
 }

@@ -167,7 +167,7 @@ dopt_status dopt_galore_svd(size_t m, size_t n, size_t r, const float *g, const 
   size_t k = mn;
   int randomized = opt && opt->kind == DOPT_SVD_RANDOMIZED;
   if (randomized) {
-    size_t p = opt->oversample > 0 ? (size_t)opt->oversample : 0;
+    size_t p = opt->oversample < 0 ? r : (size_t)opt->oversample; /* -1: auto, p = r */
     k = r + p < mn ? r + p : mn;
     if (k == mn) randomized = 0; /* the range finder would span everything: exact is cheaper */
   }

@@ -35,7 +35,7 @@ void dopt_galore_plan_make(int proj_type, size_t m, size_t n, size_t rank, dopt_
 
 typedef struct dopt_svd_opts {
   int kind;        /* DOPT_SVD_EXACT or DOPT_SVD_RANDOMIZED */
-  int oversample;  /* randomized: extra columns p (k = r + p, capped at min(m, n)) */
+  int oversample;  /* randomized: extra columns p (k = r + p, capped at min(m, n)); -1: p = r */
   int power_iters; /* randomized: power iterations q, each re-orthonormalised by QR */
   uint64_t seed;   /* randomized: generator key */
   int64_t iter;    /* randomized: generator key (the parameter's 0-based refresh iteration) */

@@ -236,12 +236,15 @@ static void test_registry_hparams(void **st) {
   assert_ok(dopt_optim_get_hparam(o, 0, "update_proj_gap", &v));
   assert_true(v == 200);
   assert_ok(dopt_optim_get_hparam(o, 0, "oversample", &v));
-  assert_true(v == 8);
+  assert_true(v == -1); /* auto: as many extra columns as the rank */
+  assert_ok(dopt_optim_get_hparam(o, 0, "power_iters", &v));
+  assert_true(v == 4);
   dopt_optim_destroy(o);
   assert_status(dopt_optim_create("galore_adamw", "proj_type=sideways", &o), DOPT_ERR_INVALID_ARG, "sideways");
   assert_status(dopt_optim_create("galore_adamw", "rank=2.5", &o), DOPT_ERR_INVALID_ARG, "rank=2.5");
   assert_status(dopt_optim_create("galore_adamw", "update_proj_gap=0", &o), DOPT_ERR_INVALID_ARG, "update_proj_gap=0");
   assert_status(dopt_optim_create("galore_adamw", "power_iters=-1", &o), DOPT_ERR_INVALID_ARG, "power_iters=-1");
+  assert_status(dopt_optim_create("galore_adamw", "oversample=-2", &o), DOPT_ERR_INVALID_ARG, "oversample=-2");
   assert_ok(dopt_optim_create("galore_adamw", "proj_type=full,svd=randomized", &o));
   assert_ok(dopt_optim_get_hparam(o, 0, "proj_type", &v));
   assert_true(v == DOPT_PROJ_FULL);
