@@ -239,7 +239,7 @@ static dopt_status step(const dopt_step_args *a) {
     for (size_t i = 0; i < numel; i++) w[i] = w[i] + neg_decay * w[i];
   }
   if (int8w) { /* re-grid with fresh per-group min/max, round, and show the dequantised weight */
-    if (hp[STOCH_ROUND] != 0.0) dopt_qg_quantize_sr(w, numel, wg, (uint64_t)hp[SEED], a->step, a->tensor, wq, wsc, wze);
+    if (hp[STOCH_ROUND] != 0.0) dopt_qg_quantize_sr(w, numel, wg, (uint64_t)hp[SEED], a->step, a->tensor, 0, wq, wsc, wze);
     else dopt_qg_quantize(w, numel, wg, 8, 0, wq, wsc, wze);
     dopt_qg_dequantize(wq, numel, wg, 8, 0, wsc, wze, w);
   }

@@ -71,13 +71,13 @@ void dopt_qg_dequantize(const uint8_t *q, size_t n, size_t gsize, int bits, int 
 }
 
 void dopt_qg_quantize_sr(const float *w, size_t n, size_t gsize, uint64_t seed, int64_t step, uint64_t tensor,
-                         uint8_t *q, float *scales, float *zeros) {
+                         uint64_t first, uint8_t *q, float *scales, float *zeros) {
   for (size_t g = 0, lo = 0; lo < n; g++, lo += gsize) {
     size_t len = n - lo < gsize ? n - lo : gsize;
     grid(w + lo, len, 255.0f, &scales[g], &zeros[g]);
     for (size_t i = lo; i < lo + len; i++) {
       float x = w[i] / scales[g], down = floorf(x), up = ceilf(x);
-      float u = dopt_ctr_uniform(seed, (uint64_t)step, tensor, (uint64_t)i);
+      float u = dopt_ctr_uniform(seed, (uint64_t)step, tensor, first + (uint64_t)i);
       float r = u < x - down ? up : down;
       q[i] = (uint8_t)clampf(r + zeros[g], 0.0f, 255.0f);
     }

@@ -32,10 +32,11 @@ void dopt_qg_dequantize(const uint8_t *q, size_t n, size_t gsize, int bits, int 
                         const float *zeros, float *out);
 /* 8-bit re-gridding with stochastic rounding (`_quantize_stochastic_round`):
  * the same scales/zeros; x = w / scales; q = ⌈x⌉ if U < x − ⌊x⌋ else ⌊x⌋,
- * U = dopt_ctr_uniform(seed, step, tensor, element index); q = clamp(q +
- * zeros, 0, 255). */
+ * U = dopt_ctr_uniform(seed, step, tensor, first + i) for w[i] (first: the
+ * logical index of w[0], so a group-aligned slice quantised anywhere draws
+ * the same numbers); q = clamp(q + zeros, 0, 255). */
 void dopt_qg_quantize_sr(const float *w, size_t n, size_t gsize, uint64_t seed, int64_t step, uint64_t tensor,
-                         uint8_t *q, float *scales, float *zeros);
+                         uint64_t first, uint8_t *q, float *scales, float *zeros);
 
 /* ---- lazy subspace refresh -----------------------------------------------------------
  * torch.nn.functional.cosine_similarity(a, b, dim=0) (eps 1e-8), computed in
