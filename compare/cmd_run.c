@@ -59,7 +59,8 @@ static void run_usage(FILE *f) {
         "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N] [--quiet]\n"
         "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
         "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
-        "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n",
+        "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n"
+        "  layer index (lisa): N of a 'layers.N.' in the parameter name, else -1 (always trained)\n",
         f);
 }
 
@@ -179,6 +180,22 @@ static int check_grads(run_ctx *c) {
 }
 
 /* Builds the optimizer and its groups from the options or the metadata. */
+/* The layer index of a parameter for layer-wise optimizers (LISA): the
+ * integer N of the first "layers.N." (or a trailing "layers.N") in its name,
+ * as in HF names "model.layers.12.mlp.up_proj.weight"; -1 otherwise (always
+ * trained). docs/cli.md. */
+static int layer_of(const char *name) {
+  for (const char *s = strstr(name, "layers."); s; s = strstr(s + 1, "layers.")) {
+    if (s != name && s[-1] != '.' && s[-1] != '/') continue;
+    const char *d = s + 7;
+    long v = 0;
+    int nd = 0;
+    while (*d >= '0' && *d <= '9' && nd < 9) v = v * 10 + (*d++ - '0'), nd++;
+    if (nd > 0 && (*d == '.' || *d == '\0')) return (int)v;
+  }
+  return -1;
+}
+
 static int build_optimizer(run_ctx *c) {
   const char *name = c->optimizer, *hp = c->hparams;
   const char *meta_groups = NULL, *meta_ghp = NULL;
@@ -242,6 +259,7 @@ static int build_optimizer(run_ctx *c) {
     pc.ndim = c->p[i].ndim;
     memcpy(pc.shape, c->p[i].shape, sizeof pc.shape);
     pc.data = c->p[i].data;
+    pc.layer = layer_of(c->p[i].name);
     if ((s = dopt_optim_add_param(c->opt, gid[i], &pc, &c->p[i].id)) != DOPT_OK) rc = cli_error(CMD, s);
   }
   free(gid);

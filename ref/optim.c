@@ -18,6 +18,8 @@ static const dopt_optim_impl *const registry[] = {
     &dopt_impl_adamw8bit,
     &dopt_impl_galore_adamw,
     &dopt_impl_galore_adamw8bit,
+    &dopt_impl_q_galore,
+    &dopt_impl_lisa,
 };
 #define NREG ((int)(sizeof registry / sizeof registry[0]))
 
@@ -75,7 +77,10 @@ typedef struct group {
 } group;
 
 struct dopt_optim {
-  const dopt_optim_impl *impl;
+  const dopt_optim_impl *impl; /* the optimizer that steps (a wrapper's inner one) */
+  const dopt_optim_impl *wrapper; /* LISA around impl, or NULL */
+  double whp[DOPT_MAX_HPARAMS];   /* the wrapper's own hyperparameters */
+  int64_t gstep;                  /* dopt_optim_step calls so far */
   group *groups;
   int ngroups;
   dopt_param *params;
@@ -185,6 +190,71 @@ static dopt_status validate_group(const dopt_optim_impl *im, const double *hp) {
   return im->validate ? im->validate(hp) : DOPT_OK;
 }
 
+/* Splits a wrapper's "k=v,..." into its own keys and the inner optimizer's
+ * (every other key; "inner.KEY" always goes to the inner optimizer, for keys
+ * both define, e.g. seed). */
+static dopt_status split_wrapper(const dopt_optim_impl *w, const char *text, char **own, char **inner) {
+  size_t cap = (text ? strlen(text) : 0) + 2;
+  *own = calloc(1, cap);
+  *inner = calloc(1, cap);
+  if (!*own || !*inner) {
+    free(*own), free(*inner);
+    *own = *inner = NULL;
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: hyperparameters", w->name);
+  }
+  const char *s = text ? text : "";
+  while (*s) {
+    while (*s == ',' || isspace((unsigned char)*s)) s++;
+    if (!*s) break;
+    const char *tok = s;
+    while (*s && *s != ',') s++;
+    size_t tlen = (size_t)(s - tok), klen = 0;
+    while (klen < tlen && tok[klen] != '=') klen++;
+    while (klen > 0 && isspace((unsigned char)tok[klen - 1])) klen--;
+    char *dst;
+    if (klen > 6 && strncmp(tok, "inner.", 6) == 0) {
+      tok += 6;
+      tlen -= 6;
+      dst = *inner;
+    } else {
+      dst = find_key(w, tok, klen) >= 0 ? *own : *inner;
+    }
+    if (*dst) strcat(dst, ",");
+    strncat(dst, tok, tlen);
+  }
+  return DOPT_OK;
+}
+
+/* The optimizer that steps and its hyperparameters: for a wrapper (LISA),
+ * its own keys into whp and the inner optimizer's into hp. */
+static dopt_status resolve(const dopt_optim_impl *im, const char *hparams, const dopt_optim_impl **step_impl,
+                           double *hp, const dopt_optim_impl **wrapper, double *whp) {
+  const dopt_optim_impl *in = im;
+  char *own = NULL, *rest = NULL;
+  *wrapper = NULL;
+  if (im->wrap) {
+    DOPT_TRY(split_wrapper(im, hparams, &own, &rest));
+    for (int k = 0; k < im->nhp; k++) whp[k] = im->hp[k].def;
+    dopt_status s = parse_hparams(im, own, whp);
+    if (s == DOPT_OK) s = validate_group(im, whp);
+    if (s == DOPT_OK && !(in = im->wrap->inner(whp)))
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "%s: no inner optimizer", im->name);
+    free(own);
+    if (s != DOPT_OK) {
+      free(rest);
+      return s;
+    }
+    *wrapper = im;
+    hparams = rest;
+  }
+  for (int k = 0; k < in->nhp; k++) hp[k] = in->hp[k].def;
+  dopt_status s = parse_hparams(in, hparams, hp);
+  if (s == DOPT_OK) s = validate_group(in, hp);
+  free(rest);
+  if (s == DOPT_OK) *step_impl = in;
+  return s;
+}
+
 static dopt_status push_group(dopt_optim *o, const double *hp, int *out) {
   group *g = realloc(o->groups, (size_t)(o->ngroups + 1) * sizeof *g);
   if (!g) return dopt__fail(DOPT_ERR_NO_MEMORY, "optimizer: group %d", o->ngroups);
@@ -208,13 +278,14 @@ dopt_status dopt_optim_create(const char *name, const char *hparams, dopt_optim 
     }
     return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s' (registered: %s)", name, known);
   }
-  double hp[DOPT_MAX_HPARAMS];
-  for (int k = 0; k < im->nhp; k++) hp[k] = im->hp[k].def;
-  DOPT_TRY(parse_hparams(im, hparams, hp));
-  DOPT_TRY(validate_group(im, hp));
+  double hp[DOPT_MAX_HPARAMS], whp[DOPT_MAX_HPARAMS];
+  const dopt_optim_impl *wrapper = NULL;
+  DOPT_TRY(resolve(im, hparams, &im, hp, &wrapper, whp));
   dopt_optim *o = calloc(1, sizeof *o);
   if (!o) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_create: %s", name);
   o->impl = im;
+  o->wrapper = wrapper;
+  if (wrapper) memcpy(o->whp, whp, sizeof whp);
   dopt_status s = push_group(o, hp, NULL);
   if (s != DOPT_OK) {
     free(o);
@@ -241,7 +312,7 @@ void dopt_optim_destroy(dopt_optim *o) {
   free(o);
 }
 
-const char *dopt_optim_name(const dopt_optim *o) { return o ? o->impl->name : NULL; }
+const char *dopt_optim_name(const dopt_optim *o) { return o ? (o->wrapper ? o->wrapper : o->impl)->name : NULL; }
 int dopt_optim_num_groups(const dopt_optim *o) { return o ? o->ngroups : 0; }
 int dopt_optim_num_params(const dopt_optim *o) { return o ? o->nparams : 0; }
 const char *dopt_optim_param_name(const dopt_optim *o, int i) {
@@ -252,7 +323,17 @@ dopt_status dopt_optim_add_group(dopt_optim *o, const char *overrides, int *grou
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_add_group: optimizer=NULL");
   double hp[DOPT_MAX_HPARAMS];
   memcpy(hp, o->groups[0].hp, sizeof hp);
-  DOPT_TRY(parse_hparams(o->impl, overrides, hp));
+  if (o->wrapper) { /* the wrapper's keys are optimizer-wide */
+    char *own, *rest;
+    DOPT_TRY(split_wrapper(o->wrapper, overrides, &own, &rest));
+    dopt_status s = *own ? dopt__fail(DOPT_ERR_INVALID_ARG, "%s: '%s' is optimizer-wide, not a group override",
+                                      o->wrapper->name, own)
+                         : parse_hparams(o->impl, rest, hp);
+    free(own), free(rest);
+    DOPT_TRY(s);
+  } else {
+    DOPT_TRY(parse_hparams(o->impl, overrides, hp));
+  }
   DOPT_TRY(validate_group(o->impl, hp));
   return push_group(o, hp, groupid);
 }
@@ -266,6 +347,11 @@ static dopt_status check_group(const dopt_optim *o, int g, const char *fn) {
 dopt_status dopt_optim_get_hparam(const dopt_optim *o, int g, const char *key, double *value) {
   DOPT_TRY(check_group(o, g, "dopt_optim_get_hparam"));
   DOPT_CHECK_ARG(key && value, "dopt_optim_get_hparam: key/value NULL");
+  if (o->wrapper && strncmp(key, "inner.", 6) == 0) key += 6;
+  else if (o->wrapper && find_key(o->wrapper, key, strlen(key)) >= 0) {
+    *value = o->whp[find_key(o->wrapper, key, strlen(key))];
+    return DOPT_OK;
+  }
   int k = find_key(o->impl, key, strlen(key));
   if (k < 0) return unknown_key(o->impl, key, strlen(key));
   *value = o->groups[g].hp[k];
@@ -275,6 +361,18 @@ dopt_status dopt_optim_get_hparam(const dopt_optim *o, int g, const char *key, d
 dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double value) {
   DOPT_TRY(check_group(o, g, "dopt_optim_set_hparam"));
   DOPT_CHECK_ARG(key != NULL, "dopt_optim_set_hparam: key=NULL");
+  if (o->wrapper && strncmp(key, "inner.", 6) == 0) key += 6;
+  else if (o->wrapper && find_key(o->wrapper, key, strlen(key)) >= 0) {
+    int w = find_key(o->wrapper, key, strlen(key));
+    double whp[DOPT_MAX_HPARAMS];
+    memcpy(whp, o->whp, sizeof whp);
+    whp[w] = value;
+    DOPT_TRY(validate_group(o->wrapper, whp));
+    if (o->wrapper->wrap->inner(whp) != o->impl)
+      return dopt__fail(DOPT_ERR_STATE, "%s: %s cannot change after creation", o->wrapper->name, key);
+    o->whp[w] = value;
+    return DOPT_OK;
+  }
   int k = find_key(o->impl, key, strlen(key));
   if (k < 0) return unknown_key(o->impl, key, strlen(key));
   double hp[DOPT_MAX_HPARAMS];
@@ -435,10 +533,9 @@ dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, in
   DOPT_CHECK_ARG(ndim >= 0 && ndim <= DOPT_MAX_DIMS, "dopt_optim_state_bytes_for: ndim=%d", ndim);
   const dopt_optim_impl *im = dopt_find_impl(name);
   if (!im) return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s'", name ? name : "(null)");
-  double hp[DOPT_MAX_HPARAMS];
-  for (int k = 0; k < im->nhp; k++) hp[k] = im->hp[k].def;
-  DOPT_TRY(parse_hparams(im, hparams, hp));
-  DOPT_TRY(validate_group(im, hp));
+  double hp[DOPT_MAX_HPARAMS], whp[DOPT_MAX_HPARAMS];
+  const dopt_optim_impl *wrapper;
+  DOPT_TRY(resolve(im, hparams, &im, hp, &wrapper, whp)); /* LISA: the inner optimizer's (all layers active) */
   dopt_state_spec lay[DOPT_MAX_STATES];
   int n = im->layout(hp, ndim, shape, lay);
   size_t b = 0;
@@ -450,9 +547,10 @@ dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, in
 dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_step: optimizer=NULL");
   DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");
+  if (o->wrapper) DOPT_TRY(o->wrapper->wrap->pre_step(o, o->whp, o->gstep));
   for (int i = 0; i < o->nparams; i++) {
     dopt_param *p = &o->params[i];
-    if (!grads[i]) continue; /* grad None: untouched, as torch */
+    if (!grads[i] || p->frozen) continue; /* grad None (or frozen by a wrapper): untouched, as torch */
     dopt_piece piece;
     dopt_piece_full(p->ndim, p->shape, &piece);
     DOPT_TRY(ensure_scratch(o, o->impl->scratch ? o->impl->scratch(&piece) : 0, p->name));
@@ -462,11 +560,12 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     for (int k = 0; k < p->nstates; k++) state[k] = p->st[k].data;
     p->events = 0;
     dopt_step_args a = {o->impl, o->groups[p->group].hp, p->step, &piece, p->data, grads[i], state, o->scratch, NULL,
-                        &p->events};
+                        &p->events, (uint64_t)i};
     DOPT_TRY(o->impl->step(&a));
     /* mixed precision: the working bf16 copy is the rounded master */
     for (size_t k = 0; p->work && k < p->numel; k++) p->work[k] = dopt_f32_to_bf16(p->data[k]);
   }
+  o->gstep++;
   return DOPT_OK;
 }
 
@@ -480,12 +579,33 @@ dopt_status dopt_optim_events(const dopt_optim *o, int i, unsigned *events) {
 const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o) { return o->impl; }
 const double *dopt__optim_group_hp(const dopt_optim *o, int g) { return o->groups[g].hp; }
 dopt_param *dopt__optim_param(dopt_optim *o, int i) { return &o->params[i]; }
+const dopt_optim_impl *dopt__optim_wrapper(const dopt_optim *o) { return o->wrapper; }
+void dopt__optim_free_states(dopt_optim *o, int i) {
+  free_states(&o->params[i]);
+  o->params[i].step = 0;
+}
 
 dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap) {
   DOPT_CHECK_ARG(buf != NULL && cap > 0, "dopt_optim_describe: buf=NULL or cap=0");
   const dopt_optim_impl *im = dopt_find_impl(name);
   if (!im) return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s'", name ? name : "(null)");
   size_t off = 0;
+  if (im->wrap) { /* the wrapper's keys, then a note on forwarding */
+    int n0 = snprintf(buf, cap, "%s: %s\n", im->name, im->summary);
+    for (int k = 0; n0 >= 0 && k < im->nhp; k++) {
+      off += (size_t)n0;
+      if (off >= cap) return DOPT_OK;
+      const dopt_hp_def *d = &im->hp[k];
+      char def[32];
+      if (d->kind == DOPT_HP_BOOL) snprintf(def, sizeof def, "%s", d->def != 0.0 ? "true" : "false");
+      else if (d->kind == DOPT_HP_ENUM) snprintf(def, sizeof def, "%s", d->choices[(int)d->def]);
+      else snprintf(def, sizeof def, "%g", d->def);
+      n0 = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);
+    }
+    if (n0 >= 0 && (off += (size_t)n0) < cap)
+      snprintf(buf + off, cap - off, "  (every other key is the inner optimizer's; inner.KEY forces forwarding)\n");
+    return DOPT_OK;
+  }
   int n = snprintf(buf, cap, "%s: %s\n", im->name, im->summary);
   for (int k = 0; n >= 0 && k < im->nhp; k++) {
     off += (size_t)n;

@@ -14,8 +14,8 @@
 #include "distopt/xsum.h"
 #include "internal.h"
 
-#define DOPT_MAX_STATES 8
-#define DOPT_MAX_HPARAMS 16
+#define DOPT_MAX_STATES 16
+#define DOPT_MAX_HPARAMS 32
 
 typedef enum dopt_hp_kind {
   DOPT_HP_REAL = 0, /* finite number */
@@ -51,6 +51,7 @@ typedef struct dopt_param {
   uint16_t *work;   /* bf16 working copy (NULL for fp32 parameters) */
   int layer;
   int64_t step;                        /* steps taken by this parameter */
+  int frozen;                          /* set by a wrapper's pre_step (LISA): skip as a NULL gradient */
   unsigned events;                     /* DOPT_EVENT_* of the last step */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
@@ -68,6 +69,7 @@ typedef struct dopt_step_args {
   float *ws;               /* scratch floats: impl->scratch(piece) */
   const dopt_reducer *red; /* NULL: single device */
   unsigned *events;        /* the step ORs DOPT_EVENT_* flags here (may be NULL) */
+  uint64_t tensor;         /* the parameter's index in its optimizer (counter-based generator key) */
 } dopt_step_args;
 
 typedef struct dopt_optim_impl {
@@ -88,7 +90,22 @@ typedef struct dopt_optim_impl {
    * 0: it needs the whole tensor (e.g. an SVD of the full gradient) and
    * dist/ refuses it. */
   int distributable;
+  /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
+   * belongs to the inner optimizer it chooses (docs/lisa.md). */
+  const struct dopt_wrap_ops *wrap;
 } dopt_optim_impl;
+
+/* A wrapper optimizer around an inner registry optimizer. The optimizer
+ * object then runs the inner impl (groups hold the inner hyperparameters)
+ * and calls pre_step once per dopt_optim_step, before the parameter loop. */
+typedef struct dopt_wrap_ops {
+  /* The inner optimizer chosen by the wrapper's hyperparameters whp. */
+  const dopt_optim_impl *(*inner)(const double *whp);
+  /* gstep: 0-based number of dopt_optim_step calls before this one. Sets
+   * frozen on every parameter (a frozen parameter is skipped exactly as a
+   * NULL gradient) and may free states (dopt__optim_free_states). */
+  dopt_status (*pre_step)(dopt_optim *o, const double *whp, int64_t gstep);
+} dopt_wrap_ops;
 
 extern const dopt_optim_impl dopt_impl_adamw;
 extern const dopt_optim_impl dopt_impl_adafactor;
@@ -97,6 +114,8 @@ extern const dopt_optim_impl dopt_impl_lamb;
 extern const dopt_optim_impl dopt_impl_adamw8bit;
 extern const dopt_optim_impl dopt_impl_galore_adamw;
 extern const dopt_optim_impl dopt_impl_galore_adamw8bit;
+extern const dopt_optim_impl dopt_impl_q_galore;
+extern const dopt_optim_impl dopt_impl_lisa;
 
 /* 8-bit Adam pieces shared by adamw8bit and galore_adamw8bit (hp[0..7]: lr,
  * beta1, beta2, eps, weight_decay, min_8bit_size, percentile_clipping,
@@ -111,6 +130,10 @@ const dopt_optim_impl *dopt_find_impl(const char *name);
 const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o);
 const double *dopt__optim_group_hp(const dopt_optim *o, int group);
 dopt_param *dopt__optim_param(dopt_optim *o, int i);
+/* The wrapper around o's impl (LISA), or NULL. */
+const dopt_optim_impl *dopt__optim_wrapper(const dopt_optim *o);
+/* Frees parameter i's states: it restarts from zeros and step 0 at its next step. */
+void dopt__optim_free_states(dopt_optim *o, int i);
 
 /* Shape helpers. */
 size_t dopt_numel(int ndim, const int64_t *shape);

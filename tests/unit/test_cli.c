@@ -322,6 +322,70 @@ static void test_compare_bad_input(void **st) {
 #undef ARGS
 }
 
+/* LISA through the CLI: layer indices come from "layers.N." names; the result equals the library with those
+ * layers, and only the sampled layer plus the unnumbered parameter change. */
+static void test_lisa_layers_from_names(void **st) {
+  (void)st;
+  const char *names[5] = {"model.embed", "model.layers.0.w", "model.layers.1.w", "model.layers.2.w",
+                          "model.layers.10.w"};
+  const int layers[5] = {-1, 0, 1, 2, 10};
+  char pfile[600], out[600], key[128];
+  snprintf(pfile, sizeof pfile, "%s/lisa_in.safetensors", dir);
+  snprintf(out, sizeof out, "%s/lisa_out.safetensors", dir);
+  dopt_st_writer *w;
+  assert_ok(dopt_st_writer_create(&w));
+  float init[5][12], grads[4][5][12];
+  int64_t shape[2] = {3, 4};
+  uint64_t seed = 5;
+  for (int i = 0; i < 5; i++) {
+    for (int k = 0; k < 12; k++) init[i][k] = (float)dt_rand_normal(&seed);
+    snprintf(key, sizeof key, "init/%s", names[i]);
+    assert_ok(dopt_st_writer_add(w, key, DOPT_F32, 2, shape, init[i]));
+    for (int t = 0; t < 4; t++) {
+      for (int k = 0; k < 12; k++) grads[t][i][k] = (float)dt_rand_normal(&seed);
+      snprintf(key, sizeof key, "grad/%d/%s", t + 1, names[i]);
+      assert_ok(dopt_st_writer_add(w, key, DOPT_F32, 2, shape, grads[t][i]));
+    }
+  }
+  assert_ok(dopt_st_writer_save(w, pfile));
+  dopt_st_writer_free(w);
+  const char *hp = "inner=adamw,n_layers=1,interval=2,seed=4,lr=0.01";
+  const char *args[] = {"run", "--params", pfile, "--optimizer", "lisa", "--hparams", hp, "--out", out, "--quiet", NULL};
+  assert_int_equal(run(args), 0);
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("lisa", hp, &o));
+  for (int i = 0; i < 5; i++) {
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = names[i];
+    pc.ndim = 2;
+    pc.shape[0] = 3;
+    pc.shape[1] = 4;
+    pc.data = init[i];
+    pc.layer = layers[i];
+    assert_ok(dopt_optim_add_param(o, 0, &pc, NULL));
+  }
+  for (int t = 0; t < 4; t++) {
+    const float *g[5] = {grads[t][0], grads[t][1], grads[t][2], grads[t][3], grads[t][4]};
+    assert_ok(dopt_optim_step(o, g));
+  }
+  dopt_st_file *res;
+  assert_ok(dopt_st_load(out, &res));
+  int stepped = 0;
+  for (int i = 0; i < 5; i++) {
+    dopt_st_tensor t;
+    snprintf(key, sizeof key, "param/%s", names[i]);
+    if (dopt_st_find(res, key, &t) != DOPT_OK) assert_ok(dopt_st_find(res, names[i], &t));
+    assert_memory_equal(t.data, init[i], sizeof init[i]);
+    int64_t s;
+    assert_ok(dopt_optim_get_step(o, i, &s));
+    if (i == 0) assert_true(s == 4);
+    else stepped += s > 0;
+  }
+  assert_true(stepped >= 1 && stepped <= 2); /* one layer per interval, two intervals */
+  dopt_st_free(res);
+  dopt_optim_destroy(o);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s PATH-TO-distopt\n", argv[0]);
@@ -334,6 +398,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_compare),
       cmocka_unit_test(test_compare_bad_input),
+      cmocka_unit_test(test_lisa_layers_from_names),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

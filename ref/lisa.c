@@ -1,0 +1,97 @@
+/* LISA (Layerwise Importance Sampled AdamW) as LMFlow's
+ * DynamicLayerActivationCallback (algorithms.md §8), wrapping any registered
+ * optimizer. Parameters carry a layer index (dopt_param_config.layer); -1
+ * (embeddings, final norm, head) is always trained. At 0-based global steps
+ * 0, K, 2K, ... (K = interval) n_layers of the L distinct layer indices >= 0
+ * are sampled uniformly without replacement from a counter-based generator
+ * keyed (seed, interval index), so every rank draws the same set without
+ * communication. Parameters of the other layers are frozen: skipped exactly as
+ * a NULL gradient (no decay, no state change, no step count change).
+ * reset_states=false keeps a visited layer's state forever (LMFlow);
+ * reset_states=true frees every layer's state at each interval start, so a
+ * layer restarts from zeros and step 0 each time it is sampled (the paper's
+ * per-period runs). The selection is recomputed each step from the
+ * registered parameters: register all of them before the first step.
+ * docs/lisa.md. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "optim_impl.h"
+#include "qgalore.h"
+
+enum { INNER, N_LAYERS, INTERVAL, SEED, RESET_STATES, NHP };
+
+/* every registered optimizer but lisa itself (test_lisa checks the list) */
+static const char *const inners[] = {"adamw",        "adafactor",    "came",     "lamb", "adamw8bit",
+                                     "galore_adamw", "galore_adamw8bit", "q_galore", NULL};
+
+static const dopt_hp_def hps[NHP] = {
+    [INNER] = {"inner", DOPT_HP_ENUM, 0.0, "the wrapped optimizer (its keys are passed through)", inners},
+    [N_LAYERS] = {"n_layers", DOPT_HP_REAL, 2.0, "layers trained per interval (LMFlow lisa_activated_layers)", NULL},
+    [INTERVAL] = {"interval", DOPT_HP_REAL, 20.0, "steps between samplings (LMFlow lisa_interval_steps)", NULL},
+    [SEED] = {"seed", DOPT_HP_REAL, 0.0, "layer-sampling generator seed (inner.seed: the inner optimizer's)", NULL},
+    [RESET_STATES] = {"reset_states", DOPT_HP_BOOL, 0.0, "free layer states each interval (false = LMFlow: keep)",
+                      NULL},
+};
+
+static int is_int(double v, double lo, double hi) { return v == floor(v) && v >= lo && v <= hi; }
+
+static dopt_status validate(const double *hp) {
+  if (!is_int(hp[N_LAYERS], 0, 1e6))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "lisa: n_layers=%g must be an integer >= 0", hp[N_LAYERS]);
+  if (!is_int(hp[INTERVAL], 1, 1e15))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "lisa: interval=%g must be an integer >= 1", hp[INTERVAL]);
+  if (!is_int(hp[SEED], 0, 9007199254740992.0))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "lisa: seed=%g must be an integer in [0, 2^53]", hp[SEED]);
+  return DOPT_OK;
+}
+
+static const dopt_optim_impl *inner(const double *whp) { return dopt_find_impl(inners[(int)whp[INNER]]); }
+
+static int cmp_int(const void *x, const void *y) {
+  int a = *(const int *)x, b = *(const int *)y;
+  return (a > b) - (a < b);
+}
+
+static dopt_status pre_step(dopt_optim *o, const double *whp, int64_t gstep) {
+  const int np = dopt_optim_num_params(o);
+  const int64_t K = (int64_t)whp[INTERVAL];
+  /* L: the distinct layer indices >= 0, ascending */
+  int *layers = malloc((size_t)(np ? np : 1) * 3 * sizeof *layers), L = 0;
+  if (!layers) return dopt__fail(DOPT_ERR_NO_MEMORY, "lisa: %d parameters", np);
+  for (int i = 0; i < np; i++)
+    if (dopt__optim_param(o, i)->layer >= 0) layers[L++] = dopt__optim_param(o, i)->layer;
+  qsort(layers, (size_t)L, sizeof *layers, cmp_int);
+  int u = 0;
+  for (int i = 0; i < L; i++)
+    if (u == 0 || layers[i] != layers[u - 1]) layers[u++] = layers[i];
+  L = u;
+  int k = (int)whp[N_LAYERS] < L ? (int)whp[N_LAYERS] : L, *ws = layers + np, *pick = layers + 2 * np;
+  dopt_lisa_sample((uint64_t)whp[SEED], gstep / K, L, k, ws, pick);
+  for (int j = 0; j < k; j++) pick[j] = layers[pick[j]]; /* positions -> layer indices */
+  const int boundary = gstep % K == 0, reset = whp[RESET_STATES] != 0.0;
+  for (int i = 0; i < np; i++) {
+    dopt_param *p = dopt__optim_param(o, i);
+    int active = p->layer < 0;
+    for (int j = 0; !active && j < k; j++) active = pick[j] == p->layer;
+    p->frozen = !active;
+    if (reset && boundary && p->layer >= 0) dopt__optim_free_states(o, i);
+  }
+  free(layers);
+  return DOPT_OK;
+}
+
+static const dopt_wrap_ops wrap = {inner, pre_step};
+
+const dopt_optim_impl dopt_impl_lisa = {
+    .name = "lisa",
+    .summary = "LISA as LMFlow (n_layers of the middle layers sampled each interval) around any optimizer",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = NULL,
+    .scratch = NULL,
+    .step = NULL,
+    .distributable = 0,
+    .wrap = &wrap,
+};
