@@ -48,7 +48,7 @@ static int classes(const model *m, pclass *c) {
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
 static double model_state_bytes(const model *m, const char *opt, const char *hp, int rank, int *ok) {
   pclass c[8];
-  int n = classes(m, c), galore = strncmp(opt, "galore", 6) == 0;
+  int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
   double total = 0;
   *ok = 1;
   for (int i = 0; i < n; i++) {
@@ -112,8 +112,9 @@ int cmd_mem(int argc, char **argv) {
       printf("%-18s %-22s %12s\n", name, h, "n/a");
       continue;
     }
-    snprintf(hp, sizeof hp, "%s%s", h, strncmp(name, "galore", 6) == 0 ? "" : "");
-    if (strncmp(name, "galore", 6) == 0) snprintf(hp, sizeof hp, "rank=%d (attn+mlp)", rank);
+    snprintf(hp, sizeof hp, "%s", h);
+    if (strstr(name, "galore")) snprintf(hp, sizeof hp, "rank=%d (attn+mlp)", rank);
+    if (strcmp(name, "lisa") == 0) snprintf(hp, sizeof hp, "adamw, all layers seen");
     printf("%-18s %-22s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
   }
   /* the GaLore paper's Table 2 accounting: BF16 weights and states (2 bytes) */
