@@ -14,6 +14,7 @@
 
 #include "compare.h"
 #include "distopt/cuda.h"
+#include "distopt/launch.h"
 #include "distopt/safetensors.h"
 #include "distopt/sim.h"
 #include "internal.h"
@@ -561,7 +562,13 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
   dopt_device *dev = NULL;
-  if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(0, &dev);
+  int devno = 0; /* backend nccl: the local rank's GPU (as dopt_nccl_init_env) */
+  if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
+    dopt_launch_env env;
+    st = dopt_launch_env_parse(NULL, NULL, &env);
+    devno = env.local_rank;
+  }
+  if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
   dopt_sim_world *w = NULL;
   run_ctx x = {o, dev, &s, r, progress, user, now_s()};
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
