@@ -41,6 +41,8 @@ typedef struct cmp_options {
   char json_path[512];                    /* "" = none */
   char svg_path[512];                     /* "" = none */
   int quiet;                              /* no progress line */
+  char backend[8];                        /* "sim" (threads, one process) or "nccl" (one process per rank) */
+  char device[8];                         /* "cpu" or "cuda" */
   int ring_order;                         /* simulate a ring all-reduce's summation order
                                              (what a real NCCL order changes: not bitwise for dp >= 3) */
 } cmp_options;
@@ -68,6 +70,7 @@ typedef struct cmp_result {
   double seconds;
   uint64_t declared_ulp;   /* the optimizer's declared tolerance (0: bitwise) */
   int equivalent;          /* every tensor within declared_ulp at every step, same skips */
+  int rank;                /* this process's rank (backend nccl); only rank 0 measures and reports */
 } cmp_result;
 
 typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t worst_ulp, void *user);

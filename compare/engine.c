@@ -13,6 +13,8 @@
 #include <time.h>
 
 #include "compare.h"
+#include "distopt/cuda.h"
+#include "distopt/launch.h"
 #include "distopt/safetensors.h"
 #include "distopt/sim.h"
 #include "internal.h"
@@ -29,6 +31,8 @@ void cmp_options_default(cmp_options *o) {
   o->micro = 1;
   snprintf(o->source, sizeof o->source, "synthetic");
   o->seed = 1;
+  snprintf(o->backend, sizeof o->backend, "sim");
+  snprintf(o->device, sizeof o->device, "cpu");
 }
 
 uint64_t cmp_declared_ulp(const char *optimizer) {
@@ -269,6 +273,7 @@ static void measure(cmp_tensor_stat *ts, int t, const float *ref, const float *g
 
 typedef struct run_ctx {
   const cmp_options *o;
+  const dopt_device *dev; /* NULL: the CPU */
   const source *s;
   cmp_result *r;
   cmp_progress_fn progress;
@@ -322,20 +327,18 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
   return DOPT_OK;
 }
 
-static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
-  run_ctx *x = user;
+/* One rank's run on its TP and DP transports (either backend). */
+static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt) {
   const cmp_options *o = x->o;
   const source *s = x->s;
   cmp_result *r = x->r;
-  dopt_sim_comm *tpc, *dpc;
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / o->tp, rank, "tp", &tpc));
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % o->tp, rank, "dp", &dpc));
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
   cfg.plugin = o->plugin;
   cfg.zero_stage = o->zero;
   cfg.max_grad_norm = o->max_grad_norm;
-  DOPT_TRY(dopt_sim_transport(tpc, &cfg.tp));
-  DOPT_TRY(dopt_sim_transport(dpc, &cfg.dp));
+  cfg.device = x->dev;
+  cfg.tp = *tpt;
+  cfg.dp = *dpt;
   const int lead = rank == 0, np = s->np, micro = micro_of(o, s);
   float *data[CMP_MAX_PARAMS] = {0}, *rdata[CMP_MAX_PARAMS] = {0}, *avg[CMP_MAX_PARAMS] = {0};
   float *loc[CMP_MAX_PARAMS] = {0};
@@ -446,6 +449,17 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   return st;
 }
 
+static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
+  run_ctx *x = user;
+  dopt_sim_comm *tpc, *dpc;
+  dopt_transport tpt, dpt;
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / x->o->tp, rank, "tp", &tpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % x->o->tp, rank, "dp", &dpc));
+  DOPT_TRY(dopt_sim_transport(tpc, &tpt));
+  DOPT_TRY(dopt_sim_transport(dpc, &dpt));
+  return rank_run(x, rank, &tpt, &dpt);
+}
+
 /* The tensors measured: per parameter, the parameter, its bf16 working copy
  * (with bf16), then every state of the optimizer's layout. */
 static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_result *r) {
@@ -493,6 +507,17 @@ static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
   DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
   DOPT_TRY(dopt_dist_check_layout(o->plugin, o->tp, o->dp, o->zero));
+  if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "backend '%s' (sim or nccl)", o->backend);
+  if (strcmp(o->device, "cpu") != 0 && strcmp(o->device, "cuda") != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "device '%s' (cpu or cuda)", o->device);
+  if (strcmp(o->backend, "nccl") == 0 && strcmp(o->device, "cuda") != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "backend nccl needs --device cuda (NCCL moves device buffers)");
+  if (strcmp(o->device, "cuda") == 0) {
+    const char *why = "";
+    if (dopt_cuda_device_count(&why) == 0)
+      return dopt__fail(DOPT_ERR_UNSUPPORTED, "--device cuda: no CUDA device available (%s)", why);
+  }
   const dopt_optim_impl *im = dopt_find_impl(o->optimizer);
   if (!im) {
     dopt_optim *probe;
@@ -504,29 +529,68 @@ static dopt_status check_options(const cmp_options *o) {
   return DOPT_OK;
 }
 
+/* The NCCL backend: this process is one rank of a launcher's world
+ * (torchrun, mpirun, srun) of tp·dp processes, one GPU each (local rank). */
+static dopt_status run_nccl(run_ctx *x) {
+  const cmp_options *o = x->o;
+  dopt_nccl_comm *world = NULL, *tpc = NULL, *dpc = NULL;
+  dopt_status st = dopt_nccl_init_env(120000, &world);
+  dopt_transport wt, tpt, dpt;
+  if (st == DOPT_OK) st = dopt_nccl_transport(world, &wt);
+  if (st == DOPT_OK && wt.size != o->tp * o->dp)
+    st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend nccl: the launcher started %d ranks but tp x dp = %d x %d = %d",
+                    wt.size, o->tp, o->dp, o->tp * o->dp);
+  if (st == DOPT_OK) st = dopt_nccl_split(world, wt.rank / o->tp, wt.rank, &tpc);
+  if (st == DOPT_OK) st = dopt_nccl_split(world, wt.rank % o->tp, wt.rank, &dpc);
+  if (st == DOPT_OK) st = dopt_nccl_transport(tpc, &tpt);
+  if (st == DOPT_OK) st = dopt_nccl_transport(dpc, &dpt);
+  if (st == DOPT_OK) {
+    x->r->rank = wt.rank;
+    st = rank_run(x, wt.rank, &tpt, &dpt);
+  }
+  if (st != DOPT_OK && world) dopt_nccl_abort(world); /* peers fail instead of waiting */
+  dopt_nccl_destroy(dpc);
+  dopt_nccl_destroy(tpc);
+  dopt_nccl_destroy(world);
+  return st;
+}
+
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
   DOPT_TRY(check_options(o));
   source s;
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
+  dopt_device *dev = NULL;
+  int devno = 0; /* backend nccl: the local rank's GPU (as dopt_nccl_init_env) */
+  if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
+    dopt_launch_env env;
+    st = dopt_launch_env_parse(NULL, NULL, &env);
+    devno = env.local_rank;
+  }
+  if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
   dopt_sim_world *w = NULL;
-  if (st == DOPT_OK) {
+  run_ctx x = {o, dev, &s, r, progress, user, now_s()};
+  if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
+    st = run_nccl(&x);
+    r->seconds = now_s() - x.t0;
+  } else if (st == DOPT_OK) {
     dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
     sc.nranks = o->tp * o->dp;
     sc.timeout_ms = 120000; /* rank 0 runs the reference between collectives */
     sc.mode = o->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
+    sc.memops = dev ? dopt_cuda_sim_memops() : NULL; /* device buffers on one GPU */
     st = dopt_sim_world_create(&sc, &w);
-  }
-  if (st == DOPT_OK) {
-    run_ctx x = {o, &s, r, progress, user, now_s()};
-    dopt_status rs[64];
-    st = dopt_sim_launch(w, rank_body, &x, rs);
-    for (int k = 0; st == DOPT_OK && k < o->tp * o->dp; k++)
-      if (rs[k] != DOPT_OK) st = dopt__fail(rs[k], "rank %d: %s", k, dopt_sim_world_rank_error(w, k));
-    r->seconds = now_s() - x.t0;
+    if (st == DOPT_OK) {
+      dopt_status rs[64];
+      st = dopt_sim_launch(w, rank_body, &x, rs);
+      for (int k = 0; st == DOPT_OK && k < o->tp * o->dp; k++)
+        if (rs[k] != DOPT_OK) st = dopt__fail(rs[k], "rank %d: %s", k, dopt_sim_world_rank_error(w, k));
+      r->seconds = now_s() - x.t0;
+    }
   }
   dopt_sim_world_destroy(w);
+  dopt_device_cuda_destroy(dev);
   source_free(&s);
   if (st != DOPT_OK) {
     cmp_result_free(r);

@@ -17,6 +17,7 @@
 #include "sim_internal.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -343,7 +344,7 @@ static dopt_status arrive(sim_call *k, const sim_arrival *a) {
 /* Successful end of a call: bit-flip fault on the received data, timing. */
 static dopt_status call_end(sim_call *k, void *recv, size_t count, dopt_dtype dt) {
   if (k->flip != NULL && recv != NULL)
-    dopt__sim_flip_bit(recv, count, dt, k->flip->elem, k->flip->bit);
+    dopt__sim_flip_bit(k->w->mem, recv, count, dt, k->flip->elem, k->flip->bit);
   if (k->c->rank == 0 && k->kind != DOPT_SIM_KIND_SPLIT) {
     double dt_s = now_s() - k->t0;
     pthread_mutex_lock(&k->w->mu);
@@ -519,7 +520,9 @@ dopt_status dopt_sim_world_create(const dopt_sim_config *cfg, dopt_sim_world **o
   DOPT_CHECK_ARG(out != NULL, "sim_world_create: out=NULL");
   *out = NULL;
   DOPT_CHECK_ARG(cfg != NULL, "sim_world_create: cfg=NULL");
-  DOPT_CHECK_ARG(cfg->struct_size == sizeof *cfg && cfg->version == DOPT_SIM_CONFIG_VERSION,
+  /* the size before memops was appended is accepted too (host buffers) */
+  DOPT_CHECK_ARG((cfg->struct_size == sizeof *cfg || cfg->struct_size == offsetof(dopt_sim_config, memops)) &&
+                     cfg->version == DOPT_SIM_CONFIG_VERSION,
                  "sim_world_create: cfg struct_size=%u version=%u (want %zu, %u; use DOPT_SIM_CONFIG_INIT)",
                  cfg->struct_size, cfg->version, sizeof *cfg, DOPT_SIM_CONFIG_VERSION);
   DOPT_CHECK_ARG(cfg->nranks >= 1 && cfg->nranks <= 4096,
@@ -534,6 +537,7 @@ dopt_status dopt_sim_world_create(const dopt_sim_config *cfg, dopt_sim_world **o
   w->n = cfg->nranks;
   w->mode = cfg->mode;
   w->timeout_ms = cfg->timeout_ms;
+  w->mem = cfg->struct_size == sizeof *cfg ? cfg->memops : NULL;
   if (pthread_mutex_init(&w->mu, NULL) != 0) {
     free(w);
     return dopt__fail(DOPT_ERR_BACKEND, "sim_world_create: pthread_mutex_init failed");
@@ -791,38 +795,38 @@ static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
   case DOPT_SIM_KIND_ALL_REDUCE: {
     /* reduce own slice from every send buffer, then gather the others' slices */
     size_t lo = slice_lo(cnt, n, i), hi = slice_lo(cnt, n, i + 1);
-    dopt__sim_reduce(dt, op, recv + lo * esz, deposited_sends(k), n, order_start(k, i), lo, hi - lo);
+    dopt__sim_reduce(k->w->mem, dt, op, recv + lo * esz, deposited_sends(k), n, order_start(k, i), lo, hi - lo);
     DOPT_TRY(barrier(k));
     for (int j = 0; j < n; j++) {
       size_t jlo = slice_lo(cnt, n, j), jhi = slice_lo(cnt, n, j + 1);
       if (j != i)
-        dopt__sim_copy(recv + jlo * esz, (const char *)arr[j].recv + jlo * esz, (jhi - jlo) * esz);
+        dopt__sim_copy(k->w->mem, recv + jlo * esz, (const char *)arr[j].recv + jlo * esz, (jhi - jlo) * esz);
     }
     break;
   }
   case DOPT_SIM_KIND_REDUCE_SCATTER:
-    dopt__sim_reduce(dt, op, recv, deposited_sends(k), n, order_start(k, i), (size_t)i * cnt, cnt);
+    dopt__sim_reduce(k->w->mem, dt, op, recv, deposited_sends(k), n, order_start(k, i), (size_t)i * cnt, cnt);
     break;
   case DOPT_SIM_KIND_ALL_GATHER:
     for (int j = 0; j < n; j++)
-      dopt__sim_copy(recv + (size_t)j * blk, arr[j].send, blk);
+      dopt__sim_copy(k->w->mem, recv + (size_t)j * blk, arr[j].send, blk);
     break;
   case DOPT_SIM_KIND_BROADCAST:
-    dopt__sim_copy(recv, arr[a->sig.root].send, blk);
+    dopt__sim_copy(k->w->mem, recv, arr[a->sig.root].send, blk);
     break;
   case DOPT_SIM_KIND_REDUCE: {
     /* every rank reduces its slice straight into the root's buffer */
     int root = a->sig.root;
     size_t lo = slice_lo(cnt, n, i), hi = slice_lo(cnt, n, i + 1);
     int start = k->w->mode == DOPT_SIM_ORDER_RING ? (root + 1) % n : 0;
-    dopt__sim_reduce(dt, op, (char *)arr[root].recv + lo * esz, deposited_sends(k), n, start, lo,
+    dopt__sim_reduce(k->w->mem, dt, op, (char *)arr[root].recv + lo * esz, deposited_sends(k), n, start, lo,
                      hi - lo);
     recv = i == root ? recv : NULL;
     break;
   }
   case DOPT_SIM_KIND_ALL_TO_ALL:
     for (int j = 0; j < n; j++)
-      dopt__sim_copy(recv + (size_t)j * blk, (const char *)arr[j].send + (size_t)i * blk, blk);
+      dopt__sim_copy(k->w->mem, recv + (size_t)j * blk, (const char *)arr[j].send + (size_t)i * blk, blk);
     break;
   default:
     break;
@@ -948,7 +952,7 @@ dopt_status dopt_sim_send(const void *send, size_t count, dopt_dtype dt, int pee
   m->next = NULL;
   m->count = count;
   m->dtype = (int)dt;
-  dopt__sim_copy(m + 1, send, bytes);
+  dopt__sim_copy(k.w->mem, m + 1, send, bytes);
   sim_group *g = k.g;
   pthread_mutex_lock(&k.w->mu);
   if (k.w->poisoned) {
@@ -1015,7 +1019,7 @@ dopt_status dopt_sim_recv(void *recv, size_t count, dopt_dtype dt, int peer,
     return dopt__fail(DOPT_ERR_MISMATCH, "comm '%s': rank %d %s vs rank %d %s", g->label, peer, sa,
                       comm->rank, ra);
   }
-  dopt__sim_copy(recv, m + 1, count * dopt_dtype_size(dt));
+  dopt__sim_copy(k.w->mem, recv, m + 1, count * dopt_dtype_size(dt));
   free(m);
   return call_end(&k, recv, count, dt);
 }

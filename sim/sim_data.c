@@ -4,7 +4,12 @@
 
 #include <string.h>
 
-void dopt__sim_copy(void *dst, const void *src, size_t bytes) {
+void dopt__sim_copy(const dopt_sim_memops *mem, void *dst, const void *src, size_t bytes) {
+  if (mem) {
+    if (bytes != 0 && dst != src)
+      mem->copy(mem->ctx, dst, src, bytes);
+    return;
+  }
   if (bytes != 0 && dst != src)
     memcpy(dst, src, bytes);
 }
@@ -96,8 +101,13 @@ SIM_DEFINE_REDUCER(reduce_i32, int32_t, int32_t, SIM_ID, SIM_ID, SIM_I32ADD, SIM
 SIM_DEFINE_REDUCER(reduce_i64, int64_t, int64_t, SIM_ID, SIM_ID, SIM_I64ADD, SIM_I64MUL, SIM_I64DIV)
 SIM_DEFINE_REDUCER(reduce_u8, uint8_t, uint8_t, SIM_ID, SIM_ID, SIM_U8ADD, SIM_U8MUL, SIM_U8DIV)
 
-void dopt__sim_reduce(dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs,
-                      int n, int start, size_t off, size_t count) {
+void dopt__sim_reduce(const dopt_sim_memops *mem, dopt_dtype dt, dopt_redop op, void *out,
+                      const void *const *srcs, int n, int start, size_t off, size_t count) {
+  if (mem) {
+    if (count != 0)
+      mem->reduce(mem->ctx, dt, op, out, srcs, n, start, off, count);
+    return;
+  }
   switch (dt) {
   case DOPT_F32: reduce_f32(op, out, srcs, n, start, off, count); break;
   case DOPT_F64: reduce_f64(op, out, srcs, n, start, off, count); break;
@@ -109,7 +119,13 @@ void dopt__sim_reduce(dopt_dtype dt, dopt_redop op, void *out, const void *const
   }
 }
 
-void dopt__sim_flip_bit(void *buf, size_t count, dopt_dtype dt, uint64_t elem, uint32_t bit) {
+void dopt__sim_flip_bit(const dopt_sim_memops *mem, void *buf, size_t count, dopt_dtype dt,
+                        uint64_t elem, uint32_t bit) {
+  if (mem) {
+    if (count != 0)
+      mem->flip_bit(mem->ctx, buf, count, dt, elem, bit);
+    return;
+  }
   size_t esz = dopt_dtype_size(dt);
   if (count == 0 || esz == 0)
     return;

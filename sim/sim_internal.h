@@ -11,17 +11,18 @@
 /* ---- data movement: the only code that reads or writes buffer contents, so
  * that a device-buffer variant can replace these three functions. ---------- */
 
+/* mem: the world's dopt_sim_memops (NULL: host memory, the code below). */
 /* memcpy for non-overlapping host ranges. */
-void dopt__sim_copy(void *dst, const void *src, size_t bytes);
+void dopt__sim_copy(const dopt_sim_memops *mem, void *dst, const void *src, size_t bytes);
 /* out[k] = srcs[o0][off+k] (op) srcs[o1][off+k] (op) ... for k < count, where
  * o_j = (start + j) mod n: a fixed combination order. out may alias
  * srcs[j] + off (in place); it must not partially overlap any source. bf16 is
  * accumulated in fp32 and rounded once; AVG divides the sum by n once. */
-void dopt__sim_reduce(dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs,
+void dopt__sim_reduce(const dopt_sim_memops *mem, dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs,
                       int n, int start, size_t off, size_t count);
 /* Flips bit `bit` (mod the element width) of element `elem` (mod count) of a
  * little-endian buffer; no-op when count is 0. */
-void dopt__sim_flip_bit(void *buf, size_t count, dopt_dtype dt, uint64_t elem, uint32_t bit);
+void dopt__sim_flip_bit(const dopt_sim_memops *mem, void *buf, size_t count, dopt_dtype dt, uint64_t elem, uint32_t bit);
 
 /* ---- shared state ------------------------------------------------------------ */
 
@@ -103,6 +104,7 @@ struct dopt_sim_world {
   size_t nlog, caplog;
   int log_truncated;      /* an append failed for lack of memory */
   int launched;
+  const dopt_sim_memops *mem; /* NULL: host buffers */
 };
 
 /* One logged operation; the group and sender identify whose timeline it is on. */

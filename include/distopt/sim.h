@@ -105,6 +105,23 @@ typedef struct dopt_sim_fault {
   uint32_t bit;      /* BITFLIP: bit within the element, or DOPT_SIM_FAULT_ANY_BIT */
 } dopt_sim_fault;
 
+/* ---- data movement ------------------------------------------------------------
+ * Where rank buffers live. NULL (the default): host memory, memcpy and the
+ * fixed-order loops of sim/sim_data.c. A device implementation
+ * (dopt_cuda_sim_memops, distopt/cuda.h) lets the ranks pass device buffers:
+ * the same three operations, synchronous for the calling thread, with the
+ * same fixed combination order. Message buffers of send/recv are host memory,
+ * so copy must accept any direction. */
+typedef struct dopt_sim_memops {
+  void *ctx;
+  void (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+  /* out[k] = srcs[o0][off+k] op srcs[o1][off+k] op ..., o_j = (start+j) mod n;
+   * as dopt__sim_reduce (sim/sim_internal.h) */
+  void (*reduce)(void *ctx, dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs, int n, int start,
+                 size_t off, size_t count);
+  void (*flip_bit)(void *ctx, void *buf, size_t count, dopt_dtype dt, uint64_t elem, uint32_t bit);
+} dopt_sim_memops;
+
 /* ---- world ------------------------------------------------------------------ */
 typedef struct dopt_sim_config {
   uint32_t struct_size;
@@ -115,11 +132,13 @@ typedef struct dopt_sim_config {
   const dopt_sim_fault *faults; /* fault plan (copied), may be NULL */
   size_t nfaults;
   uint64_t seed;                /* resolves the "ANY" fields of the fault plan */
+  /* appended (struct_size tells whether a caller has it): */
+  const dopt_sim_memops *memops; /* NULL: host buffers */
 } dopt_sim_config;
 
 #define DOPT_SIM_CONFIG_VERSION 1u
 #define DOPT_SIM_CONFIG_INIT \
-  {(uint32_t)sizeof(dopt_sim_config), DOPT_SIM_CONFIG_VERSION, 1, 10000u, DOPT_SIM_ORDER_RANK, NULL, 0, 0}
+  {(uint32_t)sizeof(dopt_sim_config), DOPT_SIM_CONFIG_VERSION, 1, 10000u, DOPT_SIM_ORDER_RANK, NULL, 0, 0, NULL}
 
 DOPT_API dopt_status dopt_sim_world_create(const dopt_sim_config *cfg, dopt_sim_world **out);
 /* Frees the world and every communicator split from it. Not while launched. */

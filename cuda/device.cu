@@ -1,0 +1,690 @@
+/* The CUDA device (distopt/cuda.h): memory, the vector kernels and the step
+ * of adamw, adafactor, came and lamb on a piece, performing the CPU
+ * reference's IEEE operations in the reference's order (ref/adamw.c,
+ * ref/adafactor.c, ref/came.c, ref/lamb.c, ref/stats.c). Step-dependent
+ * scalars are computed on the host by the same expressions as the CPU code;
+ * exact sums use the fixed-point words of ref/xsum.c with integer atomics
+ * (any order gives the same words). Every entry point is synchronous for the
+ * calling thread and runs on that thread's stream (cudaStreamPerThread). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "optim_impl.h"
+}
+#include "distopt/cuda.h"
+#include "kernels.cuh"
+
+#define ST cudaStreamPerThread
+
+namespace {
+
+struct cuda_dev {
+  dopt_device dev;
+  int id;
+  int sms;
+};
+
+dopt_status cu_fail(cudaError_t e, const char *what) {
+  return dopt__fail(DOPT_ERR_BACKEND, "cuda device: %s: %s", what, cudaGetErrorString(e));
+}
+
+#define CU(call, what)                        \
+  do {                                        \
+    cudaError_t cu_e_ = (call);               \
+    if (cu_e_ != cudaSuccess) return cu_fail(cu_e_, what); \
+  } while (0)
+
+/* Stream-ordered scratch, zero-filled; freed on scope exit. */
+struct scratch {
+  void *p = nullptr;
+  ~scratch() {
+    if (p) cudaFreeAsync(p, ST);
+  }
+  dopt_status get(size_t bytes) {
+    CU(cudaMallocAsync(&p, bytes ? bytes : 8, ST), "scratch alloc");
+    CU(cudaMemsetAsync(p, 0, bytes ? bytes : 8, ST), "scratch memset");
+    return DOPT_OK;
+  }
+};
+
+const int BS = 256;
+
+unsigned grid_for(const cuda_dev *c, size_t n) {
+  size_t g = (n + BS - 1) / BS, cap = (size_t)c->sms * 32;
+  if (g > cap) g = cap;
+  return (unsigned)(g ? g : 1);
+}
+
+dopt_status sync(const char *what) {
+  CU(cudaGetLastError(), what);
+  CU(cudaStreamSynchronize(ST), what);
+  return DOPT_OK;
+}
+
+#define GRID_STRIDE(i, n) \
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
+
+/* ---- vector kernels ------------------------------------------------------------------ */
+
+__global__ void k_add(float *acc, const float *x, size_t n) {
+  GRID_STRIDE(i, n) acc[i] = rn_fadd(acc[i], x[i]);
+}
+__global__ void k_scale(float *x, float a, size_t n) {
+  GRID_STRIDE(i, n) x[i] = rn_fmul(x[i], a);
+}
+__global__ void k_average(float *x, float d, size_t n, unsigned long long *bad) {
+  unsigned long long c = 0;
+  GRID_STRIDE(i, n) {
+    float v = rn_fdiv(x[i], d);
+    x[i] = v;
+    c += !isfinite(v);
+  }
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+  if ((threadIdx.x & 31) == 0 && c) atomicAdd(bad, c);
+}
+__global__ void k_to_bf16(const float *x, uint16_t *y, size_t n) {
+  GRID_STRIDE(i, n) {
+    unsigned u = __float_as_uint(x[i]);
+    if ((u & 0x7fffffffu) > 0x7f800000u) y[i] = (uint16_t)((u >> 16) | 0x40u);
+    else y[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+/* ---- exact Σx² of a piece (dopt_piece_sumsq) -------------------------------------------- */
+
+__global__ void k_absmax(const float *x, size_t n, unsigned *out) {
+  unsigned m = 0;
+  GRID_STRIDE(i, n) m = max(m, finite_abs_bits(x[i]));
+  m = block_max_u32(m);
+  if (threadIdx.x == 0 && m) atomicMax(out, m);
+}
+__global__ void k_square_max(const unsigned *mb, double *m) {
+  double v = (double)__uint_as_float(*mb);
+  *m = rn_dmul(v, v);
+}
+__global__ void k_xacc(const float *x, size_t n, double scale, int sq, unsigned long long *w) {
+  xwords a = {{0, 0, 0, 0, 0}};
+  GRID_STRIDE(i, n) {
+    double v = (double)x[i];
+    xw_add(a, scale, sq ? rn_dmul(v, v) : v);
+  }
+  xw_block_flush(a, w);
+}
+
+struct sumsq_scratch {
+  double m;
+  unsigned mb, pad;
+  unsigned long long w[5];
+};
+
+dopt_status piece_sumsq(const cuda_dev *c, const float *x, size_t n, const dopt_reducer *red, double *out) {
+  scratch s;
+  DOPT_TRY(s.get(sizeof(sumsq_scratch)));
+  sumsq_scratch *d = (sumsq_scratch *)s.p;
+  if (n) k_absmax<<<grid_for(c, n), BS, 0, ST>>>(x, n, &d->mb);
+  k_square_max<<<1, 1, 0, ST>>>(&d->mb, &d->m);
+  DOPT_TRY(sync("sumsq: maximum"));
+  if (red) DOPT_TRY(red->max_f64(red->ctx, &d->m, 1));
+  double m;
+  CU(cudaMemcpyAsync(&m, &d->m, sizeof m, cudaMemcpyDeviceToHost, ST), "sumsq: download");
+  DOPT_TRY(sync("sumsq: download"));
+  double scale = dopt_xsum_scale(m);
+  if (n) k_xacc<<<grid_for(c, n), BS, 0, ST>>>(x, n, scale, 1, d->w);
+  DOPT_TRY(sync("sumsq: accumulate"));
+  if (red) DOPT_TRY(red->sum_i64(red->ctx, (int64_t *)d->w, DOPT_XSUM_WORDS));
+  dopt_xacc acc;
+  CU(cudaMemcpyAsync(acc.w, d->w, sizeof acc.w, cudaMemcpyDeviceToHost, ST), "sumsq: download");
+  DOPT_TRY(sync("sumsq: download"));
+  *out = dopt_xacc_value(&acc, scale);
+  return DOPT_OK;
+}
+
+/* ---- piece geometry on the device ------------------------------------------------------ */
+
+/* A piece is walked by its local rows: global row R of the [b, hl, wl] block
+ * holds block elements [R·wl, (R+1)·wl) ∩ [lo, lo+len); one CUDA block per row. */
+struct dpiece {
+  size_t b, h, w, h0, hl, w0, wl, lo, len, R0;
+};
+
+dpiece make_dpiece(const dopt_piece *pc, size_t *nrows) {
+  dpiece d = {pc->b, pc->h, pc->w, pc->h0, pc->hl, pc->w0, pc->wl, pc->lo, pc->len, 0};
+  *nrows = 0;
+  if (pc->len && pc->wl) {
+    d.R0 = pc->lo / pc->wl;
+    *nrows = (pc->lo + pc->len - 1) / pc->wl - d.R0 + 1;
+  }
+  return d;
+}
+
+unsigned row_threads(size_t wl) {
+  size_t t = (wl + 31) / 32 * 32;
+  return (unsigned)(t > 256 ? 256 : (t ? t : 32));
+}
+
+/* this block's row: element range [kb, ke) of the block, batch, logical row, first logical column index base */
+struct rowinfo {
+  size_t kb, ke, Rbase, bi, lrow, cbase;
+};
+__device__ __forceinline__ rowinfo row_of(const dpiece &p, size_t r) {
+  rowinfo ri;
+  size_t R = p.R0 + r, s = R * p.wl, e = s + p.wl, end = p.lo + p.len;
+  ri.kb = s > p.lo ? s : p.lo;
+  ri.ke = e < end ? e : end;
+  ri.Rbase = s;
+  ri.bi = R / p.hl;
+  ri.lrow = ri.bi * p.h + p.h0 + R % p.hl;
+  ri.cbase = ri.bi * p.w + p.w0; /* + local column j */
+  return ri;
+}
+
+__global__ void k_rc_max(const float *u, dpiece p, size_t nrows, unsigned *rmax, unsigned *cmax) {
+  for (size_t r = blockIdx.x; r < nrows; r += gridDim.x) {
+    rowinfo ri = row_of(p, r);
+    unsigned m = 0;
+    for (size_t k = ri.kb + threadIdx.x; k < ri.ke; k += blockDim.x) {
+      unsigned a = finite_abs_bits(u[k - p.lo]);
+      m = max(m, a);
+      if (a) atomicMax(&cmax[ri.cbase + (k - ri.Rbase)], a);
+    }
+    m = block_max_u32(m);
+    if (threadIdx.x == 0) rmax[ri.lrow] = m;
+  }
+}
+__global__ void k_rc_scale0(const unsigned *rmax, const unsigned *cmax, size_t nr, size_t nc, double *scale) {
+  GRID_STRIDE(i, nr + nc) scale[i] = (double)__uint_as_float(i < nr ? rmax[i] : cmax[i - nr]);
+}
+__global__ void k_rc_scale1(double *scale, size_t n) {
+  GRID_STRIDE(i, n) scale[i] = xsum_scale(scale[i]);
+}
+__global__ void k_rc_acc(const float *u, dpiece p, size_t nrows, size_t nr, const double *scale,
+                         unsigned long long *acc) {
+  for (size_t r = blockIdx.x; r < nrows; r += gridDim.x) {
+    rowinfo ri = row_of(p, r);
+    xwords a = {{0, 0, 0, 0, 0}};
+    const double rs = scale[ri.lrow];
+    for (size_t k = ri.kb + threadIdx.x; k < ri.ke; k += blockDim.x) {
+      double v = (double)u[k - p.lo];
+      xw_add(a, rs, v);
+      size_t c = nr + ri.cbase + (k - ri.Rbase);
+      xwords cw = {{0, 0, 0, 0, 0}};
+      xw_add(cw, scale[c], v);
+      for (int q = 0; q < 5; q++)
+        if (cw.w[q]) atomicAdd(&acc[c * 5 + q], cw.w[q]);
+    }
+    xw_block_flush(a, &acc[ri.lrow * 5]);
+  }
+}
+__global__ void k_rc_means(const long long *acc, const double *scale, size_t nr, size_t nc, double w, double h,
+                           float *row_mean, float *col_mean) {
+  GRID_STRIDE(i, nr + nc) {
+    double v = xw_value(acc + 5 * i, scale[i]);
+    if (i < nr) row_mean[i] = __double2float_rn(rn_ddiv(v, w));
+    else col_mean[i - nr] = __double2float_rn(rn_ddiv(v, h));
+  }
+}
+
+/* dopt_piece_rowcol_means on device buffers (the reducer gets device buffers too) */
+dopt_status rowcol_means(const cuda_dev *c, const float *u, const dopt_piece *pc, const dopt_reducer *red,
+                         float *row_mean, float *col_mean) {
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w, nacc = nr + nc;
+  size_t nrows;
+  dpiece p = make_dpiece(pc, &nrows);
+  scratch s;
+  const size_t off_scale = (nacc * 4 + 7) / 8 * 8, off_acc = off_scale + nacc * 8;
+  DOPT_TRY(s.get(off_acc + nacc * 5 * 8));
+  unsigned *rmax = (unsigned *)s.p, *cmax = rmax + nr;
+  double *scale = (double *)((char *)s.p + off_scale);
+  unsigned long long *acc = (unsigned long long *)((char *)s.p + off_acc);
+  const unsigned rg = (unsigned)(nrows < 65535 * 16 ? nrows : 65535 * 16), rt = row_threads(pc->wl);
+  if (nrows) k_rc_max<<<rg, rt, 0, ST>>>(u, p, nrows, rmax, cmax);
+  if (nacc) k_rc_scale0<<<grid_for(c, nacc), BS, 0, ST>>>(rmax, cmax, nr, nc, scale);
+  DOPT_TRY(sync("row/column maxima"));
+  if (red) DOPT_TRY(red->max_f64(red->ctx, scale, nacc));
+  if (nacc) k_rc_scale1<<<grid_for(c, nacc), BS, 0, ST>>>(scale, nacc);
+  if (nrows) k_rc_acc<<<rg, rt, 0, ST>>>(u, p, nrows, nr, scale, acc);
+  DOPT_TRY(sync("row/column sums"));
+  if (red) DOPT_TRY(red->sum_i64(red->ctx, (int64_t *)acc, nacc * DOPT_XSUM_WORDS));
+  if (nacc)
+    k_rc_means<<<grid_for(c, nacc), BS, 0, ST>>>((const long long *)acc, scale, nr, nc, (double)pc->w, (double)pc->h,
+                                                 row_mean, col_mean);
+  return sync("row/column means");
+}
+
+/* rmean[bi] = (float)(xsum(row[bi·h .. +h]) / h): one block per batch */
+__global__ void k_batch_rmean(const float *row, size_t h, float *rmean) {
+  __shared__ unsigned long long words[5];
+  const float *r = row + (size_t)blockIdx.x * h;
+  unsigned m = 0;
+  for (size_t k = threadIdx.x; k < h; k += blockDim.x) m = max(m, finite_abs_bits(r[k]));
+  m = block_max_u32(m);
+  const double scale = xsum_scale((double)__uint_as_float(m));
+  if (threadIdx.x < 5) words[threadIdx.x] = 0;
+  __syncthreads();
+  xwords a = {{0, 0, 0, 0, 0}};
+  for (size_t k = threadIdx.x; k < h; k += blockDim.x) xw_add(a, scale, (double)r[k]);
+  for (int q = 0; q < 5; q++)
+    if (a.w[q]) atomicAdd(&words[q], a.w[q]);
+  __syncthreads();
+  if (threadIdx.x == 0) rmean[blockIdx.x] = __double2float_rn(rn_ddiv(xw_value((const long long *)words, scale), (double)h));
+}
+/* cf[c] = 1/sqrt(col[c]); rf[r] = 1/sqrt(row[r]/rmean[batch]) for all rows and columns */
+__global__ void k_factors(const float *row, const float *col, const float *rmean, size_t nr, size_t nc, size_t h,
+                          float *rf, float *cf) {
+  GRID_STRIDE(i, nr + nc) {
+    if (i < nr) rf[i] = rn_fdiv(1.0f, rn_fsqrt(rn_fdiv(row[i], rmean[i / h])));
+    else cf[i - nr] = rn_fdiv(1.0f, rn_fsqrt(col[i - nr]));
+  }
+}
+__global__ void k_apply(const float *rf, const float *cf, const float *x, dpiece p, size_t nrows, float *out) {
+  for (size_t r = blockIdx.x; r < nrows; r += gridDim.x) {
+    rowinfo ri = row_of(p, r);
+    const float f = rf[ri.lrow];
+    for (size_t k = ri.kb + threadIdx.x; k < ri.ke; k += blockDim.x)
+      out[k - p.lo] = rn_fmul(rn_fmul(f, cf[ri.cbase + (k - ri.Rbase)]), x[k - p.lo]);
+  }
+}
+
+/* dopt_piece_factored_apply */
+dopt_status factored_apply(const cuda_dev *c, const float *row, const float *col, const float *x, const dopt_piece *pc,
+                           float *out) {
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
+  size_t nrows;
+  dpiece p = make_dpiece(pc, &nrows);
+  scratch s;
+  DOPT_TRY(s.get((pc->b + nr + nc) * sizeof(float)));
+  float *rmean = (float *)s.p, *rf = rmean + pc->b, *cf = rf + nr;
+  if (pc->b && pc->h) k_batch_rmean<<<(unsigned)pc->b, 256, 0, ST>>>(row, pc->h, rmean);
+  if (nr + nc) k_factors<<<grid_for(c, nr + nc), BS, 0, ST>>>(row, col, rmean, nr, nc, pc->h ? pc->h : 1, rf, cf);
+  const unsigned rg = (unsigned)(nrows < 65535 * 16 ? nrows : 65535 * 16);
+  if (nrows) k_apply<<<rg, row_threads(pc->wl), 0, ST>>>(rf, cf, x, p, nrows, out);
+  return sync("factored update");
+}
+
+/* ---- optimizer kernels ------------------------------------------------------------------- */
+
+struct adamw_k {
+  float decay, b1, omb1, b2, omb2, neg_step, bc2_sqrt, eps;
+};
+__global__ void k_adamw(adamw_k q, float *w, const float *g, float *m, float *v, float *vmax, size_t n) {
+  GRID_STRIDE(i, n) {
+    float gi = g[i];
+    float wi = rn_fmul(w[i], q.decay);
+    float mi = rn_fadd(rn_fmul(m[i], q.b1), rn_fmul(q.omb1, gi));
+    float vi = rn_fadd(rn_fmul(v[i], q.b2), rn_fmul(rn_fmul(q.omb2, gi), gi));
+    float vd = vi;
+    if (vmax) {
+      vd = vmax[i] > vi ? vmax[i] : vi;
+      vmax[i] = vd;
+    }
+    float denom = rn_fadd(rn_fdiv(rn_fsqrt(vd), q.bc2_sqrt), q.eps);
+    w[i] = rn_fadd(wi, rn_fdiv(rn_fmul(q.neg_step, mi), denom));
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+__global__ void k_lamb1(float b1, float omb1, float b2, float omb2, float eps, float wd, int use_wd, const float *w,
+                        const float *g, float *m, float *v, float *u, size_t n) {
+  GRID_STRIDE(i, n) {
+    float gi = g[i];
+    float mi = rn_fadd(rn_fmul(m[i], b1), rn_fmul(omb1, gi));
+    float vi = rn_fadd(rn_fmul(v[i], b2), rn_fmul(rn_fmul(omb2, gi), gi));
+    m[i] = mi;
+    v[i] = vi;
+    float ui = rn_fdiv(mi, rn_fadd(rn_fsqrt(vi), eps));
+    if (use_wd) ui = rn_fadd(ui, rn_fmul(wd, w[i]));
+    u[i] = ui;
+  }
+}
+__global__ void k_axpy(float *w, float alpha, const float *u, size_t n) {
+  GRID_STRIDE(i, n) w[i] = rn_fadd(w[i], rn_fmul(alpha, u[i]));
+}
+/* u = g·g + eps1 */
+__global__ void k_sq_eps(float *u, const float *g, float eps1, size_t n) {
+  GRID_STRIDE(i, n) u[i] = rn_fadd(rn_fmul(g[i], g[i]), eps1);
+}
+/* stat = stat·b + omb·mean */
+__global__ void k_ema(float *stat, const float *mean, float b, float omb, size_t n) {
+  GRID_STRIDE(i, n) stat[i] = rn_fadd(rn_fmul(stat[i], b), rn_fmul(omb, mean[i]));
+}
+/* 1-D second moment: v = v·b + omb·u; u = (1/sqrt(v))·g */
+__global__ void k_vupd(float *v, float *u, const float *g, float b, float omb, size_t n) {
+  GRID_STRIDE(i, n) {
+    float vi = rn_fadd(rn_fmul(v[i], b), rn_fmul(omb, u[i]));
+    v[i] = vi;
+    u[i] = rn_fmul(rn_fdiv(1.0f, rn_fsqrt(vi)), g[i]);
+  }
+}
+__global__ void k_ada_final(float *w, const float *u, float *m, float div, float alpha, float b1, float omb1,
+                            float decay, int use_wd, size_t n) {
+  GRID_STRIDE(i, n) {
+    float ui = rn_fmul(rn_fdiv(u[i], div), alpha);
+    if (m) {
+      float mi = rn_fadd(rn_fmul(m[i], b1), rn_fmul(omb1, ui));
+      m[i] = mi;
+      ui = mi;
+    }
+    float wi = w[i];
+    if (use_wd) wi = rn_fadd(wi, rn_fmul(decay, wi));
+    w[i] = rn_fsub(wi, ui);
+  }
+}
+__global__ void k_came_res(float *u, float *m, float div, float b1, float omb1, float eps2, size_t n) {
+  GRID_STRIDE(i, n) {
+    float uh = rn_fdiv(u[i], div);
+    float mi = rn_fadd(rn_fmul(m[i], b1), rn_fmul(omb1, uh));
+    m[i] = mi;
+    float r = rn_fsub(uh, mi);
+    u[i] = rn_fadd(rn_fmul(r, r), eps2);
+  }
+}
+__global__ void k_came_final(float *w, const float *upd, float lr, float decay, int use_wd, size_t n) {
+  GRID_STRIDE(i, n) {
+    float wi = w[i];
+    if (use_wd) wi = rn_fadd(wi, rn_fmul(decay, wi));
+    w[i] = rn_fsub(wi, rn_fmul(upd[i], lr));
+  }
+}
+
+/* ---- steps (host scalars exactly as the CPU files compute them) ------------------------------ */
+
+dopt_status step_adamw(const cuda_dev *c, const dopt_step_args *a) {
+  enum { LR, BETA1, BETA2, EPS, WD, AMSGRAD };
+  const double *hp = a->hp;
+  double t = (double)a->step;
+  double bc1 = 1.0 - pow(hp[BETA1], t), bc2 = 1.0 - pow(hp[BETA2], t);
+  adamw_k q;
+  q.decay = (float)(1.0 - hp[LR] * hp[WD]);
+  q.b1 = (float)hp[BETA1], q.omb1 = (float)(1.0 - hp[BETA1]);
+  q.b2 = (float)hp[BETA2], q.omb2 = (float)(1.0 - hp[BETA2]);
+  q.neg_step = (float)(-(hp[LR] / bc1));
+  q.bc2_sqrt = (float)sqrt(bc2);
+  q.eps = (float)hp[EPS];
+  size_t n = a->piece->len;
+  float *vmax = hp[AMSGRAD] != 0.0 ? (float *)a->state[2] : nullptr;
+  if (n)
+    k_adamw<<<grid_for(c, n), BS, 0, ST>>>(q, a->param, a->grad, (float *)a->state[0], (float *)a->state[1], vmax, n);
+  return sync("adamw step");
+}
+
+dopt_status step_lamb(const cuda_dev *c, const dopt_step_args *a) {
+  enum { LR, BETA1, BETA2, EPS, WD, ADAM, BIASCORR };
+  const double *hp = a->hp;
+  const size_t n = a->piece->len;
+  float *w = a->param, *u = a->ws;
+  const double t = (double)a->step;
+  double lr = hp[LR];
+  if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
+  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
+  const float eps = (float)hp[EPS], wd = (float)hp[WD];
+  const int use_wd = hp[WD] != 0.0;
+  if (n)
+    k_lamb1<<<grid_for(c, n), BS, 0, ST>>>(b1, omb1, b2, omb2, eps, wd, use_wd, w, a->grad, (float *)a->state[0],
+                                           (float *)a->state[1], u, n);
+  DOPT_TRY(sync("lamb moments"));
+  double pss, uss;
+  DOPT_TRY(piece_sumsq(c, w, n, a->red, &pss));
+  DOPT_TRY(piece_sumsq(c, u, n, a->red, &uss));
+  float wnorm = (float)sqrt(pss);
+  float unorm = (float)sqrt(uss);
+  float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
+  if (hp[ADAM] != 0.0) trust = 1.0f;
+  const float alpha = (float)(-lr) * trust;
+  if (n) k_axpy<<<grid_for(c, n), BS, 0, ST>>>(w, alpha, u, n);
+  return sync("lamb update");
+}
+
+/* ref/adafactor.c step_size() */
+float ada_step_size(const double *hp, double t, float rms) {
+  enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP };
+  double rho;
+  if (hp[REL_STEP] != 0.0) {
+    double min_step = hp[WARMUP] != 0.0 ? 1e-6 * t : 1e-2;
+    double inv = 1.0 / sqrt(t);
+    rho = min_step < inv ? min_step : inv;
+  } else {
+    rho = hp[LR];
+  }
+  if (hp[SCALE_P] == 0.0) return (float)rho;
+  if (rms > (float)hp[EPS2]) return (float)rho * rms;
+  return (float)(rho * hp[EPS2]);
+}
+
+dopt_status put_f32(float *dst, float v) {
+  CU(cudaMemcpyAsync(dst, &v, sizeof v, cudaMemcpyHostToDevice, ST), "state upload");
+  return sync("state upload");
+}
+
+/* urms / clip, clamped to >= 1 (NaN propagates) */
+float clip_div(double uss, size_t N, double clip) {
+  float urms = dopt_rms_from_ss(uss, N);
+  float div = urms / (float)clip;
+  if (!(div > 1.0f)) div = div != div ? div : 1.0f;
+  return div;
+}
+
+dopt_status step_adafactor(const cuda_dev *c, const dopt_step_args *a) {
+  enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP };
+  const double *hp = a->hp;
+  const dopt_piece *pc = a->piece;
+  const size_t n = pc->len, N = pc->numel;
+  const float *g = a->grad;
+  float *w = a->param;
+  int s = 0;
+  float *m = isnan(hp[BETA1]) ? nullptr : (float *)a->state[s++];
+  float *row = (float *)a->state[s++];
+  float *col = pc->factored ? (float *)a->state[s++] : nullptr;
+  float *rms_state = (float *)a->state[s];
+  const double t = (double)a->step;
+  double pss;
+  DOPT_TRY(piece_sumsq(c, w, n, a->red, &pss));
+  const float rms = dopt_rms_from_ss(pss, N);
+  DOPT_TRY(put_f32(rms_state, rms));
+  const float alpha = ada_step_size(hp, t, rms);
+  const double beta2t = 1.0 - pow(t, hp[DECAY]);
+  const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
+  const float eps1 = (float)hp[EPS1];
+  float *u = a->ws;
+  if (n) k_sq_eps<<<grid_for(c, n), BS, 0, ST>>>(u, g, eps1, n);
+  if (pc->factored) {
+    const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
+    float *rmean = a->ws + n, *cmean = rmean + nr;
+    DOPT_TRY(sync("adafactor: g^2"));
+    DOPT_TRY(rowcol_means(c, u, pc, a->red, rmean, cmean));
+    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(row, rmean, b2t, omb2t, nr);
+    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(col, cmean, b2t, omb2t, nc);
+    DOPT_TRY(factored_apply(c, row, col, g, pc, u));
+  } else if (n) {
+    k_vupd<<<grid_for(c, n), BS, 0, ST>>>(row, u, g, b2t, omb2t, n);
+  }
+  DOPT_TRY(sync("adafactor: second moment"));
+  double uss;
+  DOPT_TRY(piece_sumsq(c, u, n, a->red, &uss));
+  const float div = clip_div(uss, N, hp[CLIP]);
+  const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];
+  const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
+  const float decay = (float)(-hp[WD]) * alpha;
+  const int use_wd = hp[WD] != 0.0;
+  if (n) k_ada_final<<<grid_for(c, n), BS, 0, ST>>>(w, u, m, div, alpha, b1, omb1, decay, use_wd, n);
+  return sync("adafactor update");
+}
+
+dopt_status step_came(const cuda_dev *c, const dopt_step_args *a) {
+  enum { LR, EPS1, EPS2, CLIP, BETA1, BETA2, BETA3, WD };
+  const double *hp = a->hp;
+  const dopt_piece *pc = a->piece;
+  const size_t n = pc->len, N = pc->numel;
+  const int factored = pc->factored;
+  const float *g = a->grad;
+  float *w = a->param, *m = (float *)a->state[0];
+  float *sq_row = (float *)a->state[1], *sq_col = nullptr, *res_row = nullptr, *res_col = nullptr, *rms_state;
+  if (factored) {
+    sq_col = (float *)a->state[2];
+    res_row = (float *)a->state[3];
+    res_col = (float *)a->state[4];
+    rms_state = (float *)a->state[5];
+  } else {
+    rms_state = (float *)a->state[2];
+  }
+  double pss;
+  DOPT_TRY(piece_sumsq(c, w, n, a->red, &pss));
+  DOPT_TRY(put_f32(rms_state, dopt_rms_from_ss(pss, N)));
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
+  float *u = a->ws, *rmean = a->ws + n, *cmean = rmean + nr;
+  const float eps1 = (float)hp[EPS1], eps2 = (float)hp[EPS2];
+  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
+  const float b3 = (float)hp[BETA3], omb3 = (float)(1.0 - hp[BETA3]);
+  if (n) k_sq_eps<<<grid_for(c, n), BS, 0, ST>>>(u, g, eps1, n);
+  DOPT_TRY(sync("came: g^2"));
+  if (factored) {
+    DOPT_TRY(rowcol_means(c, u, pc, a->red, rmean, cmean));
+    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(sq_row, rmean, b2, omb2, nr);
+    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(sq_col, cmean, b2, omb2, nc);
+    DOPT_TRY(factored_apply(c, sq_row, sq_col, g, pc, u));
+  } else if (n) {
+    k_vupd<<<grid_for(c, n), BS, 0, ST>>>(sq_row, u, g, b2, omb2, n);
+  }
+  DOPT_TRY(sync("came: second moment"));
+  double uss;
+  DOPT_TRY(piece_sumsq(c, u, n, a->red, &uss));
+  const float div = clip_div(uss, N, hp[CLIP]);
+  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+  if (n) k_came_res<<<grid_for(c, n), BS, 0, ST>>>(u, m, div, b1, omb1, eps2, n);
+  DOPT_TRY(sync("came: residual"));
+  const float *upd = m;
+  if (factored) {
+    DOPT_TRY(rowcol_means(c, u, pc, a->red, rmean, cmean));
+    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(res_row, rmean, b3, omb3, nr);
+    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(res_col, cmean, b3, omb3, nc);
+    DOPT_TRY(factored_apply(c, res_row, res_col, m, pc, u));
+    upd = u;
+  }
+  const float lr = (float)hp[LR];
+  const float decay = (float)(-hp[WD] * hp[LR]);
+  const int use_wd = hp[WD] != 0.0;
+  if (n) k_came_final<<<grid_for(c, n), BS, 0, ST>>>(w, upd, lr, decay, use_wd, n);
+  return sync("came update");
+}
+
+/* ---- the vtable ------------------------------------------------------------------------------ */
+
+cuda_dev *D(void *ctx) { return (cuda_dev *)ctx; }
+
+#define ENTER(c) CU(cudaSetDevice((c)->id), "cudaSetDevice")
+
+dopt_status op_alloc(void *ctx, size_t bytes, void **out) {
+  ENTER(D(ctx));
+  *out = nullptr;
+  cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
+  if (e != cudaSuccess) {
+    *out = nullptr;
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "cuda device %d: cudaMalloc of %zu bytes: %s", D(ctx)->id, bytes,
+                      cudaGetErrorString(e));
+  }
+  CU(cudaMemsetAsync(*out, 0, bytes ? bytes : 1, ST), "cudaMemset");
+  return sync("alloc");
+}
+void op_free(void *ctx, void *p) {
+  if (!p) return;
+  cudaSetDevice(D(ctx)->id);
+  cudaStreamSynchronize(ST);
+  cudaFree(p);
+}
+dopt_status op_memcpy(void *ctx, void *dst, const void *src, size_t bytes) {
+  ENTER(D(ctx));
+  if (bytes) CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ST), "cudaMemcpy");
+  return sync("memcpy");
+}
+dopt_status op_add(void *ctx, float *acc, const float *x, size_t n) {
+  ENTER(D(ctx));
+  if (n) k_add<<<grid_for(D(ctx), n), BS, 0, ST>>>(acc, x, n);
+  return sync("add");
+}
+dopt_status op_scale(void *ctx, float *x, float a, size_t n) {
+  ENTER(D(ctx));
+  if (n) k_scale<<<grid_for(D(ctx), n), BS, 0, ST>>>(x, a, n);
+  return sync("scale");
+}
+dopt_status op_average(void *ctx, float *x, float d, size_t n, int64_t *host_nonfinite) {
+  ENTER(D(ctx));
+  scratch s;
+  DOPT_TRY(s.get(8));
+  if (n) k_average<<<grid_for(D(ctx), n), BS, 0, ST>>>(x, d, n, (unsigned long long *)s.p);
+  unsigned long long bad = 0;
+  CU(cudaMemcpyAsync(&bad, s.p, 8, cudaMemcpyDeviceToHost, ST), "average: download");
+  DOPT_TRY(sync("average"));
+  *host_nonfinite = (int64_t)bad;
+  return DOPT_OK;
+}
+dopt_status op_sumsq(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *host_ss) {
+  ENTER(D(ctx));
+  return piece_sumsq(D(ctx), x, n, red, host_ss);
+}
+dopt_status op_to_bf16(void *ctx, const float *x, uint16_t *y, size_t n) {
+  ENTER(D(ctx));
+  if (n) k_to_bf16<<<grid_for(D(ctx), n), BS, 0, ST>>>(x, y, n);
+  return sync("to_bf16");
+}
+dopt_status op_step(void *ctx, const dopt_step_args *a) {
+  ENTER(D(ctx));
+  const char *name = a->impl->name;
+  if (strcmp(name, "adamw") == 0) return step_adamw(D(ctx), a);
+  if (strcmp(name, "adafactor") == 0) return step_adafactor(D(ctx), a);
+  if (strcmp(name, "came") == 0) return step_came(D(ctx), a);
+  if (strcmp(name, "lamb") == 0) return step_lamb(D(ctx), a);
+  return dopt__fail(DOPT_ERR_UNSUPPORTED,
+                    "cuda device: optimizer '%s' has no CUDA step (adamw, adafactor, came, lamb); use the cpu device",
+                    name);
+}
+
+const dopt_device_ops cuda_ops = {
+    "cuda", op_alloc, op_free, op_memcpy, op_memcpy, op_memcpy, op_add, op_scale, op_average, op_sumsq, op_to_bf16,
+    op_step,
+};
+
+} // namespace
+
+extern "C" int dopt_cuda_device_count(const char **why) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* clear the sticky-free error */
+    if (why) *why = cudaGetErrorString(e);
+    return 0;
+  }
+  if (n == 0 && why) *why = "no CUDA device";
+  return n;
+}
+
+extern "C" dopt_status dopt_device_cuda(int device, dopt_device **out) {
+  DOPT_CHECK_ARG(out != NULL, "dopt_device_cuda: out=NULL");
+  *out = NULL;
+  const char *why = "";
+  int n = dopt_cuda_device_count(&why);
+  if (n == 0) return dopt__fail(DOPT_ERR_UNSUPPORTED, "cuda device: no CUDA device available (%s)", why);
+  DOPT_CHECK_ARG(device >= 0 && device < n, "dopt_device_cuda: device=%d out of range [0, %d)", device, n);
+  CU(cudaSetDevice(device), "cudaSetDevice");
+  int sms = 0;
+  CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attributes");
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) { /* keep scratch memory cached */
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
+  cuda_dev *c = (cuda_dev *)calloc(1, sizeof *c);
+  if (!c) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_device_cuda");
+  c->id = device;
+  c->sms = sms > 0 ? sms : 1;
+  c->dev.ops = &cuda_ops;
+  c->dev.ctx = c;
+  *out = &c->dev;
+  return DOPT_OK;
+}
+
+extern "C" void dopt_device_cuda_destroy(dopt_device *dev) {
+  if (dev) free(dev->ctx);
+}

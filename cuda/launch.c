@@ -1,0 +1,261 @@
+/* Multi-process launch helpers (include/distopt/launch.h): the launcher's
+ * environment and the TCP rendezvous that distributes the NCCL unique id.
+ * Plain C and POSIX sockets: built and unit-tested without CUDA. */
+#include "distopt/launch.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* ---- environment ------------------------------------------------------------------- */
+
+static const char *plain_getenv(const char *name, void *user) {
+  (void)user;
+  return getenv(name);
+}
+
+static dopt_status parse_int(const char *name, const char *v, long lo, long hi, int *out) {
+  char *end;
+  errno = 0;
+  long x = strtol(v, &end, 10);
+  if (*v == '\0' || *end != '\0' || errno != 0 || x < lo || x > hi)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "launch environment: %s='%s' is not an integer in [%ld, %ld]", name, v, lo,
+                      hi);
+  *out = (int)x;
+  return DOPT_OK;
+}
+
+dopt_status dopt_launch_env_parse(dopt_getenv_fn get, void *user, dopt_launch_env *out) {
+  DOPT_CHECK_ARG(out != NULL, "dopt_launch_env_parse: out=NULL");
+  if (!get) get = plain_getenv;
+  memset(out, 0, sizeof *out);
+  static const struct {
+    const char *launcher, *rank, *size, *size2, *local;
+  } L[] = {
+      {"torchrun", "RANK", "WORLD_SIZE", NULL, "LOCAL_RANK"},
+      {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", NULL, "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"slurm", "SLURM_PROCID", "SLURM_NPROCS", "SLURM_NTASKS", "SLURM_LOCALID"},
+  };
+  for (size_t k = 0; k < sizeof L / sizeof L[0]; k++) {
+    const char *r = get(L[k].rank, user);
+    if (!r) continue;
+    const char *sname = L[k].size, *s = get(sname, user);
+    if (!s && L[k].size2) s = get(sname = L[k].size2, user);
+    if (!s)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "launch environment (%s): %s is set but %s%s%s is not", L[k].launcher,
+                        L[k].rank, L[k].size, L[k].size2 ? " / " : "", L[k].size2 ? L[k].size2 : "");
+    out->launcher = L[k].launcher;
+    DOPT_TRY(parse_int(sname, s, 1, 1 << 20, &out->world_size));
+    DOPT_TRY(parse_int(L[k].rank, r, 0, out->world_size - 1, &out->rank));
+    const char *l = get(L[k].local, user);
+    out->local_rank = 0;
+    if (l) DOPT_TRY(parse_int(L[k].local, l, 0, out->world_size - 1, &out->local_rank));
+    else if (out->world_size > 1 && k != 0)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "launch environment (%s): %s is not set", L[k].launcher, L[k].local);
+    else out->local_rank = k == 0 ? out->rank : 0; /* torchrun on one node: the global rank */
+    const char *a = get("MASTER_ADDR", user), *p = get("MASTER_PORT", user);
+    if (a) {
+      if (strlen(a) == 0 || strlen(a) >= sizeof out->master_addr)
+        return dopt__fail(DOPT_ERR_INVALID_ARG, "launch environment: MASTER_ADDR='%s' (empty or too long)", a);
+      memcpy(out->master_addr, a, strlen(a) + 1);
+    }
+    if (p) DOPT_TRY(parse_int("MASTER_PORT", p, 1, 65535, &out->master_port));
+    return DOPT_OK;
+  }
+  return dopt__fail(DOPT_ERR_NOT_FOUND,
+                    "launch environment: none of RANK (torchrun), OMPI_COMM_WORLD_RANK (mpirun), SLURM_PROCID (srun) "
+                    "is set");
+}
+
+/* ---- rendezvous --------------------------------------------------------------------- */
+
+#define RDV_MAGIC 0x64707472u /* "dptr" */
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int left_ms(double deadline) {
+  double l = deadline - now_ms();
+  return l <= 0 ? 0 : (l > 1e9 ? 1000000000 : (int)l + 1);
+}
+
+/* Waits for fd to become readable/writable before the deadline: 1 ready, 0 timeout, -1 error. */
+static int wait_fd(int fd, short ev, double deadline) {
+  for (;;) {
+    struct pollfd p = {fd, ev, 0};
+    int ms = left_ms(deadline);
+    if (ms == 0) return 0;
+    int rc = poll(&p, 1, ms);
+    if (rc > 0) return 1;
+    if (rc == 0) return 0;
+    if (errno != EINTR) return -1;
+  }
+}
+
+/* Transfers exactly n bytes (send if out) before the deadline. */
+static dopt_status xfer(int fd, void *buf, size_t n, int out, double deadline, const char *what) {
+  unsigned char *p = buf;
+  while (n > 0) {
+    int w = wait_fd(fd, out ? POLLOUT : POLLIN, deadline);
+    if (w == 0) return dopt__fail(DOPT_ERR_TIMEOUT, "rendezvous: timed out %s", what);
+    if (w < 0) return dopt__fail(DOPT_ERR_IO, "rendezvous: poll while %s: %s", what, strerror(errno));
+    ssize_t k = out ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (k <= 0)
+      return dopt__fail(DOPT_ERR_IO, "rendezvous: %s: %s", what, k == 0 ? "peer closed the connection" : strerror(errno));
+    p += k;
+    n -= (size_t)k;
+  }
+  return DOPT_OK;
+}
+
+static void put_u32(unsigned char *b, uint32_t v) {
+  for (int i = 0; i < 4; i++) b[i] = (unsigned char)(v >> (8 * i));
+}
+static uint32_t get_u32(const unsigned char *b) {
+  return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+static dopt_status resolve(const char *addr, int port, struct sockaddr_storage *sa, socklen_t *len) {
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  char ps[16];
+  snprintf(ps, sizeof ps, "%d", port);
+  int rc = getaddrinfo(addr, ps, &hints, &res);
+  if (rc != 0 || !res) return dopt__fail(DOPT_ERR_IO, "rendezvous: cannot resolve '%s': %s", addr, gai_strerror(rc));
+  memcpy(sa, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return DOPT_OK;
+}
+
+static dopt_status serve(const struct sockaddr_storage *sa, socklen_t salen, int port, int nranks, const void *blob,
+                         size_t bytes, double deadline) {
+  int ls = socket(sa->ss_family, SOCK_STREAM, 0);
+  if (ls < 0) return dopt__fail(DOPT_ERR_IO, "rendezvous: socket: %s", strerror(errno));
+  int one = 1;
+  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  dopt_status s = DOPT_OK;
+  if (bind(ls, (const struct sockaddr *)sa, salen) != 0 || listen(ls, nranks) != 0) {
+    s = dopt__fail(DOPT_ERR_IO, "rendezvous: rank 0 cannot listen on port %d: %s", port, strerror(errno));
+    close(ls);
+    return s;
+  }
+  fcntl(ls, F_SETFL, fcntl(ls, F_GETFL) | O_NONBLOCK);
+  unsigned char *served = calloc((size_t)nranks, 1);
+  if (!served) {
+    close(ls);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "rendezvous: %d ranks", nranks);
+  }
+  for (int done = 0; done < nranks - 1 && s == DOPT_OK;) {
+    int w = wait_fd(ls, POLLIN, deadline);
+    if (w == 0) {
+      s = dopt__fail(DOPT_ERR_TIMEOUT, "rendezvous: rank 0 timed out: %d of %d ranks connected", done, nranks - 1);
+      break;
+    }
+    int fd = accept(ls, NULL, NULL);
+    if (fd < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) continue;
+      s = dopt__fail(DOPT_ERR_IO, "rendezvous: accept: %s", strerror(errno));
+      break;
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    unsigned char hello[12], reply[8];
+    dopt_status cs = xfer(fd, hello, sizeof hello, 0, deadline, "reading a rank's hello");
+    if (cs == DOPT_OK) {
+      uint32_t magic = get_u32(hello), r = get_u32(hello + 4), n = get_u32(hello + 8);
+      if (magic != RDV_MAGIC) cs = DOPT_ERR_FORMAT; /* a stray connection: ignore it */
+      else if ((int)n != nranks || r == 0 || r >= (uint32_t)nranks || served[r])
+        s = dopt__fail(DOPT_ERR_INVALID_ARG, "rendezvous: a peer says rank %u of %u (rank 0 expects %d ranks%s)", r, n,
+                       nranks, r < (uint32_t)nranks && r && served[r] ? "; duplicate rank" : "");
+      else {
+        put_u32(reply, RDV_MAGIC);
+        put_u32(reply + 4, (uint32_t)bytes);
+        cs = xfer(fd, reply, sizeof reply, 1, deadline, "answering a rank");
+        if (cs == DOPT_OK) cs = xfer(fd, (void *)(uintptr_t)blob, bytes, 1, deadline, "sending the blob");
+        if (cs == DOPT_OK) {
+          served[r] = 1;
+          done++;
+        } else {
+          s = cs;
+        }
+      }
+    }
+    close(fd);
+  }
+  free(served);
+  close(ls);
+  return s;
+}
+
+static dopt_status fetch(const struct sockaddr_storage *sa, socklen_t salen, const char *addr, int port, int rank,
+                         int nranks, void *blob, size_t bytes, double deadline) {
+  double backoff = 10;
+  for (;;) {
+    int fd = socket(sa->ss_family, SOCK_STREAM, 0);
+    if (fd < 0) return dopt__fail(DOPT_ERR_IO, "rendezvous: socket: %s", strerror(errno));
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    int rc = connect(fd, (const struct sockaddr *)sa, salen);
+    int ok = rc == 0;
+    if (!ok && errno == EINPROGRESS && wait_fd(fd, POLLOUT, deadline) == 1) {
+      int err = 0;
+      socklen_t el = sizeof err;
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+      ok = err == 0;
+    }
+    if (ok) {
+      unsigned char hello[12], reply[8];
+      put_u32(hello, RDV_MAGIC);
+      put_u32(hello + 4, (uint32_t)rank);
+      put_u32(hello + 8, (uint32_t)nranks);
+      dopt_status s = xfer(fd, hello, sizeof hello, 1, deadline, "sending the hello");
+      if (s == DOPT_OK) s = xfer(fd, reply, sizeof reply, 0, deadline, "waiting for rank 0's answer");
+      if (s == DOPT_OK && (get_u32(reply) != RDV_MAGIC || get_u32(reply + 4) != (uint32_t)bytes))
+        s = dopt__fail(DOPT_ERR_FORMAT, "rendezvous: rank 0 at %s:%d sends a %u-byte blob, rank %d expects %zu", addr,
+                       port, get_u32(reply + 4), rank, bytes);
+      if (s == DOPT_OK) s = xfer(fd, blob, bytes, 0, deadline, "receiving the blob");
+      close(fd);
+      return s;
+    }
+    close(fd);
+    if (left_ms(deadline) == 0)
+      return dopt__fail(DOPT_ERR_TIMEOUT, "rendezvous: rank %d could not reach rank 0 at %s:%d before the timeout", rank,
+                        addr, port);
+    struct timespec ts = {0, (long)(backoff * 1e6)};
+    nanosleep(&ts, NULL);
+    backoff = backoff * 2 > 500 ? 500 : backoff * 2;
+  }
+}
+
+dopt_status dopt_rendezvous_blob(const char *addr, int port, int rank, int nranks, void *blob, size_t bytes,
+                                 uint32_t timeout_ms) {
+  DOPT_CHECK_ARG(addr && *addr, "rendezvous: address is empty (set MASTER_ADDR)");
+  DOPT_CHECK_ARG(port >= 1 && port <= 65535, "rendezvous: port=%d (set MASTER_PORT)", port);
+  DOPT_CHECK_ARG(nranks >= 1 && rank >= 0 && rank < nranks, "rendezvous: rank %d of %d", rank, nranks);
+  DOPT_CHECK_ARG(blob || bytes == 0, "rendezvous: blob=NULL");
+  DOPT_CHECK_ARG(bytes <= (1u << 20), "rendezvous: %zu bytes (at most 1 MiB)", bytes);
+  if (nranks == 1) return DOPT_OK;
+  double deadline = now_ms() + (double)timeout_ms;
+  struct sockaddr_storage sa;
+  socklen_t salen = 0;
+  DOPT_TRY(resolve(addr, port, &sa, &salen));
+  if (rank == 0) return serve(&sa, salen, port, nranks, blob, bytes, deadline);
+  return fetch(&sa, salen, addr, port, rank, nranks, blob, bytes, deadline);
+}

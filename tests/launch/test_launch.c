@@ -1,0 +1,248 @@
+/* Launch helpers without a GPU (label unit): the launcher environment parser,
+ * the TCP rendezvous on 127.0.0.1 (threads as ranks), and the simulator's
+ * memops hook (the path the CUDA device-buffer simulator takes), exercised
+ * with a host implementation. */
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <stddef.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "distopt/launch.h"
+#include "distopt/sim.h"
+#include "internal.h"
+#include "testutil.h"
+
+/* ---- environment -------------------------------------------------------------------- */
+
+typedef struct kv {
+  const char *const *pairs; /* name, value, ..., NULL */
+} kv;
+
+static const char *kv_get(const char *name, void *user) {
+  const kv *e = user;
+  for (const char *const *p = e->pairs; *p; p += 2)
+    if (strcmp(p[0], name) == 0) return p[1];
+  return NULL;
+}
+
+static dopt_status parse(const char *const *pairs, dopt_launch_env *out) {
+  kv e = {pairs};
+  return dopt_launch_env_parse(kv_get, &e, out);
+}
+
+static void test_env_torchrun(void **st) {
+  (void)st;
+  static const char *const p[] = {"RANK", "5", "WORLD_SIZE", "8", "LOCAL_RANK", "1", "MASTER_ADDR", "10.0.0.7",
+                                  "MASTER_PORT", "29500", NULL};
+  dopt_launch_env e;
+  assert_int_equal(parse(p, &e), DOPT_OK);
+  assert_string_equal(e.launcher, "torchrun");
+  assert_int_equal(e.rank, 5);
+  assert_int_equal(e.world_size, 8);
+  assert_int_equal(e.local_rank, 1);
+  assert_string_equal(e.master_addr, "10.0.0.7");
+  assert_int_equal(e.master_port, 29500);
+}
+
+static void test_env_openmpi_slurm(void **st) {
+  (void)st;
+  static const char *const mpi[] = {"OMPI_COMM_WORLD_RANK", "3", "OMPI_COMM_WORLD_SIZE", "4",
+                                    "OMPI_COMM_WORLD_LOCAL_RANK", "3", "MASTER_ADDR", "node0", "MASTER_PORT", "1234",
+                                    NULL};
+  dopt_launch_env e;
+  assert_int_equal(parse(mpi, &e), DOPT_OK);
+  assert_string_equal(e.launcher, "openmpi");
+  assert_int_equal(e.rank, 3);
+  assert_int_equal(e.world_size, 4);
+  assert_int_equal(e.local_rank, 3);
+  static const char *const slurm[] = {"SLURM_PROCID", "6", "SLURM_NTASKS", "16", "SLURM_LOCALID", "2", NULL};
+  assert_int_equal(parse(slurm, &e), DOPT_OK);
+  assert_string_equal(e.launcher, "slurm");
+  assert_int_equal(e.rank, 6);
+  assert_int_equal(e.world_size, 16);
+  assert_int_equal(e.local_rank, 2);
+  assert_string_equal(e.master_addr, "");
+  assert_int_equal(e.master_port, 0);
+  static const char *const slurm2[] = {"SLURM_PROCID", "0", "SLURM_NPROCS", "2", "SLURM_LOCALID", "0", NULL};
+  assert_int_equal(parse(slurm2, &e), DOPT_OK);
+  assert_int_equal(e.world_size, 2);
+  /* torchrun wins when several are set */
+  static const char *const both[] = {"SLURM_PROCID", "1", "SLURM_NTASKS", "2", "SLURM_LOCALID", "1", "RANK", "0",
+                                     "WORLD_SIZE", "1", NULL};
+  assert_int_equal(parse(both, &e), DOPT_OK);
+  assert_string_equal(e.launcher, "torchrun");
+}
+
+static void test_env_errors(void **st) {
+  (void)st;
+  dopt_launch_env e;
+  static const char *const none[] = {"HOME", "/root", NULL};
+  assert_status(parse(none, &e), DOPT_ERR_NOT_FOUND, "RANK");
+  static const char *const nosize[] = {"RANK", "0", NULL};
+  assert_status(parse(nosize, &e), DOPT_ERR_INVALID_ARG, "WORLD_SIZE");
+  static const char *const big[] = {"RANK", "4", "WORLD_SIZE", "4", NULL};
+  assert_status(parse(big, &e), DOPT_ERR_INVALID_ARG, "RANK='4'");
+  static const char *const junk[] = {"RANK", "1x", "WORLD_SIZE", "4", NULL};
+  assert_status(parse(junk, &e), DOPT_ERR_INVALID_ARG, "RANK='1x'");
+  static const char *const port[] = {"RANK", "0", "WORLD_SIZE", "2", "MASTER_PORT", "70000", NULL};
+  assert_status(parse(port, &e), DOPT_ERR_INVALID_ARG, "MASTER_PORT='70000'");
+  static const char *const nolocal[] = {"OMPI_COMM_WORLD_RANK", "1", "OMPI_COMM_WORLD_SIZE", "2", NULL};
+  assert_status(parse(nolocal, &e), DOPT_ERR_INVALID_ARG, "OMPI_COMM_WORLD_LOCAL_RANK");
+}
+
+/* ---- rendezvous ---------------------------------------------------------------------- */
+
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0)
+    return 0;
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+#define NR 5
+typedef struct rdv_arg {
+  int port, rank, nranks;
+  uint32_t timeout_ms;
+  unsigned char blob[128];
+  dopt_status s;
+  char err[256];
+} rdv_arg;
+
+static void *rdv_thread(void *p) {
+  rdv_arg *a = p;
+  a->s = dopt_rendezvous_blob("127.0.0.1", a->port, a->rank, a->nranks, a->blob, sizeof a->blob, a->timeout_ms);
+  snprintf(a->err, sizeof a->err, "%s", dopt_last_error());
+  return NULL;
+}
+
+static void test_rendezvous(void **st) {
+  (void)st;
+  int port = free_port();
+  assert_true(port > 0);
+  rdv_arg a[NR];
+  pthread_t th[NR];
+  memset(a, 0, sizeof a);
+  /* the clients start first: they must retry until rank 0 listens */
+  for (int r = NR - 1; r >= 0; r--) {
+    a[r].port = port;
+    a[r].rank = r;
+    a[r].nranks = NR;
+    a[r].timeout_ms = 20000;
+    if (r == 0)
+      for (int k = 0; k < 128; k++) a[r].blob[k] = (unsigned char)(k * 7 + 3);
+    assert_int_equal(pthread_create(&th[r], NULL, rdv_thread, &a[r]), 0);
+    if (r == 1) nanosleep(&(struct timespec){0, 100000000}, NULL);
+  }
+  for (int r = 0; r < NR; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < NR; r++) {
+    if (a[r].s != DOPT_OK) fail_msg("rank %d: %s", r, a[r].err);
+    assert_memory_equal(a[r].blob, a[0].blob, 128);
+  }
+}
+
+static void test_rendezvous_timeout(void **st) {
+  (void)st;
+  int port = free_port();
+  /* a client with nobody listening */
+  rdv_arg c = {port, 1, 2, 300, {0}, DOPT_OK, ""};
+  rdv_thread(&c);
+  assert_int_equal(c.s, DOPT_ERR_TIMEOUT);
+  assert_non_null(strstr(c.err, "could not reach rank 0"));
+  /* rank 0 with a missing peer */
+  rdv_arg s = {port, 0, 3, 300, {0}, DOPT_OK, ""};
+  rdv_thread(&s);
+  assert_int_equal(s.s, DOPT_ERR_TIMEOUT);
+  assert_non_null(strstr(s.err, "0 of 2 ranks connected"));
+  assert_status(dopt_rendezvous_blob("", 1, 0, 2, s.blob, 1, 10), DOPT_ERR_INVALID_ARG, "MASTER_ADDR");
+}
+
+/* ---- the simulator's memops hook -------------------------------------------------------- */
+
+typedef struct counting {
+  pthread_mutex_t mu;
+  int copies, reduces, flips;
+} counting;
+
+static void h_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  counting *c = ctx;
+  pthread_mutex_lock(&c->mu);
+  c->copies++;
+  pthread_mutex_unlock(&c->mu);
+  memcpy(dst, src, bytes);
+}
+/* float/int64 sums and maxima only (what this test uses), in the given order */
+static void h_reduce(void *ctx, dopt_dtype dt, dopt_redop op, void *out, const void *const *srcs, int n, int start,
+                     size_t off, size_t count) {
+  counting *c = ctx;
+  pthread_mutex_lock(&c->mu);
+  c->reduces++;
+  pthread_mutex_unlock(&c->mu);
+  for (size_t k = 0; k < count; k++) {
+    if (dt == DOPT_F32) {
+      float acc = ((const float *)srcs[start])[off + k];
+      for (int j = 1; j < n; j++) {
+        float x = ((const float *)srcs[(start + j) % n])[off + k];
+        acc = op == DOPT_MAX ? (x > acc ? x : acc) : acc + x;
+      }
+      ((float *)out)[k] = acc;
+    }
+  }
+}
+static void h_flip(void *ctx, void *buf, size_t count, dopt_dtype dt, uint64_t elem, uint32_t bit) {
+  counting *c = ctx;
+  (void)dt;
+  c->flips++;
+  ((unsigned char *)buf)[(elem % count) * 4 + (bit % 32) / 8] ^= (unsigned char)(1u << (bit % 8));
+}
+
+static dopt_status memops_body(dopt_sim_comm *comm, int rank, void *user) {
+  (void)user;
+  float send[6], recv[6], g[12];
+  for (int k = 0; k < 6; k++) send[k] = (float)(rank * 10 + k) + 0.25f;
+  DOPT_TRY(dopt_sim_all_reduce(send, recv, 6, DOPT_F32, DOPT_SUM, comm));
+  for (int k = 0; k < 6; k++)
+    if (recv[k] != (0.25f + (float)k) + (10.25f + (float)k) + (20.25f + (float)k)) return DOPT_ERR_NUMERIC;
+  DOPT_TRY(dopt_sim_all_gather(send, g, 2, DOPT_F32, comm));
+  for (int r = 0; r < 3; r++)
+    if (g[2 * r] != (float)(r * 10) + 0.25f) return DOPT_ERR_NUMERIC;
+  return DOPT_OK;
+}
+
+static void test_sim_memops_hook(void **st) {
+  (void)st;
+  counting cnt = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0};
+  dopt_sim_memops mo = {&cnt, h_copy, h_reduce, h_flip};
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 3;
+  cfg.memops = &mo;
+  dopt_sim_world *w;
+  assert_int_equal(dopt_sim_world_create(&cfg, &w), DOPT_OK);
+  dopt_status rs[3];
+  assert_int_equal(dopt_sim_launch(w, memops_body, NULL, rs), DOPT_OK);
+  dopt_sim_world_destroy(w);
+  assert_int_equal(cnt.reduces, 3); /* one slice per rank */
+  assert_true(cnt.copies >= 3 * 2 + 3 * 3); /* all-reduce: the other slices; all-gather: every block */
+  /* a caller compiled before memops was appended: host buffers */
+  cfg.struct_size = (uint32_t)offsetof(dopt_sim_config, memops);
+  assert_int_equal(dopt_sim_world_create(&cfg, &w), DOPT_OK);
+  dopt_sim_world_destroy(w);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_env_torchrun),       cmocka_unit_test(test_env_openmpi_slurm),
+      cmocka_unit_test(test_env_errors),         cmocka_unit_test(test_rendezvous),
+      cmocka_unit_test(test_rendezvous_timeout), cmocka_unit_test(test_sim_memops_hook),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
