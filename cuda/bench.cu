@@ -140,7 +140,7 @@ int main(int argc, char **argv) {
       CHECK(op->alloc(ctx, spec[k].elementwise ? n * 4 : spec[k].v.bytes, &st[k]));
     int64_t step = 0;
     float ms = bench([&] {
-      dopt_step_args a = {im, hp, ++step, &pc, y, x, st, ws, NULL, NULL};
+      dopt_step_args a = {im, hp, ++step, &pc, y, x, st, ws, NULL, NULL, 0};
       CHECK(op->step(ctx, &a));
     });
     report(sp.label, sp.bpe, ms, sp.elementwise);

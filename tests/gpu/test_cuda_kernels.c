@@ -108,8 +108,8 @@ static void run_piece(const char *name, const char *hps, int ndim, const int64_t
   for (int t = 1; t <= 4; t++) {
     fill(g, n, 100 + (uint64_t)t, 1);
     assert_int_equal(G->ops->upload(G->ctx, dg, g, n * 4), DOPT_OK);
-    dopt_step_args ca = {im, hp, t, pc, w, g, cs, ws, NULL, NULL};
-    dopt_step_args ga = {im, hp, t, pc, dw, dg, gs, dws, NULL, NULL};
+    dopt_step_args ca = {im, hp, t, pc, w, g, cs, ws, NULL, NULL, 0};
+    dopt_step_args ga = {im, hp, t, pc, dw, dg, gs, dws, NULL, NULL, 0};
     assert_int_equal(C->ops->step(NULL, &ca), DOPT_OK);
     assert_int_equal(G->ops->step(G->ctx, &ga), DOPT_OK);
     char what[160];
@@ -165,7 +165,7 @@ static void test_unsupported(void **st) {
   const int64_t s[] = {8};
   dopt_piece_full(1, s, &pc);
   double hp[DOPT_MAX_HPARAMS] = {0};
-  dopt_step_args a = {im, hp, 1, &pc, NULL, NULL, NULL, NULL, NULL, NULL};
+  dopt_step_args a = {im, hp, 1, &pc, NULL, NULL, NULL, NULL, NULL, NULL, 0};
   assert_status(G->ops->step(G->ctx, &a), DOPT_ERR_UNSUPPORTED, "adamw8bit");
 }
 
