@@ -66,13 +66,8 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-/* GaLore applies to rank > 0 groups and matrices: ndim >= 2 with leading dims 1. */
 static int galore_plan(const double *hp, int ndim, const int64_t *shape, dopt_galore_plan *pl) {
-  if (hp[RANK] <= 0 || ndim < 2) return 0;
-  for (int i = 0; i < ndim - 2; i++)
-    if (shape[i] != 1) return 0;
-  dopt_galore_plan_make((int)hp[PROJ_TYPE], (size_t)shape[ndim - 2], (size_t)shape[ndim - 1], (size_t)hp[RANK], pl);
-  return 1;
+  return dopt_galore_applies(hp[RANK], (int)hp[PROJ_TYPE], ndim, shape, pl);
 }
 
 static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
@@ -94,12 +89,6 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
     dopt_state_def(&out[n++], "projector", 2, pl.left ? a : b, 0);
   }
   return n;
-}
-
-static int any_nonzero(const float *x, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    if (x[i] != 0.0f) return 1;
-  return 0;
 }
 
 /* HF AdamW moments and normalised update on x[n] (R or G), N out. */
@@ -156,13 +145,9 @@ static dopt_status step(const dopt_step_args *a) {
       st = dopt__fail(DOPT_ERR_NO_MEMORY, "galore_adamw: buffers for a [%zu, %zu] parameter", pl.m, pl.n);
       goto done;
     }
-    int64_t iter = a->step - 1; /* upstream projects with the pre-increment step */
-    int have_prev = A ? any_nonzero(A, pl.m * pl.r) : any_nonzero(B, pl.r * pl.n);
-    if (!have_prev || iter % (int64_t)hp[GAP] == 0) {
-      dopt_svd_opts so = {(int)hp[SVD], (int)hp[OVERSAMPLE], (int)hp[POWER_ITERS], (uint64_t)hp[SEED], iter};
-      st = dopt_galore_refresh(&pl, a->grad, &so, have_prev, A, B, a->events);
-      if (st != DOPT_OK) goto done;
-    }
+    dopt_svd_opts so = {(int)hp[SVD], (int)hp[OVERSAMPLE], (int)hp[POWER_ITERS], (uint64_t)hp[SEED], a->step - 1};
+    st = dopt_galore_refresh_if_due(&pl, a->grad, a->step, (int64_t)hp[GAP], &so, A, B, a->events);
+    if (st != DOPT_OK) goto done;
     dopt_galore_project(&pl, a->grad, A, B, R, ws);
     adam_core(hp, R, m, v, Nl, nl);
     dopt_galore_project_back(&pl, Nl, A, B, (float)hp[SCALE], Nfull, ws);

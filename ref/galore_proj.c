@@ -246,3 +246,25 @@ void dopt_galore_project_back(const dopt_galore_plan *p, const float *Nl, const 
   blas_unpin(th);
   for (size_t i = 0; i < p->m * p->n; i++) out[i] = out[i] * scale;
 }
+
+int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *shape, dopt_galore_plan *pl) {
+  if (rank <= 0 || ndim < 2) return 0;
+  for (int i = 0; i < ndim - 2; i++)
+    if (shape[i] != 1) return 0;
+  dopt_galore_plan_make(proj_type, (size_t)shape[ndim - 2], (size_t)shape[ndim - 1], (size_t)rank, pl);
+  return 1;
+}
+
+static int any_nonzero(const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (x[i] != 0.0f) return 1;
+  return 0;
+}
+
+dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
+                                       const dopt_svd_opts *opt, float *A, float *B, unsigned *events) {
+  int64_t iter = step - 1; /* upstream projects with the pre-increment step */
+  int have_prev = A ? any_nonzero(A, p->m * p->r) : any_nonzero(B, p->r * p->n);
+  if (have_prev && iter % gap != 0) return DOPT_OK;
+  return dopt_galore_refresh(p, g, opt, have_prev, A, B, events);
+}

@@ -67,6 +67,17 @@ void dopt_galore_project(const dopt_galore_plan *p, const float *g, const float 
 void dopt_galore_project_back(const dopt_galore_plan *p, const float *N, const float *A, const float *B, float scale,
                               float *out, float *ws);
 
+/* GaLore applies to matrices (ndim >= 2 with leading dims 1) in groups with
+ * rank > 0: fills *pl and returns 1, else 0 (the plain update). */
+int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *shape, dopt_galore_plan *pl);
+
+/* The refresh schedule shared by the GaLore optimizers: at 0-based
+ * iterations 0, T, 2T, ... (iter = step - 1, upstream's pre-increment step),
+ * or whenever no projector exists yet (all-zero A/B), recompute the
+ * projector(s) with dopt_galore_refresh. */
+dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
+                                       const dopt_svd_opts *opt, float *A, float *B, unsigned *events);
+
 /* Counter-based standard normal: a pure function of (seed, iter, index). */
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index);
 

@@ -95,11 +95,7 @@ static dopt_status validate(const double *hp) {
 
 /* Q-GaLore applies to rank > 0 groups and matrices (leading dims 1); std only. */
 static int plan_of(const double *hp, int ndim, const int64_t *shape, dopt_galore_plan *pl) {
-  if (hp[RANK] <= 0 || ndim < 2) return 0;
-  for (int i = 0; i < ndim - 2; i++)
-    if (shape[i] != 1) return 0;
-  dopt_galore_plan_make(DOPT_PROJ_STD, (size_t)shape[ndim - 2], (size_t)shape[ndim - 1], (size_t)hp[RANK], pl);
-  return 1;
+  return dopt_galore_applies(hp[RANK], DOPT_PROJ_STD, ndim, shape, pl);
 }
 
 /* projector geometry: P elements, its row length, the first-vector length */
