@@ -99,25 +99,30 @@ static dopt_status step(const dopt_step_args *a) {
   int nq = dopt__adamw8bit_layout(hp, 2, (int64_t[2]){(int64_t)pl.rows, (int64_t)pl.cols}, (dopt_state_spec[DOPT_MAX_STATES]){0});
   float *A = pl.left ? a->state[nq] : NULL;
   float *B = pl.right ? a->state[nq + (pl.left ? 1 : 0)] : NULL;
-  const size_t nl = pl.rows * pl.cols, numel = pc->numel;
+  dopt_svd_opts so = {(int)hp[SVD], (int)hp[OVERSAMPLE], (int)hp[POWER_ITERS], (uint64_t)hp[SEED], a->step - 1};
+  DOPT_TRY(dopt_galore_refresh_if_due(&pl, a->grad, a->step, (int64_t)hp[GAP], &so, A, B, a->events));
+  return dopt_galore8_update("galore_adamw8bit", &pl, hp, hp[SCALE], a->step, a->grad, A, B, a->state, a->param,
+                             a->events);
+}
+
+dopt_status dopt_galore8_update(const char *who, const dopt_galore_plan *pl, const double *hp8, double scale,
+                                int64_t step, const float *g, const float *A, const float *B, void *const *state,
+                                float *w, unsigned *events) {
+  const size_t nl = pl->rows * pl->cols, numel = pl->m * pl->n;
   float *R = malloc(nl * sizeof *R), *U = calloc(nl, sizeof *U), *full = malloc(numel * sizeof *full);
-  float *ws = pl.left && pl.right ? malloc((pl.m > pl.n ? pl.m : pl.n) * pl.r * sizeof *ws) : NULL;
+  float *ws = pl->left && pl->right ? malloc((pl->m > pl->n ? pl->m : pl->n) * pl->r * sizeof *ws) : NULL;
   dopt_status st = DOPT_OK;
-  if (!R || !U || !full || (pl.left && pl.right && !ws)) {
-    st = dopt__fail(DOPT_ERR_NO_MEMORY, "galore_adamw8bit: buffers for a [%zu, %zu] parameter", pl.m, pl.n);
+  if (!R || !U || !full || (pl->left && pl->right && !ws)) {
+    st = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: buffers for a [%zu, %zu] parameter", who, pl->m, pl->n);
     goto done;
   }
-  dopt_svd_opts so = {(int)hp[SVD], (int)hp[OVERSAMPLE], (int)hp[POWER_ITERS], (uint64_t)hp[SEED], a->step - 1};
-  if ((st = dopt_galore_refresh_if_due(&pl, a->grad, a->step, (int64_t)hp[GAP], &so, A, B, a->events)) != DOPT_OK)
-    goto done;
-  dopt_galore_project(&pl, a->grad, A, B, R, ws);
+  dopt_galore_project(pl, g, A, B, R, ws);
   /* the kernel on a zero parameter, decay off: U = −lr·(bias-corrected Adam update) */
-  if ((st = dopt__adamw8bit_update(hp, 0.0, a->step, U, R, nl, a->state, a->events)) != DOPT_OK) goto done;
-  dopt_galore_project_back(&pl, U, A, B, (float)hp[SCALE], full, ws);
-  float *w = a->param;
+  if ((st = dopt__adamw8bit_update(hp8, 0.0, step, U, R, nl, state, events)) != DOPT_OK) goto done;
+  dopt_galore_project_back(pl, U, A, B, (float)scale, full, ws);
   for (size_t i = 0; i < numel; i++) w[i] = w[i] + full[i];
-  if (hp[WD] > 0.0) {
-    const float neg_decay = (float)(-hp[LR] * hp[WD]);
+  if (hp8[WD] > 0.0) {
+    const float neg_decay = (float)(-hp8[LR] * hp8[WD]);
     for (size_t i = 0; i < numel; i++) w[i] = w[i] + neg_decay * w[i];
   }
 done:

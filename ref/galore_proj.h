@@ -78,6 +78,17 @@ int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *sha
 dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
                                        const dopt_svd_opts *opt, float *A, float *B, unsigned *events);
 
+/* The GaLore-8bit update of a matrix P [m, n] once its projector(s) A/B are
+ * current (galore_adamw8bit, q_galore): R = project(G); the 8-bit (or fp32)
+ * Adam kernel steps a zero low-rank "parameter" U with decay off (U =
+ * −lr·bias-corrected update; `state` the low-rank states of
+ * dopt__adamw8bit_layout); P ← P + scale·project_back(U); then decoupled
+ * decay after the update, P ← P + (−lr·wd)·P. hp[0..7]: AdamW8bit's keys.
+ * `who` names the optimizer in messages. */
+dopt_status dopt_galore8_update(const char *who, const dopt_galore_plan *p, const double *hp8, double scale,
+                                int64_t step, const float *g, const float *A, const float *B, void *const *state,
+                                float *w, unsigned *events);
+
 /* Counter-based standard normal: a pure function of (seed, iter, index). */
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index);
 

@@ -175,11 +175,9 @@ static dopt_status step(const dopt_step_args *a) {
     return dopt__fail(DOPT_ERR_INVALID_ARG, "q_galore: weight of %zu elements is not a multiple of weight_group_size=%zu",
                       numel, wg);
 
-  const size_t nl = pl.rows * pl.cols;
-  float *proj = malloc(P * sizeof *proj), *R = malloc(nl * sizeof *R), *U = calloc(nl, sizeof *U);
-  float *full = malloc(numel * sizeof *full);
+  float *proj = malloc(P * sizeof *proj);
   dopt_status st = DOPT_OK;
-  if (!proj || !R || !U || !full) {
+  if (!proj) {
     st = dopt__fail(DOPT_ERR_NO_MEMORY, "q_galore: buffers for a [%zu, %zu] parameter", pl.m, pl.n);
     goto done;
   }
@@ -225,15 +223,9 @@ static dopt_status step(const dopt_step_args *a) {
   /* every use dequantises the stored projector */
   if (quant) dopt_qg_dequantize(pq, P, gs, bits, packed, ps, pz, proj);
   else memcpy(proj, pf, P * sizeof *proj);
-  dopt_galore_project(&pl, a->grad, A, B, R, NULL);
-  /* the kernel on a zero parameter, decay off: U = −lr·(bias-corrected Adam update) */
-  if ((st = dopt__adamw8bit_update(hp, 0.0, a->step, U, R, nl, a->state, a->events)) != DOPT_OK) goto done;
-  dopt_galore_project_back(&pl, U, A, B, (float)hp[SCALE], full, NULL);
-  for (size_t i = 0; i < numel; i++) w[i] = w[i] + full[i];
-  if (hp[WD] > 0.0) {
-    const float neg_decay = (float)(-hp[LR] * hp[WD]);
-    for (size_t i = 0; i < numel; i++) w[i] = w[i] + neg_decay * w[i];
-  }
+  if ((st = dopt_galore8_update("q_galore", &pl, hp, hp[SCALE], a->step, a->grad, A, B, a->state, w, a->events)) !=
+      DOPT_OK)
+    goto done;
   if (int8w) { /* re-grid with fresh per-group min/max, round, and show the dequantised weight */
     if (hp[STOCH_ROUND] != 0.0) dopt_qg_quantize_sr(w, numel, wg, (uint64_t)hp[SEED], a->step, a->tensor, 0, wq, wsc, wze);
     else dopt_qg_quantize(w, numel, wg, 8, 0, wq, wsc, wze);
@@ -241,9 +233,6 @@ static dopt_status step(const dopt_step_args *a) {
   }
 done:
   free(proj);
-  free(R);
-  free(U);
-  free(full);
   return st;
 }
 
