@@ -1,12 +1,16 @@
 #!/bin/sh
-# Bitwise before/after check of the reference optimizers: builds the CLI of a
-# baseline revision (default: the commit before the optimisation work) in a
-# temporary directory, runs `distopt run` of both builds on the same generated
-# input (tests/bitwise/gen_input.py) for every optimizer and several
-# hyperparameter sets, and compares the output files byte for byte (cmp).
+# Bitwise before/after check: builds the CLI of a baseline revision in a
+# temporary directory and compares, byte for byte (cmp), what both builds
+# write for
+#   - `distopt run` on the same generated input (tests/bitwise/gen_input.py)
+#     for all nine registry optimizers and several hyperparameter sets;
+#   - `distopt run` replaying every golden case file (datasets/golden/);
+#   - `distopt compare --json` of every distributable optimizer in several
+#     layouts (tp, dp, zero, bf16, clipping, accumulation), with the one
+#     wall-clock field ("seconds") removed.
 #
 # usage: tests/bitwise/check_bitwise.sh [BASE_REV] [NEW_DISTOPT]
-#   BASE_REV     git revision to compare against (default: bench~0 of the tree)
+#   BASE_REV     git revision to compare against (default: HEAD)
 #   NEW_DISTOPT  the distopt binary under test (default: build/compare/distopt)
 set -eu
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -25,8 +29,8 @@ n=0
 run_case() { # optimizer hparams
   tag=$1_$n
   n=$((n + 1))
-  "$OLD" run --params "$TMP/in.safetensors" --out "$TMP/old_$tag.st" --optimizer "$1" --hparams "$2" 2>"$TMP/old.err" || true
-  "$NEW" run --params "$TMP/in.safetensors" --out "$TMP/new_$tag.st" --optimizer "$1" --hparams "$2" 2>"$TMP/new.err" || true
+  "$OLD" run --quiet --params "$TMP/in.safetensors" --out "$TMP/old_$tag.st" --optimizer "$1" --hparams "$2" 2>"$TMP/old.err" || true
+  "$NEW" run --quiet --params "$TMP/in.safetensors" --out "$TMP/new_$tag.st" --optimizer "$1" --hparams "$2" 2>"$TMP/new.err" || true
   if [ ! -f "$TMP/old_$tag.st" ]; then
     echo "FAIL $1 [$2]: baseline produced no output: $(cat "$TMP/old.err")"; fail=1; return
   fi
@@ -47,5 +51,49 @@ run_case came "lr=1e-3,weight_decay=0.1,eps2=1e-10"
 run_case lamb ""
 run_case lamb "weight_decay=0.01,bias_correction=true"
 run_case lamb "adam=true,weight_decay=0.1"
+run_case adamw8bit ""
+run_case adamw8bit "min_8bit_size=64,percentile_clipping=5,weight_decay=0.1"
+run_case galore_adamw "rank=4,update_proj_gap=2"
+run_case galore_adamw8bit "rank=8,update_proj_gap=3,min_8bit_size=16"
+run_case q_galore "rank=4,update_proj_gap=2,proj_group_size=-1"
+run_case q_galore "rank=4,update_proj_gap=1,proj_group_size=-1,int8_weights=true,weight_group_size=1"
+run_case lisa ""
+run_case lisa "inner=adafactor,n_layers=1,interval=2"
+
+# golden case files replayed (their optimizer, hyperparameters and inputs come from the file)
+for f in "$SRC"/datasets/golden/*.safetensors "$SRC"/datasets/golden/*/*.safetensors; do
+  case $(basename "$f") in inputs.safetensors|bnb_maps.safetensors|quant.safetensors) continue ;; esac
+  tag=golden_$n
+  n=$((n + 1))
+  "$OLD" run --quiet --params "$f" --out "$TMP/old_$tag.st" 2>/dev/null || true
+  "$NEW" run --quiet --params "$f" --out "$TMP/new_$tag.st" 2>/dev/null || true
+  [ -f "$TMP/old_$tag.st" ] || { n=$((n - 1)); continue; } # not a replayable case file
+  if cmp -s "$TMP/old_$tag.st" "$TMP/new_$tag.st"; then echo "same run ${f#$SRC/}"; else echo "DIFF run ${f#$SRC/}"; fail=1; fi
+done
+
+# compare --json, the wall-clock field removed
+strip() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d.pop("seconds",None); print(json.dumps(d,sort_keys=True))' "$1"; }
+cmp_case() { # args for distopt compare
+  tag=cmp_$n
+  n=$((n + 1))
+  "$OLD" compare --quiet --steps 12 --json "$TMP/old_$tag.json" "$@" >/dev/null 2>&1 || true
+  "$NEW" compare --quiet --steps 12 --json "$TMP/new_$tag.json" "$@" >/dev/null 2>&1 || true
+  if [ ! -f "$TMP/old_$tag.json" ]; then echo "FAIL compare $*: baseline wrote no JSON"; fail=1; return; fi
+  if [ -f "$TMP/new_$tag.json" ] && [ "$(strip "$TMP/old_$tag.json")" = "$(strip "$TMP/new_$tag.json")" ]; then
+    echo "same compare $*"
+  else
+    echo "DIFF compare $*"; fail=1
+  fi
+}
+for o in adamw adafactor "came --hparams lr=2e-4" lamb; do
+  # shellcheck disable=SC2086
+  set -- --optimizer $o
+  cmp_case "$@"
+  cmp_case "$@" --tp 1 --dp 4 --zero 3 --plugin fsdp --max-grad-norm 0.5
+  cmp_case "$@" --tp 4 --dp 2 --zero 1 --bf16 --accumulation 2
+  cmp_case "$@" --tp 3 --dp 1 --zero 0
+  cmp_case "$@" --tp 2 --dp 2 --zero 2 --trace "$SRC/datasets/trace/digits_mlp.safetensors"
+done
+
 if [ $fail -ne 0 ]; then echo "bitwise check FAILED against $BASE"; exit 1; fi
 echo "bitwise check passed: $n cases identical to $BASE"
