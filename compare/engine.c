@@ -18,7 +18,7 @@
 #include "distopt/safetensors.h"
 #include "distopt/sim.h"
 #include "internal.h"
-#include "optim_impl.h"
+#include "registry.h"
 
 void cmp_options_default(cmp_options *o) {
   memset(o, 0, sizeof *o);

@@ -13,7 +13,7 @@
 #include <vector>
 
 extern "C" {
-#include "optim_impl.h"
+#include "registry.h"
 }
 #include "distopt/cuda.h"
 

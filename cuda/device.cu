@@ -1,9 +1,9 @@
 /* The CUDA device (distopt/cuda.h): memory, the vector kernels and the step
  * of adamw, adafactor, came and lamb on a piece, performing the CPU
  * reference's IEEE operations in the reference's order (ref/adamw.c,
- * ref/adafactor.c, ref/came.c, ref/lamb.c, ref/stats.c). Step-dependent
+ * ref/adafactor.c, ref/came.c, ref/lamb.c, core/stats.c). Step-dependent
  * scalars are computed on the host by the same expressions as the CPU code;
- * exact sums use the fixed-point words of ref/xsum.c with integer atomics
+ * exact sums use the fixed-point words of core/xsum.c with integer atomics
  * (any order gives the same words). Every entry point is synchronous for the
  * calling thread and runs on that thread's stream (cudaStreamPerThread). */
 #include <math.h>

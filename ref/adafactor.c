@@ -18,7 +18,7 @@
  * Every cross-element sum (means, RMS) is an exact xsum. */
 #include <math.h>
 
-#include "optim_impl.h"
+#include "registry.h"
 
 enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP, NHP };
 

@@ -17,7 +17,7 @@
 #include <math.h>
 
 #include "distopt/quant8.h"
-#include "optim_impl.h"
+#include "registry.h"
 
 enum { LR, BETA1, BETA2, EPS, WD, MIN8, PCT, BLOCK, NHP };
 

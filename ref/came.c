@@ -17,7 +17,7 @@
  * second-moment and residual statistics (no aliasing). */
 #include <math.h>
 
-#include "optim_impl.h"
+#include "registry.h"
 
 enum { LR, EPS1, EPS2, CLIP, BETA1, BETA2, BETA3, WD, NHP };
 

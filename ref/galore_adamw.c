@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "galore_proj.h"
-#include "optim_impl.h"
+#include "registry.h"
 
 enum { LR, BETA1, BETA2, EPS, WD, CORRECT_BIAS, RANK, GAP, SCALE, PROJ_TYPE, SVD, OVERSAMPLE, POWER_ITERS, SEED, NHP };
 

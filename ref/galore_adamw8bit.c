@@ -20,7 +20,7 @@
 
 #include "distopt/quant8.h"
 #include "galore_proj.h"
-#include "optim_impl.h"
+#include "registry.h"
 
 /* hp[0..7] are AdamW8bit's (shared validation, layout and kernel) */
 enum { LR, BETA1, BETA2, EPS, WD, MIN8, PCT, BLOCK, RANK, GAP, SCALE, PROJ_TYPE, SVD, OVERSAMPLE, POWER_ITERS, SEED, NHP };

@@ -8,7 +8,7 @@
  * State: exp_avg, exp_avg_sq [param shape]. */
 #include <math.h>
 
-#include "optim_impl.h"
+#include "registry.h"
 
 enum { LR, BETA1, BETA2, EPS, WD, ADAM, BIASCORR, NHP };
 

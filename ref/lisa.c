@@ -16,7 +16,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "optim_impl.h"
+#include "registry.h"
 #include "qgalore.h"
 
 enum { INNER, N_LAYERS, INTERVAL, SEED, RESET_STATES, NHP };

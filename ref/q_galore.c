@@ -24,7 +24,7 @@
 
 #include "distopt/quant8.h"
 #include "galore_proj.h"
-#include "optim_impl.h"
+#include "registry.h"
 #include "qgalore.h"
 
 /* hp[0..7] are AdamW8bit's (shared validation, layout and kernel) */

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "optim_impl.h"
+#include "registry.h"
 
 /* flush-to-zero: subnormals become a zero of the same sign */
 static inline float F(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }

@@ -5,7 +5,7 @@
  *
  * The CUDA device performs the reference's fp32 operations in the reference's
  * order (no FMA contraction, IEEE division and square root) and the exact
- * fixed-point sums of distopt/xsum.h with integer atomics, so dist/ on CUDA
+ * fixed-point sums of distopt/xsum.h with integer atomics, so distributed/ on CUDA
  * is bitwise equal to the CPU reference for finite values (NaN payloads may
  * differ: the GPU produces canonical NaNs).
  *

@@ -1,5 +1,5 @@
 /* distopt — the device interface: memory plus the few kernels the
- * distributed optimizers need, behind a vtable, so dist/ runs unchanged on
+ * distributed optimizers need, behind a vtable, so distributed/ runs unchanged on
  * the CPU (dopt_device_cpu) and on CUDA (cuda/).
  *
  * Pieces. A distributed parameter is seen by a rank as a *piece* of its
@@ -48,7 +48,7 @@ typedef struct dopt_reducer {
   dopt_status (*sum_i64)(void *ctx, int64_t *x, size_t n);
 } dopt_reducer;
 
-struct dopt_step_args; /* internal: one optimizer step on one piece (ref/optim_impl.h) */
+struct dopt_step_args; /* internal: one optimizer step on one piece (core/optim_impl.h) */
 
 typedef struct dopt_device_ops {
   const char *name;

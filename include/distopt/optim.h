@@ -130,10 +130,10 @@ DOPT_API dopt_status dopt_optim_state_bytes(const dopt_optim *o, int param, size
 DOPT_API dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, int ndim, const int64_t *shape,
                                                 size_t *bytes);
 
-/* ---- gradient utilities shared by the reference and dist/ ------------------ */
+/* ---- gradient utilities shared by the reference and distributed/ ------------------ */
 
 /* Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_, shared by
- * the reference and dist/: ss[i] is parameter i's exact Σg²; the total norm
+ * the reference and distributed/: ss[i] is parameter i's exact Σg²; the total norm
  * is sqrt of their sum in parameter order (double); the coefficient is
  * fp32(min(1, max_norm / (norm + 1e-6))). */
 DOPT_API float dopt_clip_coef(const double *ss, int n, double max_norm, double *norm);

@@ -226,7 +226,7 @@ DOPT_API dopt_status dopt_sim_recv(void *recv, size_t count, dopt_dtype dt, int 
                                    dopt_sim_comm *comm);
 DOPT_API dopt_status dopt_sim_barrier(dopt_sim_comm *comm);
 
-/* This rank's communicator as a dopt_transport (for dist/). The transport
+/* This rank's communicator as a dopt_transport (for distributed/). The transport
  * borrows the communicator. */
 DOPT_API dopt_status dopt_sim_transport(dopt_sim_comm *comm, dopt_transport *out);
 

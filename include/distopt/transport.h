@@ -1,5 +1,5 @@
 /* distopt — the transport interface: the collectives the distributed
- * optimizers use, behind a small vtable so dist/ runs unchanged on the
+ * optimizers use, behind a small vtable so distributed/ runs unchanged on the
  * pthread simulator (sim/, dopt_sim_transport) and on NCCL (cuda/).
  *
  * A dopt_transport is one rank's handle on one process group (TP, DP/ZeRO or
@@ -9,7 +9,7 @@
  * (the backends guarantee it: validation, timeouts, abort).
  *
  * Bitwise equality with the reference needs reductions in a fixed order
- * (rank order 0..n-1) for floating-point sums; dist/ only relies on that for
+ * (rank order 0..n-1) for floating-point sums; distributed/ only relies on that for
  * the data-parallel gradient sum. Every optimizer statistic is reduced as
  * MAX (F64) and SUM (I64), which are exact in any order. */
 #ifndef DISTOPT_TRANSPORT_H

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "gpucommon.h"
-#include "optim_impl.h"
+#include "registry.h"
 #include "testutil.h"
 
 static dopt_device *G;

@@ -107,7 +107,7 @@ static double shape_rel(const float *a, const float *b, size_t n) {
 
 static int bits_equal(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof *a) == 0; }
 
-/* RMS from an exact sum of squares, as the reference (ref/stats.c): fp32
+/* RMS from an exact sum of squares, as the reference (core/stats.c): fp32
  * norm divided by fp32 sqrt(count). */
 static float rms_from_ss(double ss, size_t count) { return (float)sqrt(ss) / (float)sqrt((double)count); }
 
@@ -167,7 +167,7 @@ static void col_means(const float *u, size_t h, size_t w, float *out) {
   free(col);
 }
 
-/* the factored preconditioner of ref/stats.c on a whole [b, h, w] tensor:
+/* the factored preconditioner of core/stats.c on a whole [b, h, w] tensor:
  * out = (rsqrt(row / mean_h(row)) · rsqrt(col)) · x */
 static void factored_apply(const float *row, const float *col, const float *x, size_t b, size_t h, size_t w, float *out) {
   for (size_t bi = 0; bi < b; bi++) {

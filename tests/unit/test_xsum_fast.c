@@ -1,4 +1,4 @@
-/* The optimised exact-sum paths (ref/xsum.c, ref/factored.c: vector kernels,
+/* The optimised exact-sum paths (core/xsum.c, ref/factored.c: vector kernels,
  * blocked double accumulation, fused row/column passes) against a plain
  * scalar transcription of the definition in include/distopt/xsum.h, written
  * here: every accumulator word, maximum and result must be bitwise equal, on

@@ -34,7 +34,7 @@ static inline void add_scaled(dopt_xacc *a, double scale, double x) {
 
 void dopt_xacc_add(dopt_xacc *acc, double scale, double x) { add_scaled(acc, scale, x); }
 
-/* ---- fast paths (ref/xsum_fast.h) ---------------------------------------------
+/* ---- fast paths (core/xsum_fast.h) ---------------------------------------------
  * The per-element definition above, restated in double arithmetic that a
  * vector unit executes without integer conversions: for finite v = x·scale
  * with |v| < 2^63,

@@ -15,22 +15,6 @@ float dopt_rms_from_ss(double ss, size_t n) {
   return norm / (float)sqrt((double)n);
 }
 
-void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *pc) {
-  memset(pc, 0, sizeof *pc);
-  pc->numel = dopt_numel(ndim, shape);
-  pc->factored = ndim >= 2;
-  if (pc->factored) {
-    dopt_split_bhw(ndim, shape, &pc->b, &pc->h, &pc->w);
-  } else {
-    pc->b = 1;
-    pc->h = 1;
-    pc->w = pc->numel;
-  }
-  pc->hl = pc->h;
-  pc->wl = pc->w;
-  pc->len = pc->numel;
-}
-
 void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
                               dopt_state_spec *out, int *n) {
   int64_t col[DOPT_MAX_DIMS];
@@ -165,21 +149,4 @@ dopt_status dopt_piece_factored_apply(const float *row, const float *col, const 
   free(rmean);
   free(cf);
   return DOPT_OK;
-}
-
-/* ---- bf16 ----------------------------------------------------------------------------- */
-
-uint16_t dopt_f32_to_bf16(float x) {
-  uint32_t u;
-  memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(u >> 16);
-}
-
-float dopt_bf16_to_f32(uint16_t x) {
-  uint32_t u = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
 }

@@ -1,4 +1,4 @@
-/* Internal fast paths of the exact sums (ref/xsum.c). Every function here
+/* Internal fast paths of the exact sums (core/xsum.c). Every function here
  * produces exactly the accumulator words (and maxima) of the straightforward
  * per-element definition in include/distopt/xsum.h:
  *   q = (int64_t)rint(x·scale);  lo = q mod 2^32 as a signed value in [-2^31, 2^31);

@@ -1,10 +1,10 @@
 /* Internal optimizer interface: each reference optimizer (ref/adamw.c, ...)
- * fills one dopt_optim_impl; ref/optim.c does registry, hyperparameters,
- * groups, parameters, state storage and the step loop. The step of every
+ * fills one dopt_optim_impl; core/optim.c does hyperparameters, groups,
+ * parameters, state storage and the step loop; ref/registry.c names them. The step of every
  * optimizer is written once, on a *piece* of the logical tensor with a
  * reducer for its cross-element statistics (distopt/device.h): the
  * single-device reference calls it with the whole tensor and no reducer,
- * dist/ with its shard and a reducer over the ranks sharing the tensor, so
+ * distributed/ with its shard and a reducer over the ranks sharing the tensor, so
  * the two are the same computation. */
 #ifndef DISTOPT_OPTIM_IMPL_H
 #define DISTOPT_OPTIM_IMPL_H
@@ -86,9 +86,9 @@ typedef struct dopt_optim_impl {
   size_t (*scratch)(const dopt_piece *piece);
   /* One step on one piece. */
   dopt_status (*step)(const dopt_step_args *a);
-  /* 1: the step is correct on any piece with a reducer (dist/ may shard it);
+  /* 1: the step is correct on any piece with a reducer (distributed/ may shard it);
    * 0: it needs the whole tensor (e.g. an SVD of the full gradient) and
-   * dist/ refuses it. */
+   * distributed/ refuses it. */
   int distributable;
   /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
    * belongs to the inner optimizer it chooses (docs/lisa.md). */
@@ -107,25 +107,13 @@ typedef struct dopt_wrap_ops {
   dopt_status (*pre_step)(dopt_optim *o, const double *whp, int64_t gstep);
 } dopt_wrap_ops;
 
-extern const dopt_optim_impl dopt_impl_adamw;
-extern const dopt_optim_impl dopt_impl_adafactor;
-extern const dopt_optim_impl dopt_impl_came;
-extern const dopt_optim_impl dopt_impl_lamb;
-extern const dopt_optim_impl dopt_impl_adamw8bit;
-extern const dopt_optim_impl dopt_impl_galore_adamw;
-extern const dopt_optim_impl dopt_impl_galore_adamw8bit;
-extern const dopt_optim_impl dopt_impl_q_galore;
-extern const dopt_optim_impl dopt_impl_lisa;
-
-/* 8-bit Adam pieces shared by adamw8bit and galore_adamw8bit (hp[0..7]: lr,
- * beta1, beta2, eps, weight_decay, min_8bit_size, percentile_clipping,
- * block_size). */
-dopt_status dopt__adamw8bit_validate(const char *who, const double *hp);
-int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out);
-dopt_status dopt__adamw8bit_update(const double *hp, double wd, int64_t step, float *p, const float *g, size_t n,
-                                   void *const *state, unsigned *events);
-
-const dopt_optim_impl *dopt_find_impl(const char *name);
+/* The optimizer object over one implementation (the public name-based
+ * calls, dopt_optim_create etc., are ref/registry.c's: they look the name up
+ * and call these). */
+dopt_status dopt__optim_create_impl(const dopt_optim_impl *im, const char *hparams, dopt_optim **out);
+dopt_status dopt__impl_state_bytes(const dopt_optim_impl *im, const char *hparams, int ndim, const int64_t *shape,
+                                   size_t *bytes);
+dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap);
 /* The implementation and group hyperparameters of a registry optimizer. */
 const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o);
 const double *dopt__optim_group_hp(const dopt_optim *o, int group);
@@ -144,7 +132,7 @@ void dopt_state_def(dopt_state_spec *s, const char *name, int ndim, const int64_
 void dopt_state_def_dtype(dopt_state_spec *s, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
                           int elementwise);
 
-/* ---- exact statistics of a piece (ref/stats.c) -------------------------------------- */
+/* ---- exact statistics of a piece (core/stats.c) -------------------------------------- */
 
 /* RMS as upstream computes it from a sum of squares ss over n elements:
  * fp32 norm, then divided by fp32 sqrt(n). */

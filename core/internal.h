@@ -1,4 +1,4 @@
-/* Library-internal helpers shared by ref/, dist/, sim/ (never installed). */
+/* Library-internal helpers shared by ref/, distributed/, sim/ (never installed). */
 #ifndef DISTOPT_INTERNAL_H
 #define DISTOPT_INTERNAL_H
 

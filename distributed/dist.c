@@ -1,6 +1,6 @@
 /* Distributed optimizers (include/distopt/dist.h, docs/distributed.md).
  *
- * Every rank runs the reference's step code (ref/optim_impl.h) on its piece
+ * Every rank runs the reference's step code (core/optim_impl.h) on its piece
  * of each logical tensor; the statistics that span the tensor go through a
  * reducer over exactly the ranks that hold its pieces (TP if the tensor is
  * TP-split, DP if it is ZeRO-sharded; replicas never add up twice) using MAX
@@ -259,7 +259,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   dopt_dist_optim *d = calloc(1, sizeof *d);
   if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create");
   d->impl = dopt__optim_impl(plain);
-  if (dopt__optim_wrapper(plain)) { /* LISA: the layer schedule is not in dist/ yet */
+  if (dopt__optim_wrapper(plain)) { /* LISA: the layer schedule is not in distributed/ yet */
     free(d);
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_create: optimizer '%s' is not distributable yet",
                       dopt_optim_name(plain));

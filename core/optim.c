@@ -1,6 +1,7 @@
-/* Generic optimizer object: registry, "key=value" hyperparameters, torch-style
+/* Generic optimizer object: "key=value" hyperparameters, torch-style
  * parameter groups, lazily allocated states, the step loop. The math lives in
- * one file per optimizer (ref/adamw.c, ref/adafactor.c, ref/came.c, ref/lamb.c). */
+ * one file per optimizer in ref/, and the table that names them is
+ * ref/registry.c: this file knows optimizers only as dopt_optim_impl pointers. */
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
@@ -9,66 +10,6 @@
 #include <string.h>
 
 #include "optim_impl.h"
-
-static const dopt_optim_impl *const registry[] = {
-    &dopt_impl_adamw,
-    &dopt_impl_adafactor,
-    &dopt_impl_came,
-    &dopt_impl_lamb,
-    &dopt_impl_adamw8bit,
-    &dopt_impl_galore_adamw,
-    &dopt_impl_galore_adamw8bit,
-    &dopt_impl_q_galore,
-    &dopt_impl_lisa,
-};
-#define NREG ((int)(sizeof registry / sizeof registry[0]))
-
-int dopt_optim_registry_count(void) { return NREG; }
-const char *dopt_optim_registry_name(int i) { return i >= 0 && i < NREG ? registry[i]->name : NULL; }
-
-const dopt_optim_impl *dopt_find_impl(const char *name) {
-  for (int i = 0; name && i < NREG; i++)
-    if (strcmp(registry[i]->name, name) == 0) return registry[i];
-  return NULL;
-}
-
-size_t dopt_dtype_size(dopt_dtype t) {
-  static const size_t sz[] = {4, 8, 2, 2, 4, 8, 1, 1};
-  return (unsigned)t < DOPT_DTYPE_COUNT_ ? sz[t] : 0;
-}
-
-const char *dopt_dtype_name(dopt_dtype t) {
-  static const char *const nm[] = {"F32", "F64", "BF16", "F16", "I32", "I64", "U8", "I8"};
-  return (unsigned)t < DOPT_DTYPE_COUNT_ ? nm[t] : "?";
-}
-
-size_t dopt_numel(int ndim, const int64_t *shape) {
-  size_t n = 1;
-  for (int i = 0; i < ndim; i++) n *= (size_t)shape[i];
-  return n;
-}
-
-void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t *w) {
-  *b = dopt_numel(ndim - 2, shape);
-  *h = (size_t)shape[ndim - 2];
-  *w = (size_t)shape[ndim - 1];
-}
-
-void dopt_state_def(dopt_state_spec *spec, const char *name, int ndim, const int64_t *shape, int elementwise) {
-  dopt_state_def_dtype(spec, name, DOPT_F32, ndim, shape, elementwise);
-}
-
-void dopt_state_def_dtype(dopt_state_spec *spec, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
-                          int elementwise) {
-  memset(spec, 0, sizeof *spec);
-  spec->elementwise = elementwise;
-  dopt_state_view *v = &spec->v;
-  v->name = name;
-  v->dtype = dtype;
-  v->ndim = ndim;
-  for (int i = 0; i < ndim; i++) v->shape[i] = shape[i];
-  v->bytes = dopt_numel(ndim, shape) * dopt_dtype_size(dtype);
-}
 
 /* ---- the optimizer object ----------------------------------------------------- */
 
@@ -265,19 +206,9 @@ static dopt_status push_group(dopt_optim *o, const double *hp, int *out) {
   return DOPT_OK;
 }
 
-dopt_status dopt_optim_create(const char *name, const char *hparams, dopt_optim **out) {
-  DOPT_CHECK_ARG(out != NULL, "dopt_optim_create: out=NULL");
+dopt_status dopt__optim_create_impl(const dopt_optim_impl *im, const char *hparams, dopt_optim **out) {
+  const char *name = im->name;
   *out = NULL;
-  DOPT_CHECK_ARG(name != NULL, "dopt_optim_create: name=NULL");
-  const dopt_optim_impl *im = dopt_find_impl(name);
-  if (!im) {
-    char known[128] = "";
-    for (int i = 0; i < NREG; i++) {
-      strncat(known, i ? ", " : "", sizeof known - strlen(known) - 1);
-      strncat(known, registry[i]->name, sizeof known - strlen(known) - 1);
-    }
-    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s' (registered: %s)", name, known);
-  }
   double hp[DOPT_MAX_HPARAMS], whp[DOPT_MAX_HPARAMS];
   const dopt_optim_impl *wrapper = NULL;
   DOPT_TRY(resolve(im, hparams, &im, hp, &wrapper, whp));
@@ -527,12 +458,8 @@ static dopt_status ensure_scratch(dopt_optim *o, size_t floats, const char *who)
   return DOPT_OK;
 }
 
-dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, int ndim, const int64_t *shape,
-                                       size_t *bytes) {
-  DOPT_CHECK_ARG(bytes != NULL && (shape != NULL || ndim == 0), "dopt_optim_state_bytes_for: NULL argument");
-  DOPT_CHECK_ARG(ndim >= 0 && ndim <= DOPT_MAX_DIMS, "dopt_optim_state_bytes_for: ndim=%d", ndim);
-  const dopt_optim_impl *im = dopt_find_impl(name);
-  if (!im) return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s'", name ? name : "(null)");
+dopt_status dopt__impl_state_bytes(const dopt_optim_impl *im, const char *hparams, int ndim, const int64_t *shape,
+                                   size_t *bytes) {
   double hp[DOPT_MAX_HPARAMS], whp[DOPT_MAX_HPARAMS];
   const dopt_optim_impl *wrapper;
   DOPT_TRY(resolve(im, hparams, &im, hp, &wrapper, whp)); /* LISA: the inner optimizer's (all layers active) */
@@ -585,10 +512,7 @@ void dopt__optim_free_states(dopt_optim *o, int i) {
   o->params[i].step = 0;
 }
 
-dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap) {
-  DOPT_CHECK_ARG(buf != NULL && cap > 0, "dopt_optim_describe: buf=NULL or cap=0");
-  const dopt_optim_impl *im = dopt_find_impl(name);
-  if (!im) return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown optimizer '%s'", name ? name : "(null)");
+dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap) {
   size_t off = 0;
   if (im->wrap) { /* the wrapper's keys, then a note on forwarding */
     int n0 = snprintf(buf, cap, "%s: %s\n", im->name, im->summary);
