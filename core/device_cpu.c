@@ -47,15 +47,21 @@ static dopt_status cpu_average(void *ctx, float *x, float d, size_t n, int64_t *
   return DOPT_OK;
 }
 
-static dopt_status cpu_sumsq(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *ss) {
+static dopt_status cpu_sumsq(void *ctx, const float *x, size_t n, double *ss) {
   (void)ctx;
-  return dopt_piece_sumsq(x, n, red, ss);
+  *ss = dopt_sumsq(x, n);
+  return DOPT_OK;
 }
 
 static dopt_status cpu_to_bf16(void *ctx, const float *x, uint16_t *y, size_t n) {
   (void)ctx;
   for (size_t i = 0; i < n; i++) y[i] = dopt_f32_to_bf16(x[i]);
   return DOPT_OK;
+}
+
+static size_t cpu_frame_bytes(void *ctx, const dopt_step_args *a) {
+  (void)ctx;
+  return a->impl->frame ? a->impl->frame(a->hp, a->piece) : 0;
 }
 
 static dopt_status cpu_step(void *ctx, const dopt_step_args *a) {
@@ -75,6 +81,7 @@ static const dopt_device_ops cpu_ops = {
     .average = cpu_average,
     .sumsq = cpu_sumsq,
     .to_bf16 = cpu_to_bf16,
+    .frame_bytes = cpu_frame_bytes,
     .step = cpu_step,
 };
 

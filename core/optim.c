@@ -26,8 +26,8 @@ struct dopt_optim {
   int ngroups;
   dopt_param *params;
   int nparams;
-  float *scratch;
-  size_t scratch_cap;
+  void *frame; /* one step's frame, reused by every parameter (the reference runs a step's stages back to back) */
+  size_t frame_cap;
 };
 
 static int find_key(const dopt_optim_impl *im, const char *key, size_t len) {
@@ -239,7 +239,7 @@ void dopt_optim_destroy(dopt_optim *o) {
   }
   free(o->params);
   free(o->groups);
-  free(o->scratch);
+  free(o->frame);
   free(o);
 }
 
@@ -448,14 +448,27 @@ dopt_status dopt_optim_state_bytes(const dopt_optim *o, int i, size_t *allocated
   return DOPT_OK;
 }
 
-/* Grows the optimizer's scratch to at least `floats` floats. */
-static dopt_status ensure_scratch(dopt_optim *o, size_t floats, const char *who) {
-  if (floats <= o->scratch_cap) return DOPT_OK;
-  float *s = realloc(o->scratch, floats * sizeof *s);
-  if (!s) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: scratch of %zu floats for '%s'", o->impl->name, floats, who);
-  o->scratch = s;
-  o->scratch_cap = floats;
+/* Grows the optimizer's step frame to at least `bytes` (zero-filled up to bytes). */
+static dopt_status ensure_frame(dopt_optim *o, size_t bytes, const char *who) {
+  if (bytes > o->frame_cap) {
+    void *f = realloc(o->frame, bytes);
+    if (!f) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: step frame of %zu bytes for '%s'", o->impl->name, bytes, who);
+    o->frame = f;
+    o->frame_cap = bytes;
+  }
+  if (bytes) memset(o->frame, 0, bytes);
   return DOPT_OK;
+}
+
+dopt_status dopt__run_stages(const dopt_device *dev, const dopt_step_args *a) {
+  dopt_step_args s = *a;
+  for (int stage = 0;; stage++) {
+    int again = 0;
+    s.stage = stage;
+    s.more = &again;
+    DOPT_TRY(dev ? dev->ops->step(dev->ctx, &s) : s.impl->step(&s));
+    if (!again) return DOPT_OK;
+  }
 }
 
 dopt_status dopt__impl_state_bytes(const dopt_optim_impl *im, const char *hparams, int ndim, const int64_t *shape,
@@ -480,15 +493,16 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     if (!grads[i] || p->frozen) continue; /* grad None (or frozen by a wrapper): untouched, as torch */
     dopt_piece piece;
     dopt_piece_full(p->ndim, p->shape, &piece);
-    DOPT_TRY(ensure_scratch(o, o->impl->scratch ? o->impl->scratch(&piece) : 0, p->name));
+    const double *hp = o->groups[p->group].hp;
+    DOPT_TRY(ensure_frame(o, o->impl->frame ? o->impl->frame(hp, &piece) : 0, p->name));
     DOPT_TRY(alloc_states(o, p));
     p->step++;
     void *state[DOPT_MAX_STATES];
     for (int k = 0; k < p->nstates; k++) state[k] = p->st[k].data;
     p->events = 0;
-    dopt_step_args a = {o->impl, o->groups[p->group].hp, p->step, &piece, p->data, grads[i], state, o->scratch, NULL,
-                        &p->events, (uint64_t)i};
-    DOPT_TRY(o->impl->step(&a));
+    dopt_step_args a = {o->impl, hp, p->step, &piece, p->data, grads[i], state, o->frame, NULL, &p->events,
+                        (uint64_t)i, 0, NULL, NULL};
+    DOPT_TRY(dopt__run_stages(NULL, &a)); /* no reducer: the stages follow each other directly */
     /* mixed precision: the working bf16 copy is the rounded master */
     for (size_t k = 0; p->work && k < p->numel; k++) p->work[k] = dopt_f32_to_bf16(p->data[k]);
   }

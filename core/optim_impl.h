@@ -57,7 +57,20 @@ typedef struct dopt_param {
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
 } dopt_param;
 
-/* One step of one optimizer on one piece (what dopt_device_ops.step runs). */
+/* One stage of one step of one optimizer on one piece (what
+ * dopt_device_ops.step runs). A step is a short sequence of stages: stage 0
+ * does the local work up to its first cross-element statistic and posts the
+ * statistic's local words to red (MAX first, then SUM in the next stage);
+ * the caller runs the posted reductions, batched over all parameters, and
+ * calls stage 1, and so on; a stage that does not set *more ends the step.
+ * The reference runs the same stages back to back with red = NULL. Whatever
+ * a step needs from one stage to the next lives in its frame (frame bytes,
+ * zero-filled before stage 0, impl->frame), never in static storage.
+ *
+ *   dist. round:   MAX      SUM      MAX      SUM
+ *   adafactor:  S0 ─────► S1 ────► S2 ─────► S3 ────► S4   (factored)
+ *                 ‖w‖²,rows,cols     ‖u‖²                   update
+ */
 typedef struct dopt_step_args {
   const struct dopt_optim_impl *impl;
   const double *hp;        /* the group's hyperparameters, impl order */
@@ -66,10 +79,13 @@ typedef struct dopt_step_args {
   float *param;            /* [len] */
   const float *grad;       /* [len] */
   void *const *state;      /* elementwise states [len], the others whole */
-  float *ws;               /* scratch floats: impl->scratch(piece) */
+  void *frame;             /* impl->frame(hp, piece) bytes, kept across stages */
   const dopt_reducer *red; /* NULL: single device */
   unsigned *events;        /* the step ORs DOPT_EVENT_* flags here (may be NULL) */
   uint64_t tensor;         /* the parameter's index in its optimizer (counter-based generator key) */
+  int stage;               /* the stage to run: 0, 1, ... */
+  int *more;               /* set to 1 by a stage that posted and needs the next one */
+  double *host_out;        /* dopt__impl_sumsq only: where the last stage writes Σx² (host) */
 } dopt_step_args;
 
 typedef struct dopt_optim_impl {
@@ -82,9 +98,9 @@ typedef struct dopt_optim_impl {
   dopt_status (*validate)(const double *hp);
   /* The state tensors of a parameter of this logical shape; returns their number. */
   int (*layout)(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out);
-  /* Scratch floats needed to step this piece (NULL: none). */
-  size_t (*scratch)(const dopt_piece *piece);
-  /* One step on one piece. */
+  /* Bytes of frame a step on this piece needs across its stages (NULL: none). */
+  size_t (*frame)(const double *hp, const dopt_piece *piece);
+  /* One stage of a step on one piece (see dopt_step_args). */
   dopt_status (*step)(const dopt_step_args *a);
   /* 1: the step is correct on any piece with a reducer (distributed/ may shard it);
    * 0: it needs the whole tensor (e.g. an SVD of the full gradient) and
@@ -132,21 +148,46 @@ void dopt_state_def(dopt_state_spec *s, const char *name, int ndim, const int64_
 void dopt_state_def_dtype(dopt_state_spec *s, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
                           int elementwise);
 
-/* ---- exact statistics of a piece (core/stats.c) -------------------------------------- */
+/* ---- exact statistics of a piece (core/stats.c) --------------------------------------
+ * Each statistic is reduced in two phases, each a stage boundary of the step:
+ * _begin computes the local maxima and posts them (MAX), _accum turns them
+ * into the shared scales, accumulates the local fixed-point words and posts
+ * them (SUM), and the value is read in the next stage. The state lives in the
+ * step's frame (dopt_frame_take); with red = NULL the three calls may follow
+ * each other directly. */
+
+/* A bump allocator over a step's frame: the same sequence of takes sizes the
+ * frame (base NULL: only counts, returns NULL) and maps it. 16-byte aligned. */
+typedef struct dopt_frame {
+  unsigned char *base;
+  size_t off;
+} dopt_frame;
+void *dopt_frame_take(dopt_frame *f, size_t bytes);
 
 /* RMS as upstream computes it from a sum of squares ss over n elements:
  * fp32 norm, then divided by fp32 sqrt(n). */
 float dopt_rms_from_ss(double ss, size_t n);
 
-/* Exact Σx² over a piece's n local elements, combined by red (NULL: local). */
-dopt_status dopt_piece_sumsq(const float *x, size_t n, const dopt_reducer *red, double *out);
+/* Σx² over a piece's n local elements. */
+typedef struct dopt_ss_stat {
+  double m;       /* max of the squares (after _begin's MAX: over all ranks) */
+  dopt_xacc acc;  /* fixed-point words (after _accum's SUM: over all ranks) */
+} dopt_ss_stat;
+dopt_status dopt_ss_begin(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
+dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
+double dopt_ss_value(const dopt_ss_stat *s);
 
 /* Row and column means of U over the logical [b, h, w], U given as the
  * piece's local elements: row_mean[b·h] = Σ_w U / w, col_mean[b·w] = Σ_h U / h
- * (fp32), identical on every rank. Phases: absmax (reducer MAX), fixed-point
- * accumulation (reducer SUM), finalisation. */
-dopt_status dopt_piece_rowcol_means(const float *u, const dopt_piece *pc, const dopt_reducer *red, float *row_mean,
-                                    float *col_mean);
+ * (fp32), identical on every rank. */
+typedef struct dopt_rc_stat {
+  double *scale;  /* [b·h + b·w]: maxima, then scales */
+  dopt_xacc *acc; /* [b·h + b·w] */
+} dopt_rc_stat;
+void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out);
+dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
+dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
+void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);
 
 /* Factored second-moment approximation times x on the piece (HF
  * _approx_sq_grad): out[k] = (rsqrt(row[r]/rmean[b]) · rsqrt(col[c])) · x[k]
@@ -155,14 +196,23 @@ dopt_status dopt_piece_rowcol_means(const float *u, const dopt_piece *pc, const 
 dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
                                       float *out);
 
+/* Runs every stage of one step back to back on dev (NULL: impl->step on the
+ * host) with a->red = NULL (the single device); a->stage and a->more are
+ * ignored; a->frame must hold the frame the device asks for. */
+dopt_status dopt__run_stages(const dopt_device *dev, const dopt_step_args *a);
+
 /* Appends the factored statistics (row [..., h], column [..., w]) of a >=2-D
  * parameter to out[*n]. */
 void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
                               dopt_state_spec *out, int *n);
-/* Scratch floats of a factored step: U [len] plus row and column means. */
-size_t dopt_factored_scratch(const dopt_piece *pc);
 
 /* Exact sum of squares of a local array x[n] (double). */
 double dopt_sumsq(const float *x, size_t n);
+
+/* Σx² of a piece as a step of its own (not registered): stage 0 posts the
+ * maximum, stage 1 the words, stage 2 writes the total to *a->host_out. The
+ * distributed global-norm clipping runs it for every parameter's gradient
+ * piece (a->grad), batched like any step. */
+extern const dopt_optim_impl dopt__impl_sumsq;
 
 #endif

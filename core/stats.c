@@ -1,8 +1,9 @@
 /* Exact statistics of a piece of a logical [b, h, w] tensor (see
  * distopt/device.h): the sums of squares, row/column means and factored
- * update shared by Adafactor, CAME and LAMB. The whole tensor is the piece
- * with h0 = w0 = lo = 0; a distributed rank passes its shard and a reducer,
- * and gets bitwise the same statistics. */
+ * update shared by Adafactor, CAME and LAMB, each in the two reduction phases
+ * of a staged step (core/optim_impl.h). The whole tensor is the piece with
+ * h0 = w0 = lo = 0; a distributed rank passes its shard and a reducer, and
+ * gets bitwise the same statistics. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,24 +25,58 @@ void dopt_factored_state_defs(const char *row_name, const char *col_name, int nd
   dopt_state_def(&out[(*n)++], col_name, ndim - 1, col, 0);
 }
 
-size_t dopt_factored_scratch(const dopt_piece *pc) {
-  if (!pc->factored) return pc->len ? pc->len : 1;
-  return pc->len + pc->b * pc->h + pc->b * pc->w; /* U, mean_w(U), mean_h(U) */
+void *dopt_frame_take(dopt_frame *f, size_t bytes) {
+  size_t at = (f->off + 15) & ~(size_t)15;
+  f->off = at + bytes;
+  return f->base ? f->base + at : NULL;
 }
 
 double dopt_sumsq(const float *x, size_t n) { return dopt_xsum_sq(x, n); }
 
-dopt_status dopt_piece_sumsq(const float *x, size_t n, const dopt_reducer *red, double *out) {
+dopt_status dopt_ss_begin(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red) {
   double m = (double)dopt__absmax_run(x, n);
-  m *= m; /* max of the squares, exact in double */
-  if (red) DOPT_TRY(red->max_f64(red->ctx, &m, 1));
-  double scale = dopt_xsum_scale(m);
-  dopt_xacc acc = {{0}};
-  dopt_xacc_add_sq_n(&acc, scale, x, n);
-  if (red) DOPT_TRY(red->sum_i64(red->ctx, acc.w, DOPT_XSUM_WORDS));
-  *out = dopt_xacc_value(&acc, scale);
-  return DOPT_OK;
+  s->m = m * m; /* max of the squares, exact in double */
+  return red ? red->post_max_f64(red->ctx, &s->m, 1) : DOPT_OK;
 }
+
+dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red) {
+  memset(&s->acc, 0, sizeof s->acc);
+  dopt_xacc_add_sq_n(&s->acc, dopt_xsum_scale(s->m), x, n);
+  return red ? red->post_sum_i64(red->ctx, s->acc.w, DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+double dopt_ss_value(const dopt_ss_stat *s) { return dopt_xacc_value(&s->acc, dopt_xsum_scale(s->m)); }
+
+/* The Σx² step (dopt__impl_sumsq): the gradient norms of global clipping. */
+static dopt_status sumsq_step(const dopt_step_args *a) {
+  dopt_ss_stat *s = a->frame;
+  const float *x = a->grad;
+  const size_t n = a->piece->len;
+  switch (a->stage) {
+  case 0:
+    *a->more = 1;
+    return dopt_ss_begin(s, x, n, a->red);
+  case 1:
+    *a->more = 1;
+    return dopt_ss_accum(s, x, n, a->red);
+  default:
+    *a->host_out = dopt_ss_value(s);
+    return DOPT_OK;
+  }
+}
+
+static size_t sumsq_frame(const double *hp, const dopt_piece *pc) {
+  (void)hp, (void)pc;
+  return sizeof(dopt_ss_stat);
+}
+
+const dopt_optim_impl dopt__impl_sumsq = {
+    .name = "sumsq",
+    .summary = "exact sum of squares of a piece (global-norm clipping)",
+    .frame = sumsq_frame,
+    .step = sumsq_step,
+    .distributable = 1,
+};
 
 /* ---- walking a piece ------------------------------------------------------------------
  * The local range [lo, lo+len) of the row-major [b, hl, wl] block, cut into
@@ -77,19 +112,19 @@ static int next_block(const dopt_piece *pc, size_t *k, piece_block *blk) {
 static size_t blk_row(const dopt_piece *pc, const piece_block *b) { return b->bi * pc->h + pc->h0 + b->i; }
 static size_t blk_col(const dopt_piece *pc, const piece_block *b) { return b->bi * pc->w + pc->w0 + b->j; }
 
-dopt_status dopt_piece_rowcol_means(const float *u, const dopt_piece *pc, const dopt_reducer *red, float *row_mean,
-                                    float *col_mean) {
-  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w, nacc = nr + nc;
-  double *scale = malloc(nacc * sizeof *scale);
+void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out) {
+  const size_t nacc = pc->b * pc->h + pc->b * pc->w;
+  out->scale = dopt_frame_take(f, nacc * sizeof *out->scale);
+  out->acc = dopt_frame_take(f, nacc * sizeof *out->acc);
+}
+
+/* Phase 1: row and column maxima of |U| (float maxima are exact; the
+ * conversion to double is monotone), posted for MAX. */
+dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
   float *cmax = calloc(nc ? nc : 1, sizeof *cmax);
-  double *ws = malloc((pc->wl ? 2 * pc->wl : 1) * sizeof *ws); /* column-sum scratch */
-  dopt_xacc *acc = calloc(nacc, sizeof *acc);
-  dopt_status s = DOPT_OK;
-  if (!scale || !cmax || !ws || !acc) {
-    s = dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu accumulators", nacc);
-    goto done;
-  }
-  /* 1. maxima (float maxima are exact; the conversion to double is monotone) */
+  if (!cmax) return dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu column maxima", nc);
+  double *scale = s->scale;
   for (size_t r = 0; r < nr; r++) scale[r] = 0.0;
   piece_block blk;
   size_t k = pc->lo;
@@ -101,26 +136,37 @@ dopt_status dopt_piece_rowcol_means(const float *u, const dopt_piece *pc, const 
     }
   }
   for (size_t c = 0; c < nc; c++) scale[nr + c] = (double)cmax[c];
-  if (red && (s = red->max_f64(red->ctx, scale, nacc)) != DOPT_OK) goto done;
+  free(cmax);
+  return red ? red->post_max_f64(red->ctx, scale, nr + nc) : DOPT_OK;
+}
+
+/* Phase 2: the shared scales and the fixed-point row and column sums, posted for SUM. */
+dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+  const size_t nr = pc->b * pc->h, nacc = nr + pc->b * pc->w;
+  double *ws = malloc((pc->wl ? 2 * pc->wl : 1) * sizeof *ws); /* column-sum scratch */
+  if (!ws) return dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu columns", pc->wl);
+  double *scale = s->scale;
+  dopt_xacc *acc = s->acc;
   for (size_t i = 0; i < nacc; i++) scale[i] = dopt_xsum_scale(scale[i]);
-  /* 2. fixed-point accumulation */
-  k = pc->lo;
+  memset(acc, 0, nacc * sizeof *acc);
+  piece_block blk;
+  size_t k = pc->lo;
   while (next_block(pc, &k, &blk)) {
     const float *p = u + blk.off;
     size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
     for (size_t r = 0; r < blk.rows; r++) dopt__xacc_add_run(&acc[r0 + r], scale[r0 + r], p + r * blk.cols, blk.cols, 0);
     dopt__xacc_add_cols_block(acc + nr + c0, scale + nr + c0, p, blk.rows, blk.cols, ws);
   }
-  if (red && (s = red->sum_i64(red->ctx, &acc[0].w[0], nacc * DOPT_XSUM_WORDS)) != DOPT_OK) goto done;
-  /* 3. means over the logical extents */
-  for (size_t i = 0; i < nr; i++) row_mean[i] = (float)(dopt_xacc_value(&acc[i], scale[i]) / (double)pc->w);
-  for (size_t i = 0; i < nc; i++) col_mean[i] = (float)(dopt_xacc_value(&acc[nr + i], scale[nr + i]) / (double)pc->h);
-done:
-  free(scale);
-  free(cmax);
   free(ws);
-  free(acc);
-  return s;
+  return red ? red->post_sum_i64(red->ctx, &acc[0].w[0], nacc * DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+/* Finalisation: the means over the logical extents (in the stage after the SUM). */
+void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean) {
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
+  for (size_t i = 0; i < nr; i++) row_mean[i] = (float)(dopt_xacc_value(&s->acc[i], s->scale[i]) / (double)pc->w);
+  for (size_t i = 0; i < nc; i++)
+    col_mean[i] = (float)(dopt_xacc_value(&s->acc[nr + i], s->scale[nr + i]) / (double)pc->h);
 }
 
 dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,

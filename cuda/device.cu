@@ -113,32 +113,57 @@ __global__ void k_xacc(const float *x, size_t n, double scale, int sq, unsigned 
   xw_block_flush(a, w);
 }
 
-struct sumsq_scratch {
+/* Σx² of a piece in the two reduction phases of a staged step (core/stats.c
+ * dopt_ss_*); lives in the step's frame (device memory). */
+struct ss_dev {
   double m;
   unsigned mb, pad;
   unsigned long long w[5];
 };
 
-dopt_status piece_sumsq(const cuda_dev *c, const float *x, size_t n, const dopt_reducer *red, double *out) {
-  scratch s;
-  DOPT_TRY(s.get(sizeof(sumsq_scratch)));
-  sumsq_scratch *d = (sumsq_scratch *)s.p;
+dopt_status ss_begin(const cuda_dev *c, ss_dev *d, const float *x, size_t n, const dopt_reducer *red) {
+  CU(cudaMemsetAsync(&d->mb, 0, sizeof d->mb, ST), "sumsq: memset");
   if (n) k_absmax<<<grid_for(c, n), BS, 0, ST>>>(x, n, &d->mb);
   k_square_max<<<1, 1, 0, ST>>>(&d->mb, &d->m);
   DOPT_TRY(sync("sumsq: maximum"));
-  if (red) DOPT_TRY(red->max_f64(red->ctx, &d->m, 1));
+  return red ? red->post_max_f64(red->ctx, &d->m, 1) : DOPT_OK;
+}
+
+dopt_status ss_scale(ss_dev *d, double *scale) {
   double m;
   CU(cudaMemcpyAsync(&m, &d->m, sizeof m, cudaMemcpyDeviceToHost, ST), "sumsq: download");
   DOPT_TRY(sync("sumsq: download"));
-  double scale = dopt_xsum_scale(m);
+  *scale = dopt_xsum_scale(m);
+  return DOPT_OK;
+}
+
+dopt_status ss_accum(const cuda_dev *c, ss_dev *d, const float *x, size_t n, const dopt_reducer *red) {
+  double scale = 1.0;
+  DOPT_TRY(ss_scale(d, &scale));
+  CU(cudaMemsetAsync(d->w, 0, sizeof d->w, ST), "sumsq: memset");
   if (n) k_xacc<<<grid_for(c, n), BS, 0, ST>>>(x, n, scale, 1, d->w);
   DOPT_TRY(sync("sumsq: accumulate"));
-  if (red) DOPT_TRY(red->sum_i64(red->ctx, (int64_t *)d->w, DOPT_XSUM_WORDS));
+  return red ? red->post_sum_i64(red->ctx, (int64_t *)d->w, DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+dopt_status ss_value(ss_dev *d, double *out) {
+  double scale = 1.0;
+  DOPT_TRY(ss_scale(d, &scale));
   dopt_xacc acc;
   CU(cudaMemcpyAsync(acc.w, d->w, sizeof acc.w, cudaMemcpyDeviceToHost, ST), "sumsq: download");
   DOPT_TRY(sync("sumsq: download"));
   *out = dopt_xacc_value(&acc, scale);
   return DOPT_OK;
+}
+
+/* local Σx² (no reducer): the device's sumsq op */
+dopt_status piece_sumsq(const cuda_dev *c, const float *x, size_t n, double *out) {
+  scratch s;
+  DOPT_TRY(s.get(sizeof(ss_dev)));
+  ss_dev *d = (ss_dev *)s.p;
+  DOPT_TRY(ss_begin(c, d, x, n, nullptr));
+  DOPT_TRY(ss_accum(c, d, x, n, nullptr));
+  return ss_value(d, out);
 }
 
 /* ---- piece geometry on the device ------------------------------------------------------ */
@@ -226,30 +251,50 @@ __global__ void k_rc_means(const long long *acc, const double *scale, size_t nr,
   }
 }
 
-/* dopt_piece_rowcol_means on device buffers (the reducer gets device buffers too) */
-dopt_status rowcol_means(const cuda_dev *c, const float *u, const dopt_piece *pc, const dopt_reducer *red,
-                         float *row_mean, float *col_mean) {
+/* Row and column means in the two reduction phases (core/stats.c dopt_rc_*);
+ * the buffers live in the step's frame and are posted as device memory. */
+struct rc_dev {
+  unsigned *rmax;           /* [nr + nc]: row maxima, then column maxima (float bits) */
+  double *scale;            /* [nr + nc] */
+  unsigned long long *acc;  /* [(nr + nc) · 5] */
+};
+
+void rc_take(dopt_frame *f, const dopt_piece *pc, rc_dev *out) {
+  const size_t nacc = pc->b * pc->h + pc->b * pc->w;
+  out->rmax = (unsigned *)dopt_frame_take(f, nacc * sizeof(unsigned));
+  out->scale = (double *)dopt_frame_take(f, nacc * sizeof(double));
+  out->acc = (unsigned long long *)dopt_frame_take(f, nacc * 5 * sizeof(unsigned long long));
+}
+
+dopt_status rc_begin(const cuda_dev *c, rc_dev *r, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w, nacc = nr + nc;
   size_t nrows;
   dpiece p = make_dpiece(pc, &nrows);
-  scratch s;
-  const size_t off_scale = (nacc * 4 + 7) / 8 * 8, off_acc = off_scale + nacc * 8;
-  DOPT_TRY(s.get(off_acc + nacc * 5 * 8));
-  unsigned *rmax = (unsigned *)s.p, *cmax = rmax + nr;
-  double *scale = (double *)((char *)s.p + off_scale);
-  unsigned long long *acc = (unsigned long long *)((char *)s.p + off_acc);
   const unsigned rg = (unsigned)(nrows < 65535 * 16 ? nrows : 65535 * 16), rt = row_threads(pc->wl);
-  if (nrows) k_rc_max<<<rg, rt, 0, ST>>>(u, p, nrows, rmax, cmax);
-  if (nacc) k_rc_scale0<<<grid_for(c, nacc), BS, 0, ST>>>(rmax, cmax, nr, nc, scale);
+  if (nacc) CU(cudaMemsetAsync(r->rmax, 0, nacc * sizeof(unsigned), ST), "row/column maxima: memset");
+  if (nrows) k_rc_max<<<rg, rt, 0, ST>>>(u, p, nrows, r->rmax, r->rmax + nr);
+  if (nacc) k_rc_scale0<<<grid_for(c, nacc), BS, 0, ST>>>(r->rmax, r->rmax + nr, nr, nc, r->scale);
   DOPT_TRY(sync("row/column maxima"));
-  if (red) DOPT_TRY(red->max_f64(red->ctx, scale, nacc));
-  if (nacc) k_rc_scale1<<<grid_for(c, nacc), BS, 0, ST>>>(scale, nacc);
-  if (nrows) k_rc_acc<<<rg, rt, 0, ST>>>(u, p, nrows, nr, scale, acc);
+  return red ? red->post_max_f64(red->ctx, r->scale, nacc) : DOPT_OK;
+}
+
+dopt_status rc_accum(const cuda_dev *c, rc_dev *r, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+  const size_t nr = pc->b * pc->h, nacc = nr + pc->b * pc->w;
+  size_t nrows;
+  dpiece p = make_dpiece(pc, &nrows);
+  const unsigned rg = (unsigned)(nrows < 65535 * 16 ? nrows : 65535 * 16), rt = row_threads(pc->wl);
+  if (nacc) k_rc_scale1<<<grid_for(c, nacc), BS, 0, ST>>>(r->scale, nacc);
+  if (nacc) CU(cudaMemsetAsync(r->acc, 0, nacc * 5 * sizeof(unsigned long long), ST), "row/column sums: memset");
+  if (nrows) k_rc_acc<<<rg, rt, 0, ST>>>(u, p, nrows, nr, r->scale, r->acc);
   DOPT_TRY(sync("row/column sums"));
-  if (red) DOPT_TRY(red->sum_i64(red->ctx, (int64_t *)acc, nacc * DOPT_XSUM_WORDS));
-  if (nacc)
-    k_rc_means<<<grid_for(c, nacc), BS, 0, ST>>>((const long long *)acc, scale, nr, nc, (double)pc->w, (double)pc->h,
-                                                 row_mean, col_mean);
+  return red ? red->post_sum_i64(red->ctx, (int64_t *)r->acc, nacc * DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+dopt_status rc_means(const cuda_dev *c, const rc_dev *r, const dopt_piece *pc, float *row_mean, float *col_mean) {
+  const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
+  if (nr + nc)
+    k_rc_means<<<grid_for(c, nr + nc), BS, 0, ST>>>((const long long *)r->acc, r->scale, nr, nc, (double)pc->w,
+                                                    (double)pc->h, row_mean, col_mean);
   return sync("row/column means");
 }
 
@@ -389,7 +434,34 @@ __global__ void k_came_final(float *w, const float *upd, float lr, float decay, 
   }
 }
 
-/* ---- steps (host scalars exactly as the CPU files compute them) ------------------------------ */
+/* ---- frames: what a step keeps between its stages (device memory) ------------------------------ */
+
+struct frame {
+  ss_dev *pss, *uss;    /* Σw², Σu² */
+  float *u;             /* [n] */
+  float *rmean, *cmean; /* [b·h], [b·w] (factored) */
+  rc_dev rc;            /* (factored) */
+};
+
+/* The frame of adafactor/came (factored: all fields), lamb (pss, uss, u),
+ * the Σx² step (pss); adamw needs none. base NULL: only the size. */
+size_t map_frame(void *base, const char *name, const dopt_piece *pc, frame *f) {
+  dopt_frame fr = {(unsigned char *)base, 0};
+  memset(f, 0, sizeof *f);
+  if (strcmp(name, "adamw") == 0) return 0;
+  f->pss = (ss_dev *)dopt_frame_take(&fr, sizeof(ss_dev));
+  if (strcmp(name, "sumsq") == 0) return fr.off;
+  f->uss = (ss_dev *)dopt_frame_take(&fr, sizeof(ss_dev));
+  f->u = (float *)dopt_frame_take(&fr, pc->len * sizeof(float));
+  if (strcmp(name, "lamb") != 0 && pc->factored) {
+    f->rmean = (float *)dopt_frame_take(&fr, pc->b * pc->h * sizeof(float));
+    f->cmean = (float *)dopt_frame_take(&fr, pc->b * pc->w * sizeof(float));
+    rc_take(&fr, pc, &f->rc);
+  }
+  return fr.off;
+}
+
+/* ---- steps (host scalars exactly as the CPU files compute them; stages as theirs) -------------- */
 
 dopt_status step_adamw(const cuda_dev *c, const dopt_step_args *a) {
   enum { LR, BETA1, BETA2, EPS, WD, AMSGRAD };
@@ -410,25 +482,49 @@ dopt_status step_adamw(const cuda_dev *c, const dopt_step_args *a) {
   return sync("adamw step");
 }
 
-dopt_status step_lamb(const cuda_dev *c, const dopt_step_args *a) {
+/* the Σx² step (dopt__impl_sumsq): global-norm clipping */
+dopt_status step_sumsq(const cuda_dev *c, const dopt_step_args *a, frame &f) {
+  const size_t n = a->piece->len;
+  if (a->stage == 0) {
+    *a->more = 1;
+    return ss_begin(c, f.pss, a->grad, n, a->red);
+  }
+  if (a->stage == 1) {
+    *a->more = 1;
+    return ss_accum(c, f.pss, a->grad, n, a->red);
+  }
+  return ss_value(f.pss, a->host_out);
+}
+
+dopt_status step_lamb(const cuda_dev *c, const dopt_step_args *a, frame &f) {
   enum { LR, BETA1, BETA2, EPS, WD, ADAM, BIASCORR };
   const double *hp = a->hp;
   const size_t n = a->piece->len;
-  float *w = a->param, *u = a->ws;
+  float *w = a->param, *u = f.u;
+  if (a->stage == 0) {
+    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+    const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
+    const float eps = (float)hp[EPS], wd = (float)hp[WD];
+    const int use_wd = hp[WD] != 0.0;
+    if (n)
+      k_lamb1<<<grid_for(c, n), BS, 0, ST>>>(b1, omb1, b2, omb2, eps, wd, use_wd, w, a->grad, (float *)a->state[0],
+                                             (float *)a->state[1], u, n);
+    DOPT_TRY(sync("lamb moments"));
+    *a->more = 1;
+    DOPT_TRY(ss_begin(c, f.pss, w, n, a->red));
+    return ss_begin(c, f.uss, u, n, a->red);
+  }
+  if (a->stage == 1) {
+    *a->more = 1;
+    DOPT_TRY(ss_accum(c, f.pss, w, n, a->red));
+    return ss_accum(c, f.uss, u, n, a->red);
+  }
   const double t = (double)a->step;
   double lr = hp[LR];
   if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
-  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
-  const float eps = (float)hp[EPS], wd = (float)hp[WD];
-  const int use_wd = hp[WD] != 0.0;
-  if (n)
-    k_lamb1<<<grid_for(c, n), BS, 0, ST>>>(b1, omb1, b2, omb2, eps, wd, use_wd, w, a->grad, (float *)a->state[0],
-                                           (float *)a->state[1], u, n);
-  DOPT_TRY(sync("lamb moments"));
   double pss, uss;
-  DOPT_TRY(piece_sumsq(c, w, n, a->red, &pss));
-  DOPT_TRY(piece_sumsq(c, u, n, a->red, &uss));
+  DOPT_TRY(ss_value(f.pss, &pss));
+  DOPT_TRY(ss_value(f.uss, &uss));
   float wnorm = (float)sqrt(pss);
   float unorm = (float)sqrt(uss);
   float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
@@ -467,43 +563,60 @@ float clip_div(double uss, size_t N, double clip) {
   return div;
 }
 
-dopt_status step_adafactor(const cuda_dev *c, const dopt_step_args *a) {
+/* stages as ref/adafactor.c */
+dopt_status step_adafactor(const cuda_dev *c, const dopt_step_args *a, frame &f) {
   enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP };
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
-  const size_t n = pc->len, N = pc->numel;
+  const size_t n = pc->len, N = pc->numel, nr = pc->b * pc->h, nc = pc->b * pc->w;
   const float *g = a->grad;
-  float *w = a->param;
+  float *w = a->param, *u = f.u;
   int s = 0;
   float *m = isnan(hp[BETA1]) ? nullptr : (float *)a->state[s++];
   float *row = (float *)a->state[s++];
   float *col = pc->factored ? (float *)a->state[s++] : nullptr;
   float *rms_state = (float *)a->state[s];
   const double t = (double)a->step;
-  double pss;
-  DOPT_TRY(piece_sumsq(c, w, n, a->red, &pss));
-  const float rms = dopt_rms_from_ss(pss, N);
-  DOPT_TRY(put_f32(rms_state, rms));
-  const float alpha = ada_step_size(hp, t, rms);
   const double beta2t = 1.0 - pow(t, hp[DECAY]);
   const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
   const float eps1 = (float)hp[EPS1];
-  float *u = a->ws;
-  if (n) k_sq_eps<<<grid_for(c, n), BS, 0, ST>>>(u, g, eps1, n);
-  if (pc->factored) {
-    const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
-    float *rmean = a->ws + n, *cmean = rmean + nr;
-    DOPT_TRY(sync("adafactor: g^2"));
-    DOPT_TRY(rowcol_means(c, u, pc, a->red, rmean, cmean));
-    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(row, rmean, b2t, omb2t, nr);
-    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(col, cmean, b2t, omb2t, nc);
+  const int last = pc->factored ? 4 : 2;
+  if (a->stage < last) *a->more = 1;
+  switch (pc->factored ? a->stage : 2 * a->stage) {
+  case 0:
+    DOPT_TRY(ss_begin(c, f.pss, w, n, a->red));
+    if (n) k_sq_eps<<<grid_for(c, n), BS, 0, ST>>>(u, g, eps1, n);
+    if (pc->factored) {
+      DOPT_TRY(sync("adafactor: g^2"));
+      return rc_begin(c, &f.rc, u, pc, a->red);
+    }
+    if (n) k_vupd<<<grid_for(c, n), BS, 0, ST>>>(row, u, g, b2t, omb2t, n);
+    DOPT_TRY(sync("adafactor: second moment"));
+    return ss_begin(c, f.uss, u, n, a->red);
+  case 1:
+    DOPT_TRY(ss_accum(c, f.pss, w, n, a->red));
+    return rc_accum(c, &f.rc, u, pc, a->red);
+  case 2:
+    if (!pc->factored) {
+      DOPT_TRY(ss_accum(c, f.pss, w, n, a->red));
+      return ss_accum(c, f.uss, u, n, a->red);
+    }
+    DOPT_TRY(rc_means(c, &f.rc, pc, f.rmean, f.cmean));
+    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(row, f.rmean, b2t, omb2t, nr);
+    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(col, f.cmean, b2t, omb2t, nc);
     DOPT_TRY(factored_apply(c, row, col, g, pc, u));
-  } else if (n) {
-    k_vupd<<<grid_for(c, n), BS, 0, ST>>>(row, u, g, b2t, omb2t, n);
+    return ss_begin(c, f.uss, u, n, a->red);
+  case 3:
+    return ss_accum(c, f.uss, u, n, a->red);
+  default:
+    break;
   }
-  DOPT_TRY(sync("adafactor: second moment"));
-  double uss;
-  DOPT_TRY(piece_sumsq(c, u, n, a->red, &uss));
+  double pss, uss;
+  DOPT_TRY(ss_value(f.pss, &pss));
+  const float rms = dopt_rms_from_ss(pss, N);
+  DOPT_TRY(put_f32(rms_state, rms));
+  const float alpha = ada_step_size(hp, t, rms);
+  DOPT_TRY(ss_value(f.uss, &uss));
   const float div = clip_div(uss, N, hp[CLIP]);
   const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];
   const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
@@ -513,14 +626,15 @@ dopt_status step_adafactor(const cuda_dev *c, const dopt_step_args *a) {
   return sync("adafactor update");
 }
 
-dopt_status step_came(const cuda_dev *c, const dopt_step_args *a) {
+/* stages as ref/came.c */
+dopt_status step_came(const cuda_dev *c, const dopt_step_args *a, frame &f) {
   enum { LR, EPS1, EPS2, CLIP, BETA1, BETA2, BETA3, WD };
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
   const size_t n = pc->len, N = pc->numel;
   const int factored = pc->factored;
   const float *g = a->grad;
-  float *w = a->param, *m = (float *)a->state[0];
+  float *w = a->param, *m = (float *)a->state[0], *u = f.u;
   float *sq_row = (float *)a->state[1], *sq_col = nullptr, *res_row = nullptr, *res_col = nullptr, *rms_state;
   if (factored) {
     sq_col = (float *)a->state[2];
@@ -530,36 +644,58 @@ dopt_status step_came(const cuda_dev *c, const dopt_step_args *a) {
   } else {
     rms_state = (float *)a->state[2];
   }
-  double pss;
-  DOPT_TRY(piece_sumsq(c, w, n, a->red, &pss));
-  DOPT_TRY(put_f32(rms_state, dopt_rms_from_ss(pss, N)));
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
-  float *u = a->ws, *rmean = a->ws + n, *cmean = rmean + nr;
   const float eps1 = (float)hp[EPS1], eps2 = (float)hp[EPS2];
   const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
   const float b3 = (float)hp[BETA3], omb3 = (float)(1.0 - hp[BETA3]);
-  if (n) k_sq_eps<<<grid_for(c, n), BS, 0, ST>>>(u, g, eps1, n);
-  DOPT_TRY(sync("came: g^2"));
-  if (factored) {
-    DOPT_TRY(rowcol_means(c, u, pc, a->red, rmean, cmean));
-    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(sq_row, rmean, b2, omb2, nr);
-    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(sq_col, cmean, b2, omb2, nc);
+  const int last = factored ? 6 : 2;
+  if (a->stage < last) *a->more = 1;
+  switch (factored ? a->stage : 2 * a->stage) {
+  case 0:
+    DOPT_TRY(ss_begin(c, f.pss, w, n, a->red));
+    if (n) k_sq_eps<<<grid_for(c, n), BS, 0, ST>>>(u, g, eps1, n);
+    DOPT_TRY(sync("came: g^2"));
+    if (factored) return rc_begin(c, &f.rc, u, pc, a->red);
+    if (n) k_vupd<<<grid_for(c, n), BS, 0, ST>>>(sq_row, u, g, b2, omb2, n);
+    DOPT_TRY(sync("came: second moment"));
+    return ss_begin(c, f.uss, u, n, a->red);
+  case 1:
+    DOPT_TRY(ss_accum(c, f.pss, w, n, a->red));
+    return rc_accum(c, &f.rc, u, pc, a->red);
+  case 2:
+    if (!factored) {
+      DOPT_TRY(ss_accum(c, f.pss, w, n, a->red));
+      return ss_accum(c, f.uss, u, n, a->red);
+    }
+    DOPT_TRY(rc_means(c, &f.rc, pc, f.rmean, f.cmean));
+    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(sq_row, f.rmean, b2, omb2, nr);
+    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(sq_col, f.cmean, b2, omb2, nc);
     DOPT_TRY(factored_apply(c, sq_row, sq_col, g, pc, u));
-  } else if (n) {
-    k_vupd<<<grid_for(c, n), BS, 0, ST>>>(sq_row, u, g, b2, omb2, n);
+    return ss_begin(c, f.uss, u, n, a->red);
+  case 3:
+    return ss_accum(c, f.uss, u, n, a->red);
+  case 4: {
+    double pss, uss;
+    DOPT_TRY(ss_value(f.pss, &pss));
+    DOPT_TRY(put_f32(rms_state, dopt_rms_from_ss(pss, N)));
+    DOPT_TRY(ss_value(f.uss, &uss));
+    const float div = clip_div(uss, N, hp[CLIP]);
+    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+    if (n) k_came_res<<<grid_for(c, n), BS, 0, ST>>>(u, m, div, b1, omb1, eps2, n);
+    DOPT_TRY(sync("came: residual"));
+    if (factored) return rc_begin(c, &f.rc, u, pc, a->red);
+    break;
   }
-  DOPT_TRY(sync("came: second moment"));
-  double uss;
-  DOPT_TRY(piece_sumsq(c, u, n, a->red, &uss));
-  const float div = clip_div(uss, N, hp[CLIP]);
-  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-  if (n) k_came_res<<<grid_for(c, n), BS, 0, ST>>>(u, m, div, b1, omb1, eps2, n);
-  DOPT_TRY(sync("came: residual"));
+  case 5:
+    return rc_accum(c, &f.rc, u, pc, a->red);
+  default:
+    break;
+  }
   const float *upd = m;
   if (factored) {
-    DOPT_TRY(rowcol_means(c, u, pc, a->red, rmean, cmean));
-    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(res_row, rmean, b3, omb3, nr);
-    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(res_col, cmean, b3, omb3, nc);
+    DOPT_TRY(rc_means(c, &f.rc, pc, f.rmean, f.cmean));
+    if (nr) k_ema<<<grid_for(c, nr), BS, 0, ST>>>(res_row, f.rmean, b3, omb3, nr);
+    if (nc) k_ema<<<grid_for(c, nc), BS, 0, ST>>>(res_col, f.cmean, b3, omb3, nc);
     DOPT_TRY(factored_apply(c, res_row, res_col, m, pc, u));
     upd = u;
   }
@@ -620,30 +756,43 @@ dopt_status op_average(void *ctx, float *x, float d, size_t n, int64_t *host_non
   *host_nonfinite = (int64_t)bad;
   return DOPT_OK;
 }
-dopt_status op_sumsq(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *host_ss) {
+dopt_status op_sumsq(void *ctx, const float *x, size_t n, double *host_ss) {
   ENTER(D(ctx));
-  return piece_sumsq(D(ctx), x, n, red, host_ss);
+  return piece_sumsq(D(ctx), x, n, host_ss);
 }
 dopt_status op_to_bf16(void *ctx, const float *x, uint16_t *y, size_t n) {
   ENTER(D(ctx));
   if (n) k_to_bf16<<<grid_for(D(ctx), n), BS, 0, ST>>>(x, y, n);
   return sync("to_bf16");
 }
+int has_step(const char *name) {
+  return strcmp(name, "adamw") == 0 || strcmp(name, "adafactor") == 0 || strcmp(name, "came") == 0 ||
+         strcmp(name, "lamb") == 0 || strcmp(name, "sumsq") == 0;
+}
+size_t op_frame_bytes(void *ctx, const dopt_step_args *a) {
+  (void)ctx;
+  frame f;
+  return has_step(a->impl->name) ? map_frame(nullptr, a->impl->name, a->piece, &f) : 0;
+}
 dopt_status op_step(void *ctx, const dopt_step_args *a) {
   ENTER(D(ctx));
   const char *name = a->impl->name;
+  if (!has_step(name))
+    return dopt__fail(DOPT_ERR_UNSUPPORTED,
+                      "cuda device: optimizer '%s' has no CUDA step (adamw, adafactor, came, lamb); use the cpu device",
+                      name);
+  frame f;
+  map_frame(a->frame, name, a->piece, &f);
   if (strcmp(name, "adamw") == 0) return step_adamw(D(ctx), a);
-  if (strcmp(name, "adafactor") == 0) return step_adafactor(D(ctx), a);
-  if (strcmp(name, "came") == 0) return step_came(D(ctx), a);
-  if (strcmp(name, "lamb") == 0) return step_lamb(D(ctx), a);
-  return dopt__fail(DOPT_ERR_UNSUPPORTED,
-                    "cuda device: optimizer '%s' has no CUDA step (adamw, adafactor, came, lamb); use the cpu device",
-                    name);
+  if (strcmp(name, "adafactor") == 0) return step_adafactor(D(ctx), a, f);
+  if (strcmp(name, "came") == 0) return step_came(D(ctx), a, f);
+  if (strcmp(name, "lamb") == 0) return step_lamb(D(ctx), a, f);
+  return step_sumsq(D(ctx), a, f);
 }
 
 const dopt_device_ops cuda_ops = {
     "cuda", op_alloc, op_free, op_memcpy, op_memcpy, op_memcpy, op_add, op_scale, op_average, op_sumsq, op_to_bf16,
-    op_step,
+    op_frame_bytes, op_step,
 };
 
 } // namespace

@@ -4,9 +4,13 @@
  * of each logical tensor; the statistics that span the tensor go through a
  * reducer over exactly the ranks that hold its pieces (TP if the tensor is
  * TP-split, DP if it is ZeRO-sharded; replicas never add up twice) using MAX
- * and integer SUM, which are exact in any order. Only the data-parallel
- * gradient sum is a floating-point collective; the transport sums it in rank
- * order, and the reference mirrors that order.
+ * and integer SUM, which are exact in any order. Steps run in stages, all
+ * parameters of a bucket together: a round runs every step's next stage,
+ * whose posts are packed per transport and operation and reduced in one
+ * collective each (docs/architecture.md), so a step costs O(phases)
+ * collectives per bucket, not O(parameters × statistics). Only the
+ * data-parallel gradient sum is a floating-point collective; the transport
+ * sums it in rank order, and the reference mirrors that order.
  *
  * This file never includes pthread, CUDA or NCCL headers: collectives go
  * through dopt_transport, memory and kernels through dopt_device. */
@@ -20,11 +24,38 @@
 
 typedef struct dist_param dist_param;
 
-/* The reducer of one parameter: its split groups. */
+/* The reducer of one parameter: its split groups. Posts go to the batch. */
 typedef struct red_ctx {
   dopt_dist_optim *d;
   int over_tp, over_dp;
 } red_ctx;
+
+/* ---- the reduction batch ----------------------------------------------------------------
+ * What the stages of one round posted, per operation (MAX F64, SUM I64) and
+ * transport (tp, dp): a parameter split over both posts to both lists, and
+ * gets the TP reduction, then the DP one (MAX and integer SUM compose exactly
+ * in any order). A list of one array is reduced in place; longer lists are
+ * packed into a staging buffer of device memory and unpacked after. */
+enum { OP_MAX, OP_SUM, NOPS };
+enum { T_TP, T_DP, NTRANSPORTS };
+
+typedef struct post {
+  void *x;
+  size_t n;
+} post;
+
+typedef struct post_list {
+  post *v;
+  size_t len, cap, words;
+} post_list;
+
+typedef struct batch {
+  post_list l[NOPS][NTRANSPORTS];
+  void *stage_buf; /* device staging buffer for packing */
+  size_t stage_cap; /* bytes */
+  dopt_status err;  /* first failure of a post (the reducer's return is also checked) */
+  int64_t collectives; /* collectives issued by reductions (statistics) so far */
+} batch;
 
 struct dist_param {
   char *name;
@@ -49,6 +80,7 @@ struct dist_param {
   int64_t step;
   red_ctx rc;
   dopt_reducer red;
+  size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
 };
 
 struct dopt_dist_optim {
@@ -66,8 +98,14 @@ struct dopt_dist_optim {
   int64_t skipped;
   float *up;        /* device buffer for uploading one gradient */
   size_t up_cap;
-  float *ws;        /* device scratch for the step */
-  size_t ws_cap;
+  size_t bucket_bytes; /* frame budget of one bucket of steps (0: one bucket) */
+  void *frames;     /* device memory: the frames of one bucket */
+  size_t frames_cap;
+  dopt_step_args *args; /* [np] one bucket's step arguments */
+  size_t *frame_off;   /* [np] */
+  int *more;           /* [np] */
+  int64_t *count;   /* device int64: the non-finite count for its all-reduce */
+  batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
 };
 
@@ -76,18 +114,72 @@ struct dopt_dist_optim {
 #define DEV(d) ((d)->dev->ops)
 #define DCTX(d) ((d)->dev->ctx)
 
-static dopt_status red_max(void *ctx, double *x, size_t n) {
-  red_ctx *r = ctx;
-  if (r->over_tp) DOPT_TRY(r->d->tp.ops->all_reduce(r->d->tp.comm, x, x, n, DOPT_F64, DOPT_MAX));
-  if (r->over_dp) DOPT_TRY(r->d->dp.ops->all_reduce(r->d->dp.comm, x, x, n, DOPT_F64, DOPT_MAX));
+static dopt_status push(batch *b, int op, int t, void *x, size_t n) {
+  post_list *l = &b->l[op][t];
+  if (l->len == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 64;
+    post *v = realloc(l->v, cap * sizeof *v);
+    if (!v) return b->err = dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: reduction batch of %zu arrays", cap);
+    l->v = v;
+    l->cap = cap;
+  }
+  l->v[l->len].x = x;
+  l->v[l->len].n = n;
+  l->len++;
+  l->words += n;
   return DOPT_OK;
 }
 
-static dopt_status red_sum(void *ctx, int64_t *x, size_t n) {
+static dopt_status post_op(void *ctx, int op, void *x, size_t n) {
   red_ctx *r = ctx;
-  if (r->over_tp) DOPT_TRY(r->d->tp.ops->all_reduce(r->d->tp.comm, x, x, n, DOPT_I64, DOPT_SUM));
-  if (r->over_dp) DOPT_TRY(r->d->dp.ops->all_reduce(r->d->dp.comm, x, x, n, DOPT_I64, DOPT_SUM));
+  if (n == 0) return DOPT_OK;
+  if (r->over_tp) DOPT_TRY(push(&r->d->b, op, T_TP, x, n));
+  if (r->over_dp) DOPT_TRY(push(&r->d->b, op, T_DP, x, n));
   return DOPT_OK;
+}
+
+static dopt_status post_max(void *ctx, double *x, size_t n) { return post_op(ctx, OP_MAX, x, n); }
+static dopt_status post_sum(void *ctx, int64_t *x, size_t n) { return post_op(ctx, OP_SUM, x, n); }
+
+/* Reduces everything posted since the last flush: per operation and
+ * transport, one collective over the packed words. Every rank of a group
+ * posts the same arrays in the same order (pieces of the same tensors, the
+ * same stages), so the collectives match. */
+static dopt_status flush(dopt_dist_optim *d) {
+  batch *b = &d->b;
+  dopt_status s = b->err;
+  for (int op = 0; op < NOPS; op++) {
+    for (int t = 0; t < NTRANSPORTS; t++) {
+      post_list *l = &b->l[op][t];
+      const dopt_transport *tr = t == T_TP ? &d->tp : &d->dp;
+      const dopt_dtype dt = op == OP_MAX ? DOPT_F64 : DOPT_I64;
+      const dopt_redop rop = op == OP_MAX ? DOPT_MAX : DOPT_SUM;
+      if (s == DOPT_OK && l->len == 1) {
+        s = tr->ops->all_reduce(tr->comm, l->v[0].x, l->v[0].x, l->v[0].n, dt, rop);
+        b->collectives++;
+      } else if (s == DOPT_OK && l->len > 1) {
+        size_t bytes = l->words * 8; /* F64 and I64 words alike */
+        if (bytes > b->stage_cap) {
+          if (b->stage_buf) DEV(d)->free(DCTX(d), b->stage_buf);
+          b->stage_buf = NULL;
+          b->stage_cap = 0;
+          s = DEV(d)->alloc(DCTX(d), bytes, &b->stage_buf);
+          if (s == DOPT_OK) b->stage_cap = bytes;
+        }
+        unsigned char *buf = b->stage_buf;
+        for (size_t i = 0, off = 0; s == DOPT_OK && i < l->len; off += l->v[i].n * 8, i++)
+          s = DEV(d)->copy(DCTX(d), buf + off, l->v[i].x, l->v[i].n * 8);
+        if (s == DOPT_OK) s = tr->ops->all_reduce(tr->comm, buf, buf, l->words, dt, rop);
+        b->collectives++;
+        for (size_t i = 0, off = 0; s == DOPT_OK && i < l->len; off += l->v[i].n * 8, i++)
+          s = DEV(d)->copy(DCTX(d), l->v[i].x, buf + off, l->v[i].n * 8);
+      }
+      l->len = 0;
+      l->words = 0;
+    }
+  }
+  b->err = DOPT_OK;
+  return s;
 }
 
 /* Uneven split of n items over `parts`: part r gets base + (r < rem). */
@@ -117,8 +209,15 @@ static void free_param(dopt_dist_optim *d, dist_param *p) {
 void dopt_dist_destroy(dopt_dist_optim *d) {
   if (!d) return;
   for (int i = 0; i < d->np; i++) free_param(d, &d->p[i]);
-  if (d->ws) DEV(d)->free(DCTX(d), d->ws);
+  if (d->frames) DEV(d)->free(DCTX(d), d->frames);
+  if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
+  if (d->count) DEV(d)->free(DCTX(d), d->count);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
+  for (int op = 0; op < NOPS; op++)
+    for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
+  free(d->args);
+  free(d->frame_off);
+  free(d->more);
   free(d->p);
   free(d->hp);
   free(d->ss);
@@ -128,7 +227,8 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
 /* ---- creation --------------------------------------------------------------------------- */
 
 static dopt_status check_config(const dopt_dist_config *cfg) {
-  DOPT_CHECK_ARG(cfg->struct_size >= sizeof(dopt_dist_config) && cfg->version == DOPT_DIST_CONFIG_VERSION,
+  DOPT_CHECK_ARG((cfg->version == 1 && cfg->struct_size >= DOPT_DIST_CONFIG_V1_SIZE) ||
+                     (cfg->version == DOPT_DIST_CONFIG_VERSION && cfg->struct_size >= sizeof(dopt_dist_config)),
                  "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
                  cfg->struct_size, cfg->version);
   DOPT_CHECK_ARG(cfg->tp.ops && cfg->dp.ops, "dopt_dist_create: tp/dp transports not set");
@@ -234,16 +334,12 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   p->rc.over_tp = p->role != DOPT_TP_REPLICATED;
   p->rc.over_dp = d->zero >= 1 && dpn > 1;
   p->red.ctx = &p->rc;
-  p->red.max_f64 = red_max;
-  p->red.sum_i64 = red_sum;
-  /* scratch for the step */
-  size_t ws = d->impl->scratch ? d->impl->scratch(pc) : 0;
-  if (ws > d->ws_cap) {
-    if (d->ws) DEV(d)->free(DCTX(d), d->ws);
-    d->ws = NULL;
-    DOPT_TRY(dalloc(d, ws * sizeof(float), (void **)&d->ws));
-    d->ws_cap = ws;
-  }
+  p->red.post_max_f64 = post_max;
+  p->red.post_sum_i64 = post_sum;
+  /* bucketing must cut the parameter list at the same places on every rank:
+   * estimate the frame from logical sizes, not from this rank's piece */
+  size_t sharing = (p->rc.over_tp ? (size_t)tpn : 1) * (p->rc.over_dp ? (size_t)dpn : 1);
+  p->est = dopt_numel(p->ndim, p->shape) * sizeof(float) / sharing;
   p->name = malloc(strlen(src->name) + 1);
   if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
   strcpy(p->name, src->name);
@@ -276,12 +372,18 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->zero = cfg->zero_stage;
   d->max_grad_norm = cfg->max_grad_norm;
   d->skip_nonfinite = cfg->skip_nonfinite;
+  d->bucket_bytes = cfg->version >= 2 ? cfg->bucket_bytes : DOPT_DIST_BUCKET_BYTES_DEFAULT;
   d->ngroups = dopt_optim_num_groups(plain);
   d->np = dopt_optim_num_params(plain);
   d->hp = calloc((size_t)d->ngroups, sizeof *d->hp);
   d->p = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->p);
   d->ss = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->ss);
-  if (!d->hp || !d->p || !d->ss) {
+  d->args = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->args);
+  d->frame_off = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->frame_off);
+  d->more = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->more);
+  dopt_status cs = DEV(d)->alloc(DCTX(d), sizeof(int64_t), (void **)&d->count);
+  if (cs != DOPT_OK) d->count = NULL;
+  if (!d->hp || !d->p || !d->ss || !d->args || !d->frame_off || !d->more || !d->count) {
     dopt_dist_destroy(d);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
   }
@@ -364,9 +466,69 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   return DOPT_OK;
 }
 
+/* The world sum of a host count, through the device buffer d->count (a
+ * transport reduces device memory: NCCL and the device-buffer simulator
+ * cannot read a host pointer). */
 static dopt_status all_reduce_world_i64(dopt_dist_optim *d, int64_t *x) {
-  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, x, x, 1, DOPT_I64, DOPT_SUM));
-  return d->dp.ops->all_reduce(d->dp.comm, x, x, 1, DOPT_I64, DOPT_SUM);
+  DOPT_TRY(DEV(d)->upload(DCTX(d), d->count, x, sizeof *x));
+  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->count, d->count, 1, DOPT_I64, DOPT_SUM));
+  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->count, d->count, 1, DOPT_I64, DOPT_SUM));
+  return DEV(d)->download(DCTX(d), x, d->count, sizeof *x);
+}
+
+/* Runs the staged steps d->args[first, last) round by round: each round runs
+ * every unfinished step's next stage, then reduces what the round posted (one
+ * collective per transport and operation). Frames: d->frames at d->frame_off. */
+static dopt_status run_rounds(dopt_dist_optim *d, int first, int last) {
+  int active = last - first;
+  for (int i = first; i < last; i++) d->more[i] = 1;
+  for (int stage = 0; active > 0; stage++) {
+    for (int i = first; i < last; i++) {
+      if (!d->more[i]) continue;
+      dopt_step_args *a = &d->args[i];
+      a->stage = stage;
+      a->more = &d->more[i];
+      d->more[i] = 0;
+      a->frame = (unsigned char *)d->frames + d->frame_off[i];
+      DOPT_TRY(DEV(d)->step(DCTX(d), a));
+      if (!d->more[i]) active--;
+    }
+    DOPT_TRY(flush(d));
+  }
+  return DOPT_OK;
+}
+
+/* Lays out the frames of d->args[first, last) in d->frames (grown as needed). */
+static dopt_status map_frames(dopt_dist_optim *d, int first, int last) {
+  size_t total = 0;
+  for (int i = first; i < last; i++) {
+    d->frame_off[i] = total;
+    total += (DEV(d)->frame_bytes(DCTX(d), &d->args[i]) + 15) & ~(size_t)15;
+  }
+  if (total > d->frames_cap) {
+    if (d->frames) DEV(d)->free(DCTX(d), d->frames);
+    d->frames = NULL;
+    d->frames_cap = 0;
+    DOPT_TRY(dalloc(d, total, &d->frames));
+    d->frames_cap = total;
+  }
+  return DOPT_OK;
+}
+
+/* Steps d->args[0, np) in buckets: consecutive parameters whose frame
+ * estimates (rank-independent) fit in d->bucket_bytes share their
+ * collectives; a parameter larger than the budget is a bucket of its own. */
+static dopt_status run_buckets(dopt_dist_optim *d) {
+  int first = 0;
+  while (first < d->np) {
+    int last = first + 1;
+    size_t est = d->p[first].est;
+    while (last < d->np && (d->bucket_bytes == 0 || est + d->p[last].est <= d->bucket_bytes)) est += d->p[last++].est;
+    DOPT_TRY(map_frames(d, first, last));
+    DOPT_TRY(run_rounds(d, first, last));
+    first = last;
+  }
+  return DOPT_OK;
 }
 
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
@@ -385,9 +547,14 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
       return DOPT_OK;
     }
   }
-  if (d->max_grad_norm > 0) {
-    for (int i = 0; i < d->np; i++)
-      DOPT_TRY(DEV(d)->sumsq(DCTX(d), d->p[i].grad + d->p[i].pc.lo, d->p[i].pc.len, &d->p[i].red, &d->ss[i]));
+  if (d->max_grad_norm > 0) { /* every gradient piece's Σg² as a staged step, one bucket */
+    for (int i = 0; i < d->np; i++) {
+      dist_param *p = &d->p[i];
+      d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->pc, NULL, p->grad + p->pc.lo, NULL, NULL, &p->red,
+                                    NULL, (uint64_t)i, 0, NULL, &d->ss[i]};
+    }
+    DOPT_TRY(map_frames(d, 0, d->np));
+    DOPT_TRY(run_rounds(d, 0, d->np));
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
     for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
   }
@@ -395,9 +562,13 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     dist_param *p = &d->p[i];
     p->step++;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
-    dopt_step_args a = {d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state, d->ws, &p->red,
-                        NULL, (uint64_t)i};
-    DOPT_TRY(DEV(d)->step(DCTX(d), &a));
+    d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
+                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL};
+  }
+  DOPT_TRY(run_buckets(d));
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
     /* zero 1/2: every dp rank gets the whole TP-local model weights back (the
      * bf16 working copy, or the fp32 parameter itself) */
@@ -411,6 +582,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   d->micro = 0; /* the next backward overwrites the accumulators */
   return DOPT_OK;
 }
+
+int64_t dopt_dist_stat_collectives(const dopt_dist_optim *d) { return d ? d->b.collectives : 0; }
 
 int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d) { return d ? d->skipped : 0; }
 

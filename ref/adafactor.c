@@ -84,6 +84,40 @@ static float step_size(const double *hp, double t, float rms) {
   return (float)(rho * hp[EPS2]);
 }
 
+/* The frame: what one stage leaves to the next. */
+typedef struct frame {
+  dopt_ss_stat *pss, *uss; /* Σw², Σu² */
+  float *u;                /* [n] G² + eps1, then the update */
+  float *rmean, *cmean;    /* [b·h], [b·w] means of G² + eps1 (factored) */
+  dopt_rc_stat rc;         /* their reduction (factored) */
+} frame;
+
+static size_t map_frame(void *base, const dopt_piece *pc, frame *f) {
+  dopt_frame fr = {base, 0};
+  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
+  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
+  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
+  if (pc->factored) {
+    f->rmean = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rmean);
+    f->cmean = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cmean);
+    dopt_rc_take(&fr, pc, &f->rc);
+  }
+  return fr.off;
+}
+
+static size_t frame_bytes(const double *hp, const dopt_piece *pc) {
+  (void)hp;
+  frame f;
+  return map_frame(NULL, pc, &f);
+}
+
+/* Stages (factored; a 1-D parameter has no row/column means and needs only
+ * S0 = S0+S2, S1 = S1+S3, S2 = S4):
+ *   S0  MAX   ‖w‖² and the row/column maxima of U = G² + eps1
+ *   S1  SUM   their words
+ *   S2  MAX   row/col ← EMA of the means; U ← factored(row, col) ⊙ G; ‖U‖²
+ *   S3  SUM   its words
+ *   S4        RMS(w) → α; clip U by RMS(U); momentum, decay, update */
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
@@ -96,35 +130,49 @@ static dopt_status step(const dopt_step_args *a) {
   float *row = a->state[s++]; /* [b, h] whole (1-D: exp_avg_sq, local) */
   float *col = pc->factored ? a->state[s++] : NULL; /* [b, w] whole */
   float *rms_state = a->state[s];
+  frame f;
+  map_frame(a->frame, pc, &f);
+  float *u = f.u;
 
   const double t = (double)a->step;
-  double pss;
-  DOPT_TRY(dopt_piece_sumsq(w, n, a->red, &pss));
-  const float rms = dopt_rms_from_ss(pss, N);
-  *rms_state = rms;
-  const float alpha = step_size(hp, t, rms);
   const double beta2t = 1.0 - pow(t, hp[DECAY]);
   const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
   const float eps1 = (float)hp[EPS1];
-
-  float *u = a->ws; /* [n] */
-  for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
-  if (pc->factored) {
-    float *rmean = a->ws + n, *cmean = rmean + pc->b * pc->h;
-    DOPT_TRY(dopt_piece_rowcol_means(u, pc, a->red, rmean, cmean));
-    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b2t + omb2t * rmean[i];
-    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b2t + omb2t * cmean[i];
-    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u));
-  } else {
-    float *v = row;
-    for (size_t i = 0; i < n; i++) {
+  const int last = pc->factored ? 4 : 2;
+  if (a->stage < last) *a->more = 1;
+  switch (pc->factored ? a->stage : 2 * a->stage) {
+  case 0:
+    DOPT_TRY(dopt_ss_begin(f.pss, w, n, a->red));
+    for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
+    if (pc->factored) return dopt_rc_begin(&f.rc, u, pc, a->red);
+    for (size_t i = 0; i < n; i++) { /* 1-D: the unfactored second moment, then S2's ‖U‖² */
+      float *v = row;
       v[i] = v[i] * b2t + omb2t * u[i];
       u[i] = (1.0f / sqrtf(v[i])) * g[i];
     }
+    return dopt_ss_begin(f.uss, u, n, a->red);
+  case 1:
+    DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
+    return dopt_rc_accum(&f.rc, u, pc, a->red);
+  case 2: /* 1-D: S1 */
+    if (!pc->factored) {
+      DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
+      return dopt_ss_accum(f.uss, u, n, a->red);
+    }
+    dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
+    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b2t + omb2t * f.rmean[i];
+    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b2t + omb2t * f.cmean[i];
+    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u));
+    return dopt_ss_begin(f.uss, u, n, a->red);
+  case 3:
+    return dopt_ss_accum(f.uss, u, n, a->red);
+  default: /* S4 (1-D: S2) */
+    break;
   }
-  double uss;
-  DOPT_TRY(dopt_piece_sumsq(u, n, a->red, &uss));
-  float urms = dopt_rms_from_ss(uss, N);
+  const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), N);
+  *rms_state = rms;
+  const float alpha = step_size(hp, t, rms);
+  float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
   float div = urms / (float)hp[CLIP];
   if (!(div > 1.0f)) div = div != div ? div : 1.0f; /* clamp(min=1); NaN propagates */
   const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];
@@ -151,7 +199,7 @@ const dopt_optim_impl dopt_impl_adafactor = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = dopt_factored_scratch,
+    .frame = frame_bytes,
     .step = step,
     .distributable = 1,
 };

@@ -78,7 +78,6 @@ const dopt_optim_impl dopt_impl_adamw = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = NULL,
     .step = step,
     .distributable = 1,
 };

@@ -66,6 +66,42 @@ static void ema(float *stat, const float *mean, size_t n, double beta) {
   for (size_t i = 0; i < n; i++) stat[i] = stat[i] * b + omb * mean[i];
 }
 
+/* The frame: what one stage leaves to the next. */
+typedef struct frame {
+  dopt_ss_stat *pss, *uss; /* Σw², Σu² */
+  float *u;                /* [n] G² + eps1, the update Û, then the residual */
+  float *rmean, *cmean;    /* [b·h], [b·w] (factored) */
+  dopt_rc_stat rc;         /* row/column means of G² + eps1, then of the residual (factored) */
+} frame;
+
+static size_t map_frame(void *base, const dopt_piece *pc, frame *f) {
+  dopt_frame fr = {base, 0};
+  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
+  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
+  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
+  if (pc->factored) {
+    f->rmean = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rmean);
+    f->cmean = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cmean);
+    dopt_rc_take(&fr, pc, &f->rc);
+  }
+  return fr.off;
+}
+
+static size_t frame_bytes(const double *hp, const dopt_piece *pc) {
+  (void)hp;
+  frame f;
+  return map_frame(NULL, pc, &f);
+}
+
+/* Stages (factored; a 1-D parameter needs S0 = S0+S2, S1 = S1+S3, S2 = S4+S6
+ * without the residual statistics):
+ *   S0  MAX   ‖w‖², row/column maxima of U = G² + eps1
+ *   S1  SUM   their words
+ *   S2  MAX   RMS(w); sq_row/col ← EMA of the means; U ← factored(sq) ⊙ G; ‖U‖²
+ *   S3  SUM   its words
+ *   S4  MAX   Û = U / max(1, RMS(U)/d); m ← β1·m + (1−β1)·Û; Res = (Û − m)² + eps2, row/column maxima
+ *   S5  SUM   their words
+ *   S6        res_row/col ← EMA; upd = factored(res) ⊙ m; decay, update */
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
@@ -84,43 +120,64 @@ static dopt_status step(const dopt_step_args *a) {
   } else {
     rms_state = a->state[2];
   }
-  double pss;
-  DOPT_TRY(dopt_piece_sumsq(w, n, a->red, &pss));
-  *rms_state = dopt_rms_from_ss(pss, N);
-
+  frame f;
+  map_frame(a->frame, pc, &f);
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
-  float *u = a->ws, *rmean = a->ws + n, *cmean = rmean + nr;
+  float *u = f.u;
   const float eps1 = (float)hp[EPS1], eps2 = (float)hp[EPS2];
+  const int last = factored ? 6 : 2;
+  if (a->stage < last) *a->more = 1;
+  const int stage = factored ? a->stage : 2 * a->stage; /* 1-D: 0, 2, 4 */
 
-  for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
-  if (factored) {
-    DOPT_TRY(dopt_piece_rowcol_means(u, pc, a->red, rmean, cmean));
-    ema(sq_row, rmean, nr, hp[BETA2]);
-    ema(sq_col, cmean, nc, hp[BETA2]);
-    DOPT_TRY(dopt_piece_factored_apply(sq_row, sq_col, g, pc, u));
-  } else {
-    ema(sq_row, u, n, hp[BETA2]);
+  switch (stage) {
+  case 0:
+    DOPT_TRY(dopt_ss_begin(f.pss, w, n, a->red));
+    for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
+    if (factored) return dopt_rc_begin(&f.rc, u, pc, a->red);
+    ema(sq_row, u, n, hp[BETA2]); /* 1-D: the unfactored second moment, then S2's ‖U‖² */
     for (size_t i = 0; i < n; i++) u[i] = (1.0f / sqrtf(sq_row[i])) * g[i];
+    return dopt_ss_begin(f.uss, u, n, a->red);
+  case 1:
+    DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
+    return dopt_rc_accum(&f.rc, u, pc, a->red);
+  case 2:
+    if (!factored) { /* 1-D: S1 */
+      DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
+      return dopt_ss_accum(f.uss, u, n, a->red);
+    }
+    dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
+    ema(sq_row, f.rmean, nr, hp[BETA2]);
+    ema(sq_col, f.cmean, nc, hp[BETA2]);
+    DOPT_TRY(dopt_piece_factored_apply(sq_row, sq_col, g, pc, u));
+    return dopt_ss_begin(f.uss, u, n, a->red);
+  case 3:
+    return dopt_ss_accum(f.uss, u, n, a->red);
+  case 4: { /* 1-D: S2, the last stage */
+    *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), N);
+    float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
+    float div = urms / (float)hp[CLIP];
+    if (!(div > 1.0f)) div = div != div ? div : 1.0f;
+    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+    /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after) */
+    for (size_t i = 0; i < n; i++) {
+      float uh = u[i] / div;
+      m[i] = m[i] * b1 + omb1 * uh;
+      float r = uh - m[i];
+      u[i] = r * r + eps2;
+    }
+    if (factored) return dopt_rc_begin(&f.rc, u, pc, a->red);
+    break;
   }
-  double uss;
-  DOPT_TRY(dopt_piece_sumsq(u, n, a->red, &uss));
-  float urms = dopt_rms_from_ss(uss, N);
-  float div = urms / (float)hp[CLIP];
-  if (!(div > 1.0f)) div = div != div ? div : 1.0f;
-
-  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-  /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after) */
-  for (size_t i = 0; i < n; i++) {
-    float uh = u[i] / div;
-    m[i] = m[i] * b1 + omb1 * uh;
-    float r = uh - m[i];
-    u[i] = r * r + eps2;
+  case 5:
+    return dopt_rc_accum(&f.rc, u, pc, a->red);
+  default:
+    break;
   }
   const float *upd = m; /* 1-D: a copy of m (no confidence term) */
   if (factored) {
-    DOPT_TRY(dopt_piece_rowcol_means(u, pc, a->red, rmean, cmean));
-    ema(res_row, rmean, nr, hp[BETA3]);
-    ema(res_col, cmean, nc, hp[BETA3]);
+    dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
+    ema(res_row, f.rmean, nr, hp[BETA3]);
+    ema(res_col, f.cmean, nc, hp[BETA3]);
     DOPT_TRY(dopt_piece_factored_apply(res_row, res_col, m, pc, u));
     upd = u;
   }
@@ -142,7 +199,7 @@ const dopt_optim_impl dopt_impl_came = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = dopt_factored_scratch,
+    .frame = frame_bytes,
     .step = step,
     .distributable = 1,
 };

@@ -170,7 +170,6 @@ const dopt_optim_impl dopt_impl_galore_adamw = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = NULL,
     .step = step,
     .distributable = 0,
 };

@@ -140,7 +140,6 @@ const dopt_optim_impl dopt_impl_galore_adamw8bit = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = NULL,
     .step = step,
     .distributable = 0,
 };

@@ -40,33 +40,63 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   return 2;
 }
 
-static size_t scratch(const dopt_piece *pc) { return pc->len ? pc->len : 1; }
+/* The frame: the update u [n] and the two sums of squares. */
+typedef struct frame {
+  dopt_ss_stat *pss, *uss;
+  float *u;
+} frame;
 
+static size_t map_frame(void *base, const dopt_piece *pc, frame *f) {
+  dopt_frame fr = {base, 0};
+  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
+  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
+  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
+  return fr.off;
+}
+
+static size_t frame_bytes(const double *hp, const dopt_piece *pc) {
+  (void)hp;
+  frame f;
+  return map_frame(NULL, pc, &f);
+}
+
+/* Stages: S0 moments, u, and the maxima of ‖p‖², ‖u‖² (MAX); S1 their words
+ * (SUM); S2 the trust ratio and the update. */
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const size_t n = a->piece->len;
   const float *g = a->grad;
-  float *w = a->param, *m = a->state[0], *v = a->state[1], *u = a->ws;
+  float *w = a->param, *m = a->state[0], *v = a->state[1];
+  frame f;
+  map_frame(a->frame, a->piece, &f);
+  float *u = f.u;
+  if (a->stage == 0) {
+    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
+    const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
+    const float eps = (float)hp[EPS], wd = (float)hp[WD];
+    const int use_wd = hp[WD] != 0.0;
+    for (size_t i = 0; i < n; i++) {
+      m[i] = m[i] * b1 + omb1 * g[i];
+      v[i] = v[i] * b2 + (omb2 * g[i]) * g[i];
+      float ui = m[i] / (sqrtf(v[i]) + eps);
+      if (use_wd) ui = ui + wd * w[i];
+      u[i] = ui;
+    }
+    /* ‖p‖ and ‖u‖ over the logical tensor */
+    *a->more = 1;
+    DOPT_TRY(dopt_ss_begin(f.pss, w, n, a->red));
+    return dopt_ss_begin(f.uss, u, n, a->red);
+  }
+  if (a->stage == 1) {
+    *a->more = 1;
+    DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
+    return dopt_ss_accum(f.uss, u, n, a->red);
+  }
   const double t = (double)a->step;
   double lr = hp[LR];
   if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
-  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
-  const float eps = (float)hp[EPS], wd = (float)hp[WD];
-  const int use_wd = hp[WD] != 0.0;
-  for (size_t i = 0; i < n; i++) {
-    m[i] = m[i] * b1 + omb1 * g[i];
-    v[i] = v[i] * b2 + (omb2 * g[i]) * g[i];
-    float ui = m[i] / (sqrtf(v[i]) + eps);
-    if (use_wd) ui = ui + wd * w[i];
-    u[i] = ui;
-  }
-  /* ‖p‖ and ‖u‖ over the logical tensor */
-  double pss, uss;
-  DOPT_TRY(dopt_piece_sumsq(w, n, a->red, &pss));
-  DOPT_TRY(dopt_piece_sumsq(u, n, a->red, &uss));
-  float wnorm = (float)sqrt(pss);
-  float unorm = (float)sqrt(uss);
+  float wnorm = (float)sqrt(dopt_ss_value(f.pss));
+  float unorm = (float)sqrt(dopt_ss_value(f.uss));
   float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
   if (hp[ADAM] != 0.0) trust = 1.0f;
   const float alpha = (float)(-lr) * trust;
@@ -81,7 +111,7 @@ const dopt_optim_impl dopt_impl_lamb = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = scratch,
+    .frame = frame_bytes,
     .step = step,
     .distributable = 1,
 };

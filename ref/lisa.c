@@ -90,7 +90,6 @@ const dopt_optim_impl dopt_impl_lisa = {
     .nhp = NHP,
     .validate = validate,
     .layout = NULL,
-    .scratch = NULL,
     .step = NULL,
     .distributable = 0,
     .wrap = &wrap,

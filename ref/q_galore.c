@@ -243,7 +243,6 @@ const dopt_optim_impl dopt_impl_q_galore = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .scratch = NULL,
     .step = step,
     .distributable = 0,
 };

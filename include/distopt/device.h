@@ -12,10 +12,16 @@
  * A piece holds exactly len valid elements: ZeRO padding never enters a
  * kernel, a statistic or a count.
  *
- * Reducers. Cross-element statistics are computed with the exact sums of
- * distopt/xsum.h: a MAX over doubles and a SUM over int64 words, both exact
- * in any order. A reducer combines such arrays over the ranks that hold
- * pieces of the same logical tensor (NULL: single device, nothing to do). */
+ * Reducers and stages. Cross-element statistics are computed with the exact
+ * sums of distopt/xsum.h: a MAX over doubles and a SUM over int64 words, both
+ * exact in any order. A step never waits for a collective: it runs as stages
+ * (docs/architecture.md), and in a stage it *posts* arrays to its reducer for
+ * the next MAX or SUM phase; the caller reduces everything posted by every
+ * parameter that shares a reducer group in one collective per group and
+ * phase, then runs each step's next stage, which finds the reduced values in
+ * place. A NULL reducer is the single device: the local values already are
+ * the totals and nothing is posted.
+ */
 #ifndef DISTOPT_DEVICE_H
 #define DISTOPT_DEVICE_H
 
@@ -42,10 +48,12 @@ DOPT_API void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *out);
 
 typedef struct dopt_reducer {
   void *ctx;
-  /* in-place MAX over x[n] (F64) / SUM over x[n] (I64) across the ranks
-   * sharing the tensor; buffers are device memory */
-  dopt_status (*max_f64)(void *ctx, double *x, size_t n);
-  dopt_status (*sum_i64)(void *ctx, int64_t *x, size_t n);
+  /* Posts x[n] (device memory that lives until the step's next stage, i.e.
+   * its frame) for the next MAX (F64) / integer SUM (I64) phase across the
+   * ranks sharing the tensor; the reduced values are in x when the step's
+   * next stage runs. */
+  dopt_status (*post_max_f64)(void *ctx, double *x, size_t n);
+  dopt_status (*post_sum_i64)(void *ctx, int64_t *x, size_t n);
 } dopt_reducer;
 
 struct dopt_step_args; /* internal: one optimizer step on one piece (core/optim_impl.h) */
@@ -63,11 +71,16 @@ typedef struct dopt_device_ops {
   dopt_status (*scale)(void *ctx, float *x, float a, size_t n);         /* x[i] = x[i] * a */
   /* x[i] = x[i] / d, and the number of non-finite results (host) */
   dopt_status (*average)(void *ctx, float *x, float d, size_t n, int64_t *host_nonfinite);
-  /* exact Σx² of a piece's n local elements, combined by red (may be NULL) */
-  dopt_status (*sumsq)(void *ctx, const float *x, size_t n, const dopt_reducer *red, double *host_ss);
+  /* exact Σx² of n local elements (no reduction: the distributed norms are
+   * steps, see dopt_step_args) */
+  dopt_status (*sumsq)(void *ctx, const float *x, size_t n, double *host_ss);
   /* y[i] = bf16(x[i]), round to nearest even */
   dopt_status (*to_bf16)(void *ctx, const float *x, uint16_t *y, size_t n);
-  /* one optimizer step on one piece */
+  /* bytes of device memory one step on this piece needs across its stages
+   * (its frame; 0: none) */
+  size_t (*frame_bytes)(void *ctx, const struct dopt_step_args *args);
+  /* one stage of one optimizer step on one piece (args->stage; the step sets
+   * *args->more to be called again after the posted reductions) */
   dopt_status (*step)(void *ctx, const struct dopt_step_args *args);
 } dopt_device_ops;
 

@@ -65,11 +65,21 @@ typedef struct dopt_dist_config {
   const dopt_device *device; /* NULL: dopt_device_cpu() */
   double max_grad_norm;     /* global gradient-norm clipping; 0 = off */
   int skip_nonfinite;       /* skip the whole step when any gradient is NaN/Inf */
+  /* v2: the step's statistics are reduced in buckets of consecutive
+   * parameters whose step frames (scratch the step keeps between its
+   * reduction phases, about one fp32 copy of the local shard for Adafactor,
+   * CAME and LAMB) add up to at most this many bytes, estimated from the
+   * logical sizes; each bucket costs one collective per transport and phase.
+   * 0: all parameters in one bucket (fewest collectives, most memory). */
+  size_t bucket_bytes;
 } dopt_dist_config;
 
-#define DOPT_DIST_CONFIG_VERSION 1
+#define DOPT_DIST_CONFIG_VERSION 2
+#define DOPT_DIST_CONFIG_V1_SIZE ((uint32_t)offsetof(dopt_dist_config, bucket_bytes))
+#define DOPT_DIST_BUCKET_BYTES_DEFAULT ((size_t)64 << 20)
 #define DOPT_DIST_CONFIG_INIT \
-  { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1 }
+  { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1, \
+    DOPT_DIST_BUCKET_BYTES_DEFAULT }
 
 /* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
  * message names the plugin and what it needs. */
@@ -106,6 +116,10 @@ typedef struct dopt_dist_step_info {
  * clip, step every parameter's piece, re-gather parameters (zero 1/2). [C] */
 DOPT_API dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info);
 DOPT_API int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d);
+/* Collectives this rank issued for step statistics (norms, RMS, row/column
+ * means, clipping) since creation: with batching O(buckets × transports ×
+ * phases) per step, independent of the number of parameters. */
+DOPT_API int64_t dopt_dist_stat_collectives(const dopt_dist_optim *d);
 
 /* The whole logical parameter / working bf16 copy / state tensor (by
  * upstream key) of parameter i, assembled in host memory on every rank. [C] */

@@ -165,7 +165,18 @@ static void check_rowcol(const float *u, size_t b, size_t h, size_t w) {
   int64_t shape[3] = {(int64_t)b, (int64_t)h, (int64_t)w};
   dopt_piece pc;
   dopt_piece_full(3, shape, &pc);
-  assert_int_equal(dopt_piece_rowcol_means(u, &pc, NULL, rm, cm), DOPT_OK);
+  /* the three phases of the staged statistic, with no reducer */
+  dopt_frame fr = {NULL, 0};
+  dopt_rc_stat rc;
+  dopt_rc_take(&fr, &pc, &rc);
+  fr.base = malloc(fr.off);
+  assert_non_null(fr.base);
+  fr.off = 0;
+  dopt_rc_take(&fr, &pc, &rc);
+  assert_int_equal(dopt_rc_begin(&rc, u, &pc, NULL), DOPT_OK);
+  assert_int_equal(dopt_rc_accum(&rc, u, &pc, NULL), DOPT_OK);
+  dopt_rc_means(&rc, &pc, rm, cm);
+  free(fr.base);
   for (size_t i = 0; i < nr; i++) {
     float e = (float)(dopt_xacc_value(&rr[i], rs[i]) / (double)w);
     assert_memory_equal(&rm[i], &e, sizeof e);
