@@ -197,6 +197,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.plugin = dt_plugin(l);
   cfg.zero_stage = l->zero;
   cfg.max_grad_norm = c->max_grad_norm;
+  cfg.bucket_bytes = l->bucket_bytes;
   DOPT_TRY(dopt_sim_transport(tpc, &cfg.tp));
   DOPT_TRY(dopt_sim_transport(dpc, &cfg.dp));
   float *data[DT_MAXP], *master[DT_MAXP];
@@ -272,6 +273,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     }
   }
   if (rank == 0 && d) x->r->skipped = dopt_dist_skipped_steps(d);
+  if (d && rank < DT_MAXRANKS) x->r->stat_collectives[rank] = dopt_dist_stat_collectives(d); /* own slot */
   for (int i = 0; i < c->nparams; i++) {
     free(loc[i]);
     free(data[i]);

@@ -42,7 +42,10 @@ typedef struct dt_case {
 
 typedef struct dt_layout {
   int tp, dp, zero;
+  size_t bucket_bytes; /* dopt_dist_config.bucket_bytes (0: one bucket) */
 } dt_layout;
+
+#define DT_MAXRANKS 64
 
 /* Results of one run at the checkpoints: parameters, bf16 working copies,
  * states (by name), step counters; plus skipped steps. */
@@ -56,6 +59,7 @@ typedef struct dt_result {
   float *state[DT_MAXCK][DT_MAXP][DT_MAXS];
   int64_t step[DT_MAXCK][DT_MAXP];
   int64_t skipped;
+  int64_t stat_collectives[DT_MAXRANKS]; /* dopt_dist_stat_collectives of each world rank after the run */
 } dt_result;
 
 /* The plugin name the layout belongs to. */

@@ -17,7 +17,7 @@ static const dt_param PARAMS[] = {
 };
 #define NP ((int)(sizeof PARAMS / sizeof PARAMS[0]))
 
-static const dt_layout LAYOUTS[] = {{1, 1, 0}, {2, 2, 0}, {1, 3, 2}, {2, 2, 3}, {3, 2, 1}, {4, 1, 2}};
+static const dt_layout LAYOUTS[] = {{1, 1, 0, 0}, {2, 2, 0, 0}, {1, 3, 2, 0}, {2, 2, 3, 0}, {3, 2, 1, 0}, {4, 1, 2, 0}};
 #define NL ((int)(sizeof LAYOUTS / sizeof LAYOUTS[0]))
 
 static void check_case(dt_case *c) {
@@ -128,6 +128,94 @@ static dopt_status cfg_body(dopt_sim_comm *world, int rank, void *user) {
   return s;
 }
 
+/* Batched reductions (docs/architecture.md): the statistics of a step cost
+ * one collective per transport and reduction phase for all parameters of a
+ * bucket, whatever their number; a bucket per parameter costs each
+ * parameter's own phases on its own transports; both are bitwise equal to
+ * the reference and the same count on every rank. Rounds per step with a
+ * reducer: factored / 1-D parameter (ref/adafactor.c, came.c, lamb.c
+ * stage tables); clipping adds 2 (MAX, SUM) for every parameter. */
+static const dt_param MANY[] = {
+    {"emb", 2, {11, 6}, DOPT_TP_COLUMN, 0},  {"q", 2, {6, 6}, DOPT_TP_COLUMN, 0},     {"o", 2, {6, 6}, DOPT_TP_ROW, 0},
+    {"ln1", 1, {6}, DOPT_TP_REPLICATED, 1},  {"up", 2, {9, 6}, DOPT_TP_COLUMN, 0},    {"upb", 1, {9}, DOPT_TP_COLUMN, 1},
+    {"dn", 2, {6, 9}, DOPT_TP_ROW, 0},       {"ln2", 1, {6}, DOPT_TP_REPLICATED, 1},  {"q2", 2, {6, 6}, DOPT_TP_COLUMN, 0},
+    {"o2", 2, {6, 6}, DOPT_TP_ROW, 0},       {"t3", 3, {2, 3, 5}, DOPT_TP_COLUMN, 0}, {"sc", 2, {1, 6}, DOPT_TP_REPLICATED, 0},
+    {"lnf", 1, {6}, DOPT_TP_REPLICATED, 1},  {"head", 2, {11, 6}, DOPT_TP_COLUMN, 0},
+};
+#define NMANY ((int)(sizeof MANY / sizeof MANY[0]))
+
+static void test_batched_reductions(void **st) {
+  (void)st;
+  static const struct {
+    const char *opt, *hp;
+    int rounds_factored, rounds_1d;
+  } O[] = {{"adamw", NULL, 0, 0}, {"adafactor", "beta1=0.9", 4, 2}, {"came", "lr=2e-4", 6, 2}, {"lamb", NULL, 2, 2}};
+  static const dt_layout L[] = {{2, 2, 2, 0}, {2, 2, 2, 1}, {2, 3, 3, 0}, {3, 1, 0, 0}, {1, 3, 1, 1}};
+  const int steps = 3;
+  for (size_t k = 0; k < sizeof O / sizeof O[0]; k++) {
+    for (int clip = 0; clip < 2; clip++) {
+      dt_case c = {O[k].opt, O[k].hp, NULL, MANY, NMANY, steps, 1, clip ? 0.05 : 0.0, 0, 31 + (uint64_t)k, 0.5, 0,
+                   steps};
+      dt_result ref[4];
+      int have[4] = {0};
+      for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
+        const dt_layout *l = &L[li];
+        if (!have[l->dp]) {
+          assert_ok(dt_run_reference(&c, l->dp, &ref[l->dp]));
+          have[l->dp] = 1;
+        }
+        dt_result got;
+        memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
+        memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
+        char err[512] = "", msg[512] = "";
+        if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK)
+          fail_msg("%s tp%d dp%d zero%d bucket %zu: %s", c.optimizer, l->tp, l->dp, l->zero, l->bucket_bytes, err);
+        if (dt_compare(&c, &ref[l->dp], &got, msg, sizeof msg))
+          fail_msg("%s tp%d dp%d zero%d bucket %zu clip %d: %s", c.optimizer, l->tp, l->dp, l->zero, l->bucket_bytes,
+                   clip, msg);
+        /* the expected count: per bucket, each round runs on the transports
+         * that some parameter of the bucket reduces over */
+        int64_t expect = 0;
+        const int over_dp = l->zero >= 1 && l->dp > 1;
+        if (l->bucket_bytes == 0) {
+          int any_f = 0, tp_f = 0, tp_any = 0;
+          for (int i = 0; i < NMANY; i++) {
+            int f = MANY[i].ndim >= 2, ot = l->tp > 1 && MANY[i].role != DOPT_TP_REPLICATED;
+            any_f |= f && (ot || over_dp);
+            tp_f |= f && ot;
+            tp_any |= ot;
+          }
+          int r1 = O[k].rounds_1d, rf = O[k].rounds_factored;
+          /* rounds every parameter has (min), then the factored ones' extra rounds */
+          int common = r1 < rf ? r1 : rf, extra = rf > r1 ? rf - r1 : 0;
+          expect = (int64_t)common * (tp_any + over_dp) + (any_f ? (int64_t)extra * (tp_f + over_dp) : 0);
+          if (clip) expect += 2 * (tp_any + over_dp);
+        } else {
+          for (int i = 0; i < NMANY; i++) {
+            int f = MANY[i].ndim >= 2, ot = l->tp > 1 && MANY[i].role != DOPT_TP_REPLICATED;
+            expect += (int64_t)(f ? O[k].rounds_factored : O[k].rounds_1d) * (ot + over_dp);
+          }
+          if (clip) { /* clipping runs every parameter in one bucket */
+            int tp_any = 0;
+            for (int i = 0; i < NMANY; i++) tp_any |= l->tp > 1 && MANY[i].role != DOPT_TP_REPLICATED;
+            expect += 2 * (tp_any + over_dp);
+          }
+        }
+        expect *= steps;
+        for (int r = 0; r < l->tp * l->dp; r++)
+          if (got.stat_collectives[r] != expect)
+            fail_msg("%s tp%d dp%d zero%d bucket %zu clip %d: rank %d issued %lld statistic collectives in %d steps, "
+                     "expected %lld",
+                     c.optimizer, l->tp, l->dp, l->zero, l->bucket_bytes, clip, r, (long long)got.stat_collectives[r],
+                     steps, (long long)expect);
+        dt_result_free(&got);
+      }
+      for (int d = 0; d < 4; d++)
+        if (have[d]) dt_result_free(&ref[d]);
+    }
+  }
+}
+
 static void test_config_errors(void **st) {
   (void)st;
   cfg_err cases[] = {
@@ -160,6 +248,7 @@ int main(void) {
       cmocka_unit_test(test_clip_and_accumulation),
       cmocka_unit_test(test_bf16_masters),
       cmocka_unit_test(test_nonfinite_skip),
+      cmocka_unit_test(test_batched_reductions),
       cmocka_unit_test(test_config_errors),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -44,10 +44,12 @@ static const hp_setting FULL_HP[] = {
     {"lamb", "lr=1e-2,adam=true,weight_decay=0.01"},
 };
 
-/* CI layouts: every tp, dp and zero value, each plugin, uneven splits. */
+/* CI layouts: every tp, dp and zero value, each plugin, uneven splits; the
+ * statistics reduced in one bucket (0), a bucket per parameter (1 byte) or a
+ * few parameters per bucket (256 bytes). */
 static const dt_layout CI_LAYOUTS[] = {
-    {1, 1, 0}, {1, 2, 0}, {1, 3, 1}, {1, 4, 2}, {2, 1, 0}, {2, 2, 1}, {2, 2, 2},
-    {3, 2, 0}, {4, 1, 2}, {2, 3, 3}, {1, 3, 3}, {3, 4, 2}, {4, 2, 1}, {4, 4, 3},
+    {1, 1, 0, 0}, {1, 2, 0, 1}, {1, 3, 1, 256}, {1, 4, 2, 0},  {2, 1, 0, 1}, {2, 2, 1, 256}, {2, 2, 2, 0},
+    {3, 2, 0, 1}, {4, 1, 2, 256}, {2, 3, 3, 0}, {1, 3, 3, 1}, {3, 4, 2, 256}, {4, 2, 1, 0},  {4, 4, 3, 1},
 };
 
 static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int nlay, int steps) {
@@ -89,7 +91,7 @@ static void test_grid(void **st) {
     int n = 0;
     for (int tp = 1; tp <= 4; tp++)
       for (int dp = 1; dp <= 4; dp++)
-        for (int z = 0; z <= 3; z++) all[n++] = (dt_layout){tp, dp, z};
+        for (int z = 0; z <= 3; z++) all[n++] = (dt_layout){tp, dp, z, (size_t)(n % 3 == 0 ? 0 : n % 3 == 1 ? 1 : 256)};
     runs = run_grid(FULL_HP, (int)(sizeof FULL_HP / sizeof FULL_HP[0]), all, n, 100);
   } else {
     runs = run_grid(CI_HP, (int)(sizeof CI_HP / sizeof CI_HP[0]), CI_LAYOUTS,

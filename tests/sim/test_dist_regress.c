@@ -230,7 +230,7 @@ static void test_row_mean_row_split(void **st) {
     free(g);
     free(u);
   }
-  static const dt_layout lays[] = {{2, 1, 0}, {4, 1, 0}, {4, 2, 2}, {2, 2, 3}};
+  static const dt_layout lays[] = {{2, 1, 0, 0}, {4, 1, 0, 0}, {4, 2, 2, 0}, {2, 2, 3, 0}};
   expect_bitwise(&c, &lays[0], &ref);
   expect_bitwise(&c, &lays[1], &ref);
   dt_result_free(&ref);
@@ -294,7 +294,7 @@ static void test_lamb_trust_ratio_per_shard(void **st) {
    * from the whole-tensor one at every step */
   if (worst_trust < DISCRIM || worst_param < DISCRIM)
     fail_msg("per-shard trust ratio too close to the whole-tensor one (ratio %.3g, update %.3g)", worst_trust, worst_param);
-  static const dt_layout lays[] = {{2, 1, 0}, {2, 1, 2}, {2, 2, 1}, {2, 2, 3}};
+  static const dt_layout lays[] = {{2, 1, 0, 0}, {2, 1, 2, 0}, {2, 2, 1, 0}, {2, 2, 3, 0}};
   expect_bitwise(&c, &lays[0], &ref);
   expect_bitwise(&c, &lays[1], &ref);
   dt_result_free(&ref);
@@ -339,7 +339,7 @@ static void zero_col_case(const char *opt, const char *hp, float omb2) {
     }
     free(g);
     free(u);
-    const dt_layout lays[2] = {{1, dp, 2}, {1, dp, dp == 2 ? 1 : 3}};
+    const dt_layout lays[2] = {{1, dp, 2, 0}, {1, dp, dp == 2 ? 1 : 3, 1}};
     expect_bitwise(&c, &lays[0], &ref);
     expect_bitwise(&c, &lays[1], &ref);
     dt_result_free(&ref);
@@ -369,7 +369,7 @@ static const dt_param P_CLIP[] = {
 static void test_grad_norm_replicated_once(void **st) {
   (void)st;
   const dt_case c = {"adamw", "lr=1e-2,weight_decay=0.01", NULL, P_CLIP, NCLIP, STEPS, 2, 0.05, 0, 404, 0.05, 0, 1};
-  static const dt_layout lays[] = {{2, 1, 0}, {4, 1, 1}, {2, 2, 2}, {2, 2, 3}};
+  static const dt_layout lays[] = {{2, 1, 0, 0}, {4, 1, 1, 0}, {2, 2, 2, 0}, {2, 2, 3, 0}};
   for (int li = 0; li < 4; li++) {
     const dt_layout *l = &lays[li];
     double worst = 1.0, maxcoef = 0.0;
@@ -454,7 +454,7 @@ static void test_dp_size_not_world_size(void **st) {
     if (d < 1e-4) fail_msg("%s: dividing by world size changes the parameters by only %.3g", P_WS[p].name, d);
   }
   dt_result_free(&bug);
-  static const dt_layout lays[] = {{2, 2, 0}, {2, 2, 1}, {2, 2, 2}, {2, 2, 3}};
+  static const dt_layout lays[] = {{2, 2, 0, 0}, {2, 2, 1, 0}, {2, 2, 2, 0}, {2, 2, 3, 0}};
   for (int i = 0; i < 4; i++) expect_bitwise(&c, &lays[i], &ref);
   dt_result_free(&ref);
 }
@@ -511,7 +511,7 @@ static void test_padding_not_in_rms(void **st) {
     free(u);
     free(upd);
   }
-  static const dt_layout lays[] = {{1, 3, 2}, {1, 3, 1}, {1, 3, 3}, {2, 3, 2}};
+  static const dt_layout lays[] = {{1, 3, 2, 0}, {1, 3, 1, 0}, {1, 3, 3, 0}, {2, 3, 2, 0}};
   for (int i = 0; i < 4; i++) expect_bitwise(&c, &lays[i], &ref);
   dt_result_free(&ref);
 }
@@ -521,7 +521,7 @@ static void test_padding_not_in_rms(void **st) {
 static const dt_param P_CAME[] = {
     {"c65", 2, {6, 5}, DOPT_TP_COLUMN, 0},
     {"r47", 2, {4, 7}, DOPT_TP_ROW, 0},
-    {"t235", 3, {2, 3, 5}, DOPT_TP_REPLICATED, 0},
+    {"t235", 3, {2, 3, 5, 0}, DOPT_TP_REPLICATED, 0},
 };
 
 static void came_distinct(const dt_case *c, const dt_result *r, const char *who) {
@@ -610,7 +610,7 @@ static void test_came_states_not_aliased(void **st) {
     dopt_optim_destroy(o);
   }
   const dt_case c = {"came", "lr=1e-3,weight_decay=0.01", NULL, P_CAME, 3, 6, 1, 0.0, 0, 707, 0.05, 0, 1};
-  static const dt_layout lays[] = {{2, 1, 0}, {2, 2, 2}, {3, 2, 3}};
+  static const dt_layout lays[] = {{2, 1, 0, 0}, {2, 2, 2, 0}, {3, 2, 3, 0}};
   for (int i = 0; i < 3; i++) {
     dt_result ref, got;
     assert_ok(dt_run_reference(&c, lays[i].dp, &ref));
@@ -658,7 +658,7 @@ static const dt_param P_EMPTY[] = {
 
 static void test_uneven_tp_empty_ranks(void **st) {
   (void)st;
-  static const dt_layout lays[] = {{2, 1, 0}, {3, 1, 0}, {4, 1, 0}, {3, 2, 2}, {4, 2, 3}};
+  static const dt_layout lays[] = {{2, 1, 0, 0}, {3, 1, 0, 0}, {4, 1, 0, 0}, {3, 2, 2, 0}, {4, 2, 3, 0}};
   /* The scenario: in every layout some rank holds nothing of some tensor (a
    * buggy local divisor is then 0 and gives NaN; a rank skipping the step or
    * a collective deadlocks, which the simulator's timeout turns into an
