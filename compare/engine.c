@@ -548,7 +548,11 @@ static dopt_status run_nccl(run_ctx *x) {
     x->r->rank = wt.rank;
     st = rank_run(x, wt.rank, &tpt, &dpt);
   }
-  if (st != DOPT_OK && world) dopt_nccl_abort(world); /* peers fail instead of waiting */
+  if (st != DOPT_OK) { /* peers fail instead of waiting; every communicator, so that none finalises for minutes */
+    if (dpc) dopt_nccl_abort(dpc);
+    if (tpc) dopt_nccl_abort(tpc);
+    if (world) dopt_nccl_abort(world);
+  }
   dopt_nccl_destroy(dpc);
   dopt_nccl_destroy(tpc);
   dopt_nccl_destroy(world);
@@ -562,11 +566,12 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
   dopt_device *dev = NULL;
-  int devno = 0; /* backend nccl: the local rank's GPU (as dopt_nccl_init_env) */
+  int devno = 0; /* backend nccl: the local rank's GPU, local rank mod devices (as dopt_nccl_init_env) */
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     dopt_launch_env env;
     st = dopt_launch_env_parse(NULL, NULL, &env);
-    devno = env.local_rank;
+    int ndev = dopt_cuda_device_count(NULL);
+    devno = ndev > 0 ? dopt_launch_device(env.local_rank, ndev) : env.local_rank; /* srun --gpus-per-task 1: 0 */
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
   dopt_sim_world *w = NULL;

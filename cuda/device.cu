@@ -24,6 +24,7 @@ struct cuda_dev {
   dopt_device dev;
   int id;
   int sms;
+  unsigned long long *count; /* [1] device counter of `average` (allocated once: no malloc per call) */
 };
 
 dopt_status cu_fail(cudaError_t e, const char *what) {
@@ -747,12 +748,11 @@ dopt_status op_scale(void *ctx, float *x, float a, size_t n) {
 }
 dopt_status op_average(void *ctx, float *x, float d, size_t n, int64_t *host_nonfinite) {
   ENTER(D(ctx));
-  scratch s;
-  DOPT_TRY(s.get(8));
-  if (n) k_average<<<grid_for(D(ctx), n), BS, 0, ST>>>(x, d, n, (unsigned long long *)s.p);
-  unsigned long long bad = 0;
-  CU(cudaMemcpyAsync(&bad, s.p, 8, cudaMemcpyDeviceToHost, ST), "average: download");
-  DOPT_TRY(sync("average"));
+  unsigned long long *cnt = D(ctx)->count, bad = 0;
+  CU(cudaMemsetAsync(cnt, 0, sizeof *cnt, ST), "average: memset");
+  if (n) k_average<<<grid_for(D(ctx), n), BS, 0, ST>>>(x, d, n, cnt);
+  CU(cudaMemcpyAsync(&bad, cnt, sizeof bad, cudaMemcpyDeviceToHost, ST), "average: download");
+  DOPT_TRY(sync("average")); /* one sync: the count is read on the host */
   *host_nonfinite = (int64_t)bad;
   return DOPT_OK;
 }
@@ -828,6 +828,11 @@ extern "C" dopt_status dopt_device_cuda(int device, dopt_device **out) {
   if (!c) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_device_cuda");
   c->id = device;
   c->sms = sms > 0 ? sms : 1;
+  cudaError_t e = cudaMalloc((void **)&c->count, sizeof *c->count);
+  if (e != cudaSuccess) {
+    free(c);
+    return cu_fail(e, "dopt_device_cuda: counter");
+  }
   c->dev.ops = &cuda_ops;
   c->dev.ctx = c;
   *out = &c->dev;
@@ -835,5 +840,10 @@ extern "C" dopt_status dopt_device_cuda(int device, dopt_device **out) {
 }
 
 extern "C" void dopt_device_cuda_destroy(dopt_device *dev) {
-  if (dev) free(dev->ctx);
+  if (!dev) return;
+  cuda_dev *c = (cuda_dev *)dev->ctx;
+  cudaSetDevice(c->id);
+  cudaStreamSynchronize(ST);
+  cudaFree(c->count);
+  free(c);
 }

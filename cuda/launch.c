@@ -72,12 +72,24 @@ dopt_status dopt_launch_env_parse(dopt_getenv_fn get, void *user, dopt_launch_en
       memcpy(out->master_addr, a, strlen(a) + 1);
     }
     if (p) DOPT_TRY(parse_int("MASTER_PORT", p, 1, 65535, &out->master_port));
+    const char *rp = get("DOPT_RDZV_PORT", user);
+    if (rp) {
+      DOPT_TRY(parse_int("DOPT_RDZV_PORT", rp, 1, 65535, &out->rdzv_port));
+    } else if (out->master_port) {
+      if (out->master_port == 65535)
+        return dopt__fail(DOPT_ERR_INVALID_ARG,
+                          "launch environment: MASTER_PORT=65535 leaves no port for the rendezvous (MASTER_PORT + 1); "
+                          "set DOPT_RDZV_PORT");
+      out->rdzv_port = out->master_port + 1;
+    }
     return DOPT_OK;
   }
   return dopt__fail(DOPT_ERR_NOT_FOUND,
                     "launch environment: none of RANK (torchrun), OMPI_COMM_WORLD_RANK (mpirun), SLURM_PROCID (srun) "
                     "is set");
 }
+
+int dopt_launch_device(int local_rank, int ndev) { return ndev < 1 || local_rank < 0 ? -1 : local_rank % ndev; }
 
 /* ---- rendezvous --------------------------------------------------------------------- */
 
@@ -146,15 +158,36 @@ static dopt_status resolve(const char *addr, int port, struct sockaddr_storage *
   return DOPT_OK;
 }
 
-static dopt_status serve(const struct sockaddr_storage *sa, socklen_t salen, int port, int nranks, const void *blob,
-                         size_t bytes, double deadline) {
+/* Rank 0 listens on every local address of the master's family (the name the
+ * peers use may resolve to another local address on the master itself, e.g.
+ * 127.0.1.1 from /etc/hosts). */
+static dopt_status serve(const struct sockaddr_storage *master, int port, int nranks, const void *blob, size_t bytes,
+                         double deadline) {
+  struct sockaddr_storage any;
+  socklen_t anylen;
+  memset(&any, 0, sizeof any);
+  if (master->ss_family == AF_INET6) {
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&any;
+    a6->sin6_family = AF_INET6;
+    a6->sin6_addr = in6addr_any;
+    a6->sin6_port = htons((uint16_t)port);
+    anylen = sizeof *a6;
+  } else {
+    struct sockaddr_in *a4 = (struct sockaddr_in *)&any;
+    a4->sin_family = AF_INET;
+    a4->sin_addr.s_addr = htonl(INADDR_ANY);
+    a4->sin_port = htons((uint16_t)port);
+    anylen = sizeof *a4;
+  }
+  const struct sockaddr_storage *sa = &any;
   int ls = socket(sa->ss_family, SOCK_STREAM, 0);
   if (ls < 0) return dopt__fail(DOPT_ERR_IO, "rendezvous: socket: %s", strerror(errno));
   int one = 1;
   setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   dopt_status s = DOPT_OK;
-  if (bind(ls, (const struct sockaddr *)sa, salen) != 0 || listen(ls, nranks) != 0) {
-    s = dopt__fail(DOPT_ERR_IO, "rendezvous: rank 0 cannot listen on port %d: %s", port, strerror(errno));
+  if (bind(ls, (const struct sockaddr *)sa, anylen) != 0 || listen(ls, nranks) != 0) {
+    s = dopt__fail(DOPT_ERR_IO, "rendezvous: rank 0 cannot listen on port %d: %s%s", port, strerror(errno),
+                   errno == EADDRINUSE ? " (set DOPT_RDZV_PORT to a free port)" : "");
     close(ls);
     return s;
   }
@@ -256,6 +289,6 @@ dopt_status dopt_rendezvous_blob(const char *addr, int port, int rank, int nrank
   struct sockaddr_storage sa;
   socklen_t salen = 0;
   DOPT_TRY(resolve(addr, port, &sa, &salen));
-  if (rank == 0) return serve(&sa, salen, port, nranks, blob, bytes, deadline);
+  if (rank == 0) return serve(&sa, port, nranks, blob, bytes, deadline);
   return fetch(&sa, salen, addr, port, rank, nranks, blob, bytes, deadline);
 }

@@ -158,14 +158,18 @@ dopt_status dopt_nccl_init_env(uint32_t timeout_ms, dopt_nccl_comm **out) {
   *out = NULL;
   dopt_launch_env env;
   DOPT_TRY(dopt_launch_env_parse(NULL, NULL, &env));
-  if (env.world_size > 1 && (!env.master_addr[0] || env.master_port == 0))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_nccl_init_env (%s, %d ranks): MASTER_ADDR and MASTER_PORT must be set",
+  if (env.world_size > 1 && (!env.master_addr[0] || env.rdzv_port == 0))
+    return dopt__fail(DOPT_ERR_INVALID_ARG,
+                      "dopt_nccl_init_env (%s, %d ranks): MASTER_ADDR and MASTER_PORT (or DOPT_RDZV_PORT) must be set",
                       env.launcher, env.world_size);
+  const char *why = "";
+  int ndev = dopt_cuda_device_count(&why);
+  if (ndev == 0) return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_nccl_init_env: no CUDA device (%s)", why);
   unsigned char id[DOPT_NCCL_ID_BYTES] = {0};
   if (env.rank == 0) DOPT_TRY(dopt_nccl_unique_id(id));
-  if (env.world_size > 1)
-    DOPT_TRY(dopt_rendezvous_blob(env.master_addr, env.master_port, env.rank, env.world_size, id, sizeof id, timeout_ms));
-  return dopt_nccl_init(id, env.world_size, env.rank, env.local_rank, timeout_ms, out);
+  if (env.world_size > 1) /* MASTER_PORT + 1: torchrun's store holds MASTER_PORT */
+    DOPT_TRY(dopt_rendezvous_blob(env.master_addr, env.rdzv_port, env.rank, env.world_size, id, sizeof id, timeout_ms));
+  return dopt_nccl_init(id, env.world_size, env.rank, dopt_launch_device(env.local_rank, ndev), timeout_ms, out);
 }
 
 dopt_status dopt_nccl_split(dopt_nccl_comm *comm, int color, int key, dopt_nccl_comm **out) {

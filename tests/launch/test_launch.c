@@ -46,6 +46,27 @@ static void test_env_torchrun(void **st) {
   assert_int_equal(e.local_rank, 1);
   assert_string_equal(e.master_addr, "10.0.0.7");
   assert_int_equal(e.master_port, 29500);
+  /* torchrun's TCPStore listens on MASTER_PORT: the rendezvous takes the next port */
+  assert_int_equal(e.rdzv_port, 29501);
+  static const char *const own[] = {"RANK", "0", "WORLD_SIZE", "2", "MASTER_ADDR", "h", "MASTER_PORT", "29500",
+                                    "DOPT_RDZV_PORT", "40000", NULL};
+  assert_int_equal(parse(own, &e), DOPT_OK);
+  assert_int_equal(e.rdzv_port, 40000);
+  static const char *const top[] = {"RANK", "0", "WORLD_SIZE", "2", "MASTER_ADDR", "h", "MASTER_PORT", "65535", NULL};
+  assert_status(parse(top, &e), DOPT_ERR_INVALID_ARG, "DOPT_RDZV_PORT");
+  static const char *const bad[] = {"RANK", "0", "WORLD_SIZE", "2", "DOPT_RDZV_PORT", "0", NULL};
+  assert_status(parse(bad, &e), DOPT_ERR_INVALID_ARG, "DOPT_RDZV_PORT='0'");
+}
+
+/* srun --gpus-per-task 1: every task sees one device, whatever its local rank */
+static void test_launch_device(void **st) {
+  (void)st;
+  assert_int_equal(dopt_launch_device(0, 1), 0);
+  assert_int_equal(dopt_launch_device(3, 1), 0);
+  assert_int_equal(dopt_launch_device(5, 8), 5);
+  assert_int_equal(dopt_launch_device(9, 8), 1);
+  assert_int_equal(dopt_launch_device(0, 0), -1);
+  assert_int_equal(dopt_launch_device(-1, 4), -1);
 }
 
 static void test_env_openmpi_slurm(void **st) {
@@ -112,6 +133,7 @@ static int free_port(void) {
 #define NR 5
 typedef struct rdv_arg {
   int port, rank, nranks;
+  const char *addr; /* NULL: 127.0.0.1 */
   uint32_t timeout_ms;
   unsigned char blob[128];
   dopt_status s;
@@ -120,7 +142,8 @@ typedef struct rdv_arg {
 
 static void *rdv_thread(void *p) {
   rdv_arg *a = p;
-  a->s = dopt_rendezvous_blob("127.0.0.1", a->port, a->rank, a->nranks, a->blob, sizeof a->blob, a->timeout_ms);
+  a->s = dopt_rendezvous_blob(a->addr ? a->addr : "127.0.0.1", a->port, a->rank, a->nranks, a->blob, sizeof a->blob,
+                              a->timeout_ms);
   snprintf(a->err, sizeof a->err, "%s", dopt_last_error());
   return NULL;
 }
@@ -154,16 +177,69 @@ static void test_rendezvous_timeout(void **st) {
   (void)st;
   int port = free_port();
   /* a client with nobody listening */
-  rdv_arg c = {port, 1, 2, 300, {0}, DOPT_OK, ""};
+  rdv_arg c = {port, 1, 2, NULL, 300, {0}, DOPT_OK, ""};
   rdv_thread(&c);
   assert_int_equal(c.s, DOPT_ERR_TIMEOUT);
   assert_non_null(strstr(c.err, "could not reach rank 0"));
   /* rank 0 with a missing peer */
-  rdv_arg s = {port, 0, 3, 300, {0}, DOPT_OK, ""};
+  rdv_arg s = {port, 0, 3, NULL, 300, {0}, DOPT_OK, ""};
   rdv_thread(&s);
   assert_int_equal(s.s, DOPT_ERR_TIMEOUT);
   assert_non_null(strstr(s.err, "0 of 2 ranks connected"));
   assert_status(dopt_rendezvous_blob("", 1, 0, 2, s.blob, 1, 10), DOPT_ERR_INVALID_ARG, "MASTER_ADDR");
+}
+
+/* torchrun: its TCPStore holds MASTER_PORT, and the master's own name may
+ * resolve to another local address (127.0.1.1 from /etc/hosts) than the one
+ * the peers reach: the rendezvous uses the launch environment's rdzv_port and
+ * rank 0 listens on every address. */
+static void test_rendezvous_torchrun(void **st) {
+  (void)st;
+  int store = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  assert_true(store >= 0);
+  assert_int_equal(bind(store, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(store, 4), 0); /* the "TCPStore" on MASTER_PORT */
+  assert_int_equal(getsockname(store, (struct sockaddr *)&a, &len), 0);
+  int master_port = ntohs(a.sin_port);
+  char mp[16];
+  snprintf(mp, sizeof mp, "%d", master_port);
+  const char *const env0[] = {"RANK", "0", "WORLD_SIZE", "2", "LOCAL_RANK", "0", "MASTER_ADDR", "127.0.0.2",
+                              "MASTER_PORT", mp, NULL};
+  dopt_launch_env e;
+  assert_int_equal(parse(env0, &e), DOPT_OK);
+  if (e.rdzv_port > 65535 || e.rdzv_port != master_port + 1) fail_msg("rdzv_port %d", e.rdzv_port);
+  /* the port right above an ephemeral one may be taken by another process: then skip honestly */
+  int probe = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in pa = a;
+  pa.sin_port = htons((uint16_t)e.rdzv_port);
+  int busy = bind(probe, (struct sockaddr *)&pa, sizeof pa) != 0;
+  close(probe);
+  if (busy) {
+    close(store);
+    skip(); /* cmocka reports it as skipped */
+  }
+  rdv_arg r[2];
+  memset(r, 0, sizeof r);
+  pthread_t th[2];
+  for (int k = 0; k < 2; k++) {
+    r[k].port = e.rdzv_port;
+    r[k].rank = k;
+    r[k].nranks = 2;
+    r[k].timeout_ms = 10000;
+    r[k].addr = k == 0 ? "127.0.0.2" : "127.0.0.1"; /* the master resolves itself differently */
+    if (k == 0) memset(r[k].blob, 0x5a, sizeof r[k].blob);
+  }
+  for (int k = 1; k >= 0; k--) assert_int_equal(pthread_create(&th[k], NULL, rdv_thread, &r[k]), 0);
+  for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+  close(store);
+  for (int k = 0; k < 2; k++)
+    if (r[k].s != DOPT_OK) fail_msg("rank %d: %s", k, r[k].err);
+  assert_memory_equal(r[1].blob, r[0].blob, sizeof r[0].blob);
 }
 
 /* ---- the simulator's memops hook -------------------------------------------------------- */
@@ -243,6 +319,7 @@ int main(void) {
       cmocka_unit_test(test_env_torchrun),       cmocka_unit_test(test_env_openmpi_slurm),
       cmocka_unit_test(test_env_errors),         cmocka_unit_test(test_rendezvous),
       cmocka_unit_test(test_rendezvous_timeout), cmocka_unit_test(test_sim_memops_hook),
+      cmocka_unit_test(test_launch_device),      cmocka_unit_test(test_rendezvous_torchrun),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
