@@ -12,6 +12,8 @@ function(dopt_add_test name)
   add_executable(${name} ${T_SOURCES})
   dopt_target_defaults(${name})
   target_link_libraries(${name} PRIVATE distopt dopt_testutil)
+  # exported symbols let the checking device name the library function at a call site (dladdr)
+  set_target_properties(${name} PROPERTIES ENABLE_EXPORTS ON)
   add_test(NAME ${name} COMMAND ${name} ${T_ARGS})
   set_tests_properties(${name} PROPERTIES TIMEOUT ${_to} LABELS "${T_LABELS}"
     SKIP_RETURN_CODE 77

@@ -1,5 +1,7 @@
 #include "disttest.h"
 
+#include "checkdev.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -198,8 +200,20 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.zero_stage = l->zero;
   cfg.max_grad_norm = c->max_grad_norm;
   cfg.bucket_bytes = l->bucket_bytes;
-  DOPT_TRY(dopt_sim_transport(tpc, &cfg.tp));
-  DOPT_TRY(dopt_sim_transport(dpc, &cfg.dp));
+  /* the checking device: every kernel argument and collective buffer must be
+   * device memory (its arena), as on a GPU */
+  dopt_transport tpt, dpt;
+  DOPT_TRY(dopt_sim_transport(tpc, &tpt));
+  DOPT_TRY(dopt_sim_transport(dpc, &dpt));
+  dt_checkdev *chk = NULL;
+  DOPT_TRY(dt_checkdev_create(&chk));
+  cfg.device = dt_checkdev_device(chk);
+  dopt_status ws = dt_checkdev_wrap(chk, &tpt, &cfg.tp);
+  if (ws == DOPT_OK) ws = dt_checkdev_wrap(chk, &dpt, &cfg.dp);
+  if (ws != DOPT_OK) {
+    dt_checkdev_destroy(chk);
+    return ws;
+  }
   float *data[DT_MAXP], *master[DT_MAXP];
   uint16_t *work[DT_MAXP];
   dopt_optim *plain;
@@ -283,6 +297,11 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   free(full);
   dopt_dist_destroy(d);
   dopt_optim_destroy(plain);
+  /* everything the optimizer allocated on the device was freed */
+  if (s == DOPT_OK && dt_checkdev_live(chk) != 0)
+    s = dopt__fail(DOPT_ERR_STATE, "checking device: %zu allocations still live after dopt_dist_destroy",
+                   dt_checkdev_live(chk));
+  dt_checkdev_destroy(chk);
   return s;
 }
 
