@@ -76,13 +76,6 @@ static int run_matrix(int steps) {
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
     printf("%-12s", name);
-    if (!dopt_find_impl(name)->distributable) { /* needs whole tensors (e.g. GaLore's SVD): distributed/ refuses it */
-      for (int p = 0; p < np; p++) printf(" %-20s", "\xe2\x80\x93 single-device"); /* – */
-      printf("\n");
-      snprintf(reasons + strlen(reasons), sizeof reasons - strlen(reasons),
-               "  %s: single-device only (its step needs whole tensors)\n", name);
-      continue;
-    }
     for (int p = 0; p < np; p++) {
       cmp_options o;
       cmp_options_default(&o);

@@ -81,6 +81,12 @@ struct dist_param {
   red_ctx rc;
   dopt_reducer red;
   size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
+  /* owner mode (an optimizer whose step needs the whole tensor): the ranks of
+   * dp rank `owner` (every tp rank of it, redundantly) hold the logical fp32
+   * values and every state whole, and step them with the reference's own step */
+  int owner;          /* dp rank that steps this parameter (owner mode) */
+  float *full;        /* [numel] the logical fp32 values (owner ranks only) */
+  unsigned events;    /* DOPT_EVENT_* of the last step (owner ranks) */
 };
 
 struct dopt_dist_optim {
@@ -105,6 +111,9 @@ struct dopt_dist_optim {
   size_t *frame_off;   /* [np] */
   int *more;           /* [np] */
   int64_t *count;   /* device int64: the non-finite count for its all-reduce */
+  int owned;        /* the optimizer's step needs whole tensors: owner mode for every parameter */
+  float *xfer;      /* device [max numel]: a whole logical tensor in transit (owner mode) */
+  size_t xfer_cap;
   batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
 };
@@ -199,10 +208,12 @@ static void tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl,
 }
 
 static void free_param(dopt_dist_optim *d, dist_param *p) {
+  if (p->full) DEV(d)->free(DCTX(d), p->full);
   DEV(d)->free(DCTX(d), p->grad);
   DEV(d)->free(DCTX(d), p->master);
   if (p->work) DEV(d)->free(DCTX(d), p->work);
-  for (int k = 0; k < p->nstates; k++) DEV(d)->free(DCTX(d), p->state[k]);
+  for (int k = 0; k < p->nstates; k++)
+    if (p->state[k]) DEV(d)->free(DCTX(d), p->state[k]);
   free(p->name);
 }
 
@@ -212,6 +223,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->frames) DEV(d)->free(DCTX(d), d->frames);
   if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
   if (d->count) DEV(d)->free(DCTX(d), d->count);
+  if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
@@ -264,6 +276,32 @@ static dopt_status dalloc(dopt_dist_optim *d, size_t bytes, void **out) {
   return DEV(d)->alloc(DCTX(d), bytes ? bytes : 1, out);
 }
 
+/* Sets this rank's values of parameter p from the logical fp32 tensor `full`
+ * (host): its TP block (row by row), the fp32 extent it holds (the master
+ * shard, or the whole TP-local block) and the bf16 working copy of the
+ * extent it holds. At creation and after an owner step. */
+static dopt_status load_values(dopt_dist_optim *d, dist_param *p, const float *full, const char *name) {
+  const dopt_piece *pc = &p->pc;
+  float *blk = malloc((p->lnumel ? p->lnumel : 1) * sizeof *blk);
+  if (!blk) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: '%s': %zu values", name, p->lnumel);
+  for (size_t bi = 0; bi < pc->b; bi++)
+    for (size_t i = 0; i < pc->hl; i++)
+      memcpy(blk + (bi * pc->hl + i) * pc->wl, full + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
+             pc->wl * sizeof(float));
+  size_t from = p->master_sharded ? pc->lo : 0, count = p->master_sharded ? pc->len : p->lnumel;
+  dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
+  if (s == DOPT_OK && p->bf16) { /* the working copy of the extent this rank holds */
+    size_t wfrom = d->zero == 3 ? pc->lo : 0, wcount = d->zero == 3 ? pc->len : p->lnumel;
+    uint16_t *hw = malloc((wcount ? wcount : 1) * sizeof *hw);
+    if (!hw) s = dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: '%s': %zu bf16 values", name, wcount);
+    for (size_t k = 0; hw && k < wcount; k++) hw[k] = dopt_f32_to_bf16(blk[wfrom + k]);
+    if (hw) s = DEV(d)->upload(DCTX(d), p->work, hw, wcount * sizeof *hw);
+    free(hw);
+  }
+  free(blk);
+  return s;
+}
+
 /* Sets up one parameter: geometry, buffers, the initial values of its piece. */
 static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
   const int tpn = d->tp.size, dpn = d->dp.size;
@@ -304,30 +342,21 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   DOPT_TRY(dalloc(d, p->padded * sizeof(float), (void **)&p->grad));
   DOPT_TRY(dalloc(d, mext * sizeof(float), (void **)&p->master));
   if (p->bf16) DOPT_TRY(dalloc(d, wext * sizeof(uint16_t), (void **)&p->work));
-  /* initial values: this rank's TP block of the logical tensor (row by row) */
-  float *blk = malloc((p->lnumel ? p->lnumel : 1) * sizeof *blk);
-  if (!blk) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
-  for (size_t bi = 0; bi < pc->b; bi++)
-    for (size_t i = 0; i < pc->hl; i++)
-      memcpy(blk + (bi * pc->hl + i) * pc->wl, src->data + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
-             pc->wl * sizeof(float));
-  size_t from = p->master_sharded ? pc->lo : 0, count = p->master_sharded ? pc->len : p->lnumel;
-  dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
-  if (s == DOPT_OK && p->bf16) { /* the working copy of the extent this rank holds */
-    size_t wfrom = d->zero == 3 ? pc->lo : 0, wcount = d->zero == 3 ? pc->len : p->lnumel;
-    uint16_t *hw = malloc((wcount ? wcount : 1) * sizeof *hw);
-    if (!hw) s = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
-    for (size_t k = 0; hw && k < wcount; k++) hw[k] = dopt_f32_to_bf16(blk[wfrom + k]);
-    if (hw) s = DEV(d)->upload(DCTX(d), p->work, hw, wcount * sizeof *hw);
-    free(hw);
-  }
-  free(blk);
-  DOPT_TRY(s);
+  DOPT_TRY(load_values(d, p, src->data, src->name));
   /* states: elementwise ones are sharded like the parameter, the others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
-  for (int k = 0; k < p->nstates; k++) {
-    size_t bytes = p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
-    DOPT_TRY(dalloc(d, bytes, &p->state[k]));
+  if (d->owned) { /* whole states and the logical values on the owner ranks only */
+    if (d->dp.rank == p->owner) {
+      size_t numel = dopt_numel(p->ndim, p->shape);
+      DOPT_TRY(dalloc(d, numel * sizeof(float), (void **)&p->full));
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data, numel * sizeof(float)));
+      for (int k = 0; k < p->nstates; k++) DOPT_TRY(dalloc(d, p->spec[k].v.bytes, &p->state[k]));
+    }
+  } else {
+    for (int k = 0; k < p->nstates; k++) {
+      size_t bytes = p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+      DOPT_TRY(dalloc(d, bytes, &p->state[k]));
+    }
   }
   p->step = src->step;
   p->rc.d = d;
@@ -346,6 +375,33 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   return DOPT_OK;
 }
 
+/* Owner mode: parameters go whole to dp ranks, largest first, each to the
+ * least loaded rank (ties: the lowest), as torch's ZeroRedundancyOptimizer
+ * partitions whole parameters. Logical sizes only, so every rank agrees. */
+static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
+  const int dpn = d->dp.size;
+  size_t *load = calloc((size_t)dpn, sizeof *load);
+  char *done = calloc((size_t)(d->np > 0 ? d->np : 1), 1);
+  for (int n = 0; done && load && n < d->np; n++) {
+    int best = -1;
+    size_t bs = 0;
+    for (int i = 0; i < d->np; i++) {
+      const dopt_param *q = dopt__optim_param(po, i);
+      if (!done[i] && (best < 0 || q->numel > bs)) best = i, bs = q->numel;
+    }
+    int r = 0;
+    for (int k = 1; k < dpn; k++)
+      if (load[k] < load[r]) r = k;
+    d->p[best].owner = r;
+    load[r] += bs;
+    done[best] = 1;
+  }
+  if (!done || !load) /* out of memory: round robin, still the same on every rank */
+    for (int i = 0; i < d->np; i++) d->p[i].owner = i % dpn;
+  free(done);
+  free(load);
+}
+
 dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cfg, const dopt_tp_role *roles,
                              dopt_dist_optim **out) {
   DOPT_CHECK_ARG(plain && cfg && out, "dopt_dist_create: NULL argument");
@@ -360,12 +416,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_create: optimizer '%s' is not distributable yet",
                       dopt_optim_name(plain));
   }
-  if (!d->impl->distributable) {
-    const char *name = d->impl->name;
-    free(d);
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_create: optimizer '%s' needs whole tensors (not distributable yet)",
-                      name);
-  }
+  d->owned = !d->impl->distributable; /* GaLore's SVD, 8-bit blocks of the logical tensor: owner mode */
   d->tp = cfg->tp;
   d->dp = cfg->dp;
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
@@ -388,6 +439,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
   }
   for (int g = 0; g < d->ngroups; g++) memcpy(d->hp[g], dopt__optim_group_hp(plain, g), sizeof d->hp[g]);
+  if (d->owned) assign_owners(d, po);
   for (int i = 0; i < d->np; i++) {
     dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
     dopt_status s = (unsigned)role > DOPT_TP_ROW
@@ -531,6 +583,72 @@ static dopt_status run_buckets(dopt_dist_optim *d) {
   return DOPT_OK;
 }
 
+static dopt_status gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
+                          dopt_dtype dt, void *out);
+
+/* Grows d->xfer to n floats. */
+static dopt_status ensure_xfer(dopt_dist_optim *d, size_t n) {
+  if (n <= d->xfer_cap) return DOPT_OK;
+  if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
+  d->xfer = NULL;
+  d->xfer_cap = 0;
+  DOPT_TRY(dalloc(d, n * sizeof(float), (void **)&d->xfer));
+  d->xfer_cap = n;
+  return DOPT_OK;
+}
+
+/* Owner mode, one parameter: the whole averaged gradient on every rank
+ * (all-gathers over dp and tp), the reference's own step on the whole tensor
+ * on the owner ranks, the new values from the owner to every dp rank
+ * (broadcast), each rank keeps its piece. Bitwise the reference by
+ * construction: the same step on the same whole tensors. */
+static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
+  dist_param *p = &d->p[i];
+  const size_t numel = dopt_numel(p->ndim, p->shape);
+  const int mine = d->dp.rank == p->owner;
+  p->step++;
+  DOPT_TRY(ensure_xfer(d, numel));
+  /* the averaged gradient is valid on each rank's piece (zero >= 1) or its whole TP-local block */
+  DOPT_TRY(gather(d, p, p->grad + (d->zero >= 1 ? (size_t)d->dp.rank * p->chunk : 0), d->zero >= 1, sizeof(float),
+                  DOPT_F32, host));
+  if (mine) {
+    dopt_piece whole;
+    dopt_piece_full(p->ndim, p->shape, &whole);
+    DOPT_TRY(DEV(d)->upload(DCTX(d), d->xfer, host, numel * sizeof(float)));
+    p->events = 0;
+    dopt_step_args a = {d->impl, d->hp[p->group], p->step, &whole, p->full, d->xfer, p->state, NULL, NULL, &p->events,
+                        (uint64_t)i, 0, NULL, NULL};
+    size_t fb = DEV(d)->frame_bytes(DCTX(d), &a);
+    if (fb > d->frames_cap) {
+      if (d->frames) DEV(d)->free(DCTX(d), d->frames);
+      d->frames = NULL;
+      d->frames_cap = 0;
+      DOPT_TRY(dalloc(d, fb, &d->frames));
+      d->frames_cap = fb;
+    }
+    a.frame = d->frames;
+    DOPT_TRY(dopt__run_stages(d->dev, &a));
+  }
+  float *vals = mine ? p->full : d->xfer;
+  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, vals, vals, numel, DOPT_F32, p->owner));
+  DOPT_TRY(DEV(d)->download(DCTX(d), host, vals, numel * sizeof(float)));
+  return load_values(d, p, host, p->name);
+}
+
+static dopt_status owner_steps(dopt_dist_optim *d) {
+  size_t maxn = 1;
+  for (int i = 0; i < d->np; i++) {
+    size_t n = dopt_numel(d->p[i].ndim, d->p[i].shape);
+    maxn = n > maxn ? n : maxn;
+  }
+  float *host = malloc(maxn * sizeof *host);
+  if (!host) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed owner step: %zu values", maxn);
+  dopt_status s = DOPT_OK;
+  for (int i = 0; i < d->np && s == DOPT_OK; i++) s = owner_step(d, i, host);
+  free(host);
+  return s;
+}
+
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
@@ -557,6 +675,12 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     DOPT_TRY(run_rounds(d, 0, d->np));
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
     for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
+  }
+  if (d->owned) { /* every rank has its new values already: no working-copy update, no all-gather */
+    DOPT_TRY(owner_steps(d));
+    if (info) *info = local;
+    d->micro = 0;
+    return DOPT_OK;
   }
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
@@ -662,16 +786,38 @@ dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int i, uint16_t *out) {
   return gather(d, &d->p[i], d->p[i].work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
 }
 
-dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, float *out) {
+dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, void *out) {
   DOPT_TRY(check_param(d, i, "dopt_dist_gather_state"));
   DOPT_CHECK_ARG(key && out, "dopt_dist_gather_state: key/out NULL");
   dist_param *p = &d->p[i];
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
+    if (d->owned) { /* whole on the owner ranks: broadcast over dp */
+      size_t bytes = p->spec[k].v.bytes;
+      void *src = p->state[k];
+      if (d->dp.rank != p->owner) {
+        DOPT_TRY(ensure_xfer(d, (bytes + sizeof(float) - 1) / sizeof(float)));
+        src = d->xfer;
+      }
+      if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, src, src, bytes, DOPT_U8, p->owner));
+      return DEV(d)->download(DCTX(d), out, src, bytes);
+    }
     if (!p->spec[k].elementwise) return DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes);
     return gather(d, p, p->state[k], d->zero >= 1, sizeof(float), DOPT_F32, out);
   }
   return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_gather_state: '%s' has no state '%s'", p->name, key);
+}
+
+dopt_status dopt_dist_state_bytes(const dopt_dist_optim *d, int i, const char *key, size_t *bytes) {
+  DOPT_TRY(check_param(d, i, "dopt_dist_state_bytes"));
+  DOPT_CHECK_ARG(key && bytes, "dopt_dist_state_bytes: key/bytes NULL");
+  const dist_param *p = &d->p[i];
+  for (int k = 0; k < p->nstates; k++)
+    if (strcmp(p->spec[k].v.name, key) == 0) {
+      *bytes = p->spec[k].v.bytes;
+      return DOPT_OK;
+    }
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_state_bytes: '%s' has no state '%s'", p->name, key);
 }
 
 dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int i, int64_t *step) {
@@ -690,7 +836,9 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
     m->param_bytes += mext * sizeof(float) + (p->bf16 ? wext * sizeof(uint16_t) : 0);
     m->grad_bytes += p->padded * sizeof(float);
     for (int k = 0; k < p->nstates; k++)
-      m->state_bytes += p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+      if (d->owned) m->state_bytes += p->state[k] ? p->spec[k].v.bytes : 0; /* whole, on the owner */
+      else m->state_bytes += p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+    if (p->full) m->param_bytes += dopt_numel(p->ndim, p->shape) * sizeof(float); /* the owner's logical copy */
   }
   return DOPT_OK;
 }

@@ -8,21 +8,29 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <pthread.h>
+
 #include "distopt/optim.h"
 #include "internal.h"
 
 /* ---- OpenBLAS thread pinning ---------------------------------------------------
  * OpenBLAS' thread count is process-global: pin it to 1 around every call so a
  * result never depends on OPENBLAS_NUM_THREADS (a GEMM or a LAPACK driver may
- * split its work, and so its rounding, by thread count). Not safe against
- * another thread changing the count concurrently (docs/galore.md). */
+ * split its work, and so its rounding, by thread count). The pinned region is
+ * also a process-wide critical section: rank threads (the simulator, the
+ * distributed owner steps) that project or decompose at once would otherwise
+ * see each other's unpinning in the middle of a call. Code outside distopt
+ * that changes the count concurrently is not covered (docs/galore.md). */
+static pthread_mutex_t blas_mu = PTHREAD_MUTEX_INITIALIZER;
 static int blas_pin(void) {
+  pthread_mutex_lock(&blas_mu);
   int t = openblas_get_num_threads();
   if (t != 1) openblas_set_num_threads(1);
   return t;
 }
 static void blas_unpin(int t) {
   if (t != 1) openblas_set_num_threads(t);
+  pthread_mutex_unlock(&blas_mu);
 }
 
 static int inject_failures = 0;

@@ -125,7 +125,9 @@ DOPT_API int64_t dopt_dist_stat_collectives(const dopt_dist_optim *d);
  * upstream key) of parameter i, assembled in host memory on every rank. [C] */
 DOPT_API dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int param, float *out);
 DOPT_API dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int param, uint16_t *out);
-DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const char *key, float *out);
+DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const char *key, void *out);
+/* The logical size in bytes of parameter i's state `key` (what gather_state writes). */
+DOPT_API dopt_status dopt_dist_state_bytes(const dopt_dist_optim *d, int param, const char *key, size_t *bytes);
 DOPT_API dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int param, int64_t *step);
 
 /* Bytes this rank holds: parameters (incl. masters/working copies), optimizer
