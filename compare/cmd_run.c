@@ -180,22 +180,6 @@ static int check_grads(run_ctx *c) {
 }
 
 /* Builds the optimizer and its groups from the options or the metadata. */
-/* The layer index of a parameter for layer-wise optimizers (LISA): the
- * integer N of the first "layers.N." (or a trailing "layers.N") in its name,
- * as in HF names "model.layers.12.mlp.up_proj.weight"; -1 otherwise (always
- * trained). docs/cli.md. */
-static int layer_of(const char *name) {
-  for (const char *s = strstr(name, "layers."); s; s = strstr(s + 1, "layers.")) {
-    if (s != name && s[-1] != '.' && s[-1] != '/') continue;
-    const char *d = s + 7;
-    long v = 0;
-    int nd = 0;
-    while (*d >= '0' && *d <= '9' && nd < 9) v = v * 10 + (*d++ - '0'), nd++;
-    if (nd > 0 && (*d == '.' || *d == '\0')) return (int)v;
-  }
-  return -1;
-}
-
 static int build_optimizer(run_ctx *c) {
   const char *name = c->optimizer, *hp = c->hparams;
   const char *meta_groups = NULL, *meta_ghp = NULL;
@@ -259,7 +243,7 @@ static int build_optimizer(run_ctx *c) {
     pc.ndim = c->p[i].ndim;
     memcpy(pc.shape, c->p[i].shape, sizeof pc.shape);
     pc.data = c->p[i].data;
-    pc.layer = layer_of(c->p[i].name);
+    pc.layer = dopt_layer_from_name(c->p[i].name);
     if ((s = dopt_optim_add_param(c->opt, gid[i], &pc, &c->p[i].id)) != DOPT_OK) rc = cli_error(CMD, s);
   }
   free(gid);

@@ -221,6 +221,7 @@ static dopt_status build_plain(const cmp_options *o, const source *s, float **da
     pc.ndim = s->p[i].ndim;
     memcpy(pc.shape, s->p[i].shape, sizeof pc.shape);
     pc.data = data[i];
+    pc.layer = dopt_layer_from_name(s->p[i].name); /* LISA */
     if (o->bf16) {
       work[i] = malloc(s->numel[i] * sizeof(uint16_t));
       if (!work[i]) {

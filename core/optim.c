@@ -484,10 +484,29 @@ dopt_status dopt__impl_state_bytes(const dopt_optim_impl *im, const char *hparam
   return DOPT_OK;
 }
 
+/* A wrapper's schedule (LISA) for this step: frozen flags, and the state reset. */
+static dopt_status apply_schedule(dopt_optim *o) {
+  const size_t n = o->nparams > 0 ? (size_t)o->nparams : 1;
+  int *layer = malloc(n * sizeof *layer);
+  unsigned char *frozen = calloc(n, 1);
+  int reset = 0;
+  dopt_status s = layer && frozen ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "%s: %d parameters", o->wrapper->name,
+                                                           o->nparams);
+  for (int i = 0; s == DOPT_OK && i < o->nparams; i++) layer[i] = o->params[i].layer;
+  if (s == DOPT_OK) s = o->wrapper->wrap->schedule(o->whp, o->gstep, o->nparams, layer, frozen, &reset);
+  for (int i = 0; s == DOPT_OK && i < o->nparams; i++) {
+    o->params[i].frozen = frozen[i];
+    if (reset && o->params[i].layer >= 0) dopt__optim_free_states(o, i);
+  }
+  free(layer);
+  free(frozen);
+  return s;
+}
+
 dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_step: optimizer=NULL");
   DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");
-  if (o->wrapper) DOPT_TRY(o->wrapper->wrap->pre_step(o, o->whp, o->gstep));
+  if (o->wrapper) DOPT_TRY(apply_schedule(o));
   for (int i = 0; i < o->nparams; i++) {
     dopt_param *p = &o->params[i];
     if (!grads[i] || p->frozen) continue; /* grad None (or frozen by a wrapper): untouched, as torch */
@@ -521,6 +540,8 @@ const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o) { return o->impl; }
 const double *dopt__optim_group_hp(const dopt_optim *o, int g) { return o->groups[g].hp; }
 dopt_param *dopt__optim_param(dopt_optim *o, int i) { return &o->params[i]; }
 const dopt_optim_impl *dopt__optim_wrapper(const dopt_optim *o) { return o->wrapper; }
+const double *dopt__optim_wrapper_hp(const dopt_optim *o) { return o->whp; }
+int64_t dopt__optim_gstep(const dopt_optim *o) { return o->gstep; }
 void dopt__optim_free_states(dopt_optim *o, int i) {
   free_states(&o->params[i]);
   o->params[i].step = 0;

@@ -51,7 +51,7 @@ typedef struct dopt_param {
   uint16_t *work;   /* bf16 working copy (NULL for fp32 parameters) */
   int layer;
   int64_t step;                        /* steps taken by this parameter */
-  int frozen;                          /* set by a wrapper's pre_step (LISA): skip as a NULL gradient */
+  int frozen;                          /* set from a wrapper's schedule (LISA): skip as a NULL gradient */
   unsigned events;                     /* DOPT_EVENT_* of the last step */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
@@ -113,14 +113,18 @@ typedef struct dopt_optim_impl {
 
 /* A wrapper optimizer around an inner registry optimizer. The optimizer
  * object then runs the inner impl (groups hold the inner hyperparameters)
- * and calls pre_step once per dopt_optim_step, before the parameter loop. */
+ * and asks the schedule once per step, before the parameter loop, which
+ * parameters are frozen; the single-device loop (core/optim.c) and
+ * distributed/ apply the same answer. */
 typedef struct dopt_wrap_ops {
   /* The inner optimizer chosen by the wrapper's hyperparameters whp. */
   const dopt_optim_impl *(*inner)(const double *whp);
-  /* gstep: 0-based number of dopt_optim_step calls before this one. Sets
-   * frozen on every parameter (a frozen parameter is skipped exactly as a
-   * NULL gradient) and may free states (dopt__optim_free_states). */
-  dopt_status (*pre_step)(dopt_optim *o, const double *whp, int64_t gstep);
+  /* gstep: 0-based number of steps before this one; layer[np]: each
+   * parameter's layer index. Sets frozen[i] (a frozen parameter is skipped
+   * exactly as a NULL gradient) and *reset = 1 when every parameter with a
+   * layer >= 0 restarts from zero states and step 0 before this step. */
+  dopt_status (*schedule)(const double *whp, int64_t gstep, int np, const int *layer, unsigned char *frozen,
+                          int *reset);
 } dopt_wrap_ops;
 
 /* The optimizer object over one implementation (the public name-based
@@ -133,6 +137,9 @@ dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap
 /* The implementation and group hyperparameters of a registry optimizer. */
 const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o);
 const double *dopt__optim_group_hp(const dopt_optim *o, int group);
+/* The wrapper's own hyperparameters and the steps taken so far (LISA's clock). */
+const double *dopt__optim_wrapper_hp(const dopt_optim *o);
+int64_t dopt__optim_gstep(const dopt_optim *o);
 dopt_param *dopt__optim_param(dopt_optim *o, int i);
 /* The wrapper around o's impl (LISA), or NULL. */
 const dopt_optim_impl *dopt__optim_wrapper(const dopt_optim *o);

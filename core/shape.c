@@ -48,3 +48,15 @@ void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *pc) {
   pc->wl = pc->w;
   pc->len = pc->numel;
 }
+
+int dopt_layer_from_name(const char *name) {
+  for (const char *s = name ? strstr(name, "layers.") : NULL; s; s = strstr(s + 1, "layers.")) {
+    if (s != name && s[-1] != '.' && s[-1] != '/') continue;
+    const char *d = s + 7;
+    long v = 0;
+    int nd = 0;
+    while (*d >= '0' && *d <= '9' && nd < 9) v = v * 10 + (*d++ - '0'), nd++;
+    if (nd > 0 && (*d == '.' || *d == '\0')) return (int)v;
+  }
+  return -1;
+}

@@ -78,6 +78,7 @@ struct dist_param {
   dopt_state_spec spec[DOPT_MAX_STATES];
   void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; others whole */
   int64_t step;
+  int acc;        /* the accumulator holds a gradient since the last step */
   red_ctx rc;
   dopt_reducer red;
   size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
@@ -110,8 +111,17 @@ struct dopt_dist_optim {
   dopt_step_args *args; /* [np] one bucket's step arguments */
   size_t *frame_off;   /* [np] */
   int *more;           /* [np] */
-  int64_t *count;   /* device int64: the non-finite count for its all-reduce */
   int owned;        /* the optimizer's step needs whole tensors: owner mode for every parameter */
+  const dopt_optim_impl *wrapper; /* LISA around impl, or NULL */
+  double whp[DOPT_MAX_HPARAMS];   /* the wrapper's own hyperparameters */
+  int64_t gstep;    /* steps taken (the wrapper's clock) */
+  int *layer;       /* [np] layer index per parameter (the wrapper's schedule) */
+  unsigned char *has;    /* [np] this rank received a gradient since the last step */
+  unsigned char *frozen; /* [np] the wrapper froze it for this step */
+  unsigned char *skip;   /* [np] not stepped this step: no gradient on any rank, or frozen */
+  int64_t *flags;   /* device [np + 1]: non-finite count, then per-parameter presence, for one MAX */
+  float *zeros;     /* host zeros [zeros_cap] for absent gradients and state resets */
+  size_t zeros_cap;
   float *xfer;      /* device [max numel]: a whole logical tensor in transit (owner mode) */
   size_t xfer_cap;
   batch b;
@@ -222,14 +232,19 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   for (int i = 0; i < d->np; i++) free_param(d, &d->p[i]);
   if (d->frames) DEV(d)->free(DCTX(d), d->frames);
   if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
-  if (d->count) DEV(d)->free(DCTX(d), d->count);
   if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
+  if (d->flags) DEV(d)->free(DCTX(d), d->flags);
   free(d->args);
   free(d->frame_off);
   free(d->more);
+  free(d->layer);
+  free(d->has);
+  free(d->frozen);
+  free(d->skip);
+  free(d->zeros);
   free(d->p);
   free(d->hp);
   free(d->ss);
@@ -410,12 +425,10 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   dopt_optim *po = (dopt_optim *)(uintptr_t)plain; /* read only */
   dopt_dist_optim *d = calloc(1, sizeof *d);
   if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create");
-  d->impl = dopt__optim_impl(plain);
-  if (dopt__optim_wrapper(plain)) { /* LISA: the layer schedule is not in distributed/ yet */
-    free(d);
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_create: optimizer '%s' is not distributable yet",
-                      dopt_optim_name(plain));
-  }
+  d->impl = dopt__optim_impl(plain); /* a wrapper's inner optimizer */
+  d->wrapper = dopt__optim_wrapper(plain);
+  if (d->wrapper) memcpy(d->whp, dopt__optim_wrapper_hp(plain), sizeof d->whp);
+  d->gstep = dopt__optim_gstep(plain);
   d->owned = !d->impl->distributable; /* GaLore's SVD, 8-bit blocks of the logical tensor: owner mode */
   d->tp = cfg->tp;
   d->dp = cfg->dp;
@@ -432,9 +445,15 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->args = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->args);
   d->frame_off = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->frame_off);
   d->more = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->more);
-  dopt_status cs = DEV(d)->alloc(DCTX(d), sizeof(int64_t), (void **)&d->count);
-  if (cs != DOPT_OK) d->count = NULL;
-  if (!d->hp || !d->p || !d->ss || !d->args || !d->frame_off || !d->more || !d->count) {
+  const size_t npa = d->np > 0 ? (size_t)d->np : 1;
+  d->layer = calloc(npa, sizeof *d->layer);
+  d->has = calloc(npa, 1);
+  d->frozen = calloc(npa, 1);
+  d->skip = calloc(npa, 1);
+  dopt_status cs = DEV(d)->alloc(DCTX(d), (npa + 1) * sizeof(int64_t), (void **)&d->flags);
+  if (cs != DOPT_OK) d->flags = NULL;
+  if (!d->hp || !d->p || !d->ss || !d->args || !d->frame_off || !d->more || !d->layer || !d->has || !d->frozen ||
+      !d->skip || !d->flags) {
     dopt_dist_destroy(d);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
   }
@@ -445,6 +464,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
     dopt_status s = (unsigned)role > DOPT_TP_ROW
                         ? dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role)
                         : setup_param(d, &d->p[i], dopt__optim_param(po, i), role);
+    d->layer[i] = dopt__optim_param(po, i)->layer;
     if (s != DOPT_OK) {
       d->np = i + 1; /* free what was set up */
       dopt_dist_destroy(d);
@@ -476,10 +496,12 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   DOPT_CHECK_ARG(d && grads, "dopt_dist_backward: NULL argument");
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    DOPT_CHECK_ARG(grads[i] != NULL || p->lnumel == 0, "dopt_dist_backward: grads[%d] ('%s') is NULL", i, p->name);
+    if (!grads[i]) continue; /* no gradient in this micro-batch (torch: .grad untouched) */
+    d->has[i] = 1;
     if (p->lnumel == 0) continue;
-    if (d->micro == 0) { /* the first micro-batch is copied: acc = g0, then acc + g1 + ... */
+    if (!p->acc) { /* the first gradient since the step is copied: acc = g0, then acc + g1 + ... */
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, grads[i], p->lnumel * sizeof(float)));
+      p->acc = 1;
       continue;
     }
     if (p->lnumel > d->up_cap) { /* grows to the largest TP-local tensor once */
@@ -496,6 +518,18 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   return DOPT_OK;
 }
 
+/* Host zeros, at least `bytes`. */
+static dopt_status zeros_of(dopt_dist_optim *d, size_t bytes, const float **out) {
+  if (bytes > d->zeros_cap) {
+    free(d->zeros);
+    d->zeros = calloc(1, bytes);
+    d->zeros_cap = d->zeros ? bytes : 0;
+    if (!d->zeros) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: %zu bytes of zeros", bytes);
+  }
+  *out = d->zeros;
+  return DOPT_OK;
+}
+
 /* The averaged gradient of each piece: SUM over dp in rank order (all-reduce
  * for zero 0/1, reduce-scatter for zero 2/3), then one division by dp·micro;
  * *nonfinite counts the non-finite averaged elements of this rank's pieces. */
@@ -504,6 +538,12 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   const float denom = (float)((double)d->dp.size * (double)d->micro);
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
+    if (!p->acc && p->lnumel) { /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
+      const float *z = NULL;
+      DOPT_TRY(zeros_of(d, p->lnumel * sizeof(float), &z));
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, z, p->lnumel * sizeof(float)));
+    }
+    p->acc = 0;
     if (d->dp.size > 1) {
       if (d->zero >= 2) /* in place: this rank's block of the padded buffer */
         DOPT_TRY(d->dp.ops->reduce_scatter(d->dp.comm, p->grad, p->grad + (size_t)d->dp.rank * p->chunk, p->chunk,
@@ -518,22 +558,58 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   return DOPT_OK;
 }
 
-/* The world sum of a host count, through the device buffer d->count (a
- * transport reduces device memory: NCCL and the device-buffer simulator
- * cannot read a host pointer). */
-static dopt_status all_reduce_world_i64(dopt_dist_optim *d, int64_t *x) {
-  DOPT_TRY(DEV(d)->upload(DCTX(d), d->count, x, sizeof *x));
-  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->count, d->count, 1, DOPT_I64, DOPT_SUM));
-  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->count, d->count, 1, DOPT_I64, DOPT_SUM));
-  return DEV(d)->download(DCTX(d), x, d->count, sizeof *x);
+/* One MAX over the world (tp, then dp) of {non-finite count, has[0..np)}:
+ * whether any rank saw a non-finite averaged gradient, and which parameters
+ * received a gradient on some rank (a rank without one added zeros). Through
+ * the device buffer d->flags: a transport reduces device memory (NCCL and the
+ * device-buffer simulator cannot read a host pointer). */
+static dopt_status world_flags(dopt_dist_optim *d, int64_t *bad) {
+  const size_t n = (size_t)d->np + 1;
+  int64_t *h = malloc(n * sizeof *h);
+  if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d flags", d->np);
+  h[0] = *bad;
+  for (int i = 0; i < d->np; i++) h[1 + i] = d->has[i];
+  dopt_status s = DEV(d)->upload(DCTX(d), d->flags, h, n * sizeof *h);
+  if (s == DOPT_OK) s = d->tp.ops->all_reduce(d->tp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX);
+  if (s == DOPT_OK) s = d->dp.ops->all_reduce(d->dp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, d->flags, n * sizeof *h);
+  if (s == DOPT_OK) {
+    *bad = h[0];
+    for (int i = 0; i < d->np; i++) d->skip[i] = h[1 + i] == 0;
+  }
+  free(h);
+  return s;
+}
+
+/* The wrapper's schedule (LISA) for this step: frozen parameters are skipped
+ * like absent ones; a reset restarts every layer parameter from zero states
+ * and step 0. The same on every rank, with no communication. */
+static dopt_status apply_schedule(dopt_dist_optim *d) {
+  int reset = 0;
+  DOPT_TRY(d->wrapper->wrap->schedule(d->whp, d->gstep, d->np, d->layer, d->frozen, &reset));
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    d->skip[i] |= d->frozen[i];
+    if (!reset || d->layer[i] < 0) continue;
+    p->step = 0;
+    for (int k = 0; k < p->nstates; k++) {
+      if (!p->state[k]) continue; /* owner mode: not the owner */
+      size_t bytes = d->owned || !p->spec[k].elementwise ? p->spec[k].v.bytes : p->chunk * sizeof(float);
+      const float *z = NULL;
+      DOPT_TRY(zeros_of(d, bytes, &z));
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->state[k], z, bytes));
+    }
+  }
+  return DOPT_OK;
 }
 
 /* Runs the staged steps d->args[first, last) round by round: each round runs
  * every unfinished step's next stage, then reduces what the round posted (one
- * collective per transport and operation). Frames: d->frames at d->frame_off. */
-static dopt_status run_rounds(dopt_dist_optim *d, int first, int last) {
-  int active = last - first;
-  for (int i = first; i < last; i++) d->more[i] = 1;
+ * collective per transport and operation). Frames: d->frames at d->frame_off.
+ * honour_skip: parameters skipped this step (d->skip) do not run. */
+static dopt_status run_rounds(dopt_dist_optim *d, int first, int last, int honour_skip) {
+  int active = 0;
+  for (int i = first; i < last; i++) active += d->more[i] = !(honour_skip && d->skip[i]);
   for (int stage = 0; active > 0; stage++) {
     for (int i = first; i < last; i++) {
       if (!d->more[i]) continue;
@@ -577,7 +653,7 @@ static dopt_status run_buckets(dopt_dist_optim *d) {
     size_t est = d->p[first].est;
     while (last < d->np && (d->bucket_bytes == 0 || est + d->p[last].est <= d->bucket_bytes)) est += d->p[last++].est;
     DOPT_TRY(map_frames(d, first, last));
-    DOPT_TRY(run_rounds(d, first, last));
+    DOPT_TRY(run_rounds(d, first, last, 1));
     first = last;
   }
   return DOPT_OK;
@@ -644,7 +720,8 @@ static dopt_status owner_steps(dopt_dist_optim *d) {
   float *host = malloc(maxn * sizeof *host);
   if (!host) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed owner step: %zu values", maxn);
   dopt_status s = DOPT_OK;
-  for (int i = 0; i < d->np && s == DOPT_OK; i++) s = owner_step(d, i, host);
+  for (int i = 0; i < d->np && s == DOPT_OK; i++)
+    if (!d->skip[i]) s = owner_step(d, i, host);
   free(host);
   return s;
 }
@@ -655,16 +732,17 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   dopt_dist_step_info local = {0, -1.0, d->micro};
   int64_t bad;
   DOPT_TRY(reduce_grads(d, &bad));
-  if (d->skip_nonfinite) {
-    DOPT_TRY(all_reduce_world_i64(d, &bad));
-    if (bad > 0) {
-      d->skipped++;
-      local.skipped = 1;
-      if (info) *info = local;
-      d->micro = 0;
-      return DOPT_OK;
-    }
+  DOPT_TRY(world_flags(d, &bad));
+  memset(d->has, 0, (size_t)d->np);
+  if (d->skip_nonfinite && bad > 0) {
+    d->skipped++;
+    local.skipped = 1;
+    if (info) *info = local;
+    d->micro = 0;
+    return DOPT_OK;
   }
+  if (d->wrapper) DOPT_TRY(apply_schedule(d));
+  d->gstep++;
   if (d->max_grad_norm > 0) { /* every gradient piece's Σg² as a staged step, one bucket */
     for (int i = 0; i < d->np; i++) {
       dist_param *p = &d->p[i];
@@ -672,7 +750,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
                                     NULL, (uint64_t)i, 0, NULL, &d->ss[i]};
     }
     DOPT_TRY(map_frames(d, 0, d->np));
-    DOPT_TRY(run_rounds(d, 0, d->np));
+    DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
     for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
   }
@@ -684,7 +762,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   }
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    p->step++;
+    if (!d->skip[i]) p->step++;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
                                   NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL};
@@ -692,6 +770,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_TRY(run_buckets(d));
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
+    if (d->skip[i]) continue; /* untouched: its values are still in place everywhere */
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
     /* zero 1/2: every dp rank gets the whole TP-local model weights back (the

@@ -53,14 +53,14 @@ static int cmp_int(const void *x, const void *y) {
   return (a > b) - (a < b);
 }
 
-static dopt_status pre_step(dopt_optim *o, const double *whp, int64_t gstep) {
-  const int np = dopt_optim_num_params(o);
+static dopt_status schedule(const double *whp, int64_t gstep, int np, const int *layer, unsigned char *frozen,
+                            int *reset) {
   const int64_t K = (int64_t)whp[INTERVAL];
   /* L: the distinct layer indices >= 0, ascending */
   int *layers = malloc((size_t)(np ? np : 1) * 3 * sizeof *layers), L = 0;
   if (!layers) return dopt__fail(DOPT_ERR_NO_MEMORY, "lisa: %d parameters", np);
   for (int i = 0; i < np; i++)
-    if (dopt__optim_param(o, i)->layer >= 0) layers[L++] = dopt__optim_param(o, i)->layer;
+    if (layer[i] >= 0) layers[L++] = layer[i];
   qsort(layers, (size_t)L, sizeof *layers, cmp_int);
   int u = 0;
   for (int i = 0; i < L; i++)
@@ -69,19 +69,17 @@ static dopt_status pre_step(dopt_optim *o, const double *whp, int64_t gstep) {
   int k = (int)whp[N_LAYERS] < L ? (int)whp[N_LAYERS] : L, *ws = layers + np, *pick = layers + 2 * np;
   dopt_lisa_sample((uint64_t)whp[SEED], gstep / K, L, k, ws, pick);
   for (int j = 0; j < k; j++) pick[j] = layers[pick[j]]; /* positions -> layer indices */
-  const int boundary = gstep % K == 0, reset = whp[RESET_STATES] != 0.0;
   for (int i = 0; i < np; i++) {
-    dopt_param *p = dopt__optim_param(o, i);
-    int active = p->layer < 0;
-    for (int j = 0; !active && j < k; j++) active = pick[j] == p->layer;
-    p->frozen = !active;
-    if (reset && boundary && p->layer >= 0) dopt__optim_free_states(o, i);
+    int active = layer[i] < 0;
+    for (int j = 0; !active && j < k; j++) active = pick[j] == layer[i];
+    frozen[i] = (unsigned char)!active;
   }
+  *reset = whp[RESET_STATES] != 0.0 && gstep % K == 0;
   free(layers);
   return DOPT_OK;
 }
 
-static const dopt_wrap_ops wrap = {inner, pre_step};
+static const dopt_wrap_ops wrap = {inner, schedule};
 
 const dopt_optim_impl dopt_impl_lisa = {
     .name = "lisa",

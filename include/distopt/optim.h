@@ -130,6 +130,13 @@ DOPT_API dopt_status dopt_optim_state_bytes(const dopt_optim *o, int param, size
 DOPT_API dopt_status dopt_optim_state_bytes_for(const char *name, const char *hparams, int ndim, const int64_t *shape,
                                                 size_t *bytes);
 
+/* The layer index of a parameter for layer-wise optimizers (LISA), from its
+ * name: N of the first "layers.N." (or a trailing "layers.N") that starts the
+ * name or follows '.' or '/', as in HF names "model.layers.12.mlp.up_proj.weight";
+ * -1 otherwise (always trained). What `distopt run` and `compare` set as
+ * dopt_param_config.layer. */
+DOPT_API int dopt_layer_from_name(const char *name);
+
 /* ---- gradient utilities shared by the reference and distributed/ ------------------ */
 
 /* Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_, shared by

@@ -73,6 +73,7 @@ static dopt_status build_plain(const dt_case *c, float **data, float **master, u
     pc.ndim = pp->ndim;
     for (int k = 0; k < pp->ndim; k++) pc.shape[k] = pp->shape[k];
     pc.data = data[i];
+    pc.layer = dopt_layer_from_name(pp->name); /* LISA: "layers.N." */
     if (c->bf16) {
       master[i] = data[i];
       work[i] = malloc(n * sizeof(uint16_t));
@@ -163,7 +164,9 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
         dopt_state_view v;
         dopt_optim_state(o, i, k, &v);
         snprintf(r->state_name[i][k], sizeof r->state_name[i][k], "%s", v.name);
-        r->state[ck][i][k] = dup_f32(v.data, v.bytes / sizeof(float));
+        r->state_bytes[i][k] = v.bytes;
+        r->state[ck][i][k] = malloc(v.bytes ? v.bytes : 1);
+        if (r->state[ck][i][k]) memcpy(r->state[ck][i][k], v.data, v.bytes);
       }
     }
   }
@@ -272,11 +275,13 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
         else free(wb);
       }
       if (keep && s == DOPT_OK) s = dopt_dist_get_step(d, i, &x->r->step[ck][i]);
-      /* every state, by the reference's names (same layout); every state of
-       * a parameter has at most numel elements */
+      /* every state, by the reference's names (same layout), whole */
       for (int k = 0; s == DOPT_OK && k < x->r->nstates[i]; k++) {
-        float *sb = malloc(n * sizeof(float));
-        s = dopt_dist_gather_state(d, i, x->r->state_name[i][k], sb);
+        size_t sbytes = 0;
+        s = dopt_dist_state_bytes(d, i, x->r->state_name[i][k], &sbytes);
+        float *sb = s == DOPT_OK ? malloc(sbytes ? sbytes : 1) : NULL;
+        if (s == DOPT_OK && !sb) s = DOPT_ERR_NO_MEMORY;
+        if (s == DOPT_OK) s = dopt_dist_gather_state(d, i, x->r->state_name[i][k], sb);
         if (keep) x->r->state[ck][i][k] = sb;
         else free(sb);
       }
@@ -373,20 +378,17 @@ int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, cha
         return 1;
       }
       for (int s = 0; s < ref->nstates[i]; s++) {
-        /* whole-state size: numel for elementwise states, else the small ones */
-        size_t sn = n;
+        /* byte for byte over the reference's size (fp32 or not) */
         const char *sname = ref->state_name[i][s];
-        if (strstr(sname, "_row") || strstr(sname, "_col") || strcmp(sname, "RMS") == 0) {
-          const dt_param *pp = &c->params[i];
-          size_t b = 1;
-          for (int d = 0; d + 2 < pp->ndim; d++) b *= (size_t)pp->shape[d];
-          if (strcmp(sname, "RMS") == 0) sn = 1;
-          else if (strstr(sname, "_row")) sn = b * (size_t)pp->shape[pp->ndim - 2];
-          else sn = b * (size_t)pp->shape[pp->ndim - 1];
-        }
-        if (!got->state[k][i][s] || first_diff32(ref->state[k][i][s], got->state[k][i][s], sn, &at)) {
-          snprintf(msg, cap, "step %d: state %s/%s[%zu] %.9g vs %.9g", ref->ck_step[k], pn, sname, at,
-                   (double)ref->state[k][i][s][at], got->state[k][i][s] ? (double)got->state[k][i][s][at] : NAN);
+        const unsigned char *a = (const unsigned char *)ref->state[k][i][s], *b = (const unsigned char *)got->state[k][i][s];
+        if (!a) continue; /* freed in the reference at this checkpoint (LISA reset) */
+        size_t bytes = ref->state_bytes[i][s], j = 0;
+        if (b)
+          while (j < bytes && a[j] == b[j]) j++;
+        if (!b || j < bytes) {
+          size_t e = j / 4;
+          snprintf(msg, cap, "step %d: state %s/%s byte %zu of %zu (as fp32 [%zu]: %.9g vs %.9g)", ref->ck_step[k], pn,
+                   sname, j, bytes, e, (double)ref->state[k][i][s][e], b ? (double)got->state[k][i][s][e] : NAN);
           return 1;
         }
       }

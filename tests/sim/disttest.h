@@ -13,7 +13,7 @@
 #include "distopt/sim.h"
 
 #define DT_MAXP 16
-#define DT_MAXS 8
+#define DT_MAXS 16
 #define DT_MAXCK 16
 
 typedef struct dt_param {
@@ -56,7 +56,8 @@ typedef struct dt_result {
   uint16_t *work[DT_MAXCK][DT_MAXP];
   int nstates[DT_MAXP];
   char state_name[DT_MAXP][DT_MAXS][32];
-  float *state[DT_MAXCK][DT_MAXP][DT_MAXS];
+  size_t state_bytes[DT_MAXP][DT_MAXS]; /* the reference's (8-bit codes, quantised projectors: not fp32) */
+  float *state[DT_MAXCK][DT_MAXP][DT_MAXS]; /* state_bytes bytes (NULL: not allocated at that checkpoint) */
   int64_t step[DT_MAXCK][DT_MAXP];
   int64_t skipped;
   int64_t stat_collectives[DT_MAXRANKS]; /* dopt_dist_stat_collectives of each world rank after the run */

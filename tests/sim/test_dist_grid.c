@@ -11,12 +11,13 @@
 
 #include "disttest.h"
 
+/* "layers.N." names give LISA three layers; the others are always trained */
 static const dt_param PARAMS[] = {
-    {"sq", 2, {12, 12}, DOPT_TP_COLUMN, 0},    {"tall", 2, {13, 5}, DOPT_TP_ROW, 0},
-    {"wide", 2, {5, 17}, DOPT_TP_COLUMN, 0},   {"emb", 2, {11, 6}, DOPT_TP_COLUMN, 0},
-    {"h1", 2, {1, 11}, DOPT_TP_ROW, 0},        {"h1col", 2, {1, 7}, DOPT_TP_COLUMN, 0},
-    {"t3", 3, {2, 3, 5}, DOPT_TP_COLUMN, 0},   {"vec", 1, {7}, DOPT_TP_COLUMN, 1},
-    {"bias", 1, {9}, DOPT_TP_REPLICATED, 1},   {"zeros", 2, {3, 4}, DOPT_TP_REPLICATED, 0},
+    {"layers.0.sq", 2, {12, 12}, DOPT_TP_COLUMN, 0},  {"layers.1.tall", 2, {13, 5}, DOPT_TP_ROW, 0},
+    {"layers.2.wide", 2, {5, 17}, DOPT_TP_COLUMN, 0}, {"emb", 2, {11, 6}, DOPT_TP_COLUMN, 0},
+    {"h1", 2, {1, 11}, DOPT_TP_ROW, 0},               {"h1col", 2, {1, 7}, DOPT_TP_COLUMN, 0},
+    {"layers.1.t3", 3, {2, 3, 5}, DOPT_TP_COLUMN, 0}, {"layers.0.vec", 1, {7}, DOPT_TP_COLUMN, 1},
+    {"bias", 1, {9}, DOPT_TP_REPLICATED, 1},          {"zeros", 2, {3, 4}, DOPT_TP_REPLICATED, 0},
     {"s0", 0, {0}, DOPT_TP_REPLICATED, 1},
 };
 #define NPARAMS ((int)(sizeof PARAMS / sizeof PARAMS[0]))
@@ -25,11 +26,20 @@ typedef struct hp_setting {
   const char *opt, *hp;
 } hp_setting;
 
+/* every optimizer: 8-bit with 256-blocks on tensors that are not multiples of
+ * the block; GaLore refreshing every few steps (several refreshes in 100);
+ * LISA with a piecewise and an owner-mode inner optimizer */
 static const hp_setting CI_HP[] = {
     {"adamw", "lr=1e-2,weight_decay=0.01"},
     {"adafactor", "beta1=0.9,weight_decay=0.01"},
     {"came", "lr=1e-3,weight_decay=0.01"},
     {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"},
+    {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=256"},
+    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=7"},
+    {"galore_adamw8bit", "lr=1e-2,rank=3,update_proj_gap=9,min_8bit_size=8,block_size=256,proj_type=left"},
+    {"q_galore", "lr=1e-2,rank=3,update_proj_gap=5,proj_group_size=-1,int8_weights=true,weight_group_size=1"},
+    {"lisa", "inner=adamw,n_layers=1,interval=7,lr=1e-2"},
+    {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=5,n_layers=2,interval=11,reset_states=true"},
 };
 static const hp_setting FULL_HP[] = {
     {"adamw", "lr=1e-2,weight_decay=0.01"},
@@ -42,6 +52,19 @@ static const hp_setting FULL_HP[] = {
     {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"},
     {"lamb", "lr=1e-2"},
     {"lamb", "lr=1e-2,adam=true,weight_decay=0.01"},
+    {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=256"},
+    {"adamw8bit", "lr=1e-2,min_8bit_size=16,percentile_clipping=5"}, /* block 2048 */
+    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=7"},
+    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=6,proj_type=left"},
+    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=6,proj_type=right,svd=randomized"},
+    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=8,proj_type=full"},
+    {"galore_adamw", "lr=1e-2,rank=40,update_proj_gap=5"}, /* the rank clamp */
+    {"galore_adamw8bit", "lr=1e-2,rank=3,update_proj_gap=9,min_8bit_size=8,block_size=256,proj_type=left"},
+    {"q_galore", "lr=1e-2,rank=3,update_proj_gap=5,proj_group_size=-1,int8_weights=true,weight_group_size=1"},
+    {"q_galore", "lr=1e-2,rank=4,update_proj_gap=3,proj_group_size=-1,proj_bits=8"},
+    {"lisa", "inner=adamw,n_layers=1,interval=7,lr=1e-2"},
+    {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=5,n_layers=2,interval=11,reset_states=true"},
+    {"lisa", "inner=adafactor,n_layers=2,interval=9"},
 };
 
 /* CI layouts: every tp, dp and zero value, each plugin, uneven splits; the
