@@ -82,10 +82,10 @@ struct dist_param {
   red_ctx rc;
   dopt_reducer red;
   size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
-  /* owner mode (an optimizer whose step needs the whole tensor): the ranks of
-   * dp rank `owner` (every tp rank of it, redundantly) hold the logical fp32
-   * values and every state whole, and step them with the reference's own step */
-  int owner;          /* dp rank that steps this parameter (owner mode) */
+  /* owner mode (an optimizer whose step needs the whole tensor): one rank,
+   * (tp rank owner_tp, dp rank owner), holds the logical fp32 values and
+   * every state whole, and steps them with the reference's own step */
+  int owner, owner_tp; /* the owning rank's dp and tp ranks (owner mode) */
   float *full;        /* [numel] the logical fp32 values (owner ranks only) */
   unsigned events;    /* DOPT_EVENT_* of the last step (owner ranks) */
 };
@@ -361,7 +361,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   /* states: elementwise ones are sharded like the parameter, the others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
   if (d->owned) { /* whole states and the logical values on the owner ranks only */
-    if (d->dp.rank == p->owner) {
+    if (d->dp.rank == p->owner && d->tp.rank == p->owner_tp) {
       size_t numel = dopt_numel(p->ndim, p->shape);
       DOPT_TRY(dalloc(d, numel * sizeof(float), (void **)&p->full));
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data, numel * sizeof(float)));
@@ -390,12 +390,13 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   return DOPT_OK;
 }
 
-/* Owner mode: parameters go whole to dp ranks, largest first, each to the
- * least loaded rank (ties: the lowest), as torch's ZeroRedundancyOptimizer
- * partitions whole parameters. Logical sizes only, so every rank agrees. */
+/* Owner mode: parameters go whole to the world's ranks, largest first, each
+ * to the least loaded rank (ties: the lowest), as torch's
+ * ZeroRedundancyOptimizer partitions whole parameters; world slot w is tp rank
+ * w mod tp, dp rank w / tp. Logical sizes only, so every rank agrees. */
 static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
-  const int dpn = d->dp.size;
-  size_t *load = calloc((size_t)dpn, sizeof *load);
+  const int world = d->tp.size * d->dp.size;
+  size_t *load = calloc((size_t)world, sizeof *load);
   char *done = calloc((size_t)(d->np > 0 ? d->np : 1), 1);
   for (int n = 0; done && load && n < d->np; n++) {
     int best = -1;
@@ -405,14 +406,15 @@ static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
       if (!done[i] && (best < 0 || q->numel > bs)) best = i, bs = q->numel;
     }
     int r = 0;
-    for (int k = 1; k < dpn; k++)
+    for (int k = 1; k < world; k++)
       if (load[k] < load[r]) r = k;
-    d->p[best].owner = r;
+    d->p[best].owner = r / d->tp.size;
+    d->p[best].owner_tp = r % d->tp.size;
     load[r] += bs;
     done[best] = 1;
   }
   if (!done || !load) /* out of memory: round robin, still the same on every rank */
-    for (int i = 0; i < d->np; i++) d->p[i].owner = i % dpn;
+    for (int i = 0; i < d->np; i++) d->p[i].owner = (i / d->tp.size) % d->dp.size, d->p[i].owner_tp = i % d->tp.size;
   free(done);
   free(load);
 }
@@ -673,15 +675,24 @@ static dopt_status ensure_xfer(dopt_dist_optim *d, size_t n) {
   return DOPT_OK;
 }
 
+/* Sends the owner's whole buffer x[bytes] (device) to every rank: over tp in
+ * the owner's dp row, then over dp in every tp column. */
+static dopt_status from_owner(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt) {
+  if (d->tp.size > 1 && d->dp.rank == p->owner)
+    DOPT_TRY(d->tp.ops->broadcast(d->tp.comm, x, x, count, dt, p->owner_tp));
+  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, x, x, count, dt, p->owner));
+  return DOPT_OK;
+}
+
 /* Owner mode, one parameter: the whole averaged gradient on every rank
  * (all-gathers over dp and tp), the reference's own step on the whole tensor
- * on the owner ranks, the new values from the owner to every dp rank
- * (broadcast), each rank keeps its piece. Bitwise the reference by
- * construction: the same step on the same whole tensors. */
+ * on the owner, the new values from the owner to every rank (broadcasts),
+ * each rank keeps its piece. Bitwise the reference by construction: the same
+ * step on the same whole tensors. */
 static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
   dist_param *p = &d->p[i];
   const size_t numel = dopt_numel(p->ndim, p->shape);
-  const int mine = d->dp.rank == p->owner;
+  const int mine = d->dp.rank == p->owner && d->tp.rank == p->owner_tp;
   p->step++;
   DOPT_TRY(ensure_xfer(d, numel));
   /* the averaged gradient is valid on each rank's piece (zero >= 1) or its whole TP-local block */
@@ -706,7 +717,7 @@ static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
     DOPT_TRY(dopt__run_stages(d->dev, &a));
   }
   float *vals = mine ? p->full : d->xfer;
-  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, vals, vals, numel, DOPT_F32, p->owner));
+  DOPT_TRY(from_owner(d, p, vals, numel, DOPT_F32));
   DOPT_TRY(DEV(d)->download(DCTX(d), host, vals, numel * sizeof(float)));
   return load_values(d, p, host, p->name);
 }
@@ -871,14 +882,14 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
   dist_param *p = &d->p[i];
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
-    if (d->owned) { /* whole on the owner ranks: broadcast over dp */
+    if (d->owned) { /* whole on the owner: broadcast */
       size_t bytes = p->spec[k].v.bytes;
       void *src = p->state[k];
-      if (d->dp.rank != p->owner) {
+      if (!src) {
         DOPT_TRY(ensure_xfer(d, (bytes + sizeof(float) - 1) / sizeof(float)));
         src = d->xfer;
       }
-      if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, src, src, bytes, DOPT_U8, p->owner));
+      DOPT_TRY(from_owner(d, p, src, bytes, DOPT_U8));
       return DEV(d)->download(DCTX(d), out, src, bytes);
     }
     if (!p->spec[k].elementwise) return DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes);

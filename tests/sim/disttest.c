@@ -170,6 +170,7 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
       }
     }
   }
+  dopt_optim_state_bytes(o, -1, &r->ref_state_mem, NULL);
   dopt_optim_destroy(o);
   for (int i = 0; i < c->nparams; i++) {
     free(data[i]);
@@ -292,7 +293,11 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     }
   }
   if (rank == 0 && d) x->r->skipped = dopt_dist_skipped_steps(d);
-  if (d && rank < DT_MAXRANKS) x->r->stat_collectives[rank] = dopt_dist_stat_collectives(d); /* own slot */
+  if (d && rank < DT_MAXRANKS) { /* own slots */
+    x->r->stat_collectives[rank] = dopt_dist_stat_collectives(d);
+    dopt_dist_memory m;
+    if (dopt_dist_memory_usage(d, &m) == DOPT_OK) x->r->state_mem[rank] = m.state_bytes;
+  }
   for (int i = 0; i < c->nparams; i++) {
     free(loc[i]);
     free(data[i]);

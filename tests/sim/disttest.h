@@ -61,6 +61,8 @@ typedef struct dt_result {
   int64_t step[DT_MAXCK][DT_MAXP];
   int64_t skipped;
   int64_t stat_collectives[DT_MAXRANKS]; /* dopt_dist_stat_collectives of each world rank after the run */
+  size_t state_mem[DT_MAXRANKS];         /* dopt_dist_memory_usage().state_bytes of each world rank */
+  size_t ref_state_mem;                  /* the reference's allocated state bytes at the end */
 } dt_result;
 
 /* The plugin name the layout belongs to. */

@@ -216,6 +216,79 @@ static void test_batched_reductions(void **st) {
   }
 }
 
+/* Runs c on layout l and compares it bitwise with the reference at dp. */
+static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref, dt_result *got) {
+  memcpy(got->state_name, ref->state_name, sizeof got->state_name);
+  memcpy(got->nstates, ref->nstates, sizeof got->nstates);
+  char err[512] = "", msg[512] = "";
+  if (dt_run_dist(c, l, got, err, sizeof err) != DOPT_OK)
+    fail_msg("%s tp%d dp%d zero%d: %s", c->optimizer, l->tp, l->dp, l->zero, err);
+  if (dt_compare(c, ref, got, msg, sizeof msg))
+    fail_msg("%s [%s] tp%d dp%d zero%d: %s", c->optimizer, c->hparams, l->tp, l->dp, l->zero, msg);
+}
+
+/* bitsandbytes #2080: FSDP applied min_8bit_size to the flattened shard, so a
+ * 4096-element weight sharded 4 ways (1024 each) silently got fp32 states.
+ * Here the threshold is the logical numel's: 8-bit codes in every layout, the
+ * same bytes as the reference, and the states held once across the ranks. */
+static void test_8bit_threshold_is_logical(void **st) {
+  (void)st;
+  static const dt_param P[] = {{"w", 2, {64, 64}, DOPT_TP_COLUMN, 0}, {"b", 1, {64}, DOPT_TP_COLUMN, 1}};
+  dt_case c = {"adamw8bit", "lr=1e-2,min_8bit_size=4096,block_size=256", NULL, P, 2, 6, 1, 0.0, 0, 7, 0.5, 0, 3};
+  dt_result ref;
+  assert_ok(dt_run_reference(&c, 4, &ref));
+  int found = 0;
+  for (int k = 0; k < ref.nstates[0]; k++)
+    if (strcmp(ref.state_name[0][k], "state1") == 0) {
+      assert_int_equal(ref.state_bytes[0][k], 4096); /* U8 codes: 8-bit in the reference */
+      found = 1;
+    }
+  assert_true(found);
+  static const dt_layout L[] = {{1, 4, 3, 0}, {2, 4, 2, 0}, {4, 4, 1, 0}};
+  for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
+    dt_result got;
+    expect_bitwise(&c, &L[li], &ref, &got);
+    size_t sum = 0;
+    for (int r = 0; r < L[li].tp * L[li].dp; r++) sum += got.state_mem[r];
+    if (sum != ref.ref_state_mem)
+      fail_msg("tp%d dp%d: the ranks hold %zu state bytes together, the reference %zu", L[li].tp, L[li].dp, sum,
+               ref.ref_state_mem);
+    dt_result_free(&got);
+  }
+  dt_result_free(&ref);
+}
+
+/* GaLore's projection when its inner dimension is split: a left projector
+ * (Aᵀ·G contracts the rows) on a COLUMN-split weight (rows over tp), under
+ * every ZeRO stage; and a right one on a ROW-split weight. */
+static void test_galore_split_inner_dimension(void **st) {
+  (void)st;
+  static const dt_param P[] = {{"col", 2, {24, 10}, DOPT_TP_COLUMN, 0}, {"row", 2, {9, 26}, DOPT_TP_ROW, 0},
+                               {"bias", 1, {24}, DOPT_TP_COLUMN, 1}};
+  const char *hps[] = {"lr=1e-2,rank=4,update_proj_gap=3,proj_type=left",
+                       "lr=1e-2,rank=4,update_proj_gap=3,proj_type=right",
+                       "lr=1e-2,rank=4,update_proj_gap=3,proj_type=std,min_8bit_size=8,block_size=256"};
+  const char *opts[] = {"galore_adamw", "galore_adamw", "galore_adamw8bit"};
+  static const dt_layout L[] = {{3, 2, 3, 0}, {3, 2, 2, 0}, {4, 1, 0, 0}, {2, 3, 1, 0}};
+  for (int h = 0; h < 3; h++) {
+    dt_case c = {opts[h], hps[h], NULL, P, 3, 10, 1, 0.0, 0, 11 + (uint64_t)h, 0.5, 0, 5};
+    dt_result ref[4];
+    int have[4] = {0};
+    for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
+      int dp = L[li].dp;
+      if (!have[dp]) {
+        assert_ok(dt_run_reference(&c, dp, &ref[dp]));
+        have[dp] = 1;
+      }
+      dt_result got;
+      expect_bitwise(&c, &L[li], &ref[dp], &got);
+      dt_result_free(&got);
+    }
+    for (int d = 0; d < 4; d++)
+      if (have[d]) dt_result_free(&ref[d]);
+  }
+}
+
 static void test_config_errors(void **st) {
   (void)st;
   cfg_err cases[] = {
@@ -249,6 +322,8 @@ int main(void) {
       cmocka_unit_test(test_bf16_masters),
       cmocka_unit_test(test_nonfinite_skip),
       cmocka_unit_test(test_batched_reductions),
+      cmocka_unit_test(test_8bit_threshold_is_logical),
+      cmocka_unit_test(test_galore_split_inner_dimension),
       cmocka_unit_test(test_config_errors),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
