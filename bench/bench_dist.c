@@ -50,6 +50,12 @@ static const opt_case CASES[] = {
     {"adafactor", NULL},
     {"came", "lr=2e-4"},
     {"lamb", NULL},
+    /* owner mode: each whole parameter stepped on one rank */
+    {"adamw8bit", NULL},
+    {"galore_adamw", "rank=128"},
+    {"galore_adamw8bit", "rank=128"},
+    {"q_galore", "rank=128"},
+    {"lisa", "inner=adamw"},
 };
 #define NCASES ((int)(sizeof CASES / sizeof CASES[0]))
 
@@ -357,7 +363,7 @@ static dopt_status run_case(const opt_case *oc, const opts *op, const float *w0,
 static int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--optimizer NAME|all] [--size N] [--steps K] [--warmup W] [--zero Z] [--clip X]\n"
-          "  --optimizer  adamw, adafactor, came (lr=2e-4), lamb, or all (default)\n"
+          "  --optimizer  a registry name (GaLore ones with rank=128; came lr=2e-4), or all (default)\n"
           "  --size N     weight N x N (TP COLUMN) + bias N (replicated); default 4096\n"
           "  --steps K    timed steps, median reported (default 5, 1..%d)\n"
           "  --warmup W   untimed steps first (default 2)\n"
@@ -417,7 +423,7 @@ int main(int argc, char **argv) {
   for (int c = 0; c < NCASES; c++)
     if (!op.only || strcmp(op.only, CASES[c].name) == 0) which[nrun++] = c;
   if (nrun == 0) {
-    fprintf(stderr, "unknown optimizer '%s' (adamw, adafactor, came, lamb, all)\n", op.only);
+    fprintf(stderr, "unknown optimizer '%s' (a registry name, or all)\n", op.only);
     return 2;
   }
   const size_t n = op.n;

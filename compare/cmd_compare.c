@@ -57,13 +57,31 @@ static void progress(int step, int steps, double elapsed, uint64_t worst, void *
 
 /* The measured compatibility matrix: every registered optimizer under every
  * plugin in a small default layout. */
+/* Hyperparameters of a --matrix row: the defaults, except what the small
+ * synthetic block needs to exercise the optimizer (GaLore projects with a
+ * rank below its dimensions and refreshes several times; 8-bit states reach
+ * their threshold; CAME needs an lr). */
+static const char *matrix_hparams(const char *name) {
+  static const struct {
+    const char *name, *hp;
+  } H[] = {{"came", "lr=2e-4"},
+           {"adamw8bit", "min_8bit_size=64"},
+           {"galore_adamw", "rank=4,update_proj_gap=2"},
+           {"galore_adamw8bit", "rank=4,update_proj_gap=2,min_8bit_size=64"},
+           {"q_galore", "rank=4,update_proj_gap=2,proj_group_size=-1"},
+           {"lisa", "inner=adamw,n_layers=1,interval=2"}};
+  for (size_t k = 0; k < sizeof H / sizeof H[0]; k++)
+    if (strcmp(H[k].name, name) == 0) return H[k].hp;
+  return "";
+}
+
 static int run_matrix(int steps) {
   static const struct {
     const char *plugin;
     int tp, dp, zero;
   } plugins[] = {{"ddp", 1, 2, 0}, {"zero", 1, 2, 1}, {"zero", 1, 3, 2}, {"hybrid", 2, 2, 2}, {"fsdp", 2, 2, 3}};
   const int np = (int)(sizeof plugins / sizeof plugins[0]);
-  printf("measured compatibility (synthetic gradients, %d steps, bitwise against the reference)\n%-12s", steps,
+  printf("measured compatibility (synthetic gradients, %d steps, bitwise against the reference)\n%-17s", steps,
          "optimizer");
   for (int p = 0; p < np; p++) {
     char h[32];
@@ -75,12 +93,12 @@ static int run_matrix(int steps) {
   char reasons[4096] = "";
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
-    printf("%-12s", name);
+    printf("%-17s", name);
     for (int p = 0; p < np; p++) {
       cmp_options o;
       cmp_options_default(&o);
       snprintf(o.optimizer, sizeof o.optimizer, "%s", name);
-      if (strcmp(name, "came") == 0) snprintf(o.hparams, sizeof o.hparams, "lr=2e-4");
+      snprintf(o.hparams, sizeof o.hparams, "%s", matrix_hparams(name));
       snprintf(o.plugin, sizeof o.plugin, "%s", plugins[p].plugin);
       o.tp = plugins[p].tp;
       o.dp = plugins[p].dp;

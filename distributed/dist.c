@@ -123,6 +123,10 @@ struct dopt_dist_optim {
   float *zeros;     /* host zeros [zeros_cap] for absent gradients and state resets */
   size_t zeros_cap;
   float *xfer;      /* device [max numel]: a whole logical tensor in transit (owner mode) */
+  void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
+  size_t gdev_cap[2];
+  unsigned char *ghost[2]; /* host scratch of gathers */
+  size_t ghost_cap[2];
   size_t xfer_cap;
   batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
@@ -233,6 +237,10 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->frames) DEV(d)->free(DCTX(d), d->frames);
   if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
   if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
+  for (int k = 0; k < 2; k++) {
+    if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
+    free(d->ghost[k]);
+  }
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
@@ -291,14 +299,18 @@ static dopt_status dalloc(dopt_dist_optim *d, size_t bytes, void **out) {
   return DEV(d)->alloc(DCTX(d), bytes ? bytes : 1, out);
 }
 
+static dopt_status ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out);
+
 /* Sets this rank's values of parameter p from the logical fp32 tensor `full`
  * (host): its TP block (row by row), the fp32 extent it holds (the master
  * shard, or the whole TP-local block) and the bf16 working copy of the
  * extent it holds. At creation and after an owner step. */
 static dopt_status load_values(dopt_dist_optim *d, dist_param *p, const float *full, const char *name) {
   const dopt_piece *pc = &p->pc;
-  float *blk = malloc((p->lnumel ? p->lnumel : 1) * sizeof *blk);
-  if (!blk) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: '%s': %zu values", name, p->lnumel);
+  unsigned char *bb = NULL;
+  DOPT_TRY(ghost(d, 1, (p->lnumel ? p->lnumel : 1) * sizeof(float), &bb));
+  float *blk = (float *)(void *)bb;
+  (void)name;
   for (size_t bi = 0; bi < pc->b; bi++)
     for (size_t i = 0; i < pc->hl; i++)
       memcpy(blk + (bi * pc->hl + i) * pc->wl, full + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
@@ -307,13 +319,12 @@ static dopt_status load_values(dopt_dist_optim *d, dist_param *p, const float *f
   dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
   if (s == DOPT_OK && p->bf16) { /* the working copy of the extent this rank holds */
     size_t wfrom = d->zero == 3 ? pc->lo : 0, wcount = d->zero == 3 ? pc->len : p->lnumel;
-    uint16_t *hw = malloc((wcount ? wcount : 1) * sizeof *hw);
-    if (!hw) s = dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: '%s': %zu bf16 values", name, wcount);
-    for (size_t k = 0; hw && k < wcount; k++) hw[k] = dopt_f32_to_bf16(blk[wfrom + k]);
-    if (hw) s = DEV(d)->upload(DCTX(d), p->work, hw, wcount * sizeof *hw);
-    free(hw);
+    unsigned char *hb = NULL;
+    s = ghost(d, 0, (wcount ? wcount : 1) * sizeof(uint16_t), &hb);
+    uint16_t *hw = (uint16_t *)(void *)hb;
+    for (size_t k = 0; s == DOPT_OK && k < wcount; k++) hw[k] = dopt_f32_to_bf16(blk[wfrom + k]);
+    if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), p->work, hw, wcount * sizeof *hw);
   }
-  free(blk);
   return s;
 }
 
@@ -697,7 +708,7 @@ static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
   DOPT_TRY(ensure_xfer(d, numel));
   /* the averaged gradient is valid on each rank's piece (zero >= 1) or its whole TP-local block */
   DOPT_TRY(gather(d, p, p->grad + (d->zero >= 1 ? (size_t)d->dp.rank * p->chunk : 0), d->zero >= 1, sizeof(float),
-                  DOPT_F32, host));
+                  DOPT_F32, mine ? host : NULL));
   if (mine) {
     dopt_piece whole;
     dopt_piece_full(p->ndim, p->shape, &whole);
@@ -803,25 +814,47 @@ int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d) { return d ? d->skippe
 
 /* ---- gathering logical tensors ------------------------------------------------------------------ */
 
+/* Gather scratch k (device or host), grown to at least `bytes` and kept. */
+static dopt_status gdev(dopt_dist_optim *d, int k, size_t bytes, void **out) {
+  if (bytes > d->gdev_cap[k]) {
+    if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
+    d->gdev[k] = NULL;
+    d->gdev_cap[k] = 0;
+    DOPT_TRY(dalloc(d, bytes, &d->gdev[k]));
+    d->gdev_cap[k] = bytes;
+  }
+  *out = d->gdev[k];
+  return DOPT_OK;
+}
+
+static dopt_status ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out) {
+  if (bytes > d->ghost_cap[k]) {
+    unsigned char *h = realloc(d->ghost[k], bytes ? bytes : 1);
+    if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed gather: %zu bytes", bytes);
+    d->ghost[k] = h;
+    d->ghost_cap[k] = bytes;
+  }
+  *out = d->ghost[k];
+  return DOPT_OK;
+}
+
 /* The whole TP-local block (host, [lnumel]) of a tensor stored as this rank's
- * shard (sharded != 0: [chunk] at src) or whole (src [lnumel]). elem: 4 or 2. */
+ * shard (sharded != 0: [chunk] at src) or whole (src [lnumel]). elem: 4, 2 or 1. */
 static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                                    dopt_dtype dt, unsigned char *host) {
   if (!sharded || d->dp.size == 1) return DEV(d)->download(DCTX(d), host, src, p->lnumel * elem);
-  void *buf;
-  DOPT_TRY(dalloc(d, p->padded * elem, &buf));
-  dopt_status s = d->dp.ops->all_gather(d->dp.comm, src, buf, p->chunk, dt);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem);
-  DEV(d)->free(DCTX(d), buf);
-  return s;
+  void *buf = NULL;
+  DOPT_TRY(gdev(d, 0, p->padded * elem, &buf));
+  DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, src, buf, p->chunk, dt));
+  return DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem);
 }
 
 /* Assembles the logical tensor from every TP rank's block (host in, host out). */
 static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const unsigned char *mine, size_t elem,
-                               dopt_dtype dt, unsigned char *out) {
+                               dopt_dtype dt, unsigned char *out) { /* out NULL: take part only */
   const dopt_piece *pc = &p->pc;
   if (p->role == DOPT_TP_REPLICATED) {
-    memcpy(out, mine, p->lnumel * elem);
+    if (out) memcpy(out, mine, p->lnumel * elem);
     return DOPT_OK;
   }
   const int tpn = d->tp.size;
@@ -831,15 +864,17 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
     tp_block(p, tpn, r, &h0, &hl, &w0, &wl);
     maxblk = pc->b * hl * wl > maxblk ? pc->b * hl * wl : maxblk;
   }
-  void *send, *recv;
-  DOPT_TRY(dalloc(d, (maxblk ? maxblk : 1) * elem, &send));
-  dopt_status s = dalloc(d, (maxblk ? maxblk : 1) * elem * (size_t)tpn, &recv);
-  unsigned char *all = s == DOPT_OK ? malloc((maxblk ? maxblk : 1) * elem * (size_t)tpn) : NULL;
-  if (s == DOPT_OK && !all) s = dopt__fail(DOPT_ERR_NO_MEMORY, "gather '%s'", p->name);
-  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), send, mine, p->lnumel * elem);
-  if (s == DOPT_OK && maxblk) s = d->tp.ops->all_gather(d->tp.comm, send, recv, maxblk, dt);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), all, recv, maxblk * elem * (size_t)tpn);
-  for (int r = 0; s == DOPT_OK && r < tpn; r++) {
+  const size_t blk_bytes = (maxblk ? maxblk : 1) * elem;
+  void *send = NULL, *recv = NULL;
+  unsigned char *all = NULL;
+  DOPT_TRY(gdev(d, 0, blk_bytes, &send));
+  DOPT_TRY(gdev(d, 1, blk_bytes * (size_t)tpn, &recv));
+  DOPT_TRY(ghost(d, 1, blk_bytes * (size_t)tpn, &all));
+  DOPT_TRY(DEV(d)->upload(DCTX(d), send, mine, p->lnumel * elem));
+  if (maxblk) DOPT_TRY(d->tp.ops->all_gather(d->tp.comm, send, recv, maxblk, dt));
+  if (!out) return DOPT_OK;
+  DOPT_TRY(DEV(d)->download(DCTX(d), all, recv, maxblk * elem * (size_t)tpn));
+  for (int r = 0; r < tpn; r++) {
     size_t h0, hl, w0, wl;
     tp_block(p, tpn, r, &h0, &hl, &w0, &wl);
     const unsigned char *blk = all + (size_t)r * maxblk * elem;
@@ -847,20 +882,17 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
       for (size_t i = 0; i < hl; i++)
         memcpy(out + ((bi * pc->h + h0 + i) * pc->w + w0) * elem, blk + (bi * hl + i) * wl * elem, wl * elem);
   }
-  free(all);
-  DEV(d)->free(DCTX(d), send);
-  if (recv) DEV(d)->free(DCTX(d), recv);
-  return s;
+  return DOPT_OK;
 }
 
+/* The logical tensor on every rank (collective); out NULL: this rank only
+ * takes part (the owner step's non-owners). */
 static dopt_status gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                           dopt_dtype dt, void *out) {
-  unsigned char *mine = malloc((p->lnumel ? p->lnumel : 1) * elem);
-  if (!mine) return dopt__fail(DOPT_ERR_NO_MEMORY, "gather '%s'", p->name);
-  dopt_status s = gather_tp_local(d, p, src, sharded, elem, dt, mine);
-  if (s == DOPT_OK) s = assemble_tp(d, p, mine, elem, dt, out);
-  free(mine);
-  return s;
+  unsigned char *mine = NULL;
+  DOPT_TRY(ghost(d, 0, (p->lnumel ? p->lnumel : 1) * elem, &mine));
+  DOPT_TRY(gather_tp_local(d, p, src, sharded, elem, dt, mine));
+  return assemble_tp(d, p, mine, elem, dt, out);
 }
 
 dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int i, float *out) {

@@ -101,8 +101,12 @@ DOPT_API dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int param, 
                                            size_t *numel);
 
 /* Adds one micro-batch of this rank's TP-local gradients (host memory,
- * grads[i] for every parameter) to the accumulators: the first micro-batch
- * after a step is copied, the next ones added in order (g0 + g1 + ...). */
+ * grads[i] per parameter) to the accumulators: the first gradient after a
+ * step is copied, the next ones added in order (g0 + g1 + ...). grads[i] NULL:
+ * no gradient in this micro-batch (torch's .grad untouched). A parameter that
+ * no rank gave a gradient since the last step is skipped by the step exactly
+ * as the reference skips a NULL gradient; a rank without one where others
+ * have one contributes zeros (DDP's unused parameters). */
 DOPT_API dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads);
 
 typedef struct dopt_dist_step_info {
