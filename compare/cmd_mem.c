@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "registry.h"
 
 static const char *const CMD = "mem";
 
@@ -31,17 +32,19 @@ typedef struct pclass {
   int64_t shape[2];
   long count;
   int projected; /* GaLore applies (attention and MLP linears, as the paper) */
+  int split;     /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
 } pclass;
 
 static int classes(const model *m, pclass *c) {
   int n = 0;
   int64_t h = m->hidden, f = m->inter, v = m->vocab;
   long L = m->layers;
-  c[n++] = (pclass){"embed + lm_head", 2, {v, h}, 2, 0};
-  c[n++] = (pclass){"attn q,k,v,o", 2, {h, h}, 4 * L, 1};
-  c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1};
-  c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1};
-  c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + 1, 0};
+  c[n++] = (pclass){"embed + lm_head", 2, {v, h}, 2, 0, 1}; /* vocab-parallel */
+  c[n++] = (pclass){"attn q,k,v", 2, {h, h}, 3 * L, 1, 1};
+  c[n++] = (pclass){"attn o", 2, {h, h}, L, 1, 2};
+  c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1, 1};
+  c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1, 2};
+  c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + 1, 0, 0};
   return n;
 }
 
@@ -73,15 +76,131 @@ static double model_params(const model *m) {
   return p;
 }
 
+/* ---- per rank (--tp --dp --zero): what distributed/ allocates ----------------------------
+ * fp32 parameters. Piecewise optimizers: the TP-local block (largest TP
+ * rank's: ceil of the split dim), ZeRO-padded; elementwise states sharded
+ * like the parameter, the others whole on every rank. Owner mode (whole-tensor
+ * steps): every state whole on its owner, owners assigned as dopt_dist_create
+ * does (largest first to the least loaded of the tp·dp ranks), plus the
+ * owner's logical fp32 copy of each owned parameter. */
+typedef struct rank_mem {
+  double params, grads, states_max, states_min, states_sum, owner_copy_max;
+  int owner_mode;
+} rank_mem;
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static int per_rank(const model *m, const char *opt, const char *hp, int grank, int tp, int dp, int zero, rank_mem *out) {
+  pclass c[8];
+  int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
+  memset(out, 0, sizeof *out);
+  const int world = tp * dp;
+  double *load = calloc((size_t)world, sizeof *load), *copy = calloc((size_t)world, sizeof *copy);
+  /* whole tensors for owner mode: (state bytes, numel) per tensor, largest numel first */
+  long total = 0;
+  for (int i = 0; i < n; i++) total += c[i].count;
+  double *tb = malloc((size_t)total * sizeof *tb), *tn = malloc((size_t)total * sizeof *tn);
+  int ok = load && copy && tb && tn;
+  long nt = 0;
+  for (int i = 0; ok && i < n; i++) {
+    char h[256];
+    if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp, hp[0] ? "," : "", c[i].projected ? grank : 0);
+    else snprintf(h, sizeof h, "%s", hp);
+    dopt_optim *o;
+    if (dopt_optim_create(opt, h, &o) != DOPT_OK) {
+      ok = 0;
+      break;
+    }
+    const dopt_optim_impl *im = dopt__optim_impl(o);
+    out->owner_mode = !im->distributable;
+    dopt_state_spec sp[DOPT_MAX_STATES];
+    int ns = im->layout(dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape, sp);
+    int64_t numel = c[i].shape[0] * (c[i].ndim > 1 ? c[i].shape[1] : 1), lnumel = numel;
+    if (tp > 1 && c[i].split == 1) lnumel = ceil_div(c[i].shape[0], tp) * (c[i].ndim > 1 ? c[i].shape[1] : 1);
+    if (tp > 1 && c[i].split == 2) lnumel = c[i].shape[0] * ceil_div(c[i].shape[1], tp);
+    int64_t chunk = zero >= 1 ? ceil_div(lnumel, dp) : lnumel, padded = zero >= 1 ? chunk * dp : lnumel;
+    out->params += (double)c[i].count * (double)(zero == 3 ? chunk : padded) * 4;
+    out->grads += (double)c[i].count * (double)padded * 4;
+    double whole = 0, piece = 0;
+    for (int k = 0; k < ns; k++) {
+      whole += (double)sp[k].v.bytes;
+      piece += sp[k].elementwise ? (double)chunk * (double)dopt_dtype_size(sp[k].v.dtype) : (double)sp[k].v.bytes;
+    }
+    if (out->owner_mode)
+      for (long k = 0; k < c[i].count; k++) tb[nt] = whole, tn[nt++] = (double)numel;
+    else out->states_max += (double)c[i].count * piece;
+    dopt_optim_destroy(o);
+  }
+  if (ok && out->owner_mode) { /* greedy, largest first; the classes come in no particular order */
+    char *done = calloc((size_t)nt ? (size_t)nt : 1, 1);
+    for (long k = 0; done && k < nt; k++) {
+      long best = -1;
+      for (long j = 0; j < nt; j++)
+        if (!done[j] && (best < 0 || tn[j] > tn[best])) best = j;
+      int r = 0;
+      for (int q = 1; q < world; q++)
+        if (load[q] < load[r]) r = q;
+      load[r] += tn[best];
+      copy[r] += tn[best] * 4;
+      out->states_sum += tb[best];
+      done[best] = 1;
+      /* the states follow the numel load; recompute per rank below */
+      tn[best] = -(double)r - 1; /* remember the rank */
+    }
+    double *st = calloc((size_t)world, sizeof *st);
+    for (long j = 0; st && j < nt; j++) st[(int)(-tn[j] - 1)] += tb[j];
+    out->states_max = 0;
+    out->states_min = st ? st[0] : 0;
+    for (int r = 0; st && r < world; r++) {
+      out->states_max = st[r] > out->states_max ? st[r] : out->states_max;
+      out->states_min = st[r] < out->states_min ? st[r] : out->states_min;
+      out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
+    }
+    free(st);
+    free(done);
+  } else if (ok) {
+    out->states_min = out->states_max;
+    out->states_sum = out->states_max * world;
+  }
+  free(load), free(copy), free(tb), free(tn);
+  return ok;
+}
+
+static int print_per_rank(const model *m, int grank, int tp, int dp, int zero) {
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  printf("\nper rank, tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout):\n", tp, dp,
+         zero);
+  printf("| optimizer | mode | params GiB | grads GiB | states GiB (max rank) | states GiB (min rank) | states bytes (max) | "
+         "states bytes (all ranks) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
+  for (int k = 0; k < dopt_optim_registry_count(); k++) {
+    const char *name = dopt_optim_registry_name(k);
+    const char *h = strcmp(name, "came") == 0 ? "lr=1e-4" : "";
+    rank_mem r;
+    if (!per_rank(m, name, h, grank, tp, dp, zero, &r)) {
+      printf("| %s | n/a | | | | | | |\n", name);
+      continue;
+    }
+    printf("| %s | %s | %.2f | %.2f | %.3f | %.3f | %.0f | %.0f |\n", name, r.owner_mode ? "owner" : "piecewise",
+           (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib, r.states_max,
+           r.states_sum);
+  }
+  printf("owner mode: every state whole on one rank (params include the owner's fp32 copy of its tensors, max rank);\n"
+         "piecewise: elementwise states sharded like the parameter, factored/scalar ones whole on every rank.\n");
+  return CLI_OK;
+}
+
 int cmd_mem(int argc, char **argv) {
   const char *which = "llama-7b";
-  int rank = 0;
+  int rank = 0, tp = 0, dp = 0, zero = -1;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b] [--rank R]\n"
+             "                  [--tp T --dp D --zero Z]\n"
              "  exact optimizer-state bytes of the model for every registered optimizer (GaLore on the\n"
              "  attention/MLP linears with rank R, default the paper's rank for the size), and the GaLore\n"
-             "  paper's weights+states figures (BF16) next to the same accounting here.\n");
+             "  paper's weights+states figures (BF16) next to the same accounting here. With --tp/--dp/--zero\n"
+             "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
+             "  and states in distributed/'s layout (piecewise or owner mode).\n");
       return CLI_OK;
     }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", argv[i]);
@@ -89,6 +208,16 @@ int cmd_mem(int argc, char **argv) {
     else if (strcmp(argv[i], "--rank") == 0) {
       rank = atoi(argv[++i]);
       if (rank <= 0) return cli_errorf(CMD, "--rank '%s': expected a positive integer", argv[i]);
+    } else if (strcmp(argv[i], "--tp") == 0 || strcmp(argv[i], "--dp") == 0 || strcmp(argv[i], "--zero") == 0) {
+      const char *opt = argv[i], *v = argv[++i];
+      char *end;
+      long x = strtol(v, &end, 10);
+      int is_zero = strcmp(opt, "--zero") == 0;
+      if (*v == '\0' || *end || x < (is_zero ? 0 : 1) || x > (is_zero ? 3 : 4096))
+        return cli_errorf(CMD, "%s '%s': expected an integer in [%d, %d]", opt, v, is_zero ? 0 : 1, is_zero ? 3 : 4096);
+      if (is_zero) zero = (int)x;
+      else if (strcmp(opt, "--tp") == 0) tp = (int)x;
+      else dp = (int)x;
     } else return cli_errorf(CMD, "unknown option '%s' (see --help)", argv[i]);
   }
   const model *m = NULL;
@@ -128,5 +257,6 @@ int cmd_mem(int argc, char **argv) {
     if (ok2) printf("  GaLore:         paper %.2f G, here %.2f G\n", m->paper_galore_gb, (params * 2 + gal / 2) / 1e9);
     else printf("  GaLore:         paper %.2f G (galore_adamw not registered in this build)\n", m->paper_galore_gb);
   }
+  if (tp || dp || zero >= 0) return print_per_rank(m, rank, tp ? tp : 1, dp ? dp : 1, zero >= 0 ? zero : 0);
   return CLI_OK;
 }

@@ -324,6 +324,56 @@ static void test_compare_bad_input(void **st) {
 
 /* LISA through the CLI: layer indices come from "layers.N." names; the result equals the library with those
  * layers, and only the sampled layer plus the unnumbered parameter change. */
+/* The states bytes (max rank, all ranks) of one row of `distopt mem`'s per-rank table. */
+static void mem_row(const char *txt, const char *opt, double *max, double *all) {
+  char key[64];
+  snprintf(key, sizeof key, "| %s | ", opt);
+  const char *r = strstr(txt, key);
+  if (!r) fail_msg("mem: no row for %s", opt);
+  double v[6];
+  char name[64], mode[32];
+  if (sscanf(r, "| %63s | %31s | %lf | %lf | %lf | %lf | %lf | %lf |", name, mode, &v[0], &v[1], &v[2], &v[3], &v[4],
+             &v[5]) != 8)
+    fail_msg("mem: cannot read the row for %s", opt);
+  *max = v[4];
+  *all = v[5];
+}
+
+/* distopt mem --dp: sharded 8-bit and GaLore states (owner mode) are held
+ * once across the ranks, about 1/dp each (up to one tensor's states: whole
+ * tensors are owned); piecewise states are 1/dp up to the block padding. */
+static void test_mem_per_rank(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/mem.txt", dir);
+  const char *one[] = {"mem", "--model", "llama-1b", "--dp", "1", "--zero", "2", NULL};
+  const char *four[] = {"mem", "--model", "llama-1b", "--dp", "4", "--zero", "2", NULL};
+  assert_int_equal(run_out(one, out), 0);
+  char *t1 = slurp(out);
+  assert_int_equal(run_out(four, out), 0);
+  char *t4 = slurp(out);
+  /* the largest single tensor's states: embedding or lm_head [32000, 2048] under AdamW8bit (2 code bytes
+   * per element + block absmax) or plain AdamW inside GaLore (8 bytes per element) */
+  const double biggest = 32000.0 * 2048.0 * 8.0;
+  static const char *const opts[] = {"adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore", "adamw"};
+  for (int k = 0; k < 5; k++) {
+    double m1, a1, m4, a4;
+    mem_row(t1, opts[k], &m1, &a1);
+    mem_row(t4, opts[k], &m4, &a4);
+    if (strcmp(opts[k], "adamw") == 0) { /* piecewise: chunk = ceil(numel / 4): within padding of 1/dp */
+      if (!(m4 * 4 >= m1 && m4 * 4 <= m1 * 1.0001)) fail_msg("adamw: dp4 %.0f vs dp1 %.0f", m4, m1);
+      continue;
+    }
+    if (a4 != a1) fail_msg("%s: the ranks hold %.0f state bytes together, one rank %.0f", opts[k], a4, a1);
+    if (m1 != a1) fail_msg("%s: dp1 max %.0f vs all %.0f", opts[k], m1, a1);
+    if (!(m4 <= a1 / 4 + biggest)) fail_msg("%s: max rank %.0f > 1/4 of %.0f + one tensor", opts[k], m4, a1);
+  }
+  free(t1);
+  free(t4);
+  const char *bad[] = {"mem", "--dp", "0", NULL};
+  assert_int_equal(run_out(bad, out), 2);
+}
+
 static void test_lisa_layers_from_names(void **st) {
   (void)st;
   const char *names[5] = {"model.embed", "model.layers.0.w", "model.layers.1.w", "model.layers.2.w",
@@ -399,6 +449,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_compare),
       cmocka_unit_test(test_compare_bad_input),
       cmocka_unit_test(test_lisa_layers_from_names),
+      cmocka_unit_test(test_mem_per_rank),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
