@@ -196,6 +196,21 @@ dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc,
 dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);
 
+/* The frame of the update-norm steps (Adafactor, CAME, LAMB): Σw² and Σu²,
+ * the update u [len], and with row/column statistics (factored pieces of
+ * Adafactor and CAME) their means and reduction. */
+typedef struct dopt_update_frame {
+  dopt_ss_stat *pss, *uss;
+  float *u;             /* [len] */
+  float *rmean, *cmean; /* [b·h], [b·w] (rowcol and factored) */
+  dopt_rc_stat rc;      /* (rowcol and factored) */
+} dopt_update_frame;
+/* Maps the frame at base (NULL: only sizes it); returns its bytes. */
+size_t dopt_update_frame_map(void *base, const dopt_piece *pc, int rowcol, dopt_update_frame *f);
+/* impl->frame of the steps with / without row-column statistics */
+size_t dopt_update_frame_rowcol(const double *hp, const dopt_piece *pc);
+size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc);
+
 /* Factored second-moment approximation times x on the piece (HF
  * _approx_sq_grad): out[k] = (rsqrt(row[r]/rmean[b]) · rsqrt(col[c])) · x[k]
  * for the local element k at logical row r and column c; rmean[b] is the mean

@@ -161,6 +161,32 @@ dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc,
   return red ? red->post_sum_i64(red->ctx, &acc[0].w[0], nacc * DOPT_XSUM_WORDS) : DOPT_OK;
 }
 
+size_t dopt_update_frame_map(void *base, const dopt_piece *pc, int rowcol, dopt_update_frame *f) {
+  dopt_frame fr = {base, 0};
+  memset(f, 0, sizeof *f);
+  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
+  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
+  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
+  if (rowcol && pc->factored) {
+    f->rmean = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rmean);
+    f->cmean = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cmean);
+    dopt_rc_take(&fr, pc, &f->rc);
+  }
+  return fr.off;
+}
+
+size_t dopt_update_frame_rowcol(const double *hp, const dopt_piece *pc) {
+  (void)hp;
+  dopt_update_frame f;
+  return dopt_update_frame_map(NULL, pc, 1, &f);
+}
+
+size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc) {
+  (void)hp;
+  dopt_update_frame f;
+  return dopt_update_frame_map(NULL, pc, 0, &f);
+}
+
 /* Finalisation: the means over the logical extents (in the stage after the SUM). */
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;

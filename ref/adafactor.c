@@ -84,33 +84,6 @@ static float step_size(const double *hp, double t, float rms) {
   return (float)(rho * hp[EPS2]);
 }
 
-/* The frame: what one stage leaves to the next. */
-typedef struct frame {
-  dopt_ss_stat *pss, *uss; /* Σw², Σu² */
-  float *u;                /* [n] G² + eps1, then the update */
-  float *rmean, *cmean;    /* [b·h], [b·w] means of G² + eps1 (factored) */
-  dopt_rc_stat rc;         /* their reduction (factored) */
-} frame;
-
-static size_t map_frame(void *base, const dopt_piece *pc, frame *f) {
-  dopt_frame fr = {base, 0};
-  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
-  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
-  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
-  if (pc->factored) {
-    f->rmean = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rmean);
-    f->cmean = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cmean);
-    dopt_rc_take(&fr, pc, &f->rc);
-  }
-  return fr.off;
-}
-
-static size_t frame_bytes(const double *hp, const dopt_piece *pc) {
-  (void)hp;
-  frame f;
-  return map_frame(NULL, pc, &f);
-}
-
 /* Stages (factored; a 1-D parameter has no row/column means and needs only
  * S0 = S0+S2, S1 = S1+S3, S2 = S4):
  *   S0  MAX   ‖w‖² and the row/column maxima of U = G² + eps1
@@ -130,8 +103,8 @@ static dopt_status step(const dopt_step_args *a) {
   float *row = a->state[s++]; /* [b, h] whole (1-D: exp_avg_sq, local) */
   float *col = pc->factored ? a->state[s++] : NULL; /* [b, w] whole */
   float *rms_state = a->state[s];
-  frame f;
-  map_frame(a->frame, pc, &f);
+  dopt_update_frame f;
+  dopt_update_frame_map(a->frame, pc, 1, &f);
   float *u = f.u;
 
   const double t = (double)a->step;
@@ -199,7 +172,7 @@ const dopt_optim_impl dopt_impl_adafactor = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .frame = frame_bytes,
+    .frame = dopt_update_frame_rowcol,
     .step = step,
     .distributable = 1,
 };

@@ -66,33 +66,6 @@ static void ema(float *stat, const float *mean, size_t n, double beta) {
   for (size_t i = 0; i < n; i++) stat[i] = stat[i] * b + omb * mean[i];
 }
 
-/* The frame: what one stage leaves to the next. */
-typedef struct frame {
-  dopt_ss_stat *pss, *uss; /* Σw², Σu² */
-  float *u;                /* [n] G² + eps1, the update Û, then the residual */
-  float *rmean, *cmean;    /* [b·h], [b·w] (factored) */
-  dopt_rc_stat rc;         /* row/column means of G² + eps1, then of the residual (factored) */
-} frame;
-
-static size_t map_frame(void *base, const dopt_piece *pc, frame *f) {
-  dopt_frame fr = {base, 0};
-  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
-  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
-  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
-  if (pc->factored) {
-    f->rmean = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rmean);
-    f->cmean = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cmean);
-    dopt_rc_take(&fr, pc, &f->rc);
-  }
-  return fr.off;
-}
-
-static size_t frame_bytes(const double *hp, const dopt_piece *pc) {
-  (void)hp;
-  frame f;
-  return map_frame(NULL, pc, &f);
-}
-
 /* Stages (factored; a 1-D parameter needs S0 = S0+S2, S1 = S1+S3, S2 = S4+S6
  * without the residual statistics):
  *   S0  MAX   ‖w‖², row/column maxima of U = G² + eps1
@@ -120,8 +93,8 @@ static dopt_status step(const dopt_step_args *a) {
   } else {
     rms_state = a->state[2];
   }
-  frame f;
-  map_frame(a->frame, pc, &f);
+  dopt_update_frame f;
+  dopt_update_frame_map(a->frame, pc, 1, &f);
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
   float *u = f.u;
   const float eps1 = (float)hp[EPS1], eps2 = (float)hp[EPS2];
@@ -199,7 +172,7 @@ const dopt_optim_impl dopt_impl_came = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .frame = frame_bytes,
+    .frame = dopt_update_frame_rowcol,
     .step = step,
     .distributable = 1,
 };

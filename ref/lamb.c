@@ -40,26 +40,6 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   return 2;
 }
 
-/* The frame: the update u [n] and the two sums of squares. */
-typedef struct frame {
-  dopt_ss_stat *pss, *uss;
-  float *u;
-} frame;
-
-static size_t map_frame(void *base, const dopt_piece *pc, frame *f) {
-  dopt_frame fr = {base, 0};
-  f->pss = dopt_frame_take(&fr, sizeof *f->pss);
-  f->uss = dopt_frame_take(&fr, sizeof *f->uss);
-  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
-  return fr.off;
-}
-
-static size_t frame_bytes(const double *hp, const dopt_piece *pc) {
-  (void)hp;
-  frame f;
-  return map_frame(NULL, pc, &f);
-}
-
 /* Stages: S0 moments, u, and the maxima of ‖p‖², ‖u‖² (MAX); S1 their words
  * (SUM); S2 the trust ratio and the update. */
 static dopt_status step(const dopt_step_args *a) {
@@ -67,8 +47,8 @@ static dopt_status step(const dopt_step_args *a) {
   const size_t n = a->piece->len;
   const float *g = a->grad;
   float *w = a->param, *m = a->state[0], *v = a->state[1];
-  frame f;
-  map_frame(a->frame, a->piece, &f);
+  dopt_update_frame f;
+  dopt_update_frame_map(a->frame, a->piece, 0, &f);
   float *u = f.u;
   if (a->stage == 0) {
     const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
@@ -111,7 +91,7 @@ const dopt_optim_impl dopt_impl_lamb = {
     .nhp = NHP,
     .validate = validate,
     .layout = layout,
-    .frame = frame_bytes,
+    .frame = dopt_update_frame_norms,
     .step = step,
     .distributable = 1,
 };
