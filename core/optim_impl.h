@@ -102,9 +102,10 @@ typedef struct dopt_optim_impl {
   size_t (*frame)(const double *hp, const dopt_piece *piece);
   /* One stage of a step on one piece (see dopt_step_args). */
   dopt_status (*step)(const dopt_step_args *a);
-  /* 1: the step is correct on any piece with a reducer (distributed/ may shard it);
-   * 0: it needs the whole tensor (e.g. an SVD of the full gradient) and
-   * distributed/ refuses it. */
+  /* 1: the step is correct on any piece with a reducer (distributed/ shards
+   * it piecewise); 0: it needs the whole tensor (an SVD of the full gradient,
+   * 8-bit blocks of the logical tensor) and distributed/ runs it whole on one
+   * owner rank per parameter (docs/distributed.md, owner mode). */
   int distributable;
   /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
    * belongs to the inner optimizer it chooses (docs/lisa.md). */
