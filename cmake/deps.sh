@@ -2,7 +2,7 @@
 # Installs distopt's build and test dependencies (Debian packages) when run as
 # root; otherwise prints the exact apt-get line and fails.
 set -euo pipefail
-pkgs=(cmake make gcc pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev)
+pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -71,6 +71,7 @@ typedef struct cmp_result {
   uint64_t declared_ulp;   /* the optimizer's declared tolerance (0: bitwise) */
   int equivalent;          /* every tensor within declared_ulp at every step, same skips */
   int rank;                /* this process's rank (backend nccl); only rank 0 measures and reports */
+  int micro;               /* micro-batches per step actually used (with a trace: its shards / dp) */
 } cmp_result;
 
 typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t worst_ulp, void *user);

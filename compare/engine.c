@@ -161,6 +161,11 @@ static dopt_status load_source(const cmp_options *o, source *s) {
   if (s->shards % o->dp != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "dp=%d does not divide the %d shards per step of %s", o->dp, s->shards,
                       o->trace_path);
+  if (o->micro != 1 && o->micro != s->shards / o->dp) /* the trace's shards are the micro-batches */
+    return dopt__fail(DOPT_ERR_INVALID_ARG,
+                      "accumulation=%d with a trace: its %d shards per step over dp=%d are %d micro-batches per rank "
+                      "(leave accumulation out or set it to %d)",
+                      o->micro, s->shards, o->dp, s->shards / o->dp, s->shards / o->dp);
   char *copy = strdup(params), *save = NULL;
   dopt_status st = DOPT_OK;
   for (char *tok = strtok_r(copy, ",", &save); tok && st == DOPT_OK; tok = strtok_r(NULL, ",", &save)) {
@@ -585,6 +590,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   source s;
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
+  if (st == DOPT_OK) r->micro = micro_of(o, &s);
   dopt_device *dev = NULL;
   int devno = 0; /* backend nccl: the local rank's GPU, local rank mod devices (as dopt_nccl_init_env) */
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {

@@ -140,7 +140,7 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (o->hparams[0]) fprintf(f, " %s", o->hparams);
   fprintf(f, " | %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d | %d step%s", o->plugin, o->tp, o->dp, o->zero, r->steps,
           plural(r->steps));
-  if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
+  if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
   if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
   else fprintf(f, " | gradients: %s (seed %llu)", o->source, (unsigned long long)o->seed);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
@@ -264,7 +264,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, op, "zero", cJSON_CreateNumber(o->zero));
     jadd(b, op, "ranks", cJSON_CreateNumber(o->ranks > 0 ? o->ranks : o->tp * o->dp));
     jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
-    jadd(b, op, "accumulation", cJSON_CreateNumber(o->micro));
+    jadd(b, op, "accumulation", cJSON_CreateNumber(r->micro > 0 ? r->micro : o->micro));
     jadd(b, op, "max_grad_norm", cJSON_CreateNumber(o->max_grad_norm));
     jadd(b, op, "bf16", cJSON_CreateBool(o->bf16 != 0));
     cJSON *gr = jadd(b, op, "gradients", cJSON_CreateObject());
@@ -472,7 +472,7 @@ static int svg_body(FILE *f, const void *vctx) {
   fprintf(f, " tp%d\xC3\x97" "dp%d\xC3\x97zero%d</text>\n", o->tp, o->dp, o->zero);
   fprintf(f, "<text x=\"%.1f\" y=\"46\" fill=\"#444444\">max |distributed \xE2\x88\x92 reference| per step, ", PL);
   fprintf(f, "%d step%s", r->steps, plural(r->steps));
-  if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
+  if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
   fputs(", gradients: ", f);
   xml_text(f, o->source, 0);
   if (o->bf16) fputs(", bf16", f);

@@ -317,6 +317,8 @@ static void test_compare_bad_input(void **st) {
   expect_usage_error(ARGS("--tp", "2", "--dp", "2", "--ranks", "3"), "ranks=3", json);
   expect_usage_error(ARGS("--trace", "/nonexistent/trace.safetensors"), "/nonexistent/trace.safetensors", json);
   expect_usage_error(ARGS("--trace", trace, "--dp", "3", "--tp", "1"), "dp=3", json);
+  /* a trace's shards are the micro-batches: a different --accumulation is refused, not ignored */
+  expect_usage_error(ARGS("--trace", trace, "--accumulation", "3"), "accumulation=3 with a trace", json);
   expect_usage_error(ARGS("--config", yaml), "zeroo", json);
   expect_usage_error(ARGS("--steps", "0"), "--steps", json);
 #undef ARGS
