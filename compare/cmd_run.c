@@ -18,6 +18,7 @@
  * Bad input: one-line error, exit 2, no output file; a failure while
  * computing or writing: exit 1, no output file. */
 #include <fnmatch.h>
+#include <sys/stat.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +41,7 @@ typedef struct run_param {
 
 typedef struct run_ctx {
   const char *params_path, *grads_path, *out_path, *optimizer, *hparams;
+  const char *mf_path; /* the file given as --params (a golden case file when it names its inputs) */
   const char *group_spec[MAX_GROUPS];
   int ngroups;
   long steps;
@@ -146,6 +148,10 @@ static run_param *find_param(run_ctx *c, const char *name) {
   return NULL;
 }
 
+/* The largest step a gradient file may name: every step up to it runs, even
+ * without gradients (a wrapper's clock counts them), so an unbounded one is a hang. */
+#define RUN_MAX_STEPS 10000000
+
 /* Validates every grad/<t>/<name> tensor up front (unknown names, shapes,
  * dtypes, step range) so that no work is done on bad input. */
 static int check_grads(run_ctx *c) {
@@ -154,10 +160,18 @@ static int check_grads(run_ctx *c) {
   for (int i = 0; i < dopt_st_count(c->gf); i++) {
     dopt_st_get(c->gf, i, &t);
     if (!has_prefix(t.name, "grad/")) continue;
-    char *end;
-    long step = strtol(t.name + 5, &end, 10);
-    if (end == t.name + 5 || *end != '/' || step <= 0)
-      return cli_errorf(CMD, "%s: tensor '%s': expected grad/<step>/<param>", c->grads_path, t.name);
+    /* the step: decimal digits, no sign, space or leading zero (grad/01/w would never be looked up) */
+    const char *digits = t.name + 5;
+    long step = 0;
+    int nd = 0;
+    while (digits[nd] >= '0' && digits[nd] <= '9' && nd < 10) step = step * 10 + (digits[nd] - '0'), nd++;
+    if (nd == 0 || digits[nd] != '/' || digits[0] == '0')
+      return cli_errorf(CMD, "%s: tensor '%s': expected grad/<step>/<param> with step a decimal integer >= 1",
+                        c->grads_path, t.name);
+    if (step > RUN_MAX_STEPS)
+      return cli_errorf(CMD, "%s: tensor '%s': step %ld is beyond the limit of %d steps", c->grads_path, t.name, step,
+                        RUN_MAX_STEPS);
+    const char *end = digits + nd;
     run_param *p = find_param(c, end + 1);
     if (!p) return cli_errorf(CMD, "%s: gradient '%s' names no parameter", c->grads_path, t.name);
     if (t.dtype != DOPT_F32) return cli_errorf(CMD, "%s: gradient '%s' is %s, expected F32", c->grads_path, t.name, dopt_dtype_name(t.dtype));
@@ -196,25 +210,39 @@ static int build_optimizer(run_ctx *c) {
   if (!gid) return cli_errorf(CMD, "out of memory");
   int rc = CLI_OK;
   if (c->ngroups == 0 && meta_groups && meta_ghp) {
-    /* metadata groups: "a,b|c,d" with "k=v|k=v,k=v" */
+    /* metadata groups: "a,b|c,d" with "k=v|k=v,k=v": the same number of fields, none empty */
+    int ng = 1, nh = 1;
+    for (const char *q = meta_groups; *q; q++) ng += *q == '|';
+    for (const char *q = meta_ghp; *q; q++) nh += *q == '|';
+    if (ng != nh)
+      rc = cli_errorf(CMD, "%s: metadata 'groups' has %d groups but 'group_hparams' has %d", c->params_path, ng, nh);
     char *gs = strdup(meta_groups), *hs = strdup(meta_ghp);
-    char *gsave = NULL, *hsave = NULL;
-    char *gtok = strtok_r(gs, "|", &gsave), *htok = strtok_r(hs, "|", &hsave);
-    for (; gtok && htok && rc == CLI_OK; gtok = strtok_r(NULL, "|", &gsave), htok = strtok_r(NULL, "|", &hsave)) {
+    char *gtok = gs, *htok = hs;
+    for (int k = 0; rc == CLI_OK && gs && hs && k < ng; k++) {
+      char *gnext = strchr(gtok, '|'), *hnext = strchr(htok, '|');
+      if (gnext) *gnext = '\0';
+      if (hnext) *hnext = '\0';
       int g;
       if ((s = dopt_optim_add_group(c->opt, htok, &g)) != DOPT_OK) {
         rc = cli_error(CMD, s);
         break;
       }
-      char *psave = NULL;
-      for (char *pn = strtok_r(gtok, ",", &psave); pn; pn = strtok_r(NULL, ",", &psave)) {
-        run_param *p = find_param(c, pn);
+      char *pn = gtok;
+      for (;;) {
+        char *comma = strchr(pn, ',');
+        if (comma) *comma = '\0';
+        run_param *p = *pn ? find_param(c, pn) : NULL;
         if (!p) {
-          rc = cli_errorf(CMD, "%s: metadata group names unknown parameter '%s'", c->params_path, pn);
+          rc = cli_errorf(CMD, "%s: metadata group %d names %s parameter '%s'", c->params_path, k + 1,
+                          *pn ? "unknown" : "an empty", pn);
           break;
         }
         gid[p - c->p] = g;
+        if (!comma) break;
+        pn = comma + 1;
       }
+      if (gnext) gtok = gnext + 1;
+      if (hnext) htok = hnext + 1;
     }
     free(gs);
     free(hs);
@@ -234,8 +262,20 @@ static int build_optimizer(run_ctx *c) {
       rc = cli_error(CMD, s);
       break;
     }
-    for (int i = 0; i < c->np; i++)
-      if (gid[i] == 0 && fnmatch(glob, c->p[i].name, 0) == 0) gid[i] = g;
+    int matched = 0, any = 0;
+    for (int i = 0; i < c->np; i++) {
+      int m = fnmatch(glob, c->p[i].name, 0);
+      if (m != 0 && m != FNM_NOMATCH) {
+        rc = cli_errorf(CMD, "--group '%s': malformed pattern '%s'", spec, glob);
+        break;
+      }
+      any |= m == 0;
+      if (gid[i] == 0 && m == 0) gid[i] = g, matched++;
+    }
+    if (rc == CLI_OK && !any)
+      rc = cli_errorf(CMD, "--group '%s': the pattern '%s' matches no parameter", spec, glob);
+    else if (rc == CLI_OK && !matched)
+      rc = cli_errorf(CMD, "--group '%s': every parameter '%s' matches is already in an earlier group", spec, glob);
   }
   for (int i = 0; i < c->np && rc == CLI_OK; i++) {
     dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
@@ -359,6 +399,22 @@ static int follow_inputs(run_ctx *c) {
   return CLI_OK;
 }
 
+/* 1 when a and b name the same existing file (hard links and ./ spellings included). */
+static int same_file(const char *a, const char *b) {
+  struct stat x, y;
+  return a && b && stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+/* --out must not replace an input (the output is written atomically, so it would). */
+static int check_out(const run_ctx *c) {
+  const char *in[] = {c->params_path, c->grads_path, c->inputs_path, c->mf_path};
+  for (size_t k = 0; k < sizeof in / sizeof in[0]; k++)
+    if (same_file(c->out_path, in[k]))
+      return cli_errorf(CMD, "--out '%s' is the input '%s': it would be replaced (choose another output path)",
+                        c->out_path, in[k]);
+  return CLI_OK;
+}
+
 int cmd_run(int argc, char **argv) {
   run_ctx c;
   memset(&c, 0, sizeof c);
@@ -366,6 +422,7 @@ int cmd_run(int argc, char **argv) {
   dopt_status s;
   if (rc == CLI_OK && (s = dopt_st_load(c.params_path, &c.pf)) != DOPT_OK) rc = cli_error(CMD, s);
   c.mf = c.pf;
+  c.mf_path = c.params_path;
   if (rc == CLI_OK) rc = follow_inputs(&c);
   if (rc == CLI_OK) {
     if (!c.grads_path || strcmp(c.grads_path, c.params_path) == 0) {
@@ -375,6 +432,7 @@ int cmd_run(int argc, char **argv) {
       rc = cli_error(CMD, s);
     }
   }
+  if (rc == CLI_OK) rc = check_out(&c);
   if (rc == CLI_OK) rc = load_params(&c);
   if (rc == CLI_OK) rc = check_grads(&c);
   if (rc == CLI_OK) rc = build_optimizer(&c);

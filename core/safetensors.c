@@ -79,6 +79,9 @@ static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *
     return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': data_offsets [%.0f, %.0f] outside the %zu-byte buffer", p,
                       t->name, b, en, f->buf_len);
   t->bytes = (size_t)en - (size_t)b;
+  if (t->numel > SIZE_MAX / dopt_dtype_size(t->dtype)) /* numel · size wraps (e.g. [2^31, 2^31] F32 = 2^64 bytes) */
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': %zu x %s elements overflow the byte count", p, t->name,
+                      t->numel, dopt_dtype_name(t->dtype));
   if (t->bytes != t->numel * dopt_dtype_size(t->dtype))
     return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': %zu bytes for %zu x %s elements", p, t->name, t->bytes,
                       t->numel, dopt_dtype_name(t->dtype));

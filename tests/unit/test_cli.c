@@ -173,6 +173,8 @@ static void test_run_golden_case(void **st) {
   dopt_st_free(res);
 }
 
+static char *slurp(const char *path);
+
 static void test_bad_input(void **st) {
   (void)st;
   char out[600], garbage[600], trunc[600], shaped[600];
@@ -219,6 +221,62 @@ static void test_bad_input(void **st) {
   expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw"), "--out", out);
   expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--group", "nocolon", "--out", out), "nocolon",
                      out);
+  /* hostile input that used to pass silently or hang */
+  char odd[600], far[600], meta[600], copy[600];
+  snprintf(odd, sizeof odd, "%s/odd.safetensors", dir);
+  snprintf(far, sizeof far, "%s/far.safetensors", dir);
+  snprintf(meta, sizeof meta, "%s/meta.safetensors", dir);
+  snprintf(copy, sizeof copy, "%s/copy.safetensors", dir);
+  float x[2] = {1, 2};
+  const int64_t s2[1] = {2};
+  static const char *const odd_names[] = {"grad/01/w", "grad/+1/w", "grad/ 1/w", "grad/1x/w"};
+  for (int k = 0; k < 4; k++) { /* names that were accepted and never applied */
+    assert_ok(dopt_st_writer_create(&w));
+    assert_ok(dopt_st_writer_add(w, "w", DOPT_F32, 1, s2, x));
+    assert_ok(dopt_st_writer_add(w, "grad/1/w", DOPT_F32, 1, s2, x));
+    assert_ok(dopt_st_writer_add(w, odd_names[k], DOPT_F32, 1, s2, x));
+    assert_ok(dopt_st_writer_save(w, odd));
+    dopt_st_writer_free(w);
+    expect_usage_error(ARGS("--params", odd, "--optimizer", "adamw", "--out", out), odd_names[k], out);
+  }
+  assert_ok(dopt_st_writer_create(&w)); /* a step count that would run for hours */
+  assert_ok(dopt_st_writer_add(w, "w", DOPT_F32, 1, s2, x));
+  assert_ok(dopt_st_writer_add(w, "grad/1000000000/w", DOPT_F32, 1, s2, x));
+  assert_ok(dopt_st_writer_save(w, far));
+  dopt_st_writer_free(w);
+  expect_usage_error(ARGS("--params", far, "--optimizer", "adamw", "--out", out), "beyond the limit", out);
+  static const char *const groups[][3] = {{"w||v", "lr=1|lr=2|lr=3", "empty"}, /* an empty field shifted groups */
+                                          {"w|v", "lr=1", "2 groups but 'group_hparams' has 1"}};
+  for (int k = 0; k < 2; k++) {
+    assert_ok(dopt_st_writer_create(&w));
+    assert_ok(dopt_st_writer_add(w, "w", DOPT_F32, 1, s2, x));
+    assert_ok(dopt_st_writer_add(w, "v", DOPT_F32, 1, s2, x));
+    assert_ok(dopt_st_writer_add(w, "grad/1/w", DOPT_F32, 1, s2, x));
+    assert_ok(dopt_st_writer_meta(w, "optimizer", "adamw"));
+    assert_ok(dopt_st_writer_meta(w, "groups", groups[k][0]));
+    assert_ok(dopt_st_writer_meta(w, "group_hparams", groups[k][1]));
+    assert_ok(dopt_st_writer_save(w, meta));
+    dopt_st_writer_free(w);
+    expect_usage_error(ARGS("--params", meta, "--out", out), groups[k][2], out);
+  }
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--group", "nomatch*:lr=1", "--out", out),
+                     "matches no parameter", out);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--group", "[:lr=1", "--out", out), "'['",
+                     out);
+  /* --out naming an input would replace it */
+  FILE *a = fopen(inputs, "rb"), *b = fopen(copy, "wb");
+  size_t got;
+  while ((got = fread(buf, 1, sizeof buf, a)) > 0) fwrite(buf, 1, got, b);
+  fclose(a);
+  fclose(b);
+  const char *same[] = {"run", "--params", copy, "--optimizer", "adamw", "--out", copy, NULL};
+  assert_int_equal(run(same), 2);
+  char *err = slurp(errfile), *before = slurp(inputs), *after = slurp(copy);
+  if (!err || !strstr(err, "would be replaced")) fail_msg("--out = --params: '%s'", err ? err : "");
+  assert_non_null(before);
+  assert_non_null(after);
+  assert_memory_equal(before, after, 64); /* the input is intact */
+  free(err), free(before), free(after);
 #undef ARGS
 }
 

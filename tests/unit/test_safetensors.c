@@ -97,6 +97,9 @@ static void test_malformed(void **st) {
        "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
        16, -1, DOPT_ERR_FORMAT, "twice"},
       {"{\"__metadata__\":{\"k\":1}}", 0, -1, DOPT_ERR_FORMAT, "__metadata__['k']"},
+      /* numel = 2^62, bytes = 2^64 ≡ 0: accepted (and crashing later) before the byte count was overflow-checked */
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],\"data_offsets\":[0,0]}}", 0, -1,
+       DOPT_ERR_FORMAT, "overflow the byte count"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     char name[32];
