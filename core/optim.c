@@ -25,7 +25,9 @@ struct dopt_optim {
   group *groups;
   int ngroups;
   dopt_param *params;
-  int nparams;
+  int nparams, params_cap;
+  int *by_data;      /* open-addressing set of params[i].data -> i + 1 (0: empty), by_data_cap slots */
+  size_t by_data_cap;
   void *frame; /* one step's frame, reused by every parameter (the reference runs a step's stages back to back) */
   size_t frame_cap;
 };
@@ -238,6 +240,7 @@ void dopt_optim_destroy(dopt_optim *o) {
     free(o->params[i].name);
   }
   free(o->params);
+  free(o->by_data);
   free(o->groups);
   free(o->frame);
   free(o);
@@ -326,6 +329,48 @@ dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double 
   return DOPT_OK;
 }
 
+/* ---- the data-pointer set: add_param refuses a parameter that aliases another in O(1) --- */
+
+static size_t ptr_hash(const void *p, size_t cap) {
+  uint64_t x = (uint64_t)(uintptr_t)p;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  return (size_t)(x & (cap - 1)); /* cap is a power of two */
+}
+
+/* 1 + the index of the parameter whose fp32 data is p, or 0. */
+static int find_data(const dopt_optim *o, const void *p) {
+  if (!o->by_data_cap) return 0;
+  for (size_t h = ptr_hash(p, o->by_data_cap);; h = (h + 1) & (o->by_data_cap - 1)) {
+    int v = o->by_data[h];
+    if (v == 0) return 0;
+    if (o->params[v - 1].data == p) return v;
+  }
+}
+
+static dopt_status index_data(dopt_optim *o, const void *p, int i) {
+  if ((size_t)(o->nparams + 1) * 2 > o->by_data_cap) { /* keep the load <= 1/2 */
+    size_t cap = o->by_data_cap ? 2 * o->by_data_cap : 64;
+    int *t = calloc(cap, sizeof *t);
+    if (!t) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: index of %d parameters", o->nparams + 1);
+    for (size_t k = 0; k < o->by_data_cap; k++) {
+      int v = o->by_data[k];
+      if (!v) continue;
+      size_t h = ptr_hash(o->params[v - 1].data, cap);
+      while (t[h]) h = (h + 1) & (cap - 1);
+      t[h] = v;
+    }
+    free(o->by_data);
+    o->by_data = t;
+    o->by_data_cap = cap;
+  }
+  size_t h = ptr_hash(p, o->by_data_cap);
+  while (o->by_data[h]) h = (h + 1) & (o->by_data_cap - 1);
+  o->by_data[h] = i + 1;
+  return DOPT_OK;
+}
+
 dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *cfg, int *pid) {
   DOPT_TRY(check_group(o, g, "dopt_optim_add_param"));
   DOPT_CHECK_ARG(cfg != NULL, "dopt_optim_add_param: config=NULL");
@@ -345,14 +390,19 @@ dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *
   DOPT_CHECK_ARG(cfg->data != NULL, "dopt_optim_add_param: '%s' data=NULL", nm);
   DOPT_CHECK_ARG(cfg->dtype != DOPT_BF16 || cfg->master != NULL,
                  "dopt_optim_add_param: '%s' dtype=BF16 needs master (fp32 master weights)", nm);
-  for (int i = 0; i < o->nparams; i++)
-    if (o->params[i].data == cfg->data || (cfg->master && o->params[i].data == cfg->master))
-      return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_optim_add_param: '%s' shares its data with '%s'", nm,
-                        o->params[i].name);
-  dopt_param *ps = realloc(o->params, (size_t)(o->nparams + 1) * sizeof *ps);
-  if (!ps) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: '%s'", nm);
-  o->params = ps;
-  dopt_param *p = &ps[o->nparams];
+  int other = find_data(o, cfg->data);
+  if (!other && cfg->master) other = find_data(o, cfg->master);
+  if (other)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_optim_add_param: '%s' shares its data with '%s'", nm,
+                      o->params[other - 1].name);
+  if (o->nparams == o->params_cap) { /* geometric growth: n parameters in O(n) copies */
+    int cap = o->params_cap ? 2 * o->params_cap : 16;
+    dopt_param *ps = realloc(o->params, (size_t)cap * sizeof *ps);
+    if (!ps) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: '%s'", nm);
+    o->params = ps;
+    o->params_cap = cap;
+  }
+  dopt_param *p = &o->params[o->nparams];
   memset(p, 0, sizeof *p);
   p->name = malloc(strlen(nm) + 1);
   if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: '%s'", nm);
@@ -368,6 +418,11 @@ dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *
     p->data = cfg->data;
   }
   p->layer = cfg->layer;
+  dopt_status ix = index_data(o, p->data, o->nparams);
+  if (ix != DOPT_OK) {
+    free(p->name);
+    return ix;
+  }
   if (pid) *pid = o->nparams;
   o->nparams++;
   return DOPT_OK;

@@ -21,6 +21,7 @@ struct dopt_st_file {
   cJSON *header;
   dopt_st_tensor *t;
   int n;
+  int *by_name; /* [n] indices of t sorted by name: duplicates and lookups in O(n log n) / O(log n) */
 };
 
 static int dtype_from_name(const char *s) {
@@ -41,6 +42,7 @@ void dopt_st_free(dopt_st_file *f) {
   free(f->buf);
   cJSON_Delete(f->header);
   free(f->t);
+  free(f->by_name);
   free(f);
 }
 
@@ -87,6 +89,31 @@ static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *
                       t->numel, dopt_dtype_name(t->dtype));
   t->data = f->buf + (size_t)b;
   return DOPT_OK;
+}
+
+/* Sorts f->by_name by the tensors' names (a merge sort: qsort has no context
+ * argument in C11, and the names live in f->t). */
+static void sort_by_name(dopt_st_file *f) {
+  int n = f->n, *a = f->by_name, *tmp = malloc((size_t)(n ? n : 1) * sizeof *tmp);
+  if (!tmp) { /* insertion sort: correct, only slower */
+    for (int i = 1; i < n; i++)
+      for (int j = i; j > 0 && strcmp(f->t[a[j - 1]].name, f->t[a[j]].name) > 0; j--) {
+        int x = a[j];
+        a[j] = a[j - 1];
+        a[j - 1] = x;
+      }
+    return;
+  }
+  for (int w = 1; w < n; w *= 2) {
+    for (int lo = 0; lo < n; lo += 2 * w) {
+      int mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n, i = lo, j = mid, k = lo;
+      while (i < mid && j < hi) tmp[k++] = strcmp(f->t[a[i]].name, f->t[a[j]].name) <= 0 ? a[i++] : a[j++];
+      while (i < mid) tmp[k++] = a[i++];
+      while (j < hi) tmp[k++] = a[j++];
+    }
+    memcpy(a, tmp, (size_t)n * sizeof *a);
+  }
+  free(tmp);
 }
 
 dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
@@ -159,13 +186,21 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
       continue;
     }
     if ((s = parse_entry(f, e, &f->t[f->n])) != DOPT_OK) goto done;
-    for (int i = 0; i < f->n; i++)
-      if (strcmp(f->t[i].name, e->string) == 0) {
-        s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s' appears twice", path, e->string);
-        goto done;
-      }
     f->n++;
   }
+  /* the name index; a name twice is adjacent in it */
+  f->by_name = malloc((size_t)(f->n ? f->n : 1) * sizeof *f->by_name);
+  if (!f->by_name) {
+    s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: %d tensors", path, f->n);
+    goto done;
+  }
+  for (int i = 0; i < f->n; i++) f->by_name[i] = i;
+  sort_by_name(f);
+  for (int i = 1; i < f->n; i++)
+    if (strcmp(f->t[f->by_name[i - 1]].name, f->t[f->by_name[i]].name) == 0) {
+      s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s' appears twice", path, f->t[f->by_name[i]].name);
+      goto done;
+    }
   /* no two tensors may share bytes */
   {
     dopt_st_tensor *sorted = malloc((size_t)(f->n ? f->n : 1) * sizeof *sorted);
@@ -206,11 +241,16 @@ dopt_status dopt_st_get(const dopt_st_file *f, int i, dopt_st_tensor *out) {
 
 dopt_status dopt_st_find(const dopt_st_file *f, const char *name, dopt_st_tensor *out) {
   DOPT_CHECK_ARG(f && name && out, "dopt_st_find: NULL argument");
-  for (int i = 0; i < f->n; i++)
-    if (strcmp(f->t[i].name, name) == 0) {
-      *out = f->t[i];
+  int lo = 0, hi = f->n; /* binary search of the name index */
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2, c = strcmp(f->t[f->by_name[mid]].name, name);
+    if (c == 0) {
+      *out = f->t[f->by_name[mid]];
       return DOPT_OK;
     }
+    if (c < 0) lo = mid + 1;
+    else hi = mid;
+  }
   return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: no tensor '%s'", f->path, name);
 }
 
@@ -247,8 +287,48 @@ typedef struct st_item {
 struct dopt_st_writer {
   st_item *items;
   int n, cap;
+  int *names;       /* open-addressing set of item names -> index + 1 (0: empty) */
+  size_t names_cap; /* a power of two, load <= 1/2 */
   cJSON *meta;
 };
+
+static size_t name_hash(const char *s, size_t cap) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return (size_t)(h & (cap - 1));
+}
+
+/* 1 + the index of the item called name, or 0. */
+static int writer_find(const dopt_st_writer *w, const char *name) {
+  if (!w->names_cap) return 0;
+  for (size_t h = name_hash(name, w->names_cap);; h = (h + 1) & (w->names_cap - 1)) {
+    int v = w->names[h];
+    if (!v || strcmp(w->items[v - 1].name, name) == 0) return v;
+  }
+}
+
+/* Indexes item i (its name set); grows the set first. */
+static dopt_status writer_index(dopt_st_writer *w, int i) {
+  if ((size_t)(w->n + 1) * 2 > w->names_cap) {
+    size_t cap = w->names_cap ? 2 * w->names_cap : 64;
+    int *t = calloc(cap, sizeof *t);
+    if (!t) return dopt__fail(DOPT_ERR_NO_MEMORY, "safetensors writer: index of %d tensors", w->n + 1);
+    for (size_t k = 0; k < w->names_cap; k++) {
+      int v = w->names[k];
+      if (!v) continue;
+      size_t h = name_hash(w->items[v - 1].name, cap);
+      while (t[h]) h = (h + 1) & (cap - 1);
+      t[h] = v;
+    }
+    free(w->names);
+    w->names = t;
+    w->names_cap = cap;
+  }
+  size_t h = name_hash(w->items[i].name, w->names_cap);
+  while (w->names[h]) h = (h + 1) & (w->names_cap - 1);
+  w->names[h] = i + 1;
+  return DOPT_OK;
+}
 
 dopt_status dopt_st_writer_create(dopt_st_writer **out) {
   DOPT_CHECK_ARG(out != NULL, "dopt_st_writer_create: out=NULL");
@@ -268,6 +348,7 @@ void dopt_st_writer_free(dopt_st_writer *w) {
     free(w->items[i].data);
   }
   free(w->items);
+  free(w->names);
   cJSON_Delete(w->meta);
   free(w);
 }
@@ -278,8 +359,7 @@ dopt_status dopt_st_writer_add(dopt_st_writer *w, const char *name, dopt_dtype d
   DOPT_CHECK_ARG(*name && strcmp(name, "__metadata__") != 0, "dopt_st_writer_add: name='%s' is reserved", name);
   DOPT_CHECK_ARG(ndim >= 0 && ndim <= DOPT_MAX_DIMS, "dopt_st_writer_add: '%s' ndim=%d", name, ndim);
   DOPT_CHECK_ARG((unsigned)dtype < DOPT_DTYPE_COUNT_, "dopt_st_writer_add: '%s' dtype=%d", name, (int)dtype);
-  for (int i = 0; i < w->n; i++)
-    DOPT_CHECK_ARG(strcmp(w->items[i].name, name) != 0, "dopt_st_writer_add: tensor '%s' added twice", name);
+  DOPT_CHECK_ARG(!writer_find(w, name), "dopt_st_writer_add: tensor '%s' added twice", name);
   if (w->n == w->cap) {
     int cap = w->cap ? 2 * w->cap : 16;
     st_item *it = realloc(w->items, (size_t)cap * sizeof *it);
@@ -305,6 +385,12 @@ dopt_status dopt_st_writer_add(dopt_st_writer *w, const char *name, dopt_dtype d
   }
   strcpy(it->name, name);
   if (it->bytes) memcpy(it->data, data, it->bytes);
+  dopt_status s = writer_index(w, w->n);
+  if (s != DOPT_OK) {
+    free(it->name);
+    free(it->data);
+    return s;
+  }
   w->n++;
   return DOPT_OK;
 }

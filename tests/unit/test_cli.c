@@ -384,6 +384,38 @@ static void test_compare_bad_input(void **st) {
 
 /* LISA through the CLI: layer indices come from "layers.N." names; the result equals the library with those
  * layers, and only the sampled layer plus the unnumbered parameter change. */
+/* 80 000 parameters, each with a gradient: every loader, lookup and writer
+ * step must be O(n log n) or better (they were quadratic: 80 000 tensors never
+ * finished; the CTest TIMEOUT turns a regression into a failure). */
+static void test_many_tensors(void **st) {
+  (void)st;
+  enum { N = 80000 };
+  char many[600], out[600];
+  snprintf(many, sizeof many, "%s/many.safetensors", dir);
+  snprintf(out, sizeof out, "%s/many_out.safetensors", dir);
+  dopt_st_writer *w;
+  assert_ok(dopt_st_writer_create(&w));
+  const int64_t one[1] = {1};
+  for (int i = 0; i < N; i++) {
+    char name[64];
+    float v = 0.5f, g = 0.25f;
+    snprintf(name, sizeof name, "layers.%d.x%d", i % 7, i);
+    assert_ok(dopt_st_writer_add(w, name, DOPT_F32, 1, one, &v));
+    snprintf(name, sizeof name, "grad/1/layers.%d.x%d", i % 7, i);
+    assert_ok(dopt_st_writer_add(w, name, DOPT_F32, 1, one, &g));
+  }
+  assert_ok(dopt_st_writer_save(w, many));
+  dopt_st_writer_free(w);
+  const char *args[] = {"run", "--params", many, "--optimizer", "adamw", "--out", out, "--quiet", NULL};
+  assert_int_equal(run(args), 0);
+  dopt_st_file *f;
+  assert_ok(dopt_st_load(out, &f));
+  dopt_st_tensor t;
+  assert_ok(dopt_st_find(f, "param/layers.2.x79998", &t)); /* 79998 % 7 == 2 */
+  assert_int_equal(t.numel, 1);
+  dopt_st_free(f);
+}
+
 /* The states bytes (max rank, all ranks) of one row of `distopt mem`'s per-rank table. */
 static void mem_row(const char *txt, const char *opt, double *max, double *all) {
   char key[64];
@@ -510,6 +542,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_compare_bad_input),
       cmocka_unit_test(test_lisa_layers_from_names),
       cmocka_unit_test(test_mem_per_rank),
+      cmocka_unit_test(test_many_tensors),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
