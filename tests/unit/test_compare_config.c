@@ -235,8 +235,40 @@ static void test_missing_file(void **st) {
   assert_status(cmp_load_yaml(path, &o), DOPT_ERR_IO, "nope.yaml");
 }
 
+/* Hostile configurations are refused in one pass over the event stream
+ * (nested 200 000 deep or 50 000 keys took minutes), and leave o unchanged. */
+static void test_hostile_sizes(void **st) {
+  (void)st;
+  cmp_options o, before;
+  base_options(&o);
+  before = o;
+  size_t n = 200000;
+  char *deep = malloc(2 * n + 16);
+  assert_non_null(deep);
+  memset(deep, '[', n);
+  memset(deep + n, ']', n);
+  deep[2 * n] = '\n';
+  deep[2 * n + 1] = '\0';
+  assert_status(cmp_load_yaml(write_yaml("deep.yaml", deep), &o), DOPT_ERR_FORMAT, "nested deeper than 32");
+  free(deep);
+  size_t cap = 50000 * 16 + 64, len = 0;
+  char *wide = malloc(cap);
+  assert_non_null(wide);
+  for (int k = 0; k < 50000; k++) len += (size_t)snprintf(wide + len, cap - len, "k%d: 1\n", k);
+  assert_status(cmp_load_yaml(write_yaml("wide.yaml", wide), &o), DOPT_ERR_FORMAT, "more than 10000 YAML nodes");
+  free(wide);
+  char *big = malloc((1 << 20) + 64);
+  assert_non_null(big);
+  memset(big, '#', (1 << 20) + 10); /* one long comment: valid YAML, too large */
+  big[(1 << 20) + 10] = '\0';
+  assert_status(cmp_load_yaml(write_yaml("big.yaml", big), &o), DOPT_ERR_FORMAT, "at most 1048576");
+  free(big);
+  assert_memory_equal(&o, &before, sizeof o);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_hostile_sizes),
       cmocka_unit_test(test_full),
       cmocka_unit_test(test_partial_on_top),
       cmocka_unit_test(test_relative_trace_path),
