@@ -11,13 +11,20 @@ int cli_error(const char *cmd, dopt_status s) {
   return CLI_USAGE;
 }
 
+/* One line on stderr: control characters of the message (echoed input) are written as \xNN. */
 int cli_errorf(const char *cmd, const char *fmt, ...) {
+  char msg[1024];
   va_list ap;
   va_start(ap, fmt);
-  fprintf(stderr, "distopt %s: ", cmd);
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  fprintf(stderr, "distopt %s: ", cmd);
+  for (const char *p = msg; *p; p++) {
+    unsigned char c = (unsigned char)*p;
+    if (c < 0x20 || c == 0x7f) fprintf(stderr, "\\x%02x", c);
+    else fputc(c, stderr);
+  }
+  fputc('\n', stderr);
   return CLI_USAGE;
 }
 

@@ -4,6 +4,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 const char *dopt_status_name(dopt_status s) {
   switch (s) {
@@ -34,12 +35,28 @@ static _Thread_local char tls_msg[512];
 const char *dopt_last_error(void) { return tls_msg; }
 void dopt_clear_error(void) { tls_msg[0] = '\0'; }
 
+/* The message: "NAME: text", on one line. Every control character of the
+ * text (a newline in a tensor name, a YAML value, an argument echoed back) is
+ * written as \xNN, and a repeat of "NAME: " inside the text (a callee's
+ * message passed through) is dropped. */
 dopt_status dopt__fail(dopt_status s, const char *fmt, ...) {
+  char raw[sizeof tls_msg];
   va_list ap;
   va_start(ap, fmt);
-  int n = snprintf(tls_msg, sizeof tls_msg, "%s: ", dopt_status_name(s));
-  if (n < 0 || (size_t)n >= sizeof tls_msg) n = 0;
-  vsnprintf(tls_msg + n, sizeof tls_msg - (size_t)n, fmt, ap);
+  vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
+  const char *name = dopt_status_name(s);
+  int n = snprintf(tls_msg, sizeof tls_msg, "%s: ", name);
+  size_t o = n < 0 || (size_t)n >= sizeof tls_msg ? 0 : (size_t)n, nl = strlen(name);
+  for (const char *p = raw; *p && o + 5 < sizeof tls_msg; p++) {
+    if (strncmp(p, name, nl) == 0 && p[nl] == ':' && p[nl + 1] == ' ') {
+      p += nl + 1; /* the loop's p++ skips the space */
+      continue;
+    }
+    unsigned char c = (unsigned char)*p;
+    if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(tls_msg + o, sizeof tls_msg - o, "\\x%02x", c);
+    else tls_msg[o++] = (char)c;
+  }
+  tls_msg[o] = '\0';
   return s;
 }

@@ -661,9 +661,14 @@ dopt_status dopt_sim_launch(dopt_sim_world *w, dopt_sim_rank_fn fn, void *user,
     pthread_join(th[r], NULL);
   for (int r = 0; r < w->n; r++)
     rank_status[r] = r < started ? args[r].status : DOPT_ERR_ABORTED;
-  for (int r = 0; s == DOPT_OK && r < w->n; r++)
-    if (rank_status[r] != DOPT_OK)
-      s = dopt__fail(rank_status[r], "sim_launch: rank %d: %s", r, w->ranks[r].err);
+  /* the root cause: the lowest rank that failed on its own, not one aborted because a peer failed */
+  int first = -1;
+  for (int r = 0; r < w->n && first < 0; r++)
+    if (rank_status[r] != DOPT_OK && rank_status[r] != DOPT_ERR_ABORTED) first = r;
+  for (int r = 0; r < w->n && first < 0; r++)
+    if (rank_status[r] != DOPT_OK) first = r;
+  if (s == DOPT_OK && first >= 0)
+    s = dopt__fail(rank_status[first], "sim_launch: rank %d: %s", first, w->ranks[first].err);
   free(args);
   free(th);
   pthread_mutex_lock(&w->mu);

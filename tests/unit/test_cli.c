@@ -221,6 +221,8 @@ static void test_bad_input(void **st) {
   expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw"), "--out", out);
   expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--group", "nocolon", "--out", out), "nocolon",
                      out);
+  /* echoed input stays on one line */
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "ada\nmw", "--out", out), "ada\\x0amw", out);
   /* hostile input that used to pass silently or hang */
   char odd[600], far[600], meta[600], copy[600];
   snprintf(odd, sizeof odd, "%s/odd.safetensors", dir);

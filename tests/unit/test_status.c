@@ -2,6 +2,8 @@
  * codes are handled, and the thread-local message carries the detail. */
 #include "testutil.h"
 
+#include <stdio.h>
+
 #include "internal.h"
 
 static void test_names_and_messages(void **st) {
@@ -25,8 +27,24 @@ static void test_message(void **st) {
   assert_string_equal(dopt_last_error(), "DOPT_ERR_INVALID_ARG: lr=-1 must be >= 0");
 }
 
+/* One line whatever the input: control characters escaped, a callee's
+ * status name passed through is not repeated. */
+static void test_message_escaped_one_line(void **st) {
+  (void)st;
+  assert_int_equal(dopt__fail(DOPT_ERR_FORMAT, "tensor '%s': bad", "a\nb\tc\x7f"), DOPT_ERR_FORMAT);
+  assert_string_equal(dopt_last_error(), "DOPT_ERR_FORMAT: tensor 'a\\x0ab\\x09c\\x7f': bad");
+  dopt__fail(DOPT_ERR_ABORTED, "peer gone");
+  char inner[128];
+  snprintf(inner, sizeof inner, "%s", dopt_last_error());
+  dopt__fail(DOPT_ERR_ABORTED, "sim_launch: rank 1: %s", inner);
+  assert_string_equal(dopt_last_error(), "DOPT_ERR_ABORTED: sim_launch: rank 1: peer gone");
+  dopt__fail(DOPT_ERR_IO, "rank 1: %s", inner); /* another status's name stays: it says what the callee saw */
+  assert_string_equal(dopt_last_error(), "DOPT_ERR_IO: rank 1: DOPT_ERR_ABORTED: peer gone");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_message_escaped_one_line),
       cmocka_unit_test(test_names_and_messages),
       cmocka_unit_test(test_message),
   };
