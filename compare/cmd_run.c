@@ -37,6 +37,7 @@ typedef struct run_param {
   int64_t shape[DOPT_MAX_DIMS];
   size_t numel;
   int id;
+  int finite_before; /* every value finite before the current step */
 } run_param;
 
 typedef struct run_ctx {
@@ -46,6 +47,9 @@ typedef struct run_ctx {
   int ngroups;
   long steps;
   int quiet;
+  int apply_nonfinite; /* --nonfinite apply: step on non-finite gradients as upstream (default: skip the step) */
+  long skipped;        /* steps skipped for a non-finite gradient */
+  long first_skipped;
   dopt_st_file *pf, *gf;
   dopt_st_file *mf; /* metadata source: the --params file (a golden case file points to its inputs) */
   char *inputs_path;
@@ -60,6 +64,7 @@ static const char *const CMD = "run";
 static void run_usage(FILE *f) {
   fputs("usage: distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors\n"
         "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N] [--quiet]\n"
+        "                   [--nonfinite skip|apply]\n"
         "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
         "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
         "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n"
@@ -87,6 +92,11 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
     else if (strcmp(a, "--out") == 0) c->out_path = v;
     else if (strcmp(a, "--optimizer") == 0) c->optimizer = v;
     else if (strcmp(a, "--hparams") == 0) c->hparams = v;
+    else if (strcmp(a, "--nonfinite") == 0) {
+      if (strcmp(v, "skip") != 0 && strcmp(v, "apply") != 0)
+        return cli_errorf(CMD, "--nonfinite '%s': expected skip or apply", v);
+      c->apply_nonfinite = strcmp(v, "apply") == 0;
+    }
     else if (strcmp(a, "--group") == 0) {
       if (c->ngroups == MAX_GROUPS) return cli_errorf(CMD, "--group: more than %d groups", MAX_GROUPS);
       if (!strchr(v, ':')) return cli_errorf(CMD, "--group '%s': expected GLOB:key=value,...", v);
@@ -141,6 +151,8 @@ static int load_params(run_ctx *c) {
     if (!p->data || !p->grad) return cli_errorf(CMD, "out of memory for '%s'", nm);
     memcpy(p->data, t.data, p->numel * sizeof(float));
     p->rms0 = sqrt(dopt_xsum_sq(p->data, p->numel) / (double)p->numel);
+    p->finite_before = 1;
+    for (size_t k = 0; k < p->numel && p->finite_before; k++) p->finite_before = isfinite(p->data[k]);
     if (p->numel == 0) return cli_errorf(CMD, "%s: parameter '%s' is empty", c->params_path, nm);
   }
   if (c->np == 0) return cli_errorf(CMD, "%s: no parameters found", c->params_path);
@@ -318,10 +330,36 @@ static int run_steps(run_ctx *c) {
       memcpy(c->p[i].grad, g.data, c->p[i].numel * sizeof(float));
       grads[c->p[i].id] = c->p[i].grad;
     }
+    /* the numerical input policy (docs/nan-policy.md): a step with a NaN/Inf gradient is skipped whole and
+     * counted, as the distributed optimizers do (skip_nonfinite); --nonfinite apply steps on it as upstream */
+    int finite = 1;
+    for (int i = 0; finite && i < c->np; i++)
+      for (size_t k = 0; grads[c->p[i].id] && k < c->p[i].numel; k++)
+        if (!isfinite(c->p[i].grad[k])) {
+          finite = 0;
+          break;
+        }
+    if (!finite && !c->apply_nonfinite) {
+      if (c->skipped++ == 0) c->first_skipped = t;
+      continue;
+    }
     dopt_status s = dopt_optim_step(c->opt, grads);
     if (s != DOPT_OK) {
       fprintf(stderr, "distopt run: step %ld: %s\n", t, dopt_last_error());
       rc = CLI_FAIL;
+    }
+    /* finite gradients that give a non-finite parameter: the hyperparameters overflow the update */
+    for (int i = 0; rc == CLI_OK && i < c->np; i++) {
+      run_param *p = &c->p[i];
+      if (!grads[p->id]) continue;
+      int now_finite = 1;
+      for (size_t k = 0; k < p->numel && now_finite; k++) now_finite = isfinite(p->data[k]);
+      int overflow = finite && p->finite_before && !now_finite;
+      p->finite_before = now_finite;
+      if (overflow)
+        rc = cli_errorf(CMD, "step %ld: parameter '%s' became non-finite with finite gradients: the hyperparameters "
+                             "overflow the update (nothing written)",
+                        t, p->name);
     }
   }
   free(grads);
@@ -353,6 +391,8 @@ static int write_output(run_ctx *c) {
   if (s == DOPT_OK) s = dopt_st_writer_meta(w, "optimizer", dopt_optim_name(c->opt));
   snprintf(buf, sizeof buf, "%ld", c->steps);
   if (s == DOPT_OK) s = dopt_st_writer_meta(w, "steps", buf);
+  snprintf(buf, sizeof buf, "%ld", c->skipped);
+  if (s == DOPT_OK) s = dopt_st_writer_meta(w, "skipped_steps", buf);
   const char *hp = c->hparams ? c->hparams : (c->optimizer ? NULL : dopt_st_meta(c->mf, "hparams"));
   if (s == DOPT_OK) s = dopt_st_writer_meta(w, "hparams", hp ? hp : "");
   for (int k = 0; k < c->ngroups && s == DOPT_OK; k++) {
@@ -386,6 +426,9 @@ static void print_summary(const run_ctx *c) {
            sqrt(dopt_xsum_sq(p->data, p->numel) / (double)p->numel), bytes);
   }
   printf("total optimizer state: %zu bytes\n", total);
+  if (c->skipped)
+    printf("skipped %ld of %ld steps for a non-finite gradient (first: step %ld; --nonfinite apply steps on them)\n",
+           c->skipped, c->steps, c->first_skipped);
 }
 
 /* A golden case file holds no parameters but names its inputs file

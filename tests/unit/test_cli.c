@@ -386,6 +386,57 @@ static void test_compare_bad_input(void **st) {
 
 /* LISA through the CLI: layer indices come from "layers.N." names; the result equals the library with those
  * layers, and only the sampled layer plus the unnumbered parameter change. */
+/* The numerical input policy of `distopt run` (docs/nan-policy.md): a step with
+ * a non-finite gradient is skipped whole and counted (the run equals one
+ * without that step's gradients); finite gradients that overflow a parameter
+ * (lr = 1e300) are an error and nothing is written. */
+static void test_nonfinite_policy(void **st) {
+  (void)st;
+  char a[600], b[600], oa[600], ob[600];
+  snprintf(a, sizeof a, "%s/nan_a.safetensors", dir);
+  snprintf(b, sizeof b, "%s/nan_b.safetensors", dir);
+  snprintf(oa, sizeof oa, "%s/nan_oa.safetensors", dir);
+  snprintf(ob, sizeof ob, "%s/nan_ob.safetensors", dir);
+  const int64_t s3[1] = {3};
+  float w[3] = {0.5f, -0.25f, 1.0f}, g1[3] = {0.1f, 0.2f, -0.3f}, g2[3] = {0.1f, NAN, 0.2f}, g3[3] = {-0.2f, 0.1f, 0.4f};
+  for (int k = 0; k < 2; k++) {
+    dopt_st_writer *wr;
+    assert_ok(dopt_st_writer_create(&wr));
+    assert_ok(dopt_st_writer_add(wr, "w", DOPT_F32, 1, s3, w));
+    assert_ok(dopt_st_writer_add(wr, "grad/1/w", DOPT_F32, 1, s3, g1));
+    if (k == 0) assert_ok(dopt_st_writer_add(wr, "grad/2/w", DOPT_F32, 1, s3, g2));
+    assert_ok(dopt_st_writer_add(wr, "grad/3/w", DOPT_F32, 1, s3, g3));
+    assert_ok(dopt_st_writer_save(wr, k == 0 ? a : b));
+    dopt_st_writer_free(wr);
+  }
+  const char *ra[] = {"run", "--params", a, "--optimizer", "adamw", "--out", oa, "--quiet", NULL};
+  const char *rb[] = {"run", "--params", b, "--optimizer", "adamw", "--out", ob, "--quiet", NULL};
+  assert_int_equal(run(ra), 0);
+  assert_int_equal(run(rb), 0);
+  dopt_st_file *fa, *fb;
+  assert_ok(dopt_st_load(oa, &fa));
+  assert_ok(dopt_st_load(ob, &fb));
+  dopt_st_tensor ta, tb;
+  assert_ok(dopt_st_find(fa, "param/w", &ta));
+  assert_ok(dopt_st_find(fb, "param/w", &tb));
+  assert_memory_equal(ta.data, tb.data, 12);
+  assert_string_equal(dopt_st_meta(fa, "skipped_steps"), "1");
+  assert_string_equal(dopt_st_meta(fb, "skipped_steps"), "0");
+  dopt_st_free(fa);
+  dopt_st_free(fb);
+  const char *ap[] = {"run", "--params", a, "--optimizer", "adamw", "--out", oa, "--nonfinite", "apply", "--quiet", NULL};
+  assert_int_equal(run(ap), 0); /* upstream's behaviour on request: the NaN reaches the parameter */
+  assert_ok(dopt_st_load(oa, &fa));
+  assert_ok(dopt_st_find(fa, "param/w", &ta));
+  assert_true(isnan(((const float *)ta.data)[1]));
+  dopt_st_free(fa);
+#define ARGS(...) ((const char *const[]){"run", __VA_ARGS__, NULL})
+  expect_usage_error(ARGS("--params", b, "--optimizer", "adamw", "--hparams", "lr=1e300", "--out", ob),
+                     "overflow the update", ob);
+  expect_usage_error(ARGS("--params", b, "--optimizer", "adamw", "--nonfinite", "maybe", "--out", ob), "'maybe'", ob);
+#undef ARGS
+}
+
 /* 80 000 parameters, each with a gradient: every loader, lookup and writer
  * step must be O(n log n) or better (they were quadratic: 80 000 tensors never
  * finished; the CTest TIMEOUT turns a regression into a failure). */
@@ -545,6 +596,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_lisa_layers_from_names),
       cmocka_unit_test(test_mem_per_rank),
       cmocka_unit_test(test_many_tensors),
+      cmocka_unit_test(test_nonfinite_policy),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
