@@ -117,8 +117,10 @@ static dopt_status parse_hparams(const dopt_optim_impl *im, const char *text, do
       char *end;
       errno = 0;
       v = strtod(buf, &end);
-      if (*end != '\0' || errno == ERANGE)
+      if (*end != '\0' || end == buf)
         return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s='%s' is not a number", im->name, im->hp[k].key, buf);
+      if (errno == ERANGE && isinf(v)) /* overflow; an underflow (1e-320) keeps its subnormal or zero value */
+        return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%s is out of the double range", im->name, im->hp[k].key, buf);
       if (isnan(v))
         return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s=%s is NaN", im->name, im->hp[k].key, buf);
     }

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "optim_impl.h"
@@ -77,6 +78,9 @@ static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *
   if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2)
     return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': data_offsets must be [begin, end]", p, t->name);
   double b = cJSON_GetArrayItem(off, 0)->valuedouble, en = cJSON_GetArrayItem(off, 1)->valuedouble;
+  if (b >= 0 && en >= 0 && en < b)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': data_offsets [%.0f, %.0f] are reversed (end < begin)", p,
+                      t->name, b, en);
   if (!(b >= 0 && en >= b && en <= (double)f->buf_len) || b != floor(b) || en != floor(en))
     return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': data_offsets [%.0f, %.0f] outside the %zu-byte buffer", p,
                       t->name, b, en, f->buf_len);
@@ -119,6 +123,9 @@ static void sort_by_name(dopt_st_file *f) {
 dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
   DOPT_CHECK_ARG(path && out, "dopt_st_load: path/out NULL");
   *out = NULL;
+  struct stat sb;
+  if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) /* a directory reads as a huge, truncated file */
+    return dopt__fail(DOPT_ERR_IO, "%s: not a regular file", path);
   FILE *fp = fopen(path, "rb");
   if (!fp) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
   dopt_status s = DOPT_OK;
@@ -438,7 +445,7 @@ dopt_status dopt_st_writer_save(dopt_st_writer *w, const char *path) {
   snprintf(tmp, tl, "%s.tmp.%ld", path, (long)getpid());
   FILE *fp = fopen(tmp, "wb");
   if (!fp) {
-    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create (its temporary file): %s", path, strerror(errno));
   } else {
     unsigned char lenb[8];
     for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)padded >> (8 * i));
@@ -447,7 +454,7 @@ dopt_status dopt_st_writer_save(dopt_st_writer *w, const char *path) {
     for (int i = 0; ok && i < w->n; i++)
       ok = w->items[i].bytes == 0 || fwrite(w->items[i].data, 1, w->items[i].bytes, fp) == w->items[i].bytes;
     if (fclose(fp) != 0) ok = 0;
-    if (!ok) s = dopt__fail(DOPT_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
+    if (!ok) s = dopt__fail(DOPT_ERR_IO, "%s: write failed: %s", path, strerror(errno));
     else if (rename(tmp, path) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
     if (s != DOPT_OK) remove(tmp);
   }

@@ -434,6 +434,14 @@ static void test_nonfinite_policy(void **st) {
   expect_usage_error(ARGS("--params", b, "--optimizer", "adamw", "--hparams", "lr=1e300", "--out", ob),
                      "overflow the update", ob);
   expect_usage_error(ARGS("--params", b, "--optimizer", "adamw", "--nonfinite", "maybe", "--out", ob), "'maybe'", ob);
+  expect_usage_error(ARGS("--params", b, "--optimizer", "adamw", "--hparams", "lr=1e999", "--out", ob),
+                     "out of the double range", ob);
+  const char *tiny[] = {"run", "--params", b, "--optimizer", "adamw", "--hparams", "lr=1e-320", "--out", ob, "--quiet",
+                        NULL}; /* a subnormal lr is a number (it was "not a number") */
+  assert_int_equal(run(tiny), 0);
+  char unwritable[700];
+  snprintf(unwritable, sizeof unwritable, "%s/no/such/dir/out.safetensors", dir);
+  expect_usage_error(ARGS("--params", b, "--optimizer", "adamw", "--out", unwritable), unwritable, unwritable);
 #undef ARGS
 }
 

@@ -97,6 +97,7 @@ static void test_malformed(void **st) {
        "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
        16, -1, DOPT_ERR_FORMAT, "twice"},
       {"{\"__metadata__\":{\"k\":1}}", 0, -1, DOPT_ERR_FORMAT, "__metadata__['k']"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, -1, DOPT_ERR_FORMAT, "reversed"},
       /* numel = 2^62, bytes = 2^64 ≡ 0: accepted (and crashing later) before the byte count was overflow-checked */
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],\"data_offsets\":[0,0]}}", 0, -1,
        DOPT_ERR_FORMAT, "overflow the byte count"},
@@ -119,6 +120,7 @@ static void test_malformed(void **st) {
   assert_status(dopt_st_load(path, &f), DOPT_ERR_FORMAT, "truncated");
   snprintf(path, sizeof path, "%s/missing.safetensors", dir);
   assert_status(dopt_st_load(path, &f), DOPT_ERR_IO, "missing.safetensors");
+  assert_status(dopt_st_load(dir, &f), DOPT_ERR_IO, "not a regular file"); /* was "truncated: 9223372036854775807" */
 }
 
 static void test_failed_save_leaves_nothing(void **st) {
