@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds distopt with warnings as errors and runs every test; then the same
-# tests under AddressSanitizer + UndefinedBehaviorSanitizer, and the simulator
-# tests under ThreadSanitizer. `./test.sh --quick` runs only the first part.
+# tests under AddressSanitizer + UndefinedBehaviorSanitizer, a short run of
+# every fuzz harness (tests/fuzz, clang), and the simulator tests under
+# ThreadSanitizer. `./test.sh --quick` runs only the first part.
 # Installs missing Debian packages when run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -24,6 +25,10 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DDOPT_WERROR=ON -DDOPT_SANITI
 cmake --build build-asan -j"$jobs" >/dev/null
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+step "fuzz smoke: every loader's libFuzzer harness for ${DOPT_FUZZ_SECONDS:-30} s (clang, ASan+UBSan)"
+bash cmake/deps.sh --fuzz
+bash tests/fuzz/run.sh "${DOPT_FUZZ_SECONDS:-30}"
 
 if ctest --test-dir build -N -L sim 2>/dev/null | grep -q "Total Tests: [1-9]"; then
   step "ThreadSanitizer: simulator tests"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Installs distopt's build and test dependencies (Debian packages) when run as
-# root; otherwise prints the exact apt-get line and fails.
+# root; otherwise prints the exact apt-get line and fails. --fuzz adds the
+# fuzzing toolchain (tests/fuzz/run.sh).
 set -euo pipefail
 pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev)
+# --fuzz: also clang and its libFuzzer/sanitizer runtime (only a Recommends of clang on bookworm)
+[ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -630,7 +630,7 @@ static dopt_status run_rounds(dopt_dist_optim *d, int first, int last, int honou
       a->stage = stage;
       a->more = &d->more[i];
       d->more[i] = 0;
-      a->frame = (unsigned char *)d->frames + d->frame_off[i];
+      a->frame = d->frames ? (unsigned char *)d->frames + d->frame_off[i] : NULL; /* NULL + 0 is undefined */
       DOPT_TRY(DEV(d)->step(DCTX(d), a));
       if (!d->more[i]) active--;
     }
