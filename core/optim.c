@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "index.h"
 #include "optim_impl.h"
 
 /* ---- the optimizer object ----------------------------------------------------- */
@@ -26,8 +27,7 @@ struct dopt_optim {
   int ngroups;
   dopt_param *params;
   int nparams, params_cap;
-  int *by_data;      /* open-addressing set of params[i].data -> i + 1 (0: empty), by_data_cap slots */
-  size_t by_data_cap;
+  dopt_index by_data; /* params[i].data -> i: the aliasing check in O(1) */
   void *frame; /* one step's frame, reused by every parameter (the reference runs a step's stages back to back) */
   size_t frame_cap;
 };
@@ -242,7 +242,7 @@ void dopt_optim_destroy(dopt_optim *o) {
     free(o->params[i].name);
   }
   free(o->params);
-  free(o->by_data);
+  dopt__index_free(&o->by_data);
   free(o->groups);
   free(o->frame);
   free(o);
@@ -331,46 +331,13 @@ dopt_status dopt_optim_set_hparam(dopt_optim *o, int g, const char *key, double 
   return DOPT_OK;
 }
 
-/* ---- the data-pointer set: add_param refuses a parameter that aliases another in O(1) --- */
-
-static size_t ptr_hash(const void *p, size_t cap) {
-  uint64_t x = (uint64_t)(uintptr_t)p;
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  return (size_t)(x & (cap - 1)); /* cap is a power of two */
+/* add_param refuses a parameter that aliases another: a pointer index over params[i].data */
+static int same_data(const void *ctx, int i, const void *key) {
+  return ((const dopt_optim *)ctx)->params[i].data == key;
 }
 
-/* 1 + the index of the parameter whose fp32 data is p, or 0. */
 static int find_data(const dopt_optim *o, const void *p) {
-  if (!o->by_data_cap) return 0;
-  for (size_t h = ptr_hash(p, o->by_data_cap);; h = (h + 1) & (o->by_data_cap - 1)) {
-    int v = o->by_data[h];
-    if (v == 0) return 0;
-    if (o->params[v - 1].data == p) return v;
-  }
-}
-
-static dopt_status index_data(dopt_optim *o, const void *p, int i) {
-  if ((size_t)(o->nparams + 1) * 2 > o->by_data_cap) { /* keep the load <= 1/2 */
-    size_t cap = o->by_data_cap ? 2 * o->by_data_cap : 64;
-    int *t = calloc(cap, sizeof *t);
-    if (!t) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_add_param: index of %d parameters", o->nparams + 1);
-    for (size_t k = 0; k < o->by_data_cap; k++) {
-      int v = o->by_data[k];
-      if (!v) continue;
-      size_t h = ptr_hash(o->params[v - 1].data, cap);
-      while (t[h]) h = (h + 1) & (cap - 1);
-      t[h] = v;
-    }
-    free(o->by_data);
-    o->by_data = t;
-    o->by_data_cap = cap;
-  }
-  size_t h = ptr_hash(p, o->by_data_cap);
-  while (o->by_data[h]) h = (h + 1) & (o->by_data_cap - 1);
-  o->by_data[h] = i + 1;
-  return DOPT_OK;
+  return dopt__index_find(&o->by_data, dopt__hash_ptr(p), same_data, o, p);
 }
 
 dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *cfg, int *pid) {
@@ -420,7 +387,7 @@ dopt_status dopt_optim_add_param(dopt_optim *o, int g, const dopt_param_config *
     p->data = cfg->data;
   }
   p->layer = cfg->layer;
-  dopt_status ix = index_data(o, p->data, o->nparams);
+  dopt_status ix = dopt__index_add(&o->by_data, dopt__hash_ptr(p->data), o->nparams);
   if (ix != DOPT_OK) {
     free(p->name);
     return ix;

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "index.h"
 #include "optim_impl.h"
 
 /* Header larger than this is rejected (the format's own readers use 100 MB). */
@@ -294,47 +295,17 @@ typedef struct st_item {
 struct dopt_st_writer {
   st_item *items;
   int n, cap;
-  int *names;       /* open-addressing set of item names -> index + 1 (0: empty) */
-  size_t names_cap; /* a power of two, load <= 1/2 */
+  dopt_index names; /* item names -> index: the duplicate check in O(1) */
   cJSON *meta;
 };
 
-static size_t name_hash(const char *s, size_t cap) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return (size_t)(h & (cap - 1));
+static int same_name(const void *ctx, int i, const void *key) {
+  return strcmp(((const dopt_st_writer *)ctx)->items[i].name, (const char *)key) == 0;
 }
 
 /* 1 + the index of the item called name, or 0. */
 static int writer_find(const dopt_st_writer *w, const char *name) {
-  if (!w->names_cap) return 0;
-  for (size_t h = name_hash(name, w->names_cap);; h = (h + 1) & (w->names_cap - 1)) {
-    int v = w->names[h];
-    if (!v || strcmp(w->items[v - 1].name, name) == 0) return v;
-  }
-}
-
-/* Indexes item i (its name set); grows the set first. */
-static dopt_status writer_index(dopt_st_writer *w, int i) {
-  if ((size_t)(w->n + 1) * 2 > w->names_cap) {
-    size_t cap = w->names_cap ? 2 * w->names_cap : 64;
-    int *t = calloc(cap, sizeof *t);
-    if (!t) return dopt__fail(DOPT_ERR_NO_MEMORY, "safetensors writer: index of %d tensors", w->n + 1);
-    for (size_t k = 0; k < w->names_cap; k++) {
-      int v = w->names[k];
-      if (!v) continue;
-      size_t h = name_hash(w->items[v - 1].name, cap);
-      while (t[h]) h = (h + 1) & (cap - 1);
-      t[h] = v;
-    }
-    free(w->names);
-    w->names = t;
-    w->names_cap = cap;
-  }
-  size_t h = name_hash(w->items[i].name, w->names_cap);
-  while (w->names[h]) h = (h + 1) & (w->names_cap - 1);
-  w->names[h] = i + 1;
-  return DOPT_OK;
+  return dopt__index_find(&w->names, dopt__hash_str(name), same_name, w, name);
 }
 
 dopt_status dopt_st_writer_create(dopt_st_writer **out) {
@@ -355,7 +326,7 @@ void dopt_st_writer_free(dopt_st_writer *w) {
     free(w->items[i].data);
   }
   free(w->items);
-  free(w->names);
+  dopt__index_free(&w->names);
   cJSON_Delete(w->meta);
   free(w);
 }
@@ -392,7 +363,7 @@ dopt_status dopt_st_writer_add(dopt_st_writer *w, const char *name, dopt_dtype d
   }
   strcpy(it->name, name);
   if (it->bytes) memcpy(it->data, data, it->bytes);
-  dopt_status s = writer_index(w, w->n);
+  dopt_status s = dopt__index_add(&w->names, dopt__hash_str(it->name), w->n);
   if (s != DOPT_OK) {
     free(it->name);
     free(it->data);
