@@ -104,7 +104,7 @@ struct dopt_dist_optim {
   int micro;        /* micro-batches accumulated since the last step */
   int64_t skipped;
   float *up;        /* device buffer for uploading one gradient */
-  size_t up_cap;
+  size_t up_cap;    /* bytes */
   size_t bucket_bytes; /* frame budget of one bucket of steps (0: one bucket) */
   void *frames;     /* device memory: the frames of one bucket */
   size_t frames_cap;
@@ -125,9 +125,9 @@ struct dopt_dist_optim {
   float *xfer;      /* device [max numel]: a whole logical tensor in transit (owner mode) */
   void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
   size_t gdev_cap[2];
-  unsigned char *ghost[2]; /* host scratch of gathers */
-  size_t ghost_cap[2];
-  size_t xfer_cap;
+  unsigned char *ghost[3]; /* host scratch: gathers (0, 1), the owner step's whole tensor (2) */
+  size_t ghost_cap[3];
+  size_t xfer_cap;  /* bytes */
   batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
 };
@@ -164,6 +164,8 @@ static dopt_status post_op(void *ctx, int op, void *x, size_t n) {
 static dopt_status post_max(void *ctx, double *x, size_t n) { return post_op(ctx, OP_MAX, x, n); }
 static dopt_status post_sum(void *ctx, int64_t *x, size_t n) { return post_op(ctx, OP_SUM, x, n); }
 
+static dopt_status grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes);
+
 /* Reduces everything posted since the last flush: per operation and
  * transport, one collective over the packed words. Every rank of a group
  * posts the same arrays in the same order (pieces of the same tensors, the
@@ -181,14 +183,7 @@ static dopt_status flush(dopt_dist_optim *d) {
         s = tr->ops->all_reduce(tr->comm, l->v[0].x, l->v[0].x, l->v[0].n, dt, rop);
         b->collectives++;
       } else if (s == DOPT_OK && l->len > 1) {
-        size_t bytes = l->words * 8; /* F64 and I64 words alike */
-        if (bytes > b->stage_cap) {
-          if (b->stage_buf) DEV(d)->free(DCTX(d), b->stage_buf);
-          b->stage_buf = NULL;
-          b->stage_cap = 0;
-          s = DEV(d)->alloc(DCTX(d), bytes, &b->stage_buf);
-          if (s == DOPT_OK) b->stage_cap = bytes;
-        }
+        s = grow_dev(d, &b->stage_buf, &b->stage_cap, l->words * 8); /* F64 and I64 words alike */
         unsigned char *buf = b->stage_buf;
         for (size_t i = 0, off = 0; s == DOPT_OK && i < l->len; off += l->v[i].n * 8, i++)
           s = DEV(d)->copy(DCTX(d), buf + off, l->v[i].x, l->v[i].n * 8);
@@ -237,10 +232,9 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->frames) DEV(d)->free(DCTX(d), d->frames);
   if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
   if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 2; k++)
     if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
-    free(d->ghost[k]);
-  }
+  for (int k = 0; k < 3; k++) free(d->ghost[k]);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
@@ -299,18 +293,29 @@ static dopt_status dalloc(dopt_dist_optim *d, size_t bytes, void **out) {
   return DEV(d)->alloc(DCTX(d), bytes ? bytes : 1, out);
 }
 
+/* A device buffer kept across calls: grown (freed and allocated again, zero
+ * filled) to at least `bytes`, never shrunk. *cap is in bytes. */
+static dopt_status grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes) {
+  if (bytes <= *cap) return DOPT_OK;
+  if (*buf) DEV(d)->free(DCTX(d), *buf);
+  *buf = NULL;
+  *cap = 0;
+  DOPT_TRY(dalloc(d, bytes, buf));
+  *cap = bytes;
+  return DOPT_OK;
+}
+
 static dopt_status ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out);
 
 /* Sets this rank's values of parameter p from the logical fp32 tensor `full`
  * (host): its TP block (row by row), the fp32 extent it holds (the master
  * shard, or the whole TP-local block) and the bf16 working copy of the
  * extent it holds. At creation and after an owner step. */
-static dopt_status load_values(dopt_dist_optim *d, dist_param *p, const float *full, const char *name) {
+static dopt_status load_values(dopt_dist_optim *d, dist_param *p, const float *full) {
   const dopt_piece *pc = &p->pc;
   unsigned char *bb = NULL;
   DOPT_TRY(ghost(d, 1, (p->lnumel ? p->lnumel : 1) * sizeof(float), &bb));
   float *blk = (float *)(void *)bb;
-  (void)name;
   for (size_t bi = 0; bi < pc->b; bi++)
     for (size_t i = 0; i < pc->hl; i++)
       memcpy(blk + (bi * pc->hl + i) * pc->wl, full + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
@@ -368,7 +373,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   DOPT_TRY(dalloc(d, p->padded * sizeof(float), (void **)&p->grad));
   DOPT_TRY(dalloc(d, mext * sizeof(float), (void **)&p->master));
   if (p->bf16) DOPT_TRY(dalloc(d, wext * sizeof(uint16_t), (void **)&p->work));
-  DOPT_TRY(load_values(d, p, src->data, src->name));
+  DOPT_TRY(load_values(d, p, src->data));
   /* states: elementwise ones are sharded like the parameter, the others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
   if (d->owned) { /* whole states and the logical values on the owner ranks only */
@@ -452,13 +457,13 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->bucket_bytes = cfg->version >= 2 ? cfg->bucket_bytes : DOPT_DIST_BUCKET_BYTES_DEFAULT;
   d->ngroups = dopt_optim_num_groups(plain);
   d->np = dopt_optim_num_params(plain);
-  d->hp = calloc((size_t)d->ngroups, sizeof *d->hp);
-  d->p = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->p);
-  d->ss = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->ss);
-  d->args = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->args);
-  d->frame_off = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->frame_off);
-  d->more = calloc(d->np > 0 ? (size_t)d->np : 1, sizeof *d->more);
   const size_t npa = d->np > 0 ? (size_t)d->np : 1;
+  d->hp = calloc((size_t)d->ngroups, sizeof *d->hp);
+  d->p = calloc(npa, sizeof *d->p);
+  d->ss = calloc(npa, sizeof *d->ss);
+  d->args = calloc(npa, sizeof *d->args);
+  d->frame_off = calloc(npa, sizeof *d->frame_off);
+  d->more = calloc(npa, sizeof *d->more);
   d->layer = calloc(npa, sizeof *d->layer);
   d->has = calloc(npa, 1);
   d->frozen = calloc(npa, 1);
@@ -517,13 +522,7 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
       p->acc = 1;
       continue;
     }
-    if (p->lnumel > d->up_cap) { /* grows to the largest TP-local tensor once */
-      if (d->up) DEV(d)->free(DCTX(d), d->up);
-      d->up = NULL;
-      d->up_cap = 0;
-      DOPT_TRY(dalloc(d, p->lnumel * sizeof(float), (void **)&d->up));
-      d->up_cap = p->lnumel;
-    }
+    DOPT_TRY(grow_dev(d, (void **)&d->up, &d->up_cap, p->lnumel * sizeof(float))); /* the largest TP-local tensor */
     DOPT_TRY(DEV(d)->upload(DCTX(d), d->up, grads[i], p->lnumel * sizeof(float)));
     DOPT_TRY(DEV(d)->add(DCTX(d), p->grad, d->up, p->lnumel));
   }
@@ -646,14 +645,7 @@ static dopt_status map_frames(dopt_dist_optim *d, int first, int last) {
     d->frame_off[i] = total;
     total += (DEV(d)->frame_bytes(DCTX(d), &d->args[i]) + 15) & ~(size_t)15;
   }
-  if (total > d->frames_cap) {
-    if (d->frames) DEV(d)->free(DCTX(d), d->frames);
-    d->frames = NULL;
-    d->frames_cap = 0;
-    DOPT_TRY(dalloc(d, total, &d->frames));
-    d->frames_cap = total;
-  }
-  return DOPT_OK;
+  return grow_dev(d, &d->frames, &d->frames_cap, total);
 }
 
 /* Steps d->args[0, np) in buckets: consecutive parameters whose frame
@@ -675,17 +667,6 @@ static dopt_status run_buckets(dopt_dist_optim *d) {
 static dopt_status gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                           dopt_dtype dt, void *out);
 
-/* Grows d->xfer to n floats. */
-static dopt_status ensure_xfer(dopt_dist_optim *d, size_t n) {
-  if (n <= d->xfer_cap) return DOPT_OK;
-  if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
-  d->xfer = NULL;
-  d->xfer_cap = 0;
-  DOPT_TRY(dalloc(d, n * sizeof(float), (void **)&d->xfer));
-  d->xfer_cap = n;
-  return DOPT_OK;
-}
-
 /* Sends the owner's whole buffer x[bytes] (device) to every rank: over tp in
  * the owner's dp row, then over dp in every tp column. */
 static dopt_status from_owner(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt) {
@@ -705,7 +686,7 @@ static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
   const size_t numel = dopt_numel(p->ndim, p->shape);
   const int mine = d->dp.rank == p->owner && d->tp.rank == p->owner_tp;
   p->step++;
-  DOPT_TRY(ensure_xfer(d, numel));
+  DOPT_TRY(grow_dev(d, (void **)&d->xfer, &d->xfer_cap, numel * sizeof(float)));
   /* the averaged gradient is valid on each rank's piece (zero >= 1) or its whole TP-local block */
   DOPT_TRY(gather(d, p, p->grad + (d->zero >= 1 ? (size_t)d->dp.rank * p->chunk : 0), d->zero >= 1, sizeof(float),
                   DOPT_F32, mine ? host : NULL));
@@ -716,21 +697,14 @@ static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
     p->events = 0;
     dopt_step_args a = {d->impl, d->hp[p->group], p->step, &whole, p->full, d->xfer, p->state, NULL, NULL, &p->events,
                         (uint64_t)i, 0, NULL, NULL};
-    size_t fb = DEV(d)->frame_bytes(DCTX(d), &a);
-    if (fb > d->frames_cap) {
-      if (d->frames) DEV(d)->free(DCTX(d), d->frames);
-      d->frames = NULL;
-      d->frames_cap = 0;
-      DOPT_TRY(dalloc(d, fb, &d->frames));
-      d->frames_cap = fb;
-    }
+    DOPT_TRY(grow_dev(d, &d->frames, &d->frames_cap, DEV(d)->frame_bytes(DCTX(d), &a)));
     a.frame = d->frames;
     DOPT_TRY(dopt__run_stages(d->dev, &a));
   }
   float *vals = mine ? p->full : d->xfer;
   DOPT_TRY(from_owner(d, p, vals, numel, DOPT_F32));
   DOPT_TRY(DEV(d)->download(DCTX(d), host, vals, numel * sizeof(float)));
-  return load_values(d, p, host, p->name);
+  return load_values(d, p, host);
 }
 
 static dopt_status owner_steps(dopt_dist_optim *d) {
@@ -739,13 +713,11 @@ static dopt_status owner_steps(dopt_dist_optim *d) {
     size_t n = dopt_numel(d->p[i].ndim, d->p[i].shape);
     maxn = n > maxn ? n : maxn;
   }
-  float *host = malloc(maxn * sizeof *host);
-  if (!host) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed owner step: %zu values", maxn);
-  dopt_status s = DOPT_OK;
-  for (int i = 0; i < d->np && s == DOPT_OK; i++)
-    if (!d->skip[i]) s = owner_step(d, i, host);
-  free(host);
-  return s;
+  unsigned char *host = NULL; /* kept across steps, like the gathers' scratch */
+  DOPT_TRY(ghost(d, 2, maxn * sizeof(float), &host));
+  for (int i = 0; i < d->np; i++)
+    if (!d->skip[i]) DOPT_TRY(owner_step(d, i, (float *)(void *)host));
+  return DOPT_OK;
 }
 
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
@@ -816,13 +788,7 @@ int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d) { return d ? d->skippe
 
 /* Gather scratch k (device or host), grown to at least `bytes` and kept. */
 static dopt_status gdev(dopt_dist_optim *d, int k, size_t bytes, void **out) {
-  if (bytes > d->gdev_cap[k]) {
-    if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
-    d->gdev[k] = NULL;
-    d->gdev_cap[k] = 0;
-    DOPT_TRY(dalloc(d, bytes, &d->gdev[k]));
-    d->gdev_cap[k] = bytes;
-  }
+  DOPT_TRY(grow_dev(d, &d->gdev[k], &d->gdev_cap[k], bytes));
   *out = d->gdev[k];
   return DOPT_OK;
 }
@@ -918,7 +884,7 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
       size_t bytes = p->spec[k].v.bytes;
       void *src = p->state[k];
       if (!src) {
-        DOPT_TRY(ensure_xfer(d, (bytes + sizeof(float) - 1) / sizeof(float)));
+        DOPT_TRY(grow_dev(d, (void **)&d->xfer, &d->xfer_cap, bytes));
         src = d->xfer;
       }
       DOPT_TRY(from_owner(d, p, src, bytes, DOPT_U8));
