@@ -472,15 +472,14 @@ dopt_status dopt_optim_state_bytes(const dopt_optim *o, int i, size_t *allocated
   return DOPT_OK;
 }
 
-/* Grows the optimizer's step frame to at least `bytes` (zero-filled up to bytes). */
+/* Grows the optimizer's step frame to at least `bytes`. Not cleared: a stage
+ * writes what it reads later (the distributed frames are not cleared either). */
 static dopt_status ensure_frame(dopt_optim *o, size_t bytes, const char *who) {
-  if (bytes > o->frame_cap) {
-    void *f = realloc(o->frame, bytes);
-    if (!f) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: step frame of %zu bytes for '%s'", o->impl->name, bytes, who);
-    o->frame = f;
-    o->frame_cap = bytes;
-  }
-  if (bytes) memset(o->frame, 0, bytes);
+  if (bytes <= o->frame_cap) return DOPT_OK;
+  void *f = realloc(o->frame, bytes);
+  if (!f) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: step frame of %zu bytes for '%s'", o->impl->name, bytes, who);
+  o->frame = f;
+  o->frame_cap = bytes;
   return DOPT_OK;
 }
 

@@ -64,8 +64,9 @@ typedef struct dopt_param {
  * the caller runs the posted reductions, batched over all parameters, and
  * calls stage 1, and so on; a stage that does not set *more ends the step.
  * The reference runs the same stages back to back with red = NULL. Whatever
- * a step needs from one stage to the next lives in its frame (frame bytes,
- * zero-filled before stage 0, impl->frame), never in static storage.
+ * a step needs from one stage to the next lives in its frame (impl->frame
+ * bytes, never in static storage); a frame is not cleared between steps, so
+ * a stage writes everything it or a later stage reads.
  *
  *   dist. round:   MAX      SUM      MAX      SUM
  *   adafactor:  S0 ─────► S1 ────► S2 ─────► S3 ────► S4   (factored)
