@@ -349,7 +349,8 @@ static int run_steps(run_ctx *c) {
       fprintf(stderr, "distopt run: step %ld: %s\n", t, dopt_last_error());
       rc = CLI_FAIL;
     }
-    /* finite gradients that give a non-finite parameter: the hyperparameters overflow the update */
+    /* finite gradients that give a non-finite parameter: the update overflowed (an lr, or gradients whose
+     * squares overflow fp32) */
     for (int i = 0; rc == CLI_OK && i < c->np; i++) {
       run_param *p = &c->p[i];
       if (!grads[p->id]) continue;
@@ -359,7 +360,7 @@ static int run_steps(run_ctx *c) {
       p->finite_before = now_finite;
       if (overflow)
         rc = cli_errorf(CMD, "step %ld: parameter '%s' became non-finite with finite gradients: the hyperparameters "
-                             "overflow the update (nothing written)",
+                             "or the gradient magnitudes overflow the update (nothing written)",
                         t, p->name);
     }
   }

@@ -31,6 +31,9 @@ run_case() { # optimizer hparams
   n=$((n + 1))
   "$OLD" run --quiet --params "$TMP/in.safetensors" --out "$TMP/old_$tag.st" --optimizer "$1" --hparams "$2" 2>"$TMP/old.err" || true
   "$NEW" run --quiet --params "$TMP/in.safetensors" --out "$TMP/new_$tag.st" --optimizer "$1" --hparams "$2" 2>"$TMP/new.err" || true
+  if [ ! -f "$TMP/old_$tag.st" ] && [ ! -f "$TMP/new_$tag.st" ] && cmp -s "$TMP/old.err" "$TMP/new.err"; then
+    echo "same $1 [$2] (both refuse: $(cat "$TMP/new.err"))"; return
+  fi
   if [ ! -f "$TMP/old_$tag.st" ]; then
     echo "FAIL $1 [$2]: baseline produced no output: $(cat "$TMP/old.err")"; fail=1; return
   fi
