@@ -213,6 +213,17 @@ size_t dopt_update_frame_map(void *base, const dopt_piece *pc, int rowcol, dopt_
 size_t dopt_update_frame_rowcol(const double *hp, const dopt_piece *pc);
 size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc);
 
+/* Stages 0-3 of the steps that precondition with a (factored) second moment,
+ * Adafactor's and CAME's: stage 0 posts the maxima of ‖w‖² and of the row and
+ * column sums of U = G² + eps1, stage 1 their words, stage 2 updates
+ * row/col ← b·stat + omb·mean and sets U = factored(row, col) ⊙ G and posts
+ * the maximum of ‖U‖², stage 3 its words; after stage 3, f->pss and f->uss
+ * hold ‖w‖² and ‖U‖² and f->u the preconditioned gradient. A 1-D piece keeps
+ * the unfactored v in row (col NULL) and runs stages 0 and 2 only, as the
+ * callers number them (their 1-D stage k is stage 2k here). */
+dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
+                                     float *col, float b, float omb, float eps1);
+
 /* Factored second-moment approximation times x on the piece (HF
  * _approx_sq_grad): out[k] = (rsqrt(row[r]/rmean[b]) · rsqrt(col[c])) · x[k]
  * for the local element k at logical row r and column c; rmean[b] is the mean

@@ -187,6 +187,40 @@ size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc) {
   return dopt_update_frame_map(NULL, pc, 0, &f);
 }
 
+dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
+                                     float *col, float b, float omb, float eps1) {
+  const dopt_piece *pc = a->piece;
+  const size_t n = pc->len;
+  const float *g = a->grad, *w = a->param;
+  float *u = f->u;
+  switch (stage) {
+  case 0:
+    DOPT_TRY(dopt_ss_begin(f->pss, w, n, a->red));
+    for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
+    if (pc->factored) return dopt_rc_begin(&f->rc, u, pc, a->red);
+    for (size_t i = 0; i < n; i++) { /* 1-D: the unfactored second moment (row is v), then stage 2's ‖U‖² */
+      row[i] = row[i] * b + omb * u[i];
+      u[i] = (1.0f / sqrtf(row[i])) * g[i];
+    }
+    return dopt_ss_begin(f->uss, u, n, a->red);
+  case 1:
+    DOPT_TRY(dopt_ss_accum(f->pss, w, n, a->red));
+    return dopt_rc_accum(&f->rc, u, pc, a->red);
+  case 2:
+    if (!pc->factored) { /* 1-D: stage 1's words and stage 3's together */
+      DOPT_TRY(dopt_ss_accum(f->pss, w, n, a->red));
+      return dopt_ss_accum(f->uss, u, n, a->red);
+    }
+    dopt_rc_means(&f->rc, pc, f->rmean, f->cmean);
+    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b + omb * f->rmean[i];
+    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b + omb * f->cmean[i];
+    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u));
+    return dopt_ss_begin(f->uss, u, n, a->red);
+  default: /* 3 */
+    return dopt_ss_accum(f->uss, u, n, a->red);
+  }
+}
+
 /* Finalisation: the means over the logical extents (in the stage after the SUM). */
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;

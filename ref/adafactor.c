@@ -96,7 +96,6 @@ static dopt_status step(const dopt_step_args *a) {
   const dopt_piece *pc = a->piece;
   const size_t n = pc->len;     /* local elements */
   const size_t N = pc->numel;   /* logical elements: every mean and RMS divides by these */
-  const float *g = a->grad;
   float *w = a->param;
   int s = 0;
   float *m = isnan(hp[BETA1]) ? NULL : a->state[s++];
@@ -113,35 +112,9 @@ static dopt_status step(const dopt_step_args *a) {
   const float eps1 = (float)hp[EPS1];
   const int last = pc->factored ? 4 : 2;
   if (a->stage < last) *a->more = 1;
-  switch (pc->factored ? a->stage : 2 * a->stage) {
-  case 0:
-    DOPT_TRY(dopt_ss_begin(f.pss, w, n, a->red));
-    for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
-    if (pc->factored) return dopt_rc_begin(&f.rc, u, pc, a->red);
-    for (size_t i = 0; i < n; i++) { /* 1-D: the unfactored second moment, then S2's ‖U‖² */
-      float *v = row;
-      v[i] = v[i] * b2t + omb2t * u[i];
-      u[i] = (1.0f / sqrtf(v[i])) * g[i];
-    }
-    return dopt_ss_begin(f.uss, u, n, a->red);
-  case 1:
-    DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
-    return dopt_rc_accum(&f.rc, u, pc, a->red);
-  case 2: /* 1-D: S1 */
-    if (!pc->factored) {
-      DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
-      return dopt_ss_accum(f.uss, u, n, a->red);
-    }
-    dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
-    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b2t + omb2t * f.rmean[i];
-    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b2t + omb2t * f.cmean[i];
-    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u));
-    return dopt_ss_begin(f.uss, u, n, a->red);
-  case 3:
-    return dopt_ss_accum(f.uss, u, n, a->red);
-  default: /* S4 (1-D: S2) */
-    break;
-  }
+  const int stage = pc->factored ? a->stage : 2 * a->stage; /* 1-D: 0, 2, 4 */
+  if (stage < 4) return dopt_second_moment_stage(a, stage, &f, row, col, b2t, omb2t, eps1);
+  /* S4 (1-D: S2) */
   const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), N);
   *rms_state = rms;
   const float alpha = step_size(hp, t, rms);

@@ -80,7 +80,6 @@ static dopt_status step(const dopt_step_args *a) {
   const dopt_piece *pc = a->piece;
   const size_t n = pc->len, N = pc->numel; /* local and logical element counts */
   const int factored = pc->factored;
-  const float *g = a->grad;
   float *w = a->param;
   float *m = a->state[0];
   float *sq_row = a->state[1], *sq_col = NULL, *res_row = NULL, *res_col = NULL;
@@ -102,29 +101,9 @@ static dopt_status step(const dopt_step_args *a) {
   if (a->stage < last) *a->more = 1;
   const int stage = factored ? a->stage : 2 * a->stage; /* 1-D: 0, 2, 4 */
 
+  if (stage < 4)
+    return dopt_second_moment_stage(a, stage, &f, sq_row, sq_col, (float)hp[BETA2], (float)(1.0 - hp[BETA2]), eps1);
   switch (stage) {
-  case 0:
-    DOPT_TRY(dopt_ss_begin(f.pss, w, n, a->red));
-    for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
-    if (factored) return dopt_rc_begin(&f.rc, u, pc, a->red);
-    ema(sq_row, u, n, hp[BETA2]); /* 1-D: the unfactored second moment, then S2's ‖U‖² */
-    for (size_t i = 0; i < n; i++) u[i] = (1.0f / sqrtf(sq_row[i])) * g[i];
-    return dopt_ss_begin(f.uss, u, n, a->red);
-  case 1:
-    DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
-    return dopt_rc_accum(&f.rc, u, pc, a->red);
-  case 2:
-    if (!factored) { /* 1-D: S1 */
-      DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
-      return dopt_ss_accum(f.uss, u, n, a->red);
-    }
-    dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
-    ema(sq_row, f.rmean, nr, hp[BETA2]);
-    ema(sq_col, f.cmean, nc, hp[BETA2]);
-    DOPT_TRY(dopt_piece_factored_apply(sq_row, sq_col, g, pc, u));
-    return dopt_ss_begin(f.uss, u, n, a->red);
-  case 3:
-    return dopt_ss_accum(f.uss, u, n, a->red);
   case 4: { /* 1-D: S2, the last stage */
     *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), N);
     float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
