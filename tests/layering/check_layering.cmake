@@ -2,24 +2,26 @@
 #   cmake -DROOT=<source tree> -P check_layering.cmake
 # Reads every #include of the library folders and fails, one line per
 # offence naming the file, line and include, when a rule breaks:
-#   core/         nothing of ref/, distributed/, sim/, cuda/, compare/
-#   ref/          nothing of distributed/, sim/, cuda/, compare/
-#   distributed/  no pthread, CUDA, NCCL or MPI header; nothing of sim/, cuda/, compare/
-#   sim/          nothing of ref/, distributed/, cuda/, compare/
-#   cuda/         nothing of compare/
+#   core/         nothing of ref/, distributed/, sim/, cuda/, mpi/, compare/
+#   ref/          nothing of distributed/, sim/, cuda/, mpi/, compare/
+#   distributed/  no pthread, CUDA, NCCL or MPI header; nothing of sim/, cuda/, mpi/, compare/
+#   sim/          nothing of ref/, distributed/, cuda/, mpi/, compare/
+#   cuda/         nothing of mpi/, compare/
+#   mpi/          nothing of ref/, distributed/, sim/, cuda/, compare/ (the MPI transport stands on core/)
 # A quoted include belongs to the folder that holds the file (its own folder
-# first, then core/, ref/, distributed/, sim/, cuda/, compare/); a public
+# first, then core/, ref/, distributed/, sim/, cuda/, mpi/, compare/); a public
 # header distopt/X.h belongs to the layer that implements it (table below).
 cmake_minimum_required(VERSION 3.25)
 if(NOT ROOT)
   message(FATAL_ERROR "layering: ROOT is not set (cmake -DROOT=<source tree> -P check_layering.cmake)")
 endif()
-set(LAYERS core ref distributed sim cuda compare)
-set(FORBID_core ref distributed sim cuda compare)
-set(FORBID_ref distributed sim cuda compare)
-set(FORBID_distributed sim cuda compare)
-set(FORBID_sim ref distributed cuda compare)
-set(FORBID_cuda compare)
+set(LAYERS core ref distributed sim cuda mpi compare)
+set(FORBID_core ref distributed sim cuda mpi compare)
+set(FORBID_ref distributed sim cuda mpi compare)
+set(FORBID_distributed sim cuda mpi compare)
+set(FORBID_sim ref distributed cuda mpi compare)
+set(FORBID_cuda mpi compare)
+set(FORBID_mpi ref distributed sim cuda compare)
 # system headers distributed/ must not include (regular expressions on the name)
 set(SYSTEM_FORBID_distributed "^pthread\\.h$" "^threads\\.h$" "^cuda" "^nccl" "^mpi" "^cublas" "^omp\\.h$")
 # public headers that belong to a layer above core/ (the others are core/'s interfaces)
@@ -30,6 +32,7 @@ set(PUBLIC_dist.h distributed)
 set(PUBLIC_sim.h sim)
 set(PUBLIC_cuda.h cuda)
 set(PUBLIC_launch.h cuda)
+set(PUBLIC_mpi.h mpi)
 
 set(offences 0)
 set(files 0)
@@ -87,4 +90,4 @@ endif()
 if(offences GREATER 0)
   message(FATAL_ERROR "layering: ${offences} include(s) break the layering (docs/architecture.md)")
 endif()
-message("layering: ${files} files, every include respects core <- ref <- distributed; sim; cuda <- compare")
+message("layering: ${files} files, every include respects core <- ref <- distributed; sim; cuda; mpi <- compare")
