@@ -27,6 +27,6 @@ function(dopt_link_probe name)
   endforeach()
   add_executable(dopt_link_probe_${name} ${PROJECT_SOURCE_DIR}/tests/layering/probe.c ${_objs})
   target_link_libraries(dopt_link_probe_${name} PRIVATE PkgConfig::LAPACKE PkgConfig::OPENBLAS ${CJSON_LIBRARIES}
-    Threads::Threads ${MATH_LIBRARY})
+    OpenSSL::Crypto Threads::Threads ${MATH_LIBRARY})
   dopt_target_defaults(dopt_link_probe_${name})
 endfunction()

@@ -6,6 +6,7 @@
 #include "distopt/quant8.h"
 #include "distopt/galore.h"
 #include "distopt/xsum.h"
+#include "distopt/digest.h"
 #define DOPT_VERSION_MAJOR 0
 #define DOPT_VERSION_MINOR 1
 #define DOPT_VERSION_PATCH 0
