@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grid.h"
 #include "optim_impl.h"
 
 static dopt_status cpu_alloc(void *ctx, size_t bytes, void **out) {
@@ -69,6 +70,26 @@ static dopt_status cpu_step(void *ctx, const dopt_step_args *a) {
   return a->impl->step(a);
 }
 
+static dopt_status cpu_grid_codes(void *ctx, const float *x, const dopt_piece *pc, int32_t *codes, int64_t *bad) {
+  (void)ctx;
+  dopt__grid_codes(x, pc, codes, bad);
+  return DOPT_OK;
+}
+
+static dopt_status cpu_grid_encode(void *ctx, const float *x, const dopt_piece *pc, const int32_t *codes, int words,
+                                   int k, int add, int64_t *w, int64_t *cls) {
+  (void)ctx;
+  dopt__grid_encode(x, pc, codes, words, k, add, w, cls);
+  return DOPT_OK;
+}
+
+static dopt_status cpu_grid_decode(void *ctx, const int64_t *w, const int64_t *cls, const dopt_piece *pc,
+                                   const int32_t *codes, int words, int k, float *x) {
+  (void)ctx;
+  dopt__grid_decode(w, cls, pc, codes, words, k, x);
+  return DOPT_OK;
+}
+
 static const dopt_device_ops cpu_ops = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -83,6 +104,9 @@ static const dopt_device_ops cpu_ops = {
     .to_bf16 = cpu_to_bf16,
     .frame_bytes = cpu_frame_bytes,
     .step = cpu_step,
+    .grid_codes = cpu_grid_codes,
+    .grid_encode = cpu_grid_encode,
+    .grid_decode = cpu_grid_decode,
 };
 
 static const dopt_device cpu_device = {&cpu_ops, NULL};

@@ -14,6 +14,7 @@ extern "C" {
 #include "optim_impl.h"
 }
 #include "distopt/cuda.h"
+#include "grid.h" /* the exact dp sum's element arithmetic, shared with the CPU */
 #include "kernels.cuh"
 
 #define ST cudaStreamPerThread
@@ -90,6 +91,42 @@ __global__ void k_to_bf16(const float *x, uint16_t *y, size_t n) {
     unsigned u = __float_as_uint(x[i]);
     if ((u & 0x7fffffffu) > 0x7f800000u) y[i] = (uint16_t)((u >> 16) | 0x40u);
     else y[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+/* ---- the exact dp sum (distopt/dpsum.h): core/grid.h's element functions per thread ------------ */
+
+/* codes[logical block] = max over the piece's elements of their code (integer
+ * max: any order); *bad += non-finite elements */
+__global__ void k_grid_codes(const float *x, dopt_piece pc, int *codes, unsigned long long *bad) {
+  unsigned long long c = 0;
+  GRID_STRIDE(j, pc.len) {
+    float v = x[j];
+    int code = dopt_grid_code(v);
+    if (code) atomicMax(&codes[dopt_grid_logical(&pc, pc.lo + j) / DOPT_GRID_BLOCK], code);
+    c += !isfinite(v);
+  }
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+  if ((threadIdx.x & 31) == 0 && c) atomicAdd(bad, c);
+}
+__global__ void k_grid_encode(const float *x, dopt_piece pc, const int *codes, int words, int k, int add, int64_t *w,
+                              int64_t *cls) {
+  GRID_STRIDE(j, pc.len) {
+    float v = x[j];
+    int64_t q[DOPT_DP_SUM_WORDS_MAX];
+    dopt_grid_encode(v, codes[dopt_grid_logical(&pc, pc.lo + j) / DOPT_GRID_BLOCK], words, k, q);
+    for (int t = 0; t < words; t++) {
+      int64_t *o = w + j * (size_t)words + t;
+      *o = add ? (int64_t)((uint64_t)*o + (uint64_t)q[t]) : q[t];
+    }
+    if (cls) cls[j] = (add ? cls[j] : 0) + dopt_grid_class(v);
+  }
+}
+__global__ void k_grid_decode(const int64_t *w, const int64_t *cls, dopt_piece pc, const int *codes, int words, int k,
+                              float *x) {
+  GRID_STRIDE(j, pc.len) {
+    x[j] = dopt_grid_decode(w + j * (size_t)words, cls ? cls[j] : 0,
+                            codes[dopt_grid_logical(&pc, pc.lo + j) / DOPT_GRID_BLOCK], words, k);
   }
 }
 
@@ -756,6 +793,29 @@ dopt_status op_average(void *ctx, float *x, float d, size_t n, int64_t *host_non
   *host_nonfinite = (int64_t)bad;
   return DOPT_OK;
 }
+dopt_status op_grid_codes(void *ctx, const float *x, const dopt_piece *pc, int32_t *codes, int64_t *host_nonfinite) {
+  ENTER(D(ctx));
+  unsigned long long *cnt = D(ctx)->count, bad = 0;
+  CU(cudaMemsetAsync(cnt, 0, sizeof *cnt, ST), "grid codes: memset");
+  if (pc->len) k_grid_codes<<<grid_for(D(ctx), pc->len), BS, 0, ST>>>(x, *pc, (int *)codes, cnt);
+  CU(cudaMemcpyAsync(&bad, cnt, sizeof bad, cudaMemcpyDeviceToHost, ST), "grid codes: download");
+  DOPT_TRY(sync("grid codes"));
+  *host_nonfinite = (int64_t)bad;
+  return DOPT_OK;
+}
+dopt_status op_grid_encode(void *ctx, const float *x, const dopt_piece *pc, const int32_t *codes, int words, int k,
+                           int add, int64_t *w, int64_t *cls) {
+  ENTER(D(ctx));
+  if (pc->len)
+    k_grid_encode<<<grid_for(D(ctx), pc->len), BS, 0, ST>>>(x, *pc, (const int *)codes, words, k, add, w, cls);
+  return sync("grid encode");
+}
+dopt_status op_grid_decode(void *ctx, const int64_t *w, const int64_t *cls, const dopt_piece *pc, const int32_t *codes,
+                           int words, int k, float *x) {
+  ENTER(D(ctx));
+  if (pc->len) k_grid_decode<<<grid_for(D(ctx), pc->len), BS, 0, ST>>>(w, cls, *pc, (const int *)codes, words, k, x);
+  return sync("grid decode");
+}
 dopt_status op_sumsq(void *ctx, const float *x, size_t n, double *host_ss) {
   ENTER(D(ctx));
   return piece_sumsq(D(ctx), x, n, host_ss);
@@ -792,7 +852,7 @@ dopt_status op_step(void *ctx, const dopt_step_args *a) {
 
 const dopt_device_ops cuda_ops = {
     "cuda", op_alloc, op_free, op_memcpy, op_memcpy, op_memcpy, op_add, op_scale, op_average, op_sumsq, op_to_bf16,
-    op_frame_bytes, op_step,
+    op_frame_bytes, op_step, op_grid_codes, op_grid_encode, op_grid_decode,
 };
 
 } // namespace

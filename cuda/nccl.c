@@ -11,7 +11,12 @@
  * rank order 0..n-1: bitwise the simulator's and the reference's order, at
  * n times the traffic of a native reduction. dopt_nccl_set_native_float_sums
  * switches to NCCL's own reductions. MAX/MIN and integer ops are exact in any
- * order and always native (I64 SUM, F64 MAX: the optimizer statistics). */
+ * order and always native (I64 SUM, F64 MAX: the optimizer statistics; I32
+ * MAX and I64 SUM: the exact data-parallel gradient sum, distopt/dpsum.h).
+ * The distributed optimizers issue a float SUM only with the fp32 dp sum
+ * (dopt_dist_config.dp_sum_words = 0); by default no gradient is exchanged
+ * whole: it travels as integer words through NCCL's own reduce-scatter or
+ * all-reduce, whatever algorithm and channel count NCCL picks. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

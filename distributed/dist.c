@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grid.h"
 #include "optim_impl.h"
 
 typedef struct dist_param dist_param;
@@ -79,6 +80,8 @@ struct dist_param {
   void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; others whole */
   int64_t step;
   int acc;        /* the accumulator holds a gradient since the last step */
+  float *mb;      /* batch-invariant mode: device [mb_cap · lnumel], this step's micro-batch gradients */
+  int nmb, mb_cap;
   red_ctx rc;
   dopt_reducer red;
   size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
@@ -130,6 +133,17 @@ struct dopt_dist_optim {
   size_t xfer_cap;  /* bytes */
   batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
+  /* the exact dp sum (distopt/dpsum.h) */
+  int dp_words;     /* int64 words per element; 0: fp32 in the transport's order */
+  int keep;         /* batch-invariant: micro-batches kept and summed on the grid one by one */
+  size_t *code_off; /* [np] parameter i's block codes at codes[code_off[i]]; codes[0, np): its non-finite flag */
+  size_t ncodes;
+  int32_t *codes;   /* device [ncodes], one MAX over the world */
+  int32_t *hflags;  /* host [np] */
+  int64_t *words;   /* device [padded · dp_words] of the largest parameter */
+  size_t words_cap;
+  int64_t *cls;     /* device [padded]: NaN/±inf counts, when a parameter has a non-finite value */
+  size_t cls_cap;
 };
 
 /* ---- helpers ------------------------------------------------------------------------- */
@@ -219,6 +233,7 @@ static void tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl,
 static void free_param(dopt_dist_optim *d, dist_param *p) {
   if (p->full) DEV(d)->free(DCTX(d), p->full);
   DEV(d)->free(DCTX(d), p->grad);
+  if (p->mb) DEV(d)->free(DCTX(d), p->mb);
   DEV(d)->free(DCTX(d), p->master);
   if (p->work) DEV(d)->free(DCTX(d), p->work);
   for (int k = 0; k < p->nstates; k++)
@@ -239,6 +254,11 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
   if (d->flags) DEV(d)->free(DCTX(d), d->flags);
+  if (d->codes) DEV(d)->free(DCTX(d), d->codes);
+  if (d->words) DEV(d)->free(DCTX(d), d->words);
+  if (d->cls) DEV(d)->free(DCTX(d), d->cls);
+  free(d->code_off);
+  free(d->hflags);
   free(d->args);
   free(d->frame_off);
   free(d->more);
@@ -257,6 +277,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
 
 static dopt_status check_config(const dopt_dist_config *cfg) {
   DOPT_CHECK_ARG((cfg->version == 1 && cfg->struct_size >= DOPT_DIST_CONFIG_V1_SIZE) ||
+                     (cfg->version == 2 && cfg->struct_size >= DOPT_DIST_CONFIG_V2_SIZE) ||
                      (cfg->version == DOPT_DIST_CONFIG_VERSION && cfg->struct_size >= sizeof(dopt_dist_config)),
                  "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
                  cfg->struct_size, cfg->version);
@@ -265,6 +286,14 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
                      cfg->dp.rank >= 0 && cfg->dp.rank < cfg->dp.size,
                  "dopt_dist_create: tp rank %d of %d, dp rank %d of %d", cfg->tp.rank, cfg->tp.size, cfg->dp.rank,
                  cfg->dp.size);
+  DOPT_CHECK_ARG(cfg->version < 3 || (cfg->dp_sum_words >= 0 && cfg->dp_sum_words <= DOPT_DP_SUM_WORDS_MAX),
+                 "dopt_dist_create: dp_sum_words=%d must be 0 (fp32 in the transport's order), 1 or 2",
+                 cfg->dp_sum_words);
+  DOPT_CHECK_ARG(cfg->version < 3 || !cfg->batch_invariant || cfg->dp_sum_words >= 1,
+                 "dopt_dist_create: batch_invariant=%d needs the exact dp sum (dp_sum_words=%d)", cfg->batch_invariant,
+                 cfg->dp_sum_words);
+  DOPT_CHECK_ARG(cfg->dp.size <= DOPT_DP_SUM_MAX_PARTS, "dopt_dist_create: dp=%d above %d", cfg->dp.size,
+                 DOPT_DP_SUM_MAX_PARTS);
   DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
                  "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
   return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
@@ -455,6 +484,8 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->max_grad_norm = cfg->max_grad_norm;
   d->skip_nonfinite = cfg->skip_nonfinite;
   d->bucket_bytes = cfg->version >= 2 ? cfg->bucket_bytes : DOPT_DIST_BUCKET_BYTES_DEFAULT;
+  d->dp_words = cfg->version >= 3 ? cfg->dp_sum_words : DOPT_DP_SUM_DEFAULT_WORDS;
+  d->keep = cfg->version >= 3 && cfg->batch_invariant;
   d->ngroups = dopt_optim_num_groups(plain);
   d->np = dopt_optim_num_params(plain);
   const size_t npa = d->np > 0 ? (size_t)d->np : 1;
@@ -489,6 +520,20 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
       return s;
     }
   }
+  /* the exact dp sum's codes: np non-finite flags, then each parameter's logical blocks */
+  d->code_off = calloc(npa, sizeof *d->code_off);
+  d->hflags = calloc(npa, sizeof *d->hflags);
+  d->ncodes = (size_t)d->np;
+  for (int i = 0; d->code_off && i < d->np; i++) {
+    d->code_off[i] = d->ncodes;
+    d->ncodes += dopt_grid_blocks(dopt_numel(d->p[i].ndim, d->p[i].shape));
+  }
+  cs = d->code_off && d->hflags ? dalloc(d, d->ncodes * sizeof(int32_t), (void **)&d->codes) : DOPT_ERR_NO_MEMORY;
+  if (cs != DOPT_OK) {
+    d->codes = NULL;
+    dopt_dist_destroy(d);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: the dp sum's block codes of %d parameters", d->np);
+  }
   *out = d;
   return DOPT_OK;
 }
@@ -517,6 +562,24 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
     if (!grads[i]) continue; /* no gradient in this micro-batch (torch: .grad untouched) */
     d->has[i] = 1;
     if (p->lnumel == 0) continue;
+    if (d->keep) { /* kept whole until the step (grown by doubling, copied over) */
+      if (p->nmb == p->mb_cap) {
+        int cap = p->mb_cap ? 2 * p->mb_cap : 4;
+        float *nb = NULL;
+        DOPT_TRY(dalloc(d, (size_t)cap * p->lnumel * sizeof(float), (void **)&nb));
+        dopt_status s = p->nmb ? DEV(d)->copy(DCTX(d), nb, p->mb, (size_t)p->nmb * p->lnumel * sizeof(float)) : DOPT_OK;
+        if (s != DOPT_OK) {
+          DEV(d)->free(DCTX(d), nb);
+          return s;
+        }
+        if (p->mb) DEV(d)->free(DCTX(d), p->mb);
+        p->mb = nb;
+        p->mb_cap = cap;
+      }
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->mb + (size_t)p->nmb * p->lnumel, grads[i], p->lnumel * sizeof(float)));
+      p->nmb++;
+      continue;
+    }
     if (!p->acc) { /* the first gradient since the step is copied: acc = g0, then acc + g1 + ... */
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, grads[i], p->lnumel * sizeof(float)));
       p->acc = 1;
@@ -542,9 +605,84 @@ static dopt_status zeros_of(dopt_dist_optim *d, size_t bytes, const float **out)
   return DOPT_OK;
 }
 
-/* The averaged gradient of each piece: SUM over dp in rank order (all-reduce
- * for zero 0/1, reduce-scatter for zero 2/3), then one division by dp·micro;
- * *nonfinite counts the non-finite averaged elements of this rank's pieces. */
+/* SUM over dp of x[padded·per] (all-reduce for zero 0/1; reduce-scatter for
+ * zero 2/3, in place: this rank's block of the padded buffer). */
+static dopt_status dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt) {
+  if (d->zero >= 2)
+    return d->dp.ops->reduce_scatter(d->dp.comm, x, (char *)x + (size_t)d->dp.rank * p->chunk * per * dopt_dtype_size(dt),
+                                     p->chunk * per, dt, DOPT_SUM);
+  return d->dp.ops->all_reduce(d->dp.comm, x, x, p->padded * per, dt, DOPT_SUM);
+}
+
+/* The exact dp sum of every parameter's accumulated gradient (docs/dp-sum.md):
+ * the logical blocks' codes and the non-finite flags in one MAX over the
+ * world (tp, then dp: a logical block may straddle TP blocks), then per
+ * parameter its words (and, with a non-finite value somewhere, its class
+ * counts) in one integer SUM over dp, decoded into this rank's piece. */
+static dopt_status exact_dp_sum(dopt_dist_optim *d) {
+  /* the contributions: one accumulated gradient per rank, or (batch
+   * invariant) every micro-batch of every rank */
+  const int W = d->dp_words, n = d->keep ? d->dp.size * d->micro : d->dp.size;
+  const int k = 62 - dopt_grid_headroom(n);
+  const float *z = NULL;
+  DOPT_TRY(zeros_of(d, d->ncodes * sizeof(int32_t), &z));
+  DOPT_TRY(DEV(d)->upload(DCTX(d), d->codes, z, d->ncodes * sizeof(int32_t)));
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (p->lnumel == 0) continue;
+    dopt_piece tb = p->pc; /* the whole TP block */
+    tb.lo = 0;
+    tb.len = p->lnumel;
+    const int nsrc = d->keep ? p->nmb : 1;
+    int64_t bad = 0;
+    for (int m = 0; m < nsrc; m++) {
+      int64_t b;
+      const float *src = d->keep ? p->mb + (size_t)m * p->lnumel : p->grad;
+      DOPT_TRY(DEV(d)->grid_codes(DCTX(d), src, &tb, d->codes + d->code_off[i], &b));
+      bad += b;
+    }
+    const int32_t one = 1;
+    if (bad) DOPT_TRY(DEV(d)->upload(DCTX(d), d->codes + i, &one, sizeof one));
+  }
+  if (d->tp.size > 1) DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->codes, d->codes, d->ncodes, DOPT_I32, DOPT_MAX));
+  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->codes, d->codes, d->ncodes, DOPT_I32, DOPT_MAX));
+  DOPT_TRY(DEV(d)->download(DCTX(d), d->hflags, d->codes, (size_t)d->np * sizeof(int32_t)));
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (p->lnumel == 0) continue; /* the same on every rank of this dp group */
+    const int32_t *codes = d->codes + d->code_off[i];
+    const int flagged = d->hflags[i] != 0;
+    DOPT_TRY(grow_dev(d, (void **)&d->words, &d->words_cap, p->padded * (size_t)W * sizeof(int64_t)));
+    if (flagged) DOPT_TRY(grow_dev(d, (void **)&d->cls, &d->cls_cap, p->padded * sizeof(int64_t)));
+    dopt_piece tb = p->pc;
+    tb.lo = 0;
+    tb.len = p->lnumel;
+    const int nsrc = d->keep ? p->nmb : 1;
+    /* zero words where nothing is encoded: no micro-batch on this rank, ZeRO padding */
+    const size_t zfrom = nsrc ? p->lnumel : 0;
+    if (p->padded > zfrom) {
+      size_t tail = p->padded - zfrom;
+      DOPT_TRY(zeros_of(d, tail * (size_t)W * sizeof(int64_t), &z));
+      DOPT_TRY(DEV(d)->upload(DCTX(d), d->words + zfrom * (size_t)W, z, tail * (size_t)W * sizeof(int64_t)));
+      if (flagged) DOPT_TRY(DEV(d)->upload(DCTX(d), d->cls + zfrom, z, tail * sizeof(int64_t)));
+    }
+    for (int m = 0; m < nsrc; m++) { /* the first sets the words, the next ones add to them */
+      const float *src = d->keep ? p->mb + (size_t)m * p->lnumel : p->grad;
+      DOPT_TRY(DEV(d)->grid_encode(DCTX(d), src, &tb, codes, W, k, m > 0, d->words, flagged ? d->cls : NULL));
+    }
+    if (d->dp.size > 1) {
+      DOPT_TRY(dp_sum(d, p, d->words, (size_t)W, DOPT_I64));
+      if (flagged) DOPT_TRY(dp_sum(d, p, d->cls, 1, DOPT_I64));
+    }
+    DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words + p->pc.lo * (size_t)W, flagged ? d->cls + p->pc.lo : NULL, &p->pc,
+                                 codes, W, k, p->grad + p->pc.lo));
+  }
+  return DOPT_OK;
+}
+
+/* The averaged gradient of each piece: the SUM over dp (exact, or fp32 in
+ * the transport's order), then one division by dp·micro; *nonfinite counts
+ * the non-finite averaged elements of this rank's pieces. */
 static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   *nonfinite = 0;
   const float denom = (float)((double)d->dp.size * (double)d->micro);
@@ -556,13 +694,19 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, z, p->lnumel * sizeof(float)));
     }
     p->acc = 0;
-    if (d->dp.size > 1) {
-      if (d->zero >= 2) /* in place: this rank's block of the padded buffer */
-        DOPT_TRY(d->dp.ops->reduce_scatter(d->dp.comm, p->grad, p->grad + (size_t)d->dp.rank * p->chunk, p->chunk,
-                                           DOPT_F32, DOPT_SUM));
-      else
-        DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, p->grad, p->grad, p->padded, DOPT_F32, DOPT_SUM));
+  }
+  if (d->keep && d->dp.size * d->micro == 1) { /* one contribution: itself (dopt_dp_sum's rule) */
+    for (int i = 0; i < d->np; i++) {
+      dist_param *p = &d->p[i];
+      if (p->nmb) DOPT_TRY(DEV(d)->copy(DCTX(d), p->grad, p->mb, p->lnumel * sizeof(float)));
     }
+  } else if ((d->dp.size > 1 || d->keep) && d->dp_words > 0) {
+    DOPT_TRY(exact_dp_sum(d));
+  }
+  for (int i = 0; i < d->np; i++) d->p[i].nmb = 0;
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (d->dp.size > 1 && d->dp_words == 0) DOPT_TRY(dp_sum(d, p, p->grad, 1, DOPT_F32));
     int64_t bad;
     DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->pc.lo, denom, p->pc.len, &bad));
     *nonfinite += bad;

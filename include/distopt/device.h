@@ -82,6 +82,21 @@ typedef struct dopt_device_ops {
   /* one stage of one optimizer step on one piece (args->stage; the step sets
    * *args->more to be called again after the posted reductions) */
   dopt_status (*step)(void *ctx, const struct dopt_step_args *args);
+  /* The exact data-parallel sum (distopt/dpsum.h, core/grid.h), over the
+   * elements [lo, lo+len) of a piece's TP block; x, w, cls point at element
+   * lo, codes[dopt_grid_blocks(numel)] are the logical blocks' codes:
+   *   grid_codes   codes[blk] = max(codes[blk], each element's code); the
+   *                number of non-finite elements (host)
+   *   grid_encode  `words` int64 words per element on the grid of K = k
+   *                (and its NaN/±inf class word when cls != NULL); add:
+   *                w += (and cls +=) instead of =, a local integer sum
+   *   grid_decode  summed words (and class words; cls NULL: all finite) →
+   *                fp32, rounded once */
+  dopt_status (*grid_codes)(void *ctx, const float *x, const dopt_piece *pc, int32_t *codes, int64_t *host_nonfinite);
+  dopt_status (*grid_encode)(void *ctx, const float *x, const dopt_piece *pc, const int32_t *codes, int words, int k,
+                             int add, int64_t *w, int64_t *cls);
+  dopt_status (*grid_decode)(void *ctx, const int64_t *w, const int64_t *cls, const dopt_piece *pc,
+                             const int32_t *codes, int words, int k, float *x);
 } dopt_device_ops;
 
 typedef struct dopt_device {

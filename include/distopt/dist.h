@@ -40,6 +40,7 @@
 #include <stdint.h>
 
 #include "distopt/device.h"
+#include "distopt/dpsum.h"
 #include "distopt/optim.h"
 #include "distopt/transport.h"
 
@@ -72,14 +73,27 @@ typedef struct dopt_dist_config {
    * logical sizes; each bucket costs one collective per transport and phase.
    * 0: all parameters in one bucket (fewest collectives, most memory). */
   size_t bucket_bytes;
+  /* v3: how the data-parallel gradient sum is computed (distopt/dpsum.h):
+   * 1 or 2 = exact on a shared fixed-point grid with that many int64 words
+   * per element, summed by the transport's integer SUM (any reduction order
+   * gives the same bits; 2·words × the fp32 traffic); 0 = the fp32 sum in the
+   * transport's order (bitwise with the reference only in rank order). */
+  int dp_sum_words;
+  /* v3: 1 = the result does not depend on how the global batch is split
+   * into dp ranks × micro-batches: every micro-batch gradient is kept until
+   * the step (memory: micro-batches × the TP-local gradient per rank) and put
+   * on the shared grid itself, so the sum is over all dp·micro micro-batch
+   * gradients exactly, whatever their grouping. Needs dp_sum_words ≥ 1. */
+  int batch_invariant;
 } dopt_dist_config;
 
-#define DOPT_DIST_CONFIG_VERSION 2
+#define DOPT_DIST_CONFIG_VERSION 3
 #define DOPT_DIST_CONFIG_V1_SIZE ((uint32_t)offsetof(dopt_dist_config, bucket_bytes))
+#define DOPT_DIST_CONFIG_V2_SIZE ((uint32_t)offsetof(dopt_dist_config, dp_sum_words))
 #define DOPT_DIST_BUCKET_BYTES_DEFAULT ((size_t)64 << 20)
 #define DOPT_DIST_CONFIG_INIT \
   { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1, \
-    DOPT_DIST_BUCKET_BYTES_DEFAULT }
+    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0 }
 
 /* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
  * message names the plugin and what it needs. */
@@ -116,7 +130,8 @@ typedef struct dopt_dist_step_info {
 } dopt_dist_step_info;
 
 /* One optimizer step over the accumulated micro-batches: sum the gradients
- * over dp (rank order) and divide by dp·micro_batches, check finiteness,
+ * over dp (exactly, or in the transport's order: dp_sum_words) and divide by
+ * dp·micro_batches, check finiteness,
  * clip, step every parameter's piece, re-gather parameters (zero 1/2). [C] */
 DOPT_API dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info);
 DOPT_API int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d);

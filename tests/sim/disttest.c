@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "distopt/device.h"
+#include "distopt/dpsum.h"
 #include "distopt/xsum.h"
 #include "internal.h"
 
@@ -15,6 +16,10 @@ static size_t numel_of(const dt_param *p) {
   size_t n = 1;
   for (int i = 0; i < p->ndim; i++) n *= (size_t)p->shape[i];
   return n;
+}
+
+int dt_dp_words(const dt_case *c) {
+  return c->dp_sum < 0 ? DOPT_DP_SUM_RANK_ORDER : c->dp_sum == 0 ? DOPT_DP_SUM_DEFAULT_WORDS : c->dp_sum;
 }
 
 const char *dt_plugin(const dt_layout *l) {
@@ -46,6 +51,9 @@ void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float
     double lowrank = a * sin(0.7 * (double)row + 0.3) * cos(0.4 * (double)col) + b * (double)((row + col) % 3);
     double rowscale = (row % 5 == 1) ? 8.0 : 1.0; /* heavy-tailed rows */
     double v = c->grad_scale * rowscale * (lowrank + 0.5 * noise);
+    /* wide: each element keeps its own scale, 2^0..2^-63, in every micro-batch and rank, so small elements
+     * stay small in the sum and their bits are decided by the shared block grid */
+    if (c->wide) v = ldexp(v, -(int)(mix(((uint64_t)p << 32) ^ (uint64_t)i) % 64));
     if ((h >> 60) == 0) v = 0.0; /* ~6% exact zeros */
     out[i] = (float)v;
   }
@@ -112,7 +120,7 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
     size_t n = numel_of(&c->params[i]);
     maxn = n > maxn ? n : maxn;
     avg[i] = malloc(n * sizeof(float));
-    acc[i] = malloc(n * sizeof(float));
+    acc[i] = malloc((size_t)dp * (size_t)(c->micro > 0 ? c->micro : 1) * n * sizeof(float));
     gp[i] = avg[i];
   }
   g = malloc(maxn * sizeof(float));
@@ -123,21 +131,32 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
     int bad = 0;
     for (int i = 0; i < c->nparams; i++) {
       size_t n = numel_of(&c->params[i]);
+      const float *parts[DT_MAXRANKS * 8];
+      int np = 0;
       for (int d = 0; d < dp; d++) {
+        if (c->batch_invariant) { /* every micro-batch gradient is a part */
+          for (int m = 0; m < c->micro; m++) {
+            float *a = acc[i] + (size_t)np * n;
+            dt_gradient(c, i, t, m, d, a);
+            parts[np++] = a;
+          }
+          continue;
+        }
         /* rank d's accumulator: g_0 + g_1 + ... (micro-batch order) */
+        float *a = acc[i] + (size_t)d * n;
         for (int m = 0; m < c->micro; m++) {
           dt_gradient(c, i, t, m, d, g);
-          for (size_t k = 0; k < n; k++) acc[i][k] = m == 0 ? g[k] : acc[i][k] + g[k];
+          for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
         }
-        /* the dp sum in rank order: ((a_0 + a_1) + a_2) + ... */
-        for (size_t k = 0; k < n; k++) avg[i][k] = d == 0 ? acc[i][k] : avg[i][k] + acc[i][k];
+        parts[np++] = a;
       }
+      if (s == DOPT_OK) s = dopt_dp_sum(parts, np, dt_dp_words(c), n, avg[i]);
       for (size_t k = 0; k < n; k++) {
         avg[i][k] = avg[i][k] / denom;
         bad |= !isfinite(avg[i][k]);
       }
     }
-    if (bad) { /* skip: nothing updated, no step counted */
+    if (bad && !c->apply_nonfinite) { /* skip: nothing updated, no step counted */
       r->skipped++;
     } else {
       if (c->max_grad_norm > 0) {
@@ -204,6 +223,9 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.zero_stage = l->zero;
   cfg.max_grad_norm = c->max_grad_norm;
   cfg.bucket_bytes = l->bucket_bytes;
+  cfg.dp_sum_words = dt_dp_words(c);
+  cfg.skip_nonfinite = !c->apply_nonfinite;
+  cfg.batch_invariant = c->batch_invariant;
   /* the checking device: every kernel argument and collective buffer must be
    * device memory (its arena), as on a GPU */
   dopt_transport tpt, dpt;
@@ -327,6 +349,7 @@ dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, ch
   dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
   cfg.nranks = l->tp * l->dp;
   cfg.timeout_ms = 20000;
+  cfg.mode = c->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
   dopt_sim_world *w;
   DOPT_TRY(dopt_sim_world_create(&cfg, &w));
   run_ctx x;

@@ -38,7 +38,16 @@ typedef struct dt_case {
   double grad_scale;
   int nan_step;          /* a NaN in one gradient at this step (0: none) */
   int check_every;       /* compare every k steps (and after the last) */
+  int dp_sum;            /* 0: the default exact dp sum; 1, 2: exact with that many words; -1: rank-order fp32 */
+  int ring_order;        /* the simulator sums in ring order (DOPT_SIM_ORDER_RING) */
+  int wide;              /* every element its own fixed scale 2^0..2^-63: beyond one dp-sum word's exact
+                            range (2^35 below a block's maximum), so the shared block grid decides bits */
+  int apply_nonfinite;   /* NaN/inf gradients are applied (dopt_dist_config.skip_nonfinite = 0) */
+  int batch_invariant;   /* dopt_dist_config.batch_invariant: every micro-batch a part of the exact sum */
 } dt_case;
+
+/* The dopt_dist_config.dp_sum_words of a case. */
+int dt_dp_words(const dt_case *c);
 
 typedef struct dt_layout {
   int tp, dp, zero;
@@ -69,7 +78,7 @@ typedef struct dt_result {
 const char *dt_plugin(const dt_layout *l);
 
 /* Runs the reference on the dp-average of the micro-batch gradients of dp
- * data-parallel ranks (summed in rank order, as the transport does). */
+ * data-parallel ranks (their dp sum as dopt_dp_sum computes it). */
 dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *out);
 /* Runs the distributed optimizer on tp·dp simulated ranks. */
 dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, char *err, size_t errcap);

@@ -49,7 +49,7 @@ static void test_clip_and_accumulation(void **st) {
   (void)st;
   const char *opts[][2] = {{"adamw", "lr=1e-2,eps=1e-3"}, {"adafactor", "beta1=0.9"}, {"lamb", "lr=1e-2"}};
   for (int k = 0; k < 3; k++) {
-    dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 12, 3, 0.05, 0, 99 + (uint64_t)k, 0.5, 0, 4};
+    dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 12, 3, 0.05, 0, 99 + (uint64_t)k, 0.5, 0, 4, 0, 0, 0, 0, 0};
     /* the clip must actually bite: the averaged gradient norm is >> 0.05 */
     float g[90];
     dt_gradient(&c, 0, 1, 0, 0, g);
@@ -64,7 +64,7 @@ static void test_bf16_masters(void **st) {
   (void)st;
   const char *opts[][2] = {{"came", "lr=1e-3,weight_decay=0.01"}, {"adamw", "lr=1e-2"}};
   for (int k = 0; k < 2; k++) {
-    dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 10, 1, 0.0, 1, 7 + (uint64_t)k, 0.05, 0, 5};
+    dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 10, 1, 0.0, 1, 7 + (uint64_t)k, 0.05, 0, 5, 0, 0, 0, 0, 0};
     check_case(&c);
   }
 }
@@ -73,7 +73,7 @@ static void test_bf16_masters(void **st) {
  * (no parameter, state or step counter changes), then training continues. */
 static void test_nonfinite_skip(void **st) {
   (void)st;
-  dt_case c = {"adafactor", "beta1=0.9", NULL, PARAMS, NP, 8, 2, 0.0, 0, 5, 0.05, 4, 1};
+  dt_case c = {"adafactor", "beta1=0.9", NULL, PARAMS, NP, 8, 2, 0.0, 0, 5, 0.05, 4, 1, 0, 0, 0, 0, 0};
   check_case(&c);
   dt_result ref;
   assert_ok(dt_run_reference(&c, 2, &ref));
@@ -155,7 +155,7 @@ static void test_batched_reductions(void **st) {
   for (size_t k = 0; k < sizeof O / sizeof O[0]; k++) {
     for (int clip = 0; clip < 2; clip++) {
       dt_case c = {O[k].opt, O[k].hp, NULL, MANY, NMANY, steps, 1, clip ? 0.05 : 0.0, 0, 31 + (uint64_t)k, 0.5, 0,
-                   steps};
+                   steps, 0, 0, 0, 0, 0};
       dt_result ref[4];
       int have[4] = {0};
       for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
@@ -234,7 +234,7 @@ static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref,
 static void test_8bit_threshold_is_logical(void **st) {
   (void)st;
   static const dt_param P[] = {{"w", 2, {64, 64}, DOPT_TP_COLUMN, 0}, {"b", 1, {64}, DOPT_TP_COLUMN, 1}};
-  dt_case c = {"adamw8bit", "lr=1e-2,min_8bit_size=4096,block_size=256", NULL, P, 2, 6, 1, 0.0, 0, 7, 0.5, 0, 3};
+  dt_case c = {"adamw8bit", "lr=1e-2,min_8bit_size=4096,block_size=256", NULL, P, 2, 6, 1, 0.0, 0, 7, 0.5, 0, 3, 0, 0, 0, 0, 0};
   dt_result ref;
   assert_ok(dt_run_reference(&c, 4, &ref));
   int found = 0;
@@ -271,7 +271,7 @@ static void test_galore_split_inner_dimension(void **st) {
   const char *opts[] = {"galore_adamw", "galore_adamw", "galore_adamw8bit"};
   static const dt_layout L[] = {{3, 2, 3, 0}, {3, 2, 2, 0}, {4, 1, 0, 0}, {2, 3, 1, 0}};
   for (int h = 0; h < 3; h++) {
-    dt_case c = {opts[h], hps[h], NULL, P, 3, 10, 1, 0.0, 0, 11 + (uint64_t)h, 0.5, 0, 5};
+    dt_case c = {opts[h], hps[h], NULL, P, 3, 10, 1, 0.0, 0, 11 + (uint64_t)h, 0.5, 0, 5, 0, 0, 0, 0, 0};
     dt_result ref[4];
     int have[4] = {0};
     for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {

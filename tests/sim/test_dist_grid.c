@@ -75,12 +75,14 @@ static const dt_layout CI_LAYOUTS[] = {
     {3, 2, 0, 1}, {4, 1, 2, 256}, {2, 3, 3, 0}, {1, 3, 3, 1}, {3, 4, 2, 256}, {4, 2, 1, 0},  {4, 4, 3, 1},
 };
 
-static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int nlay, int steps) {
+/* dp_sum, ring: dt_case's (the dp-sum mode; the simulator's ring order) */
+static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int nlay, int steps, int dp_sum, int ring) {
   int runs = 0;
   for (int h = 0; h < nhp; h++) {
-    dt_case c = {hps[h].opt, hps[h].hp, NULL, PARAMS, NPARAMS, steps, 1, 0.0, 0, 1234 + (uint64_t)h, 0.05, 0, 25};
-    dt_result ref[5];
-    int have_ref[5] = {0};
+    dt_case c = {hps[h].opt, hps[h].hp, NULL, PARAMS, NPARAMS, steps, 1, 0.0, 0, 1234 + (uint64_t)h, 0.05, 0, 25, dp_sum,
+                 ring, 0, 0, 0};
+    dt_result ref[9];
+    int have_ref[9] = {0};
     for (int li = 0; li < nlay; li++) {
       const dt_layout *l = &lays[li];
       if (!have_ref[l->dp]) {
@@ -94,12 +96,13 @@ static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int n
       dopt_status s = dt_run_dist(&c, l, &got, err, sizeof err);
       if (s != DOPT_OK) fail_msg("%s [%s] tp%d dp%d zero%d (%s): %s", c.optimizer, c.hparams ? c.hparams : "", l->tp, l->dp, l->zero, dt_plugin(l), err);
       if (dt_compare(&c, &ref[l->dp], &got, msg, sizeof msg))
-        fail_msg("%s [%s] tp%d dp%d zero%d (%s): not bitwise equal: %s", c.optimizer, c.hparams ? c.hparams : "",
-                 l->tp, l->dp, l->zero, dt_plugin(l), msg);
+        fail_msg("%s [%s] tp%d dp%d zero%d (%s) dp_sum %d%s: not bitwise equal: %s", c.optimizer,
+                 c.hparams ? c.hparams : "", l->tp, l->dp, l->zero, dt_plugin(l), dt_dp_words(&c),
+                 ring ? " ring order" : "", msg);
       dt_result_free(&got);
       runs++;
     }
-    for (int d = 0; d < 5; d++)
+    for (int d = 0; d < 9; d++)
       if (have_ref[d]) dt_result_free(&ref[d]);
   }
   return runs;
@@ -115,15 +118,87 @@ static void test_grid(void **st) {
     for (int tp = 1; tp <= 4; tp++)
       for (int dp = 1; dp <= 4; dp++)
         for (int z = 0; z <= 3; z++) all[n++] = (dt_layout){tp, dp, z, (size_t)(n % 3 == 0 ? 0 : n % 3 == 1 ? 1 : 256)};
-    runs = run_grid(FULL_HP, (int)(sizeof FULL_HP / sizeof FULL_HP[0]), all, n, 100);
+    runs = run_grid(FULL_HP, (int)(sizeof FULL_HP / sizeof FULL_HP[0]), all, n, 100, 0, 0);
   } else {
     runs = run_grid(CI_HP, (int)(sizeof CI_HP / sizeof CI_HP[0]), CI_LAYOUTS,
-                    (int)(sizeof CI_LAYOUTS / sizeof CI_LAYOUTS[0]), 100);
+                    (int)(sizeof CI_LAYOUTS / sizeof CI_LAYOUTS[0]), 100, 0, 0);
   }
   printf("equivalence grid: %d runs x 100 steps, %d parameters, bitwise equal\n", runs, NPARAMS);
 }
 
+/* The simulator's ring order (chunks start at rank c+1 and accumulate around
+ * the ring, as NCCL's ring all-reduce may) at dp 3..8, tp 1 and 2, every
+ * ZeRO stage: with the exact dp sum, one and two words, every optimizer is
+ * bitwise the reference. */
+static const dt_layout ORDER_LAYOUTS[] = {
+    {1, 3, 2, 0}, {2, 4, 1, 256}, {1, 5, 3, 1}, {1, 6, 0, 0}, {2, 7, 2, 1}, {1, 8, 3, 256}, {1, 8, 0, 0},
+};
+
+static void test_grid_ring_order(void **st) {
+  (void)st;
+  const int nhp = (int)(sizeof CI_HP / sizeof CI_HP[0]), nl = (int)(sizeof ORDER_LAYOUTS / sizeof ORDER_LAYOUTS[0]);
+  int runs = run_grid(CI_HP, nhp, ORDER_LAYOUTS, nl, 30, 1, 1);
+  runs += run_grid(CI_HP, 4, ORDER_LAYOUTS, nl, 30, 2, 1); /* two words: the elementwise and factored optimizers */
+  printf("ring order, exact dp sum: %d runs x 30 steps at dp 3..8, bitwise equal\n", runs);
+}
+
+/* Adversarial gradients, ring order: values over 2^±48 in every row (one
+ * word rounds the small ones on the block grid, so a rank that used another
+ * grid — e.g. its own TP block's maxima — would differ), and NaN/inf
+ * gradients applied (the class counts' path). Row- and column-parallel
+ * splits with logical blocks straddling TP blocks. */
+static void test_adversarial_ring_order(void **st) {
+  (void)st;
+  static const dt_layout L[] = {{2, 3, 2, 0}, {3, 4, 1, 256}, {2, 5, 3, 1}, {1, 3, 0, 0}};
+  static const hp_setting H[] = {{"adamw", "lr=1e-2,weight_decay=0.01"}, {"adafactor", "beta1=0.9,weight_decay=0.01"}};
+  int runs = 0;
+  for (int mode = 0; mode < 5; mode++) /* wide one word, two words, NaN applied; batch invariant: wide, NaN */
+    for (int h = 0; h < 2; h++)
+      for (int li = 0; li < 4; li++) {
+        const dt_layout *l = &L[li];
+        const int nan = mode == 2 || mode == 4;
+        dt_case c = {H[h].opt, H[h].hp, NULL, PARAMS, NPARAMS, 8, 3, 0.0, 0, 4321 + (uint64_t)h, 0.05, nan ? 3 : 0,
+                     4, mode == 1 ? 2 : 1, 1, !nan, nan, mode >= 3};
+        if (nan && h == 1) continue; /* adafactor spreads the NaN over its rows: adamw keeps it local */
+        dt_result ref, got;
+        assert_ok(dt_run_reference(&c, l->dp, &ref));
+        memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+        memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+        char err[512] = "", msg[512] = "";
+        if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK) fail_msg("%s", err);
+        if (dt_compare(&c, &ref, &got, msg, sizeof msg))
+          fail_msg("%s tp%d dp%d zero%d, mode %d: not bitwise equal: %s", c.optimizer, l->tp, l->dp, l->zero, mode, msg);
+        dt_result_free(&ref);
+        dt_result_free(&got);
+        runs++;
+      }
+  printf("adversarial gradients, ring order: %d runs bitwise equal\n", runs);
+}
+
+/* The control: the fp32 dp sum in the transport's order is bitwise in rank
+ * order and not in ring order (dp >= 3), so the ring-order test above can
+ * tell the two sums apart. */
+static void test_rank_order_sum_control(void **st) {
+  (void)st;
+  const dt_layout l = {1, 4, 2, 0};
+  for (int ring = 0; ring <= 1; ring++) {
+    dt_case c = {"adamw", "lr=1e-2,weight_decay=0.01", NULL, PARAMS, NPARAMS, 10, 1, 0.0, 0, 77, 0.05, 0, 5, -1, ring, 0, 0, 0};
+    dt_result ref, got;
+    assert_ok(dt_run_reference(&c, l.dp, &ref));
+    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    char err[512] = "", msg[512] = "";
+    if (dt_run_dist(&c, &l, &got, err, sizeof err) != DOPT_OK) fail_msg("%s", err);
+    int differs = dt_compare(&c, &ref, &got, msg, sizeof msg);
+    if (differs != ring) fail_msg("fp32 dp sum, %s order: %s", ring ? "ring" : "rank", differs ? msg : "bitwise equal");
+    dt_result_free(&ref);
+    dt_result_free(&got);
+  }
+}
+
 int main(void) {
-  const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid)};
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid), cmocka_unit_test(test_grid_ring_order),
+                                     cmocka_unit_test(test_adversarial_ring_order),
+                                     cmocka_unit_test(test_rank_order_sum_control)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "disttest.h"
+#include "distopt/dpsum.h"
 #include "distopt/optim.h"
 #include "distopt/xsum.h"
 
@@ -47,22 +48,24 @@ static void split(size_t n, int parts, int r, size_t *off, size_t *len) {
 }
 
 /* The averaged gradient the reference steps on at step t (before clipping),
- * computed exactly as the harness does: per dp rank 0 + g_0 + g_1 + ...,
- * summed in rank order, divided once by dp·micro. */
+ * computed exactly as the harness does: per dp rank g_0 + g_1 + ..., their
+ * dp sum (dopt_dp_sum, the case's mode), divided once by dp·micro. */
 static float *avg_grad(const dt_case *c, int p, int t, int dp) {
-  size_t n = nel(&c->params[p]);
-  float *out = calloc(n ? n : 1, sizeof *out), *g = malloc((n ? n : 1) * sizeof *g), *acc = malloc((n ? n : 1) * sizeof *acc);
+  size_t n = nel(&c->params[p]), n1 = n ? n : 1;
+  float *out = calloc(n1, sizeof *out), *g = malloc(n1 * sizeof *g), *acc = calloc((size_t)dp * n1, sizeof *acc);
+  const float *parts[DT_MAXRANKS];
   assert_non_null(out);
   assert_non_null(g);
   assert_non_null(acc);
   for (int d = 0; d < dp; d++) {
-    for (size_t k = 0; k < n; k++) acc[k] = 0.0f;
+    float *a = acc + (size_t)d * n1;
     for (int m = 0; m < c->micro; m++) {
       dt_gradient(c, p, t, m, d, g);
-      for (size_t k = 0; k < n; k++) acc[k] = acc[k] + g[k];
+      for (size_t k = 0; k < n; k++) a[k] = a[k] + g[k];
     }
-    for (size_t k = 0; k < n; k++) out[k] = d == 0 ? acc[k] : out[k] + acc[k];
+    parts[d] = a;
   }
+  assert_int_equal(dopt_dp_sum(parts, dp, dt_dp_words(c), n, out), DOPT_OK);
   const float denom = (float)((double)dp * (double)c->micro);
   for (size_t k = 0; k < n; k++) out[k] = out[k] / denom;
   free(g);
@@ -199,7 +202,7 @@ static const dt_param P_ROWMEAN[] = {
 
 static void test_row_mean_row_split(void **st) {
   (void)st;
-  const dt_case c = {"adafactor", "beta1=0.9,weight_decay=0.01", NULL, P_ROWMEAN, 2, STEPS, 1, 0.0, 0, 101, 0.05, 0, 1};
+  const dt_case c = {"adafactor", "beta1=0.9,weight_decay=0.01", NULL, P_ROWMEAN, 2, STEPS, 1, 0.0, 0, 101, 0.05, 0, 1, 0, 0, 0, 0, 0};
   dt_result ref;
   assert_ok(dt_run_reference(&c, 1, &ref));
   /* w86 at tp = 2 (3 + 3 columns), w87 at tp = 4 (2, 2, 2, 1 columns) */
@@ -249,7 +252,7 @@ static void test_lamb_trust_ratio_per_shard(void **st) {
   (void)st;
   const double lr = 5e-2, b1 = 0.9, b2 = 0.999, eps = 1e-6, wd = 0.01;
   const dt_case c = {"lamb", "lr=5e-2,bias_correction=true,weight_decay=0.01", NULL, P_LAMB, 3, STEPS, 1, 0.0, 0, 207,
-                     0.05, 0, 1};
+                     0.05, 0, 1, 0, 0, 0, 0, 0};
   dt_result ref;
   assert_ok(dt_run_reference(&c, 1, &ref));
   const int p = 0;
@@ -309,7 +312,7 @@ static const dt_param P_ZCOL[] = {
 };
 
 static void zero_col_case(const char *opt, const char *hp, float omb2) {
-  const dt_case c = {opt, hp, NULL, P_ZCOL, 2, STEPS, 1, 0.0, 0, 303, 0.05, 0, 1};
+  const dt_case c = {opt, hp, NULL, P_ZCOL, 2, STEPS, 1, 0.0, 0, 303, 0.05, 0, 1, 0, 0, 0, 0, 0};
   const int scen[2][2] = {{0, 2}, {1, 3}}; /* param, dp */
   for (int s = 0; s < 2; s++) {
     const int p = scen[s][0], dp = scen[s][1];
@@ -368,7 +371,7 @@ static const dt_param P_CLIP[] = {
 
 static void test_grad_norm_replicated_once(void **st) {
   (void)st;
-  const dt_case c = {"adamw", "lr=1e-2,weight_decay=0.01", NULL, P_CLIP, NCLIP, STEPS, 2, 0.05, 0, 404, 0.05, 0, 1};
+  const dt_case c = {"adamw", "lr=1e-2,weight_decay=0.01", NULL, P_CLIP, NCLIP, STEPS, 2, 0.05, 0, 404, 0.05, 0, 1, 0, 0, 0, 0, 0};
   static const dt_layout lays[] = {{2, 1, 0, 0}, {4, 1, 1, 0}, {2, 2, 2, 0}, {2, 2, 3, 0}};
   for (int li = 0; li < 4; li++) {
     const dt_layout *l = &lays[li];
@@ -425,7 +428,7 @@ static void test_dp_size_not_world_size(void **st) {
   /* Adam's update m̂/(√v̂ + eps) is scale invariant unless eps matters: with
    * |g| ~ 1e-3 ≪ eps = 1e-2 the update is ≈ g/eps, linear in g. (Clipping
    * would not help: once active, g·max/‖g‖ forgets the scale.) */
-  const dt_case c = {"adamw", "lr=1e-2,eps=1e-2,weight_decay=0.01", NULL, P_WS, 3, STEPS, 1, 0.0, 0, 505, 1e-3, 0, 1};
+  const dt_case c = {"adamw", "lr=1e-2,eps=1e-2,weight_decay=0.01", NULL, P_WS, 3, STEPS, 1, 0.0, 0, 505, 1e-3, 0, 1, 0, 0, 0, 0, 0};
   /* The buggy average Σg/4 (world) instead of Σg/2 (dp) is bitwise the
    * reference fed gradients at half the scale: halving grad_scale halves
    * every dt_gradient exactly (a power of two, no subnormals at 1e-3), the
@@ -470,7 +473,7 @@ static void test_padding_not_in_rms(void **st) {
   (void)st;
   const double clip = 0.5;
   const dt_case c = {"adafactor", "clip_threshold=0.5,scale_parameter=true,beta1=0.9", NULL, P_PAD, 2, STEPS, 1, 0.0,
-                     0, 606, 0.05, 0, 1};
+                     0, 606, 0.05, 0, 1, 0, 0, 0, 0, 0};
   const int dp = 3;
   dt_result ref;
   assert_ok(dt_run_reference(&c, dp, &ref));
@@ -609,7 +612,7 @@ static void test_came_states_not_aliased(void **st) {
       }
     dopt_optim_destroy(o);
   }
-  const dt_case c = {"came", "lr=1e-3,weight_decay=0.01", NULL, P_CAME, 3, 6, 1, 0.0, 0, 707, 0.05, 0, 1};
+  const dt_case c = {"came", "lr=1e-3,weight_decay=0.01", NULL, P_CAME, 3, 6, 1, 0.0, 0, 707, 0.05, 0, 1, 0, 0, 0, 0, 0};
   static const dt_layout lays[] = {{2, 1, 0, 0}, {2, 2, 2, 0}, {3, 2, 3, 0}};
   for (int i = 0; i < 3; i++) {
     dt_result ref, got;
@@ -685,7 +688,7 @@ static void test_uneven_tp_empty_ranks(void **st) {
                                          {"came", "lr=1e-3,weight_decay=0.01"},
                                          {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"}};
   for (int o = 0; o < 4; o++) {
-    const dt_case c = {opts[o][0], opts[o][1], NULL, P_EMPTY, NEMPTY, 6, 1, 0.02, 0, 808 + (uint64_t)o, 0.05, 0, 2};
+    const dt_case c = {opts[o][0], opts[o][1], NULL, P_EMPTY, NEMPTY, 6, 1, 0.02, 0, 808 + (uint64_t)o, 0.05, 0, 2, 0, 0, 0, 0, 0};
     expect_bitwise_all(&c, lays, 5);
   }
 }

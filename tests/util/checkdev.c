@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "distopt/dpsum.h"
 #include "distopt/dtype.h"
 #include "internal.h"
 #include "optim_impl.h"
@@ -194,6 +195,33 @@ static dopt_status ck_step(void *ctx, const dopt_step_args *a) {
   return cpu()->step(NULL, a);
 }
 
+/* the exact dp sum: the piece's elements, its words, its logical blocks' codes */
+static dopt_status ck_grid_codes(void *ctx, const float *x, const dopt_piece *pc, int32_t *codes, int64_t *bad) {
+  CHECK(C(ctx), "grid_codes", "x", x, pc->len * 4, __builtin_return_address(0));
+  CHECK(C(ctx), "grid_codes", "codes", codes, dopt_grid_blocks(pc->numel) * 4, __builtin_return_address(0));
+  return cpu()->grid_codes(NULL, x, pc, codes, bad);
+}
+
+static dopt_status ck_grid_encode(void *ctx, const float *x, const dopt_piece *pc, const int32_t *codes, int words,
+                                  int k, int add, int64_t *w, int64_t *cls) {
+  void *site = __builtin_return_address(0);
+  CHECK(C(ctx), "grid_encode", "x", x, pc->len * 4, site);
+  CHECK(C(ctx), "grid_encode", "codes", codes, dopt_grid_blocks(pc->numel) * 4, site);
+  CHECK(C(ctx), "grid_encode", "w", w, pc->len * (size_t)words * 8, site);
+  if (cls) CHECK(C(ctx), "grid_encode", "cls", cls, pc->len * 8, site);
+  return cpu()->grid_encode(NULL, x, pc, codes, words, k, add, w, cls);
+}
+
+static dopt_status ck_grid_decode(void *ctx, const int64_t *w, const int64_t *cls, const dopt_piece *pc,
+                                  const int32_t *codes, int words, int k, float *x) {
+  void *site = __builtin_return_address(0);
+  CHECK(C(ctx), "grid_decode", "x", x, pc->len * 4, site);
+  CHECK(C(ctx), "grid_decode", "codes", codes, dopt_grid_blocks(pc->numel) * 4, site);
+  CHECK(C(ctx), "grid_decode", "w", w, pc->len * (size_t)words * 8, site);
+  if (cls) CHECK(C(ctx), "grid_decode", "cls", cls, pc->len * 8, site);
+  return cpu()->grid_decode(NULL, w, cls, pc, codes, words, k, x);
+}
+
 static const dopt_device_ops ck_ops = {
     .name = "checking",
     .alloc = ck_alloc,
@@ -208,6 +236,9 @@ static const dopt_device_ops ck_ops = {
     .to_bf16 = ck_to_bf16,
     .frame_bytes = ck_frame_bytes,
     .step = ck_step,
+    .grid_codes = ck_grid_codes,
+    .grid_encode = ck_grid_encode,
+    .grid_decode = ck_grid_decode,
 };
 
 /* ---- the transport wrapper --------------------------------------------------------------- */

@@ -1,0 +1,296 @@
+/* The exact data-parallel sum (distopt/dpsum.h): correctly rounded against a
+ * long-double oracle where the oracle is exact, the same bits for every order
+ * of the parts, the documented precision limits, non-finite classes, rounding
+ * ties, blocks independent of each other, and the piece kernels (as ranks
+ * call them on TP blocks and ZeRO ranges) equal to the whole-tensor sum. */
+#include "testutil.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "distopt/dpsum.h"
+#include "grid.h"
+
+static uint32_t bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+static float sum_of(const float *x, int n, int words) {
+  const float *parts[16];
+  for (int d = 0; d < n; d++) parts[d] = &x[d];
+  float out = -1.0f;
+  assert_int_equal(dopt_dp_sum(parts, n, words, 1, &out), DOPT_OK);
+  return out;
+}
+
+/* Values with exponents in [emin, emin + span): every sum of up to 8 of them
+ * needs at most 24 + span + 3 bits, exact in long double (64) for span ≤ 36,
+ * so (float) of the long-double sum is the correctly rounded exact sum. */
+static void oracle_case(int words, int span, uint64_t *rng) {
+  enum { N = 3000 };
+  for (int n = 2; n <= 8; n++) {
+    float *x = malloc((size_t)n * N * sizeof *x), *out = malloc(N * sizeof *out);
+    const float *parts[8];
+    int emin = (int)(dt_rand_u64(rng) % 200) - 120;
+    if (emin + span > 127) emin = 127 - span;
+    for (int d = 0; d < n; d++) {
+      for (size_t i = 0; i < N; i++) {
+        double m = 1.0 + dt_rand_uniform(rng);
+        int e = emin + (int)(dt_rand_u64(rng) % (uint64_t)span);
+        float v = (float)ldexp(dt_rand_u64(rng) & 1 ? -m : m, e);
+        x[(size_t)d * N + i] = (dt_rand_u64(rng) % 17) == 0 ? 0.0f : v;
+      }
+      parts[d] = x + (size_t)d * N;
+    }
+    assert_int_equal(dopt_dp_sum(parts, n, words, N, out), DOPT_OK);
+    for (size_t i = 0; i < N; i++) {
+      long double s = 0;
+      for (int d = 0; d < n; d++) s += (long double)parts[d][i];
+      float want = (float)s;
+      if (want == 0.0f) want = 0.0f; /* an exact zero is +0 */
+      if (bits(out[i]) != bits(want))
+        fail_msg("words=%d n=%d span=%d element %zu: got %a, exact sum rounded %a", words, n, span, i, (double)out[i],
+                 (double)want);
+    }
+    free(x);
+    free(out);
+  }
+}
+
+/* Within the documented exact range (2^(38−h) for one word) the sum is the
+ * correctly rounded exact sum. */
+static void test_oracle_one_word(void **state) {
+  (void)state;
+  uint64_t rng = 11;
+  for (int rep = 0; rep < 4; rep++) oracle_case(1, 35, &rng); /* h ≤ 3 for n ≤ 8: 2^35 */
+}
+
+static void test_oracle_two_words(void **state) {
+  (void)state;
+  uint64_t rng = 12;
+  for (int rep = 0; rep < 4; rep++) oracle_case(2, 36, &rng);
+}
+
+/* Every order of the parts gives the same bits (wide dynamic range, mixed
+ * signs: where an fp32 sum would change with the order). */
+static void test_order_free(void **state) {
+  (void)state;
+  enum { N = 1500, P = 6 };
+  uint64_t rng = 13;
+  float *x = malloc(P * N * sizeof *x), ref[N], got[N];
+  for (size_t i = 0; i < P * N; i++)
+    x[i] = (float)(dt_rand_normal(&rng) * pow(10.0, 40.0 * dt_rand_uniform(&rng) - 20.0));
+  for (int words = 1; words <= 2; words++) {
+    const float *parts[P];
+    for (int d = 0; d < P; d++) parts[d] = x + (size_t)d * N;
+    assert_int_equal(dopt_dp_sum(parts, P, words, N, ref), DOPT_OK);
+    int fp32_differs = 0;
+    for (int trial = 0; trial < 20; trial++) {
+      for (int d = P - 1; d > 0; d--) {
+        int j = (int)(dt_rand_u64(&rng) % (uint64_t)(d + 1));
+        const float *t = parts[d];
+        parts[d] = parts[j];
+        parts[j] = t;
+      }
+      assert_int_equal(dopt_dp_sum(parts, P, words, N, got), DOPT_OK);
+      assert_memory_equal(got, ref, sizeof ref);
+      float f0[N], f1[N];
+      assert_int_equal(dopt_dp_sum(parts, P, DOPT_DP_SUM_RANK_ORDER, N, f0), DOPT_OK);
+      const float *rev[P];
+      for (int d = 0; d < P; d++) rev[d] = parts[P - 1 - d];
+      assert_int_equal(dopt_dp_sum(rev, P, DOPT_DP_SUM_RANK_ORDER, N, f1), DOPT_OK);
+      fp32_differs |= memcmp(f0, f1, sizeof f0) != 0;
+    }
+    assert_true(fp32_differs); /* the data does exercise order dependence */
+  }
+  free(x);
+}
+
+/* The precision limit, as documented: 2^-40 next to ±2^40 in one block is
+ * below one word's grid (unit 2^(41−60)) but on two words' (2^(41−120)). */
+static void test_precision_limit(void **state) {
+  (void)state;
+  float x[3] = {0x1p40f, 0x1p-40f, -0x1p40f};
+  assert_true(bits(sum_of(x, 3, 1)) == bits(0.0f));
+  assert_true(bits(sum_of(x, 3, 2)) == bits(0x1p-40f));
+  /* the fp32 sum in this order loses it too; in another order it keeps it */
+  assert_true(sum_of(x, 3, 0) == 0.0f);
+  /* at 2^30 below the block maximum one word is still exact (2^(38−2) range) */
+  float y[3] = {0x1p40f, 0x1.000002p10f, -0x1p40f};
+  assert_true(bits(sum_of(y, 3, 1)) == bits(0x1.000002p10f));
+}
+
+/* Blocks are independent: a huge value in block 0 leaves block 1's small
+ * values exact. */
+static void test_blocks_independent(void **state) {
+  (void)state;
+  enum { N = 3 * DOPT_GRID_BLOCK + 17 };
+  float a[N], b[N], out[N];
+  for (size_t i = 0; i < N; i++) {
+    a[i] = (float)ldexp(1.0 + (double)(i % 7) / 8.0, -60);
+    b[i] = (float)ldexp(1.0 + (double)(i % 5) / 4.0, -61);
+  }
+  a[3] = 1e30f;
+  b[3] = -1e30f;
+  const float *parts[2] = {a, b};
+  assert_int_equal(dopt_dp_sum(parts, 2, 1, N, out), DOPT_OK);
+  for (size_t i = DOPT_GRID_BLOCK; i < N; i++) assert_true(bits(out[i]) == bits(a[i] + b[i])); /* exact here */
+  assert_true(out[3] == 0.0f);
+  assert_true(out[4] == 0.0f); /* block 0: 2^-60 is 2^160 below 1e30: rounded away, as documented */
+  assert_true(dopt_grid_blocks(N) == 4);
+}
+
+/* Rounding of the total: ties to even, sticky bits, overflow to inf. */
+static void test_rounding(void **state) {
+  (void)state;
+  for (int w = 1; w <= 2; w++) {
+    float t1[2] = {1.0f, 0x1p-24f}; /* 1 + half ulp: tie → even (1) */
+    assert_true(bits(sum_of(t1, 2, w)) == bits(1.0f));
+    float t2[2] = {0x1.000002p0f, 0x1p-24f}; /* odd + half ulp: tie → even (up) */
+    assert_true(bits(sum_of(t2, 2, w)) == bits(0x1.000004p0f));
+    float t3[3] = {1.0f, 0x1p-24f, 0x1p-40f}; /* above the tie: up */
+    assert_true(bits(sum_of(t3, 3, w)) == bits(0x1.000002p0f));
+    float t4[3] = {-1.0f, -0x1p-24f, -0x1p-40f};
+    assert_true(bits(sum_of(t4, 3, w)) == bits(-0x1.000002p0f));
+    float t5[2] = {FLT_MAX, FLT_MAX}; /* exact 2^129 − ...: beyond the range */
+    assert_true(isinf(sum_of(t5, 2, w)) && sum_of(t5, 2, w) > 0);
+    float t6[2] = {-FLT_MAX, -FLT_MAX};
+    assert_true(isinf(sum_of(t6, 2, w)) && sum_of(t6, 2, w) < 0);
+    float t7[3] = {FLT_MAX, 0x1p103f, 0.0f}; /* FLT_MAX + half its ulp: tie, odd → inf */
+    assert_true(isinf(sum_of(t7, 3, w)));
+    float t8[2] = {0x1p-149f, 0x1p-149f}; /* subnormals: exact */
+    assert_true(bits(sum_of(t8, 2, w)) == bits(0x1p-148f));
+    float t9[2] = {0x1p-126f, -0x1p-149f};
+    assert_true(bits(sum_of(t9, 2, w)) == bits(0x1p-126f - 0x1p-149f));
+    float t10[2] = {-0.0f, -0.0f}; /* exact zero: +0 */
+    assert_true(bits(sum_of(t10, 2, w)) == 0u);
+    float t11[4] = {3.0f, -1.5f, 0.25f, -1.75f};
+    assert_true(bits(sum_of(t11, 4, w)) == 0u);
+  }
+}
+
+/* Non-finite contributions: NaN, both infinities → the canonical NaN; one
+ * kind of infinity → it; finite neighbours stay exact. */
+static void test_nonfinite(void **state) {
+  (void)state;
+  const float inf = (float)INFINITY;
+  float nanv;
+  uint32_t payload = 0xffc01234u; /* a negative NaN with a payload */
+  memcpy(&nanv, &payload, sizeof nanv);
+  for (int w = 1; w <= 2; w++) {
+    float a[4] = {1.0f, nanv, inf, 2.0f}, b[4] = {2.0f, 1.0f, 1.0f, -inf}, c[4] = {0.5f, 3.0f, -inf, -inf};
+    const float *parts[3] = {a, b, c};
+    float out[4];
+    assert_int_equal(dopt_dp_sum(parts, 3, w, 4, out), DOPT_OK);
+    assert_true(bits(out[0]) == bits(3.5f));
+    assert_true(bits(out[1]) == 0x7fc00000u);
+    assert_true(bits(out[2]) == 0x7fc00000u); /* +inf and −inf */
+    assert_true(isinf(out[3]) && out[3] < 0);
+  }
+}
+
+/* One part: unchanged (no grid), NaN payloads and −0 included. */
+static void test_single_part(void **state) {
+  (void)state;
+  float x[3] = {-0.0f, 0x1p-149f, 1e30f}, out[3];
+  uint32_t payload = 0xffc01234u;
+  memcpy(&x[1], &payload, sizeof x[1]);
+  const float *parts[1] = {x};
+  assert_int_equal(dopt_dp_sum(parts, 1, 1, 3, out), DOPT_OK);
+  assert_memory_equal(out, x, sizeof x);
+}
+
+static void test_errors(void **state) {
+  (void)state;
+  float x = 1, out;
+  const float *parts[1] = {&x};
+  assert_int_equal(dopt_dp_sum(parts, 0, 1, 1, &out), DOPT_ERR_INVALID_ARG);
+  assert_int_equal(dopt_dp_sum(parts, 1, 3, 1, &out), DOPT_ERR_INVALID_ARG);
+  assert_int_equal(dopt_dp_sum(parts, 1, -1, 1, &out), DOPT_ERR_INVALID_ARG);
+  assert_int_equal(dopt_dp_sum(NULL, 1, 1, 1, &out), DOPT_ERR_INVALID_ARG);
+  assert_non_null(strstr(dopt_last_error(), "parts"));
+}
+
+/* The piece kernels: ranks holding TP blocks (row or column splits, uneven)
+ * and ZeRO ranges of them compute codes whose MAX equals the whole tensor's,
+ * and words whose SUM decodes to the whole-tensor sum, element by element. */
+static void test_pieces(void **state) {
+  (void)state;
+  enum { B = 2, H = 37, Wd = 300, N = B * H * Wd, DP = 3 };
+  uint64_t rng = 14;
+  float *x = malloc((size_t)DP * N * sizeof *x), want[N];
+  for (size_t i = 0; i < (size_t)DP * N; i++)
+    x[i] = (float)(dt_rand_normal(&rng) * pow(2.0, (double)(dt_rand_u64(&rng) % 80) - 40.0));
+  const float *parts[DP] = {x, x + N, x + 2 * N};
+  for (int words = 1; words <= 2; words++) {
+    assert_int_equal(dopt_dp_sum(parts, DP, words, N, want), DOPT_OK);
+    int64_t shape[3] = {B, H, Wd};
+    for (int split = 0; split < 2; split++) {  /* rows (column-parallel), columns (row-parallel) */
+      for (int tp = 1; tp <= 3; tp++) {
+        size_t nb = dopt_grid_blocks(N);
+        int32_t *codes = calloc(nb, sizeof *codes);
+        dopt_piece pcs[3];
+        for (int r = 0; r < tp; r++) { /* uneven split: base + (r < rem) */
+          dopt_piece *pc = &pcs[r];
+          dopt_piece_full(3, shape, pc);
+          size_t n = split ? Wd : H, base = n / (size_t)tp, rem = n % (size_t)tp;
+          size_t off = (size_t)r * base + ((size_t)r < rem ? (size_t)r : rem), len = base + ((size_t)r < rem);
+          if (split) pc->w0 = off, pc->wl = len;
+          else pc->h0 = off, pc->hl = len;
+          pc->lo = 0;
+          pc->len = pc->b * pc->hl * pc->wl;
+        }
+        /* codes: every rank's TP-local values (gathered from the logical tensors) */
+        float *loc = malloc(N * sizeof *loc);
+        for (int d = 0; d < DP; d++)
+          for (int r = 0; r < tp; r++) {
+            for (size_t j = 0; j < pcs[r].len; j++) loc[j] = parts[d][dopt_grid_logical(&pcs[r], j)];
+            int64_t bad;
+            dopt__grid_codes(loc, &pcs[r], codes, &bad);
+            assert_true(bad == 0);
+          }
+        const int k = 62 - dopt_grid_headroom(DP);
+        for (int r = 0; r < tp; r++) {
+          const size_t ln = pcs[r].len;
+          int64_t *acc = calloc(ln * (size_t)words + 1, sizeof *acc), *w = calloc(ln * (size_t)words + 1, sizeof *w);
+          for (int d = 0; d < DP; d++) {
+            for (size_t j = 0; j < ln; j++) loc[j] = parts[d][dopt_grid_logical(&pcs[r], j)];
+            dopt__grid_encode(loc, &pcs[r], codes, words, k, 0, w, NULL);
+            for (size_t q = 0; q < ln * (size_t)words; q++) acc[q] += w[q];
+          }
+          /* decode in ZeRO ranges of 4 ranks (uneven last) */
+          size_t chunk = (ln + 3) / 4;
+          for (size_t lo = 0; lo < ln; lo += chunk) {
+            dopt_piece z = pcs[r];
+            z.lo = lo;
+            z.len = ln - lo < chunk ? ln - lo : chunk;
+            dopt__grid_decode(acc + lo * (size_t)words, NULL, &z, codes, words, k, loc + lo);
+          }
+          for (size_t j = 0; j < ln; j++)
+            if (bits(loc[j]) != bits(want[dopt_grid_logical(&pcs[r], j)]))
+              fail_msg("words=%d split=%d tp=%d rank %d element %zu differs", words, split, tp, r, j);
+          free(acc);
+          free(w);
+        }
+        free(loc);
+        free(codes);
+      }
+    }
+  }
+  free(x);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_oracle_one_word), cmocka_unit_test(test_oracle_two_words),
+      cmocka_unit_test(test_order_free),      cmocka_unit_test(test_precision_limit),
+      cmocka_unit_test(test_blocks_independent), cmocka_unit_test(test_rounding),
+      cmocka_unit_test(test_nonfinite),       cmocka_unit_test(test_single_part),
+      cmocka_unit_test(test_errors),          cmocka_unit_test(test_pieces),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
