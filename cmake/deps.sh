@@ -3,7 +3,8 @@
 # root; otherwise prints the exact apt-get line and fails. --fuzz adds the
 # fuzzing toolchain (tests/fuzz/run.sh).
 set -euo pipefail
-pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev)
+pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev libssl-dev
+  libopenmpi-dev openmpi-bin) # OpenMPI: the MPI transport and its mpirun tests (docs/mpi.md)
 # --fuzz: also clang and its libFuzzer/sanitizer runtime (only a Recommends of clang on bookworm)
 [ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)
 missing=()

@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "compare.h"
+#include "distopt/mpi.h"
 #include "registry.h"
 
 static const char *const CMD = "compare";
@@ -19,16 +20,23 @@ static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
         "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
-        "         [--trace FILE | --seed N] [--ring-order] [--json FILE] [--plot FILE.svg] [--quiet]\n"
-        "         [--backend sim|nccl] [--device cpu|cuda]\n"
+        "         [--trace FILE | --seed N] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
+        "         [--json FILE] [--plot FILE.svg] [--quiet]\n"
+        "         [--backend sim|nccl|mpi] [--device cpu|cuda]\n"
         "       distopt compare --matrix [--steps N]\n"
         "  Runs the distributed optimizer on tp*dp simulated ranks beside the single-device reference on\n"
         "  the same gradients (a recorded trace, or seeded synthetic gradients) and prints, per parameter\n"
         "  and state, max abs error, max ULP distance, bitwise yes/no and the first divergent step.\n"
         "  Defaults: adafactor, hybrid tp=2 dp=2 zero=2, 100 steps, synthetic gradients.\n"
         "  --ring-order: the simulator sums like a ring all-reduce (as NCCL may) instead of in rank order.\n"
+        "  --dp-sum: the data-parallel gradient sum: exact (default; fixed-point, one int64 word per element,\n"
+        "  the same bits in any reduction order), exact2 (two words: exact for a wider range of magnitudes)\n"
+        "  or rank-order (fp32 in the transport's order; bitwise only while it sums in rank order).\n"
+        "  --batch-invariant: every micro-batch gradient is summed on the grid itself (kept until the step), so\n"
+        "  the bits do not depend on how the global batch is split into dp x accumulation.\n"
         "  --device cuda: the distributed optimizer runs on the GPU (CUDA device, device-buffer simulator);\n"
         "  --backend nccl: one process per rank under torchrun/mpirun/srun, NCCL collectives (docs/cuda.md).\n"
+        "  --backend mpi: one process per rank under mpirun -np tp*dp, MPI collectives, CPU (docs/mpi.md).\n"
         "  Exit: 0 equivalent (bitwise where declared), 1 not equivalent, 2 bad usage or input.\n",
         f);
 }
@@ -132,6 +140,35 @@ static int run_matrix(int steps) {
   return all ? CLI_OK : CLI_FAIL;
 }
 
+/* Backend mpi, after the run (or a refused start): frees the world and
+ * finalises MPI; returns rc. */
+static int mpi_end(dopt_mpi_comm *world, int rc) {
+  dopt_mpi_destroy(world);
+  dopt_status s = dopt_mpi_finalize();
+  if (s != DOPT_OK && rc == CLI_OK) rc = cli_error(CMD, s);
+  return rc;
+}
+
+/* Backend mpi, before the run: MPI initialised and this process's world rank
+ * known, so that only rank 0 shows progress and reports. A process count
+ * other than tp*dp is one line from rank 0 (every rank sees it; none waits). */
+static int mpi_begin(const cmp_options *o, dopt_mpi_comm **world, int *rank) {
+  dopt_transport wt;
+  dopt_status s = dopt_mpi_init(120000, world);
+  if (s == DOPT_OK) s = dopt_mpi_transport(*world, &wt);
+  if (s != DOPT_OK) {
+    int rc = cli_error(CMD, s);
+    dopt_mpi_abort(*world); /* returns only when MPI is not up */
+    return rc;
+  }
+  *rank = wt.rank;
+  if (wt.size == o->tp * o->dp) return CLI_OK;
+  if (wt.rank == 0)
+    cli_errorf(CMD, "backend mpi: mpirun started %d processes but tp x dp = %d x %d = %d (run mpirun -np %d)", wt.size,
+               o->tp, o->dp, o->tp * o->dp, o->tp * o->dp);
+  return mpi_end(*world, CLI_USAGE);
+}
+
 int cmd_compare(int argc, char **argv) {
   cmp_options o;
   cmp_options_default(&o);
@@ -155,6 +192,7 @@ int cmd_compare(int argc, char **argv) {
     if (strcmp(a, "--bf16") == 0) { o.bf16 = 1; continue; }
     if (strcmp(a, "--quiet") == 0) { o.quiet = 1; continue; }
     if (strcmp(a, "--ring-order") == 0) { o.ring_order = 1; continue; }
+    if (strcmp(a, "--batch-invariant") == 0) { o.batch_invariant = 1; continue; }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown; see --help)", a);
     const char *v = argv[++i];
     if (strcmp(a, "--config") == 0) continue;
@@ -189,8 +227,12 @@ int cmd_compare(int argc, char **argv) {
       o.seed = (uint64_t)seed;
       snprintf(o.source, sizeof o.source, "synthetic");
     } else if (strcmp(a, "--backend") == 0) {
-      if (strcmp(v, "sim") != 0 && strcmp(v, "nccl") != 0) return cli_errorf(CMD, "--backend '%s': expected sim or nccl", v);
+      if (strcmp(v, "sim") != 0 && strcmp(v, "nccl") != 0 && strcmp(v, "mpi") != 0)
+        return cli_errorf(CMD, "--backend '%s': expected sim, nccl or mpi", v);
       rc = copy_opt(a, v, o.backend, sizeof o.backend);
+    } else if (strcmp(a, "--dp-sum") == 0) {
+      o.dp_sum_words = cmp_parse_dp_sum(v);
+      if (o.dp_sum_words < 0) return cli_errorf(CMD, "--dp-sum '%s': expected exact, exact2 or rank-order", v);
     } else if (strcmp(a, "--device") == 0) {
       if (strcmp(v, "cpu") != 0 && strcmp(v, "cuda") != 0) return cli_errorf(CMD, "--device '%s': expected cpu or cuda", v);
       rc = copy_opt(a, v, o.device, sizeof o.device);
@@ -200,19 +242,26 @@ int cmd_compare(int argc, char **argv) {
   }
   if (rc != CLI_OK) return rc;
   if (matrix) return run_matrix(steps_given ? o.steps : 20);
+  dopt_mpi_comm *mpi_world = NULL; /* backend mpi: MPI is up from here to mpi_end */
+  int mpi_rank = 0;
+  if (strcmp(o.backend, "mpi") == 0 && (rc = mpi_begin(&o, &mpi_world, &mpi_rank)) != CLI_OK) return rc;
   cmp_result r;
-  int tty = !o.quiet && isatty(STDOUT_FILENO);
+  int tty = !o.quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
   dopt_status s = cmp_run(&o, &r, tty ? progress : NULL, NULL);
-  if (s != DOPT_OK) return cli_error(CMD, s);
-  if (r.rank != 0) { /* backend nccl: rank 0 measured and reports */
+  if (s != DOPT_OK) {
+    rc = cli_error(CMD, s);
+    if (mpi_world) dopt_mpi_abort(mpi_world); /* the whole job stops: no peer waits for its timeout */
+    return rc;
+  }
+  if (r.rank != 0) { /* backends nccl and mpi: rank 0 reports (with mpi: every rank's measurements) */
     cmp_result_free(&r);
-    return CLI_OK;
+    return mpi_world ? mpi_end(mpi_world, CLI_OK) : CLI_OK;
   }
   cmp_print_table(stdout, &o, &r);
   if (o.json_path[0] && (s = cmp_write_json(o.json_path, &o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
   if (rc == CLI_OK && o.svg_path[0] && (s = cmp_write_svg(o.svg_path, &o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
   int eq = r.equivalent;
   cmp_result_free(&r);
-  if (rc != CLI_OK) return CLI_FAIL;
-  return eq ? CLI_OK : CLI_FAIL;
+  rc = rc != CLI_OK || !eq ? CLI_FAIL : CLI_OK;
+  return mpi_world ? mpi_end(mpi_world, rc) : rc;
 }

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "distopt/digest.h"
 #include "distopt/dist.h"
 #include "distopt/distopt.h"
 
@@ -41,11 +42,19 @@ typedef struct cmp_options {
   char json_path[512];                    /* "" = none */
   char svg_path[512];                     /* "" = none */
   int quiet;                              /* no progress line */
-  char backend[8];                        /* "sim" (threads, one process) or "nccl" (one process per rank) */
+  char backend[8];                        /* "sim" (threads, one process), "nccl" or "mpi" (one process per rank) */
   char device[8];                         /* "cpu" or "cuda" */
-  int ring_order;                         /* simulate a ring all-reduce's summation order
-                                             (what a real NCCL order changes: not bitwise for dp >= 3) */
+  int ring_order;                         /* simulate a ring all-reduce's summation order (what a real
+                                             NCCL order changes: with --dp-sum rank-order not bitwise for dp >= 3) */
+  int dp_sum_words;                       /* the dp gradient sum: 1 or 2 = exact with that many int64 words
+                                             (distopt/dpsum.h), 0 = fp32 in the transport's order */
+  int batch_invariant;                    /* every micro-batch on the grid: bits independent of dp × accumulation */
 } cmp_options;
+
+/* --dp-sum / plugin.dp_sum names: "exact" (1 word), "exact2" (2 words),
+ * "rank-order" (0); -1 for anything else. */
+int cmp_parse_dp_sum(const char *name);
+const char *cmp_dp_sum_name(int words);
 
 /* Defaults: adafactor, hybrid tp2 × dp2 × zero2, 100 steps, synthetic. */
 void cmp_options_default(cmp_options *o);
@@ -60,6 +69,9 @@ typedef struct cmp_tensor_stat {
                               bitwise = max_ulp == 0 && first_diff == 0 */
   double *abs_per_step;    /* [steps]: max |dist - ref| after step t+1 */
   uint64_t *ulp_per_step;  /* [steps] */
+  dopt_dtype dtype;        /* the logical layout (plan_tensors), what the digest records */
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS];
 } cmp_tensor_stat;
 
 typedef struct cmp_result {
@@ -70,8 +82,13 @@ typedef struct cmp_result {
   double seconds;
   uint64_t declared_ulp;   /* the optimizer's declared tolerance (0: bitwise) */
   int equivalent;          /* every tensor within declared_ulp at every step, same skips */
-  int rank;                /* this process's rank (backend nccl); only rank 0 measures and reports */
+  int rank;                /* this process's rank (backends nccl, mpi); only rank 0 reports (nccl: only it
+                              measures; mpi: every rank measures, merged onto every rank) */
   int micro;               /* micro-batches per step actually used (with a trace: its shards / dp) */
+  /* SHA-256 (docs/digest.md) of the final logical tensors, per parameter in r->t order: the
+   * parameter, its bf16 copy, its states, then its step count ("<p>/step", I64 scalar); of the
+   * distributed run (gathered) and of the reference. "" when not measured (backend nccl, rank > 0). */
+  char digest[DOPT_DIGEST_HEX], ref_digest[DOPT_DIGEST_HEX];
 } cmp_result;
 
 typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t worst_ulp, void *user);
@@ -89,7 +106,7 @@ uint64_t cmp_declared_ulp(const char *optimizer);
  * optimizer configs:
  *   optimizer: {type: came, lr: 2e-4, weight_decay: 0.01}
  *   groups: [{params: "*bias", weight_decay: 0}]          # optional
- *   plugin: {type: hybrid, tp: 2, dp: 2, zero: 2}
+ *   plugin: {type: hybrid, tp: 2, dp: 2, zero: 2}         # also backend: sim|nccl|mpi, device: cpu|cuda
  *   steps: 100
  *   accumulation: 1                                        # optional
  *   max_grad_norm: 1.0                                     # optional

@@ -263,7 +263,8 @@ static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
 }
 
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"type", "tp", "dp", "zero", "ranks", NULL};
+  static const char *const keys[] = {"type", "tp", "dp", "zero", "ranks", "dp_sum", "ring_order", "batch_invariant", "backend",
+                                     "device", NULL};
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "type"))) {
@@ -278,6 +279,26 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   if ((v = lookup(c, n, "dp"))) DOPT_TRY(get_int(c, v, "plugin.dp", 1, 1 << 20, &o->dp));
   if ((v = lookup(c, n, "zero"))) DOPT_TRY(get_int(c, v, "plugin.zero", 0, 3, &o->zero));
   if ((v = lookup(c, n, "ranks"))) DOPT_TRY(get_int(c, v, "plugin.ranks", 1, 1 << 20, &o->ranks));
+  if ((v = lookup(c, n, "dp_sum"))) {
+    char name[16];
+    DOPT_TRY(get_str(c, v, "plugin.dp_sum", name, sizeof name));
+    int w = cmp_parse_dp_sum(name);
+    if (w < 0) return cfg_fail(c, v, "plugin.dp_sum", "'%s' (expected exact, exact2 or rank-order)", name);
+    o->dp_sum_words = w;
+  }
+  if ((v = lookup(c, n, "ring_order"))) DOPT_TRY(get_bool(c, v, "plugin.ring_order", &o->ring_order));
+  if ((v = lookup(c, n, "batch_invariant")))
+    DOPT_TRY(get_bool(c, v, "plugin.batch_invariant", &o->batch_invariant));
+  if ((v = lookup(c, n, "backend"))) { /* --backend */
+    DOPT_TRY(get_str(c, v, "plugin.backend", o->backend, sizeof o->backend));
+    if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0 && strcmp(o->backend, "mpi") != 0)
+      return cfg_fail(c, v, "plugin.backend", "unknown backend '%s' (expected sim, nccl or mpi)", o->backend);
+  }
+  if ((v = lookup(c, n, "device"))) { /* --device */
+    DOPT_TRY(get_str(c, v, "plugin.device", o->device, sizeof o->device));
+    if (strcmp(o->device, "cpu") != 0 && strcmp(o->device, "cuda") != 0)
+      return cfg_fail(c, v, "plugin.device", "unknown device '%s' (expected cpu or cuda)", o->device);
+  }
   return DOPT_OK;
 }
 

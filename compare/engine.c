@@ -2,9 +2,9 @@
  *
  * One simulated world of tp·dp rank threads runs the distributed optimizer;
  * world rank 0 also steps the single-device reference in lockstep, on the
- * gradient the transport's reduction order defines (each DP rank's
- * micro-batches summed in order, the DP ranks summed in rank order, one
- * division by dp·micro), then every rank takes part in gathering the logical
+ * averaged gradient (each DP rank's micro-batches summed in order, the dp
+ * sum of those — exact in any reduction order by default, or fp32 in rank
+ * order — and one division by dp·micro), then every rank takes part in gathering the logical
  * parameters and states, and rank 0 measures the differences. */
 #include <fnmatch.h>
 #include <math.h>
@@ -14,7 +14,9 @@
 
 #include "compare.h"
 #include "distopt/cuda.h"
+#include "distopt/dpsum.h"
 #include "distopt/launch.h"
+#include "distopt/mpi.h"
 #include "distopt/safetensors.h"
 #include "distopt/sim.h"
 #include "internal.h"
@@ -33,6 +35,19 @@ void cmp_options_default(cmp_options *o) {
   o->seed = 1;
   snprintf(o->backend, sizeof o->backend, "sim");
   snprintf(o->device, sizeof o->device, "cpu");
+  o->dp_sum_words = DOPT_DP_SUM_DEFAULT_WORDS;
+}
+
+static const char *const DP_SUM_NAMES[] = {"rank-order", "exact", "exact2"};
+
+int cmp_parse_dp_sum(const char *name) {
+  for (int w = 0; w <= DOPT_DP_SUM_WORDS_MAX; w++)
+    if (strcmp(name, DP_SUM_NAMES[w]) == 0) return w;
+  return -1;
+}
+
+const char *cmp_dp_sum_name(int words) {
+  return words >= 0 && words <= DOPT_DP_SUM_WORDS_MAX ? DP_SUM_NAMES[words] : "?";
 }
 
 uint64_t cmp_declared_ulp(const char *optimizer) {
@@ -298,7 +313,65 @@ typedef struct run_ctx {
   cmp_progress_fn progress;
   void *user;
   double t0;
+  const dopt_transport *measure_world; /* backend mpi: every rank measures; merged over this world */
 } run_ctx;
+
+/* Backend mpi: every rank stepped its own reference and measured its own
+ * gathered tensors; one all_reduce MAX (I64) over the world merges them, so
+ * rank 0 reports a difference seen by any rank. Keys, all exact: a double
+ * >= 0 (or a NaN, sign bit cleared) orders like its bits as an int64 (a NaN
+ * wins); a ULP count as itself (UINT64_MAX, a NaN mismatch: INT64_MAX); the
+ * first divergent step as -step (none: INT64_MIN), so MAX is the earliest.
+ * The skip counters come from collectives and must agree on every rank. */
+static int64_t abs_key(double d) {
+  int64_t k;
+  memcpy(&k, &d, sizeof k);
+  return k & INT64_MAX;
+}
+static double key_abs(int64_t k) {
+  double d;
+  memcpy(&d, &k, sizeof d);
+  return d;
+}
+static int64_t ulp_key(uint64_t u) { return u > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)u; }
+static uint64_t key_ulp(int64_t k) { return k == INT64_MAX ? UINT64_MAX : (uint64_t)k; }
+
+static dopt_status merge_measurements(const dopt_transport *w, cmp_result *r, int steps) {
+  const size_t per = 3 + 2 * (size_t)steps, n = (size_t)r->ntensors * per + 4, us = (size_t)steps;
+  int64_t *v = malloc(n * sizeof *v);
+  if (!v) return dopt__fail(DOPT_ERR_NO_MEMORY, "backend mpi: %zu measurement words", n);
+  for (int k = 0; k < r->ntensors; k++) {
+    const cmp_tensor_stat *t = &r->t[k];
+    int64_t *b = v + (size_t)k * per;
+    b[0] = abs_key(t->max_abs);
+    b[1] = ulp_key(t->max_ulp);
+    b[2] = t->first_diff ? -(int64_t)t->first_diff : INT64_MIN;
+    for (size_t q = 0; q < us; q++) {
+      b[3 + q] = abs_key(t->abs_per_step[q]);
+      b[3 + us + q] = ulp_key(t->ulp_per_step[q]);
+    }
+  }
+  int64_t *sk = v + n - 4; /* max and -min of each counter */
+  sk[0] = r->skipped_ref, sk[1] = -r->skipped_ref, sk[2] = r->skipped_dist, sk[3] = -r->skipped_dist;
+  dopt_status st = w->ops->all_reduce(w->comm, v, v, n, DOPT_I64, DOPT_MAX);
+  for (int k = 0; st == DOPT_OK && k < r->ntensors; k++) {
+    cmp_tensor_stat *t = &r->t[k];
+    const int64_t *b = v + (size_t)k * per;
+    t->max_abs = key_abs(b[0]);
+    t->max_ulp = key_ulp(b[1]);
+    t->first_diff = b[2] == INT64_MIN ? 0 : (int)-b[2];
+    for (size_t q = 0; q < us; q++) {
+      t->abs_per_step[q] = key_abs(b[3 + q]);
+      t->ulp_per_step[q] = key_ulp(b[3 + us + q]);
+    }
+  }
+  if (st == DOPT_OK && (sk[0] != -sk[1] || sk[2] != -sk[3]))
+    st = dopt__fail(DOPT_ERR_MISMATCH, "backend mpi: the ranks disagree on skipped steps (reference %lld..%lld, "
+                    "distributed %lld..%lld)", (long long)-sk[1], (long long)sk[0], (long long)-sk[3], (long long)sk[2]);
+  if (st == DOPT_OK) r->skipped_ref = sk[0], r->skipped_dist = sk[2];
+  free(v);
+  return st;
+}
 
 static double now_s(void) {
   struct timespec ts;
@@ -323,27 +396,68 @@ static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float
       memcpy(blk + (bi * hl + i) * wl, full + (bi * pc.h + h0 + i) * pc.w + w0, wl * sizeof(float));
 }
 
-/* The reference's gradient for step t: the DP average in the transport's order. */
+/* The reference's gradient for step t: each DP rank's micro-batches summed
+ * in order, the dp sum of those (exact, or fp32 in rank order:
+ * dopt_dp_sum), one division by dp·micro; batch invariant: the exact sum of
+ * all dp·micro micro-batch gradients. acc: [dp · micro · max numel]. */
 static dopt_status reference_grads(const cmp_options *o, const source *s, int t, float **avg, float *acc, float *g,
                                    int *nonfinite) {
   const int micro = micro_of(o, s);
   const float denom = (float)((double)o->dp * (double)micro);
+  const float **pv = malloc((size_t)o->dp * (size_t)micro * sizeof *pv);
+  if (!pv) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d x %d gradient parts", o->dp, micro);
+  dopt_status st = DOPT_OK;
   *nonfinite = 0;
   for (int i = 0; i < s->np; i++) {
     size_t n = s->numel[i];
+    int np = 0;
     for (int d = 0; d < o->dp; d++) {
-      for (int m = 0; m < micro; m++) {
-        DOPT_TRY(shard_grad(s, i, t, shard_of(o, s, d, m), g));
-        for (size_t k = 0; k < n; k++) acc[k] = m == 0 ? g[k] : acc[k] + g[k];
+      if (o->batch_invariant) { /* every micro-batch gradient is a part of its own */
+        for (int m = 0; m < micro; m++) {
+          float *a = acc + (size_t)np * n;
+          if ((st = shard_grad(s, i, t, shard_of(o, s, d, m), a)) != DOPT_OK) goto done;
+          pv[np++] = a;
+        }
+        continue;
       }
-      for (size_t k = 0; k < n; k++) avg[i][k] = d == 0 ? acc[k] : avg[i][k] + acc[k];
+      float *a = acc + (size_t)d * n;
+      for (int m = 0; m < micro; m++) {
+        if ((st = shard_grad(s, i, t, shard_of(o, s, d, m), g)) != DOPT_OK) goto done;
+        for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
+      }
+      pv[np++] = a;
     }
+    if ((st = dopt_dp_sum(pv, np, o->dp_sum_words, n, avg[i])) != DOPT_OK) goto done;
     for (size_t k = 0; k < n; k++) {
       avg[i][k] = avg[i][k] / denom;
       *nonfinite |= !isfinite(avg[i][k]);
     }
   }
-  return DOPT_OK;
+done:
+  free(pv);
+  return st;
+}
+
+/* The final digests (docs/digest.md): on the lead after the last step, each
+ * gathered distributed tensor goes into dg and the reference's own into rdg,
+ * under the plan's name and in its order. A parameter and its bf16 copy are
+ * described by the plan's layout on both sides. */
+static dopt_status digest_both(dopt_digest *dg, dopt_digest *rdg, const cmp_tensor_stat *t, const void *got,
+                               const void *ref, size_t bytes) {
+  DOPT_TRY(dopt_digest_tensor(dg, t->name, t->dtype, t->ndim, t->shape, got, bytes));
+  return dopt_digest_tensor(rdg, t->name, t->dtype, t->ndim, t->shape, ref, bytes);
+}
+
+/* A parameter's step count, "<p>/step" (an I64 scalar, as `distopt run` writes it). */
+static dopt_status digest_steps(const dopt_dist_optim *d, const dopt_optim *ref, int i, const char *pname,
+                                dopt_digest *dg, dopt_digest *rdg) {
+  int64_t ds, rs;
+  char name[96];
+  snprintf(name, sizeof name, "%s/step", pname);
+  DOPT_TRY(dopt_dist_get_step(d, i, &ds));
+  DOPT_TRY(dopt_optim_get_step(ref, i, &rs));
+  DOPT_TRY(dopt_digest_tensor(dg, name, DOPT_I64, 0, NULL, &ds, sizeof ds));
+  return dopt_digest_tensor(rdg, name, DOPT_I64, 0, NULL, &rs, sizeof rs);
 }
 
 /* One rank's run on its TP and DP transports (either backend). */
@@ -355,18 +469,22 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   cfg.plugin = o->plugin;
   cfg.zero_stage = o->zero;
   cfg.max_grad_norm = o->max_grad_norm;
+  cfg.dp_sum_words = o->dp_sum_words;
+  cfg.batch_invariant = o->batch_invariant;
   cfg.device = x->dev;
   cfg.tp = *tpt;
   cfg.dp = *dpt;
-  const int lead = rank == 0, np = s->np, micro = micro_of(o, s);
+  /* the lead steps the reference and measures: rank 0, or every rank with backend mpi */
+  const int lead = rank == 0 || x->measure_world != NULL, np = s->np, micro = micro_of(o, s);
   float *data[CMP_MAX_PARAMS] = {0}, *rdata[CMP_MAX_PARAMS] = {0}, *avg[CMP_MAX_PARAMS] = {0};
   float *loc[CMP_MAX_PARAMS] = {0};
   uint16_t *work[CMP_MAX_PARAMS] = {0}, *rwork[CMP_MAX_PARAMS] = {0};
   dopt_optim *plain = NULL, *ref = NULL;
   dopt_dist_optim *d = NULL;
+  dopt_digest *dg = NULL, *rdg = NULL; /* the lead's final digests: distributed, reference */
   size_t maxn = 1;
   for (int i = 0; i < np; i++) maxn = s->numel[i] > maxn ? s->numel[i] : maxn;
-  float *full = malloc(maxn * sizeof(float)), *acc = malloc(maxn * sizeof(float));
+  float *full = malloc(maxn * sizeof(float)), *acc = malloc((size_t)o->dp * (size_t)micro_of(o, s) * maxn * sizeof(float));
   float *got = malloc(maxn * sizeof(float));
   uint16_t *wgot = malloc(maxn * sizeof(uint16_t));
   float *wf = malloc(2 * maxn * sizeof(float));
@@ -396,7 +514,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     if (st == DOPT_OK && info.skipped && lead) r->skipped_dist++;
     /* reference, in lockstep on rank 0 */
     if (st == DOPT_OK && lead) {
-      int bad;
+      int bad = 0;
       st = reference_grads(o, s, t, avg, acc, full, &bad);
       if (st == DOPT_OK && bad) {
         r->skipped_ref++;
@@ -411,11 +529,15 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         st = dopt_optim_step(ref, ap);
       }
     }
-    /* gather (collective) and measure on rank 0 */
+    /* gather (collective) and measure on rank 0; after the last step it also digests */
+    const int last = lead && t == o->steps;
+    if (st == DOPT_OK && last) st = dopt_digest_create(&dg);
+    if (st == DOPT_OK && last) st = dopt_digest_create(&rdg);
     int ti = 0;
     for (int i = 0; i < np && st == DOPT_OK; i++) {
       st = dopt_dist_gather_param(d, i, got);
       if (st == DOPT_OK && lead) measure(&r->t[ti], t, rdata[i], got, s->numel[i]);
+      if (st == DOPT_OK && last) st = digest_both(dg, rdg, &r->t[ti], got, rdata[i], s->numel[i] * sizeof(float));
       ti++;
       if (o->bf16 && st == DOPT_OK) {
         st = dopt_dist_gather_work(d, i, wgot);
@@ -426,6 +548,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
           }
           measure(&r->t[ti], t, wf, wf + maxn, s->numel[i]);
         }
+        if (st == DOPT_OK && last) st = digest_both(dg, rdg, &r->t[ti], wgot, rwork[i], s->numel[i] * sizeof(uint16_t));
         ti++;
       }
       /* its states, in the order plan_tensors listed them */
@@ -438,6 +561,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         void *sgot = st == DOPT_OK ? malloc(sbytes ? sbytes : 1) : NULL;
         if (st == DOPT_OK && !sgot) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
         if (st == DOPT_OK) st = dopt_dist_gather_state(d, i, name, sgot);
+        const cmp_tensor_stat *pt = &r->t[ti]; /* the distributed side has no state views: the plan's layout */
+        if (st == DOPT_OK && last) st = dopt_digest_tensor(dg, pt->name, pt->dtype, pt->ndim, pt->shape, sgot, sbytes);
         for (int q = 0; st == DOPT_OK && lead && q < dopt_optim_num_states(ref, i); q++) {
           dopt_state_view v;
           if (dopt_optim_state(ref, i, q, &v) != DOPT_OK || strcmp(v.name, name) != 0) continue;
@@ -445,11 +570,15 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
                                                   sbytes, v.bytes);
           else if (v.dtype == DOPT_F32) measure(&r->t[ti], t, v.data, sgot, v.bytes / sizeof(float));
           else measure_bytes(&r->t[ti], t, v.data, sgot, v.bytes);
+          if (st == DOPT_OK && last) st = dopt_digest_tensor(rdg, pt->name, v.dtype, v.ndim, v.shape, v.data, v.bytes);
         }
         free(sgot);
         ti++;
       }
+      if (st == DOPT_OK && last) st = digest_steps(d, ref, i, s->p[i].name, dg, rdg);
     }
+    if (st == DOPT_OK && last) st = dopt_digest_final(dg, NULL, r->digest);
+    if (st == DOPT_OK && last) st = dopt_digest_final(rdg, NULL, r->ref_digest);
     if (st == DOPT_OK && lead) {
       r->steps = t;
       uint64_t worst = 0;
@@ -457,6 +586,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
       if (x->progress) x->progress(t, o->steps, now_s() - x->t0, worst, x->user);
     }
   }
+  if (st == DOPT_OK && x->measure_world) st = merge_measurements(x->measure_world, r, o->steps);
   for (int i = 0; i < np; i++) {
     free(data[i]);
     free(work[i]);
@@ -470,6 +600,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   free(got);
   free(wgot);
   free(wf);
+  dopt_digest_destroy(dg);
+  dopt_digest_destroy(rdg);
   dopt_dist_destroy(d);
   dopt_optim_destroy(plain);
   dopt_optim_destroy(ref);
@@ -487,6 +619,12 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   return rank_run(x, rank, &tpt, &dpt);
 }
 
+static void plan_layout(cmp_tensor_stat *t, dopt_dtype dt, int ndim, const int64_t *shape) {
+  t->dtype = dt;
+  t->ndim = ndim;
+  memcpy(t->shape, shape, sizeof t->shape);
+}
+
 /* The tensors measured: per parameter, the parameter, its bf16 working copy
  * (with bf16), then every state of the optimizer's layout. */
 static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_result *r) {
@@ -499,15 +637,18 @@ static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_resul
   dopt_status st = r->t ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare results");
   for (int i = 0; i < s->np && st == DOPT_OK; i++) {
     st = dopt_optim_init_state(opt, i);
-    snprintf(r->t[n++].name, sizeof r->t[0].name, "%s", s->p[i].name);
+    snprintf(r->t[n].name, sizeof r->t[0].name, "%s", s->p[i].name);
+    plan_layout(&r->t[n++], DOPT_F32, s->p[i].ndim, s->p[i].shape);
     if (o->bf16) {
       snprintf(r->t[n].name, sizeof r->t[0].name, "%s/bf16", s->p[i].name);
+      plan_layout(&r->t[n], DOPT_BF16, s->p[i].ndim, s->p[i].shape);
       r->t[n++].is_state = 0;
     }
     for (int k = 0; st == DOPT_OK && k < dopt_optim_num_states(opt, i); k++) {
       dopt_state_view v;
       st = dopt_optim_state(opt, i, k, &v);
       snprintf(r->t[n].name, sizeof r->t[0].name, "%s/%s", s->p[i].name, v.name);
+      plan_layout(&r->t[n], v.dtype, v.ndim, v.shape);
       r->t[n++].is_state = 1;
     }
   }
@@ -534,12 +675,16 @@ static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
   DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
   DOPT_TRY(dopt_dist_check_layout(o->plugin, o->tp, o->dp, o->zero));
-  if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0)
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "backend '%s' (sim or nccl)", o->backend);
+  if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0 && strcmp(o->backend, "mpi") != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "backend '%s' (sim, nccl or mpi)", o->backend);
   if (strcmp(o->device, "cpu") != 0 && strcmp(o->device, "cuda") != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "device '%s' (cpu or cuda)", o->device);
   if (strcmp(o->backend, "nccl") == 0 && strcmp(o->device, "cuda") != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "backend nccl needs --device cuda (NCCL moves device buffers)");
+  if (strcmp(o->backend, "mpi") == 0 && strcmp(o->device, "cpu") != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "backend mpi runs on --device cpu (the MPI transport moves host buffers)");
+  if (strcmp(o->backend, "mpi") == 0 && !dopt_mpi_available())
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "backend mpi: distopt was built without MPI (DOPT_MPI=OFF or no MPI found)");
   if (strcmp(o->device, "cuda") == 0) {
     const char *why = "";
     if (dopt_cuda_device_count(&why) == 0)
@@ -584,6 +729,37 @@ static dopt_status run_nccl(run_ctx *x) {
   return st;
 }
 
+/* The MPI backend: this process is one rank of an mpirun world of tp·dp
+ * processes on the CPU device, split into TP and DP groups as run_nccl does.
+ * Every rank steps the reference and measures what it gathered; the
+ * measurements are merged over the world (merge_measurements). MPI stays
+ * initialised: the caller finalises it (dopt_mpi_finalize), or on an error
+ * aborts the job (dopt_mpi_abort) so that no peer waits for its timeout. */
+static dopt_status run_mpi(run_ctx *x) {
+  const cmp_options *o = x->o;
+  dopt_mpi_comm *world = NULL, *tpc = NULL, *dpc = NULL;
+  dopt_status st = dopt_mpi_init(120000, &world);
+  dopt_transport wt, tpt, dpt;
+  if (st == DOPT_OK) st = dopt_mpi_transport(world, &wt);
+  if (st == DOPT_OK && wt.size != o->tp * o->dp)
+    st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend mpi: mpirun started %d processes but tp x dp = %d x %d = %d",
+                    wt.size, o->tp, o->dp, o->tp * o->dp);
+  if (st == DOPT_OK) st = dopt_mpi_split(world, wt.rank / o->tp, wt.rank, &tpc);
+  if (st == DOPT_OK) st = dopt_mpi_split(world, wt.rank % o->tp, wt.rank, &dpc);
+  if (st == DOPT_OK) st = dopt_mpi_transport(tpc, &tpt);
+  if (st == DOPT_OK) st = dopt_mpi_transport(dpc, &dpt);
+  if (st == DOPT_OK) {
+    x->r->rank = wt.rank;
+    x->measure_world = &wt;
+    st = rank_run(x, wt.rank, &tpt, &dpt);
+    x->measure_world = NULL;
+  }
+  dopt_mpi_destroy(dpc);
+  dopt_mpi_destroy(tpc);
+  dopt_mpi_destroy(world);
+  return st;
+}
+
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
   DOPT_TRY(check_options(o));
@@ -601,9 +777,12 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
   dopt_sim_world *w = NULL;
-  run_ctx x = {o, dev, &s, r, progress, user, now_s()};
+  run_ctx x = {o, dev, &s, r, progress, user, now_s(), NULL};
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
+    r->seconds = now_s() - x.t0;
+  } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0) {
+    st = run_mpi(&x);
     r->seconds = now_s() - x.t0;
   } else if (st == DOPT_OK) {
     dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;

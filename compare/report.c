@@ -11,6 +11,10 @@
  *    it but the result is not equivalent.
  *  - Table rows: parameters in r->t order, each followed by its states
  *    ("param/state", indented); states whose parameter is absent come last.
+ *  - The table ends with the digest line, "digest sha256:HEX (reference: equal)"
+ *    or "... (reference: sha256:HEX2, differs)"; none when r->digest is "".
+ *  - The JSON record carries "schema_version" (CMP_JSON_SCHEMA; 2 added
+ *    "digest", docs/cli.md); a consumer checks it before reading fields.
  *  - JSON and SVG files are written to "PATH.tmp.PID" and renamed into place;
  *    on failure the temporary file is removed and PATH is untouched.
  *    Non-finite errors appear as null in JSON (cJSON's rendering).
@@ -26,6 +30,9 @@
 #include <unistd.h>
 
 #include "internal.h"
+
+/* The JSON record's layout version: 1 (unversioned) until the digest, 2 with "digest". */
+#define CMP_JSON_SCHEMA 2
 
 /* ---- verdict ------------------------------------------------------------ */
 
@@ -181,6 +188,12 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (r->skipped_ref || r->skipped_dist)
     fprintf(f, "skipped steps (non-finite gradients): reference %lld, distributed %lld\n", (long long)r->skipped_ref,
             (long long)r->skipped_dist);
+  /* the one line two runs compare by (docs/digest.md) */
+  if (r->digest[0] && strcmp(r->digest, r->ref_digest) == 0)
+    fprintf(f, "digest sha256:%s (reference: equal)\n", r->digest);
+  else if (r->digest[0])
+    fprintf(f, "digest sha256:%s (reference: %s%s, differs)\n", r->digest, r->ref_digest[0] ? "sha256:" : "",
+            r->ref_digest[0] ? r->ref_digest : "none");
 }
 
 /* ---- atomic file writing ------------------------------------------------ */
@@ -247,6 +260,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     b->ok = 0;
     return NULL;
   }
+  jadd(b, root, "schema_version", cJSON_CreateNumber(CMP_JSON_SCHEMA));
   cJSON *op = jadd(b, root, "options", cJSON_CreateObject());
   if (op) {
     jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
@@ -262,6 +276,9 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, op, "tp", cJSON_CreateNumber(o->tp));
     jadd(b, op, "dp", cJSON_CreateNumber(o->dp));
     jadd(b, op, "zero", cJSON_CreateNumber(o->zero));
+    jadd(b, op, "dp_sum", cJSON_CreateString(cmp_dp_sum_name(o->dp_sum_words)));
+    jadd(b, op, "ring_order", cJSON_CreateBool(o->ring_order != 0));
+    jadd(b, op, "batch_invariant", cJSON_CreateBool(o->batch_invariant != 0));
     jadd(b, op, "ranks", cJSON_CreateNumber(o->ranks > 0 ? o->ranks : o->tp * o->dp));
     jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
     jadd(b, op, "accumulation", cJSON_CreateNumber(r->micro > 0 ? r->micro : o->micro));
@@ -311,6 +328,15 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, vj, "worst_ulp", ju64(v.worst));
     jadd(b, vj, "step", v.kind == V_DIVERGED ? cJSON_CreateNumber(v.step) : cJSON_CreateNull());
     jadd(b, vj, "tensor", v.kind == V_DIVERGED ? cJSON_CreateString(r->t[v.tensor].name) : cJSON_CreateNull());
+  }
+  /* the final tensors' SHA-256 (docs/digest.md); null when this process measured nothing */
+  cJSON *dj = jadd(b, root, "digest", r->digest[0] ? cJSON_CreateObject() : cJSON_CreateNull());
+  if (dj && r->digest[0]) {
+    jadd(b, dj, "algorithm", cJSON_CreateString("sha256"));
+    jadd(b, dj, "encoding", cJSON_CreateString(DOPT_DIGEST_ENCODING));
+    jadd(b, dj, "distributed", cJSON_CreateString(r->digest));
+    jadd(b, dj, "reference", r->ref_digest[0] ? cJSON_CreateString(r->ref_digest) : cJSON_CreateNull());
+    jadd(b, dj, "equal", cJSON_CreateBool(strcmp(r->digest, r->ref_digest) == 0));
   }
   return root;
 }

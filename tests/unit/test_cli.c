@@ -317,6 +317,50 @@ static char *slurp(const char *path) {
 
 /* `distopt compare` on the bundled trace: bitwise table, exit 0, JSON and SVG
  * written; a ring-order reduction at dp=3 is reported as diverged, exit 1. */
+/* The digest line of a compare run's output (64 hex digits) into hex. */
+static void digest_of(const char *txt, char hex[65]) {
+  const char *dl = strstr(txt, "digest sha256:");
+  if (!dl) fail_msg("no digest line: %s", txt);
+  memcpy(hex, dl + 14, 64);
+  hex[64] = '\0';
+}
+
+/* The issue's stretch goal: one global batch of 24 micro-batches split as
+ * dp x accumulation in {1x24, 2x12, 3x8, 4x6, 6x4, 8x3} gives the same bits
+ * with --batch-invariant (every layout bitwise the reference and one digest);
+ * without it the split changes the result (the control). */
+static void test_batch_invariant(void **st) {
+  (void)st;
+  char out[600], first[65] = "", hex[65], acc[8], dps[8];
+  snprintf(out, sizeof out, "%s/bi.txt", dir);
+  static const int DP[] = {1, 2, 3, 4, 6, 8};
+  for (int inv = 1; inv >= 0; inv--) {
+    int differs = 0;
+    for (int k = 0; k < 6; k++) {
+      snprintf(dps, sizeof dps, "%d", DP[k]);
+      snprintf(acc, sizeof acc, "%d", 24 / DP[k]);
+      const char *args[] = {"compare", "--optimizer", "adafactor", "--plugin", "zero", "--tp", "1", "--zero", "2",
+                            "--dp", dps, "--accumulation", acc, "--steps", "4", "--quiet", "--ring-order",
+                            inv ? "--batch-invariant" : NULL, NULL};
+      if (DP[k] == 1) args[4] = "ddp", args[8] = "0";
+      assert_int_equal(run_out(args, out), 0);
+      char *txt = slurp(out);
+      digest_of(txt, hex);
+      if (!strstr(txt, "(reference: equal)")) fail_msg("dp=%d: distributed digest differs: %s", DP[k], txt);
+      free(txt);
+      if (k == 0) memcpy(first, hex, sizeof hex);
+      else if (inv && strcmp(hex, first) != 0) fail_msg("batch invariant: dp=%d digest %s, dp=1 %s", DP[k], hex, first);
+      differs |= strcmp(hex, first) != 0;
+    }
+    if (!inv && !differs) fail_msg("control: without --batch-invariant every split gave the same digest");
+  }
+  const char *bad[] = {"compare", "--batch-invariant", "--dp-sum", "rank-order", NULL};
+  assert_int_equal(run_out(bad, out), 2);
+  char *err = slurp(errfile);
+  if (!strstr(err, "batch_invariant")) fail_msg("batch-invariant with rank-order sum: %s", err);
+  free(err);
+}
+
 static void test_compare(void **st) {
   (void)st;
   char trace[600], out[600], json[600], svg[600];
@@ -330,6 +374,13 @@ static void test_compare(void **st) {
   assert_non_null(txt);
   if (!strstr(txt, "EQUIVALENT") || !strstr(txt, "fc1.weight") || !strstr(txt, "exp_avg_sq_row"))
     fail_msg("compare table: %s", txt);
+  /* the last line: the digest, 64 lowercase hex digits, equal to the reference's */
+  const char *dl = strstr(txt, "\ndigest sha256:");
+  if (!dl || strspn(dl + 15, "0123456789abcdef") != 64 || strcmp(dl + 79, " (reference: equal)\n") != 0)
+    fail_msg("compare: no final digest line: %s", txt);
+  char hex[65];
+  memcpy(hex, dl + 15, 64);
+  hex[64] = '\0';
   free(txt);
   assert_int_equal(access(json, F_OK), 0);
   assert_int_equal(access(svg, F_OK), 0);
@@ -340,16 +391,32 @@ static void test_compare(void **st) {
     char cmd[1400];
     snprintf(cmd, sizeof cmd, "python3 -c \"import sys, xml.etree.ElementTree as E; E.parse(sys.argv[1])\" %s", svg);
     assert_int_equal(system(cmd), 0);
-    snprintf(cmd, sizeof cmd, "python3 -c \"import sys, json; d = json.load(open(sys.argv[1]))\" %s", json);
+    snprintf(cmd, sizeof cmd,
+             "python3 -c \"import sys, json; d = json.load(open(sys.argv[1])); "
+             "assert d['schema_version'] == 2 and d['digest']['distributed'] == d['digest']['reference'] == sys.argv[2]\" "
+             "%s %s",
+             json, hex);
     assert_int_equal(system(cmd), 0);
   } else {
     printf("note: no python3: the SVG/JSON of the CLI run are checked by test_compare_report only\n");
   }
+  /* a ring all-reduce's order: bitwise with the exact dp sum (the default and
+   * exact2), diverged with the fp32 sum in the transport's order */
   const char *ring[] = {"compare", "--optimizer", "adamw", "--plugin", "ddp", "--tp", "1", "--dp", "3", "--zero", "0",
-                        "--steps", "5", "--ring-order", NULL};
-  assert_int_equal(run_out(ring, out), 1);
-  txt = slurp(out);
-  if (!strstr(txt, "DIVERGED")) fail_msg("ring order not reported as diverged: %s", txt);
+                        "--steps", "5", "--ring-order", "--dp-sum", "exact", NULL};
+  const char *modes[] = {"exact", "exact2", "rank-order"};
+  for (int m = 0; m < 3; m++) {
+    ring[15] = modes[m];
+    assert_int_equal(run_out(ring, out), m == 2 ? 1 : 0);
+    txt = slurp(out);
+    if (m == 2 && !strstr(txt, "DIVERGED")) fail_msg("ring order, rank-order sum: not reported as diverged: %s", txt);
+    if (m < 2 && !strstr(txt, "EQUIVALENT (bitwise")) fail_msg("ring order, %s sum: not bitwise: %s", modes[m], txt);
+    free(txt);
+  }
+  const char *badsum[] = {"compare", "--dp-sum", "fast", NULL};
+  assert_int_equal(run_out(badsum, out), 2);
+  txt = slurp(errfile);
+  if (!strstr(txt, "--dp-sum 'fast'")) fail_msg("bad --dp-sum not named: %s", txt);
   free(txt);
   /* the measured compatibility matrix: every optimizer x plugin, all bitwise */
   const char *matrix[] = {"compare", "--matrix", "--steps", "3", NULL};
@@ -600,6 +667,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_run_golden_case),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_compare),
+      cmocka_unit_test(test_batch_invariant),
       cmocka_unit_test(test_compare_bad_input),
       cmocka_unit_test(test_lisa_layers_from_names),
       cmocka_unit_test(test_mem_per_rank),

@@ -61,7 +61,7 @@ static void test_full(void **st) {
                              "  - params: \"*bias\"\n"
                              "    weight_decay: 0\n"
                              "  - {params: 'ln*.weight', lr: 1e-3, amsgrad: true}\n"
-                             "plugin: {type: fsdp, tp: 4, dp: 2, zero: 3, ranks: 8}\n"
+                             "plugin: {type: fsdp, tp: 4, dp: 2, zero: 3, ranks: 8, backend: mpi, device: cpu}\n"
                              "steps: 250\n"
                              "accumulation: 4\n"
                              "max_grad_norm: 1.0\n"
@@ -86,6 +86,8 @@ static void test_full(void **st) {
   assert_int_equal(o.dp, 2);
   assert_int_equal(o.zero, 3);
   assert_int_equal(o.ranks, 8);
+  assert_string_equal(o.backend, "mpi");
+  assert_string_equal(o.device, "cpu");
   assert_int_equal(o.steps, 250);
   assert_int_equal(o.micro, 4);
   assert_true(o.max_grad_norm == 1.0);
@@ -181,6 +183,8 @@ static void test_errors(void **st) {
       {"plugin: {dp: 0}\n", DOPT_ERR_FORMAT, ":1:", "plugin.dp"},
       {"plugin: {zero: 4}\n", DOPT_ERR_FORMAT, ":1:", "plugin.zero"},
       {"plugin: {type: deepspeed}\n", DOPT_ERR_FORMAT, ":1:", "plugin.type"},
+      {"plugin: {backend: gloo}\n", DOPT_ERR_FORMAT, ":1:", "plugin.backend"},
+      {"plugin: {device: tpu}\n", DOPT_ERR_FORMAT, ":1:", "plugin.device"},
       {"max_grad_norm: -1\n", DOPT_ERR_FORMAT, ":1:", "max_grad_norm"},
       {"max_grad_norm: .inf\n", DOPT_ERR_FORMAT, ":1:", "max_grad_norm"},
       {"steps: 99999999999999999999\n", DOPT_ERR_FORMAT, ":1:", "steps"},

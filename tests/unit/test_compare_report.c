@@ -1,6 +1,8 @@
 /* compare/report.c on a synthetic result (a bitwise-equal parameter and its
  * state diverging at step 3): the table's marks, rows and verdict; the JSON
- * parses with cJSON and carries per-step arrays of the right length; the SVG
+ * parses with cJSON, has schema_version 2 and carries per-step arrays of the
+ * right length; the digest is the table's last line and the JSON's "digest"
+ * object (equal or differing from the reference's); the SVG
  * is well-formed XML (a C check always, plus Python's xml.etree when python3
  * is on PATH) with one polyline per differing tensor and escaped names; failed
  * writes leave no file. */
@@ -201,12 +203,55 @@ static void test_json(void **st) {
   assert_int_equal(cJSON_GetObjectItemCaseSensitive(v, "step")->valueint, 3);
   assert_string_equal(cJSON_GetObjectItemCaseSensitive(v, "tensor")->valuestring, "fc1.weight/exp_avg");
   assert_non_null(strstr(cJSON_GetObjectItemCaseSensitive(v, "text")->valuestring, "DIVERGED at step 3"));
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(j, "schema_version")->valueint, 2); /* 2: with "digest" */
+  assert_true(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(j, "digest"))); /* this result has none */
   cJSON_Delete(j);
 
   /* a failed write leaves nothing behind */
   snprintf(path, sizeof path, "%s/no/such/dir/r.json", dir);
   assert_status(cmp_write_json(path, &o, &r), DOPT_ERR_IO, "r.json");
   assert_int_not_equal(access(path, F_OK), 0);
+}
+
+/* The digest: the table's last line and the JSON "digest" object, equal and differing. */
+static void test_digest(void **st) {
+  (void)st;
+  cmp_options o;
+  cmp_result r;
+  options(&o);
+  result(&r);
+  const char *a = "c9c1d6fdf9ec758bd04e08b2027d66b2f55af9eb023133ac43761b96c216049d";
+  const char *b = "0000000000000000000000000000000000000000000000000000000000000001";
+  char *t = table_text(&o, &r);
+  assert_null(strstr(t, "digest")); /* none measured: no line */
+  free(t);
+  for (int same = 1; same >= 0; same--) {
+    snprintf(r.digest, sizeof r.digest, "%s", a);
+    snprintf(r.ref_digest, sizeof r.ref_digest, "%s", same ? a : b);
+    t = table_text(&o, &r);
+    char want[256];
+    if (same) snprintf(want, sizeof want, "\ndigest sha256:%s (reference: equal)\n", a);
+    else snprintf(want, sizeof want, "\ndigest sha256:%s (reference: sha256:%s, differs)\n", a, b);
+    const char *line = strstr(t, want);
+    if (!line || line[strlen(want)] != '\0') fail_msg("the table does not end with '%s':\n%s", want + 1, t);
+    free(t);
+    char path[512];
+    snprintf(path, sizeof path, "%s/d.json", dir);
+    assert_ok(cmp_write_json(path, &o, &r));
+    char *text = slurp(path);
+    cJSON *j = cJSON_Parse(text);
+    free(text);
+    assert_non_null(j);
+    cJSON *d = cJSON_GetObjectItemCaseSensitive(j, "digest");
+    assert_true(cJSON_IsObject(d));
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(d, "algorithm")->valuestring, "sha256");
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(d, "encoding")->valuestring, "DOPT-DIGEST-1");
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(d, "distributed")->valuestring, a);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(d, "reference")->valuestring, same ? a : b);
+    assert_true(cJSON_IsBool(cJSON_GetObjectItemCaseSensitive(d, "equal")));
+    assert_int_equal(cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(d, "equal")), same);
+    cJSON_Delete(j);
+  }
 }
 
 /* Minimal XML well-formedness: one root element, balanced and matching tags,
@@ -391,6 +436,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_table),
       cmocka_unit_test(test_json),
+      cmocka_unit_test(test_digest),
       cmocka_unit_test(test_svg),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
