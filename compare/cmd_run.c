@@ -3,6 +3,7 @@
  *
  *   distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors
  *               [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N]
+ *               [--save CKPT [--save-every K]] [--resume CKPT]
  *
  * Parameters: the F32 tensors of P named "init/<name>" if any, otherwise every
  * tensor whose name does not start with grad/, param/ or state/. Gradients:
@@ -54,6 +55,9 @@ typedef struct run_ctx {
   dopt_st_file *pf, *gf;
   dopt_st_file *mf; /* metadata source: the --params file (a golden case file points to its inputs) */
   char *inputs_path;
+  const char *save_path, *resume_path; /* checkpoints (docs/checkpoints.md) */
+  long save_every;                     /* also save after every K-th step (0: only after the last) */
+  long start;                          /* the step the resumed checkpoint was saved after (0: none) */
   run_param *p;
   int np;
   run_param **by_name; /* [np] sorted by name: lookups in O(log n) (80 000-tensor files) */
@@ -65,11 +69,13 @@ static const char *const CMD = "run";
 static void run_usage(FILE *f) {
   fputs("usage: distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors\n"
         "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N] [--quiet]\n"
-        "                   [--nonfinite skip|apply]\n"
+        "                   [--nonfinite skip|apply] [--save CKPT [--save-every K]] [--resume CKPT]\n"
         "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
         "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
         "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n"
-        "  layer index (lisa): N of a 'layers.N.' in the parameter name, else -1 (always trained)\n",
+        "  layer index (lisa): N of a 'layers.N.' in the parameter name, else -1 (always trained)\n"
+        "  --save CKPT: a checkpoint generation after the last step (and every K steps); --out is then optional\n"
+        "  --resume CKPT: load a checkpoint (CKPT or CKPT/step-N) and run its steps + 1 .. N\n",
         f);
 }
 
@@ -91,6 +97,14 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
     if (strcmp(a, "--params") == 0) c->params_path = v;
     else if (strcmp(a, "--grads") == 0) c->grads_path = v;
     else if (strcmp(a, "--out") == 0) c->out_path = v;
+    else if (strcmp(a, "--save") == 0) c->save_path = v;
+    else if (strcmp(a, "--resume") == 0) c->resume_path = v;
+    else if (strcmp(a, "--save-every") == 0) {
+      char *end;
+      c->save_every = strtol(v, &end, 10);
+      if (*end || c->save_every <= 0 || c->save_every > 100000000)
+        return cli_errorf(CMD, "--save-every '%s': expected a positive integer", v);
+    }
     else if (strcmp(a, "--optimizer") == 0) c->optimizer = v;
     else if (strcmp(a, "--hparams") == 0) c->hparams = v;
     else if (strcmp(a, "--nonfinite") == 0) {
@@ -112,7 +126,8 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
     }
   }
   if (!c->params_path) return cli_errorf(CMD, "--params is required (see --help)");
-  if (!c->out_path) return cli_errorf(CMD, "--out is required (see --help)");
+  if (!c->out_path && !c->save_path) return cli_errorf(CMD, "--out is required (see --help)");
+  if (c->save_every && !c->save_path) return cli_errorf(CMD, "--save-every needs --save");
   if (c->hparams && !c->optimizer) return cli_errorf(CMD, "--hparams needs --optimizer");
   return CLI_OK;
 }
@@ -317,12 +332,53 @@ static int build_optimizer(run_ctx *c) {
   return rc;
 }
 
+/* A checkpoint generation after step t (docs/checkpoints.md): the optimizer, t and the skipped steps. */
+static int save_ckpt(run_ctx *c, long t) {
+  dopt_ckpt_info info = DOPT_CKPT_INFO_INIT;
+  info.global_step = t;
+  info.skipped_steps = c->skipped;
+  dopt_status s = dopt_optim_save(c->opt, c->save_path, &info);
+  if (s == DOPT_OK) return CLI_OK;
+  cli_error(CMD, s);
+  return CLI_FAIL; /* the computation ran; writing its result failed */
+}
+
+/* --resume: the checkpoint's parameters, states and step counts replace the
+ * initial ones (same optimizer, hyperparameters, groups and parameters, or a
+ * one-line error); the run continues after its global step. */
+static int resume(run_ctx *c) {
+  dopt_ckpt_reader *r;
+  const dopt_ckpt_meta *m;
+  dopt_status s = dopt_ckpt_open(c->resume_path, &r);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  char gen[4096];
+  snprintf(gen, sizeof gen, "%s", dopt_ckpt_path(r)); /* the generation `latest` names now */
+  dopt_ckpt_read_meta(r, &m);
+  c->start = (long)m->global_step;
+  c->skipped = (long)m->skipped_steps;
+  dopt_ckpt_close(r);
+  if (c->start > c->steps)
+    return cli_errorf(CMD, "--resume %s: the checkpoint is at step %ld, beyond the last step %ld", gen, c->start,
+                      c->steps);
+  if ((s = dopt_optim_load(c->opt, gen)) != DOPT_OK) return cli_error(CMD, s);
+  for (int i = 0; i < c->np; i++) {
+    run_param *p = &c->p[i];
+    p->finite_before = 1;
+    for (size_t k = 0; k < p->numel && p->finite_before; k++) p->finite_before = isfinite(p->data[k]);
+    p->rms0 = sqrt(dopt_xsum_sq(p->data, p->numel) / (double)p->numel); /* "rms before": the resumed values */
+  }
+  return CLI_OK;
+}
+
 static int run_steps(run_ctx *c) {
   const float **grads = calloc(c->np > 0 ? (size_t)c->np : 1, sizeof *grads);
   if (!grads) return cli_errorf(CMD, "out of memory");
   int rc = CLI_OK;
   char key[320];
-  for (long t = 1; t <= c->steps && rc == CLI_OK; t++) {
+  for (long t = c->start + 1; t <= c->steps && rc == CLI_OK; t++) {
+    /* --save-every: a generation after every K-th step but the last (saved by the caller) */
+    if (c->save_every && t - 1 > c->start && (t - 1) % c->save_every == 0 && (rc = save_ckpt(c, t - 1)) != CLI_OK)
+      break;
     for (int i = 0; i < c->np; i++) {
       dopt_st_tensor g;
       snprintf(key, sizeof key, "grad/%ld/%s", t, c->p[i].name);
@@ -412,7 +468,10 @@ static int write_output(run_ctx *c) {
 /* One line per parameter: shape, group, steps taken, RMS before/after, state bytes. */
 static void print_summary(const run_ctx *c) {
   size_t total = 0;
-  printf("distopt run: %s, %ld steps, %d parameters -> %s\n", dopt_optim_name(c->opt), c->steps, c->np, c->out_path);
+  printf("distopt run: %s, %ld steps, %d parameters -> %s\n", dopt_optim_name(c->opt), c->steps, c->np,
+         c->out_path ? c->out_path : c->save_path);
+  if (c->resume_path) printf("resumed after step %ld from %s\n", c->start, c->resume_path);
+  if (c->save_path) printf("checkpoint: %s/step-%09ld\n", c->save_path, c->steps);
   printf("%-24s %-14s %6s %12s %12s %12s\n", "parameter", "shape", "steps", "rms before", "rms after", "state bytes");
   for (int i = 0; i < c->np; i++) {
     const run_param *p = &c->p[i];
@@ -486,6 +545,15 @@ static int check_out(const run_ctx *c) {
   return CLI_OK;
 }
 
+/* --save without --out: the checkpoint folder must be creatable, found before the steps run. */
+static int check_save(const run_ctx *c) {
+  struct stat st;
+  if (mkdir(c->save_path, 0755) != 0 && (stat(c->save_path, &st) != 0 || !S_ISDIR(st.st_mode)))
+    return cli_errorf(CMD, "--save '%s': cannot create the folder", c->save_path);
+  if (access(c->save_path, W_OK) != 0) return cli_errorf(CMD, "--save '%s': the folder is not writable", c->save_path);
+  return CLI_OK;
+}
+
 int cmd_run(int argc, char **argv) {
   run_ctx c;
   memset(&c, 0, sizeof c);
@@ -503,12 +571,15 @@ int cmd_run(int argc, char **argv) {
       rc = cli_error(CMD, s);
     }
   }
-  if (rc == CLI_OK) rc = check_out(&c);
+  if (rc == CLI_OK && c.out_path) rc = check_out(&c);
+  if (rc == CLI_OK && c.save_path && !c.out_path) rc = check_save(&c);
   if (rc == CLI_OK) rc = load_params(&c);
   if (rc == CLI_OK) rc = check_grads(&c);
   if (rc == CLI_OK) rc = build_optimizer(&c);
+  if (rc == CLI_OK && c.resume_path) rc = resume(&c);
   if (rc == CLI_OK) rc = run_steps(&c);
-  if (rc == CLI_OK) rc = write_output(&c);
+  if (rc == CLI_OK && c.save_path) rc = save_ckpt(&c, c.steps);
+  if (rc == CLI_OK && c.out_path) rc = write_output(&c);
   if (rc == CLI_OK && !c.quiet) print_summary(&c);
   for (int i = 0; i < c.np; i++) {
     free(c.p[i].data);

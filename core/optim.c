@@ -455,6 +455,15 @@ dopt_status dopt_optim_set_step(dopt_optim *o, int i, int64_t step) {
   return DOPT_OK;
 }
 
+int64_t dopt_optim_get_gstep(const dopt_optim *o) { return o ? o->gstep : 0; }
+
+dopt_status dopt_optim_set_gstep(dopt_optim *o, int64_t gstep) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_set_gstep: optimizer=NULL");
+  DOPT_CHECK_ARG(gstep >= 0, "dopt_optim_set_gstep: gstep=%lld must be >= 0", (long long)gstep);
+  o->gstep = gstep;
+  return DOPT_OK;
+}
+
 dopt_status dopt_optim_state_bytes(const dopt_optim *o, int i, size_t *allocated, size_t *full) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_state_bytes: optimizer=NULL");
   DOPT_CHECK_ARG(i >= -1 && i < o->nparams, "dopt_optim_state_bytes: param=%d out of range [-1, %d)", i,

@@ -109,6 +109,11 @@ DOPT_API dopt_status dopt_optim_state(dopt_optim *o, int param, int index, dopt_
 DOPT_API dopt_status dopt_optim_init_state(dopt_optim *o, int param);
 DOPT_API dopt_status dopt_optim_get_step(const dopt_optim *o, int param, int64_t *step);
 DOPT_API dopt_status dopt_optim_set_step(dopt_optim *o, int param, int64_t step);
+/* The optimizer's step clock: dopt_optim_step calls so far, the input of a
+ * wrapper's schedule (LISA samples layers from it). dopt_optim_load restores
+ * it; set it to resume a run from states restored by hand. */
+DOPT_API int64_t dopt_optim_get_gstep(const dopt_optim *o);
+DOPT_API dopt_status dopt_optim_set_gstep(dopt_optim *o, int64_t gstep);
 
 /* What a parameter's last step had to do beyond the plain update (bit flags;
  * 0 = nothing): */
