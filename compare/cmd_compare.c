@@ -21,7 +21,8 @@ static void compare_usage(FILE *f) {
         "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
         "         [--trace FILE | --seed N] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
-        "         [--json FILE] [--plot FILE.svg] [--quiet]\n"
+        "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z]\n"
+        "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda]\n"
         "       distopt compare --matrix [--steps N]\n"
         "  Runs the distributed optimizer on tp*dp simulated ranks beside the single-device reference on\n"
@@ -32,6 +33,9 @@ static void compare_usage(FILE *f) {
         "  --dp-sum: the data-parallel gradient sum: exact (default; fixed-point, one int64 word per element,\n"
         "  the same bits in any reduction order), exact2 (two words: exact for a wider range of magnitudes)\n"
         "  or rank-order (fp32 in the transport's order; bitwise only while it sums in rank order).\n"
+        "  --checkpoint-at K: save after step K (docs/checkpoints.md) and continue from the checkpoint in the\n"
+        "  resume layout (default: the same); the reference runs uninterrupted. Bitwise across dp changes needs\n"
+        "  --batch-invariant (otherwise the dp sum groups micro-batches by rank).\n"
         "  --batch-invariant: every micro-batch gradient is summed on the grid itself (kept until the step), so\n"
         "  the bits do not depend on how the global batch is split into dp x accumulation.\n"
         "  --device cuda: the distributed optimizer runs on the GPU (CUDA device, device-buffer simulator);\n"
@@ -230,7 +234,13 @@ int cmd_compare(int argc, char **argv) {
       if (strcmp(v, "sim") != 0 && strcmp(v, "nccl") != 0 && strcmp(v, "mpi") != 0)
         return cli_errorf(CMD, "--backend '%s': expected sim, nccl or mpi", v);
       rc = copy_opt(a, v, o.backend, sizeof o.backend);
-    } else if (strcmp(a, "--dp-sum") == 0) {
+    } else if (strcmp(a, "--checkpoint-at") == 0) rc = parse_int(a, v, 1, 1000000, &o.checkpoint_at);
+    else if (strcmp(a, "--resume-tp") == 0) rc = parse_int(a, v, 1, 64, &o.resume_tp);
+    else if (strcmp(a, "--resume-dp") == 0) rc = parse_int(a, v, 1, 64, &o.resume_dp);
+    else if (strcmp(a, "--resume-zero") == 0) rc = parse_int(a, v, 0, 3, &o.resume_zero);
+    else if (strcmp(a, "--resume-plugin") == 0) rc = copy_opt(a, v, o.resume_plugin, sizeof o.resume_plugin);
+    else if (strcmp(a, "--checkpoint-dir") == 0) rc = copy_opt(a, v, o.checkpoint_dir, sizeof o.checkpoint_dir);
+    else if (strcmp(a, "--dp-sum") == 0) {
       o.dp_sum_words = cmp_parse_dp_sum(v);
       if (o.dp_sum_words < 0) return cli_errorf(CMD, "--dp-sum '%s': expected exact, exact2 or rank-order", v);
     } else if (strcmp(a, "--device") == 0) {

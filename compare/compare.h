@@ -49,6 +49,10 @@ typedef struct cmp_options {
   int dp_sum_words;                       /* the dp gradient sum: 1 or 2 = exact with that many int64 words
                                              (distopt/dpsum.h), 0 = fp32 in the transport's order */
   int batch_invariant;                    /* every micro-batch on the grid: bits independent of dp × accumulation */
+  int checkpoint_at;                      /* > 0: save after this step and resume in the resume layout */
+  char resume_plugin[16];                 /* "" / 0 / -1 (zero): the first layout's */
+  int resume_tp, resume_dp, resume_zero;
+  char checkpoint_dir[512];               /* "" : a fresh directory under $TMPDIR */
 } cmp_options;
 
 /* --dp-sum / plugin.dp_sum names: "exact" (1 word), "exact2" (2 words),

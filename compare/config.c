@@ -348,9 +348,29 @@ static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   return DOPT_OK;
 }
 
+/* checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}} */
+static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  static const char *const keys[] = {"at", "dir", "resume", NULL};
+  static const char *const rkeys[] = {"type", "tp", "dp", "zero", NULL};
+  DOPT_TRY(check_mapping(c, n, "checkpoint", keys));
+  yaml_node_t *v;
+  if ((v = lookup(c, n, "at"))) DOPT_TRY(get_int(c, v, "checkpoint.at", 1, 1000000, &o->checkpoint_at));
+  if ((v = lookup(c, n, "dir"))) DOPT_TRY(get_str(c, v, "checkpoint.dir", o->checkpoint_dir, sizeof o->checkpoint_dir));
+  if ((v = lookup(c, n, "resume"))) {
+    DOPT_TRY(check_mapping(c, v, "checkpoint.resume", rkeys));
+    yaml_node_t *w;
+    if ((w = lookup(c, v, "type")))
+      DOPT_TRY(get_str(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
+    if ((w = lookup(c, v, "tp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.tp", 1, 64, &o->resume_tp));
+    if ((w = lookup(c, v, "dp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.dp", 1, 64, &o->resume_dp));
+    if ((w = lookup(c, v, "zero"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.zero", 0, 3, &o->resume_zero));
+  }
+  return DOPT_OK;
+}
+
 static dopt_status load_root(const cfg_ctx *c, yaml_node_t *root, cmp_options *o) {
   static const char *const keys[] = {"optimizer", "groups", "plugin", "steps", "accumulation", "max_grad_norm",
-                                     "bf16", "gradients", "output", NULL};
+                                     "bf16", "gradients", "output", "checkpoint", NULL};
   DOPT_TRY(check_mapping(c, root, "", keys));
   yaml_node_t *v;
   if ((v = lookup(c, root, "optimizer"))) DOPT_TRY(load_optimizer(c, v, o));
@@ -366,6 +386,7 @@ static dopt_status load_root(const cfg_ctx *c, yaml_node_t *root, cmp_options *o
   if ((v = lookup(c, root, "bf16"))) DOPT_TRY(get_bool(c, v, "bf16", &o->bf16));
   if ((v = lookup(c, root, "gradients"))) DOPT_TRY(load_gradients(c, v, o));
   if ((v = lookup(c, root, "output"))) DOPT_TRY(load_output(c, v, o));
+  if ((v = lookup(c, root, "checkpoint"))) DOPT_TRY(load_checkpoint(c, v, o));
   return DOPT_OK;
 }
 

@@ -6,6 +6,7 @@
  * sum of those — exact in any reduction order by default, or fp32 in rank
  * order — and one division by dp·micro), then every rank takes part in gathering the logical
  * parameters and states, and rank 0 measures the differences. */
+#include <errno.h>
 #include <fnmatch.h>
 #include <math.h>
 #include <stdlib.h>
@@ -36,6 +37,7 @@ void cmp_options_default(cmp_options *o) {
   snprintf(o->backend, sizeof o->backend, "sim");
   snprintf(o->device, sizeof o->device, "cpu");
   o->dp_sum_words = DOPT_DP_SUM_DEFAULT_WORDS;
+  o->resume_zero = -1;
 }
 
 static const char *const DP_SUM_NAMES[] = {"rank-order", "exact", "exact2"};
@@ -314,6 +316,11 @@ typedef struct run_ctx {
   void *user;
   double t0;
   const dopt_transport *measure_world; /* backend mpi: every rank measures; merged over this world */
+  /* --checkpoint-at: the steps this world runs, where it saves or loads */
+  int t_first, t_last;          /* 1 and o->steps without a checkpoint */
+  const char *save_dir;         /* save after t_last */
+  const char *load_dir;         /* load before t_first */
+  const cmp_options *replay;    /* the options of the steps before t_first: the lead's reference replays them */
 } run_ctx;
 
 /* Backend mpi: every rank stepped its own reference and measured its own
@@ -460,6 +467,24 @@ static dopt_status digest_steps(const dopt_dist_optim *d, const dopt_optim *ref,
   return dopt_digest_tensor(rdg, name, DOPT_I64, 0, NULL, &rs, sizeof rs);
 }
 
+/* One step of the reference on the lead: the averaged gradient of step t (o's
+ * layout), skip on a non-finite one, clipping, the step. */
+static dopt_status reference_step(const cmp_options *o, const source *s, int t, dopt_optim *ref, float **avg,
+                                  float *acc, float *g, int *skipped) {
+  int bad = 0;
+  DOPT_TRY(reference_grads(o, s, t, avg, acc, g, &bad));
+  *skipped = bad;
+  if (bad) return DOPT_OK;
+  if (o->max_grad_norm > 0) {
+    double ss[CMP_MAX_PARAMS];
+    for (int i = 0; i < s->np; i++) ss[i] = dopt_xsum_sq(avg[i], s->numel[i]);
+    float coef = dopt_clip_coef(ss, s->np, o->max_grad_norm, NULL);
+    for (int i = 0; i < s->np; i++)
+      for (size_t k = 0; k < s->numel[i]; k++) avg[i][k] = avg[i][k] * coef;
+  }
+  return dopt_optim_step(ref, (const float *const *)avg);
+}
+
 /* One rank's run on its TP and DP transports (either backend). */
 static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt) {
   const cmp_options *o = x->o;
@@ -484,7 +509,10 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   dopt_digest *dg = NULL, *rdg = NULL; /* the lead's final digests: distributed, reference */
   size_t maxn = 1;
   for (int i = 0; i < np; i++) maxn = s->numel[i] > maxn ? s->numel[i] : maxn;
-  float *full = malloc(maxn * sizeof(float)), *acc = malloc((size_t)o->dp * (size_t)micro_of(o, s) * maxn * sizeof(float));
+  size_t parts = (size_t)o->dp * (size_t)micro_of(o, s);
+  if (x->replay && (size_t)x->replay->dp * (size_t)micro_of(x->replay, s) > parts)
+    parts = (size_t)x->replay->dp * (size_t)micro_of(x->replay, s);
+  float *full = malloc(maxn * sizeof(float)), *acc = malloc(parts * maxn * sizeof(float));
   float *got = malloc(maxn * sizeof(float));
   uint16_t *wgot = malloc(maxn * sizeof(uint16_t));
   float *wf = malloc(2 * maxn * sizeof(float));
@@ -499,8 +527,15 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     if (lead) avg[i] = malloc(s->numel[i] * sizeof(float));
     if (!loc[i] || (lead && !avg[i])) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
   }
-  const float **lp = (const float **)loc, **ap = (const float **)avg;
-  for (int t = 1; t <= o->steps && st == DOPT_OK; t++) {
+  const float **lp = (const float **)loc;
+  /* resumed: the distributed optimizer loads the checkpoint; the reference
+   * replays the steps before it in the saving layout (the uninterrupted run) */
+  if (st == DOPT_OK && x->load_dir) st = dopt_dist_load(d, plain, x->load_dir);
+  for (int t = 1; st == DOPT_OK && lead && x->replay && t < x->t_first; t++) {
+    int bad = 0;
+    st = reference_step(x->replay, s, t, ref, avg, acc, full, &bad); /* its skips were counted before the save */
+  }
+  for (int t = x->t_first; t <= x->t_last && st == DOPT_OK; t++) {
     /* distributed: this rank's micro-batches, then the step */
     for (int m = 0; m < micro && st == DOPT_OK; m++) {
       for (int i = 0; i < np && st == DOPT_OK; i++) {
@@ -515,19 +550,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     /* reference, in lockstep on rank 0 */
     if (st == DOPT_OK && lead) {
       int bad = 0;
-      st = reference_grads(o, s, t, avg, acc, full, &bad);
-      if (st == DOPT_OK && bad) {
-        r->skipped_ref++;
-      } else if (st == DOPT_OK) {
-        if (o->max_grad_norm > 0) {
-          double ss[CMP_MAX_PARAMS];
-          for (int i = 0; i < np; i++) ss[i] = dopt_xsum_sq(avg[i], s->numel[i]);
-          float coef = dopt_clip_coef(ss, np, o->max_grad_norm, NULL);
-          for (int i = 0; i < np; i++)
-            for (size_t k = 0; k < s->numel[i]; k++) avg[i][k] = avg[i][k] * coef;
-        }
-        st = dopt_optim_step(ref, ap);
-      }
+      st = reference_step(o, s, t, ref, avg, acc, full, &bad);
+      if (st == DOPT_OK && bad) r->skipped_ref++;
     }
     /* gather (collective) and measure on rank 0; after the last step it also digests */
     const int last = lead && t == o->steps;
@@ -586,6 +610,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
       if (x->progress) x->progress(t, o->steps, now_s() - x->t0, worst, x->user);
     }
   }
+  if (st == DOPT_OK && x->save_dir) st = dopt_dist_save(d, plain, x->save_dir, x->t_last);
   if (st == DOPT_OK && x->measure_world) st = merge_measurements(x->measure_world, r, o->steps);
   for (int i = 0; i < np; i++) {
     free(data[i]);
@@ -675,6 +700,16 @@ static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
   DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
   DOPT_TRY(dopt_dist_check_layout(o->plugin, o->tp, o->dp, o->zero));
+  if (o->checkpoint_at != 0) {
+    DOPT_CHECK_ARG(o->checkpoint_at >= 1 && o->checkpoint_at < o->steps,
+                   "checkpoint_at=%d must be in [1, steps=%d)", o->checkpoint_at, o->steps);
+    DOPT_CHECK_ARG(strcmp(o->backend, "sim") == 0, "checkpoint_at: backend '%s' (only sim resumes in another layout)",
+                   o->backend);
+    const int tp = o->resume_tp > 0 ? o->resume_tp : o->tp, dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
+    DOPT_CHECK_ARG(tp * dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", tp, dp);
+    DOPT_TRY(dopt_dist_check_layout(o->resume_plugin[0] ? o->resume_plugin : o->plugin, tp, dp,
+                                    o->resume_zero >= 0 ? o->resume_zero : o->zero));
+  }
   if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0 && strcmp(o->backend, "mpi") != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "backend '%s' (sim, nccl or mpi)", o->backend);
   if (strcmp(o->device, "cpu") != 0 && strcmp(o->device, "cuda") != 0)
@@ -760,6 +795,39 @@ static dopt_status run_mpi(run_ctx *x) {
   return st;
 }
 
+/* The simulator backend: x->o's tp·dp rank threads in one world. */
+static dopt_status run_sim(run_ctx *x) {
+  const cmp_options *o = x->o;
+  dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
+  sc.nranks = o->tp * o->dp;
+  sc.timeout_ms = 120000; /* rank 0 runs the reference between collectives */
+  sc.mode = o->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
+  sc.memops = x->dev ? dopt_cuda_sim_memops() : NULL; /* device buffers on one GPU */
+  dopt_sim_world *w = NULL;
+  dopt_status st = dopt_sim_world_create(&sc, &w);
+  if (st == DOPT_OK) {
+    dopt_status rs[64];
+    st = dopt_sim_launch(w, rank_body, x, rs);
+    for (int k = 0; st == DOPT_OK && k < o->tp * o->dp; k++)
+      if (rs[k] != DOPT_OK) st = dopt__fail(rs[k], "rank %d: %s", k, dopt_sim_world_rank_error(w, k));
+  }
+  dopt_sim_world_destroy(w);
+  return st;
+}
+
+/* --checkpoint-dir, or a fresh directory under $TMPDIR (left for inspection). */
+static dopt_status checkpoint_dir(const cmp_options *o, char *dir, size_t cap) {
+  if (o->checkpoint_dir[0]) {
+    snprintf(dir, cap, "%s", o->checkpoint_dir);
+    return DOPT_OK;
+  }
+  const char *tmp = getenv("TMPDIR");
+  int w = snprintf(dir, cap, "%s/distopt-ckpt-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  if (w < 0 || (size_t)w >= cap) return dopt__fail(DOPT_ERR_INVALID_ARG, "TMPDIR is too long (%d characters)", w);
+  if (!mkdtemp(dir)) return dopt__fail(DOPT_ERR_IO, "checkpoint directory '%s': %s", dir, strerror(errno));
+  return DOPT_OK;
+}
+
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
   DOPT_TRY(check_options(o));
@@ -776,30 +844,39 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     devno = ndev > 0 ? dopt_launch_device(env.local_rank, ndev) : env.local_rank; /* srun --gpus-per-task 1: 0 */
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
-  dopt_sim_world *w = NULL;
-  run_ctx x = {o, dev, &s, r, progress, user, now_s(), NULL};
+  run_ctx x = {o, dev, &s, r, progress, user, now_s(), NULL, 1, o->steps, NULL, NULL, NULL};
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
     r->seconds = now_s() - x.t0;
   } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0) {
     st = run_mpi(&x);
     r->seconds = now_s() - x.t0;
+  } else if (st == DOPT_OK && o->checkpoint_at > 0) {
+    /* steps 1..K in the layout of o, saved; K+1..steps in the resume layout, loaded */
+    cmp_options ob = *o;
+    snprintf(ob.plugin, sizeof ob.plugin, "%s", o->resume_plugin[0] ? o->resume_plugin : o->plugin);
+    ob.tp = o->resume_tp > 0 ? o->resume_tp : o->tp;
+    ob.dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
+    ob.zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
+    ob.ranks = 0;
+    char dir[600];
+    st = checkpoint_dir(o, dir, sizeof dir);
+    x.t_last = o->checkpoint_at;
+    x.save_dir = dir;
+    if (st == DOPT_OK) st = run_sim(&x);
+    run_ctx y = x;
+    y.o = &ob;
+    y.t_first = o->checkpoint_at + 1;
+    y.t_last = o->steps;
+    y.save_dir = NULL;
+    y.load_dir = dir;
+    y.replay = o;
+    if (st == DOPT_OK) st = run_sim(&y);
+    r->seconds = now_s() - x.t0;
   } else if (st == DOPT_OK) {
-    dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
-    sc.nranks = o->tp * o->dp;
-    sc.timeout_ms = 120000; /* rank 0 runs the reference between collectives */
-    sc.mode = o->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
-    sc.memops = dev ? dopt_cuda_sim_memops() : NULL; /* device buffers on one GPU */
-    st = dopt_sim_world_create(&sc, &w);
-    if (st == DOPT_OK) {
-      dopt_status rs[64];
-      st = dopt_sim_launch(w, rank_body, &x, rs);
-      for (int k = 0; st == DOPT_OK && k < o->tp * o->dp; k++)
-        if (rs[k] != DOPT_OK) st = dopt__fail(rs[k], "rank %d: %s", k, dopt_sim_world_rank_error(w, k));
-      r->seconds = now_s() - x.t0;
-    }
+    st = run_sim(&x);
+    r->seconds = now_s() - x.t0;
   }
-  dopt_sim_world_destroy(w);
   dopt_device_cuda_destroy(dev);
   source_free(&s);
   if (st != DOPT_OK) {

@@ -149,6 +149,21 @@ DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const
 DOPT_API dopt_status dopt_dist_state_bytes(const dopt_dist_optim *d, int param, const char *key, size_t *bytes);
 DOPT_API dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int param, int64_t *step);
 
+/* Checkpoints (docs/checkpoints.md). Save: every rank writes the pieces it
+ * holds — its TP block or ZeRO range of each parameter, bf16 copy and
+ * elementwise state; replicated and whole states once — to its own file of a
+ * new generation of ckpt_dir; rank 0 writes the index last and makes the
+ * generation visible. global_step < 0: steps + skipped steps. `plain` is the
+ * optimizer d was created from (its groups, hyperparameters, names). Load: any
+ * checkpoint of the same optimizer, hyperparameters and parameters, written
+ * in any layout or by the single-device reference (dopt_optim_save); every
+ * rank checks the metadata and every checksum before anything is loaded, and
+ * all ranks fail together. Parameters, bf16 copies, states, step counts, the
+ * optimizer's step clock (LISA's schedule) and the skipped-step count. [C] */
+DOPT_API dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const char *ckpt_dir,
+                                    int64_t global_step);
+DOPT_API dopt_status dopt_dist_load(dopt_dist_optim *d, const dopt_optim *plain, const char *path);
+
 /* Bytes this rank holds: parameters (incl. masters/working copies), optimizer
  * states, gradient buffers. */
 typedef struct dopt_dist_memory {

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "distopt/device.h"
+#include "distopt/dist.h"
 #include "distopt/dpsum.h"
 #include "distopt/xsum.h"
 #include "internal.h"
@@ -39,6 +40,10 @@ static uint64_t mix(uint64_t z) {
  * make every statistic matter, and fully determined by the counters. */
 void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float *out) {
   const dt_param *pp = &c->params[p];
+  if (c->batch_invariant) { /* one global batch: micro-batch g = dprank·micro + m, however it is split */
+    micro = dprank * c->micro + micro;
+    dprank = 0;
+  }
   size_t n = numel_of(pp), w = pp->ndim >= 1 ? (size_t)pp->shape[pp->ndim - 1] : 1;
   uint64_t key = mix(c->seed ^ mix(((uint64_t)p << 48) ^ ((uint64_t)step << 24) ^ ((uint64_t)micro << 12) ^ (uint64_t)dprank));
   double a = (double)(mix(key) >> 11) * 0x1.0p-53 - 0.5, b = (double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5;
@@ -208,6 +213,8 @@ typedef struct run_ctx {
   const dt_case *c;
   const dt_layout *l;
   dt_result *r; /* written by world rank 0 only */
+  int t_first, t_last;          /* the steps this world runs */
+  const char *load_dir, *save_dir; /* checkpoint loaded before t_first / saved after t_last (NULL: none) */
 } run_ctx;
 
 static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
@@ -257,7 +264,8 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     lp[i] = loc[i];
   }
   const int dprank = cfg.dp.rank, tprank = cfg.tp.rank;
-  for (int t = 1; t <= c->steps && s == DOPT_OK; t++) {
+  if (s == DOPT_OK && x->load_dir) s = dopt_dist_load(d, plain, x->load_dir);
+  for (int t = x->t_first; t <= x->t_last && s == DOPT_OK; t++) {
     for (int m = 0; m < c->micro && s == DOPT_OK; m++) {
       for (int i = 0; i < c->nparams; i++) {
         /* this rank's TP block of the logical micro-batch gradient */
@@ -314,6 +322,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
       x->r->nck++;
     }
   }
+  if (s == DOPT_OK && x->save_dir) s = dopt_dist_save(d, plain, x->save_dir, x->t_last);
   if (rank == 0 && d) x->r->skipped = dopt_dist_skipped_steps(d);
   if (d && rank < DT_MAXRANKS) { /* own slots */
     x->r->stat_collectives[rank] = dopt_dist_stat_collectives(d);
@@ -338,6 +347,11 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
 }
 
 dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, char *err, size_t errcap) {
+  return dt_run_dist_steps(c, l, 1, c->steps, NULL, NULL, out, err, errcap);
+}
+
+dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first, int t_last, const char *load_dir,
+                              const char *save_dir, dt_result *out, char *err, size_t errcap) {
   /* the state names come from the reference layout (same registry layout) */
   char names[DT_MAXP][DT_MAXS][32];
   int nst[DT_MAXP];
@@ -357,6 +371,10 @@ dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, ch
   x.c = c;
   x.l = l;
   x.r = out;
+  x.t_first = t_first;
+  x.t_last = t_last;
+  x.load_dir = load_dir;
+  x.save_dir = save_dir;
   dopt_status st[64];
   dopt_status s = dopt_sim_launch(w, rank_body, &x, st);
   for (int r = 0; s == DOPT_OK && r < cfg.nranks; r++)

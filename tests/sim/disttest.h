@@ -82,6 +82,10 @@ const char *dt_plugin(const dt_layout *l);
 dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *out);
 /* Runs the distributed optimizer on tp·dp simulated ranks. */
 dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, char *err, size_t errcap);
+/* Steps t_first..t_last only, after loading a checkpoint (load_dir, or NULL)
+ * and saving one after the last (save_dir, or NULL): dopt_dist_load/_save. */
+dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first, int t_last, const char *load_dir,
+                              const char *save_dir, dt_result *out, char *err, size_t errcap);
 /* Compares two results bitwise; returns 0 if identical, else writes the first
  * difference (checkpoint, tensor, index, values, ULP) into msg. */
 int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, char *msg, size_t cap);

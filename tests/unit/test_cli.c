@@ -361,6 +361,48 @@ static void test_batch_invariant(void **st) {
   free(err);
 }
 
+/* --checkpoint-at: saved after step 5 in tp2 x dp2 x zero2, resumed in
+ * tp3 x dp2 x zero3 (fsdp) and in 1 x 1 x 0: bitwise every step, and the final
+ * digest is the uninterrupted run's; a checkpoint directory that cannot be
+ * created fails with one line. */
+static void test_compare_checkpoint(void **st) {
+  (void)st;
+  char out[600], ck[600], hex[65], want[65];
+  snprintf(out, sizeof out, "%s/ck.txt", dir);
+  const char *plain[] = {"compare", "--optimizer", "came", "--hparams", "lr=2e-4", "--steps", "12", "--quiet", NULL};
+  assert_int_equal(run_out(plain, out), 0);
+  char *txt = slurp(out);
+  digest_of(txt, want);
+  free(txt);
+  static const char *const B[][4] = {{"fsdp", "3", "2", "3"}, {"ddp", "1", "1", "0"}};
+  for (int k = 0; k < 2; k++) {
+    snprintf(ck, sizeof ck, "%s/ckpt%d", dir, k);
+    const char *args[] = {"compare", "--optimizer", "came", "--hparams", "lr=2e-4", "--steps", "12", "--quiet",
+                          "--checkpoint-at", "5", "--checkpoint-dir", ck, "--resume-plugin", B[k][0], "--resume-tp",
+                          B[k][1], "--resume-dp", B[k][2], "--resume-zero", B[k][3], NULL};
+    assert_int_equal(run_out(args, out), 0);
+    txt = slurp(out);
+    if (!strstr(txt, "EQUIVALENT (bitwise")) fail_msg("resume in %s: %s", B[k][0], txt);
+    digest_of(txt, hex);
+    free(txt);
+    /* same dp: the same global batch, so the uninterrupted run's digest */
+    if (k == 0 && strcmp(hex, want) != 0) fail_msg("resumed digest %s, uninterrupted %s", hex, want);
+    char latest[700];
+    snprintf(latest, sizeof latest, "%s/latest", ck);
+    assert_int_equal(access(latest, F_OK), 0);
+  }
+  const char *bad[] = {"compare", "--steps", "4", "--checkpoint-at", "2", "--checkpoint-dir", "/proc/no/such", NULL};
+  assert_int_equal(run_out(bad, out), 2);
+  char *err = slurp(errfile);
+  if (!strstr(err, "/proc/no")) fail_msg("unwritable checkpoint directory not named: %s", err);
+  free(err);
+  const char *late[] = {"compare", "--steps", "4", "--checkpoint-at", "4", NULL};
+  assert_int_equal(run_out(late, out), 2);
+  err = slurp(errfile);
+  if (!strstr(err, "checkpoint_at=4")) fail_msg("checkpoint at the last step: %s", err);
+  free(err);
+}
+
 static void test_compare(void **st) {
   (void)st;
   char trace[600], out[600], json[600], svg[600];
@@ -656,6 +698,64 @@ static void test_lisa_layers_from_names(void **st) {
   dopt_optim_destroy(o);
 }
 
+/* --save/--save-every/--resume: a run resumed from any generation writes the very file an uninterrupted run writes
+ * (LISA around GaLore: the layer schedule and the projector refresh continue where they stopped). */
+static int same_bytes(const char *a, const char *b) {
+  FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+  int same = fa && fb;
+  while (same) {
+    int x = fgetc(fa), y = fgetc(fb);
+    same = x == y;
+    if (x == EOF || y == EOF) break;
+  }
+  if (fa) fclose(fa);
+  if (fb) fclose(fb);
+  return same;
+}
+
+static void test_checkpoint_resume(void **st) {
+  (void)st;
+  char full[600], res[600], ck[600], gen[700];
+  snprintf(full, sizeof full, "%s/ck_full.safetensors", dir);
+  snprintf(res, sizeof res, "%s/ck_res.safetensors", dir);
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  const char *hp = "inner=galore_adamw,n_layers=1,interval=3,rank=2,update_proj_gap=4,lr=1e-2";
+  const char *a1[] = {"run", "--params", inputs, "--optimizer", "lisa", "--hparams", hp, "--out", full, "--quiet", NULL};
+  assert_int_equal(run(a1), 0);
+  const char *a2[] = {"run", "--params", inputs, "--optimizer", "lisa", "--hparams", hp, "--steps", "12",
+                      "--save", ck, "--save-every", "5", "--quiet", NULL};
+  assert_int_equal(run(a2), 0);
+  const char *gens[] = {"step-000000005", "step-000000010", "step-000000012", NULL};
+  for (int k = 0; gens[k]; k++) {
+    snprintf(gen, sizeof gen, "%s/%s/index.json", ck, gens[k]);
+    if (access(gen, F_OK) != 0) fail_msg("no generation %s", gen);
+  }
+  const char *a3[] = {"run", "--params", inputs, "--optimizer", "lisa", "--hparams", hp, "--resume", ck,
+                      "--out", res, "--quiet", NULL};
+  assert_int_equal(run(a3), 0);
+  if (!same_bytes(full, res)) fail_msg("resumed from %s/latest: output differs from the uninterrupted run", ck);
+  snprintf(gen, sizeof gen, "%s/step-000000005", ck);
+  unlink(res);
+  const char *a4[] = {"run", "--params", inputs, "--optimizer", "lisa", "--hparams", hp, "--resume", gen,
+                      "--out", res, "--quiet", NULL};
+  assert_int_equal(run(a4), 0);
+  if (!same_bytes(full, res)) fail_msg("resumed from %s: output differs from the uninterrupted run", gen);
+  /* refusals: other hyperparameters, a step beyond --steps, --save-every alone */
+#define ARGS(...) ((const char *const[]){"run", __VA_ARGS__, NULL})
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "lisa", "--hparams",
+                          "inner=galore_adamw,n_layers=1,interval=3,rank=2,update_proj_gap=5,lr=1e-2", "--resume", ck,
+                          "--out", res),
+                     "hyperparameter update_proj_gap is 4 in the checkpoint, 5 in the optimizer", res);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "lisa", "--hparams", hp, "--resume", ck, "--steps", "11",
+                          "--out", res),
+                     "the checkpoint is at step 12, beyond the last step 11", res);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--save-every", "2", "--out", res),
+                     "--save-every needs --save", res);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--resume", dir, "--out", res), "not a checkpoint",
+                     res);
+#undef ARGS
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s PATH-TO-distopt\n", argv[0]);
@@ -668,11 +768,13 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_compare),
       cmocka_unit_test(test_batch_invariant),
+      cmocka_unit_test(test_compare_checkpoint),
       cmocka_unit_test(test_compare_bad_input),
       cmocka_unit_test(test_lisa_layers_from_names),
       cmocka_unit_test(test_mem_per_rank),
       cmocka_unit_test(test_many_tensors),
       cmocka_unit_test(test_nonfinite_policy),
+      cmocka_unit_test(test_checkpoint_resume),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,0 +1,147 @@
+/* Reshardable checkpoints (docs/checkpoints.md): train K steps in layout A,
+ * save (every rank its own pieces), load in layout B — another tp, dp, ZeRO
+ * stage and plugin, uneven splits, 1 × 1 × 0 — continue to N; the result is
+ * bit for bit the uninterrupted reference (every parameter, bf16 copy, state
+ * and step counter), for every optimizer the distributed core runs. The dp
+ * sum is batch-invariant and the gradients are one global batch of 12
+ * micro-batches split as dp × (12/dp), so changing dp changes nothing either.
+ * Also: a checkpoint of another optimizer or other hyperparameters is refused
+ * on every rank, and a save that fails on one rank leaves the previous
+ * generation loadable. */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "disttest.h"
+
+/* LISA layers via "layers.N."; uneven sizes for tp 2, 3 and dp 3, 4 */
+static const dt_param PARAMS[] = {
+    {"layers.0.sq", 2, {12, 12}, DOPT_TP_COLUMN, 0}, {"layers.1.tall", 2, {13, 5}, DOPT_TP_ROW, 0},
+    {"layers.2.wide", 2, {5, 17}, DOPT_TP_COLUMN, 0}, {"emb", 2, {11, 6}, DOPT_TP_COLUMN, 0},
+    {"layers.1.t3", 3, {2, 3, 5}, DOPT_TP_COLUMN, 0}, {"layers.0.vec", 1, {7}, DOPT_TP_COLUMN, 1},
+    {"bias", 1, {9}, DOPT_TP_REPLICATED, 1},          {"s0", 0, {0}, DOPT_TP_REPLICATED, 1},
+};
+#define NPARAMS ((int)(sizeof PARAMS / sizeof PARAMS[0]))
+
+static const struct {
+  const char *opt, *hp;
+  int bf16;
+} OPTS[] = {
+    {"adamw", "lr=1e-2,weight_decay=0.01", 1},
+    {"adafactor", "beta1=0.9,weight_decay=0.01", 0},
+    {"came", "lr=1e-3,weight_decay=0.01", 1},
+    {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01", 0},
+    {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=256", 0},
+    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=4", 0},
+    {"galore_adamw8bit", "lr=1e-2,rank=3,update_proj_gap=5,min_8bit_size=8,block_size=256,proj_type=left", 0},
+    {"q_galore", "lr=1e-2,rank=3,update_proj_gap=3,proj_group_size=-1,int8_weights=true,weight_group_size=1", 0},
+    {"lisa", "inner=adamw,n_layers=1,interval=3,lr=1e-2", 0},
+    {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=4,n_layers=2,interval=5,reset_states=true", 0},
+};
+#define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
+
+/* A → B pairs; every tp, dp and zero changes somewhere, 1×1×0 on both sides */
+static const dt_layout PAIRS[][2] = {
+    {{2, 2, 2, 0}, {1, 3, 3, 0}}, {{1, 4, 1, 0}, {3, 1, 0, 0}}, {{3, 2, 0, 256}, {2, 3, 2, 1}},
+    {{1, 1, 0, 0}, {2, 2, 3, 0}}, {{2, 3, 3, 1}, {1, 1, 0, 0}}, {{1, 6, 2, 0}, {4, 1, 1, 0}},
+};
+#define NPAIRS ((int)(sizeof PAIRS / sizeof PAIRS[0]))
+
+enum { STEPS = 12, K = 5, GLOBAL = 12 };
+
+static dt_case make_case(int o, int dp) {
+  dt_case c = {OPTS[o].opt, OPTS[o].hp, NULL, PARAMS, NPARAMS, STEPS, GLOBAL / dp, 0.0, OPTS[o].bf16,
+               99 + (uint64_t)o, 0.05, 0, STEPS, 0, 0, 0, 0, 1};
+  return c;
+}
+
+static void tmpdir(char *dir, size_t cap) {
+  const char *t = getenv("TMPDIR");
+  snprintf(dir, cap, "%s/dopt-resume-XXXXXX", t && t[0] ? t : "/tmp");
+  assert_non_null(mkdtemp(dir));
+}
+
+static void rmtree(const char *dir) {
+  char cmd[700];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+static void run_phase(const dt_case *c, const dt_layout *l, int first, int last, const char *load, const char *save,
+                      dt_result *ref, dt_result *got) {
+  memcpy(got->state_name, ref->state_name, sizeof got->state_name);
+  memcpy(got->nstates, ref->nstates, sizeof got->nstates);
+  char err[1024] = "";
+  if (dt_run_dist_steps(c, l, first, last, load, save, got, err, sizeof err) != DOPT_OK)
+    fail_msg("%s tp%d dp%d zero%d steps %d..%d: %s", c->optimizer, l->tp, l->dp, l->zero, first, last, err);
+}
+
+static void test_resume_grid(void **st) {
+  (void)st;
+  int runs = 0;
+  for (int o = 0; o < NOPTS; o++) {
+    dt_case c1 = make_case(o, 1);
+    dt_result ref; /* uninterrupted; one global batch, so any dp gives it */
+    assert_ok(dt_run_reference(&c1, 1, &ref));
+    for (int p = 0; p < NPAIRS; p++) {
+      const dt_layout *a = &PAIRS[p][0], *b = &PAIRS[p][1];
+      dt_case ca = make_case(o, a->dp), cb = make_case(o, b->dp);
+      char dir[512];
+      tmpdir(dir, sizeof dir);
+      dt_result ga, gb;
+      run_phase(&ca, a, 1, K, NULL, dir, &ref, &ga);
+      run_phase(&cb, b, K + 1, STEPS, dir, NULL, &ref, &gb);
+      char msg[512] = "";
+      if (dt_compare(&cb, &ref, &gb, msg, sizeof msg))
+        fail_msg("%s [%s]: tp%d dp%d zero%d -> tp%d dp%d zero%d at step %d: not the uninterrupted run: %s",
+                 c1.optimizer, c1.hparams, a->tp, a->dp, a->zero, b->tp, b->dp, b->zero, K, msg);
+      dt_result_free(&ga);
+      dt_result_free(&gb);
+      rmtree(dir);
+      runs++;
+    }
+    dt_result_free(&ref);
+  }
+  printf("resume grid: %d runs (%d optimizer settings x %d layout pairs), bitwise the uninterrupted run\n", runs,
+         NOPTS, NPAIRS);
+}
+
+/* A checkpoint of another optimizer, or of other hyperparameters, is refused
+ * on every rank (nothing stepped afterwards); the message names the key. */
+static void test_resume_refused(void **st) {
+  (void)st;
+  char dir[512];
+  tmpdir(dir, sizeof dir);
+  dt_case c = make_case(0, 2);
+  dt_result ref, got;
+  assert_ok(dt_run_reference(&c, 2, &ref));
+  const dt_layout l = {2, 2, 2, 0};
+  run_phase(&c, &l, 1, K, NULL, dir, &ref, &got);
+  dt_result_free(&got);
+  static const char *const other[][3] = {
+      {"adamw", "lr=2e-2,weight_decay=0.01", "lr"}, /* another hyperparameter value */
+      {"lamb", "lr=1e-2,weight_decay=0.01", "lamb"}, /* another optimizer */
+  };
+  for (int k = 0; k < 2; k++) {
+    dt_case o = c;
+    o.optimizer = other[k][0];
+    o.hparams = other[k][1];
+    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    char err[1024] = "";
+    dopt_status s = dt_run_dist_steps(&o, &l, K + 1, STEPS, dir, NULL, &got, err, sizeof err);
+    if (s == DOPT_OK) fail_msg("%s [%s]: a checkpoint of adamw [%s] was accepted", o.optimizer, o.hparams, c.hparams);
+    if (!strstr(err, other[k][2])) fail_msg("refusal does not name '%s': %s", other[k][2], err);
+    dt_result_free(&got);
+  }
+  dt_result_free(&ref);
+  rmtree(dir);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_resume_grid), cmocka_unit_test(test_resume_refused)};
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
