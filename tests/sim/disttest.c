@@ -65,6 +65,12 @@ void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float
   if (c->nan_step == step && p == 0 && dprank == 0 && micro == 0) out[n / 2] = NAN;
 }
 
+static dopt_status build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out);
+
+dopt_status dt_build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
+  return build_plain(c, data, master, work, out);
+}
+
 static dopt_status build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
   dopt_optim *o;
   DOPT_TRY(dopt_optim_create(c->optimizer, c->hparams, &o));

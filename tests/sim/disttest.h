@@ -46,6 +46,11 @@ typedef struct dt_case {
   int batch_invariant;   /* dopt_dist_config.batch_invariant: every micro-batch a part of the exact sum */
 } dt_case;
 
+/* The plain (single-device) optimizer of a case with its initial values:
+ * data[i] (fp32; with bf16 the master), work[i] (bf16 or NULL), updated in
+ * place by the optimizer: free them after it. */
+dopt_status dt_build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out);
+
 /* The dopt_dist_config.dp_sum_words of a case. */
 int dt_dp_words(const dt_case *c);
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "disttest.h"
+#include "distopt/checkpoint.h"
 
 /* LISA layers via "layers.N."; uneven sizes for tp 2, 3 and dp 3, 4 */
 static const dt_param PARAMS[] = {
@@ -109,6 +110,73 @@ static void test_resume_grid(void **st) {
          NOPTS, NPAIRS);
 }
 
+/* Through the single-device reference: a checkpoint written by tp2 x dp2 x
+ * zero2 loads into the reference optimizer (dopt_optim_load) as exactly the
+ * reference's own state after K steps (parameters, bf16 copies, states,
+ * steps); saved again by the reference (dopt_optim_save), it resumes in
+ * tp1 x dp3 x zero3 bitwise the uninterrupted run. */
+static void test_resume_through_reference(void **st) {
+  (void)st;
+  static const int WHICH[] = {0, 1, 2, 5, 7, 9}; /* adamw bf16, adafactor, came bf16, galore, q_galore, lisa reset */
+  const dt_layout a = {2, 2, 2, 0}, b = {1, 3, 3, 0};
+  for (size_t w = 0; w < sizeof WHICH / sizeof WHICH[0]; w++) {
+    const int o = WHICH[w];
+    dt_case full = make_case(o, 1), ck = make_case(o, a.dp), cb = make_case(o, b.dp), atk = make_case(o, 1);
+    ck.steps = K;
+    atk.steps = K;
+    dt_result ref, refk, ga, gb;
+    assert_ok(dt_run_reference(&full, 1, &ref));
+    assert_ok(dt_run_reference(&atk, 1, &refk));
+    char d1[512], d2[512];
+    tmpdir(d1, sizeof d1);
+    tmpdir(d2, sizeof d2);
+    run_phase(&ck, &a, 1, K, NULL, d1, &refk, &ga);
+    /* into the reference */
+    float *data[DT_MAXP], *master[DT_MAXP];
+    uint16_t *work[DT_MAXP];
+    dopt_optim *plain = NULL;
+    assert_ok(dt_build_plain(&full, data, master, work, &plain));
+    assert_ok(dopt_optim_load(plain, d1));
+    for (int i = 0; i < NPARAMS; i++) {
+      size_t n = 1;
+      for (int k = 0; k < PARAMS[i].ndim; k++) n *= (size_t)PARAMS[i].shape[k];
+      if (memcmp(data[i], refk.param[0][i], n * sizeof(float)) != 0)
+        fail_msg("%s: %s after dopt_optim_load differs from the reference at step %d", full.optimizer, PARAMS[i].name, K);
+      if (full.bf16 && memcmp(work[i], refk.work[0][i], n * sizeof(uint16_t)) != 0)
+        fail_msg("%s: %s/bf16 after dopt_optim_load differs", full.optimizer, PARAMS[i].name);
+      int64_t step = -1;
+      assert_ok(dopt_optim_get_step(plain, i, &step));
+      if (step != refk.step[0][i]) fail_msg("%s: %s step %lld vs %lld", full.optimizer, PARAMS[i].name, (long long)step,
+                                            (long long)refk.step[0][i]);
+      for (int q = 0; q < dopt_optim_num_states(plain, i); q++) {
+        dopt_state_view v;
+        assert_ok(dopt_optim_state(plain, i, q, &v));
+        for (int k = 0; k < refk.nstates[i]; k++)
+          if (strcmp(refk.state_name[i][k], v.name) == 0 && refk.state[0][i][k] &&
+              memcmp(v.data, refk.state[0][i][k], v.bytes) != 0)
+            fail_msg("%s: state %s/%s after dopt_optim_load differs", full.optimizer, PARAMS[i].name, v.name);
+      }
+    }
+    /* out of the reference, into another layout */
+    assert_ok(dopt_optim_save(plain, d2, NULL));
+    run_phase(&cb, &b, K + 1, STEPS, d2, NULL, &ref, &gb);
+    char msg[512] = "";
+    if (dt_compare(&cb, &ref, &gb, msg, sizeof msg))
+      fail_msg("%s: reference checkpoint -> tp1 dp3 zero3: not the uninterrupted run: %s", full.optimizer, msg);
+    dopt_optim_destroy(plain);
+    for (int i = 0; i < NPARAMS; i++) {
+      free(data[i]);
+      free(work[i]);
+    }
+    dt_result_free(&ref);
+    dt_result_free(&refk);
+    dt_result_free(&ga);
+    dt_result_free(&gb);
+    rmtree(d1);
+    rmtree(d2);
+  }
+}
+
 /* A checkpoint of another optimizer, or of other hyperparameters, is refused
  * on every rank (nothing stepped afterwards); the message names the key. */
 static void test_resume_refused(void **st) {
@@ -142,6 +210,7 @@ static void test_resume_refused(void **st) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {cmocka_unit_test(test_resume_grid), cmocka_unit_test(test_resume_refused)};
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_resume_grid), cmocka_unit_test(test_resume_through_reference),
+                                     cmocka_unit_test(test_resume_refused)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
