@@ -331,10 +331,16 @@ static void validate_locked(sim_group *g) {
 }
 
 /* Deposits this rank's arrival and waits for the verdict. */
+/* Last arriver of a data collective: validation, then every rank enters the data phase. */
+static void arrive_last_locked(sim_group *g) {
+  validate_locked(g);
+  g->in_data = g->op_err == DOPT_OK ? g->n : 0;
+}
+
 static dopt_status arrive(sim_call *k, const sim_arrival *a) {
   pthread_mutex_lock(&k->w->mu);
   k->g->arr[k->c->rank] = *a;
-  dopt_status s = barrier_locked(k, validate_locked);
+  dopt_status s = barrier_locked(k, arrive_last_locked);
   if (s == DOPT_OK && k->g->op_err != DOPT_OK)
     s = dopt__fail(k->g->op_err, "%s", k->g->op_msg);
   pthread_mutex_unlock(&k->w->mu);
@@ -786,9 +792,31 @@ static const void *const *deposited_sends(sim_call *k) {
   return k->c->srcs;
 }
 
+/* Leaves the data phase. On an abort (a barrier of the phase returned early
+ * because the world was poisoned), peers may still be reading this rank's
+ * send buffer or writing its receive buffer (a reduce into the root):
+ * wait until every rank has left the phase, so the caller may free them.
+ * No rank blocks inside the phase once the world is poisoned. */
+static dopt_status leave_data(sim_call *k, dopt_status s) {
+  pthread_mutex_lock(&k->w->mu);
+  k->g->in_data--;
+  pthread_cond_broadcast(&k->g->cond);
+  while (s != DOPT_OK && k->g->in_data > 0) pthread_cond_wait(&k->g->cond, &k->w->mu);
+  pthread_mutex_unlock(&k->w->mu);
+  return s;
+}
+
+static dopt_status run_data(sim_call *k, const sim_arrival *a);
+
 /* Runs arrival, the kind's data phase and the final barrier. */
 static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
   DOPT_TRY(arrive(k, a));
+  dopt_status s = run_data(k, a);
+  return leave_data(k, s);
+}
+
+/* The data phase of a collective, every rank of the group inside it. */
+static dopt_status run_data(sim_call *k, const sim_arrival *a) {
   sim_group *g = k->g;
   const sim_arrival *arr = g->arr; /* stable until the final barrier */
   int n = g->n, i = k->c->rank;

@@ -64,6 +64,8 @@ typedef struct sim_group {
   struct dopt_sim_comm *handles; /* [n] */
   pthread_cond_t cond;
   int bar_count;               /* generation barrier */
+  int in_data;                 /* ranks inside the current collective's data phase (they may read
+                                  each other's buffers): an aborted rank waits for 0 before it leaves */
   uint64_t bar_gen;
   sim_arrival *arr;            /* [n] current collective */
   dopt_status op_err;          /* verdict of the last validation */
