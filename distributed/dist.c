@@ -365,6 +365,13 @@ static dopt_status load_values(dopt_dist_optim *d, dist_param *p, const float *f
   return s;
 }
 
+/* Bytes of state k this rank's buffer holds: an elementwise state's ZeRO
+ * shard (sharded like the parameter), else the whole logical state (owner
+ * mode: on the owner only). */
+static size_t state_held_bytes(const dopt_dist_optim *d, const dist_param *p, int k) {
+  return !d->owned && p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+}
+
 /* Sets up one parameter: geometry, buffers, the initial values of its piece. */
 static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
   const int tpn = d->tp.size, dpn = d->dp.size;
@@ -413,13 +420,10 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
       size_t numel = dopt_numel(p->ndim, p->shape);
       DOPT_TRY(dalloc(d, numel * sizeof(float), (void **)&p->full));
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data, numel * sizeof(float)));
-      for (int k = 0; k < p->nstates; k++) DOPT_TRY(dalloc(d, p->spec[k].v.bytes, &p->state[k]));
+      for (int k = 0; k < p->nstates; k++) DOPT_TRY(dalloc(d, state_held_bytes(d, p, k), &p->state[k]));
     }
   } else {
-    for (int k = 0; k < p->nstates; k++) {
-      size_t bytes = p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
-      DOPT_TRY(dalloc(d, bytes, &p->state[k]));
-    }
+    for (int k = 0; k < p->nstates; k++) DOPT_TRY(dalloc(d, state_held_bytes(d, p, k), &p->state[k]));
   }
   p->step = src->step;
   p->rc.d = d;
@@ -608,6 +612,24 @@ static dopt_status zeros_of(dopt_dist_optim *d, size_t bytes, const float **out)
   return DOPT_OK;
 }
 
+/* The piece this rank holds of parameter p's tensors: its ZeRO range of the
+ * TP block (`sharded`), or the whole TP block. */
+static void held_piece(const dist_param *p, int sharded, dopt_piece *out) {
+  *out = p->pc;
+  if (!sharded) {
+    out->lo = 0;
+    out->len = p->lnumel;
+  }
+}
+
+/* Device x[bytes] ← zeros. */
+static dopt_status zero_dev(dopt_dist_optim *d, void *x, size_t bytes) {
+  const float *z = NULL;
+  if (bytes == 0) return DOPT_OK;
+  DOPT_TRY(zeros_of(d, bytes, &z));
+  return DEV(d)->upload(DCTX(d), x, z, bytes);
+}
+
 /* SUM over dp of x[padded·per] (all-reduce for zero 0/1; reduce-scatter for
  * zero 2/3, in place: this rank's block of the padded buffer). */
 static dopt_status dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt) {
@@ -627,15 +649,12 @@ static dopt_status exact_dp_sum(dopt_dist_optim *d) {
    * invariant) every micro-batch of every rank */
   const int W = d->dp_words, n = d->keep ? d->dp.size * d->micro : d->dp.size;
   const int k = 62 - dopt_grid_headroom(n);
-  const float *z = NULL;
-  DOPT_TRY(zeros_of(d, d->ncodes * sizeof(int32_t), &z));
-  DOPT_TRY(DEV(d)->upload(DCTX(d), d->codes, z, d->ncodes * sizeof(int32_t)));
+  DOPT_TRY(zero_dev(d, d->codes, d->ncodes * sizeof(int32_t)));
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     if (p->lnumel == 0) continue;
-    dopt_piece tb = p->pc; /* the whole TP block */
-    tb.lo = 0;
-    tb.len = p->lnumel;
+    dopt_piece tb; /* the whole TP block */
+    held_piece(p, 0, &tb);
     const int nsrc = d->keep ? p->nmb : 1;
     int64_t bad = 0;
     for (int m = 0; m < nsrc; m++) {
@@ -657,17 +676,15 @@ static dopt_status exact_dp_sum(dopt_dist_optim *d) {
     const int flagged = d->hflags[i] != 0;
     DOPT_TRY(grow_dev(d, (void **)&d->words, &d->words_cap, p->padded * (size_t)W * sizeof(int64_t)));
     if (flagged) DOPT_TRY(grow_dev(d, (void **)&d->cls, &d->cls_cap, p->padded * sizeof(int64_t)));
-    dopt_piece tb = p->pc;
-    tb.lo = 0;
-    tb.len = p->lnumel;
+    dopt_piece tb; /* the whole TP block */
+    held_piece(p, 0, &tb);
     const int nsrc = d->keep ? p->nmb : 1;
     /* zero words where nothing is encoded: no micro-batch on this rank, ZeRO padding */
     const size_t zfrom = nsrc ? p->lnumel : 0;
     if (p->padded > zfrom) {
       size_t tail = p->padded - zfrom;
-      DOPT_TRY(zeros_of(d, tail * (size_t)W * sizeof(int64_t), &z));
-      DOPT_TRY(DEV(d)->upload(DCTX(d), d->words + zfrom * (size_t)W, z, tail * (size_t)W * sizeof(int64_t)));
-      if (flagged) DOPT_TRY(DEV(d)->upload(DCTX(d), d->cls + zfrom, z, tail * sizeof(int64_t)));
+      DOPT_TRY(zero_dev(d, d->words + zfrom * (size_t)W, tail * (size_t)W * sizeof(int64_t)));
+      if (flagged) DOPT_TRY(zero_dev(d, d->cls + zfrom, tail * sizeof(int64_t)));
     }
     for (int m = 0; m < nsrc; m++) { /* the first sets the words, the next ones add to them */
       const float *src = d->keep ? p->mb + (size_t)m * p->lnumel : p->grad;
@@ -691,11 +708,7 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   const float denom = (float)((double)d->dp.size * (double)d->micro);
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (!p->acc && p->lnumel) { /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
-      const float *z = NULL;
-      DOPT_TRY(zeros_of(d, p->lnumel * sizeof(float), &z));
-      DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, z, p->lnumel * sizeof(float)));
-    }
+    if (!p->acc) DOPT_TRY(zero_dev(d, p->grad, p->lnumel * sizeof(float))); /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
     p->acc = 0;
   }
   if (d->keep && d->dp.size * d->micro == 1) { /* one contribution: itself (dopt_dp_sum's rule) */
@@ -717,21 +730,26 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   return DOPT_OK;
 }
 
+/* h[n] (host) ← its MAX over the world (tp, then dp), through the device
+ * buffer d->flags (np + 1 words): a transport reduces device memory (NCCL and
+ * the device-buffer simulator cannot read a host pointer). */
+static dopt_status world_max(dopt_dist_optim *d, int64_t *h, size_t n) {
+  DOPT_TRY(DEV(d)->upload(DCTX(d), d->flags, h, n * sizeof *h));
+  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX));
+  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX));
+  return DEV(d)->download(DCTX(d), h, d->flags, n * sizeof *h);
+}
+
 /* One MAX over the world (tp, then dp) of {non-finite count, has[0..np)}:
  * whether any rank saw a non-finite averaged gradient, and which parameters
- * received a gradient on some rank (a rank without one added zeros). Through
- * the device buffer d->flags: a transport reduces device memory (NCCL and the
- * device-buffer simulator cannot read a host pointer). */
+ * received a gradient on some rank (a rank without one added zeros). */
 static dopt_status world_flags(dopt_dist_optim *d, int64_t *bad) {
   const size_t n = (size_t)d->np + 1;
   int64_t *h = malloc(n * sizeof *h);
   if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d flags", d->np);
   h[0] = *bad;
   for (int i = 0; i < d->np; i++) h[1 + i] = d->has[i];
-  dopt_status s = DEV(d)->upload(DCTX(d), d->flags, h, n * sizeof *h);
-  if (s == DOPT_OK) s = d->tp.ops->all_reduce(d->tp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX);
-  if (s == DOPT_OK) s = d->dp.ops->all_reduce(d->dp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, d->flags, n * sizeof *h);
+  dopt_status s = world_max(d, h, n);
   if (s == DOPT_OK) {
     *bad = h[0];
     for (int i = 0; i < d->np; i++) d->skip[i] = h[1 + i] == 0;
@@ -753,10 +771,7 @@ static dopt_status apply_schedule(dopt_dist_optim *d) {
     p->step = 0;
     for (int k = 0; k < p->nstates; k++) {
       if (!p->state[k]) continue; /* owner mode: not the owner */
-      size_t bytes = d->owned || !p->spec[k].elementwise ? p->spec[k].v.bytes : p->chunk * sizeof(float);
-      const float *z = NULL;
-      DOPT_TRY(zeros_of(d, bytes, &z));
-      DOPT_TRY(DEV(d)->upload(DCTX(d), p->state[k], z, bytes));
+      DOPT_TRY(zero_dev(d, p->state[k], state_held_bytes(d, p, k)));
     }
   }
   return DOPT_OK;
@@ -1070,9 +1085,7 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
     size_t mext = p->master_sharded ? p->chunk : p->padded, wext = d->zero == 3 ? p->chunk : p->padded;
     m->param_bytes += mext * sizeof(float) + (p->bf16 ? wext * sizeof(uint16_t) : 0);
     m->grad_bytes += p->padded * sizeof(float);
-    for (int k = 0; k < p->nstates; k++)
-      if (d->owned) m->state_bytes += p->state[k] ? p->spec[k].v.bytes : 0; /* whole, on the owner */
-      else m->state_bytes += p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+    for (int k = 0; k < p->nstates; k++) m->state_bytes += p->state[k] ? state_held_bytes(d, p, k) : 0;
     if (p->full) m->param_bytes += dopt_numel(p->ndim, p->shape) * sizeof(float); /* the owner's logical copy */
   }
   return DOPT_OK;
@@ -1080,39 +1093,21 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
 
 /* ---- checkpoints (docs/checkpoints.md) ------------------------------------------------------ */
 
-/* One MAX over the world (tp, then dp) of v: the same value on every rank.
- * Through d->flags (device memory). The barrier of the checkpoint protocol. */
-static dopt_status world_max(dopt_dist_optim *d, int64_t *v) {
-  DOPT_TRY(DEV(d)->upload(DCTX(d), d->flags, v, sizeof *v));
-  if (d->tp.size > 1) DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->flags, d->flags, 1, DOPT_I64, DOPT_MAX));
-  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->flags, d->flags, 1, DOPT_I64, DOPT_MAX));
-  return DEV(d)->download(DCTX(d), v, d->flags, sizeof *v);
-}
-
 /* Every rank learns whether any rank failed; a rank that did not fail itself
  * returns DOPT_ERR_ABORTED naming the phase (the failing rank has the cause). */
 static dopt_status agree(dopt_dist_optim *d, dopt_status mine, const char *phase) {
   int64_t v = mine != DOPT_OK;
   char cause[1024] = "";
   if (mine != DOPT_OK) snprintf(cause, sizeof cause, "%s", dopt_last_error()); /* the collective may overwrite it */
-  dopt_status s = world_max(d, &v);
+  dopt_status s = world_max(d, &v, 1); /* the barrier of the checkpoint protocol */
   if (mine != DOPT_OK) return dopt__fail(mine, "%s", cause);
   if (s != DOPT_OK) return s;
   return v ? dopt__fail(DOPT_ERR_ABORTED, "checkpoint %s: another rank failed (its message has the cause)", phase)
            : DOPT_OK;
 }
 
-/* The pieces this rank holds of parameter p's tensors: the TP block (or its
- * ZeRO range, `sharded`). A replica writes nothing twice: a TP-replicated
- * block is written by TP rank 0, a block every dp rank holds whole by dp rank 0. */
-static void held_piece(const dist_param *p, int sharded, dopt_piece *out) {
-  *out = p->pc;
-  if (!sharded) {
-    out->lo = 0;
-    out->len = p->lnumel;
-  }
-}
-
+/* A replica writes nothing twice: a TP-replicated block is written by TP
+ * rank 0, a block every dp rank holds whole by dp rank 0. */
 static int writes_piece(const dopt_dist_optim *d, const dist_param *p, int sharded, const dopt_piece *pc) {
   return pc->len > 0 && (d->tp.rank == 0 || p->role != DOPT_TP_REPLICATED) && (d->dp.rank == 0 || sharded);
 }
@@ -1215,13 +1210,6 @@ static dopt_status get_piece(dopt_dist_optim *d, dopt_ckpt_reader *r, const char
   return DEV(d)->upload(DCTX(d), x, h, bytes);
 }
 
-static dopt_status zero_dev(dopt_dist_optim *d, void *x, size_t bytes) {
-  const float *z = NULL;
-  if (bytes == 0) return DOPT_OK;
-  DOPT_TRY(zeros_of(d, bytes, &z));
-  return DEV(d)->upload(DCTX(d), x, z, bytes);
-}
-
 static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const dopt_ckpt_meta *m) {
   char name[512];
   for (int i = 0; i < d->np; i++) {
@@ -1243,8 +1231,7 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
     for (int k = 0; k < p->nstates; k++) {
       if (!p->state[k]) continue; /* owner mode: not the owner */
       const dopt_state_view *v = &p->spec[k].v;
-      const size_t held = !d->owned && p->spec[k].elementwise ? p->chunk * sizeof(float) : v->bytes;
-      DOPT_TRY(zero_dev(d, p->state[k], held)); /* ZeRO padding, and states never allocated */
+      DOPT_TRY(zero_dev(d, p->state[k], state_held_bytes(d, p, k))); /* ZeRO padding, states never allocated */
       if (!m->params[i].has_state) continue;
       snprintf(name, sizeof name, "%s/%s", p->name, v->name);
       dopt_piece whole;

@@ -65,13 +65,7 @@ void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float
   if (c->nan_step == step && p == 0 && dprank == 0 && micro == 0) out[n / 2] = NAN;
 }
 
-static dopt_status build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out);
-
 dopt_status dt_build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
-  return build_plain(c, data, master, work, out);
-}
-
-static dopt_status build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
   dopt_optim *o;
   DOPT_TRY(dopt_optim_create(c->optimizer, c->hparams, &o));
   int g1;
@@ -125,7 +119,7 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
   uint16_t *work[DT_MAXP];
   const float *gp[DT_MAXP];
   dopt_optim *o;
-  DOPT_TRY(build_plain(c, data, master, work, &o));
+  DOPT_TRY(dt_build_plain(c, data, master, work, &o));
   size_t maxn = 1;
   for (int i = 0; i < c->nparams; i++) {
     size_t n = numel_of(&c->params[i]);
@@ -256,7 +250,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   float *data[DT_MAXP], *master[DT_MAXP];
   uint16_t *work[DT_MAXP];
   dopt_optim *plain;
-  DOPT_TRY(build_plain(c, data, master, work, &plain));
+  DOPT_TRY(dt_build_plain(c, data, master, work, &plain));
   dopt_tp_role roles[DT_MAXP];
   for (int i = 0; i < c->nparams; i++) roles[i] = c->params[i].role;
   dopt_dist_optim *d = NULL;
