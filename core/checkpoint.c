@@ -1044,7 +1044,13 @@ dopt_status dopt_ckpt_put(dopt_ckpt_writer *w, const char *tensor, dopt_dtype dt
   return DOPT_OK;
 }
 
-static void piece_key(const wr_piece *p, char *out, size_t cap) { snprintf(out, cap, "%s@%d", p->tensor, p->index); }
+/* "<tensor>@<index>", allocated (NULL: out of memory). */
+static char *piece_key(const wr_piece *p) {
+  size_t cap = strlen(p->tensor) + 16;
+  char *key = malloc(cap);
+  if (key) snprintf(key, cap, "%s@%d", p->tensor, p->index);
+  return key;
+}
 
 /* The safetensors header text of the writer's pieces. */
 static char *writer_header(const dopt_ckpt_writer *w) {
@@ -1059,13 +1065,11 @@ static char *writer_header(const dopt_ckpt_writer *w) {
   jadd(meta, "nranks", cJSON_CreateString(buf), &oom);
   for (int i = 0; i < w->n && !oom; i++) {
     const wr_piece *p = &w->p[i];
-    size_t kl = strlen(p->tensor) + 16;
     free(key);
-    if (!(key = malloc(kl))) {
+    if (!(key = piece_key(p))) {
       oom = 1;
       break;
     }
-    piece_key(p, key, kl);
     cJSON *e = jadd(h, key, cJSON_CreateObject(), &oom);
     jadd(e, "dtype", cJSON_CreateString(dopt_dtype_name(p->dtype)), &oom);
     if (piece_is_whole(&p->pc)) jadd_shape(e, "shape", p->ndim, p->shape, &oom);
@@ -1093,13 +1097,11 @@ static char *writer_rank_json(const dopt_ckpt_writer *w, uint64_t file_bytes) {
   cJSON *ps = jadd(r, "pieces", cJSON_CreateArray(), &oom);
   for (int i = 0; i < w->n && !oom; i++) {
     const wr_piece *p = &w->p[i];
-    size_t kl = strlen(p->tensor) + 16;
     free(key);
-    if (!(key = malloc(kl))) {
+    if (!(key = piece_key(p))) {
       oom = 1;
       break;
     }
-    piece_key(p, key, kl);
     cJSON *e = jadd(ps, NULL, cJSON_CreateObject(), &oom);
     jadd(e, "tensor", cJSON_CreateString(p->tensor), &oom);
     jadd(e, "dtype", cJSON_CreateString(dopt_dtype_name(p->dtype)), &oom);
