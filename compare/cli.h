@@ -18,6 +18,11 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
+/* Upstream's defaults ("") when they make a valid optimizer, else the
+ * optimizer's registry example (CAME has no default lr): what bench and mem
+ * run when nobody chose hyperparameters. */
+const char *cli_default_hparams(const char *name);
+
 int cmd_run(int argc, char **argv);
 int cmd_list(int argc, char **argv);
 int cmd_bench(int argc, char **argv);

@@ -62,12 +62,6 @@ static const byte_model *find_model(const char *name) {
   return NULL;
 }
 
-/* hyperparameters for the bench (defaults unless an optimizer needs more) */
-static const char *bench_hparams(const char *name) {
-  if (strcmp(name, "came") == 0) return "lr=2e-4";
-  return NULL;
-}
-
 /* ---- timing helpers ------------------------------------------------------------- */
 
 static double now_s(void) {
@@ -162,7 +156,7 @@ static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int ite
   size_t n = (size_t)h * (size_t)w;
   memcpy(param, init, n * sizeof *param);
   dopt_optim *o = NULL;
-  dopt_status s = dopt_optim_create(name, bench_hparams(name), &o);
+  dopt_status s = dopt_optim_create(name, cli_default_hparams(name), &o);
   if (s != DOPT_OK) return cli_error(CMD, s);
   dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
   pc.name = "weight";

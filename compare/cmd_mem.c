@@ -174,7 +174,7 @@ static int print_per_rank(const model *m, int grank, int tp, int dp, int zero) {
          "states bytes (all ranks) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
-    const char *h = strcmp(name, "came") == 0 ? "lr=1e-4" : "";
+    const char *h = cli_default_hparams(name);
     rank_mem r;
     if (!per_rank(m, name, h, grank, tp, dp, zero, &r)) {
       printf("| %s | n/a | | | | | | |\n", name);
@@ -234,7 +234,7 @@ int cmd_mem(int argc, char **argv) {
   char hp[64];
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
-    const char *h = strcmp(name, "came") == 0 ? "lr=1e-4" : "";
+    const char *h = cli_default_hparams(name);
     int ok;
     double b = model_state_bytes(m, name, h, rank, &ok);
     if (!ok) {

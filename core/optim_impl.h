@@ -111,6 +111,15 @@ typedef struct dopt_optim_impl {
   /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
    * belongs to the inner optimizer it chooses (docs/lisa.md). */
   const struct dopt_wrap_ops *wrap;
+  /* Settings that exercise the optimizer where nobody chose any
+   * (dopt_optim_info): `example` (NULL: the defaults) on compare's small
+   * synthetic model; `grid` (NULL-terminated, >= 1 entry; NULL: the defaults alone) on the
+   * equivalence grid's parameter set (tensors of 1..13 rows and columns, 100
+   * steps), the first grid_ci (0: 1) of them on every CI layout. Choose them
+   * so every path of the step runs: refreshes, thresholds, options. */
+  const char *example;
+  const char *const *grid;
+  int grid_ci;
 } dopt_optim_impl;
 
 /* A wrapper optimizer around an inner registry optimizer. The optimizer

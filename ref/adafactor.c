@@ -138,6 +138,14 @@ static dopt_status step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid) */
+static const char *const grid[] = {
+    "beta1=0.9,weight_decay=0.01",
+    "",
+    "relative_step=false,lr=1e-2,scale_parameter=false,clip_threshold=0.5",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_adafactor = {
     .name = "adafactor",
     .summary = "Adafactor as transformers.optimization.Adafactor (factored second moment over the last two dims)",
@@ -148,4 +156,5 @@ const dopt_optim_impl dopt_impl_adafactor = {
     .frame = dopt_update_frame_rowcol,
     .step = step,
     .distributable = 1,
+    .grid = grid,
 };

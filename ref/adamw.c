@@ -71,6 +71,13 @@ static dopt_status step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid) */
+static const char *const grid[] = {
+    "lr=1e-2,weight_decay=0.01",
+    "lr=1e-2,amsgrad=true,weight_decay=0",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_adamw = {
     .name = "adamw",
     .summary = "AdamW as torch.optim.AdamW (decoupled decay before the moments, eps on sqrt(v_hat))",
@@ -80,4 +87,5 @@ const dopt_optim_impl dopt_impl_adamw = {
     .layout = layout,
     .step = step,
     .distributable = 1,
+    .grid = grid,
 };

@@ -122,6 +122,13 @@ static dopt_status step(const dopt_step_args *a) {
   return dopt__adamw8bit_update(a->hp, a->hp[WD], a->step, a->param, a->grad, a->piece->len, a->state, a->events);
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid): 8-bit states on small tensors; blocks of 256 that the tensors are not multiples of; percentile clipping with blocks of 2048 */
+static const char *const grid[] = {
+    "lr=1e-2,min_8bit_size=16,block_size=256",
+    "lr=1e-2,min_8bit_size=16,percentile_clipping=5",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_adamw8bit = {
     .name = "adamw8bit",
     .summary = "bitsandbytes AdamW8bit (<= 0.49, CUDA kernel semantics): blockwise 8-bit states, decay after the step",
@@ -131,4 +138,6 @@ const dopt_optim_impl dopt_impl_adamw8bit = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .example = "min_8bit_size=64",
+    .grid = grid,
 };

@@ -144,6 +144,13 @@ static dopt_status step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid): CAME has no default lr */
+static const char *const grid[] = {
+    "lr=1e-3,weight_decay=0.01",
+    "lr=2e-4,beta2=0.95,beta3=0.999",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_came = {
     .name = "came",
     .summary = "CAME as the official came_pytorch (after the Feb-2024 fix): confidence-guided factored update",
@@ -154,4 +161,6 @@ const dopt_optim_impl dopt_impl_came = {
     .frame = dopt_update_frame_rowcol,
     .step = step,
     .distributable = 1,
+    .example = "lr=2e-4",
+    .grid = grid,
 };

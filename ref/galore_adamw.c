@@ -163,6 +163,16 @@ done:
   return st;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid): a rank below the small tensors' dimensions and several projector refreshes; every projection type, the randomized SVD, the rank clamp (40) */
+static const char *const grid[] = {
+    "lr=1e-2,rank=3,update_proj_gap=7",
+    "lr=1e-2,rank=3,update_proj_gap=6,proj_type=left",
+    "lr=1e-2,rank=3,update_proj_gap=6,proj_type=right,svd=randomized",
+    "lr=1e-2,rank=3,update_proj_gap=8,proj_type=full",
+    "lr=1e-2,rank=40,update_proj_gap=5",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_galore_adamw = {
     .name = "galore_adamw",
     .summary = "GaLore-AdamW as galore_torch 1.0 (HF AdamW on low-rank projected gradients; rank=0: plain HF AdamW)",
@@ -172,4 +182,6 @@ const dopt_optim_impl dopt_impl_galore_adamw = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .example = "rank=4,update_proj_gap=2",
+    .grid = grid,
 };

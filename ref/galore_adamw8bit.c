@@ -133,6 +133,12 @@ done:
   return st;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid): low rank, refreshes, 8-bit states on the projected moments */
+static const char *const grid[] = {
+    "lr=1e-2,rank=3,update_proj_gap=9,min_8bit_size=8,block_size=256,proj_type=left",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_galore_adamw8bit = {
     .name = "galore_adamw8bit",
     .summary = "GaLore-AdamW8bit as galore_torch (bitsandbytes 8-bit Adam on the low-rank projected gradient)",
@@ -142,4 +148,6 @@ const dopt_optim_impl dopt_impl_galore_adamw8bit = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .example = "rank=4,update_proj_gap=2,min_8bit_size=64",
+    .grid = grid,
 };

@@ -84,6 +84,14 @@ static dopt_status step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid) */
+static const char *const grid[] = {
+    "lr=1e-2,bias_correction=true,weight_decay=0.01",
+    "lr=1e-2",
+    "lr=1e-2,adam=true,weight_decay=0.01",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_lamb = {
     .name = "lamb",
     .summary = "LAMB as ColossalAI's Lamb (bias correction as an lr factor, optional adam mode)",
@@ -94,4 +102,5 @@ const dopt_optim_impl dopt_impl_lamb = {
     .frame = dopt_update_frame_norms,
     .step = step,
     .distributable = 1,
+    .grid = grid,
 };

@@ -21,12 +21,9 @@
 
 enum { INNER, N_LAYERS, INTERVAL, SEED, RESET_STATES, NHP };
 
-/* every registered optimizer but lisa itself (test_lisa checks the list) */
-static const char *const inners[] = {"adamw",        "adafactor",    "came",     "lamb", "adamw8bit",
-                                     "galore_adamw", "galore_adamw8bit", "q_galore", NULL};
-
 static const dopt_hp_def hps[NHP] = {
-    [INNER] = {"inner", DOPT_HP_ENUM, 0.0, "the wrapped optimizer (its keys are passed through)", inners},
+    [INNER] = {"inner", DOPT_HP_ENUM, 0.0, "the wrapped optimizer, any registered one but a wrapper (its keys are passed through)",
+                dopt__registry_names},
     [N_LAYERS] = {"n_layers", DOPT_HP_REAL, 2.0, "layers trained per interval (LMFlow lisa_activated_layers)", NULL},
     [INTERVAL] = {"interval", DOPT_HP_REAL, 20.0, "steps between samplings (LMFlow lisa_interval_steps)", NULL},
     [SEED] = {"seed", DOPT_HP_REAL, 0.0, "layer-sampling generator seed (inner.seed: the inner optimizer's)", NULL},
@@ -37,6 +34,10 @@ static const dopt_hp_def hps[NHP] = {
 static int is_int(double v, double lo, double hi) { return v == floor(v) && v >= lo && v <= hi; }
 
 static dopt_status validate(const double *hp) {
+  const dopt_optim_impl *in = dopt_find_impl(dopt__registry_names[(int)hp[INNER]]);
+  if (!in || in->wrap)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "lisa: inner=%s is a wrapper; choose an optimizer that steps itself",
+                      dopt__registry_names[(int)hp[INNER]]);
   if (!is_int(hp[N_LAYERS], 0, 1e6))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "lisa: n_layers=%g must be an integer >= 0", hp[N_LAYERS]);
   if (!is_int(hp[INTERVAL], 1, 1e15))
@@ -46,7 +47,7 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-static const dopt_optim_impl *inner(const double *whp) { return dopt_find_impl(inners[(int)whp[INNER]]); }
+static const dopt_optim_impl *inner(const double *whp) { return dopt_find_impl(dopt__registry_names[(int)whp[INNER]]); }
 
 static int cmp_int(const void *x, const void *y) {
   int a = *(const int *)x, b = *(const int *)y;
@@ -81,6 +82,14 @@ static dopt_status schedule(const double *whp, int64_t gstep, int np, const int 
 
 static const dopt_wrap_ops wrap = {inner, schedule};
 
+/* settings that exercise every path (dopt_optim_impl.example/grid): a piecewise and an owner-mode inner optimizer, kept and reset states */
+static const char *const grid[] = {
+    "inner=adamw,n_layers=1,interval=7,lr=1e-2",
+    "inner=galore_adamw,rank=3,update_proj_gap=5,n_layers=2,interval=11,reset_states=true",
+    "inner=adafactor,n_layers=2,interval=9",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_lisa = {
     .name = "lisa",
     .summary = "LISA as LMFlow (n_layers of the middle layers sampled each interval) around any optimizer",
@@ -91,4 +100,7 @@ const dopt_optim_impl dopt_impl_lisa = {
     .step = NULL,
     .distributable = 0,
     .wrap = &wrap,
+    .example = "inner=adamw,n_layers=1,interval=2",
+    .grid = grid,
+    .grid_ci = 2,
 };

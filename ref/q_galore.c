@@ -236,6 +236,13 @@ done:
   return st;
 }
 
+/* settings that exercise every path (dopt_optim_impl.example/grid): lazy refreshes, INT8 weights, 8-bit projector */
+static const char *const grid[] = {
+    "lr=1e-2,rank=3,update_proj_gap=5,proj_group_size=-1,int8_weights=true,weight_group_size=1",
+    "lr=1e-2,rank=4,update_proj_gap=3,proj_group_size=-1,proj_bits=8",
+    NULL,
+};
+
 const dopt_optim_impl dopt_impl_q_galore = {
     .name = "q_galore",
     .summary = "Q-GaLore as q_galore_torch (quantised projector, lazy refresh, optional INT8 weights, 8-bit Adam)",
@@ -245,4 +252,6 @@ const dopt_optim_impl dopt_impl_q_galore = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .example = "rank=4,update_proj_gap=2,proj_group_size=-1",
+    .grid = grid,
 };

@@ -1,20 +1,29 @@
-/* The registry: the table that names every reference optimizer, and the
- * public calls that take an optimizer's name (include/distopt/optim.h). They
- * look the name up here and hand the implementation to core/optim.c. */
+/* The registry: the table of every reference optimizer (built from
+ * ref/optimizers.def and the configure-time extras), and the public calls
+ * that take an optimizer's name (include/distopt/optim.h). They look the name
+ * up here and hand the implementation to core/optim.c. */
 #include <string.h>
 
 #include "registry.h"
 
+/* dopt_impl_<name> of every registered optimizer, defined in ref/<name>.c */
+#define DOPT_OPTIMIZER(n) extern const dopt_optim_impl dopt_impl_##n;
+#include "optimizers.def"
+#include "extra_optimizers.def"
+#undef DOPT_OPTIMIZER
+
 static const dopt_optim_impl *const registry[] = {
-    &dopt_impl_adamw,
-    &dopt_impl_adafactor,
-    &dopt_impl_came,
-    &dopt_impl_lamb,
-    &dopt_impl_adamw8bit,
-    &dopt_impl_galore_adamw,
-    &dopt_impl_galore_adamw8bit,
-    &dopt_impl_q_galore,
-    &dopt_impl_lisa,
+#define DOPT_OPTIMIZER(n) &dopt_impl_##n,
+#include "optimizers.def"
+#include "extra_optimizers.def"
+#undef DOPT_OPTIMIZER
+};
+const char *const dopt__registry_names[] = {
+#define DOPT_OPTIMIZER(n) #n,
+#include "optimizers.def"
+#include "extra_optimizers.def"
+#undef DOPT_OPTIMIZER
+    NULL,
 };
 #define NREG ((int)(sizeof registry / sizeof registry[0]))
 
@@ -27,13 +36,25 @@ const dopt_optim_impl *dopt_find_impl(const char *name) {
   return NULL;
 }
 
+dopt_status dopt_optim_registry_info(int i, dopt_optim_info *out) {
+  DOPT_CHECK_ARG(out != NULL, "dopt_optim_registry_info: out=NULL");
+  DOPT_CHECK_ARG(i >= 0 && i < NREG, "dopt_optim_registry_info: i=%d outside [0, %d)", i, NREG);
+  static const char *const defaults_only[] = {"", NULL};
+  const dopt_optim_impl *im = registry[i];
+  *out = (dopt_optim_info){DOPT_OPTIM_INFO_VERSION, im->name, im->summary, im->distributable, im->wrap != NULL,
+                           im->example ? im->example : "", im->grid ? im->grid : defaults_only, 0, 0};
+  while (out->grid[out->grid_count]) out->grid_count++;
+  out->grid_ci = im->grid_ci < 1 ? 1 : im->grid_ci > out->grid_count ? out->grid_count : im->grid_ci;
+  return DOPT_OK;
+}
+
 dopt_status dopt_optim_create(const char *name, const char *hparams, dopt_optim **out) {
   DOPT_CHECK_ARG(out != NULL, "dopt_optim_create: out=NULL");
   *out = NULL;
   DOPT_CHECK_ARG(name != NULL, "dopt_optim_create: name=NULL");
   const dopt_optim_impl *im = dopt_find_impl(name);
   if (!im) {
-    char known[128] = "";
+    char known[512] = "";
     for (int i = 0; i < NREG; i++) {
       strncat(known, i ? ", " : "", sizeof known - strlen(known) - 1);
       strncat(known, registry[i]->name, sizeof known - strlen(known) - 1);

@@ -5,15 +5,9 @@
 
 #include "optim_impl.h"
 
-extern const dopt_optim_impl dopt_impl_adamw;
-extern const dopt_optim_impl dopt_impl_adafactor;
-extern const dopt_optim_impl dopt_impl_came;
-extern const dopt_optim_impl dopt_impl_lamb;
-extern const dopt_optim_impl dopt_impl_adamw8bit;
-extern const dopt_optim_impl dopt_impl_galore_adamw;
-extern const dopt_optim_impl dopt_impl_galore_adamw8bit;
-extern const dopt_optim_impl dopt_impl_q_galore;
-extern const dopt_optim_impl dopt_impl_lisa;
+/* Every registered optimizer's name in registry order, NULL-terminated (the
+ * choices of LISA's `inner`). */
+extern const char *const dopt__registry_names[];
 
 /* 8-bit Adam pieces shared by adamw8bit and galore_adamw8bit (hp[0..7]: lr,
  * beta1, beta2, eps, weight_decay, min_8bit_size, percentile_clipping,

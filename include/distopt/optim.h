@@ -61,6 +61,24 @@ typedef struct dopt_param_config {
 /* Number of registered optimizers and their names ("adamw", "adafactor", ...). */
 DOPT_API int dopt_optim_registry_count(void);
 DOPT_API const char *dopt_optim_registry_name(int i);
+
+/* What the registry knows about optimizer i besides its keys. The
+ * hyperparameter settings are the optimizer's own (declared next to its step
+ * in ref/<name>.c) and are what the project runs when the user chose none:
+ * `example` in compare --matrix and --sweep, bench and mem; `grid` in the
+ * equivalence grid (the first grid_ci on the CI layouts, all of them under
+ * DOPT_GRID_FULL=1). Strings are static; "" means upstream's defaults. */
+typedef struct dopt_optim_info {
+  int version;                 /* DOPT_OPTIM_INFO_VERSION */
+  const char *name, *summary;
+  int distributable;           /* 1: sharded piecewise; 0: one owner rank per parameter (docs/distributed.md) */
+  int wrapper;                 /* 1: wraps an inner registry optimizer (LISA) */
+  const char *example;         /* never NULL */
+  const char *const *grid;     /* NULL-terminated, at least one entry */
+  int grid_count, grid_ci;     /* entries in grid; how many of the first run on every CI layout (>= 1) */
+} dopt_optim_info;
+#define DOPT_OPTIM_INFO_VERSION 1
+DOPT_API dopt_status dopt_optim_registry_info(int i, dopt_optim_info *out);
 /* Writes a human-readable list of `name`'s keys, defaults and meanings into
  * buf (truncated to cap, always NUL-terminated). */
 DOPT_API dopt_status dopt_optim_describe(const char *name, char *buf, size_t cap);

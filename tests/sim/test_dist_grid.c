@@ -26,46 +26,27 @@ typedef struct hp_setting {
   const char *opt, *hp;
 } hp_setting;
 
-/* every optimizer: 8-bit with 256-blocks on tensors that are not multiples of
- * the block; GaLore refreshing every few steps (several refreshes in 100);
- * LISA with a piecewise and an owner-mode inner optimizer */
-static const hp_setting CI_HP[] = {
-    {"adamw", "lr=1e-2,weight_decay=0.01"},
-    {"adafactor", "beta1=0.9,weight_decay=0.01"},
-    {"came", "lr=1e-3,weight_decay=0.01"},
-    {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"},
-    {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=256"},
-    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=7"},
-    {"galore_adamw8bit", "lr=1e-2,rank=3,update_proj_gap=9,min_8bit_size=8,block_size=256,proj_type=left"},
-    {"q_galore", "lr=1e-2,rank=3,update_proj_gap=5,proj_group_size=-1,int8_weights=true,weight_group_size=1"},
-    {"lisa", "inner=adamw,n_layers=1,interval=7,lr=1e-2"},
-    {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=5,n_layers=2,interval=11,reset_states=true"},
-};
-static const hp_setting FULL_HP[] = {
-    {"adamw", "lr=1e-2,weight_decay=0.01"},
-    {"adamw", "lr=1e-2,amsgrad=true,weight_decay=0"},
-    {"adafactor", "beta1=0.9,weight_decay=0.01"},
-    {"adafactor", NULL},
-    {"adafactor", "relative_step=false,lr=1e-2,scale_parameter=false,clip_threshold=0.5"},
-    {"came", "lr=1e-3,weight_decay=0.01"},
-    {"came", "lr=2e-4,beta2=0.95,beta3=0.999"},
-    {"lamb", "lr=1e-2,bias_correction=true,weight_decay=0.01"},
-    {"lamb", "lr=1e-2"},
-    {"lamb", "lr=1e-2,adam=true,weight_decay=0.01"},
-    {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=256"},
-    {"adamw8bit", "lr=1e-2,min_8bit_size=16,percentile_clipping=5"}, /* block 2048 */
-    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=7"},
-    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=6,proj_type=left"},
-    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=6,proj_type=right,svd=randomized"},
-    {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=8,proj_type=full"},
-    {"galore_adamw", "lr=1e-2,rank=40,update_proj_gap=5"}, /* the rank clamp */
-    {"galore_adamw8bit", "lr=1e-2,rank=3,update_proj_gap=9,min_8bit_size=8,block_size=256,proj_type=left"},
-    {"q_galore", "lr=1e-2,rank=3,update_proj_gap=5,proj_group_size=-1,int8_weights=true,weight_group_size=1"},
-    {"q_galore", "lr=1e-2,rank=4,update_proj_gap=3,proj_group_size=-1,proj_bits=8"},
-    {"lisa", "inner=adamw,n_layers=1,interval=7,lr=1e-2"},
-    {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=5,n_layers=2,interval=11,reset_states=true"},
-    {"lisa", "inner=adafactor,n_layers=2,interval=9"},
-};
+/* The settings come from the registry: every registered optimizer with the
+ * grid settings declared next to its step (dopt_optim_impl.grid: 8-bit with
+ * 256-blocks on tensors that are not multiples of the block; GaLore
+ * refreshing every few steps; LISA with a piecewise and an owner-mode inner
+ * optimizer; ...), the first grid_ci of them on CI, all under
+ * DOPT_GRID_FULL=1. piecewise: only the distributable, non-wrapper ones. */
+#define MAX_SETTINGS 256
+static int registry_settings(hp_setting *out, int full, int piecewise) {
+  int n = 0;
+  for (int i = 0; i < dopt_optim_registry_count(); i++) {
+    dopt_optim_info in;
+    assert_ok(dopt_optim_registry_info(i, &in));
+    assert_true(in.grid_count >= 1 && in.grid_ci >= 1 && in.grid_ci <= in.grid_count);
+    if (piecewise && (!in.distributable || in.wrapper)) continue;
+    for (int k = 0; k < (full ? in.grid_count : in.grid_ci); k++) {
+      if (n == MAX_SETTINGS) fail_msg("more than %d grid settings in the registry", MAX_SETTINGS);
+      out[n++] = (hp_setting){in.name, in.grid[k]};
+    }
+  }
+  return n;
+}
 
 /* CI layouts: every tp, dp and zero value, each plugin, uneven splits; the
  * statistics reduced in one bucket (0), a bucket per parameter (1 byte) or a
@@ -118,12 +99,15 @@ static void test_grid(void **st) {
     for (int tp = 1; tp <= 4; tp++)
       for (int dp = 1; dp <= 4; dp++)
         for (int z = 0; z <= 3; z++) all[n++] = (dt_layout){tp, dp, z, (size_t)(n % 3 == 0 ? 0 : n % 3 == 1 ? 1 : 256)};
-    runs = run_grid(FULL_HP, (int)(sizeof FULL_HP / sizeof FULL_HP[0]), all, n, 100, 0, 0);
+    hp_setting h[MAX_SETTINGS];
+    runs = run_grid(h, registry_settings(h, 1, 0), all, n, 100, 0, 0);
   } else {
-    runs = run_grid(CI_HP, (int)(sizeof CI_HP / sizeof CI_HP[0]), CI_LAYOUTS,
-                    (int)(sizeof CI_LAYOUTS / sizeof CI_LAYOUTS[0]), 100, 0, 0);
+    hp_setting h[MAX_SETTINGS];
+    runs = run_grid(h, registry_settings(h, 0, 0), CI_LAYOUTS, (int)(sizeof CI_LAYOUTS / sizeof CI_LAYOUTS[0]), 100, 0,
+                    0);
   }
-  printf("equivalence grid: %d runs x 100 steps, %d parameters, bitwise equal\n", runs, NPARAMS);
+  printf("equivalence grid: %d registered optimizers, %d runs x 100 steps, %d parameters, bitwise equal\n",
+         dopt_optim_registry_count(), runs, NPARAMS);
 }
 
 /* The simulator's ring order (chunks start at rank c+1 and accumulate around
@@ -136,9 +120,10 @@ static const dt_layout ORDER_LAYOUTS[] = {
 
 static void test_grid_ring_order(void **st) {
   (void)st;
-  const int nhp = (int)(sizeof CI_HP / sizeof CI_HP[0]), nl = (int)(sizeof ORDER_LAYOUTS / sizeof ORDER_LAYOUTS[0]);
-  int runs = run_grid(CI_HP, nhp, ORDER_LAYOUTS, nl, 30, 1, 1);
-  runs += run_grid(CI_HP, 4, ORDER_LAYOUTS, nl, 30, 2, 1); /* two words: the elementwise and factored optimizers */
+  const int nl = (int)(sizeof ORDER_LAYOUTS / sizeof ORDER_LAYOUTS[0]);
+  hp_setting h[MAX_SETTINGS];
+  int runs = run_grid(h, registry_settings(h, 0, 0), ORDER_LAYOUTS, nl, 30, 1, 1);
+  runs += run_grid(h, registry_settings(h, 0, 1), ORDER_LAYOUTS, nl, 30, 2, 1); /* two words: the piecewise ones */
   printf("ring order, exact dp sum: %d runs x 30 steps at dp 3..8, bitwise equal\n", runs);
 }
 
