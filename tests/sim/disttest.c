@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "distopt/device.h"
+#include "distopt/digest.h"
 #include "distopt/dist.h"
 #include "distopt/dpsum.h"
 #include "distopt/xsum.h"
@@ -255,6 +256,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   for (int i = 0; i < c->nparams; i++) roles[i] = c->params[i].role;
   dopt_dist_optim *d = NULL;
   dopt_status s = dopt_dist_create(plain, &cfg, roles, &d);
+  int nck_local = 0; /* this rank's checkpoints so far (rank_digest's index) */
   size_t maxn = 1;
   for (int i = 0; i < c->nparams; i++) maxn = numel_of(&c->params[i]) > maxn ? numel_of(&c->params[i]) : maxn;
   float *full = malloc(maxn * sizeof(float)), *loc[DT_MAXP];
@@ -293,19 +295,30 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
      * x->r: with only replicated tensors no collective orders the other
      * ranks' reads after its nck++) */
     int keep = rank == 0, ck = keep ? x->r->nck : 0;
+    if (!x->r->rank_digest[rank] && rank < DT_MAXRANKS) { /* this rank's own slot */
+      x->r->rank_digest[rank] = calloc(DT_MAXCK, sizeof *x->r->rank_digest[rank]);
+      if (!x->r->rank_digest[rank]) s = DOPT_ERR_NO_MEMORY;
+    }
     for (int i = 0; i < c->nparams && s == DOPT_OK; i++) {
       size_t n = numel_of(&c->params[i]);
+      dopt_digest *dg = NULL;
+      s = dopt_digest_create(&dg);
       float *buf = malloc(n * sizeof(float));
-      s = dopt_dist_gather_param(d, i, buf);
+      if (s == DOPT_OK) s = dopt_dist_gather_param(d, i, buf);
+      if (s == DOPT_OK) s = dopt_digest_bytes(dg, buf, n * sizeof(float));
       if (keep) x->r->param[ck][i] = buf;
       else free(buf);
       if (s == DOPT_OK && c->bf16) {
         uint16_t *wb = malloc(n * sizeof(uint16_t));
         s = dopt_dist_gather_work(d, i, wb);
+        if (s == DOPT_OK) s = dopt_digest_bytes(dg, wb, n * sizeof(uint16_t));
         if (keep) x->r->work[ck][i] = wb;
         else free(wb);
       }
-      if (keep && s == DOPT_OK) s = dopt_dist_get_step(d, i, &x->r->step[ck][i]);
+      int64_t stp = 0;
+      if (s == DOPT_OK) s = dopt_dist_get_step(d, i, &stp);
+      if (s == DOPT_OK) s = dopt_digest_bytes(dg, &stp, sizeof stp);
+      if (keep) x->r->step[ck][i] = stp;
       /* every state, by the reference's names (same layout), whole */
       for (int k = 0; s == DOPT_OK && k < x->r->nstates[i]; k++) {
         size_t sbytes = 0;
@@ -313,10 +326,14 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
         float *sb = s == DOPT_OK ? malloc(sbytes ? sbytes : 1) : NULL;
         if (s == DOPT_OK && !sb) s = DOPT_ERR_NO_MEMORY;
         if (s == DOPT_OK) s = dopt_dist_gather_state(d, i, x->r->state_name[i][k], sb);
+        if (s == DOPT_OK) s = dopt_digest_bytes(dg, sb, sbytes);
         if (keep) x->r->state[ck][i][k] = sb;
         else free(sb);
       }
+      if (s == DOPT_OK && nck_local < DT_MAXCK) s = dopt_digest_final(dg, x->r->rank_digest[rank][nck_local][i], NULL);
+      dopt_digest_destroy(dg);
     }
+    nck_local++;
     if (keep) {
       x->r->ck_step[ck] = t;
       x->r->nck++;
@@ -362,6 +379,7 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
   memcpy(out->nstates, nst, sizeof nst);
   dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
   cfg.nranks = l->tp * l->dp;
+  out->nranks = cfg.nranks;
   cfg.timeout_ms = 20000;
   cfg.mode = c->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
   dopt_sim_world *w;
@@ -406,6 +424,19 @@ int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, cha
     return 1;
   }
   for (int k = 0; k < ref->nck; k++) {
+    /* every rank's own copy is rank 0's (which is compared in full below) */
+    for (int r = 1; r < got->nranks && r < DT_MAXRANKS && k < DT_MAXCK; r++)
+      for (int i = 0; i < c->nparams; i++) {
+        if (!got->rank_digest[0] || !got->rank_digest[r]) {
+          snprintf(msg, cap, "rank %d or rank 0 recorded no digest", r);
+          return 1;
+        }
+        if (memcmp(got->rank_digest[r][k][i], got->rank_digest[0][k][i], 32) != 0) {
+          snprintf(msg, cap, "step %d: rank %d's copy of %s (values, states or step counter) differs from rank 0's: "
+                   "replica drift", got->ck_step[k], r, c->params[i].name);
+          return 1;
+        }
+      }
     for (int i = 0; i < c->nparams; i++) {
       size_t n = numel_of(&c->params[i]), at = 0;
       const char *pn = c->params[i].name;
@@ -450,5 +481,6 @@ void dt_result_free(dt_result *r) {
       free(r->work[k][i]);
       for (int s = 0; s < DT_MAXS; s++) free(r->state[k][i][s]);
     }
+  for (int q = 0; q < DT_MAXRANKS; q++) free(r->rank_digest[q]);
   memset(r, 0, sizeof *r);
 }
