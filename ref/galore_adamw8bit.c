@@ -1,5 +1,5 @@
 /* GaLore-AdamW8bit as galore_torch's GaLoreAdamW8bit (adamw8bit.py on
- * bitsandbytes' blockwise 8-bit Adam, algorithms.md §6.3), fp32 parameters.
+ * bitsandbytes' blockwise 8-bit Adam; docs/galore.md), fp32 parameters.
  *
  * For a matrix in a group with rank > 0, each step:
  *   1. refresh the projector at 0-based iterations 0, T, 2T, ... (GaLore SVD,

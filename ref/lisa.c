@@ -1,5 +1,5 @@
 /* LISA (Layerwise Importance Sampled AdamW) as LMFlow's
- * DynamicLayerActivationCallback (algorithms.md §8), wrapping any registered
+ * DynamicLayerActivationCallback (docs/lisa.md), wrapping any registered
  * optimizer. Parameters carry a layer index (dopt_param_config.layer); -1
  * (embeddings, final norm, head) is always trained. At 0-based global steps
  * 0, K, 2K, ... (K = interval) n_layers of the L distinct layer indices >= 0

@@ -1,5 +1,5 @@
 /* Q-GaLore as VITA-Group/Q-GaLore's q_galore_torch (QGaLoreAdamW8bit with
- * GaLoreProjector(quant=...), algorithms.md §7), fp32 parameters. It is
+ * GaLoreProjector(quant=...); docs/q_galore.md), fp32 parameters. It is
  * galore_adamw8bit (ref/galore_adamw8bit.c) plus:
  *   - a quantised projector (asymmetric min-max, int4 or int8, groups;
  *     int4 packed two per byte unless int4_packed=false), dequantised on

@@ -1,5 +1,4 @@
-/* Q-GaLore building blocks (internal; semantics in docs/q_galore.md and
- * algorithms.md §7): q_galore_torch's asymmetric min-max quantiser (int4 /
+/* Q-GaLore building blocks (internal; semantics in docs/q_galore.md): q_galore_torch's asymmetric min-max quantiser (int4 /
  * int8, groups), int4 packing, stochastic rounding with a counter-based
  * generator, the lazy subspace-refresh rule, and LISA's layer sampler (which
  * uses the same generator). */

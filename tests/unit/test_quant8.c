@@ -31,7 +31,7 @@ static void test_maps_golden(void **st) {
   dopt_st_free(f);
 }
 
-/* The values algorithms.md §5.1 quotes, and the maps' shape. */
+/* Values of bitsandbytes' dynamic maps (docs/adamw8bit.md), and the maps' shape. */
 static void test_maps_shape(void **st) {
   (void)st;
   const float *c = dopt_q8_map(1), *u = dopt_q8_map(0);
