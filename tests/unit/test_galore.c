@@ -251,7 +251,7 @@ static void test_registry_hparams(void **st) {
   dopt_optim_destroy(o);
 }
 
-/* The §6.1 table: projected side and low-rank shape. */
+/* galore_torch's projector rule (docs/galore.md): projected side and low-rank shape. */
 static void test_plan_table(void **st) {
   (void)st;
   static const struct {
