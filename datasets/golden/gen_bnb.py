@@ -8,7 +8,7 @@ first-moment map of the 8-bit optimizers) and ``unsigned`` =
 reimplements the map: the values are what the installed package returns.
 
 Environment (the same as gen_golden.py): Debian's python3-torch 1.13 in
-``<repo>/.golden-venv`` (``/usr/bin/python3 -m venv --system-site-packages``)
+``<repo>/.golden-venv/bnb`` (``/usr/bin/python3 -m venv --system-site-packages``)
 plus ``pip install --no-deps bitsandbytes==0.43.1``.  On a machine without
 CUDA ``import bitsandbytes`` only warns ("compiled without GPU support") and
 ``create_dynamic_map`` is pure torch (torch.linspace, fp32 tensor arithmetic,
@@ -36,7 +36,7 @@ import sys
 BNB_VERSION = "0.43.1"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-VENV = os.path.join(REPO, ".golden-venv")
+VENV = os.path.join(REPO, ".golden-venv", "bnb")
 VENV_PY = os.path.join(VENV, "bin", "python")
 OUT = os.path.join(HERE, "bnb_maps.safetensors")
 

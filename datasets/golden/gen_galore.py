@@ -37,10 +37,11 @@ REQUIREMENTS = [
     # `galore_torch.adamw` imports transformers.utils.versions (require_version)
     "transformers==4.36.2", "huggingface-hub==0.20.1", "tqdm==4.66.1", "regex==2023.12.25",
     "packaging==23.2", "filelock==3.13.1", "fsspec==2023.12.2",
+    "safetensors==0.4.1",  # transformers' import-time version check requires it
 ]
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-VENV = os.environ.get("DOPT_GOLDEN_VENV", os.path.join(REPO, ".golden-venv"))
+VENV = os.environ.get("DOPT_GOLDEN_VENV", os.path.join(REPO, ".golden-venv", "galore_adamw"))
 VENV_PY = os.path.join(VENV, "bin", "python")
 OUT = os.path.join(HERE, "galore")
 SEED = 20240311
@@ -67,7 +68,7 @@ def in_venv():
 def bootstrap():
     if not os.path.exists(VENV_PY):
         subprocess.check_call(["/usr/bin/python3", "-m", "venv", "--system-site-packages", VENV])
-    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('galore_torch') and u.find_spec('transformers') else 1)"
+    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('galore_torch') and u.find_spec('transformers') and u.find_spec('safetensors') else 1)"
     if subprocess.call([VENV_PY, "-c", probe]) != 0:
         subprocess.check_call([VENV_PY, "-m", "pip", "install", "--no-deps"] + REQUIREMENTS)
     os.execv(VENV_PY, [VENV_PY, os.path.abspath(__file__)] + sys.argv[1:])

@@ -1,69 +1,62 @@
 #!/usr/bin/env python3
 """Generate golden test vectors for distopt's single-device optimizers.
 
-Runs the *upstream* optimizer implementations (torch.optim.AdamW,
-transformers' Adafactor, came_pytorch's CAME, ColossalAI's Lamb) in fp32 on
-CPU with one thread.  It writes the shared inputs (initial parameters and
-every step's gradients) once to ``inputs.safetensors`` and one safetensors
-file per case (parameters and optimizer state after every step) into this
-folder.  Nothing here reimplements optimizer math: the generator only builds
-parameters/gradients, calls ``optimizer.step()`` and records what upstream
-produced.
+Every optimizer has ONE entry file, ``entries/<optimizer>.py``, that declares
+its upstream package pins, how to construct the upstream torch optimizer, the
+key mapping (distopt hyperparameter/state keys -> upstream names) and its
+cases -- or, for optimizers whose golden data is checked elsewhere or cannot
+be made on a CPU, that delegation or a reasoned exemption.  This driver holds
+no optimizer-specific code: it builds the shared inputs, runs each entry's
+cases with the upstream ``optimizer.step()`` in that entry's own venv and
+records what upstream produced (fp32, CPU, ``torch.set_num_threads(1)``).
+Nothing here reimplements optimizer math.
 
 Usage (from anywhere):
 
-    python3 datasets/golden/gen_golden.py            # set up env + regenerate
-    python3 datasets/golden/gen_golden.py --check    # also verify the files read back
+    python3 datasets/golden/gen_golden.py                   # every entry
+    python3 datasets/golden/gen_golden.py lamb              # one entry's cases
+    python3 datasets/golden/gen_golden.py adamw_default     # single cases
+    python3 datasets/golden/gen_golden.py --check           # also read every file back
+    python3 datasets/golden/gen_golden.py --out DIR lion    # write into DIR (scratch)
+    python3 datasets/golden/gen_golden.py --entries DIR     # entry files from DIR
 
-On first run it creates ``<repo>/.golden-venv`` (``/usr/bin/python3 -m venv
---system-site-packages`` on top of Debian's ``python3-torch``), pip-installs
-the pinned packages below with ``--no-deps``, downloads the pinned ColossalAI
-sdist (``pip download --no-deps``) and extracts the single file
-``colossalai/nn/optimizer/lamb.py`` from it, then re-executes itself inside
-that venv.  Output is deterministic (seeded generator, single thread).
+Venvs: ``<repo>/.golden-venv/<optimizer>/`` (git-ignored), made with
+``/usr/bin/python3 -m venv --system-site-packages`` on top of Debian's
+``python3-torch``; the entry's pins are installed with ``pip install
+--no-deps`` and a stamp file records them, so a venv is reused until its pins
+change.  The inputs (``inputs.safetensors``, ``inputs_long.safetensors``) are
+rewritten on every run; ``manifest.json`` records per registered optimizer its
+entry, upstream versions and case files, or who checks it, or why it is
+exempt (read by tests/unit/test_golden.c).  Output is deterministic.
 """
 
-import hashlib
+import glob
+import importlib.util
+import inspect
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 
-# --------------------------------------------------------------------------
-# Pinned upstream versions (recorded in every file's metadata).
-# --------------------------------------------------------------------------
 DEBIAN_APT = ["python3-torch", "python3-venv"]  # torch 1.13.1+dfsg (CPU)
 TORCH_EXPECTED = "1.13"                          # Debian 1.13.1 reports 1.13.0a0
-TRANSFORMERS_VERSION = "4.36.2"
-CAME_VERSION = "0.1.3"
-COLOSSALAI_VERSION = "0.4.0"
-COLOSSALAI_LAMB_PATH = "colossalai/nn/optimizer/lamb.py"
-# Installed with --no-deps.  The non-optimizer packages are only what
-# `import transformers.optimization` needs at import time (transformers'
-# runtime dependency-version check); none of them touch optimizer math.
-REQUIREMENTS = [
-    "transformers==" + TRANSFORMERS_VERSION,
-    "huggingface-hub==0.20.1",
-    "tqdm==4.66.1",
-    "regex==2023.12.25",
-    "packaging==23.2",
-    "filelock==3.13.1",
-    "fsspec==2023.12.2",
-    "came-pytorch==" + CAME_VERSION,
-    "safetensors==0.4.1",  # only used by --check to read files back
-]
+SYS_PY = "/usr/bin/python3"
+# Installed into every entry venv: only --check uses it, to read files back.
+DRIVER_PINS = ["safetensors==0.4.1"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-VENV = os.path.join(REPO, ".golden-venv")
-VENV_PY = os.path.join(VENV, "bin", "python")
-DOWNLOADS = os.path.join(VENV, "downloads")
-LAMB_FILE = os.path.join(DOWNLOADS, "colossalai-%s-lamb.py" % COLOSSALAI_VERSION)
-STAMP = os.path.join(VENV, "golden-requirements.txt")
+VENVS = os.path.join(REPO, ".golden-venv")
+ENTRIES = os.path.join(HERE, "entries")
 GENERATOR_REL = "datasets/golden/gen_golden.py"
+ENTRIES_REL = "datasets/golden/entries"
 INPUTS_NAME = "inputs.safetensors"
-INPUTS = os.path.join(HERE, INPUTS_NAME)
+LONG_INPUTS_NAME = "inputs_long.safetensors"
+MANIFEST_NAME = "manifest.json"
+STAMP_NAME = "golden-stamp.json"
 
 SEED = 20240229
 STEPS = 20
@@ -85,65 +78,138 @@ NONE_GRAD = {3: ("small",)}   # grad=None (absent) at these steps
 SQ_ZEROS_STEP = 5             # `sq` gradient has some exact zeros
 SQ_ZEROS = ((0, 0), (3, 11), (11, 11), (15, 5), (15, 15), (7, 0))
 
+# Long runs: every parameter but `wide` (79% of the floats), LONG_STEPS steps.
+# init and steps 1..20 are those of inputs.safetensors; later gradients come
+# from a second seeded generator, drawn the same way.
+LONG_PARAMS = ["vec", "row", "small", "tall", "sq", "t3", "zeros"]
+LONG_STEPS = 200
+LONG_SEED = 20240302
+LONG_ZERO_GRAD_STEPS = (100,)
+LONG_NONE_GRAD = {150: ("small",), 151: ("small",)}
+
+INPUT_SETS = {"base": INPUTS_NAME, "long": LONG_INPUTS_NAME}
+
 
 # --------------------------------------------------------------------------
-# Environment bootstrap
+# Entries
+# --------------------------------------------------------------------------
+def load_entry(path):
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location("golden_entry_" + name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if getattr(mod, "OPTIMIZER", None) != name:
+        sys.exit("%s: OPTIMIZER must be %r (the file name)" % (path, name))
+    kinds = [k for k in ("CASES", "CHECKED_BY", "EXEMPT") if getattr(mod, k, None)]
+    if len(kinds) != 1:
+        sys.exit("%s: declare exactly one of CASES, CHECKED_BY, EXEMPT (found %s)" % (path, kinds))
+    mod.KIND = kinds[0]
+    mod.PATH = path
+    mod.REL = entry_rel(path)
+    if mod.KIND == "CASES":
+        for k in ("PINS", "HPARAMS", "DEFAULTS", "STATES", "UPSTREAM", "build"):
+            if not hasattr(mod, k):
+                sys.exit("%s: an entry with CASES needs %s" % (path, k))
+        unknown = set(mod.DEFAULTS) ^ set(mod.HPARAMS)
+        if unknown:
+            sys.exit("%s: DEFAULTS and HPARAMS name different keys: %s" % (path, sorted(unknown)))
+        seen = set()
+        for c in mod.CASES:
+            if c["name"] in seen:
+                sys.exit("%s: case %s twice" % (path, c["name"]))
+            seen.add(c["name"])
+    return mod
+
+
+def entry_rel(path):
+    d = os.path.realpath(os.path.dirname(path))
+    if d == os.path.realpath(ENTRIES):
+        return ENTRIES_REL + "/" + os.path.basename(path)
+    return "entries/" + os.path.basename(path)  # from --entries: no machine path in the data
+
+
+def discover(entries_dir):
+    files = sorted(glob.glob(os.path.join(entries_dir, "*.py")))
+    return {os.path.splitext(os.path.basename(f))[0]: f for f in files
+            if not os.path.basename(f).startswith("_")}
+
+
+def entry_pins(e):
+    pins = list(getattr(e, "PINS", []))
+    return pins + [p for p in DRIVER_PINS if p not in pins]
+
+
+# --------------------------------------------------------------------------
+# Environment: one venv per entry
 # --------------------------------------------------------------------------
 def _run(cmd, **kw):
     print("+ " + " ".join(cmd), flush=True)
     subprocess.check_call(cmd, **kw)
 
 
-def bootstrap():
-    """Make sure the venv exists with the pinned packages, then re-exec in it."""
-    sys_py = "/usr/bin/python3"
-    probe = subprocess.run([sys_py, "-c", "import torch, venv"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        if os.geteuid() == 0:
-            _run(["apt-get", "update", "-qq"])
-            _run(["apt-get", "install", "-y", "-qq"] + DEBIAN_APT,
-                 env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-        else:
-            sys.exit("need Debian packages: apt-get install -y " + " ".join(DEBIAN_APT))
-    if not os.path.exists(VENV_PY):
-        _run([sys_py, "-m", "venv", "--system-site-packages", VENV])
-    wanted = "\n".join(REQUIREMENTS + ["colossalai==" + COLOSSALAI_VERSION]) + "\n"
-    have = open(STAMP).read() if os.path.exists(STAMP) else ""
-    if have != wanted or not os.path.exists(LAMB_FILE):
-        pip = [VENV_PY, "-m", "pip", "--disable-pip-version-check"]
-        _run(pip + ["install", "-q", "--no-deps"] + REQUIREMENTS)
-        os.makedirs(DOWNLOADS, exist_ok=True)
-        _run(pip + ["download", "-q", "--no-deps", "--no-build-isolation",
-                    "-d", DOWNLOADS, "colossalai==" + COLOSSALAI_VERSION])
-        extract_lamb()
-        with open(STAMP, "w") as f:
-            f.write(wanted)
-    os.execv(VENV_PY, [VENV_PY, os.path.abspath(__file__)] + sys.argv[1:])
+def ensure_system_torch():
+    probe = subprocess.run([SYS_PY, "-c", "import torch, numpy, venv"], capture_output=True)
+    if probe.returncode == 0:
+        return
+    if os.geteuid() == 0:
+        _run(["apt-get", "update", "-qq"])
+        _run(["apt-get", "install", "-y", "-qq"] + DEBIAN_APT,
+             env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    else:
+        sys.exit("need Debian packages: apt-get install -y " + " ".join(DEBIAN_APT))
 
 
-def extract_lamb():
+def ensure_venv(e):
+    """.golden-venv/<optimizer>/ with the entry's pins; reused while its stamp matches."""
+    venv = os.path.join(VENVS, e.OPTIMIZER)
+    py = os.path.join(venv, "bin", "python")
+    stamp = os.path.join(venv, STAMP_NAME)
+    wanted = json.dumps({"python": SYS_PY, "pins": entry_pins(e),
+                         "fetch": getattr(e, "FETCH", [])}, indent=1, sort_keys=True) + "\n"
+    have = open(stamp).read() if os.path.exists(stamp) else ""
+    if have == wanted and os.path.exists(py):
+        return py
+    if os.path.exists(venv):
+        shutil.rmtree(venv)  # pins changed: start clean so nothing stale stays installed
+    _run([SYS_PY, "-m", "venv", "--system-site-packages", venv])
+    pip = [py, "-m", "pip", "--disable-pip-version-check"]
+    _run(pip + ["install", "-q", "--no-deps"] + entry_pins(e))
+    downloads = os.path.join(venv, "downloads")
+    for f in getattr(e, "FETCH", []):
+        os.makedirs(downloads, exist_ok=True)
+        _run(pip + ["download", "-q", "--no-deps", "--no-build-isolation", "-d", downloads,
+                    f["requirement"]])
+        extract_member(downloads, f)
+    with open(stamp, "w") as fh:
+        fh.write(wanted)
+    return py
+
+
+def fetched_path(venv, f):
+    stem = f["requirement"].replace("==", "-")
+    return os.path.join(venv, "downloads", "%s-%s" % (stem, os.path.basename(f["member"])))
+
+
+def extract_member(downloads, f):
+    """Extract one file (f['member']) from the downloaded sdist or wheel."""
     import tarfile
     import zipfile
-    stem = "colossalai-" + COLOSSALAI_VERSION
-    for name in sorted(os.listdir(DOWNLOADS)):
-        full = os.path.join(DOWNLOADS, name)
-        if name.startswith(stem) and name.endswith(".tar.gz"):
+    name, version = f["requirement"].split("==")
+    stem = "%s-%s" % (name, version)
+    for fn in sorted(os.listdir(downloads)):
+        full = os.path.join(downloads, fn)
+        if fn.startswith(stem) and fn.endswith(".tar.gz"):
             with tarfile.open(full) as tf:
-                data = tf.extractfile(stem + "/" + COLOSSALAI_LAMB_PATH).read()
+                data = tf.extractfile(stem + "/" + f["member"]).read()
             break
-        if name.startswith(stem.replace("-", "_")) and name.endswith(".whl"):
+        if fn.startswith(stem.replace("-", "_")) and fn.endswith(".whl"):
             with zipfile.ZipFile(full) as zf:
-                data = zf.read(COLOSSALAI_LAMB_PATH)
+                data = zf.read(f["member"])
             break
     else:
-        sys.exit("colossalai %s archive not found in %s" % (COLOSSALAI_VERSION, DOWNLOADS))
-    with open(LAMB_FILE, "wb") as f:
-        f.write(data)
-
-
-def in_venv():
-    return os.path.realpath(sys.prefix) == os.path.realpath(VENV)
+        sys.exit("%s archive not found in %s" % (f["requirement"], downloads))
+    with open(fetched_path(os.path.dirname(downloads), f), "wb") as fh:
+        fh.write(data)
 
 
 # --------------------------------------------------------------------------
@@ -190,88 +256,127 @@ def read_safetensors(path):
 
 
 # --------------------------------------------------------------------------
-# Upstream optimizers
+# Inputs
 # --------------------------------------------------------------------------
-def sha256_file(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+def step_grad(torch, g, name, shape):
+    """One step's gradient of one parameter: N(0,1) x scale, with 1-2 rows
+    (elements for 1-D) amplified by e^1..e^5 (heavy tails)."""
+    gr = torch.randn(shape, generator=g, dtype=torch.float32)
+    lead = shape[0] if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
+    flat = gr.reshape(lead, -1) if len(shape) > 1 else gr.reshape(-1, 1)
+    k = int(torch.randint(1, 3, (1,), generator=g))
+    idx = torch.randint(0, lead, (k,), generator=g)
+    mult = torch.exp(torch.rand(k, generator=g) * 4.0 + 1.0)  # e^1 .. e^5
+    for i in range(k):
+        flat[idx[i]] *= mult[i]
+    return flat.reshape(shape) * GRAD_SCALE[name]
 
 
-def load_upstream():
-    import importlib.util
-    import inspect
-    import torch
-    from transformers.optimization import Adafactor
-    import transformers
-    import came_pytorch
-    from came_pytorch import CAME
+def make_inputs(torch):
+    g = torch.Generator().manual_seed(SEED)
+    init = {}
+    for name, shape in PARAM_SHAPES:
+        t = torch.randn(shape, generator=g, dtype=torch.float32) * 0.5
+        init[name] = torch.zeros(shape) if name == "zeros" else t
+    grads = {}  # (t, name) -> tensor ; missing = grad None
+    for t in range(1, STEPS + 1):
+        for name, shape in PARAM_SHAPES:
+            gr = step_grad(torch, g, name, shape)
+            if t in ZERO_GRAD_STEPS:
+                gr = torch.zeros(shape)
+            if name == "sq" and t == SQ_ZEROS_STEP:
+                for (r, c) in SQ_ZEROS:
+                    gr[r, c] = 0.0
+            if name in NONE_GRAD.get(t, ()):
+                continue
+            grads[(t, name)] = gr.contiguous()
+    return init, grads
 
-    spec = importlib.util.spec_from_file_location("colossalai_lamb", LAMB_FILE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    Lamb = mod.Lamb
-    if "adam" not in inspect.signature(Lamb.__init__).parameters or \
-            "bias_correction" not in inspect.signature(Lamb.__init__).parameters:
-        sys.exit("ColossalAI Lamb lacks adam/bias_correction flags")
 
-    came_src = inspect.getsource(CAME.step)
-    came_fix = "exp_avg.clone()" in came_src
+def make_long_inputs(torch, init, grads):
+    shapes = dict(PARAM_SHAPES)
+    g = torch.Generator().manual_seed(LONG_SEED)
+    linit = {n: init[n] for n in LONG_PARAMS}
+    lgrads = {(t, n): v for (t, n), v in grads.items() if n in LONG_PARAMS}
+    for t in range(STEPS + 1, LONG_STEPS + 1):
+        for name in LONG_PARAMS:
+            gr = step_grad(torch, g, name, shapes[name])
+            if t in LONG_ZERO_GRAD_STEPS:
+                gr = torch.zeros(shapes[name])
+            if name in LONG_NONE_GRAD.get(t, ()):
+                continue
+            lgrads[(t, name)] = gr.contiguous()
+    return linit, lgrads
 
-    assert transformers.__version__ == TRANSFORMERS_VERSION, transformers.__version__
-    assert torch.__version__.startswith(TORCH_EXPECTED), torch.__version__
-    try:
-        deb = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "python3-torch"],
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        deb = ""
-    torch_pin = "torch==1.13.1" + (" (debian python3-torch %s, torch.__version__=%s)"
-                                   % (deb, torch.__version__) if deb else "")
+
+def inputs_tensors(torch, order, steps, init, grads):
+    tensors = [("init/" + n, to_np(torch, init[n])) for n in order]
+    for t in range(1, steps + 1):
+        for n in order:
+            if (t, n) in grads:
+                tensors.append(("grad/%d/%s" % (t, n), to_np(torch, grads[(t, n)])))
+    return tensors
+
+
+def inputs_meta(which):
+    if which == "base":
+        return {
+            "params": ",".join(n for n, _ in PARAM_SHAPES),
+            "steps": str(STEPS),
+            "seed": str(SEED),
+            "generator": GENERATOR_REL,
+        }
     return {
-        "torch": torch,
-        "Adafactor": Adafactor,
-        "CAME": CAME,
-        "Lamb": Lamb,
-        "came_fix": came_fix,
-        "came_sha": sha256_file(inspect.getsourcefile(CAME)),
-        "lamb_sha": sha256_file(LAMB_FILE),
-        "torch_pin": torch_pin,
+        "params": ",".join(LONG_PARAMS),
+        "steps": str(LONG_STEPS),
+        "seed": str(SEED),
+        "generator": GENERATOR_REL,
+        "derived_from": "%s: init and grad 1..%d of these params" % (INPUTS_NAME, STEPS),
+        "seed_long": str(LONG_SEED),
+        "zero_grad_steps": ",".join(str(t) for t in LONG_ZERO_GRAD_STEPS),
+        "none_grad": ",".join("%d:%s" % (t, "+".join(v)) for t, v in sorted(LONG_NONE_GRAD.items())),
     }
 
 
-# distopt defaults (registry key names); used to fill the "hparams" string.
-DEFAULTS = {
-    "adamw": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, amsgrad=False),
-    "adafactor": dict(lr=None, eps1=1e-30, eps2=1e-3, clip_threshold=1.0, decay_rate=-0.8,
-                      beta1=None, weight_decay=0.0, scale_parameter=True,
-                      relative_step=True, warmup_init=False),
-    "came": dict(lr=None, eps1=1e-30, eps2=1e-16, clip_threshold=1.0, beta1=0.9,
-                 beta2=0.999, beta3=0.9999, weight_decay=0.0),
-    "lamb": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0,
-                 adam=False, bias_correction=False),
-}
+def write_inputs(out_dir):
+    import torch
+    torch.set_num_threads(1)
+    init, grads = make_inputs(torch)
+    order = [n for n, _ in PARAM_SHAPES]
+    write_safetensors(os.path.join(out_dir, INPUTS_NAME),
+                      inputs_tensors(torch, order, STEPS, init, grads), inputs_meta("base"))
+    linit, lgrads = make_long_inputs(torch, init, grads)
+    write_safetensors(os.path.join(out_dir, LONG_INPUTS_NAME),
+                      inputs_tensors(torch, LONG_PARAMS, LONG_STEPS, linit, lgrads),
+                      inputs_meta("long"))
+    print("wrote %s and %s" % (INPUTS_NAME, LONG_INPUTS_NAME), flush=True)
 
-# name -> (optimizer, overrides, groups or None)
-CASES = [
-    ("adamw_default", "adamw", {}, None),
-    ("adamw_nowd", "adamw", dict(weight_decay=0.0, lr=1e-2), None),
-    ("adamw_amsgrad", "adamw", dict(amsgrad=True, lr=5e-3, beta2=0.99), None),
-    ("adafactor_default", "adafactor", {}, None),
-    ("adafactor_beta1_wd", "adafactor", dict(beta1=0.9, weight_decay=0.01), None),
-    ("adafactor_warmup", "adafactor", dict(warmup_init=True), None),
-    ("adafactor_noscale", "adafactor", dict(scale_parameter=False), None),
-    ("adafactor_lr", "adafactor", dict(relative_step=False, lr=1e-2, scale_parameter=False), None),
-    ("adafactor_lr_scale", "adafactor", dict(relative_step=False, lr=1e-2), None),
-    ("adafactor_clip", "adafactor", dict(relative_step=False, lr=1e-1, clip_threshold=0.5,
-                                         decay_rate=-0.5), None),
-    ("adafactor_groups", "adafactor", {},
-     [(["vec", "small"], dict(weight_decay=0.0)),
-      (["row", "tall", "wide", "sq", "t3", "zeros"], dict(weight_decay=0.05, beta1=0.9))]),
-    ("came_default", "came", dict(lr=2e-4), None),
-    ("came_wd", "came", dict(lr=1e-3, weight_decay=1e-2, beta1=0.9, beta2=0.95, beta3=0.999), None),
-    ("lamb_default", "lamb", {}, None),
-    ("lamb_bc_wd", "lamb", dict(bias_correction=True, weight_decay=0.01, lr=1e-2), None),
-    ("lamb_adam", "lamb", dict(adam=True, weight_decay=0.01), None),
-]
+
+def load_inputs(torch, out_dir, which):
+    """Read an inputs file back; every case runs on exactly these tensors."""
+    meta, data = read_safetensors(os.path.join(out_dir, INPUT_SETS[which]))
+    assert meta == inputs_meta(which), meta
+    init, grads = {}, {}
+    for key, arr in data.items():
+        parts = key.split("/")
+        x = torch.from_numpy(arr.copy())
+        if parts[0] == "init":
+            init[parts[1]] = x
+        elif parts[0] == "grad":
+            grads[(int(parts[1]), parts[2])] = x
+        else:
+            raise ValueError(key)
+    return meta["params"].split(","), int(meta["steps"]), init, grads
+
+
+# --------------------------------------------------------------------------
+# Running an entry's cases (inside the entry's venv)
+# --------------------------------------------------------------------------
+def to_np(torch, v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(torch.float32).contiguous().numpy().copy()
+    import numpy as np
+    return np.asarray(float(v), dtype=np.float32).reshape(())
 
 
 def fmt_value(v):
@@ -287,154 +392,165 @@ def fmt_hparams(hp):
     return ",".join("%s=%s" % (k, fmt_value(v)) for k, v in hp.items() if v is not None)
 
 
-def upstream_kwargs(opt, hp):
-    """Map distopt key names to the upstream constructor's arguments."""
-    if opt == "adamw":
-        return dict(lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                    weight_decay=hp["weight_decay"], amsgrad=hp["amsgrad"], foreach=False)
-    if opt == "adafactor":
-        return dict(lr=hp["lr"], eps=(hp["eps1"], hp["eps2"]), clip_threshold=hp["clip_threshold"],
-                    decay_rate=hp["decay_rate"], beta1=hp["beta1"],
-                    weight_decay=hp["weight_decay"], scale_parameter=hp["scale_parameter"],
-                    relative_step=hp["relative_step"], warmup_init=hp["warmup_init"])
-    if opt == "came":
-        return dict(lr=hp["lr"], eps=(hp["eps1"], hp["eps2"]), clip_threshold=hp["clip_threshold"],
-                    betas=(hp["beta1"], hp["beta2"], hp["beta3"]),
-                    weight_decay=hp["weight_decay"])
-    if opt == "lamb":
-        return dict(lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                    weight_decay=hp["weight_decay"], adam=hp["adam"],
-                    bias_correction=hp["bias_correction"])
-    raise ValueError(opt)
+def upstream_kwargs(e, hp):
+    """distopt keys -> upstream constructor arguments via the entry's HPARAMS:
+    a string maps a key to a kwarg, (kwarg, i) packs it into a tuple."""
+    kw, packed = {}, {}
+    for k, target in e.HPARAMS.items():
+        if k not in hp:
+            continue
+        if isinstance(target, tuple):
+            packed.setdefault(target[0], {})[target[1]] = hp[k]
+            kw.setdefault(target[0], None)  # keep the kwarg at its first key's place
+        else:
+            kw[target] = hp[k]
+    for name, parts in packed.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError("%s: tuple %s needs all of its keys" % (e.OPTIMIZER, name))
+        kw[name] = tuple(parts[i] for i in range(len(parts)))
+    return kw
 
 
-def group_kwargs(opt, base_hp, override):
+def group_kwargs(e, base_hp, override):
     """Per-group constructor options: every upstream argument whose value
     changes when the group's overrides are applied on top of `base_hp`
     (plus the overridden ones themselves)."""
+    glob_only = set(getattr(e, "GLOBAL_ONLY", ()))
+    if glob_only & set(override):
+        raise ValueError("%s: %s optimizer-wide, not per group" % (e.OPTIMIZER, sorted(glob_only & set(override))))
     hp = dict(base_hp)
     hp.update(override)
-    base = upstream_kwargs(opt, base_hp)
-    kw = upstream_kwargs(opt, hp)
-    if opt == "lamb" and kw["adam"] != base["adam"]:
-        raise ValueError("Lamb's `adam` is optimizer-wide, not per group")
-    touched = {"adamw": {"beta1": "betas", "beta2": "betas"},
-               "came": {"beta1": "betas", "beta2": "betas", "beta3": "betas",
-                        "eps1": "eps", "eps2": "eps"},
-               "lamb": {"beta1": "betas", "beta2": "betas"},
-               "adafactor": {"eps1": "eps", "eps2": "eps"}}[opt]
-    keys = {touched.get(k, k) for k in override}
-    return {k: v for k, v in kw.items()
-            if k not in ("foreach", "adam") and (k in keys or v != base[k])}
+    base = upstream_kwargs(e, base_hp)
+    kw = upstream_kwargs(e, hp)
+    target = {k: (t[0] if isinstance(t, tuple) else t) for k, t in e.HPARAMS.items()}
+    keys = {target[k] for k in override}
+    skip = {target[k] for k in glob_only}
+    return {k: v for k, v in kw.items() if k not in skip and (k in keys or v != base[k])}
 
 
-# --------------------------------------------------------------------------
-# Inputs (shared by every case)
-# --------------------------------------------------------------------------
-def make_inputs(torch):
-    g = torch.Generator().manual_seed(SEED)
-    init = {}
-    for name, shape in PARAM_SHAPES:
-        t = torch.randn(shape, generator=g, dtype=torch.float32) * 0.5
-        init[name] = torch.zeros(shape) if name == "zeros" else t
-    grads = {}  # (t, name) -> tensor ; missing = grad None
-    for t in range(1, STEPS + 1):
-        for name, shape in PARAM_SHAPES:
-            gr = torch.randn(shape, generator=g, dtype=torch.float32)
-            # heavy-tailed rows: a couple of rows (elements for 1-D) get a
-            # large multiplier drawn from a wide range
-            lead = shape[0] if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
-            flat = gr.reshape(lead, -1) if len(shape) > 1 else gr.reshape(-1, 1)
-            k = int(torch.randint(1, 3, (1,), generator=g))
-            idx = torch.randint(0, lead, (k,), generator=g)
-            mult = torch.exp(torch.rand(k, generator=g) * 4.0 + 1.0)  # e^1 .. e^5
-            for i in range(k):
-                flat[idx[i]] *= mult[i]
-            gr = flat.reshape(shape) * GRAD_SCALE[name]
-            if t in ZERO_GRAD_STEPS:
-                gr = torch.zeros(shape)
-            if name == "sq" and t == SQ_ZEROS_STEP:
-                for (r, c) in SQ_ZEROS:
-                    gr[r, c] = 0.0
-            if name in NONE_GRAD.get(t, ()):
-                continue
-            grads[(t, name)] = gr.contiguous()
-    return init, grads
+class Ctx:
+    """What an entry's build() gets besides params and kwargs."""
+
+    def __init__(self, entry, venv):
+        import torch
+        self.torch = torch
+        self.entry = entry
+        self.venv = venv
+        self.cache = {}
+
+    def fetched(self, member):
+        for f in getattr(self.entry, "FETCH", []):
+            if f["member"] == member:
+                return fetched_path(self.venv, f)
+        raise KeyError(member)
+
+    def load_module(self, member, name):
+        """Import a single fetched source file (e.g. ColossalAI's lamb.py)."""
+        if name not in self.cache:
+            spec = importlib.util.spec_from_file_location(name, self.fetched(member))
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            self.cache[name] = mod
+        return self.cache[name]
 
 
-def inputs_tensors(torch, init, grads):
-    order = [n for n, _ in PARAM_SHAPES]
-    tensors = [("init/" + n, to_np(torch, init[n])) for n in order]
-    for t in range(1, STEPS + 1):
-        for n in order:
-            if (t, n) in grads:
-                tensors.append(("grad/%d/%s" % (t, n), to_np(torch, grads[(t, n)])))
-    return tensors
+def torch_info(torch):
+    try:
+        deb = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "python3-torch"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        deb = ""
+    pin = "torch==1.13.1" + (" (debian python3-torch %s, torch.__version__=%s)"
+                             % (deb, torch.__version__) if deb else "")
+    # "CPU capability usage: AVX2": which vector kernels (and so which fused
+    # multiply-adds) torch's CPU ops ran
+    cap = [ln.split(":", 1)[1].strip() for ln in torch.__config__.show().splitlines()
+           if "CPU capability usage:" in ln]
+    return pin, cap[0] if cap else "unknown"
 
 
-def inputs_meta():
-    return {
-        "params": ",".join(n for n, _ in PARAM_SHAPES),
-        "steps": str(STEPS),
-        "seed": str(SEED),
-        "generator": GENERATOR_REL,
-    }
+def upstream_versions(e, torch):
+    """'pkg==version' of the entry's upstream packages, checked against the pins."""
+    import importlib.metadata
+    pins = dict(p.split("==") for p in entry_pins(e) + [f["requirement"] for f in getattr(e, "FETCH", [])])
+    out = []
+    for pkg in e.UPSTREAM:
+        if pkg == "torch":
+            out.append("torch==" + torch.__version__)
+            continue
+        fetched = any(f["requirement"].split("==")[0] == pkg for f in getattr(e, "FETCH", []))
+        ver = pins[pkg] if fetched else importlib.metadata.version(pkg)
+        if ver != pins.get(pkg):
+            sys.exit("%s: %s %s installed, pinned %s" % (e.OPTIMIZER, pkg, ver, pins.get(pkg)))
+        out.append("%s==%s" % (pkg, ver))
+    return " ".join(out)
 
 
-def load_inputs(torch):
-    """Read inputs.safetensors back; every case runs on exactly these tensors."""
-    meta, data = read_safetensors(INPUTS)
-    assert meta == inputs_meta(), meta
-    init = {}
-    grads = {}
-    for key, arr in data.items():
-        parts = key.split("/")
-        x = torch.from_numpy(arr.copy())
-        if parts[0] == "init":
-            init[parts[1]] = x
-        elif parts[0] == "grad":
-            grads[(int(parts[1]), parts[2])] = x
-        else:
-            raise ValueError(key)
-    return init, grads
+def check_defaults(e, opt):
+    """The entry's DEFAULTS must be upstream's signature defaults (through the
+    mapping); a deliberate distopt difference is declared in DEFAULTS_DIFFER,
+    which says nothing about upstream, so it is checked the same way."""
+    sig = inspect.signature(type(opt).__init__).parameters
+    for k, target in e.HPARAMS.items():
+        name, pos = target if isinstance(target, tuple) else (target, None)
+        if name not in sig or sig[name].default is inspect.Parameter.empty:
+            if k not in getattr(e, "REQUIRED", ()):
+                sys.exit("%s: upstream kwarg %s has no default; list %s in REQUIRED" % (e.OPTIMIZER, name, k))
+            continue
+        d = sig[name].default
+        d = d[pos] if pos is not None else d
+        if d != e.DEFAULTS[k] or type(d) is bool and type(e.DEFAULTS[k]) is not bool:
+            sys.exit("%s: DEFAULTS[%s] = %r but upstream's default is %r"
+                     % (e.OPTIMIZER, k, e.DEFAULTS[k], d))
 
 
-# --------------------------------------------------------------------------
-# Running a case
-# --------------------------------------------------------------------------
-def to_np(torch, v):
-    if isinstance(v, torch.Tensor):
-        return v.detach().to(torch.float32).contiguous().numpy().copy()
-    import numpy as np
-    return np.asarray(float(v), dtype=np.float32).reshape(())
-
-
-def run_case(U, name, opt, overrides, groups, init, grads):
-    torch = U["torch"]
-    hp = dict(DEFAULTS[opt])
-    hp.update(overrides)
-    if opt == "came" and hp["lr"] is None:
-        raise ValueError("came needs lr")
-    params = {n: torch.nn.Parameter(init[n].clone()) for n, _ in PARAM_SHAPES}
-    order = [n for n, _ in PARAM_SHAPES]
-    cls = {"adamw": torch.optim.AdamW, "adafactor": U["Adafactor"],
-           "came": U["CAME"], "lamb": U["Lamb"]}[opt]
+def run_case(e, ctx, case, out_dir, pin, cap, versions):
+    torch = ctx.torch
+    order, steps_in, init, grads = load_inputs(torch, out_dir, case.get("inputs", "base"))
+    steps = case.get("steps", steps_in)
+    every = case.get("record_every", 1)
+    assert steps <= steps_in and steps % every == 0, case["name"]
+    params = {n: torch.nn.Parameter(init[n].clone()) for n in order}
+    groups = case.get("groups")
+    defaults_only = case.get("defaults_only", False)
+    if defaults_only:
+        # upstream gets only what it requires; distopt gets those keys, plus
+        # those whose distopt default deliberately differs (at upstream's value)
+        given = dict(case.get("hparams", {}))
+        bad = set(given) - set(getattr(e, "REQUIRED", ()))
+        if bad or groups:
+            sys.exit("%s: defaults-only case passes %s" % (case["name"], sorted(bad) or "groups"))
+        hp = {k: e.DEFAULTS[k] for k in e.DEFAULTS if k in given or k in getattr(e, "DEFAULTS_DIFFER", {})}
+        hp.update(given)
+        kwargs = upstream_kwargs(e, given)
+    else:
+        hp = dict(e.DEFAULTS)
+        hp.update(case.get("hparams", {}))
+        kwargs = upstream_kwargs(e, hp)
+        kwargs.update(getattr(e, "FIXED", {}))
+    for k in getattr(e, "REQUIRED", ()):
+        if hp.get(k) is None:
+            sys.exit("%s: %s needs %s" % (case["name"], e.OPTIMIZER, k))
     if groups is None:
         pg = [params[n] for n in order]
     else:
         pg = []
         for names, ov in groups:
             d = {"params": [params[n] for n in names]}
-            d.update(group_kwargs(opt, hp, ov))
+            d.update(group_kwargs(e, hp, ov))
             pg.append(d)
-    optim = cls(pg, **upstream_kwargs(opt, hp))
+    optim = e.build(ctx, pg, kwargs)
+    check_defaults(e, optim)
+    state_name = {up: mine for mine, up in e.STATES.items()}
 
     tensors = []
-    for t in range(1, STEPS + 1):
+    for t in range(1, steps + 1):
         for n in order:
             g = grads.get((t, n))
             params[n].grad = None if g is None else g.clone()
         optim.step()
+        if t % every:
+            continue
         for n in order:
             tensors.append(("param/%d/%s" % (t, n), to_np(torch, params[n])))
         for n in order:
@@ -442,46 +558,76 @@ def run_case(U, name, opt, overrides, groups, init, grads):
             for k, v in st.items():
                 if isinstance(v, bool) or not isinstance(v, (torch.Tensor, int, float)):
                     continue
-                tensors.append(("state/%d/%s/%s" % (t, n, k), to_np(torch, v)))
+                if k != "step" and k not in state_name:
+                    sys.exit("%s: upstream state %r is not in the entry's STATES" % (e.OPTIMIZER, k))
+                tensors.append(("state/%d/%s/%s" % (t, n, state_name.get(k, k)), to_np(torch, v)))
 
-    upstream = {
-        "adamw": U["torch_pin"],
-        "adafactor": "transformers==%s %s" % (TRANSFORMERS_VERSION, U["torch_pin"]),
-        "came": "came-pytorch==%s %s" % (CAME_VERSION, U["torch_pin"]),
-        "lamb": "colossalai==%s (%s, class Lamb) %s" % (COLOSSALAI_VERSION,
-                                                         COLOSSALAI_LAMB_PATH, U["torch_pin"]),
-    }[opt]
     meta = {
-        "optimizer": opt,
+        "optimizer": e.OPTIMIZER,
         "hparams": fmt_hparams(hp),
-        "steps": str(STEPS),
+        "steps": str(steps),
         "params": ",".join(order),
-        "upstream": upstream,
+        # e.g. "transformers==4.36.2 torch==1.13.1 (debian python3-torch ...)"
+        "upstream": " ".join([v for v in versions.split() if not v.startswith("torch==")] +
+                             [x for x in (getattr(e, "UPSTREAM_NOTE", ""), pin) if x]),
         "generator": GENERATOR_REL,
-        "case": name,
+        "case": case["name"],
         "seed": str(SEED),
         "dtype": "float32 cpu torch.set_num_threads(1)",
-        "inputs": INPUTS_NAME,
+        "inputs": INPUT_SETS[case.get("inputs", "base")],
     }
-    if opt == "came":
-        meta["upstream_sha256"] = U["came_sha"]
-        meta["came_1d_exp_avg_clone_fix"] = "true" if U["came_fix"] else "false"
-    if opt == "lamb":
-        meta["upstream_sha256"] = U["lamb_sha"]
+    if hasattr(e, "metadata"):
+        meta.update(e.metadata(ctx))
     if groups is not None:
         meta["groups"] = "|".join(",".join(names) for names, _ in groups)
         meta["group_hparams"] = "|".join(fmt_hparams(ov) for _, ov in groups)
+    meta["torch"] = torch.__version__
+    meta["torch_cpu_capability"] = cap
+    meta["upstream_versions"] = versions
+    meta["entry"] = e.REL
+    if defaults_only:
+        meta["defaults_only"] = "1"
+        if getattr(e, "DEFAULTS_DIFFER", None):
+            meta["defaults_differ"] = ",".join(e.DEFAULTS_DIFFER)
+    if every != 1:
+        meta["record_every"] = str(every)
+    for k in ("tol_param", "tol_state"):
+        if k in case:
+            meta[k] = repr(float(case[k]))
     return tensors, meta
 
 
-def check_files(names):
+def inner_main(args):
+    """Run one entry's cases; we are inside its venv."""
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    assert torch.__version__.startswith(TORCH_EXPECTED), torch.__version__
+    e = load_entry(os.path.join(args["entries"], args["inner"] + ".py"))
+    ctx = Ctx(e, os.path.realpath(sys.prefix))
+    pin, cap = torch_info(torch)
+    versions = upstream_versions(e, torch)
+    written = []
+    for case in e.CASES:
+        if args["cases"] and case["name"] not in args["cases"]:
+            continue
+        tensors, meta = run_case(e, ctx, case, args["out"], pin, cap, versions)
+        write_safetensors(os.path.join(args["out"], case["name"] + ".safetensors"), tensors, meta)
+        written.append(case["name"])
+        print("wrote %s (%d tensors)" % (case["name"], len(tensors)), flush=True)
+    if args["check"]:
+        check_files(args["out"], written)
+    with open(args["result"], "w") as f:
+        json.dump({"upstream_versions": versions}, f)
+
+
+def check_files(out_dir, names):
     """Read every file back with the safetensors package and our own reader,
-    and check the layout: inputs only in inputs.safetensors, and every case
-    file holding param/<t>/<p> for every step and param plus state/... only."""
+    and check the layout: inputs only in the inputs files, and every case
+    file holding param/<t>/<p> for every recorded step and param plus state/... only."""
     from safetensors import safe_open
     from safetensors.numpy import load_file
     import numpy as np
-    order = [n for n, _ in PARAM_SHAPES]
 
     def read_both(path):
         ref = load_file(path)
@@ -495,59 +641,142 @@ def check_files(names):
         assert all(np.isfinite(v).all() for v in mine.values()), path
         return meta, mine
 
-    print("%-20s %-10s %8s %10s" % ("file", "optimizer", "tensors", "bytes"))
-    meta, inp = read_both(INPUTS)
-    assert meta == inputs_meta(), meta
-    want = {"init/" + n for n in order}
-    want |= {"grad/%d/%s" % (t, n) for t in range(1, STEPS + 1) for n in order
-             if n not in NONE_GRAD.get(t, ())}
-    assert set(inp) == want, sorted(set(inp) ^ want)
-    total = os.path.getsize(INPUTS)
-    print("%-20s %-10s %8d %10d" % ("inputs", "-", len(inp), total))
+    inputs = {}
+    for which, fname in INPUT_SETS.items():
+        meta, inp = read_both(os.path.join(out_dir, fname))
+        assert meta == inputs_meta(which), meta
+        order = meta["params"].split(",")
+        assert all(k.startswith("init/") or k.startswith("grad/") for k in inp), fname
+        assert {"init/" + n for n in order} <= set(inp), fname
+        inputs[fname] = meta
     for name in names:
-        path = os.path.join(HERE, name + ".safetensors")
-        meta, mine = read_both(path)
-        assert meta["inputs"] == INPUTS_NAME, name
-        for k in ("params", "steps", "seed", "generator"):
-            assert meta[k] == inputs_meta()[k], (name, k)
-        params = {"param/%d/%s" % (t, n) for t in range(1, STEPS + 1) for n in order}
+        meta, mine = read_both(os.path.join(out_dir, name + ".safetensors"))
+        im = inputs[meta["inputs"]]
+        for k in ("params", "seed", "generator"):
+            assert meta[k] == im[k], (name, k)
+        steps, every = int(meta["steps"]), int(meta.get("record_every", "1"))
+        order = meta["params"].split(",")
+        params = {"param/%d/%s" % (t, n) for t in range(every, steps + 1, every) for n in order}
         assert params <= set(mine), name
         assert all(k in params or k.startswith("state/") for k in mine), name
-        size = os.path.getsize(path)
-        total += size
-        print("%-20s %-10s %8d %10d" % (name, meta["optimizer"], len(mine), size))
-    print("%-20s %-10s %8s %10d" % ("TOTAL", "", "", total))
+        print("checked %s (%d tensors)" % (name, len(mine)), flush=True)
+
+
+# --------------------------------------------------------------------------
+# Driver (system python): venvs, inputs, manifest
+# --------------------------------------------------------------------------
+def manifest_entry(e, versions=None, old=None):
+    m = {"entry": e.REL}
+    if e.KIND == "CASES":
+        m["upstream"] = versions if versions is not None else (old or {}).get("upstream", "")
+        m["cases"] = [c["name"] + ".safetensors" for c in e.CASES]
+    elif e.KIND == "CHECKED_BY":
+        m["upstream"] = getattr(e, "UPSTREAM_LABEL", "")
+        m.update(e.CHECKED_BY)
+    else:
+        m["upstream"] = getattr(e, "UPSTREAM_LABEL", "")
+        m["exempt"] = " ".join(e.EXEMPT.split())
+    return m
+
+
+def write_manifest(out_dir, mani):
+    path = os.path.join(out_dir, MANIFEST_NAME)
+    doc = {"format": 1, "generator": GENERATOR_REL,
+           "optimizers": {k: mani[k] for k in sorted(mani)}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False)
+        f.write("\n")
+
+
+def parse_args(argv):
+    args = {"out": HERE, "entries": ENTRIES, "check": False, "inner": None, "result": None,
+            "cases": [], "names": []}
+    it = iter(argv)
+    for a in it:
+        if a == "--check":
+            args["check"] = True
+        elif a in ("--out", "--entries", "--inner", "--result"):
+            args[a[2:]] = next(it)
+        elif a == "--cases":
+            args["cases"] = [c for c in next(it).split(",") if c]
+        elif a.startswith("--"):
+            sys.exit("unknown option " + a + "\n" + __doc__)
+        else:
+            args["names"].append(a)
+    args["out"] = os.path.abspath(args["out"])
+    args["entries"] = os.path.abspath(args["entries"])
+    return args
 
 
 def main():
-    if not in_venv():
-        bootstrap()  # does not return
-    import torch
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    U = load_upstream()
-    if not U["came_fix"]:
-        print("WARNING: came-pytorch %s lacks the 1-D exp_avg.clone() fix" % CAME_VERSION)
-    init, grads = make_inputs(torch)
-    tensors = inputs_tensors(torch, init, grads)
-    write_safetensors(INPUTS, tensors, inputs_meta())
-    print("wrote inputs (%d tensors)" % len(tensors), flush=True)
-    # run every case on what was written, so the file is exactly what they used
-    init, grads = load_inputs(torch)
-    only = [a for a in sys.argv[1:] if not a.startswith("--")]
-    unknown = set(only) - {c[0] for c in CASES}
+    args = parse_args(sys.argv[1:])
+    if args["inner"]:
+        return inner_main(args)
+    ensure_system_torch()  # Debian's torch and venv, for the entry venvs
+    try:
+        import numpy  # noqa: F401  (the inputs are written by this process)
+        import torch  # noqa: F401
+    except ImportError:
+        if os.path.realpath(sys.executable) == os.path.realpath(SYS_PY):
+            raise
+        os.execv(SYS_PY, [SYS_PY, os.path.abspath(__file__)] + sys.argv[1:])
+    files = discover(args["entries"])
+    entries = {n: load_entry(p) for n, p in files.items()}
+    case_owner = {c["name"]: n for n, e in entries.items() if e.KIND == "CASES" for c in e.CASES}
+    unknown = [a for a in args["names"] if a not in entries and a not in case_owner]
     if unknown:
-        sys.exit("unknown case(s): " + " ".join(sorted(unknown)))
-    names = []
-    for name, opt, ov, groups in CASES:
-        if only and name not in only:
-            continue
-        tensors, meta = run_case(U, name, opt, ov, groups, init, grads)
-        write_safetensors(os.path.join(HERE, name + ".safetensors"), tensors, meta)
-        names.append(name)
-        print("wrote %s (%d tensors)" % (name, len(tensors)), flush=True)
-    if "--check" in sys.argv:
-        check_files(names)
+        sys.exit("unknown entry or case: %s (entries: %s)" % (" ".join(unknown), " ".join(sorted(entries))))
+    whole = [a for a in args["names"] if a in entries] or ([] if args["names"] else sorted(entries))
+    single = {}
+    for a in args["names"]:
+        if a in case_owner and case_owner[a] not in whole:
+            single.setdefault(case_owner[a], []).append(a)
+    os.makedirs(args["out"], exist_ok=True)
+    write_inputs(args["out"])
+
+    mpath = os.path.join(args["out"], MANIFEST_NAME)
+    old = json.load(open(mpath))["optimizers"] if os.path.exists(mpath) else {}
+    # a full run rebuilds the manifest; otherwise the named entries are updated
+    mani = {} if not args["names"] else {k: v for k, v in old.items() if k in entries}
+    sizes = []
+    for name in sorted(set(whole) | set(single)):
+        e = entries[name]
+        versions = None
+        if e.KIND == "CASES":
+            py = ensure_venv(e)
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
+                result = tf.name
+            cmd = [py, os.path.abspath(__file__), "--inner", name, "--out", args["out"],
+                   "--entries", args["entries"], "--result", result]
+            if name in single:
+                cmd += ["--cases", ",".join(single[name])]
+            if args["check"]:
+                cmd.append("--check")
+            _run(cmd)
+            versions = json.load(open(result))["upstream_versions"]
+            os.unlink(result)
+            if name in whole:  # drop case files of cases the entry no longer has
+                for f in old.get(name, {}).get("cases", []):
+                    if f not in manifest_entry(e, versions)["cases"] and os.path.exists(os.path.join(args["out"], f)):
+                        os.unlink(os.path.join(args["out"], f))
+                        print("removed stale %s" % f)
+            for c in e.CASES:
+                if name in whole or c["name"] in single.get(name, []):
+                    sizes.append((c["name"], name, os.path.getsize(os.path.join(args["out"], c["name"] + ".safetensors"))))
+        mani[name] = manifest_entry(e, versions, old.get(name))
+    write_manifest(args["out"], mani)
+    print("wrote %s (%d optimizers)" % (MANIFEST_NAME, len(mani)))
+    if args["check"]:
+        total = 0
+        print("%-24s %-10s %10s" % ("file", "optimizer", "bytes"))
+        for n in (INPUTS_NAME, LONG_INPUTS_NAME):
+            s = os.path.getsize(os.path.join(args["out"], n))
+            total += s
+            print("%-24s %-10s %10d" % (n[:-12], "-", s))
+        for c, opt, s in sizes:
+            total += s
+            print("%-24s %-10s %10d" % (c, opt, s))
+        print("%-24s %-10s %10d" % ("TOTAL", "", total))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ QGALORE_VERSION = "1.0"
 REQUIREMENTS = ["q-galore-torch==" + QGALORE_VERSION]
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-VENV = os.environ.get("DOPT_GOLDEN_VENV", os.path.join(REPO, ".golden-venv"))
+VENV = os.environ.get("DOPT_GOLDEN_VENV", os.path.join(REPO, ".golden-venv", "q_galore"))
 VENV_PY = os.path.join(VENV, "bin", "python")
 OUT = os.path.join(HERE, "qgalore")
 SEED = 20240607

@@ -20,11 +20,29 @@
  * rounding without the lr damping: second-moment and residual statistics
  * (sums/means of squares) are compared at 1e-5 normwise (~170 ulp), momenta at
  * 1e-5. A wrong formula (a missing bias correction, eps placement, decay order,
- * mean instead of sum) shows up at 1e-3 or worse, far outside these bounds. */
+ * mean instead of sum) shows up at 1e-3 or worse, far outside these bounds.
+ *
+ * A case may declare its own tolerance (metadata tol_param/tol_state, from
+ * its entry file, where the measured errors and the margin are given: the
+ * 200-step runs); anything looser than TOL_LIMIT is refused, so a data file
+ * cannot switch the comparison off. record_every=K: only every K-th step
+ * was recorded and is compared. defaults_only=1: upstream ran with its own
+ * defaults; the hparams string may hold only keys that distopt requires (its
+ * create fails without them) or keys listed in defaults_differ whose value
+ * differs from distopt's default, so a changed distopt default fails here.
+ *
+ * Coverage: datasets/golden/manifest.json (written by gen_golden.py from
+ * entries/<optimizer>.py) says per optimizer which case files cover it, or
+ * which test checks its golden data (checked_by + data), or why it is exempt.
+ * Every registered optimizer must be in it, every case-covered optimizer
+ * needs a defaults-only case and a run of >= 200 steps, and every case file
+ * in the directory must belong to a manifest entry. */
 #include "testutil.h"
 
+#include <cjson/cJSON.h>
 #include <dirent.h>
 #include <math.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +52,8 @@
 
 #define TOL_PARAM 1e-6
 #define TOL_STATE 1e-5
+#define TOL_LIMIT 1e-4 /* the loosest tolerance a case may declare */
+#define LONG_STEPS 200 /* a case-covered optimizer needs a run at least this long */
 #define MAXP 32
 
 typedef struct errstat {
@@ -69,8 +89,69 @@ static char *path_join(const char *dir, const char *file) {
   return p;
 }
 
+typedef struct case_info {
+  int steps, every, defaults_only;
+  double tol_param, tol_state;
+} case_info;
+
+/* A declared tolerance: a finite number in (0, TOL_LIMIT]. */
+static double meta_tol(const dopt_st_file *cf, const char *file, const char *key, double def) {
+  const char *v = dopt_st_meta(cf, key);
+  if (!v) return def;
+  char *end = NULL;
+  double x = strtod(v, &end);
+  if (end == v || *end != '\0' || !(x > 0) || !isfinite(x)) fail_msg("%s: %s=\"%s\" is not a positive number", file, key, v);
+  if (x > TOL_LIMIT) fail_msg("%s: declares %s=%g, looser than the limit %g: refused", file, key, x, TOL_LIMIT);
+  return x;
+}
+
+static int in_list(const char *list, const char *key, size_t klen) {
+  for (const char *p = list; p && *p;) {
+    const char *c = strchr(p, ',');
+    size_t l = c ? (size_t)(c - p) : strlen(p);
+    if (l == klen && strncmp(p, key, klen) == 0) return 1;
+    p = c ? c + 1 : NULL;
+  }
+  return 0;
+}
+
+/* defaults_only=1: upstream ran with its defaults, so every key passed here
+ * must be one distopt cannot do without (create fails when it is left out),
+ * or one declared in defaults_differ (distopt's default deliberately differs)
+ * whose value is not distopt's default. Anything else would hide a default. */
+static void check_defaults_only(const char *file, const char *optname, const char *hparams, const char *differ,
+                                const dopt_optim *o) {
+  char buf[1024], rest[1024];
+  snprintf(buf, sizeof buf, "%s", hparams ? hparams : "");
+  char *items[64];
+  int n = 0;
+  char *save = NULL;
+  for (char *t = strtok_r(buf, ",", &save); t && n < 64; t = strtok_r(NULL, ",", &save)) items[n++] = t;
+  for (int i = 0; i < n; i++) {
+    size_t off = 0;
+    rest[0] = '\0';
+    for (int j = 0; j < n; j++)
+      if (j != i) off += (size_t)snprintf(rest + off, sizeof rest - off, "%s%s", off ? "," : "", items[j]);
+    const char *eq = strchr(items[i], '=');
+    size_t klen = eq ? (size_t)(eq - items[i]) : strlen(items[i]);
+    char key[128];
+    snprintf(key, sizeof key, "%.*s", (int)klen, items[i]);
+    dopt_optim *o2 = NULL;
+    if (dopt_optim_create(optname, rest, &o2) != DOPT_OK) continue; /* required by distopt */
+    double mine = NAN, theirs = NAN;
+    dopt_status s1 = dopt_optim_get_hparam(o2, 0, key, &mine), s2 = dopt_optim_get_hparam(o, 0, key, &theirs);
+    dopt_optim_destroy(o2);
+    if (!in_list(differ, key, klen))
+      fail_msg("%s: defaults-only case passes %s, which %s does not require, so its default goes unchecked "
+               "(a deliberate difference from upstream belongs in the entry's DEFAULTS_DIFFER)",
+               file, items[i], optname);
+    if (s1 != DOPT_OK || s2 != DOPT_OK || mine == theirs || (isnan(mine) && isnan(theirs)))
+      fail_msg("%s: defaults_differ names %s, but %s's default is that value", file, key, optname);
+  }
+}
+
 /* Runs one case; returns the number of compared tensors. */
-static int run_case(const char *dir, const char *file, errstat *ep, errstat *es) {
+static int run_case(const char *dir, const char *file, errstat *ep, errstat *es, case_info *ci) {
   char *path = path_join(dir, file);
   dopt_st_file *cf = NULL, *inf = NULL;
   assert_ok(dopt_st_load(path, &cf));
@@ -86,9 +167,21 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es)
   assert_non_null(steps_s);
   int steps = atoi(steps_s);
   assert_true(steps >= 20);
+  const char *every_s = dopt_st_meta(cf, "record_every");
+  int every = every_s ? atoi(every_s) : 1;
+  if (every < 1 || steps % every != 0 || steps / every < 4)
+    fail_msg("%s: record_every=%s must divide steps=%d and leave at least 4 recorded steps", file, every_s, steps);
+  ci->steps = steps;
+  ci->every = every;
+  ci->tol_param = meta_tol(cf, file, "tol_param", TOL_PARAM);
+  ci->tol_state = meta_tol(cf, file, "tol_state", TOL_STATE);
+  const char *dflt = dopt_st_meta(cf, "defaults_only");
+  ci->defaults_only = dflt && strcmp(dflt, "1") == 0;
 
   dopt_optim *o;
   assert_ok(dopt_optim_create(optname, dopt_st_meta(cf, "hparams"), &o));
+  if (ci->defaults_only)
+    check_defaults_only(file, optname, dopt_st_meta(cf, "hparams"), dopt_st_meta(cf, "defaults_differ"), o);
 
   /* parameters and groups */
   char names[MAXP][64];
@@ -149,6 +242,7 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es)
       }
     }
     assert_ok(dopt_optim_step(o, gp));
+    if (t % every) continue; /* not recorded */
     for (int i = 0; i < np; i++) {
       double ab, rel;
       char what[320];
@@ -157,8 +251,8 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es)
       rel = compare(data[i], gold, numel[i], &ab);
       snprintf(what, sizeof what, "%.60s %.200s", file, key);
       note(ep, rel, ab, what);
-      if (!(rel <= TOL_PARAM))
-        fail_msg("%s: %s normwise rel error %.3g > %.1g (max abs %.3g)", file, key, rel, TOL_PARAM, ab);
+      if (!(rel <= ci->tol_param))
+        fail_msg("%s: %s normwise rel error %.3g > %.3g (max abs %.3g)", file, key, rel, ci->tol_param, ab);
       compared++;
       /* every upstream state key must exist here, and vice versa */
       int ns = dopt_optim_num_states(o, i), upstream_keys = 0;
@@ -190,8 +284,8 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es)
           rel = compare(v.data, gold, n, &ab);
           snprintf(what, sizeof what, "%.60s %.200s", file, st.name);
           note(es, rel, ab, what);
-          if (!(rel <= TOL_STATE))
-            fail_msg("%s: %s normwise rel error %.3g > %.1g (max abs %.3g)", file, st.name, rel, TOL_STATE, ab);
+          if (!(rel <= ci->tol_state))
+            fail_msg("%s: %s normwise rel error %.3g > %.3g (max abs %.3g)", file, st.name, rel, ci->tol_state, ab);
           compared++;
         }
         if (!found) fail_msg("%s: upstream state '%s' has no counterpart", file, st.name);
@@ -215,37 +309,164 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es)
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *buf = malloc((size_t)n + 1);
+  size_t got = fread(buf, 1, (size_t)n, f);
+  fclose(f);
+  buf[got] = '\0';
+  return buf;
+}
+
+static const char *jstr(const cJSON *obj, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+  if (v && !cJSON_IsString(v)) fail_msg("manifest.json: \"%s\" must be a string", key);
+  return v ? v->valuestring : NULL;
+}
+
+static int count_safetensors(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return -1;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    size_t l = strlen(e->d_name);
+    n += l > 12 && strcmp(e->d_name + l - 12, ".safetensors") == 0;
+  }
+  closedir(d);
+  return n;
+}
+
+/* Runs the case files of one case-covered optimizer. */
+static void run_cases(const char *dir, const char *opt, const char *entry, const cJSON *cases, char **files, int nf,
+                      int *claimed, char *line, size_t cap) {
+  int n = cJSON_GetArraySize(cases), has_defaults = 0, has_long = 0;
+  if (!cJSON_IsArray(cases) || n == 0) fail_msg("manifest.json: %s: \"cases\" must be a non-empty list", opt);
+  for (int c = 0; c < n; c++) {
+    const cJSON *it = cJSON_GetArrayItem(cases, c);
+    if (!cJSON_IsString(it)) fail_msg("manifest.json: %s: case names must be strings", opt);
+    int k = -1;
+    for (int i = 0; i < nf; i++)
+      if (strcmp(files[i], it->valuestring) == 0) k = i;
+    if (k < 0) fail_msg("%s: case file %s (manifest.json) is missing in %s", opt, it->valuestring, dir);
+    if (claimed[k]) fail_msg("%s: case file %s is listed twice in manifest.json", opt, files[k]);
+    claimed[k] = 1;
+    /* the file must say it is this optimizer's, from this entry */
+    char *path = path_join(dir, files[k]);
+    dopt_st_file *cf = NULL;
+    assert_ok(dopt_st_load(path, &cf));
+    const char *o = dopt_st_meta(cf, "optimizer"), *e = dopt_st_meta(cf, "entry");
+    if (!o || strcmp(o, opt) != 0) fail_msg("%s: optimizer \"%s\", but manifest.json lists it under %s", files[k], o ? o : "", opt);
+    if (!e || strcmp(e, entry) != 0) fail_msg("%s: entry \"%s\", but manifest.json says %s", files[k], e ? e : "", entry);
+    dopt_st_free(cf);
+    free(path);
+    errstat ep = {0, 0, ""}, es = {0, 0, ""};
+    case_info ci = {0, 1, 0, TOL_PARAM, TOL_STATE};
+    int cnt = run_case(dir, files[k], &ep, &es, &ci);
+    printf("%-32s %8d %12.3g %12.3g %12.3g %12.3g  %d/%d%s%s\n", files[k], cnt, ep.max_abs, ep.max_rel, es.max_abs,
+           es.max_rel, ci.steps, ci.every, ci.defaults_only ? " defaults" : "",
+           ci.tol_param != TOL_PARAM || ci.tol_state != TOL_STATE ? " tol*" : "");
+    has_defaults |= ci.defaults_only;
+    has_long |= ci.steps >= LONG_STEPS;
+  }
+  if (!has_defaults) fail_msg("%s: no defaults-only case (add one to %s)", opt, entry);
+  if (!has_long) fail_msg("%s: no case of >= %d steps (add one to %s)", opt, LONG_STEPS, entry);
+  snprintf(line, cap, "%d cases run", n);
+}
+
 static void test_golden(void **st) {
   (void)st;
   const char *env = getenv("DOPT_GOLDEN_DIR");
   char *dir = env ? strdup(env) : path_join(dt_source_dir(), "datasets/golden");
   DIR *d = opendir(dir);
   if (!d) fail_msg("golden directory %s missing", dir);
-  char *files[64];
-  int nf = 0;
+  char *files[128];
+  int nf = 0, claimed[128] = {0};
   struct dirent *e;
-  while ((e = readdir(d)) && nf < 64) {
+  while ((e = readdir(d))) {
     size_t l = strlen(e->d_name);
-    if (l > 12 && strcmp(e->d_name + l - 12, ".safetensors") == 0 && strcmp(e->d_name, "inputs.safetensors") != 0 &&
-        strncmp(e->d_name, "bnb_", 4) != 0) /* bnb_*: 8-bit maps and kernel data, not optimizer cases */
+    if (l > 12 && strcmp(e->d_name + l - 12, ".safetensors") == 0 && strncmp(e->d_name, "inputs", 6) != 0 &&
+        strncmp(e->d_name, "bnb_", 4) != 0) { /* bnb_*: 8-bit maps and kernel data, not optimizer cases */
+      if (nf == 128) fail_msg("more than 128 case files in %s", dir);
       files[nf++] = strdup(e->d_name);
+    }
   }
   closedir(d);
   qsort(files, (size_t)nf, sizeof files[0], cmp_str);
-  /* all four optimizers must be covered: a missing file is a failure, not a skip */
-  const char *need[] = {"adamw_", "adafactor_", "came_", "lamb_"};
-  for (int k = 0; k < 4; k++) {
-    int have = 0;
-    for (int i = 0; i < nf; i++) have |= strncmp(files[i], need[k], strlen(need[k])) == 0;
-    if (!have) fail_msg("no golden case for %s* in %s", need[k], dir);
+
+  char *mpath = path_join(dir, "manifest.json");
+  char *text = read_text(mpath);
+  if (!text) fail_msg("%s missing (written by datasets/golden/gen_golden.py)", mpath);
+  cJSON *man = cJSON_Parse(text);
+  const cJSON *opts = man ? cJSON_GetObjectItemCaseSensitive(man, "optimizers") : NULL;
+  const cJSON *fmt = man ? cJSON_GetObjectItemCaseSensitive(man, "format") : NULL;
+  if (!cJSON_IsObject(opts) || !cJSON_IsNumber(fmt) || fmt->valuedouble != 1)
+    fail_msg("%s: not a format-1 golden manifest", mpath);
+
+  /* every name in the manifest must be registered */
+  const cJSON *m;
+  cJSON_ArrayForEach(m, opts) {
+    int found = 0;
+    for (int i = 0; i < dopt_optim_registry_count(); i++) found |= strcmp(dopt_optim_registry_name(i), m->string) == 0;
+    if (!found) fail_msg("manifest.json names %s, which is not a registered optimizer", m->string);
   }
-  printf("%-32s %8s %12s %12s %12s %12s\n", "case", "tensors", "param abs", "param rel", "state abs", "state rel");
-  for (int i = 0; i < nf; i++) {
-    errstat ep = {0, 0, ""}, es = {0, 0, ""};
-    int n = run_case(dir, files[i], &ep, &es);
-    printf("%-32s %8d %12.3g %12.3g %12.3g %12.3g\n", files[i], n, ep.max_abs, ep.max_rel, es.max_abs, es.max_rel);
-    free(files[i]);
+
+  printf("%-32s %8s %12s %12s %12s %12s  %s\n", "case", "tensors", "param abs", "param rel", "state abs", "state rel",
+         "steps/every");
+  int nreg = dopt_optim_registry_count();
+  char(*cover)[400] = calloc((size_t)nreg, sizeof *cover);
+  for (int r = 0; r < nreg; r++) {
+    const char *opt = dopt_optim_registry_name(r);
+    m = cJSON_GetObjectItemCaseSensitive(opts, opt);
+    if (!m) {
+      if (env) { /* another directory may hold some optimizers only */
+        snprintf(cover[r], sizeof cover[r], "not in %s", dir);
+        continue;
+      }
+      fail_msg("optimizer %s is registered but has no golden coverage: no entry in %s (add "
+               "datasets/golden/entries/%s.py and run python3 datasets/golden/gen_golden.py %s)",
+               opt, mpath, opt, opt);
+    }
+    const char *entry = jstr(m, "entry"), *checked = jstr(m, "checked_by"), *exempt = jstr(m, "exempt");
+    const cJSON *cases = cJSON_GetObjectItemCaseSensitive(m, "cases");
+    if (!entry || !*entry) fail_msg("manifest.json: %s has no entry file", opt);
+    if ((cases != NULL) + (checked != NULL) + (exempt != NULL) != 1)
+      fail_msg("manifest.json: %s must have exactly one of cases, checked_by, exempt", opt);
+    char what[300];
+    if (cases) {
+      run_cases(dir, opt, entry, cases, files, nf, claimed, what, sizeof what);
+    } else if (checked) {
+      /* golden data checked by another test: that test and its data must exist */
+      const char *data = jstr(m, "data");
+      char *tpath = path_join(dt_source_dir(), checked);
+      struct stat sb;
+      if (stat(tpath, &sb) != 0) fail_msg("%s: checked_by %s does not exist", opt, checked);
+      free(tpath);
+      if (!data) fail_msg("manifest.json: %s: checked_by needs \"data\"", opt);
+      char *dpath = path_join(dt_source_dir(), data);
+      int nd = count_safetensors(dpath);
+      free(dpath);
+      if (nd < 1) fail_msg("%s: golden data %s (checked by %s) has no .safetensors files", opt, data, checked);
+      snprintf(what, sizeof what, "checked by %s (%s, %d files)", checked, data, nd);
+    } else {
+      if (strlen(exempt) < 40) fail_msg("%s: an exemption needs a reason, not \"%s\"", opt, exempt);
+      snprintf(what, sizeof what, "exempt: %.200s%s", exempt, strlen(exempt) > 200 ? "..." : "");
+    }
+    snprintf(cover[r], sizeof cover[r], "%s [%s]", what, entry);
   }
+  for (int i = 0; i < nf; i++)
+    if (!claimed[i]) fail_msg("%s/%s belongs to no optimizer in manifest.json (stale? rerun gen_golden.py)", dir, files[i]);
+  printf("\ncoverage of the %d registered optimizers:\n", nreg);
+  for (int r = 0; r < nreg; r++) printf("  %-18s %s\n", dopt_optim_registry_name(r), cover[r]);
+  free(cover);
+  for (int i = 0; i < nf; i++) free(files[i]);
+  cJSON_Delete(man);
+  free(text);
+  free(mpath);
   free(dir);
 }
 
