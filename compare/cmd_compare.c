@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -15,6 +16,12 @@
 #include "registry.h"
 
 static const char *const CMD = "compare";
+
+/* A library error as one line, control characters of echoed input escaped (cli_errorf). */
+static int lib_error(dopt_status s) {
+  const char *msg = dopt_last_error();
+  return cli_errorf(CMD, "%s", *msg ? msg : dopt_status_str(s));
+}
 
 static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
@@ -25,10 +32,17 @@ static void compare_usage(FILE *f) {
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda]\n"
         "       distopt compare --matrix [--steps N]\n"
+        "       distopt compare --sweep [--max-tp N] [--max-dp N] [--optimizer NAME] [--hparams k=v,...] [--steps N]\n"
+        "         [gradient, accumulation, dp-sum and bf16 options as above] [--json FILE]\n"
         "  Runs the distributed optimizer on tp*dp simulated ranks beside the single-device reference on\n"
         "  the same gradients (a recorded trace, or seeded synthetic gradients) and prints, per parameter\n"
         "  and state, max abs error, max ULP distance, bitwise yes/no and the first divergent step.\n"
-        "  Defaults: adafactor, hybrid tp=2 dp=2 zero=2, 100 steps, synthetic gradients.\n"
+        "  Defaults: adafactor, hybrid tp=2 dp=2 zero=2, 100 steps, synthetic gradients; without --hparams the\n"
+        "  upstream defaults, or the optimizer's registry example when those are not a valid optimizer (CAME's lr).\n"
+        "  --plugin sets what it implies unless given: ddp tp=1 zero=0; zero tp=1 zero=1 (or --zero 2);\n"
+        "  hybrid zero=2 (0-2); fsdp zero=3. A given value the plugin does not allow is an error.\n"
+        "  --sweep: the optimizer in every layout tp 1..max-tp x dp 1..max-dp x zero 0..3 (default 4 x 4 x 4,\n"
+        "  at most 8 x 8), a grid of verdicts and 'N of M layouts bitwise'.\n"
         "  --ring-order: the simulator sums like a ring all-reduce (as NCCL may) instead of in rank order.\n"
         "  --dp-sum: the data-parallel gradient sum: exact (default; fixed-point, one int64 word per element,\n"
         "  the same bits in any reduction order), exact2 (two words: exact for a wider range of magnitudes)\n"
@@ -69,24 +83,6 @@ static void progress(int step, int steps, double elapsed, uint64_t worst, void *
 
 /* The measured compatibility matrix: every registered optimizer under every
  * plugin in a small default layout. */
-/* Hyperparameters of a --matrix row: the defaults, except what the small
- * synthetic block needs to exercise the optimizer (GaLore projects with a
- * rank below its dimensions and refreshes several times; 8-bit states reach
- * their threshold; CAME needs an lr). */
-static const char *matrix_hparams(const char *name) {
-  static const struct {
-    const char *name, *hp;
-  } H[] = {{"came", "lr=2e-4"},
-           {"adamw8bit", "min_8bit_size=64"},
-           {"galore_adamw", "rank=4,update_proj_gap=2"},
-           {"galore_adamw8bit", "rank=4,update_proj_gap=2,min_8bit_size=64"},
-           {"q_galore", "rank=4,update_proj_gap=2,proj_group_size=-1"},
-           {"lisa", "inner=adamw,n_layers=1,interval=2"}};
-  for (size_t k = 0; k < sizeof H / sizeof H[0]; k++)
-    if (strcmp(H[k].name, name) == 0) return H[k].hp;
-  return "";
-}
-
 static int run_matrix(int steps) {
   static const struct {
     const char *plugin;
@@ -110,7 +106,8 @@ static int run_matrix(int steps) {
       cmp_options o;
       cmp_options_default(&o);
       snprintf(o.optimizer, sizeof o.optimizer, "%s", name);
-      snprintf(o.hparams, sizeof o.hparams, "%s", matrix_hparams(name));
+      dopt_optim_info in; /* the optimizer's example: a rank below the small model's dimensions, an lr CAME needs */
+      if (dopt_optim_registry_info(k, &in) == DOPT_OK) snprintf(o.hparams, sizeof o.hparams, "%s", in.example);
       snprintf(o.plugin, sizeof o.plugin, "%s", plugins[p].plugin);
       o.tp = plugins[p].tp;
       o.dp = plugins[p].dp;
@@ -142,6 +139,103 @@ static int run_matrix(int steps) {
   }
   if (reasons[0]) printf("reasons:\n%s", reasons);
   return all ? CLI_OK : CLI_FAIL;
+}
+
+static void sweep_progress(int k, int n, int tp, int dp, int zero, double elapsed) {
+  if (k < n) printf("\rlayout %d/%d: tp %d x dp %d x zero %d  %.1f s   ", k + 1, n, tp, dp, zero, elapsed);
+  else printf("\r%60s\r", "");
+  fflush(stdout);
+}
+
+static double wall_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* --sweep: the optimizer of *base in every layout tp x dp x zero, each compared with the reference as a
+ * plain compare does (cmp_run: the reference steps in lockstep with each run). A layout a trace cannot
+ * split (dp not dividing its shards per step) is skipped and said so. The first layout (1 x 1 x 0) failing
+ * is bad input: its one-line error, exit 2. */
+static int run_sweep(const cmp_options *base) {
+  const int n = base->max_tp * base->max_dp * 4;
+  cmp_sweep_cell *cells = calloc((size_t)n, sizeof *cells);
+  if (!cells) return cli_errorf(CMD, "--sweep: out of memory for %d layouts", n);
+  int shards = 0; /* a trace's shards per step */
+  if (strcmp(base->source, "trace") == 0 && base->trace_path[0]) {
+    dopt_st_file *tf = NULL;
+    dopt_status s = dopt_st_load(base->trace_path, &tf);
+    if (s != DOPT_OK) {
+      free(cells);
+      return lib_error(s);
+    }
+    const char *sh = dopt_st_meta(tf, "shards");
+    shards = sh ? atoi(sh) : 0;
+    dopt_st_free(tf);
+  }
+  const int tty = !base->quiet && isatty(STDOUT_FILENO);
+  const double t0 = wall_s();
+  int rc = CLI_OK, k = 0;
+  for (int tp = 1; tp <= base->max_tp; tp++)
+    for (int dp = 1; dp <= base->max_dp; dp++)
+      for (int zero = 0; zero <= 3; zero++, k++) {
+        cmp_sweep_cell *c = &cells[k];
+        c->tp = tp, c->dp = dp, c->zero = zero;
+        snprintf(c->plugin, sizeof c->plugin, "%s", cmp_layout_plugin(tp, zero));
+        if (shards > 0 && shards % dp != 0) {
+          c->kind = CMP_CELL_SKIPPED;
+          snprintf(c->message, sizeof c->message, "dp %d does not divide the %d shards per step of the trace", dp,
+                   shards);
+          continue;
+        }
+        if (tty) sweep_progress(k, n, tp, dp, zero, wall_s() - t0);
+        cmp_options o = *base;
+        snprintf(o.plugin, sizeof o.plugin, "%s", c->plugin);
+        o.tp = tp, o.dp = dp, o.zero = zero, o.ranks = 0;
+        cmp_result r;
+        dopt_status s = cmp_run(&o, &r, NULL, NULL);
+        if (s != DOPT_OK && k == 0) {
+          if (tty) sweep_progress(n, n, 0, 0, 0, 0);
+          free(cells);
+          return lib_error(s);
+        }
+        if (s != DOPT_OK) {
+          c->kind = CMP_CELL_ERROR;
+          snprintf(c->message, sizeof c->message, "%s", dopt_last_error());
+          continue;
+        }
+        cmp_sweep_cell_set(c, &r);
+        cmp_result_free(&r);
+      }
+  if (tty) sweep_progress(n, n, 0, 0, 0, 0);
+  cmp_print_sweep(stdout, base, cells, n);
+  printf("time: %.1f s\n", wall_s() - t0);
+  dopt_status s;
+  if (base->json_path[0] && (s = cmp_write_sweep_json(base->json_path, base, cells, n)) != DOPT_OK) rc = lib_error(s);
+  int all = 1;
+  for (k = 0; k < n; k++) all &= cells[k].kind != CMP_CELL_DIVERGED && cells[k].kind != CMP_CELL_ERROR;
+  free(cells);
+  return rc != CLI_OK || !all ? CLI_FAIL : CLI_OK;
+}
+
+/* What --sweep replaces or cannot run, from the command line (cli_given) or anywhere (o): one line, or CLI_OK. */
+static int sweep_conflicts(const cmp_options *o, unsigned cli_given, int ranks_given) {
+  static const struct {
+    unsigned bit;
+    const char *opt;
+  } L[] = {{CMP_GIVEN_PLUGIN, "--plugin"}, {CMP_GIVEN_TP, "--tp"}, {CMP_GIVEN_DP, "--dp"}, {CMP_GIVEN_ZERO, "--zero"}};
+  for (size_t k = 0; k < sizeof L / sizeof L[0]; k++)
+    if (cli_given & L[k].bit)
+      return cli_errorf(CMD, "--sweep runs every layout: %s is not used with it (bound the grid with --max-tp/--max-dp)",
+                        L[k].opt);
+  if (ranks_given) return cli_errorf(CMD, "--sweep runs every layout: --ranks is not used with it");
+  if (o->checkpoint_at > 0)
+    return cli_errorf(CMD, "--sweep: --checkpoint-at/checkpoint.at %d is not supported with it (resume one layout "
+                      "pair with compare --checkpoint-at)", o->checkpoint_at);
+  if (strcmp(o->backend, "sim") != 0)
+    return cli_errorf(CMD, "--sweep: backend '%s' (the sweep runs on the simulator: --backend sim)", o->backend);
+  if (o->svg_path[0]) return cli_errorf(CMD, "--sweep: --plot/output.plot has one run's curves; use --json for the sweep");
+  return CLI_OK;
 }
 
 /* Backend mpi, after the run (or a refused start): frees the world and
@@ -176,7 +270,8 @@ static int mpi_begin(const cmp_options *o, dopt_mpi_comm **world, int *rank) {
 int cmd_compare(int argc, char **argv) {
   cmp_options o;
   cmp_options_default(&o);
-  int matrix = 0, rc = CLI_OK;
+  int matrix = 0, rc = CLI_OK, ranks_given = 0, max_given = 0;
+  unsigned cli_given = 0; /* CMP_GIVEN_* bits of the command line */
   const char *config = NULL;
   /* the config file first, so that options given on the command line win */
   for (int i = 1; i + 1 < argc; i++)
@@ -193,6 +288,7 @@ int cmd_compare(int argc, char **argv) {
       return CLI_OK;
     }
     if (strcmp(a, "--matrix") == 0) { matrix = 1; continue; }
+    if (strcmp(a, "--sweep") == 0) { o.sweep = 1; continue; }
     if (strcmp(a, "--bf16") == 0) { o.bf16 = 1; continue; }
     if (strcmp(a, "--quiet") == 0) { o.quiet = 1; continue; }
     if (strcmp(a, "--ring-order") == 0) { o.ring_order = 1; continue; }
@@ -211,11 +307,13 @@ int cmd_compare(int argc, char **argv) {
       o.group_glob[o.ngroups][colon - v] = '\0';
       rc = copy_opt(a, colon + 1, o.group_hp[o.ngroups], sizeof o.group_hp[0]);
       o.ngroups++;
-    } else if (strcmp(a, "--plugin") == 0) rc = copy_opt(a, v, o.plugin, sizeof o.plugin);
-    else if (strcmp(a, "--tp") == 0) rc = parse_int(a, v, 1, 64, &o.tp);
-    else if (strcmp(a, "--dp") == 0) rc = parse_int(a, v, 1, 64, &o.dp);
-    else if (strcmp(a, "--zero") == 0) rc = parse_int(a, v, 0, 3, &o.zero);
-    else if (strcmp(a, "--ranks") == 0) rc = parse_int(a, v, 1, 64, &o.ranks);
+    } else if (strcmp(a, "--plugin") == 0) { rc = copy_opt(a, v, o.plugin, sizeof o.plugin); cli_given |= CMP_GIVEN_PLUGIN; }
+    else if (strcmp(a, "--tp") == 0) { rc = parse_int(a, v, 1, 64, &o.tp); cli_given |= CMP_GIVEN_TP; }
+    else if (strcmp(a, "--dp") == 0) { rc = parse_int(a, v, 1, 64, &o.dp); cli_given |= CMP_GIVEN_DP; }
+    else if (strcmp(a, "--zero") == 0) { rc = parse_int(a, v, 0, 3, &o.zero); cli_given |= CMP_GIVEN_ZERO; }
+    else if (strcmp(a, "--ranks") == 0) { rc = parse_int(a, v, 1, 64, &o.ranks); ranks_given = 1; }
+    else if (strcmp(a, "--max-tp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o.max_tp); max_given = 1; }
+    else if (strcmp(a, "--max-dp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o.max_dp); max_given = 1; }
     else if (strcmp(a, "--steps") == 0) { rc = parse_int(a, v, 1, 1000000, &o.steps); steps_given = 1; }
     else if (strcmp(a, "--accumulation") == 0) rc = parse_int(a, v, 1, 1024, &o.micro);
     else if (strcmp(a, "--max-grad-norm") == 0) {
@@ -235,10 +333,13 @@ int cmd_compare(int argc, char **argv) {
         return cli_errorf(CMD, "--backend '%s': expected sim, nccl or mpi", v);
       rc = copy_opt(a, v, o.backend, sizeof o.backend);
     } else if (strcmp(a, "--checkpoint-at") == 0) rc = parse_int(a, v, 1, 1000000, &o.checkpoint_at);
-    else if (strcmp(a, "--resume-tp") == 0) rc = parse_int(a, v, 1, 64, &o.resume_tp);
-    else if (strcmp(a, "--resume-dp") == 0) rc = parse_int(a, v, 1, 64, &o.resume_dp);
-    else if (strcmp(a, "--resume-zero") == 0) rc = parse_int(a, v, 0, 3, &o.resume_zero);
-    else if (strcmp(a, "--resume-plugin") == 0) rc = copy_opt(a, v, o.resume_plugin, sizeof o.resume_plugin);
+    else if (strcmp(a, "--resume-tp") == 0) { rc = parse_int(a, v, 1, 64, &o.resume_tp); cli_given |= CMP_GIVEN_RESUME_TP; }
+    else if (strcmp(a, "--resume-dp") == 0) { rc = parse_int(a, v, 1, 64, &o.resume_dp); cli_given |= CMP_GIVEN_RESUME_DP; }
+    else if (strcmp(a, "--resume-zero") == 0) { rc = parse_int(a, v, 0, 3, &o.resume_zero); cli_given |= CMP_GIVEN_RESUME_ZERO; }
+    else if (strcmp(a, "--resume-plugin") == 0) {
+      rc = copy_opt(a, v, o.resume_plugin, sizeof o.resume_plugin);
+      cli_given |= CMP_GIVEN_RESUME_PLUGIN;
+    }
     else if (strcmp(a, "--checkpoint-dir") == 0) rc = copy_opt(a, v, o.checkpoint_dir, sizeof o.checkpoint_dir);
     else if (strcmp(a, "--dp-sum") == 0) {
       o.dp_sum_words = cmp_parse_dp_sum(v);
@@ -251,7 +352,20 @@ int cmd_compare(int argc, char **argv) {
     else return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
   }
   if (rc != CLI_OK) return rc;
+  /* the command line's layout values win over the file's */
+  o.given |= cli_given;
+  o.given_yaml &= ~cli_given;
+  if (matrix && o.sweep) return cli_errorf(CMD, "--matrix and --sweep: choose one");
+  if (max_given && !o.sweep) return cli_errorf(CMD, "--max-tp/--max-dp only apply with --sweep");
   if (matrix) return run_matrix(steps_given ? o.steps : 20);
+  /* no hyperparameters given: upstream's defaults, or the registry's example where those are not an optimizer */
+  if (!o.hparams[0]) snprintf(o.hparams, sizeof o.hparams, "%s", cli_default_hparams(o.optimizer));
+  if (o.sweep) {
+    if ((rc = sweep_conflicts(&o, cli_given, ranks_given)) != CLI_OK) return rc;
+    return run_sweep(&o);
+  }
+  dopt_status ps = cmp_apply_plugin(&o);
+  if (ps != DOPT_OK) return lib_error(ps);
   dopt_mpi_comm *mpi_world = NULL; /* backend mpi: MPI is up from here to mpi_end */
   int mpi_rank = 0;
   if (strcmp(o.backend, "mpi") == 0 && (rc = mpi_begin(&o, &mpi_world, &mpi_rank)) != CLI_OK) return rc;

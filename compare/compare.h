@@ -53,7 +53,46 @@ typedef struct cmp_options {
   char resume_plugin[16];                 /* "" / 0 / -1 (zero): the first layout's */
   int resume_tp, resume_dp, resume_zero;
   char checkpoint_dir[512];               /* "" : a fresh directory under $TMPDIR */
+  unsigned given;                         /* CMP_GIVEN_* bits: the layout values the user gave (CLI or YAML) */
+  unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */
+  int sweep;                              /* --sweep: every tp in 1..max_tp x dp in 1..max_dp x zero 0..3 */
+  int max_tp, max_dp;                     /* --max-tp, --max-dp (default 4, at most CMP_SWEEP_MAX) */
 } cmp_options;
+
+/* The layout values a user can give; the ones not given follow from the
+ * plugin (cmp_apply_plugin). */
+enum {
+  CMP_GIVEN_PLUGIN = 1u << 0,        /* --plugin, plugin.type */
+  CMP_GIVEN_TP = 1u << 1,            /* --tp, plugin.tp */
+  CMP_GIVEN_DP = 1u << 2,            /* --dp, plugin.dp */
+  CMP_GIVEN_ZERO = 1u << 3,          /* --zero, plugin.zero */
+  CMP_GIVEN_RESUME_PLUGIN = 1u << 4, /* --resume-plugin, checkpoint.resume.type */
+  CMP_GIVEN_RESUME_TP = 1u << 5,     /* --resume-tp, checkpoint.resume.tp */
+  CMP_GIVEN_RESUME_DP = 1u << 6,     /* --resume-dp, checkpoint.resume.dp */
+  CMP_GIVEN_RESUME_ZERO = 1u << 7    /* --resume-zero, checkpoint.resume.zero */
+};
+
+/* --max-tp / --max-dp (compare.max_tp / max_dp) at most this. */
+#define CMP_SWEEP_MAX 8
+
+/* Completes the layouts from what the plugins imply (docs/cli.md, "Plugins
+ * and layouts"), for the values o->given does not name:
+ *   ddp: tp 1, zero 0 (only those); zero: tp 1 (only), zero 1 (1 or 2, as
+ *   ColossalAI's LowLevelZeroPlugin); hybrid: tp 2, zero 2 (zero 0-2, any tp);
+ *   fsdp: tp 2, zero 3 (only 3, any tp).
+ * Without a plugin given it is hybrid, or fsdp when the zero given is 3. The
+ * resume layout (--resume-*) keeps the first layout's values where its plugin
+ * allows them, otherwise takes what that plugin implies; without a resume
+ * plugin given it is the first layout's plugin, or the one that expresses
+ * the resume values given (cmp_layout_plugin). A given value the given
+ * plugin does not allow is DOPT_ERR_INVALID_ARG naming both options, their
+ * values and what the plugin implies; an unknown plugin DOPT_ERR_NOT_FOUND.
+ * o is unchanged on error. */
+dopt_status cmp_apply_plugin(cmp_options *o);
+
+/* The plugin that expresses tp x zero directly: zero 3 fsdp; tp 1: ddp
+ * (zero 0) or zero (zero 1, 2); otherwise hybrid. */
+const char *cmp_layout_plugin(int tp, int zero);
 
 /* --dp-sum / plugin.dp_sum names: "exact" (1 word), "exact2" (2 words),
  * "rank-order" (0); -1 for anything else. */
@@ -117,11 +156,45 @@ uint64_t cmp_declared_ulp(const char *optimizer);
  *   bf16: false                                            # optional
  *   gradients: {source: synthetic, seed: 1} | {source: trace, path: FILE}
  *   output: {json: FILE, plot: FILE.svg}                   # optional
+ *   checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}}   # optional
+ *   compare: {sweep: false, max_tp: 4, max_dp: 4}          # optional (--sweep)
+ * Layout values the file gives are marked in o->given / o->given_yaml
+ * (cmp_apply_plugin completes the rest).
  * Loads into o (on top of its current values). Unknown keys, wrong types,
  * duplicate keys and malformed YAML are DOPT_ERR_FORMAT with
  * "FILE:LINE: dotted.key: problem"; an unreadable file is DOPT_ERR_IO. o is
  * unchanged on error. */
 dopt_status cmp_load_yaml(const char *path, cmp_options *o);
+
+/* One layout of `distopt compare --sweep`. */
+typedef enum {
+  CMP_CELL_BITWISE,   /* every tensor bitwise equal to the reference at every step */
+  CMP_CELL_WITHIN,    /* equivalent within the declared tolerance, not bitwise */
+  CMP_CELL_DIVERGED,  /* beyond the declared tolerance from `step` (or the skipped steps differ: step 0) */
+  CMP_CELL_ERROR,     /* cmp_run failed: `message` */
+  CMP_CELL_SKIPPED    /* not run: `message` says why (e.g. dp does not divide a trace's shards) */
+} cmp_cell_kind;
+
+typedef struct cmp_sweep_cell {
+  int tp, dp, zero;
+  char plugin[16];          /* the plugin that expresses the layout (cmp_layout_plugin) */
+  cmp_cell_kind kind;
+  int step;                 /* DIVERGED: the first step beyond the declared tolerance */
+  char tensor[128];         /* DIVERGED: the first tensor beyond it at that step */
+  uint64_t worst_ulp;       /* max ULP over all tensors and steps */
+  uint64_t declared_ulp;
+  char message[512];        /* ERROR / SKIPPED: one line */
+  char digest[DOPT_DIGEST_HEX], ref_digest[DOPT_DIGEST_HEX];
+  double seconds;
+} cmp_sweep_cell;
+
+/* Fills kind, step, tensor, worst_ulp, declared_ulp, digests and seconds of c from a result. */
+void cmp_sweep_cell_set(cmp_sweep_cell *c, const cmp_result *r);
+/* The grid (rows tp x dp, columns zero 0..3), the details of every cell that
+ * is not bitwise, and "N of M layouts bitwise". */
+void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells, int ncells);
+/* The sweep's JSON record (its own "schema_version", "kind": "sweep"; docs/cli.md). */
+dopt_status cmp_write_sweep_json(const char *path, const cmp_options *o, const cmp_sweep_cell *cells, int ncells);
 
 /* Reports (compare/report.c). */
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r);

@@ -20,6 +20,9 @@
  *    `gradients.path` without `source` implies `source: trace`.
  *  - Relative `gradients.path` is resolved against the YAML file's directory;
  *    output paths are kept as written (relative to the working directory).
+ *  - Layout values the file gives (plugin.type/tp/dp/zero, checkpoint.resume.*)
+ *    are marked in o->given and o->given_yaml: cmp_apply_plugin keeps them and
+ *    completes the rest from the plugin, and names a contradiction by its key.
  *  - o is only written when the whole file is valid: on error it is unchanged.
  */
 #include "compare.h"
@@ -262,6 +265,12 @@ static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   return DOPT_OK;
 }
 
+/* A layout value the file gave: the plugin does not override it (cmp_apply_plugin). */
+static void given(cmp_options *o, unsigned bit) {
+  o->given |= bit;
+  o->given_yaml |= bit;
+}
+
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   static const char *const keys[] = {"type", "tp", "dp", "zero", "ranks", "dp_sum", "ring_order", "batch_invariant", "backend",
                                      "device", NULL};
@@ -274,10 +283,20 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) ok |= strcmp(names[i], o->plugin) == 0;
     if (!ok)
       return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid or fsdp)", o->plugin);
+    given(o, CMP_GIVEN_PLUGIN);
   }
-  if ((v = lookup(c, n, "tp"))) DOPT_TRY(get_int(c, v, "plugin.tp", 1, 1 << 20, &o->tp));
-  if ((v = lookup(c, n, "dp"))) DOPT_TRY(get_int(c, v, "plugin.dp", 1, 1 << 20, &o->dp));
-  if ((v = lookup(c, n, "zero"))) DOPT_TRY(get_int(c, v, "plugin.zero", 0, 3, &o->zero));
+  if ((v = lookup(c, n, "tp"))) {
+    DOPT_TRY(get_int(c, v, "plugin.tp", 1, 1 << 20, &o->tp));
+    given(o, CMP_GIVEN_TP);
+  }
+  if ((v = lookup(c, n, "dp"))) {
+    DOPT_TRY(get_int(c, v, "plugin.dp", 1, 1 << 20, &o->dp));
+    given(o, CMP_GIVEN_DP);
+  }
+  if ((v = lookup(c, n, "zero"))) {
+    DOPT_TRY(get_int(c, v, "plugin.zero", 0, 3, &o->zero));
+    given(o, CMP_GIVEN_ZERO);
+  }
   if ((v = lookup(c, n, "ranks"))) DOPT_TRY(get_int(c, v, "plugin.ranks", 1, 1 << 20, &o->ranks));
   if ((v = lookup(c, n, "dp_sum"))) {
     char name[16];
@@ -359,18 +378,44 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
   if ((v = lookup(c, n, "resume"))) {
     DOPT_TRY(check_mapping(c, v, "checkpoint.resume", rkeys));
     yaml_node_t *w;
-    if ((w = lookup(c, v, "type")))
+    if ((w = lookup(c, v, "type"))) {
       DOPT_TRY(get_str(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
-    if ((w = lookup(c, v, "tp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.tp", 1, 64, &o->resume_tp));
-    if ((w = lookup(c, v, "dp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.dp", 1, 64, &o->resume_dp));
-    if ((w = lookup(c, v, "zero"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.zero", 0, 3, &o->resume_zero));
+      if (strcmp(o->resume_plugin, "ddp") != 0 && strcmp(o->resume_plugin, "zero") != 0 &&
+          strcmp(o->resume_plugin, "hybrid") != 0 && strcmp(o->resume_plugin, "fsdp") != 0)
+        return cfg_fail(c, w, "checkpoint.resume.type", "unknown plugin '%s' (expected ddp, zero, hybrid or fsdp)",
+                        o->resume_plugin);
+      given(o, CMP_GIVEN_RESUME_PLUGIN);
+    }
+    if ((w = lookup(c, v, "tp"))) {
+      DOPT_TRY(get_int(c, w, "checkpoint.resume.tp", 1, 64, &o->resume_tp));
+      given(o, CMP_GIVEN_RESUME_TP);
+    }
+    if ((w = lookup(c, v, "dp"))) {
+      DOPT_TRY(get_int(c, w, "checkpoint.resume.dp", 1, 64, &o->resume_dp));
+      given(o, CMP_GIVEN_RESUME_DP);
+    }
+    if ((w = lookup(c, v, "zero"))) {
+      DOPT_TRY(get_int(c, w, "checkpoint.resume.zero", 0, 3, &o->resume_zero));
+      given(o, CMP_GIVEN_RESUME_ZERO);
+    }
   }
+  return DOPT_OK;
+}
+
+/* compare: {sweep: true, max_tp: 4, max_dp: 4}   (--sweep, --max-tp, --max-dp) */
+static dopt_status load_compare(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+  static const char *const keys[] = {"sweep", "max_tp", "max_dp", NULL};
+  DOPT_TRY(check_mapping(c, n, "compare", keys));
+  yaml_node_t *v;
+  if ((v = lookup(c, n, "sweep"))) DOPT_TRY(get_bool(c, v, "compare.sweep", &o->sweep));
+  if ((v = lookup(c, n, "max_tp"))) DOPT_TRY(get_int(c, v, "compare.max_tp", 1, CMP_SWEEP_MAX, &o->max_tp));
+  if ((v = lookup(c, n, "max_dp"))) DOPT_TRY(get_int(c, v, "compare.max_dp", 1, CMP_SWEEP_MAX, &o->max_dp));
   return DOPT_OK;
 }
 
 static dopt_status load_root(const cfg_ctx *c, yaml_node_t *root, cmp_options *o) {
   static const char *const keys[] = {"optimizer", "groups", "plugin", "steps", "accumulation", "max_grad_norm",
-                                     "bf16", "gradients", "output", "checkpoint", NULL};
+                                     "bf16", "gradients", "output", "checkpoint", "compare", NULL};
   DOPT_TRY(check_mapping(c, root, "", keys));
   yaml_node_t *v;
   if ((v = lookup(c, root, "optimizer"))) DOPT_TRY(load_optimizer(c, v, o));
@@ -387,6 +432,7 @@ static dopt_status load_root(const cfg_ctx *c, yaml_node_t *root, cmp_options *o
   if ((v = lookup(c, root, "gradients"))) DOPT_TRY(load_gradients(c, v, o));
   if ((v = lookup(c, root, "output"))) DOPT_TRY(load_output(c, v, o));
   if ((v = lookup(c, root, "checkpoint"))) DOPT_TRY(load_checkpoint(c, v, o));
+  if ((v = lookup(c, root, "compare"))) DOPT_TRY(load_compare(c, v, o));
   return DOPT_OK;
 }
 

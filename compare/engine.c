@@ -38,6 +38,8 @@ void cmp_options_default(cmp_options *o) {
   snprintf(o->device, sizeof o->device, "cpu");
   o->dp_sum_words = DOPT_DP_SUM_DEFAULT_WORDS;
   o->resume_zero = -1;
+  o->max_tp = 4;
+  o->max_dp = 4;
 }
 
 static const char *const DP_SUM_NAMES[] = {"rank-order", "exact", "exact2"};
@@ -55,6 +57,117 @@ const char *cmp_dp_sum_name(int words) {
 uint64_t cmp_declared_ulp(const char *optimizer) {
   (void)optimizer; /* adamw, adafactor, came, lamb: every statistic is exact */
   return 0;
+}
+
+/* ---- plugins and the layouts they imply ---------------------------------------------- */
+
+/* What each plugin allows and implies (dopt_dist_check_layout is the authority on what is allowed;
+ * tests/unit/test_cli.c checks the two agree through the CLI). */
+typedef struct plugin_rule {
+  const char *name;
+  int tp_only;                  /* 1: tp must be 1; 0: any tp (implied: the default 2, or the first layout's) */
+  int zero_lo, zero_hi, zero_implied;
+  const char *hint;             /* where the other layouts are */
+} plugin_rule;
+
+static const plugin_rule PLUGIN_RULES[] = {
+    {"ddp", 1, 0, 0, 0, "tensor parallelism is hybrid or fsdp, ZeRO 1-2 the zero plugin"},
+    {"zero", 1, 1, 2, 1, "tensor parallelism is hybrid or fsdp, zero 0 ddp"},
+    {"hybrid", 0, 0, 2, 2, "zero 3 is the fsdp plugin"},
+    {"fsdp", 0, 3, 3, 3, "zero 0-2 is the hybrid plugin"},
+};
+
+static const plugin_rule *plugin_rule_of(const char *name) {
+  for (size_t k = 0; k < sizeof PLUGIN_RULES / sizeof PLUGIN_RULES[0]; k++)
+    if (strcmp(PLUGIN_RULES[k].name, name) == 0) return &PLUGIN_RULES[k];
+  return NULL;
+}
+
+static int rule_allows(const plugin_rule *r, int tp, int zero) {
+  return (!r->tp_only || tp == 1) && zero >= r->zero_lo && zero <= r->zero_hi;
+}
+
+const char *cmp_layout_plugin(int tp, int zero) {
+  if (zero == 3) return "fsdp";
+  if (tp == 1) return zero == 0 ? "ddp" : "zero";
+  return "hybrid";
+}
+
+/* How the user spelled a given value: the YAML key when the file gave it, else the option. */
+static const char *spelled(const cmp_options *o, unsigned bit) {
+  static const struct {
+    unsigned bit;
+    const char *cli, *yaml;
+  } N[] = {{CMP_GIVEN_PLUGIN, "--plugin", "plugin.type"},
+           {CMP_GIVEN_TP, "--tp", "plugin.tp"},
+           {CMP_GIVEN_ZERO, "--zero", "plugin.zero"},
+           {CMP_GIVEN_RESUME_PLUGIN, "--resume-plugin", "checkpoint.resume.type"},
+           {CMP_GIVEN_RESUME_TP, "--resume-tp", "checkpoint.resume.tp"},
+           {CMP_GIVEN_RESUME_ZERO, "--resume-zero", "checkpoint.resume.zero"}};
+  for (size_t k = 0; k < sizeof N / sizeof N[0]; k++)
+    if (N[k].bit == bit) return (o->given_yaml & bit) ? N[k].yaml : N[k].cli;
+  return "?";
+}
+
+/* One line: "--plugin ddp contradicts --zero 2: plugin ddp implies zero 0 (allowed: zero 0; hint)". */
+static dopt_status contradiction(const cmp_options *o, unsigned pbit, const plugin_rule *r, unsigned vbit, int value,
+                                 int is_tp) {
+  char allowed[32];
+  if (is_tp) snprintf(allowed, sizeof allowed, "tp 1");
+  else if (r->zero_lo == r->zero_hi) snprintf(allowed, sizeof allowed, "zero %d", r->zero_lo);
+  else snprintf(allowed, sizeof allowed, "zero %d or %d", r->zero_lo, r->zero_hi);
+  return dopt__fail(DOPT_ERR_INVALID_ARG, "%s %s contradicts %s %d: plugin %s implies %s %d (allowed: %s; %s)",
+                    spelled(o, pbit), r->name, spelled(o, vbit), value, r->name, is_tp ? "tp" : "zero",
+                    is_tp ? 1 : r->zero_implied, allowed, r->hint);
+}
+
+static dopt_status unknown_plugin(const cmp_options *o, unsigned bit, const char *name) {
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected ddp, zero, hybrid or fsdp)",
+                    spelled(o, bit), name);
+}
+
+dopt_status cmp_apply_plugin(cmp_options *o) {
+  DOPT_CHECK_ARG(o != NULL, "cmp_apply_plugin: o=NULL");
+  cmp_options x = *o;
+  const unsigned g = x.given;
+  /* the first layout */
+  const plugin_rule *r = plugin_rule_of(x.plugin);
+  if (!r) return unknown_plugin(o, CMP_GIVEN_PLUGIN, x.plugin);
+  if (g & CMP_GIVEN_PLUGIN) {
+    if ((g & CMP_GIVEN_TP) && r->tp_only && x.tp != 1)
+      return contradiction(o, CMP_GIVEN_PLUGIN, r, CMP_GIVEN_TP, x.tp, 1);
+    if ((g & CMP_GIVEN_ZERO) && (x.zero < r->zero_lo || x.zero > r->zero_hi))
+      return contradiction(o, CMP_GIVEN_PLUGIN, r, CMP_GIVEN_ZERO, x.zero, 0);
+  } else if (!rule_allows(r, (g & CMP_GIVEN_TP) ? x.tp : 1, (g & CMP_GIVEN_ZERO) ? x.zero : r->zero_implied)) {
+    /* no plugin given: the default (hybrid) unless the values given need another */
+    const int ztp = (g & CMP_GIVEN_TP) ? x.tp : 2, zz = (g & CMP_GIVEN_ZERO) ? x.zero : r->zero_implied;
+    r = plugin_rule_of(cmp_layout_plugin(ztp, zz));
+    snprintf(x.plugin, sizeof x.plugin, "%s", r->name);
+  }
+  if (!(g & CMP_GIVEN_TP) && r->tp_only) x.tp = 1;
+  if (!(g & CMP_GIVEN_ZERO)) x.zero = r->zero_implied;
+  /* the resume layout: given values, else the first layout's where its plugin allows them */
+  const int rp_given = (g & CMP_GIVEN_RESUME_PLUGIN) || x.resume_plugin[0];
+  const int rtp_given = (g & CMP_GIVEN_RESUME_TP) || x.resume_tp > 0;
+  const int rz_given = (g & CMP_GIVEN_RESUME_ZERO) || x.resume_zero >= 0;
+  const int rtp = rtp_given ? x.resume_tp : x.tp, rz = rz_given ? x.resume_zero : x.zero;
+  const plugin_rule *rr = r;
+  if (rp_given) {
+    rr = plugin_rule_of(x.resume_plugin);
+    if (!rr) return unknown_plugin(o, CMP_GIVEN_RESUME_PLUGIN, x.resume_plugin);
+    if (rtp_given && rr->tp_only && rtp != 1)
+      return contradiction(o, CMP_GIVEN_RESUME_PLUGIN, rr, CMP_GIVEN_RESUME_TP, rtp, 1);
+    if (rz_given && (rz < rr->zero_lo || rz > rr->zero_hi))
+      return contradiction(o, CMP_GIVEN_RESUME_PLUGIN, rr, CMP_GIVEN_RESUME_ZERO, rz, 0);
+  } else if (!rule_allows(rr, rtp, rz)) {
+    /* no resume plugin given: the first layout's, unless the resume values given need another */
+    rr = plugin_rule_of(cmp_layout_plugin(rtp, rz));
+    snprintf(x.resume_plugin, sizeof x.resume_plugin, "%s", rr->name);
+  }
+  if (!rtp_given && rr->tp_only && x.tp != 1) x.resume_tp = 1;
+  if (!rz_given && (x.zero < rr->zero_lo || x.zero > rr->zero_hi)) x.resume_zero = rr->zero_implied;
+  *o = x;
+  return DOPT_OK;
 }
 
 /* ---- gradient sources -------------------------------------------------------------- */

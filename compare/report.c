@@ -148,6 +148,10 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
   fprintf(f, " | %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d | %d step%s", o->plugin, o->tp, o->dp, o->zero, r->steps,
           plural(r->steps));
   if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
+  if (o->checkpoint_at > 0) /* the resume layout, as cmp_run completes it */
+    fprintf(f, " | resumed after step %d in %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->checkpoint_at,
+            o->resume_plugin[0] ? o->resume_plugin : o->plugin, o->resume_tp > 0 ? o->resume_tp : o->tp,
+            o->resume_dp > 0 ? o->resume_dp : o->dp, o->resume_zero >= 0 ? o->resume_zero : o->zero);
   if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
   else fprintf(f, " | gradients: %s (seed %llu)", o->source, (unsigned long long)o->seed);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
@@ -356,6 +360,206 @@ dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_res
   char *text = b.ok && root ? cJSON_Print(root) : NULL;
   cJSON_Delete(root);
   if (!text) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: building the JSON report", path);
+  dopt_status s = write_atomic(path, put_text, text);
+  cJSON_free(text);
+  return s;
+}
+
+/* ---- sweep (distopt compare --sweep) ------------------------------------- */
+
+/* The sweep record's layout version: 1, its own (it has "kind": "sweep"; the
+ * per-run record above has no "kind"). */
+#define CMP_SWEEP_JSON_SCHEMA 1
+
+void cmp_sweep_cell_set(cmp_sweep_cell *c, const cmp_result *r) {
+  verdict v = compute_verdict(r);
+  static const cmp_cell_kind kinds[] = {CMP_CELL_BITWISE, CMP_CELL_WITHIN, CMP_CELL_DIVERGED, CMP_CELL_DIVERGED};
+  c->kind = kinds[v.kind];
+  c->step = v.kind == V_DIVERGED ? v.step : 0;
+  snprintf(c->tensor, sizeof c->tensor, "%s", v.kind == V_DIVERGED ? r->t[v.tensor].name : "");
+  c->worst_ulp = v.worst;
+  c->declared_ulp = r->declared_ulp;
+  snprintf(c->message, sizeof c->message, "%s",
+           v.kind == V_SKIPS ? "skipped steps differ between the reference and the distributed run" : "");
+  memcpy(c->digest, r->digest, sizeof c->digest);
+  memcpy(c->ref_digest, r->ref_digest, sizeof c->ref_digest);
+  c->seconds = r->seconds;
+}
+
+/* Text of one grid cell (display width <= 14). */
+static void cell_text(const cmp_sweep_cell *c, char *buf, size_t cap) {
+  switch (c->kind) {
+  case CMP_CELL_BITWISE: snprintf(buf, cap, "\xE2\x9C\x94"); break; /* ✔ */
+  case CMP_CELL_WITHIN: snprintf(buf, cap, "\xE2\x9C\x94 \xE2\x89\xA4%llu ULP", (unsigned long long)c->declared_ulp); break;
+  case CMP_CELL_DIVERGED:
+    if (c->step > 0) snprintf(buf, cap, "\xE2\x9C\x97 step %d", c->step); /* ✗ */
+    else snprintf(buf, cap, "\xE2\x9C\x97 skips");
+    break;
+  case CMP_CELL_ERROR: snprintf(buf, cap, "\xE2\x9C\x97 error"); break;
+  case CMP_CELL_SKIPPED: snprintf(buf, cap, "- skipped"); break;
+  }
+}
+
+/* s with control characters as \xNN (messages echo input). */
+static void put_escaped(FILE *f, const char *s) {
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p < 0x20 || *p == 0x7f) fprintf(f, "\\x%02x", *p);
+    else fputc(*p, f);
+  }
+}
+
+void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells, int ncells) {
+  if (!f || !o || (!cells && ncells > 0)) return;
+  fprintf(f, "sweep: %s %s | tp 1-%d \xC3\x97 dp 1-%d \xC3\x97 zero 0-3 | %d step%s", o->optimizer,
+          o->hparams[0] ? o->hparams : "(upstream defaults)", o->max_tp, o->max_dp, o->steps, plural(o->steps));
+  if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
+  if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
+  else fprintf(f, " | gradients: %s (seed %llu)", o->source, (unsigned long long)o->seed);
+  if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
+  if (o->bf16) fprintf(f, " | bf16");
+  fputs(" | against the single-device reference\n", f);
+  fputs("tp\xC3\x97" "dp   ", f); /* 8 columns */
+  for (int z = 0; z <= 3; z++) fprintf(f, z < 3 ? "  zero %d        " : "  zero %d\n", z);
+  int nrun = 0, nbit = 0, nwithin = 0, nskip = 0, nbad = 0;
+  for (int k = 0; k < ncells; k++) {
+    const cmp_sweep_cell *c = &cells[k];
+    if (c->zero == 0) {
+      char row[16];
+      snprintf(row, sizeof row, "%d\xC3\x97%d", c->tp, c->dp);
+      fprintf(f, "%s", row);
+      pad(f, 8 - text_width(row));
+    }
+    char t[64];
+    cell_text(c, t, sizeof t);
+    fprintf(f, "  %s", t);
+    if (c->zero < 3) pad(f, 14 - text_width(t));
+    if (c->zero == 3) fputc('\n', f);
+    nrun += c->kind != CMP_CELL_SKIPPED;
+    nbit += c->kind == CMP_CELL_BITWISE;
+    nwithin += c->kind == CMP_CELL_WITHIN;
+    nskip += c->kind == CMP_CELL_SKIPPED;
+    nbad += c->kind == CMP_CELL_DIVERGED || c->kind == CMP_CELL_ERROR;
+  }
+  fputs("plugins: ddp (tp 1, zero 0), zero (tp 1, zero 1-2), hybrid (tp >= 2, zero 0-2), fsdp (zero 3): "
+        "every layout of the grid has one\n",
+        f);
+  if (nbad + nskip + nwithin > 0) {
+    fputs("details:\n", f);
+    for (int k = 0; k < ncells; k++) {
+      const cmp_sweep_cell *c = &cells[k];
+      if (c->kind == CMP_CELL_BITWISE) continue;
+      fprintf(f, "  tp %d \xC3\x97 dp %d \xC3\x97 zero %d (%s): ", c->tp, c->dp, c->zero, c->plugin);
+      switch (c->kind) {
+      case CMP_CELL_WITHIN:
+        fprintf(f, "within the declared %llu ULP (worst %llu ULP)\n", (unsigned long long)c->declared_ulp,
+                (unsigned long long)c->worst_ulp);
+        break;
+      case CMP_CELL_DIVERGED:
+        if (c->step > 0)
+          fprintf(f, "diverged at step %d, tensor %s (worst %llu ULP)\n", c->step, c->tensor,
+                  (unsigned long long)c->worst_ulp);
+        else fprintf(f, "diverged: %s\n", c->message);
+        break;
+      case CMP_CELL_ERROR:
+      case CMP_CELL_SKIPPED:
+        fputs(c->kind == CMP_CELL_ERROR ? "error: " : "skipped: ", f);
+        put_escaped(f, c->message);
+        fputc('\n', f);
+        break;
+      default: break;
+      }
+    }
+  }
+  fprintf(f, "%d of %d layout%s bitwise", nbit, nrun, plural(nrun));
+  if (nwithin) fprintf(f, ", %d within the declared tolerance", nwithin);
+  if (nskip) fprintf(f, " (%d skipped)", nskip);
+  fputc('\n', f);
+}
+
+static cJSON *build_sweep_json(const cmp_options *o, const cmp_sweep_cell *cells, int ncells, jb *b) {
+  cJSON *root = cJSON_CreateObject();
+  if (!root) {
+    b->ok = 0;
+    return NULL;
+  }
+  static const char *const kinds[] = {"bitwise", "within_tolerance", "diverged", "error", "skipped"};
+  jadd(b, root, "schema_version", cJSON_CreateNumber(CMP_SWEEP_JSON_SCHEMA));
+  jadd(b, root, "kind", cJSON_CreateString("sweep"));
+  cJSON *op = jadd(b, root, "options", cJSON_CreateObject());
+  if (op) {
+    jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
+    jadd(b, op, "hparams", cJSON_CreateString(o->hparams));
+    cJSON *gs = jadd(b, op, "groups", cJSON_CreateArray());
+    for (int g = 0; gs && g < o->ngroups && g < CMP_MAX_GROUPS; g++) {
+      cJSON *gi = jadd(b, gs, NULL, cJSON_CreateObject());
+      if (!gi) break;
+      jadd(b, gi, "params", cJSON_CreateString(o->group_glob[g]));
+      jadd(b, gi, "hparams", cJSON_CreateString(o->group_hp[g]));
+    }
+    jadd(b, op, "max_tp", cJSON_CreateNumber(o->max_tp));
+    jadd(b, op, "max_dp", cJSON_CreateNumber(o->max_dp));
+    jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
+    jadd(b, op, "accumulation", cJSON_CreateNumber(o->micro));
+    jadd(b, op, "max_grad_norm", cJSON_CreateNumber(o->max_grad_norm));
+    jadd(b, op, "bf16", cJSON_CreateBool(o->bf16 != 0));
+    jadd(b, op, "dp_sum", cJSON_CreateString(cmp_dp_sum_name(o->dp_sum_words)));
+    jadd(b, op, "ring_order", cJSON_CreateBool(o->ring_order != 0));
+    jadd(b, op, "batch_invariant", cJSON_CreateBool(o->batch_invariant != 0));
+    cJSON *gr = jadd(b, op, "gradients", cJSON_CreateObject());
+    if (gr) {
+      jadd(b, gr, "source", cJSON_CreateString(o->source));
+      if (strcmp(o->source, "trace") == 0) jadd(b, gr, "path", cJSON_CreateString(o->trace_path));
+      else jadd(b, gr, "seed", ju64(o->seed));
+    }
+  }
+  int nrun = 0, nbit = 0, nwithin = 0, ndiv = 0, nerr = 0, nskip = 0;
+  cJSON *ls = jadd(b, root, "layouts", cJSON_CreateArray());
+  for (int k = 0; ls && k < ncells && b->ok; k++) {
+    const cmp_sweep_cell *c = &cells[k];
+    cJSON *li = jadd(b, ls, NULL, cJSON_CreateObject());
+    if (!li) break;
+    jadd(b, li, "tp", cJSON_CreateNumber(c->tp));
+    jadd(b, li, "dp", cJSON_CreateNumber(c->dp));
+    jadd(b, li, "zero", cJSON_CreateNumber(c->zero));
+    jadd(b, li, "plugin", cJSON_CreateString(c->plugin));
+    jadd(b, li, "result", cJSON_CreateString(kinds[c->kind]));
+    const int ran = c->kind != CMP_CELL_ERROR && c->kind != CMP_CELL_SKIPPED;
+    jadd(b, li, "step", c->kind == CMP_CELL_DIVERGED && c->step > 0 ? cJSON_CreateNumber(c->step) : cJSON_CreateNull());
+    jadd(b, li, "tensor", c->kind == CMP_CELL_DIVERGED && c->tensor[0] ? cJSON_CreateString(c->tensor) : cJSON_CreateNull());
+    jadd(b, li, "worst_ulp", ran ? ju64(c->worst_ulp) : cJSON_CreateNull());
+    jadd(b, li, "message", c->message[0] ? cJSON_CreateString(c->message) : cJSON_CreateNull());
+    jadd(b, li, "digest", ran && c->digest[0] ? cJSON_CreateString(c->digest) : cJSON_CreateNull());
+    jadd(b, li, "reference_digest", ran && c->ref_digest[0] ? cJSON_CreateString(c->ref_digest) : cJSON_CreateNull());
+    jadd(b, li, "seconds", cJSON_CreateNumber(c->seconds));
+    nrun += c->kind != CMP_CELL_SKIPPED;
+    nbit += c->kind == CMP_CELL_BITWISE;
+    nwithin += c->kind == CMP_CELL_WITHIN;
+    ndiv += c->kind == CMP_CELL_DIVERGED;
+    nerr += c->kind == CMP_CELL_ERROR;
+    nskip += c->kind == CMP_CELL_SKIPPED;
+  }
+  cJSON *sm = jadd(b, root, "summary", cJSON_CreateObject());
+  if (sm) {
+    jadd(b, sm, "layouts", cJSON_CreateNumber(ncells));
+    jadd(b, sm, "run", cJSON_CreateNumber(nrun));
+    jadd(b, sm, "bitwise", cJSON_CreateNumber(nbit));
+    jadd(b, sm, "within_tolerance", cJSON_CreateNumber(nwithin));
+    jadd(b, sm, "diverged", cJSON_CreateNumber(ndiv));
+    jadd(b, sm, "errors", cJSON_CreateNumber(nerr));
+    jadd(b, sm, "skipped", cJSON_CreateNumber(nskip));
+    jadd(b, sm, "all_equivalent", cJSON_CreateBool(ndiv == 0 && nerr == 0));
+  }
+  return root;
+}
+
+dopt_status cmp_write_sweep_json(const char *path, const cmp_options *o, const cmp_sweep_cell *cells, int ncells) {
+  DOPT_CHECK_ARG(path != NULL && path[0], "cmp_write_sweep_json: path is empty");
+  DOPT_CHECK_ARG(o != NULL && (cells != NULL || ncells == 0), "cmp_write_sweep_json: options or cells is NULL");
+  jb b = {1};
+  cJSON *root = build_sweep_json(o, cells, ncells, &b);
+  char *text = b.ok && root ? cJSON_Print(root) : NULL;
+  cJSON_Delete(root);
+  if (!text) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: building the sweep's JSON record", path);
   dopt_status s = write_atomic(path, put_text, text);
   cJSON_free(text);
   return s;

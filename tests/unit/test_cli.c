@@ -756,12 +756,204 @@ static void test_checkpoint_resume(void **st) {
 #undef ARGS
 }
 
+/* ---- compare: plugins imply their layout; --sweep (group "layouts") ---------------------------------------- */
+
+/* Runs compare with args; expects exit 0 and the header's layout "PLUGIN tpT×dpD×zeroZ" (and, with a
+ * checkpoint, "resumed after step K in ..."). */
+static void expect_layout(const char *const *args, const char *want, const char *want_resume) {
+  char out[600];
+  snprintf(out, sizeof out, "%s/layout.txt", dir);
+  int rc = run_out(args, out);
+  char *txt = slurp(out), *err = slurp(errfile);
+  if (rc != 0 || !txt || !strstr(txt, want) || (want_resume && !strstr(txt, want_resume)))
+    fail_msg("%s %s %s %s: rc %d, want '%s' / '%s' in: %s (stderr: %s)", args[1], args[2], args[3], args[4], rc, want,
+             want_resume ? want_resume : "", txt ? txt : "", err ? err : "");
+  free(txt);
+  free(err);
+}
+
+/* Every plugin alone runs in the layout it implies, whatever the order of the options; an explicit value the
+ * plugin allows is kept; a value it does not allow is one line naming both options, the values and what the
+ * plugin implies. The same through --resume-* and the YAML keys. */
+static void test_compare_plugin_implies(void **st) {
+  (void)st;
+  char json[600], yaml[600];
+  snprintf(json, sizeof json, "%s/implies.json", dir);
+  snprintf(yaml, sizeof yaml, "%s/implies.yaml", dir);
+#define C(...) ((const char *const[]){"compare", "--optimizer", "adamw", "--steps", "2", "--quiet", __VA_ARGS__, NULL})
+  /* alone */
+  expect_layout(C("--plugin", "ddp"), "| ddp tp1\xC3\x97" "dp2\xC3\x97zero0 |", NULL);
+  expect_layout(C("--plugin", "zero"), "| zero tp1\xC3\x97" "dp2\xC3\x97zero1 |", NULL);
+  expect_layout(C("--plugin", "hybrid"), "| hybrid tp2\xC3\x97" "dp2\xC3\x97zero2 |", NULL);
+  expect_layout(C("--plugin", "fsdp"), "| fsdp tp2\xC3\x97" "dp2\xC3\x97zero3 |", NULL);
+  expect_layout(C("--zero", "3"), "| fsdp tp2\xC3\x97" "dp2\xC3\x97zero3 |", NULL); /* no plugin given: fsdp */
+  /* explicit compatible values are kept, in either order */
+  expect_layout(C("--plugin", "zero", "--zero", "2"), "| zero tp1\xC3\x97" "dp2\xC3\x97zero2 |", NULL);
+  expect_layout(C("--zero", "2", "--plugin", "zero"), "| zero tp1\xC3\x97" "dp2\xC3\x97zero2 |", NULL);
+  expect_layout(C("--tp", "1", "--plugin", "fsdp", "--dp", "3"), "| fsdp tp1\xC3\x97" "dp3\xC3\x97zero3 |", NULL);
+  expect_layout(C("--plugin", "hybrid", "--zero", "0", "--tp", "3"), "| hybrid tp3\xC3\x97" "dp2\xC3\x97zero0 |", NULL);
+  expect_layout(C("--tp", "1", "--zero", "0", "--plugin", "ddp", "--dp", "1"), "| ddp tp1\xC3\x97" "dp1\xC3\x97zero0 |",
+                NULL);
+  /* contradictions, in either order */
+  expect_usage_error(C("--plugin", "ddp", "--zero", "2", "--json", json),
+                     "--plugin ddp contradicts --zero 2: plugin ddp implies zero 0", json);
+  expect_usage_error(C("--zero", "2", "--plugin", "ddp", "--json", json),
+                     "--plugin ddp contradicts --zero 2: plugin ddp implies zero 0", json);
+  expect_usage_error(C("--plugin", "ddp", "--tp", "2", "--json", json),
+                     "--plugin ddp contradicts --tp 2: plugin ddp implies tp 1", json);
+  expect_usage_error(C("--plugin", "fsdp", "--zero", "1", "--json", json),
+                     "--plugin fsdp contradicts --zero 1: plugin fsdp implies zero 3", json);
+  expect_usage_error(C("--tp", "2", "--plugin", "zero", "--json", json),
+                     "--plugin zero contradicts --tp 2: plugin zero implies tp 1", json);
+  expect_usage_error(C("--plugin", "zero", "--zero", "0", "--json", json),
+                     "--plugin zero contradicts --zero 0: plugin zero implies zero 1 (allowed: zero 1 or 2", json);
+  expect_usage_error(C("--plugin", "hybrid", "--zero", "3", "--json", json),
+                     "--plugin hybrid contradicts --zero 3: plugin hybrid implies zero 2", json);
+  /* the resume layout: what the resume plugin implies, else the first layout's */
+  expect_layout(C("--steps", "4", "--checkpoint-at", "2", "--resume-plugin", "ddp"), "| hybrid tp2\xC3\x97",
+                "resumed after step 2 in ddp tp1\xC3\x97" "dp2\xC3\x97zero0 |");
+  expect_layout(C("--steps", "4", "--plugin", "ddp", "--checkpoint-at", "2", "--resume-plugin", "fsdp"), "| ddp tp1",
+                "resumed after step 2 in fsdp tp1\xC3\x97" "dp2\xC3\x97zero3 |");
+  expect_layout(C("--steps", "4", "--resume-zero", "3", "--checkpoint-at", "2"), "| hybrid tp2",
+                "resumed after step 2 in fsdp tp2\xC3\x97" "dp2\xC3\x97zero3 |");
+  expect_layout(C("--steps", "4", "--resume-plugin", "zero", "--checkpoint-at", "2", "--resume-dp", "1"), "| hybrid",
+                "resumed after step 2 in zero tp1\xC3\x97" "dp1\xC3\x97zero2 |"); /* the first's zero 2: allowed */
+  expect_usage_error(C("--steps", "4", "--checkpoint-at", "2", "--resume-zero", "1", "--resume-plugin", "fsdp", "--json",
+                       json),
+                     "--resume-plugin fsdp contradicts --resume-zero 1: plugin fsdp implies zero 3", json);
+  expect_usage_error(C("--steps", "4", "--checkpoint-at", "2", "--resume-plugin", "ddp", "--resume-tp", "2", "--json",
+                       json),
+                     "--resume-plugin ddp contradicts --resume-tp 2: plugin ddp implies tp 1", json);
+  /* YAML: the same implications, spelled as keys; the command line's values win over the file's */
+  FILE *f = fopen(yaml, "w");
+  fputs("plugin: {type: zero}\n", f);
+  fclose(f);
+  expect_layout(C("--config", yaml), "| zero tp1\xC3\x97" "dp2\xC3\x97zero1 |", NULL);
+  expect_layout(C("--config", yaml, "--zero", "2"), "| zero tp1\xC3\x97" "dp2\xC3\x97zero2 |", NULL);
+  expect_layout(C("--config", yaml, "--plugin", "fsdp"), "| fsdp tp2\xC3\x97" "dp2\xC3\x97zero3 |", NULL);
+  f = fopen(yaml, "w");
+  fputs("plugin: {type: ddp, zero: 2}\n", f);
+  fclose(f);
+  expect_usage_error(C("--config", yaml, "--json", json), "plugin.type ddp contradicts plugin.zero 2", json);
+  expect_usage_error(C("--config", yaml, "--plugin", "fsdp", "--json", json), "--plugin fsdp contradicts plugin.zero 2",
+                     json);
+  f = fopen(yaml, "w");
+  fputs("checkpoint: {at: 1, resume: {type: ddp}}\n", f);
+  fclose(f);
+  expect_layout(C("--config", yaml), "| hybrid tp2", "resumed after step 1 in ddp tp1\xC3\x97" "dp2\xC3\x97zero0 |");
+#undef C
+}
+
+/* Occurrences of needle in s. */
+static int count_of(const char *s, const char *needle) {
+  int n = 0;
+  for (const char *p = s; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
+/* --sweep: every tp x dp x zero against the reference; a grid of verdicts, "N of M layouts bitwise", exit 0 only
+ * when all are; JSON with schema_version; owner-mode optimizers and defaults (CAME's lr) too; a ring-order fp32
+ * dp sum diverges at dp 3 (exit 1, the cells name the step); a trace skips the dp its shards cannot split; bad
+ * bounds and options the sweep replaces are one-line errors. */
+static void test_compare_sweep(void **st) {
+  (void)st;
+  char out[600], json[600], yaml[600], trace[600];
+  snprintf(out, sizeof out, "%s/sweep.txt", dir);
+  snprintf(json, sizeof json, "%s/sweep.json", dir);
+  snprintf(yaml, sizeof yaml, "%s/sweep.yaml", dir);
+  snprintf(trace, sizeof trace, "%s/datasets/trace/digits_mlp.safetensors", dt_source_dir());
+  const char *ok[] = {"compare", "--sweep", "--optimizer", "adamw", "--max-dp", "2", "--max-tp", "2", "--steps", "3",
+                      "--quiet", "--json", json, NULL};
+  assert_int_equal(run_out(ok, out), 0);
+  char *txt = slurp(out);
+  if (!strstr(txt, "  zero 0") || !strstr(txt, "  zero 3\n") || !strstr(txt, "\n1\xC3\x97" "1 ") ||
+      !strstr(txt, "\n2\xC3\x97" "2 ") || strstr(txt, "\n3\xC3\x97") || count_of(txt, "\xE2\x9C\x94") != 16 ||
+      !strstr(txt, "\n16 of 16 layouts bitwise\n"))
+    fail_msg("sweep 2 x 2: %s", txt);
+  free(txt);
+  txt = slurp(json);
+  assert_non_null(txt);
+  if (system("command -v python3 >/dev/null 2>&1") == 0) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd,
+             "python3 -c \"import sys, json; d = json.load(open(sys.argv[1])); L = d['layouts']; "
+             "assert d['schema_version'] == 1 and d['kind'] == 'sweep' and len(L) == 16; "
+             "assert sorted((l['tp'], l['dp'], l['zero']) for l in L) == [(t, p, z) for t in (1, 2) for p in (1, 2) "
+             "for z in range(4)]; assert all(l['result'] == 'bitwise' and l['digest'] == l['reference_digest'] "
+             "for l in L); assert d['summary']['bitwise'] == 16 and d['summary']['all_equivalent']\" %s",
+             json);
+    assert_int_equal(system(cmd), 0);
+  } else if (!strstr(txt, "\"schema_version\":\t1") || count_of(txt, "\"result\":\t\"bitwise\"") != 16) {
+    fail_msg("sweep JSON: %s", txt);
+  }
+  free(txt);
+  /* owner mode (GaLore: whole tensors on one rank) with its registry example, and CAME without --hparams */
+  const char *owner[] = {"compare", "--sweep", "--optimizer", "galore_adamw", "--hparams", "rank=4,update_proj_gap=2",
+                         "--max-tp", "2", "--max-dp", "2", "--steps", "3", "--quiet", NULL};
+  assert_int_equal(run_out(owner, out), 0);
+  txt = slurp(out);
+  if (!strstr(txt, "\n16 of 16 layouts bitwise\n")) fail_msg("sweep galore_adamw: %s", txt);
+  free(txt);
+  const char *came[] = {"compare", "--sweep", "--optimizer", "came", "--max-tp", "1", "--max-dp", "2", "--steps", "2",
+                        "--quiet", NULL};
+  assert_int_equal(run_out(came, out), 0);
+  txt = slurp(out);
+  if (!strstr(txt, "sweep: came lr=") || !strstr(txt, "\n8 of 8 layouts bitwise\n")) fail_msg("sweep came: %s", txt);
+  free(txt);
+  /* a real divergence: the fp32 dp sum in a ring's order at dp 3 */
+  const char *ring[] = {"compare", "--sweep", "--optimizer", "adamw", "--max-tp", "1", "--max-dp", "3", "--steps", "4",
+                        "--ring-order", "--dp-sum", "rank-order", "--quiet", NULL};
+  assert_int_equal(run_out(ring, out), 1);
+  txt = slurp(out);
+  const char *row3 = strstr(txt, "\n1\xC3\x97" "3 ");
+  if (!row3 || count_of(row3, "\xE2\x9C\x97 step ") != 4 || count_of(txt, "\xE2\x9C\x94") != 8 ||
+      !strstr(txt, "tp 1 \xC3\x97 dp 3 \xC3\x97 zero 0 (ddp): diverged at step") ||
+      !strstr(txt, "\n8 of 12 layouts bitwise\n"))
+    fail_msg("sweep ring order: %s", txt);
+  free(txt);
+  /* a trace: dp 3 does not divide its 4 shards per step: skipped and said so */
+  const char *tr[] = {"compare", "--sweep", "--trace", trace, "--optimizer", "adamw", "--max-tp", "1", "--max-dp", "3",
+                      "--steps", "2", "--quiet", NULL};
+  assert_int_equal(run_out(tr, out), 0);
+  txt = slurp(out);
+  if (count_of(txt, "- skipped") != 4 || !strstr(txt, "dp 3 does not divide the 4 shards") ||
+      !strstr(txt, "\n8 of 8 layouts bitwise (4 skipped)\n"))
+    fail_msg("sweep trace: %s", txt);
+  free(txt);
+  /* YAML: compare.sweep, max_tp, max_dp */
+  FILE *f = fopen(yaml, "w");
+  fputs("optimizer: {type: adafactor}\nsteps: 2\ncompare: {sweep: true, max_tp: 1, max_dp: 2}\n", f);
+  fclose(f);
+  const char *cfg[] = {"compare", "--config", yaml, "--quiet", NULL};
+  assert_int_equal(run_out(cfg, out), 0);
+  txt = slurp(out);
+  if (!strstr(txt, "sweep: adafactor") || !strstr(txt, "\n8 of 8 layouts bitwise\n")) fail_msg("sweep YAML: %s", txt);
+  free(txt);
+#define S(...) ((const char *const[]){"compare", __VA_ARGS__, "--json", json, NULL})
+  expect_usage_error(S("--sweep", "--max-tp", "9"), "--max-tp '9': expected an integer in [1, 8]", json);
+  expect_usage_error(S("--sweep", "--max-dp", "0"), "--max-dp '0': expected an integer in [1, 8]", json);
+  expect_usage_error(S("--max-tp", "2"), "--max-tp/--max-dp only apply with --sweep", json);
+  expect_usage_error(S("--sweep", "--tp", "2"), "--tp is not used with it", json);
+  expect_usage_error(S("--plugin", "ddp", "--sweep"), "--plugin is not used with it", json);
+  expect_usage_error(S("--sweep", "--matrix"), "--matrix and --sweep", json);
+  expect_usage_error(S("--sweep", "--steps", "4", "--checkpoint-at", "2"), "--checkpoint-at", json);
+  expect_usage_error(S("--sweep", "--optimizer", "adamx"), "'adamx'", json);
+#undef S
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: %s PATH-TO-distopt\n", argv[0]);
+    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts]\n", argv[0]);
     return 2;
   }
   bin = argv[1];
+  if (argc > 2 && strcmp(argv[2], "layouts") == 0) { /* registered as unit_test_cli_layouts */
+    const struct CMUnitTest layouts[] = {
+        cmocka_unit_test(test_compare_plugin_implies),
+        cmocka_unit_test(test_compare_sweep),
+    };
+    return cmocka_run_group_tests(layouts, setup, teardown);
+  }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_good_run_equals_library),
       cmocka_unit_test(test_run_golden_case),

@@ -211,6 +211,12 @@ static void test_errors(void **st) {
       {"steps: *nope\n", DOPT_ERR_FORMAT, ":1:", "YAML"},
       {"steps: 1\n---\nsteps: 2\n", DOPT_ERR_FORMAT, ":3:", "more than one"},
       {"", DOPT_ERR_FORMAT, "", "empty"},
+      {"compare: {max_tp: 9}\n", DOPT_ERR_FORMAT, ":1:", "compare.max_tp"},
+      {"compare:\n  max_dp: 0\n", DOPT_ERR_FORMAT, ":2:", "compare.max_dp"},
+      {"compare: {sweep: yes}\n", DOPT_ERR_FORMAT, ":1:", "compare.sweep"},
+      {"compare: {sweeps: true}\n", DOPT_ERR_FORMAT, ":1:", "compare.sweeps"},
+      {"compare: true\n", DOPT_ERR_FORMAT, ":1:", "compare"},
+      {"checkpoint: {resume: {type: gemini}}\n", DOPT_ERR_FORMAT, ":1:", "checkpoint.resume.type"},
       {"# only a comment\n", DOPT_ERR_FORMAT, "", "empty"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -228,6 +234,125 @@ static void test_errors(void **st) {
                dopt_status_name(bad[i].want), bad[i].line, bad[i].key);
     if (memcmp(&o, &before, sizeof o) != 0) fail_msg("case %zu: options modified on error", i);
   }
+}
+
+/* compare: {sweep, max_tp, max_dp}, and the layout values the file gives are marked as given (from YAML). */
+static void test_compare_section_and_given(void **st) {
+  (void)st;
+  const char *p = write_yaml("sweep.yaml", "compare: {sweep: true, max_tp: 3, max_dp: 8}\n"
+                                           "plugin: {type: ddp, dp: 3}\ncheckpoint: {resume: {zero: 2}}\n");
+  cmp_options o;
+  base_options(&o);
+  assert_ok(cmp_load_yaml(p, &o));
+  assert_int_equal(o.sweep, 1);
+  assert_int_equal(o.max_tp, 3);
+  assert_int_equal(o.max_dp, 8);
+  const unsigned want = CMP_GIVEN_PLUGIN | CMP_GIVEN_DP | CMP_GIVEN_RESUME_ZERO;
+  assert_int_equal(o.given, want);
+  assert_int_equal(o.given_yaml, want);
+  assert_int_equal(o.tp, 2); /* not in the file: cmp_apply_plugin decides */
+  assert_ok(cmp_apply_plugin(&o));
+  assert_int_equal(o.tp, 1);
+  assert_int_equal(o.dp, 3);
+  assert_int_equal(o.zero, 0);
+  assert_string_equal(o.resume_plugin, "zero"); /* ddp does not allow zero 2: the plugin that does */
+  assert_int_equal(o.resume_zero, 2);
+}
+
+/* cmp_apply_plugin: what each plugin implies, what it keeps, what contradicts it (one message naming both
+ * values), o unchanged on error; its table agrees with dopt_dist_check_layout for every explicit layout. */
+static void test_apply_plugin(void **st) {
+  (void)st;
+  static const struct {
+    const char *plugin; /* NULL: not given (the default hybrid) */
+    int tp, zero;       /* -1: not given */
+    int want_tp, want_zero;
+    const char *want_plugin, *err; /* err: a needle of the expected error, NULL for success */
+  } C[] = {
+      {"ddp", -1, -1, 1, 0, "ddp", NULL},
+      {"zero", -1, -1, 1, 1, "zero", NULL},
+      {"hybrid", -1, -1, 2, 2, "hybrid", NULL},
+      {"fsdp", -1, -1, 2, 3, "fsdp", NULL},
+      {NULL, -1, -1, 2, 2, "hybrid", NULL},
+      {NULL, -1, 3, 2, 3, "fsdp", NULL},
+      {NULL, 1, 0, 1, 0, "hybrid", NULL},
+      {"zero", -1, 2, 1, 2, "zero", NULL},
+      {"zero", 1, -1, 1, 1, "zero", NULL},
+      {"fsdp", 1, -1, 1, 3, "fsdp", NULL},
+      {"fsdp", 4, 3, 4, 3, "fsdp", NULL},
+      {"hybrid", 3, 0, 3, 0, "hybrid", NULL},
+      {"ddp", 1, 0, 1, 0, "ddp", NULL},
+      {"ddp", -1, 2, 0, 0, NULL, "--plugin ddp contradicts --zero 2: plugin ddp implies zero 0"},
+      {"ddp", 2, -1, 0, 0, NULL, "--plugin ddp contradicts --tp 2: plugin ddp implies tp 1"},
+      {"zero", 2, -1, 0, 0, NULL, "--plugin zero contradicts --tp 2: plugin zero implies tp 1"},
+      {"zero", -1, 3, 0, 0, NULL, "--plugin zero contradicts --zero 3: plugin zero implies zero 1"},
+      {"fsdp", -1, 1, 0, 0, NULL, "--plugin fsdp contradicts --zero 1: plugin fsdp implies zero 3"},
+      {"hybrid", -1, 3, 0, 0, NULL, "--plugin hybrid contradicts --zero 3: plugin hybrid implies zero 2"},
+      {"gemini", -1, -1, 0, 0, NULL, "--plugin 'gemini': unknown plugin"},
+  };
+  for (size_t i = 0; i < sizeof C / sizeof C[0]; i++) {
+    cmp_options o, before;
+    base_options(&o);
+    o.resume_zero = -1;
+    if (C[i].plugin) snprintf(o.plugin, sizeof o.plugin, "%s", C[i].plugin), o.given |= CMP_GIVEN_PLUGIN;
+    if (C[i].tp >= 0) o.tp = C[i].tp, o.given |= CMP_GIVEN_TP;
+    if (C[i].zero >= 0) o.zero = C[i].zero, o.given |= CMP_GIVEN_ZERO;
+    before = o;
+    dopt_clear_error();
+    dopt_status s = cmp_apply_plugin(&o);
+    if (C[i].err) {
+      if (s == DOPT_OK || !strstr(dopt_last_error(), C[i].err))
+        fail_msg("case %zu: %s '%s' (want '%s')", i, dopt_status_name(s), dopt_last_error(), C[i].err);
+      if (memcmp(&o, &before, sizeof o) != 0) fail_msg("case %zu: options modified on error", i);
+      continue;
+    }
+    if (s != DOPT_OK) fail_msg("case %zu: %s", i, dopt_last_error());
+    if (o.tp != C[i].want_tp || o.zero != C[i].want_zero || strcmp(o.plugin, C[i].want_plugin) != 0)
+      fail_msg("case %zu: %s tp %d zero %d (want %s tp %d zero %d)", i, o.plugin, o.tp, o.zero, C[i].want_plugin,
+               C[i].want_tp, C[i].want_zero);
+    assert_ok(dopt_dist_check_layout(o.plugin, o.tp, o.dp, o.zero));
+  }
+  /* spelled as the YAML keys when the file gave them */
+  cmp_options o;
+  base_options(&o);
+  snprintf(o.plugin, sizeof o.plugin, "ddp");
+  o.zero = 1;
+  o.given = o.given_yaml = CMP_GIVEN_PLUGIN | CMP_GIVEN_ZERO;
+  assert_status(cmp_apply_plugin(&o), DOPT_ERR_INVALID_ARG, "plugin.type ddp contradicts plugin.zero 1");
+  /* every explicit layout: accepted exactly when the distributed layer accepts it */
+  static const char *const P[] = {"ddp", "zero", "hybrid", "fsdp"};
+  for (int p = 0; p < 4; p++)
+    for (int tp = 1; tp <= 3; tp++)
+      for (int z = 0; z <= 3; z++) {
+        base_options(&o);
+        o.resume_zero = -1;
+        snprintf(o.plugin, sizeof o.plugin, "%s", P[p]);
+        o.tp = tp, o.zero = z, o.given = CMP_GIVEN_PLUGIN | CMP_GIVEN_TP | CMP_GIVEN_ZERO;
+        int mine = cmp_apply_plugin(&o) == DOPT_OK, dist = dopt_dist_check_layout(P[p], tp, 2, z) == DOPT_OK;
+        if (mine != dist) fail_msg("%s tp %d zero %d: cmp_apply_plugin %d, dopt_dist_check_layout %d", P[p], tp, z, mine, dist);
+        /* and the sweep's plugin for the layout is one the layer accepts */
+        assert_ok(dopt_dist_check_layout(cmp_layout_plugin(tp, z), tp, 2, z));
+      }
+  /* the resume layout: the first's values where the resume plugin allows them, else what it implies */
+  base_options(&o);
+  o.resume_zero = -1;
+  snprintf(o.resume_plugin, sizeof o.resume_plugin, "fsdp");
+  o.given = CMP_GIVEN_RESUME_PLUGIN;
+  assert_ok(cmp_apply_plugin(&o));
+  assert_int_equal(o.resume_tp, 0); /* 0: the first layout's tp (2): fsdp allows it */
+  assert_int_equal(o.resume_zero, 3);
+  base_options(&o);
+  o.resume_zero = -1;
+  snprintf(o.resume_plugin, sizeof o.resume_plugin, "ddp");
+  o.given = CMP_GIVEN_RESUME_PLUGIN;
+  assert_ok(cmp_apply_plugin(&o));
+  assert_int_equal(o.resume_tp, 1);
+  assert_int_equal(o.resume_zero, 0);
+  base_options(&o);
+  snprintf(o.resume_plugin, sizeof o.resume_plugin, "ddp");
+  o.resume_zero = 1;
+  o.given = CMP_GIVEN_RESUME_PLUGIN | CMP_GIVEN_RESUME_ZERO;
+  assert_status(cmp_apply_plugin(&o), DOPT_ERR_INVALID_ARG, "--resume-plugin ddp contradicts --resume-zero 1");
 }
 
 static void test_missing_file(void **st) {
@@ -278,6 +403,8 @@ int main(void) {
       cmocka_unit_test(test_relative_trace_path),
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_missing_file),
+      cmocka_unit_test(test_compare_section_and_given),
+      cmocka_unit_test(test_apply_plugin),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
