@@ -110,6 +110,8 @@ typedef struct cmp_tensor_stat {
   uint64_t max_ulp;        /* max ULP distance (0 = bitwise equal) */
   int first_diff;          /* first step with any bit difference (+0 vs -0 counts as 1 ULP; 0: never);
                               bitwise = max_ulp == 0 && first_diff == 0 */
+  uint64_t nan_pairs;      /* most elements NaN on both sides after one step: equal under the NaN policy
+                              (docs/nan-policy.md), whatever their sign and payload bits */
   double *abs_per_step;    /* [steps]: max |dist - ref| after step t+1 */
   uint64_t *ulp_per_step;  /* [steps] */
   dopt_dtype dtype;        /* the logical layout (plan_tensors), what the digest records */
@@ -132,6 +134,16 @@ typedef struct cmp_result {
    * parameter, its bf16 copy, its states, then its step count ("<p>/step", I64 scalar); of the
    * distributed run (gathered) and of the reference. "" when not measured (backend nccl, rank > 0). */
   char digest[DOPT_DIGEST_HEX], ref_digest[DOPT_DIGEST_HEX];
+  /* Every rank's own copy after every step (dopt_dist_check_replicas on per-tensor digests):
+   * the first step at which some rank's copy differed from rank 0's (0: never), that rank
+   * and the tensor ("<p>/step" for a step counter). */
+  int drift_step, drift_rank;
+  char drift_tensor[160];
+  /* The step counters of the distributed run against the reference's, every step: the
+   * first mismatch (0: none), its parameter and both counts. */
+  int counter_step;
+  char counter_param[128];
+  int64_t counter_ref, counter_dist;
 } cmp_result;
 
 typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t worst_ulp, void *user);

@@ -379,7 +379,7 @@ static dopt_status build_plain(const cmp_options *o, const source *s, float **da
 }
 
 static uint64_t ulp_distance(float a, float b) {
-  if (a != a || b != b) return memcmp(&a, &b, sizeof a) == 0 ? 0 : UINT64_MAX;
+  if (a != a || b != b) return UINT64_MAX; /* one NaN: as far apart as it gets (two: measure's NaN = NaN) */
   int32_t ia, ib;
   memcpy(&ia, &a, sizeof ia);
   memcpy(&ib, &b, sizeof ib);
@@ -391,8 +391,12 @@ static uint64_t ulp_distance(float a, float b) {
 /* Records the difference of one tensor after step t (1-based). */
 static void measure(cmp_tensor_stat *ts, int t, const float *ref, const float *got, size_t n) {
   double mabs = 0;
-  uint64_t mulp = 0;
+  uint64_t mulp = 0, nans = 0;
   for (size_t k = 0; k < n; k++) {
+    if (ref[k] != ref[k] && got[k] != got[k]) { /* NaN = NaN, counted apart (docs/nan-policy.md) */
+      nans++;
+      continue;
+    }
     if (memcmp(&ref[k], &got[k], sizeof(float)) == 0) continue;
     double d = fabs((double)ref[k] - (double)got[k]);
     if (!(d <= mabs)) mabs = d; /* NaN: kept as NaN */
@@ -402,6 +406,7 @@ static void measure(cmp_tensor_stat *ts, int t, const float *ref, const float *g
   }
   ts->abs_per_step[t - 1] = mabs;
   ts->ulp_per_step[t - 1] = mulp;
+  if (nans > ts->nan_pairs) ts->nan_pairs = nans;
   if (!(mabs <= ts->max_abs)) ts->max_abs = mabs;
   if (mulp > ts->max_ulp) ts->max_ulp = mulp;
   if (mulp > 0 && ts->first_diff == 0) ts->first_diff = t;
@@ -457,7 +462,7 @@ static int64_t ulp_key(uint64_t u) { return u > (uint64_t)INT64_MAX ? INT64_MAX 
 static uint64_t key_ulp(int64_t k) { return k == INT64_MAX ? UINT64_MAX : (uint64_t)k; }
 
 static dopt_status merge_measurements(const dopt_transport *w, cmp_result *r, int steps) {
-  const size_t per = 3 + 2 * (size_t)steps, n = (size_t)r->ntensors * per + 4, us = (size_t)steps;
+  const size_t per = 4 + 2 * (size_t)steps, n = (size_t)r->ntensors * per + 4, us = (size_t)steps;
   int64_t *v = malloc(n * sizeof *v);
   if (!v) return dopt__fail(DOPT_ERR_NO_MEMORY, "backend mpi: %zu measurement words", n);
   for (int k = 0; k < r->ntensors; k++) {
@@ -470,6 +475,7 @@ static dopt_status merge_measurements(const dopt_transport *w, cmp_result *r, in
       b[3 + q] = abs_key(t->abs_per_step[q]);
       b[3 + us + q] = ulp_key(t->ulp_per_step[q]);
     }
+    b[3 + 2 * us] = ulp_key(t->nan_pairs);
   }
   int64_t *sk = v + n - 4; /* max and -min of each counter */
   sk[0] = r->skipped_ref, sk[1] = -r->skipped_ref, sk[2] = r->skipped_dist, sk[3] = -r->skipped_dist;
@@ -484,6 +490,7 @@ static dopt_status merge_measurements(const dopt_transport *w, cmp_result *r, in
       t->abs_per_step[q] = key_abs(b[3 + q]);
       t->ulp_per_step[q] = key_ulp(b[3 + us + q]);
     }
+    t->nan_pairs = key_ulp(b[3 + 2 * us]);
   }
   if (st == DOPT_OK && (sk[0] != -sk[1] || sk[2] != -sk[3]))
     st = dopt__fail(DOPT_ERR_MISMATCH, "backend mpi: the ranks disagree on skipped steps (reference %lld..%lld, "
@@ -629,7 +636,10 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   float *got = malloc(maxn * sizeof(float));
   uint16_t *wgot = malloc(maxn * sizeof(uint16_t));
   float *wf = malloc(2 * maxn * sizeof(float));
-  dopt_status st = full && acc && got && wgot && wf ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
+  /* every rank's own copy, digested per tensor, then its step counters (dopt_dist_check_replicas) */
+  const size_t repn = (size_t)r->ntensors * DOPT_DIGEST_BYTES + (size_t)np * sizeof(int64_t);
+  unsigned char *rep = calloc(repn ? repn : 1, 1);
+  dopt_status st = full && acc && got && wgot && wf && rep ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
   if (st == DOPT_OK) st = build_plain(o, s, data, work, &plain);
   dopt_tp_role roles[CMP_MAX_PARAMS];
   for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
@@ -673,11 +683,14 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     int ti = 0;
     for (int i = 0; i < np && st == DOPT_OK; i++) {
       st = dopt_dist_gather_param(d, i, got);
+      if (st == DOPT_OK) st = dopt_digest_buffer(got, s->numel[i] * sizeof(float), rep + ti * DOPT_DIGEST_BYTES, NULL);
       if (st == DOPT_OK && lead) measure(&r->t[ti], t, rdata[i], got, s->numel[i]);
       if (st == DOPT_OK && last) st = digest_both(dg, rdg, &r->t[ti], got, rdata[i], s->numel[i] * sizeof(float));
       ti++;
       if (o->bf16 && st == DOPT_OK) {
         st = dopt_dist_gather_work(d, i, wgot);
+        if (st == DOPT_OK)
+          st = dopt_digest_buffer(wgot, s->numel[i] * sizeof(uint16_t), rep + ti * DOPT_DIGEST_BYTES, NULL);
         if (st == DOPT_OK && lead) {
           for (size_t k = 0; k < s->numel[i]; k++) {
             wf[k] = dopt_bf16_to_f32(rwork[i][k]);
@@ -698,6 +711,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         void *sgot = st == DOPT_OK ? malloc(sbytes ? sbytes : 1) : NULL;
         if (st == DOPT_OK && !sgot) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
         if (st == DOPT_OK) st = dopt_dist_gather_state(d, i, name, sgot);
+        if (st == DOPT_OK) st = dopt_digest_buffer(sgot, sbytes, rep + ti * DOPT_DIGEST_BYTES, NULL);
         const cmp_tensor_stat *pt = &r->t[ti]; /* the distributed side has no state views: the plan's layout */
         if (st == DOPT_OK && last) st = dopt_digest_tensor(dg, pt->name, pt->dtype, pt->ndim, pt->shape, sgot, sbytes);
         for (int q = 0; st == DOPT_OK && lead && q < dopt_optim_num_states(ref, i); q++) {
@@ -713,6 +727,28 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         ti++;
       }
       if (st == DOPT_OK && last) st = digest_steps(d, ref, i, s->p[i].name, dg, rdg);
+      /* the step counter: this rank's into the replica bytes; the lead's against the reference */
+      int64_t ds = 0, rs = 0;
+      if (st == DOPT_OK) st = dopt_dist_get_step(d, i, &ds);
+      if (st == DOPT_OK) memcpy(rep + (size_t)r->ntensors * DOPT_DIGEST_BYTES + (size_t)i * sizeof ds, &ds, sizeof ds);
+      if (st == DOPT_OK && lead) st = dopt_optim_get_step(ref, i, &rs);
+      if (st == DOPT_OK && lead && ds != rs && r->counter_step == 0) {
+        r->counter_step = t;
+        snprintf(r->counter_param, sizeof r->counter_param, "%s", s->p[i].name);
+        r->counter_ref = rs;
+        r->counter_dist = ds;
+      }
+    }
+    /* every rank's copy against rank 0's (which the lead compared with the reference) */
+    int drank = -1;
+    size_t doff = 0;
+    if (st == DOPT_OK) st = dopt_dist_check_replicas(d, rep, repn, &drank, &doff);
+    if (st == DOPT_OK && lead && drank >= 0 && r->drift_step == 0) {
+      r->drift_step = t;
+      r->drift_rank = drank;
+      const size_t tb = (size_t)r->ntensors * DOPT_DIGEST_BYTES;
+      if (doff < tb) snprintf(r->drift_tensor, sizeof r->drift_tensor, "%s", r->t[doff / DOPT_DIGEST_BYTES].name);
+      else snprintf(r->drift_tensor, sizeof r->drift_tensor, "%s/step", s->p[(doff - tb) / sizeof(int64_t)].name);
     }
     if (st == DOPT_OK && last) st = dopt_digest_final(dg, NULL, r->digest);
     if (st == DOPT_OK && last) st = dopt_digest_final(rdg, NULL, r->ref_digest);
@@ -738,6 +774,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   free(got);
   free(wgot);
   free(wf);
+  free(rep);
   dopt_digest_destroy(dg);
   dopt_digest_destroy(rdg);
   dopt_dist_destroy(d);
@@ -999,6 +1036,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   r->declared_ulp = cmp_declared_ulp(o->optimizer);
   r->equivalent = r->skipped_ref == r->skipped_dist;
   for (int k = 0; k < r->ntensors; k++) r->equivalent &= r->t[k].max_ulp <= r->declared_ulp;
+  r->equivalent &= r->drift_step == 0 && r->counter_step == 0;
   return DOPT_OK;
 }
 

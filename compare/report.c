@@ -14,7 +14,9 @@
  *  - The table ends with the digest line, "digest sha256:HEX (reference: equal)"
  *    or "... (reference: sha256:HEX2, differs)"; none when r->digest is "".
  *  - The JSON record carries "schema_version" (CMP_JSON_SCHEMA; 2 added
- *    "digest", docs/cli.md); a consumer checks it before reading fields.
+ *    "digest"; 3 per-tensor "nan_pairs", the verdict kinds "replica_drift"
+ *    and "step_counter" and the verdict's "rank", docs/cli.md); a consumer
+ *    checks it before reading fields.
  *  - JSON and SVG files are written to "PATH.tmp.PID" and renamed into place;
  *    on failure the temporary file is removed and PATH is untouched.
  *    Non-finite errors appear as null in JSON (cJSON's rendering).
@@ -32,11 +34,11 @@
 #include "internal.h"
 
 /* The JSON record's layout version: 1 (unversioned) until the digest, 2 with "digest". */
-#define CMP_JSON_SCHEMA 2
+#define CMP_JSON_SCHEMA 3
 
 /* ---- verdict ------------------------------------------------------------ */
 
-typedef enum { V_BITWISE, V_WITHIN, V_DIVERGED, V_SKIPS } verdict_kind;
+typedef enum { V_BITWISE, V_WITHIN, V_DIVERGED, V_SKIPS, V_DRIFT, V_COUNTER } verdict_kind;
 
 typedef struct verdict {
   verdict_kind kind;
@@ -74,6 +76,15 @@ static verdict compute_verdict(const cmp_result *r) {
     }
   }
   v.kind = v.tensor >= 0 ? V_DIVERGED : V_SKIPS;
+  /* a rank's own copy or a step counter that went wrong first is the finding */
+  if (r->counter_step > 0 && (v.kind != V_DIVERGED || r->counter_step < v.step)) {
+    v.kind = V_COUNTER;
+    v.step = r->counter_step;
+  }
+  if (r->drift_step > 0 && ((v.kind != V_DIVERGED && v.kind != V_COUNTER) || r->drift_step < v.step)) {
+    v.kind = V_DRIFT;
+    v.step = r->drift_step;
+  }
   return v;
 }
 
@@ -96,6 +107,14 @@ static void verdict_text(const cmp_result *r, const verdict *v, char *buf, size_
   case V_SKIPS:
     snprintf(buf, cap, "DIVERGED (skipped steps differ: reference %lld, distributed %lld)",
              (long long)r->skipped_ref, (long long)r->skipped_dist);
+    break;
+  case V_DRIFT:
+    snprintf(buf, cap, "DIVERGED at step %d (rank %d's copy of %s differs from rank 0's: replica drift)", v->step,
+             r->drift_rank, r->drift_tensor);
+    break;
+  case V_COUNTER:
+    snprintf(buf, cap, "DIVERGED at step %d (step counter of %s: reference %lld, distributed %lld)", v->step,
+             r->counter_param, (long long)r->counter_ref, (long long)r->counter_dist);
     break;
   }
 }
@@ -189,6 +208,13 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   char text[256];
   verdict_text(r, &v, text, sizeof text);
   fprintf(f, "verdict: %s\n", text);
+  int nanrows = 0; /* NaN on both sides is equal (docs/nan-policy.md), and listed */
+  for (int k = 0; k < r->ntensors; k++)
+    if (r->t[k].nan_pairs) {
+      fprintf(f, "%s %s: %llu", nanrows++ ? "," : "NaN on both sides (equal under the NaN policy):", r->t[k].name,
+              (unsigned long long)r->t[k].nan_pairs);
+    }
+  if (nanrows) fputc('\n', f);
   if (r->skipped_ref || r->skipped_dist)
     fprintf(f, "skipped steps (non-finite gradients): reference %lld, distributed %lld\n", (long long)r->skipped_ref,
             (long long)r->skipped_dist);
@@ -314,6 +340,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, ti, "max_ulp", ju64(t->max_ulp));
     jadd(b, ti, "bitwise", cJSON_CreateBool(is_bitwise(t)));
     jadd(b, ti, "first_diff", t->first_diff > 0 ? cJSON_CreateNumber(t->first_diff) : cJSON_CreateNull());
+    jadd(b, ti, "nan_pairs", ju64(t->nan_pairs));
     cJSON *ab = jadd(b, ti, "abs_per_step", cJSON_CreateArray());
     cJSON *ul = jadd(b, ti, "ulp_per_step", cJSON_CreateArray());
     for (int s = 0; ab && t->abs_per_step && s < r->steps && b->ok; s++)
@@ -325,13 +352,18 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
   verdict_text(r, &v, text, sizeof text);
   cJSON *vj = jadd(b, root, "verdict", cJSON_CreateObject());
   if (vj) {
-    static const char *const kinds[] = {"bitwise", "within_tolerance", "diverged", "skips_differ"};
+    static const char *const kinds[] = {"bitwise", "within_tolerance", "diverged", "skips_differ", "replica_drift",
+                                        "step_counter"};
     jadd(b, vj, "equivalent", cJSON_CreateBool(r->equivalent != 0));
     jadd(b, vj, "kind", cJSON_CreateString(kinds[v.kind]));
     jadd(b, vj, "text", cJSON_CreateString(text));
     jadd(b, vj, "worst_ulp", ju64(v.worst));
-    jadd(b, vj, "step", v.kind == V_DIVERGED ? cJSON_CreateNumber(v.step) : cJSON_CreateNull());
-    jadd(b, vj, "tensor", v.kind == V_DIVERGED ? cJSON_CreateString(r->t[v.tensor].name) : cJSON_CreateNull());
+    jadd(b, vj, "step", v.step > 0 ? cJSON_CreateNumber(v.step) : cJSON_CreateNull());
+    jadd(b, vj, "tensor", v.kind == V_DIVERGED  ? cJSON_CreateString(r->t[v.tensor].name)
+                          : v.kind == V_DRIFT  ? cJSON_CreateString(r->drift_tensor)
+                          : v.kind == V_COUNTER ? cJSON_CreateString(r->counter_param)
+                                                : cJSON_CreateNull());
+    jadd(b, vj, "rank", v.kind == V_DRIFT ? cJSON_CreateNumber(r->drift_rank) : cJSON_CreateNull());
   }
   /* the final tensors' SHA-256 (docs/digest.md); null when this process measured nothing */
   cJSON *dj = jadd(b, root, "digest", r->digest[0] ? cJSON_CreateObject() : cJSON_CreateNull());
@@ -373,14 +405,21 @@ dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_res
 
 void cmp_sweep_cell_set(cmp_sweep_cell *c, const cmp_result *r) {
   verdict v = compute_verdict(r);
-  static const cmp_cell_kind kinds[] = {CMP_CELL_BITWISE, CMP_CELL_WITHIN, CMP_CELL_DIVERGED, CMP_CELL_DIVERGED};
+  static const cmp_cell_kind kinds[] = {CMP_CELL_BITWISE,  CMP_CELL_WITHIN,   CMP_CELL_DIVERGED,
+                                        CMP_CELL_DIVERGED, CMP_CELL_DIVERGED, CMP_CELL_DIVERGED};
   c->kind = kinds[v.kind];
-  c->step = v.kind == V_DIVERGED ? v.step : 0;
-  snprintf(c->tensor, sizeof c->tensor, "%s", v.kind == V_DIVERGED ? r->t[v.tensor].name : "");
+  c->step = v.step;
+  snprintf(c->tensor, sizeof c->tensor, "%.127s", v.kind == V_DIVERGED ? r->t[v.tensor].name
+                                              : v.kind == V_DRIFT  ? r->drift_tensor
+                                              : v.kind == V_COUNTER ? r->counter_param
+                                                                    : "");
   c->worst_ulp = v.worst;
   c->declared_ulp = r->declared_ulp;
   snprintf(c->message, sizeof c->message, "%s",
-           v.kind == V_SKIPS ? "skipped steps differ between the reference and the distributed run" : "");
+           v.kind == V_SKIPS    ? "skipped steps differ between the reference and the distributed run"
+           : v.kind == V_DRIFT  ? "a rank's own copy differs from rank 0's (replica drift)"
+           : v.kind == V_COUNTER ? "a step counter differs from the reference's"
+                                 : "");
   memcpy(c->digest, r->digest, sizeof c->digest);
   memcpy(c->ref_digest, r->ref_digest, sizeof c->ref_digest);
   c->seconds = r->seconds;

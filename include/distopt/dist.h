@@ -135,6 +135,14 @@ typedef struct dopt_dist_step_info {
  * clip, step every parameter's piece, re-gather parameters (zero 1/2). [C] */
 DOPT_API dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info);
 DOPT_API int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d);
+
+/* Whether every rank holds the same `bytes` bytes (e.g. digests of what each
+ * rank gathered: its own replica of every tensor) as world rank 0. On return,
+ * on every rank, *rank is the lowest world rank (dp rank · tp + tp rank) whose
+ * bytes differ from rank 0's, with *offset the first differing byte, or -1
+ * when all agree. bytes ≤ 2^31, the same on every rank. [C] */
+DOPT_API dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mine, size_t bytes, int *rank,
+                                              size_t *offset);
 /* Collectives this rank issued for step statistics (norms, RMS, row/column
  * means, clipping) since creation: with batching O(buckets × transports ×
  * phases) per step, independent of the number of parameters. */

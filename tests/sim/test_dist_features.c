@@ -316,8 +316,73 @@ static void test_config_errors(void **st) {
   }
 }
 
+/* dopt_dist_check_replicas on tp 2 x dp 3: every rank learns the lowest world
+ * rank whose bytes differ from rank 0's, and the first differing byte. */
+typedef struct rep_case {
+  int bad1, bad2;          /* world ranks whose bytes differ (-1: none) */
+  size_t off1, off2;       /* where */
+  int rank[6];             /* per world rank: the answer it got */
+  size_t offset[6];
+} rep_case;
+
+static dopt_status rep_body(dopt_sim_comm *world, int rank, void *user) {
+  rep_case *x = user;
+  dopt_sim_comm *tpc, *dpc;
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / 2, rank, "tp", &tpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % 2, rank, "dp", &dpc));
+  dopt_optim *o;
+  DOPT_TRY(dopt_optim_create("adamw", NULL, &o));
+  float v[6] = {0};
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = "v";
+  pc.ndim = 1;
+  pc.shape[0] = 6;
+  pc.data = v;
+  dopt_status s = dopt_optim_add_param(o, 0, &pc, NULL);
+  dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
+  cfg.plugin = "hybrid";
+  cfg.zero_stage = 1;
+  if (s == DOPT_OK) s = dopt_sim_transport(tpc, &cfg.tp);
+  if (s == DOPT_OK) s = dopt_sim_transport(dpc, &cfg.dp);
+  dopt_tp_role role = DOPT_TP_REPLICATED;
+  dopt_dist_optim *d = NULL;
+  if (s == DOPT_OK) s = dopt_dist_create(o, &cfg, &role, &d);
+  unsigned char bytes[45];
+  for (int k = 0; k < 45; k++) bytes[k] = (unsigned char)(k * 7);
+  if (rank == x->bad1) bytes[x->off1] ^= 1;
+  if (rank == x->bad2) bytes[x->off2] ^= 0x80;
+  if (s == DOPT_OK) s = dopt_dist_check_replicas(d, bytes, sizeof bytes, &x->rank[rank], &x->offset[rank]);
+  dopt_dist_destroy(d);
+  dopt_optim_destroy(o);
+  return s;
+}
+
+static void test_check_replicas(void **st) {
+  (void)st;
+  rep_case cases[] = {{-1, -1, 0, 0, {0}, {0}}, {4, -1, 44, 0, {0}, {0}}, {5, 3, 0, 17, {0}, {0}}, {1, -1, 3, 0, {0}, {0}}};
+  const int want_rank[] = {-1, 4, 3, 1};
+  const size_t want_off[] = {0, 44, 17, 3};
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
+    sc.nranks = 6;
+    sc.timeout_ms = 20000;
+    dopt_sim_world *w;
+    assert_ok(dopt_sim_world_create(&sc, &w));
+    dopt_status rs[6];
+    assert_ok(dopt_sim_launch(w, rep_body, &cases[c], rs));
+    for (int r = 0; r < 6; r++) {
+      if (rs[r] != DOPT_OK) fail_msg("case %zu rank %d: %s", c, r, dopt_sim_world_rank_error(w, r));
+      if (cases[c].rank[r] != want_rank[c] || (want_rank[c] >= 0 && cases[c].offset[r] != want_off[c]))
+        fail_msg("case %zu: rank %d got rank %d offset %zu, want %d %zu", c, r, cases[c].rank[r], cases[c].offset[r],
+                 want_rank[c], want_off[c]);
+    }
+    dopt_sim_world_destroy(w);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_check_replicas),
       cmocka_unit_test(test_clip_and_accumulation),
       cmocka_unit_test(test_bf16_masters),
       cmocka_unit_test(test_nonfinite_skip),

@@ -1,6 +1,6 @@
 /* compare/report.c on a synthetic result (a bitwise-equal parameter and its
  * state diverging at step 3): the table's marks, rows and verdict; the JSON
- * parses with cJSON, has schema_version 2 and carries per-step arrays of the
+ * parses with cJSON, has schema_version 3 and carries per-step arrays of the
  * right length; the digest is the table's last line and the JSON's "digest"
  * object (equal or differing from the reference's); the SVG
  * is well-formed XML (a C check always, plus Python's xml.etree when python3
@@ -203,7 +203,7 @@ static void test_json(void **st) {
   assert_int_equal(cJSON_GetObjectItemCaseSensitive(v, "step")->valueint, 3);
   assert_string_equal(cJSON_GetObjectItemCaseSensitive(v, "tensor")->valuestring, "fc1.weight/exp_avg");
   assert_non_null(strstr(cJSON_GetObjectItemCaseSensitive(v, "text")->valuestring, "DIVERGED at step 3"));
-  assert_int_equal(cJSON_GetObjectItemCaseSensitive(j, "schema_version")->valueint, 2); /* 2: with "digest" */
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(j, "schema_version")->valueint, 3); /* 3: nan_pairs, drift */
   assert_true(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(j, "digest"))); /* this result has none */
   cJSON_Delete(j);
 
@@ -214,6 +214,71 @@ static void test_json(void **st) {
 }
 
 /* The digest: the table's last line and the JSON "digest" object, equal and differing. */
+/* Replica drift and step counters decide the verdict when they come first; NaN
+ * on both sides is equal and listed (docs/nan-policy.md). */
+static cJSON *json_of(const cmp_options *o, const cmp_result *r) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/v.json", dir);
+  assert_ok(cmp_write_json(path, o, r));
+  char *txt = slurp(path);
+  cJSON *j = cJSON_Parse(txt);
+  free(txt);
+  assert_non_null(j);
+  return j;
+}
+
+static void test_verdict_kinds(void **st) {
+  (void)st;
+  cmp_options o;
+  cmp_result r;
+  options(&o);
+  /* drift at step 2, before the tensor divergence at step 3 */
+  result(&r);
+  r.drift_step = 2;
+  r.drift_rank = 3;
+  snprintf(r.drift_tensor, sizeof r.drift_tensor, "fc1.weight");
+  char *t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: DIVERGED at step 2 (rank 3's copy of fc1.weight differs from rank 0's: replica drift)\n"));
+  free(t);
+  cJSON *j = json_of(&o, &r), *v = cJSON_GetObjectItemCaseSensitive(j, "verdict");
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(v, "kind")->valuestring, "replica_drift");
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(v, "rank")->valueint, 3);
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(v, "step")->valueint, 2);
+  cJSON_Delete(j);
+  /* a step counter off at step 4, after the divergence at 3: the divergence is the finding */
+  result(&r);
+  r.counter_step = 4;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: DIVERGED at step 3 (tensor fc1.weight/exp_avg)\n"));
+  free(t);
+  /* every value bitwise but a counter: the counter */
+  result(&r);
+  tens[0].max_ulp = 0, tens[0].first_diff = 0, tens[0].max_abs = 0, tens[0].ulp_per_step = ulp0, tens[0].abs_per_step = abs0;
+  r.counter_step = 4;
+  snprintf(r.counter_param, sizeof r.counter_param, "fc1.weight");
+  r.counter_ref = 4, r.counter_dist = 3;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: DIVERGED at step 4 (step counter of fc1.weight: reference 4, distributed 3)\n"));
+  free(t);
+  j = json_of(&o, &r);
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j, "verdict"), "kind")->valuestring,
+                      "step_counter");
+  cJSON_Delete(j);
+  /* NaN on both sides: equivalent, bitwise, and counted in the table and JSON */
+  result(&r);
+  tens[0].max_ulp = 0, tens[0].first_diff = 0, tens[0].max_abs = 0, tens[0].ulp_per_step = ulp0, tens[0].abs_per_step = abs0;
+  tens[0].nan_pairs = 5;
+  r.equivalent = 1;
+  t = table_text(&o, &r);
+  assert_non_null(strstr(t, "verdict: EQUIVALENT (bitwise"));
+  assert_non_null(strstr(t, "NaN on both sides (equal under the NaN policy): fc1.weight/exp_avg: 5\n"));
+  free(t);
+  j = json_of(&o, &r);
+  cJSON *t0 = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "tensors"), 0);
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(t0, "nan_pairs")->valueint, 5);
+  cJSON_Delete(j);
+}
+
 static void test_digest(void **st) {
   (void)st;
   cmp_options o;
@@ -436,6 +501,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_table),
       cmocka_unit_test(test_json),
+      cmocka_unit_test(test_verdict_kinds),
       cmocka_unit_test(test_digest),
       cmocka_unit_test(test_svg),
   };
