@@ -756,6 +756,56 @@ static void test_checkpoint_resume(void **st) {
 #undef ARGS
 }
 
+/* Overflowing rows (finite gradients ~3e20 whose squares overflow fp32): the
+ * factored optimizers' parameters turn NaN. Under the NaN policy two NaNs are
+ * equal whatever their bits, so compare says EQUIVALENT and counts them on a
+ * line of their own (docs/nan-policy.md); the reference and every layout see
+ * the NaNs in the same places. */
+static void test_compare_overflow_nan(void **st) {
+  (void)st;
+  char trace[600], out[600];
+  snprintf(trace, sizeof trace, "%s/overflow.safetensors", dir);
+  snprintf(out, sizeof out, "%s/overflow.txt", dir);
+  /* w [37, 23] column-parallel, v [29], o [19, 37] row-parallel; 4 shards x 5 steps */
+  static const char *const names[3] = {"w", "v", "o"};
+  static const int64_t shapes[3][2] = {{37, 23}, {29, 1}, {19, 37}};
+  static const int nd[3] = {2, 1, 2};
+  static float buf[37 * 37];
+  uint64_t z = 99;
+  dopt_st_writer *wr;
+  assert_ok(dopt_st_writer_create(&wr));
+  char key[64];
+  for (int t = 0; t <= 5; t++)
+    for (int r = 0; r < (t ? 4 : 1); r++)
+      for (int p = 0; p < 3; p++) {
+        const int rows = (int)shapes[p][0], cols = nd[p] == 2 ? (int)shapes[p][1] : 1;
+        for (int k = 0; k < rows * cols; k++) buf[k] = (float)(dt_rand_normal(&z) * (t ? 1.0 : 0.5));
+        if (t >= 2 && nd[p] == 2) /* one row of each shard overflows when squared */
+          for (int c = 0; c < cols; c++) buf[((t * 7 + r * 5) % rows) * cols + c] *= 3e20f;
+        if (t) snprintf(key, sizeof key, "grad/%d/%d/%s", t, r, names[p]);
+        else snprintf(key, sizeof key, "init/%s", names[p]);
+        assert_ok(dopt_st_writer_add(wr, key, DOPT_F32, nd[p], shapes[p], buf));
+      }
+  assert_ok(dopt_st_writer_meta(wr, "params", "w,v,o"));
+  assert_ok(dopt_st_writer_meta(wr, "steps", "5"));
+  assert_ok(dopt_st_writer_meta(wr, "shards", "4"));
+  assert_ok(dopt_st_writer_meta(wr, "tp_roles", "w:column,v:column,o:row"));
+  assert_ok(dopt_st_writer_save(wr, trace));
+  dopt_st_writer_free(wr);
+  const char *layouts[][8] = {{"--plugin", "hybrid", "--tp", "2", "--dp", "2", "--zero", "2"},
+                              {"--plugin", "fsdp", "--tp", "4", "--dp", "1", "--zero", "3"}};
+  for (int i = 0; i < 2; i++) {
+    const char *const *l = layouts[i];
+    const char *args[] = {"compare", "--optimizer", "came", "--hparams", "lr=2e-4", l[0], l[1], l[2], l[3], l[4],
+                          l[5], l[6], l[7], "--trace", trace, "--steps", "5", NULL};
+    int rc = run_out(args, out);
+    char *txt = slurp(out);
+    if (rc != 0 || !strstr(txt, "verdict: EQUIVALENT") || !strstr(txt, "NaN on both sides (equal under the NaN policy): "))
+      fail_msg("came %s on overflowing rows: exit %d\n%s", l[1], rc, txt);
+    free(txt);
+  }
+}
+
 /* ---- compare: plugins imply their layout; --sweep (group "layouts") ---------------------------------------- */
 
 /* Runs compare with args; expects exit 0 and the header's layout "PLUGIN tpT×dpD×zeroZ" (and, with a
@@ -966,6 +1016,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_mem_per_rank),
       cmocka_unit_test(test_many_tensors),
       cmocka_unit_test(test_nonfinite_policy),
+      cmocka_unit_test(test_compare_overflow_nan),
       cmocka_unit_test(test_checkpoint_resume),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
