@@ -58,7 +58,12 @@ CASES = [  # name, proj_type, rank, scale, base overrides
     ("galore_right", "right", 6, 0.5, {}),
     ("galore_full", "full", 5, 0.25, {}),
     ("galore_clamp", "std", 12, 2.0, {"correct_bias": False}),  # d [33,7]: rank 12 -> 7
+    # upstream's defaults only: GaLoreAdamW(groups) with no keyword, and the
+    # group's projector keys at GaLoreProjector's own defaults (galore_torch
+    # requires them in the group); distopt gets no hparams and "rank=6"
+    ("galore_defaults", "std", 6, 1.0, None),
 ]
+DEFAULT_GAP = 200  # GaLoreProjector's update_proj_gap default
 
 
 def in_venv():
@@ -152,15 +157,20 @@ def main():
                 grads[(t, n)] = spectral_grad(sh[0], sh[1], 1e-4)
             else:
                 grads[(t, n)] = torch.randn(*sh, generator=gen) * 1e-4
+    only = [a for a in sys.argv[1:] if not a.startswith("-")]  # case names (default: all)
     for case, proj, rank, scale, over in CASES:
-        hp = dict(BASE, **over)
+        if only and case not in only:
+            continue
+        defaults = over is None
+        gap = DEFAULT_GAP if defaults else GAP
+        hp = dict(BASE, **(over or {}))
         ps = {n: torch.nn.Parameter(inits[n].clone()) for n, _ in all_params}
         groups = [
-            {"params": [ps[n] for n, _ in SHAPES], "rank": rank, "update_proj_gap": GAP, "scale": scale,
+            {"params": [ps[n] for n, _ in SHAPES], "rank": rank, "update_proj_gap": gap, "scale": scale,
              "proj_type": proj},
             {"params": [ps[n] for n, _ in PLAIN]},
         ]
-        opt = ga.AdamW(groups, no_deprecation_warning=True, **hp)
+        opt = ga.AdamW(groups, no_deprecation_warning=True, **({} if defaults else hp))
         tensors = [("init/%s" % n, inits[n]) for n, _ in all_params]
         for t in range(1, STEPS + 1):
             for n, _ in all_params:
@@ -186,14 +196,16 @@ def main():
         b = lambda x: "true" if x else "false"
         meta = {
             "optimizer": "galore_adamw",
-            "hparams": "lr=%r,beta1=%r,beta2=%r,eps=%r,weight_decay=%r,correct_bias=%s" % (
+            "hparams": "" if defaults else "lr=%r,beta1=%r,beta2=%r,eps=%r,weight_decay=%r,correct_bias=%s" % (
                 hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"], b(hp["correct_bias"])),
             "groups": ",".join(n for n, _ in SHAPES),
-            "group_hparams": "rank=%d,update_proj_gap=%d,scale=%r,proj_type=%s" % (rank, GAP, scale, proj),
+            "group_hparams": ("rank=%d" % rank) if defaults else
+            "rank=%d,update_proj_gap=%d,scale=%r,proj_type=%s" % (rank, GAP, scale, proj),
             "params": ",".join(n for n, _ in all_params),
             "steps": str(STEPS),
             "seed": str(SEED),
             "case": case,
+            "defaults_only": "1" if defaults else "0",
             "upstream": "galore-torch==%s (adamw.py %s, galore_projector.py %s) torch==%s" % (
                 GALORE_VERSION, shas["adamw.py"], shas["galore_projector.py"], torch.__version__),
             "intervention": "get_orthogonal_matrix wrapped: sign convention (largest-|x| component positive)",
