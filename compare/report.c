@@ -276,12 +276,35 @@ static cJSON *jadd(jb *b, cJSON *parent, const char *key, cJSON *item) {
   return item;
 }
 
+
 /* uint64 as a number when exact in a double, otherwise as a decimal string. */
 static cJSON *ju64(uint64_t v) {
   if (v <= (UINT64_C(1) << 53)) return cJSON_CreateNumber((double)v);
   char buf[24];
   snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
   return cJSON_CreateString(buf);
+}
+
+/* The options both records share: the optimizer, its hyperparameters and groups; the gradients' source. */
+static void json_optimizer(jb *b, cJSON *op, const cmp_options *o) {
+  jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
+  jadd(b, op, "hparams", cJSON_CreateString(o->hparams));
+  cJSON *gs = jadd(b, op, "groups", cJSON_CreateArray());
+  for (int g = 0; gs && g < o->ngroups && g < CMP_MAX_GROUPS; g++) {
+    cJSON *gi = jadd(b, gs, NULL, cJSON_CreateObject());
+    if (!gi) break;
+    jadd(b, gi, "params", cJSON_CreateString(o->group_glob[g]));
+    jadd(b, gi, "hparams", cJSON_CreateString(o->group_hp[g]));
+  }
+}
+
+static void json_gradients(jb *b, cJSON *op, const cmp_options *o) {
+  cJSON *gr = jadd(b, op, "gradients", cJSON_CreateObject());
+  if (gr) {
+    jadd(b, gr, "source", cJSON_CreateString(o->source));
+    if (strcmp(o->source, "trace") == 0) jadd(b, gr, "path", cJSON_CreateString(o->trace_path));
+    else jadd(b, gr, "seed", ju64(o->seed));
+  }
 }
 
 static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
@@ -293,15 +316,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
   jadd(b, root, "schema_version", cJSON_CreateNumber(CMP_JSON_SCHEMA));
   cJSON *op = jadd(b, root, "options", cJSON_CreateObject());
   if (op) {
-    jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
-    jadd(b, op, "hparams", cJSON_CreateString(o->hparams));
-    cJSON *gs = jadd(b, op, "groups", cJSON_CreateArray());
-    for (int g = 0; gs && g < o->ngroups && g < CMP_MAX_GROUPS; g++) {
-      cJSON *gi = jadd(b, gs, NULL, cJSON_CreateObject());
-      if (!gi) break;
-      jadd(b, gi, "params", cJSON_CreateString(o->group_glob[g]));
-      jadd(b, gi, "hparams", cJSON_CreateString(o->group_hp[g]));
-    }
+    json_optimizer(b, op, o);
     jadd(b, op, "plugin", cJSON_CreateString(o->plugin));
     jadd(b, op, "tp", cJSON_CreateNumber(o->tp));
     jadd(b, op, "dp", cJSON_CreateNumber(o->dp));
@@ -314,12 +329,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, op, "accumulation", cJSON_CreateNumber(r->micro > 0 ? r->micro : o->micro));
     jadd(b, op, "max_grad_norm", cJSON_CreateNumber(o->max_grad_norm));
     jadd(b, op, "bf16", cJSON_CreateBool(o->bf16 != 0));
-    cJSON *gr = jadd(b, op, "gradients", cJSON_CreateObject());
-    if (gr) {
-      jadd(b, gr, "source", cJSON_CreateString(o->source));
-      if (strcmp(o->source, "trace") == 0) jadd(b, gr, "path", cJSON_CreateString(o->trace_path));
-      else jadd(b, gr, "seed", ju64(o->seed));
-    }
+    json_gradients(b, op, o);
   }
   jadd(b, root, "steps", cJSON_CreateNumber(r->steps));
   jadd(b, root, "seconds", cJSON_CreateNumber(r->seconds));
@@ -526,15 +536,7 @@ static cJSON *build_sweep_json(const cmp_options *o, const cmp_sweep_cell *cells
   jadd(b, root, "kind", cJSON_CreateString("sweep"));
   cJSON *op = jadd(b, root, "options", cJSON_CreateObject());
   if (op) {
-    jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
-    jadd(b, op, "hparams", cJSON_CreateString(o->hparams));
-    cJSON *gs = jadd(b, op, "groups", cJSON_CreateArray());
-    for (int g = 0; gs && g < o->ngroups && g < CMP_MAX_GROUPS; g++) {
-      cJSON *gi = jadd(b, gs, NULL, cJSON_CreateObject());
-      if (!gi) break;
-      jadd(b, gi, "params", cJSON_CreateString(o->group_glob[g]));
-      jadd(b, gi, "hparams", cJSON_CreateString(o->group_hp[g]));
-    }
+    json_optimizer(b, op, o);
     jadd(b, op, "max_tp", cJSON_CreateNumber(o->max_tp));
     jadd(b, op, "max_dp", cJSON_CreateNumber(o->max_dp));
     jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
@@ -544,12 +546,7 @@ static cJSON *build_sweep_json(const cmp_options *o, const cmp_sweep_cell *cells
     jadd(b, op, "dp_sum", cJSON_CreateString(cmp_dp_sum_name(o->dp_sum_words)));
     jadd(b, op, "ring_order", cJSON_CreateBool(o->ring_order != 0));
     jadd(b, op, "batch_invariant", cJSON_CreateBool(o->batch_invariant != 0));
-    cJSON *gr = jadd(b, op, "gradients", cJSON_CreateObject());
-    if (gr) {
-      jadd(b, gr, "source", cJSON_CreateString(o->source));
-      if (strcmp(o->source, "trace") == 0) jadd(b, gr, "path", cJSON_CreateString(o->trace_path));
-      else jadd(b, gr, "seed", ju64(o->seed));
-    }
+    json_gradients(b, op, o);
   }
   int nrun = 0, nbit = 0, nwithin = 0, ndiv = 0, nerr = 0, nskip = 0;
   cJSON *ls = jadd(b, root, "layouts", cJSON_CreateArray());

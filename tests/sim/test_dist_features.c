@@ -97,18 +97,23 @@ typedef struct cfg_err {
   char msg[256];
 } cfg_err;
 
-static dopt_status cfg_body(dopt_sim_comm *world, int rank, void *user) {
-  (void)rank;
-  cfg_err *e = user;
-  dopt_optim *o;
-  DOPT_TRY(dopt_optim_create("adamw", NULL, &o));
-  float v[6] = {0};
+/* AdamW over one parameter "v" [6] on v (the caller's storage). */
+static dopt_status one_param_adamw(float *v, dopt_optim **o) {
+  DOPT_TRY(dopt_optim_create("adamw", NULL, o));
   dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
   pc.name = "v";
   pc.ndim = 1;
   pc.shape[0] = 6;
   pc.data = v;
-  dopt_status s = dopt_optim_add_param(o, 0, &pc, NULL);
+  return dopt_optim_add_param(*o, 0, &pc, NULL);
+}
+
+static dopt_status cfg_body(dopt_sim_comm *world, int rank, void *user) {
+  (void)rank;
+  cfg_err *e = user;
+  dopt_optim *o = NULL;
+  float v[6] = {0};
+  dopt_status s = one_param_adamw(v, &o);
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
   cfg.plugin = e->plugin;
   cfg.zero_stage = e->zero;
@@ -330,15 +335,9 @@ static dopt_status rep_body(dopt_sim_comm *world, int rank, void *user) {
   dopt_sim_comm *tpc, *dpc;
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / 2, rank, "tp", &tpc));
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % 2, rank, "dp", &dpc));
-  dopt_optim *o;
-  DOPT_TRY(dopt_optim_create("adamw", NULL, &o));
+  dopt_optim *o = NULL;
   float v[6] = {0};
-  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
-  pc.name = "v";
-  pc.ndim = 1;
-  pc.shape[0] = 6;
-  pc.data = v;
-  dopt_status s = dopt_optim_add_param(o, 0, &pc, NULL);
+  dopt_status s = one_param_adamw(v, &o);
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
   cfg.plugin = "hybrid";
   cfg.zero_stage = 1;
