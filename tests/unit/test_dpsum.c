@@ -122,6 +122,16 @@ static void test_precision_limit(void **state) {
   /* at 2^30 below the block maximum one word is still exact (2^(38−2) range) */
   float y[3] = {0x1p40f, 0x1.000002p10f, -0x1p40f};
   assert_true(bits(sum_of(y, 3, 1)) == bits(0x1.000002p10f));
+  /* the grid is exactly the documented one: unit 2^(top − K), K = 62 − ⌈log2 n⌉.
+   * n = 3 (h = 2): unit 2^(41−60) = 2^-19, so 1.5·2^-19 rounds to the even 2·2^-19;
+   * n = 5 (h = 3): unit 2^-18, so 1.5·2^-18 rounds to 2^-17. One headroom bit fewer
+   * (a finer grid) would keep them exact, one more would round 2^-18 away. */
+  float z3[3] = {0x1p40f, 0x1.8p-19f, -0x1p40f};
+  assert_true(bits(sum_of(z3, 3, 1)) == bits(0x1p-18f));
+  float z5[5] = {0x1p40f, 0x1.8p-18f, -0x1p40f, 0.0f, 0.0f};
+  assert_true(bits(sum_of(z5, 5, 1)) == bits(0x1p-17f));
+  float z4[4] = {0x1p40f, 0x1p-18f, -0x1p40f, 0.0f}; /* n = 4 (h = 2): 2^-18 is on the 2^-19 grid */
+  assert_true(bits(sum_of(z4, 4, 1)) == bits(0x1p-18f));
 }
 
 /* Blocks are independent: a huge value in block 0 leaves block 1's small
