@@ -113,7 +113,8 @@ typedef struct dopt_optim_impl {
   const struct dopt_wrap_ops *wrap;
   /* Settings that exercise the optimizer where nobody chose any
    * (dopt_optim_info): `example` (NULL: the defaults) on compare's small
-   * synthetic model; `grid` (NULL-terminated, >= 1 entry; NULL: the defaults alone) on the
+   * synthetic model (--matrix; compare, --sweep, bench, mem when the defaults
+   * are not a valid optimizer); `grid` (NULL-terminated, >= 1 entry; NULL: the defaults alone) on the
    * equivalence grid's parameter set (tensors of 1..13 rows and columns, 100
    * steps), the first grid_ci (0: 1) of them on every CI layout. Choose them
    * so every path of the step runs: refreshes, thresholds, options. */

@@ -65,9 +65,10 @@ DOPT_API const char *dopt_optim_registry_name(int i);
 /* What the registry knows about optimizer i besides its keys. The
  * hyperparameter settings are the optimizer's own (declared next to its step
  * in ref/<name>.c) and are what the project runs when the user chose none:
- * `example` in compare --matrix and --sweep, bench and mem; `grid` in the
- * equivalence grid (the first grid_ci on the CI layouts, all of them under
- * DOPT_GRID_FULL=1). Strings are static; "" means upstream's defaults. */
+ * `example` in compare --matrix, and in compare, --sweep, bench and mem when
+ * upstream's defaults are not a valid optimizer (CAME has no default lr);
+ * `grid` in the equivalence grid (the first grid_ci on the CI layouts, all of
+ * them under DOPT_GRID_FULL=1). Strings are static; "" means the defaults. */
 typedef struct dopt_optim_info {
   int version;                 /* DOPT_OPTIM_INFO_VERSION */
   const char *name, *summary;
