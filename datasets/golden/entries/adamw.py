@@ -26,6 +26,9 @@ CASES = [
     dict(name="adamw_default"),
     dict(name="adamw_nowd", hparams=dict(weight_decay=0.0, lr=1e-2)),
     dict(name="adamw_amsgrad", hparams=dict(amsgrad=True, lr=5e-3, beta2=0.99)),
+    # a large lr*wd (0.05) makes the decay's place visible: decaying after the update
+    # instead of before differs by lr*wd*lr*u, ~1e-2 relative here (1e-8 at the defaults)
+    dict(name="adamw_strong_decay", hparams=dict(lr=0.1, weight_decay=0.5)),
     # torch.optim.AdamW(params): nothing passed; distopt gets no hparams
     dict(name="adamw_defaults", defaults_only=True, record_every=2),
     dict(name="adamw_long", inputs="long", steps=200, record_every=10,
