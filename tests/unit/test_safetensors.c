@@ -87,6 +87,8 @@ static void test_malformed(void **st) {
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]", 8, -1, DOPT_ERR_FORMAT, "not a JSON object"},
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,16]}}", 8, -1, DOPT_ERR_FORMAT, "outside"},
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, -1, DOPT_ERR_FORMAT, "'a': 8 bytes"},
+      /* a range longer than shape x dtype needs (16 bytes for 2 F32) is refused too */
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,16]}}", 16, -1, DOPT_ERR_FORMAT, "'a': 16 bytes"},
       {"{\"a\":{\"dtype\":\"Q7\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, -1, DOPT_ERR_UNSUPPORTED, "'Q7'"},
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8, -1, DOPT_ERR_FORMAT, "shape[0]"},
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2]}}", 8, -1, DOPT_ERR_FORMAT, "data_offsets"},
