@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant8_fast.h"
 #include "registry.h"
 
 /* flush-to-zero: subnormals become a zero of the same sign */
@@ -76,9 +77,11 @@ void dopt_q8_create_dynamic_map(int is_signed, float code[DOPT_Q8_CODES]) {
 
 static float g_maps[2][DOPT_Q8_CODES];
 static pthread_once_t g_maps_once = PTHREAD_ONCE_INIT;
+static void build_luts(void);
 static void build_maps(void) {
   dopt_q8_create_dynamic_map(0, g_maps[0]);
   dopt_q8_create_dynamic_map(1, g_maps[1]);
+  build_luts();
 }
 
 const float *dopt_q8_map(int is_signed) {
@@ -94,6 +97,8 @@ int dopt_q8_block_ok(size_t block) {
 
 size_t dopt_q8_num_blocks(size_t n, size_t block) { return block ? (n + block - 1) / block : 0; }
 
+/* The specification: the CUDA search, step by step. The fast search below
+ * must agree with it on every input (tests/unit/test_quant8.c). */
 uint8_t dopt_q8_search(const float *code, float x) {
   int pivot = 127, upper = 255, lower = 0;
   float upper_v = 1.0f, lower_v = -1.0f, val = code[pivot];
@@ -121,18 +126,192 @@ uint8_t dopt_q8_search(const float *code, float x) {
   return (uint8_t)(x < mid ? lower : pivot); /* NaN: every comparison false → pivot 0 */
 }
 
+/* ---- the fast search: a table on the float's bits -------------------------------
+ *
+ * For a sorted code the search above is a non-decreasing step function of x
+ * (NaN aside): its last pivot P is even, P−1 and P+1 are the bounds it kept,
+ * and it returns the nearest of the three by the fp32 midpoints
+ * F((code[i] + code[i+1])·0.5), a value exactly on a midpoint going to the
+ * even index. So for x ≥ 0 the byte is determined by where |x| falls among
+ * 255 thresholds, and a table indexed by the top 16 bits of |x| (sign 0,
+ * exponent, 7 mantissa bits) over [2^-23, 1] holds, per bucket, the byte at
+ * the bucket's start (`base`) and the low 16 bits after which the byte is one
+ * higher (`split`; 0xffff: no step in the bucket). 7 mantissa bits are
+ * finer than the closest codes of both maps (relative spacing ≥ 0.7 %), so a
+ * bucket holds at most one step; below 2^-23 and above 1 the byte is
+ * constant. Negative x: the signed map is symmetric (code[i] = −code[254−i],
+ * and mirrored pairs have opposite parity, so ties mirror too), hence
+ * byte(−|x|) = max(254 − byte(|x|), 0) (no −1.0 code, so the 255 side clamps
+ * to 0); for the unsigned map every negative value gives 0 = max(0 − byte, 0).
+ * NaN gives 0. The table is built from dopt_q8_search itself (binary search
+ * for the step inside each bucket) and every assumption above is checked
+ * while building it; the unit test compares the two searches on ~10^8
+ * patterns (every midpoint and code ±64 ulps, every bucket edge, random
+ * patterns of all classes). */
+#define LUT_LO 0x34000000u /* bits of 2^-23: below every threshold of both maps (checked) */
+#define LUT_HI 0x3f800000u /* bits of 1.0f: at or above every threshold (checked) */
+#define LUT_N ((size_t)((LUT_HI - LUT_LO) >> 16) + 1)
+#define LUT_KNEG(is_signed) ((is_signed) ? 254 : 0)
+
+static uint32_t g_lut[2][LUT_N];
+static int g_lut_ok[2];
+
+static uint32_t bits_of(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+static float float_of(uint32_t b) {
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+static inline uint8_t lut_search(const uint32_t *t, int kneg, float x) {
+  const uint32_t b = bits_of(x), u = b & 0x7fffffffu;
+  if (u > 0x7f800000u) return 0; /* NaN */
+  const uint32_t c = u < LUT_LO ? LUT_LO : u > LUT_HI ? LUT_HI : u;
+  const uint32_t e = t[(c - LUT_LO) >> 16];
+  int r = (int)(e & 0xffu) + ((c & 0xffffu) > (e >> 16));
+  if (b >> 31) r = kneg - r > 0 ? kneg - r : 0;
+  return (uint8_t)r;
+}
+
+/* builds t for code; 0 if an assumption of the method fails for this code */
+static int build_lut(const float *code, int kneg, uint32_t *t) {
+  if (dopt_q8_search(code, float_of(LUT_LO)) != dopt_q8_search(code, 0.0f)) return 0;
+  if (dopt_q8_search(code, INFINITY) != dopt_q8_search(code, 1.0f)) return 0;
+  for (size_t i = 0; i < LUT_N; i++) {
+    const uint32_t lo = LUT_LO + ((uint32_t)i << 16), span = i + 1 < LUT_N ? 0xffffu : 0u;
+    const int r0 = dopt_q8_search(code, float_of(lo)), r1 = dopt_q8_search(code, float_of(lo + span));
+    if (r1 != r0 && r1 != r0 + 1) return 0;
+    uint32_t split = 0xffffu;
+    if (r1 != r0) { /* the last low part with byte r0 */
+      uint32_t a = 0, z = span;
+      while (z - a > 1) {
+        const uint32_t m = a + (z - a) / 2;
+        if (dopt_q8_search(code, float_of(lo + m)) == r0) a = m;
+        else z = m;
+      }
+      split = a;
+    }
+    t[i] = (uint32_t)r0 | split << 16;
+    /* the step and the negative rule at the bucket's probe points */
+    const uint32_t probe[4] = {lo, lo + (split < span ? split : 0), lo + (split < span ? split + 1 : 0), lo + span};
+    for (int k = 0; k < 4; k++)
+      for (int sg = 0; sg < 2; sg++) {
+        const float x = sg ? -float_of(probe[k]) : float_of(probe[k]);
+        if (lut_search(t, kneg, x) != dopt_q8_search(code, x)) return 0;
+      }
+  }
+  const float edge[6] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN};
+  for (int k = 0; k < 6; k++)
+    if (lut_search(t, kneg, edge[k]) != dopt_q8_search(code, edge[k])) return 0;
+  return 1;
+}
+
+static void build_luts(void) {
+  for (int s = 0; s < 2; s++) g_lut_ok[s] = build_lut(g_maps[s], LUT_KNEG(s), g_lut[s]);
+  /* the update's sign fix tests signbit(code1[q]) as q < 127 */
+  for (int q = 0; q < DOPT_Q8_CODES; q++)
+    if ((signbit(g_maps[1][q]) != 0) != (q < 127)) g_lut_ok[1] = 0;
+}
+
+const uint32_t *dopt__q8_lut(int is_signed) {
+  pthread_once(&g_maps_once, build_maps);
+  const int s = is_signed ? 1 : 0;
+  return g_lut_ok[s] ? g_lut[s] : NULL;
+}
+
+/* the table for code if it is a built-in map (by address), else NULL */
+static const uint32_t *lut_for(const float *code, int *kneg) {
+  for (int s = 0; s < 2; s++)
+    if (code == dopt_q8_map(s)) {
+      *kneg = LUT_KNEG(s);
+      return dopt__q8_lut(s);
+    }
+  return NULL;
+}
+
+static inline uint8_t search_any(const float *code, const uint32_t *t, int kneg, float x) {
+  return t ? lut_search(t, kneg, x) : dopt_q8_search(code, x);
+}
+
+uint8_t dopt__q8_search_lut(int is_signed, float x) {
+  const uint32_t *t = dopt__q8_lut(is_signed);
+  return search_any(dopt_q8_map(is_signed), t, LUT_KNEG(is_signed), x);
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+#define Q8_AVX2 1
+#define AVX2_FN __attribute__((target("avx2")))
+
+/* Read-only after libgcc's constructor ran: safe from any thread. */
+int dopt__q8_have_avx2(void) { return __builtin_cpu_supports("avx2") != 0; }
+
+/* lut_search on 8 lanes: bytes as int32 */
+AVX2_FN static inline __m256i lut_search8(const uint32_t *t, int kneg, __m256 x) {
+  const __m256i b = _mm256_castps_si256(x), u = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(u, _mm256_set1_epi32(0x7f800000));
+  const __m256i c = _mm256_min_epi32(_mm256_max_epi32(u, _mm256_set1_epi32((int)LUT_LO)),
+                                     _mm256_set1_epi32((int)LUT_HI));
+  const __m256i e = _mm256_i32gather_epi32((const int *)t, _mm256_srli_epi32(_mm256_sub_epi32(c, _mm256_set1_epi32((int)LUT_LO)), 16), 4);
+  const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(e, 16));
+  const __m256i rp = _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xff)), up); /* up is -1 or 0 */
+  const __m256i rn = _mm256_max_epi32(_mm256_sub_epi32(_mm256_set1_epi32(kneg), rp), _mm256_setzero_si256());
+  const __m256i r = _mm256_blendv_epi8(rp, rn, _mm256_srai_epi32(b, 31));
+  return _mm256_andnot_si256(nan, r);
+}
+
+/* 8 int32 lanes in [0, 255] → 8 bytes */
+AVX2_FN static inline void store_u8x8(uint8_t *q, __m256i r) {
+  const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(r, r), _mm256_setzero_si256());
+  const __m128i v = _mm_unpacklo_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storel_epi64((__m128i *)(void *)q, v);
+}
+
+AVX2_FN static void search_n_avx2(const uint32_t *t, int kneg, const float *x, size_t n, uint8_t *q) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store_u8x8(q + i, lut_search8(t, kneg, _mm256_loadu_ps(x + i)));
+  for (; i < n; i++) q[i] = lut_search(t, kneg, x[i]);
+}
+#else
+int dopt__q8_have_avx2(void) { return 0; }
+#endif
+
+dopt_status dopt__q8_search_n(int is_signed, const float *x, size_t n, uint8_t *q, dopt_q8_impl impl) {
+  DOPT_CHECK_ARG(n == 0 || (x && q), "dopt__q8_search_n: NULL array");
+  const int kneg = LUT_KNEG(is_signed);
+  const uint32_t *t = dopt__q8_lut(is_signed);
+  const float *code = dopt_q8_map(is_signed);
+  if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt__q8_search_n: AVX2 is not available");
+#ifdef Q8_AVX2
+  if (t && impl != DOPT_Q8_IMPL_SCALAR && dopt__q8_have_avx2()) {
+    search_n_avx2(t, kneg, x, n, q);
+    return DOPT_OK;
+  }
+#endif
+  for (size_t i = 0; i < n; i++) q[i] = search_any(code, t, kneg, x[i]);
+  return DOPT_OK;
+}
+
 dopt_status dopt_q8_quantize_blockwise(const float *code, const float *x, size_t n, size_t block, uint8_t *q,
                                        float *absmax) {
   DOPT_CHECK_ARG(code && (x || !n) && (q || !n) && (absmax || !n), "dopt_q8_quantize_blockwise: NULL argument");
   DOPT_CHECK_ARG(dopt_q8_block_ok(block), "dopt_q8_quantize_blockwise: block=%zu must be a power of two in [64, 4096]",
                  block);
+  int kneg = 0;
+  const uint32_t *t = lut_for(code, &kneg); /* NULL for a map of the caller's: the search above */
   for (size_t b0 = 0, blk = 0; b0 < n; b0 += block, blk++) {
     const size_t valid = n - b0 < block ? n - b0 : block;
     float m = -FLT_MAX;
     for (size_t j = 0; j < valid; j++) m = fmaxf(m, fabsf(F(x[b0 + j])));
     absmax[blk] = m;
     const float inv = F(1.0f / m);
-    for (size_t j = 0; j < valid; j++) q[b0 + j] = dopt_q8_search(code, F(F(x[b0 + j]) * inv));
+    for (size_t j = 0; j < valid; j++) q[b0 + j] = search_any(code, t, kneg, F(F(x[b0 + j]) * inv));
   }
   return DOPT_OK;
 }
@@ -178,63 +357,274 @@ static dopt_status check_hp(const dopt_q8_adam_hp *hp, const char *fn) {
   return DOPT_OK;
 }
 
-dopt_status dopt_q8_adam_update(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
-                                float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite) {
+/* what one update needs besides the arrays */
+typedef struct q8ctx {
+  scalars k;
+  const float *code1, *code2;   /* signed (m), unsigned (v) */
+  const uint32_t *lut1, *lut2; /* their tables; NULL: dopt_q8_search */
+} q8ctx;
+
+/* One block of B slots, `valid` of them real (the rest padded: g = 0, byte
+ * 128 / byte 0), in plain C: the kernel's equations one element at a time.
+ * The AVX2 block below does the same operations lane by lane. Returns the
+ * number of non-finite gradient items. */
+static size_t block_scalar(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
+                           float *absmax2, size_t valid, size_t B) {
+  const scalars k = c->k;
+  float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX];
+  size_t bad = 0;
+  const float a1 = *absmax1, a2 = *absmax2;
+  float m1 = -FLT_MAX, m2 = -FLT_MAX;
+  /* 1. new states of all B slots (padding: g = 0, byte 128 / byte 0) */
+  for (size_t j = 0; j < B; j++) {
+    const int in = j < valid;
+    const float gj = in ? F(g[j]) : 0.0f;
+    const uint8_t q1 = in ? state1[j] : 128, q2 = in ? state2[j] : 0;
+    float s1 = 0.0f, s2 = 0.0f;
+    if (isfinite(gj)) {
+      const float gs = F(gj * k.gscale);
+      s2 = F(c->code2[q2] * a2);
+      s2 = F(F(s2 * k.beta2) + F(F(k.omb2 * gs) * gs));
+      s1 = F(c->code1[q1] * a1);
+      s1 = F(F(s1 * k.beta1) + F(k.omb1 * gs));
+    } else {
+      bad++;
+    }
+    m1 = fmaxf(m1, fabsf(s1));
+    m2 = fmaxf(m2, fabsf(s2));
+    s1b[j] = s1;
+    s2b[j] = s2;
+  }
+  /* 2. absmax of the new, unquantised states */
+  *absmax1 = m1;
+  *absmax2 = m2;
+  for (size_t j = 0; j < valid; j++) {
+    const float s1 = s1b[j], s2 = s2b[j];
+    /* 3. parameter: step from the full-precision states, then decay */
+    if (isfinite(F(g[j]))) {
+      float pj = F(p[j]);
+      const float den = F(F(sqrtf(s2)) + k.c2eps);
+      pj = F(pj + F(k.step_size * F(s1 / den)));
+      if (k.decay_on) pj = F(pj * k.decay);
+      p[j] = pj;
+    }
+    /* 4. requantise; keep the sign of m */
+    uint8_t q1 = search_any(c->code1, c->lut1, LUT_KNEG(1), F(s1 / m1));
+    if (signbit(c->code1[q1]) != signbit(s1)) q1 = (uint8_t)(s1 > 0.0f ? q1 + 1u : q1 - 1u);
+    state1[j] = q1;
+    state2[j] = search_any(c->code2, c->lut2, LUT_KNEG(0), F(s2 / m2));
+  }
+  return bad;
+}
+
+#ifdef Q8_AVX2
+/* ---- the AVX2 block --------------------------------------------------------------
+ *
+ * block_scalar for a full block (B a multiple of 8, both tables present), 8
+ * lanes at a time: the same IEEE operations on each element, in the same
+ * order and with the same operand order, and the table search. max_ps(|s|, m)
+ * returns m when |s| is NaN, as fmaxf(m, |s|) does, and the running maxima
+ * are never NaN, so the lane maxima reduce to the same absmax in any order.
+ *
+ * Flush-to-zero. F(r) differs from r only when r is a nonzero subnormal.
+ * Each pass first runs without F (`exact` = 0) and then reads the x86 status
+ * flags: a nonzero subnormal result r = RN(a op b) is either inexact, and
+ * then tiny, which raises the underflow flag (UE), or exact, and then the
+ * next operation that reads it raises the denormal-operand flag (DE). Every
+ * intermediate value of a pass is read by a later floating-point operation
+ * (add, mul, div, sqrt, max, compare), except the final parameter, which
+ * keeps its F; the quotients s/absmax go to the table search, which gives a
+ * subnormal and a zero of the same sign the same byte (both clamp to the
+ * table's first bucket), so they need no F. So if neither flag is raised
+ * after the pass, every F was the identity and the pass's results are
+ * exactly those of the F version; if one is raised (rare: subnormal
+ * gradients, parameters or states, or a tiny absmax), the pass is run again
+ * with F8 everywhere (`exact` = 1), from inputs it has not overwritten.
+ * The fast passes run only under the default MXCSR (round to nearest, no
+ * FTZ/DAZ, all exceptions masked); otherwise both passes run exact. */
+#define CSR_DE 0x0002u /* denormal operand */
+#define CSR_UE 0x0010u /* underflow */
+#define CSR_DEFAULT 0x1f80u /* all exceptions masked, round to nearest, no FTZ/DAZ */
+
+/* F() on 8 lanes: |x| < FLT_MIN (not NaN) → a zero of x's sign */
+AVX2_FN static inline __m256 F8(__m256 x) {
+  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 tiny = _mm256_cmp_ps(_mm256_and_ps(x, mag), _mm256_set1_ps(FLT_MIN), _CMP_LT_OQ);
+  return _mm256_andnot_ps(_mm256_and_ps(tiny, mag), x);
+}
+#define FX(x) (exact ? F8(x) : (x))
+
+/* tab[q[0..7]] (8 scalar loads: faster than a gather here) */
+AVX2_FN static inline __m256 lookup8(const float *tab, const uint8_t *q) {
+  uint64_t w;
+  memcpy(&w, q, sizeof w);
+  return _mm256_setr_ps(tab[w & 255u], tab[(w >> 8) & 255u], tab[(w >> 16) & 255u], tab[(w >> 24) & 255u],
+                        tab[(w >> 32) & 255u], tab[(w >> 40) & 255u], tab[(w >> 48) & 255u], tab[w >> 56]);
+}
+
+/* clears UE and DE (and orders the floating-point work after it) */
+AVX2_FN static inline void flags_clear(void) {
+  const unsigned csr = _mm_getcsr();
+  if (csr & (CSR_DE | CSR_UE)) _mm_setcsr(csr & ~(CSR_DE | CSR_UE));
+  __asm__ __volatile__("" ::: "memory");
+}
+
+/* UE or DE raised since flags_clear (the pass's results are in memory first) */
+AVX2_FN static inline int flags_raised(void) {
+  __asm__ __volatile__("" ::: "memory");
+  return (_mm_getcsr() & (CSR_DE | CSR_UE)) != 0;
+}
+
+/* 1. new states of the block into s1b/s2b; their absmax into *m1, *m2 */
+AVX2_FN static inline __attribute__((always_inline)) size_t pass1_avx2(const q8ctx *c, const float *g,
+                                                                         const uint8_t *state1, const uint8_t *state2,
+                                                                         float a1s, float a2s, size_t B, float *s1b,
+                                                                         float *s2b, float *m1, float *m2, int exact) {
+  const scalars k = c->k;
+  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(FLT_MAX);
+  const __m256 gscale = _mm256_set1_ps(k.gscale), beta1 = _mm256_set1_ps(k.beta1), beta2 = _mm256_set1_ps(k.beta2);
+  const __m256 omb1 = _mm256_set1_ps(k.omb1), omb2 = _mm256_set1_ps(k.omb2);
+  const __m256 a1 = _mm256_set1_ps(a1s), a2 = _mm256_set1_ps(a2s);
+  __m256 mx1 = _mm256_set1_ps(-FLT_MAX), mx2 = mx1;
+  size_t bad = 0;
+  for (size_t j = 0; j < B; j += 8) {
+    const __m256 gj = FX(_mm256_loadu_ps(g + j));
+    const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(gj, mag), big, _CMP_LE_OQ); /* isfinite */
+    bad += (size_t)__builtin_popcount(~(unsigned)_mm256_movemask_ps(fin) & 0xffu);
+    const __m256 gs = FX(_mm256_mul_ps(gj, gscale));
+    __m256 s2 = FX(_mm256_mul_ps(lookup8(c->code2, state2 + j), a2));
+    s2 = FX(_mm256_add_ps(FX(_mm256_mul_ps(s2, beta2)), FX(_mm256_mul_ps(FX(_mm256_mul_ps(omb2, gs)), gs))));
+    __m256 s1 = FX(_mm256_mul_ps(lookup8(c->code1, state1 + j), a1));
+    s1 = FX(_mm256_add_ps(FX(_mm256_mul_ps(s1, beta1)), FX(_mm256_mul_ps(omb1, gs))));
+    s1 = _mm256_and_ps(s1, fin); /* non-finite g: +0 */
+    s2 = _mm256_and_ps(s2, fin);
+    mx1 = _mm256_max_ps(_mm256_and_ps(s1, mag), mx1);
+    mx2 = _mm256_max_ps(_mm256_and_ps(s2, mag), mx2);
+    _mm256_store_ps(s1b + j, s1);
+    _mm256_store_ps(s2b + j, s2);
+  }
+  float l1[8], l2[8];
+  _mm256_storeu_ps(l1, mx1);
+  _mm256_storeu_ps(l2, mx2);
+  float r1 = l1[0], r2 = l2[0];
+  for (int i = 1; i < 8; i++) {
+    r1 = l1[i] > r1 ? l1[i] : r1;
+    r2 = l2[i] > r2 ? l2[i] : r2;
+  }
+  *m1 = r1;
+  *m2 = r2;
+  return bad;
+}
+
+/* 3. and 4.: parameters (read from psrc, written to p; the fast pass keeps
+ * the originals in psave) and the bytes, from s1b/s2b */
+AVX2_FN static inline __attribute__((always_inline)) void pass2_avx2(const q8ctx *c, float *p, const float *psrc,
+                                                                       float *psave, const float *g, uint8_t *state1,
+                                                                       uint8_t *state2, size_t B, const float *s1b,
+                                                                       const float *s2b, float m1, float m2,
+                                                                       int exact) {
+  const scalars k = c->k;
+  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(FLT_MAX);
+  const __m256 m1v = _mm256_set1_ps(m1), m2v = _mm256_set1_ps(m2);
+  const __m256 step_size = _mm256_set1_ps(k.step_size), c2eps = _mm256_set1_ps(k.c2eps),
+               decay = _mm256_set1_ps(k.decay);
+  const __m256i k127 = _mm256_set1_epi32(127), m1i = _mm256_set1_epi32(-1), two = _mm256_set1_epi32(2),
+                lo8 = _mm256_set1_epi32(0xff);
+  for (size_t j = 0; j < B; j += 8) {
+    const __m256 s1 = _mm256_load_ps(s1b + j), s2 = _mm256_load_ps(s2b + j);
+    /* 3. parameter where g is finite (isfinite(F(g)) = isfinite(g)) */
+    const __m256 fin = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(g + j), mag), big, _CMP_LE_OQ);
+    const __m256 p0 = _mm256_loadu_ps(psrc + j);
+    if (!exact) _mm256_store_ps(psave + j, p0);
+    __m256 pj = FX(p0);
+    const __m256 den = FX(_mm256_add_ps(FX(_mm256_sqrt_ps(s2)), c2eps));
+    pj = FX(_mm256_add_ps(pj, FX(_mm256_mul_ps(step_size, FX(_mm256_div_ps(s1, den))))));
+    if (k.decay_on) pj = FX(_mm256_mul_ps(pj, decay));
+    _mm256_storeu_ps(p + j, _mm256_blendv_ps(p0, F8(pj), fin)); /* F8 again: idempotent; the flags' blind spot */
+    /* 4. requantise (F of the quotient: same byte); sign fix: code1[q] is
+     * negative exactly for q < 127 */
+    __m256i q1 = lut_search8(c->lut1, LUT_KNEG(1), _mm256_div_ps(s1, m1v));
+    const __m256i s1i = _mm256_castps_si256(s1);
+    const __m256i differ = _mm256_xor_si256(_mm256_cmpgt_epi32(k127, q1), _mm256_srai_epi32(s1i, 31));
+    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(s1, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256i delta = _mm256_add_epi32(m1i, _mm256_and_si256(pos, two)); /* +1 if s1 > 0, else −1 */
+    q1 = _mm256_and_si256(_mm256_add_epi32(q1, _mm256_and_si256(differ, delta)), lo8);
+    store_u8x8(state1 + j, q1);
+    store_u8x8(state2 + j, lut_search8(c->lut2, LUT_KNEG(0), _mm256_div_ps(s2, m2v)));
+  }
+}
+#undef FX
+
+AVX2_FN static size_t block_avx2(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2,
+                                 float *absmax1, float *absmax2, size_t B, float *s1b, float *s2b, float *psave,
+                                 int fast) {
+  float m1, m2;
+  size_t bad;
+  int redo = 1;
+  if (fast) {
+    flags_clear();
+    bad = pass1_avx2(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 0);
+    redo = flags_raised();
+  }
+  if (redo) bad = pass1_avx2(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 1);
+  /* 2. absmax of the new, unquantised states */
+  *absmax1 = m1;
+  *absmax2 = m2;
+  if (fast) {
+    flags_clear();
+    pass2_avx2(c, p, p, psave, g, state1, state2, B, s1b, s2b, m1, m2, 0);
+    if (flags_raised()) pass2_avx2(c, p, psave, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
+  } else {
+    pass2_avx2(c, p, p, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
+  }
+  return bad;
+}
+#endif
+
+dopt_status dopt__q8_adam_update_impl(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
+                                      float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite,
+                                      dopt_q8_impl impl) {
   DOPT_TRY(check_hp(hp, "dopt_q8_adam_update"));
   DOPT_CHECK_ARG(n == 0 || (p && g && state1 && state2 && absmax1 && absmax2), "dopt_q8_adam_update: NULL array");
   DOPT_CHECK_ARG(dopt_q8_block_ok(hp->block), "dopt_q8_adam_update: block=%zu must be a power of two in [64, 4096]",
                  hp->block);
-  const float *code1 = dopt_q8_map(1), *code2 = dopt_q8_map(0);
-  const scalars k = kernel_scalars(hp);
+  if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_q8_adam_update: AVX2 is not available");
+  q8ctx c;
+  c.k = kernel_scalars(hp);
+  c.code1 = dopt_q8_map(1);
+  c.code2 = dopt_q8_map(0);
+  c.lut1 = dopt__q8_lut(1);
+  c.lut2 = dopt__q8_lut(0);
   const size_t B = hp->block;
-  float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX];
   size_t bad = 0;
+#ifdef Q8_AVX2
+  const int wide = c.lut1 && c.lut2 && impl != DOPT_Q8_IMPL_SCALAR && dopt__q8_have_avx2();
+  _Alignas(32) float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX], psave[DOPT_Q8_BLOCK_MAX];
+  const unsigned csr0 = wide ? _mm_getcsr() : 0;
+  const int fast = wide && (csr0 & ~0x3fu) == CSR_DEFAULT; /* the six flags aside */
+#endif
   for (size_t b0 = 0, blk = 0; b0 < n; b0 += B, blk++) {
     const size_t valid = n - b0 < B ? n - b0 : B;
-    const float a1 = absmax1[blk], a2 = absmax2[blk];
-    float m1 = -FLT_MAX, m2 = -FLT_MAX;
-    /* 1. new states of all B slots (padding: g = 0, byte 128 / byte 0) */
-    for (size_t j = 0; j < B; j++) {
-      const int in = j < valid;
-      const float gj = in ? F(g[b0 + j]) : 0.0f;
-      const uint8_t q1 = in ? state1[b0 + j] : 128, q2 = in ? state2[b0 + j] : 0;
-      float s1 = 0.0f, s2 = 0.0f;
-      if (isfinite(gj)) {
-        const float gs = F(gj * k.gscale);
-        s2 = F(code2[q2] * a2);
-        s2 = F(F(s2 * k.beta2) + F(F(k.omb2 * gs) * gs));
-        s1 = F(code1[q1] * a1);
-        s1 = F(F(s1 * k.beta1) + F(k.omb1 * gs));
-      } else {
-        bad++;
-      }
-      m1 = fmaxf(m1, fabsf(s1));
-      m2 = fmaxf(m2, fabsf(s2));
-      s1b[j] = s1;
-      s2b[j] = s2;
+#ifdef Q8_AVX2
+    if (wide && valid == B) {
+      bad += block_avx2(&c, p + b0, g + b0, state1 + b0, state2 + b0, absmax1 + blk, absmax2 + blk, B, s1b, s2b,
+                        psave, fast);
+      continue;
     }
-    /* 2. absmax of the new, unquantised states */
-    absmax1[blk] = m1;
-    absmax2[blk] = m2;
-    for (size_t j = 0; j < valid; j++) {
-      const float s1 = s1b[j], s2 = s2b[j];
-      /* 3. parameter: step from the full-precision states, then decay */
-      if (isfinite(F(g[b0 + j]))) {
-        float pj = F(p[b0 + j]);
-        const float den = F(F(sqrtf(s2)) + k.c2eps);
-        pj = F(pj + F(k.step_size * F(s1 / den)));
-        if (k.decay_on) pj = F(pj * k.decay);
-        p[b0 + j] = pj;
-      }
-      /* 4. requantise; keep the sign of m */
-      uint8_t q1 = dopt_q8_search(code1, F(s1 / m1));
-      if (signbit(code1[q1]) != signbit(s1)) q1 = (uint8_t)(s1 > 0.0f ? q1 + 1u : q1 - 1u);
-      state1[b0 + j] = q1;
-      state2[b0 + j] = dopt_q8_search(code2, F(s2 / m2));
-    }
+#endif
+    bad += block_scalar(&c, p + b0, g + b0, state1 + b0, state2 + b0, absmax1 + blk, absmax2 + blk, valid, B);
   }
+#ifdef Q8_AVX2
+  if (fast) _mm_setcsr(_mm_getcsr() | (csr0 & 0x3fu)); /* the caller's sticky flags back */
+#endif
   if (nonfinite) *nonfinite = bad;
   return DOPT_OK;
+}
+
+dopt_status dopt_q8_adam_update(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
+                                float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite) {
+  return dopt__q8_adam_update_impl(p, g, state1, state2, absmax1, absmax2, n, hp, nonfinite, DOPT_Q8_IMPL_AUTO);
 }
 
 dopt_status dopt_q8_adam32_update(float *p, const float *g, float *state1, float *state2, size_t n,

@@ -33,9 +33,11 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "distopt/distopt.h"
 #include "distopt/quant8.h"
+#include "quant8_fast.h"
 
 #define EPS32 (1.0 / 16777216.0)
 #define NSTEPS 24
@@ -515,12 +517,174 @@ static void test_hparams(void **st) {
   dopt_optim_destroy(o);
 }
 
+/* ---- the fast kernel is the reference kernel, bit for bit ----------------------- */
+
+static float Fz(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }
+
+/* dopt_q8_adam_update as it was written before the fast kernel (one element
+ * at a time, dopt_q8_search): the specification of the fast one */
+static void ref_update(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1, float *absmax2,
+                       size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite) {
+  const float *code1 = dopt_q8_map(1), *code2 = dopt_q8_map(0);
+  const float t = (float)hp->step;
+  const float c1 = Fz(1.0f - Fz(powf(hp->beta1, t))), c2 = Fz(sqrtf(Fz(1.0f - Fz(powf(hp->beta2, t)))));
+  const float omb1 = Fz(1.0f - hp->beta1), omb2 = Fz(1.0f - hp->beta2), step_size = Fz(Fz(-hp->lr * c2) / c1);
+  const float c2eps = Fz(c2 * hp->eps), decay = Fz(1.0f - Fz(hp->lr * hp->weight_decay));
+  const size_t B = hp->block;
+  float *s1b = malloc(B * sizeof *s1b), *s2b = malloc(B * sizeof *s2b);
+  size_t bad = 0;
+  for (size_t b0 = 0, blk = 0; b0 < n; b0 += B, blk++) {
+    const size_t valid = n - b0 < B ? n - b0 : B;
+    const float a1 = absmax1[blk], a2 = absmax2[blk];
+    float m1 = -FLT_MAX, m2 = -FLT_MAX;
+    for (size_t j = 0; j < B; j++) {
+      const int in = j < valid;
+      const float gj = in ? Fz(g[b0 + j]) : 0.0f;
+      const uint8_t q1 = in ? state1[b0 + j] : 128, q2 = in ? state2[b0 + j] : 0;
+      float s1 = 0.0f, s2 = 0.0f;
+      if (isfinite(gj)) {
+        const float gs = Fz(gj * hp->gnorm_scale);
+        s2 = Fz(code2[q2] * a2);
+        s2 = Fz(Fz(s2 * hp->beta2) + Fz(Fz(omb2 * gs) * gs));
+        s1 = Fz(code1[q1] * a1);
+        s1 = Fz(Fz(s1 * hp->beta1) + Fz(omb1 * gs));
+      } else {
+        bad++;
+      }
+      m1 = fmaxf(m1, fabsf(s1));
+      m2 = fmaxf(m2, fabsf(s2));
+      s1b[j] = s1;
+      s2b[j] = s2;
+    }
+    absmax1[blk] = m1;
+    absmax2[blk] = m2;
+    for (size_t j = 0; j < valid; j++) {
+      const float s1 = s1b[j], s2 = s2b[j];
+      if (isfinite(Fz(g[b0 + j]))) {
+        float pj = Fz(p[b0 + j]);
+        const float den = Fz(Fz(sqrtf(s2)) + c2eps);
+        pj = Fz(pj + Fz(step_size * Fz(s1 / den)));
+        if (hp->weight_decay > 0.0f) pj = Fz(pj * decay);
+        p[b0 + j] = pj;
+      }
+      uint8_t q1 = dopt_q8_search(code1, Fz(s1 / m1));
+      if (signbit(code1[q1]) != signbit(s1)) q1 = (uint8_t)(s1 > 0.0f ? q1 + 1u : q1 - 1u);
+      state1[b0 + j] = q1;
+      state2[b0 + j] = dopt_q8_search(code2, Fz(s2 / m2));
+    }
+  }
+  free(s1b), free(s2b);
+  *nonfinite = bad;
+}
+
+/* equal bits, or both NaN: which NaN a parameter gets where two NaN operands
+ * meet (a NaN parameter plus a NaN update) is the compiler's choice of
+ * operand order in either implementation (C leaves it unspecified); the
+ * states never meet two NaNs (one operand of each of their operations is a
+ * finite constant or a masked finite gradient), so their bytes are compared
+ * exactly */
+static int same_param(float a, float b) { return memcmp(&a, &b, sizeof a) == 0 || (isnan(a) && isnan(b)); }
+
+/* mostly N(0, scale²); 1/16 each: ~1e-38 (around FLT_MIN), ~1e-44
+ * (subnormal), ±0, ~1e30 (squares overflow), NaN or ±inf */
+static float odd_value(uint64_t *r, double scale) {
+  const uint64_t u = dt_rand_u64(r);
+  switch (u % 16) {
+    case 0: return (float)(dt_rand_normal(r) * 1e-38);      /* subnormal or near */
+    case 1: return (float)(dt_rand_normal(r) * 1e-44);      /* deep subnormal */
+    case 2: return (u >> 8) % 2 ? 0.0f : -0.0f;
+    case 3: return (float)(dt_rand_normal(r) * 1e30);       /* overflows when squared */
+    case 4: return (u >> 8) % 3 == 0 ? NAN : (u >> 8) % 3 == 1 ? INFINITY : -INFINITY;
+    default: return (float)(dt_rand_normal(r) * scale);
+  }
+}
+
+/* Every implementation of the 8-bit kernel (portable, AVX2, AUTO) gives the
+ * same parameters, bytes, absmax and non-finite count as ref_update, bit for
+ * bit, over chained steps: every block size, partial last blocks, clipping
+ * scales, no decay, and inputs that exercise the exact (flush) fallback of the
+ * fast AVX2 passes: subnormal gradients and parameters, zeros, NaN/inf,
+ * gradients whose square overflows, all-zero blocks and arbitrary absmax
+ * states (0, negative, subnormal, inf, NaN), as a loaded checkpoint may hold. */
+static void test_fast_kernel_bitwise(void **st) {
+  (void)st;
+  const size_t sizes[] = {64, 100, 4096, 4096 + 300, 20000};
+  const size_t blocks[] = {64, 128, 256, 512, 1024, 2048, 4096};
+  uint64_t rng = 77;
+  size_t compared = 0;
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+    for (size_t bi = 0; bi < sizeof blocks / sizeof *blocks; bi++)
+      for (int mode = 0; mode < 4; mode++) { /* 0 plain, 1 odd inputs, 2 odd states, 3 clipped, no decay */
+        const size_t n = sizes[si], B = blocks[bi], nb = dopt_q8_num_blocks(n, B);
+        float *p[4], *a1[4], *a2[4], *g = malloc(n * sizeof *g);
+        uint8_t *q1[4], *q2[4];
+        for (int v = 0; v < 4; v++) {
+          p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
+          q1[v] = malloc(n), q2[v] = malloc(n);
+        }
+        for (size_t i = 0; i < n; i++) {
+          p[0][i] = mode == 1 ? odd_value(&rng, 0.5) : (float)(dt_rand_normal(&rng) * 0.5);
+          q1[0][i] = (uint8_t)dt_rand_u64(&rng), q2[0][i] = (uint8_t)dt_rand_u64(&rng);
+        }
+        for (size_t b = 0; b < nb; b++) {
+          a1[0][b] = (float)fabs(dt_rand_normal(&rng) * 0.1), a2[0][b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
+          if (mode == 2) {
+            const float odd[] = {0.0f, -0.0f, -1.0f, 1e-40f, 1e-39f, INFINITY, NAN, 3e38f, 1e-30f};
+            a1[0][b] = odd[dt_rand_u64(&rng) % 9], a2[0][b] = odd[dt_rand_u64(&rng) % 9];
+          }
+        }
+        if (mode == 0) memset(q1[0], 0, n < 64 ? n : 64), memset(q2[0], 0, n < 64 ? n : 64);
+        for (int v = 1; v < 4; v++) {
+          memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
+          memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
+        }
+        dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
+                              .gnorm_scale = 1.0f, .step = 1, .block = B};
+        if (mode == 3) hp.gnorm_scale = 0.37f, hp.weight_decay = 0.0f, hp.lr = 3e-2f, hp.beta2 = 0.99f;
+        for (int t = 1; t <= 3; t++) {
+          hp.step = t;
+          for (size_t i = 0; i < n; i++)
+            g[i] = mode == 1 || mode == 2 ? odd_value(&rng, 1e-2) : (float)(dt_rand_normal(&rng) * 1e-2);
+          if (n > 2 * B)
+            for (size_t i = B; i < 2 * B; i++) g[i] = 0.0f; /* an all-zero block */
+          size_t bad[4] = {0, 0, 0, 0};
+          ref_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]);
+          for (int v = 1; v < 4; v++) {
+            const dopt_q8_impl impl = v == 1 ? DOPT_Q8_IMPL_SCALAR : v == 2 ? DOPT_Q8_IMPL_AVX2 : DOPT_Q8_IMPL_AUTO;
+            if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2()) {
+              assert_status(dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v], impl),
+                            DOPT_ERR_UNSUPPORTED, "AVX2");
+              memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
+              memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4), bad[v] = bad[0];
+              continue;
+            }
+            assert_ok(dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v], impl));
+            size_t pdiff = 0;
+            for (size_t i = 0; i < n; i++) pdiff += !same_param(p[v][i], p[0][i]);
+            if (pdiff || memcmp(q1[v], q1[0], n) || memcmp(q2[v], q2[0], n) || memcmp(a1[v], a1[0], nb * 4) ||
+                memcmp(a2[v], a2[0], nb * 4) || bad[v] != bad[0]) {
+              for (size_t i = 0; i < n; i++)
+                if (!same_param(p[v][i], p[0][i]) || q1[v][i] != q1[0][i] || q2[v][i] != q2[0][i])
+                  fail_msg("n=%zu B=%zu mode %d t=%d impl %d: element %zu: p %a/%a bytes %d,%d / %d,%d", n, B, mode, t,
+                           (int)impl, i, (double)p[v][i], (double)p[0][i], q1[v][i], q2[v][i], q1[0][i], q2[0][i]);
+              fail_msg("n=%zu B=%zu mode %d t=%d impl %d: absmax or non-finite count differ", n, B, mode, t, (int)impl);
+            }
+            compared += n;
+          }
+        }
+        for (int v = 0; v < 4; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+        free(g);
+      }
+  printf("fast kernels: %zu element updates bitwise equal to the reference (AVX2 %s)\n", compared,
+         dopt__q8_have_avx2() ? "tested" : "unavailable");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_against_oracle),     cmocka_unit_test(test_zero_block_and_padding),
       cmocka_unit_test(test_decay_after),        cmocka_unit_test(test_fp32_nan_propagates),
       cmocka_unit_test(test_percentile_clipping), cmocka_unit_test(test_memory),
-      cmocka_unit_test(test_hparams),
+      cmocka_unit_test(test_hparams),             cmocka_unit_test(test_fast_kernel_bitwise),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

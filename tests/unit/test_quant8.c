@@ -1,16 +1,20 @@
 /* 8-bit blockwise quantisation with bitsandbytes' CUDA semantics
  * (distopt/quant8.h): the dynamic maps against the real package
  * (datasets/golden/bnb_maps.safetensors, gen_bnb.py), the CUDA search and its
- * tie rule, blockwise quantise/dequantise on given inputs. */
+ * tie rule, blockwise quantise/dequantise on given inputs; the fast table
+ * search (ref/quant8_fast.h) against the CUDA search on ~10^7 float patterns
+ * per map and implementation. */
 #include "testutil.h"
 
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "distopt/quant8.h"
 #include "distopt/safetensors.h"
+#include "quant8_fast.h"
 
 static void test_maps_golden(void **st) {
   (void)st;
@@ -168,6 +172,98 @@ static void test_quantize_blockwise(void **st) {
   assert_status(dopt_q8_dequantize_blockwise(c, q, absmax, n, 32, back), DOPT_ERR_INVALID_ARG, "block=32");
 }
 
+static uint32_t bits_of(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+static float float_of(uint32_t b) {
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+/* appends b - w … b + w (bit patterns, both signs) */
+static size_t around(uint32_t *v, size_t k, uint32_t b, uint32_t w) {
+  b &= 0x7fffffffu;
+  for (uint32_t d = 0; d <= 2 * w; d++) {
+    const uint32_t x = b + d - w; /* wraps below 0: other patterns, also fine */
+    v[k++] = x;
+    v[k++] = x ^ 0x80000000u;
+  }
+  return k;
+}
+
+/* The fast search (table on the float's bits; AVX2 and portable) gives the
+ * CUDA search's byte for every pattern tried: each code and each fp32
+ * midpoint F((c[i] + c[i+1])·0.5) ±64 ulps (the ties), every 1/128 of every
+ * binade from 2^-40 to 2 ±64 ulps (the table's bucket edges), ±0, the
+ * subnormal range, infinities and NaNs, and 10^7 random patterns (half over
+ * all 2^32, half over |x| <= 1), both signs, for both maps.
+ * DOPT_Q8_EXHAUSTIVE=1 also tries all 2^32 patterns (minutes). */
+static void test_fast_search_equivalence(void **st) {
+  (void)st;
+  const size_t cap = 12u * 1000 * 1000;
+  uint32_t *v = malloc(cap * sizeof *v);
+  float *x = malloc(cap * sizeof *x);
+  uint8_t *q = malloc(cap), *want = malloc(cap);
+  assert_non_null(v), assert_non_null(x), assert_non_null(q), assert_non_null(want);
+  const int avx2 = dopt__q8_have_avx2();
+  const int exhaustive = getenv("DOPT_Q8_EXHAUSTIVE") && atoi(getenv("DOPT_Q8_EXHAUSTIVE")) > 0;
+  for (int s = 0; s < 2; s++) {
+    const float *c = dopt_q8_map(s);
+    assert_non_null(dopt__q8_lut(s)); /* the built-in maps pass the table's checks */
+    size_t k = 0;
+    for (int i = 0; i < 256; i++) {
+      k = around(v, k, bits_of(c[i]), 64);
+      if (i < 255) k = around(v, k, bits_of((c[i] + c[i + 1]) * 0.5f), 64);
+    }
+    for (uint32_t e = 127 - 40; e <= 128; e++)
+      for (uint32_t m = 0; m < 128; m++) k = around(v, k, e << 23 | m << 16, 64);
+    for (uint32_t b = 0; b < 4096; b++) v[k++] = b, v[k++] = 0x80000000u | b;              /* 0, tiny subnormals */
+    for (uint32_t b = 0x007ff000u; b < 0x00801000u; b++) v[k++] = b, v[k++] = 0x80000000u | b; /* FLT_MIN */
+    const uint32_t special[] = {0x7f800000u, 0x7f800001u, 0x7fc00000u, 0x7fffffffu, 0x7f7fffffu, 0x3f800000u};
+    for (size_t i = 0; i < sizeof special / sizeof *special; i++) v[k++] = special[i], v[k++] = special[i] | 0x80000000u;
+    uint64_t rng = 1234 + (uint64_t)s;
+    const size_t nrand = 10u * 1000 * 1000;
+    assert_true(k + nrand <= cap);
+    for (size_t i = 0; i < nrand; i++) {
+      const uint64_t r = dt_rand_u64(&rng);
+      v[k++] = i % 2 ? (uint32_t)r : (uint32_t)(r >> 32) % 0x3f800001u | (uint32_t)(r & 0x80000000u);
+    }
+    for (size_t i = 0; i < k; i++) x[i] = float_of(v[i]);
+    for (size_t i = 0; i < k; i++) want[i] = dopt_q8_search(c, x[i]);
+    for (int impl = DOPT_Q8_IMPL_SCALAR; impl <= DOPT_Q8_IMPL_AVX2; impl++) {
+      if (impl == DOPT_Q8_IMPL_AVX2 && !avx2) {
+        assert_status(dopt__q8_search_n(s, x, k, q, DOPT_Q8_IMPL_AVX2), DOPT_ERR_UNSUPPORTED, "AVX2");
+        continue;
+      }
+      memset(q, 0xaa, k);
+      assert_ok(dopt__q8_search_n(s, x, k, q, (dopt_q8_impl)impl));
+      for (size_t i = 0; i < k; i++)
+        if (q[i] != want[i])
+          fail_msg("map %d impl %d: x = %a (0x%08x): fast %d, search %d", s, impl, (double)x[i], (unsigned)v[i], q[i],
+                   want[i]);
+    }
+    for (size_t i = 0; i < 1000; i++) assert_int_equal(dopt__q8_search_lut(s, x[i]), want[i]);
+    printf("map %d: %zu patterns equal (AVX2 %s)\n", s, k, avx2 ? "and portable" : "unavailable; portable");
+    if (exhaustive) {
+      const size_t chunk = cap;
+      size_t diff = 0;
+      for (uint64_t b0 = 0; b0 < (1ull << 32); b0 += chunk) {
+        const size_t m = (size_t)((1ull << 32) - b0 < chunk ? (1ull << 32) - b0 : chunk);
+        for (size_t i = 0; i < m; i++) x[i] = float_of((uint32_t)(b0 + i));
+        assert_ok(dopt__q8_search_n(s, x, m, q, DOPT_Q8_IMPL_AUTO));
+        for (size_t i = 0; i < m; i++) diff += q[i] != dopt_q8_search(c, x[i]);
+      }
+      printf("map %d: all 2^32 patterns, %zu differ\n", s, diff);
+      assert_int_equal(diff, 0);
+    }
+  }
+  free(v), free(x), free(q), free(want);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_maps_golden),
@@ -175,6 +271,7 @@ int main(void) {
       cmocka_unit_test(test_search_codes),
       cmocka_unit_test(test_search_ties_and_nearest),
       cmocka_unit_test(test_quantize_blockwise),
+      cmocka_unit_test(test_fast_search_equivalence),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
