@@ -270,7 +270,7 @@ static dopt_status load_source(const cmp_options *o, source *s) {
       s->p[i] = SYNTH[i];
       s->numel[i] = dopt_numel(s->p[i].ndim, s->p[i].shape);
       s->init[i] = malloc(s->numel[i] * sizeof(float));
-      if (!s->init[i]) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameters");
+      if (!s->init[i]) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
       for (size_t k = 0; k < s->numel[i]; k++)
         s->init[i][k] = (float)(((double)(mix(o->seed * 7919 + (uint64_t)i * 1000003 + k) >> 11) * 0x1.0p-53 - 0.5) * 0.2);
     }
@@ -639,7 +639,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   /* every rank's own copy, digested per tensor, then its step counters (dopt_dist_check_replicas) */
   const size_t repn = (size_t)r->ntensors * DOPT_DIGEST_BYTES + (size_t)np * sizeof(int64_t);
   unsigned char *rep = calloc(repn ? repn : 1, 1);
-  dopt_status st = full && acc && got && wgot && wf && rep ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
+  dopt_status st = full && acc && got && wgot && wf && rep ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: %zu elements x %zu parts and %zu digest bytes", maxn, parts, repn);
   if (st == DOPT_OK) st = build_plain(o, s, data, work, &plain);
   dopt_tp_role roles[CMP_MAX_PARAMS];
   for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
@@ -648,7 +648,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   for (int i = 0; st == DOPT_OK && i < np; i++) {
     loc[i] = malloc(s->numel[i] * sizeof(float));
     if (lead) avg[i] = malloc(s->numel[i] * sizeof(float));
-    if (!loc[i] || (lead && !avg[i])) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers");
+    if (!loc[i] || (lead && !avg[i]))
+      st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
   }
   const float **lp = (const float **)loc;
   /* resumed: the distributed optimizer loads the checkpoint; the reference
@@ -809,7 +810,7 @@ static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_resul
   DOPT_TRY(build_plain(o, s, data, work, &opt));
   int cap = s->np * (2 + DOPT_MAX_STATES), n = 0;
   r->t = calloc((size_t)cap, sizeof *r->t);
-  dopt_status st = r->t ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare results");
+  dopt_status st = r->t ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare results: %d tensors", cap);
   for (int i = 0; i < s->np && st == DOPT_OK; i++) {
     st = dopt_optim_init_state(opt, i);
     snprintf(r->t[n].name, sizeof r->t[0].name, "%s", s->p[i].name);
@@ -831,7 +832,8 @@ static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_resul
   for (int k = 0; k < n && st == DOPT_OK; k++) {
     r->t[k].abs_per_step = calloc((size_t)o->steps, sizeof(double));
     r->t[k].ulp_per_step = calloc((size_t)o->steps, sizeof(uint64_t));
-    if (!r->t[k].abs_per_step || !r->t[k].ulp_per_step) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare results");
+    if (!r->t[k].abs_per_step || !r->t[k].ulp_per_step)
+      st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare results: %d steps of tensor '%s'", o->steps, r->t[k].name);
   }
   dopt_optim_destroy(opt);
   for (int i = 0; i < s->np; i++) {

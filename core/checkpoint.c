@@ -370,7 +370,7 @@ static dopt_status table_add_file(ck_table *t, const char *name, uint64_t bytes,
     t->files_cap = cap;
   }
   const char *nm = ar_strdup(&t->ar, name);
-  if (!nm) return dopt__fail(DOPT_ERR_NO_MEMORY, "checkpoint: file name");
+  if (!nm) return dopt__fail(DOPT_ERR_NO_MEMORY, "checkpoint: %zu bytes for a file name", strlen(name) + 1);
   t->files[t->nfiles] = (ck_file){nm, bytes};
   *idx = t->nfiles++;
   return DOPT_OK;
@@ -963,13 +963,14 @@ dopt_status dopt_ckpt_writer_open(const char *dir, int rank, int nranks, dopt_ck
   DOPT_CHECK_ARG(nranks >= 1 && nranks <= 99999 && rank >= 0 && rank < nranks,
                  "dopt_ckpt_writer_open: rank=%d nranks=%d (need 0 <= rank < nranks <= 99999)", rank, nranks);
   dopt_ckpt_writer *w = calloc(1, sizeof *w);
-  if (!w) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_writer_open");
+  if (!w) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_writer_open: %zu bytes for the writer", sizeof *w);
   w->rank = rank;
   w->nranks = nranks;
   snprintf(w->file, sizeof w->file, "rank-%05d-of-%05d.safetensors", rank, nranks);
   int k = snprintf(w->dir, sizeof w->dir, "%s", dir);
   dopt_status s = k > 0 && k < (int)sizeof w->dir ? join(w->path, dir, w->file)
-                                                  : dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_ckpt_writer_open: bad dir");
+                                                  : dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_ckpt_writer_open: dir is empty or longer than %zu bytes (%zu)",
+                                                               sizeof w->dir - 1, strlen(dir));
   if (s == DOPT_OK && (w->fd = open(w->path, O_RDWR | O_CREAT | O_TRUNC, 0644)) < 0)
     s = dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", w->path, strerror(errno));
   if (s != DOPT_OK) {
