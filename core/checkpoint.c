@@ -1729,7 +1729,7 @@ dopt_status dopt_ckpt_meta_from_optim(const dopt_optim *o, const dopt_ckpt_info 
   DOPT_CHECK_ARG(!extra || extra->skipped_steps >= 0, "dopt_ckpt_meta_from_optim: skipped_steps=%lld",
                  extra ? (long long)extra->skipped_steps : 0LL);
   meta_box *b = calloc(1, sizeof *b);
-  if (!b) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_meta_from_optim");
+  if (!b) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_meta_from_optim: %zu bytes", sizeof *b);
   dopt_ckpt_meta *m = &b->m;
   *m = (dopt_ckpt_meta)DOPT_CKPT_META_INIT;
   const dopt_optim_impl *im = dopt__optim_impl(o), *wr = dopt__optim_wrapper(o);
@@ -1765,7 +1765,7 @@ dopt_status dopt_ckpt_meta_from_optim(const dopt_optim *o, const dopt_ckpt_info 
   }
   if (!ok) {
     dopt_ckpt_meta_free(m);
-    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_meta_from_optim");
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_meta_from_optim: the description of %d parameters", m->nparams);
   }
   m->optimizer_steps = dopt__optim_gstep(o);
   m->skipped_steps = extra ? extra->skipped_steps : 0;
@@ -1867,7 +1867,7 @@ static dopt_status tensor_names(dopt_optim *o, const dopt_ckpt_meta *m, arena *a
   int cap = 0, n = 0;
   for (int i = 0; i < m->nparams; i++) cap += 2 + DOPT_MAX_STATES;
   char **names = ar_alloc(ar, (size_t)(cap ? cap : 1) * sizeof *names);
-  if (!names) return dopt__fail(DOPT_ERR_NO_MEMORY, "checkpoint: tensor names");
+  if (!names) return dopt__fail(DOPT_ERR_NO_MEMORY, "checkpoint: %d tensor names", cap);
   for (int i = 0; i < m->nparams; i++) {
     const dopt_ckpt_param *p = &m->params[i];
     dopt_state_spec lay[DOPT_MAX_STATES];
@@ -1876,7 +1876,7 @@ static dopt_status tensor_names(dopt_optim *o, const dopt_ckpt_meta *m, arena *a
       if (k == -1 && !p->has_bf16) continue;
       size_t len = strlen(p->name) + 8 + (k >= 0 ? strlen(lay[k].v.name) : 0);
       char *nm = ar_alloc(ar, len);
-      if (!nm) return dopt__fail(DOPT_ERR_NO_MEMORY, "checkpoint: tensor names");
+      if (!nm) return dopt__fail(DOPT_ERR_NO_MEMORY, "checkpoint: %zu bytes for a name of '%s'", len, p->name);
       if (k == -2) snprintf(nm, len, "%s", p->name);
       else if (k == -1) snprintf(nm, len, "%s/bf16", p->name);
       else snprintf(nm, len, "%s/%s", p->name, lay[k].v.name);
@@ -1972,7 +1972,7 @@ dopt_status dopt_optim_load(dopt_optim *o, const char *path) {
       s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s' is no parameter or state of this optimizer", r->index_path,
                      r->t.t[i].name);
   if (s == DOPT_OK && !(buf = ar_alloc(&ar, (size_t)(nnames ? nnames : 1) * sizeof *buf)))
-    s = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_load");
+    s = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_load: %d tensor buffers", nnames);
   /* 1. read and verify everything into scratch */
   int t = 0;
   for (int i = 0; s == DOPT_OK && i < lm->nparams; i++) {
@@ -2003,7 +2003,7 @@ dopt_status dopt_optim_load(dopt_optim *o, const char *path) {
   /* 2. allocate the states that are not (undone if that fails): the only step that can fail */
   unsigned char *fresh = s == DOPT_OK ? ar_alloc(&ar, (size_t)(lm->nparams ? lm->nparams : 1)) : NULL;
   int64_t *old_step = s == DOPT_OK ? ar_alloc(&ar, (size_t)(lm->nparams ? lm->nparams : 1) * sizeof *old_step) : NULL;
-  if (s == DOPT_OK && (!fresh || !old_step)) s = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_load");
+  if (s == DOPT_OK && (!fresh || !old_step)) s = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_load: bookkeeping of %d parameters", lm->nparams);
   for (int i = 0; s == DOPT_OK && i < lm->nparams; i++) {
     dopt_param *p = dopt__optim_param(o, i);
     old_step[i] = p->step;

@@ -313,7 +313,7 @@ dopt_status dopt_st_writer_create(dopt_st_writer **out) {
   dopt_st_writer *w = calloc(1, sizeof *w);
   if (!w || !(w->meta = cJSON_CreateObject())) {
     free(w);
-    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_st_writer_create");
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_st_writer_create: %zu bytes and a JSON object", sizeof *w);
   }
   *out = w;
   return DOPT_OK;

@@ -478,7 +478,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   DOPT_TRY(check_config(cfg));
   dopt_optim *po = (dopt_optim *)(uintptr_t)plain; /* read only */
   dopt_dist_optim *d = calloc(1, sizeof *d);
-  if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create");
+  if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %zu bytes for the optimizer", sizeof *d);
   d->impl = dopt__optim_impl(plain); /* a wrapper's inner optimizer */
   d->wrapper = dopt__optim_wrapper(plain);
   if (d->wrapper) memcpy(d->whp, dopt__optim_wrapper_hp(plain), sizeof d->whp);

@@ -120,7 +120,7 @@ static dopt_status new_comm(MPI_Comm mc, uint32_t timeout_ms, size_t chunk, dopt
   dopt_mpi_comm *c = calloc(1, sizeof *c);
   if (!c) {
     MPI_Comm_free(&mc);
-    return dopt__fail(DOPT_ERR_NO_MEMORY, "mpi: communicator");
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "mpi: %zu bytes for a communicator", sizeof *c);
   }
   c->comm = mc;
   c->timeout_ms = timeout_ms;
