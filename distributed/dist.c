@@ -829,13 +829,18 @@ static dopt_status run_buckets(dopt_dist_optim *d) {
 static dopt_status gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                           dopt_dtype dt, void *out);
 
-/* Sends the owner's whole buffer x[bytes] (device) to every rank: over tp in
- * the owner's dp row, then over dp in every tp column. */
-static dopt_status from_owner(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt) {
-  if (d->tp.size > 1 && d->dp.rank == p->owner)
-    DOPT_TRY(d->tp.ops->broadcast(d->tp.comm, x, x, count, dt, p->owner_tp));
-  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, x, x, count, dt, p->owner));
+/* Sends the buffer x[count] (device) of the rank at dp rank `owner`, tp rank
+ * `owner_tp` to every rank: over tp in the owner's dp row, then over dp in
+ * every tp column. */
+static dopt_status from_rank(dopt_dist_optim *d, int owner, int owner_tp, void *x, size_t count, dopt_dtype dt) {
+  if (d->tp.size > 1 && d->dp.rank == owner) DOPT_TRY(d->tp.ops->broadcast(d->tp.comm, x, x, count, dt, owner_tp));
+  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, x, x, count, dt, owner));
   return DOPT_OK;
+}
+
+/* The owner's whole buffer of parameter p to every rank. */
+static dopt_status from_owner(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt) {
+  return from_rank(d, p->owner, p->owner_tp, x, count, dt);
 }
 
 /* Owner mode, one parameter: the whole averaged gradient on every rank
@@ -1093,41 +1098,37 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
 
 /* ---- replicas ------------------------------------------------------------------------------ */
 
-/* World rank 0's bytes reach every rank (broadcast over tp from tp rank 0,
- * then over dp from dp rank 0: the dp-rank-0 ranks hold world rank 0's after
- * the first), each rank compares them with its own, and one MIN over the
- * world of (world rank, byte offset) of the differing ranks names the first. */
+/* World rank 0's bytes reach every rank (from_rank 0, 0), each rank compares
+ * them with its own, and one MIN over the world (world_max of the negated key)
+ * of (world rank, byte offset) of the differing ranks names the first. */
 dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mine, size_t bytes, int *rank, size_t *offset) {
   DOPT_CHECK_ARG(d != NULL && rank != NULL && offset != NULL && (mine != NULL || bytes == 0),
                  "dopt_dist_check_replicas: NULL argument");
   DOPT_CHECK_ARG(bytes <= ((size_t)1 << 31), "dopt_dist_check_replicas: bytes=%zu above 2^31", bytes);
   *rank = -1;
   *offset = 0;
-  const size_t words = (bytes + 7) / 8 + 1; /* the bytes, then the key */
+  const size_t words = (bytes + 7) / 8 ? (bytes + 7) / 8 : 1;
   int64_t *h = calloc(words, sizeof *h);
   void *buf = NULL;
   if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_check_replicas: %zu bytes", bytes);
   if (bytes) memcpy(h, mine, bytes);
   dopt_status s = DEV(d)->alloc(DCTX(d), words * sizeof *h, &buf);
-  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, h, (words - 1) * sizeof *h);
-  if (s == DOPT_OK && d->tp.size > 1) s = d->tp.ops->broadcast(d->tp.comm, buf, buf, words - 1, DOPT_I64, 0);
-  if (s == DOPT_OK && d->dp.size > 1) s = d->dp.ops->broadcast(d->dp.comm, buf, buf, words - 1, DOPT_I64, 0);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, (words - 1) * sizeof *h);
+  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, h, words * sizeof *h);
+  if (s == DOPT_OK) s = from_rank(d, 0, 0, buf, words, DOPT_I64);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, words * sizeof *h);
+  int64_t key = INT64_MAX;
   if (s == DOPT_OK) {
     const unsigned char *a = (const unsigned char *)h, *b = mine;
     size_t j = 0;
     while (j < bytes && a[j] == b[j]) j++;
     const int64_t wr = (int64_t)d->dp.rank * d->tp.size + d->tp.rank;
-    h[words - 1] = j < bytes ? (wr << 32) | (int64_t)j : INT64_MAX;
-    s = DEV(d)->upload(DCTX(d), (int64_t *)buf + (words - 1), &h[words - 1], sizeof *h);
+    if (j < bytes) key = (wr << 32) | (int64_t)j;
   }
-  int64_t *key = (int64_t *)buf + (words - 1);
-  if (s == DOPT_OK) s = d->tp.ops->all_reduce(d->tp.comm, key, key, 1, DOPT_I64, DOPT_MIN);
-  if (s == DOPT_OK) s = d->dp.ops->all_reduce(d->dp.comm, key, key, 1, DOPT_I64, DOPT_MIN);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), &h[words - 1], key, sizeof *h);
-  if (s == DOPT_OK && h[words - 1] != INT64_MAX) {
-    *rank = (int)(h[words - 1] >> 32);
-    *offset = (size_t)(h[words - 1] & 0xffffffff);
+  int64_t neg = -key;
+  if (s == DOPT_OK) s = world_max(d, &neg, 1);
+  if (s == DOPT_OK && -neg != INT64_MAX) {
+    *rank = (int)(-neg >> 32);
+    *offset = (size_t)(-neg & 0xffffffff);
   }
   if (buf) DEV(d)->free(DCTX(d), buf);
   free(h);
