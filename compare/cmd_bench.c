@@ -18,9 +18,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cli.h"
+#include "compare.h"
 
 static const char *const CMD = "bench";
 
@@ -64,11 +64,6 @@ static const byte_model *find_model(const char *name) {
 
 /* ---- timing helpers ------------------------------------------------------------- */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -121,16 +116,16 @@ static int measure_floor(size_t n, int iters, floor_result *r) {
   memset(a, 0, n * sizeof *a);
   triad(a, b, c, n); /* warm-up: page faults, caches */
   for (int k = 0; k < iters; k++) {
-    double t0 = now_s();
+    double t0 = cmp_now_s();
     triad(a, b, c, n);
-    t[k] = now_s() - t0;
+    t[k] = cmp_now_s() - t0;
   }
   double tri = median(t, iters);
   memcpy(a, b, n * sizeof *a);
   for (int k = 0; k < iters; k++) {
-    double t0 = now_s();
+    double t0 = cmp_now_s();
     memcpy(a, k % 2 ? b : c, n * sizeof *a);
-    t[k] = now_s() - t0;
+    t[k] = cmp_now_s() - t0;
   }
   double cp = median(t, iters);
   r->triad_ms = 1e3 * tri;
@@ -176,9 +171,9 @@ static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int ite
   for (int k = 0; k < warmup && rc == CLI_OK; k++)
     if ((s = dopt_optim_step(o, grads)) != DOPT_OK) rc = cli_error(CMD, s);
   for (int k = 0; k < iters && rc == CLI_OK; k++) {
-    double t0 = now_s();
+    double t0 = cmp_now_s();
     s = dopt_optim_step(o, grads);
-    t[k] = now_s() - t0;
+    t[k] = cmp_now_s() - t0;
     if (s != DOPT_OK) rc = cli_error(CMD, s);
   }
   if (rc == CLI_OK) {

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -147,12 +146,6 @@ static void sweep_progress(int k, int n, int tp, int dp, int zero, double elapse
   fflush(stdout);
 }
 
-static double wall_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* --sweep: the optimizer of *base in every layout tp x dp x zero, each compared with the reference as a
  * plain compare does (cmp_run: the reference steps in lockstep with each run). A layout a trace cannot
  * split (dp not dividing its shards per step) is skipped and said so. The first layout (1 x 1 x 0) failing
@@ -174,7 +167,7 @@ static int run_sweep(const cmp_options *base) {
     dopt_st_free(tf);
   }
   const int tty = !base->quiet && isatty(STDOUT_FILENO);
-  const double t0 = wall_s();
+  const double t0 = cmp_now_s();
   int rc = CLI_OK, k = 0;
   for (int tp = 1; tp <= base->max_tp; tp++)
     for (int dp = 1; dp <= base->max_dp; dp++)
@@ -188,7 +181,7 @@ static int run_sweep(const cmp_options *base) {
                    shards);
           continue;
         }
-        if (tty) sweep_progress(k, n, tp, dp, zero, wall_s() - t0);
+        if (tty) sweep_progress(k, n, tp, dp, zero, cmp_now_s() - t0);
         cmp_options o = *base;
         snprintf(o.plugin, sizeof o.plugin, "%s", c->plugin);
         o.tp = tp, o.dp = dp, o.zero = zero, o.ranks = 0;
@@ -209,7 +202,7 @@ static int run_sweep(const cmp_options *base) {
       }
   if (tty) sweep_progress(n, n, 0, 0, 0, 0);
   cmp_print_sweep(stdout, base, cells, n);
-  printf("time: %.1f s\n", wall_s() - t0);
+  printf("time: %.1f s\n", cmp_now_s() - t0);
   dopt_status s;
   if (base->json_path[0] && (s = cmp_write_sweep_json(base->json_path, base, cells, n)) != DOPT_OK) rc = lib_error(s);
   int all = 1;

@@ -157,6 +157,9 @@ void cmp_result_free(cmp_result *r);
 /* The declared tolerance of an optimizer, in ULP (0 = bitwise). */
 uint64_t cmp_declared_ulp(const char *optimizer);
 
+/* Seconds on the monotonic clock (the wall-clock timer of compare, --sweep and bench). */
+double cmp_now_s(void);
+
 /* YAML configuration (compare/config.c, libyaml), in the shape of ms-swift's
  * optimizer configs:
  *   optimizer: {type: came, lr: 2e-4, weight_decay: 0.01}

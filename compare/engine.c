@@ -500,7 +500,7 @@ static dopt_status merge_measurements(const dopt_transport *w, cmp_result *r, in
   return st;
 }
 
-static double now_s(void) {
+double cmp_now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -576,13 +576,9 @@ static dopt_status digest_both(dopt_digest *dg, dopt_digest *rdg, const cmp_tens
 }
 
 /* A parameter's step count, "<p>/step" (an I64 scalar, as `distopt run` writes it). */
-static dopt_status digest_steps(const dopt_dist_optim *d, const dopt_optim *ref, int i, const char *pname,
-                                dopt_digest *dg, dopt_digest *rdg) {
-  int64_t ds, rs;
+static dopt_status digest_steps(int64_t ds, int64_t rs, const char *pname, dopt_digest *dg, dopt_digest *rdg) {
   char name[96];
   snprintf(name, sizeof name, "%s/step", pname);
-  DOPT_TRY(dopt_dist_get_step(d, i, &ds));
-  DOPT_TRY(dopt_optim_get_step(ref, i, &rs));
   DOPT_TRY(dopt_digest_tensor(dg, name, DOPT_I64, 0, NULL, &ds, sizeof ds));
   return dopt_digest_tensor(rdg, name, DOPT_I64, 0, NULL, &rs, sizeof rs);
 }
@@ -727,7 +723,6 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         free(sgot);
         ti++;
       }
-      if (st == DOPT_OK && last) st = digest_steps(d, ref, i, s->p[i].name, dg, rdg);
       /* the step counter: this rank's into the replica bytes; the lead's against the reference */
       int64_t ds = 0, rs = 0;
       if (st == DOPT_OK) st = dopt_dist_get_step(d, i, &ds);
@@ -739,6 +734,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         r->counter_ref = rs;
         r->counter_dist = ds;
       }
+      if (st == DOPT_OK && last) st = digest_steps(ds, rs, s->p[i].name, dg, rdg);
     }
     /* every rank's copy against rank 0's (which the lead compared with the reference) */
     int drank = -1;
@@ -757,7 +753,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
       r->steps = t;
       uint64_t worst = 0;
       for (int k = 0; k < r->ntensors; k++) worst = r->t[k].max_ulp > worst ? r->t[k].max_ulp : worst;
-      if (x->progress) x->progress(t, o->steps, now_s() - x->t0, worst, x->user);
+      if (x->progress) x->progress(t, o->steps, cmp_now_s() - x->t0, worst, x->user);
     }
   }
   if (st == DOPT_OK && x->save_dir) st = dopt_dist_save(d, plain, x->save_dir, x->t_last);
@@ -996,13 +992,13 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     devno = ndev > 0 ? dopt_launch_device(env.local_rank, ndev) : env.local_rank; /* srun --gpus-per-task 1: 0 */
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
-  run_ctx x = {o, dev, &s, r, progress, user, now_s(), NULL, 1, o->steps, NULL, NULL, NULL};
+  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL};
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
-    r->seconds = now_s() - x.t0;
+    r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0) {
     st = run_mpi(&x);
-    r->seconds = now_s() - x.t0;
+    r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && o->checkpoint_at > 0) {
     /* steps 1..K in the layout of o, saved; K+1..steps in the resume layout, loaded */
     cmp_options ob = *o;
@@ -1024,10 +1020,10 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     y.load_dir = dir;
     y.replay = o;
     if (st == DOPT_OK) st = run_sim(&y);
-    r->seconds = now_s() - x.t0;
+    r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK) {
     st = run_sim(&x);
-    r->seconds = now_s() - x.t0;
+    r->seconds = cmp_now_s() - x.t0;
   }
   dopt_device_cuda_destroy(dev);
   source_free(&s);
