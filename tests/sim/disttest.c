@@ -256,7 +256,6 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   for (int i = 0; i < c->nparams; i++) roles[i] = c->params[i].role;
   dopt_dist_optim *d = NULL;
   dopt_status s = dopt_dist_create(plain, &cfg, roles, &d);
-  int nck_local = 0; /* this rank's checkpoints so far (rank_digest's index) */
   size_t maxn = 1;
   for (int i = 0; i < c->nparams; i++) maxn = numel_of(&c->params[i]) > maxn ? numel_of(&c->params[i]) : maxn;
   float *full = malloc(maxn * sizeof(float)), *loc[DT_MAXP];
@@ -295,10 +294,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
      * x->r: with only replicated tensors no collective orders the other
      * ranks' reads after its nck++) */
     int keep = rank == 0, ck = keep ? x->r->nck : 0;
-    if (!x->r->rank_digest[rank] && rank < DT_MAXRANKS) { /* this rank's own slot */
-      x->r->rank_digest[rank] = calloc(DT_MAXCK, sizeof *x->r->rank_digest[rank]);
-      if (!x->r->rank_digest[rank]) s = DOPT_ERR_NO_MEMORY;
-    }
+    uint8_t rep[DT_MAXP][DOPT_DIGEST_BYTES]; /* this rank's copy of each parameter, digested */
     for (int i = 0; i < c->nparams && s == DOPT_OK; i++) {
       size_t n = numel_of(&c->params[i]);
       dopt_digest *dg = NULL;
@@ -330,10 +326,17 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
         if (keep) x->r->state[ck][i][k] = sb;
         else free(sb);
       }
-      if (s == DOPT_OK && nck_local < DT_MAXCK) s = dopt_digest_final(dg, x->r->rank_digest[rank][nck_local][i], NULL);
+      if (s == DOPT_OK) s = dopt_digest_final(dg, rep[i], NULL);
       dopt_digest_destroy(dg);
     }
-    nck_local++;
+    int drank = -1;
+    size_t doff = 0;
+    if (s == DOPT_OK) s = dopt_dist_check_replicas(d, rep, (size_t)c->nparams * DOPT_DIGEST_BYTES, &drank, &doff);
+    if (s == DOPT_OK && keep && drank >= 0 && x->r->drift_step == 0) {
+      x->r->drift_step = t;
+      x->r->drift_rank = drank;
+      x->r->drift_param = (int)(doff / DOPT_DIGEST_BYTES);
+    }
     if (keep) {
       x->r->ck_step[ck] = t;
       x->r->nck++;
@@ -379,7 +382,6 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
   memcpy(out->nstates, nst, sizeof nst);
   dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
   cfg.nranks = l->tp * l->dp;
-  out->nranks = cfg.nranks;
   cfg.timeout_ms = 20000;
   cfg.mode = c->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
   dopt_sim_world *w;
@@ -425,18 +427,11 @@ int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, cha
   }
   for (int k = 0; k < ref->nck; k++) {
     /* every rank's own copy is rank 0's (which is compared in full below) */
-    for (int r = 1; r < got->nranks && r < DT_MAXRANKS && k < DT_MAXCK; r++)
-      for (int i = 0; i < c->nparams; i++) {
-        if (!got->rank_digest[0] || !got->rank_digest[r]) {
-          snprintf(msg, cap, "rank %d or rank 0 recorded no digest", r);
-          return 1;
-        }
-        if (memcmp(got->rank_digest[r][k][i], got->rank_digest[0][k][i], 32) != 0) {
-          snprintf(msg, cap, "step %d: rank %d's copy of %s (values, states or step counter) differs from rank 0's: "
-                   "replica drift", got->ck_step[k], r, c->params[i].name);
-          return 1;
-        }
-      }
+    if (got->drift_step != 0 && got->drift_step == ref->ck_step[k]) {
+      snprintf(msg, cap, "step %d: rank %d's copy of %s (values, states or step counter) differs from rank 0's: "
+               "replica drift", got->drift_step, got->drift_rank, c->params[got->drift_param].name);
+      return 1;
+    }
     for (int i = 0; i < c->nparams; i++) {
       size_t n = numel_of(&c->params[i]), at = 0;
       const char *pn = c->params[i].name;
@@ -471,6 +466,11 @@ int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, cha
       }
     }
   }
+  if (got->drift_step != 0) { /* not at one of the reference's checkpoints: still a drift */
+    snprintf(msg, cap, "step %d: rank %d's copy of %s differs from rank 0's: replica drift", got->drift_step,
+             got->drift_rank, c->params[got->drift_param].name);
+    return 1;
+  }
   return 0;
 }
 
@@ -481,6 +481,5 @@ void dt_result_free(dt_result *r) {
       free(r->work[k][i]);
       for (int s = 0; s < DT_MAXS; s++) free(r->state[k][i][s]);
     }
-  for (int q = 0; q < DT_MAXRANKS; q++) free(r->rank_digest[q]);
   memset(r, 0, sizeof *r);
 }

@@ -77,13 +77,14 @@ typedef struct dt_result {
   int64_t stat_collectives[DT_MAXRANKS]; /* dopt_dist_stat_collectives of each world rank after the run */
   size_t state_mem[DT_MAXRANKS];         /* dopt_dist_memory_usage().state_bytes of each world rank */
   size_t ref_state_mem;                  /* the reference's allocated state bytes at the end */
-  /* Every rank's own copy, digested (distributed runs only): at checkpoint k,
-   * parameter i's gathered values, bf16 copy, states and step counter as world
-   * rank r holds them, SHA-256 (digest.h). dt_compare requires every rank's to
-   * equal rank 0's, whose values it compares with the reference in full: a
-   * replica that drifts on one rank cannot hide behind rank 0. */
-  int nranks;
-  uint8_t (*rank_digest[DT_MAXRANKS])[DT_MAXP][32]; /* [DT_MAXCK] each, malloc'd by the rank's thread */
+  /* Every rank's own copy (distributed runs only): at each checkpoint every
+   * rank digests what it gathered of each parameter (values, bf16 copy, step
+   * counter, states) and dopt_dist_check_replicas compares the digests with
+   * rank 0's, whose values dt_compare compares with the reference in full: a
+   * replica that drifts on one rank cannot hide behind rank 0. The first
+   * checkpoint where some rank differed (0: none), that world rank and the
+   * parameter's index. */
+  int drift_step, drift_rank, drift_param;
 } dt_result;
 
 /* The plugin name the layout belongs to. */
