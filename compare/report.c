@@ -88,6 +88,16 @@ static verdict compute_verdict(const cmp_result *r) {
   return v;
 }
 
+/* The tensor (or parameter) a divergence names; NULL when the verdict names none. */
+static const char *verdict_tensor(const cmp_result *r, const verdict *v) {
+  switch (v->kind) {
+  case V_DIVERGED: return r->t[v->tensor].name;
+  case V_DRIFT: return r->drift_tensor;
+  case V_COUNTER: return r->counter_param;
+  default: return NULL;
+  }
+}
+
 static const char *plural(long n) { return n == 1 ? "" : "s"; }
 
 static void verdict_text(const cmp_result *r, const verdict *v, char *buf, size_t cap) {
@@ -369,10 +379,8 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, vj, "text", cJSON_CreateString(text));
     jadd(b, vj, "worst_ulp", ju64(v.worst));
     jadd(b, vj, "step", v.step > 0 ? cJSON_CreateNumber(v.step) : cJSON_CreateNull());
-    jadd(b, vj, "tensor", v.kind == V_DIVERGED  ? cJSON_CreateString(r->t[v.tensor].name)
-                          : v.kind == V_DRIFT  ? cJSON_CreateString(r->drift_tensor)
-                          : v.kind == V_COUNTER ? cJSON_CreateString(r->counter_param)
-                                                : cJSON_CreateNull());
+    const char *vt = verdict_tensor(r, &v);
+    jadd(b, vj, "tensor", vt ? cJSON_CreateString(vt) : cJSON_CreateNull());
     jadd(b, vj, "rank", v.kind == V_DRIFT ? cJSON_CreateNumber(r->drift_rank) : cJSON_CreateNull());
   }
   /* the final tensors' SHA-256 (docs/digest.md); null when this process measured nothing */
@@ -419,10 +427,8 @@ void cmp_sweep_cell_set(cmp_sweep_cell *c, const cmp_result *r) {
                                         CMP_CELL_DIVERGED, CMP_CELL_DIVERGED, CMP_CELL_DIVERGED};
   c->kind = kinds[v.kind];
   c->step = v.step;
-  snprintf(c->tensor, sizeof c->tensor, "%.127s", v.kind == V_DIVERGED ? r->t[v.tensor].name
-                                              : v.kind == V_DRIFT  ? r->drift_tensor
-                                              : v.kind == V_COUNTER ? r->counter_param
-                                                                    : "");
+  const char *vt = verdict_tensor(r, &v);
+  snprintf(c->tensor, sizeof c->tensor, "%.127s", vt ? vt : "");
   c->worst_ulp = v.worst;
   c->declared_ulp = r->declared_ulp;
   snprintf(c->message, sizeof c->message, "%s",
