@@ -33,8 +33,10 @@ static const dopt_hp_def hps[NHP] = {
 
 static int is_int(double v, double lo, double hi) { return v == floor(v) && v >= lo && v <= hi; }
 
+static const dopt_optim_impl *inner(const double *whp) { return dopt_find_impl(dopt__registry_names[(int)whp[INNER]]); }
+
 static dopt_status validate(const double *hp) {
-  const dopt_optim_impl *in = dopt_find_impl(dopt__registry_names[(int)hp[INNER]]);
+  const dopt_optim_impl *in = inner(hp);
   if (!in || in->wrap)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "lisa: inner=%s is a wrapper; choose an optimizer that steps itself",
                       dopt__registry_names[(int)hp[INNER]]);
@@ -47,7 +49,6 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-static const dopt_optim_impl *inner(const double *whp) { return dopt_find_impl(dopt__registry_names[(int)whp[INNER]]); }
 
 static int cmp_int(const void *x, const void *y) {
   int a = *(const int *)x, b = *(const int *)y;
