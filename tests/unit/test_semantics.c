@@ -129,6 +129,17 @@ static clip_run run_clip(const char *cas) {
   return x;
 }
 
+/* dopt_clip_coef of a case's input gradients (exact Σg² per tensor), as the reference and
+ * distributed/ compute it; its total norm into *norm. */
+static float case_coef(const char *cas, double max_norm, double *norm) {
+  double ss[NP];
+  for (int i = 0; i < NP; i++) {
+    dopt_st_tensor t = GET("clip/%s/in/%s", cas, PN[i]);
+    ss[i] = dopt_xsum_sq(f32(t), t.numel);
+  }
+  return dopt_clip_coef(ss, NP, max_norm, norm);
+}
+
 /* Tolerance of the norm. distopt's is exact: Σg² of each tensor exactly, the
  * per-tensor sums added in double, one sqrt. torch 1.13 computes each
  * tensor's 2-norm in fp32 (vectorised partial sums, relative error at most
@@ -154,12 +165,8 @@ static void test_clip_finite(void **st) {
            CLIP_TOL);
     if (!(rel <= CLIP_TOL)) fail_msg("clip %s: norm %.9g vs torch %.9g (rel %.3g)", cas, r.info.grad_norm, torch_norm, rel);
     /* the coefficient the distributed step used, applied as it applies it */
-    double ss[NP], norm;
-    for (int i = 0; i < NP; i++) {
-      dopt_st_tensor t = GET("clip/%s/in/%s", cas, PN[i]);
-      ss[i] = dopt_xsum_sq(f32(t), t.numel);
-    }
-    float coef = dopt_clip_coef(ss, NP, max_norm, &norm);
+    double norm;
+    float coef = case_coef(cas, max_norm, &norm);
     assert_true(norm == r.info.grad_norm); /* the same exact norm */
     double worst = 0;
     for (int i = 0; i < NP; i++) {
@@ -189,12 +196,8 @@ static void test_clip_nonfinite(void **st) {
     const char *cas = cases[c];
     float torch_norm = f32(GET("clip/%s/total_norm", cas))[0];
     if (isfinite(torch_norm)) fail_msg("clip %s: torch's norm %g is finite", cas, (double)torch_norm);
-    double ss[NP], norm;
-    for (int i = 0; i < NP; i++) {
-      dopt_st_tensor t = GET("clip/%s/in/%s", cas, PN[i]);
-      ss[i] = dopt_xsum_sq(f32(t), t.numel);
-    }
-    (void)dopt_clip_coef(ss, NP, 1.0, &norm);
+    double norm;
+    (void)case_coef(cas, 1.0, &norm);
     if (isfinite(norm)) fail_msg("clip %s: distopt's norm %g is finite, torch's %g", cas, norm, (double)torch_norm);
     clip_run r = run_clip(cas);
     if (r.info.skipped != 1 || r.moved) fail_msg("clip %s: skipped %d, parameters moved %d", cas, r.info.skipped, r.moved);
