@@ -36,9 +36,9 @@ bash cmake/deps.sh --fuzz
 bash tests/fuzz/run.sh "${DOPT_FUZZ_SECONDS:-30}"
 
 if ctest --test-dir build -N -L sim 2>/dev/null | grep -q "Total Tests: [1-9]"; then
-  step "ThreadSanitizer: simulator tests"
+  step "ThreadSanitizer: simulator tests and the threaded reference"
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DDOPT_WERROR=ON -DDOPT_SANITIZE=thread \
     -DDOPT_TIMEOUT_SCALE=8 >/dev/null
   cmake --build build-tsan -j"$jobs" >/dev/null
-  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --output-on-failure -L sim -j"$jobs"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --output-on-failure -L "sim|threads" -j"$jobs"
 fi

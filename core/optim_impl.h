@@ -55,6 +55,7 @@ typedef struct dopt_param {
   unsigned events;                     /* DOPT_EVENT_* of the last step */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
+  unsigned char elementwise[DOPT_MAX_STATES]; /* st[k] has the parameter's shape (dopt_state_spec) */
 } dopt_param;
 
 /* One stage of one step of one optimizer on one piece (what
@@ -155,6 +156,11 @@ int64_t dopt__optim_gstep(const dopt_optim *o);
 dopt_param *dopt__optim_param(dopt_optim *o, int i);
 /* The wrapper around o's impl (LISA), or NULL. */
 const dopt_optim_impl *dopt__optim_wrapper(const dopt_optim *o);
+/* Tests: the smallest piece a parameter is split into for the threads (0:
+ * the default, 32768 elements), and the most pieces any parameter had in the
+ * last step (1: nothing was split). */
+void dopt__optim_set_min_chunk(dopt_optim *o, size_t elements);
+int dopt__optim_last_parts(const dopt_optim *o);
 /* Frees parameter i's states: it restarts from zeros and step 0 at its next step. */
 void dopt__optim_free_states(dopt_optim *o, int i);
 

@@ -110,6 +110,16 @@ DOPT_API const char *dopt_optim_param_name(const dopt_optim *o, int param);
  * state and its step count untouched, as torch does for grad None. */
 DOPT_API dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads);
 
+/* Threads of the step, the caller included: 1..256, or 0 for the default —
+ * DOPT_NUM_THREADS from the environment when set, else the cores this process
+ * may run on (read at the next step). Large parameters of the optimizers
+ * that take pieces are split over the threads, the others run whole, several
+ * at once; the results are bitwise the same for every thread count
+ * (docs/threads.md). get returns the count the next step uses (0: a bad
+ * DOPT_NUM_THREADS, which the step reports). */
+DOPT_API dopt_status dopt_optim_set_threads(dopt_optim *o, int nthreads);
+DOPT_API int dopt_optim_get_threads(const dopt_optim *o);
+
 /* ---- state ------------------------------------------------------------------- */
 
 typedef struct dopt_state_view {

@@ -49,6 +49,7 @@
 
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
+#include "optim_impl.h"
 
 #define TOL_PARAM 1e-6
 #define TOL_STATE 1e-5
@@ -151,7 +152,12 @@ static void check_defaults_only(const char *file, const char *optname, const cha
 }
 
 /* Runs one case; returns the number of compared tensors. */
-static int run_case(const char *dir, const char *file, errstat *ep, errstat *es, case_info *ci) {
+/* One case: replays its gradients at `threads` threads (pieces down to one
+ * element, so every parameter of an optimizer that takes pieces is split) and
+ * checks every recorded step against upstream; dig gets the SHA-256 of every
+ * parameter and state after every step, for the thread-count comparison. */
+static int run_case(const char *dir, const char *file, errstat *ep, errstat *es, case_info *ci, int threads,
+                    uint8_t dig[DOPT_DIGEST_BYTES]) {
   char *path = path_join(dir, file);
   dopt_st_file *cf = NULL, *inf = NULL;
   assert_ok(dopt_st_load(path, &cf));
@@ -180,6 +186,10 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
 
   dopt_optim *o;
   assert_ok(dopt_optim_create(optname, dopt_st_meta(cf, "hparams"), &o));
+  assert_ok(dopt_optim_set_threads(o, threads));
+  if (threads > 1) dopt__optim_set_min_chunk(o, 1);
+  dopt_digest *dg;
+  assert_ok(dopt_digest_create(&dg));
   if (ci->defaults_only)
     check_defaults_only(file, optname, dopt_st_meta(cf, "hparams"), dopt_st_meta(cf, "defaults_differ"), o);
 
@@ -242,6 +252,14 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
       }
     }
     assert_ok(dopt_optim_step(o, gp));
+    for (int i = 0; i < np; i++) {
+      assert_ok(dopt_digest_bytes(dg, data[i], numel[i] * sizeof(float)));
+      for (int s = 0; s < dopt_optim_num_states(o, i); s++) {
+        dopt_state_view v;
+        assert_ok(dopt_optim_state(o, i, s, &v));
+        assert_ok(dopt_digest_bytes(dg, v.data, v.bytes));
+      }
+    }
     if (t % every) continue; /* not recorded */
     for (int i = 0; i < np; i++) {
       double ab, rel;
@@ -250,7 +268,7 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
       assert_ok(dopt_st_read_f32(cf, key, gold, numel[i]));
       rel = compare(data[i], gold, numel[i], &ab);
       snprintf(what, sizeof what, "%.60s %.200s", file, key);
-      note(ep, rel, ab, what);
+      if (threads == 1) note(ep, rel, ab, what);
       if (!(rel <= ci->tol_param))
         fail_msg("%s: %s normwise rel error %.3g > %.3g (max abs %.3g)", file, key, rel, ci->tol_param, ab);
       compared++;
@@ -283,7 +301,7 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
           memcpy(gold, st.data, n * sizeof(float));
           rel = compare(v.data, gold, n, &ab);
           snprintf(what, sizeof what, "%.60s %.200s", file, st.name);
-          note(es, rel, ab, what);
+          if (threads == 1) note(es, rel, ab, what);
           if (!(rel <= ci->tol_state))
             fail_msg("%s: %s normwise rel error %.3g > %.3g (max abs %.3g)", file, st.name, rel, ci->tol_state, ab);
           compared++;
@@ -299,6 +317,11 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
     free(grad[i]);
   }
   free(gold);
+  if (threads > 1 && dopt__optim_impl(o)->distributable && dopt__optim_last_parts(o) != threads)
+    fail_msg("%s at %d threads: the last step split a parameter into %d pieces", file, threads,
+             dopt__optim_last_parts(o));
+  assert_ok(dopt_digest_final(dg, dig, NULL));
+  dopt_digest_destroy(dg);
   dopt_optim_destroy(o);
   if (inf != cf) dopt_st_free(inf);
   dopt_st_free(cf);
@@ -366,7 +389,15 @@ static void run_cases(const char *dir, const char *opt, const char *entry, const
     free(path);
     errstat ep = {0, 0, ""}, es = {0, 0, ""};
     case_info ci = {0, 1, 0, TOL_PARAM, TOL_STATE};
-    int cnt = run_case(dir, files[k], &ep, &es, &ci);
+    uint8_t d1[DOPT_DIGEST_BYTES], dn[DOPT_DIGEST_BYTES];
+    int cnt = run_case(dir, files[k], &ep, &es, &ci, 1, d1);
+    /* the same bits at any thread count (docs/threads.md) */
+    static const int counts[] = {2, 3, 8};
+    for (int m = 0; m < 3; m++) {
+      case_info cn = ci;
+      run_case(dir, files[k], &ep, &es, &cn, counts[m], dn);
+      if (memcmp(d1, dn, sizeof d1)) fail_msg("%s: the outputs at %d threads differ from 1 thread", files[k], counts[m]);
+    }
     printf("%-32s %8d %12.3g %12.3g %12.3g %12.3g  %d/%d%s%s\n", files[k], cnt, ep.max_abs, ep.max_rel, es.max_abs,
            es.max_rel, ci.steps, ci.every, ci.defaults_only ? " defaults" : "",
            ci.tol_param != TOL_PARAM || ci.tol_state != TOL_STATE ? " tol*" : "");
