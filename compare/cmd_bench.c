@@ -2,18 +2,21 @@
  * fp32 [H, W] parameter and compare the memory traffic it implies with the
  * machine's streaming bandwidth, measured in the same run.
  *
- *   distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--torch PYTHON]
+ *   distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--threads N] [--torch PYTHON]
  *
  * Per optimizer: median and minimum ms/step over N timed steps (after the
- * warm-up steps, which also allocate the states), the bytes one step moves
- * under the byte model below, achieved GB/s = bytes / median time, and that
- * bandwidth as a fraction of the floor. The floor is a STREAM-style triad
- * a[i] = b[i] + s*c[i] over arrays of the parameter's size (3*4*n bytes
- * counted, median over N runs) and a memcpy (2*4*n bytes counted). Times are
- * wall clock (CLOCK_MONOTONIC). --torch PYTHON runs compare/bench_torch.py
- * with that interpreter and adds PyTorch CPU eager ms/step and our speed-up.
+ * warm-up steps, which also allocate the states) at --threads threads, the
+ * bytes one step must move under the minimum-traffic model below, achieved
+ * GB/s = bytes / median time, and that bandwidth as a fraction of the floor
+ * at the same thread count. The floor is a STREAM-style triad a[i] = b[i] +
+ * s*c[i] over arrays of the parameter's size (3*4*n bytes counted, median
+ * over N runs), on one thread and split over the threads, and a memcpy
+ * (2*4*n bytes counted). Times are wall clock (CLOCK_MONOTONIC). --torch
+ * PYTHON runs compare/bench_torch.py with that interpreter at the same thread
+ * count and adds PyTorch CPU eager ms/step and our speed-up.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,43 +27,17 @@
 
 static const char *const CMD = "bench";
 
-/* ---- the byte model ----------------------------------------------------------
- * Full-size (n-element fp32) arrays read and written by one step of the
- * implementation in ref/, at the hyperparameters used here (defaults; CAME
- * lr=2e-4): each pass over an n-element array counts 4*n bytes. Row/column
- * vectors (h + w elements) are ignored; write-allocate traffic is not counted
- * (as STREAM does not). Exact sums (xsum) take two passes: absmax, then the
- * fixed-point accumulation; a pass that fuses the absmax into the loop that
- * writes the array saves the first.
- *
- * adamw     one fused loop: reads p, g, m, v; writes p, m, v            4R 3W
- * adafactor sumsq(p) 2R; U=g²+eps1 1R 1W; row/col means of U 2R; U =
- *           factors⊙g 1R 1W; sumsq(U) 2R; p -= clip(U)·α: reads U, p,
- *           writes p (no beta1, no weight decay at the defaults)        10R 3W
- * came      sumsq(p) 2R; U=g²+eps1 1R 1W; row/col means 2R; U = factors⊙g
- *           1R 1W; sumsq(U) 2R; m and the residual: reads U, m, writes
- *           m, U; row/col means of the residual 2R; upd = factors⊙m 1R 1W;
- *           p -= lr·upd 2R 1W                                           15R 6W
- * lamb      moments loop: reads g, m, v, writes m, v, u; sumsq(p) 2R;
- *           sumsq(u) 2R; p += a·u: 2R 1W                                 9R 4W
- */
-typedef struct byte_model {
-  const char *name;
-  int reads, writes; /* n-element fp32 arrays per step */
-} byte_model;
-
-static const byte_model MODELS[] = {
-    {"adamw", 4, 3},
-    {"adafactor", 10, 3},
-    {"came", 15, 6},
-    {"lamb", 9, 4},
-};
-
-static const byte_model *find_model(const char *name) {
-  for (size_t i = 0; i < sizeof MODELS / sizeof MODELS[0]; i++)
-    if (strcmp(MODELS[i].name, name) == 0) return &MODELS[i];
-  return NULL;
-}
+/* ---- the minimum-traffic model -------------------------------------------------
+ * The bytes one step cannot avoid moving, whatever the implementation: the
+ * gradient read once (4n), the parameter read and written once (8n), and
+ * every state tensor read and written once (2 x its bytes, from the
+ * optimizer's own state layout: 8-bit codes and their block scales, GaLore's
+ * low-rank moments and projector, factored row/column statistics). Passes an
+ * implementation adds beyond that (the exact sums' max-then-accumulate reads,
+ * a preconditioned-update array) are what the model charges it for; write-
+ * allocate traffic is not counted (as STREAM does not). Every registered
+ * optimizer has this model, so every row has a %floor. */
+static double min_traffic(size_t n, size_t state_bytes) { return 12.0 * (double)n + 2.0 * (double)state_bytes; }
 
 /* ---- timing helpers ------------------------------------------------------------- */
 
@@ -93,7 +70,8 @@ static void fill_random(float *x, size_t n, uint64_t seed, float sd) {
 /* ---- the floor ------------------------------------------------------------------- */
 
 typedef struct floor_result {
-  double triad_gbs, triad_ms, copy_gbs, copy_ms;
+  double triad_gbs, triad_ms, copy_gbs, copy_ms; /* one thread */
+  double triad_all_gbs, triad_all_ms;            /* split over the bench's threads */
 } floor_result;
 
 /* volatile scalar so that the triad is not folded into something cheaper */
@@ -104,7 +82,39 @@ static void triad(float *restrict a, const float *restrict b, const float *restr
   for (size_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
 }
 
-static int measure_floor(size_t n, int iters, floor_result *r) {
+typedef struct triad_part {
+  float *a;
+  const float *b, *c;
+  size_t n;
+} triad_part;
+
+static void *triad_thread(void *arg) {
+  triad_part *p = arg;
+  triad(p->a, p->b, p->c, p->n);
+  return NULL;
+}
+
+/* The triad split into `threads` contiguous parts, one thread each (the
+ * caller runs the first); thread start-up is inside the timed region, as the
+ * optimizer's pool wake-up is. */
+static void triad_threads(float *a, const float *b, const float *c, size_t n, int threads) {
+  pthread_t tid[256];
+  triad_part part[256];
+  char started[256] = {0};
+  if (threads < 1 || threads > 256) threads = 1;
+  for (int t = 0; t < threads; t++) {
+    size_t lo = n * (size_t)t / (size_t)threads, hi = n * (size_t)(t + 1) / (size_t)threads;
+    part[t] = (triad_part){a + lo, b + lo, c + lo, hi - lo};
+  }
+  for (int t = 1; t < threads; t++)
+    if (pthread_create(&tid[t], NULL, triad_thread, &part[t]) == 0) started[t] = 1;
+    else triad_thread(&part[t]); /* no thread: run it here (the floor is then lower, not wrong) */
+  triad_thread(&part[0]);
+  for (int t = 1; t < threads; t++)
+    if (started[t]) pthread_join(tid[t], NULL);
+}
+
+static int measure_floor(size_t n, int iters, int threads, floor_result *r) {
   float *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b), *c = malloc(n * sizeof *c);
   double *t = malloc((size_t)(iters + 1) * 2 * sizeof *t);
   if (!a || !b || !c || !t) {
@@ -121,6 +131,13 @@ static int measure_floor(size_t n, int iters, floor_result *r) {
     t[k] = cmp_now_s() - t0;
   }
   double tri = median(t, iters);
+  triad_threads(a, b, c, n, threads);
+  for (int k = 0; k < iters; k++) {
+    double t0 = cmp_now_s();
+    triad_threads(a, b, c, n, threads);
+    t[k] = cmp_now_s() - t0;
+  }
+  double tri_all = median(t, iters);
   memcpy(a, b, n * sizeof *a);
   for (int k = 0; k < iters; k++) {
     double t0 = cmp_now_s();
@@ -130,6 +147,8 @@ static int measure_floor(size_t n, int iters, floor_result *r) {
   double cp = median(t, iters);
   r->triad_ms = 1e3 * tri;
   r->triad_gbs = 3.0 * 4.0 * (double)n / tri * 1e-9;
+  r->triad_all_ms = 1e3 * tri_all;
+  r->triad_all_gbs = 3.0 * 4.0 * (double)n / tri_all * 1e-9;
   r->copy_ms = 1e3 * cp;
   r->copy_gbs = 2.0 * 4.0 * (double)n / cp * 1e-9;
   free(a), free(b), free(c), free(t);
@@ -141,12 +160,12 @@ static int measure_floor(size_t n, int iters, floor_result *r) {
 typedef struct opt_result {
   const char *name;
   double med_ms, min_ms;
-  double bytes; /* per step, 0 if no byte model */
+  double bytes; /* per step, the minimum-traffic model */
   size_t state_bytes;
   double torch_ms; /* NAN if not measured */
 } opt_result;
 
-static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int iters, float *param,
+static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int iters, int threads, float *param,
                      const float *init, const float *grad, opt_result *r) {
   size_t n = (size_t)h * (size_t)w;
   memcpy(param, init, n * sizeof *param);
@@ -166,7 +185,8 @@ static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int ite
     return cli_errorf(CMD, "out of memory");
   }
   int rc = CLI_OK;
-  if ((s = dopt_optim_add_param(o, 0, &pc, &pid)) != DOPT_OK) rc = cli_error(CMD, s);
+  if ((s = dopt_optim_set_threads(o, threads)) != DOPT_OK) rc = cli_error(CMD, s);
+  if (rc == CLI_OK && (s = dopt_optim_add_param(o, 0, &pc, &pid)) != DOPT_OK) rc = cli_error(CMD, s);
   const float *grads[1] = {grad};
   for (int k = 0; k < warmup && rc == CLI_OK; k++)
     if ((s = dopt_optim_step(o, grads)) != DOPT_OK) rc = cli_error(CMD, s);
@@ -180,9 +200,8 @@ static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int ite
     r->name = name;
     r->med_ms = 1e3 * median(t, iters);
     r->min_ms = 1e3 * t[0]; /* sorted by median() */
-    const byte_model *bm = find_model(name);
-    r->bytes = bm ? (double)(bm->reads + bm->writes) * 4.0 * (double)n : 0.0;
     dopt_optim_state_bytes(o, -1, NULL, &r->state_bytes);
+    r->bytes = min_traffic(n, r->state_bytes);
     r->torch_ms = NAN;
     /* sanity: the step must leave finite parameters */
     for (size_t i = 0; i < n; i += n / 97 + 1)
@@ -200,7 +219,8 @@ static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int ite
 
 /* Runs compare/bench_torch.py; fills torch_ms of the results it reports
  * ("name ms" lines). Returns 0 if it ran, -1 (after a message) if not. */
-static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int iters, opt_result *res, int nres) {
+static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int iters, int threads, opt_result *res,
+                     int nres) {
   /* the script: $DOPT_BENCH_TORCH_SCRIPT, else next to this source file, else ./compare/ */
   const char *script = NULL;
   const char *env = getenv("DOPT_BENCH_TORCH_SCRIPT");
@@ -231,8 +251,8 @@ static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int i
   char cmd[16384], names[256] = "";
   for (int i = 0; i < nres; i++)
     snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? "," : "", res[i].name);
-  snprintf(cmd, sizeof cmd, "'%s' '%s' --size %lldx%lld --warmup %d --iters %d --optimizers %s 2>&1", python, script,
-           (long long)h, (long long)w, warmup, iters, names);
+  snprintf(cmd, sizeof cmd, "'%s' '%s' --size %lldx%lld --warmup %d --iters %d --threads %d --optimizers %s 2>&1",
+           python, script, (long long)h, (long long)w, warmup, iters, threads, names);
   fflush(stdout);
   FILE *p = popen(cmd, "r");
   if (!p) {
@@ -265,11 +285,14 @@ static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int i
 /* ---- the command ----------------------------------------------------------------------- */
 
 static void bench_usage(FILE *f) {
-  fputs("usage: distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--torch PYTHON]\n"
+  fputs("usage: distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--threads N]\n"
+        "                    [--torch PYTHON]\n"
         "  times one step of each registered optimizer (or NAME) on one fp32 [H, W] parameter\n"
         "  (default 4096x4096, 10 timed steps after 2 warm-up steps; median and min reported) and\n"
-        "  compares the bytes a step moves with a triad/memcpy bandwidth floor measured in the same run.\n"
-        "  --torch PYTHON: also time PyTorch CPU eager steps (compare/bench_torch.py; 2 threads)\n",
+        "  compares the bytes a step must move (gradient, parameter and states once) with a triad\n"
+        "  bandwidth floor measured in the same run on one thread and on N threads.\n"
+        "  --threads N: threads of the step and of the floor (default: DOPT_NUM_THREADS, else the cores)\n"
+        "  --torch PYTHON: also time PyTorch CPU eager steps at the same thread count (compare/bench_torch.py)\n",
         f);
 }
 
@@ -282,7 +305,7 @@ static int parse_int(const char *opt, const char *v, long lo, long hi, long *out
 }
 
 int cmd_bench(int argc, char **argv) {
-  long h = 4096, w = 4096, iters = 10, warmup = 2;
+  long h = 4096, w = 4096, iters = 10, warmup = 2, threads = 0;
   const char *only = NULL, *python = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -307,6 +330,8 @@ int cmd_bench(int argc, char **argv) {
       rc = parse_int(a, v, 0, 100000, &warmup);
     } else if (strcmp(a, "--optimizer") == 0) {
       only = v;
+    } else if (strcmp(a, "--threads") == 0) {
+      rc = parse_int(a, v, 1, 256, &threads);
     } else if (strcmp(a, "--torch") == 0) {
       python = v;
     } else {
@@ -318,6 +343,14 @@ int cmd_bench(int argc, char **argv) {
   for (int i = 0; only && i < nreg; i++) found |= strcmp(dopt_optim_registry_name(i), only) == 0;
   if (only && !found) return cli_errorf(CMD, "--optimizer '%s': not registered (see 'distopt list')", only);
 
+  if (threads == 0) { /* the library's default: DOPT_NUM_THREADS, else the cores */
+    dopt_optim *probe = NULL;
+    dopt_status s = dopt_optim_create("adamw", NULL, &probe);
+    threads = s == DOPT_OK ? dopt_optim_get_threads(probe) : 0;
+    dopt_optim_destroy(probe);
+    if (threads < 1) return cli_errorf(CMD, "DOPT_NUM_THREADS='%s': expected an integer in [1, 256]",
+                                       getenv("DOPT_NUM_THREADS") ? getenv("DOPT_NUM_THREADS") : "");
+  }
   size_t n = (size_t)h * (size_t)w;
   float *init = malloc(n * sizeof *init), *param = malloc(n * sizeof *param), *grad = malloc(n * sizeof *grad);
   opt_result *res = calloc((size_t)nreg, sizeof *res);
@@ -328,35 +361,31 @@ int cmd_bench(int argc, char **argv) {
   fill_random(init, n, 1, 0.02f);
   fill_random(grad, n, 2, 1e-3f);
 
-  printf("distopt bench: one fp32 [%ld, %ld] parameter (%.1f MiB), %ld warm-up + %ld timed steps, median\n", h, w,
-         (double)n * 4.0 / 1048576.0, warmup, iters);
+  printf("distopt bench: one fp32 [%ld, %ld] parameter (%.1f MiB), %ld warm-up + %ld timed steps, median, %ld thread%s\n",
+         h, w, (double)n * 4.0 / 1048576.0, warmup, iters, threads, threads == 1 ? "" : "s");
   fflush(stdout);
-  floor_result fl = {0, 0, 0, 0};
-  int rc = measure_floor(n, (int)(iters < 5 ? 5 : iters), &fl);
+  floor_result fl = {0, 0, 0, 0, 0, 0};
+  int rc = measure_floor(n, (int)(iters < 5 ? 5 : iters), (int)threads, &fl);
   int nres = 0;
   for (int i = 0; i < nreg && rc == CLI_OK; i++) {
     const char *name = dopt_optim_registry_name(i);
     if (only && strcmp(name, only) != 0) continue;
-    rc = bench_one(name, h, w, (int)warmup, (int)iters, param, init, grad, &res[nres]);
+    rc = bench_one(name, h, w, (int)warmup, (int)iters, (int)threads, param, init, grad, &res[nres]);
     if (rc == CLI_OK) nres++;
   }
   int have_torch = 0;
-  if (rc == CLI_OK && python) have_torch = run_torch(python, h, w, (int)warmup, (int)iters, res, nres) == 0;
+  if (rc == CLI_OK && python) have_torch = run_torch(python, h, w, (int)warmup, (int)iters, (int)threads, res, nres) == 0;
 
   if (rc == CLI_OK) {
-    printf("%-10s %10s %10s %12s %8s %8s %12s", "optimizer", "median_ms", "min_ms", "MB/step", "GB/s", "%floor",
+    printf("%-17s %10s %10s %12s %8s %8s %12s", "optimizer", "median_ms", "min_ms", "min_MB/step", "GB/s", "%floor",
            "state_MiB");
     if (have_torch) printf(" %10s %9s", "torch_ms", "vs_torch");
     printf("\n");
     for (int i = 0; i < nres; i++) {
       const opt_result *r = &res[i];
-      printf("%-10s %10.2f %10.2f ", r->name, r->med_ms, r->min_ms);
-      if (r->bytes > 0) {
-        double gbs = r->bytes / (r->med_ms * 1e-3) * 1e-9;
-        printf("%12.1f %8.2f %7.1f%%", r->bytes / 1e6, gbs, 100.0 * gbs / fl.triad_gbs);
-      } else {
-        printf("%12s %8s %8s", "?", "?", "?");
-      }
+      printf("%-17s %10.2f %10.2f ", r->name, r->med_ms, r->min_ms);
+      double gbs = r->bytes / (r->med_ms * 1e-3) * 1e-9;
+      printf("%12.1f %8.2f %7.1f%%", r->bytes / 1e6, gbs, 100.0 * gbs / fl.triad_all_gbs);
       printf(" %12.2f", (double)r->state_bytes / 1048576.0);
       if (have_torch) {
         if (isnan(r->torch_ms)) printf(" %10s %9s", "-", "-");
@@ -364,9 +393,12 @@ int cmd_bench(int argc, char **argv) {
       }
       printf("\n");
     }
-    printf("floor: triad a=b+s*c %.2f GB/s (%.2f ms, 12 B/elem), memcpy %.2f GB/s (%.2f ms, 8 B/elem); "
-           "%%floor = GB/s / triad GB/s; vs_torch = torch_ms / median_ms\n",
-           fl.triad_gbs, fl.triad_ms, fl.copy_gbs, fl.copy_ms);
+    printf("floor: triad a=b+s*c on %ld thread%s %.2f GB/s (%.2f ms, 12 B/elem), on 1 thread %.2f GB/s (%.2f ms); "
+           "memcpy %.2f GB/s (%.2f ms, 8 B/elem)\n"
+           "min_MB/step = gradient read + parameter and states read and written once; "
+           "%%floor = GB/s / triad GB/s on %ld thread%s; vs_torch = torch_ms / median_ms\n",
+           threads, threads == 1 ? "" : "s", fl.triad_all_gbs, fl.triad_all_ms, fl.triad_gbs, fl.triad_ms, fl.copy_gbs,
+           fl.copy_ms, threads, threads == 1 ? "" : "s");
   }
   free(init), free(param), free(grad), free(res);
   return rc;

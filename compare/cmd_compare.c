@@ -29,7 +29,7 @@ static void compare_usage(FILE *f) {
         "         [--trace FILE | --seed N] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
         "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z]\n"
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
-        "         [--backend sim|nccl|mpi] [--device cpu|cuda]\n"
+        "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
         "       distopt compare --matrix [--steps N]\n"
         "       distopt compare --sweep [--max-tp N] [--max-dp N] [--optimizer NAME] [--hparams k=v,...] [--steps N]\n"
         "         [gradient, accumulation, dp-sum and bf16 options as above] [--json FILE]\n"
@@ -54,6 +54,8 @@ static void compare_usage(FILE *f) {
         "  --device cuda: the distributed optimizer runs on the GPU (CUDA device, device-buffer simulator);\n"
         "  --backend nccl: one process per rank under torchrun/mpirun/srun, NCCL collectives (docs/cuda.md).\n"
         "  --backend mpi: one process per rank under mpirun -np tp*dp, MPI collectives, CPU (docs/mpi.md).\n"
+        "  --threads N: threads of the reference's step (default: the library's, DOPT_NUM_THREADS or the\n"
+        "  cores, with the simulator, whose ranks wait while it steps; 1 with a process per rank).\n"
         "  Exit: 0 equivalent (bitwise where declared), 1 not equivalent, 2 bad usage or input.\n",
         f);
 }
@@ -307,6 +309,7 @@ int cmd_compare(int argc, char **argv) {
     else if (strcmp(a, "--ranks") == 0) { rc = parse_int(a, v, 1, 64, &o.ranks); ranks_given = 1; }
     else if (strcmp(a, "--max-tp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o.max_tp); max_given = 1; }
     else if (strcmp(a, "--max-dp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o.max_dp); max_given = 1; }
+    else if (strcmp(a, "--threads") == 0) rc = parse_int(a, v, 0, 256, &o.threads);
     else if (strcmp(a, "--steps") == 0) { rc = parse_int(a, v, 1, 1000000, &o.steps); steps_given = 1; }
     else if (strcmp(a, "--accumulation") == 0) rc = parse_int(a, v, 1, 1024, &o.micro);
     else if (strcmp(a, "--max-grad-norm") == 0) {

@@ -57,6 +57,7 @@ typedef struct run_ctx {
   char *inputs_path;
   const char *save_path, *resume_path; /* checkpoints (docs/checkpoints.md) */
   long save_every;                     /* also save after every K-th step (0: only after the last) */
+  long threads;                        /* --threads (0: the library's default) */
   long start;                          /* the step the resumed checkpoint was saved after (0: none) */
   run_param *p;
   int np;
@@ -69,13 +70,14 @@ static const char *const CMD = "run";
 static void run_usage(FILE *f) {
   fputs("usage: distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors\n"
         "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N] [--quiet]\n"
-        "                   [--nonfinite skip|apply] [--save CKPT [--save-every K]] [--resume CKPT]\n"
+        "                   [--nonfinite skip|apply] [--save CKPT [--save-every K]] [--resume CKPT] [--threads N]\n"
         "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
         "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
         "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n"
         "  layer index (lisa): N of a 'layers.N.' in the parameter name, else -1 (always trained)\n"
         "  --save CKPT: a checkpoint generation after the last step (and every K steps); --out is then optional\n"
-        "  --resume CKPT: load a checkpoint (CKPT or CKPT/step-N) and run its steps + 1 .. N\n",
+        "  --resume CKPT: load a checkpoint (CKPT or CKPT/step-N) and run its steps + 1 .. N\n"
+        "  --threads N: threads of the step, 1..256 (default: DOPT_NUM_THREADS, else the cores); the same bits\n",
         f);
 }
 
@@ -116,6 +118,11 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
       if (c->ngroups == MAX_GROUPS) return cli_errorf(CMD, "--group: more than %d groups", MAX_GROUPS);
       if (!strchr(v, ':')) return cli_errorf(CMD, "--group '%s': expected GLOB:key=value,...", v);
       c->group_spec[c->ngroups++] = v;
+    } else if (strcmp(a, "--threads") == 0) {
+      char *end;
+      c->threads = strtol(v, &end, 10);
+      if (*end || end == v || c->threads < 1 || c->threads > 256)
+        return cli_errorf(CMD, "--threads '%s': expected an integer in [1, 256]", v);
     } else if (strcmp(a, "--steps") == 0) {
       char *end;
       c->steps = strtol(v, &end, 10);
@@ -247,6 +254,7 @@ static int build_optimizer(run_ctx *c) {
     if (!name) return cli_errorf(CMD, "--optimizer is required (%s has no 'optimizer' metadata)", c->params_path);
   }
   dopt_status s = dopt_optim_create(name, hp, &c->opt);
+  if (s == DOPT_OK) s = dopt_optim_set_threads(c->opt, (int)c->threads);
   if (s != DOPT_OK) return cli_error(CMD, s);
   int *gid = calloc(c->np > 0 ? (size_t)c->np : 1, sizeof *gid);
   if (!gid) return cli_errorf(CMD, "out of memory");

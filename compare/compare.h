@@ -57,6 +57,8 @@ typedef struct cmp_options {
   unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */
   int sweep;                              /* --sweep: every tp in 1..max_tp x dp in 1..max_dp x zero 0..3 */
   int max_tp, max_dp;                     /* --max-tp, --max-dp (default 4, at most CMP_SWEEP_MAX) */
+  int threads;                            /* --threads: the reference's step threads (0: the library's default
+                                             with the simulator, 1 with a process per rank) */
 } cmp_options;
 
 /* The layout values a user can give; the ones not given follow from the
@@ -172,7 +174,7 @@ double cmp_now_s(void);
  *   gradients: {source: synthetic, seed: 1} | {source: trace, path: FILE}
  *   output: {json: FILE, plot: FILE.svg}                   # optional
  *   checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}}   # optional
- *   compare: {sweep: false, max_tp: 4, max_dp: 4}          # optional (--sweep)
+ *   compare: {sweep: false, max_tp: 4, max_dp: 4, threads: 0}   # optional (--sweep, --threads)
  * Layout values the file gives are marked in o->given / o->given_yaml
  * (cmp_apply_plugin completes the rest).
  * Loads into o (on top of its current values). Unknown keys, wrong types,

@@ -641,6 +641,12 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
   if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
   if (st == DOPT_OK && lead) st = build_plain(o, s, rdata, rwork, &ref);
+  /* The reference steps on the lead while the other ranks wait for its
+   * gather: in the simulator they sleep (condition variables), so it may use
+   * every core; other ranks' processes may busy-poll (MPI, NCCL), so there
+   * it keeps to one thread unless told otherwise. The bits are the same. */
+  if (st == DOPT_OK && lead) st = dopt_optim_set_threads(ref, o->threads ? o->threads
+                                                               : strcmp(o->backend, "sim") == 0 ? 0 : 1);
   for (int i = 0; st == DOPT_OK && i < np; i++) {
     loc[i] = malloc(s->numel[i] * sizeof(float));
     if (lead) avg[i] = malloc(s->numel[i] * sizeof(float));

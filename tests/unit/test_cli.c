@@ -713,6 +713,60 @@ static int same_bytes(const char *a, const char *b) {
   return same;
 }
 
+/* --threads: run writes the same bytes at 1 and 3 threads on a parameter the
+ * reference splits (300 x 300 = 90 000 elements: two 32768+ pieces at 3 threads);
+ * bad counts are usage errors; bench prints a minimum-traffic row and %floor
+ * for every registered optimizer (no "?") and both floors. */
+static void test_threads_options(void **st) {
+  (void)st;
+  char in[600], o1[600], o3[600], txt[600];
+  snprintf(in, sizeof in, "%s/big.safetensors", dir);
+  snprintf(o1, sizeof o1, "%s/big1.safetensors", dir);
+  snprintf(o3, sizeof o3, "%s/big3.safetensors", dir);
+  snprintf(txt, sizeof txt, "%s/bench.txt", dir);
+  enum { H = 300, W = 300 };
+  float *v = malloc(H * W * sizeof *v);
+  assert_non_null(v);
+  dopt_st_writer *w;
+  assert_ok(dopt_st_writer_create(&w));
+  const int64_t shape[2] = {H, W};
+  uint64_t s = 5;
+  for (int k = 0; k < H * W; k++) v[k] = (float)dt_rand_normal(&s);
+  assert_ok(dopt_st_writer_add(w, "w", DOPT_F32, 2, shape, v));
+  for (int t = 1; t <= 3; t++) {
+    char name[32];
+    snprintf(name, sizeof name, "grad/%d/w", t);
+    for (int k = 0; k < H * W; k++) v[k] = (float)(dt_rand_normal(&s) * 1e-2);
+    assert_ok(dopt_st_writer_add(w, name, DOPT_F32, 2, shape, v));
+  }
+  assert_ok(dopt_st_writer_save(w, in));
+  dopt_st_writer_free(w);
+  free(v);
+  const char *one[] = {"run", "--params", in, "--optimizer", "adafactor", "--threads", "1", "--out", o1, "--quiet", NULL};
+  const char *three[] = {"run", "--params", in, "--optimizer", "adafactor", "--threads", "3", "--out", o3, "--quiet", NULL};
+  assert_int_equal(run(one), 0);
+  assert_int_equal(run(three), 0);
+  if (!same_bytes(o1, o3)) fail_msg("run --threads 3 wrote other bytes than --threads 1");
+  const char *zero[] = {"run", "--params", in, "--optimizer", "adamw", "--threads", "0", "--out", o1, NULL};
+  expect_usage_error(zero, "--threads '0'", o1);
+  const char *bench[] = {"bench", "--size", "64x64", "--iters", "1", "--warmup", "1", "--threads", "2", NULL};
+  assert_int_equal(run_out(bench, txt), 0);
+  char *b = slurp(txt);
+  if (strstr(b, " ?")) fail_msg("bench printed '?':\n%s", b);
+  for (int i = 0; i < dopt_optim_registry_count(); i++) {
+    char key[64];
+    snprintf(key, sizeof key, "\n%s ", dopt_optim_registry_name(i));
+    const char *row = strstr(b, key);
+    const char *eol = row ? strchr(row + 1, '\n') : NULL;
+    const char *pct = row ? strchr(row + 1, '%') : NULL;
+    if (!row || !pct || (eol && pct > eol)) fail_msg("bench: no %%floor for %s:\n%s", dopt_optim_registry_name(i), b);
+  }
+  if (!strstr(b, "on 2 threads") || !strstr(b, "on 1 thread ")) fail_msg("bench: both floors expected:\n%s", b);
+  free(b);
+  const char *bad[] = {"bench", "--threads", "257", NULL};
+  assert_int_equal(run_out(bad, txt), 2);
+}
+
 static void test_checkpoint_resume(void **st) {
   (void)st;
   char full[600], res[600], ck[600], gen[700];
@@ -1018,6 +1072,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_nonfinite_policy),
       cmocka_unit_test(test_compare_overflow_nan),
       cmocka_unit_test(test_checkpoint_resume),
+      cmocka_unit_test(test_threads_options),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

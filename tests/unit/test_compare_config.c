@@ -214,6 +214,8 @@ static void test_errors(void **st) {
       {"compare: {max_tp: 9}\n", DOPT_ERR_FORMAT, ":1:", "compare.max_tp"},
       {"compare:\n  max_dp: 0\n", DOPT_ERR_FORMAT, ":2:", "compare.max_dp"},
       {"compare: {sweep: yes}\n", DOPT_ERR_FORMAT, ":1:", "compare.sweep"},
+      {"compare: {threads: 257}\n", DOPT_ERR_FORMAT, ":1:", "compare.threads"},
+      {"compare: {threads: -1}\n", DOPT_ERR_FORMAT, ":1:", "compare.threads"},
       {"compare: {sweeps: true}\n", DOPT_ERR_FORMAT, ":1:", "compare.sweeps"},
       {"compare: true\n", DOPT_ERR_FORMAT, ":1:", "compare"},
       {"checkpoint: {resume: {type: gemini}}\n", DOPT_ERR_FORMAT, ":1:", "checkpoint.resume.type"},
@@ -236,10 +238,10 @@ static void test_errors(void **st) {
   }
 }
 
-/* compare: {sweep, max_tp, max_dp}, and the layout values the file gives are marked as given (from YAML). */
+/* compare: {sweep, max_tp, max_dp, threads}, and the layout values the file gives are marked as given (from YAML). */
 static void test_compare_section_and_given(void **st) {
   (void)st;
-  const char *p = write_yaml("sweep.yaml", "compare: {sweep: true, max_tp: 3, max_dp: 8}\n"
+  const char *p = write_yaml("sweep.yaml", "compare: {sweep: true, max_tp: 3, max_dp: 8, threads: 3}\n"
                                            "plugin: {type: ddp, dp: 3}\ncheckpoint: {resume: {zero: 2}}\n");
   cmp_options o;
   base_options(&o);
@@ -247,6 +249,7 @@ static void test_compare_section_and_given(void **st) {
   assert_int_equal(o.sweep, 1);
   assert_int_equal(o.max_tp, 3);
   assert_int_equal(o.max_dp, 8);
+  assert_int_equal(o.threads, 3);
   const unsigned want = CMP_GIVEN_PLUGIN | CMP_GIVEN_DP | CMP_GIVEN_RESUME_ZERO;
   assert_int_equal(o.given, want);
   assert_int_equal(o.given_yaml, want);
