@@ -570,6 +570,7 @@ typedef struct item {
   post *posts;
   int nposts, posts_cap;
   unsigned events;
+  int solo; /* a whole tensor of an optimizer that takes no pieces, large: run alone, with dopt_par */
   dopt_status st;
   char msg[512]; /* the failing stage's message (it ran on another thread) */
 } item;
@@ -645,7 +646,7 @@ static dopt_status setup_item(dopt_optim *o, item *it, int i, int part, int part
   dopt_param *p = &o->params[i];
   const double *hp = o->groups[p->group].hp;
   it->param = i, it->part = part, it->parts = parts;
-  it->stage = 0, it->more = 0, it->events = 0, it->nposts = 0, it->st = DOPT_OK;
+  it->stage = 0, it->more = 0, it->events = 0, it->nposts = 0, it->st = DOPT_OK, it->solo = 0;
   dopt_piece_full(p->ndim, p->shape, &it->pc);
   it->pc.lo = p->numel * (size_t)part / (size_t)parts;
   it->pc.len = p->numel * (size_t)(part + 1) / (size_t)parts - it->pc.lo;
@@ -674,7 +675,15 @@ typedef struct step_run {
   const float *const *grads;
   int *todo;  /* item_task: the items of this round */
   int *split; /* reduce_task: the first items of the split parameters of this round */
+  dopt_par par; /* for solo items */
 } step_run;
+
+/* dopt_par.run for solo items (ctx: the step_run); counts the parts as pieces */
+static void par_run(void *ctx, size_t n, void (*task)(void *arg, size_t i), void *arg) {
+  dopt_optim *o = ((struct step_run *)ctx)->o;
+  if ((int)n > o->last_parts) o->last_parts = (int)n;
+  dopt__pool_run(o->pool, n, task, arg);
+}
 
 /* One round's task for one item: a whole parameter runs all its stages; a
  * piece runs its next stage. */
@@ -687,7 +696,8 @@ static void item_task(void *ctx, size_t t) {
   it->red = (dopt_reducer){it, post_max, post_sum}; /* here: the items array moves while it grows */
   dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
                       p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
-                      it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL};
+                      it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL,
+                      it->solo ? &r->par : NULL};
   dopt_status s;
   if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */
@@ -776,15 +786,27 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     p->step++;
     p->events = 0;
     for (size_t k = 0; k < parts; k++) DOPT_TRY(setup_item(o, &o->items[o->nitems++], i, (int)k, (int)parts));
+    /* a large whole tensor steps alone, its independent blocks over the threads */
+    o->items[o->nitems - 1].solo = threads > 1 && !o->impl->distributable && p->numel / chunk >= 2;
     if ((int)parts > o->last_parts) o->last_parts = (int)parts;
   }
   int *todo = malloc(2 * (size_t)(o->nitems > 0 ? o->nitems : 1) * sizeof *todo), *split = todo + o->nitems;
   if (!todo) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_step: %d work items", o->nitems);
-  step_run run = {o, grads, todo, split};
-  /* round 0: every item; then the split parameters' later stages */
-  int n = o->nitems;
-  for (int k = 0; k < n; k++) todo[k] = k;
+  step_run run = {o, grads, todo, split, {NULL, threads, par_run}};
+  run.par.ctx = &run;
+  /* the solo items one after the other; round 0: every other item; then the
+   * split parameters' later stages */
+  int n = 0;
   dopt_status s = DOPT_OK;
+  for (int k = 0; k < o->nitems && s == DOPT_OK; k++) {
+    if (!o->items[k].solo) continue;
+    todo[0] = k;
+    item_task(&run, 0);
+    s = first_failure(o);
+  }
+  for (int k = 0; k < o->nitems; k++)
+    if (!o->items[k].solo) todo[n++] = k;
+  if (s != DOPT_OK) n = 0;
   while (n > 0) {
     dopt__pool_run(o->pool, (size_t)n, item_task, &run);
     if ((s = first_failure(o)) != DOPT_OK) break;

@@ -73,6 +73,19 @@ typedef struct dopt_param {
  *   adafactor:  S0 ─────► S1 ────► S2 ─────► S3 ────► S4   (factored)
  *                 ‖w‖²,rows,cols     ‖u‖²                   update
  */
+/* Parallel loops inside one step on a whole tensor (the reference with
+ * threads: core/optim.c): run(ctx, n, task, arg) calls task(arg, i) once for
+ * every i in [0, n) on up to `threads` threads and returns when all are done.
+ * A step may split work whose results do not depend on the split (8-bit
+ * blocks) this way; NULL: one thread. */
+#define DOPT_PAR_MAX 64         /* most parts a step splits its work into */
+#define DOPT_PAR_MIN_BLOCKS 64  /* 8-bit blocks per part at least (16384 elements at block 256) */
+typedef struct dopt_par {
+  void *ctx;
+  int threads;
+  void (*run)(void *ctx, size_t n, void (*task)(void *arg, size_t i), void *arg);
+} dopt_par;
+
 typedef struct dopt_step_args {
   const struct dopt_optim_impl *impl;
   const double *hp;        /* the group's hyperparameters, impl order */
@@ -88,6 +101,7 @@ typedef struct dopt_step_args {
   int stage;               /* the stage to run: 0, 1, ... */
   int *more;               /* set to 1 by a stage that posted and needs the next one */
   double *host_out;        /* dopt__impl_sumsq only: where the last stage writes Σx² (host) */
+  const dopt_par *par;     /* NULL, or threads for independent work within the step */
 } dopt_step_args;
 
 typedef struct dopt_optim_impl {
@@ -158,7 +172,8 @@ dopt_param *dopt__optim_param(dopt_optim *o, int i);
 const dopt_optim_impl *dopt__optim_wrapper(const dopt_optim *o);
 /* Tests: the smallest piece a parameter is split into for the threads (0:
  * the default, 32768 elements), and the most pieces any parameter had in the
- * last step (1: nothing was split). */
+ * last step, or parts a whole-tensor step split its work into (dopt_par; 1:
+ * nothing was split). */
 void dopt__optim_set_min_chunk(dopt_optim *o, size_t elements);
 int dopt__optim_last_parts(const dopt_optim *o);
 /* Frees parameter i's states: it restarts from zeros and step 0 at its next step. */

@@ -863,7 +863,7 @@ static dopt_status owner_step(dopt_dist_optim *d, int i, float *host) {
     DOPT_TRY(DEV(d)->upload(DCTX(d), d->xfer, host, numel * sizeof(float)));
     p->events = 0;
     dopt_step_args a = {d->impl, d->hp[p->group], p->step, &whole, p->full, d->xfer, p->state, NULL, NULL, &p->events,
-                        (uint64_t)i, 0, NULL, NULL};
+                        (uint64_t)i, 0, NULL, NULL, NULL};
     DOPT_TRY(grow_dev(d, &d->frames, &d->frames_cap, DEV(d)->frame_bytes(DCTX(d), &a)));
     a.frame = d->frames;
     DOPT_TRY(dopt__run_stages(d->dev, &a));
@@ -908,7 +908,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     for (int i = 0; i < d->np; i++) {
       dist_param *p = &d->p[i];
       d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->pc, NULL, p->grad + p->pc.lo, NULL, NULL, &p->red,
-                                    NULL, (uint64_t)i, 0, NULL, &d->ss[i]};
+                                    NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL};
     }
     DOPT_TRY(map_frames(d, 0, d->np));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
@@ -926,7 +926,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     if (!d->skip[i]) p->step++;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
-                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL};
+                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL, NULL};
   }
   DOPT_TRY(run_buckets(d));
   for (int i = 0; i < d->np; i++) {

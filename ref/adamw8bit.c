@@ -15,6 +15,7 @@
  * numel, not the initial value.) The quantisation maps qmap1/qmap2 are
  * constants (dopt_q8_map) and not stored. */
 #include <math.h>
+#include <stdio.h>
 
 #include "distopt/quant8.h"
 #include "registry.h"
@@ -84,8 +85,29 @@ int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dop
 
 /* One 8-bit Adam step of p[n] with gradient g[n] and the states of
  * dopt__adamw8bit_layout (hp[0..7]; wd: the decay the kernel applies). */
+/* A range of whole 8-bit blocks, for dopt_par. */
+typedef struct q8_part {
+  float *p;
+  const float *g;
+  void *const *state;
+  size_t n, block, parts;
+  const dopt_q8_adam_hp *k;
+  size_t bad[DOPT_PAR_MAX];
+  dopt_status st[DOPT_PAR_MAX];
+  char msg[DOPT_PAR_MAX][256];
+} q8_part;
+
+static void q8_part_task(void *arg, size_t i) {
+  q8_part *t = arg;
+  const size_t nb = dopt_q8_num_blocks(t->n, t->block), b0 = nb * i / t->parts, b1 = nb * (i + 1) / t->parts;
+  const size_t lo = b0 * t->block, hi = b1 * t->block < t->n ? b1 * t->block : t->n;
+  t->st[i] = dopt_q8_adam_update(t->p + lo, t->g + lo, (uint8_t *)t->state[0] + lo, (uint8_t *)t->state[1] + lo,
+                                 (float *)t->state[2] + b0, (float *)t->state[3] + b0, hi - lo, t->k, &t->bad[i]);
+  if (t->st[i] != DOPT_OK) snprintf(t->msg[i], sizeof t->msg[i], "%s", dopt_last_error());
+}
+
 dopt_status dopt__adamw8bit_update(const double *hp, double wd, int64_t step, float *p, const float *g, size_t n,
-                                   void *const *state, unsigned *events) {
+                                   void *const *state, unsigned *events, const dopt_par *par) {
   const int q8 = use_8bit(hp, n);
   dopt_q8_adam_hp k = {
       .lr = (float)hp[LR],
@@ -103,7 +125,20 @@ dopt_status dopt__adamw8bit_update(const double *hp, double wd, int64_t step, fl
     k.gnorm_scale = dopt_q8_percentile_clipping(g, n, state[q8 ? 4 : 2], step, (int)hp[PCT], &clipped);
     if (clipped) ev |= DOPT_EVENT_CLIPPED;
   }
-  if (q8) {
+  const size_t nblocks = q8 ? dopt_q8_num_blocks(n, k.block) : 0;
+  if (q8 && par && par->threads > 1 && nblocks >= 2 * DOPT_PAR_MIN_BLOCKS) {
+    q8_part t = {.p = p, .g = g, .state = state, .n = n, .block = k.block, .k = &k};
+    t.parts = nblocks / DOPT_PAR_MIN_BLOCKS;
+    if (t.parts > (size_t)par->threads) t.parts = (size_t)par->threads;
+    if (t.parts > DOPT_PAR_MAX) t.parts = DOPT_PAR_MAX;
+    par->run(par->ctx, t.parts, q8_part_task, &t);
+    size_t bad = 0;
+    for (size_t i = 0; i < t.parts; i++) {
+      if (t.st[i] != DOPT_OK) return dopt__fail(t.st[i], "%s", t.msg[i]);
+      bad += t.bad[i];
+    }
+    if (bad) ev |= DOPT_EVENT_NONFINITE_RESET;
+  } else if (q8) {
     size_t bad = 0;
     DOPT_TRY(dopt_q8_adam_update(p, g, state[0], state[1], state[2], state[3], n, &k, &bad));
     if (bad) ev |= DOPT_EVENT_NONFINITE_RESET;
@@ -119,7 +154,8 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
 }
 
 static dopt_status step(const dopt_step_args *a) {
-  return dopt__adamw8bit_update(a->hp, a->hp[WD], a->step, a->param, a->grad, a->piece->len, a->state, a->events);
+  return dopt__adamw8bit_update(a->hp, a->hp[WD], a->step, a->param, a->grad, a->piece->len, a->state, a->events,
+                                a->par);
 }
 
 /* settings that exercise every path (dopt_optim_impl.example/grid): 8-bit states on small tensors; blocks of 256 that the tensors are not multiples of; percentile clipping with blocks of 2048 */

@@ -93,7 +93,7 @@ static dopt_status step(const dopt_step_args *a) {
   dopt_galore_plan pl;
   int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};
   if (!(pc->factored && pc->b == 1 && plan_of(hp, 2, shape, &pl)))
-    return dopt__adamw8bit_update(hp, hp[WD], a->step, a->param, a->grad, pc->len, a->state, a->events);
+    return dopt__adamw8bit_update(hp, hp[WD], a->step, a->param, a->grad, pc->len, a->state, a->events, a->par);
 
   if (pl.clamped && a->events) *a->events |= DOPT_EVENT_RANK_CLAMPED;
   int nq = dopt__adamw8bit_layout(hp, 2, (int64_t[2]){(int64_t)pl.rows, (int64_t)pl.cols}, (dopt_state_spec[DOPT_MAX_STATES]){0});
@@ -118,7 +118,7 @@ dopt_status dopt_galore8_update(const char *who, const dopt_galore_plan *pl, con
   }
   dopt_galore_project(pl, g, A, B, R, ws);
   /* the kernel on a zero parameter, decay off: U = −lr·(bias-corrected Adam update) */
-  if ((st = dopt__adamw8bit_update(hp8, 0.0, step, U, R, nl, state, events)) != DOPT_OK) goto done;
+  if ((st = dopt__adamw8bit_update(hp8, 0.0, step, U, R, nl, state, events, NULL)) != DOPT_OK) goto done;
   dopt_galore_project_back(pl, U, A, B, (float)scale, full, ws);
   for (size_t i = 0; i < numel; i++) w[i] = w[i] + full[i];
   if (hp8[WD] > 0.0) {

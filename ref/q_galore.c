@@ -145,7 +145,7 @@ static dopt_status step(const dopt_step_args *a) {
   dopt_galore_plan pl;
   int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};
   if (!(pc->factored && pc->b == 1 && plan_of(hp, 2, shape, &pl)))
-    return dopt__adamw8bit_update(hp, hp[WD], a->step, a->param, a->grad, pc->len, a->state, a->events);
+    return dopt__adamw8bit_update(hp, hp[WD], a->step, a->param, a->grad, pc->len, a->state, a->events, a->par);
 
   if (pl.clamped && a->events) *a->events |= DOPT_EVENT_RANK_CLAMPED;
   dopt_state_spec tmp[DOPT_MAX_STATES];

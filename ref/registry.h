@@ -14,8 +14,10 @@ extern const char *const dopt__registry_names[];
  * block_size). */
 dopt_status dopt__adamw8bit_validate(const char *who, const double *hp);
 int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out);
+/* par: NULL, or threads for the 8-bit blocks (whole blocks per thread: the
+ * same bits for any split) */
 dopt_status dopt__adamw8bit_update(const double *hp, double wd, int64_t step, float *p, const float *g, size_t n,
-                                   void *const *state, unsigned *events);
+                                   void *const *state, unsigned *events, const dopt_par *par);
 
 const dopt_optim_impl *dopt_find_impl(const char *name);
 
