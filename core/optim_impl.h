@@ -214,6 +214,11 @@ typedef struct dopt_ss_stat {
   dopt_xacc acc;  /* fixed-point words (after _accum's SUM: over all ranks) */
 } dopt_ss_stat;
 dopt_status dopt_ss_begin(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
+/* _begin from the largest finite |x| of the piece, when a loop that wrote x
+ * took it tile by tile (dopt_absmax_tile) instead of reading x again */
+dopt_status dopt_ss_begin_absmax(dopt_ss_stat *s, float absmax, const dopt_reducer *red);
+/* max(m, largest finite |x[i]| of n): the maxima of tiles combine exactly */
+float dopt_absmax_tile(float m, const float *x, size_t n);
 dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
 double dopt_ss_value(const dopt_ss_stat *s);
 
@@ -226,6 +231,10 @@ typedef struct dopt_rc_stat {
 } dopt_rc_stat;
 void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out);
 dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
+/* _begin with each local row segment u[off, off+len) written by make(ctx,
+ * off, len) just before its maxima are taken (one pass over U, not two) */
+dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, float *u, const dopt_piece *pc, const dopt_reducer *red,
+                               void (*make)(void *ctx, size_t off, size_t len), void *ctx);
 dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);
 
@@ -258,9 +267,10 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
 /* Factored second-moment approximation times x on the piece (HF
  * _approx_sq_grad): out[k] = (rsqrt(row[r]/rmean[b]) · rsqrt(col[c])) · x[k]
  * for the local element k at logical row r and column c; rmean[b] is the mean
- * of the whole row statistic of batch b (exact sum / h). row, col: whole. */
+ * of the whole row statistic of batch b (exact sum / h). row, col: whole.
+ * absmax (may be NULL): max(*absmax, largest finite |out|), taken row by row. */
 dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
-                                      float *out);
+                                      float *out, float *absmax);
 
 /* Runs every stage of one step back to back on dev (NULL: impl->step on the
  * host) with a->red = NULL (the single device); a->stage and a->more are

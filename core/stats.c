@@ -5,6 +5,7 @@
  * h0 = w0 = lo = 0; a distributed rank passes its shard and a reducer, and
  * gets bitwise the same statistics. */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,9 +35,18 @@ void *dopt_frame_take(dopt_frame *f, size_t bytes) {
 double dopt_sumsq(const float *x, size_t n) { return dopt_xsum_sq(x, n); }
 
 dopt_status dopt_ss_begin(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red) {
-  double m = (double)dopt__absmax_run(x, n);
+  return dopt_ss_begin_absmax(s, dopt__absmax_run(x, n), red);
+}
+
+dopt_status dopt_ss_begin_absmax(dopt_ss_stat *s, float absmax, const dopt_reducer *red) {
+  double m = (double)absmax;
   s->m = m * m; /* max of the squares, exact in double */
   return red ? red->post_max_f64(red->ctx, &s->m, 1) : DOPT_OK;
+}
+
+float dopt_absmax_tile(float m, const float *x, size_t n) {
+  float t = dopt__absmax_run(x, n);
+  return t > m ? t : m;
 }
 
 dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red) {
@@ -121,6 +131,13 @@ void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out) {
 /* Phase 1: row and column maxima of |U| (float maxima are exact; the
  * conversion to double is monotone), posted for MAX. */
 dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+  return dopt_rc_begin_rows(s, (float *)(uintptr_t)u, pc, red, NULL, NULL);
+}
+
+/* The same, each local row segment produced by make (when given) just before
+ * its maxima are taken, while it is still in cache. */
+dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, float *u, const dopt_piece *pc, const dopt_reducer *red,
+                               void (*make)(void *ctx, size_t off, size_t len), void *ctx) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
   float *cmax = calloc(nc ? nc : 1, sizeof *cmax);
   if (!cmax) return dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu column maxima", nc);
@@ -130,6 +147,7 @@ dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc,
   size_t k = pc->lo;
   while (next_block(pc, &k, &blk)) {
     for (size_t r = 0; r < blk.rows; r++) {
+      if (make) make(ctx, blk.off + r * blk.cols, blk.cols);
       double m = (double)dopt__absmax_row_cols(u + blk.off + r * blk.cols, blk.cols, cmax + blk_col(pc, &blk));
       double *rm = &scale[blk_row(pc, &blk) + r];
       *rm = m > *rm ? m : *rm;
@@ -187,6 +205,18 @@ size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc) {
   return dopt_update_frame_map(NULL, pc, 0, &f);
 }
 
+typedef struct sq_rows {
+  const float *g;
+  float *u;
+  float eps1;
+} sq_rows;
+static void make_sq_rows(void *ctx, size_t off, size_t len) {
+  const sq_rows *c = ctx;
+  const float *g = c->g + off;
+  float *u = c->u + off;
+  for (size_t i = 0; i < len; i++) u[i] = g[i] * g[i] + c->eps1;
+}
+
 dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
                                      float *col, float b, float omb, float eps1) {
   const dopt_piece *pc = a->piece;
@@ -196,8 +226,11 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
   switch (stage) {
   case 0:
     DOPT_TRY(dopt_ss_begin(f->pss, w, n, a->red));
+    if (pc->factored) { /* U = G² + eps1 row by row, its maxima taken while in cache */
+      sq_rows ctx = {g, u, eps1};
+      return dopt_rc_begin_rows(&f->rc, u, pc, a->red, make_sq_rows, &ctx);
+    }
     for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
-    if (pc->factored) return dopt_rc_begin(&f->rc, u, pc, a->red);
     for (size_t i = 0; i < n; i++) { /* 1-D: the unfactored second moment (row is v), then stage 2's ‖U‖² */
       row[i] = row[i] * b + omb * u[i];
       u[i] = (1.0f / sqrtf(row[i])) * g[i];
@@ -214,8 +247,9 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
     dopt_rc_means(&f->rc, pc, f->rmean, f->cmean);
     for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b + omb * f->rmean[i];
     for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b + omb * f->cmean[i];
-    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u));
-    return dopt_ss_begin(f->uss, u, n, a->red);
+    float um = 0.0f; /* max |U| of the rows as they are written */
+    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u, &um));
+    return dopt_ss_begin_absmax(f->uss, um, a->red);
   default: /* 3 */
     return dopt_ss_accum(f->uss, u, n, a->red);
   }
@@ -230,7 +264,7 @@ void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean,
 }
 
 dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
-                                      float *out) {
+                                      float *out, float *absmax) {
   float *rmean = malloc(pc->b * sizeof *rmean);
   float *cf = malloc((pc->wl ? pc->wl : 1) * sizeof *cf);
   if (!rmean || !cf) {
@@ -250,6 +284,7 @@ dopt_status dopt_piece_factored_apply(const float *row, const float *col, const 
       const float *xr = x + blk.off + r * blk.cols;
       float *orow = out + blk.off + r * blk.cols;
       for (size_t j = 0; j < blk.cols; j++) orow[j] = (rf * cf[j]) * xr[j];
+      if (absmax) *absmax = dopt_absmax_tile(*absmax, orow, blk.cols);
     }
   }
   free(rmean);

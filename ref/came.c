@@ -75,6 +75,21 @@ static void ema(float *stat, const float *mean, size_t n, double beta) {
  *   S4  MAX   Û = U / max(1, RMS(U)/d); m ← β1·m + (1−β1)·Û; Res = (Û − m)² + eps2, row/column maxima
  *   S5  SUM   their words
  *   S6        res_row/col ← EMA; upd = factored(res) ⊙ m; decay, update */
+typedef struct residual_rows {
+  float *m, *u;
+  float div, b1, omb1, eps2;
+} residual_rows;
+static void make_residual(void *ctx, size_t off, size_t len) {
+  const residual_rows *c = ctx;
+  float *m = c->m + off, *u = c->u + off;
+  for (size_t i = 0; i < len; i++) {
+    float uh = u[i] / c->div;
+    m[i] = m[i] * c->b1 + c->omb1 * uh;
+    float r = uh - m[i];
+    u[i] = r * r + c->eps2;
+  }
+}
+
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
@@ -109,15 +124,11 @@ static dopt_status step(const dopt_step_args *a) {
     float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
     float div = urms / (float)hp[CLIP];
     if (!(div > 1.0f)) div = div != div ? div : 1.0f;
-    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-    /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after) */
-    for (size_t i = 0; i < n; i++) {
-      float uh = u[i] / div;
-      m[i] = m[i] * b1 + omb1 * uh;
-      float r = uh - m[i];
-      u[i] = r * r + eps2;
-    }
-    if (factored) return dopt_rc_begin(&f.rc, u, pc, a->red);
+    /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after);
+     * factored: row by row, the residual's maxima taken while in cache */
+    residual_rows rr = {m, u, div, (float)hp[BETA1], (float)(1.0 - hp[BETA1]), eps2};
+    if (factored) return dopt_rc_begin_rows(&f.rc, u, pc, a->red, make_residual, &rr);
+    make_residual(&rr, 0, n);
     break;
   }
   case 5:
@@ -130,7 +141,7 @@ static dopt_status step(const dopt_step_args *a) {
     dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
     ema(res_row, f.rmean, nr, hp[BETA3]);
     ema(res_col, f.cmean, nc, hp[BETA3]);
-    DOPT_TRY(dopt_piece_factored_apply(res_row, res_col, m, pc, u));
+    DOPT_TRY(dopt_piece_factored_apply(res_row, res_col, m, pc, u, NULL));
     upd = u;
   }
   const float lr = (float)hp[LR];

@@ -55,17 +55,24 @@ static dopt_status step(const dopt_step_args *a) {
     const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
     const float eps = (float)hp[EPS], wd = (float)hp[WD];
     const int use_wd = hp[WD] != 0.0;
-    for (size_t i = 0; i < n; i++) {
-      m[i] = m[i] * b1 + omb1 * g[i];
-      v[i] = v[i] * b2 + (omb2 * g[i]) * g[i];
-      float ui = m[i] / (sqrtf(v[i]) + eps);
-      if (use_wd) ui = ui + wd * w[i];
-      u[i] = ui;
+    /* tiles of 4096: the maxima of |p| and |u| (for ‖p‖, ‖u‖ over the
+     * logical tensor) are taken while the tile is in cache */
+    float wm = 0.0f, um = 0.0f;
+    for (size_t t0 = 0; t0 < n; t0 += 4096) {
+      const size_t t1 = n - t0 < 4096 ? n : t0 + 4096;
+      for (size_t i = t0; i < t1; i++) {
+        m[i] = m[i] * b1 + omb1 * g[i];
+        v[i] = v[i] * b2 + (omb2 * g[i]) * g[i];
+        float ui = m[i] / (sqrtf(v[i]) + eps);
+        if (use_wd) ui = ui + wd * w[i];
+        u[i] = ui;
+      }
+      wm = dopt_absmax_tile(wm, w + t0, t1 - t0);
+      um = dopt_absmax_tile(um, u + t0, t1 - t0);
     }
-    /* ‖p‖ and ‖u‖ over the logical tensor */
     *a->more = 1;
-    DOPT_TRY(dopt_ss_begin(f.pss, w, n, a->red));
-    return dopt_ss_begin(f.uss, u, n, a->red);
+    DOPT_TRY(dopt_ss_begin_absmax(f.pss, wm, a->red));
+    return dopt_ss_begin_absmax(f.uss, um, a->red);
   }
   if (a->stage == 1) {
     *a->more = 1;
