@@ -612,10 +612,10 @@ static dopt_status ensure_pool(dopt_optim *o, int *threads) {
   int n = o->threads;
   if (n == 0) DOPT_TRY(dopt__default_threads(&n));
   *threads = n;
-  if (n == 1 || (o->pool && dopt__pool_threads(o->pool) == n)) return DOPT_OK;
-  dopt__pool_destroy(o->pool);
+  if (o->pool && dopt__pool_threads(o->pool) == n) return DOPT_OK;
+  dopt__pool_destroy(o->pool); /* another count (DOPT_NUM_THREADS changed between steps) */
   o->pool = NULL;
-  return dopt__pool_create(n, &o->pool);
+  return n == 1 ? DOPT_OK : dopt__pool_create(n, &o->pool);
 }
 
 static dopt_status record_post(item *it, int sum, void *x, size_t n) {
