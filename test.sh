@@ -6,7 +6,7 @@
 # Installs missing Debian packages when run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
-bash cmake/deps.sh
+bash cmake/deps.sh --python # python3, numpy, venv: tests/python (torch, when installed, adds its tests)
 jobs=$(nproc)
 quick=0
 [ "${1:-}" = "--quick" ] && quick=1

@@ -1,7 +1,7 @@
 # The library is built in layers, one OBJECT library per folder
 # (docs/architecture.md):  core  <-  ref, distributed, sim  <-  cuda  <-  compare
 # Each layer sees the public headers, core/'s internal headers and its own
-# folder. The `distopt` library is the union of their objects. Link probes
+# folder. The `distopt` library (and `distopt_shared`) is the union of their objects. Link probes
 # (dopt_link_probe) link each layer with only the layers below it into an
 # executable, so the linker rejects a call upward (e.g. core/ calling an
 # optimizer of ref/, or distributed/ calling the simulator).
@@ -15,6 +15,9 @@ function(dopt_layer name)
   target_link_libraries(${name} PRIVATE PkgConfig::LAPACKE PkgConfig::OPENBLAS Threads::Threads)
   dopt_target_defaults(${name})
   target_sources(distopt PRIVATE $<TARGET_OBJECTS:${name}>)
+  if(TARGET distopt_shared)
+    target_sources(distopt_shared PRIVATE $<TARGET_OBJECTS:${name}>)
+  endif()
 endfunction()
 
 # dopt_link_probe(NAME LAYERS...): an executable of exactly these layers'

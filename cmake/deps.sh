@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Installs distopt's build and test dependencies (Debian packages) when run as
 # root; otherwise prints the exact apt-get line and fails. --fuzz adds the
-# fuzzing toolchain (tests/fuzz/run.sh).
+# fuzzing toolchain (tests/fuzz/run.sh), --python the Python test interpreter.
 set -euo pipefail
 pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev libssl-dev
   libopenmpi-dev openmpi-bin) # OpenMPI: the MPI transport and its mpirun tests (docs/mpi.md)
 # --fuzz: also clang and its libFuzzer/sanitizer runtime (only a Recommends of clang on bookworm)
-[ "${1:-}" = "--fuzz" ] && pkgs+=(clang libclang-rt-14-dev)
+# --python: Debian's python3 with numpy and venv for tests/python (python3-torch is left to the user:
+#           with it, the torch tests run too; without, they say they are skipped)
+for arg in "$@"; do
+  case "$arg" in
+    --fuzz) pkgs+=(clang libclang-rt-14-dev) ;;
+    --python) pkgs+=(python3 python3-numpy python3-venv) ;;
+    *) echo "deps: unknown option '$arg' (--fuzz, --python)" >&2; exit 2 ;;
+  esac
+done
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,0 +1,53 @@
+"""distopt: the C reference optimizers from Python (ctypes over libdistopt.so; docs/python.md).
+
+    import distopt
+    distopt.list()                                   # registered optimizer names
+    opt = distopt.Optimizer("adamw", model.parameters(), lr=1e-3)   # a torch.optim.Optimizer (needs torch)
+    np_opt = distopt.NumpyOptimizer("adamw", lr=1e-3)                 # float32 numpy arrays (needs numpy)
+
+Importing distopt needs neither torch nor numpy: distopt.Optimizer imports torch, distopt.NumpyOptimizer
+numpy, on first use. Every failing library call raises distopt.Error (a RuntimeError) with the library's
+one-line message.
+"""
+from . import _core
+from ._lib import Error
+from ._lib import path as library_path
+
+__version__ = "0.1.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
+
+
+def list(details=False):  # noqa: A001 (distopt.list, as the CLI's `distopt list`)
+    """The registered optimizers' names, in registry order; with details=True one dict per optimizer:
+    name, summary, distributable, wrapper, example (the library's dopt_optim_registry_info)."""
+    names = _core.names()
+    if not details:
+        return names
+    return [_core.info(i) for i in range(len(names))]
+
+
+def describe(name):
+    """The library's description of an optimizer: a summary line, then one line per key (default, meaning)."""
+    return _core.describe(name)
+
+
+def hparams(name, **overrides):
+    """{key: value} of an optimizer's hyperparameters (upstream defaults, with these overrides), validated
+    by the library; distopt's key names."""
+    h = _core.Handle(name, overrides)
+    try:
+        return h.read_group(0, overrides)
+    finally:
+        h.close()
+
+
+def __getattr__(attr):
+    if attr == "Optimizer":
+        from ._torch_api import Optimizer  # imports torch
+        return Optimizer
+    if attr == "NumpyOptimizer":
+        from ._numpy_api import NumpyOptimizer  # imports numpy
+        return NumpyOptimizer
+    raise AttributeError(f"module 'distopt' has no attribute {attr!r}")
+
+
+__all__ = ["Error", "Optimizer", "NumpyOptimizer", "list", "describe", "hparams", "library_path", "__version__"]

@@ -1,0 +1,277 @@
+"""A dopt_optim handle and the registry, independent of torch and numpy (data travels as addresses)."""
+import ctypes
+import math
+
+from . import _lib
+from ._lib import Error, call, lib
+
+
+def _s(b):
+    return b.decode("utf-8", "replace") if b is not None else None
+
+
+# ---- registry -------------------------------------------------------------------------------------
+
+def names():
+    return [_s(lib.dopt_optim_registry_name(i)) for i in range(lib.dopt_optim_registry_count())]
+
+
+def info(i):
+    out = _lib.OptimInfo()
+    call(lib.dopt_optim_registry_info, i, ctypes.byref(out))
+    return {"name": _s(out.name), "summary": _s(out.summary), "distributable": bool(out.distributable),
+            "wrapper": bool(out.wrapper), "example": _s(out.example)}
+
+
+def describe(name):
+    cap = 8192
+    while True:
+        buf = ctypes.create_string_buffer(cap)
+        call(lib.dopt_optim_describe, name.encode(), buf, cap)
+        text = buf.value.decode("utf-8", "replace")
+        if len(buf.value) < cap - 1:
+            return text
+        cap *= 4
+
+
+class Spec:
+    """An optimizer's hyperparameter keys and their kinds, from dopt_optim_describe: one line per key,
+    'key default meaning'; the default says the kind: true/false (bool), none (optional number), a number
+    (real), a name (enum)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.kinds = {}  # key -> "real" | "bool" | "optional" | "enum"
+        self.defaults = {}  # key -> the default as describe prints it
+        self.wrapper = False
+        for i, n in enumerate(names()):
+            if n == name:
+                self.wrapper = info(i)["wrapper"]
+        for line in describe(name).splitlines()[1:]:
+            parts = line.split(None, 2)
+            if len(parts) < 2 or parts[0].startswith("("):
+                continue
+            key, default = parts[0], parts[1]
+            if default in ("true", "false"):
+                kind = "bool"
+            elif default == "none":
+                kind = "optional"
+            else:
+                try:
+                    float(default)
+                    kind = "real"
+                except ValueError:
+                    kind = "enum"
+            self.kinds[key] = kind
+            self.defaults[key] = default
+
+
+def _number(v):
+    if isinstance(v, bool):
+        return 1.0 if v else 0.0
+    if hasattr(v, "item") and not isinstance(v, (int, float)):  # a 0-d torch tensor or numpy scalar
+        v = v.item()
+    return float(v)
+
+
+def format_value(key, v):
+    """One value in the syntax of dopt_optim_create (a Python float's repr reads back exactly with strtod)."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        if any(c in v for c in ",=") or not v.strip():
+            raise ValueError(f"distopt: hyperparameter {key}={v!r}: not a valid value")
+        return v.strip()
+    return repr(_number(v))
+
+
+def format_hparams(values):
+    out = []
+    for k, v in values.items():
+        if not isinstance(k, str) or not k or any(c in k for c in ",= \t"):
+            raise ValueError(f"distopt: {k!r} is not a hyperparameter name")
+        out.append(f"{k}={format_value(k, v)}")
+    return ",".join(out)
+
+
+# ---- a handle ------------------------------------------------------------------------------------------
+
+class Handle:
+    """Owns one dopt_optim. Parameters are borrowed addresses: whoever adds one keeps its memory alive and
+    unmoved for the handle's life (the frontends hold references)."""
+
+    def __init__(self, name, values):
+        self.name = name
+        self.ptr = None
+        ptr = ctypes.c_void_p()
+        call(lib.dopt_optim_create, name.encode(), format_hparams(values).encode(), ctypes.byref(ptr))
+        self.ptr = ptr
+        self.spec = Spec(name)
+        self.enum_names = {}  # (group, key) -> an enum's choice as given
+        for k, v in values.items():
+            if self.spec.kinds.get(k) == "enum":
+                self.enum_names[(0, k)] = v.strip() if isinstance(v, str) else v
+
+    def close(self):
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            lib.dopt_optim_destroy(ptr)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _live(self):
+        if not self.ptr:
+            raise ValueError(f"distopt {self.name}: the optimizer is closed")
+        return self.ptr
+
+    # groups and hyperparameters
+    def add_group(self, values):
+        g = ctypes.c_int()
+        call(lib.dopt_optim_add_group, self._live(), format_hparams(values).encode(), ctypes.byref(g))
+        for k, v in values.items():
+            if self.spec.kinds.get(k) == "enum":
+                self.enum_names[(g.value, k)] = v.strip() if isinstance(v, str) else v
+        return g.value
+
+    def num_groups(self):
+        return lib.dopt_optim_num_groups(self._live())
+
+    def keys(self, extra=()):
+        keys = list(self.spec.kinds)
+        return keys + [k for k in extra if k not in keys]
+
+    def get(self, group, key):
+        """A hyperparameter as Python sees it: bool for booleans, None for an unset optional key, an enum's
+        choice by name (as given, or the default), else a float."""
+        v = ctypes.c_double()
+        call(lib.dopt_optim_get_hparam, self._live(), group, key.encode(), ctypes.byref(v))
+        kind = self.spec.kinds.get(key, "real")
+        x = v.value
+        if kind == "bool":
+            return x != 0.0
+        if math.isnan(x):
+            return None
+        if kind == "enum":
+            for g in (group, 0):
+                if (g, key) in self.enum_names:
+                    return self.enum_names[(g, key)]
+            return self.spec.defaults[key]
+        return x
+
+    def _enum_index(self, key, choice):
+        """The index the library stores for enum `key` = `choice` (read back from a throwaway optimizer)."""
+        ptr = ctypes.c_void_p()
+        call(lib.dopt_optim_create, self.name.encode(), f"{key}={format_value(key, choice)}".encode(),
+             ctypes.byref(ptr))
+        try:
+            v = ctypes.c_double()
+            call(lib.dopt_optim_get_hparam, ptr, 0, key.encode(), ctypes.byref(v))
+            return v.value
+        finally:
+            lib.dopt_optim_destroy(ptr)
+
+    def read_group(self, group, extra=()):
+        return {k: self.get(group, k) for k in self.keys(extra)}
+
+    def set(self, group, key, value):
+        if isinstance(value, str):
+            x = self._enum_index(key, value)
+        elif value is None:
+            x = math.nan
+        else:
+            x = _number(value)
+        call(lib.dopt_optim_set_hparam, self._live(), group, key.encode(), x)
+        if self.spec.kinds.get(key) == "enum":
+            self.enum_names[(group, key)] = value.strip() if isinstance(value, str) else value
+
+    # parameters
+    def add_param(self, group, address, shape, name):
+        shape = tuple(int(d) for d in shape)
+        if len(shape) > _lib.MAX_DIMS:
+            raise ValueError(f"distopt: parameter '{name}' has {len(shape)} dimensions (at most {_lib.MAX_DIMS})")
+        pc = _lib.ParamConfig()
+        pc.struct_size = ctypes.sizeof(_lib.ParamConfig)
+        pc.version = _lib.PARAM_CONFIG_VERSION
+        bname = name.encode()
+        pc.name = bname
+        pc.ndim = len(shape)
+        for i, d in enumerate(shape):
+            pc.shape[i] = d
+        pc.dtype = _lib.F32
+        pc.data = address
+        pc.master = None
+        pc.layer = lib.dopt_layer_from_name(bname)
+        pid = ctypes.c_int()
+        call(lib.dopt_optim_add_param, self._live(), group, ctypes.byref(pc), ctypes.byref(pid))
+        return pid.value
+
+    def num_params(self):
+        return lib.dopt_optim_num_params(self._live())
+
+    def step(self, grad_addresses):
+        """grad_addresses[i]: the address of parameter i's fp32 gradient, or None (no gradient)."""
+        n = self.num_params()
+        if len(grad_addresses) != n:
+            raise ValueError(f"distopt {self.name}: {len(grad_addresses)} gradients for {n} parameters")
+        arr = (ctypes.c_void_p * max(n, 1))(*grad_addresses)
+        call(lib.dopt_optim_step, self._live(), arr if n else None)
+
+    # states
+    def get_step(self, param):
+        v = ctypes.c_int64()
+        call(lib.dopt_optim_get_step, self._live(), param, ctypes.byref(v))
+        return v.value
+
+    def set_step(self, param, step):
+        call(lib.dopt_optim_set_step, self._live(), param, int(step))
+
+    def get_gstep(self):
+        return int(lib.dopt_optim_get_gstep(self._live()))
+
+    def set_gstep(self, gstep):
+        call(lib.dopt_optim_set_gstep, self._live(), int(gstep))
+
+    def init_state(self, param):
+        call(lib.dopt_optim_init_state, self._live(), param)
+
+    def views(self, param):
+        """[(name, dtype code, shape, address, bytes)] of a parameter's states (empty before its first step)."""
+        out = []
+        for k in range(lib.dopt_optim_num_states(self._live(), param)):
+            v = _lib.StateView()
+            call(lib.dopt_optim_state, self.ptr, param, k, ctypes.byref(v))
+            out.append((_s(v.name), v.dtype, tuple(v.shape[i] for i in range(v.ndim)), v.data, v.bytes))
+        return out
+
+    def state_bytes(self, param=-1):
+        a, f = ctypes.c_size_t(), ctypes.c_size_t()
+        call(lib.dopt_optim_state_bytes, self._live(), param, ctypes.byref(a), ctypes.byref(f))
+        return a.value, f.value
+
+    def export_state(self, param):
+        """(step, {name: (dtype, shape, bytes)}) copies, or None when the parameter has no state."""
+        views = self.views(param)
+        if not views:
+            return None
+        return self.get_step(param), {n: (d, s, ctypes.string_at(a, b)) for n, d, s, a, b in views}
+
+    def import_state(self, param, exported):
+        step, states = exported
+        self.init_state(param)
+        for n, d, s, a, b in self.views(param):
+            if n not in states:
+                raise ValueError(f"distopt {self.name}: state '{n}' of parameter {param} missing")
+            dt, shape, data = states[n]
+            if dt != d or tuple(shape) != s or len(data) != b:
+                raise ValueError(f"distopt {self.name}: state '{n}' of parameter {param} does not fit")
+            ctypes.memmove(a, data, b)
+        self.set_step(param, step)
+
+
+__all__ = ["Error", "Handle", "Spec", "names", "info", "describe"]

@@ -1,0 +1,311 @@
+"""distopt.Optimizer: a torch.optim.Optimizer whose step is the C reference (imported only with torch)."""
+import ctypes
+
+import torch
+
+from . import _upstream
+from ._core import Handle
+
+# dopt_dtype code -> torch dtype
+_TORCH = {0: torch.float32, 1: torch.float64, 2: torch.bfloat16, 3: torch.float16, 4: torch.int32, 5: torch.int64,
+          6: torch.uint8, 7: torch.int8}
+
+
+def _check_param(p, where):
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"distopt: {where} is a {type(p).__name__}, not a torch.Tensor")
+    if p.dtype != torch.float32:
+        raise TypeError(f"distopt: {where} is {p.dtype}; only float32 parameters are supported")
+    if p.device.type != "cpu":
+        raise TypeError(f"distopt: {where} is on {p.device}; only CPU tensors are supported")
+    if p.layout != torch.strided or not p.is_contiguous():
+        raise ValueError(f"distopt: {where} is not a contiguous dense tensor")
+    if p.numel() == 0:
+        raise ValueError(f"distopt: {where} is empty")
+
+
+def _tensor_at(dtype, shape, address, nbytes):
+    """A torch tensor holding a copy of `nbytes` bytes at `address`."""
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=_TORCH[dtype])
+    buf = (ctypes.c_char * nbytes).from_address(address)
+    return torch.frombuffer(buf, dtype=_TORCH[dtype]).clone().reshape(shape)
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A registry optimizer (distopt.list()) as a torch.optim.Optimizer over fp32 CPU contiguous tensors.
+
+        opt = distopt.Optimizer("adamw", model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    Zero-copy: the library updates each parameter's storage in place (its address is registered once);
+    gradients are read from p.grad (None: the parameter is skipped, as torch does). Hyperparameters take
+    upstream's names where distopt's differ (betas for beta1/beta2; distopt/_upstream.py) or distopt's;
+    param_groups hold upstream's. A change to a group's value (an lr scheduler) applies at the next step().
+    state_dict() returns copies of the states under upstream's keys; load_state_dict() takes this class's or
+    the upstream class's state_dict (e.g. torch.optim.AdamW's). Library errors raise distopt.Error.
+    """
+
+    def __init__(self, name, params, **hparams):
+        values, _ = _upstream.to_distopt(name, hparams)
+        self._h = Handle(name, values)  # validates the defaults (distopt.Error)
+        self._dname = name
+        self._create = dict(values)
+        self._known = set(self._h.keys(values))
+        self._params, self._addr, self._keep = [], [], []
+        self._cgroups, self._applied = [], []
+        self._group0 = self._h.read_group(0, values)
+        defaults = _upstream.to_upstream(name, self._group0)
+        super().__init__(params, defaults)
+
+    def _overrides(self, values):
+        """The values that differ from group 0's (a wrapper's optimizer-wide keys may not be overridden)."""
+        return {k: v for k, v in values.items() if k not in self._group0 or not _same(self._group0[k], v)}
+
+    @property
+    def name(self):
+        return self._dname
+
+    def __getstate__(self):
+        raise TypeError("distopt.Optimizer cannot be pickled or deep-copied (the C library owns its states); "
+                        "save state_dict() instead")
+
+    # ---- groups and parameters ----------------------------------------------------------------------
+
+    def add_param_group(self, param_group):
+        if not isinstance(param_group, dict):
+            raise TypeError("distopt: a param group must be a dict")
+        given, _ = _upstream.to_distopt(self._dname, param_group)
+        values, _ = _upstream.to_distopt(self._dname, self.defaults)
+        values.update(given)
+        group = _upstream.to_upstream(self._dname, values)
+        group["params"] = param_group["params"]
+        n_before = len(self.param_groups)
+        super().add_param_group(group)  # torch's checks: tensors, leaves, no parameter in two groups
+        touched = False
+        try:
+            plist = group["params"]
+            for k, p in enumerate(plist):
+                _check_param(p, f"param_groups[{n_before}] parameter {k}")
+            cg = self._h.add_group(self._overrides(values))  # validated by the library
+            touched = True
+            applied = self._h.read_group(cg, values)
+            for k, p in enumerate(plist):
+                self._h.add_param(cg, p.data_ptr(), p.shape, f"param_groups[{n_before}][{k}]")
+        except BaseException:
+            del self.param_groups[n_before:]
+            if touched:  # the library has the group (and maybe some of its parameters): rebuild without them
+                self._rebuild([dict(a) for a in self._applied], None)
+            raise
+        self._known.update(values)
+        for p in plist:
+            self._params.append(p)
+            self._addr.append((p.data_ptr(), tuple(p.shape)))
+            self._keep.append(p.detach())  # keeps this storage alive while the library holds its address
+        self._cgroups.append(cg)
+        self._applied.append(applied)
+        group.update(_upstream.to_upstream(self._dname, applied))
+
+    def _group_values(self, group):
+        values, _ = _upstream.to_distopt(self._dname, group, self._known)
+        return values
+
+    def _sync(self):
+        """Applies param_groups' values changed since the last step (an lr schedule) and re-registers
+        parameters whose storage moved (p.data = ...)."""
+        for gi, group in enumerate(self.param_groups):
+            applied = self._applied[gi]
+            for k, v in self._group_values(group).items():
+                if k not in applied or not _same(applied[k], v):
+                    self._h.set(self._cgroups[gi], k, v)
+                    applied[k] = self._h.get(self._cgroups[gi], k)
+        moved = False
+        for i, p in enumerate(self._params):
+            if (p.data_ptr(), tuple(p.shape)) != self._addr[i] or p.dtype != torch.float32 or not p.is_contiguous():
+                _check_param(p, f"parameter {i}")
+                if tuple(p.shape) != self._addr[i][1]:
+                    raise ValueError(f"distopt: parameter {i} changed shape from {self._addr[i][1]} to "
+                                     f"{tuple(p.shape)}")
+                moved = True
+        if moved:
+            self._rebuild([dict(a) for a in self._applied], None)
+
+    def _rebuild(self, group_values, states):
+        """A new handle: the same defaults, these group values, every parameter at its current address, and
+        `states` (per parameter None or (step, {distopt state name: tensor}, id in the state_dict)), or when
+        None the current states and clock. Replaces the old handle only when all of it succeeded."""
+        h = Handle(self._dname, self._create)
+        try:
+            cgroups = [h.add_group(self._overrides(v)) for v in group_values]
+            for gi, group in enumerate(self.param_groups):
+                for k, p in enumerate(group["params"]):
+                    h.add_param(cgroups[gi], p.data_ptr(), p.shape, f"param_groups[{gi}][{k}]")
+            if states is None:
+                for i in range(len(self._params)):
+                    exported = self._h.export_state(i)
+                    if exported is not None:
+                        h.import_state(i, exported)
+                h.set_gstep(self._h.get_gstep())
+            else:
+                for i, st in enumerate(states):
+                    if st is not None:
+                        _import_tensors(h, i, st)
+            applied = [h.read_group(cg, v) for cg, v in zip(cgroups, group_values)]
+        except BaseException:
+            h.close()
+            raise
+        old, self._h = self._h, h
+        old.close()
+        self._cgroups, self._applied = cgroups, applied
+        self._addr = [(p.data_ptr(), tuple(p.shape)) for p in self._params]
+        self._keep = [p.detach() for p in self._params]
+
+    # ---- step ------------------------------------------------------------------------------------------
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._sync()
+            keep, addrs = [], []
+            for i, p in enumerate(self._params):
+                g = p.grad
+                if g is None:
+                    addrs.append(None)
+                    continue
+                if g.is_sparse or g.dtype != torch.float32 or g.device.type != "cpu":
+                    raise TypeError(f"distopt: the gradient of parameter {i} is {g.dtype} on {g.device}"
+                                    f"{' (sparse)' if g.is_sparse else ''}; only dense fp32 CPU gradients")
+                if g.shape != p.shape:
+                    raise ValueError(f"distopt: the gradient of parameter {i} has shape {tuple(g.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
+                g = g.contiguous()
+                keep.append(g)
+                addrs.append(g.data_ptr())
+            self._h.step(addrs)
+        return loss
+
+    # ---- state_dict ------------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """{"state": {i: {"step": ..., key: tensor}}, "param_groups": [...]} as the upstream class writes it:
+        parameter i numbered group by group, upstream's state keys and step type; tensors are copies."""
+        step_kind = _upstream.entry(self._dname)["step"]
+        state = {}
+        for i in range(len(self._params)):
+            views = self._h.views(i)
+            if not views:
+                continue
+            step = self._h.get_step(i)
+            st = {"step": torch.tensor(float(step)) if step_kind == "tensor" else step}
+            for n, d, shape, addr, nbytes in views:
+                st[_upstream.state_key(self._dname, n)] = _tensor_at(d, shape, addr, nbytes)
+            state[i] = st
+        groups, k = [], 0
+        for group in self.param_groups:
+            packed = {key: v for key, v in group.items() if key != "params"}
+            packed["params"] = list(range(k, k + len(group["params"])))
+            k += len(group["params"])
+            groups.append(packed)
+        sd = {"state": state, "param_groups": groups}
+        if self._h.spec.wrapper:  # a wrapper's schedule runs on the optimizer's clock
+            sd["distopt"] = {"gstep": self._h.get_gstep()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads this class's or the upstream class's state_dict: the same groups with the same numbers of
+        parameters; their hyperparameters, each parameter's states (checked by name, dtype and shape) and
+        step. Nothing changes unless all of it loads."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"distopt: the state_dict has {len(saved)} parameter groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        index, values, rests = {}, [], []
+        k = 0
+        for gi, (sg, og) in enumerate(zip(saved, self.param_groups)):
+            if len(sg["params"]) != len(og["params"]):
+                raise ValueError(f"distopt: group {gi} of the state_dict has {len(sg['params'])} parameters, "
+                                 f"the optimizer's {len(og['params'])}")
+            for j, pid in enumerate(sg["params"]):
+                index[pid] = k + j
+            k += len(og["params"])
+            v, rest = _upstream.to_distopt(self._dname, sg, self._known)
+            base = dict(self._applied[gi])
+            base.update(v)
+            values.append(base)
+            rests.append(rest)
+        states = [None] * len(self._params)
+        for pid, st in state_dict["state"].items():
+            if pid not in index:
+                raise ValueError(f"distopt: the state_dict has a state for parameter {pid}, which no group lists")
+            states[index[pid]] = _from_upstream_state(self._dname, st, pid)
+        self._rebuild(values, states)
+        if "distopt" in state_dict and "gstep" in state_dict["distopt"]:
+            self._h.set_gstep(int(state_dict["distopt"]["gstep"]))
+        for gi, group in enumerate(self.param_groups):
+            params = group["params"]
+            group.clear()
+            group.update(_upstream.to_upstream(self._dname, self._applied[gi]))
+            group.update(rests[gi])
+            group["params"] = params
+
+    def state_bytes(self):
+        """(allocated, full): the exact optimizer-state memory now and once every parameter has stepped."""
+        return self._h.state_bytes(-1)
+
+
+def _same(a, b):
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    if a is None or b is None:
+        return a is None and b is None
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _from_upstream_state(name, st, pid):
+    if "step" not in st:
+        raise ValueError(f"distopt: the state of parameter {pid} has no 'step'")
+    step = st["step"]
+    step = step.item() if isinstance(step, torch.Tensor) else step
+    if float(step) != int(step) or int(step) < 0:
+        raise ValueError(f"distopt: the step of parameter {pid} is {step!r}, not a count")
+    reverse = {up: c for c, up in _upstream.entry(name)["states"].items()}
+    tensors = {}
+    for key, v in st.items():
+        if key != "step":
+            tensors[reverse.get(key, key)] = v
+    return int(step), tensors, pid
+
+
+def _import_tensors(h, i, st):
+    step, tensors, pid = st
+    h.init_state(i)
+    views = h.views(i)
+    extra = set(tensors) - {v[0] for v in views}
+    if extra:
+        raise ValueError(f"distopt {h.name}: the state of parameter {pid} has {sorted(extra)}, which "
+                         f"{h.name} with these hyperparameters does not keep")
+    for n, d, shape, addr, nbytes in views:
+        if n not in tensors:
+            raise ValueError(f"distopt {h.name}: the state of parameter {pid} lacks '{n}'")
+        t = tensors[n]
+        t = t.detach() if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+        want = _TORCH[d]
+        if t.dtype != want:
+            if not (t.is_floating_point() and want.is_floating_point):
+                raise ValueError(f"distopt {h.name}: state '{n}' of parameter {pid} is {t.dtype}, expected {want}")
+            t = t.to(want)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"distopt {h.name}: state '{n}' of parameter {pid} has shape {tuple(t.shape)}, "
+                             f"expected {shape}")
+        t = t.to("cpu").contiguous()
+        ctypes.memmove(addr, t.data_ptr(), nbytes)
+    h.set_step(i, step)
+
+
+__all__ = ["Optimizer"]

@@ -1,0 +1,132 @@
+"""Upstream names: how distopt's hyperparameters, states and step counts appear in the state_dict and
+param_groups of the upstream PyTorch class each optimizer reproduces (docs/python.md, docs/optimizers.md).
+
+One table per optimizer:
+  group:   (distopt key, upstream param_groups key, index into an upstream tuple or None). distopt keys not
+           listed keep their name. On input both spellings are accepted (betas=(0.9, 0.99) or beta1=0.9).
+  ignore:  upstream param_groups keys with no distopt equivalent and no effect on the result on the CPU
+           (kernel selection): dropped on input.
+  fixed:   upstream keys distopt implements for one value only: accepted with that value, an error otherwise.
+  states:  distopt state name -> upstream state key, where they differ (every reference optimizer already
+           names its states as upstream does, so these are empty; docs/optimizers.md).
+  step:    how upstream stores a parameter's step count: "tensor" (a float32 0-d tensor, torch.optim.AdamW since
+           torch 1.12) or "int".
+Optimizers without an entry use distopt's names and an int step.
+"""
+
+TABLE = {
+    "adamw": {  # torch.optim.AdamW
+        "group": [("lr", "lr", None), ("beta1", "betas", 0), ("beta2", "betas", 1), ("eps", "eps", None),
+                  ("weight_decay", "weight_decay", None), ("amsgrad", "amsgrad", None)],
+        "ignore": ("foreach", "capturable", "differentiable", "fused"),
+        "fixed": {"maximize": False},
+        "states": {},
+        "step": "tensor",
+    },
+    "adafactor": {  # transformers.optimization.Adafactor
+        "group": [("lr", "lr", None), ("eps1", "eps", 0), ("eps2", "eps", 1),
+                  ("clip_threshold", "clip_threshold", None), ("decay_rate", "decay_rate", None),
+                  ("beta1", "beta1", None), ("weight_decay", "weight_decay", None),
+                  ("scale_parameter", "scale_parameter", None), ("relative_step", "relative_step", None),
+                  ("warmup_init", "warmup_init", None)],
+        "ignore": (),
+        "fixed": {},
+        "states": {},
+        "step": "int",
+    },
+    "came": {  # came_pytorch.CAME
+        "group": [("lr", "lr", None), ("eps1", "eps", 0), ("eps2", "eps", 1),
+                  ("clip_threshold", "clip_threshold", None), ("beta1", "betas", 0), ("beta2", "betas", 1),
+                  ("beta3", "betas", 2), ("weight_decay", "weight_decay", None)],
+        "ignore": (),
+        "fixed": {},
+        "states": {},
+        "step": "int",
+    },
+    "lamb": {  # colossalai.nn.optimizer.Lamb
+        "group": [("beta1", "betas", 0), ("beta2", "betas", 1)],
+        "ignore": (),
+        "fixed": {},
+        "states": {},
+        "step": "int",
+    },
+}
+for _name in ("adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore"):  # bitsandbytes / galore_torch: betas
+    TABLE[_name] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {},
+                    "states": {}, "step": "int"}
+_PLAIN = {"group": [], "ignore": (), "fixed": {}, "states": {}, "step": "int"}
+
+
+def entry(name):
+    return TABLE.get(name, _PLAIN)
+
+
+def state_key(name, c_state):
+    """The upstream state_dict key of distopt state `c_state` of optimizer `name`."""
+    return entry(name)["states"].get(c_state, c_state)
+
+
+def to_distopt(name, group, known=None):
+    """distopt hyperparameters (key -> value) from a param_groups-style dict (without 'params').
+
+    Returns (values, rest): `rest` holds the keys that are neither upstream nor distopt keys of the optimizer
+    when `known` (the set of distopt keys) is given (e.g. a scheduler's 'initial_lr'); without `known`
+    every such key goes into `values` (the library then rejects an unknown one)."""
+    e = entry(name)
+    tuples = {}
+    for key, up, pos in e["group"]:
+        if pos is not None:
+            tuples.setdefault(up, []).append((pos, key))
+    renamed = {up: key for key, up, pos in e["group"] if pos is None and up != key}
+    values, rest = {}, {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if k in tuples:
+            want = max(p for p, _ in tuples[k]) + 1
+            try:
+                items = tuple(v)
+            except TypeError:
+                raise ValueError(f"distopt {name}: {k}={v!r} must be a tuple of {want} values") from None
+            if len(items) != want:
+                raise ValueError(f"distopt {name}: {k}={v!r} must be a tuple of {want} values")
+            for pos, key in tuples[k]:
+                values[key] = items[pos]
+        elif k in renamed:
+            values[renamed[k]] = v
+        elif k in e["ignore"]:
+            continue
+        elif k in e["fixed"]:
+            if v != e["fixed"][k]:
+                raise ValueError(f"distopt {name}: {k}={v!r} is not supported (only {e['fixed'][k]!r})")
+        elif known is None or k in known:
+            values[k] = v
+        else:
+            rest[k] = v
+    return values, rest
+
+
+def to_upstream(name, values):
+    """A param_groups-style dict from distopt hyperparameters: upstream keys, tuples assembled."""
+    e = entry(name)
+    out, tuples = {}, {}
+    mapped = {key: (up, pos) for key, up, pos in e["group"]}
+    for key, v in values.items():
+        if key not in mapped:
+            out[key] = v
+            continue
+        up, pos = mapped[key]
+        if pos is None:
+            out[up] = v
+        else:
+            tuples.setdefault(up, {})[pos] = v
+            out.setdefault(up, None)  # keeps the upstream key order
+    for up, parts in tuples.items():
+        if len(parts) == 1 + max(parts):
+            out[up] = tuple(parts[i] for i in range(len(parts)))
+        else:  # an incomplete tuple (should not happen): keep distopt's keys
+            del out[up]
+            for key, (u, pos) in mapped.items():
+                if u == up and key in values:
+                    out[key] = values[key]
+    return out

@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""CTest python_torch: distopt.Optimizer (python/distopt) against torch.optim.AdamW and the C library.
+
+Environment: PYTHONPATH=<source>/python, DISTOPT_LIBRARY=<build>/libdistopt.so, DISTOPT_CLI=<build>/distopt
+(the command-line tool; the cross-check that needs it is skipped without it). Exit 77 (skipped) when this
+python3 lacks torch or numpy (Debian python3-torch python3-numpy).
+
+Tolerance against torch.optim.AdamW (test_matches_torch_adamw, test_param_groups_and_scheduler,
+test_load_torch_state_dict): the normwise relative error max|a - b| / max|b| of every parameter within
+1e-6 and of every state within 1e-5 after 20 steps, as test_golden and interop_ckpt_torch use for AdamW
+(docs/golden.md, docs/precision.md): the reference mirrors torch's order of operations, but torch's CPU
+kernels fuse some multiply-adds (add_ with alpha) where the reference rounds twice, about one ulp
+(6e-8 relative) per differing operation, a few per step, damped by lr on the parameters; the two models
+also compute their gradients from their own (slightly different) parameters. Everything else is exact:
+distopt against the C library through the CLI, two distopt runs, a state_dict round trip, moved storage.
+"""
+import copy
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+common.require("torch", "numpy")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import distopt  # noqa: E402
+
+PARAM_TOL, STATE_TOL = 1e-6, 1e-5
+torch.set_num_threads(1)
+_gen = torch.Generator().manual_seed(1234)
+X = torch.randn(64, 6, generator=_gen)
+Y = torch.randn(64, 3, generator=_gen)
+observed = {}  # the largest errors against torch, printed at the end
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def groups_of(model, bias_opts=None):
+    """Two groups (weights; biases with bias_opts) or one list of every parameter."""
+    if bias_opts is None:
+        return list(model.parameters())
+    w = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    b = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": w}, dict(params=b, **bias_opts)]
+
+
+def train(model, opt, steps, start=0, none_at=(), record=None, sched=None):
+    """Steps start .. start+steps-1 on mini-batches of 16; at the steps in none_at the last bias has no
+    gradient (grad None). record: a list that receives each step's {name: gradient or None}."""
+    for s in range(start, start + steps):
+        opt.zero_grad(set_to_none=True)
+        b = (s % 4) * 16
+        loss = ((model(X[b:b + 16]) - Y[b:b + 16]) ** 2).mean()
+        loss.backward()
+        if s in none_at:
+            model[2].bias.grad = None
+        if record is not None:
+            record.append({n: (None if p.grad is None else p.grad.detach().clone())
+                           for n, p in model.named_parameters()})
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def bits(t):
+    return t.detach().contiguous().numpy().tobytes()
+
+
+class Base(unittest.TestCase):
+    def assert_same_bits(self, a, b, what):
+        self.assertEqual(a.shape, b.shape, what)
+        self.assertTrue(bits(a) == bits(b), f"{what}: not bitwise equal (max abs diff "
+                                            f"{(a.double() - b.double()).abs().max().item():.3g})")
+
+    def assert_state_dicts_equal(self, sa, sb):
+        self.assertEqual(sorted(sa["state"]), sorted(sb["state"]))
+        for i in sa["state"]:
+            self.assertEqual(sorted(sa["state"][i]), sorted(sb["state"][i]), f"state keys of parameter {i}")
+            for k, v in sa["state"][i].items():
+                w = sb["state"][i][k]
+                if isinstance(v, torch.Tensor):
+                    self.assert_same_bits(v, w, f"state[{i}][{k}]")
+                else:
+                    self.assertEqual(v, w, f"state[{i}][{k}]")
+        self.assertEqual(sa["param_groups"], sb["param_groups"])
+
+    def assert_close_to_torch(self, model, opt, tmodel, topt, label):
+        worst_p = worst_s = 0.0
+        for (n, p), q in zip(model.named_parameters(), tmodel.parameters()):
+            e = common.normwise_rel(p.detach().numpy(), q.detach().numpy())
+            worst_p = max(worst_p, e)
+            self.assertLessEqual(e, PARAM_TOL, f"{label}: parameter {n}: normwise relative error {e:.3g}")
+        sd, td = opt.state_dict(), topt.state_dict()
+        self.assertEqual(sorted(sd["state"]), sorted(td["state"]), f"{label}: parameters with state")
+        for i, ts in td["state"].items():
+            ds = sd["state"][i]
+            self.assertEqual(sorted(ds), sorted(ts), f"{label}: state keys of parameter {i} (upstream's)")
+            self.assertIsInstance(ds["step"], torch.Tensor, "AdamW's step is a tensor, as torch keeps it")
+            self.assertEqual(float(ds["step"]), float(ts["step"]), f"{label}: step of parameter {i}")
+            for k in ts:
+                if k != "step":
+                    e = common.normwise_rel(ds[k].numpy(), ts[k].numpy())
+                    worst_s = max(worst_s, e)
+                    self.assertLessEqual(e, STATE_TOL, f"{label}: state[{i}][{k}]: normwise relative error {e:.3g}")
+        observed[label] = (worst_p, worst_s)
+
+
+class TestRegistry(Base):
+    def test_list(self):
+        names = distopt.list()
+        self.assertIn("adamw", names)
+        self.assertEqual(len(names), len(set(names)))
+        details = distopt.list(details=True)
+        self.assertEqual([d["name"] for d in details], names)
+        cli = os.environ.get("DISTOPT_CLI")
+        if cli:  # the command-line tool lists the same registry: "name: summary" lines in order
+            out = subprocess.run([cli, "list"], check=True, capture_output=True, text=True).stdout
+            listed = [ln.split(": ", 1) for ln in out.splitlines() if ln and not ln.startswith(" ")]
+            self.assertEqual([n for n, _ in listed], names)
+            self.assertEqual([s for _, s in listed], [d["summary"] for d in details])
+        self.assertIn("weight_decay", distopt.describe("adamw"))
+
+    def test_version(self):
+        header = os.path.join(common.source_dir(), "include", "distopt", "distopt.h")
+        ver = {}
+        with open(header) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == "#define" and parts[1].startswith("DOPT_VERSION_"):
+                    ver[parts[1]] = parts[2]
+        want = ".".join(ver[f"DOPT_VERSION_{k}"] for k in ("MAJOR", "MINOR", "PATCH"))
+        self.assertEqual(distopt.__version__, want)
+        with open(os.path.join(common.source_dir(), "python", "pyproject.toml")) as f:
+            self.assertIn(f'version = "{want}"', f.read())
+
+
+class TestAgainstTorch(Base):
+    def run_pair(self, hp, none_at=(), bias_opts=None, sched=None, steps=20):
+        model, tmodel = make_model(), make_model()
+        opt = distopt.Optimizer("adamw", groups_of(model, bias_opts), **hp)
+        topt = torch.optim.AdamW(groups_of(tmodel, bias_opts), foreach=False, **hp)
+        s1 = s2 = None
+        if sched:
+            s1, s2 = sched(opt), sched(topt)
+        init = [p.detach().clone() for p in model.parameters()]
+        train(model, opt, steps, none_at=none_at, sched=s1)
+        train(tmodel, topt, steps, none_at=none_at, sched=s2)
+        moved = max(common.normwise_rel(p.detach().numpy(), q.numpy()) for p, q in zip(model.parameters(), init))
+        self.assertGreater(moved, 1e-3, "the parameters did not move")
+        return model, opt, tmodel, topt
+
+    def test_matches_torch_adamw(self):
+        for label, hp in (("adamw lr=1e-2 betas=(0.9,0.99) wd=0.1", dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)),
+                          ("adamw amsgrad eps=1e-6", dict(lr=3e-3, eps=1e-6, amsgrad=True))):
+            with self.subTest(label):
+                model, opt, tmodel, topt = self.run_pair(hp, none_at=(3, 4, 11))
+                self.assert_close_to_torch(model, opt, tmodel, topt, label)
+                # the bias without a gradient at 3 steps took 17 steps, as in torch
+                self.assertEqual(float(opt.state_dict()["state"][3]["step"]), 17.0)
+
+    def test_param_groups_and_scheduler(self):
+        sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5)  # noqa: E731
+        model, opt, tmodel, topt = self.run_pair(dict(lr=1e-2, weight_decay=0.05),
+                                                 bias_opts=dict(lr=5e-2, weight_decay=0.0), sched=sched)
+        self.assertEqual(len(opt.param_groups), 2)
+        self.assertEqual(opt.param_groups[0]["lr"], topt.param_groups[0]["lr"])
+        self.assertEqual(opt.param_groups[1]["lr"], topt.param_groups[1]["lr"])
+        self.assertEqual(opt.param_groups[1]["weight_decay"], 0.0)
+        self.assert_close_to_torch(model, opt, tmodel, topt, "adamw two groups + StepLR")
+        # the groups' lr matters: one group at the weights' lr ends elsewhere
+        other, oopt, _, _ = self.run_pair(dict(lr=1e-2, weight_decay=0.05), bias_opts=dict(weight_decay=0.0),
+                                          sched=sched)
+        b1, b2 = model[2].bias.detach().numpy(), other[2].bias.detach().numpy()
+        self.assertGreater(common.normwise_rel(b1, b2), 1e-3)
+
+
+class TestExact(Base):
+    HP = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    BIAS = dict(lr=3e-2, weight_decay=0.0)
+
+    def test_cli_bitwise_and_determinism(self):
+        cli = os.environ.get("DISTOPT_CLI")
+        model = make_model()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = distopt.Optimizer("adamw", groups_of(model, self.BIAS), **self.HP)
+        grads = []
+        train(model, opt, 20, none_at=(6, 7), record=grads)
+        # determinism: a second run of the same
+        again = make_model()
+        opt2 = distopt.Optimizer("adamw", groups_of(again, self.BIAS), **self.HP)
+        train(again, opt2, 20, none_at=(6, 7))
+        for (n, p), q in zip(model.named_parameters(), again.parameters()):
+            self.assert_same_bits(p, q, f"second run: {n}")
+        self.assert_state_dicts_equal(opt.state_dict(), opt2.state_dict())
+        if not cli:
+            self.skipTest("DISTOPT_CLI is not set (the distopt tool is not built)")
+        names = [n for n, _ in model.named_parameters()]
+        with tempfile.TemporaryDirectory() as tmp:
+            tensors = {n: init[n].numpy() for n in names}
+            for t, step in enumerate(grads, 1):
+                for n, g in step.items():
+                    if g is not None:
+                        tensors[f"grad/{t}/{n}"] = g.numpy()
+            src, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
+            common.st_write(src, tensors)
+            cmd = [cli, "run", "--params", src, "--optimizer", "adamw", "--hparams",
+                   "lr=0.01,beta1=0.9,beta2=0.99,weight_decay=0.1", "--group", "*.bias:lr=0.03,weight_decay=0",
+                   "--out", out, "--quiet"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, f"{' '.join(cmd)}: {r.stderr}")
+            res = common.st_read(out)
+        sd = opt.state_dict()
+        order = [n for n in names if n.endswith("weight")] + [n for n in names if n.endswith("bias")]  # groups
+        params = dict(model.named_parameters())
+        for i, n in enumerate(order):
+            p = params[n]
+            self.assert_same_bits(p, torch.from_numpy(res[f"param/{n}"]), f"CLI param/{n}")
+            self.assertEqual(int(res[f"state/{n}/step"]), int(sd["state"][i]["step"]), f"CLI step of {n}")
+            for k in ("exp_avg", "exp_avg_sq"):
+                self.assert_same_bits(sd["state"][i][k], torch.from_numpy(res[f"state/{n}/{k}"]), f"CLI {n}/{k}")
+
+    def test_state_dict_round_trip(self):
+        full = make_model()
+        fopt = distopt.Optimizer("adamw", groups_of(full, self.BIAS), **self.HP)
+        train(full, fopt, 10, none_at=(2, 7))
+
+        first = make_model()
+        opt = distopt.Optimizer("adamw", groups_of(first, self.BIAS), **self.HP)
+        train(first, opt, 5, none_at=(2, 7))
+        buf = io.BytesIO()
+        torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf)
+
+        resumed = make_model(seed=99)  # other weights, other hyperparameters: all come from the checkpoint
+        resumed.load_state_dict(saved["model"])
+        ropt = distopt.Optimizer("adamw", groups_of(resumed, dict(lr=0.5)), lr=0.1)
+        ropt.load_state_dict(saved["opt"])
+        self.assert_state_dicts_equal(ropt.state_dict(), saved["opt"])
+        self.assertEqual(ropt.param_groups[1]["lr"], 3e-2)
+        train(resumed, ropt, 5, start=5, none_at=(2, 7))
+        for (n, p), q in zip(full.named_parameters(), resumed.parameters()):
+            self.assert_same_bits(p, q, f"resumed {n}")
+        self.assert_state_dicts_equal(ropt.state_dict(), fopt.state_dict())
+
+    def test_moved_storage(self):
+        full = make_model()
+        fopt = distopt.Optimizer("adamw", full.parameters(), **self.HP)
+        train(full, fopt, 6)
+        moved = make_model()
+        opt = distopt.Optimizer("adamw", moved.parameters(), **self.HP)
+        train(moved, opt, 3)
+        for p in moved.parameters():
+            p.data = p.data.clone()  # new storage: the optimizer re-registers it at the next step
+        train(moved, opt, 3, start=3)
+        for (n, p), q in zip(full.named_parameters(), moved.parameters()):
+            self.assert_same_bits(p, q, f"moved {n}")
+        self.assert_state_dicts_equal(opt.state_dict(), fopt.state_dict())
+        moved[0].bias.data = torch.zeros(13)  # another shape: refused, nothing stepped
+        before = moved[0].weight.detach().clone()
+        with self.assertRaises(ValueError):
+            opt.step()
+        self.assertTrue(torch.equal(before, moved[0].weight.detach()))
+
+    def test_closure(self):
+        model = make_model()
+        opt = distopt.Optimizer("adamw", model.parameters(), lr=1e-2)
+        before = model[0].weight.detach().clone()
+
+        def closure():
+            opt.zero_grad()
+            loss = ((model(X) - Y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)
+        self.assertIsInstance(loss, torch.Tensor)
+        self.assertFalse(torch.equal(before, model[0].weight.detach()))
+
+
+class TestTorchStateDict(Base):
+    def test_load_torch_state_dict(self):
+        hp = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.2)
+        tmodel = make_model()
+        topt = torch.optim.AdamW(groups_of(tmodel, dict(lr=2e-2)), foreach=False, **hp)
+        train(tmodel, topt, 5, none_at=(1,))
+        model = make_model(seed=5)
+        model.load_state_dict(tmodel.state_dict())
+        opt = distopt.Optimizer("adamw", groups_of(model, {}))  # defaults: everything comes from torch's dict
+        opt.load_state_dict(topt.state_dict())
+        for g, tg in zip(opt.param_groups, topt.param_groups):
+            for k in ("lr", "betas", "eps", "weight_decay", "amsgrad"):
+                self.assertEqual(g[k], tg[k], k)
+        sd, td = opt.state_dict(), topt.state_dict()
+        for i, ts in td["state"].items():  # loaded bit for bit under torch's keys
+            self.assertEqual(sorted(sd["state"][i]), sorted(ts))
+            for k, v in ts.items():
+                self.assert_same_bits(sd["state"][i][k], v, f"loaded state[{i}][{k}]")
+        train(tmodel, topt, 15, start=5)
+        train(model, opt, 15, start=5)
+        self.assert_close_to_torch(model, opt, tmodel, topt, "adamw resumed from torch's state_dict")
+        # and back: torch.optim.AdamW loads distopt's state_dict, both take 5 more steps
+        back = torch.optim.AdamW(groups_of(tmodel, {}), foreach=False)
+        tmodel.load_state_dict(model.state_dict())
+        back.load_state_dict(opt.state_dict())
+        train(tmodel, back, 5, start=20)
+        train(model, opt, 5, start=20)
+        self.assert_close_to_torch(model, opt, tmodel, back, "torch resumed from distopt's state_dict")
+
+    def test_adafactor_names(self):
+        model = make_model()
+        opt = distopt.Optimizer("adafactor", model.parameters(), lr=1e-3, relative_step=False, beta1=0.9)
+        self.assertEqual(opt.param_groups[0]["eps"], (1e-30, 1e-3))  # HF's eps=(eps1, eps2)
+        train(model, opt, 3)
+        sd = opt.state_dict()
+        self.assertEqual(sorted(sd["state"][0]), ["RMS", "exp_avg", "exp_avg_sq_col", "exp_avg_sq_row", "step"])
+        self.assertEqual(sorted(sd["state"][1]), ["RMS", "exp_avg", "exp_avg_sq", "step"])
+        self.assertIs(type(sd["state"][0]["step"]), int)
+        self.assertEqual(sd["state"][0]["step"], 3)
+        again = make_model(seed=3)
+        again.load_state_dict(model.state_dict())
+        aopt = distopt.Optimizer("adafactor", again.parameters(), lr=1e-3, relative_step=False, beta1=0.9)
+        aopt.load_state_dict(copy.deepcopy(sd))
+        self.assert_state_dicts_equal(aopt.state_dict(), sd)
+
+
+class TestMore(Base):
+    def test_docs_example(self):
+        """docs/python.md's five-minute block, run as written in a fresh interpreter."""
+        code = common.doc_block("yours = torch.optim.AdamW")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("max normwise relative error after 20 steps", r.stdout)
+        print(f"  docs/python.md example: {r.stdout.strip()}")
+
+    def test_group_added_after_steps(self):
+        model, tmodel = make_model(), make_model()
+        opt = distopt.Optimizer("adamw", [model[0].weight, model[0].bias], lr=1e-2)
+        topt = torch.optim.AdamW([tmodel[0].weight, tmodel[0].bias], lr=1e-2, foreach=False)
+        train(model, opt, 3)
+        train(tmodel, topt, 3)
+        opt.add_param_group({"params": [model[2].weight, model[2].bias], "lr": 3e-2})
+        topt.add_param_group({"params": [tmodel[2].weight, tmodel[2].bias], "lr": 3e-2})
+        train(model, opt, 17, start=3)
+        train(tmodel, topt, 17, start=3)
+        self.assertEqual(float(opt.state_dict()["state"][2]["step"]), 17.0)
+        self.assert_close_to_torch(model, opt, tmodel, topt, "adamw group added after 3 steps")
+
+    def test_wrapper_clock_round_trip(self):
+        full = make_model()
+        fopt = distopt.Optimizer("lisa", full.parameters(), inner="adamw", lr=1e-2, n_layers=1, interval=2)
+        train(full, fopt, 6)
+        first = make_model()
+        opt = distopt.Optimizer("lisa", first.parameters(), inner="adamw", lr=1e-2, n_layers=1, interval=2)
+        train(first, opt, 3)
+        sd = copy.deepcopy(opt.state_dict())
+        self.assertEqual(sd["distopt"], {"gstep": 3})
+        again = make_model(seed=4)
+        again.load_state_dict(first.state_dict())
+        aopt = distopt.Optimizer("lisa", again.parameters(), inner="adamw", lr=1e-2, n_layers=1, interval=2)
+        aopt.load_state_dict(sd)
+        train(again, aopt, 3, start=3)
+        for (n, p), q in zip(full.named_parameters(), again.parameters()):
+            self.assert_same_bits(p, q, f"lisa resumed {n}")
+        self.assert_state_dicts_equal(aopt.state_dict(), fopt.state_dict())
+
+    def test_hparams(self):
+        hp = distopt.hparams("adamw", lr=0.5)
+        self.assertEqual(hp["lr"], 0.5)
+        self.assertIs(hp["amsgrad"], False)
+        self.assertEqual(sorted(hp), sorted(distopt.Optimizer("adamw", [torch.zeros(1, requires_grad=True)])
+                                            .param_groups[0].keys() - {"params", "betas"} | {"beta1", "beta2"}))
+
+
+class TestErrors(Base):
+    def test_errors(self):
+        model = make_model()
+        with self.assertRaises(distopt.Error) as cm:
+            distopt.Optimizer("adamw", model.parameters(), lr=-1)
+        e = cm.exception
+        self.assertIsInstance(e, RuntimeError)
+        self.assertEqual(e.status_name, "DOPT_ERR_INVALID_ARG")
+        self.assertTrue(str(e).startswith("DOPT_ERR_INVALID_ARG: "), str(e))
+        self.assertIn("lr=-1", str(e))
+        self.assertNotIn("\n", str(e))
+        with self.assertRaises(distopt.Error) as cm:
+            distopt.Optimizer("adamw", model.parameters(), lr=1e-3, bogus=1)
+        self.assertEqual(cm.exception.status_name, "DOPT_ERR_NOT_FOUND")
+        self.assertIn("bogus", str(cm.exception))
+        with self.assertRaises(distopt.Error) as cm:
+            distopt.Optimizer("no_such_optimizer", model.parameters())
+        self.assertEqual(cm.exception.status_name, "DOPT_ERR_NOT_FOUND")
+
+        opt = distopt.Optimizer("adamw", [model[0].weight], lr=1e-2)
+        with self.assertRaises(distopt.Error) as cm:  # a bad group leaves the optimizer as it was
+            opt.add_param_group({"params": [model[0].bias], "betas": (0.9, 1.5)})
+        self.assertIn("beta2=1.5", str(cm.exception))
+        self.assertEqual(len(opt.param_groups), 1)
+        opt.add_param_group({"params": [model[0].bias], "lr": 0.5})
+        train(model, opt, 1)
+        self.assertEqual(sorted(opt.state_dict()["state"]), [0, 1])
+        opt.param_groups[0]["lr"] = -2.0  # a schedule gone wrong: rejected at the next step
+        with self.assertRaises(distopt.Error) as cm:
+            opt.step()
+        self.assertIn("lr=-2", str(cm.exception))
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.param_groups[0]["amsgrad"] = True  # a state layout change after the first step
+        with self.assertRaises(distopt.Error) as cm:
+            opt.step()
+        self.assertEqual(cm.exception.status_name, "DOPT_ERR_STATE")
+        with self.assertRaises(TypeError):
+            distopt.Optimizer("adamw", [torch.zeros(3, dtype=torch.float64, requires_grad=True)])
+        bad = torch.optim.AdamW([torch.zeros(2, requires_grad=True)], maximize=True).state_dict()
+        one = distopt.Optimizer("adamw", [torch.zeros(2, requires_grad=True)])
+        with self.assertRaises(ValueError):
+            one.load_state_dict(bad)
+
+
+def tearDownModule():
+    for label, (p, s) in observed.items():
+        print(f"observed vs torch: {label}: parameters {p:.3g} (tolerance {PARAM_TOL:g}), "
+              f"states {s:.3g} (tolerance {STATE_TOL:g})")
+
+
+if __name__ == "__main__":
+    print(f"distopt {distopt.__version__} from {distopt.library_path}; torch {torch.__version__}, numpy {np.__version__}")
+    common.main()
