@@ -163,7 +163,9 @@ static int load_params(run_ctx *c) {
     if (t.dtype != DOPT_F32)
       return cli_errorf(CMD, "%s: parameter '%s' is %s; only F32 parameters are supported", c->params_path, nm,
                         dopt_dtype_name(t.dtype));
-    if (strlen(nm) >= sizeof c->p[0].name) return cli_errorf(CMD, "%s: parameter name too long", c->params_path);
+    if (strlen(nm) >= sizeof c->p[0].name)
+      return cli_errorf(CMD, "%s: parameter name '%.40s...' is %zu bytes, more than the limit of %zu", c->params_path, nm,
+                        strlen(nm), sizeof c->p[0].name - 1);
     run_param *p = &c->p[c->np++];
     strcpy(p->name, nm);
     p->ndim = t.ndim;

@@ -150,9 +150,14 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
   }
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lenb[i];
-  if (hlen > ST_MAX_HEADER || hlen > (uint64_t)fsz - 8) {
+  if (hlen > (uint64_t)fsz - 8) {
     s = dopt__fail(DOPT_ERR_FORMAT, "%s: header length %llu exceeds the file (%ld bytes)", path,
                    (unsigned long long)hlen, fsz);
+    goto done;
+  }
+  if (hlen > ST_MAX_HEADER) {
+    s = dopt__fail(DOPT_ERR_FORMAT, "%s: header length %llu is over the limit of %u bytes (ST_MAX_HEADER)", path,
+                   (unsigned long long)hlen, ST_MAX_HEADER);
     goto done;
   }
   hdr = malloc((size_t)hlen + 1);

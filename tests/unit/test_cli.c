@@ -247,6 +247,15 @@ static void test_bad_input(void **st) {
   assert_ok(dopt_st_writer_save(w, far));
   dopt_st_writer_free(w);
   expect_usage_error(ARGS("--params", far, "--optimizer", "adamw", "--out", out), "beyond the limit", out);
+  char longname[300]; /* a parameter name over run's limit: named (cut) with its length and the limit */
+  memset(longname, 'n', sizeof longname - 1);
+  longname[sizeof longname - 1] = '\0';
+  assert_ok(dopt_st_writer_create(&w));
+  assert_ok(dopt_st_writer_add(w, longname, DOPT_F32, 1, s2, x));
+  assert_ok(dopt_st_writer_save(w, far));
+  dopt_st_writer_free(w);
+  expect_usage_error(ARGS("--params", far, "--optimizer", "adamw", "--out", out), "is 299 bytes, more than the limit of 255",
+                     out);
   static const char *const groups[][3] = {{"w||v", "lr=1|lr=2|lr=3", "empty"}, /* an empty field shifted groups */
                                           {"w|v", "lr=1", "2 groups but 'group_hparams' has 1"}};
   for (int k = 0; k < 2; k++) {
