@@ -171,13 +171,18 @@ static void check_setting(const char *opt, const char *hp, const pdef *defs, int
   run_free(&one);
 }
 
+static dopt_optim_info registry_info(int i) {
+  dopt_optim_info info;
+  memset(&info, 0, sizeof info);
+  info.version = DOPT_OPTIM_INFO_VERSION;
+  assert_ok(dopt_optim_registry_info(i, &info));
+  return info;
+}
+
 static void test_every_optimizer_small(void **st) {
   (void)st;
   for (int i = 0; i < dopt_optim_registry_count(); i++) {
-    dopt_optim_info info;
-    memset(&info, 0, sizeof info);
-    info.version = DOPT_OPTIM_INFO_VERSION;
-    assert_ok(dopt_optim_registry_info(i, &info));
+    const dopt_optim_info info = registry_info(i);
     check_setting(info.name, info.example, SMALL, NP, 1, 8);
     for (int k = 0; k < info.grid_count; k++) check_setting(info.name, info.grid[k], SMALL, NP, 1, 8);
   }
@@ -187,10 +192,7 @@ static void test_every_optimizer_small(void **st) {
 static void test_every_optimizer_large(void **st) {
   (void)st;
   for (int i = 0; i < dopt_optim_registry_count(); i++) {
-    dopt_optim_info info;
-    memset(&info, 0, sizeof info);
-    info.version = DOPT_OPTIM_INFO_VERSION;
-    assert_ok(dopt_optim_registry_info(i, &info));
+    const dopt_optim_info info = registry_info(i);
     check_setting(info.name, info.example, LARGE, 1, 0, 8);
   }
 }
