@@ -746,8 +746,8 @@ static void reduce_task(void *ctx, size_t t) {
     for (int q = 1; q < parts; q++) memcpy(its[q].posts[j].x, p0->x, bytes);
   }
   if (its[0].st != DOPT_OK)
-    snprintf(its[0].msg, sizeof its[0].msg, "step: the %d pieces of parameter %d posted different reductions",
-             parts, its[0].param);
+    snprintf(its[0].msg, sizeof its[0].msg, "step: the %d pieces of '%.200s' posted different reductions", parts,
+             r->o->params[its[0].param].name);
 }
 
 /* The first failing item's status and message, if any (lowest item first). */
@@ -812,11 +812,11 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     if ((s = first_failure(o)) != DOPT_OK) break;
     int nr = 0; /* the split parameters that asked for another stage */
     for (int k = 0; k < o->nitems; k += o->items[k].parts) {
-      const item *f = &o->items[k];
-      if (f->parts == 1 || !f->more) continue;
-      for (int q = 1; q < f->parts; q++)
-        if (!o->items[k + q].more) f = NULL;
-      if (!f) {
+      const int parts = o->items[k].parts;
+      int more = 0;
+      for (int q = 0; q < parts; q++) more += o->items[k + q].more != 0;
+      if (parts == 1 || more == 0) continue;
+      if (more != parts) {
         s = dopt__fail(DOPT_ERR_STATE, "dopt_optim_step: the pieces of '%s' disagree on the number of stages",
                        o->params[o->items[k].param].name);
         break;
