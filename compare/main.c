@@ -36,6 +36,7 @@ static void usage(FILE *f) {
         "  list    list the registered optimizers and their hyperparameters\n"
         "  mem     exact optimizer-state memory of a LLaMA-size model for every optimizer\n"
         "  bench   time each optimizer step against the machine's memory bandwidth floor\n"
+        "  verify  replay a recorded PyTorch run (distopt.record) through the reference and compare\n"
         "run 'distopt <command> --help' for the command's options\n",
         f);
 }
@@ -51,6 +52,7 @@ int main(int argc, char **argv) {
   if (strcmp(c, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
   if (strcmp(c, "compare") == 0) return cmd_compare(argc - 1, argv + 1);
   if (strcmp(c, "mem") == 0) return cmd_mem(argc - 1, argv + 1);
+  if (strcmp(c, "verify") == 0) return cmd_verify(argc - 1, argv + 1);
   if (strcmp(c, "--help") == 0 || strcmp(c, "-h") == 0 || strcmp(c, "help") == 0) {
     usage(stdout);
     return CLI_OK;

@@ -1,0 +1,491 @@
+"""distopt.record: record a PyTorch optimizer's run so that `distopt verify` can replay it through the C reference.
+
+    with distopt.record(opt, "run.rec", names=model) as rec:      # every rank of a torch.distributed job too
+        for batch in data:
+            loss(model(batch)).backward()
+            opt.step()
+            opt.zero_grad()
+    distopt.verify("run.rec")                                      # the `distopt verify` CLI: exit 0, 1 or 2
+
+The recording (docs/verify.md, schema_version 1) is a directory: `index.json` and safetensors files, each a
+contiguous block of `flush_every` steps of one rank (`rank<R>/<first>-<last>.safetensors`) holding
+`init/<param>` (first file), `grad/<t>/<param>` (every step: the replay needs them all), and every `every`
+steps `param/<t>/<param>` and `state/<t>/<param>/<key>` (upstream's state keys; `step` as I64). A file is
+written when its block is full; the index last, atomically (a temporary file renamed over it), after every
+rank has written its file, so an interrupted run leaves a readable prefix (`"complete": false`).
+
+torch 1.13 has no optimizer step hooks: the optimizer's `step` is wrapped (an instance attribute) and restored
+by close() / the end of the with-block. Gradients are taken just before the wrapped step (with a closure:
+right after it returns, inside the step), parameters and states right after.
+
+Distributed: in a torch.distributed job (initialised when record() is called) every rank records its own
+layout and the ranks meet in a collective at construction and at every flush, so record(), the steps and
+close() must run on every rank in the same order. ZeroRedundancyOptimizer: each rank records the parameters it
+owns (whole; their gradients, values and its inner optimizer's states), the verifier assembles the full
+gradient from the owners. A plain optimizer in a distributed job (DDP): every rank records every parameter
+(replicas; rank 0's gradients drive the replay, every rank's values are compared). A hand-written sharded
+optimizer passes `layout=`: for each local tensor the global parameter it is a piece of and which flat elements
+(and which state elements) it holds.
+
+Optimizers known by class: torch.optim.AdamW -> adamw, transformers' Adafactor -> adafactor (hyperparameters
+through distopt._upstream's table); ZeroRedundancyOptimizer -> its inner optimizer. Others need `name=` and
+`hparams=` (distopt keys, `distopt list`).
+"""
+import ctypes
+import json
+import os
+
+from . import _core, _lib, _upstream
+from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
+
+SCHEMA_VERSION = 1
+KIND = "distopt-record"
+_DTYPE = {"F32": 0, "I64": 5}  # dopt_dtype values (include/distopt/dtype.h; _lib.DTYPES)
+
+__all__ = ["record", "Recorder", "verify"]
+
+
+# ---- the C library's safetensors writer (dopt_st_writer_*: atomic, validated) --------------------------
+
+def _fn(name, res, args):
+    f = _lib.lib[name]  # a fresh function object: the prototypes here do not touch _lib's
+    f.restype = res
+    f.argtypes = args
+    return f
+
+
+_P = ctypes.c_void_p
+_st_create = _fn("dopt_st_writer_create", ctypes.c_int, [ctypes.POINTER(_P)])
+_st_free = _fn("dopt_st_writer_free", None, [_P])
+_st_add = _fn("dopt_st_writer_add", ctypes.c_int,
+              [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), _P])
+_st_meta = _fn("dopt_st_writer_meta", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p])
+_st_save = _fn("dopt_st_writer_save", ctypes.c_int, [_P, ctypes.c_char_p])
+
+
+def _write_safetensors(path, tensors, metadata):
+    """tensors: (name, contiguous CPU torch tensor of float32 or int64) in file order."""
+    import torch
+    w = _P()
+    _lib.call(_st_create, ctypes.byref(w))
+    try:
+        for name, t in tensors:
+            dt = {torch.float32: "F32", torch.int64: "I64"}[t.dtype]
+            shape = (ctypes.c_int64 * max(1, t.dim()))(*t.shape)
+            _lib.call(_st_add, w, name.encode(), _DTYPE[dt], t.dim(), shape, ctypes.c_void_p(t.data_ptr()))
+        for k, v in metadata.items():
+            _lib.call(_st_meta, w, k.encode(), str(v).encode())
+        _lib.call(_st_save, w, path.encode())
+    finally:
+        _st_free(w)
+
+
+def _write_json_atomic(path, obj):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- what to call the optimizer ---------------------------------------------------------------------
+
+def _torch_info(torch):
+    cap = None
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    if get is not None:
+        cap = get()
+    else:
+        for line in torch.__config__.show().splitlines():
+            if "CPU capability usage:" in line:
+                cap = line.split(":", 1)[1].strip()
+    return {"version": str(torch.__version__), "cpu_capability": cap or "unknown",
+            "num_threads": int(torch.get_num_threads())}
+
+
+def _known_name(inner):
+    import torch
+    cls = type(inner)
+    if cls is torch.optim.AdamW:
+        return "adamw"
+    if cls.__name__ == "Adafactor" and cls.__module__.split(".")[0] == "transformers":
+        return "adafactor"
+    return None
+
+
+def _qualname(obj):
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class _Groups:
+    """The distopt hyperparameters of each param group, as read before every step."""
+
+    def __init__(self, name, hparams, outer, inner):
+        self.name, self.fixed, self.outer, self.inner = name, hparams, outer, inner
+        self.keys = set(_core.Spec(name).kinds)
+
+    def read(self):
+        out = []
+        for g, group in enumerate(self.outer.param_groups):
+            if self.fixed is not None:
+                hp = dict(self.fixed[g] if isinstance(self.fixed, (list, tuple)) else self.fixed)
+                lr = group.get("lr")  # an lr schedule on a hand-written optimizer still reaches the replay
+                if "lr" in self.keys and "lr" in hp and isinstance(lr, (int, float)) and not isinstance(lr, bool):
+                    hp["lr"] = lr
+            else:
+                merged = dict(self.inner.param_groups[g]) if self.inner is not self.outer else {}
+                merged.update(group)
+                hp, _rest = _upstream.to_distopt(self.name, {k: v for k, v in merged.items() if k != "params"},
+                                                  known=self.keys)
+            out.append(hp)
+        return out
+
+
+# ---- the recorder --------------------------------------------------------------------------------------
+
+def _f32(t, what):
+    import torch
+    if t.is_sparse:
+        raise ValueError(f"distopt.record: {what} is sparse; only dense float32 tensors can be recorded")
+    if t.dtype != torch.float32:
+        raise ValueError(f"distopt.record: {what} is {t.dtype}; only float32 parameters can be verified")
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+class Recorder:
+    """What record() returns: a context manager; close() flushes, writes the final index and restores `step`."""
+
+    def __init__(self, optimizer, path, every=1, params=True, states=True, *, flush_every=16, names=None,
+                 name=None, hparams=None, layout=None):
+        import torch
+        import torch.distributed as dist
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"distopt.record: every={every!r} must be an integer >= 1")
+        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
+            raise ValueError(f"distopt.record: flush_every={flush_every!r} must be an integer >= 1")
+        if getattr(optimizer, "_distopt_recorder", None) is not None:
+            raise RuntimeError("distopt.record: this optimizer is already being recorded (close the other recorder)")
+        self.optimizer, self.path = optimizer, os.fspath(path)
+        self.every, self.flush_every = every, flush_every
+        self.want_params, self.want_states = bool(params), bool(states)
+        self.closed = False
+        self.t = 0
+
+        # the optimizer: ZeRO -> its inner optimizer; the distopt name and hyperparameters
+        zero = None
+        try:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                zero = optimizer
+        except ImportError:
+            pass
+        inner = zero.optim if zero is not None else optimizer
+        self.upstream = _qualname(inner) + (" under " + _qualname(zero) if zero is not None else "")
+        known = _known_name(inner)
+        if name is None:
+            if known is None:
+                raise ValueError(f"distopt.record: no distopt mapping for {_qualname(inner)}: pass name= (a distopt "
+                                 f"optimizer, `distopt list`) and hparams= (its keys, a dict or one dict per group)")
+            name = known
+        elif hparams is None and known != name:
+            raise ValueError(f"distopt.record: name={name!r} for {_qualname(inner)} needs hparams= (distopt keys)")
+        if name not in _core.names():
+            raise ValueError(f"distopt.record: {name!r} is not a distopt optimizer (known: {', '.join(_core.names())})")
+        if any(len(v) for v in inner.state.values()):
+            raise ValueError("distopt.record: the optimizer has stepped already (it holds state): the replay starts "
+                             "from fresh states, so start recording before the first step")
+        self.name = name
+        self.groups = _Groups(name, hparams, zero if zero is not None else optimizer, inner)
+        self.inner = inner
+
+        # the process group
+        self.pg = None
+        self.rank, self.world = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            self.pg = zero.process_group if zero is not None else dist.group.WORLD
+            self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+            if dist.get_backend(self.pg) != "gloo":  # the recorder's few objects travel over a CPU group
+                self.pg = dist.new_group(ranks=dist.get_process_group_ranks(self.pg)
+                                         if hasattr(dist, "get_process_group_ranks") else None, backend="gloo")
+
+        # parameters: global order, names, groups; this rank's pieces
+        outer = zero if zero is not None else optimizer
+        all_params = [p for g in outer.param_groups for p in g["params"]]
+        group_of = {id(p): g for g, grp in enumerate(outer.param_groups) for p in grp["params"]}
+        naming = self._names(names, all_params)
+        self.pieces = []  # (local tensor, global name, lo, len, states dict)
+        params_info = []  # (name, shape, group) of the parameters this rank knows
+        if layout is not None:
+            for p in all_params:
+                spec = layout.get(p) if isinstance(layout, dict) else None
+                if spec is None:
+                    raise ValueError(f"distopt.record: layout= has no entry for a parameter of shape {list(p.shape)}")
+                gname, gshape = str(spec["param"]), [int(s) for s in spec["shape"]]
+                lo = int(spec.get("lo", 0))
+                numel = 1
+                for s in gshape:
+                    numel *= s
+                if lo < 0 or lo + p.numel() > numel:
+                    raise ValueError(f"distopt.record: layout of {gname}: elements [{lo}, {lo + p.numel()}) are "
+                                     f"outside its {numel}")
+                st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(spec.get("states", {})).items()}
+                self.pieces.append((p, gname, lo, p.numel(), st, numel))
+                params_info.append((gname, gshape, group_of[id(p)]))
+        else:
+            owned = all_params
+            if zero is not None:
+                mine = {id(p) for g in inner.param_groups for p in g["params"]}
+                owned = [p for p in all_params if id(p) in mine]
+            for p in owned:
+                self.pieces.append((p, naming[id(p)], 0, p.numel(), {}, p.numel()))
+            params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
+        for p, gname, *_ in self.pieces:
+            _f32(p, f"parameter {gname}")  # float32 only, checked before anything is written
+
+        # every rank's layout and parameters, at every rank (the same error everywhere)
+        mine = {"rank": self.rank, "params": params_info,
+                "pieces": [{"param": n, "lo": lo, "len": ln, "states": st, "whole": lo == 0 and ln == numel}
+                           for _, n, lo, ln, st, numel in self.pieces]}
+        everyone = self._gather(mine)
+        self.params, seen = [], {}
+        for part in everyone:
+            for n, shape, g in part["params"]:
+                if n in seen:
+                    if seen[n] != (shape, g):
+                        raise ValueError(f"distopt.record: parameter {n}: rank {part['rank']} has shape {shape} group "
+                                         f"{g}, another rank {seen[n][0]} group {seen[n][1]}")
+                    continue
+                seen[n] = (shape, g)
+                self.params.append({"name": n, "shape": shape, "dtype": "F32", "group": g})
+        self.layouts = []
+        for part in sorted(everyone, key=lambda q: q["rank"]):
+            pcs = []
+            for pc in part["pieces"]:
+                e = {"param": pc["param"]}
+                if not pc["whole"]:
+                    e.update(lo=pc["lo"], len=pc["len"])
+                if pc["states"]:
+                    e["states"] = pc["states"]
+                pcs.append(e)
+            self.layouts.append(pcs)
+        self.torch = _torch_info(torch)
+
+        # the directory: refused when it holds a recording already
+        if os.path.exists(os.path.join(self.path, "index.json")):
+            raise FileExistsError(f"distopt.record: {self.path} already holds a recording (index.json); "
+                                  f"choose another path")
+        os.makedirs(os.path.join(self.path, f"rank{self.rank}"), exist_ok=True)
+        self.files = [[] for _ in range(self.world)]
+        self.changes = []
+        self.last_hp = self.groups.read()
+        self.hp0 = [dict(h) for h in self.last_hp]
+        _core.format_hparams(self.hp0[0])  # a value distopt cannot spell fails here, not at the first flush
+        self.block = []  # (name, tensor) of the open block
+        self.block_first = 1
+        self.block.extend((f"init/{n}", _f32(p, f"parameter {n}")) for p, n, *_ in self.pieces)
+        self._install()
+
+    # -- names --
+    @staticmethod
+    def _names(names, all_params):
+        if names is None:
+            return {id(p): f"param{i}" for i, p in enumerate(all_params)}
+        pairs = names.named_parameters() if hasattr(names, "named_parameters") else (
+            names.items() if isinstance(names, dict) else names)
+        out = {}
+        for a, b in pairs:
+            n, p = (a, b) if isinstance(a, str) else (b, a)
+            out[id(p)] = str(n)
+        missing = [i for i, p in enumerate(all_params) if id(p) not in out]
+        if missing:
+            raise ValueError(f"distopt.record: names= does not name the optimizer's parameter {missing[0]} (shape "
+                             f"{list(all_params[missing[0]].shape)})")
+        used = [out[id(p)] for p in all_params]
+        for n in used:
+            if not n or len(n.encode()) > 255 or any(ord(ch) < 0x20 for ch in n):
+                raise ValueError(f"distopt.record: parameter name {n!r}: 1..255 bytes without control characters")
+        if len(set(used)) != len(used):
+            raise ValueError("distopt.record: names= gives two parameters the same name")
+        return out
+
+    # -- collectives --
+    def _gather(self, obj):
+        if self.pg is None:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    # -- the step wrapper --
+    def _install(self):
+        opt = self.optimizer
+        self._had_own_step = "step" in opt.__dict__
+        self._orig_step = opt.step
+        rec = self
+
+        def step(*args, **kwargs):
+            return rec._step(args, kwargs)
+
+        # what others marked on the step they wrapped stays visible (an lr scheduler's _with_counter)
+        step.__dict__.update(getattr(self._orig_step, "__dict__", {}))
+        step.__wrapped__ = self._orig_step
+        opt.step = step
+        opt._distopt_recorder = self
+
+    def _restore(self):
+        opt = self.optimizer
+        if self._had_own_step:
+            opt.step = self._orig_step
+        else:
+            opt.__dict__.pop("step", None)
+        opt.__dict__.pop("_distopt_recorder", None)
+
+    def _grads(self):
+        out = []
+        for p, n, *_ in self.pieces:
+            if p.grad is not None:
+                out.append((n, _f32(p.grad, f"the gradient of {n}")))
+        return out
+
+    def _step(self, args, kwargs):
+        if self.closed:
+            return self._orig_step(*args, **kwargs)
+        t = self.t + 1
+        hp = self.groups.read()
+        for g, (old, new) in enumerate(zip(self.last_hp, hp)):
+            for k in sorted(set(old) | set(new)):
+                if old.get(k) != new.get(k):
+                    v = new.get(k)
+                    self.changes.append({"step": t, "group": g, "key": k,
+                                         "value": None if v is None else (v if isinstance(v, bool) else float(v))})
+        self.last_hp = hp
+        closure = args[0] if args else kwargs.get("closure")
+        grads = None
+        if closure is None:
+            grads = self._grads()
+            out = self._orig_step(*args, **kwargs)
+        else:
+            box = []
+
+            def wrapped():
+                loss = closure()
+                box[:] = [self._grads()]  # the last evaluation's gradients are the ones the update used
+                return loss
+
+            if args:
+                args = (wrapped,) + tuple(args[1:])
+            else:
+                kwargs = dict(kwargs, closure=wrapped)
+            out = self._orig_step(*args, **kwargs)
+            grads = box[0] if box else []
+        self.t = t
+        self.block.extend((f"grad/{t}/{n}", g) for n, g in grads)
+        if t % self.every == 0:
+            self._snapshot(t)
+        if t - self.block_first + 1 >= self.flush_every:
+            self._flush()
+        return out
+
+    def _snapshot(self, t):
+        import torch
+        for p, n, *_ in self.pieces:
+            if self.want_params:
+                self.block.append((f"param/{t}/{n}", _f32(p, f"parameter {n}")))
+            if not self.want_states:
+                continue
+            for key, v in self.inner.state.get(p, {}).items():
+                k = str(key)
+                if not k or "/" in k or len(k) > 63:
+                    continue
+                if k == "step":
+                    s = v.item() if torch.is_tensor(v) else v
+                    self.block.append((f"state/{t}/{n}/step", torch.tensor(int(s), dtype=torch.int64)))
+                elif torch.is_tensor(v) and v.dtype == torch.float32 and not v.is_sparse:
+                    self.block.append((f"state/{t}/{n}/{k}", v.detach().to("cpu", copy=True).contiguous()))
+
+    def _flush(self, final=False):
+        last = self.t
+        if last >= self.block_first:
+            rel = f"rank{self.rank}/{self.block_first:09d}-{last:09d}.safetensors"
+            meta = {"kind": KIND, "rank": self.rank, "first_step": self.block_first, "last_step": last}
+            _write_safetensors(os.path.join(self.path, rel), self.block, meta)
+            entry = {"path": rel, "first_step": self.block_first, "last_step": last}
+        else:
+            entry = None
+        self.block = []
+        self.block_first = last + 1
+        parts = self._gather({"rank": self.rank, "file": entry, "t": last})
+        if len({p["t"] for p in parts}) != 1:
+            raise RuntimeError(f"distopt.record: the ranks are at different steps "
+                               f"({', '.join(str(p['t']) for p in parts)}): every rank must step the optimizer")
+        for p in parts:
+            if p["file"] is not None:
+                self.files[p["rank"]].append(p["file"])
+        if self.rank == 0:
+            self._write_index(complete=final)
+
+    def _write_index(self, complete):
+        index = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": KIND,
+            "generator": "distopt.record (python)",
+            "optimizer": {"name": self.name, "upstream": self.upstream},
+            "groups": [{"hparams": _core.format_hparams(h)} for h in self.hp0],
+            "params": self.params,
+            "torch": self.torch,
+            "world_size": self.world,
+            "record": {"every": self.every, "params": self.want_params, "states": self.want_states,
+                       "flush_every": self.flush_every},
+            "ranks": [{"rank": r, "pieces": self.layouts[r], "files": self.files[r]} for r in range(self.world)],
+            "steps": max((f["last_step"] for f in self.files[0]), default=0),
+            "complete": bool(complete),
+            "hparam_changes": self.changes,
+        }
+        _write_json_atomic(os.path.join(self.path, "index.json"), index)
+
+    def close(self):
+        """Writes the open block and the final index ("complete": true) and restores the optimizer's step. In a
+        distributed job every rank must call it (a collective)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._flush(final=True)
+        finally:
+            self._restore()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return False
+        # an exception: restore the optimizer; a single process also writes what it has (an interrupted
+        # prefix); a distributed job does not meet in a collective another rank may never reach
+        self.closed = True
+        try:
+            if self.pg is None:
+                self._flush(final=False)
+        finally:
+            self._restore()
+        return False
+
+
+def record(optimizer, path, every=1, params=True, states=True, **kw):
+    """Records `optimizer`'s steps into the directory `path` for `distopt verify` (a Recorder: a context manager).
+
+    every:        parameters and states are recorded after every `every`-th step (gradients after every step)
+    params, states: record parameters / optimizer states (upstream's keys) at those steps
+    flush_every:  steps per file (memory holds at most one block; the index follows each file)
+    names:        a Module (its named_parameters), a dict or (name, parameter) pairs; default param0, param1, ...
+    name, hparams: the distopt optimizer and its hyperparameters (a dict, or one per param group) for an
+                  optimizer distopt does not know by class
+    layout:       {local tensor: {"param": global name, "shape": global shape, "lo": first flat element,
+                  "states": {key: (lo, len)}}} for a hand-written sharded optimizer (docs/verify.md)
+    """
+    return Recorder(optimizer, path, every, params, states, **kw)

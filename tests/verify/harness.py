@@ -1,0 +1,257 @@
+"""Shared code of the `distopt verify` client tests (tests/verify/run_client.py): models and data, the gloo
+launcher, the hand-written sharded Adafactor (correct and with the planted local-statistics bug), and running
+the CLI. Everything is seeded and single-threaded: a rerun records the same bits.
+
+Environment (set by tests/verify/CMakeLists.txt): PYTHONPATH (python/), DISTOPT_LIBRARY (libdistopt.so of the
+build), DISTOPT_CLI (the distopt binary), VERIFY_WORK (a scratch folder of this test)."""
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import torch
+
+SEED = 20240611
+
+
+def work_dir(name):
+    base = os.environ.get("VERIFY_WORK") or os.path.join(os.getcwd(), "verify_work")
+    d = os.path.join(base, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    return d
+
+
+def cli():
+    exe = os.environ.get("DISTOPT_CLI")
+    if not exe or not os.path.isfile(exe):
+        sys.exit(f"DISTOPT_CLI={exe!r} is not the distopt binary (tests/verify/CMakeLists.txt sets it)")
+    return exe
+
+
+def run_verify(trace, *extra, expect):
+    """Runs `distopt verify trace --json J`; prints its output; fails unless the exit code is `expect`.
+    Returns (stdout, parsed JSON or None)."""
+    jp = os.path.join(os.path.dirname(os.path.abspath(trace)), os.path.basename(trace) + ".verify.json")
+    if os.path.exists(jp):
+        os.remove(jp)
+    cmd = [cli(), "verify", trace, "--json", jp, *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    print("$ " + " ".join(cmd))
+    print(p.stdout, end="")
+    if p.stderr:
+        print(p.stderr, end="")
+    print(f"(exit {p.returncode})")
+    if p.returncode != expect:
+        sys.exit(f"FAIL: distopt verify exited {p.returncode}, expected {expect}")
+    report = None
+    if os.path.exists(jp):
+        with open(jp) as f:
+            report = json.load(f)
+        check(report.get("schema_version") == 1, f"verify JSON schema_version {report.get('schema_version')}")
+    return p.stdout, report
+
+
+def check(cond, what):
+    if not cond:
+        sys.exit(f"FAIL: {what}")
+
+
+def seeded(rank=0):
+    torch.manual_seed(SEED + 1000 * rank)
+    torch.set_num_threads(1)
+
+
+def mlp():
+    """A few Linear layers (seeded)."""
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 24), torch.nn.Tanh(),
+                               torch.nn.Linear(24, 5))
+
+
+def batch(step, rank=0, n=16):
+    g = torch.Generator().manual_seed(SEED + 7919 * step + 104729 * rank)
+    x = torch.randn(n, 12, generator=g)
+    y = torch.randn(n, 5, generator=g)
+    return x, y
+
+
+def train_step(model, opt, step, rank=0):
+    x, y = batch(step, rank)
+    opt.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def tensors_by_rank(report):
+    out = {}
+    for t in report["tensors"]:
+        out.setdefault(t["rank"], []).append(t)
+    return out
+
+
+# ---- torch.distributed on the CPU (gloo), N processes ----------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world, *args):
+    """Runs fn(rank, world, *args) in `world` spawned processes joined in a gloo group; raises if one fails."""
+    import torch.multiprocessing as mp
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+# ---- ZeroRedundancyOptimizer(AdamW) under DDP ------------------------------------------------------------
+
+def zero_worker(rank, world, trace, steps):
+    from distopt.record import record  # (not `import distopt.record as`: see docs/verify.md)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    seeded()  # the same initial model on every rank
+    model = mlp()
+    ddp = DDP(model)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3,
+                                  betas=(0.9, 0.99), weight_decay=0.05)
+    seeded(rank)
+    with record(opt, trace, names=model, flush_every=6):
+        for t in range(1, steps + 1):
+            x, y = batch(t, rank)  # each rank its own micro-batch; DDP averages the gradients
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+
+
+def ddp_worker(rank, world, trace, steps):
+    """A plain AdamW under DDP: every rank steps (and records) every parameter, replicas of each other."""
+    from distopt.record import record
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    seeded()
+    model = mlp()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    with record(opt, trace, names=model, flush_every=8):
+        for t in range(1, steps + 1):
+            x, y = batch(t, rank)
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+
+
+# ---- a hand-written sharded Adafactor: 2 ranks, each half of the rows of W ---------------------------------
+
+ROWS, COLS = 8, 6
+
+
+class ShardedAdafactor(torch.optim.Optimizer):
+    """HF transformers' Adafactor (relative_step=False, lr given, scale_parameter, no momentum, no decay) on a
+    row shard of each parameter, in HF's order of operations. Every statistic over elements the rank does not
+    hold goes through an all_reduce (sum) of the group: the parameter's RMS, the update's RMS (clipping), the
+    column means of the squared gradient and the mean of the row statistics. With local_stats=True the two
+    means of the factored second moment are taken over the LOCAL rows only (the bug class of running the
+    unsharded algorithm on a shard); everything else stays global."""
+
+    def __init__(self, params, lr, global_rows, global_numel, local_stats):
+        super().__init__(params, dict(lr=lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8))
+        self.global_rows, self.global_numel, self.local_stats = global_rows, global_numel, local_stats
+
+    @staticmethod
+    def _sum(x):
+        import torch.distributed as dist
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    def _rms(self, x, numel):
+        return (self._sum((x * x).sum()) / numel).sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                g = p.grad
+                numel = self.global_numel[p]
+                factored = p.dim() >= 2
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    if factored:
+                        st["exp_avg_sq_row"] = torch.zeros(p.shape[:-1])
+                        st["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:])
+                    else:
+                        st["exp_avg_sq"] = torch.zeros_like(g)
+                    st["RMS"] = 0
+                st["step"] += 1
+                st["RMS"] = self._rms(p, numel)
+                lr = max(eps2, st["RMS"]) * group["lr"]  # as HF: a tensor product when RMS wins the max
+                beta2t = 1.0 - math.pow(st["step"], group["decay_rate"])
+                update = g ** 2 + eps1
+                if factored:
+                    row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
+                    row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)  # whole rows: local is global
+                    if self.local_stats:
+                        col_mean = update.mean(dim=-2)
+                    else:
+                        col_mean = self._sum(update.sum(dim=-2)) / self.global_rows
+                    col.mul_(beta2t).add_(col_mean, alpha=1.0 - beta2t)
+                    if self.local_stats:
+                        row_mean = row.mean(dim=-1, keepdim=True)
+                    else:
+                        row_mean = self._sum(row.sum(dim=-1, keepdim=True)) / self.global_rows
+                    r_factor = (row / row_mean).rsqrt_().unsqueeze(-1)
+                    c_factor = col.unsqueeze(-2).rsqrt()
+                    update = torch.mul(r_factor, c_factor)
+                else:
+                    st["exp_avg_sq"].mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+                    update = st["exp_avg_sq"].rsqrt()
+                update.mul_(g)
+                update.div_((self._rms(update, numel) / group["clip_threshold"]).clamp_(min=1.0))
+                update.mul_(lr)
+                p.add_(-update)
+
+
+def sharded_worker(rank, world, trace, steps, local_stats):
+    from distopt.record import record  # (not `import distopt.record as`: see docs/verify.md)
+    seeded()
+    W = torch.randn(ROWS, COLS) * 0.5
+    b = torch.randn(ROWS) * 0.5
+    per = ROWS // world
+    lo = rank * per
+    w = W[lo:lo + per].clone().requires_grad_(True)
+    bias = b[lo:lo + per].clone().requires_grad_(True)
+    opt = ShardedAdafactor([w, bias], lr=1e-2, global_rows=ROWS, global_numel={w: ROWS * COLS, bias: ROWS},
+                           local_stats=local_stats)
+    layout = {
+        w: {"param": "w", "shape": [ROWS, COLS], "lo": lo * COLS,
+            "states": {"exp_avg_sq_row": (lo, per), "exp_avg_sq_col": (0, COLS), "RMS": (0, 1)}},
+        bias: {"param": "b", "shape": [ROWS], "lo": lo, "states": {"RMS": (0, 1)}},
+    }
+    hp = dict(lr=1e-2, relative_step=False, scale_parameter=True, warmup_init=False, eps1=1e-30, eps2=1e-3,
+              clip_threshold=1.0, decay_rate=-0.8, beta1=None, weight_decay=0.0)
+    with record(opt, trace, name="adafactor", hparams=hp, layout=layout, flush_every=5):
+        for t in range(1, steps + 1):
+            g = torch.Generator().manual_seed(SEED + 31 * t)
+            x = torch.randn(10, COLS, generator=g)
+            target = torch.randn(10, ROWS, generator=g)[:, lo:lo + per] * (1 + 3 * rank)  # shards differ in scale
+            opt.zero_grad()
+            ((x @ w.T + bias - target) ** 2).mean().backward()  # the gradient of this rank's rows
+            opt.step()

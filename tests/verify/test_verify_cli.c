@@ -1,0 +1,369 @@
+/* `distopt verify` end to end without Python: recordings written here (safetensors through the library,
+ * index.json as text) from the reference itself, so a faithful recording verifies with error 0; a perturbed
+ * state or step count diverges (exit 1, naming step, tensor and rank); a malformed recording is exit 2 with
+ * one line on stderr naming the file, key and value, and no --json written. argv[1] = the distopt binary.
+ * Runs in the sanitizer builds too (it needs no shared library). */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "distopt/distopt.h"
+#include "distopt/safetensors.h"
+
+static const char *bin;
+static char dir[256], outfile[600], errfile[600], jsonfile[600];
+
+#define STEPS 6
+#define HP "lr=0.01,beta1=0.9,beta2=0.99,eps=1e-08,weight_decay=0.1,amsgrad=false"
+
+/* Two parameters: w [4, 3] split by rows over 2 ranks (flat [0, 6) and [6, 12)), b [5] whole on rank 0. */
+static const char *const INDEX =
+    "{\"schema_version\": 1, \"kind\": \"distopt-record\", \"generator\": \"test_verify_cli\",\n"
+    " \"optimizer\": {\"name\": \"adamw\", \"upstream\": \"test\"},\n"
+    " \"groups\": [{\"hparams\": \"" HP "\"}],\n"
+    " \"params\": [{\"name\": \"w\", \"shape\": [4, 3], \"dtype\": \"F32\", \"group\": 0},\n"
+    "            {\"name\": \"b\", \"shape\": [5], \"dtype\": \"F32\", \"group\": 0}],\n"
+    " \"torch\": {\"version\": \"none\", \"cpu_capability\": \"none\", \"num_threads\": 1},\n"
+    " \"world_size\": 2, \"record\": {\"every\": 1, \"params\": true, \"states\": true, \"flush_every\": 4},\n"
+    " \"ranks\": [\n"
+    "  {\"rank\": 0, \"pieces\": [{\"param\": \"w\", \"lo\": 0, \"len\": 6}, {\"param\": \"b\"}],\n"
+    "   \"files\": [{\"path\": \"rank0/a.safetensors\", \"first_step\": 1, \"last_step\": 4},\n"
+    "             {\"path\": \"rank0/b.safetensors\", \"first_step\": 5, \"last_step\": 6}]},\n"
+    "  {\"rank\": 1, \"pieces\": [{\"param\": \"w\", \"lo\": 6, \"len\": 6}],\n"
+    "   \"files\": [{\"path\": \"rank1/a.safetensors\", \"first_step\": 1, \"last_step\": 4},\n"
+    "             {\"path\": \"rank1/b.safetensors\", \"first_step\": 5, \"last_step\": 6}]}],\n"
+    " \"steps\": 6, \"complete\": true, \"hparam_changes\": [{\"step\": 4, \"group\": 0, \"key\": \"lr\", \"value\": 0.005}]}\n";
+
+static void grad_at(int step, int p, size_t n, float *g) {
+  uint64_t st = UINT64_C(0x9e3779b97f4a7c15) * (uint64_t)(unsigned)(step * 7 + p + 1);
+  for (size_t i = 0; i < n; i++) g[i] = (float)dt_rand_normal(&st);
+}
+
+/* Writes the recording of the reference's own run: faithful, so verify finds error 0. perturb: 0 none;
+ * 1 rank 1's w/exp_avg at step 3 scaled by 1.001; 2 rank 0's b/step at step 5 off by one. */
+static void make_trace(const char *root, int perturb) {
+  char path[900];
+  snprintf(path, sizeof path, "%s/rank0", root);
+  mkdir(root, 0755);
+  mkdir(path, 0755);
+  snprintf(path, sizeof path, "%s/rank1", root);
+  mkdir(path, 0755);
+  float w[12], b[5], gw[12], gb[5];
+  uint64_t st = 42;
+  for (int i = 0; i < 12; i++) w[i] = (float)dt_rand_normal(&st);
+  for (int i = 0; i < 5; i++) b[i] = (float)dt_rand_normal(&st);
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adamw", HP, &o));
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  int id;
+  pc.name = "w", pc.ndim = 2, pc.shape[0] = 4, pc.shape[1] = 3, pc.data = w;
+  assert_ok(dopt_optim_add_param(o, 0, &pc, &id));
+  pc.name = "b", pc.ndim = 1, pc.shape[0] = 5, pc.data = b;
+  assert_ok(dopt_optim_add_param(o, 0, &pc, &id));
+  dopt_st_writer *wr[2] = {NULL, NULL};
+  char name[128];
+  int64_t half[1] = {6}, bs[1] = {5};
+  for (int t = 0; t <= STEPS; t++) {
+    if (t == 0 || t == 5) {
+      for (int r = 0; r < 2; r++) assert_ok(dopt_st_writer_create(&wr[r]));
+    }
+    if (t == 0) {
+      assert_ok(dopt_st_writer_add(wr[0], "init/w", DOPT_F32, 1, half, w));
+      assert_ok(dopt_st_writer_add(wr[1], "init/w", DOPT_F32, 1, half, w + 6));
+      assert_ok(dopt_st_writer_add(wr[0], "init/b", DOPT_F32, 1, bs, b));
+      continue;
+    }
+    if (t == 4) assert_ok(dopt_optim_set_hparam(o, 0, "lr", 0.005));
+    grad_at(t, 0, 12, gw);
+    grad_at(t, 1, 5, gb);
+    const float *g[2] = {gw, gb};
+    assert_ok(dopt_optim_step(o, g));
+    for (int r = 0; r < 2; r++) {
+      snprintf(name, sizeof name, "grad/%d/w", t);
+      assert_ok(dopt_st_writer_add(wr[r], name, DOPT_F32, 1, half, gw + 6 * r));
+      snprintf(name, sizeof name, "param/%d/w", t);
+      assert_ok(dopt_st_writer_add(wr[r], name, DOPT_F32, 1, half, w + 6 * r));
+      for (int k = 0; k < dopt_optim_num_states(o, 0); k++) {
+        dopt_state_view v;
+        assert_ok(dopt_optim_state(o, 0, k, &v));
+        float buf[6];
+        memcpy(buf, (const float *)v.data + 6 * r, sizeof buf);
+        if (perturb == 1 && r == 1 && t == 3 && strcmp(v.name, "exp_avg") == 0) buf[2] *= 1.001f;
+        snprintf(name, sizeof name, "state/%d/w/%s", t, v.name);
+        assert_ok(dopt_st_writer_add(wr[r], name, DOPT_F32, 1, half, buf));
+      }
+      int64_t step;
+      assert_ok(dopt_optim_get_step(o, 0, &step));
+      snprintf(name, sizeof name, "state/%d/w/step", t);
+      assert_ok(dopt_st_writer_add(wr[r], name, DOPT_I64, 0, NULL, &step));
+    }
+    snprintf(name, sizeof name, "grad/%d/b", t);
+    assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 1, bs, gb));
+    snprintf(name, sizeof name, "param/%d/b", t);
+    assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 1, bs, b));
+    int64_t step;
+    assert_ok(dopt_optim_get_step(o, 1, &step));
+    float fstep = (float)step + (perturb == 2 && t == 5 ? 1.0f : 0.0f); /* upstream's F32 step */
+    snprintf(name, sizeof name, "state/%d/b/step", t);
+    assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 0, NULL, &fstep));
+    dopt_state_view v;
+    assert_ok(dopt_optim_state(o, 1, 1, &v)); /* exp_avg_sq */
+    snprintf(name, sizeof name, "state/%d/b/%s", t, v.name);
+    assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 1, bs, v.data));
+    if (t == 4 || t == STEPS) {
+      for (int r = 0; r < 2; r++) {
+        snprintf(path, sizeof path, "%s/rank%d/%s.safetensors", root, r, t == 4 ? "a" : "b");
+        char rank[8];
+        snprintf(rank, sizeof rank, "%d", r);
+        assert_ok(dopt_st_writer_meta(wr[r], "rank", rank));
+        assert_ok(dopt_st_writer_save(wr[r], path));
+        dopt_st_writer_free(wr[r]);
+        wr[r] = NULL;
+      }
+    }
+  }
+  dopt_optim_destroy(o);
+  snprintf(path, sizeof path, "%s/index.json", root);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(INDEX, f);
+  fclose(f);
+}
+
+static void write_index(const char *root, const char *text) {
+  char path[900];
+  snprintf(path, sizeof path, "%s/index.json", root);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+/* src with the first `from` replaced by `to` (which must occur); malloc'd. */
+static char *replaced(const char *src, const char *from, const char *to) {
+  const char *at = strstr(src, from);
+  if (!at) fail_msg("test bug: '%s' is not in the index", from);
+  size_t n = strlen(src) - strlen(from) + strlen(to) + 1;
+  char *s = malloc(n);
+  assert_non_null(s);
+  memcpy(s, src, (size_t)(at - src));
+  strcpy(s + (at - src), to);
+  strcat(s, at + strlen(from));
+  return s;
+}
+
+static char *edited(const char *from, const char *to) { return replaced(INDEX, from, to); }
+
+/* Runs the binary with args (NULL-terminated); stdout to outfile, stderr to errfile; the exit code. */
+static int run(const char *const *args) {
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (!freopen(errfile, "w", stderr) || !freopen(outfile, "w", stdout)) _exit(126);
+    const char *argv[32];
+    int n = 0;
+    argv[n++] = bin;
+    for (; args[n - 1] && n < 31; n++) argv[n] = args[n - 1];
+    argv[n] = NULL;
+    execv(bin, (char *const *)argv);
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void slurp(const char *path, char *buf, size_t cap) {
+  FILE *f = fopen(path, "r");
+  size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
+  buf[n] = '\0';
+  if (f) fclose(f);
+}
+
+static int setup(void **st) {
+  (void)st;
+  int rc = dt_make_tmpdir(dir, sizeof dir, "dopt_verify");
+  snprintf(outfile, sizeof outfile, "%s/stdout.txt", dir);
+  snprintf(errfile, sizeof errfile, "%s/stderr.txt", dir);
+  snprintf(jsonfile, sizeof jsonfile, "%s/out.json", dir);
+  return rc;
+}
+
+static int teardown(void **st) {
+  (void)st;
+  return dt_remove_tmpdir(dir);
+}
+
+static void test_faithful_recording_verifies(void **st) {
+  (void)st;
+  char root[400], out[16384];
+  snprintf(root, sizeof root, "%s/good", dir);
+  make_trace(root, 0);
+  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
+  int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  printf("%s", out);
+  assert_int_equal(rc, 0);
+  assert_non_null(strstr(out, "verdict: WITHIN TOLERANCE"));
+  assert_non_null(strstr(out, "1 hyperparameter change replayed"));
+  /* the reference against itself: every error exactly 0 */
+  assert_non_null(strstr(out, "parameters 0 of 1e-06, states 0 of 1e-05"));
+  assert_null(strstr(out, "\xE2\x9C\x97"));
+  char js[65536];
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, "\"schema_version\":\t1"));
+  assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
+  /* the index file itself as TRACE */
+  char ipath[500];
+  snprintf(ipath, sizeof ipath, "%s/index.json", root);
+  const char *args2[] = {"verify", ipath, "--quiet", NULL};
+  assert_int_equal(run(args2), 0);
+  slurp(outfile, out, sizeof out);
+  assert_string_equal(out, "verdict: WITHIN TOLERANCE\n");
+}
+
+static void test_perturbed_state_diverges(void **st) {
+  (void)st;
+  char root[400], out[16384], svg[600];
+  snprintf(root, sizeof root, "%s/perturbed", dir);
+  snprintf(svg, sizeof svg, "%s/out.svg", dir);
+  make_trace(root, 1);
+  unlink(jsonfile);
+  const char *args[] = {"verify", root, "--json", jsonfile, "--plot", svg, NULL};
+  int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  printf("%s", out);
+  assert_int_equal(rc, 1);
+  assert_non_null(strstr(out, "verdict: DIVERGED at step 3 (tensor w/exp_avg, rank 1: normwise relative error"));
+  char js[65536];
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, "\"tensor\":\t\"w/exp_avg\""));
+  assert_non_null(strstr(js, "\"rank\":\t1,\n\t\t\"rel\""));
+  slurp(svg, js, sizeof js);
+  assert_non_null(strstr(js, "DIVERGED at step 3 (tensor w/exp_avg, rank 1)</text>"));
+  /* a looser --rtol accepts the perturbation (1e-3 of one element) */
+  const char *loose[] = {"verify", root, "--rtol", "0.01", NULL};
+  assert_int_equal(run(loose), 0);
+}
+
+static void test_step_count_diverges(void **st) {
+  (void)st;
+  char root[400], out[16384];
+  snprintf(root, sizeof root, "%s/stepcount", dir);
+  make_trace(root, 2);
+  const char *args[] = {"verify", root, NULL};
+  int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  assert_int_equal(rc, 1);
+  assert_non_null(strstr(out, "DIVERGED at step 5 (tensor b/step, rank 0: the step count differs"));
+}
+
+/* exit 2, exactly one line on stderr containing needle, no --json written */
+static void expect_bad(const char *root, const char *needle, const char *const *extra) {
+  const char *args[16] = {"verify", root, "--json", jsonfile};
+  int n = 4;
+  for (int i = 0; extra && extra[i] && n < 15; i++) args[n++] = extra[i];
+  args[n] = NULL;
+  unlink(jsonfile);
+  int rc = run(args);
+  char err[4096];
+  slurp(errfile, err, sizeof err);
+  int lines = 0;
+  for (const char *p = err; *p; p++) lines += *p == '\n';
+  if (rc != 2 || lines != 1 || !strstr(err, needle))
+    fail_msg("%s: rc %d, %d lines, stderr '%s' (want '%s')", root, rc, lines, err, needle);
+  if (access(jsonfile, F_OK) == 0) fail_msg("--json written despite the error (%s)", needle);
+}
+
+static void bad_index(const char *root, const char *from, const char *to, const char *needle) {
+  char *s = edited(from, to);
+  write_index(root, s);
+  free(s);
+  expect_bad(root, needle, NULL);
+}
+
+static void test_bad_input(void **st) {
+  (void)st;
+  char root[400], missing[500];
+  snprintf(root, sizeof root, "%s/bad", dir);
+  make_trace(root, 0);
+  snprintf(missing, sizeof missing, "%s/nope", dir);
+  expect_bad(missing, "nope: No such file or directory", NULL);
+  expect_bad(root, "--rtol '-1': expected a positive number", (const char *const[]){"--rtol", "-1", NULL});
+  expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
+  write_index(root, "{\"schema_version\": 1,");
+  expect_bad(root, "index.json: not valid JSON", NULL);
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 2",
+            "index.json: schema_version: 2 is not supported (this distopt reads 1)");
+  bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
+  bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
+  bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
+  bad_index(root, "\"shape\": [4, 3]", "\"shape\": [4, -3]", "params[0].shape[1]: -3 is outside");
+  bad_index(root, "\"shape\": [5]", "\"shape\": [5, 1, 1, 1, 1, 1, 1, 1, 1]", "params[1].shape: more than 8 entries");
+  bad_index(root, "\"dtype\": \"F32\", \"group\": 0},\n            {\"name\": \"b\"",
+            "\"dtype\": \"BF16\", \"group\": 0},\n            {\"name\": \"b\"", "only F32 parameters can be verified");
+  bad_index(root, "{\"name\": \"b\"", "{\"name\": \"w\"", "params[1].name: 'w' appears twice");
+  bad_index(root, "{\"name\": \"b\"", "{\"name\": \"b\\u0001x\"", "params[1].name: 'b\\x01x' holds a control character");
+  {
+    char longname[400] = "{\"name\": \"";
+    memset(longname + 10, 'n', 300);
+    strcpy(longname + 310, "\"");
+    bad_index(root, "{\"name\": \"b\"", longname, "bytes, longer than the limit of 255");
+  }
+  bad_index(root, "\"rank0/b.safetensors\"", "\"../b.safetensors\"", "expected a relative path inside the recording");
+  bad_index(root, "\"first_step\": 5", "\"first_step\": 6", "ranks[0].files[1].first_step: 6, expected 5");
+  bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 7, \"len\": 5", "parameter 'w': elements [6, 7) are recorded by no rank");
+  bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 4, \"len\": 8", "overlap rank 0's [0, 6) partially");
+  bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 6, \"len\": 7", "ranks[1].pieces[0].len: 7 is outside [1, 6]");
+  bad_index(root, "{\"param\": \"b\"}", "{\"param\": \"c\"}", "ranks[0].pieces[1].param: 'c' is not in params");
+  bad_index(root, "\"steps\": 6", "\"steps\": 7", "ranks[0].files: cover steps 1..6 but steps is 7");
+  bad_index(root, "\"name\": \"adamw\"", "\"name\": \"nosuch\"", "nosuch");
+  bad_index(root, "\"name\": \"adamw\"", "\"name\": \"adamw8bit\"", "'adamw8bit' has no declared tolerance (give --rtol)");
+  bad_index(root, "\"hparams\": \"" HP "\"", "\"hparams\": \"lr=-1\"", "adamw: lr=-1 must be >= 0");
+  bad_index(root, "\"key\": \"lr\"", "\"key\": \"nokey\"", "hparam_changes[0] (step 4)");
+  bad_index(root, "\"step\": 4, \"group\": 0", "\"step\": 4, \"group\": 3", "hparam_changes[0].group: 3 is outside [0, 0]");
+  /* a tensor file that does not match the index */
+  bad_index(root, "\"rank0/a.safetensors\"", "\"rank1/a.safetensors\"", "metadata rank '1' but the index lists it for rank 0");
+  bad_index(root, "\"rank1/b.safetensors\"", "\"rank1/none.safetensors\"", "rank1/none.safetensors");
+  { /* b moves to rank 1's layout: rank 0's file still records it */
+    char *a = edited(", {\"param\": \"b\"}]", "]");
+    char *b = replaced(a, "\"lo\": 6, \"len\": 6}]", "\"lo\": 6, \"len\": 6}, {\"param\": \"b\"}]");
+    write_index(root, b);
+    free(a);
+    free(b);
+    expect_bad(root, "tensor 'init/b': rank 0's layout has no parameter 'b'", NULL);
+  }
+  { /* w whole on rank 0 (rank 1 records b instead): its file holds 6 of the 12 elements */
+    char *a = edited("{\"param\": \"w\", \"lo\": 0, \"len\": 6}", "{\"param\": \"w\"}");
+    char *b = replaced(a, "{\"param\": \"w\", \"lo\": 6, \"len\": 6}", "{\"param\": \"b\"}");
+    write_index(root, b);
+    free(a);
+    free(b);
+    expect_bad(root, "tensor 'init/w' has 6 elements but rank 0's piece of 'w' has 12", NULL);
+  }
+  write_index(root, INDEX);
+  expect_bad(root, "--plot '/nonexistent-dir/x.svg': the folder", (const char *const[]){"--plot", "/nonexistent-dir/x.svg", NULL});
+  /* and the untouched recording still verifies */
+  const char *args[] = {"verify", root, NULL};
+  assert_int_equal(run(args), 0);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s /path/to/distopt\n", argv[0]);
+    return 2;
+  }
+  bin = argv[1];
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_faithful_recording_verifies),
+      cmocka_unit_test(test_perturbed_state_diverges),
+      cmocka_unit_test(test_step_count_diverges),
+      cmocka_unit_test(test_bad_input),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
