@@ -157,7 +157,9 @@ static int run_sweep(const cmp_options *base) {
   cmp_sweep_cell *cells = calloc((size_t)n, sizeof *cells);
   if (!cells) return cli_errorf(CMD, "--sweep: out of memory for %d layouts", n);
   int shards = 0; /* a trace's shards per step */
-  if (strcmp(base->source, "trace") == 0 && base->trace_path[0]) {
+  if (strcmp(base->source, "trace") == 0 && base->trace_path[0] && cmp_trace_is_recording(base->trace_path)) {
+    shards = 1; /* a recording: the whole step's gradient (docs/verify.md) */
+  } else if (strcmp(base->source, "trace") == 0 && base->trace_path[0]) {
     dopt_st_file *tf = NULL;
     dopt_status s = dopt_st_load(base->trace_path, &tf);
     if (s != DOPT_OK) {

@@ -13,6 +13,9 @@
  * metric), against the optimizer's declared tolerance (verify_tolerances
  * below) or --rtol. Step counters ("step" states) must be equal.
  *
+ * The recording is read through compare/verify_reader.c (verify.h; shared with
+ * `distopt compare --trace` on a recording): one loaded block per rank.
+ *
  * Exit 0: every compared tensor within tolerance at every recorded step;
  * 1: one is not (the verdict names the first step, tensor and rank);
  * 2: bad usage or input (one line; the reference could not replay it). */
@@ -102,31 +105,20 @@ typedef struct vpiece_keys {
 } vpiece_keys;
 
 typedef struct vrank_rt {
-  int cur;             /* index of the open file, -1 none */
-  dopt_st_file *f;
   vpiece_keys *keys;   /* [npieces] */
 } vrank_rt;
 
-typedef struct vsource {
-  int rank;
-  const vr_piece *pc;
-} vsource;
-
 typedef struct vctx {
   const char *trace;
-  char dir[4096];
-  char index_path[4200];
   const char *json_path, *svg_path;
   double rtol;         /* > 0: --rtol */
   int quiet;
-  vr_index ix;
+  vr_reader rd;         /* the recording: its index, source pieces and one open file per rank */
   double tol_param, tol_state;
   const char *tol_source;
   dopt_optim *opt;
   float **data, **grad;   /* [nparams] */
   const float **gptr;     /* [nparams] by optimizer id (= index order) */
-  int *nsrc;              /* [nparams] */
-  vsource **src;          /* [nparams][nsrc] */
   vrank_rt *rt;           /* [world_size] */
   vstat *st;
   int nst, capst;
@@ -214,52 +206,9 @@ static int check_out_path(const char *opt, const char *path) {
 /* ---- the index ---------------------------------------------------------------------- */
 
 static int load_index(vctx *c) {
-  struct stat sb;
-  size_t tl = strlen(c->trace);
-  if (tl >= sizeof c->dir - 16) return cli_errorf(CMD, "TRACE '%.64s...': path too long", c->trace);
-  if (stat(c->trace, &sb) != 0) return cli_errorf(CMD, "%s: %s", c->trace, strerror(errno));
-  if (S_ISDIR(sb.st_mode)) {
-    memcpy(c->dir, c->trace, tl + 1);
-    snprintf(c->index_path, sizeof c->index_path, "%s/index.json", c->dir);
-  } else {
-    snprintf(c->index_path, sizeof c->index_path, "%s", c->trace);
-    const char *slash = strrchr(c->trace, '/');
-    if (slash) {
-      memcpy(c->dir, c->trace, (size_t)(slash - c->trace));
-      c->dir[slash - c->trace] = '\0';
-      if (!c->dir[0]) strcpy(c->dir, "/");
-    } else strcpy(c->dir, ".");
-  }
-  FILE *f = fopen(c->index_path, "rb");
-  if (!f) return cli_errorf(CMD, "%s: cannot open: %s", c->index_path, strerror(errno));
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    fclose(f);
-    return cli_errorf(CMD, "%s: not a regular file", c->index_path);
-  }
-  if (sb.st_size > VR_MAX_INDEX_BYTES) {
-    fclose(f);
-    return cli_errorf(CMD, "%s: %lld bytes, larger than the limit of %ld", c->index_path, (long long)sb.st_size,
-                      VR_MAX_INDEX_BYTES);
-  }
-  size_t n = (size_t)sb.st_size;
-  char *text = malloc(n + 1);
-  if (!text) {
-    fclose(f);
-    return cli_errorf(CMD, "%s: out of memory for %zu bytes", c->index_path, n);
-  }
-  size_t got = fread(text, 1, n, f);
-  fclose(f);
-  if (got != n) {
-    free(text);
-    return cli_errorf(CMD, "%s: short read (%zu of %zu bytes)", c->index_path, got, n);
-  }
-  text[n] = '\0';
-  char err[1024];
-  int rc = vr_index_parse(text, n, c->index_path, &c->ix, err, sizeof err);
-  free(text);
-  if (rc) return cli_errorf(CMD, "%s", err);
-  if (c->ix.steps == 0)
-    return cli_errorf(CMD, "%s: steps: 0: the recording holds no step (nothing to verify)", c->index_path);
+  if (vr_reader_open(&c->rd, c->trace) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
+  if (c->rd.ix.steps == 0)
+    return cli_errorf(CMD, "%s: steps: 0: the recording holds no step (nothing to verify)", c->rd.index_path);
   return CLI_OK;
 }
 
@@ -367,131 +316,44 @@ static void record_result(vctx *c, int si, long t, double rel, double tol) {
 
 /* ---- tensor files ------------------------------------------------------------------- */
 
-/* Parses "<t>/" at s: the step (decimal, no sign or leading zero); returns the rest or NULL. */
-static const char *parse_step(const char *s, long *t) {
-  long v = 0;
-  int nd = 0;
-  while (s[nd] >= '0' && s[nd] <= '9' && nd < 9) v = v * 10 + (s[nd] - '0'), nd++;
-  if (nd == 0 || s[nd] != '/' || s[0] == '0') return NULL;
-  *t = v;
-  return s + nd + 1;
-}
-
 static int piece_index(const vctx *c, int r, int param) {
-  const vr_rank *rk = &c->ix.ranks[r];
+  const vr_rank *rk = &c->rd.ix.ranks[r];
   for (int i = 0; i < rk->npieces; i++)
     if (rk->pieces[i].param == param) return i;
   return -1;
 }
 
-/* The state key's statistic of rank r's piece i, created at first sight. */
-static int key_stat(vctx *c, int r, int i, const char *key, const char *fpath, const char *tname) {
+/* The state key's statistic of rank r's piece i, created at first sight (the reader calls this for
+ * every state tensor of a file it loads). */
+static int key_stat(void *user, int r, int i, const char *key, const char *fpath, const char *tname, char *err,
+                    size_t cap) {
+  vctx *c = user;
   vpiece_keys *k = &c->rt[r].keys[i];
   for (int j = 1; j <= k->nkeys; j++)
     if (strcmp(c->st[k->stat[j]].key, key) == 0) return 0;
-  if (k->nkeys == VR_MAX_KEYS)
-    return cli_errorf(CMD, "%s: tensor '%s': more than %d state keys for one parameter (the limit)", fpath, tname,
-                      VR_MAX_KEYS);
-  int si = new_stat(c, r, &c->ix.ranks[r].pieces[i], key);
-  if (si < 0) return cli_errorf(CMD, "out of memory");
+  if (k->nkeys == VR_MAX_KEYS) {
+    snprintf(err, cap, "%s: tensor '%s': more than %d state keys for one parameter (the limit)", fpath, tname,
+             VR_MAX_KEYS);
+    return -1;
+  }
+  int si = new_stat(c, r, &c->rd.ix.ranks[r].pieces[i], key);
+  if (si < 0) {
+    snprintf(err, cap, "out of memory");
+    return -1;
+  }
   k->stat[++k->nkeys] = si;
   return 0;
 }
 
-/* Every tensor of rank r's file k: a known kind, a step inside the file's block, a parameter
- * of the rank's layout, F32 with the piece's element count (states: checked when compared). */
-static int check_file(vctx *c, int r, int k, const char *fpath) {
-  const vr_file *vf = &c->ix.ranks[r].files[k];
-  dopt_st_file *f = c->rt[r].f;
-  const char *meta_rank = dopt_st_meta(f, "rank");
-  if (meta_rank) {
-    char want[16];
-    snprintf(want, sizeof want, "%d", r);
-    if (strcmp(meta_rank, want) != 0)
-      return cli_errorf(CMD, "%s: metadata rank '%.32s' but the index lists it for rank %d", fpath, meta_rank, r);
-  }
-  int n = dopt_st_count(f);
-  for (int i = 0; i < n; i++) {
-    dopt_st_tensor t;
-    dopt_st_get(f, i, &t);
-    const char *nm = t.name, *rest = NULL, *kind;
-    long step = 0;
-    char pname[VR_MAX_NAME + 1], key[VR_MAX_KEY + 1] = "";
-    if (strncmp(nm, "init/", 5) == 0) {
-      kind = "init";
-      rest = nm + 5;
-      if (k != 0) return cli_errorf(CMD, "%s: tensor '%s': init/ tensors belong in the rank's first file", fpath, nm);
-    } else if (strncmp(nm, "grad/", 5) == 0 || strncmp(nm, "param/", 6) == 0 || strncmp(nm, "state/", 6) == 0) {
-      kind = nm[0] == 'g' ? "grad" : nm[0] == 'p' ? "param" : "state";
-      rest = parse_step(nm + strlen(kind) + 1, &step);
-      if (!rest)
-        return cli_errorf(CMD, "%s: tensor '%s': expected %s/<step>/<param>%s with step a decimal integer >= 1", fpath,
-                          nm, kind, kind[0] == 's' ? "/<key>" : "");
-      if (step < vf->first || step > vf->last)
-        return cli_errorf(CMD, "%s: tensor '%s': step %ld is outside the file's steps %ld..%ld", fpath, nm, step,
-                          vf->first, vf->last);
-    } else {
-      return cli_errorf(CMD, "%s: tensor '%s': expected init/, grad/, param/ or state/", fpath, nm);
-    }
-    size_t rl = strlen(rest);
-    if (kind[0] == 's') {
-      const char *slash = strrchr(rest, '/');
-      if (!slash || slash == rest || !slash[1] || strlen(slash + 1) > VR_MAX_KEY)
-        return cli_errorf(CMD, "%s: tensor '%s': expected state/<step>/<param>/<key> (key 1..%d bytes)", fpath, nm,
-                          VR_MAX_KEY);
-      rl = (size_t)(slash - rest);
-      snprintf(key, sizeof key, "%s", slash + 1);
-    }
-    if (rl == 0 || rl > VR_MAX_NAME) return cli_errorf(CMD, "%s: tensor '%s': bad parameter name", fpath, nm);
-    memcpy(pname, rest, rl);
-    pname[rl] = '\0';
-    int p = vr_index_find_param(&c->ix, pname);
-    int pi = p >= 0 ? piece_index(c, r, p) : -1;
-    if (pi < 0)
-      return cli_errorf(CMD, "%s: tensor '%s': rank %d's layout has no parameter '%s'", fpath, nm, r, pname);
-    const vr_piece *pc = &c->ix.ranks[r].pieces[pi];
-    if (kind[0] == 's' && strcmp(key, "step") == 0) {
-      if (t.numel != 1 || (t.dtype != DOPT_F32 && t.dtype != DOPT_F64 && t.dtype != DOPT_I64 && t.dtype != DOPT_I32))
-        return cli_errorf(CMD, "%s: tensor '%s': a step count must be one F32, F64, I32 or I64 element (got %s, %zu "
-                               "elements)", fpath, nm, dopt_dtype_name(t.dtype), t.numel);
-    } else if (t.dtype != DOPT_F32) {
-      return cli_errorf(CMD, "%s: tensor '%s' is %s, expected F32", fpath, nm, dopt_dtype_name(t.dtype));
-    } else if (kind[0] != 's' && (int64_t)t.numel != pc->len) {
-      return cli_errorf(CMD, "%s: tensor '%s' has %zu elements but rank %d's piece of '%s' has %lld", fpath, nm, t.numel,
-                        r, pname, (long long)pc->len);
-    }
-    if (kind[0] == 's' && key_stat(c, r, pi, key, fpath, nm)) return CLI_USAGE;
-  }
-  return CLI_OK;
-}
-
-static int open_file(vctx *c, int r, int k) {
-  vrank_rt *rt = &c->rt[r];
-  if (rt->f) dopt_st_free(rt->f);
-  rt->f = NULL;
-  rt->cur = k;
-  char fpath[4600];
-  snprintf(fpath, sizeof fpath, "%s/%s", c->dir, c->ix.ranks[r].files[k].path);
-  dopt_status s = dopt_st_load(fpath, &rt->f);
-  if (s != DOPT_OK) return lib_error(NULL, s);
-  return check_file(c, r, k, fpath);
-}
-
 /* Makes rank r's open file the one holding step t. */
 static int file_for_step(vctx *c, int r, long t) {
-  vrank_rt *rt = &c->rt[r];
-  const vr_rank *rk = &c->ix.ranks[r];
-  int k = rt->cur < 0 ? 0 : rt->cur;
-  while (k < rk->nfiles && rk->files[k].last < t) k++;
-  if (k >= rk->nfiles) return cli_errorf(CMD, "rank %d: no file holds step %ld", r, t);
-  if (k != rt->cur || !rt->f) return open_file(c, r, k);
-  return CLI_OK;
+  return vr_reader_seek(&c->rd, r, t) == DOPT_OK ? CLI_OK : cli_errorf(CMD, "%s", c->rd.err);
 }
 
 /* ---- setup -------------------------------------------------------------------------- */
 
 static int setup(vctx *c) {
-  const vr_index *ix = &c->ix;
+  const vr_index *ix = &c->rd.ix;
   const verify_tol *tol = find_tol(ix->optimizer);
   if (c->rtol > 0.0) {
     c->tol_param = c->tol_state = c->rtol;
@@ -501,16 +363,16 @@ static int setup(vctx *c) {
     c->tol_state = tol->state;
     c->tol_source = "declared";
   } else {
-    return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared tolerance (give --rtol)", c->index_path,
+    return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared tolerance (give --rtol)", c->rd.index_path,
                       ix->optimizer);
   }
   dopt_status s = dopt_optim_create(ix->optimizer, ix->group_hparams[0], &c->opt);
-  if (s != DOPT_OK) return lib_error(c->index_path, s);
+  if (s != DOPT_OK) return lib_error(c->rd.index_path, s);
   for (int g = 1; g < ix->ngroups; g++) {
     int gid;
     if ((s = dopt_optim_add_group(c->opt, ix->group_hparams[g], &gid)) != DOPT_OK) {
       char what[4400];
-      snprintf(what, sizeof what, "%s: groups[%d].hparams", c->index_path, g);
+      snprintf(what, sizeof what, "%s: groups[%d].hparams", c->rd.index_path, g);
       return lib_error(what, s);
     }
   }
@@ -518,10 +380,8 @@ static int setup(vctx *c) {
   c->data = calloc((size_t)np, sizeof *c->data);
   c->grad = calloc((size_t)np, sizeof *c->grad);
   c->gptr = calloc((size_t)np, sizeof *c->gptr);
-  c->nsrc = calloc((size_t)np, sizeof *c->nsrc);
-  c->src = calloc((size_t)np, sizeof *c->src);
   c->rt = calloc((size_t)ix->world_size, sizeof *c->rt);
-  if (!c->data || !c->grad || !c->gptr || !c->nsrc || !c->src || !c->rt) return cli_errorf(CMD, "out of memory");
+  if (!c->data || !c->grad || !c->gptr || !c->rt) return cli_errorf(CMD, "out of memory");
   for (int p = 0; p < np; p++) {
     size_t n = (size_t)ix->params[p].numel;
     if (n > SIZE_MAX / sizeof(float) / 2) return cli_errorf(CMD, "parameter '%s': too large", ix->params[p].name);
@@ -532,7 +392,6 @@ static int setup(vctx *c) {
   }
   for (int r = 0; r < ix->world_size; r++) {
     const vr_rank *rk = &ix->ranks[r];
-    c->rt[r].cur = -1;
     c->rt[r].keys = calloc(rk->npieces > 0 ? (size_t)rk->npieces : 1, sizeof *c->rt[r].keys);
     if (!c->rt[r].keys) return cli_errorf(CMD, "out of memory");
     for (int i = 0; i < rk->npieces; i++) {
@@ -540,36 +399,19 @@ static int setup(vctx *c) {
       int si = new_stat(c, r, pc, "");
       if (si < 0) return cli_errorf(CMD, "out of memory");
       c->rt[r].keys[i].stat[0] = si;
-      if (pc->source) c->nsrc[pc->param]++;
     }
   }
-  for (int p = 0; p < np; p++) {
-    c->src[p] = calloc(c->nsrc[p] > 0 ? (size_t)c->nsrc[p] : 1, sizeof *c->src[p]);
-    if (!c->src[p]) return cli_errorf(CMD, "out of memory");
-    c->nsrc[p] = 0;
-  }
-  for (int r = 0; r < ix->world_size; r++)
-    for (int i = 0; i < ix->ranks[r].npieces; i++) {
-      const vr_piece *pc = &ix->ranks[r].pieces[i];
-      if (pc->source) c->src[pc->param][c->nsrc[pc->param]++] = (vsource){r, pc};
-    }
-  /* the initial parameters: init/<p> of each source piece, in its rank's first file */
-  char key[VR_MAX_NAME + 64];
+  /* every rank's first file (checked, its state keys seen), then the initial parameters: init/<p> of
+   * each source piece, in its rank's first file */
+  c->rd.on_state = key_stat;
+  c->rd.user = c;
   for (int r = 0; r < ix->world_size; r++) {
     if (ix->ranks[r].npieces == 0) continue;
     int rc = file_for_step(c, r, 1);
     if (rc) return rc;
-    for (int i = 0; i < ix->ranks[r].npieces; i++) {
-      const vr_piece *pc = &ix->ranks[r].pieces[i];
-      if (!pc->source) continue;
-      dopt_st_tensor t;
-      snprintf(key, sizeof key, "init/%s", ix->params[pc->param].name);
-      if (dopt_st_find(c->rt[r].f, key, &t) != DOPT_OK)
-        return cli_errorf(CMD, "%s/%s: tensor '%s' is missing (rank %d's first file holds its initial values)", c->dir,
-                          ix->ranks[r].files[0].path, key, r);
-      memcpy(c->data[pc->param] + pc->lo, t.data, (size_t)pc->len * sizeof(float));
-    }
   }
+  for (int p = 0; p < np; p++)
+    if (vr_reader_init(&c->rd, p, c->data[p]) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
   for (int p = 0; p < np; p++) {
     const vr_param *vp = &ix->params[p];
     dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
@@ -579,7 +421,7 @@ static int setup(vctx *c) {
     pc.data = c->data[p];
     pc.layer = dopt_layer_from_name(vp->name);
     int id;
-    if ((s = dopt_optim_add_param(c->opt, vp->group, &pc, &id)) != DOPT_OK) return lib_error(c->index_path, s);
+    if ((s = dopt_optim_add_param(c->opt, vp->group, &pc, &id)) != DOPT_OK) return lib_error(c->rd.index_path, s);
   }
   return CLI_OK;
 }
@@ -587,29 +429,17 @@ static int setup(vctx *c) {
 /* ---- the replay ---------------------------------------------------------------------- */
 
 static int assemble_grads(vctx *c, long t) {
-  char key[VR_MAX_NAME + 64];
-  for (int p = 0; p < c->ix.nparams; p++) {
-    int present = -1;
-    snprintf(key, sizeof key, "grad/%ld/%s", t, c->ix.params[p].name);
-    for (int k = 0; k < c->nsrc[p]; k++) {
-      const vsource *sr = &c->src[p][k];
-      dopt_st_tensor g;
-      int has = dopt_st_find(c->rt[sr->rank].f, key, &g) == DOPT_OK;
-      if (present >= 0 && has != present)
-        return cli_errorf(CMD, "step %ld: parameter '%s': rank %d %s a gradient but rank %d %s", t,
-                          c->ix.params[p].name, sr->rank, has ? "records" : "records no", c->src[p][0].rank,
-                          present ? "does" : "does not");
-      present = has;
-      if (has) memcpy(c->grad[p] + sr->pc->lo, g.data, (size_t)sr->pc->len * sizeof(float));
-    }
-    c->gptr[p] = present == 1 ? c->grad[p] : NULL;
+  for (int p = 0; p < c->rd.ix.nparams; p++) {
+    int present = 0;
+    if (vr_reader_grad(&c->rd, p, t, c->grad[p], &present) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
+    c->gptr[p] = present ? c->grad[p] : NULL;
   }
   return CLI_OK;
 }
 
 /* The flat range of `key`'s reference state (n elements) rank r's piece records. */
 static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len) {
-  const vr_param *vp = &c->ix.params[pc->param];
+  const vr_param *vp = &c->rd.ix.params[pc->param];
   for (int i = 0; i < pc->nstates; i++)
     if (strcmp(pc->states[i].key, key) == 0) {
       *lo = pc->states[i].lo;
@@ -631,12 +461,12 @@ static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64
 
 static int compare_step(vctx *c, long t) {
   char key[VR_MAX_NAME + 128];
-  for (int r = 0; r < c->ix.world_size; r++) {
-    const vr_rank *rk = &c->ix.ranks[r];
-    dopt_st_file *f = c->rt[r].f;
+  for (int r = 0; r < c->rd.ix.world_size; r++) {
+    const vr_rank *rk = &c->rd.ix.ranks[r];
+    const dopt_st_file *f = c->rd.f[r];
     for (int i = 0; i < rk->npieces; i++) {
       const vr_piece *pc = &rk->pieces[i];
-      const vr_param *vp = &c->ix.params[pc->param];
+      const vr_param *vp = &c->rd.ix.params[pc->param];
       const vpiece_keys *pk = &c->rt[r].keys[i];
       dopt_st_tensor rec;
       /* states first: they feed the parameter's update, so at the first divergent step the verdict
@@ -703,10 +533,10 @@ static int compare_step(vctx *c, long t) {
         if (state_range(c, pc, s->key, n, &lo, &len))
           return cli_errorf(CMD, "%s: rank %d records state '%s' of '%s' for elements [%lld, %lld) of the parameter but "
                                  "declares no range of the state (ranks[%d].pieces[].states)",
-                            c->index_path, r, s->key, vp->name, (long long)pc->lo, (long long)(pc->lo + pc->len), r);
+                            c->rd.index_path, r, s->key, vp->name, (long long)pc->lo, (long long)(pc->lo + pc->len), r);
         if (lo + len > n)
           return cli_errorf(CMD, "%s: rank %d, state '%s' of '%s': range [%lld, %lld) is outside the reference's %lld "
-                                 "elements", c->index_path, r, s->key, vp->name, (long long)lo, (long long)(lo + len),
+                                 "elements", c->rd.index_path, r, s->key, vp->name, (long long)lo, (long long)(lo + len),
                             (long long)n);
         if ((int64_t)rec.numel != len)
           return cli_errorf(CMD, "rank %d: tensor '%s' has %zu elements, expected %lld (the state range [%lld, %lld))",
@@ -727,17 +557,17 @@ static int compare_step(vctx *c, long t) {
 
 static int replay(vctx *c) {
   long ch = 0;
-  for (long t = 1; t <= c->ix.steps; t++) {
-    for (int r = 0; r < c->ix.world_size; r++) {
+  for (long t = 1; t <= c->rd.ix.steps; t++) {
+    for (int r = 0; r < c->rd.ix.world_size; r++) {
       int rc = file_for_step(c, r, t);
       if (rc) return rc;
     }
-    for (; ch < c->ix.nchanges && c->ix.changes[ch].step == t; ch++) {
-      const vr_change *h = &c->ix.changes[ch];
+    for (; ch < c->rd.ix.nchanges && c->rd.ix.changes[ch].step == t; ch++) {
+      const vr_change *h = &c->rd.ix.changes[ch];
       dopt_status s = dopt_optim_set_hparam(c->opt, h->group, h->key, h->value);
       if (s != DOPT_OK) {
         char what[4400];
-        snprintf(what, sizeof what, "%s: hparam_changes[%ld] (step %ld)", c->index_path, ch, t);
+        snprintf(what, sizeof what, "%s: hparam_changes[%ld] (step %ld)", c->rd.index_path, ch, t);
         return lib_error(what, s);
       }
     }
@@ -759,20 +589,20 @@ static int replay(vctx *c) {
   long compared = 0;
   for (int i = 0; i < c->nst; i++) compared += c->st[i].compared;
   if (compared == 0)
-    return cli_errorf(CMD, "%s: no recorded parameter or state (param/<t>/..., state/<t>/...) to compare", c->index_path);
+    return cli_errorf(CMD, "%s: no recorded parameter or state (param/<t>/..., state/<t>/...) to compare", c->rd.index_path);
   return CLI_OK;
 }
 
 /* ---- reports ------------------------------------------------------------------------- */
 
 static void stat_name(const vctx *c, const vstat *s, char *buf, size_t cap) {
-  const char *pn = c->ix.params[s->param].name;
+  const char *pn = c->rd.ix.params[s->param].name;
   if (s->key[0]) snprintf(buf, cap, "%s/%s", pn, s->key);
   else snprintf(buf, cap, "%s", pn);
 }
 
 static void piece_text(const vctx *c, const vstat *s, char *buf, size_t cap) {
-  const vr_param *vp = &c->ix.params[s->param];
+  const vr_param *vp = &c->rd.ix.params[s->param];
   if (s->pc->lo == 0 && s->pc->len == vp->numel) snprintf(buf, cap, "whole");
   else snprintf(buf, cap, "[%lld,%lld)", (long long)s->pc->lo, (long long)(s->pc->lo + s->pc->len));
 }
@@ -787,8 +617,8 @@ static int text_width(const char *s) {
 static int *row_order(const vctx *c) {
   int *o = malloc((size_t)(c->nst > 0 ? c->nst : 1) * sizeof *o), k = 0;
   if (!o) return NULL;
-  for (int p = 0; p < c->ix.nparams; p++)
-    for (int r = 0; r < c->ix.world_size; r++) {
+  for (int p = 0; p < c->rd.ix.nparams; p++)
+    for (int r = 0; r < c->rd.ix.world_size; r++) {
       int i = piece_index(c, r, p);
       if (i < 0) continue;
       const vpiece_keys *pk = &c->rt[r].keys[i];
@@ -798,7 +628,7 @@ static int *row_order(const vctx *c) {
 }
 
 static void print_table(const vctx *c) {
-  const vr_index *ix = &c->ix;
+  const vr_index *ix = &c->rd.ix;
   printf("verify: %s %s%s%s\n", ix->optimizer, ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)",
          ix->upstream[0] ? " | recorded from " : "", ix->upstream);
   for (int g = 1; g < ix->ngroups; g++) printf("  group %d: %s\n", g, ix->group_hparams[g]);
@@ -889,7 +719,7 @@ static int write_atomic(const vctx *c, const char *path, body_fn body, const cha
 }
 
 static int json_body(FILE *f, const vctx *c) {
-  const vr_index *ix = &c->ix;
+  const vr_index *ix = &c->rd.ix;
   cJSON *root = cJSON_CreateObject();
   if (!root) return 0;
   char name[VR_MAX_NAME + VR_MAX_KEY + 2];
@@ -1013,7 +843,7 @@ static int svg_body(FILE *f, const vctx *c) {
   if (hi_t > mx) mx = hi_t;
   int dlo = (int)floor(log10(mn)), dhi = (int)ceil(log10(mx));
   if (dhi <= dlo) dhi = dlo + 1;
-  double x0 = 1, x1 = c->ix.steps > 1 ? (double)c->ix.steps : 2;
+  double x0 = 1, x1 = c->rd.ix.steps > 1 ? (double)c->rd.ix.steps : 2;
 #define SX(s) (SV_L + ((double)(s) - x0) / (x1 - x0) * (SV_R - SV_L))
   char name[VR_MAX_NAME + VR_MAX_KEY + 2];
   fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" "
@@ -1021,12 +851,12 @@ static int svg_body(FILE *f, const vctx *c) {
           SV_W, SV_H, SV_W, SV_H);
   fprintf(f, "<rect width=\"%d\" height=\"%d\" fill=\"#ffffff\"/>\n<text x=\"%.0f\" y=\"26\" font-size=\"16\" "
              "font-weight=\"bold\">distopt verify: ", SV_W, SV_H, SV_L);
-  xml_text(f, c->ix.optimizer);
-  fputs(c->ix.upstream[0] ? " vs recorded " : "", f);
-  xml_text(f, c->ix.upstream);
+  xml_text(f, c->rd.ix.optimizer);
+  fputs(c->rd.ix.upstream[0] ? " vs recorded " : "", f);
+  xml_text(f, c->rd.ix.upstream);
   fprintf(f, " (world size %d)</text>\n<text x=\"%.0f\" y=\"46\" fill=\"#444444\">normwise relative error "
              "max|recorded \xE2\x88\x92 reference| / max|reference| per recorded step (log scale); dashed: tolerances</text>\n",
-          c->ix.world_size, SV_L);
+          c->rd.ix.world_size, SV_L);
   fprintf(f, "<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" fill=\"none\" stroke=\"#333333\"/>\n", SV_L,
           SV_T, SV_R - SV_L, SV_B - SV_T);
   for (int d = dlo; d <= dhi; d++) {
@@ -1091,20 +921,14 @@ static int svg_body(FILE *f, const vctx *c) {
 /* ---- entry --------------------------------------------------------------------------- */
 
 static void cleanup(vctx *c) {
-  for (int p = 0; p < c->ix.nparams; p++) {
+  for (int p = 0; p < c->rd.ix.nparams; p++) {
     if (c->data) free(c->data[p]);
     if (c->grad) free(c->grad[p]);
-    if (c->src) free(c->src[p]);
   }
   free(c->data);
   free(c->grad);
   free(c->gptr);
-  free(c->nsrc);
-  free(c->src);
-  for (int r = 0; c->rt && r < c->ix.world_size; r++) {
-    dopt_st_free(c->rt[r].f);
-    free(c->rt[r].keys);
-  }
+  for (int r = 0; c->rt && r < c->rd.ix.world_size; r++) free(c->rt[r].keys);
   free(c->rt);
   for (int i = 0; i < c->nst; i++) {
     free(c->st[i].pt_step);
@@ -1112,7 +936,7 @@ static void cleanup(vctx *c) {
   }
   free(c->st);
   dopt_optim_destroy(c->opt);
-  vr_index_free(&c->ix);
+  vr_reader_close(&c->rd);
 }
 
 int cmd_verify(int argc, char **argv) {

@@ -159,6 +159,10 @@ void cmp_result_free(cmp_result *r);
 /* The declared tolerance of an optimizer, in ULP (0 = bitwise). */
 uint64_t cmp_declared_ulp(const char *optimizer);
 
+/* 1: a --trace path names a recording of distopt.record (a directory or its index.json,
+ * docs/verify.md: one shard per step) rather than a single-file gradient trace. */
+int cmp_trace_is_recording(const char *path);
+
 /* Seconds on the monotonic clock (the wall-clock timer of compare, --sweep and bench). */
 double cmp_now_s(void);
 

@@ -9,8 +9,10 @@
 #include <errno.h>
 #include <fnmatch.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "compare.h"
@@ -22,6 +24,7 @@
 #include "distopt/sim.h"
 #include "internal.h"
 #include "registry.h"
+#include "verify.h"
 
 void cmp_options_default(cmp_options *o) {
   memset(o, 0, sizeof *o);
@@ -182,13 +185,21 @@ static const cmp_param SYNTH[] = {
     {"head.scale", 2, {1, 32}, DOPT_TP_REPLICATED},
 };
 
+/* A recording (docs/verify.md) read as a trace: one reader (one open file per rank) shared by the
+ * rank threads, so every read goes through the lock. */
+typedef struct rec_source {
+  vr_reader rd;
+  pthread_mutex_t mu;
+} rec_source;
+
 typedef struct source {
   int np;
   cmp_param p[CMP_MAX_PARAMS];
   size_t numel[CMP_MAX_PARAMS];
   float *init[CMP_MAX_PARAMS];
-  dopt_st_file *trace; /* NULL: synthetic */
-  int shards;          /* trace: shards per step */
+  dopt_st_file *trace; /* a single-file trace (NULL: none) */
+  rec_source *rec;     /* a recording (NULL: none); neither: synthetic */
+  int shards;          /* trace or recording (1): shards per step; 0: synthetic */
   uint64_t seed;
 } source;
 
@@ -216,8 +227,22 @@ static void synth_grad(const source *s, int i, int step, int shard, float *out) 
   }
 }
 
-/* The gradient of parameter i for (step, shard): from the trace or synthetic. */
+/* The gradient of parameter i for (step, shard): from the trace, the recording (shard 0: the whole
+ * step's gradient, assembled from its source pieces) or synthetic. */
 static dopt_status shard_grad(const source *s, int i, int step, int shard, float *out) {
+  if (s->rec) {
+    int present = 0;
+    pthread_mutex_lock(&s->rec->mu);
+    dopt_status st = vr_reader_grad(&s->rec->rd, i, step, out, &present);
+    if (st != DOPT_OK) st = dopt__fail(st, "%s", s->rec->rd.err);
+    else if (!present)
+      st = dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: step %d: parameter '%s' has no recorded gradient (grad was None); "
+                                            "compare needs every parameter's gradient at every step",
+                      s->rec->rd.index_path, step, s->p[i].name);
+    pthread_mutex_unlock(&s->rec->mu);
+    (void)shard;
+    return st;
+  }
   if (!s->trace) {
     synth_grad(s, i, step, shard, out);
     return DOPT_OK;
@@ -258,7 +283,72 @@ static dopt_status parse_roles(source *s, const char *roles) {
 static void source_free(source *s) {
   for (int i = 0; i < s->np; i++) free(s->init[i]);
   dopt_st_free(s->trace);
+  if (s->rec) {
+    vr_reader_close(&s->rec->rd);
+    pthread_mutex_destroy(&s->rec->mu);
+    free(s->rec);
+  }
   memset(s, 0, sizeof *s);
+}
+
+/* A recording's directory, or its index.json (by name), rather than a single-file trace. */
+int cmp_trace_is_recording(const char *path) {
+  struct stat sb;
+  if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return 1;
+  const char *base = strrchr(path, '/');
+  return strcmp(base ? base + 1 : path, "index.json") == 0;
+}
+
+/* --trace on a recording (docs/verify.md): its parameters (TP roles replicated: a recording has
+ * none), one shard per step (the recorded gradient is the whole step's, so dp and accumulation are
+ * 1), its steps; the gradients are read through the reader a block per rank at a time. */
+static dopt_status load_recording(const cmp_options *o, source *s) {
+  const char *tp = o->trace_path;
+  s->rec = calloc(1, sizeof *s->rec);
+  if (!s->rec) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: the recording's reader", tp);
+  if (pthread_mutex_init(&s->rec->mu, NULL) != 0) {
+    free(s->rec);
+    s->rec = NULL;
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: the recording's lock", tp);
+  }
+  vr_reader *rd = &s->rec->rd;
+  dopt_status st = vr_reader_open(rd, tp);
+  if (st != DOPT_OK) return dopt__fail(st, "%s", rd->err);
+  const vr_index *ix = &rd->ix;
+  s->shards = 1;
+  if (o->steps > ix->steps)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "steps=%d but %s records %ld steps", o->steps, rd->index_path, ix->steps);
+  const int rdp = o->checkpoint_at > 0 && o->resume_dp > 0 ? o->resume_dp : o->dp;
+  if (o->dp != 1 || rdp != 1)
+    return dopt__fail(DOPT_ERR_INVALID_ARG,
+                      "%sdp=%d with a recording (%s): its gradient of a step is the whole step's (1 shard per step), "
+                      "so dp must be 1",
+                      o->dp != 1 ? "" : "resume ", o->dp != 1 ? o->dp : rdp, tp);
+  if (o->micro != 1)
+    return dopt__fail(DOPT_ERR_INVALID_ARG,
+                      "accumulation=%d with a recording (%s): its gradient of a step is the whole step's (leave "
+                      "accumulation out or set it to 1)", o->micro, tp);
+  if (ix->nparams > CMP_MAX_PARAMS)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: %d parameters, more than compare's limit of %d", rd->index_path,
+                      ix->nparams, CMP_MAX_PARAMS);
+  for (int i = 0; i < ix->nparams; i++) {
+    const vr_param *vp = &ix->params[i];
+    cmp_param *p = &s->p[i];
+    if (strlen(vp->name) >= sizeof p->name)
+      return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: params[%d].name '%.60s...': longer than compare's limit of %zu bytes",
+                        rd->index_path, i, vp->name, sizeof p->name - 1);
+    snprintf(p->name, sizeof p->name, "%s", vp->name);
+    p->ndim = vp->ndim;
+    memcpy(p->shape, vp->shape, sizeof p->shape);
+    p->role = DOPT_TP_REPLICATED;
+    s->numel[i] = (size_t)vp->numel;
+    s->init[i] = malloc((s->numel[i] ? s->numel[i] : 1) * sizeof(float));
+    s->np = i + 1;
+    if (!s->init[i])
+      return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: parameter '%s' (%zu elements)", rd->index_path, p->name, s->numel[i]);
+    if ((st = vr_reader_init(rd, i, s->init[i])) != DOPT_OK) return dopt__fail(st, "%s", rd->err);
+  }
+  return DOPT_OK;
 }
 
 static dopt_status load_source(const cmp_options *o, source *s) {
@@ -279,6 +369,7 @@ static dopt_status load_source(const cmp_options *o, source *s) {
   if (strcmp(o->source, "trace") != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "gradients source '%s' (synthetic or trace)", o->source);
   if (!o->trace_path[0]) return dopt__fail(DOPT_ERR_INVALID_ARG, "gradients source trace needs a path");
+  if (cmp_trace_is_recording(o->trace_path)) return load_recording(o, s);
   DOPT_TRY(dopt_st_load(o->trace_path, &s->trace));
   const char *params = dopt_st_meta(s->trace, "params"), *steps = dopt_st_meta(s->trace, "steps"),
              *shards = dopt_st_meta(s->trace, "shards");
@@ -325,9 +416,9 @@ static dopt_status load_source(const cmp_options *o, source *s) {
 /* Micro-batch m of DP rank d: synthetic shard index d·micro + m; a trace's
  * shards are split evenly over the DP ranks. */
 static int shard_of(const cmp_options *o, const source *s, int d, int m) {
-  return d * (s->trace ? s->shards / o->dp : o->micro) + m;
+  return d * (s->shards > 0 ? s->shards / o->dp : o->micro) + m;
 }
-static int micro_of(const cmp_options *o, const source *s) { return s->trace ? s->shards / o->dp : o->micro; }
+static int micro_of(const cmp_options *o, const source *s) { return s->shards > 0 ? s->shards / o->dp : o->micro; }
 
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
 

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "distopt/dtype.h"
+#include "distopt/safetensors.h"
 
 #define VR_SCHEMA_VERSION 1
 #define VR_KIND "distopt-record"
@@ -109,5 +110,63 @@ int vr_index_find_param(const vr_index *ix, const char *name);
 
 /* The piece of `param` that rank r records, or NULL. */
 const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param);
+
+/* ---- reading a recording (compare/verify_reader.c) ----------------------------------------
+ *
+ * Used by `distopt verify` and by `distopt compare --trace` on a recording. The
+ * reader keeps at most one open tensor file per rank: the block holding the
+ * step last asked for (vr_reader_seek loads the next block when a step moves
+ * past it, or an earlier one when it moves back), so memory is one block per
+ * rank besides the index. Every file is checked when it is loaded against the
+ * index (metadata rank, tensor names init/, grad/<t>/, param/<t>/, state/<t>/.../<key>
+ * with t inside the file's block, parameters of the rank's layout, F32 with the
+ * piece's element count; step counts one F32/F64/I32/I64 element). Not thread
+ * safe. Functions return DOPT_OK or an error status with one line in rd->err
+ * naming the file, tensor or key and the value (unescaped: the printer escapes). */
+
+typedef struct vr_source {
+  int rank;
+  const vr_piece *pc;
+} vr_source;
+
+/* Called for every state tensor of a file when it is loaded (rank, the index of
+ * the piece in the rank's layout, the state key, the file's path, the tensor's
+ * name); nonzero: the load fails with the message written into err. */
+typedef int (*vr_state_fn)(void *user, int rank, int piece, const char *key, const char *fpath, const char *tensor,
+                           char *err, size_t cap);
+
+typedef struct vr_reader {
+  vr_index ix;
+  char dir[4096];          /* the recording's directory */
+  char index_path[4200];   /* its index.json */
+  int *nsrc;               /* [nparams] source pieces of each parameter */
+  vr_source **src;         /* [nparams][nsrc], by rank */
+  int *cur;                /* [world_size] the loaded file of each rank (-1: none) */
+  dopt_st_file **f;        /* [world_size] */
+  long loads;              /* tensor files loaded so far */
+  vr_state_fn on_state;    /* optional */
+  void *user;
+  char err[1024];
+} vr_reader;
+
+/* Opens the recording at path (its directory or its index.json): reads and
+ * parses the index (at most VR_MAX_INDEX_BYTES; vr_index_parse's checks) and
+ * finds each parameter's source pieces. No tensor file is loaded yet. On error
+ * rd is still safe to vr_reader_close. */
+dopt_status vr_reader_open(vr_reader *rd, const char *path);
+void vr_reader_close(vr_reader *rd);
+
+/* Makes rank r's loaded file the one holding step t (1..steps), loading and
+ * checking it when another is loaded. */
+dopt_status vr_reader_seek(vr_reader *rd, int r, long t);
+
+/* The initial value of parameter p (numel floats) from its source pieces'
+ * init/<p> (each in its rank's first file). */
+dopt_status vr_reader_init(vr_reader *rd, int p, float *out);
+
+/* The gradient of parameter p at step t (numel floats), assembled from its
+ * source pieces' grad/<t>/<p>. *present: 1, or 0 when no source records one
+ * (the step had no gradient; out is then untouched); the sources must agree. */
+dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *present);
 
 #endif

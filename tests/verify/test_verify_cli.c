@@ -14,6 +14,7 @@
 
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
+#include "verify.h" /* compare/: the recording's reader */
 
 static const char *bin;
 static char dir[256], outfile[600], errfile[600], jsonfile[600];
@@ -353,6 +354,183 @@ static void test_bad_input(void **st) {
   assert_int_equal(run(args), 0);
 }
 
+/* ---- the recording's reader (compare/verify_reader.c) and `distopt compare --trace` on a recording ---- */
+
+/* The parameters before step 1 as make_trace draws them. */
+static void initial_values(float w[12], float b[5]) {
+  uint64_t st = 42;
+  for (int i = 0; i < 12; i++) w[i] = (float)dt_rand_normal(&st);
+  for (int i = 0; i < 5; i++) b[i] = (float)dt_rand_normal(&st);
+}
+
+/* The reader assembles each step's gradient from both ranks' pieces, loading a rank's next block only
+ * when the step moves past it (one open file per rank): reading steps 1..6 loads each of the 4 files once;
+ * going back to step 2 reloads the first blocks. */
+static void test_reader_blocks(void **st) {
+  (void)st;
+  char root[400];
+  snprintf(root, sizeof root, "%s/reader", dir);
+  make_trace(root, 0);
+  vr_reader rd;
+  dopt_status s = vr_reader_open(&rd, root);
+  if (s != DOPT_OK) fail_msg("vr_reader_open: %s", rd.err);
+  assert_int_equal(rd.ix.nparams, 2);
+  assert_int_equal(rd.nsrc[0], 2); /* w: rows split over ranks 0 and 1 */
+  assert_int_equal(rd.nsrc[1], 1); /* b: rank 0 */
+  assert_int_equal(rd.loads, 0);
+  float w[12], b[5], got[12], want[12];
+  initial_values(w, b);
+  assert_int_equal(vr_reader_init(&rd, 0, got), DOPT_OK);
+  assert_memory_equal(got, w, sizeof w);
+  assert_int_equal(vr_reader_init(&rd, 1, got), DOPT_OK);
+  assert_memory_equal(got, b, sizeof b);
+  assert_int_equal(rd.loads, 2);
+  for (long t = 1; t <= STEPS; t++)
+    for (int p = 0; p < 2; p++) {
+      int present = 0;
+      size_t n = p ? 5 : 12;
+      memset(got, 0xff, sizeof got);
+      if (vr_reader_grad(&rd, p, t, got, &present) != DOPT_OK) fail_msg("step %ld: %s", t, rd.err);
+      assert_int_equal(present, 1);
+      grad_at((int)t, p, n, want);
+      if (memcmp(got, want, n * sizeof(float)) != 0) fail_msg("step %ld, parameter %d: wrong gradient", t, p);
+      for (int r = 0; r < 2; r++) assert_int_equal(rd.cur[r], t <= 4 ? 0 : 1);
+    }
+  assert_int_equal(rd.loads, 4); /* each file once */
+  int present = 0;
+  assert_int_equal(vr_reader_grad(&rd, 0, 2, got, &present), DOPT_OK);
+  grad_at(2, 0, 12, want);
+  assert_memory_equal(got, want, sizeof want);
+  assert_int_equal(rd.loads, 6);
+  assert_int_equal(vr_reader_seek(&rd, 0, 7), DOPT_ERR_FORMAT);
+  assert_non_null(strstr(rd.err, "rank 0: no file holds step 7"));
+  vr_reader_close(&rd);
+  /* a missing block: the load fails naming the file, and the reader stays usable */
+  char *ix = edited("\"rank1/b.safetensors\"", "\"rank1/none.safetensors\"");
+  write_index(root, ix);
+  free(ix);
+  assert_int_equal(vr_reader_open(&rd, root), DOPT_OK);
+  assert_int_equal(vr_reader_grad(&rd, 0, 4, got, &present), DOPT_OK);
+  assert_int_not_equal(vr_reader_grad(&rd, 0, 5, got, &present), DOPT_OK);
+  assert_non_null(strstr(rd.err, "rank1/none.safetensors"));
+  vr_reader_close(&rd);
+}
+
+/* The same gradients as make_trace's recording, as one single-file trace (shards 1). */
+static void make_single_trace(const char *path) {
+  float w[12], b[5], gw[12], gb[5];
+  initial_values(w, b);
+  dopt_st_writer *wr;
+  assert_ok(dopt_st_writer_create(&wr));
+  int64_t ws[2] = {4, 3}, bs[1] = {5};
+  assert_ok(dopt_st_writer_add(wr, "init/w", DOPT_F32, 2, ws, w));
+  assert_ok(dopt_st_writer_add(wr, "init/b", DOPT_F32, 1, bs, b));
+  char name[64];
+  for (int t = 1; t <= STEPS; t++) {
+    grad_at(t, 0, 12, gw);
+    grad_at(t, 1, 5, gb);
+    snprintf(name, sizeof name, "grad/%d/0/w", t);
+    assert_ok(dopt_st_writer_add(wr, name, DOPT_F32, 2, ws, gw));
+    snprintf(name, sizeof name, "grad/%d/0/b", t);
+    assert_ok(dopt_st_writer_add(wr, name, DOPT_F32, 1, bs, gb));
+  }
+  assert_ok(dopt_st_writer_meta(wr, "params", "w,b"));
+  assert_ok(dopt_st_writer_meta(wr, "steps", "6"));
+  assert_ok(dopt_st_writer_meta(wr, "shards", "1"));
+  assert_ok(dopt_st_writer_save(wr, path));
+  dopt_st_writer_free(wr);
+}
+
+/* `distopt compare --trace` on trace (rest of the options appended); the exit code; its digest line into dg. */
+static int compare_trace(const char *trace, const char *dp, char *dg, size_t cap) {
+  const char *args[] = {"compare", "--trace", trace, "--optimizer", "adamw", "--hparams", HP, "--steps", "6",
+                        "--tp", "2", "--dp", dp, "--zero", "3", "--quiet", NULL};
+  int rc = run(args);
+  char out[16384];
+  slurp(outfile, out, sizeof out);
+  const char *d = strstr(out, "digest sha256:");
+  size_t n = d ? 7 + strcspn(d + 7, " \n") : 0; /* "digest sha256:HEX" */
+  snprintf(dg, cap, "%.*s", (int)n, d ? d : "");
+  if (rc == 0 && !strstr(out, "verdict: EQUIVALENT (bitwise")) fail_msg("%s: not bitwise:\n%s", trace, out);
+  return rc;
+}
+
+/* exit 2 and exactly one line on stderr holding needle */
+static void expect_one_line(int rc, const char *needle) {
+  char err[4096];
+  slurp(errfile, err, sizeof err);
+  int lines = 0;
+  for (const char *p = err; *p; p++) lines += *p == '\n';
+  if (rc != 2 || lines != 1 || !strstr(err, needle))
+    fail_msg("rc %d, %d lines, stderr '%s' (want '%s')", rc, lines, err, needle);
+  printf("exit 2: %s", err);
+}
+
+static void test_compare_on_recording(void **st) {
+  (void)st;
+  char root[400], ipath[500], single[500], dg_dir[128], dg_index[128], dg_single[128];
+  snprintf(root, sizeof root, "%s/ctrace", dir);
+  snprintf(ipath, sizeof ipath, "%s/index.json", root);
+  snprintf(single, sizeof single, "%s/ctrace.safetensors", dir);
+  make_trace(root, 0);
+  make_single_trace(single);
+  /* the directory, its index.json and the single-file trace of the same gradients: bitwise equivalent
+   * (tp 2 x zero 3 against the reference), one final digest */
+  assert_int_equal(compare_trace(root, "1", dg_dir, sizeof dg_dir), 0);
+  assert_int_equal(compare_trace(ipath, "1", dg_index, sizeof dg_index), 0);
+  assert_int_equal(compare_trace(single, "1", dg_single, sizeof dg_single), 0);
+  printf("recording: %s\nsingle file: %s\n", dg_dir, dg_single);
+  assert_true(strlen(dg_dir) == strlen("digest sha256:") + 64);
+  assert_string_equal(dg_dir, dg_index);
+  assert_string_equal(dg_dir, dg_single);
+  /* --sweep on a recording: every layout with dp 1 runs bitwise, dp 2 is skipped and said so */
+  {
+    const char *args[] = {"compare", "--trace", root, "--sweep", "--max-tp", "2", "--max-dp", "2", "--optimizer",
+                          "adamw", "--hparams", HP, "--steps", "6", "--quiet", NULL};
+    assert_int_equal(run(args), 0);
+    char out[16384];
+    slurp(outfile, out, sizeof out);
+    if (!strstr(out, "8 of 8 layouts bitwise") || !strstr(out, "skipped"))
+      fail_msg("--sweep on a recording:\n%s", out);
+  }
+  /* bad: dp 2 (a recorded gradient is the whole step's), more steps than recorded, a missing block */
+  int rc = compare_trace(root, "2", dg_index, sizeof dg_index);
+  expect_one_line(rc, "dp=2 with a recording");
+  expect_one_line(rc, "so dp must be 1");
+  {
+    const char *args[] = {"compare", "--trace", root, "--optimizer", "adamw", "--steps", "7", "--tp", "2", "--dp",
+                          "1", "--zero", "3", "--quiet", NULL};
+    expect_one_line(run(args), "steps=7 but");
+  }
+  char *ix = edited("\"rank1/b.safetensors\"", "\"rank1/none.safetensors\"");
+  write_index(root, ix);
+  free(ix);
+  expect_one_line(compare_trace(root, "1", dg_index, sizeof dg_index), "rank1/none.safetensors");
+  /* more parameters than compare holds (CMP_MAX_PARAMS 32): the limit named, before any tensor file */
+  {
+    size_t cap = 16384, n = 0;
+    char *big = malloc(cap);
+    assert_non_null(big);
+    n += (size_t)snprintf(big + n, cap - n,
+                          "{\"schema_version\": 1, \"kind\": \"distopt-record\", \"generator\": \"t\", "
+                          "\"optimizer\": {\"name\": \"adamw\", \"upstream\": \"t\"}, \"groups\": [{\"hparams\": \"\"}], "
+                          "\"params\": [");
+    for (int p = 0; p < 33; p++)
+      n += (size_t)snprintf(big + n, cap - n, "%s{\"name\": \"p%d\", \"shape\": [2], \"dtype\": \"F32\", \"group\": 0}",
+                            p ? ", " : "", p);
+    n += (size_t)snprintf(big + n, cap - n,
+                          "], \"torch\": {\"version\": \"none\", \"cpu_capability\": \"none\", \"num_threads\": 1}, "
+                          "\"record\": {\"every\": 1, \"params\": true, \"states\": true, \"flush_every\": 6}, "
+                          "\"world_size\": 1, \"ranks\": [{\"rank\": 0, \"pieces\": [");
+    for (int p = 0; p < 33; p++) n += (size_t)snprintf(big + n, cap - n, "%s{\"param\": \"p%d\"}", p ? ", " : "", p);
+    snprintf(big + n, cap - n, "], \"files\": [{\"path\": \"r0.safetensors\", \"first_step\": 1, \"last_step\": 6}]}], "
+                               "\"steps\": 6, \"complete\": true}");
+    write_index(root, big);
+    free(big);
+    expect_one_line(compare_trace(root, "1", dg_index, sizeof dg_index), "33 parameters, more than compare's limit of 32");
+  }
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s /path/to/distopt\n", argv[0]);
@@ -364,6 +542,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_perturbed_state_diverges),
       cmocka_unit_test(test_step_count_diverges),
       cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_reader_blocks),
+      cmocka_unit_test(test_compare_on_recording),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

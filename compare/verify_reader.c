@@ -1,0 +1,283 @@
+/* Reading a recording (compare/verify.h, docs/verify.md): the index, each
+ * parameter's source pieces, and the tensor files one block per rank at a
+ * time, checked against the index when loaded. Shared by `distopt verify`
+ * (cmd_verify.c) and `distopt compare --trace` on a recording (engine.c). */
+#include "verify.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static dopt_status rfail(vr_reader *rd, dopt_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+static dopt_status rfail(vr_reader *rd, dopt_status s, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(rd->err, sizeof rd->err, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+/* A library call's failure: its message (as `distopt verify` printed it before the reader). */
+static dopt_status lib_fail(vr_reader *rd, dopt_status s) {
+  const char *msg = dopt_last_error();
+  return rfail(rd, s, "%s", *msg ? msg : dopt_status_str(s));
+}
+
+/* ---- the index ---------------------------------------------------------------------------- */
+
+static dopt_status load_index(vr_reader *rd, const char *trace) {
+  struct stat sb;
+  size_t tl = strlen(trace);
+  if (tl >= sizeof rd->dir - 16) return rfail(rd, DOPT_ERR_INVALID_ARG, "TRACE '%.64s...': path too long", trace);
+  if (stat(trace, &sb) != 0) return rfail(rd, DOPT_ERR_IO, "%s: %s", trace, strerror(errno));
+  if (S_ISDIR(sb.st_mode)) {
+    memcpy(rd->dir, trace, tl + 1);
+    snprintf(rd->index_path, sizeof rd->index_path, "%s/index.json", rd->dir);
+  } else {
+    snprintf(rd->index_path, sizeof rd->index_path, "%s", trace);
+    const char *slash = strrchr(trace, '/');
+    if (slash) {
+      memcpy(rd->dir, trace, (size_t)(slash - trace));
+      rd->dir[slash - trace] = '\0';
+      if (!rd->dir[0]) strcpy(rd->dir, "/");
+    } else strcpy(rd->dir, ".");
+  }
+  FILE *f = fopen(rd->index_path, "rb");
+  if (!f) return rfail(rd, DOPT_ERR_IO, "%s: cannot open: %s", rd->index_path, strerror(errno));
+  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    fclose(f);
+    return rfail(rd, DOPT_ERR_IO, "%s: not a regular file", rd->index_path);
+  }
+  if (sb.st_size > VR_MAX_INDEX_BYTES) {
+    fclose(f);
+    return rfail(rd, DOPT_ERR_FORMAT, "%s: %lld bytes, larger than the limit of %ld", rd->index_path,
+                 (long long)sb.st_size, VR_MAX_INDEX_BYTES);
+  }
+  size_t n = (size_t)sb.st_size;
+  char *text = malloc(n + 1);
+  if (!text) {
+    fclose(f);
+    return rfail(rd, DOPT_ERR_NO_MEMORY, "%s: out of memory for %zu bytes", rd->index_path, n);
+  }
+  size_t got = fread(text, 1, n, f);
+  fclose(f);
+  if (got != n) {
+    free(text);
+    return rfail(rd, DOPT_ERR_IO, "%s: short read (%zu of %zu bytes)", rd->index_path, got, n);
+  }
+  text[n] = '\0';
+  int rc = vr_index_parse(text, n, rd->index_path, &rd->ix, rd->err, sizeof rd->err);
+  free(text);
+  return rc ? DOPT_ERR_FORMAT : DOPT_OK;
+}
+
+dopt_status vr_reader_open(vr_reader *rd, const char *path) {
+  memset(rd, 0, sizeof *rd);
+  dopt_status s = load_index(rd, path);
+  if (s != DOPT_OK) return s;
+  const vr_index *ix = &rd->ix;
+  int np = ix->nparams;
+  rd->nsrc = calloc(np > 0 ? (size_t)np : 1, sizeof *rd->nsrc);
+  rd->src = calloc(np > 0 ? (size_t)np : 1, sizeof *rd->src);
+  rd->cur = malloc((size_t)ix->world_size * sizeof *rd->cur);
+  rd->f = calloc((size_t)ix->world_size, sizeof *rd->f);
+  if (!rd->nsrc || !rd->src || !rd->cur || !rd->f) return rfail(rd, DOPT_ERR_NO_MEMORY, "out of memory");
+  for (int r = 0; r < ix->world_size; r++) {
+    rd->cur[r] = -1;
+    for (int i = 0; i < ix->ranks[r].npieces; i++)
+      if (ix->ranks[r].pieces[i].source) rd->nsrc[ix->ranks[r].pieces[i].param]++;
+  }
+  for (int p = 0; p < np; p++) {
+    rd->src[p] = calloc(rd->nsrc[p] > 0 ? (size_t)rd->nsrc[p] : 1, sizeof *rd->src[p]);
+    if (!rd->src[p]) return rfail(rd, DOPT_ERR_NO_MEMORY, "out of memory");
+    rd->nsrc[p] = 0;
+  }
+  for (int r = 0; r < ix->world_size; r++)
+    for (int i = 0; i < ix->ranks[r].npieces; i++) {
+      const vr_piece *pc = &ix->ranks[r].pieces[i];
+      if (pc->source) rd->src[pc->param][rd->nsrc[pc->param]++] = (vr_source){r, pc};
+    }
+  return DOPT_OK;
+}
+
+void vr_reader_close(vr_reader *rd) {
+  for (int p = 0; rd->src && p < rd->ix.nparams; p++) free(rd->src[p]);
+  free(rd->src);
+  free(rd->nsrc);
+  for (int r = 0; rd->f && r < rd->ix.world_size; r++) dopt_st_free(rd->f[r]);
+  free(rd->f);
+  free(rd->cur);
+  vr_index_free(&rd->ix);
+  memset(rd, 0, sizeof *rd);
+}
+
+/* ---- tensor files ------------------------------------------------------------------------- */
+
+/* Parses "<t>/" at s: the step (decimal, no sign or leading zero); returns the rest or NULL. */
+static const char *parse_step(const char *s, long *t) {
+  long v = 0;
+  int nd = 0;
+  while (s[nd] >= '0' && s[nd] <= '9' && nd < 9) v = v * 10 + (s[nd] - '0'), nd++;
+  if (nd == 0 || s[nd] != '/' || s[0] == '0') return NULL;
+  *t = v;
+  return s + nd + 1;
+}
+
+static int piece_index(const vr_index *ix, int r, int param) {
+  const vr_rank *rk = &ix->ranks[r];
+  for (int i = 0; i < rk->npieces; i++)
+    if (rk->pieces[i].param == param) return i;
+  return -1;
+}
+
+/* Every tensor of rank r's file k: a known kind, a step inside the file's block, a parameter
+ * of the rank's layout, F32 with the piece's element count (states: checked when compared). */
+static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
+  const vr_index *ix = &rd->ix;
+  const vr_file *vf = &ix->ranks[r].files[k];
+  const dopt_st_file *f = rd->f[r];
+  const dopt_status E = DOPT_ERR_FORMAT;
+  const char *meta_rank = dopt_st_meta(f, "rank");
+  if (meta_rank) {
+    char want[16];
+    snprintf(want, sizeof want, "%d", r);
+    if (strcmp(meta_rank, want) != 0)
+      return rfail(rd, E, "%s: metadata rank '%.32s' but the index lists it for rank %d", fpath, meta_rank, r);
+  }
+  int n = dopt_st_count(f);
+  for (int i = 0; i < n; i++) {
+    dopt_st_tensor t;
+    dopt_st_get(f, i, &t);
+    const char *nm = t.name, *rest = NULL, *kind;
+    long step = 0;
+    char pname[VR_MAX_NAME + 1], key[VR_MAX_KEY + 1] = "";
+    if (strncmp(nm, "init/", 5) == 0) {
+      kind = "init";
+      rest = nm + 5;
+      if (k != 0) return rfail(rd, E, "%s: tensor '%s': init/ tensors belong in the rank's first file", fpath, nm);
+    } else if (strncmp(nm, "grad/", 5) == 0 || strncmp(nm, "param/", 6) == 0 || strncmp(nm, "state/", 6) == 0) {
+      kind = nm[0] == 'g' ? "grad" : nm[0] == 'p' ? "param" : "state";
+      rest = parse_step(nm + strlen(kind) + 1, &step);
+      if (!rest)
+        return rfail(rd, E, "%s: tensor '%s': expected %s/<step>/<param>%s with step a decimal integer >= 1", fpath, nm,
+                     kind, kind[0] == 's' ? "/<key>" : "");
+      if (step < vf->first || step > vf->last)
+        return rfail(rd, E, "%s: tensor '%s': step %ld is outside the file's steps %ld..%ld", fpath, nm, step, vf->first,
+                     vf->last);
+    } else {
+      return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/", fpath, nm);
+    }
+    size_t rl = strlen(rest);
+    if (kind[0] == 's') {
+      const char *slash = strrchr(rest, '/');
+      if (!slash || slash == rest || !slash[1] || strlen(slash + 1) > VR_MAX_KEY)
+        return rfail(rd, E, "%s: tensor '%s': expected state/<step>/<param>/<key> (key 1..%d bytes)", fpath, nm,
+                     VR_MAX_KEY);
+      rl = (size_t)(slash - rest);
+      snprintf(key, sizeof key, "%s", slash + 1);
+    }
+    if (rl == 0 || rl > VR_MAX_NAME) return rfail(rd, E, "%s: tensor '%s': bad parameter name", fpath, nm);
+    memcpy(pname, rest, rl);
+    pname[rl] = '\0';
+    int p = vr_index_find_param(ix, pname);
+    int pi = p >= 0 ? piece_index(ix, r, p) : -1;
+    if (pi < 0) return rfail(rd, E, "%s: tensor '%s': rank %d's layout has no parameter '%s'", fpath, nm, r, pname);
+    const vr_piece *pc = &ix->ranks[r].pieces[pi];
+    if (kind[0] == 's' && strcmp(key, "step") == 0) {
+      if (t.numel != 1 || (t.dtype != DOPT_F32 && t.dtype != DOPT_F64 && t.dtype != DOPT_I64 && t.dtype != DOPT_I32))
+        return rfail(rd, E, "%s: tensor '%s': a step count must be one F32, F64, I32 or I64 element (got %s, %zu "
+                            "elements)", fpath, nm, dopt_dtype_name(t.dtype), t.numel);
+    } else if (t.dtype != DOPT_F32) {
+      return rfail(rd, E, "%s: tensor '%s' is %s, expected F32", fpath, nm, dopt_dtype_name(t.dtype));
+    } else if (kind[0] != 's' && (int64_t)t.numel != pc->len) {
+      return rfail(rd, E, "%s: tensor '%s' has %zu elements but rank %d's piece of '%s' has %lld", fpath, nm, t.numel,
+                   r, pname, (long long)pc->len);
+    }
+    if (kind[0] == 's' && rd->on_state && rd->on_state(rd->user, r, pi, key, fpath, nm, rd->err, sizeof rd->err))
+      return E;
+  }
+  return DOPT_OK;
+}
+
+static dopt_status load_file(vr_reader *rd, int r, int k) {
+  dopt_st_free(rd->f[r]);
+  rd->f[r] = NULL;
+  rd->cur[r] = k;
+  char fpath[4600];
+  snprintf(fpath, sizeof fpath, "%s/%s", rd->dir, rd->ix.ranks[r].files[k].path);
+  dopt_status s = dopt_st_load(fpath, &rd->f[r]);
+  if (s != DOPT_OK) {
+    rd->cur[r] = -1;
+    return lib_fail(rd, s);
+  }
+  rd->loads++;
+  s = check_file(rd, r, k, fpath);
+  if (s != DOPT_OK) { /* not kept: a later seek loads (and reports) it again */
+    dopt_st_free(rd->f[r]);
+    rd->f[r] = NULL;
+    rd->cur[r] = -1;
+  }
+  return s;
+}
+
+dopt_status vr_reader_seek(vr_reader *rd, int r, long t) {
+  const vr_rank *rk = &rd->ix.ranks[r];
+  int k = rd->cur[r];
+  if (k >= 0 && rd->f[r] && rk->files[k].first <= t && t <= rk->files[k].last) return DOPT_OK;
+  /* the files are contiguous blocks from step 1 (vr_index_parse): the first whose last step is >= t */
+  int lo = 0, hi = rk->nfiles;
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2;
+    if (rk->files[mid].last < t) lo = mid + 1;
+    else hi = mid;
+  }
+  if (t < 1 || lo >= rk->nfiles) return rfail(rd, DOPT_ERR_FORMAT, "rank %d: no file holds step %ld", r, t);
+  return load_file(rd, r, lo);
+}
+
+dopt_status vr_reader_init(vr_reader *rd, int p, float *out) {
+  const vr_index *ix = &rd->ix;
+  char key[VR_MAX_NAME + 64];
+  snprintf(key, sizeof key, "init/%s", ix->params[p].name);
+  for (int k = 0; k < rd->nsrc[p]; k++) {
+    const vr_source *sr = &rd->src[p][k];
+    dopt_status s = vr_reader_seek(rd, sr->rank, 1);
+    if (s != DOPT_OK) return s;
+    dopt_st_tensor t;
+    if (dopt_st_find(rd->f[sr->rank], key, &t) != DOPT_OK)
+      return rfail(rd, DOPT_ERR_FORMAT, "%s/%s: tensor '%s' is missing (rank %d's first file holds its initial values)",
+                   rd->dir, ix->ranks[sr->rank].files[0].path, key, sr->rank);
+    memcpy(out + sr->pc->lo, t.data, (size_t)sr->pc->len * sizeof(float));
+  }
+  return DOPT_OK;
+}
+
+dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *present) {
+  const vr_index *ix = &rd->ix;
+  char key[VR_MAX_NAME + 64];
+  snprintf(key, sizeof key, "grad/%ld/%s", t, ix->params[p].name);
+  int seen = -1;
+  for (int k = 0; k < rd->nsrc[p]; k++) {
+    const vr_source *sr = &rd->src[p][k];
+    dopt_status s = vr_reader_seek(rd, sr->rank, t);
+    if (s != DOPT_OK) return s;
+    dopt_st_tensor g;
+    int has = dopt_st_find(rd->f[sr->rank], key, &g) == DOPT_OK;
+    if (seen >= 0 && has != seen)
+      return rfail(rd, DOPT_ERR_FORMAT, "step %ld: parameter '%s': rank %d %s a gradient but rank %d %s", t,
+                   ix->params[p].name, sr->rank, has ? "records" : "records no", rd->src[p][0].rank,
+                   seen ? "does" : "does not");
+    seen = has;
+    if (has) memcpy(out + sr->pc->lo, g.data, (size_t)sr->pc->len * sizeof(float));
+  }
+  *present = seen == 1;
+  return DOPT_OK;
+}
