@@ -30,6 +30,7 @@
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "compare.h" /* cmp_xml_text */
 #include "verify.h"
 
 static const char *const CMD = "verify";
@@ -798,18 +799,6 @@ static int json_body(FILE *f, const vctx *c) {
 
 /* ---- SVG: normwise relative error against step, per tensor, with the tolerances ------------- */
 
-static void xml_text(FILE *f, const char *s) {
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    switch (*p) {
-    case '&': fputs("&amp;", f); break;
-    case '<': fputs("&lt;", f); break;
-    case '>': fputs("&gt;", f); break;
-    case '"': fputs("&quot;", f); break;
-    case '\'': fputs("&apos;", f); break;
-    default: fputc(*p < 0x20 || *p == 0x7f ? '?' : *p, f);
-    }
-  }
-}
 
 #define SV_W 960
 #define SV_H 540
@@ -851,9 +840,9 @@ static int svg_body(FILE *f, const vctx *c) {
           SV_W, SV_H, SV_W, SV_H);
   fprintf(f, "<rect width=\"%d\" height=\"%d\" fill=\"#ffffff\"/>\n<text x=\"%.0f\" y=\"26\" font-size=\"16\" "
              "font-weight=\"bold\">distopt verify: ", SV_W, SV_H, SV_L);
-  xml_text(f, c->rd.ix.optimizer);
+  cmp_xml_text(f, c->rd.ix.optimizer, 0);
   fputs(c->rd.ix.upstream[0] ? " vs recorded " : "", f);
-  xml_text(f, c->rd.ix.upstream);
+  cmp_xml_text(f, c->rd.ix.upstream, 0);
   fprintf(f, " (world size %d)</text>\n<text x=\"%.0f\" y=\"46\" fill=\"#444444\">normwise relative error "
              "max|recorded \xE2\x88\x92 reference| / max|reference| per recorded step (log scale); dashed: tolerances</text>\n",
           c->rd.ix.world_size, SV_L);
@@ -888,12 +877,12 @@ static int svg_body(FILE *f, const vctx *c) {
       fprintf(f, "%s%.1f,%.1f", k ? " " : "", SX(s->pt_step[k]), sv_y(s->pt_rel[k], dlo, dhi));
     stat_name(c, s, name, sizeof name);
     fprintf(f, "\"><title>rank %d ", s->rank);
-    xml_text(f, name);
+    cmp_xml_text(f, name, 0);
     fputs("</title></polyline>\n", f);
     if (drawn < 24) {
       fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"/><text x=\"%.1f\" "
                  "y=\"%.1f\" font-size=\"11\">rank %d ", SV_R + 16, ly - 4, SV_R + 36, ly - 4, col, SV_R + 42, ly, s->rank);
-      xml_text(f, name);
+      cmp_xml_text(f, name, 0);
       fputs("</text>\n", f);
       ly += 16;
     }
@@ -907,7 +896,7 @@ static int svg_body(FILE *f, const vctx *c) {
             SX(c->verdict_step), SV_B);
     fprintf(f, "<text x=\"%.0f\" y=\"%d\" font-weight=\"bold\" fill=\"#b00000\">verdict: DIVERGED at step %ld (tensor ",
             SV_L, SV_H - 14, c->verdict_step);
-    xml_text(f, name);
+    cmp_xml_text(f, name, 0);
     fprintf(f, ", rank %d)</text>\n", s->rank);
   } else {
     fprintf(f, "<text x=\"%.0f\" y=\"%d\" font-weight=\"bold\" fill=\"#2a7a2a\">verdict: WITHIN TOLERANCE</text>\n", SV_L,

@@ -621,9 +621,7 @@ dopt_status cmp_write_sweep_json(const char *path, const cmp_options *o, const c
 #define LEGEND_X (PR + 20.0)
 #define LEGEND_ROW 17.0
 
-/* Writes s escaped for XML text/attributes; at most `maxw` code points
- * (0: all), "…" appended when cut. Control characters become '?'. */
-static void xml_text(FILE *f, const char *s, int maxw) {
+void cmp_xml_text(FILE *f, const char *s, int maxw) {
   int w = 0;
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
     if ((*p & 0xC0) != 0x80) {
@@ -646,22 +644,22 @@ static void xml_text(FILE *f, const char *s, int maxw) {
   }
 }
 
-/* Like xml_text, but a name wider than maxw code points keeps its start and
+/* Like cmp_xml_text, but a name wider than maxw code points keeps its start and
  * its end around a "…" (tensor names differ at both ends). */
 static void xml_name(FILE *f, const char *s, int maxw) {
   int w = text_width(s);
   if (w <= maxw) {
-    xml_text(f, s, 0);
+    cmp_xml_text(f, s, 0);
     return;
   }
   int head = (maxw - 1) / 2, tail = maxw - 1 - head;
-  xml_text(f, s, head); /* writes the head and a "…" */
+  cmp_xml_text(f, s, head); /* writes the head and a "…" */
   const char *p = s + strlen(s);
   for (int k = 0; k < tail && p > s;) {
     p--;
     if (((unsigned char)*p & 0xC0) != 0x80) k++;
   }
-  xml_text(f, p, 0);
+  cmp_xml_text(f, p, 0);
 }
 
 typedef struct svg_ctx {
@@ -727,32 +725,32 @@ static int svg_body(FILE *f, const void *vctx) {
           "font-family=\"sans-serif\" font-size=\"12\">\n",
           SVG_W, SVG_H, SVG_W, SVG_H);
   fprintf(f, "<title>distopt compare: ");
-  xml_text(f, o->optimizer, 0);
+  cmp_xml_text(f, o->optimizer, 0);
   fprintf(f, " on ");
-  xml_text(f, o->plugin, 0);
+  cmp_xml_text(f, o->plugin, 0);
   fprintf(f, "</title>\n<rect width=\"%d\" height=\"%d\" fill=\"#ffffff\"/>\n", SVG_W, SVG_H);
   /* title and subtitle */
   fprintf(f, "<text x=\"%.1f\" y=\"26\" font-size=\"16\" font-weight=\"bold\">", PL);
-  xml_text(f, o->optimizer, 0);
+  cmp_xml_text(f, o->optimizer, 0);
   if (o->hparams[0]) {
     fputs(" (", f);
-    xml_text(f, o->hparams, 60);
+    cmp_xml_text(f, o->hparams, 60);
     fputs(")", f);
   }
   fputs(" \xE2\x80\x94 ", f);
-  xml_text(f, o->plugin, 0);
+  cmp_xml_text(f, o->plugin, 0);
   fprintf(f, " tp%d\xC3\x97" "dp%d\xC3\x97zero%d</text>\n", o->tp, o->dp, o->zero);
   fprintf(f, "<text x=\"%.1f\" y=\"46\" fill=\"#444444\">max |distributed \xE2\x88\x92 reference| per step, ", PL);
   fprintf(f, "%d step%s", r->steps, plural(r->steps));
   if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
   fputs(", gradients: ", f);
-  xml_text(f, o->source, 0);
+  cmp_xml_text(f, o->source, 0);
   if (o->bf16) fputs(", bf16", f);
   if (o->max_grad_norm > 0.0) fprintf(f, ", max_grad_norm %g", o->max_grad_norm);
   fputs("</text>\n", f);
   fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-weight=\"bold\" fill=\"%s\">verdict: ", PL, SVG_H - 14,
           v.kind == V_BITWISE || v.kind == V_WITHIN ? "#2a7a2a" : "#b00000");
-  xml_text(f, vtext, 110);
+  cmp_xml_text(f, vtext, 110);
   fputs("</text>\n", f);
 
   /* y grid, ticks and labels (decades) */
@@ -826,7 +824,7 @@ static int svg_body(FILE *f, const void *vctx) {
     for (int s = 0; s < r->steps; s++)
       fprintf(f, "%s%.1f,%.1f", s ? " " : "", map_x((double)(s + 1), xlo, xhi), map_y(t->abs_per_step[s], dlo, dhi));
     fputs("\"><title>", f);
-    xml_text(f, t->name, 0);
+    cmp_xml_text(f, t->name, 0);
     fputs("</title></polyline>\n", f);
     if (r->steps <= 40)
       for (int s = 0; s < r->steps; s++)

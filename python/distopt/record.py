@@ -31,53 +31,17 @@ Optimizers known by class: torch.optim.AdamW -> adamw, transformers' Adafactor -
 through distopt._upstream's table); ZeroRedundancyOptimizer -> its inner optimizer. Others need `name=` and
 `hparams=` (distopt keys, `distopt list`).
 """
-import ctypes
 import json
 import os
 
-from . import _core, _lib, _upstream
+from . import _core, _upstream
+from ._safetensors import write as _write_safetensors
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
 SCHEMA_VERSION = 1
 KIND = "distopt-record"
-_DTYPE = {"F32": 0, "I64": 5}  # dopt_dtype values (include/distopt/dtype.h; _lib.DTYPES)
 
 __all__ = ["record", "Recorder", "verify"]
-
-
-# ---- the C library's safetensors writer (dopt_st_writer_*: atomic, validated) --------------------------
-
-def _fn(name, res, args):
-    f = _lib.lib[name]  # a fresh function object: the prototypes here do not touch _lib's
-    f.restype = res
-    f.argtypes = args
-    return f
-
-
-_P = ctypes.c_void_p
-_st_create = _fn("dopt_st_writer_create", ctypes.c_int, [ctypes.POINTER(_P)])
-_st_free = _fn("dopt_st_writer_free", None, [_P])
-_st_add = _fn("dopt_st_writer_add", ctypes.c_int,
-              [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), _P])
-_st_meta = _fn("dopt_st_writer_meta", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p])
-_st_save = _fn("dopt_st_writer_save", ctypes.c_int, [_P, ctypes.c_char_p])
-
-
-def _write_safetensors(path, tensors, metadata):
-    """tensors: (name, contiguous CPU torch tensor of float32 or int64) in file order."""
-    import torch
-    w = _P()
-    _lib.call(_st_create, ctypes.byref(w))
-    try:
-        for name, t in tensors:
-            dt = {torch.float32: "F32", torch.int64: "I64"}[t.dtype]
-            shape = (ctypes.c_int64 * max(1, t.dim()))(*t.shape)
-            _lib.call(_st_add, w, name.encode(), _DTYPE[dt], t.dim(), shape, ctypes.c_void_p(t.data_ptr()))
-        for k, v in metadata.items():
-            _lib.call(_st_meta, w, k.encode(), str(v).encode())
-        _lib.call(_st_save, w, path.encode())
-    finally:
-        _st_free(w)
 
 
 def _write_json_atomic(path, obj):

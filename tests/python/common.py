@@ -49,24 +49,10 @@ _DT = {"F32": ("<f4", 4), "I64": ("<i8", 8), "F64": ("<f8", 8), "U8": ("|u1", 1)
 
 
 def st_write(path, tensors, metadata=None):
-    """tensors: {name: numpy array (float32)} in file order."""
+    """tensors: {name: numpy array (float32)} in file order; through the package's writer (the library's)."""
     import numpy as np
-    header, blobs, off = {}, [], 0
-    for name, a in tensors.items():
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        b = a.tobytes()
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+    from distopt import _safetensors
+    _safetensors.write(path, {k: np.ascontiguousarray(a, dtype=np.float32) for k, a in tensors.items()}, metadata)
 
 
 def st_read(path):

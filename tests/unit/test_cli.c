@@ -29,24 +29,7 @@ static int teardown(void **st) {
 }
 
 /* Runs the binary with args (NULL-terminated), stderr to errfile; returns the exit code. */
-static int run(const char *const *args) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    FILE *e = freopen(errfile, "w", stderr);
-    FILE *o = freopen("/dev/null", "w", stdout);
-    (void)e, (void)o;
-    const char *argv[32];
-    int n = 0;
-    argv[n++] = bin;
-    for (; args[n - 1] && n < 31; n++) argv[n] = args[n - 1];
-    argv[n] = NULL;
-    execv(bin, (char *const *)argv);
-    _exit(127);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+static int run(const char *const *args) { return dt_run(bin, args, NULL, errfile); }
 
 static void expect_usage_error(const char *const *args, const char *needle, const char *out) {
   unlink(out);
@@ -292,24 +275,7 @@ static void test_bad_input(void **st) {
 }
 
 /* Runs the binary with stdout to outfile too; returns the exit code. */
-static int run_out(const char *const *args, const char *outfile) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    FILE *e = freopen(errfile, "w", stderr);
-    FILE *o = freopen(outfile, "w", stdout);
-    (void)e, (void)o;
-    const char *argv[40];
-    int n = 0;
-    argv[n++] = bin;
-    for (; args[n - 1] && n < 39; n++) argv[n] = args[n - 1];
-    argv[n] = NULL;
-    execv(bin, (char *const *)argv);
-    _exit(127);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+static int run_out(const char *const *args, const char *outfile) { return dt_run(bin, args, outfile, errfile); }
 
 static char *slurp(const char *path) {
   FILE *f = fopen(path, "rb");

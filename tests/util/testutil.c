@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static int64_t ordered_bits(float f) {
@@ -49,4 +50,24 @@ int dt_remove_tmpdir(const char *dir) {
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   return system(cmd);
+}
+
+int dt_run(const char *bin, const char *const *args, const char *out, const char *err) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    if (!freopen(err ? err : "/dev/null", "w", stderr) || !freopen(out ? out : "/dev/null", "w", stdout)) _exit(126);
+    const char *argv[62];
+    int n = 0;
+    argv[n++] = bin;
+    for (; args[n - 1] && n < 61; n++) argv[n] = args[n - 1];
+    argv[n] = NULL;
+    execv(bin, (char *const *)argv);
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }

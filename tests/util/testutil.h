@@ -44,6 +44,11 @@ double dt_rand_normal(uint64_t *state);
 int dt_make_tmpdir(char *buf, size_t cap, const char *tag);
 int dt_remove_tmpdir(const char *dir);
 
+/* Runs the program bin with args (NULL-terminated, at most 60), stdout to
+ * out and stderr to err (files; NULL: /dev/null); returns its exit code (-1:
+ * it did not exit normally). */
+int dt_run(const char *bin, const char *const *args, const char *out, const char *err);
+
 /* Returns the repository root (DOPT_SOURCE_DIR, set by CTest) or ".". */
 const char *dt_source_dir(void);
 

@@ -161,23 +161,7 @@ static char *replaced(const char *src, const char *from, const char *to) {
 static char *edited(const char *from, const char *to) { return replaced(INDEX, from, to); }
 
 /* Runs the binary with args (NULL-terminated); stdout to outfile, stderr to errfile; the exit code. */
-static int run(const char *const *args) {
-  fflush(stdout);
-  pid_t pid = fork();
-  if (pid == 0) {
-    if (!freopen(errfile, "w", stderr) || !freopen(outfile, "w", stdout)) _exit(126);
-    const char *argv[32];
-    int n = 0;
-    argv[n++] = bin;
-    for (; args[n - 1] && n < 31; n++) argv[n] = args[n - 1];
-    argv[n] = NULL;
-    execv(bin, (char *const *)argv);
-    _exit(127);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+static int run(const char *const *args) { return dt_run(bin, args, outfile, errfile); }
 
 static void slurp(const char *path, char *buf, size_t cap) {
   FILE *f = fopen(path, "r");
