@@ -550,6 +550,10 @@ static int compare_step(vctx *c, long t) {
         vstat *s = &c->st[pk->stat[0]];
         double rel = compare_f32(s, rec.data, c->data[pc->param] + pc->lo, (size_t)pc->len);
         record_result(c, pk->stat[0], t, rel, c->tol_param);
+      } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
+        /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
+        return cli_errorf(CMD, "%s: rank %d's file for step %ld has no '%s' (record.params is true and every=%ld)",
+                          c->rd.index_path, r, t, key, c->rd.ix.every);
       }
     }
   }

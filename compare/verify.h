@@ -93,6 +93,7 @@ typedef struct vr_index {
   long steps;             /* steps recorded (every rank's files cover 1..steps) */
   long every;             /* parameters and states recorded every `every` steps */
   int complete;           /* the recorder was closed (0: an interrupted run's prefix) */
+  int record_params;      /* record.params: every recorded step (t % every == 0) holds param/<t>/<p> of every piece */
   long nchanges;
   vr_change *changes;     /* by step */
   int *by_name;           /* [nparams] parameter indices sorted by name (vr_index_find_param) */

@@ -511,8 +511,9 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   if (get_object(c, rj, "record") || check_keys(c, rj, "record", rkeys)) return -1;
   if (get_int(c, member(rj, "every"), "record.every", 1, VR_MAX_STEPS, &v)) return -1;
   ix->every = (long)v;
-  int flag;
+  int flag = 0;
   if (member(rj, "params") && get_bool(c, member(rj, "params"), "record.params", &flag)) return -1;
+  ix->record_params = member(rj, "params") ? flag : 0;
   if (member(rj, "states") && get_bool(c, member(rj, "states"), "record.states", &flag)) return -1;
   if (member(rj, "flush_every") && get_int(c, member(rj, "flush_every"), "record.flush_every", 1, VR_MAX_STEPS, &v)) return -1;
   if (get_int(c, member(root, "steps"), "steps", 0, VR_MAX_STEPS, &v)) return -1;

@@ -46,7 +46,7 @@ static void grad_at(int step, int p, size_t n, float *g) {
 }
 
 /* Writes the recording of the reference's own run: faithful, so verify finds error 0. perturb: 0 none;
- * 1 rank 1's w/exp_avg at step 3 scaled by 1.001; 2 rank 0's b/step at step 5 off by one. */
+ * 1 rank 1's w/exp_avg at step 3 scaled by 1.001; 2 rank 0's b/step at step 5 off by one; 3 no param/3/b. */
 static void make_trace(const char *root, int perturb) {
   char path[900];
   snprintf(path, sizeof path, "%s/rank0", root);
@@ -106,7 +106,7 @@ static void make_trace(const char *root, int perturb) {
     snprintf(name, sizeof name, "grad/%d/b", t);
     assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 1, bs, gb));
     snprintf(name, sizeof name, "param/%d/b", t);
-    assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 1, bs, b));
+    if (!(perturb == 3 && t == 3)) assert_ok(dopt_st_writer_add(wr[0], name, DOPT_F32, 1, bs, b));
     int64_t step;
     assert_ok(dopt_optim_get_step(o, 1, &step));
     float fstep = (float)step + (perturb == 2 && t == 5 ? 1.0f : 0.0f); /* upstream's F32 step */
@@ -234,6 +234,18 @@ static void test_perturbed_state_diverges(void **st) {
   /* a looser --rtol accepts the perturbation (1e-3 of one element) */
   const char *loose[] = {"verify", root, "--rtol", "0.01", NULL};
   assert_int_equal(run(loose), 0);
+}
+
+/* A recorded step whose file lacks a parameter (record.params true): bad input, not a silent pass. */
+static void test_missing_param_refused(void **st) {
+  (void)st;
+  char root[400], err[4096];
+  snprintf(root, sizeof root, "%s/missing", dir);
+  make_trace(root, 3);
+  const char *args[] = {"verify", root, NULL};
+  assert_int_equal(run(args), 2);
+  slurp(errfile, err, sizeof err);
+  assert_non_null(strstr(err, "file for step 3 has no 'param/3/b'"));
 }
 
 static void test_step_count_diverges(void **st) {
@@ -524,6 +536,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_faithful_recording_verifies),
       cmocka_unit_test(test_perturbed_state_diverges),
+      cmocka_unit_test(test_missing_param_refused),
       cmocka_unit_test(test_step_count_diverges),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_reader_blocks),
