@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds distopt with warnings as errors and runs every test; then the same
 # tests under AddressSanitizer + UndefinedBehaviorSanitizer, a short run of
-# every fuzz harness (tests/fuzz, clang), and the simulator tests under
+# every fuzz harness (tests/fuzz, clang), and the simulator tests and the threaded
+# reference (label threads) under
 # ThreadSanitizer. `./test.sh --quick` runs only the first part.
 # Installs missing Debian packages when run as root.
 set -euo pipefail
