@@ -30,7 +30,15 @@ static int fail(vctx *c, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  snprintf(c->err, c->cap, "%s: %s", c->where, msg);
+  /* one line whatever the index holds: a key path echoes JSON keys, which may hold any character */
+  char line[sizeof msg * 4];
+  size_t k = 0;
+  for (const unsigned char *p = (const unsigned char *)msg; *p && k + 5 < sizeof line; p++) {
+    if (*p < 0x20 || *p == 0x7f) k += (size_t)snprintf(line + k, sizeof line - k, "\\x%02x", *p);
+    else line[k++] = (char)*p;
+  }
+  line[k] = '\0';
+  snprintf(c->err, c->cap, "%s: %s", c->where, line);
   return -1;
 }
 

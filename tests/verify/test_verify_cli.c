@@ -350,6 +350,24 @@ static void test_bad_input(void **st) {
   assert_int_equal(run(args), 0);
 }
 
+/* The parser's message is one line whatever the index's keys hold (a newline in a key of a piece's states
+ * was echoed raw: found by fuzz_verify, kept as tests/fuzz/corpus/verify/newline_in_key.json). */
+static void test_index_error_one_line(void **st) {
+  (void)st;
+  char path[600], text[8192], err[1024];
+  snprintf(path, sizeof path, "%s/tests/fuzz/corpus/verify/newline_in_key.json", dt_source_dir());
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  size_t n = fread(text, 1, sizeof text, f);
+  fclose(f);
+  vr_index ix;
+  assert_int_equal(vr_index_parse(text, n, "index.json", &ix, err, sizeof err), -1);
+  vr_index_free(&ix);
+  printf("%s\n", err);
+  assert_null(strchr(err, '\n'));
+  assert_non_null(strstr(err, "states.exp_rat\\x0aor"));
+}
+
 /* ---- the recording's reader (compare/verify_reader.c) and `distopt compare --trace` on a recording ---- */
 
 /* The parameters before step 1 as make_trace draws them. */
@@ -537,6 +555,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_faithful_recording_verifies),
       cmocka_unit_test(test_perturbed_state_diverges),
       cmocka_unit_test(test_missing_param_refused),
+      cmocka_unit_test(test_index_error_one_line),
       cmocka_unit_test(test_step_count_diverges),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_reader_blocks),
