@@ -337,7 +337,7 @@ static dopt_status load_recording(const cmp_options *o, source *s) {
     if (strlen(vp->name) >= sizeof p->name)
       return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: params[%d].name '%.60s...': longer than compare's limit of %zu bytes",
                         rd->index_path, i, vp->name, sizeof p->name - 1);
-    snprintf(p->name, sizeof p->name, "%s", vp->name);
+    memcpy(p->name, vp->name, strlen(vp->name) + 1); /* fits: checked above */
     p->ndim = vp->ndim;
     memcpy(p->shape, vp->shape, sizeof p->shape);
     p->role = DOPT_TP_REPLICATED;
