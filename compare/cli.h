@@ -18,6 +18,11 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
+/* The folder an output file `path` (given as option `opt`) will be written
+ * into exists and is writable: checked before a command's work, so a bad
+ * path fails at once with one line; CLI_OK or CLI_USAGE (after the message). */
+int cli_check_out_folder(const char *cmd, const char *opt, const char *path);
+
 /* Upstream's defaults ("") when they make a valid optimizer, else the
  * optimizer's registry example (CAME has no default lr): what bench and mem
  * run when nobody chose hyperparameters. */

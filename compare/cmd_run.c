@@ -541,18 +541,7 @@ static int check_out(const run_ctx *c) {
       return cli_errorf(CMD, "--out '%s' is the input '%s': it would be replaced (choose another output path)",
                         c->out_path, in[k]);
   /* its folder must exist and be writable: found before the steps run, not after */
-  char folder[4096];
-  const char *slash = strrchr(c->out_path, '/');
-  size_t fl = slash ? (size_t)(slash - c->out_path) : 0;
-  if (fl >= sizeof folder) return cli_errorf(CMD, "--out '%s': path too long", c->out_path);
-  if (slash) memcpy(folder, c->out_path, fl);
-  folder[slash ? (fl ? fl : 1) : 0] = '\0';
-  if (slash && fl == 0) folder[0] = '/';
-  struct stat st;
-  const char *dirname = slash ? folder : ".";
-  if (stat(dirname, &st) != 0 || !S_ISDIR(st.st_mode) || access(dirname, W_OK) != 0)
-    return cli_errorf(CMD, "--out '%s': the folder '%s' does not exist or is not writable", c->out_path, dirname);
-  return CLI_OK;
+  return cli_check_out_folder(CMD, "--out", c->out_path);
 }
 
 /* --save without --out: the checkpoint folder must be creatable, found before the steps run. */

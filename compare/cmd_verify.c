@@ -24,7 +24,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -149,8 +148,6 @@ static int lib_error(const char *what, dopt_status s) {
   return cli_errorf(CMD, "%s%s%s", what ? what : "", what ? ": " : "", *msg ? msg : dopt_status_str(s));
 }
 
-static int check_out_path(const char *opt, const char *path);
-
 static int parse_args(vctx *c, int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -182,27 +179,12 @@ static int parse_args(vctx *c, int argc, char **argv) {
   if (!c->trace) return cli_errorf(CMD, "TRACE (a recording's directory) is required (see --help)");
   if (c->json_path && !c->json_path[0]) return cli_errorf(CMD, "--json: empty path");
   if (c->svg_path && !c->svg_path[0]) return cli_errorf(CMD, "--plot: empty path");
-  if (c->json_path && check_out_path("--json", c->json_path)) return CLI_USAGE;
-  if (c->svg_path && check_out_path("--plot", c->svg_path)) return CLI_USAGE;
+  if (c->json_path && cli_check_out_folder(CMD, "--json", c->json_path)) return CLI_USAGE;
+  if (c->svg_path && cli_check_out_folder(CMD, "--plot", c->svg_path)) return CLI_USAGE;
   return CLI_OK;
 }
 
 /* An output's folder must exist and be writable: found before the replay, not after it. */
-static int check_out_path(const char *opt, const char *path) {
-  char folder[4096];
-  const char *slash = strrchr(path, '/');
-  size_t fl = slash ? (size_t)(slash - path) : 0;
-  if (fl >= sizeof folder) return cli_errorf(CMD, "%s '%.64s...': path too long", opt, path);
-  if (slash && fl == 0) strcpy(folder, "/");
-  else if (slash) {
-    memcpy(folder, path, fl);
-    folder[fl] = '\0';
-  } else strcpy(folder, ".");
-  struct stat st;
-  if (stat(folder, &st) != 0 || !S_ISDIR(st.st_mode) || access(folder, W_OK) != 0)
-    return cli_errorf(CMD, "%s '%s': the folder '%s' does not exist or is not writable", opt, path, folder);
-  return CLI_OK;
-}
 
 /* ---- the index ---------------------------------------------------------------------- */
 

@@ -2,6 +2,8 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -26,6 +28,22 @@ int cli_errorf(const char *cmd, const char *fmt, ...) {
   }
   fputc('\n', stderr);
   return CLI_USAGE;
+}
+
+int cli_check_out_folder(const char *cmd, const char *opt, const char *path) {
+  char folder[4096];
+  const char *slash = strrchr(path, '/');
+  size_t fl = slash ? (size_t)(slash - path) : 0;
+  if (fl >= sizeof folder) return cli_errorf(cmd, "%s '%.64s...': path too long", opt, path);
+  if (slash && fl == 0) strcpy(folder, "/");
+  else if (slash) {
+    memcpy(folder, path, fl);
+    folder[fl] = '\0';
+  } else strcpy(folder, ".");
+  struct stat st;
+  if (stat(folder, &st) != 0 || !S_ISDIR(st.st_mode) || access(folder, W_OK) != 0)
+    return cli_errorf(cmd, "%s '%s': the folder '%s' does not exist or is not writable", opt, path, folder);
+  return CLI_OK;
 }
 
 static void usage(FILE *f) {
