@@ -232,8 +232,9 @@ typedef struct dopt_rc_stat {
 void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out);
 dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
 /* _begin with each local row segment u[off, off+len) written by make(ctx,
- * off, len) just before its maxima are taken (one pass over U, not two) */
-dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, float *u, const dopt_piece *pc, const dopt_reducer *red,
+ * off, len) (through its own pointer in ctx) just before its maxima are taken
+ * (one pass over U, not two) */
+dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red,
                                void (*make)(void *ctx, size_t off, size_t len), void *ctx);
 dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);

@@ -5,7 +5,6 @@
  * h0 = w0 = lo = 0; a distributed rank passes its shard and a reducer, and
  * gets bitwise the same statistics. */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,12 +130,12 @@ void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out) {
 /* Phase 1: row and column maxima of |U| (float maxima are exact; the
  * conversion to double is monotone), posted for MAX. */
 dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
-  return dopt_rc_begin_rows(s, (float *)(uintptr_t)u, pc, red, NULL, NULL);
+  return dopt_rc_begin_rows(s, u, pc, red, NULL, NULL);
 }
 
 /* The same, each local row segment produced by make (when given) just before
  * its maxima are taken, while it is still in cache. */
-dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, float *u, const dopt_piece *pc, const dopt_reducer *red,
+dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red,
                                void (*make)(void *ctx, size_t off, size_t len), void *ctx) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
   float *cmax = calloc(nc ? nc : 1, sizeof *cmax);
