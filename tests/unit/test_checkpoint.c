@@ -1,4 +1,4 @@
-/* Checkpoints (core/checkpoint.c, docs/checkpoints.md): bitwise resume for
+/* Checkpoints (core/ckpt_*.c, docs/checkpoints.md): bitwise resume for
  * every optimizer; every corruption class refused with a one-line message and
  * nothing loaded; a crash between rank files leaves the previous generation;
  * any piece read back from a checkpoint written in other pieces. */
