@@ -18,10 +18,19 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
-/* The folder an output file `path` (given as option `opt`) will be written
- * into exists and is writable: checked before a command's work, so a bad
- * path fails at once with one line; CLI_OK or CLI_USAGE (after the message). */
-int cli_check_out_folder(const char *cmd, const char *opt, const char *path);
+/* A path a command reads or writes, named by its option ("--out", "TRACE"); dir: a folder. */
+typedef struct cli_path {
+  const char *opt, *path;
+  int dir;
+} cli_path;
+
+/* The one rule for files (docs/files.md), checked before a command's work so
+ * that a bad path fails at once with one line and nothing written: every
+ * output (path NULL: not given) is a new or regular file in a writable folder
+ * or a character device (dir: a folder), never a FIFO, socket or folder
+ * where a file belongs; and no output is, lies inside, or holds an input.
+ * CLI_OK or CLI_USAGE (after the message). */
+int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_path *ins, int nin);
 
 /* Upstream's defaults ("") when they make a valid optimizer, else the
  * optimizer's registry example (CAME has no default lr): what bench and mem

@@ -21,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "compare.h"
@@ -219,6 +221,23 @@ static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int ite
 
 /* Runs compare/bench_torch.py; fills torch_ms of the results it reports
  * ("name ms" lines). Returns 0 if it ran, -1 (after a message) if not. */
+/* --torch's interpreter: a path to an executable regular file, or a name found on PATH. */
+static int executable(const char *prog) {
+  struct stat st;
+  if (!*prog) return 0;
+  if (strchr(prog, '/')) return stat(prog, &st) == 0 && S_ISREG(st.st_mode) && access(prog, X_OK) == 0;
+  const char *path = getenv("PATH");
+  char dir[4096], full[8192];
+  for (const char *p = path ? path : "/usr/bin:/bin"; *p;) {
+    size_t n = strcspn(p, ":");
+    snprintf(dir, sizeof dir, "%.*s", (int)n, p);
+    snprintf(full, sizeof full, "%s/%s", n ? dir : ".", prog);
+    if (stat(full, &st) == 0 && S_ISREG(st.st_mode) && access(full, X_OK) == 0) return 1;
+    p += n + (p[n] == ':');
+  }
+  return 0;
+}
+
 static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int iters, int threads, opt_result *res,
                      int nres) {
   /* the script: $DOPT_BENCH_TORCH_SCRIPT, else next to this source file, else ./compare/ */
@@ -234,11 +253,8 @@ static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int i
   snprintf(cand[1], sizeof cand[1], "%sbench_torch.py", here);
   snprintf(cand[2], sizeof cand[2], "compare/bench_torch.py");
   for (int i = 0; i < 3 && !script; i++) {
-    FILE *f = cand[i][0] ? fopen(cand[i], "r") : NULL;
-    if (f) {
-      fclose(f);
-      script = cand[i];
-    }
+    struct stat st; /* a regular, readable file (never opened here: a FIFO would block) */
+    if (cand[i][0] && stat(cand[i], &st) == 0 && S_ISREG(st.st_mode) && access(cand[i], R_OK) == 0) script = cand[i];
   }
   if (!script) {
     fprintf(stderr, "distopt bench: --torch: bench_torch.py not found (set DOPT_BENCH_TORCH_SCRIPT); skipping PyTorch\n");
@@ -334,6 +350,8 @@ int cmd_bench(int argc, char **argv) {
       rc = parse_int(a, v, 1, 256, &threads);
     } else if (strcmp(a, "--torch") == 0) {
       python = v;
+      if (!executable(python))
+        return cli_errorf(CMD, "--torch '%s': no such executable (give a Python interpreter, e.g. python3)", v);
     } else {
       return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
     }

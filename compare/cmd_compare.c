@@ -7,9 +7,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "files.h"
 #include "compare.h"
 #include "distopt/mpi.h"
 #include "registry.h"
@@ -235,6 +237,22 @@ static int sweep_conflicts(const cmp_options *o, unsigned cli_given, int ranks_g
   return CLI_OK;
 }
 
+/* The one rule for files (cli_check_paths), before any work: --json, --plot and --checkpoint-dir are not,
+ * hold or lie inside an input (--config, --trace: a recording's whole folder). */
+static int check_paths(const cmp_options *o, const char *config) {
+  char rec[sizeof o->trace_path];
+  snprintf(rec, sizeof rec, "%s", o->trace_path);
+  struct stat st;
+  if (strcmp(o->source, "trace") == 0 && cmp_trace_is_recording(rec) && stat(rec, &st) == 0 && !S_ISDIR(st.st_mode))
+    dopt__path_parent(o->trace_path, rec); /* RECORDING/index.json: the recording is its folder */
+  const int trace = strcmp(o->source, "trace") == 0 && rec[0];
+  const cli_path outs[] = {{"--json", o->json_path[0] ? o->json_path : NULL, 0},
+                           {"--plot", o->svg_path[0] ? o->svg_path : NULL, 0},
+                           {"--checkpoint-dir", o->checkpoint_dir[0] ? o->checkpoint_dir : NULL, 1}};
+  const cli_path ins[] = {{"--config", config, 0}, {"--trace", trace ? rec : NULL, 1}};
+  return cli_check_paths(CMD, outs, 3, ins, 2);
+}
+
 /* Backend mpi, after the run (or a refused start): frees the world and
  * finalises MPI; returns rc. */
 static int mpi_end(dopt_mpi_comm *world, int rc) {
@@ -292,6 +310,9 @@ int cmd_compare(int argc, char **argv) {
     if (strcmp(a, "--batch-invariant") == 0) { o.batch_invariant = 1; continue; }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown; see --help)", a);
     const char *v = argv[++i];
+    if (!*v && (strcmp(a, "--config") == 0 || strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 ||
+                strcmp(a, "--plot") == 0 || strcmp(a, "--checkpoint-dir") == 0))
+      return cli_errorf(CMD, "%s: empty path", a);
     if (strcmp(a, "--config") == 0) continue;
     else if (strcmp(a, "--optimizer") == 0) rc = copy_opt(a, v, o.optimizer, sizeof o.optimizer);
     else if (strcmp(a, "--hparams") == 0) rc = copy_opt(a, v, o.hparams, sizeof o.hparams);
@@ -356,6 +377,7 @@ int cmd_compare(int argc, char **argv) {
   if (matrix && o.sweep) return cli_errorf(CMD, "--matrix and --sweep: choose one");
   if (max_given && !o.sweep) return cli_errorf(CMD, "--max-tp/--max-dp only apply with --sweep");
   if (matrix) return run_matrix(steps_given ? o.steps : 20);
+  if ((rc = check_paths(&o, config)) != CLI_OK) return rc;
   /* no hyperparameters given: upstream's defaults, or the registry's example where those are not an optimizer */
   if (!o.hparams[0]) snprintf(o.hparams, sizeof o.hparams, "%s", cli_default_hparams(o.optimizer));
   if (o.sweep) {
@@ -372,6 +394,7 @@ int cmd_compare(int argc, char **argv) {
   dopt_status s = cmp_run(&o, &r, tty ? progress : NULL, NULL);
   if (s != DOPT_OK) {
     rc = cli_error(CMD, s);
+    if (r.run_failed) rc = CLI_FAIL; /* the run failed (a rank, a checkpoint's write), not its input */
     if (mpi_world) dopt_mpi_abort(mpi_world); /* the whole job stops: no peer waits for its timeout */
     return rc;
   }

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "files.h"
 
 #define MAX_GROUPS 64
 
@@ -59,6 +60,8 @@ typedef struct run_ctx {
   long save_every;                     /* also save after every K-th step (0: only after the last) */
   long threads;                        /* --threads (0: the library's default) */
   long start;                          /* the step the resumed checkpoint was saved after (0: none) */
+  char resume_gen[4096], resume_dir[4096]; /* the generation --resume names and its checkpoint folder */
+  int save_into_resumed;               /* --save is that folder: generations are added to it */
   run_param *p;
   int np;
   run_param **by_name; /* [np] sorted by name: lookups in O(log n) (80 000-tensor files) */
@@ -353,16 +356,30 @@ static int save_ckpt(run_ctx *c, long t) {
   return CLI_FAIL; /* the computation ran; writing its result failed */
 }
 
+/* --save into the resumed checkpoint's folder: no save of this run may land on the generation being read
+ * (step-N with N the step it was saved after, normally the resumed step itself). */
+static int check_save_into_resumed(const run_ctx *c) {
+  const char *base = strrchr(c->resume_gen, '/');
+  base = base ? base + 1 : c->resume_gen;
+  char *end;
+  long n = strncmp(base, "step-", 5) == 0 ? strtol(base + 5, &end, 10) : -1;
+  if (n < 0 || *end) return CLI_OK;
+  /* the saves: after the last step (also when it is the resumed one), and every K-th step in between */
+  if (n == c->steps || (c->save_every && n > c->start && n < c->steps && n % c->save_every == 0))
+    return cli_errorf(CMD, "--save '%s' with --resume '%s': the save after step %ld would rewrite the generation being "
+                      "read (%s); run to a later step or save elsewhere", c->save_path, c->resume_path, n, c->resume_gen);
+  return CLI_OK;
+}
+
 /* --resume: the checkpoint's parameters, states and step counts replace the
  * initial ones (same optimizer, hyperparameters, groups and parameters, or a
  * one-line error); the run continues after its global step. */
 static int resume(run_ctx *c) {
   dopt_ckpt_reader *r;
   const dopt_ckpt_meta *m;
-  dopt_status s = dopt_ckpt_open(c->resume_path, &r);
+  const char *gen = c->resume_gen; /* the generation checked before the run (resume_gen) */
+  dopt_status s = dopt_ckpt_open(gen, &r);
   if (s != DOPT_OK) return cli_error(CMD, s);
-  char gen[4096];
-  snprintf(gen, sizeof gen, "%s", dopt_ckpt_path(r)); /* the generation `latest` names now */
   dopt_ckpt_read_meta(r, &m);
   c->start = (long)m->global_step;
   c->skipped = (long)m->skipped_steps;
@@ -370,6 +387,7 @@ static int resume(run_ctx *c) {
   if (c->start > c->steps)
     return cli_errorf(CMD, "--resume %s: the checkpoint is at step %ld, beyond the last step %ld", gen, c->start,
                       c->steps);
+  if (c->save_into_resumed && check_save_into_resumed(c) != CLI_OK) return CLI_USAGE;
   if ((s = dopt_optim_load(c->opt, gen)) != DOPT_OK) return cli_error(CMD, s);
   for (int i = 0; i < c->np; i++) {
     run_param *p = &c->p[i];
@@ -527,30 +545,42 @@ static int follow_inputs(run_ctx *c) {
   return CLI_OK;
 }
 
-/* 1 when a and b name the same existing file (hard links and ./ spellings included). */
+/* 1 when a and b name the same existing file or folder (links and ./ spellings included). */
 static int same_file(const char *a, const char *b) {
   struct stat x, y;
   return a && b && stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
 }
 
-/* --out must not replace an input (the output is written atomically, so it would). */
-static int check_out(const run_ctx *c) {
-  const char *in[] = {c->params_path, c->grads_path, c->inputs_path, c->mf_path};
-  for (size_t k = 0; k < sizeof in / sizeof in[0]; k++)
-    if (same_file(c->out_path, in[k]))
-      return cli_errorf(CMD, "--out '%s' is the input '%s': it would be replaced (choose another output path)",
-                        c->out_path, in[k]);
-  /* its folder must exist and be writable: found before the steps run, not after */
-  return cli_check_out_folder(CMD, "--out", c->out_path);
+/* The generation --resume names (CKPT's latest, or CKPT/step-N) and its checkpoint folder. */
+static int resume_gen(run_ctx *c) {
+  dopt_ckpt_reader *r;
+  dopt_status s = dopt_ckpt_open(c->resume_path, &r);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  snprintf(c->resume_gen, sizeof c->resume_gen, "%s", dopt_ckpt_path(r));
+  dopt_ckpt_close(r);
+  dopt__path_parent(c->resume_gen, c->resume_dir);
+  c->save_into_resumed = c->save_path && same_file(c->save_path, c->resume_dir);
+  return CLI_OK;
 }
 
-/* --save without --out: the checkpoint folder must be creatable, found before the steps run. */
-static int check_save(const run_ctx *c) {
-  struct stat st;
-  if (mkdir(c->save_path, 0755) != 0 && (stat(c->save_path, &st) != 0 || !S_ISDIR(st.st_mode)))
-    return cli_errorf(CMD, "--save '%s': cannot create the folder", c->save_path);
-  if (access(c->save_path, W_OK) != 0) return cli_errorf(CMD, "--save '%s': the folder is not writable", c->save_path);
-  return CLI_OK;
+/* Outputs and inputs by the one rule (cli_check_paths), before the steps run: --out and --save
+ * are not, and do not hold or lie inside, an input. One exception: --save into the folder of the
+ * checkpoint being resumed adds generations to it (resume() refuses a save that would rewrite the
+ * generation being read). */
+static int check_paths(const run_ctx *c) {
+  const cli_path ins[] = {
+      {"--params", c->mf_path, 0},
+      {"--params (its inputs)", c->inputs_path, 0},
+      {"--grads", c->grads_path, 0},
+      {"--resume", c->resume_path, 1},
+      {"--resume (the generation it names)", c->resume_gen[0] ? c->resume_gen : NULL, 1},
+      {"--resume (its checkpoint folder)", c->resume_dir[0] ? c->resume_dir : NULL, 1},
+  };
+  const int nin = (int)(sizeof ins / sizeof ins[0]);
+  const cli_path out = {"--out", c->out_path, 0}, save = {"--save", c->save_path, 1};
+  int rc = cli_check_paths(CMD, &out, 1, ins, nin);
+  if (rc == CLI_OK) rc = cli_check_paths(CMD, &save, 1, ins, c->save_into_resumed ? nin - 3 : nin);
+  return rc;
 }
 
 int cmd_run(int argc, char **argv) {
@@ -570,10 +600,12 @@ int cmd_run(int argc, char **argv) {
       rc = cli_error(CMD, s);
     }
   }
-  if (rc == CLI_OK && c.out_path) rc = check_out(&c);
-  if (rc == CLI_OK && c.save_path && !c.out_path) rc = check_save(&c);
+  if (rc == CLI_OK && c.resume_path) rc = resume_gen(&c);
+  if (rc == CLI_OK) rc = check_paths(&c);
   if (rc == CLI_OK) rc = load_params(&c);
   if (rc == CLI_OK) rc = check_grads(&c);
+  if (rc == CLI_OK && c.save_path && (s = dopt_ckpt_check_dir(c.save_path, c.steps)) != DOPT_OK)
+    rc = cli_error(CMD, s); /* the last save's slots, before the steps run */
   if (rc == CLI_OK) rc = build_optimizer(&c);
   if (rc == CLI_OK && c.resume_path) rc = resume(&c);
   if (rc == CLI_OK) rc = run_steps(&c);

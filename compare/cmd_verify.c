@@ -24,12 +24,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
 
 #include "cli.h"
 #include "compare.h" /* cmp_xml_text */
+#include "files.h"
 #include "verify.h"
 
 static const char *const CMD = "verify";
@@ -179,12 +181,15 @@ static int parse_args(vctx *c, int argc, char **argv) {
   if (!c->trace) return cli_errorf(CMD, "TRACE (a recording's directory) is required (see --help)");
   if (c->json_path && !c->json_path[0]) return cli_errorf(CMD, "--json: empty path");
   if (c->svg_path && !c->svg_path[0]) return cli_errorf(CMD, "--plot: empty path");
-  if (c->json_path && cli_check_out_folder(CMD, "--json", c->json_path)) return CLI_USAGE;
-  if (c->svg_path && cli_check_out_folder(CMD, "--plot", c->svg_path)) return CLI_USAGE;
-  return CLI_OK;
+  /* the one rule for outputs; neither may be, or lie inside, the recording (its folder) */
+  char rec[4096];
+  struct stat st;
+  if (stat(c->trace, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->trace, rec); /* TRACE/index.json */
+  else snprintf(rec, sizeof rec, "%s", c->trace);
+  const cli_path outs[] = {{"--json", c->json_path, 0}, {"--plot", c->svg_path, 0}};
+  const cli_path ins[] = {{"TRACE", rec, 1}};
+  return cli_check_paths(CMD, outs, 2, ins, 1);
 }
-
-/* An output's folder must exist and be writable: found before the replay, not after it. */
 
 /* ---- the index ---------------------------------------------------------------------- */
 
@@ -687,25 +692,17 @@ static void print_table(const vctx *c) {
   }
 }
 
-typedef int (*body_fn)(FILE *f, const vctx *c);
-
-static int write_atomic(const vctx *c, const char *path, body_fn body, const char *what) {
-  char tmp[4200];
-  if (strlen(path) > sizeof tmp - 32) return cli_errorf(CMD, "%s '%.64s...': path too long", what, path);
-  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-  FILE *f = fopen(tmp, "wb");
-  if (!f) return cli_errorf(CMD, "%s %s: cannot create: %s", what, tmp, strerror(errno));
-  int ok = body(f, c) && !ferror(f);
-  if (fclose(f) != 0) ok = 0;
-  if (!ok || rename(tmp, path) != 0) {
-    int e = errno;
-    remove(tmp);
-    return cli_errorf(CMD, "%s %s: write failed: %s", what, path, strerror(e));
-  }
-  return CLI_OK;
+/* --json / --plot after the replay: written atomically by the one rule for outputs (core/files.h); a failure
+ * here is the run's (exit 1), its input was checked before the replay. */
+static int write_output(const vctx *c, const char *path, int (*body)(FILE *f, const void *ctx), const char *what) {
+  dopt_status s = dopt__write_stream(path, DOPT_W_OUTPUT, body, c);
+  if (s == DOPT_OK) return CLI_OK;
+  lib_error(what, s);
+  return CLI_FAIL;
 }
 
-static int json_body(FILE *f, const vctx *c) {
+static int json_body(FILE *f, const void *ctx) {
+  const vctx *c = ctx;
   const vr_index *ix = &c->rd.ix;
   cJSON *root = cJSON_CreateObject();
   if (!root) return 0;
@@ -800,7 +797,8 @@ static double sv_y(double v, int dlo, int dhi) {
   return y < SV_T ? SV_T : y > SV_B ? SV_B : y;
 }
 
-static int svg_body(FILE *f, const vctx *c) {
+static int svg_body(FILE *f, const void *ctx) {
+  const vctx *c = ctx;
   static const char *const pal[] = {"#1f77b4", "#d62728", "#ff7f0e", "#9467bd", "#2ca02c",
                                     "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"};
   double mn = INFINITY, mx = 0;
@@ -922,8 +920,8 @@ int cmd_verify(int argc, char **argv) {
   if (rc == CLI_OK) rc = setup(&c);
   if (rc == CLI_OK) rc = replay(&c);
   if (rc == CLI_OK && !c.quiet) print_table(&c);
-  if (rc == CLI_OK && c.json_path) rc = write_atomic(&c, c.json_path, json_body, "--json");
-  if (rc == CLI_OK && c.svg_path) rc = write_atomic(&c, c.svg_path, svg_body, "--plot");
+  if (rc == CLI_OK && c.json_path) rc = write_output(&c, c.json_path, json_body, "--json");
+  if (rc == CLI_OK && c.svg_path) rc = write_output(&c, c.svg_path, svg_body, "--plot");
   if (rc == CLI_OK && c.quiet) {
     /* the verdict line alone */
     if (c.verdict_step) {

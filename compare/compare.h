@@ -132,6 +132,8 @@ typedef struct cmp_result {
   int rank;                /* this process's rank (backends nccl, mpi); only rank 0 reports (nccl: only it
                               measures; mpi: every rank measures, merged onto every rank) */
   int micro;               /* micro-batches per step actually used (with a trace: its shards / dp) */
+  int run_failed;          /* cmp_run failed in what the run wrote (a checkpoint: a full disk), not on its
+                              options or input: `compare` exits 1, not 2; set on failure only */
   /* SHA-256 (docs/digest.md) of the final logical tensors, per parameter in r->t order: the
    * parameter, its bf16 copy, its states, then its step count ("<p>/step", I64 scalar); of the
    * distributed run (gathered) and of the reference. "" when not measured (backend nccl, rank > 0). */

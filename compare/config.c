@@ -36,6 +36,7 @@
 #include <string.h>
 #include <yaml.h>
 
+#include "files.h"
 #include "internal.h"
 
 typedef struct cfg_ctx {
@@ -501,9 +502,11 @@ static dopt_status prescan(const char *path, FILE *f) {
 dopt_status cmp_load_yaml(const char *path, cmp_options *o) {
   DOPT_CHECK_ARG(path != NULL, "cmp_load_yaml: path=NULL");
   DOPT_CHECK_ARG(o != NULL, "cmp_load_yaml: o=NULL");
-  FILE *f = fopen(path, "rb");
-  if (!f) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-  dopt_status ps = prescan(path, f);
+  FILE *f; /* a regular file: a FIFO is refused, never waited on */
+  dopt_status ps = dopt__fopen_read(path, &f, NULL);
+  if (ps == DOPT_ERR_NOT_FOUND) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(ENOENT));
+  if (ps != DOPT_OK) return ps;
+  ps = prescan(path, f);
   if (ps != DOPT_OK) {
     fclose(f);
     return ps;

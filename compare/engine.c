@@ -22,6 +22,7 @@
 #include "distopt/mpi.h"
 #include "distopt/safetensors.h"
 #include "distopt/sim.h"
+#include "files.h"
 #include "internal.h"
 #include "registry.h"
 #include "verify.h"
@@ -530,6 +531,7 @@ typedef struct run_ctx {
   const char *save_dir;         /* save after t_last */
   const char *load_dir;         /* load before t_first */
   const cmp_options *replay;    /* the options of the steps before t_first: the lead's reference replays them */
+  int save_failed;              /* rank 0: writing the checkpoint failed (a full disk): the run's failure */
 } run_ctx;
 
 /* Backend mpi: every rank stepped its own reference and measured its own
@@ -853,7 +855,10 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
       if (x->progress) x->progress(t, o->steps, cmp_now_s() - x->t0, worst, x->user);
     }
   }
-  if (st == DOPT_OK && x->save_dir) st = dopt_dist_save(d, plain, x->save_dir, x->t_last);
+  if (st == DOPT_OK && x->save_dir) {
+    st = dopt_dist_save(d, plain, x->save_dir, x->t_last);
+    if (st != DOPT_OK && rank == 0) x->save_failed = 1; /* every rank fails with it (the save agrees) */
+  }
   if (st == DOPT_OK && x->measure_world) st = merge_measurements(x->measure_world, r, o->steps);
   for (int i = 0; i < np; i++) {
     free(data[i]);
@@ -1089,7 +1094,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     devno = ndev > 0 ? dopt_launch_device(env.local_rank, ndev) : env.local_rank; /* srun --gpus-per-task 1: 0 */
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
-  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL};
+  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL, 0};
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
     r->seconds = cmp_now_s() - x.t0;
@@ -1106,6 +1111,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     ob.ranks = 0;
     char dir[600];
     st = checkpoint_dir(o, dir, sizeof dir);
+    if (st == DOPT_OK) st = dopt__mkdir_p(dir); /* a folder that cannot be made: said before the steps run */
     x.t_last = o->checkpoint_at;
     x.save_dir = dir;
     if (st == DOPT_OK) st = run_sim(&x);
@@ -1126,6 +1132,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   source_free(&s);
   if (st != DOPT_OK) {
     cmp_result_free(r);
+    r->run_failed = x.save_failed;
     return st;
   }
   r->declared_ulp = cmp_declared_ulp(o->optimizer);

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "files.h"
+#include "pool.h"
 
 int cli_error(const char *cmd, dopt_status s) {
   const char *msg = dopt_last_error();
@@ -20,7 +22,7 @@ int cli_errorf(const char *cmd, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  fprintf(stderr, "distopt %s: ", cmd);
+  fprintf(stderr, "distopt%s%s: ", *cmd ? " " : "", cmd);
   for (const char *p = msg; *p; p++) {
     unsigned char c = (unsigned char)*p;
     if (c < 0x20 || c == 0x7f) fprintf(stderr, "\\x%02x", c);
@@ -30,19 +32,13 @@ int cli_errorf(const char *cmd, const char *fmt, ...) {
   return CLI_USAGE;
 }
 
-int cli_check_out_folder(const char *cmd, const char *opt, const char *path) {
-  char folder[4096];
-  const char *slash = strrchr(path, '/');
-  size_t fl = slash ? (size_t)(slash - path) : 0;
-  if (fl >= sizeof folder) return cli_errorf(cmd, "%s '%.64s...': path too long", opt, path);
-  if (slash && fl == 0) strcpy(folder, "/");
-  else if (slash) {
-    memcpy(folder, path, fl);
-    folder[fl] = '\0';
-  } else strcpy(folder, ".");
-  struct stat st;
-  if (stat(folder, &st) != 0 || !S_ISDIR(st.st_mode) || access(folder, W_OK) != 0)
-    return cli_errorf(cmd, "%s '%s': the folder '%s' does not exist or is not writable", opt, path, folder);
+int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_path *ins, int nin) {
+  for (int k = 0; k < nout; k++) {
+    if (!outs[k].path) continue;
+    dopt_status s = dopt__check_output(outs[k].opt, outs[k].path, outs[k].dir ? DOPT_OUT_DIR : DOPT_OUT_FILE);
+    for (int i = 0; s == DOPT_OK && i < nin; i++) s = dopt__check_apart(outs[k].opt, outs[k].path, ins[i].opt, ins[i].path);
+    if (s != DOPT_OK) return cli_error(cmd, s);
+  }
   return CLI_OK;
 }
 
@@ -64,18 +60,24 @@ int main(int argc, char **argv) {
     usage(stderr);
     return CLI_USAGE;
   }
+  static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+  } cmds[] = {{"run", cmd_run},         {"list", cmd_list}, {"bench", cmd_bench},
+              {"compare", cmd_compare}, {"mem", cmd_mem},   {"verify", cmd_verify}};
   const char *c = argv[1];
-  if (strcmp(c, "run") == 0) return cmd_run(argc - 1, argv + 1);
-  if (strcmp(c, "list") == 0) return cmd_list(argc - 1, argv + 1);
-  if (strcmp(c, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
-  if (strcmp(c, "compare") == 0) return cmd_compare(argc - 1, argv + 1);
-  if (strcmp(c, "mem") == 0) return cmd_mem(argc - 1, argv + 1);
-  if (strcmp(c, "verify") == 0) return cmd_verify(argc - 1, argv + 1);
+  for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++) {
+    if (strcmp(c, cmds[k].name) != 0) continue;
+    /* the environment every command's steps read, checked before any work: a bad value is bad input */
+    int threads;
+    dopt_status s = dopt__default_threads(&threads);
+    if (s != DOPT_OK) return cli_error(c, s);
+    return cmds[k].fn(argc - 1, argv + 1);
+  }
   if (strcmp(c, "--help") == 0 || strcmp(c, "-h") == 0 || strcmp(c, "help") == 0) {
     usage(stdout);
     return CLI_OK;
   }
-  fprintf(stderr, "distopt: unknown command '%s'\n", c);
-  usage(stderr);
+  cli_errorf("", "unknown command '%s' (see distopt --help)", c);
   return CLI_USAGE;
 }

@@ -22,6 +22,7 @@
  *    Non-finite errors appear as null in JSON (cJSON's rendering).
  */
 #include "compare.h"
+#include "files.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -236,29 +237,10 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
             r->ref_digest[0] ? r->ref_digest : "none");
 }
 
-/* ---- atomic file writing ------------------------------------------------ */
+/* ---- atomic file writing: core/files.h (one rule for every output) ------ */
 
-typedef int (*body_fn)(FILE *f, const void *ctx); /* nonzero: ok */
-
-static dopt_status write_atomic(const char *path, body_fn body, const void *ctx) {
-  size_t tl = strlen(path) + 32;
-  char *tmp = malloc(tl);
-  if (!tmp) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: temporary name", path);
-  snprintf(tmp, tl, "%s.tmp.%ld", path, (long)getpid());
-  dopt_status s = DOPT_OK;
-  FILE *fp = fopen(tmp, "wb");
-  if (!fp) {
-    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-  } else {
-    int ok = body(fp, ctx) && !ferror(fp);
-    if (fclose(fp) != 0) ok = 0;
-    if (!ok) s = dopt__fail(DOPT_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
-    else if (rename(tmp, path) != 0)
-      s = dopt__fail(DOPT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
-    if (s != DOPT_OK) remove(tmp);
-  }
-  free(tmp);
-  return s;
+static dopt_status write_atomic(const char *path, int (*body)(FILE *f, const void *ctx), const void *ctx) {
+  return dopt__write_stream(path, DOPT_W_OUTPUT, body, ctx);
 }
 
 /* ---- JSON --------------------------------------------------------------- */

@@ -4,6 +4,8 @@
  * (cmd_verify.c) and `distopt compare --trace` on a recording (engine.c). */
 #include "verify.h"
 
+#include "files.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -50,30 +52,10 @@ static dopt_status load_index(vr_reader *rd, const char *trace) {
       if (!rd->dir[0]) strcpy(rd->dir, "/");
     } else strcpy(rd->dir, ".");
   }
-  FILE *f = fopen(rd->index_path, "rb");
-  if (!f) return rfail(rd, DOPT_ERR_IO, "%s: cannot open: %s", rd->index_path, strerror(errno));
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    fclose(f);
-    return rfail(rd, DOPT_ERR_IO, "%s: not a regular file", rd->index_path);
-  }
-  if (sb.st_size > VR_MAX_INDEX_BYTES) {
-    fclose(f);
-    return rfail(rd, DOPT_ERR_FORMAT, "%s: %lld bytes, larger than the limit of %ld", rd->index_path,
-                 (long long)sb.st_size, VR_MAX_INDEX_BYTES);
-  }
-  size_t n = (size_t)sb.st_size;
-  char *text = malloc(n + 1);
-  if (!text) {
-    fclose(f);
-    return rfail(rd, DOPT_ERR_NO_MEMORY, "%s: out of memory for %zu bytes", rd->index_path, n);
-  }
-  size_t got = fread(text, 1, n, f);
-  fclose(f);
-  if (got != n) {
-    free(text);
-    return rfail(rd, DOPT_ERR_IO, "%s: short read (%zu of %zu bytes)", rd->index_path, got, n);
-  }
-  text[n] = '\0';
+  char *text; /* a regular file: a FIFO there is refused, never waited on */
+  size_t n;
+  dopt_status s = dopt__read_all(rd->index_path, VR_MAX_INDEX_BYTES, &text, &n);
+  if (s != DOPT_OK) return lib_fail(rd, s);
   int rc = vr_index_parse(text, n, rd->index_path, &rd->ix, rd->err, sizeof rd->err);
   free(text);
   return rc ? DOPT_ERR_FORMAT : DOPT_OK;

@@ -431,7 +431,7 @@ dopt_status ck_parse_meta(const cJSON *r, const char *where, meta_box *mb) {
 dopt_status ck_read_json(const char *path, cJSON **out) {
   char *text;
   size_t n;
-  DOPT_TRY(ck_read_text(path, CK_MAX_JSON, &text, &n));
+  DOPT_TRY(dopt__read_all(path, CK_MAX_JSON, &text, &n));
   const char *end = NULL;
   *out = cJSON_ParseWithLengthOpts(text, n, &end, 0);
   int trailing = 0;

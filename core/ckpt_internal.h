@@ -7,7 +7,7 @@
  *   ckpt_write.c   a rank's writer and the generations (begin, commit)
  *   ckpt_read.c    the reader: generations, rank files, pieces served from overlapping pieces
  *   ckpt_optim.c   an optimizer's metadata and its check; single-device save and load
- *   ckpt_files.c   the file operations underneath */
+ * Files are read and written through core/files.h. */
 #ifndef DISTOPT_CKPT_INTERNAL_H
 #define DISTOPT_CKPT_INTERNAL_H
 
@@ -17,10 +17,11 @@
 
 #include "distopt/checkpoint.h"
 #include "distopt/digest.h"
+#include "files.h"
 #include "internal.h"
 #include "optim_impl.h"
 
-#define CK_PATH 4096
+#define CK_PATH DOPT_PATH_MAX
 /* Header space reserved before the data of a rank file, so that pieces are
  * written as they come; a longer header (about 7000 pieces) moves the data once. */
 #define CK_HEADER_RESERVE ((size_t)1 << 20)
@@ -138,16 +139,5 @@ struct dopt_ckpt_reader {
   ck_table t;
   unsigned char *buf; /* CK_CHUNK */
 };
-
-/* ---- files (ckpt_files.c) ------------------------------------------------------------------ */
-
-dopt_status ck_fsync_path(const char *path, int is_dir);
-dopt_status ck_join(char *out, const char *a, const char *b);
-dopt_status ck_mkdir_p(const char *dir);
-dopt_status ck_pread_all(int fd, void *buf, size_t n, uint64_t off, const char *path);
-dopt_status ck_pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path);
-dopt_status ck_read_text(const char *path, size_t max, char **out, size_t *len);
-dopt_status ck_remove_flat_dir(const char *dir);
-dopt_status ck_write_durable(const char *path, const void *data, size_t n);
 
 #endif

@@ -248,7 +248,7 @@ dopt_status dopt_optim_save(dopt_optim *o, const char *ckpt_dir, const dopt_ckpt
   if (s != DOPT_OK && begun) {
     char keep[512];
     snprintf(keep, sizeof keep, "%s", dopt_last_error());
-    (void)ck_remove_flat_dir(tmp);
+    (void)dopt_ckpt_discard(tmp);
     dopt__fail(s, "%s", keep); /* the first failure's message, not the clean-up's */
   }
   dopt__index_free(&ix);

@@ -31,14 +31,14 @@ static dopt_status resolve_gen(const char *path, char *gen) {
   if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
     return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: no such checkpoint directory", path);
   char latest[CK_PATH], idx[CK_PATH];
-  DOPT_TRY(ck_join(latest, path, "latest"));
-  DOPT_TRY(ck_join(idx, path, "index.json"));
+  DOPT_TRY(dopt__path_join(latest, path, "latest"));
+  DOPT_TRY(dopt__path_join(idx, path, "index.json"));
   if (access(latest, F_OK) == 0) {
     char *text;
-    DOPT_TRY(ck_read_text(latest, 256, &text, NULL));
+    DOPT_TRY(dopt__read_all(latest, 256, &text, NULL));
     size_t n = strlen(text);
     while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == ' ' || text[n - 1] == '\r')) text[--n] = '\0';
-    dopt_status s = gen_name_ok(text) ? ck_join(gen, path, text)
+    dopt_status s = gen_name_ok(text) ? dopt__path_join(gen, path, text)
                                       : dopt__fail(DOPT_ERR_FORMAT, "%s: '%s' is not a generation name (step-<N>)",
                                                    latest, text);
     free(text);
@@ -79,25 +79,22 @@ static dopt_status check_files(dopt_ckpt_reader *r) {
   for (int f = 0; f < t->nfiles && s == DOPT_OK; f++) {
     int first = k;
     while (k < t->np && byf[k]->file == f) k++;
-    if ((s = ck_join(path, r->gen, t->files[f].name)) != DOPT_OK) break;
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) {
-      s = dopt__fail(errno == ENOENT ? DOPT_ERR_NOT_FOUND : DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-      break;
-    }
-    struct stat sb;
+    if ((s = dopt__path_join(path, r->gen, t->files[f].name)) != DOPT_OK) break;
+    int fd;
+    uint64_t size;
+    if ((s = dopt__open_read(path, &fd, &size)) != DOPT_OK) break; /* a FIFO or folder there: refused, never waited on */
     unsigned char lenb[8];
     uint64_t hlen = 0;
-    if (fstat(fd, &sb) != 0 || (uint64_t)sb.st_size != t->files[f].bytes)
-      s = dopt__fail(DOPT_ERR_FORMAT, "%s: %lld bytes, index.json says %llu (truncated or replaced)", path,
-                     (long long)sb.st_size, (unsigned long long)t->files[f].bytes);
-    if (s == DOPT_OK) s = ck_pread_all(fd, lenb, 8, 0, path);
+    if (size != t->files[f].bytes)
+      s = dopt__fail(DOPT_ERR_FORMAT, "%s: %llu bytes, index.json says %llu (truncated or replaced)", path,
+                     (unsigned long long)size, (unsigned long long)t->files[f].bytes);
+    if (s == DOPT_OK) s = dopt__pread_all(fd, lenb, 8, 0, path);
     for (int i = 7; s == DOPT_OK && i >= 0; i--) hlen = (hlen << 8) | lenb[i];
     if (s == DOPT_OK && (hlen > CK_MAX_HEADER || hlen + 8 > t->files[f].bytes))
       s = dopt__fail(DOPT_ERR_FORMAT, "%s: safetensors header length %llu exceeds the file", path,
                      (unsigned long long)hlen);
     if (s == DOPT_OK && !(hdr = malloc((size_t)hlen + 1))) s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: header", path);
-    if (s == DOPT_OK) s = ck_pread_all(fd, hdr, (size_t)hlen, 8, path);
+    if (s == DOPT_OK) s = dopt__pread_all(fd, hdr, (size_t)hlen, 8, path);
     close(fd);
     const char *end = NULL;
     if (s == DOPT_OK) {
@@ -191,7 +188,7 @@ dopt_status dopt_ckpt_open(const char *path, dopt_ckpt_reader **out) {
   const char *where = r->index_path, *s;
   int64_t version;
   dopt_status st = resolve_gen(path, r->gen);
-  if (st == DOPT_OK) st = ck_join(r->index_path, r->gen, "index.json");
+  if (st == DOPT_OK) st = dopt__path_join(r->index_path, r->gen, "index.json");
   if (st == DOPT_OK && access(r->index_path, F_OK) != 0)
     st = dopt__fail(DOPT_ERR_NOT_FOUND, "%s: missing: a half-written generation", r->index_path);
   if (st == DOPT_OK) st = ck_read_json(r->index_path, &j);
@@ -305,16 +302,15 @@ dopt_status dopt_ckpt_find(const dopt_ckpt_reader *r, const char *tensor, dopt_c
 static dopt_status read_piece(dopt_ckpt_reader *r, const ck_tensor *x, const ck_piece *p, const dopt_piece *want,
                               void *out, size_t *got) {
   char path[CK_PATH];
-  DOPT_TRY(ck_join(path, r->gen, r->t.files[p->file].name));
-  int fd = open(path, O_RDONLY);
-  if (fd < 0)
-    return dopt__fail(errno == ENOENT ? DOPT_ERR_NOT_FOUND : DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+  DOPT_TRY(dopt__path_join(path, r->gen, r->t.files[p->file].name));
+  int fd;
+  DOPT_TRY(dopt__open_read(path, &fd, NULL));
   dopt_digest *d = NULL;
   dopt_status s = dopt_digest_create(&d);
   const size_t es = dopt_dtype_size(x->dtype), chunk = CK_CHUNK / es;
   for (size_t e0 = 0; s == DOPT_OK && e0 < p->pc.len; e0 += chunk) {
     size_t e1 = p->pc.len - e0 < chunk ? p->pc.len : e0 + chunk;
-    s = ck_pread_all(fd, r->buf, (e1 - e0) * es, p->offset + e0 * es, path);
+    s = dopt__pread_all(fd, r->buf, (e1 - e0) * es, p->offset + e0 * es, path);
     if (s == DOPT_OK) s = dopt_digest_bytes(d, r->buf, (e1 - e0) * es);
     if (s == DOPT_OK && want) *got += ck_scatter(&p->pc, e0, e1, r->buf, want, out, es);
   }

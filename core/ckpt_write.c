@@ -31,6 +31,8 @@ typedef struct wr_piece {
 struct dopt_ckpt_writer {
   char dir[CK_PATH], path[CK_PATH], file[64];
   int rank, nranks, fd;
+  dopt_wfile *wf; /* the rank file, written to a temporary and renamed into place on close */
+  int placed;     /* renamed into place (an abort then removes it) */
   uint64_t data; /* data bytes written */
   wr_piece *p;
   int n, cap;
@@ -52,11 +54,11 @@ dopt_status dopt_ckpt_writer_open(const char *dir, int rank, int nranks, dopt_ck
   w->nranks = nranks;
   snprintf(w->file, sizeof w->file, "rank-%05d-of-%05d.safetensors", rank, nranks);
   int k = snprintf(w->dir, sizeof w->dir, "%s", dir);
-  dopt_status s = k > 0 && k < (int)sizeof w->dir ? ck_join(w->path, dir, w->file)
+  dopt_status s = k > 0 && k < (int)sizeof w->dir ? dopt__path_join(w->path, dir, w->file)
                                                   : dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_ckpt_writer_open: dir is empty or longer than %zu bytes (%zu)",
                                                                sizeof w->dir - 1, strlen(dir));
-  if (s == DOPT_OK && (w->fd = open(w->path, O_RDWR | O_CREAT | O_TRUNC, 0644)) < 0)
-    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", w->path, strerror(errno));
+  if (s == DOPT_OK) s = dopt__wfile_open(w->path, DOPT_W_INTERNAL, &w->wf);
+  w->fd = dopt__wfile_fd(w->wf);
   if (s != DOPT_OK) {
     free(w);
     return s;
@@ -74,8 +76,8 @@ static void writer_free(dopt_ckpt_writer *w) {
 
 void dopt_ckpt_abort_writer(dopt_ckpt_writer *w) {
   if (!w) return;
-  if (w->fd >= 0) close(w->fd);
-  unlink(w->path);
+  dopt__wfile_abort(w->wf); /* the temporary goes */
+  if (w->placed) unlink(w->path);
   writer_free(w);
 }
 
@@ -116,7 +118,7 @@ dopt_status dopt_ckpt_put(dopt_ckpt_writer *w, const char *tensor, dopt_dtype dt
   p->begin = w->data;
   p->end = w->data + bytes;
   dopt_status s = dopt_digest_buffer(host_data, bytes, NULL, p->sha);
-  if (s == DOPT_OK) s = ck_pwrite_all(w->fd, host_data, bytes, 8 + CK_HEADER_RESERVE + w->data, w->path);
+  if (s == DOPT_OK) s = dopt__pwrite_all(w->fd, host_data, bytes, 8 + CK_HEADER_RESERVE + w->data, w->path);
   if (s == DOPT_OK && first < 0) s = dopt__index_add(&w->names, dopt__hash_str(p->tensor), w->n);
   if (s != DOPT_OK) {
     free(p->tensor);
@@ -202,30 +204,27 @@ static char *writer_rank_json(const dopt_ckpt_writer *w, uint64_t file_bytes) {
   return text;
 }
 
-/* The header is longer than the reserved space: write it and the data into a new file. */
+/* The header is longer than the reserved space, or the data short: the header
+ * and the data go into a new temporary file, which replaces the first one. */
 static dopt_status writer_move(dopt_ckpt_writer *w, const unsigned char *head, size_t hlen) {
-  char tmp[CK_PATH];
-  int k = snprintf(tmp, sizeof tmp, "%s.move", w->path);
-  if (k < 0 || k >= (int)sizeof tmp) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: path too long", w->path);
-  int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-  dopt_status s = ck_pwrite_all(fd, head, hlen, 0, tmp);
+  dopt_wfile *nf;
+  DOPT_TRY(dopt__wfile_open(w->path, DOPT_W_INTERNAL, &nf));
+  const int fd = dopt__wfile_fd(nf);
+  dopt_status s = dopt__pwrite_all(fd, head, hlen, 0, w->path);
   unsigned char *buf = s == DOPT_OK ? malloc(CK_CHUNK) : NULL;
-  if (s == DOPT_OK && !buf) s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: copy buffer", tmp);
+  if (s == DOPT_OK && !buf) s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: copy buffer", w->path);
   for (uint64_t off = 0; s == DOPT_OK && off < w->data; off += CK_CHUNK) {
     size_t n = w->data - off < CK_CHUNK ? (size_t)(w->data - off) : CK_CHUNK;
-    s = ck_pread_all(w->fd, buf, n, 8 + CK_HEADER_RESERVE + off, w->path);
-    if (s == DOPT_OK) s = ck_pwrite_all(fd, buf, n, hlen + off, tmp);
+    s = dopt__pread_all(w->fd, buf, n, 8 + CK_HEADER_RESERVE + off, w->path);
+    if (s == DOPT_OK) s = dopt__pwrite_all(fd, buf, n, hlen + off, w->path);
   }
   free(buf);
-  if (s == DOPT_OK && fsync(fd) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: fsync failed: %s", tmp, strerror(errno));
-  if (s == DOPT_OK && rename(tmp, w->path) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: rename failed: %s", tmp, strerror(errno));
   if (s != DOPT_OK) {
-    close(fd);
-    unlink(tmp);
+    dopt__wfile_abort(nf);
     return s;
   }
-  close(w->fd);
+  dopt__wfile_abort(w->wf);
+  w->wf = nf;
   w->fd = fd;
   return DOPT_OK;
 }
@@ -244,18 +243,21 @@ dopt_status dopt_ckpt_writer_close(dopt_ckpt_writer *w) {
     for (int i = 0; i < 8; i++) head[i] = (unsigned char)((uint64_t)hl >> (8 * i));
     memcpy(head + 8, json, jl);
     memset(head + 8 + jl, ' ', hl - jl);
-    s = move ? writer_move(w, head, 8 + hl) : ck_pwrite_all(w->fd, head, 8 + hl, 0, w->path);
+    s = move ? writer_move(w, head, 8 + hl) : dopt__pwrite_all(w->fd, head, 8 + hl, 0, w->path);
   }
-  if (s == DOPT_OK && fsync(w->fd) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: fsync failed: %s", w->path, strerror(errno));
-  if (s == DOPT_OK && close(w->fd) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: close failed: %s", w->path, strerror(errno));
-  else if (s == DOPT_OK) w->fd = -1;
+  if (s == DOPT_OK) { /* synced and renamed into place; freed either way */
+    s = dopt__wfile_commit(w->wf);
+    w->wf = NULL;
+    w->fd = -1;
+    w->placed = s == DOPT_OK;
+  }
   if (s == DOPT_OK && !(rank_json = writer_rank_json(w, 8 + hl + w->data)))
     s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: piece list", w->path);
   if (s == DOPT_OK) {
     char name[32], path[CK_PATH];
     snprintf(name, sizeof name, "rank-%05d.json", w->rank);
-    s = ck_join(path, w->dir, name);
-    if (s == DOPT_OK) s = ck_write_durable(path, rank_json, strlen(rank_json));
+    s = dopt__path_join(path, w->dir, name);
+    if (s == DOPT_OK) s = dopt__write_file(path, DOPT_W_INTERNAL, rank_json, strlen(rank_json));
   }
   free(json);
   free(head);
@@ -279,18 +281,72 @@ dopt_status dopt_ckpt_tmp_dir(const char *ckpt_dir, int64_t step, char *out, siz
   return DOPT_OK;
 }
 
+/* What stands at a generation's name in the checkpoint folder: nothing, a
+ * folder (an earlier save of the same step: replaced) or a symbolic link
+ * (removed as a link, never followed). Anything else is not distopt's: an
+ * error naming it, found before anything is written. */
+static dopt_status check_gen_slot(const char *path, int *is_dir, int *is_link) {
+  struct stat st;
+  *is_dir = *is_link = 0;
+  if (lstat(path, &st) != 0) {
+    if (errno == ENOENT) return DOPT_OK;
+    return dopt__fail(DOPT_ERR_IO, "%s: %s", path, strerror(errno));
+  }
+  *is_dir = S_ISDIR(st.st_mode);
+  *is_link = S_ISLNK(st.st_mode);
+  if (!*is_dir && !*is_link)
+    return dopt__fail(DOPT_ERR_IO, "%s is %s where a checkpoint generation's folder belongs (remove it or choose "
+                      "another checkpoint folder)", path, dopt__file_kind((unsigned)st.st_mode));
+  return DOPT_OK;
+}
+
+static dopt_status gen_path(const char *ckpt_dir, int64_t step, char *gen, char *dst) {
+  snprintf(gen, 32, "step-%09lld", (long long)step);
+  return dopt__path_join(dst, ckpt_dir, gen);
+}
+
+/* The slots a save of step fills: its generation and temporary (nothing, a folder or a link) and `latest`
+ * (not a folder). */
+static dopt_status check_slots(const char *ckpt_dir, int64_t step, const char *tmp) {
+  char gen[32], dst[CK_PATH], latest[CK_PATH];
+  int is_dir, is_link;
+  DOPT_TRY(gen_path(ckpt_dir, step, gen, dst));
+  DOPT_TRY(dopt__path_join(latest, ckpt_dir, "latest"));
+  DOPT_TRY(check_gen_slot(dst, &is_dir, &is_link));
+  DOPT_TRY(check_gen_slot(tmp, &is_dir, &is_link));
+  struct stat st;
+  if (lstat(latest, &st) == 0 && S_ISDIR(st.st_mode))
+    return dopt__fail(DOPT_ERR_IO, "%s is a folder where the checkpoint's file 'latest' belongs (remove it or choose "
+                      "another checkpoint folder)", latest);
+  return DOPT_OK;
+}
+
+dopt_status dopt_ckpt_check_dir(const char *ckpt_dir, int64_t step) {
+  char tmp[CK_PATH];
+  DOPT_TRY(dopt_ckpt_tmp_dir(ckpt_dir, step, tmp, sizeof tmp));
+  DOPT_TRY(dopt__check_output(NULL, ckpt_dir, DOPT_OUT_DIR));
+  return check_slots(ckpt_dir, step, tmp);
+}
+
 dopt_status dopt_ckpt_begin(const char *ckpt_dir, int64_t step, char *out, size_t cap) {
   DOPT_TRY(dopt_ckpt_tmp_dir(ckpt_dir, step, out, cap));
-  DOPT_TRY(ck_mkdir_p(ckpt_dir));
-  DOPT_TRY(ck_remove_flat_dir(out)); /* a crashed save of the same step */
+  DOPT_TRY(dopt__mkdir_p(ckpt_dir));
+  DOPT_TRY(check_slots(ckpt_dir, step, out));
+  DOPT_TRY(dopt__remove_flat_dir(out)); /* a crashed save of the same step; a link there goes as a link */
   if (mkdir(out, 0755) != 0) return dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", out, strerror(errno));
-  return ck_fsync_path(ckpt_dir, 1);
+  return dopt__sync_dir(ckpt_dir);
 }
+
+dopt_status dopt_ckpt_discard(const char *tmp_dir) {
+  DOPT_CHECK_ARG(tmp_dir && *tmp_dir, "dopt_ckpt_discard: tmp_dir is NULL or empty");
+  return dopt__remove_flat_dir(tmp_dir);
+}
+
 /* Reads tmp_dir/rank-<r>.json into the table. */
 static dopt_status merge_rank(ck_table *t, const char *tmp_dir, int r, int *nranks) {
   char name[32], path[CK_PATH];
   snprintf(name, sizeof name, "rank-%05d.json", r);
-  DOPT_TRY(ck_join(path, tmp_dir, name));
+  DOPT_TRY(dopt__path_join(path, tmp_dir, name));
   if (access(path, F_OK) != 0)
     return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: missing: rank %d did not close its writer (generation incomplete)",
                       path, r);
@@ -313,7 +369,7 @@ static dopt_status merge_rank(ck_table *t, const char *tmp_dir, int r, int *nran
   if (st == DOPT_OK) st = ck_jint(j, "file_bytes", 0, CK_MAX_INT, path, "rank list", &fb);
   struct stat sb;
   char fpath[CK_PATH];
-  if (st == DOPT_OK) st = ck_join(fpath, tmp_dir, want);
+  if (st == DOPT_OK) st = dopt__path_join(fpath, tmp_dir, want);
   if (st == DOPT_OK && (stat(fpath, &sb) != 0 || (uint64_t)sb.st_size != (uint64_t)fb))
     st = dopt__fail(DOPT_ERR_IO, "%s: missing or %lld bytes, its rank list says %lld", fpath,
                     stat(fpath, &sb) == 0 ? (long long)sb.st_size : -1LL, (long long)fb);
@@ -341,24 +397,27 @@ dopt_status dopt_ckpt_commit(const char *ckpt_dir, const char *tmp_dir, const do
   if (s == DOPT_OK && !text) s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: index.json", tmp_dir);
   ck_table_free(&t);
   char path[CK_PATH], gen[32], dst[CK_PATH];
-  if (s == DOPT_OK) s = ck_join(path, tmp_dir, "index.json");
-  if (s == DOPT_OK) s = ck_write_durable(path, text, strlen(text));
+  if (s == DOPT_OK) s = dopt__path_join(path, tmp_dir, "index.json");
+  if (s == DOPT_OK) s = dopt__write_file(path, DOPT_W_INTERNAL, text, strlen(text));
   free(text);
-  snprintf(gen, sizeof gen, "step-%09lld", (long long)meta->global_step);
-  if (s == DOPT_OK) s = ck_join(dst, ckpt_dir, gen);
+  if (s == DOPT_OK) s = gen_path(ckpt_dir, meta->global_step, gen, dst);
+  int is_dir = 0, is_link = 0;
+  if (s == DOPT_OK) s = check_gen_slot(dst, &is_dir, &is_link);
   if (s != DOPT_OK) return s;
-  struct stat sb;
-  if (stat(dst, &sb) == 0) { /* the same step saved again: swap atomically, then drop the old one */
+  if (is_dir) { /* the same step saved again: swap atomically, then drop the old one */
     if (renameat2(AT_FDCWD, tmp_dir, AT_FDCWD, dst, RENAME_EXCHANGE) != 0)
       return dopt__fail(DOPT_ERR_IO, "%s: cannot replace the existing generation: %s", dst, strerror(errno));
-    DOPT_TRY(ck_fsync_path(ckpt_dir, 1));
-    DOPT_TRY(ck_remove_flat_dir(tmp_dir));
-  } else if (rename(tmp_dir, dst) != 0) {
-    return dopt__fail(DOPT_ERR_IO, "%s: cannot rename to %s: %s", tmp_dir, dst, strerror(errno));
+    DOPT_TRY(dopt__sync_dir(ckpt_dir));
+    DOPT_TRY(dopt__remove_flat_dir(tmp_dir));
+  } else {
+    if (is_link && unlink(dst) != 0) /* the link goes, what it points to stays */
+      return dopt__fail(DOPT_ERR_IO, "%s: cannot remove the link: %s", dst, strerror(errno));
+    if (rename(tmp_dir, dst) != 0)
+      return dopt__fail(DOPT_ERR_IO, "%s: cannot rename to %s: %s", tmp_dir, dst, strerror(errno));
   }
-  DOPT_TRY(ck_fsync_path(ckpt_dir, 1));
+  DOPT_TRY(dopt__sync_dir(ckpt_dir));
   char latest[CK_PATH], line[40];
-  DOPT_TRY(ck_join(latest, ckpt_dir, "latest"));
+  DOPT_TRY(dopt__path_join(latest, ckpt_dir, "latest"));
   int n = snprintf(line, sizeof line, "%s\n", gen);
-  return ck_write_durable(latest, line, (size_t)n);
+  return dopt__write_file(latest, DOPT_W_INTERNAL, line, (size_t)n);
 }

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "files.h"
 #include "index.h"
 #include "optim_impl.h"
 
@@ -124,12 +125,10 @@ static void sort_by_name(dopt_st_file *f) {
 dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
   DOPT_CHECK_ARG(path && out, "dopt_st_load: path/out NULL");
   *out = NULL;
-  struct stat sb;
-  if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) /* a directory reads as a huge, truncated file */
-    return dopt__fail(DOPT_ERR_IO, "%s: not a regular file", path);
-  FILE *fp = fopen(path, "rb");
-  if (!fp) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-  dopt_status s = DOPT_OK;
+  FILE *fp; /* a regular file only: a folder, FIFO or device is refused, never waited on */
+  dopt_status s = dopt__fopen_read(path, &fp, NULL);
+  if (s == DOPT_ERR_NOT_FOUND) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(ENOENT));
+  if (s != DOPT_OK) return s;
   dopt_st_file *f = calloc(1, sizeof *f);
   char *hdr = NULL;
   unsigned char lenb[8];
@@ -412,29 +411,21 @@ dopt_status dopt_st_writer_save(dopt_st_writer *w, const char *path) {
   if (s != DOPT_OK) return s;
   if (!json) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: header text", path);
   size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7; /* data buffer 8-byte aligned */
-  size_t tl = strlen(path) + 32;
-  char *tmp = malloc(tl);
-  if (!tmp) {
-    free(json);
-    return dopt__fail(DOPT_ERR_NO_MEMORY, "%s", path);
-  }
-  snprintf(tmp, tl, "%s.tmp.%ld", path, (long)getpid());
-  FILE *fp = fopen(tmp, "wb");
-  if (!fp) {
-    s = dopt__fail(DOPT_ERR_IO, "%s: cannot create (its temporary file): %s", path, strerror(errno));
-  } else {
+  dopt_wfile *wf; /* atomic: a temporary in the target's folder, renamed over it (core/files.h) */
+  s = dopt__wfile_open(path, DOPT_W_OUTPUT, &wf);
+  FILE *fp = s == DOPT_OK ? dopt__wfile_stream(wf) : NULL;
+  if (s == DOPT_OK && !fp) s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: a stream", path);
+  if (fp) {
     unsigned char lenb[8];
     for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)padded >> (8 * i));
     int ok = fwrite(lenb, 1, 8, fp) == 8 && fwrite(json, 1, jl, fp) == jl;
     for (size_t i = jl; ok && i < padded; i++) ok = fputc(' ', fp) != EOF;
     for (int i = 0; ok && i < w->n; i++)
       ok = w->items[i].bytes == 0 || fwrite(w->items[i].data, 1, w->items[i].bytes, fp) == w->items[i].bytes;
-    if (fclose(fp) != 0) ok = 0;
     if (!ok) s = dopt__fail(DOPT_ERR_IO, "%s: write failed: %s", path, strerror(errno));
-    else if (rename(tmp, path) != 0) s = dopt__fail(DOPT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
-    if (s != DOPT_OK) remove(tmp);
   }
-  free(tmp);
+  if (s == DOPT_OK) s = dopt__wfile_commit(wf);
+  else dopt__wfile_abort(wf);
   free(json);
   return s;
 }

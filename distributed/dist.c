@@ -1200,6 +1200,16 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
   return DOPT_OK;
 }
 
+/* A failed save (every writer closed or aborted): rank 0 removes the temporary generation; the
+ * first failure's message is kept. */
+static dopt_status discard(int rank, const char *tmp, dopt_status s) {
+  if (rank != 0) return s;
+  char keep[512];
+  snprintf(keep, sizeof keep, "%s", dopt_last_error());
+  (void)dopt_ckpt_discard(tmp);
+  return dopt__fail(s, "%s", keep);
+}
+
 dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const char *ckpt_dir, int64_t global_step) {
   DOPT_CHECK_ARG(d && plain && ckpt_dir, "dopt_dist_save: NULL argument");
   const int rank = d->dp.rank * d->tp.size + d->tp.rank, nranks = d->tp.size * d->dp.size;
@@ -1214,7 +1224,8 @@ dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const ch
   if (s == DOPT_OK) s = write_pieces(d, w);
   if (s == DOPT_OK) s = dopt_ckpt_writer_close(w);
   else dopt_ckpt_abort_writer(w);
-  DOPT_TRY(agree(d, s, "write"));
+  s = agree(d, s, "write");
+  if (s != DOPT_OK) return discard(rank, tmp, s);
   /* rank 0: the metadata (the plain optimizer's, with this run's counters), the index, the rename */
   s = DOPT_OK;
   if (rank == 0) {
@@ -1239,6 +1250,7 @@ dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const ch
       s = dopt_ckpt_commit(ckpt_dir, tmp, m);
     }
     dopt_ckpt_meta_free(m);
+    if (s != DOPT_OK) s = discard(0, tmp, s); /* a full disk at the index: nothing of the save is left */
   }
   return agree(d, s, "commit");
 }

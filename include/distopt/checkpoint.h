@@ -18,8 +18,11 @@
  *               dopt_ckpt_writer_open(tmp, rank, nranks, &w)
  *               dopt_ckpt_put(w, ...) per piece; dopt_ckpt_writer_close(w)
  *   barrier;    rank 0: dopt_ckpt_commit(ckpt, tmp, meta)  (index, rename, latest)
- * A crash anywhere before the commit's rename leaves the previous generation
- * and `latest` as they were. Load: dopt_ckpt_open + dopt_ckpt_get per piece.
+ * A failure anywhere: every rank aborts its writer, then rank 0
+ * dopt_ckpt_discard(tmp). A crash anywhere before the commit's rename leaves
+ * the previous generation and `latest` as they were. Nothing in ckpt but the
+ * generation folders, `latest` and the temporary folder is touched, and no
+ * symbolic link there is followed (docs/files.md). Load: dopt_ckpt_open + dopt_ckpt_get per piece.
  * Single device: dopt_optim_save / dopt_optim_load. */
 #ifndef DISTOPT_CHECKPOINT_H
 #define DISTOPT_CHECKPOINT_H
@@ -137,8 +140,19 @@ DOPT_API dopt_status dopt_ckpt_meta_check(const dopt_ckpt_meta *saved, const dop
 DOPT_API dopt_status dopt_ckpt_tmp_dir(const char *ckpt_dir, int64_t global_step, char *tmp_dir_out, size_t cap);
 /* Rank 0, before any writer opens: creates ckpt_dir if needed and the
  * temporary generation directory (a stale one from a crashed save is removed
- * first); its path into tmp_dir_out. */
+ * first: a symbolic link there as a link); its path into tmp_dir_out. A
+ * regular file, FIFO or other non-folder where the generation step-<N> or
+ * the temporary belongs, or a folder where `latest` belongs, is
+ * DOPT_ERR_IO naming it, before anything is written. */
 DOPT_API dopt_status dopt_ckpt_begin(const char *ckpt_dir, int64_t global_step, char *tmp_dir_out, size_t cap);
+/* What dopt_ckpt_begin checks before it writes, without creating anything:
+ * ckpt_dir is a folder or can be made, and no non-folder stands where the
+ * generation of global_step or its temporary belongs, nor a folder where
+ * `latest` does. For a tool to refuse a save before its work begins. */
+DOPT_API dopt_status dopt_ckpt_check_dir(const char *ckpt_dir, int64_t global_step);
+/* Rank 0, after a failed save (every writer closed or aborted): removes the
+ * temporary generation directory, so that nothing of the save is left. */
+DOPT_API dopt_status dopt_ckpt_discard(const char *tmp_dir);
 
 typedef struct dopt_ckpt_writer dopt_ckpt_writer;
 

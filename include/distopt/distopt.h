@@ -8,6 +8,7 @@
 #include "distopt/xsum.h"
 #include "distopt/digest.h"
 #include "distopt/checkpoint.h"
+#include "distopt/files.h"
 #define DOPT_VERSION_MAJOR 0
 #define DOPT_VERSION_MINOR 1
 #define DOPT_VERSION_PATCH 0

@@ -1,6 +1,7 @@
 """Writes safetensors files through the library's own writer (dopt_st_writer_*: names and shapes validated,
 the file written atomically), from numpy arrays or torch tensors: the one safetensors writer of the package
-(distopt.record's blocks, the tests' input files)."""
+(distopt.record's blocks, the tests' input files); and write_bytes, the library's atomic write of any file
+(distopt.record's index.json)."""
 import ctypes
 
 from . import _lib
@@ -22,6 +23,13 @@ _add = _fn("dopt_st_writer_add", ctypes.c_int,
            [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), _P])
 _meta = _fn("dopt_st_writer_meta", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p])
 _save = _fn("dopt_st_writer_save", ctypes.c_int, [_P, ctypes.c_char_p])
+_write_file = _fn("dopt_write_file", ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t])
+
+
+def write_bytes(path, data):
+    """path <- data (bytes) through the library's one rule for outputs (docs/files.md): atomic, a link's target
+    replaced in its own folder, a FIFO, socket or folder refused."""
+    _lib.call(_write_file, path.encode(), data, len(data))
 
 
 def _view(a, name):

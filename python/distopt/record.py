@@ -36,6 +36,7 @@ import os
 
 from . import _core, _upstream
 from ._safetensors import write as _write_safetensors
+from ._safetensors import write_bytes as _write_bytes
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
 SCHEMA_VERSION = 1
@@ -45,13 +46,8 @@ __all__ = ["record", "Recorder", "verify"]
 
 
 def _write_json_atomic(path, obj):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """index.json through the library's atomic write (the one rule for outputs, docs/files.md)."""
+    _write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
 # ---- what to call the optimizer ---------------------------------------------------------------------

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,12 +55,30 @@ int dt_remove_tmpdir(const char *dir) {
 }
 
 int dt_run(const char *bin, const char *const *args, const char *out, const char *err) {
+  return dt_run_with(bin, args, out, err, NULL);
+}
+
+int dt_run_with(const char *bin, const char *const *args, const char *out, const char *err, const dt_run_opts *o) {
   fflush(stdout);
   fflush(stderr);
   pid_t pid = fork();
   if (pid < 0) return -1;
   if (pid == 0) {
     if (!freopen(err ? err : "/dev/null", "w", stderr) || !freopen(out ? out : "/dev/null", "w", stdout)) _exit(126);
+    if (o && o->fsize_limit) {
+      struct rlimit rl = {o->fsize_limit, o->fsize_limit};
+      signal(SIGXFSZ, SIG_IGN); /* kept across exec: the write fails with EFBIG instead */
+      if (setrlimit(RLIMIT_FSIZE, &rl) != 0) _exit(125);
+    }
+    for (const char *const *e = o ? o->env : NULL; e && *e; e++) {
+      char name[256];
+      const char *eq = strchr(*e, '=');
+      if (!eq || (size_t)(eq - *e) >= sizeof name) _exit(124);
+      memcpy(name, *e, (size_t)(eq - *e));
+      name[eq - *e] = '\0';
+      if (setenv(name, eq + 1, 1) != 0) _exit(124);
+    }
+    if (o && o->timeout_s) alarm(o->timeout_s); /* kept across exec: a hang ends with SIGALRM */
     const char *argv[62];
     int n = 0;
     argv[n++] = bin;

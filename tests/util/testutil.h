@@ -49,6 +49,17 @@ int dt_remove_tmpdir(const char *dir);
  * it did not exit normally). */
 int dt_run(const char *bin, const char *const *args, const char *out, const char *err);
 
+/* dt_run with limits for the child: a wall-clock alarm (seconds; 0 none: a
+ * command that hangs is killed and returns -1), a file-size limit (bytes; 0
+ * none: a write beyond it fails with EFBIG, SIGXFSZ ignored, as a full disk),
+ * and environment variables set for it ("NAME=value", NULL-terminated). */
+typedef struct dt_run_opts {
+  unsigned timeout_s;
+  unsigned long fsize_limit;
+  const char *const *env;
+} dt_run_opts;
+int dt_run_with(const char *bin, const char *const *args, const char *out, const char *err, const dt_run_opts *o);
+
 /* Returns the repository root (DOPT_SOURCE_DIR, set by CTest) or ".". */
 const char *dt_source_dir(void);
 

@@ -14,6 +14,7 @@
 
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
+#include "fstree.h"
 #include "verify.h" /* compare/: the recording's reader */
 
 static const char *bin;
@@ -545,6 +546,34 @@ static void test_compare_on_recording(void **st) {
   }
 }
 
+/* No output of verify or compare is, or lies inside, the recording it reads: exit 2, one line, and every file
+ * of the recording byte-identical afterwards (docs/files.md). */
+static void test_outputs_outside_recording(void **st) {
+  (void)st;
+  char root[400], ipath[500], a_st[500], other[500];
+  snprintf(root, sizeof root, "%s/kept", dir);
+  snprintf(ipath, sizeof ipath, "%s/index.json", root);
+  snprintf(a_st, sizeof a_st, "%s/rank0/a.safetensors", root);
+  snprintf(other, sizeof other, "%s/rank1/new.json", root);
+  make_trace(root, 0);
+  dt_tree *before = dt_tree_snap(root);
+  const char *v1[] = {"verify", root, "--json", ipath, NULL};
+  expect_one_line(run(v1), "--json '");
+  const char *v2[] = {"verify", root, "--plot", a_st, NULL};
+  expect_one_line(run(v2), "is inside the input TRACE");
+  const char *v3[] = {"verify", ipath, "--json", other, NULL};
+  expect_one_line(run(v3), "is inside the input TRACE");
+  const char *c1[] = {"compare", "--trace", root, "--dp", "1", "--json", ipath, NULL};
+  expect_one_line(run(c1), "is inside the input --trace");
+  const char *c2[] = {"compare", "--trace", ipath, "--dp", "1", "--plot", a_st, NULL};
+  expect_one_line(run(c2), "is inside the input --trace");
+  dt_tree *after = dt_tree_snap(root);
+  char diff[800];
+  if (dt_tree_diff(before, after, NULL, diff, sizeof diff)) fail_msg("the recording changed: %s", diff);
+  dt_tree_free(before);
+  dt_tree_free(after);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s /path/to/distopt\n", argv[0]);
@@ -560,6 +589,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_reader_blocks),
       cmocka_unit_test(test_compare_on_recording),
+      cmocka_unit_test(test_outputs_outside_recording),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
