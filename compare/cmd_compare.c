@@ -262,9 +262,27 @@ static int mpi_end(dopt_mpi_comm *world, int rc) {
   return rc;
 }
 
-/* Backend mpi, before the run: MPI initialised and this process's world rank
- * known, so that only rank 0 shows progress and reports. A process count
- * other than tp*dp is one line from rank 0 (every rank sees it; none waits). */
+/* Ranks that agree (compare/agree.c), before any other collective: on a disagreement the lowest differing
+ * rank prints the one line naming the option and both values, and every rank returns CLI_USAGE. world: the
+ * MPI world; NULL: the NCCL launch's TCP rendezvous. */
+static int agree(const cmp_options *o, const dopt_transport *world) {
+  char *text = malloc(CMP_CONFIG_MAX), msg[1024];
+  if (!text) return cli_errorf(CMD, "out of memory for the configuration check");
+  int n = cmp_config_text(o, text, CMP_CONFIG_MAX), first = -1;
+  dopt_status s = n < 0 ? DOPT_ERR_INVALID_ARG
+                        : world ? cmp_config_agree(world, text, (size_t)n, &first, msg, sizeof msg)
+                                : cmp_config_agree_tcp(text, (size_t)n, &first, msg, sizeof msg);
+  free(text);
+  if (s != DOPT_OK) return cli_error(CMD, s);
+  if (first < 0) return CLI_OK;
+  if (msg[0]) cli_errorf(CMD, "%s", msg); /* only the lowest differing rank has it */
+  return CLI_USAGE;
+}
+
+/* Backend mpi, before the run: MPI initialised, the ranks' configurations compared (a difference ends
+ * every rank with one line, before anything else can go wrong), and this process's world rank known, so
+ * that only rank 0 shows progress and reports. A process count other than tp*dp is one line from rank 0
+ * (every rank sees it; none waits). */
 static int mpi_begin(const cmp_options *o, dopt_mpi_comm **world, int *rank) {
   dopt_transport wt;
   dopt_status s = dopt_mpi_init(120000, world);
@@ -275,6 +293,8 @@ static int mpi_begin(const cmp_options *o, dopt_mpi_comm **world, int *rank) {
     return rc;
   }
   *rank = wt.rank;
+  int rc = agree(o, &wt);
+  if (rc != CLI_OK) return mpi_end(*world, rc);
   if (wt.size == o->tp * o->dp) return CLI_OK;
   if (wt.rank == 0)
     cli_errorf(CMD, "backend mpi: mpirun started %d processes but tp x dp = %d x %d = %d (run mpirun -np %d)", wt.size,
@@ -389,6 +409,7 @@ int cmd_compare(int argc, char **argv) {
   dopt_mpi_comm *mpi_world = NULL; /* backend mpi: MPI is up from here to mpi_end */
   int mpi_rank = 0;
   if (strcmp(o.backend, "mpi") == 0 && (rc = mpi_begin(&o, &mpi_world, &mpi_rank)) != CLI_OK) return rc;
+  if (strcmp(o.backend, "nccl") == 0 && (rc = agree(&o, NULL)) != CLI_OK) return rc;
   cmp_result r;
   int tty = !o.quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
   dopt_status s = cmp_run(&o, &r, tty ? progress : NULL, NULL);

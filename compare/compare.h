@@ -224,6 +224,26 @@ void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells,
 /* The sweep's JSON record (its own "schema_version", "kind": "sweep"; docs/cli.md). */
 dopt_status cmp_write_sweep_json(const char *path, const cmp_options *o, const cmp_sweep_cell *cells, int ncells);
 
+/* Ranks that agree (compare/agree.c): the effective configuration of a multi-process compare as text,
+ * one "key=value" line per option (keys spelled as the command-line options, after the YAML file and the
+ * defaults; the build; the trace's identity: its size and its safetensors header's SHA-256, or a
+ * recording's index.json), control characters and '\\' written as \xNN. Returns its length, or -1
+ * (dopt_last_error says why) when it does not fit cap (CMP_CONFIG_MAX is enough). */
+#define CMP_CONFIG_MAX 65536
+int cmp_config_text(const cmp_options *o, char *buf, size_t cap);
+/* The first option where this rank's text (mine) and rank 0's (theirs: from another process, parsed as
+ * untrusted input) differ: 0 equal; 1 differs, msg "--optimizer is 'came' on rank 1, 'adamw' on rank 0";
+ * -1 a text is malformed (msg says where). */
+int cmp_config_diff(const char *mine, size_t nm, const char *theirs, size_t nt, int rank, char *msg, size_t cap);
+/* Before any other collective, every rank's SHA-256 of its text against rank 0's: over the world
+ * transport (backend mpi: one broadcast of rank 0's digest and text, one all_reduce MIN), or over the
+ * TCP rendezvous of the launcher's environment (backend nccl; nothing when there is no launcher).
+ * *first: the lowest rank whose text differs (-1: all agree); on that rank msg holds the one line that
+ * names the first differing option and both values. */
+dopt_status cmp_config_agree(const dopt_transport *world, const char *mine, size_t nm, int *first, char *msg,
+                             size_t cap);
+dopt_status cmp_config_agree_tcp(const char *mine, size_t nm, int *first, char *msg, size_t cap);
+
 /* Reports (compare/report.c). */
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r);
 dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_result *r);

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "distopt/launch.h"
@@ -242,6 +243,185 @@ static void test_rendezvous_torchrun(void **st) {
   assert_memory_equal(r[1].blob, r[0].blob, sizeof r[0].blob);
 }
 
+/* ---- the configuration check ---------------------------------------------------------------- */
+
+typedef struct chk_arg {
+  dopt_rendezvous r;
+  char rank0[256];
+  unsigned char blob[16];
+  dopt_status s;
+  char err[256];
+} chk_arg;
+
+static void *chk_thread(void *p) {
+  chk_arg *a = p;
+  a->r.rank0_check = a->rank0;
+  a->r.rank0_cap = sizeof a->rank0;
+  a->r.blob = a->blob;
+  a->r.bytes = sizeof a->blob;
+  a->s = dopt_rendezvous_run(&a->r);
+  snprintf(a->err, sizeof a->err, "%s", dopt_last_error());
+  return NULL;
+}
+
+/* Runs one round over nranks threads with the given texts; every rank's status must be OK. */
+static void chk_round(chk_arg *a, int nranks, int port, uint32_t tag, const char *const *texts) {
+  pthread_t th[8];
+  for (int r = 0; r < nranks; r++) {
+    memset(&a[r], 0, sizeof a[r]);
+    a[r].r = (dopt_rendezvous)DOPT_RENDEZVOUS_INIT;
+    a[r].r.addr = "127.0.0.1";
+    a[r].r.port = port;
+    a[r].r.rank = r;
+    a[r].r.nranks = nranks;
+    a[r].r.timeout_ms = 20000;
+    a[r].r.tag = tag;
+    a[r].r.check = texts[r];
+    a[r].r.check_len = texts[r] ? strlen(texts[r]) : 0;
+    if (r == 0) memset(a[r].blob, 0xa5, sizeof a[r].blob);
+  }
+  for (int r = nranks - 1; r >= 0; r--) assert_int_equal(pthread_create(&th[r], NULL, chk_thread, &a[r]), 0);
+  for (int r = 0; r < nranks; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < nranks; r++)
+    if (a[r].s != DOPT_OK) fail_msg("rank %d: %s", r, a[r].err);
+}
+
+/* Every rank learns the lowest rank whose check text differs from rank 0's, and gets rank 0's text
+ * (what names the differing option); the blob still arrives. */
+static void test_rendezvous_check(void **st) {
+  (void)st;
+  int port = free_port();
+  assert_true(port > 0);
+  chk_arg a[4];
+  const char *differ[] = {"a=1\nb=2\n", "a=1\nb=2\n", "a=1\nb=3\n", "a=9\n"};
+  chk_round(a, 4, port, DOPT_RENDEZVOUS_TAG_CONFIG, differ);
+  for (int r = 0; r < 4; r++) {
+    assert_int_equal(a[r].r.first_differing, 2);
+    assert_memory_equal(a[r].blob, a[0].blob, sizeof a[0].blob);
+    if (r > 0) assert_string_equal(a[r].rank0, "a=1\nb=2\n");
+  }
+  /* the same text everywhere: no difference; the round right after (the NCCL id's) on the same port */
+  const char *same[] = {"x=1\n", "x=1\n", "x=1\n", "x=1\n"};
+  chk_round(a, 4, port, DOPT_RENDEZVOUS_TAG_CONFIG, same);
+  for (int r = 0; r < 4; r++) assert_int_equal(a[r].r.first_differing, -1);
+  const char *none[] = {NULL, NULL, NULL, NULL};
+  chk_round(a, 4, port, DOPT_RENDEZVOUS_TAG_BLOB, none);
+  for (int r = 0; r < 4; r++) assert_int_equal(a[r].r.first_differing, -1);
+}
+
+typedef struct stray_arg {
+  int port;
+  const char *bytes;
+} stray_arg;
+
+/* A connection that is no rank of this round (another protocol): rank 0 closes it and carries on. */
+static void *stray_thread(void *p) {
+  const stray_arg *s = p;
+  for (int tries = 0; tries < 200; tries++) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons((uint16_t)s->port);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+      ssize_t w = write(fd, s->bytes, strlen(s->bytes));
+      (void)w;
+      char buf[16];
+      ssize_t k = read(fd, buf, sizeof buf); /* closed by rank 0 */
+      (void)k;
+      close(fd);
+      return NULL;
+    }
+    close(fd);
+    nanosleep(&(struct timespec){0, 10000000}, NULL);
+  }
+  return NULL;
+}
+
+static void test_rendezvous_stray_and_failure(void **st) {
+  (void)st;
+  int port = free_port();
+  assert_true(port > 0);
+  stray_arg sa = {port, "GET / HTTP/1.1\r\n\r\n"};
+  pthread_t sth;
+  assert_int_equal(pthread_create(&sth, NULL, stray_thread, &sa), 0);
+  chk_arg a[3];
+  const char *texts[] = {"k=v\n", "k=v\n", "k=v\n"};
+  chk_round(a, 3, port, DOPT_RENDEZVOUS_TAG_CONFIG, texts);
+  pthread_join(sth, NULL);
+  for (int r = 0; r < 3; r++) assert_int_equal(a[r].r.first_differing, -1);
+  /* a peer that says another world size: rank 0 fails, and the peer that already said hello stops at once
+   * (DOPT_ERR_ABORTED), long before its timeout */
+  port = free_port();
+  pthread_t th[3];
+  for (int r = 0; r < 3; r++) {
+    memset(&a[r], 0, sizeof a[r]);
+    a[r].r = (dopt_rendezvous)DOPT_RENDEZVOUS_INIT;
+    a[r].r.addr = "127.0.0.1";
+    a[r].r.port = port;
+    a[r].r.rank = r == 2 ? 1 : r; /* thread 2: a second "rank 1" */
+    a[r].r.nranks = 3;
+    a[r].r.timeout_ms = 20000;
+  }
+  double t0 = (double)time(NULL);
+  assert_int_equal(pthread_create(&th[0], NULL, chk_thread, &a[0]), 0);
+  assert_int_equal(pthread_create(&th[1], NULL, chk_thread, &a[1]), 0);
+  nanosleep(&(struct timespec){0, 300000000}, NULL);
+  assert_int_equal(pthread_create(&th[2], NULL, chk_thread, &a[2]), 0);
+  for (int r = 0; r < 3; r++) pthread_join(th[r], NULL);
+  assert_int_equal(a[0].s, DOPT_ERR_INVALID_ARG);
+  assert_non_null(strstr(a[0].err, "duplicate rank"));
+  int aborted = (a[1].s == DOPT_ERR_ABORTED) + (a[2].s == DOPT_ERR_ABORTED);
+  if (aborted != 2) fail_msg("peers: %s / %s", a[1].err, a[2].err);
+  if ((double)time(NULL) - t0 > 10) fail_msg("the peers waited for their timeout");
+}
+
+/* `distopt compare --backend nccl`, two processes as torchrun starts them, one given another --optimizer:
+ * both exit 2 before anything needs a GPU, with one line in all naming the option (no GPU needed). */
+static const char *distopt_bin;
+static void test_nccl_ranks_disagree(void **st) {
+  (void)st;
+  int port = free_port();
+  assert_true(port > 0);
+  char mp[16], dir[256], err[2][400];
+  snprintf(mp, sizeof mp, "%d", port > 1 ? port - 1 : port); /* the rendezvous port is MASTER_PORT + 1 */
+  assert_int_equal(dt_make_tmpdir(dir, sizeof dir, "dopt_nccl_disagree"), 0);
+  pid_t pid[2];
+  for (int r = 0; r < 2; r++) {
+    snprintf(err[r], sizeof err[r], "%s/err%d", dir, r);
+    char rank[8], master[32];
+    snprintf(rank, sizeof rank, "RANK=%d", r);
+    snprintf(master, sizeof master, "MASTER_PORT=%s", mp);
+    const char *env[] = {rank, "WORLD_SIZE=2", "LOCAL_RANK=0", "MASTER_ADDR=127.0.0.1", master, NULL};
+    const char *args[] = {"compare", "--backend", "nccl", "--device", "cuda", "--tp", "1", "--dp", "2", "--plugin", "zero",
+                          "--optimizer", r == 1 ? "came" : "adamw", "--hparams", "lr=1e-3", "--steps", "2", "--quiet", NULL};
+    dt_run_opts o = {60, 0, env};
+    fflush(stdout);
+    pid[r] = fork();
+    assert_true(pid[r] >= 0);
+    if (pid[r] == 0) _exit(dt_run_with(distopt_bin, args, NULL, err[r], &o));
+  }
+  int rc[2];
+  for (int r = 0; r < 2; r++) {
+    int status;
+    waitpid(pid[r], &status, 0);
+    rc[r] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  char text[2][2048];
+  int lines = 0;
+  for (int r = 0; r < 2; r++) {
+    FILE *f = fopen(err[r], "r");
+    size_t n = f ? fread(text[r], 1, sizeof text[r] - 1, f) : 0;
+    text[r][n] = '\0';
+    if (f) fclose(f);
+    for (size_t i = 0; i < n; i++) lines += text[r][i] == '\n';
+  }
+  dt_remove_tmpdir(dir);
+  if (rc[0] != 2 || rc[1] != 2 || lines != 1 || !strstr(text[1], "--optimizer is 'came' on rank 1, 'adamw' on rank 0"))
+    fail_msg("exit %d / %d, %d lines: rank 0 '%s', rank 1 '%s'", rc[0], rc[1], lines, text[0], text[1]);
+}
+
 /* ---- the simulator's memops hook -------------------------------------------------------- */
 
 typedef struct counting {
@@ -314,12 +494,19 @@ static void test_sim_memops_hook(void **st) {
   dopt_sim_world_destroy(w);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s DISTOPT\n", argv[0]);
+    return 2;
+  }
+  distopt_bin = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_env_torchrun),       cmocka_unit_test(test_env_openmpi_slurm),
       cmocka_unit_test(test_env_errors),         cmocka_unit_test(test_rendezvous),
       cmocka_unit_test(test_rendezvous_timeout), cmocka_unit_test(test_sim_memops_hook),
       cmocka_unit_test(test_launch_device),      cmocka_unit_test(test_rendezvous_torchrun),
+      cmocka_unit_test(test_rendezvous_check),   cmocka_unit_test(test_rendezvous_stray_and_failure),
+      cmocka_unit_test(test_nccl_ranks_disagree),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
