@@ -5,13 +5,13 @@
 # the executions, the coverage (libFuzzer's cov: edges) and the corpus size;
 # exits non-zero when a target finds a crash, a leak or an undefined
 # behaviour (the reproducer is left in build-fuzz/findings/).
-#   tests/fuzz/run.sh [SECONDS] [TARGET...]      TARGET: safetensors yaml hparams trace ckpt verify
+#   tests/fuzz/run.sh [SECONDS] [TARGET...]      TARGET: safetensors yaml hparams trace ckpt verify agree paths
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 secs=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(safetensors yaml hparams trace ckpt verify)
+[ ${#targets[@]} -eq 0 ] && targets=(safetensors yaml hparams trace ckpt verify agree paths)
 command -v clang >/dev/null || { echo "fuzz: clang is not installed (cmake/deps.sh --fuzz)" >&2; exit 1; }
 CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDOPT_FUZZ=ON -DDOPT_BUILD_TESTS=OFF \
   -DDOPT_CUDA=OFF -DDOPT_MPI=OFF >/dev/null
