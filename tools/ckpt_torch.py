@@ -27,6 +27,7 @@ safetensors are needed.
 import hashlib
 import json
 import os
+import stat
 import sys
 
 import torch
@@ -59,25 +60,124 @@ def fail(msg):
     sys.exit("ckpt_torch: " + msg)
 
 
+# ---- files, by the library's rule (docs/files.md) ---------------------------------------------------
+
+def read_regular(path, mode="r"):
+    """The contents of path, a regular file: a FIFO, socket or folder is refused, never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        fail(f"{path}: cannot open: {e.strerror}")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            fail(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, mode) as f:
+            fd = -1
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def remove_flat_dir(path):
+    """A stale temporary generation: a symbolic link there is removed as a link (never followed); a folder
+    of plain files is emptied through a descriptor opened without following links, then removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        os.unlink(path)
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        fail(f"{path} is not a folder, where a temporary generation belongs")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        names = os.listdir(fd)
+        for n in names:
+            if stat.S_ISDIR(os.stat(n, dir_fd=fd, follow_symlinks=False).st_mode):
+                fail(f"{path} holds a folder {n!r}: not distopt's, nothing removed")
+        for n in names:
+            os.unlink(n, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def create_temp(base):
+    """(path, fd) of a new file named base.tmp-<pid>-<n>, created exclusively: a link someone placed at
+    such a name is never written through (the next name is tried)."""
+    for n in range(100):
+        path = f"{base}.tmp-{os.getpid()}-{n}"
+        try:
+            return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            continue
+    fail(f"{base}: 100 temporary names taken")
+
+
+def write_new(path, data, fd=None):
+    """A file distopt's own folder holds: created exclusively (never through a link placed at the name)."""
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_output(path, save, inputs=()):
+    """An output the user named, by the library's one rule: a character device is written through; a
+    symbolic link's final target is replaced in its own folder; a new or regular file is written to a
+    temporary beside it and renamed over it; a FIFO, socket or folder is refused; and it may not be,
+    or lie inside, an input. save(f) writes the contents to a binary file object."""
+    target = os.path.realpath(path)
+    st = os.stat(target) if os.path.exists(target) else None
+    if st and not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        fail(f"{path}: not a regular file or character device (a FIFO, socket or folder is no output)")
+    for i in inputs:
+        ri = os.path.realpath(i)
+        if target == ri or target.startswith(ri.rstrip("/") + "/") or (st and os.path.samefile(target, ri)):
+            fail(f"{path} is, or lies inside, the input {i}: it would change an input")
+    if st and stat.S_ISCHR(st.st_mode):
+        with open(target, "wb") as f:
+            save(f)
+        return
+    folder = os.path.dirname(target)
+    tmp, fd = create_temp(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            save(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if st:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        os.rename(tmp, target)
+        fsync_dir(folder)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 # ---- reading a distopt checkpoint --------------------------------------------------------------
 
 def generation(path):
     latest = os.path.join(path, "latest")
-    if os.path.exists(latest):
-        with open(latest) as f:
-            name = f.read().strip()
+    if os.path.lexists(latest):
+        name = read_regular(latest).strip()
         if not name.startswith("step-") or "/" in name:
             fail(f"{latest}: '{name}' is not a generation name")
         path = os.path.join(path, name)
-    if not os.path.exists(os.path.join(path, "index.json")):
+    if not os.path.lexists(os.path.join(path, "index.json")):
         fail(f"{path}: no index.json (not a checkpoint, or a half-written generation)")
     return path
 
 
 def load_index(path):
     gen = generation(path)
-    with open(os.path.join(gen, "index.json")) as f:
-        idx = json.load(f)
+    idx = json.loads(read_regular(os.path.join(gen, "index.json")))
     if idx.get("format") != FORMAT:
         fail(f"{gen}/index.json: format {idx.get('format')!r} is not {FORMAT!r}")
     if idx.get("version") != VERSION:
@@ -114,7 +214,11 @@ def read_tensor(gen, t):
     for p in t["pieces"]:
         if p["len"] == 0:
             continue
-        with safe_open(os.path.join(gen, p["file"]), framework="pt") as f:
+        rank_file = os.path.join(gen, p["file"])
+        st = os.stat(rank_file) if os.path.exists(rank_file) else None
+        if not st or not stat.S_ISREG(st.st_mode):  # a FIFO would block safe_open
+            fail(f"{rank_file}: missing or not a regular file")
+        with safe_open(rank_file, framework="pt") as f:
             data = f.get_tensor(p["key"]).reshape(-1)
         digest = hashlib.sha256(raw_bytes(data)).hexdigest()
         if digest != p["sha256"]:
@@ -227,11 +331,6 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def write_file(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def piece(shape):
@@ -292,10 +391,10 @@ def from_torch(container, ckpt_dir, optimizer=None):
     gen = f"step-{gstep:09d}"
     tmp = os.path.join(ckpt_dir, f".tmp-{gen}")
     os.makedirs(ckpt_dir, exist_ok=True)
-    if os.path.exists(tmp):
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
+    dst = os.path.join(ckpt_dir, gen)
+    if os.path.lexists(dst):
+        fail(f"{dst} exists")
+    remove_flat_dir(tmp)  # a crashed conversion's; a link there goes as a link
     os.makedirs(tmp)
     path = os.path.join(tmp, rank_file)
     save_file({e["pieces"][0]["key"]: tensors[e["name"]] for e in entries}, path,
@@ -308,25 +407,24 @@ def from_torch(container, ckpt_dir, optimizer=None):
             "pieces": [dict(tensor=e["name"], dtype=e["dtype"], shape=e["shape"], **e["pieces"][0]) for e in entries]}
     for pc in rank["pieces"]:
         del pc["file"]
-    write_file(os.path.join(tmp, "rank-00000.json"), json.dumps(rank, indent=1).encode())
+    write_new(os.path.join(tmp, "rank-00000.json"), json.dumps(rank, indent=1).encode())
     index["files"] = [{"name": rank_file, "bytes": size}]
     index["tensors"] = entries
-    write_file(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
+    write_new(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
     fsync_dir(tmp)
-    dst = os.path.join(ckpt_dir, gen)
-    if os.path.exists(dst):
-        fail(f"{dst} exists")
     os.rename(tmp, dst)
     fsync_dir(ckpt_dir)
-    write_file(os.path.join(ckpt_dir, "latest.tmp"), (gen + "\n").encode())
-    os.rename(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+    latest_tmp, fd = create_temp(os.path.join(ckpt_dir, "latest"))
+    write_new(latest_tmp, (gen + "\n").encode(), fd)
+    os.rename(latest_tmp, os.path.join(ckpt_dir, "latest"))  # replaces whatever is at `latest`, never followed
     fsync_dir(ckpt_dir)
     return dst
 
 
 def main(argv):
     if len(argv) >= 3 and argv[1] == "to-torch" and len(argv) == 4:
-        torch.save(to_torch(argv[2]), argv[3])
+        sd = to_torch(argv[2])
+        write_output(argv[3], lambda f: torch.save(sd, f), inputs=[argv[2]])
     elif len(argv) >= 4 and argv[1] == "from-torch" and len(argv) in (4, 5):
         print(from_torch(torch.load(argv[2]), argv[3], argv[4] if len(argv) == 5 else None))
     elif len(argv) == 3 and argv[1] == "show":

@@ -158,6 +158,44 @@ for name, ohp in (("adamw", "lr=1e-3,amsgrad=true"), ("adafactor", "beta1=0.9,we
         up.load_state_dict(conv["optimizer"])
         print(f"  {name}: {cls.__module__}.{cls.__name__}.load_state_dict accepted it")
 
+# 6. files (docs/files.md): a stale temporary generation that links elsewhere is removed as a link, a link planted
+#    at latest's temporary name is never written through, a FIFO at `latest` is refused without waiting, and
+#    to-torch refuses an output inside its input checkpoint or a FIFO, writing a link's target in its folder
+victim = os.path.join(work, "victim")
+os.makedirs(victim, exist_ok=True)
+for f in ("a", "b"):
+    with open(os.path.join(victim, f), "w") as fh:
+        fh.write(f)
+lk = os.path.join(work, "links")
+os.makedirs(lk, exist_ok=True)
+os.symlink("../victim", os.path.join(lk, ".tmp-step-000000006"))
+os.symlink("../victim/a", os.path.join(lk, f"latest.tmp-{os.getpid()}-0"))
+ckpt_torch.from_torch(c6, lk)
+if sorted(os.listdir(victim)) != ["a", "b"] or open(os.path.join(victim, "a")).read() != "a":
+    failures.append("from-torch followed a link")
+    print("  from-torch changed files through a link: FAIL")
+fifo = os.path.join(work, "fifo_ck")
+run("--optimizer", "adamw", "--hparams", hp, "--group", "vec:weight_decay=0", "--steps", "2", "--save", fifo)
+os.unlink(os.path.join(fifo, "latest"))
+os.mkfifo(os.path.join(fifo, "latest"))
+for argv, what in (([sys.executable, os.path.join(source, "tools", "ckpt_torch.py"), "show", fifo], "latest: not a regular file"),
+                   ([sys.executable, os.path.join(source, "tools", "ckpt_torch.py"), "to-torch", ck6,
+                     os.path.join(ck6, "x.pt")], "lies inside, the input"),
+                   ([sys.executable, os.path.join(source, "tools", "ckpt_torch.py"), "to-torch", ck6,
+                     os.path.join(fifo, "latest")], "not a regular file or character device")):
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if r.returncode == 0 or what not in r.stderr:
+        failures.append(f"ckpt_torch {argv[2]} {what}")
+        print(f"  ckpt_torch {' '.join(argv[2:])}: exit {r.returncode} {r.stderr.strip()!r} (want {what!r}): FAIL")
+real_pt, link_pt = os.path.join(victim, "out.pt"), os.path.join(work, "link.pt")
+os.symlink(real_pt, link_pt)
+r = subprocess.run([sys.executable, os.path.join(source, "tools", "ckpt_torch.py"), "to-torch", ck6, link_pt],
+                   capture_output=True, text=True, timeout=120)
+if r.returncode != 0 or not os.path.islink(link_pt) or "optimizer" not in torch.load(real_pt):
+    failures.append("to-torch through a link")
+    print(f"  to-torch through a link: exit {r.returncode} {r.stderr.strip()!r}: FAIL")
+print("files: links never followed into a removal or a write, FIFOs refused, outputs never inside inputs")
+
 if failures:
     sys.exit(f"FAIL: {', '.join(failures)}")
 print("interop_ckpt_torch: ok")
