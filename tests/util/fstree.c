@@ -79,7 +79,7 @@ dt_tree *dt_tree_snap(const char *root) {
   dt_tree *t = calloc(1, sizeof *t);
   if (!t) abort();
   walk(t, root, "");
-  qsort(t->e, (size_t)t->n, sizeof *t->e, by_path);
+  if (t->n > 1) qsort(t->e, (size_t)t->n, sizeof *t->e, by_path); /* (an empty tree has no array) */
   return t;
 }
 
