@@ -38,10 +38,13 @@
 
 #include "files.h"
 #include "internal.h"
+#include "registry.h"
 
 typedef struct cfg_ctx {
   const char *path;
   yaml_document_t *doc;
+  size_t *tagged; /* start offsets of the scalars written with an explicit tag (!!str 3), ascending */
+  int ntagged;
 } cfg_ctx;
 
 static unsigned long node_line(const yaml_node_t *n) { return (unsigned long)n->start_mark.line + 1; }
@@ -133,8 +136,30 @@ static dopt_status need_scalar(const cfg_ctx *c, const yaml_node_t *v, const cha
   return DOPT_OK;
 }
 
+/* An integer is a plain scalar (no quotes, no explicit tag) of digits, optionally after one '-':
+ * " 3", "2" and !!str 3 are strings, as YAML reads them. */
+static dopt_status plain_integer(const cfg_ctx *c, const yaml_node_t *v, const char *key, int sign_ok) {
+  const char *s = scalar(v);
+  int tagged = 0;
+  for (int lo = 0, hi = c->ntagged; lo < hi && !tagged;) { /* binary search of the tagged offsets */
+    int mid = lo + (hi - lo) / 2;
+    if (c->tagged[mid] == v->start_mark.index) tagged = 1;
+    else if (c->tagged[mid] < v->start_mark.index) lo = mid + 1;
+    else hi = mid;
+  }
+  size_t i = sign_ok && s[0] == '-';
+  int digits = s[i] != '\0';
+  for (; s[i] && digits; i++) digits = s[i] >= '0' && s[i] <= '9';
+  if (v->data.scalar.style != YAML_PLAIN_SCALAR_STYLE || tagged || !digits)
+    return cfg_fail(c, v, key, "must be %s, got %s'%s'", sign_ok ? "an integer" : "a non-negative integer",
+                    v->data.scalar.style != YAML_PLAIN_SCALAR_STYLE ? "the quoted string " : tagged ? "the tagged " : "",
+                    s);
+  return DOPT_OK;
+}
+
 static dopt_status get_int(const cfg_ctx *c, const yaml_node_t *v, const char *key, long lo, long hi, int *out) {
   DOPT_TRY(need_scalar(c, v, key, "an integer"));
+  DOPT_TRY(plain_integer(c, v, key, 1));
   const char *s = scalar(v);
   char *end;
   errno = 0;
@@ -150,6 +175,7 @@ static dopt_status get_int(const cfg_ctx *c, const yaml_node_t *v, const char *k
 
 static dopt_status get_u64(const cfg_ctx *c, const yaml_node_t *v, const char *key, uint64_t *out) {
   DOPT_TRY(need_scalar(c, v, key, "a non-negative integer"));
+  DOPT_TRY(plain_integer(c, v, key, 0));
   const char *s = scalar(v);
   char *end;
   errno = 0;
@@ -198,7 +224,9 @@ static dopt_status get_str(const cfg_ctx *c, const yaml_node_t *v, const char *k
 }
 
 /* Appends "key=value" for each pair of mapping n except `skip` to buf
- * (comma-separated); values must be numbers, booleans or null. */
+ * (comma-separated): every value --hparams takes — a number, true/false,
+ * none (or null), or a name (an enumeration's choice: proj_type: reverse_std,
+ * svd: lapack, LISA's inner: adamw), which the optimizer then checks. */
 static dopt_status collect_hparams(const cfg_ctx *c, yaml_node_t *n, const char *where, const char *skip, char *buf,
                                    size_t cap) {
   size_t len = 0;
@@ -212,7 +240,7 @@ static dopt_status collect_hparams(const cfg_ctx *c, yaml_node_t *n, const char 
     if (ks[0] == '\0' || strpbrk(ks, ",= \t\r\n") != NULL)
       return cfg_fail(c, k, kb, "not a valid hyperparameter name");
     if (v->type != YAML_SCALAR_NODE)
-      return cfg_fail(c, v, kb, "must be a number, true/false or none, got %s", node_kind(v));
+      return cfg_fail(c, v, kb, "must be a number, true/false, none or a name, got %s", node_kind(v));
     const char *vs = scalar(v);
     const char *val;
     if (is_null(v) || strcmp(vs, "none") == 0 || strcmp(vs, "None") == 0) {
@@ -222,8 +250,14 @@ static dopt_status collect_hparams(const cfg_ctx *c, yaml_node_t *n, const char 
     } else {
       char *end;
       double x = strtod(vs, &end);
-      if (end == vs || *end != '\0' || !isfinite(x) || strpbrk(vs, ", \t\r\n") != NULL)
-        return cfg_fail(c, v, kb, "must be a number, true/false or none, got '%s'", vs);
+      int number = end != vs && *end == '\0' && strpbrk(vs, ", \t\r\n") == NULL;
+      if (number && !isfinite(x)) return cfg_fail(c, v, kb, "must be a finite number, got '%s'", vs);
+      int name = !number && vs[0] != '\0';
+      for (const char *q = vs; name && *q; q++)
+        name = (*q >= 'a' && *q <= 'z') || (*q >= 'A' && *q <= 'Z') || (*q >= '0' && *q <= '9') || *q == '_' ||
+               *q == '-' || *q == '.';
+      if (!number && !name)
+        return cfg_fail(c, v, kb, "must be a number, true/false, none or a name ([A-Za-z0-9_.-]), got '%s'", vs);
       val = vs;
     }
     int w = snprintf(buf + len, cap - len, "%s%s=%s", len ? "," : "", ks, val);
@@ -235,15 +269,51 @@ static dopt_status collect_hparams(const cfg_ctx *c, yaml_node_t *n, const char 
   return DOPT_OK;
 }
 
+/* The registry's check of what mapping n gave: optimizer `type` with hyperparameters `base` (and, when
+ * group_hp is given, a group overriding them). Its message (which names the key and the value) is
+ * reported at the line of the key it names: FILE:LINE: where.key: message. An optimizer the registry
+ * does not know is left to the command, which names it. */
+static dopt_status check_hparams(const cfg_ctx *c, yaml_node_t *n, const char *where, const char *skip,
+                                 const char *type, const char *base, const char *group_hp) {
+  dopt_optim *o = NULL;
+  int g;
+  if (!dopt_find_impl(type)) return DOPT_OK;
+  dopt_status s = dopt_optim_create(type, base, &o);
+  if (s == DOPT_OK && group_hp) s = dopt_optim_add_group(o, group_hp, &g);
+  dopt_optim_destroy(o);
+  if (s == DOPT_OK) return DOPT_OK;
+  char why[512];
+  const char *m = dopt_last_error(), *colon = strstr(m, ": ");
+  snprintf(why, sizeof why, "%s", colon ? colon + 2 : m); /* past "DOPT_ERR_INVALID_ARG: " */
+  yaml_node_t *at = n;
+  char kb[160];
+  snprintf(kb, sizeof kb, "%s", where);
+  for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+    yaml_node_t *k = yaml_document_get_node(c->doc, p->key);
+    const char *ks = scalar(k);
+    char eq[140], quoted[140];
+    snprintf(eq, sizeof eq, " %s=", ks);
+    snprintf(quoted, sizeof quoted, "'%s'", ks);
+    if (strcmp(ks, skip) != 0 && (strstr(why, eq) || strstr(why, quoted))) {
+      at = yaml_document_get_node(c->doc, p->value);
+      join_key(kb, sizeof kb, where, ks);
+      break;
+    }
+  }
+  return cfg_fail(c, at, kb, "%s", why);
+}
+
 static dopt_status load_optimizer(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   DOPT_TRY(check_mapping(c, n, "optimizer", NULL));
   yaml_node_t *t = lookup(c, n, "type");
   if (!t) return cfg_fail(c, n, "optimizer.type", "missing (the optimizer's registry name)");
   DOPT_TRY(get_str(c, t, "optimizer.type", o->optimizer, sizeof o->optimizer));
-  return collect_hparams(c, n, "optimizer", "type", o->hparams, sizeof o->hparams);
+  DOPT_TRY(collect_hparams(c, n, "optimizer", "type", o->hparams, sizeof o->hparams));
+  return check_hparams(c, n, "optimizer", "type", o->optimizer, o->hparams, NULL);
 }
 
-static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
+/* typed: the file gave optimizer.type, so the groups are checked against it (otherwise the command's). */
+static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o, int typed) {
   if (n->type != YAML_SEQUENCE_NODE)
     return cfg_fail(c, n, "groups", "must be a sequence of mappings, got %s", node_kind(n));
   int count = (int)(n->data.sequence.items.top - n->data.sequence.items.start);
@@ -261,6 +331,7 @@ static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
     if (!pv) return cfg_fail(c, g, kb, "missing (a glob of parameter names)");
     DOPT_TRY(get_str(c, pv, kb, o->group_glob[i], sizeof o->group_glob[i]));
     DOPT_TRY(collect_hparams(c, g, where, "params", o->group_hp[i], sizeof o->group_hp[i]));
+    if (typed) DOPT_TRY(check_hparams(c, g, where, "params", o->optimizer, o->hparams, o->group_hp[i]));
   }
   o->ngroups = count;
   return DOPT_OK;
@@ -421,7 +492,7 @@ static dopt_status load_root(const cfg_ctx *c, yaml_node_t *root, cmp_options *o
   DOPT_TRY(check_mapping(c, root, "", keys));
   yaml_node_t *v;
   if ((v = lookup(c, root, "optimizer"))) DOPT_TRY(load_optimizer(c, v, o));
-  if ((v = lookup(c, root, "groups"))) DOPT_TRY(load_groups(c, v, o));
+  if ((v = lookup(c, root, "groups"))) DOPT_TRY(load_groups(c, v, o, lookup(c, root, "optimizer") != NULL));
   if ((v = lookup(c, root, "plugin"))) DOPT_TRY(load_plugin(c, v, o));
   if ((v = lookup(c, root, "steps"))) DOPT_TRY(get_int(c, v, "steps", 1, 1L << 30, &o->steps));
   if ((v = lookup(c, root, "accumulation"))) DOPT_TRY(get_int(c, v, "accumulation", 1, 1 << 20, &o->micro));
@@ -458,7 +529,9 @@ static dopt_status parser_error(const char *path, const yaml_parser_t *p) {
 #define CFG_MAX_DEPTH 32
 #define CFG_MAX_NODES 10000
 
-static dopt_status prescan(const char *path, FILE *f) {
+static dopt_status prescan(const char *path, FILE *f, size_t **tagged, int *ntagged) {
+  *tagged = NULL;
+  *ntagged = 0;
   if (fseek(f, 0, SEEK_END) != 0) return dopt__fail(DOPT_ERR_IO, "%s: cannot seek: %s", path, strerror(errno));
   long size = ftell(f);
   rewind(f);
@@ -478,6 +551,14 @@ static dopt_status prescan(const char *path, FILE *f) {
     }
     yaml_event_type_t t = e.type;
     unsigned long line = (unsigned long)e.start_mark.line + 1;
+    if (t == YAML_SCALAR_EVENT && e.data.scalar.tag && nodes < CFG_MAX_NODES) { /* an explicit tag: !!str 3 */
+      if (!*tagged && !(*tagged = malloc(CFG_MAX_NODES * sizeof **tagged))) {
+        yaml_event_delete(&e);
+        s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: YAML tags", path);
+        break;
+      }
+      (*tagged)[(*ntagged)++] = e.start_mark.index; /* events come in file order: ascending */
+    }
     yaml_event_delete(&e);
     if (t == YAML_STREAM_END_EVENT) break;
     if (t == YAML_MAPPING_START_EVENT || t == YAML_SEQUENCE_START_EVENT) depth++;
@@ -506,13 +587,17 @@ dopt_status cmp_load_yaml(const char *path, cmp_options *o) {
   dopt_status ps = dopt__fopen_read(path, &f, NULL);
   if (ps == DOPT_ERR_NOT_FOUND) return dopt__fail(DOPT_ERR_IO, "%s: cannot open: %s", path, strerror(ENOENT));
   if (ps != DOPT_OK) return ps;
-  ps = prescan(path, f);
+  size_t *tagged = NULL;
+  int ntagged = 0;
+  ps = prescan(path, f, &tagged, &ntagged);
   if (ps != DOPT_OK) {
+    free(tagged);
     fclose(f);
     return ps;
   }
   yaml_parser_t parser;
   if (!yaml_parser_initialize(&parser)) {
+    free(tagged);
     fclose(f);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: YAML parser", path);
   }
@@ -522,7 +607,7 @@ dopt_status cmp_load_yaml(const char *path, cmp_options *o) {
   if (!yaml_parser_load(&parser, &doc)) {
     s = parser_error(path, &parser);
   } else {
-    cfg_ctx c = {path, &doc};
+    cfg_ctx c = {path, &doc, tagged, ntagged};
     yaml_node_t *root = yaml_document_get_root_node(&doc);
     if (!root) {
       s = dopt__fail(DOPT_ERR_FORMAT, "%s: empty configuration (no YAML document)", path);
@@ -547,6 +632,7 @@ dopt_status cmp_load_yaml(const char *path, cmp_options *o) {
     yaml_document_delete(&doc);
   }
   yaml_parser_delete(&parser);
+  free(tagged);
   fclose(f);
   return s;
 }

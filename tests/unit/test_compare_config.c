@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 
 #include "compare.h"
+#include "optim_impl.h"
+#include "registry.h"
 
 static char dir[256];
 
@@ -52,15 +54,15 @@ static void test_full(void **st) {
   const char *p = write_yaml("full.yaml",
                              "# a full configuration\n"
                              "optimizer:\n"
-                             "  type: came\n"
+                             "  type: adafactor\n"
                              "  lr: 2e-4\n"
                              "  weight_decay: 0.01\n"
                              "  relative_step: False\n"
-                             "  clip_threshold: null\n"
+                             "  beta1: null\n"
                              "groups:\n"
                              "  - params: \"*bias\"\n"
                              "    weight_decay: 0\n"
-                             "  - {params: 'ln*.weight', lr: 1e-3, amsgrad: true}\n"
+                             "  - {params: 'ln*.weight', lr: 1e-3, scale_parameter: true}\n"
                              "plugin: {type: fsdp, tp: 4, dp: 2, zero: 3, ranks: 8, backend: mpi, device: cpu}\n"
                              "steps: 250\n"
                              "accumulation: 4\n"
@@ -74,13 +76,13 @@ static void test_full(void **st) {
   base_options(&o);
   o.quiet = 1;
   assert_ok(cmp_load_yaml(p, &o));
-  assert_string_equal(o.optimizer, "came");
-  assert_string_equal(o.hparams, "lr=2e-4,weight_decay=0.01,relative_step=false,clip_threshold=none");
+  assert_string_equal(o.optimizer, "adafactor");
+  assert_string_equal(o.hparams, "lr=2e-4,weight_decay=0.01,relative_step=false,beta1=none");
   assert_int_equal(o.ngroups, 2);
   assert_string_equal(o.group_glob[0], "*bias");
   assert_string_equal(o.group_hp[0], "weight_decay=0");
   assert_string_equal(o.group_glob[1], "ln*.weight");
-  assert_string_equal(o.group_hp[1], "lr=1e-3,amsgrad=true");
+  assert_string_equal(o.group_hp[1], "lr=1e-3,scale_parameter=true");
   assert_string_equal(o.plugin, "fsdp");
   assert_int_equal(o.tp, 4);
   assert_int_equal(o.dp, 2);
@@ -105,7 +107,7 @@ static void test_full(void **st) {
 static void test_partial_on_top(void **st) {
   (void)st;
   /* only what the file names changes; path implies source trace */
-  const char *p = write_yaml("partial.yaml", "steps: \"7\"\ngradients: {path: /data/t.safetensors}\n");
+  const char *p = write_yaml("partial.yaml", "steps: 7\ngradients: {path: /data/t.safetensors}\n");
   cmp_options o, before;
   base_options(&o);
   o.ngroups = 1;
@@ -198,6 +200,21 @@ static void test_errors(void **st) {
       {"optimizer: {type: came, lr: 1, lr: 2}\n", DOPT_ERR_FORMAT, ":1:", "optimizer.lr"},
       {"optimizer:\n  type: came\n  lr: [1, 2]\n", DOPT_ERR_FORMAT, ":3:", "optimizer.lr"},
       {"optimizer:\n  type: came\n  lr: fast\n", DOPT_ERR_FORMAT, ":3:", "optimizer.lr"},
+      /* integers are plain scalars of digits: a quoted, spaced or !!str-tagged one is a string */
+      {"steps: \"2\"\n", DOPT_ERR_FORMAT, ":1:", "steps: must be an integer, got the quoted string '2'"},
+      {"steps: \" 3\"\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"steps: !!str 3\n", DOPT_ERR_FORMAT, ":1:", "steps: must be an integer, got the tagged '3'"},
+      {"steps: 3.0\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"steps: +3\n", DOPT_ERR_FORMAT, ":1:", "steps"},
+      {"plugin: {tp: '2'}\n", DOPT_ERR_FORMAT, ":1:", "plugin.tp"},
+      {"gradients: {seed: \"5\"}\n", DOPT_ERR_FORMAT, ":1:", "gradients.seed"},
+      /* a name where the optimizer wants one of its choices: checked by the registry, at its line */
+      {"optimizer:\n  type: galore_adamw\n  rank: 4\n  proj_type: sideways\n", DOPT_ERR_FORMAT, ":4:",
+       "optimizer.proj_type: galore_adamw: proj_type='sideways' is not one of"},
+      {"optimizer:\n  type: lisa\n  inner: lisa\n", DOPT_ERR_FORMAT, ":3:", "optimizer.inner"},
+      {"optimizer: {type: came, lr: 1e-3}\ngroups:\n  - {params: '*', relative_step: true}\n", DOPT_ERR_FORMAT,
+       ":3:", "groups[0]"},
+      {"optimizer: {type: came, lr: 1e-3, beta1: a,b}\n", DOPT_ERR_FORMAT, ":1:", "optimizer"},
       {"optimizer:\n  lr: 1\n", DOPT_ERR_FORMAT, ":2:", "optimizer.type"},
       {"optimizer: {type: came, \"a=b\": 1}\n", DOPT_ERR_FORMAT, ":1:", "optimizer.a=b"},
       {"groups:\n  - {params: \"*\"}\n  - {lr: 1}\n", DOPT_ERR_FORMAT, ":3:", "groups[1].params"},
@@ -239,6 +256,64 @@ static void test_errors(void **st) {
 }
 
 /* compare: {sweep, max_tp, max_dp, threads}, and the layout values the file gives are marked as given (from YAML). */
+/* Every value --hparams takes is also a YAML value: for every registered optimizer, its registry example (the
+ * settings it runs with) written as YAML, and then each choice of each of its enumerations (galore's proj_type and
+ * svd, LISA's inner): the file loads and carries the same k=v string. */
+static void test_every_hparam_value(void **st) {
+  (void)st;
+  int checked = 0;
+  for (int r = 0; r < dopt_optim_registry_count(); r++) {
+    dopt_optim_info in;
+    assert_ok(dopt_optim_registry_info(r, &in));
+    const dopt_optim_impl *im = dopt_find_impl(in.name);
+    assert_non_null(im);
+    char yaml[2048], want[1024];
+    int n = snprintf(yaml, sizeof yaml, "optimizer:\n  type: %s\n", in.name);
+    snprintf(want, sizeof want, "%s", in.example);
+    for (char *kv = want, *next; kv && *kv; kv = next) { /* the example, one YAML line per k=v */
+      next = strchr(kv, ',');
+      int len = next ? (int)(next - kv) : (int)strlen(kv);
+      const char *eq = memchr(kv, '=', (size_t)len);
+      assert_non_null(eq);
+      n += snprintf(yaml + n, sizeof yaml - (size_t)n, "  %.*s: %.*s\n", (int)(eq - kv), kv, len - (int)(eq - kv) - 1,
+                    eq + 1);
+      if (next) next++;
+    }
+    for (int k = -1; k < im->nhp; k++) {
+      if (k >= 0 && im->hp[k].kind != DOPT_HP_ENUM) continue;
+      for (int ch = 0; k < 0 ? ch < 1 : im->hp[k].choices[ch] != NULL; ch++) {
+        char text[2300], expect[1200];
+        if (k < 0) {
+          snprintf(text, sizeof text, "%s", yaml);
+          snprintf(expect, sizeof expect, "%s", in.example);
+        } else {
+          if (strstr(in.example, im->hp[k].key)) continue; /* the example sets it: its own value is checked above */
+          if (k >= 0 && strcmp(im->hp[k].choices[ch], in.name) == 0) continue;
+          snprintf(text, sizeof text, "%s  %s: %s\n", yaml, im->hp[k].key, im->hp[k].choices[ch]);
+          snprintf(expect, sizeof expect, "%s%s%s=%s", in.example, in.example[0] ? "," : "", im->hp[k].key,
+                   im->hp[k].choices[ch]);
+        }
+        cmp_options o;
+        base_options(&o);
+        dopt_status s = cmp_load_yaml(write_yaml("values.yaml", text), &o);
+        /* a choice the example's other settings exclude (LISA's inner=a wrapper) is refused by the registry, at
+         * its line, as on the command line */
+        dopt_optim *probe = NULL;
+        dopt_status cli = dopt_optim_create(in.name, expect, &probe);
+        dopt_optim_destroy(probe);
+        if (cli != DOPT_OK) {
+          if (s != DOPT_ERR_FORMAT) fail_msg("%s: YAML took what --hparams '%s' refuses", in.name, expect);
+          continue;
+        }
+        if (s != DOPT_OK) fail_msg("%s: --hparams '%s' runs, the YAML refuses it: %s", in.name, expect, dopt_last_error());
+        assert_string_equal(o.hparams, expect);
+        checked++;
+      }
+    }
+  }
+  assert_true(checked >= 9 + 6); /* every optimizer, and the choices of galore's and LISA's enumerations */
+}
+
 static void test_compare_section_and_given(void **st) {
   (void)st;
   const char *p = write_yaml("sweep.yaml", "compare: {sweep: true, max_tp: 3, max_dp: 8, threads: 3}\n"
@@ -407,6 +482,7 @@ int main(void) {
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_missing_file),
       cmocka_unit_test(test_compare_section_and_given),
+      cmocka_unit_test(test_every_hparam_value),
       cmocka_unit_test(test_apply_plugin),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
