@@ -383,7 +383,13 @@ static int resume(run_ctx *c) {
   dopt_ckpt_read_meta(r, &m);
   c->start = (long)m->global_step;
   c->skipped = (long)m->skipped_steps;
+  const long taken = (long)m->optimizer_steps;
   dopt_ckpt_close(r);
+  /* run counts every step as taken or skipped: a checkpoint that says otherwise would resume another clock */
+  if (taken + c->skipped != c->start)
+    return cli_errorf(CMD, "--resume %s: index.json says global_step %ld but optimizer_steps %ld + skipped_steps %ld = "
+                      "%ld (the counters disagree: edited or not written by distopt run)", gen, c->start, taken,
+                      c->skipped, taken + c->skipped);
   if (c->start > c->steps)
     return cli_errorf(CMD, "--resume %s: the checkpoint is at step %ld, beyond the last step %ld", gen, c->start,
                       c->steps);

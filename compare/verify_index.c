@@ -473,8 +473,9 @@ static int parse_changes(vctx *c, const cJSON *arr, vr_index *ix) {
     snprintf(path, sizeof path, "hparam_changes[%d].value", i);
     if (val && cJSON_IsNumber(val) && isfinite(val->valuedouble)) ch->value = val->valuedouble;
     else if (val && cJSON_IsBool(val)) ch->value = cJSON_IsTrue(val) ? 1.0 : 0.0;
-    else if (val && cJSON_IsNull(val)) ch->value = NAN;
-    else return fail(c, "%s: %s, expected a number, true/false or null (none)", path, value_text(val, b, sizeof b));
+    else if (val && cJSON_IsNull(val)) /* a schedule sets values; replayed, null would be lr=nan */
+      return fail(c, "%s: null: a change must set a finite number or true/false", path);
+    else return fail(c, "%s: %s, expected a finite number or true/false", path, value_text(val, b, sizeof b));
   }
   return 0;
 }

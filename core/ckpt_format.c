@@ -288,9 +288,15 @@ dopt_status ck_check_meta_input(const dopt_ckpt_meta *m, const char *fn) {
   for (int g = 0; g < m->ngroups; g++)
     for (int k = 0; k < m->groups[g].nhparams; k++)
       DOPT_CHECK_ARG(m->groups[g].hparams[k].key != NULL, "%s: group %d hyperparameter %d has no key", fn, g, k);
+  /* the counters the reader checks (ck_parse_meta): written consistent, or not at all */
+  DOPT_CHECK_ARG(m->optimizer_steps <= m->global_step && m->skipped_steps <= m->global_step - m->optimizer_steps,
+                 "%s: global_step=%lld is less than optimizer_steps=%lld + skipped_steps=%lld", fn,
+                 (long long)m->global_step, (long long)m->optimizer_steps, (long long)m->skipped_steps);
   for (int i = 0; i < m->nparams; i++) {
     const dopt_ckpt_param *p = &m->params[i];
     DOPT_CHECK_ARG(p->name && *p->name, "%s: parameter %d has no name", fn, i);
+    DOPT_CHECK_ARG(p->step >= 0 && p->step <= m->optimizer_steps, "%s: parameter '%s' step=%lld is outside [0, "
+                   "optimizer_steps=%lld]", fn, p->name, (long long)p->step, (long long)m->optimizer_steps);
     DOPT_CHECK_ARG(p->group >= 0 && p->group < m->ngroups, "%s: parameter '%s' group=%d out of range [0, %d)", fn,
                    p->name, p->group, m->ngroups);
     DOPT_CHECK_ARG(p->ndim >= 0 && p->ndim <= DOPT_MAX_DIMS, "%s: parameter '%s' ndim=%d", fn, p->name, p->ndim);
@@ -365,6 +371,11 @@ dopt_status ck_parse_meta(const cJSON *r, const char *where, meta_box *mb) {
   DOPT_TRY(ck_jint(r, "global_step", 0, CK_MAX_INT, where, "index", &m->global_step));
   DOPT_TRY(ck_jint(r, "optimizer_steps", 0, CK_MAX_INT, where, "index", &m->optimizer_steps));
   DOPT_TRY(ck_jint(r, "skipped_steps", 0, CK_MAX_INT, where, "index", &m->skipped_steps));
+  /* every step of the loop was taken or skipped: global_step counts at least both */
+  if (m->optimizer_steps > m->global_step || m->skipped_steps > m->global_step - m->optimizer_steps)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: global_step %lld is less than optimizer_steps %lld + skipped_steps %lld "
+                      "(the counters disagree)", where, (long long)m->global_step, (long long)m->optimizer_steps,
+                      (long long)m->skipped_steps);
   DOPT_TRY(ck_jget(r, "world", where, "index", &v));
   DOPT_TRY(ck_jstr(v, "plugin", where, "world", &s));
   if (!(m->world.plugin = ck_ar_strdup(ar, s))) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s", where);
@@ -402,6 +413,9 @@ dopt_status ck_parse_meta(const cJSON *r, const char *where, meta_box *mb) {
     DOPT_TRY(ck_jint(e, "step", 0, CK_MAX_INT, where, ctx, &p->step));
     DOPT_TRY(jbool(e, "has_bf16", where, ctx, &p->has_bf16));
     DOPT_TRY(jbool(e, "has_state", where, ctx, &p->has_state));
+    if (p->step > m->optimizer_steps) /* a parameter steps at most once per optimizer step */
+      return dopt__fail(DOPT_ERR_FORMAT, "%s: %s: step %lld is more than optimizer_steps %lld (the counters disagree)",
+                        where, ctx, (long long)p->step, (long long)m->optimizer_steps);
     i++;
   }
   int g = 0;

@@ -257,8 +257,19 @@ static void test_save_edges(void **st) {
   assert_same(oa, &a, ob, &b, "before any step");
   step(oa, &a, 1);
   dopt_ckpt_info info = DOPT_CKPT_INFO_INIT;
-  info.global_step = 0; /* the same generation name again */
+  info.global_step = 0; /* a global step below the steps taken: the counters disagree, nothing written */
+  assert_status(dopt_optim_save(oa, ck, &info), DOPT_ERR_INVALID_ARG, "global_step=0 is less than optimizer_steps=1");
+  info.global_step = 1;
   assert_ok(dopt_optim_save(oa, ck, &info));
+  step(oa, &a, 1);
+  info.global_step = 1; /* the same generation name again (a label the caller chose) */
+  info.skipped_steps = 0;
+  assert_status(dopt_optim_save(oa, ck, &info), DOPT_ERR_INVALID_ARG, "optimizer_steps=2");
+  info.global_step = -1;
+  assert_ok(dopt_optim_save(oa, ck, &info)); /* step-000000002 */
+  assert_ok(dopt_optim_load(ob, ck));
+  assert_same(oa, &a, ob, &b, "a later generation");
+  assert_ok(dopt_optim_save(oa, ck, &info)); /* step-000000002 again: replaced */
   assert_ok(dopt_optim_load(ob, ck));
   assert_same(oa, &a, ob, &b, "replaced generation");
   /* the latest file names the generation; no temporary directory is left */
@@ -267,9 +278,9 @@ static void test_save_edges(void **st) {
   assert_non_null(f);
   assert_non_null(fgets(line, sizeof line, f));
   fclose(f);
-  assert_string_equal(line, "step-000000000\n");
+  assert_string_equal(line, "step-000000002\n");
   struct stat sb;
-  assert_int_not_equal(stat(sub("edges/.tmp-step-000000000"), &sb), 0);
+  assert_int_not_equal(stat(sub("edges/.tmp-step-000000002"), &sb), 0);
   /* global step and skipped steps are recorded */
   info.global_step = 7;
   info.skipped_steps = 2;
@@ -280,7 +291,7 @@ static void test_save_edges(void **st) {
   assert_ok(dopt_ckpt_read_meta(r, &m));
   assert_int_equal(m->global_step, 7);
   assert_int_equal(m->skipped_steps, 2);
-  assert_int_equal(m->optimizer_steps, 1);
+  assert_int_equal(m->optimizer_steps, 2);
   assert_string_equal(m->optimizer, "adafactor");
   assert_null(m->wrapper);
   assert_string_equal(m->world.plugin, "reference");
@@ -442,6 +453,10 @@ static void ed_short(cJSON *j) { /* the piece claims fewer elements: a gap, and 
   set_num(p, "bytes", 80);
 }
 static void ed_format(cJSON *j) { cJSON_ReplaceItemInObject(j, "format", cJSON_CreateString("something-else")); }
+/* hand-edited counters that disagree (the good generation: 4 steps taken, none skipped, global step 4) */
+static void ed_global_low(cJSON *j) { set_num(j, "global_step", 3); }
+static void ed_skipped_high(cJSON *j) { set_num(j, "skipped_steps", 1); }
+static void ed_param_step_high(cJSON *j) { set_num(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "params"), 2), "step", 5); }
 
 typedef struct corrupt_case {
   const char *name;
@@ -558,6 +573,22 @@ static void test_corruption(void **st) {
   copy_good(path);
   edit_index(path, ed_format);
   expect_refused(ob, &b, path, DOPT_ERR_FORMAT, "something-else", "index.json");
+  /* counters that disagree with each other */
+  static const struct {
+    const char *name;
+    void (*fn)(cJSON *);
+    const char *n1, *n2;
+  } counters[] = {
+      {"c_global", ed_global_low, "global_step 3 is less than optimizer_steps 4 + skipped_steps 0", "disagree"},
+      {"c_skipped", ed_skipped_high, "global_step 4 is less than optimizer_steps 4 + skipped_steps 1", "disagree"},
+      {"c_pstep", ed_param_step_high, "step 5 is more than optimizer_steps 4", "parameter '"},
+  };
+  for (size_t k = 0; k < sizeof counters / sizeof counters[0]; k++) {
+    snprintf(path, sizeof path, "%s/%s", dir, counters[k].name);
+    copy_good(path);
+    edit_index(path, counters[k].fn);
+    expect_refused(ob, &b, path, DOPT_ERR_FORMAT, counters[k].n1, counters[k].n2);
+  }
   /* a missing directory */
   expect_refused(ob, &b, sub("nowhere"), DOPT_ERR_NOT_FOUND, "nowhere", NULL);
 

@@ -325,6 +325,8 @@ static void test_bad_input(void **st) {
   bad_index(root, "\"hparams\": \"" HP "\"", "\"hparams\": \"lr=-1\"", "adamw: lr=-1 must be >= 0");
   bad_index(root, "\"key\": \"lr\"", "\"key\": \"nokey\"", "hparam_changes[0] (step 4)");
   bad_index(root, "\"step\": 4, \"group\": 0", "\"step\": 4, \"group\": 3", "hparam_changes[0].group: 3 is outside [0, 0]");
+  /* a change to null: refused (replayed, it was lr=nan) */
+  bad_index(root, "\"value\": 0.005", "\"value\": null", "hparam_changes[0].value: null: a change must set a finite");
   /* a tensor file that does not match the index */
   bad_index(root, "\"rank0/a.safetensors\"", "\"rank1/a.safetensors\"", "metadata rank '1' but the index lists it for rank 0");
   bad_index(root, "\"rank1/b.safetensors\"", "\"rank1/none.safetensors\"", "rank1/none.safetensors");
