@@ -176,13 +176,20 @@ dopt_status cmp_apply_plugin(cmp_options *o) {
 
 /* ---- gradient sources -------------------------------------------------------------- */
 
-/* A small transformer block: vocab-parallel embedding, column/row-parallel
- * linears, replicated norms; sizes divide neither 3 nor 4. */
+/* A small transformer: vocab-parallel embedding, column/row-parallel
+ * linears, replicated norms; sizes divide neither 3 nor 4. Three layers
+ * ("layers.N." names, so that LISA samples them: n_layers 2 of 3 at its
+ * defaults, one frozen every interval) between the embedding and the norm
+ * and head, which are always trained. */
 static const cmp_param SYNTH[] = {
-    {"embed.weight", 2, {50, 32}, DOPT_TP_COLUMN},   {"attn.qkv.weight", 2, {96, 32}, DOPT_TP_COLUMN},
-    {"attn.out.weight", 2, {32, 32}, DOPT_TP_ROW},   {"mlp.fc1.weight", 2, {70, 32}, DOPT_TP_COLUMN},
-    {"mlp.fc1.bias", 1, {70}, DOPT_TP_COLUMN},       {"mlp.fc2.weight", 2, {32, 70}, DOPT_TP_ROW},
-    {"mlp.fc2.bias", 1, {32}, DOPT_TP_REPLICATED},   {"norm.weight", 1, {32}, DOPT_TP_REPLICATED},
+    {"embed.weight", 2, {50, 32}, DOPT_TP_COLUMN},
+    {"layers.0.attn.qkv.weight", 2, {96, 32}, DOPT_TP_COLUMN},
+    {"layers.0.attn.out.weight", 2, {32, 32}, DOPT_TP_ROW},
+    {"layers.1.mlp.fc1.weight", 2, {70, 32}, DOPT_TP_COLUMN},
+    {"layers.1.mlp.fc1.bias", 1, {70}, DOPT_TP_COLUMN},
+    {"layers.2.mlp.fc2.weight", 2, {32, 70}, DOPT_TP_ROW},
+    {"layers.2.mlp.fc2.bias", 1, {32}, DOPT_TP_REPLICATED},
+    {"norm.weight", 1, {32}, DOPT_TP_REPLICATED},
     {"head.scale", 2, {1, 32}, DOPT_TP_REPLICATED},
 };
 
@@ -810,14 +817,27 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         if (st == DOPT_OK) st = dopt_digest_buffer(sgot, sbytes, rep + ti * DOPT_DIGEST_BYTES, NULL);
         const cmp_tensor_stat *pt = &r->t[ti]; /* the distributed side has no state views: the plan's layout */
         if (st == DOPT_OK && last) st = dopt_digest_tensor(dg, pt->name, pt->dtype, pt->ndim, pt->shape, sgot, sbytes);
+        int found = 0;
         for (int q = 0; st == DOPT_OK && lead && q < dopt_optim_num_states(ref, i); q++) {
           dopt_state_view v;
           if (dopt_optim_state(ref, i, q, &v) != DOPT_OK || strcmp(v.name, name) != 0) continue;
+          found = 1;
           if (v.bytes != sbytes) st = dopt__fail(DOPT_ERR_SHAPE, "state '%s': %zu bytes, the reference's %zu", name,
                                                   sbytes, v.bytes);
           else if (v.dtype == DOPT_F32) measure(&r->t[ti], t, v.data, sgot, v.bytes / sizeof(float));
           else measure_bytes(&r->t[ti], t, v.data, sgot, v.bytes);
           if (st == DOPT_OK && last) st = dopt_digest_tensor(rdg, pt->name, v.dtype, v.ndim, v.shape, v.data, v.bytes);
+        }
+        /* a state the reference does not hold yet (a parameter never stepped: LISA's frozen layers) is its declared
+         * initial value, zeros (alloc_states): the distributed one is measured against those, and both digests
+         * cover the same tensors */
+        if (st == DOPT_OK && lead && !found) {
+          void *zeros = calloc(1, sbytes ? sbytes : 1);
+          if (!zeros) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
+          else if (pt->dtype == DOPT_F32) measure(&r->t[ti], t, zeros, sgot, sbytes / sizeof(float));
+          else measure_bytes(&r->t[ti], t, zeros, sgot, sbytes);
+          if (st == DOPT_OK && last) st = dopt_digest_tensor(rdg, pt->name, pt->dtype, pt->ndim, pt->shape, zeros, sbytes);
+          free(zeros);
         }
         free(sgot);
         ti++;

@@ -474,6 +474,36 @@ static void test_compare_bad_input(void **st) {
  * a non-finite gradient is skipped whole and counted (the run equals one
  * without that step's gradients); finite gradients that overflow a parameter
  * (lr = 1e300) are an error and nothing is written. */
+/* compare under LISA on the default synthetic model (three layers.N. layers, n_layers 2): in the first interval
+ * one layer is frozen and never stepped, so the reference holds no states for it; the distributed states are
+ * measured against the declared zeros, they are in the table, and both digests cover the same tensors: the
+ * digest line says equal (it said "differs" under an EQUIVALENT verdict when those states were skipped). */
+static void test_compare_lisa_frozen(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/lisa.txt", dir);
+  const char *args[] = {"compare", "--optimizer", "lisa", "--steps", "10", "--quiet", NULL};
+  assert_int_equal(run_out(args, out), 0);
+  char *txt = slurp(out);
+  assert_non_null(txt);
+  if (!strstr(txt, "EQUIVALENT (bitwise, 27 tensors") || !strstr(txt, "(reference: equal)"))
+    fail_msg("lisa: %s", txt);
+  static const char *const layers[] = {"layers.0.attn.qkv.weight/exp_avg_sq", "layers.1.mlp.fc1.bias/exp_avg",
+                                       "layers.2.mlp.fc2.weight/exp_avg", NULL};
+  for (int k = 0; layers[k]; k++)
+    if (!strstr(txt, layers[k])) fail_msg("lisa: no row for %s: %s", layers[k], txt);
+  char sampled[65], all[65];
+  digest_of(txt, sampled);
+  free(txt);
+  /* LISA really samples the layers by default: training all three (n_layers=3) is another run */
+  const char *every[] = {"compare", "--optimizer", "lisa", "--hparams", "n_layers=3", "--steps", "10", "--quiet", NULL};
+  assert_int_equal(run_out(every, out), 0);
+  txt = slurp(out);
+  digest_of(txt, all);
+  free(txt);
+  if (strcmp(sampled, all) == 0) fail_msg("lisa: the default run trains every layer (no layer is sampled out)");
+}
+
 static void test_nonfinite_policy(void **st) {
   (void)st;
   char a[600], b[600], oa[600], ob[600];
@@ -782,6 +812,24 @@ static void test_checkpoint_resume(void **st) {
                      "--save-every needs --save", res);
   expect_usage_error(ARGS("--params", inputs, "--optimizer", "adamw", "--resume", dir, "--out", res), "not a checkpoint",
                      res);
+  /* a hand-edited global_step (the loop's clock) that disagrees with the steps taken and skipped: refused, it
+   * would resume another clock (index.json stays well-formed: 7 >= 5 + 0) */
+  snprintf(gen, sizeof gen, "%s/step-000000005/index.json", ck);
+  FILE *f = fopen(gen, "rb");
+  assert_non_null(f);
+  static char text[1 << 20];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  char *at = strstr(text, "\"global_step\":\t5,");
+  if (!at) fail_msg("test bug: no global_step 5 in %s", gen);
+  at[15] = '7';
+  f = fopen(gen, "wb");
+  fwrite(text, 1, n, f);
+  fclose(f);
+  snprintf(gen, sizeof gen, "%s/step-000000005", ck);
+  expect_usage_error(ARGS("--params", inputs, "--optimizer", "lisa", "--hparams", hp, "--resume", gen, "--out", res),
+                     "index.json says global_step 7 but optimizer_steps 5 + skipped_steps 0 = 5", res);
 #undef ARGS
 }
 
@@ -1045,6 +1093,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_mem_per_rank),
       cmocka_unit_test(test_many_tensors),
       cmocka_unit_test(test_nonfinite_policy),
+      cmocka_unit_test(test_compare_lisa_frozen),
       cmocka_unit_test(test_compare_overflow_nan),
       cmocka_unit_test(test_checkpoint_resume),
       cmocka_unit_test(test_threads_options),
