@@ -416,7 +416,7 @@ static dopt_status t_reduce_scatter(void *comm, const void *send, void *recv, si
   scratch sc = {{NULL, NULL, NULL}};
   const char *src = send;
   dopt_status st = DOPT_OK;
-  /* in place (distributed/dist.c): recv is this rank's block of send */
+  /* in place (distributed/dp_sum.c): recv is this rank's block of send */
   const int inplace = (const char *)recv == src + (size_t)c->rank * blk;
   if (!inplace && overlap(send, total, recv, blk)) { /* any other overlap: work on a copy of send */
     st = scratch_alloc(c, &sc, 0, n, recvcount, esz, what);

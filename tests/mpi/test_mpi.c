@@ -2,7 +2,7 @@
  * `mpirun -np 3` (CTest mpi_transport, label mpi):
  *  - every collective × dtype (F32, F64, BF16, I32, I64, U8) × op (SUM, PROD,
  *    MAX, MIN, AVG), out of place and in place (reduce_scatter: recv = this
- *    rank's block of send, as distributed/dist.c calls it), counts 0, 1, 5
+ *    rank's block of send, as distributed/dp_sum.c calls it), counts 0, 1, 5
  *    and 300, with the default chunk and a chunk of 7 elements (the path of
  *    counts above INT_MAX), bitwise against expectations computed here from
  *    every rank's known inputs (floats: x0 op x1 op x2 in rank order);
@@ -300,7 +300,7 @@ static void test_rank_order_float_sum(void **state) {
     wantd[e] = accd;
     rev[e] = back;
   }
-  /* reduce_scatter in place, as distributed/dist.c calls it: n blocks of N
+  /* reduce_scatter in place, as distributed/dp_sum.c calls it: n blocks of N
    * elements, block j of rank i = order_input(i, .) + j; this rank keeps block r */
   for (int j = 0; j < n; j++)
     for (size_t e = 0; e < N; e++) rs[(size_t)j * N + e] = order_input(r, e) + (float)j;

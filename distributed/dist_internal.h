@@ -1,0 +1,191 @@
+/* Internal to the distributed optimizers (the files of distributed/; include/distopt/dist.h,
+ * docs/distributed.md): the optimizer and parameter structs every file works
+ * on, and the functions the files share. Who owns what:
+ *   plan.c        creation: the layout of each parameter (TP block, ZeRO range, buffers), owners, destruction;
+ *                 the device buffers and host scratch everything else uses
+ *   batch.c       the reduction batch: statistics posted by the stages, reduced per transport and operation
+ *   step.c        gradients in, the staged step: averaging, the non-finite skip, clipping, the wrapper's schedule,
+ *                 rounds and buckets, the parameters back to every rank
+ *   dp_sum.c      the data-parallel gradient sum: exact (block codes, words) or fp32 in the transport's order
+ *   owner.c       owner mode: an optimizer whose step needs the whole tensor steps it on one rank
+ *   gather.c      logical tensors gathered from the pieces, state sizes, memory, the replica check
+ *   checkpoint.c  dopt_dist_save / dopt_dist_load: each rank's pieces, the agreement between ranks
+ * None of them includes pthread, CUDA, NCCL or MPI headers: collectives go
+ * through dopt_transport, memory and kernels through dopt_device. */
+#ifndef DISTOPT_DIST_INTERNAL_H
+#define DISTOPT_DIST_INTERNAL_H
+
+#include "distopt/dist.h"
+
+#include "grid.h"
+#include "optim_impl.h"
+
+typedef struct dist_param dist_param;
+
+/* The reducer of one parameter: its split groups. Posts go to the batch. */
+typedef struct red_ctx {
+  dopt_dist_optim *d;
+  int over_tp, over_dp;
+} red_ctx;
+
+/* The reduction batch (batch.c): what the stages of one round posted, per
+ * operation (MAX F64, SUM I64) and transport (tp, dp): a parameter split over
+ * both posts to both lists, and gets the TP reduction, then the DP one (MAX
+ * and integer SUM compose exactly in any order). A list of one array is
+ * reduced in place; longer lists are packed into a staging buffer of device
+ * memory and unpacked after. */
+enum { OP_MAX, OP_SUM, NOPS };
+enum { T_TP, T_DP, NTRANSPORTS };
+
+typedef struct post {
+  void *x;
+  size_t n;
+} post;
+
+typedef struct post_list {
+  post *v;
+  size_t len, cap, words;
+} post_list;
+
+typedef struct batch {
+  post_list l[NOPS][NTRANSPORTS];
+  void *stage_buf; /* device staging buffer for packing */
+  size_t stage_cap; /* bytes */
+  dopt_status err;  /* first failure of a post (the reducer's return is also checked) */
+  int64_t collectives; /* collectives issued by reductions (statistics) so far */
+} batch;
+
+struct dist_param {
+  char *name;
+  int group;
+  int ndim;
+  int64_t shape[DOPT_MAX_DIMS]; /* logical */
+  dopt_tp_role role;
+  int lndim;
+  int64_t lshape[DOPT_MAX_DIMS]; /* TP-local block */
+  size_t lnumel;
+  size_t chunk;  /* ZeRO shard size (lnumel when not sharded) */
+  size_t padded; /* chunk · dp when sharded, else lnumel */
+  dopt_piece pc;
+  int bf16;
+  int master_sharded; /* zero 3, or bf16 with zero >= 1: the fp32 master stays a shard */
+  float *grad;   /* [padded] accumulated gradients */
+  float *master; /* fp32 values: [chunk] if master_sharded, else [padded] */
+  uint16_t *work; /* bf16 working copy: [chunk] (zero 3) or [padded] */
+  int nstates;
+  dopt_state_spec spec[DOPT_MAX_STATES];
+  void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; others whole */
+  int64_t step;
+  int acc;        /* the accumulator holds a gradient since the last step */
+  float *mb;      /* batch-invariant mode: device [mb_cap · lnumel], this step's micro-batch gradients */
+  int nmb, mb_cap;
+  red_ctx rc;
+  dopt_reducer red;
+  size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
+  /* owner mode (an optimizer whose step needs the whole tensor): one rank,
+   * (tp rank owner_tp, dp rank owner), holds the logical fp32 values and
+   * every state whole, and steps them with the reference's own step */
+  int owner, owner_tp; /* the owning rank's dp and tp ranks (owner mode) */
+  float *full;        /* [numel] the logical fp32 values (owner ranks only) */
+  unsigned events;    /* DOPT_EVENT_* of the last step (owner ranks) */
+};
+
+struct dopt_dist_optim {
+  const dopt_optim_impl *impl;
+  double (*hp)[DOPT_MAX_HPARAMS]; /* per group */
+  int ngroups;
+  dist_param *p;
+  int np;
+  dopt_transport tp, dp;
+  const dopt_device *dev;
+  int zero;
+  double max_grad_norm;
+  int skip_nonfinite;
+  int micro;        /* micro-batches accumulated since the last step */
+  int64_t skipped;
+  float *up;        /* device buffer for uploading one gradient */
+  size_t up_cap;    /* bytes */
+  size_t bucket_bytes; /* frame budget of one bucket of steps (0: one bucket) */
+  void *frames;     /* device memory: the frames of one bucket */
+  size_t frames_cap;
+  dopt_step_args *args; /* [np] one bucket's step arguments */
+  size_t *frame_off;   /* [np] */
+  int *more;           /* [np] */
+  int owned;        /* the optimizer's step needs whole tensors: owner mode for every parameter */
+  const dopt_optim_impl *wrapper; /* LISA around impl, or NULL */
+  double whp[DOPT_MAX_HPARAMS];   /* the wrapper's own hyperparameters */
+  int64_t gstep;    /* steps taken (the wrapper's clock) */
+  int *layer;       /* [np] layer index per parameter (the wrapper's schedule) */
+  unsigned char *has;    /* [np] this rank received a gradient since the last step */
+  unsigned char *frozen; /* [np] the wrapper froze it for this step */
+  unsigned char *skip;   /* [np] not stepped this step: no gradient on any rank, or frozen */
+  int64_t *flags;   /* device [np + 1]: non-finite count, then per-parameter presence, for one MAX */
+  float *zeros;     /* host zeros [zeros_cap] for absent gradients and state resets */
+  size_t zeros_cap;
+  float *xfer;      /* device [max numel]: a whole logical tensor in transit (owner mode) */
+  void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
+  size_t gdev_cap[2];
+  unsigned char *ghost[3]; /* host scratch: gathers (0, 1), the owner step's whole tensor (2) */
+  size_t ghost_cap[3];
+  size_t xfer_cap;  /* bytes */
+  batch b;
+  double *ss;       /* per-parameter Σg² (clipping) */
+  /* the exact dp sum (distopt/dpsum.h) */
+  int dp_words;     /* int64 words per element; 0: fp32 in the transport's order */
+  int keep;         /* batch-invariant: micro-batches kept and summed on the grid one by one */
+  size_t *code_off; /* [np] parameter i's block codes at codes[code_off[i]]; codes[0, np): its non-finite flag */
+  size_t ncodes;
+  int32_t *codes;   /* device [ncodes], one MAX over the world */
+  int32_t *hflags;  /* host [np] */
+  int64_t *words;   /* device [padded · dp_words] of the largest parameter */
+  size_t words_cap;
+  int64_t *cls;     /* device [padded]: NaN/±inf counts, when a parameter has a non-finite value */
+  size_t cls_cap;
+};
+
+#define DEV(d) ((d)->dev->ops)
+#define DCTX(d) ((d)->dev->ctx)
+
+#define DEV(d) ((d)->dev->ops)
+#define DCTX(d) ((d)->dev->ctx)
+
+/* ---- plan.c ------------------------------------------------------------------------------- */
+
+dopt_status dd_check_param(const dopt_dist_optim *d, int i, const char *fn);
+dopt_status dd_dalloc(dopt_dist_optim *d, size_t bytes, void **out);
+dopt_status dd_gdev(dopt_dist_optim *d, int k, size_t bytes, void **out);
+dopt_status dd_ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out);
+dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes);
+void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out);
+dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full);
+size_t dd_state_held_bytes(const dopt_dist_optim *d, const dist_param *p, int k);
+void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
+dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
+
+/* ---- batch.c ------------------------------------------------------------------------------ */
+
+dopt_status dd_flush(dopt_dist_optim *d);
+dopt_status dd_post_max(void *ctx, double *x, size_t n);
+dopt_status dd_post_sum(void *ctx, int64_t *x, size_t n);
+
+/* ---- step.c ------------------------------------------------------------------------------- */
+
+dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n);
+
+/* ---- dp_sum.c ----------------------------------------------------------------------------- */
+
+dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt);
+dopt_status dd_exact_dp_sum(dopt_dist_optim *d);
+
+/* ---- owner.c ------------------------------------------------------------------------------ */
+
+dopt_status dd_from_owner(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt);
+dopt_status dd_from_rank(dopt_dist_optim *d, int owner, int owner_tp, void *x, size_t count, dopt_dtype dt);
+dopt_status dd_owner_steps(dopt_dist_optim *d);
+
+/* ---- gather.c ----------------------------------------------------------------------------- */
+
+dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
+                      dopt_dtype dt, void *out);
+
+#endif

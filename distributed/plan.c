@@ -1,0 +1,397 @@
+/* The plan of a distributed optimizer (docs/distributed.md): each parameter's
+ * TP block and ZeRO range, its buffers and first values, the owners of owner
+ * mode; creation, destruction, and the device buffers and host scratch the
+ * other files share. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dist_internal.h"
+
+/* Uneven split of n items over `parts`: part r gets base + (r < rem). */
+static void split_range(size_t n, int parts, int r, size_t *off, size_t *len) {
+  size_t base = n / (size_t)parts, rem = n % (size_t)parts, ur = (size_t)r;
+  *len = base + (ur < rem);
+  *off = ur * base + (ur < rem ? ur : rem);
+}
+
+/* The TP block of a parameter for TP rank r: rows/cols of the [b, h, w] view. */
+void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl) {
+  dopt_piece full;
+  dopt_piece_full(p->ndim, p->shape, &full);
+  *h0 = 0, *hl = full.h, *w0 = 0, *wl = full.w;
+  if (p->role == DOPT_TP_COLUMN && p->ndim >= 2) split_range(full.h, tp, r, h0, hl);
+  else if (p->role == DOPT_TP_COLUMN || p->role == DOPT_TP_ROW) split_range(full.w, tp, r, w0, wl);
+}
+
+static void free_param(dopt_dist_optim *d, dist_param *p) {
+  if (p->full) DEV(d)->free(DCTX(d), p->full);
+  DEV(d)->free(DCTX(d), p->grad);
+  if (p->mb) DEV(d)->free(DCTX(d), p->mb);
+  DEV(d)->free(DCTX(d), p->master);
+  if (p->work) DEV(d)->free(DCTX(d), p->work);
+  for (int k = 0; k < p->nstates; k++)
+    if (p->state[k]) DEV(d)->free(DCTX(d), p->state[k]);
+  free(p->name);
+}
+
+void dopt_dist_destroy(dopt_dist_optim *d) {
+  if (!d) return;
+  for (int i = 0; i < d->np; i++) free_param(d, &d->p[i]);
+  if (d->frames) DEV(d)->free(DCTX(d), d->frames);
+  if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
+  if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
+  for (int k = 0; k < 2; k++)
+    if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
+  for (int k = 0; k < 3; k++) free(d->ghost[k]);
+  if (d->up) DEV(d)->free(DCTX(d), d->up);
+  for (int op = 0; op < NOPS; op++)
+    for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
+  if (d->flags) DEV(d)->free(DCTX(d), d->flags);
+  if (d->codes) DEV(d)->free(DCTX(d), d->codes);
+  if (d->words) DEV(d)->free(DCTX(d), d->words);
+  if (d->cls) DEV(d)->free(DCTX(d), d->cls);
+  free(d->code_off);
+  free(d->hflags);
+  free(d->args);
+  free(d->frame_off);
+  free(d->more);
+  free(d->layer);
+  free(d->has);
+  free(d->frozen);
+  free(d->skip);
+  free(d->zeros);
+  free(d->p);
+  free(d->hp);
+  free(d->ss);
+  free(d);
+}
+
+static dopt_status check_config(const dopt_dist_config *cfg) {
+  DOPT_CHECK_ARG((cfg->version == 1 && cfg->struct_size >= DOPT_DIST_CONFIG_V1_SIZE) ||
+                     (cfg->version == 2 && cfg->struct_size >= DOPT_DIST_CONFIG_V2_SIZE) ||
+                     (cfg->version == DOPT_DIST_CONFIG_VERSION && cfg->struct_size >= sizeof(dopt_dist_config)),
+                 "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
+                 cfg->struct_size, cfg->version);
+  DOPT_CHECK_ARG(cfg->tp.ops && cfg->dp.ops, "dopt_dist_create: tp/dp transports not set");
+  DOPT_CHECK_ARG(cfg->tp.size >= 1 && cfg->dp.size >= 1 && cfg->tp.rank >= 0 && cfg->tp.rank < cfg->tp.size &&
+                     cfg->dp.rank >= 0 && cfg->dp.rank < cfg->dp.size,
+                 "dopt_dist_create: tp rank %d of %d, dp rank %d of %d", cfg->tp.rank, cfg->tp.size, cfg->dp.rank,
+                 cfg->dp.size);
+  DOPT_CHECK_ARG(cfg->version < 3 || (cfg->dp_sum_words >= 0 && cfg->dp_sum_words <= DOPT_DP_SUM_WORDS_MAX),
+                 "dopt_dist_create: dp_sum_words=%d must be 0 (fp32 in the transport's order), 1 or 2",
+                 cfg->dp_sum_words);
+  DOPT_CHECK_ARG(cfg->version < 3 || !cfg->batch_invariant || cfg->dp_sum_words >= 1,
+                 "dopt_dist_create: batch_invariant=%d needs the exact dp sum (dp_sum_words=%d)", cfg->batch_invariant,
+                 cfg->dp_sum_words);
+  DOPT_CHECK_ARG(cfg->dp.size <= DOPT_DP_SUM_MAX_PARTS, "dopt_dist_create: dp=%d above %d", cfg->dp.size,
+                 DOPT_DP_SUM_MAX_PARTS);
+  DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
+                 "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
+  return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
+}
+
+dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero) {
+  const char *pl = plugin ? plugin : "";
+  DOPT_CHECK_ARG(tp >= 1 && dp >= 1, "layout: tp=%d dp=%d must be >= 1", tp, dp);
+  DOPT_CHECK_ARG(zero >= 0 && zero <= 3, "layout: zero_stage=%d outside [0, 3]", zero);
+  if (strcmp(pl, "ddp") == 0) {
+    DOPT_CHECK_ARG(tp == 1 && zero == 0, "plugin ddp: needs tp=1 and zero=0 (got tp=%d zero=%d)", tp, zero);
+  } else if (strcmp(pl, "zero") == 0) {
+    DOPT_CHECK_ARG(tp == 1 && (zero == 1 || zero == 2), "plugin zero: needs tp=1 and zero 1 or 2 (got tp=%d zero=%d)",
+                   tp, zero);
+  } else if (strcmp(pl, "hybrid") == 0) {
+    DOPT_CHECK_ARG(zero <= 2, "plugin hybrid: zero=%d (0, 1 or 2; zero 3 is the fsdp plugin)", zero);
+  } else if (strcmp(pl, "fsdp") == 0) {
+    DOPT_CHECK_ARG(zero == 3, "plugin fsdp: needs zero=3 (got %d)", zero);
+  } else {
+    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp)", pl);
+  }
+  return DOPT_OK;
+}
+
+dopt_status dd_dalloc(dopt_dist_optim *d, size_t bytes, void **out) {
+  return DEV(d)->alloc(DCTX(d), bytes ? bytes : 1, out);
+}
+
+/* A device buffer kept across calls: grown (freed and allocated again, zero
+ * filled) to at least `bytes`, never shrunk. *cap is in bytes. */
+dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes) {
+  if (bytes <= *cap) return DOPT_OK;
+  if (*buf) DEV(d)->free(DCTX(d), *buf);
+  *buf = NULL;
+  *cap = 0;
+  DOPT_TRY(dd_dalloc(d, bytes, buf));
+  *cap = bytes;
+  return DOPT_OK;
+}
+
+/* Sets this rank's values of parameter p from the logical fp32 tensor `full`
+ * (host): its TP block (row by row), the fp32 extent it holds (the master
+ * shard, or the whole TP-local block) and the bf16 working copy of the
+ * extent it holds. At creation and after an owner step. */
+dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full) {
+  const dopt_piece *pc = &p->pc;
+  unsigned char *bb = NULL;
+  DOPT_TRY(dd_ghost(d, 1, (p->lnumel ? p->lnumel : 1) * sizeof(float), &bb));
+  float *blk = (float *)(void *)bb;
+  for (size_t bi = 0; bi < pc->b; bi++)
+    for (size_t i = 0; i < pc->hl; i++)
+      memcpy(blk + (bi * pc->hl + i) * pc->wl, full + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
+             pc->wl * sizeof(float));
+  size_t from = p->master_sharded ? pc->lo : 0, count = p->master_sharded ? pc->len : p->lnumel;
+  dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
+  if (s == DOPT_OK && p->bf16) { /* the working copy of the extent this rank holds */
+    size_t wfrom = d->zero == 3 ? pc->lo : 0, wcount = d->zero == 3 ? pc->len : p->lnumel;
+    unsigned char *hb = NULL;
+    s = dd_ghost(d, 0, (wcount ? wcount : 1) * sizeof(uint16_t), &hb);
+    uint16_t *hw = (uint16_t *)(void *)hb;
+    for (size_t k = 0; s == DOPT_OK && k < wcount; k++) hw[k] = dopt_f32_to_bf16(blk[wfrom + k]);
+    if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), p->work, hw, wcount * sizeof *hw);
+  }
+  return s;
+}
+
+/* Bytes of state k this rank's buffer holds: an elementwise state's ZeRO
+ * shard (sharded like the parameter), else the whole logical state (owner
+ * mode: on the owner only). */
+size_t dd_state_held_bytes(const dopt_dist_optim *d, const dist_param *p, int k) {
+  return !d->owned && p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+}
+
+/* Sets up one parameter: geometry, buffers, the initial values of its piece. */
+static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
+  const int tpn = d->tp.size, dpn = d->dp.size;
+  p->group = src->group;
+  p->ndim = src->ndim;
+  memcpy(p->shape, src->shape, sizeof p->shape);
+  p->role = tpn > 1 ? role : DOPT_TP_REPLICATED;
+  p->bf16 = src->work != NULL;
+  if (role == DOPT_TP_ROW && src->ndim < 2)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: '%s' role ROW needs a >= 2-D tensor (ndim=%d)", src->name,
+                      src->ndim);
+  if (role == DOPT_TP_COLUMN && src->ndim < 1)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: '%s' is a scalar; it can only be replicated", src->name);
+  dopt_piece *pc = &p->pc;
+  dopt_piece_full(p->ndim, p->shape, pc);
+  dd_tp_block(p, tpn, d->tp.rank, &pc->h0, &pc->hl, &pc->w0, &pc->wl);
+  p->lnumel = pc->b * pc->hl * pc->wl;
+  p->lndim = p->ndim;
+  memcpy(p->lshape, p->shape, sizeof p->lshape);
+  if (p->role == DOPT_TP_COLUMN) p->lshape[p->ndim >= 2 ? p->ndim - 2 : 0] = (int64_t)(p->ndim >= 2 ? pc->hl : pc->wl);
+  if (p->role == DOPT_TP_ROW) p->lshape[p->ndim - 1] = (int64_t)pc->wl;
+  /* ZeRO: flatten, pad to a multiple of dp, split evenly */
+  if (d->zero >= 1) {
+    p->chunk = (p->lnumel + (size_t)dpn - 1) / (size_t)dpn;
+    p->padded = p->chunk * (size_t)dpn;
+    pc->lo = (size_t)d->dp.rank * p->chunk;
+    pc->len = pc->lo < p->lnumel ? (p->lnumel - pc->lo < p->chunk ? p->lnumel - pc->lo : p->chunk) : 0;
+    if (pc->lo > p->lnumel) pc->lo = p->lnumel;
+  } else {
+    p->chunk = p->padded = p->lnumel;
+    pc->lo = 0;
+    pc->len = p->lnumel;
+  }
+  /* fp32 parameters are the model weights: whole on every rank up to zero 2.
+   * With bf16 working copies only those are whole; the masters stay shards. */
+  p->master_sharded = d->zero == 3 || (p->bf16 && d->zero >= 1);
+  size_t mext = p->master_sharded ? p->chunk : p->padded, wext = d->zero == 3 ? p->chunk : p->padded;
+  DOPT_TRY(dd_dalloc(d, p->padded * sizeof(float), (void **)&p->grad));
+  DOPT_TRY(dd_dalloc(d, mext * sizeof(float), (void **)&p->master));
+  if (p->bf16) DOPT_TRY(dd_dalloc(d, wext * sizeof(uint16_t), (void **)&p->work));
+  DOPT_TRY(dd_load_values(d, p, src->data));
+  /* states: elementwise ones are sharded like the parameter, the others whole */
+  p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
+  if (d->owned) { /* whole states and the logical values on the owner ranks only */
+    if (d->dp.rank == p->owner && d->tp.rank == p->owner_tp) {
+      size_t numel = dopt_numel(p->ndim, p->shape);
+      DOPT_TRY(dd_dalloc(d, numel * sizeof(float), (void **)&p->full));
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data, numel * sizeof(float)));
+      for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(d, p, k), &p->state[k]));
+    }
+  } else {
+    for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(d, p, k), &p->state[k]));
+  }
+  p->step = src->step;
+  p->rc.d = d;
+  p->rc.over_tp = p->role != DOPT_TP_REPLICATED;
+  p->rc.over_dp = d->zero >= 1 && dpn > 1;
+  p->red.ctx = &p->rc;
+  p->red.post_max_f64 = dd_post_max;
+  p->red.post_sum_i64 = dd_post_sum;
+  /* bucketing must cut the parameter list at the same places on every rank:
+   * estimate the frame from logical sizes, not from this rank's piece */
+  size_t sharing = (p->rc.over_tp ? (size_t)tpn : 1) * (p->rc.over_dp ? (size_t)dpn : 1);
+  p->est = dopt_numel(p->ndim, p->shape) * sizeof(float) / sharing;
+  p->name = malloc(strlen(src->name) + 1);
+  if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
+  strcpy(p->name, src->name);
+  return DOPT_OK;
+}
+
+/* Owner mode: parameters go whole to the world's ranks, largest first, each
+ * to the least loaded rank (ties: the lowest), as torch's
+ * ZeroRedundancyOptimizer partitions whole parameters; world slot w is tp rank
+ * w mod tp, dp rank w / tp. Logical sizes only, so every rank agrees. */
+static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
+  const int world = d->tp.size * d->dp.size;
+  size_t *load = calloc((size_t)world, sizeof *load);
+  char *done = calloc((size_t)(d->np > 0 ? d->np : 1), 1);
+  for (int n = 0; done && load && n < d->np; n++) {
+    int best = -1;
+    size_t bs = 0;
+    for (int i = 0; i < d->np; i++) {
+      const dopt_param *q = dopt__optim_param(po, i);
+      if (!done[i] && (best < 0 || q->numel > bs)) best = i, bs = q->numel;
+    }
+    int r = 0;
+    for (int k = 1; k < world; k++)
+      if (load[k] < load[r]) r = k;
+    d->p[best].owner = r / d->tp.size;
+    d->p[best].owner_tp = r % d->tp.size;
+    load[r] += bs;
+    done[best] = 1;
+  }
+  if (!done || !load) /* out of memory: round robin, still the same on every rank */
+    for (int i = 0; i < d->np; i++) d->p[i].owner = (i / d->tp.size) % d->dp.size, d->p[i].owner_tp = i % d->tp.size;
+  free(done);
+  free(load);
+}
+
+dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cfg, const dopt_tp_role *roles,
+                             dopt_dist_optim **out) {
+  DOPT_CHECK_ARG(plain && cfg && out, "dopt_dist_create: NULL argument");
+  *out = NULL;
+  DOPT_TRY(check_config(cfg));
+  dopt_optim *po = (dopt_optim *)(uintptr_t)plain; /* read only */
+  dopt_dist_optim *d = calloc(1, sizeof *d);
+  if (!d) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %zu bytes for the optimizer", sizeof *d);
+  d->impl = dopt__optim_impl(plain); /* a wrapper's inner optimizer */
+  d->wrapper = dopt__optim_wrapper(plain);
+  if (d->wrapper) memcpy(d->whp, dopt__optim_wrapper_hp(plain), sizeof d->whp);
+  d->gstep = dopt__optim_gstep(plain);
+  d->owned = !d->impl->distributable; /* GaLore's SVD, 8-bit blocks of the logical tensor: owner mode */
+  d->tp = cfg->tp;
+  d->dp = cfg->dp;
+  d->dev = cfg->device ? cfg->device : dopt_device_cpu();
+  d->zero = cfg->zero_stage;
+  d->max_grad_norm = cfg->max_grad_norm;
+  d->skip_nonfinite = cfg->skip_nonfinite;
+  d->bucket_bytes = cfg->version >= 2 ? cfg->bucket_bytes : DOPT_DIST_BUCKET_BYTES_DEFAULT;
+  d->dp_words = cfg->version >= 3 ? cfg->dp_sum_words : DOPT_DP_SUM_DEFAULT_WORDS;
+  d->keep = cfg->version >= 3 && cfg->batch_invariant;
+  d->ngroups = dopt_optim_num_groups(plain);
+  d->np = dopt_optim_num_params(plain);
+  const size_t npa = d->np > 0 ? (size_t)d->np : 1;
+  d->hp = calloc((size_t)d->ngroups, sizeof *d->hp);
+  d->p = calloc(npa, sizeof *d->p);
+  d->ss = calloc(npa, sizeof *d->ss);
+  d->args = calloc(npa, sizeof *d->args);
+  d->frame_off = calloc(npa, sizeof *d->frame_off);
+  d->more = calloc(npa, sizeof *d->more);
+  d->layer = calloc(npa, sizeof *d->layer);
+  d->has = calloc(npa, 1);
+  d->frozen = calloc(npa, 1);
+  d->skip = calloc(npa, 1);
+  dopt_status cs = DEV(d)->alloc(DCTX(d), (npa + 1) * sizeof(int64_t), (void **)&d->flags);
+  if (cs != DOPT_OK) d->flags = NULL;
+  if (!d->hp || !d->p || !d->ss || !d->args || !d->frame_off || !d->more || !d->layer || !d->has || !d->frozen ||
+      !d->skip || !d->flags) {
+    dopt_dist_destroy(d);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
+  }
+  for (int g = 0; g < d->ngroups; g++) memcpy(d->hp[g], dopt__optim_group_hp(plain, g), sizeof d->hp[g]);
+  if (d->owned) assign_owners(d, po);
+  for (int i = 0; i < d->np; i++) {
+    dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
+    dopt_status s = (unsigned)role > DOPT_TP_ROW
+                        ? dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role)
+                        : setup_param(d, &d->p[i], dopt__optim_param(po, i), role);
+    d->layer[i] = dopt__optim_param(po, i)->layer;
+    if (s != DOPT_OK) {
+      d->np = i + 1; /* free what was set up */
+      dopt_dist_destroy(d);
+      return s;
+    }
+  }
+  /* the exact dp sum's codes: np non-finite flags, then each parameter's logical blocks */
+  d->code_off = calloc(npa, sizeof *d->code_off);
+  d->hflags = calloc(npa, sizeof *d->hflags);
+  d->ncodes = (size_t)d->np;
+  for (int i = 0; d->code_off && i < d->np; i++) {
+    d->code_off[i] = d->ncodes;
+    d->ncodes += dopt_grid_blocks(dopt_numel(d->p[i].ndim, d->p[i].shape));
+  }
+  cs = d->code_off && d->hflags ? dd_dalloc(d, d->ncodes * sizeof(int32_t), (void **)&d->codes) : DOPT_ERR_NO_MEMORY;
+  if (cs != DOPT_OK) {
+    d->codes = NULL;
+    dopt_dist_destroy(d);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: the dp sum's block codes of %d parameters", d->np);
+  }
+  *out = d;
+  return DOPT_OK;
+}
+
+dopt_status dd_check_param(const dopt_dist_optim *d, int i, const char *fn) {
+  DOPT_CHECK_ARG(d != NULL, "%s: optimizer=NULL", fn);
+  DOPT_CHECK_ARG(i >= 0 && i < d->np, "%s: param=%d out of range [0, %d)", fn, i, d->np);
+  return DOPT_OK;
+}
+
+dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int i, int *ndim, int64_t *shape, size_t *numel) {
+  DOPT_TRY(dd_check_param(d, i, "dopt_dist_local_shape"));
+  const dist_param *p = &d->p[i];
+  if (ndim) *ndim = p->lndim;
+  if (shape) memcpy(shape, p->lshape, sizeof p->lshape);
+  if (numel) *numel = p->lnumel;
+  return DOPT_OK;
+}
+
+/* Host zeros, at least `bytes`. */
+static dopt_status zeros_of(dopt_dist_optim *d, size_t bytes, const float **out) {
+  if (bytes > d->zeros_cap) {
+    free(d->zeros);
+    d->zeros = calloc(1, bytes);
+    d->zeros_cap = d->zeros ? bytes : 0;
+    if (!d->zeros) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: %zu bytes of zeros", bytes);
+  }
+  *out = d->zeros;
+  return DOPT_OK;
+}
+
+/* The piece this rank holds of parameter p's tensors: its ZeRO range of the
+ * TP block (`sharded`), or the whole TP block. */
+void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out) {
+  *out = p->pc;
+  if (!sharded) {
+    out->lo = 0;
+    out->len = p->lnumel;
+  }
+}
+
+/* Device x[bytes] ← zeros. */
+dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes) {
+  const float *z = NULL;
+  if (bytes == 0) return DOPT_OK;
+  DOPT_TRY(zeros_of(d, bytes, &z));
+  return DEV(d)->upload(DCTX(d), x, z, bytes);
+}
+
+/* Gather scratch k (device or host), grown to at least `bytes` and kept. */
+dopt_status dd_gdev(dopt_dist_optim *d, int k, size_t bytes, void **out) {
+  DOPT_TRY(dd_grow_dev(d, &d->gdev[k], &d->gdev_cap[k], bytes));
+  *out = d->gdev[k];
+  return DOPT_OK;
+}
+
+dopt_status dd_ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out) {
+  if (bytes > d->ghost_cap[k]) {
+    unsigned char *h = realloc(d->ghost[k], bytes ? bytes : 1);
+    if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed dd_gather: %zu bytes", bytes);
+    d->ghost[k] = h;
+    d->ghost_cap[k] = bytes;
+  }
+  *out = d->ghost[k];
+  return DOPT_OK;
+}

@@ -1,0 +1,237 @@
+/* The step (docs/distributed.md): gradients in (accumulated micro-batches),
+ * averaged over dp, the non-finite skip, global-norm clipping, the wrapper's
+ * schedule (LISA), the staged step of every piece in rounds and buckets, and
+ * the new values back to every rank that holds them. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dist_internal.h"
+
+dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
+  DOPT_CHECK_ARG(d && grads, "dopt_dist_backward: NULL argument");
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (!grads[i]) continue; /* no gradient in this micro-batch (torch: .grad untouched) */
+    d->has[i] = 1;
+    if (p->lnumel == 0) continue;
+    if (d->keep) { /* kept whole until the step (grown by doubling, copied over) */
+      if (p->nmb == p->mb_cap) {
+        int cap = p->mb_cap ? 2 * p->mb_cap : 4;
+        float *nb = NULL;
+        DOPT_TRY(dd_dalloc(d, (size_t)cap * p->lnumel * sizeof(float), (void **)&nb));
+        dopt_status s = p->nmb ? DEV(d)->copy(DCTX(d), nb, p->mb, (size_t)p->nmb * p->lnumel * sizeof(float)) : DOPT_OK;
+        if (s != DOPT_OK) {
+          DEV(d)->free(DCTX(d), nb);
+          return s;
+        }
+        if (p->mb) DEV(d)->free(DCTX(d), p->mb);
+        p->mb = nb;
+        p->mb_cap = cap;
+      }
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->mb + (size_t)p->nmb * p->lnumel, grads[i], p->lnumel * sizeof(float)));
+      p->nmb++;
+      continue;
+    }
+    if (!p->acc) { /* the first gradient since the step is copied: acc = g0, then acc + g1 + ... */
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, grads[i], p->lnumel * sizeof(float)));
+      p->acc = 1;
+      continue;
+    }
+    DOPT_TRY(dd_grow_dev(d, (void **)&d->up, &d->up_cap, p->lnumel * sizeof(float))); /* the largest TP-local tensor */
+    DOPT_TRY(DEV(d)->upload(DCTX(d), d->up, grads[i], p->lnumel * sizeof(float)));
+    DOPT_TRY(DEV(d)->add(DCTX(d), p->grad, d->up, p->lnumel));
+  }
+  d->micro++;
+  return DOPT_OK;
+}
+
+/* The averaged gradient of each piece: the SUM over dp (exact, or fp32 in
+ * the transport's order), then one division by dp·micro; *nonfinite counts
+ * the non-finite averaged elements of this rank's pieces. */
+static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
+  *nonfinite = 0;
+  const float denom = (float)((double)d->dp.size * (double)d->micro);
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (!p->acc) DOPT_TRY(dd_zero_dev(d, p->grad, p->lnumel * sizeof(float))); /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
+    p->acc = 0;
+  }
+  if (d->keep && d->dp.size * d->micro == 1) { /* one contribution: itself (dopt_dp_sum's rule) */
+    for (int i = 0; i < d->np; i++) {
+      dist_param *p = &d->p[i];
+      if (p->nmb) DOPT_TRY(DEV(d)->copy(DCTX(d), p->grad, p->mb, p->lnumel * sizeof(float)));
+    }
+  } else if ((d->dp.size > 1 || d->keep) && d->dp_words > 0) {
+    DOPT_TRY(dd_exact_dp_sum(d));
+  }
+  for (int i = 0; i < d->np; i++) d->p[i].nmb = 0;
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (d->dp.size > 1 && d->dp_words == 0) DOPT_TRY(dd_dp_sum(d, p, p->grad, 1, DOPT_F32));
+    int64_t bad;
+    DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->pc.lo, denom, p->pc.len, &bad));
+    *nonfinite += bad;
+  }
+  return DOPT_OK;
+}
+
+/* h[n] (host) ← its MAX over the world (tp, then dp), through the device
+ * buffer d->flags (np + 1 words): a transport reduces device memory (NCCL and
+ * the device-buffer simulator cannot read a host pointer). */
+dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n) {
+  DOPT_TRY(DEV(d)->upload(DCTX(d), d->flags, h, n * sizeof *h));
+  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX));
+  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX));
+  return DEV(d)->download(DCTX(d), h, d->flags, n * sizeof *h);
+}
+
+/* One MAX over the world (tp, then dp) of {non-finite count, has[0..np)}:
+ * whether any rank saw a non-finite averaged gradient, and which parameters
+ * received a gradient on some rank (a rank without one added zeros). */
+static dopt_status world_flags(dopt_dist_optim *d, int64_t *bad) {
+  const size_t n = (size_t)d->np + 1;
+  int64_t *h = malloc(n * sizeof *h);
+  if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d flags", d->np);
+  h[0] = *bad;
+  for (int i = 0; i < d->np; i++) h[1 + i] = d->has[i];
+  dopt_status s = dd_world_max(d, h, n);
+  if (s == DOPT_OK) {
+    *bad = h[0];
+    for (int i = 0; i < d->np; i++) d->skip[i] = h[1 + i] == 0;
+  }
+  free(h);
+  return s;
+}
+
+/* The wrapper's schedule (LISA) for this step: frozen parameters are skipped
+ * like absent ones; a reset restarts every layer parameter from zero states
+ * and step 0. The same on every rank, with no communication. */
+static dopt_status apply_schedule(dopt_dist_optim *d) {
+  int reset = 0;
+  DOPT_TRY(d->wrapper->wrap->schedule(d->whp, d->gstep, d->np, d->layer, d->frozen, &reset));
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    d->skip[i] |= d->frozen[i];
+    if (!reset || d->layer[i] < 0) continue;
+    p->step = 0;
+    for (int k = 0; k < p->nstates; k++) {
+      if (!p->state[k]) continue; /* owner mode: not the owner */
+      DOPT_TRY(dd_zero_dev(d, p->state[k], dd_state_held_bytes(d, p, k)));
+    }
+  }
+  return DOPT_OK;
+}
+
+/* Runs the staged steps d->args[first, last) round by round: each round runs
+ * every unfinished step's next stage, then reduces what the round posted (one
+ * collective per transport and operation). Frames: d->frames at d->frame_off.
+ * honour_skip: parameters skipped this step (d->skip) do not run. */
+static dopt_status run_rounds(dopt_dist_optim *d, int first, int last, int honour_skip) {
+  int active = 0;
+  for (int i = first; i < last; i++) active += d->more[i] = !(honour_skip && d->skip[i]);
+  for (int stage = 0; active > 0; stage++) {
+    for (int i = first; i < last; i++) {
+      if (!d->more[i]) continue;
+      dopt_step_args *a = &d->args[i];
+      a->stage = stage;
+      a->more = &d->more[i];
+      d->more[i] = 0;
+      a->frame = d->frames ? (unsigned char *)d->frames + d->frame_off[i] : NULL; /* NULL + 0 is undefined */
+      DOPT_TRY(DEV(d)->step(DCTX(d), a));
+      if (!d->more[i]) active--;
+    }
+    DOPT_TRY(dd_flush(d));
+  }
+  return DOPT_OK;
+}
+
+/* Lays out the frames of d->args[first, last) in d->frames (grown as needed). */
+static dopt_status map_frames(dopt_dist_optim *d, int first, int last) {
+  size_t total = 0;
+  for (int i = first; i < last; i++) {
+    d->frame_off[i] = total;
+    total += (DEV(d)->frame_bytes(DCTX(d), &d->args[i]) + 15) & ~(size_t)15;
+  }
+  return dd_grow_dev(d, &d->frames, &d->frames_cap, total);
+}
+
+/* Steps d->args[0, np) in buckets: consecutive parameters whose frame
+ * estimates (rank-independent) fit in d->bucket_bytes share their
+ * collectives; a parameter larger than the budget is a bucket of its own. */
+static dopt_status run_buckets(dopt_dist_optim *d) {
+  int first = 0;
+  while (first < d->np) {
+    int last = first + 1;
+    size_t est = d->p[first].est;
+    while (last < d->np && (d->bucket_bytes == 0 || est + d->p[last].est <= d->bucket_bytes)) est += d->p[last++].est;
+    DOPT_TRY(map_frames(d, first, last));
+    DOPT_TRY(run_rounds(d, first, last, 1));
+    first = last;
+  }
+  return DOPT_OK;
+}
+
+dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
+  DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
+  if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
+  dopt_dist_step_info local = {0, -1.0, d->micro};
+  int64_t bad;
+  DOPT_TRY(reduce_grads(d, &bad));
+  DOPT_TRY(world_flags(d, &bad));
+  memset(d->has, 0, (size_t)d->np);
+  if (d->skip_nonfinite && bad > 0) {
+    d->skipped++;
+    local.skipped = 1;
+    if (info) *info = local;
+    d->micro = 0;
+    return DOPT_OK;
+  }
+  if (d->wrapper) DOPT_TRY(apply_schedule(d));
+  d->gstep++;
+  if (d->max_grad_norm > 0) { /* every gradient piece's Σg² as a staged step, one bucket */
+    for (int i = 0; i < d->np; i++) {
+      dist_param *p = &d->p[i];
+      d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->pc, NULL, p->grad + p->pc.lo, NULL, NULL, &p->red,
+                                    NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL};
+    }
+    DOPT_TRY(map_frames(d, 0, d->np));
+    DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
+    float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
+    for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
+  }
+  if (d->owned) { /* every rank has its new values already: no working-copy update, no all-dd_gather */
+    DOPT_TRY(dd_owner_steps(d));
+    if (info) *info = local;
+    d->micro = 0;
+    return DOPT_OK;
+  }
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (!d->skip[i]) p->step++;
+    float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
+    d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
+                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL, NULL};
+  }
+  DOPT_TRY(run_buckets(d));
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (d->skip[i]) continue; /* untouched: its values are still in place everywhere */
+    float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
+    if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
+    /* zero 1/2: every dp rank gets the whole TP-local model weights back (the
+     * bf16 working copy, or the fp32 parameter itself) */
+    if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) {
+      size_t me = (size_t)d->dp.rank * p->chunk;
+      if (p->bf16) DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->work + me, p->work, p->chunk, DOPT_BF16));
+      else DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->master + me, p->master, p->chunk, DOPT_F32));
+    }
+  }
+  if (info) *info = local;
+  d->micro = 0; /* the next backward overwrites the accumulators */
+  return DOPT_OK;
+}
+
+int64_t dopt_dist_stat_collectives(const dopt_dist_optim *d) { return d ? d->b.collectives : 0; }
+
+int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d) { return d ? d->skipped : 0; }
