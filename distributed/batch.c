@@ -33,7 +33,7 @@ dopt_status dd_post_max(void *ctx, double *x, size_t n) { return post_op(ctx, OP
 
 dopt_status dd_post_sum(void *ctx, int64_t *x, size_t n) { return post_op(ctx, OP_SUM, x, n); }
 
-/* Reduces everything posted since the last dd_flush: per operation and
+/* Reduces everything posted since the last flush: per operation and
  * transport, one collective over the packed words. Every rank of a group
  * posts the same arrays in the same order (pieces of the same tensors, the
  * same stages), so the collectives match. */

@@ -200,7 +200,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
     for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
   }
-  if (d->owned) { /* every rank has its new values already: no working-copy update, no all-dd_gather */
+  if (d->owned) { /* every rank has its new values already: no working-copy update, no all-gather */
     DOPT_TRY(dd_owner_steps(d));
     if (info) *info = local;
     d->micro = 0;
