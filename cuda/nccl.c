@@ -1,6 +1,7 @@
 /* The NCCL transport (distopt/cuda.h): communicators from a unique id or the
- * launcher's environment, ncclCommSplit, and the four dopt_transport
- * collectives on device buffers. Communicators are non-blocking: every call
+ * launcher's environment, ncclCommSplit, and the dopt_transport collectives
+ * on device buffers (reduce: ncclReduce; all_to_allv: grouped
+ * ncclSend/ncclRecv). Communicators are non-blocking: every call
  * is followed by polling ncclCommGetAsyncError and the stream until a
  * deadline, and a timeout aborts the communicator (ncclCommAbort) instead of
  * hanging.
@@ -343,7 +344,74 @@ static dopt_status t_broadcast(void *comm, const void *send, void *recv, size_t 
   return wait_comm(c, ncclBroadcast(send, recv, count, t, root, c->comm, ST), 1, "broadcast");
 }
 
-static const dopt_transport_ops nccl_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast};
+static dopt_status t_reduce(void *comm, const void *send, void *recv, size_t count, dopt_dtype dt, dopt_redop op,
+                            int root) {
+  dopt_nccl_comm *c = comm;
+  DOPT_TRY(enter(c, "reduce"));
+  DOPT_CHECK_ARG(root >= 0 && root < c->size, "nccl reduce: root=%d of %d", root, c->size);
+  ncclDataType_t t = ncclFloat32;
+  ncclRedOp_t o = ncclSum;
+  DOPT_TRY(nccl_type(dt, &t));
+  DOPT_TRY(nccl_op(op, &o));
+  if (!ordered(c, dt, op)) return wait_comm(c, ncclReduce(send, recv, count, t, o, root, c->comm, ST), 1, "reduce");
+  /* rank order: every rank's buffer to the root (grouped point-to-point), reduced there */
+  const size_t blk = count * dopt_dtype_size(dt);
+  void *tmp = NULL;
+  if (c->rank == root) DOPT_TRY(tmp_alloc(blk * (size_t)c->size, &tmp));
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess && c->rank != root) r = ncclSend(send, count, t, root, c->comm, ST);
+  for (int j = 0; c->rank == root && r == ncclSuccess && j < c->size; j++) {
+    if (j == root) {
+      if (cudaMemcpyAsync((char *)tmp + (size_t)j * blk, send, blk, cudaMemcpyDeviceToDevice, ST) != cudaSuccess) {
+        ncclGroupEnd();
+        cudaFreeAsync(tmp, ST);
+        return dopt__fail(DOPT_ERR_BACKEND, "nccl rank %d: reduce: copy of its own %zu bytes", c->rank, blk);
+      }
+      continue;
+    }
+    r = ncclRecv((char *)tmp + (size_t)j * blk, count, t, j, c->comm, ST);
+    if (r == ncclInProgress) r = ncclSuccess;
+  }
+  if (r == ncclInProgress) r = ncclSuccess;
+  ncclResult_t r2 = ncclGroupEnd();
+  dopt_status s = wait_comm(c, r != ncclSuccess ? r : r2, 1, "reduce (exchange)");
+  if (s == DOPT_OK && c->rank == root) s = reduce_rows(c, dt, op, recv, tmp, count);
+  if (tmp) cudaFreeAsync(tmp, ST);
+  return s;
+}
+
+/* Grouped point-to-point: one send and one receive per peer with data; the
+ * own block is a device copy. */
+static dopt_status t_all_to_allv(void *comm, const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                                 const size_t *rcounts, const size_t *rdispls, dopt_dtype dt) {
+  dopt_nccl_comm *c = comm;
+  DOPT_TRY(enter(c, "all_to_allv"));
+  DOPT_CHECK_ARG(scounts && sdispls && rcounts && rdispls, "nccl all_to_allv: rank %d: NULL count array", c->rank);
+  ncclDataType_t t = ncclFloat32;
+  DOPT_TRY(nccl_type(dt, &t));
+  const size_t esz = dopt_dtype_size(dt);
+  const int me = c->rank;
+  if (rcounts[me] != scounts[me])
+    return dopt__fail(DOPT_ERR_MISMATCH, "nccl all_to_allv: rank %d: sends itself %zu elements, expects %zu", me,
+                      scounts[me], rcounts[me]);
+  if (scounts[me] &&
+      cudaMemcpyAsync((char *)recv + rdispls[me] * esz, (const char *)send + sdispls[me] * esz, scounts[me] * esz,
+                      cudaMemcpyDeviceToDevice, ST) != cudaSuccess)
+    return dopt__fail(DOPT_ERR_BACKEND, "nccl rank %d: all_to_allv: copy of its own %zu elements", me, scounts[me]);
+  ncclResult_t r = ncclGroupStart();
+  for (int j = 0; r == ncclSuccess && j < c->size; j++) {
+    if (j == me) continue;
+    if (scounts[j]) r = ncclSend((const char *)send + sdispls[j] * esz, scounts[j], t, j, c->comm, ST);
+    if (r == ncclInProgress) r = ncclSuccess;
+    if (r == ncclSuccess && rcounts[j]) r = ncclRecv((char *)recv + rdispls[j] * esz, rcounts[j], t, j, c->comm, ST);
+    if (r == ncclInProgress) r = ncclSuccess;
+  }
+  ncclResult_t r2 = ncclGroupEnd();
+  return wait_comm(c, r != ncclSuccess ? r : r2, 1, "all_to_allv");
+}
+
+static const dopt_transport_ops nccl_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
+                                            t_all_to_allv};
 
 dopt_status dopt_nccl_transport(dopt_nccl_comm *comm, dopt_transport *out) {
   DOPT_CHECK_ARG(comm && out, "dopt_nccl_transport: NULL argument");

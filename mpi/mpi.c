@@ -1,5 +1,7 @@
 /* The MPI transport (distopt/mpi.h): communicators from MPI_COMM_WORLD and
- * MPI_Comm_split, and the four dopt_transport collectives on host buffers.
+ * MPI_Comm_split, and the dopt_transport collectives on host buffers
+ * (reduce: MPI_Ireduce, or the rank-ordered exchange below through
+ * MPI_Igather; all_to_allv: MPI_Ialltoallv).
  *
  * Order of floating-point sums. MPI leaves the order of a reduction to the
  * implementation (and OpenMPI picks it by message size and rank count), so
@@ -517,7 +519,86 @@ static dopt_status t_broadcast(void *comm, const void *send, void *recv, size_t 
   return st;
 }
 
-static const dopt_transport_ops mpi_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast};
+static dopt_status t_reduce(void *comm, const void *send, void *recv, size_t count, dopt_dtype dt, dopt_redop op,
+                            int root) {
+  static const char what[] = "reduce";
+  dopt_mpi_comm *c = comm;
+  DOPT_TRY(enter(c, what));
+  int ex = 0;
+  MPI_Op mop = MPI_SUM;
+  DOPT_TRY(plan_reduce(c, dt, op, what, &ex, &mop));
+  DOPT_CHECK_ARG(root >= 0 && root < c->size, "mpi reduce: root=%d of %d", root, c->size);
+  if (count == 0) return DOPT_OK;
+  const int is_root = c->rank == root;
+  DOPT_CHECK_ARG(send && (!is_root || recv), "mpi reduce: rank %d: NULL buffer", c->rank);
+  const size_t esz = dopt_dtype_size(dt), m0 = min_sz(c->chunk, count);
+  size_t bytes = 0;
+  DOPT_TRY(byte_count(c, count, esz, 1, what, &bytes));
+  const MPI_Datatype t = mpi_type(dt);
+  scratch sc = {{NULL, NULL, NULL}};
+  const char *src = send;
+  dopt_status st = DOPT_OK;
+  if (is_root && src != recv && overlap(send, bytes, recv, bytes)) { /* partly overlapping: reduce a copy */
+    st = scratch_alloc(c, &sc, 0, 1, count, esz, what);
+    if (st == DOPT_OK) src = memcpy(sc.p[0], send, bytes);
+  }
+  /* the exchange: every rank's chunk gathered on the root, reduced there in rank order */
+  if (st == DOPT_OK && ex && is_root) st = scratch_alloc(c, &sc, 1, (size_t)c->size, m0, esz, what);
+  for (size_t off = 0, m; st == DOPT_OK && off < count; off += m) {
+    m = min_sz(m0, count - off);
+    char *dst = is_root ? (char *)recv + off * esz : NULL;
+    MPI_Request req;
+    if (ex) {
+      st = started(c, MPI_Igather(src + off * esz, (int)m, t, sc.p[1], (int)m, t, root, c->comm, &req), &req, &sc,
+                   "reduce (exchange)");
+      if (st == DOPT_OK && is_root) reduce_rows(dt, op, dst, sc.p[1], c->size, m);
+    } else {
+      const void *in = is_root && src == (const char *)recv ? MPI_IN_PLACE : (const void *)(src + off * esz);
+      st = started(c, MPI_Ireduce(in, dst, (int)m, t, mop, root, c->comm, &req), &req, &sc, what);
+    }
+  }
+  if (st == DOPT_OK && !ex && op == DOPT_AVG && is_root) int_average(dt, recv, count, c->size);
+  scratch_free(&sc);
+  return st;
+}
+
+/* MPI_Ialltoallv: MPI counts and displacements are int, so every count and
+ * every end of a region must stay within INT_MAX elements (else
+ * DOPT_ERR_UNSUPPORTED, naming the peer and the value). */
+static dopt_status t_all_to_allv(void *comm, const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                                 const size_t *rcounts, const size_t *rdispls, dopt_dtype dt) {
+  static const char what[] = "all_to_allv";
+  dopt_mpi_comm *c = comm;
+  DOPT_TRY(enter(c, what));
+  DOPT_TRY(check_dtype(c, dt, what));
+  DOPT_CHECK_ARG(scounts && sdispls && rcounts && rdispls, "mpi all_to_allv: rank %d: NULL count array", c->rank);
+  const size_t n = (size_t)c->size;
+  for (size_t j = 0; j < n; j++) {
+    const size_t v[4] = {scounts[j], sdispls[j], rcounts[j], rdispls[j]};
+    for (int k = 0; k < 4; k++)
+      if (v[k] > (size_t)INT_MAX || (k % 2 == 1 && v[k - 1] > (size_t)INT_MAX - v[k]))
+        return dopt__fail(DOPT_ERR_UNSUPPORTED, "mpi all_to_allv: rank %d: peer %zu: %s %zu above INT_MAX elements",
+                          c->rank, j, k < 2 ? "send region" : "receive region", v[k]);
+  }
+  scratch sc = {{NULL, NULL, NULL}};
+  DOPT_TRY(scratch_alloc(c, &sc, 0, 4, n, sizeof(int), what)); /* kept with the request on a timeout */
+  int *a = sc.p[0];
+  for (size_t j = 0; j < n; j++) {
+    a[j] = (int)scounts[j];
+    a[n + j] = (int)sdispls[j];
+    a[2 * n + j] = (int)rcounts[j];
+    a[3 * n + j] = (int)rdispls[j];
+  }
+  const MPI_Datatype t = mpi_type(dt);
+  MPI_Request req;
+  dopt_status st = started(c, MPI_Ialltoallv(send, a, a + n, t, recv, a + 2 * n, a + 3 * n, t, c->comm, &req), &req,
+                           &sc, what);
+  scratch_free(&sc);
+  return st;
+}
+
+static const dopt_transport_ops mpi_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
+                                           t_all_to_allv};
 
 dopt_status dopt_mpi_transport(dopt_mpi_comm *comm, dopt_transport *out) {
   DOPT_CHECK_ARG(comm && out, "dopt_mpi_transport: NULL argument");

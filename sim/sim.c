@@ -27,7 +27,7 @@
 
 static const char *const kind_names[DOPT_SIM_KIND_COUNT] = {
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-    "all_to_all", "send",           "recv",       "barrier",   "split"};
+    "all_to_all", "send",           "recv",       "barrier",   "split", "all_to_allv"};
 
 const char *dopt_sim_kind_name(dopt_sim_kind kind) {
   return (unsigned)kind < DOPT_SIM_KIND_COUNT ? kind_names[kind] : "unknown";
@@ -325,7 +325,27 @@ static void validate_locked(sim_group *g) {
       return;
     }
   }
-  dopt__sim_account(g, &g->arr[0].sig, -1);
+  sim_sig acc = g->arr[0].sig;
+  if (acc.kind == DOPT_SIM_KIND_ALL_TO_ALLV) { /* every pair agrees; accounted: the busiest sender's elements */
+    size_t most = 0;
+    for (int i = 0; i < g->n; i++) {
+      size_t off = 0;
+      for (int j = 0; j < g->n; j++) {
+        size_t sent = g->arr[i].scounts[j], expected = g->arr[j].rcounts[i];
+        if (sent != expected) {
+          g->op_err = DOPT_ERR_MISMATCH;
+          snprintf(g->op_msg, sizeof g->op_msg,
+                   "comm '%s' op %llu: all_to_allv: rank %d sends %zu elements to rank %d, which expects %zu",
+                   g->label, (unsigned long long)seq, i, sent, j, expected);
+          return;
+        }
+        off += j != i ? sent : 0;
+      }
+      most = off > most ? off : most;
+    }
+    acc.count = most;
+  }
+  dopt__sim_account(g, &acc, -1);
   if (g->arr[0].sig.kind == DOPT_SIM_KIND_SPLIT)
     split_locked(g);
 }
@@ -861,6 +881,17 @@ static dopt_status run_data(sim_call *k, const sim_arrival *a) {
     for (int j = 0; j < n; j++)
       dopt__sim_copy(k->w->mem, recv + (size_t)j * blk, (const char *)arr[j].send + (size_t)i * blk, blk);
     break;
+  case DOPT_SIM_KIND_ALL_TO_ALLV: /* from rank j's send at its sdispls[i] into this rank's recv at rdispls[j] */
+    cnt = 0;
+    for (int j = 0; j < n; j++) {
+      size_t c = a->rcounts[j];
+      if (c)
+        dopt__sim_copy(k->w->mem, recv + a->rdispls[j] * esz,
+                       (const char *)arr[j].send + arr[j].sdispls[i] * esz, c * esz);
+      size_t end = a->rdispls[j] + c;
+      cnt = c && end > cnt ? end : cnt; /* the received extent, for a bit-flip fault */
+    }
+    break;
   default:
     break;
   }
@@ -942,6 +973,51 @@ dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count, dopt_dty
 dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count, dopt_dtype dt,
                                 dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_ALL_TO_ALL, send, recv, count, dt, -1, -1);
+}
+
+/* Extent in elements of the regions [displs[j], +counts[j]) (0 when all are
+ * empty); *bad: an end overflows or exceeds SIZE_MAX bytes. */
+static size_t extent(const size_t *counts, const size_t *displs, int n, size_t esz, int *bad) {
+  size_t hi = 0;
+  for (int j = 0; j < n; j++) {
+    if (counts[j] == 0)
+      continue;
+    if (displs[j] > SIZE_MAX - counts[j] || displs[j] + counts[j] > SIZE_MAX / esz)
+      *bad = 1;
+    else if (displs[j] + counts[j] > hi)
+      hi = displs[j] + counts[j];
+  }
+  return hi;
+}
+
+dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                                 const size_t *rcounts, const size_t *rdispls, dopt_dtype dt,
+                                 dopt_sim_comm *comm) {
+  sim_call k;
+  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_TO_ALLV));
+  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_TO_ALLV, send, recv, 0, dt, -1, -1);
+  a.scounts = scounts;
+  a.sdispls = sdispls;
+  a.rcounts = rcounts;
+  a.rdispls = rdispls;
+  check_common(&a, comm, 0, 0);
+  const int n = comm->g->n;
+  if (!scounts || !sdispls || !rcounts || !rdispls) /* reported to every rank before any count is read */
+    arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: scounts=%p sdispls=%p rcounts=%p rdispls=%p must not be NULL",
+             (const void *)scounts, (const void *)sdispls, (const void *)rcounts, (const void *)rdispls);
+  if (a.status == DOPT_OK) {
+    int bad = 0;
+    size_t esz = dopt_dtype_size(dt);
+    size_t sn = extent(scounts, sdispls, n, esz, &bad), rn = extent(rcounts, rdispls, n, esz, &bad);
+    if (bad)
+      arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: a displacement plus its count overflows");
+    else if ((sn && !send) || (rn && !recv))
+      arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: send=%p (%zu elements) recv=%p (%zu elements): NULL with data",
+               send, sn, recv, rn);
+    else
+      check_overlap(&a, sn * esz, rn * esz, 0);
+  }
+  return run_collective(&k, &a);
 }
 
 dopt_status dopt_sim_barrier(dopt_sim_comm *comm) {

@@ -83,6 +83,7 @@ double dopt_sim_busbw_factor(dopt_sim_kind kind, int nranks) {
   case DOPT_SIM_KIND_REDUCE:
   case DOPT_SIM_KIND_SEND:
   case DOPT_SIM_KIND_RECV:
+  case DOPT_SIM_KIND_ALL_TO_ALLV:
     return 1.0;
   default:
     return 0.0;
@@ -136,6 +137,7 @@ double dopt_sim_cost(dopt_sim_kind kind, int nranks, uint64_t bytes, const dopt_
     return (n - 1.0) * a + (n - 1.0) / n * t;
   case DOPT_SIM_KIND_BROADCAST:
   case DOPT_SIM_KIND_REDUCE:
+  case DOPT_SIM_KIND_ALL_TO_ALLV: /* the busiest sender's bytes, one peer after another */
     return (n - 1.0) * a + t;
   case DOPT_SIM_KIND_BARRIER:
     return 2.0 * (n - 1.0) * a;

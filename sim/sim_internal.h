@@ -45,6 +45,7 @@ typedef struct sim_arrival {
   dopt_status status;          /* argument check result on this rank */
   char msg[192];
   struct dopt_sim_comm *result; /* split: this rank's new handle */
+  const size_t *scounts, *sdispls, *rcounts, *rdispls; /* all_to_allv: [n] each */
 } sim_arrival;
 
 /* An eager point-to-point message (data follows the header). */

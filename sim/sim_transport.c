@@ -15,7 +15,16 @@ static dopt_status t_broadcast(void *c, const void *s, void *r, size_t n, dopt_d
   return dopt_sim_broadcast(s, r, n, dt, root, c);
 }
 
-static const dopt_transport_ops sim_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast};
+static dopt_status t_reduce(void *c, const void *s, void *r, size_t n, dopt_dtype dt, dopt_redop op, int root) {
+  return dopt_sim_reduce(s, r, n, dt, op, root, c);
+}
+static dopt_status t_all_to_allv(void *c, const void *s, const size_t *sc, const size_t *sd, void *r, const size_t *rc,
+                                 const size_t *rd, dopt_dtype dt) {
+  return dopt_sim_all_to_allv(s, sc, sd, r, rc, rd, dt, c);
+}
+
+static const dopt_transport_ops sim_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
+                                           t_all_to_allv};
 
 dopt_status dopt_sim_transport(dopt_sim_comm *comm, dopt_transport *out) {
   DOPT_CHECK_ARG(comm != NULL && out != NULL, "dopt_sim_transport: comm/out NULL");

@@ -4,7 +4,9 @@
  * same symbols exist and return DOPT_ERR_UNSUPPORTED with a message.
  *
  * Collectives (dopt_transport_ops): all_reduce, reduce_scatter, all_gather,
- * broadcast on F32, F64, BF16, I32, I64, U8 (moves: every dtype); ops SUM,
+ * broadcast, reduce (rank order as all_reduce; MPI_Igather to the root for
+ * the exchanged kinds) and all_to_allv (MPI_Ialltoallv: counts and region
+ * ends up to INT_MAX elements) on F32, F64, BF16, I32, I64, U8 (moves: every dtype); ops SUM,
  * PROD, MAX, MIN, AVG. Floating-point SUM/PROD/AVG, and every BF16
  * reduction, are computed in rank order 0..n-1 — every rank's contribution
  * is exchanged (MPI_Allgather / MPI_Alltoall), then summed locally as

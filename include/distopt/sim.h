@@ -74,6 +74,7 @@ typedef enum dopt_sim_kind {
   DOPT_SIM_KIND_RECV,
   DOPT_SIM_KIND_BARRIER,
   DOPT_SIM_KIND_SPLIT,
+  DOPT_SIM_KIND_ALL_TO_ALLV, /* appended: the kinds above keep their values */
   DOPT_SIM_KIND_COUNT
 } dopt_sim_kind;
 
@@ -217,6 +218,14 @@ DOPT_API dopt_status dopt_sim_reduce(const void *send, void *recv, size_t count,
  * recv comes from rank j. */
 DOPT_API dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t count,
                                          dopt_dtype dt, dopt_sim_comm *comm);
+/* Personalised exchange (MPI_Alltoallv): to rank j this rank sends scounts[j]
+ * elements from send + sdispls[j], and receives rcounts[j] elements from rank
+ * j into recv + rdispls[j] (elements of dt; arrays of the group's size). Every
+ * rank's rcounts[j] must equal rank j's scounts[for it] (else
+ * DOPT_ERR_MISMATCH on every rank, naming the pair); never in place. */
+DOPT_API dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls,
+                                          void *recv, const size_t *rcounts, const size_t *rdispls,
+                                          dopt_dtype dt, dopt_sim_comm *comm);
 /* Point to point, matched by (peer, order). send is eager: it copies the data
  * and returns; recv blocks (bounded by the timeout). A count/dtype mismatch
  * is reported by recv (DOPT_ERR_MISMATCH). */
@@ -236,7 +245,8 @@ DOPT_API const char *dopt_sim_kind_name(dopt_sim_kind kind);
 /* ---- accounting ---------------------------------------------------------------
  * bytes follow nccl-tests: all_reduce/broadcast/reduce count*size;
  * reduce_scatter and all_gather the full (n*count) buffer; all_to_all
- * n*count*size; send/recv count*size. seconds: wall time of the calls as seen
+ * n*count*size; send/recv count*size; all_to_allv the most bytes any one rank
+ * sends to the others (its own block excluded; what its link carries). seconds: wall time of the calls as seen
  * by the communicator's rank 0. algbw = bytes/seconds, busbw = algbw*factor. */
 typedef struct dopt_sim_stats {
   uint32_t struct_size;
@@ -251,7 +261,8 @@ typedef struct dopt_sim_stats {
 
 DOPT_API dopt_status dopt_sim_comm_stats(const dopt_sim_comm *comm, dopt_sim_stats *out);
 /* nccl-tests bus bandwidth factor: all_reduce 2(n-1)/n; reduce_scatter,
- * all_gather, all_to_all (n-1)/n; broadcast, reduce, send, recv 1; else 0. */
+ * all_gather, all_to_all (n-1)/n; broadcast, reduce, send, recv, all_to_allv 1;
+ * else 0. */
 DOPT_API double dopt_sim_busbw_factor(dopt_sim_kind kind, int nranks);
 /* algbw = bytes/seconds and busbw = algbw*factor, in bytes per second. */
 DOPT_API dopt_status dopt_sim_bandwidth(dopt_sim_kind kind, int nranks, uint64_t bytes,
@@ -276,7 +287,8 @@ DOPT_API dopt_status dopt_sim_world_record(const dopt_sim_world *w, size_t i, do
  *   all_reduce (ring)              2(n-1)*alpha + 2(n-1)/n * B/beta
  *   reduce_scatter, all_gather,
  *   all_to_all                     (n-1)*alpha  + (n-1)/n * B/beta
- *   broadcast, reduce (pipelined)  (n-1)*alpha  + B/beta
+ *   broadcast, reduce (pipelined),
+ *   all_to_allv (busiest sender)   (n-1)*alpha  + B/beta
  *   send                           alpha + B/beta
  *   barrier                        2(n-1)*alpha
  * and 0 when n == 1. The link is the one whose label equals the

@@ -11,7 +11,14 @@
  * Bitwise equality with the reference needs reductions in a fixed order
  * (rank order 0..n-1) for floating-point sums; distributed/ only relies on that for
  * the data-parallel gradient sum. Every optimizer statistic is reduced as
- * MAX (F64) and SUM (I64), which are exact in any order. */
+ * MAX (F64) and SUM (I64), which are exact in any order.
+ *
+ * Bytes (the accounting of docs/sim.md and the benchmarks): a collective counts
+ * its message as nccl-tests does (all_reduce, reduce, broadcast: count·size;
+ * reduce_scatter, all_gather: count·size·n); all_to_allv, a set of
+ * point-to-point messages, counts what point-to-point does, the bytes sent:
+ * the most that any one rank sends to the others (its own region excluded),
+ * bus factor 1. */
 #ifndef DISTOPT_TRANSPORT_H
 #define DISTOPT_TRANSPORT_H
 
@@ -44,6 +51,17 @@ typedef struct dopt_transport_ops {
   /* recv[size·sendcount] = concatenation of every rank's send[sendcount] in rank order */
   dopt_status (*all_gather)(void *comm, const void *send, void *recv, size_t sendcount, dopt_dtype dt);
   dopt_status (*broadcast)(void *comm, const void *send, void *recv, size_t count, dopt_dtype dt, int root);
+  /* recv[count] on rank root = the reduction of every rank's send[count] (in the order all_reduce uses); recv
+   * is only written, and only needed, on the root. NULL: distributed/ uses all_reduce instead. */
+  dopt_status (*reduce)(void *comm, const void *send, void *recv, size_t count, dopt_dtype dt, dopt_redop op,
+                        int root);
+  /* Personalised exchange (MPI_Alltoallv; NCCL's grouped send/recv): to every rank r this rank sends
+   * scounts[r] elements starting at send + sdispls[r], and from every rank r it receives rcounts[r] elements
+   * into recv + rdispls[r] (counts and displacements in elements of dt; arrays of the group's size). A rank's
+   * rcounts[r] equals rank r's scounts[for it]; the send and receive regions must not overlap. NULL:
+   * distributed/ uses broadcasts instead. */
+  dopt_status (*all_to_allv)(void *comm, const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                             const size_t *rcounts, const size_t *rdispls, dopt_dtype dt);
 } dopt_transport_ops;
 
 typedef struct dopt_transport {

@@ -130,8 +130,8 @@ static void expect(dopt_dtype dt, dopt_redop op, int n, size_t e, void *out, siz
 
 /* ---- the grid ------------------------------------------------------------------------ */
 
-typedef enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST } kind;
-static const char *const KIND[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
+typedef enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_REDUCE } kind;
+static const char *const KIND[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"};
 static const char *const OPS[] = {"SUM", "PROD", "MAX", "MIN", "AVG"};
 
 typedef struct tally {
@@ -173,6 +173,16 @@ static void run_case(tally *t, kind k, dopt_dtype dt, dopt_redop op, size_t coun
     for (size_t e = 0; e < count; e++) input(dt, op, r, e, src, e);
     for (size_t e = 0; e < count; e++) expect(dt, op, n, e, want, e);
     s = g_wt.ops->all_reduce(g_wt.comm, src, res, count, dt, op);
+    break;
+  }
+  case K_REDUCE: { /* the root's recv holds the reduction; the others' recv stays untouched */
+    unsigned char *src = inplace ? res : in;
+    for (size_t e = 0; e < count; e++) input(dt, op, r, e, src, e);
+    if (r == root)
+      for (size_t e = 0; e < count; e++) expect(dt, op, n, e, want, e);
+    else
+      memcpy(want, res, count * esz); /* as it was: the input (in place) or the 0xab fill */
+    s = g_wt.ops->reduce(g_wt.comm, src, res, count, dt, op, root);
     break;
   }
   case K_REDUCE_SCATTER: {
@@ -231,7 +241,7 @@ static const size_t COUNTS[] = {0, 1, 5, 300};
 static void grid(kind k, size_t chunk) {
   assert_ok(dopt_mpi_set_chunk(g_world, chunk));
   tally t = {0, 0, ""};
-  const int nops = k == K_ALL_REDUCE || k == K_REDUCE_SCATTER ? DOPT_REDOP_COUNT_ : 1;
+  const int nops = k == K_ALL_REDUCE || k == K_REDUCE_SCATTER || k == K_REDUCE ? DOPT_REDOP_COUNT_ : 1;
   for (size_t d = 0; d < sizeof DTYPES / sizeof DTYPES[0]; d++)
     for (int op = 0; op < nops; op++)
       for (size_t c = 0; c < sizeof COUNTS / sizeof COUNTS[0]; c++)
@@ -261,6 +271,44 @@ static void test_broadcast(void **state) {
   (void)state;
   grid(K_BROADCAST, SIZE_MAX);
   grid(K_BROADCAST, 7);
+}
+static void test_reduce(void **state) {
+  (void)state;
+  grid(K_REDUCE, SIZE_MAX);
+  grid(K_REDUCE, 7);
+}
+
+/* all_to_allv with irregular counts (some zero, self included) and gaps in
+ * both buffers: every received region exact, the gaps untouched; a count
+ * above INT_MAX refused on the rank that passes it, before any MPI call. */
+static size_t av_count(int i, int j) { return (size_t)((i * 3 + j * 5) % 4) * (size_t)(1 + (i + j) % 3); }
+
+static void test_all_to_allv(void **state) {
+  (void)state;
+  enum { CAP = 256, GAP = 2 };
+  const int n = g_size, r = g_rank;
+  assert_true(n <= 8);
+  size_t sc[8], sd[8], rc[8], rd[8], so = 1, ro = 1;
+  int32_t send[CAP], got[CAP], want[CAP];
+  for (int e = 0; e < CAP; e++) send[e] = got[e] = want[e] = -7;
+  for (int j = 0; j < n; j++) {
+    sc[j] = av_count(r, j);
+    sd[j] = so;
+    so += sc[j] + GAP;
+    rc[j] = av_count(j, r);
+    rd[j] = ro;
+    ro += rc[j] + GAP;
+    for (size_t e = 0; e < sc[j]; e++) send[sd[j] + e] = r * 1000 + j * 100 + (int32_t)e;
+    for (size_t e = 0; e < rc[j]; e++) want[rd[j] + e] = j * 1000 + r * 100 + (int32_t)e;
+  }
+  assert_ok(g_wt.ops->all_to_allv(g_wt.comm, send, sc, sd, got, rc, rd, DOPT_I32));
+  assert_memory_equal(got, want, sizeof want);
+  size_t big[8];
+  for (int j = 0; j < n; j++) big[j] = 0;
+  big[0] = (size_t)INT_MAX + 1;
+  size_t zero[8] = {0};
+  assert_status(g_wt.ops->all_to_allv(g_wt.comm, send, big, zero, got, zero, zero, DOPT_I32), DOPT_ERR_UNSUPPORTED,
+                "INT_MAX");
 }
 
 /* ---- rank order ----------------------------------------------------------------------- */
@@ -308,6 +356,11 @@ static void test_rank_order_float_sum(void **state) {
   dopt_status s2 = g_wt.ops->all_reduce(g_wt.comm, x, avg, N, DOPT_F32, DOPT_AVG);
   dopt_status s3 = g_wt.ops->all_reduce(g_wt.comm, xd, ard, N, DOPT_F64, DOPT_SUM);
   dopt_status s4 = g_wt.ops->reduce_scatter(g_wt.comm, rs, rs + (size_t)r * N, N, DOPT_F32, DOPT_SUM);
+  float red[N]; /* reduce to the last rank, in place there (dp_sum.c's owner sum) */
+  memcpy(red, x, sizeof red);
+  dopt_status s5 = g_wt.ops->reduce(g_wt.comm, red, red, N, DOPT_F32, DOPT_SUM, n - 1);
+  assert_ok(s5);
+  if (r == n - 1) assert_memory_equal(red, want, sizeof red);
   assert_ok(s1);
   assert_ok(s2);
   assert_ok(s3);
@@ -468,6 +521,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_all_reduce),    cmocka_unit_test(test_reduce_scatter),
       cmocka_unit_test(test_all_gather),    cmocka_unit_test(test_broadcast),
+      cmocka_unit_test(test_reduce),        cmocka_unit_test(test_all_to_allv),
       cmocka_unit_test(test_rank_order_float_sum), cmocka_unit_test(test_partial_overlap),
       cmocka_unit_test(test_split),         cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_timeout),

@@ -350,8 +350,148 @@ static void test_send_recv(void **st) {
   }
 }
 
+/* ---- all_to_allv ---------------------------------------------------------------------
+ * Irregular counts (some zero, self included), regions with gaps in both
+ * buffers; every rank's received bytes against the expected ones, the gaps
+ * untouched; the accounting counts the busiest sender's off-rank bytes; a
+ * count that does not match its peer's fails every rank with the pair named;
+ * a bit-flip fault lands in the received data; a stopped rank fails its peers
+ * instead of hanging. */
+enum { AV_GAP = 2, AV_CAP = 256 };
+
+static size_t av_count(int i, int j, int mismatch) {
+  size_t c = (size_t)((i * 3 + j * 5) % 4) * (size_t)(1 + (i + j) % 3);
+  return mismatch && i == 0 && j == 1 ? c + 1 : c; /* rank 1 expects one more than rank 0 sends */
+}
+
+static float av_value(int from, int to, size_t e) { return (float)(from * 1000 + to * 100) + (float)e; }
+
+typedef struct av_res {
+  int mismatch;
+  float got[MAX_RANKS][AV_CAP];
+  char msg[MAX_RANKS][256];
+} av_res;
+
+static void av_layout(int n, int me, int recv_side, int mismatch, size_t *counts, size_t *displs) {
+  size_t off = 1; /* a gap before the first region too */
+  for (int j = 0; j < n; j++) {
+    counts[j] = recv_side ? av_count(j, me, mismatch) : av_count(me, j, 0);
+    displs[j] = off;
+    off += counts[j] + AV_GAP;
+  }
+}
+
+static dopt_status av_body(dopt_sim_comm *c, int rank, void *user) {
+  av_res *res = user;
+  int n;
+  DOPT_TRY(dopt_sim_comm_size(c, &n));
+  size_t sc[MAX_RANKS], sd[MAX_RANKS], rc[MAX_RANKS], rd[MAX_RANKS];
+  av_layout(n, rank, 0, 0, sc, sd);
+  av_layout(n, rank, 1, res->mismatch, rc, rd);
+  float send[AV_CAP];
+  for (int e = 0; e < AV_CAP; e++) send[e] = -1.0f;
+  for (int j = 0; j < n; j++)
+    for (size_t e = 0; e < sc[j]; e++) send[sd[j] + e] = av_value(rank, j, e);
+  for (int e = 0; e < AV_CAP; e++) res->got[rank][e] = -7.0f;
+  dopt_status s = dopt_sim_all_to_allv(send, sc, sd, res->got[rank], rc, rd, DOPT_F32, c);
+  if (s != DOPT_OK) snprintf(res->msg[rank], sizeof res->msg[rank], "%s", dopt_last_error());
+  return s;
+}
+
+static void test_all_to_allv(void **st) {
+  (void)st;
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    av_res *res = calloc(1, sizeof *res);
+    assert_non_null(res);
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = n;
+    dopt_status s[MAX_RANKS];
+    dopt_sim_world *w;
+    st_run(&cfg, av_body, res, s, NULL, &w);
+    size_t most = 0;
+    for (int r = 0; r < n; r++) {
+      assert_int_equal(s[r], DOPT_OK);
+      size_t rc[MAX_RANKS], rd[MAX_RANKS], sent = 0;
+      av_layout(n, r, 1, 0, rc, rd);
+      float want[AV_CAP];
+      for (int e = 0; e < AV_CAP; e++) want[e] = -7.0f;
+      for (int j = 0; j < n; j++) {
+        for (size_t e = 0; e < rc[j]; e++) want[rd[j] + e] = av_value(j, r, e);
+        sent += j != r ? av_count(r, j, 0) : 0;
+      }
+      if (memcmp(want, res->got[r], sizeof want) != 0) fail_msg("all_to_allv n=%d: rank %d differs", n, r);
+      most = sent > most ? sent : most;
+    }
+    dopt_sim_comm *c0;
+    dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
+    assert_ok(dopt_sim_world_comm(w, 0, &c0));
+    assert_ok(dopt_sim_comm_stats(c0, &stats));
+    assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_TO_ALLV], 1);
+    assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_TO_ALLV], most * sizeof(float));
+    assert_true(dopt_sim_busbw_factor(DOPT_SIM_KIND_ALL_TO_ALLV, n) == 1.0);
+    dopt_sim_world_destroy(w);
+    free(res);
+  }
+}
+
+static void test_all_to_allv_mismatch(void **st) {
+  (void)st;
+  av_res *res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  res->mismatch = 1;
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 3;
+  dopt_status s[MAX_RANKS];
+  st_run(&cfg, av_body, res, s, NULL, NULL);
+  char want[128];
+  snprintf(want, sizeof want, "rank 0 sends %zu elements to rank 1, which expects %zu", av_count(0, 1, 0),
+           av_count(0, 1, 1));
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(s[r], DOPT_ERR_MISMATCH);
+    if (!strstr(res->msg[r], want)) fail_msg("rank %d: '%s' lacks '%s'", r, res->msg[r], want);
+  }
+  free(res);
+}
+
+static void test_all_to_allv_faults(void **st) {
+  (void)st;
+  /* bit 3 of received element 2 on rank 1 (its first region from rank 0 starts at element 1) */
+  dopt_sim_fault flip = {DOPT_SIM_FAULT_BITFLIP, 1, 0, 0, 2, 3};
+  av_res *res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 4;
+  cfg.faults = &flip;
+  cfg.nfaults = 1;
+  dopt_status s[MAX_RANKS];
+  st_run(&cfg, av_body, res, s, NULL, NULL);
+  size_t rc[MAX_RANKS], rd[MAX_RANKS];
+  av_layout(4, 1, 1, 0, rc, rd);
+  assert_true(rc[0] >= 2 && rd[0] == 1); /* element 2 is rank 0's second value */
+  uint32_t a, b;
+  float want = av_value(0, 1, 1);
+  memcpy(&a, &res->got[1][2], 4);
+  memcpy(&b, &want, 4);
+  for (int r = 0; r < 4; r++) assert_int_equal(s[r], DOPT_OK);
+  assert_int_equal(a ^ b, 1u << 3);
+  free(res);
+  /* a rank stopped at its first call: the peers fail fast instead of waiting out the timeout */
+  dopt_sim_fault stop = {DOPT_SIM_FAULT_STOP, 2, 0, 0, 0, 0};
+  res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  cfg.faults = &stop;
+  cfg.timeout_ms = 60000;
+  double t = 0;
+  st_run(&cfg, av_body, res, s, &t, NULL);
+  for (int r = 0; r < 4; r++) assert_int_not_equal(s[r], DOPT_OK);
+  assert_true(t < 30.0);
+  free(res);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_all_to_allv), cmocka_unit_test(test_all_to_allv_mismatch),
+      cmocka_unit_test(test_all_to_allv_faults),
       cmocka_unit_test(test_collectives_n1), cmocka_unit_test(test_collectives_n2),
       cmocka_unit_test(test_collectives_n3), cmocka_unit_test(test_collectives_n4),
       cmocka_unit_test(test_collectives_n5), cmocka_unit_test(test_collectives_n8),

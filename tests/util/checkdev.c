@@ -278,7 +278,35 @@ static dopt_status w_broadcast(void *comm, const void *send, void *recv, size_t 
   return w->in.ops->broadcast(w->in.comm, send, recv, count, dt, root);
 }
 
-static const dopt_transport_ops w_ops = {w_all_reduce, w_reduce_scatter, w_all_gather, w_broadcast};
+static dopt_status w_reduce(void *comm, const void *send, void *recv, size_t count, dopt_dtype dt, dopt_redop op,
+                            int root) {
+  wrapped *w = W(comm);
+  size_t b = count * dopt_dtype_size(dt);
+  if (!w->in.ops->reduce) return dopt__fail(DOPT_ERR_UNSUPPORTED, "checking transport: the wrapped one has no reduce");
+  CHECK(w->c, "reduce", "send", send, b, __builtin_return_address(0));
+  if (w->in.rank == root) CHECK(w->c, "reduce", "recv", recv, b, __builtin_return_address(0));
+  return w->in.ops->reduce(w->in.comm, send, recv, count, dt, op, root);
+}
+
+static dopt_status w_all_to_allv(void *comm, const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                                 const size_t *rcounts, const size_t *rdispls, dopt_dtype dt) {
+  wrapped *w = W(comm);
+  const size_t esz = dopt_dtype_size(dt);
+  if (!w->in.ops->all_to_allv)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "checking transport: the wrapped one has no all_to_allv");
+  for (int j = 0; j < w->in.size; j++) { /* every region with data lies in one device buffer */
+    if (scounts[j])
+      CHECK(w->c, "all_to_allv", "send", (const char *)send + sdispls[j] * esz, scounts[j] * esz,
+            __builtin_return_address(0));
+    if (rcounts[j])
+      CHECK(w->c, "all_to_allv", "recv", (char *)recv + rdispls[j] * esz, rcounts[j] * esz,
+            __builtin_return_address(0));
+  }
+  return w->in.ops->all_to_allv(w->in.comm, send, scounts, sdispls, recv, rcounts, rdispls, dt);
+}
+
+static const dopt_transport_ops w_ops = {w_all_reduce, w_reduce_scatter, w_all_gather, w_broadcast, w_reduce,
+                                         w_all_to_allv};
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
 
