@@ -77,15 +77,16 @@ static double model_params(const model *m) {
 }
 
 /* ---- per rank (--tp --dp --zero): what distributed/ allocates ----------------------------
- * fp32 parameters. Piecewise optimizers: the TP-local block (largest TP
- * rank's: ceil of the split dim), ZeRO-padded; elementwise states sharded
- * like the parameter, the others whole on every rank. Owner mode (whole-tensor
- * steps): every state whole on its owner, owners assigned as dopt_dist_create
- * does (largest first to the least loaded of the tp·dp ranks), plus the
- * owner's logical fp32 copy of each owned parameter. */
+ * fp32 parameters. A tensor steps piecewise or in owner mode, as
+ * dopt_dist_create decides per parameter (dopt__impl_whole: GaLore's projected
+ * matrices, 8-bit blocks). Piecewise: the TP-local block (largest TP rank's:
+ * ceil of the split dim), ZeRO-padded; elementwise states sharded like the
+ * parameter, the others whole on every rank. Owner mode: every state whole on
+ * its owner, owners assigned as dopt_dist_create does (largest first to the
+ * least loaded of the tp·dp ranks), plus the owner's logical fp32 copy. */
 typedef struct rank_mem {
   double params, grads, states_max, states_min, states_sum, owner_copy_max;
-  int owner_mode;
+  long owned, piecewise; /* tensors in each mode */
 } rank_mem;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -102,6 +103,7 @@ static int per_rank(const model *m, const char *opt, const char *hp, int grank, 
   double *tb = malloc((size_t)total * sizeof *tb), *tn = malloc((size_t)total * sizeof *tn);
   int ok = load && copy && tb && tn;
   long nt = 0;
+  double piecewise = 0; /* every rank's state bytes of the piecewise tensors */
   for (int i = 0; ok && i < n; i++) {
     char h[256];
     if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp, hp[0] ? "," : "", c[i].projected ? grank : 0);
@@ -112,7 +114,7 @@ static int per_rank(const model *m, const char *opt, const char *hp, int grank, 
       break;
     }
     const dopt_optim_impl *im = dopt__optim_impl(o);
-    out->owner_mode = !im->distributable;
+    const int owned = dopt__impl_whole(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
     dopt_state_spec sp[DOPT_MAX_STATES];
     int ns = im->layout(dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape, sp);
     int64_t numel = c[i].shape[0] * (c[i].ndim > 1 ? c[i].shape[1] : 1), lnumel = numel;
@@ -126,43 +128,38 @@ static int per_rank(const model *m, const char *opt, const char *hp, int grank, 
       whole += (double)sp[k].v.bytes;
       piece += sp[k].elementwise ? (double)chunk * (double)dopt_dtype_size(sp[k].v.dtype) : (double)sp[k].v.bytes;
     }
-    if (out->owner_mode)
+    if (owned) {
       for (long k = 0; k < c[i].count; k++) tb[nt] = whole, tn[nt++] = (double)numel;
-    else out->states_max += (double)c[i].count * piece;
+      out->owned += c[i].count;
+    } else {
+      piecewise += (double)c[i].count * piece;
+      out->piecewise += c[i].count;
+    }
     dopt_optim_destroy(o);
   }
-  if (ok && out->owner_mode) { /* greedy, largest first; the classes come in no particular order */
-    char *done = calloc((size_t)nt ? (size_t)nt : 1, 1);
-    for (long k = 0; done && k < nt; k++) {
-      long best = -1;
-      for (long j = 0; j < nt; j++)
-        if (!done[j] && (best < 0 || tn[j] > tn[best])) best = j;
-      int r = 0;
-      for (int q = 1; q < world; q++)
-        if (load[q] < load[r]) r = q;
-      load[r] += tn[best];
-      copy[r] += tn[best] * 4;
-      out->states_sum += tb[best];
-      done[best] = 1;
-      /* the states follow the numel load; recompute per rank below */
-      tn[best] = -(double)r - 1; /* remember the rank */
-    }
-    double *st = calloc((size_t)world, sizeof *st);
-    for (long j = 0; st && j < nt; j++) st[(int)(-tn[j] - 1)] += tb[j];
-    out->states_max = 0;
-    out->states_min = st ? st[0] : 0;
-    for (int r = 0; st && r < world; r++) {
-      out->states_max = st[r] > out->states_max ? st[r] : out->states_max;
-      out->states_min = st[r] < out->states_min ? st[r] : out->states_min;
-      out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
-    }
-    free(st);
-    free(done);
-  } else if (ok) {
-    out->states_min = out->states_max;
-    out->states_sum = out->states_max * world;
+  double *st = ok ? calloc((size_t)world, sizeof *st) : NULL;
+  char *done = ok ? calloc((size_t)nt ? (size_t)nt : 1, 1) : NULL;
+  ok = ok && st && done;
+  for (long k = 0; ok && k < nt; k++) { /* owners: greedy, largest first; the classes come in no particular order */
+    long best = -1;
+    for (long j = 0; j < nt; j++)
+      if (!done[j] && (best < 0 || tn[j] > tn[best])) best = j;
+    int r = 0;
+    for (int q = 1; q < world; q++)
+      if (load[q] < load[r]) r = q;
+    load[r] += tn[best];
+    copy[r] += tn[best] * 4;
+    st[r] += tb[best];
+    done[best] = 1;
   }
-  free(load), free(copy), free(tb), free(tn);
+  for (int r = 0; ok && r < world; r++) {
+    const double mine = st[r] + piecewise;
+    out->states_sum += mine;
+    out->states_max = r == 0 || mine > out->states_max ? mine : out->states_max;
+    out->states_min = r == 0 || mine < out->states_min ? mine : out->states_min;
+    out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
+  }
+  free(st), free(done), free(load), free(copy), free(tb), free(tn);
   return ok;
 }
 
@@ -170,22 +167,24 @@ static int print_per_rank(const model *m, int grank, int tp, int dp, int zero) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   printf("\nper rank, tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout):\n", tp, dp,
          zero);
-  printf("| optimizer | mode | params GiB | grads GiB | states GiB (max rank) | states GiB (min rank) | states bytes (max) | "
-         "states bytes (all ranks) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
+  printf("| optimizer | tensors piecewise / owner | params GiB | grads GiB | states GiB (max rank) | states GiB (min rank) "
+         "| max / mean | states bytes (max) | states bytes (all ranks) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
     const char *h = cli_default_hparams(name);
     rank_mem r;
     if (!per_rank(m, name, h, grank, tp, dp, zero, &r)) {
-      printf("| %s | n/a | | | | | | |\n", name);
+      printf("| %s | n/a | | | | | | | |\n", name);
       continue;
     }
-    printf("| %s | %s | %.2f | %.2f | %.3f | %.3f | %.0f | %.0f |\n", name, r.owner_mode ? "owner" : "piecewise",
-           (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib, r.states_max,
-           r.states_sum);
+    const double mean = r.states_sum / (double)(tp * dp);
+    printf("| %s | %ld / %ld | %.2f | %.2f | %.3f | %.3f | %.3f | %.0f | %.0f |\n", name, r.piecewise, r.owned,
+           (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib,
+           mean > 0 ? r.states_max / mean : 1.0, r.states_max, r.states_sum);
   }
-  printf("owner mode: every state whole on one rank (params include the owner's fp32 copy of its tensors, max rank);\n"
-         "piecewise: elementwise states sharded like the parameter, factored/scalar ones whole on every rank.\n");
+  printf("owner mode (GaLore's projected matrices, 8-bit blocks): every state of the tensor whole on one rank (params\n"
+         "include the owner's fp32 copy of its tensors, max rank); piecewise: elementwise states sharded like the\n"
+         "parameter, factored/scalar ones whole on every rank.\n");
   return CLI_OK;
 }
 

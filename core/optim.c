@@ -430,6 +430,11 @@ static dopt_status alloc_states(dopt_optim *o, dopt_param *p) {
   return DOPT_OK;
 }
 
+int dopt__impl_whole(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape) {
+  if (im->distributable) return 0;
+  return im->whole ? im->whole(hp, ndim, shape) != 0 : 1;
+}
+
 dopt_status dopt_optim_init_state(dopt_optim *o, int i) {
   DOPT_TRY(check_param(o, i, "dopt_optim_init_state"));
   return alloc_states(o, &o->params[i]);

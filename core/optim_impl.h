@@ -123,6 +123,14 @@ typedef struct dopt_optim_impl {
    * 8-bit blocks of the logical tensor) and distributed/ runs it whole on one
    * owner rank per parameter (docs/distributed.md, owner mode). */
   int distributable;
+  /* Per parameter, for an optimizer that is not distributable: 1 when this
+   * parameter's step needs the whole tensor (owner mode), 0 when it runs on
+   * any piece (a GaLore parameter that is not projected is plain AdamW; an
+   * 8-bit optimizer's tensor below min_8bit_size keeps fp32 states). NULL:
+   * every parameter of a non-distributable optimizer is whole. The answer
+   * depends only on the hyperparameters and the logical shape, so every rank
+   * gives the same one. Use dopt__impl_whole. */
+  int (*whole)(const double *hp, int ndim, const int64_t *shape);
   /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
    * belongs to the inner optimizer it chooses (docs/lisa.md). */
   const struct dopt_wrap_ops *wrap;
@@ -137,6 +145,10 @@ typedef struct dopt_optim_impl {
   const char *const *grid;
   int grid_ci;
 } dopt_optim_impl;
+
+/* 1 when a parameter of this logical shape steps whole (owner mode in distributed/): impl->whole, else
+ * !impl->distributable. */
+int dopt__impl_whole(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape);
 
 /* A wrapper optimizer around an inner registry optimizer. The optimizer
  * object then runs the inner impl (groups hold the inner hyperparameters)

@@ -62,6 +62,12 @@ static int use_8bit(const double *hp, size_t numel) { return (double)numel >= hp
 
 static dopt_status validate(const double *hp) { return dopt__adamw8bit_validate("adamw8bit", hp); }
 
+int dopt__adamw8bit_whole(const double *hp, size_t numel) { return use_8bit(hp, numel) || hp[PCT] < 100; }
+
+static int whole(const double *hp, int ndim, const int64_t *shape) {
+  return dopt__adamw8bit_whole(hp, dopt_numel(ndim, shape));
+}
+
 /* The states of an 8-bit Adam over a tensor of this shape (hp[0..7]). */
 int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   const size_t numel = dopt_numel(ndim, shape);
@@ -174,6 +180,7 @@ const dopt_optim_impl dopt_impl_adamw8bit = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .whole = whole,
     .example = "min_8bit_size=64",
     .grid = grid,
 };

@@ -105,12 +105,15 @@ static void adam_core(const double *hp, const float *g, float *m, float *v, floa
   }
 }
 
+/* Only a projected parameter needs the whole tensor (its SVD); the others are HF AdamW, elementwise. */
+static int whole(const double *hp, int ndim, const int64_t *shape) {
+  dopt_galore_plan pl;
+  return galore_plan(hp, ndim, shape, &pl);
+}
+
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
-  if (pc->len != pc->numel)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "galore_adamw: needs the whole tensor (got %zu of %zu elements)", pc->len,
-                      pc->numel);
   double t = (double)a->step;
   double step_size = hp[LR];
   if (hp[CORRECT_BIAS] != 0.0) {
@@ -120,12 +123,15 @@ static dopt_status step(const dopt_step_args *a) {
   const float neg_step = (float)(-step_size);
   const float neg_decay = (float)(-hp[LR] * hp[WD]);
   float *w = a->param, *m = a->state[0], *v = a->state[1];
-  size_t numel = pc->numel;
+  size_t numel = pc->len; /* not projected: any piece (elementwise); projected: the whole tensor (below) */
 
   /* galore applies iff the state layout was the low-rank one: a matrix piece */
   dopt_galore_plan pl;
   int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};
   int active = pc->factored && pc->b == 1 && galore_plan(hp, 2, shape, &pl);
+  if (active && pc->len != pc->numel)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "galore_adamw: a projected parameter needs the whole tensor (got %zu of "
+                      "%zu elements)", pc->len, pc->numel);
   float *Nfull = NULL, *R = NULL, *Nl = NULL, *ws = NULL;
   dopt_status st = DOPT_OK;
   if (!active) {
@@ -182,6 +188,7 @@ const dopt_optim_impl dopt_impl_galore_adamw = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .whole = whole,
     .example = "rank=4,update_proj_gap=2",
     .grid = grid,
 };

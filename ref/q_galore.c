@@ -136,15 +136,23 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   return n;
 }
 
+/* A projected parameter (its SVD) and an 8-bit one (blocks of the logical tensor) need the whole tensor; a small
+ * parameter with fp32 states (below min_8bit_size, no percentile clipping) is elementwise AdamW. */
+static int whole(const double *hp, int ndim, const int64_t *shape) {
+  dopt_galore_plan pl;
+  return plan_of(hp, ndim, shape, &pl) || dopt__adamw8bit_whole(hp, dopt_numel(ndim, shape));
+}
+
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
-  if (pc->len != pc->numel)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "q_galore: needs the whole tensor (got %zu of %zu elements)", pc->len,
-                      pc->numel);
   dopt_galore_plan pl;
   int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};
-  if (!(pc->factored && pc->b == 1 && plan_of(hp, 2, shape, &pl)))
+  const int active = pc->factored && pc->b == 1 && plan_of(hp, 2, shape, &pl); /* the layout's rule (whole()) */
+  if (pc->len != pc->numel && (active || dopt__adamw8bit_whole(hp, pc->numel)))
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "q_galore: needs the whole tensor (got %zu of %zu elements)", pc->len,
+                      pc->numel);
+  if (!active)
     return dopt__adamw8bit_update(hp, hp[WD], a->step, a->param, a->grad, pc->len, a->state, a->events, a->par);
 
   if (pl.clamped && a->events) *a->events |= DOPT_EVENT_RANK_CLAMPED;
@@ -252,6 +260,7 @@ const dopt_optim_impl dopt_impl_q_galore = {
     .layout = layout,
     .step = step,
     .distributable = 0,
+    .whole = whole,
     .example = "rank=4,update_proj_gap=2,proj_group_size=-1",
     .grid = grid,
 };

@@ -591,19 +591,22 @@ static void test_many_tensors(void **st) {
   dopt_st_free(f);
 }
 
-/* The states bytes (max rank, all ranks) of one row of `distopt mem`'s per-rank table. */
-static void mem_row(const char *txt, const char *opt, double *max, double *all) {
+/* One row of `distopt mem`'s per-rank table: the tensors stepping piecewise and in owner mode, the max / mean
+ * column, the states bytes of the most loaded rank and of all ranks. */
+static void mem_row(const char *txt, const char *opt, int *npiece, int *nowner, double *ratio, double *max,
+                    double *all) {
   char key[64];
   snprintf(key, sizeof key, "| %s | ", opt);
   const char *r = strstr(txt, key);
   if (!r) fail_msg("mem: no row for %s", opt);
-  double v[6];
-  char name[64], mode[32];
-  if (sscanf(r, "| %63s | %31s | %lf | %lf | %lf | %lf | %lf | %lf |", name, mode, &v[0], &v[1], &v[2], &v[3], &v[4],
-             &v[5]) != 8)
+  double v[7];
+  char name[64];
+  if (sscanf(r, "| %63s | %d / %d | %lf | %lf | %lf | %lf | %lf | %lf | %lf |", name, npiece, nowner, &v[0], &v[1],
+             &v[2], &v[3], &v[4], &v[5], &v[6]) != 10)
     fail_msg("mem: cannot read the row for %s", opt);
-  *max = v[4];
-  *all = v[5];
+  *ratio = v[4];
+  *max = v[5];
+  *all = v[6];
 }
 
 /* distopt mem --dp: sharded 8-bit and GaLore states (owner mode) are held
@@ -624,13 +627,22 @@ static void test_mem_per_rank(void **st) {
   const double biggest = 32000.0 * 2048.0 * 8.0;
   static const char *const opts[] = {"adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore", "adamw"};
   for (int k = 0; k < 5; k++) {
-    double m1, a1, m4, a4;
-    mem_row(t1, opts[k], &m1, &a1);
-    mem_row(t4, opts[k], &m4, &a4);
+    double m1, a1, m4, a4, r1, r4;
+    int p1, o1, p4, o4;
+    mem_row(t1, opts[k], &p1, &o1, &r1, &m1, &a1);
+    mem_row(t4, opts[k], &p4, &o4, &r4, &m4, &a4);
+    if (p1 != p4 || o1 != o4 || p1 + o1 != 219) fail_msg("%s: tensors %d / %d and %d / %d", opts[k], p1, o1, p4, o4);
+    /* max / mean, printed with 3 decimals: the most loaded rank over the mean of the 4 */
+    if (fabs(r4 - m4 / (a4 / 4)) > 0.0006) fail_msg("%s: max / mean %.3f, bytes give %.4f", opts[k], r4, m4 / (a4 / 4));
     if (strcmp(opts[k], "adamw") == 0) { /* piecewise: chunk = ceil(numel / 4): within padding of 1/dp */
+      if (o1 != 0) fail_msg("adamw: %d tensors in owner mode", o1);
       if (!(m4 * 4 >= m1 && m4 * 4 <= m1 * 1.0001)) fail_msg("adamw: dp4 %.0f vs dp1 %.0f", m4, m1);
       continue;
     }
+    /* owner mode per tensor: GaLore's unprojected tensors (norms, embedding, lm_head) step piecewise, its
+     * projected linears in owner mode; llama-1b's 2048-wide norms are below min_8bit_size (4096), so the
+     * 8-bit optimizers step them piecewise too */
+    if (o1 == 0 || p1 == 0) fail_msg("%s: tensors %d piecewise / %d owner: no per-tensor decision", opts[k], p1, o1);
     if (a4 != a1) fail_msg("%s: the ranks hold %.0f state bytes together, one rank %.0f", opts[k], a4, a1);
     if (m1 != a1) fail_msg("%s: dp1 max %.0f vs all %.0f", opts[k], m1, a1);
     if (!(m4 <= a1 / 4 + biggest)) fail_msg("%s: max rank %.0f > 1/4 of %.0f + one tensor", opts[k], m4, a1);
