@@ -3,7 +3,7 @@
  * (docs/distributed.md, "Measured"). Prints tables; not a test.
  *
  *   dopt_dist_bench [--optimizer NAME|all] [--size N] [--steps K] [--warmup W]
- *                   [--zero Z] [--clip X]
+ *                   [--zero Z] [--clip X] [--dp-sum exact|rank-order]
  *
  * Parameter set: one N×N weight (TP role COLUMN: rows split over tp) and one
  * N-element bias (REPLICATED); N = 4096 by default. Per optimizer:
@@ -12,8 +12,9 @@
  *      CPU time (all ranks together) and wall time of dopt_dist_step alone
  *      (gradients are fed with dopt_dist_backward before each step, outside
  *      the timed window, which is delimited by simulator barriers), bytes and
- *      collectives per step of one rank (sim accounting of its tp and dp
- *      communicators);
+ *      collectives per step of each rank (sim accounting of its tp and dp
+ *      communicators: the collectives it took part in), their mean and
+ *      maximum over the ranks (owner mode loads the owners more);
  *  (c) the collectives one rank issues per step (the simulator's operation
  *      log) projected with the α–β model (dopt_sim_project) onto three
  *      cluster descriptions (see `clusters` below).
@@ -64,6 +65,7 @@ typedef struct opts {
   size_t n;
   int steps, warmup, zero;
   double clip;
+  int dp_words; /* the dp sum: DOPT_DP_SUM_DEFAULT_WORDS (exact) or 0 (fp32 in rank order) */
 } opts;
 
 /* ---- timing helpers ------------------------------------------------------------------- */
@@ -137,8 +139,9 @@ typedef struct dist_ctx {
   const float *gw, *gb;    /* the logical gradients (every dp rank gets the same) */
   /* written by world rank 0 only */
   double proc_cpu[MAXSTEPS], wall[MAXSTEPS];
-  dopt_sim_stats before[2], after[2]; /* rank 0's tp, dp communicators */
   dopt_dist_memory mem;
+  /* written by each rank into its own row */
+  dopt_sim_stats before[NRANKS][2], after[NRANKS][2]; /* its tp, dp communicators */
   /* written by each rank into its own row */
   double thread_cpu[NRANKS][MAXSTEPS];
 } dist_ctx;
@@ -154,6 +157,7 @@ static dopt_status dist_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.plugin = op->zero == 3 ? "fsdp" : "hybrid";
   cfg.zero_stage = op->zero;
   cfg.max_grad_norm = op->clip;
+  cfg.dp_sum_words = op->dp_words;
   BTRY(dopt_sim_transport(tpc, &cfg.tp));
   BTRY(dopt_sim_transport(dpc, &cfg.dp));
   const dopt_tp_role roles[2] = {DOPT_TP_COLUMN, DOPT_TP_REPLICATED};
@@ -177,11 +181,11 @@ static dopt_status dist_body(dopt_sim_comm *world, int rank, void *user) {
     s = dopt_dist_backward(d, grads);
     if (s == DOPT_OK) s = dopt_sim_barrier(world); /* everyone has its gradients */
     if (s != DOPT_OK) break;
-    if (rank == 0 && it == op->warmup) {
-      x->before[0] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
-      x->before[1] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
-      s = dopt_sim_comm_stats(tpc, &x->before[0]);
-      if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &x->before[1]);
+    if (it == op->warmup) {
+      x->before[rank][0] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
+      x->before[rank][1] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
+      s = dopt_sim_comm_stats(tpc, &x->before[rank][0]);
+      if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &x->before[rank][1]);
     }
     double p0 = clock_s(CLOCK_PROCESS_CPUTIME_ID), w0 = clock_s(CLOCK_MONOTONIC);
     double t0 = clock_s(CLOCK_THREAD_CPUTIME_ID);
@@ -202,13 +206,13 @@ static dopt_status dist_body(dopt_sim_comm *world, int rank, void *user) {
       }
     }
   }
-  if (s == DOPT_OK && rank == 0) {
-    x->after[0] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
-    x->after[1] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
-    s = dopt_sim_comm_stats(tpc, &x->after[0]);
-    if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &x->after[1]);
-    if (s == DOPT_OK) s = dopt_dist_memory_usage(d, &x->mem);
+  if (s == DOPT_OK) {
+    x->after[rank][0] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
+    x->after[rank][1] = (dopt_sim_stats)DOPT_SIM_STATS_INIT;
+    s = dopt_sim_comm_stats(tpc, &x->after[rank][0]);
+    if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &x->after[rank][1]);
   }
+  if (s == DOPT_OK && rank == 0) s = dopt_dist_memory_usage(d, &x->mem);
   dopt_dist_destroy(d);
   return s;
 }
@@ -237,7 +241,8 @@ static const cluster_desc CLUSTERS[] = {
 typedef struct row {
   const char *name;
   double ref_cpu, ref_wall, dist_cpu, dist_thread_cpu, dist_wall;
-  double bytes, bus_bytes, ops;
+  double bytes, bus_bytes, ops; /* rank 0 */
+  double bytes_mean, bytes_max;   /* over the ranks */
   double ops_kind[DOPT_SIM_KIND_COUNT], bytes_kind[DOPT_SIM_KIND_COUNT];
   dopt_sim_projection proj[NCLUSTERS];
   dopt_dist_memory mem;
@@ -309,18 +314,25 @@ static dopt_status run_case(const opt_case *oc, const opts *op, const float *w0,
     out->dist_thread_cpu = median(tsum, op->steps);
     out->dist_wall = median(x->wall, op->steps);
     out->mem = x->mem;
-    /* rank 0's communicators: every collective this rank took part in */
-    for (int c = 0; c < 2; c++) {
-      int gn = x->after[c].nranks;
-      for (int k = 0; k < DOPT_SIM_KIND_COUNT; k++) {
-        double ops = (double)(x->after[c].ops[k] - x->before[c].ops[k]) / op->steps;
-        double by = (double)(x->after[c].bytes[k] - x->before[c].bytes[k]) / op->steps;
-        out->ops_kind[k] += ops;
-        out->bytes_kind[k] += by;
-        out->ops += ops;
-        out->bytes += by;
-        out->bus_bytes += by * dopt_sim_busbw_factor((dopt_sim_kind)k, gn);
+    /* each rank's communicators: every collective it took part in (rank 0's kinds and bus bytes listed) */
+    for (int r = 0; r < NRANKS; r++) {
+      double mine = 0;
+      for (int c = 0; c < 2; c++) {
+        int gn = x->after[r][c].nranks;
+        for (int k = 0; k < DOPT_SIM_KIND_COUNT; k++) {
+          double ops = (double)(x->after[r][c].ops[k] - x->before[r][c].ops[k]) / op->steps;
+          double by = (double)(x->after[r][c].bytes[k] - x->before[r][c].bytes[k]) / op->steps;
+          mine += by;
+          if (r != 0) continue;
+          out->ops_kind[k] += ops;
+          out->bytes_kind[k] += by;
+          out->ops += ops;
+          out->bytes += by;
+          out->bus_bytes += by * dopt_sim_busbw_factor((dopt_sim_kind)k, gn);
+        }
       }
+      out->bytes_mean += mine / NRANKS;
+      out->bytes_max = mine > out->bytes_max ? mine : out->bytes_max;
     }
     /* (c) projection: the log holds warmup + steps identical steps (plus the
      * bench's own barriers on the world communicator, dropped here) */
@@ -368,7 +380,8 @@ static int usage(const char *argv0) {
           "  --steps K    timed steps, median reported (default 5, 1..%d)\n"
           "  --warmup W   untimed steps first (default 2)\n"
           "  --zero Z     ZeRO stage of the distributed run, 0..3 (default 2)\n"
-          "  --clip X     global gradient-norm clipping in the distributed run (default 0: off)\n",
+          "  --clip X     global gradient-norm clipping in the distributed run (default 0: off)\n"
+          "  --dp-sum S   the distributed run's dp gradient sum: exact (default) or rank-order (fp32)\n",
           argv0, MAXSTEPS - 1);
   return 2;
 }
@@ -383,7 +396,7 @@ static const char *kind_short(int k) {
 }
 
 int main(int argc, char **argv) {
-  opts op = {NULL, 4096, 5, 2, 2, 0.0};
+  opts op = {NULL, 4096, 5, 2, 2, 0.0, DOPT_DP_SUM_DEFAULT_WORDS};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     char *end = NULL;
@@ -410,6 +423,10 @@ int main(int argc, char **argv) {
       long nv = strtol(v, &end, 10);
       if (*end || nv < 0 || nv > 3) return usage(argv[0]);
       op.zero = (int)nv;
+    } else if (strcmp(a, "--dp-sum") == 0) {
+      if (strcmp(v, "exact") == 0) op.dp_words = DOPT_DP_SUM_DEFAULT_WORDS;
+      else if (strcmp(v, "rank-order") == 0) op.dp_words = 0;
+      else return usage(argv[0]);
     } else if (strcmp(a, "--clip") == 0) {
       double nv = strtod(v, &end);
       if (*end || !(nv >= 0) || !isfinite(nv)) return usage(argv[0]);
@@ -440,9 +457,10 @@ int main(int argc, char **argv) {
   fill(gb, n, 4, 1e-3);
 
   printf("distributed step vs reference: weight [%zu, %zu] (TP COLUMN) + bias [%zu] (replicated), fp32\n", n, n, n);
-  printf("dist: tp=%d x dp=%d x zero=%d (%s) on %d simulator rank threads; clip %s; median of %d steps after %d "
-         "warm-up\n\n",
-         TP, DP, op.zero, op.zero == 3 ? "fsdp" : "hybrid", NRANKS, op.clip > 0 ? "on" : "off", op.steps, op.warmup);
+  printf("dist: tp=%d x dp=%d x zero=%d (%s) on %d simulator rank threads; clip %s; dp sum %s; median of %d steps "
+         "after %d warm-up\n\n",
+         TP, DP, op.zero, op.zero == 3 ? "fsdp" : "hybrid", NRANKS, op.clip > 0 ? "on" : "off",
+         op.dp_words ? "exact" : "rank-order (fp32)", op.steps, op.warmup);
   int rc = 0;
   for (int i = 0; i < nrun; i++) {
     dopt_status s = run_case(&CASES[which[i]], &op, w0, b0, gw, gb, &rows[i]);
@@ -452,9 +470,9 @@ int main(int argc, char **argv) {
     }
   }
 
-  printf("| optimizer | ref CPU ms | dist CPU ms | ratio | dist wall ms | MB/step/rank | bus MB/step/rank | "
-         "collectives/step/rank |\n");
-  printf("|---|---:|---:|---:|---:|---:|---:|---|\n");
+  printf("| optimizer | ref CPU ms | dist CPU ms | ratio | dist wall ms | MB/step rank 0 | mean | max | "
+         "bus MB/step rank 0 | collectives/step rank 0 |\n");
+  printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (int i = 0; i < nrun; i++) {
     const row *r = &rows[i];
     if (!r->name) continue;
@@ -464,14 +482,15 @@ int main(int argc, char **argv) {
       if (r->ops_kind[k] > 0)
         off += (size_t)snprintf(kinds + off, sizeof kinds - off, "%s%s %.0f", off ? ", " : "", kind_short(k),
                                 r->ops_kind[k]);
-    printf("| %s | %.1f | %.1f | %.2fx | %.1f | %.1f | %.1f | %.0f (%s) |\n", r->name, r->ref_cpu * 1e3,
-           r->dist_cpu * 1e3, r->dist_cpu / r->ref_cpu, r->dist_wall * 1e3, r->bytes / 1e6, r->bus_bytes / 1e6,
-           r->ops, kinds);
+    printf("| %s | %.1f | %.1f | %.2fx | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f (%s) |\n", r->name, r->ref_cpu * 1e3,
+           r->dist_cpu * 1e3, r->dist_cpu / r->ref_cpu, r->dist_wall * 1e3, r->bytes / 1e6, r->bytes_mean / 1e6,
+           r->bytes_max / 1e6, r->bus_bytes / 1e6, r->ops, kinds);
   }
   printf("\nref CPU: one dopt_optim_step, one thread. dist CPU: process CPU time of one dopt_dist_step on all %d\n"
          "ranks together (sum of the ranks' thread CPU times for comparison below). MB: nccl-tests bytes\n"
-         "(all_reduce count*size; reduce_scatter/all_gather the full n*count*size buffer); bus MB: times\n"
-         "the bus factor (what one rank sends in a ring).\n\n",
+         "(all_reduce, reduce, broadcast count*size; reduce_scatter/all_gather the full n*count*size buffer;\n"
+         "all_to_allv the busiest sender's bytes to the others) of the collectives a rank took part in: rank 0's,\n"
+         "the mean and the max over the ranks; bus MB: times the bus factor (what one rank sends in a ring).\n\n",
          NRANKS);
   printf("| optimizer | ref wall ms | dist thread-CPU sum ms | state MB/rank (ref whole) | param+master MB/rank | "
          "grad MB/rank |\n|---|---:|---:|---:|---:|---:|\n");

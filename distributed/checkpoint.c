@@ -58,7 +58,7 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
       snprintf(name, sizeof name, "%s/%s", p->name, v->name);
       dopt_piece whole;
       dopt_piece_full(v->ndim, v->shape, &whole);
-      if (d->owned) { /* whole, on the owner */
+      if (p->owned) { /* whole, on the owner */
         if (p->state[k]) DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, &whole, p->state[k]));
       } else if (p->spec[k].elementwise) { /* sharded like the parameter (zero >= 1), the parameter's shape */
         dd_held_piece(p, d->zero >= 1, &pc);
@@ -150,7 +150,7 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
       snprintf(name, sizeof name, "%s/bf16", p->name);
       DOPT_TRY(get_piece(d, r, name, DOPT_BF16, &pc, p->work));
     }
-    if (d->owned && p->full) { /* the owner's logical values */
+    if (p->owned && p->full) { /* the owner's logical values */
       dopt_piece whole;
       dopt_piece_full(p->ndim, p->shape, &whole);
       DOPT_TRY(get_piece(d, r, p->name, DOPT_F32, &whole, p->full));
@@ -159,13 +159,13 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
     for (int k = 0; k < p->nstates; k++) {
       if (!p->state[k]) continue; /* owner mode: not the owner */
       const dopt_state_view *v = &p->spec[k].v;
-      DOPT_TRY(dd_zero_dev(d, p->state[k], dd_state_held_bytes(d, p, k))); /* ZeRO padding, states never allocated */
+      DOPT_TRY(dd_zero_dev(d, p->state[k], dd_state_held_bytes(p, k))); /* ZeRO padding, states never allocated */
       if (!m->params[i].has_state) continue;
       snprintf(name, sizeof name, "%s/%s", p->name, v->name);
       dopt_piece whole;
       dopt_piece_full(v->ndim, v->shape, &whole);
-      if (!d->owned && p->spec[k].elementwise) dd_held_piece(p, d->zero >= 1, &pc);
-      DOPT_TRY(get_piece(d, r, name, v->dtype, !d->owned && p->spec[k].elementwise ? &pc : &whole, p->state[k]));
+      if (!p->owned && p->spec[k].elementwise) dd_held_piece(p, d->zero >= 1, &pc);
+      DOPT_TRY(get_piece(d, r, name, v->dtype, !p->owned && p->spec[k].elementwise ? &pc : &whole, p->state[k]));
     }
     p->acc = 0;
     p->nmb = 0;

@@ -67,6 +67,8 @@ struct dist_param {
   size_t chunk;  /* ZeRO shard size (lnumel when not sharded) */
   size_t padded; /* chunk · dp when sharded, else lnumel */
   dopt_piece pc;
+  dopt_piece gpc; /* where this rank holds the averaged gradient after the dp sum: pc, or (owner mode) the whole
+                   * TP block on the owner's dp row and nothing on the others */
   int bf16;
   int master_sharded; /* zero 3, or bf16 with zero >= 1: the fp32 master stays a shard */
   float *grad;   /* [padded] accumulated gradients */
@@ -82,9 +84,10 @@ struct dist_param {
   red_ctx rc;
   dopt_reducer red;
   size_t est;     /* rank-independent frame estimate for bucketing: logical bytes / ranks sharing */
-  /* owner mode (an optimizer whose step needs the whole tensor): one rank,
-   * (tp rank owner_tp, dp rank owner), holds the logical fp32 values and
-   * every state whole, and steps them with the reference's own step */
+  /* owner mode (a parameter whose step needs the whole tensor, dopt__impl_whole):
+   * one rank, (tp rank owner_tp, dp rank owner), holds the logical fp32 values
+   * and every state whole, and steps them with the reference's own step */
+  int owned;           /* this parameter steps in owner mode */
   int owner, owner_tp; /* the owning rank's dp and tp ranks (owner mode) */
   float *full;        /* [numel] the logical fp32 values (owner ranks only) */
   unsigned events;    /* DOPT_EVENT_* of the last step (owner ranks) */
@@ -111,7 +114,7 @@ struct dopt_dist_optim {
   dopt_step_args *args; /* [np] one bucket's step arguments */
   size_t *frame_off;   /* [np] */
   int *more;           /* [np] */
-  int owned;        /* the optimizer's step needs whole tensors: owner mode for every parameter */
+  int nowned;       /* parameters in owner mode (the others step piecewise) */
   const dopt_optim_impl *wrapper; /* LISA around impl, or NULL */
   double whp[DOPT_MAX_HPARAMS];   /* the wrapper's own hyperparameters */
   int64_t gstep;    /* steps taken (the wrapper's clock) */
@@ -123,10 +126,16 @@ struct dopt_dist_optim {
   float *zeros;     /* host zeros [zeros_cap] for absent gradients and state resets */
   size_t zeros_cap;
   float *xfer;      /* device [max numel]: a whole logical tensor in transit (owner mode) */
+  void *xs, *xr;    /* device: what the owner exchanges send and receive (owner.c) */
+  size_t xs_cap, xr_cap; /* bytes */
+  size_t xn;        /* max(tp, dp) */
+  size_t *xc;       /* host [5 · xn]: an exchange's send counts and offsets, receive counts and offsets, cursors */
+  size_t *xoff;     /* [np] a parameter's offset in the exchange's receive buffer */
+  int *xlist, *xord; /* [np] a batch of owned parameters; one owner row's of them in exchange order */
   void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
   size_t gdev_cap[2];
-  unsigned char *ghost[3]; /* host scratch: gathers (0, 1), the owner step's whole tensor (2) */
-  size_t ghost_cap[3];
+  unsigned char *ghost[2]; /* host scratch: gathers, loads and checkpoints (0, 1) */
+  size_t ghost_cap[2];
   size_t xfer_cap;  /* bytes */
   batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
@@ -146,9 +155,6 @@ struct dopt_dist_optim {
 #define DEV(d) ((d)->dev->ops)
 #define DCTX(d) ((d)->dev->ctx)
 
-#define DEV(d) ((d)->dev->ops)
-#define DCTX(d) ((d)->dev->ctx)
-
 /* ---- plan.c ------------------------------------------------------------------------------- */
 
 dopt_status dd_check_param(const dopt_dist_optim *d, int i, const char *fn);
@@ -158,7 +164,7 @@ dopt_status dd_ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **ou
 dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes);
 void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out);
 dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full);
-size_t dd_state_held_bytes(const dopt_dist_optim *d, const dist_param *p, int k);
+size_t dd_state_held_bytes(const dist_param *p, int k);
 void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
 dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 

@@ -1,12 +1,17 @@
 /* The data-parallel gradient sum (docs/dp-sum.md): exact — the logical
  * blocks' codes in one MAX over the world, the fixed-point words in one
  * integer SUM over dp, decoded into each rank's piece — or fp32 in the
- * transport's order. */
+ * transport's order. Owner mode: reduced to the owner's dp row only. */
 #include "dist_internal.h"
 
 /* SUM over dp of x[padded·per] (all-reduce for zero 0/1; reduce-scatter for
- * zero 2/3, in place: this rank's block of the padded buffer). */
+ * zero 2/3, in place: this rank's block of the padded buffer); owner mode:
+ * x[lnumel·per] reduced to the owner's dp row (all-reduce with a transport
+ * that has no reduce). */
 dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt) {
+  if (p->owned)
+    return d->dp.ops->reduce ? d->dp.ops->reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM, p->owner)
+                             : d->dp.ops->all_reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM);
   if (d->zero >= 2)
     return d->dp.ops->reduce_scatter(d->dp.comm, x, (char *)x + (size_t)d->dp.rank * p->chunk * per * dopt_dtype_size(dt),
                                      p->chunk * per, dt, DOPT_SUM);
@@ -68,8 +73,10 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
       DOPT_TRY(dd_dp_sum(d, p, d->words, (size_t)W, DOPT_I64));
       if (flagged) DOPT_TRY(dd_dp_sum(d, p, d->cls, 1, DOPT_I64));
     }
-    DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words + p->pc.lo * (size_t)W, flagged ? d->cls + p->pc.lo : NULL, &p->pc,
-                                 codes, W, k, p->grad + p->pc.lo));
+    const dopt_piece *g = &p->gpc; /* this rank's piece of the sum (owner mode: the owner row's whole block) */
+    if (g->len)
+      DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words + g->lo * (size_t)W, flagged ? d->cls + g->lo : NULL, g, codes, W,
+                                   k, p->grad + g->lo));
   }
   return DOPT_OK;
 }

@@ -54,7 +54,7 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
 }
 
 /* The logical tensor on every rank (collective); out NULL: this rank only
- * takes part (the owner step's non-owners). */
+ * takes part. */
 dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out) {
   unsigned char *mine = NULL;
@@ -82,7 +82,7 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
   dist_param *p = &d->p[i];
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
-    if (d->owned) { /* whole on the owner: broadcast */
+    if (p->owned) { /* whole on the owner: broadcast */
       size_t bytes = p->spec[k].v.bytes;
       void *src = p->state[k];
       if (!src) {
@@ -125,7 +125,7 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
     size_t mext = p->master_sharded ? p->chunk : p->padded, wext = d->zero == 3 ? p->chunk : p->padded;
     m->param_bytes += mext * sizeof(float) + (p->bf16 ? wext * sizeof(uint16_t) : 0);
     m->grad_bytes += p->padded * sizeof(float);
-    for (int k = 0; k < p->nstates; k++) m->state_bytes += p->state[k] ? dd_state_held_bytes(d, p, k) : 0;
+    for (int k = 0; k < p->nstates; k++) m->state_bytes += p->state[k] ? dd_state_held_bytes(p, k) : 0;
     if (p->full) m->param_bytes += dopt_numel(p->ndim, p->shape) * sizeof(float); /* the owner's logical copy */
   }
   return DOPT_OK;

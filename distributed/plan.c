@@ -42,9 +42,15 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->frames) DEV(d)->free(DCTX(d), d->frames);
   if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
   if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
+  if (d->xs) DEV(d)->free(DCTX(d), d->xs);
+  if (d->xr) DEV(d)->free(DCTX(d), d->xr);
+  free(d->xc);
+  free(d->xoff);
+  free(d->xlist);
+  free(d->xord);
   for (int k = 0; k < 2; k++)
     if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
-  for (int k = 0; k < 3; k++) free(d->ghost[k]);
+  for (int k = 0; k < 2; k++) free(d->ghost[k]);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
@@ -156,8 +162,8 @@ dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full)
 /* Bytes of state k this rank's buffer holds: an elementwise state's ZeRO
  * shard (sharded like the parameter), else the whole logical state (owner
  * mode: on the owner only). */
-size_t dd_state_held_bytes(const dopt_dist_optim *d, const dist_param *p, int k) {
-  return !d->owned && p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+size_t dd_state_held_bytes(const dist_param *p, int k) {
+  return !p->owned && p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
 }
 
 /* Sets up one parameter: geometry, buffers, the initial values of its piece. */
@@ -203,20 +209,26 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   DOPT_TRY(dd_load_values(d, p, src->data));
   /* states: elementwise ones are sharded like the parameter, the others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
-  if (d->owned) { /* whole states and the logical values on the owner ranks only */
+  if (p->owned) { /* whole states and the logical values on the owner ranks only */
     if (d->dp.rank == p->owner && d->tp.rank == p->owner_tp) {
       size_t numel = dopt_numel(p->ndim, p->shape);
       DOPT_TRY(dd_dalloc(d, numel * sizeof(float), (void **)&p->full));
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data, numel * sizeof(float)));
-      for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(d, p, k), &p->state[k]));
+      for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(p, k), &p->state[k]));
     }
   } else {
-    for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(d, p, k), &p->state[k]));
+    for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(p, k), &p->state[k]));
   }
   p->step = src->step;
   p->rc.d = d;
   p->rc.over_tp = p->role != DOPT_TP_REPLICATED;
-  p->rc.over_dp = d->zero >= 1 && dpn > 1;
+  /* owner mode: the averaged gradient is on the owner's dp row only (gpc), so its statistics sum over dp */
+  p->rc.over_dp = (d->zero >= 1 || p->owned) && dpn > 1;
+  p->gpc = p->pc;
+  if (p->owned) {
+    dd_held_piece(p, 0, &p->gpc);
+    if (d->dp.rank != p->owner) p->gpc.len = 0;
+  }
   p->red.ctx = &p->rc;
   p->red.post_max_f64 = dd_post_max;
   p->red.post_sum_i64 = dd_post_sum;
@@ -230,15 +242,16 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   return DOPT_OK;
 }
 
-/* Owner mode: parameters go whole to the world's ranks, largest first, each
- * to the least loaded rank (ties: the lowest), as torch's
+/* Owner mode: the parameters in owner mode go whole to the world's ranks,
+ * largest first, each to the least loaded rank (ties: the lowest), as torch's
  * ZeroRedundancyOptimizer partitions whole parameters; world slot w is tp rank
  * w mod tp, dp rank w / tp. Logical sizes only, so every rank agrees. */
 static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
   const int world = d->tp.size * d->dp.size;
   size_t *load = calloc((size_t)world, sizeof *load);
   char *done = calloc((size_t)(d->np > 0 ? d->np : 1), 1);
-  for (int n = 0; done && load && n < d->np; n++) {
+  for (int i = 0; done && i < d->np; i++) done[i] = !d->p[i].owned; /* piecewise: no owner */
+  for (int n = 0; done && load && n < d->nowned; n++) {
     int best = -1;
     size_t bs = 0;
     for (int i = 0; i < d->np; i++) {
@@ -271,7 +284,6 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->wrapper = dopt__optim_wrapper(plain);
   if (d->wrapper) memcpy(d->whp, dopt__optim_wrapper_hp(plain), sizeof d->whp);
   d->gstep = dopt__optim_gstep(plain);
-  d->owned = !d->impl->distributable; /* GaLore's SVD, 8-bit blocks of the logical tensor: owner mode */
   d->tp = cfg->tp;
   d->dp = cfg->dp;
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
@@ -294,15 +306,27 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->has = calloc(npa, 1);
   d->frozen = calloc(npa, 1);
   d->skip = calloc(npa, 1);
+  d->xn = (size_t)(d->tp.size > d->dp.size ? d->tp.size : d->dp.size);
+  d->xc = calloc(5 * d->xn, sizeof *d->xc);
+  d->xoff = calloc(npa, sizeof *d->xoff);
+  d->xlist = calloc(npa, sizeof *d->xlist);
+  d->xord = calloc(npa, sizeof *d->xord);
   dopt_status cs = DEV(d)->alloc(DCTX(d), (npa + 1) * sizeof(int64_t), (void **)&d->flags);
   if (cs != DOPT_OK) d->flags = NULL;
   if (!d->hp || !d->p || !d->ss || !d->args || !d->frame_off || !d->more || !d->layer || !d->has || !d->frozen ||
-      !d->skip || !d->flags) {
+      !d->skip || !d->flags || !d->xc || !d->xoff || !d->xlist || !d->xord) {
     dopt_dist_destroy(d);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
   }
   for (int g = 0; g < d->ngroups; g++) memcpy(d->hp[g], dopt__optim_group_hp(plain, g), sizeof d->hp[g]);
-  if (d->owned) assign_owners(d, po);
+  /* owner mode per parameter: GaLore's projected matrices (the SVD), 8-bit blocks of the logical tensor; the
+   * other parameters of those optimizers step piecewise */
+  for (int i = 0; i < d->np; i++) {
+    const dopt_param *q = dopt__optim_param(po, i);
+    d->p[i].owned = dopt__impl_whole(d->impl, d->hp[q->group], q->ndim, q->shape);
+    d->nowned += d->p[i].owned;
+  }
+  if (d->nowned) assign_owners(d, po);
   for (int i = 0; i < d->np; i++) {
     dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
     dopt_status s = (unsigned)role > DOPT_TP_ROW

@@ -48,7 +48,8 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
 
 /* The averaged gradient of each piece: the SUM over dp (exact, or fp32 in
  * the transport's order), then one division by dp·micro; *nonfinite counts
- * the non-finite averaged elements of this rank's pieces. */
+ * the non-finite averaged elements of this rank's pieces (p->gpc: owner
+ * mode, the whole TP block on the owner's dp row). */
 static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   *nonfinite = 0;
   const float denom = (float)((double)d->dp.size * (double)d->micro);
@@ -70,7 +71,7 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
     dist_param *p = &d->p[i];
     if (d->dp.size > 1 && d->dp_words == 0) DOPT_TRY(dd_dp_sum(d, p, p->grad, 1, DOPT_F32));
     int64_t bad;
-    DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->pc.lo, denom, p->pc.len, &bad));
+    DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->gpc.lo, denom, p->gpc.len, &bad));
     *nonfinite += bad;
   }
   return DOPT_OK;
@@ -117,10 +118,16 @@ static dopt_status apply_schedule(dopt_dist_optim *d) {
     p->step = 0;
     for (int k = 0; k < p->nstates; k++) {
       if (!p->state[k]) continue; /* owner mode: not the owner */
-      DOPT_TRY(dd_zero_dev(d, p->state[k], dd_state_held_bytes(d, p, k)));
+      DOPT_TRY(dd_zero_dev(d, p->state[k], dd_state_held_bytes(p, k)));
     }
   }
   return DOPT_OK;
+}
+
+/* Whether d->args[i] runs in this round of steps: honour_skip (the step itself), not a parameter skipped this
+ * step (d->skip) or one in owner mode (stepped whole by owner.c); the clipping statistic runs on every one. */
+static int runs(const dopt_dist_optim *d, int i, int honour_skip) {
+  return !(honour_skip && (d->skip[i] || d->p[i].owned));
 }
 
 /* Runs the staged steps d->args[first, last) round by round: each round runs
@@ -129,7 +136,7 @@ static dopt_status apply_schedule(dopt_dist_optim *d) {
  * honour_skip: parameters skipped this step (d->skip) do not run. */
 static dopt_status run_rounds(dopt_dist_optim *d, int first, int last, int honour_skip) {
   int active = 0;
-  for (int i = first; i < last; i++) active += d->more[i] = !(honour_skip && d->skip[i]);
+  for (int i = first; i < last; i++) active += d->more[i] = runs(d, i, honour_skip);
   for (int stage = 0; active > 0; stage++) {
     for (int i = first; i < last; i++) {
       if (!d->more[i]) continue;
@@ -147,10 +154,11 @@ static dopt_status run_rounds(dopt_dist_optim *d, int first, int last, int honou
 }
 
 /* Lays out the frames of d->args[first, last) in d->frames (grown as needed). */
-static dopt_status map_frames(dopt_dist_optim *d, int first, int last) {
+static dopt_status map_frames(dopt_dist_optim *d, int first, int last, int honour_skip) {
   size_t total = 0;
   for (int i = first; i < last; i++) {
     d->frame_off[i] = total;
+    if (d->p[i].owned && honour_skip) continue; /* not run here: no frame (its arguments are not set) */
     total += (DEV(d)->frame_bytes(DCTX(d), &d->args[i]) + 15) & ~(size_t)15;
   }
   return dd_grow_dev(d, &d->frames, &d->frames_cap, total);
@@ -165,7 +173,7 @@ static dopt_status run_buckets(dopt_dist_optim *d) {
     int last = first + 1;
     size_t est = d->p[first].est;
     while (last < d->np && (d->bucket_bytes == 0 || est + d->p[last].est <= d->bucket_bytes)) est += d->p[last++].est;
-    DOPT_TRY(map_frames(d, first, last));
+    DOPT_TRY(map_frames(d, first, last, 1));
     DOPT_TRY(run_rounds(d, first, last, 1));
     first = last;
   }
@@ -192,22 +200,18 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   if (d->max_grad_norm > 0) { /* every gradient piece's Σg² as a staged step, one bucket */
     for (int i = 0; i < d->np; i++) {
       dist_param *p = &d->p[i];
-      d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->pc, NULL, p->grad + p->pc.lo, NULL, NULL, &p->red,
-                                    NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL};
+      d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->gpc, NULL, p->grad + p->gpc.lo, NULL, NULL,
+                                    &p->red, NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL};
     }
-    DOPT_TRY(map_frames(d, 0, d->np));
+    DOPT_TRY(map_frames(d, 0, d->np, 0));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
-    for (int i = 0; i < d->np; i++) DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].pc.lo, coef, d->p[i].pc.len));
+    for (int i = 0; i < d->np; i++)
+      DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].gpc.lo, coef, d->p[i].gpc.len));
   }
-  if (d->owned) { /* every rank has its new values already: no working-copy update, no all-gather */
-    DOPT_TRY(dd_owner_steps(d));
-    if (info) *info = local;
-    d->micro = 0;
-    return DOPT_OK;
-  }
-  for (int i = 0; i < d->np; i++) {
+  for (int i = 0; i < d->np; i++) { /* the piecewise parameters (owner mode: below) */
     dist_param *p = &d->p[i];
+    if (p->owned) continue;
     if (!d->skip[i]) p->step++;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
@@ -216,7 +220,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_TRY(run_buckets(d));
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (d->skip[i]) continue; /* untouched: its values are still in place everywhere */
+    if (d->skip[i] || p->owned) continue; /* untouched: its values are still in place everywhere */
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
     /* zero 1/2: every dp rank gets the whole TP-local model weights back (the
@@ -227,6 +231,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
       else DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->master + me, p->master, p->chunk, DOPT_F32));
     }
   }
+  /* owner mode: every rank receives its pieces' new values (no working-copy update, no all-gather) */
+  if (d->nowned) DOPT_TRY(dd_owner_steps(d));
   if (info) *info = local;
   d->micro = 0; /* the next backward overwrites the accumulators */
   return DOPT_OK;

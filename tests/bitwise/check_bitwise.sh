@@ -5,7 +5,7 @@
 #   - `distopt run` on the same generated input (tests/bitwise/gen_input.py)
 #     for all nine registry optimizers and several hyperparameter sets;
 #   - `distopt run` replaying every golden case file (datasets/golden/);
-#   - `distopt compare --json` of every distributable optimizer in several
+#   - `distopt compare --json` of every optimizer (piecewise and owner mode) in several
 #     layouts (tp, dp, zero, bf16, clipping, accumulation), with the one
 #     wall-clock field ("seconds") removed.
 #
@@ -88,7 +88,9 @@ cmp_case() { # args for distopt compare
     echo "DIFF compare $*"; fail=1
   fi
 }
-for o in adamw adafactor "came --hparams lr=2e-4" lamb; do
+for o in adamw adafactor "came --hparams lr=2e-4" lamb adamw8bit "galore_adamw --hparams rank=4,update_proj_gap=2" \
+  "galore_adamw8bit --hparams rank=8,update_proj_gap=3,min_8bit_size=16" \
+  "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" lisa; do
   # shellcheck disable=SC2086
   set -- --optimizer $o
   cmp_case "$@"

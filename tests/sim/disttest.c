@@ -14,6 +14,8 @@
 #include "distopt/xsum.h"
 #include "internal.h"
 
+int dt_basic_transport;
+
 static size_t numel_of(const dt_param *p) {
   size_t n = 1;
   for (int i = 0; i < p->ndim; i++) n *= (size_t)p->shape[i];
@@ -244,6 +246,10 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.device = dt_checkdev_device(chk);
   dopt_status ws = dt_checkdev_wrap(chk, &tpt, &cfg.tp);
   if (ws == DOPT_OK) ws = dt_checkdev_wrap(chk, &dpt, &cfg.dp);
+  if (ws == DOPT_OK && dt_basic_transport) {
+    dt_checkdev_basic_ops(&cfg.tp);
+    dt_checkdev_basic_ops(&cfg.dp);
+  }
   if (ws != DOPT_OK) {
     dt_checkdev_destroy(chk);
     return ws;

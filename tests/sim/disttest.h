@@ -46,6 +46,10 @@ typedef struct dt_case {
   int batch_invariant;   /* dopt_dist_config.batch_invariant: every micro-batch a part of the exact sum */
 } dt_case;
 
+/* Set by a test on its main thread before dt_run_dist (read only on the rank threads): the transports lack
+ * reduce and all_to_allv, as an older or minimal backend (distributed/'s fallbacks). */
+extern int dt_basic_transport;
+
 /* The plain (single-device) optimizer of a case with its initial values:
  * data[i] (fp32; with bf16 the master), work[i] (bf16 or NULL), updated in
  * place by the optimizer: free them after it. */

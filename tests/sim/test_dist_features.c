@@ -44,11 +44,18 @@ static void check_case(dt_case *c) {
 }
 
 /* Clipping active on every step (max norm far below the gradient norm) with
- * 3 accumulated micro-batches per step. */
+ * 3 accumulated micro-batches per step; owner mode too (GaLore's projected
+ * matrices, 8-bit tensors: their averaged gradient is on the owner's dp row
+ * only, and the norm must count it once, summed over tp and dp, at every
+ * ZeRO stage). */
 static void test_clip_and_accumulation(void **st) {
   (void)st;
-  const char *opts[][2] = {{"adamw", "lr=1e-2,eps=1e-3"}, {"adafactor", "beta1=0.9"}, {"lamb", "lr=1e-2"}};
-  for (int k = 0; k < 3; k++) {
+  const char *opts[][2] = {{"adamw", "lr=1e-2,eps=1e-3"},
+                           {"adafactor", "beta1=0.9"},
+                           {"lamb", "lr=1e-2"},
+                           {"galore_adamw", "rank=2,update_proj_gap=3,lr=1e-2"},
+                           {"adamw8bit", "min_8bit_size=16,block_size=64,lr=1e-2"}};
+  for (int k = 0; k < 5; k++) {
     dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 12, 3, 0.05, 0, 99 + (uint64_t)k, 0.5, 0, 4, 0, 0, 0, 0, 0};
     /* the clip must actually bite: the averaged gradient norm is >> 0.05 */
     float g[90];
@@ -58,6 +65,27 @@ static void test_clip_and_accumulation(void **st) {
     assert_true(sqrt(ss) > 10 * c.max_grad_norm);
     check_case(&c);
   }
+}
+
+/* Owner mode over transports without reduce and all_to_allv (an older or
+ * minimal backend): the dp sum falls back to an all-reduce, the exchanges to
+ * broadcasts of each region; bitwise the same, bf16 and ZeRO-3 included. */
+static void test_owner_basic_transport(void **st) {
+  (void)st;
+  const char *opts[][2] = {{"galore_adamw", "rank=2,update_proj_gap=3,lr=1e-2"},
+                           {"q_galore", "rank=2,update_proj_gap=2,proj_group_size=-1,min_8bit_size=16,block_size=64"}};
+  for (int k = 0; k < 2; k++)
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+      dt_case c = {opts[k][0], opts[k][1], NULL, PARAMS, NP, 6, 2, 0.05, bf16, 21 + (uint64_t)k, 0.5, 0, 3, 0, 0, 0, 0, 0};
+      dt_basic_transport = 1; /* reset by basic_off, also when a check fails */
+      check_case(&c);
+    }
+}
+
+static int basic_off(void **st) {
+  (void)st;
+  dt_basic_transport = 0;
+  return 0;
 }
 
 static void test_bf16_masters(void **st) {
@@ -263,6 +291,41 @@ static void test_8bit_threshold_is_logical(void **st) {
   dt_result_free(&ref);
 }
 
+/* Owner mode per parameter: under galore_adamw only the projected matrix steps whole on one owner rank; the
+ * bias (not projected: plain HF AdamW) steps piecewise, its states sharded over dp like AdamW's (before, the
+ * whole optimizer was in owner mode and the bias's states sat whole on one rank). Every rank that does not own
+ * the matrix holds exactly its ZeRO piece of the bias's two states; the ranks hold the reference's state bytes
+ * once between them; bitwise the reference. The same for adamw8bit's tensor below min_8bit_size. */
+static void test_owner_mode_per_parameter(void **st) {
+  (void)st;
+  static const dt_param P[] = {{"w", 2, {32, 24}, DOPT_TP_COLUMN, 0}, {"b", 1, {400}, DOPT_TP_COLUMN, 1}};
+  static const struct {
+    const char *opt, *hp;
+  } O[] = {{"galore_adamw", "lr=1e-2,rank=4,update_proj_gap=3"},
+           {"adamw8bit", "lr=1e-2,min_8bit_size=512,block_size=256"},
+           {"galore_adamw8bit", "lr=1e-2,rank=4,update_proj_gap=3,min_8bit_size=512,block_size=256"}};
+  const dt_layout l = {1, 4, 2, 0};
+  for (size_t o = 0; o < sizeof O / sizeof O[0]; o++) {
+    dt_case c = {O[o].opt, O[o].hp, NULL, P, 2, 5, 1, 0.0, 0, 11, 0.5, 0, 5, 0, 0, 0, 0, 0};
+    dt_result ref, got;
+    assert_ok(dt_run_reference(&c, 4, &ref));
+    expect_bitwise(&c, &l, &ref, &got);
+    const size_t piece = 2 * (400 / 4) * sizeof(float); /* exp_avg / state1 and exp_avg_sq / state2, fp32 */
+    size_t sum = 0, lo = SIZE_MAX;
+    for (int r = 0; r < 4; r++) {
+      sum += got.state_mem[r];
+      lo = got.state_mem[r] < lo ? got.state_mem[r] : lo;
+    }
+    if (lo != piece)
+      fail_msg("%s: a rank that owns nothing holds %zu state bytes, not its piece of the bias's states (%zu)",
+               O[o].opt, lo, piece);
+    if (sum != ref.ref_state_mem)
+      fail_msg("%s: the ranks hold %zu state bytes together, the reference %zu", O[o].opt, sum, ref.ref_state_mem);
+    dt_result_free(&ref);
+    dt_result_free(&got);
+  }
+}
+
 /* GaLore's projection when its inner dimension is split: a left projector
  * (Aᵀ·G contracts the rows) on a COLUMN-split weight (rows over tp), under
  * every ZeRO stage; and a right one on a ROW-split weight. */
@@ -383,10 +446,12 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_check_replicas),
       cmocka_unit_test(test_clip_and_accumulation),
+      cmocka_unit_test_teardown(test_owner_basic_transport, basic_off),
       cmocka_unit_test(test_bf16_masters),
       cmocka_unit_test(test_nonfinite_skip),
       cmocka_unit_test(test_batched_reductions),
       cmocka_unit_test(test_8bit_threshold_is_logical),
+      cmocka_unit_test(test_owner_mode_per_parameter),
       cmocka_unit_test(test_galore_split_inner_dimension),
       cmocka_unit_test(test_config_errors),
   };

@@ -307,6 +307,8 @@ static dopt_status w_all_to_allv(void *comm, const void *send, const size_t *sco
 
 static const dopt_transport_ops w_ops = {w_all_reduce, w_reduce_scatter, w_all_gather, w_broadcast, w_reduce,
                                          w_all_to_allv};
+/* a transport of the first interface: no reduce, no all_to_allv (distributed/ falls back) */
+static const dopt_transport_ops w_ops_basic = {w_all_reduce, w_reduce_scatter, w_all_gather, w_broadcast, NULL, NULL};
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
 
@@ -343,6 +345,10 @@ dopt_status dt_checkdev_wrap(dt_checkdev *c, const dopt_transport *in, dopt_tran
   out->ops = &w_ops;
   out->comm = w;
   return DOPT_OK;
+}
+
+void dt_checkdev_basic_ops(dopt_transport *t) {
+  if (t->ops == &w_ops) t->ops = &w_ops_basic;
 }
 
 size_t dt_checkdev_violations(const dt_checkdev *c, const char **first) {

@@ -26,6 +26,9 @@ const dopt_device *dt_checkdev_device(dt_checkdev *c);
 /* out: `in` whose every call first checks its buffers against c's arena.
  * `in` must outlive out (it is copied; its communicator is borrowed). */
 dopt_status dt_checkdev_wrap(dt_checkdev *c, const dopt_transport *in, dopt_transport *out);
+/* A wrapped transport (dt_checkdev_wrap) then offers only the first four collectives: reduce and all_to_allv
+ * NULL, as an older or minimal backend (distributed/ falls back to all_reduce and broadcasts). */
+void dt_checkdev_basic_ops(dopt_transport *t);
 /* Violations so far, and the first one's message ("" if none). */
 size_t dt_checkdev_violations(const dt_checkdev *c, const char **first);
 /* Live arena allocations (a leak check after destroying what used the device). */
