@@ -8,6 +8,7 @@
  * parameters and states, and rank 0 measures the differences. */
 #include <errno.h>
 #include <fnmatch.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -359,6 +360,40 @@ static dopt_status load_recording(const cmp_options *o, source *s) {
   return DOPT_OK;
 }
 
+/* A trace's count metadata (shards, steps): a whole decimal number in 1..INT_MAX. */
+static dopt_status trace_count(const char *path, const char *key, const char *v, int *out) {
+  char *end = NULL;
+  errno = 0;
+  long n = strtol(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0' || n < 1 || n > INT_MAX)
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: metadata %s='%.40s' (a whole number in 1..%d)", path, key, v, INT_MAX);
+  *out = (int)n;
+  return DOPT_OK;
+}
+
+/* Every gradient the run reads, grad/<step>/<shard>/<param> for steps 1..o->steps, is in the trace
+ * with its parameter's element count: checked up front, so the buffers sized by the shard count
+ * (compare's dp·micro parts) are bounded by what the file holds, not by its metadata. */
+static dopt_status trace_has_grads(const cmp_options *o, const source *s) {
+  const uint64_t need = (uint64_t)s->shards * (uint64_t)o->steps * (uint64_t)s->np;
+  if (need > (uint64_t)dopt_st_count(s->trace))
+    return dopt__fail(DOPT_ERR_FORMAT,
+                      "%s: %d shards x %d steps x %d parameters need %llu gradient tensors, the file holds %d",
+                      o->trace_path, s->shards, o->steps, s->np, (unsigned long long)need, dopt_st_count(s->trace));
+  for (int t = 1; t <= o->steps; t++)
+    for (int sh = 0; sh < s->shards; sh++)
+      for (int i = 0; i < s->np; i++) {
+        char key[200];
+        snprintf(key, sizeof key, "grad/%d/%d/%s", t, sh, s->p[i].name);
+        dopt_st_tensor g;
+        DOPT_TRY(dopt_st_find(s->trace, key, &g));
+        if (g.numel != s->numel[i])
+          return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s' has %zu elements, its parameter %zu", o->trace_path,
+                            key, g.numel, s->numel[i]);
+      }
+  return DOPT_OK;
+}
+
 static dopt_status load_source(const cmp_options *o, source *s) {
   memset(s, 0, sizeof *s);
   s->seed = o->seed;
@@ -383,10 +418,11 @@ static dopt_status load_source(const cmp_options *o, source *s) {
              *shards = dopt_st_meta(s->trace, "shards");
   if (!params || !steps || !shards)
     return dopt__fail(DOPT_ERR_FORMAT, "%s: not a gradient trace (metadata params, steps, shards)", o->trace_path);
-  s->shards = atoi(shards);
-  if (s->shards <= 0) return dopt__fail(DOPT_ERR_FORMAT, "%s: shards='%s'", o->trace_path, shards);
-  if (o->steps > atoi(steps))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "steps=%d but %s records %s steps", o->steps, o->trace_path, steps);
+  int nsteps = 0;
+  DOPT_TRY(trace_count(o->trace_path, "shards", shards, &s->shards));
+  DOPT_TRY(trace_count(o->trace_path, "steps", steps, &nsteps));
+  if (o->steps > nsteps)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "steps=%d but %s records %d steps", o->steps, o->trace_path, nsteps);
   if (s->shards % o->dp != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "dp=%d does not divide the %d shards per step of %s", o->dp, s->shards,
                       o->trace_path);
@@ -418,6 +454,7 @@ static dopt_status load_source(const cmp_options *o, source *s) {
   }
   free(copy);
   DOPT_TRY(st);
+  DOPT_TRY(trace_has_grads(o, s));
   return parse_roles(s, dopt_st_meta(s->trace, "tp_roles"));
 }
 

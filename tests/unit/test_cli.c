@@ -895,6 +895,63 @@ static void test_compare_overflow_nan(void **st) {
   }
 }
 
+/* A trace's metadata is checked against its tensors before anything is sized by it: a shard count
+ * the file does not hold (the fuzzer's 2e9 shards sized a 128 GB buffer), counts that are not whole
+ * numbers, a missing gradient, a gradient of the wrong size: one line each, exit 2, no output. */
+static void test_compare_trace_metadata(void **st) {
+  (void)st;
+  char trace[600], json[600];
+  snprintf(trace, sizeof trace, "%s/meta.safetensors", dir);
+  snprintf(json, sizeof json, "%s/meta.json", dir);
+  static const int64_t shape[1] = {16};
+  static const int64_t shape15[1] = {15};
+  static float buf[16];
+  /* 2 steps x 2 shards of w [16]; variant v changes one thing */
+  static const struct {
+    const char *shards, *steps, *want;
+    int drop_last, short_last;
+  } v[] = {
+      {"2", "2", NULL, 0, 0},
+      {"2000000000", "2", "2000000000 shards x 2 steps x 1 parameters need 4000000000 gradient tensors, the file holds 5",
+       0, 0},
+      {"2x", "2", "metadata shards='2x' (a whole number in 1..2147483647)", 0, 0},
+      {"2", "-1", "metadata steps='-1' (a whole number in 1..2147483647)", 0, 0},
+      {"2", "99999999999", "metadata steps='99999999999'", 0, 0},
+      {"2", "2", "'grad/2/1/w'", 1, 0},
+      {"2", "2", "tensor 'grad/2/1/w' has 15 elements, its parameter 16", 0, 1},
+  };
+  for (size_t c = 0; c < sizeof v / sizeof v[0]; c++) {
+    dopt_st_writer *wr;
+    assert_ok(dopt_st_writer_create(&wr));
+    for (int k = 0; k < 16; k++) buf[k] = 0.01f * (float)(k + 1);
+    assert_ok(dopt_st_writer_add(wr, "init/w", DOPT_F32, 1, shape, buf));
+    for (int t = 1; t <= 2; t++)
+      for (int r = 0; r < 2; r++) {
+        const int last = t == 2 && r == 1;
+        if (last && v[c].drop_last) continue;
+        char key[64];
+        snprintf(key, sizeof key, "grad/%d/%d/w", t, r);
+        assert_ok(dopt_st_writer_add(wr, key, DOPT_F32, 1, last && v[c].short_last ? shape15 : shape, buf));
+      }
+    if (v[c].drop_last) { /* the same tensor count as the good trace: only the key is missing */
+      assert_ok(dopt_st_writer_add(wr, "grad/9/9/w", DOPT_F32, 1, shape, buf));
+    }
+    assert_ok(dopt_st_writer_meta(wr, "params", "w"));
+    assert_ok(dopt_st_writer_meta(wr, "steps", v[c].steps));
+    assert_ok(dopt_st_writer_meta(wr, "shards", v[c].shards));
+    assert_ok(dopt_st_writer_save(wr, trace));
+    dopt_st_writer_free(wr);
+    const char *args[] = {"compare", "--optimizer", "adamw", "--plugin", "ddp", "--dp", "2", "--trace", trace,
+                          "--steps", "2", "--quiet", "--json", json, NULL};
+    if (!v[c].want) {
+      int rc = run(args);
+      if (rc != 0) fail_msg("the good trace: exit %d", rc);
+    } else {
+      expect_usage_error(args, v[c].want, json);
+    }
+  }
+}
+
 /* ---- compare: plugins imply their layout; --sweep (group "layouts") ---------------------------------------- */
 
 /* Runs compare with args; expects exit 0 and the header's layout "PLUGIN tpT×dpD×zeroZ" (and, with a
@@ -1107,6 +1164,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_nonfinite_policy),
       cmocka_unit_test(test_compare_lisa_frozen),
       cmocka_unit_test(test_compare_overflow_nan),
+      cmocka_unit_test(test_compare_trace_metadata),
       cmocka_unit_test(test_checkpoint_resume),
       cmocka_unit_test(test_threads_options),
   };
