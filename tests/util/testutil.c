@@ -28,6 +28,39 @@ uint64_t dt_rand_u64(uint64_t *s) {
   return z ^ (z >> 31);
 }
 
+static int subset_read(uint64_t *seed, unsigned *every) {
+  const char *v = getenv("DOPT_TEST_SUBSET");
+  if (!v || !v[0]) return 0;
+  char *end = NULL;
+  unsigned long long s = strtoull(v, &end, 16);
+  if (end == v || *end != '/') fail_msg("DOPT_TEST_SUBSET='%s': want SEED/N (SEED hex, N >= 1)", v);
+  const char *np = end + 1;
+  unsigned long n = strtoul(np, &end, 10);
+  if (end == np || *end != '\0' || n < 1 || n > 1000000) fail_msg("DOPT_TEST_SUBSET='%s': N must be 1..1000000", v);
+  *seed = (uint64_t)s;
+  *every = (unsigned)n;
+  return n > 1;
+}
+
+int dt_subset_keep(uint64_t group, int i, int n) {
+  uint64_t seed = 0;
+  unsigned every = 1;
+  if (!subset_read(&seed, &every)) return 1;
+  uint64_t g = seed ^ (group * (uint64_t)0x9E3779B97F4A7C15), h = g;
+  if ((int)(dt_rand_u64(&h) % (uint64_t)n) == i) return 1; /* the group's one sure item */
+  h = g + (uint64_t)0x632BE59BD9B4E019 * (uint64_t)(unsigned)(i + 1);
+  return dt_rand_u64(&h) % every == 0;
+}
+
+const char *dt_subset_desc(void) {
+  static char buf[160];
+  uint64_t seed = 0;
+  unsigned every = 1;
+  if (!subset_read(&seed, &every)) return "every item";
+  snprintf(buf, sizeof buf, "about 1 in %u: DOPT_TEST_SUBSET=%s, unset for all", every, getenv("DOPT_TEST_SUBSET"));
+  return buf;
+}
+
 double dt_rand_uniform(uint64_t *s) { return (double)(dt_rand_u64(s) >> 11) * 0x1.0p-53; }
 
 double dt_rand_normal(uint64_t *s) {
