@@ -56,7 +56,6 @@ static const dt_layout CI_LAYOUTS[] = {
     {3, 2, 0, 1}, {4, 1, 2, 256}, {2, 3, 3, 0}, {1, 3, 3, 1}, {3, 4, 2, 256}, {4, 2, 1, 0},  {4, 4, 3, 1},
 };
 
-/* dp_sum, ring: dt_case's (the dp-sum mode; the simulator's ring order) */
 /* The grid's layouts per setting, counted whether run or not (dt_subset_keep: the sanitizer passes'
  * rotating subset), for the summary lines. */
 static int grid_candidates;
@@ -68,6 +67,7 @@ static uint64_t setting_key(const hp_setting *hp, int steps, int dp_sum, int rin
   return k ^ ((uint64_t)steps << 40 | (uint64_t)dp_sum << 20 | (uint64_t)ring);
 }
 
+/* dp_sum, ring: dt_case's (the dp-sum mode; the simulator's ring order) */
 static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int nlay, int steps, int dp_sum, int ring) {
   int runs = 0;
   for (int h = 0; h < nhp; h++) {
