@@ -28,7 +28,8 @@ typedef struct cli_path {
  * that a bad path fails at once with one line and nothing written: every
  * output (path NULL: not given) is a new or regular file in a writable folder
  * or a character device (dir: a folder), never a FIFO, socket or folder
- * where a file belongs; and no output is, lies inside, or holds an input.
+ * where a file belongs; no output is, lies inside, or holds an input; and no
+ * two outputs are the same file (a character device excepted).
  * CLI_OK or CLI_USAGE (after the message). */
 int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_path *ins, int nin);
 

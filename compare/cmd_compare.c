@@ -238,7 +238,7 @@ static int sweep_conflicts(const cmp_options *o, unsigned cli_given, int ranks_g
 }
 
 /* The one rule for files (cli_check_paths), before any work: --json, --plot and --checkpoint-dir are not,
- * hold or lie inside an input (--config, --trace: a recording's whole folder). */
+ * hold or lie inside an input (--config, --trace: a recording's whole folder), nor one another. */
 static int check_paths(const cmp_options *o, const char *config) {
   char rec[sizeof o->trace_path];
   snprintf(rec, sizeof rec, "%s", o->trace_path);

@@ -570,7 +570,7 @@ static int resume_gen(run_ctx *c) {
 }
 
 /* Outputs and inputs by the one rule (cli_check_paths), before the steps run: --out and --save
- * are not, and do not hold or lie inside, an input. One exception: --save into the folder of the
+ * are not, and do not hold or lie inside, an input, nor the same path. One exception: --save into the folder of the
  * checkpoint being resumed adds generations to it (resume() refuses a save that would rewrite the
  * generation being read). */
 static int check_paths(const run_ctx *c) {
@@ -586,6 +586,8 @@ static int check_paths(const run_ctx *c) {
   const cli_path out = {"--out", c->out_path, 0}, save = {"--save", c->save_path, 1};
   int rc = cli_check_paths(CMD, &out, 1, ins, nin);
   if (rc == CLI_OK) rc = cli_check_paths(CMD, &save, 1, ins, c->save_into_resumed ? nin - 3 : nin);
+  dopt_status s = DOPT_OK;
+  if (rc == CLI_OK && (s = dopt__check_distinct(out.opt, out.path, save.opt, save.path)) != DOPT_OK) rc = cli_error(CMD, s);
   return rc;
 }
 

@@ -37,6 +37,8 @@ int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_p
     if (!outs[k].path) continue;
     dopt_status s = dopt__check_output(outs[k].opt, outs[k].path, outs[k].dir ? DOPT_OUT_DIR : DOPT_OUT_FILE);
     for (int i = 0; s == DOPT_OK && i < nin; i++) s = dopt__check_apart(outs[k].opt, outs[k].path, ins[i].opt, ins[i].path);
+    for (int j = 0; s == DOPT_OK && j < k; j++)
+      if (outs[j].path) s = dopt__check_distinct(outs[j].opt, outs[j].path, outs[k].opt, outs[k].path);
     if (s != DOPT_OK) return cli_error(cmd, s);
   }
   return CLI_OK;

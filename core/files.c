@@ -291,6 +291,53 @@ dopt_status dopt__check_apart(const char *out_opt, const char *out, const char *
   return DOPT_OK;
 }
 
+/* Where an output lands: its node when it exists, else its folder's node and its name
+ * (links resolved as the write resolves them). 0: cannot tell (a folder not made yet). */
+typedef struct landing {
+  dev_t dev;
+  ino_t ino;
+  int exists, chr;
+  char name[DOPT_PATH_MAX];
+} landing;
+
+static int land(const char *path, landing *l) {
+  char target[DOPT_PATH_MAX], dir[DOPT_PATH_MAX];
+  struct stat st;
+  int exists = 0;
+  memset(l, 0, sizeof *l);
+  if (resolve_links(path, target, &st, &exists) != DOPT_OK) {
+    dopt_clear_error();
+    return 0; /* dopt__check_output reports it */
+  }
+  if (exists) {
+    if (stat(target, &st) != 0) return 0;
+    l->exists = 1;
+    l->chr = S_ISCHR(st.st_mode);
+  } else {
+    size_t n = strlen(target);
+    while (n > 1 && target[n - 1] == '/') target[--n] = '\0';
+    const char *base = strrchr(target, '/');
+    snprintf(l->name, sizeof l->name, "%s", base ? base + 1 : target);
+    dopt__path_parent(target, dir);
+    if (stat(dir, &st) != 0) return 0;
+  }
+  l->dev = st.st_dev;
+  l->ino = st.st_ino;
+  return 1;
+}
+
+dopt_status dopt__check_distinct(const char *opt_a, const char *a, const char *opt_b, const char *b) {
+  landing la, lb;
+  if (!a || !b || !*a || !*b || !land(a, &la) || !land(b, &lb)) return DOPT_OK;
+  if (la.exists != lb.exists || la.dev != lb.dev || la.ino != lb.ino || strcmp(la.name, lb.name) != 0) return DOPT_OK;
+  if (la.chr) return DOPT_OK; /* a character device (/dev/null) takes every output */
+  char na[DOPT_PATH_MAX + 64], nb[DOPT_PATH_MAX + 64];
+  named(na, sizeof na, opt_a, a);
+  named(nb, sizeof nb, opt_b, b);
+  return dopt__fail(DOPT_ERR_INVALID_ARG, "%s and %s are the same file: one output would replace the other (choose "
+                    "two paths)", na, nb);
+}
+
 struct dopt_wfile {
   char target[DOPT_PATH_MAX]; /* what the commit replaces (links resolved for an output) */
   char tmp[DOPT_PATH_MAX];    /* "" when written through (a character device) */

@@ -59,6 +59,12 @@ dopt_status dopt__check_output(const char *opt, const char *path, int kind);
  * options and paths. */
 dopt_status dopt__check_apart(const char *out_opt, const char *out, const char *in_opt, const char *in);
 
+/* Two outputs of one command may not land in the same file (by device and
+ * inode, links and spellings seen through; a file not made yet by its
+ * folder's node and its name), unless it is a character device, which takes
+ * both. DOPT_ERR_INVALID_ARG naming both options and paths. */
+dopt_status dopt__check_distinct(const char *opt_a, const char *a, const char *opt_b, const char *b);
+
 /* An output being written. DOPT_W_OUTPUT: a path the user named, by the rule
  * of dopt__check_output (links resolved, a character device written through).
  * DOPT_W_INTERNAL: a file inside distopt's own folder (a checkpoint's

@@ -242,6 +242,48 @@ static void test_check_apart(void **st) {
   assert_status(dopt__check_apart("--out", dotted, "--in", at(b, "p")), DOPT_ERR_INVALID_ARG, "is the input");
 }
 
+/* Two outputs of one command never land in the same file: by node when it exists, by folder and name
+ * when not yet made; spellings, links and hard links seen through. */
+static void test_check_distinct(void **st) {
+  (void)st;
+  char b[400], dotted[800];
+  box("distinct", b, sizeof b);
+  assert_int_equal(mkdir(at(b, "d"), 0755), 0);
+  put(at(b, "f"), "x");
+  assert_int_equal(link(at(b, "f"), at(b, "f_hard")), 0);
+  assert_int_equal(symlink("f", at(b, "f_link")), 0);
+  assert_int_equal(symlink("new", at(b, "dangling")), 0); /* names the file to be made */
+  assert_int_equal(symlink("d", at(b, "d_link")), 0);
+  snprintf(dotted, sizeof dotted, "%s/d/../new", b);
+  struct {
+    const char *a, *b;
+    int same;
+  } C[] = {
+      {"f", "f", 1},          {"f", "f_hard", 1}, {"f_link", "f", 1},      {"new", "new", 1},
+      {"dangling", "new", 1}, {"d_link/x", "d/x", 1}, {"d", "d", 1},       {"f", "new", 0},
+      {"d/x", "d/y", 0},      {"new", "d/new", 0},    {"nodir/x", "nodir/x", 0}, /* its folder not made yet: not told */
+  };
+  for (size_t k = 0; k < sizeof C / sizeof C[0]; k++) {
+    dopt_status s = dopt__check_distinct("--json", at(b, C[k].a), "--plot", at(b, C[k].b));
+    if (C[k].same ? s != DOPT_ERR_INVALID_ARG || !strstr(dopt_last_error(), "are the same file") : s != DOPT_OK)
+      fail_msg("%s vs %s: %s '%s', want %s", C[k].a, C[k].b, dopt_status_name(s), dopt_last_error(),
+               C[k].same ? "the same file" : "distinct");
+  }
+  assert_status(dopt__check_distinct("--json", dotted, "--plot", at(b, "new")), DOPT_ERR_INVALID_ARG,
+                "are the same file");
+  /* the commands: one line, exit 2, nothing written */
+  const char *c1[] = {"compare", "--steps", "2", "--json", at(b, "o"), "--plot", at(b, "o"), "--quiet", NULL};
+  expect(b, c1, 2, "are the same file", NULL, NULL);
+  const char *c2[] = {"compare", "--steps", "2", "--json", at(b, "f"), "--plot", at(b, "f_link"), "--quiet", NULL};
+  expect(b, c2, 2, "are the same file", NULL, NULL);
+  const char *r1[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "1", "--out", at(b, "o"), "--save",
+                      at(b, "o"), "--quiet", NULL};
+  expect(b, r1, 2, "are the same file", NULL, NULL);
+  const char *v1[] = {"compare", "--steps", "2", "--checkpoint-at", "1", "--checkpoint-dir", at(b, "d"), "--json",
+                      at(b, "d_link"), "--quiet", NULL};
+  expect(b, v1, 2, "is a folder", NULL, NULL); /* a folder as --json: the output rule's */
+}
+
 static void test_remove_flat_dir(void **st) {
   (void)st;
   char b[400];
@@ -633,6 +675,7 @@ int main(int argc, char **argv) {
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_check_output),       cmocka_unit_test(test_check_apart),
+      cmocka_unit_test(test_check_distinct),
       cmocka_unit_test(test_remove_flat_dir),    cmocka_unit_test(test_atomic_write),
       cmocka_unit_test(test_open_read),          cmocka_unit_test(test_save_never_follows_links),
       cmocka_unit_test(test_outputs_one_rule),   cmocka_unit_test(test_outputs_never_inputs),
