@@ -39,6 +39,9 @@ int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_p
     for (int i = 0; s == DOPT_OK && i < nin; i++) s = dopt__check_apart(outs[k].opt, outs[k].path, ins[i].opt, ins[i].path);
     for (int j = 0; s == DOPT_OK && j < k; j++)
       if (outs[j].path) s = dopt__check_distinct(outs[j].opt, outs[j].path, outs[k].opt, outs[k].path);
+    for (int j = 0; s == DOPT_OK && j < nout; j++) /* every folder output of ours is a checkpoint folder */
+      if (outs[j].path && outs[j].dir && !outs[k].dir)
+        s = dopt__check_ckpt_names(outs[k].opt, outs[k].path, outs[j].opt, outs[j].path);
     if (s != DOPT_OK) return cli_error(cmd, s);
   }
   return CLI_OK;

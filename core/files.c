@@ -338,6 +338,29 @@ dopt_status dopt__check_distinct(const char *opt_a, const char *a, const char *o
                     "two paths)", na, nb);
 }
 
+dopt_status dopt__check_ckpt_names(const char *out_opt, const char *out, const char *dir_opt, const char *dir) {
+  char target[DOPT_PATH_MAX], parent[DOPT_PATH_MAX];
+  struct stat st, sd;
+  int exists = 0;
+  if (!out || !dir || !*out || !*dir || stat(dir, &sd) != 0) return DOPT_OK;
+  if (resolve_links(out, target, &st, &exists) != DOPT_OK) {
+    dopt_clear_error();
+    return DOPT_OK;
+  }
+  size_t n = strlen(target);
+  while (n > 1 && target[n - 1] == '/') target[--n] = '\0';
+  const char *slash = strrchr(target, '/'), *name = slash ? slash + 1 : target;
+  if (strcmp(name, "latest") != 0 && strncmp(name, "step-", 5) != 0 && strncmp(name, ".tmp-step-", 10) != 0)
+    return DOPT_OK;
+  dopt__path_parent(target, parent);
+  if (stat(parent, &st) != 0 || !same_node(&st, &sd)) return DOPT_OK;
+  char no[DOPT_PATH_MAX + 64], nd[DOPT_PATH_MAX + 64];
+  named(no, sizeof no, out_opt, out);
+  named(nd, sizeof nd, dir_opt, dir);
+  return dopt__fail(DOPT_ERR_INVALID_ARG, "%s is a name the checkpoint folder %s uses (latest, step-<N>, "
+                    ".tmp-step-<N>): one output would replace the other (choose another name)", no, nd);
+}
+
 struct dopt_wfile {
   char target[DOPT_PATH_MAX]; /* what the commit replaces (links resolved for an output) */
   char tmp[DOPT_PATH_MAX];    /* "" when written through (a character device) */

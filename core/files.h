@@ -65,6 +65,11 @@ dopt_status dopt__check_apart(const char *out_opt, const char *out, const char *
  * both. DOPT_ERR_INVALID_ARG naming both options and paths. */
 dopt_status dopt__check_distinct(const char *opt_a, const char *a, const char *opt_b, const char *b);
 
+/* A file output inside a checkpoint folder that is another output of the
+ * same command may not take a name the folder's writer uses (`latest`,
+ * `step-<N>`, `.tmp-step-<N>`; checked when the folder exists). */
+dopt_status dopt__check_ckpt_names(const char *out_opt, const char *out, const char *dir_opt, const char *dir);
+
 /* An output being written. DOPT_W_OUTPUT: a path the user named, by the rule
  * of dopt__check_output (links resolved, a character device written through).
  * DOPT_W_INTERNAL: a file inside distopt's own folder (a checkpoint's

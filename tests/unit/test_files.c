@@ -282,6 +282,18 @@ static void test_check_distinct(void **st) {
   const char *v1[] = {"compare", "--steps", "2", "--checkpoint-at", "1", "--checkpoint-dir", at(b, "d"), "--json",
                       at(b, "d_link"), "--quiet", NULL};
   expect(b, v1, 2, "is a folder", NULL, NULL); /* a folder as --json: the output rule's */
+  /* a file output on a name the checkpoint folder output writes */
+  assert_int_equal(mkdir(at(b, "K"), 0755), 0);
+  const char *k1[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "1", "--out", at(b, "K/latest"),
+                      "--save", at(b, "K"), "--quiet", NULL};
+  expect(b, k1, 2, "is a name the checkpoint folder --save", NULL, NULL);
+  const char *k2[] = {"compare", "--steps", "2", "--checkpoint-at", "1", "--checkpoint-dir", at(b, "K"), "--json",
+                      at(b, "K/step-000000001"), "--quiet", NULL};
+  expect(b, k2, 2, "is a name the checkpoint folder --checkpoint-dir", NULL, NULL);
+  const char *k3[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "1", "--out", at(b, "K/final.st"),
+                      "--save", at(b, "K"), "--quiet", NULL};
+  const char *const made[] = {"K", NULL};
+  expect(b, k3, 0, NULL, made, NULL); /* any other name in it is fine */
 }
 
 static void test_remove_flat_dir(void **st) {
@@ -414,8 +426,10 @@ static void test_save_never_follows_links(void **st) {
   /* a stale temporary generation that is a link into d: removed as a link */
   assert_int_equal(mkdir(at(b, "D"), 0755), 0);
   assert_int_equal(symlink("../d", at(b, "D/.tmp-step-000000002")), 0);
+  char ost[700]; /* at()'s buffers are reused below: --out keeps its own */
+  snprintf(ost, sizeof ost, "%s", at(b, "o.st"));
   const char *s1[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "2", "--save", at(b, "D"),
-                      "--out", at(b, "o.st"), "--quiet", NULL};
+                      "--out", ost, "--quiet", NULL};
   const char *o1[] = {"D", "o.st", NULL};
   expect(b, s1, 0, NULL, o1, NULL);
   assert_int_equal(kind_of(at(b, "D/step-000000002")), S_IFDIR);
