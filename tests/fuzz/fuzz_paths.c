@@ -4,7 +4,9 @@
  * path through it ("..", ".", "//", links). The property: whenever dopt__check_output and
  * dopt__check_apart accept the pair, writing the output (dopt__write_file, as every command writes) leaves
  * the input byte-identical and changes nothing in the sandbox but the output's final target; when they
- * refuse, the message is one line; and nothing ever blocks (a FIFO is never opened for writing). */
+ * refuse, the message is one line; and nothing ever blocks (a FIFO is never opened for writing). Then the
+ * input path as a second output: when dopt__check_distinct accepts it, writing it leaves the first output's
+ * content as written. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -180,5 +182,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (fd >= 0) close(fd);
     if (in_after != in_before) abort(); /* the input was written */
   }
+  /* the second path as a second output of the same command: when dopt__check_distinct accepts the pair,
+   * writing it never replaces what the first output holds (the sandbox has no character device) */
+  char got[16] = "";
+  int fd = open(out, O_RDONLY | O_NONBLOCK);
+  ssize_t k = fd >= 0 ? read(fd, got, sizeof got - 1) : -1;
+  if (fd >= 0) close(fd);
+  if (k != 7 || memcmp(got, "written", 7) != 0) return 0; /* the first write did not land: nothing to keep */
+  if (dopt__check_output("--plot", in, DOPT_OUT_FILE) != DOPT_OK || dopt__check_distinct("--out", out, "--plot", in) != DOPT_OK) {
+    if (strchr(dopt_last_error(), '\n')) abort();
+    return 0;
+  }
+  if (dopt__write_file(in, DOPT_W_OUTPUT, "second", 6) != DOPT_OK) return 0;
+  memset(got, 0, sizeof got);
+  fd = open(out, O_RDONLY | O_NONBLOCK);
+  k = fd >= 0 ? read(fd, got, sizeof got - 1) : -1;
+  if (fd >= 0) close(fd);
+  if (k != 7 || memcmp(got, "written", 7) != 0) abort(); /* the second output replaced the first */
   return 0;
 }
