@@ -61,10 +61,11 @@ typedef struct dt_run_opts {
 int dt_run_with(const char *bin, const char *const *args, const char *out, const char *err, const dt_run_opts *o);
 
 /* The rotating subset of the long grids (test.sh's sanitizer passes): DOPT_TEST_SUBSET="SEED/N"
- * (SEED hex, e.g. a commit hash; N >= 1) keeps item i of n in group g when a hash of SEED, g and i
- * is 0 mod N, and always one item of each group (chosen by the same hash), so every optimizer
- * setting still runs and each commit covers another part. Unset: every item. A malformed value
- * fails the test. */
+ * (SEED hex, e.g. a commit hash; N >= 1) keeps every N-th item i of the n in group g, from an
+ * offset that a hash of SEED and g chooses (exactly floor or ceil of n/N items: the cost does not
+ * swing with the seed), and one item of a group of at most N; so every optimizer setting still
+ * runs, each commit covers another part, and N offsets cover all. Unset: every item. A malformed
+ * value fails the test. */
 int dt_subset_keep(uint64_t group, int i, int n);
 /* "every item" or "1 in N (DOPT_TEST_SUBSET=SEED/N)", for the test's summary line. */
 const char *dt_subset_desc(void);
