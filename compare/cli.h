@@ -32,6 +32,10 @@ typedef struct cli_path {
  * two outputs are the same file (a character device excepted).
  * CLI_OK or CLI_USAGE (after the message). */
 int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_path *ins, int nin);
+/* cli_check_paths' last part alone, for outputs checked against different inputs (run's --out and
+ * --save): no two outputs are the same file, no file output takes a name a checkpoint-folder
+ * output writes (latest, step-<N>, .tmp-step-<N>). */
+int cli_check_outputs(const char *cmd, const cli_path *outs, int nout);
 
 /* Upstream's defaults ("") when they make a valid optimizer, else the
  * optimizer's registry example (CAME has no default lr): what bench and mem

@@ -586,10 +586,8 @@ static int check_paths(const run_ctx *c) {
   const cli_path out = {"--out", c->out_path, 0}, save = {"--save", c->save_path, 1};
   int rc = cli_check_paths(CMD, &out, 1, ins, nin);
   if (rc == CLI_OK) rc = cli_check_paths(CMD, &save, 1, ins, c->save_into_resumed ? nin - 3 : nin);
-  dopt_status s = DOPT_OK;
-  if (rc == CLI_OK && ((s = dopt__check_distinct(out.opt, out.path, save.opt, save.path)) != DOPT_OK ||
-                       (s = dopt__check_ckpt_names(out.opt, out.path, save.opt, save.path)) != DOPT_OK))
-    rc = cli_error(CMD, s);
+  const cli_path both[] = {out, save};
+  if (rc == CLI_OK) rc = cli_check_outputs(CMD, both, 2);
   return rc;
 }
 

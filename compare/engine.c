@@ -236,6 +236,11 @@ static void synth_grad(const source *s, int i, int step, int shard, float *out) 
   }
 }
 
+/* A trace's gradient of parameter `name` at step t (1-based), shard sh. */
+static void grad_key(char *key, size_t cap, int t, int sh, const char *name) {
+  snprintf(key, cap, "grad/%d/%d/%s", t, sh, name);
+}
+
 /* The gradient of parameter i for (step, shard): from the trace, the recording (shard 0: the whole
  * step's gradient, assembled from its source pieces) or synthetic. */
 static dopt_status shard_grad(const source *s, int i, int step, int shard, float *out) {
@@ -257,7 +262,7 @@ static dopt_status shard_grad(const source *s, int i, int step, int shard, float
     return DOPT_OK;
   }
   char key[200];
-  snprintf(key, sizeof key, "grad/%d/%d/%s", step, shard, s->p[i].name);
+  grad_key(key, sizeof key, step, shard, s->p[i].name);
   return dopt_st_read_f32(s->trace, key, out, s->numel[i]);
 }
 
@@ -384,7 +389,7 @@ static dopt_status trace_has_grads(const cmp_options *o, const source *s) {
     for (int sh = 0; sh < s->shards; sh++)
       for (int i = 0; i < s->np; i++) {
         char key[200];
-        snprintf(key, sizeof key, "grad/%d/%d/%s", t, sh, s->p[i].name);
+        grad_key(key, sizeof key, t, sh, s->p[i].name);
         dopt_st_tensor g;
         DOPT_TRY(dopt_st_find(s->trace, key, &g));
         if (g.numel != s->numel[i])

@@ -32,11 +32,10 @@ int cli_errorf(const char *cmd, const char *fmt, ...) {
   return CLI_USAGE;
 }
 
-int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_path *ins, int nin) {
+int cli_check_outputs(const char *cmd, const cli_path *outs, int nout) {
   for (int k = 0; k < nout; k++) {
     if (!outs[k].path) continue;
-    dopt_status s = dopt__check_output(outs[k].opt, outs[k].path, outs[k].dir ? DOPT_OUT_DIR : DOPT_OUT_FILE);
-    for (int i = 0; s == DOPT_OK && i < nin; i++) s = dopt__check_apart(outs[k].opt, outs[k].path, ins[i].opt, ins[i].path);
+    dopt_status s = DOPT_OK;
     for (int j = 0; s == DOPT_OK && j < k; j++)
       if (outs[j].path) s = dopt__check_distinct(outs[j].opt, outs[j].path, outs[k].opt, outs[k].path);
     for (int j = 0; s == DOPT_OK && j < nout; j++) /* every folder output of ours is a checkpoint folder */
@@ -45,6 +44,16 @@ int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_p
     if (s != DOPT_OK) return cli_error(cmd, s);
   }
   return CLI_OK;
+}
+
+int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_path *ins, int nin) {
+  for (int k = 0; k < nout; k++) {
+    if (!outs[k].path) continue;
+    dopt_status s = dopt__check_output(outs[k].opt, outs[k].path, outs[k].dir ? DOPT_OUT_DIR : DOPT_OUT_FILE);
+    for (int i = 0; s == DOPT_OK && i < nin; i++) s = dopt__check_apart(outs[k].opt, outs[k].path, ins[i].opt, ins[i].path);
+    if (s != DOPT_OK) return cli_error(cmd, s);
+  }
+  return cli_check_outputs(cmd, outs, nout);
 }
 
 static void usage(FILE *f) {

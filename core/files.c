@@ -291,6 +291,22 @@ dopt_status dopt__check_apart(const char *out_opt, const char *out, const char *
   return DOPT_OK;
 }
 
+/* path's final target (resolve_links) split into its folder and its last name (trailing
+ * slashes dropped); *st, *exists: resolve_links'. 0: cannot tell (dopt__check_output reports it). */
+static int target_parts(const char *path, char *dir, char *name, struct stat *st, int *exists) {
+  char target[DOPT_PATH_MAX];
+  if (resolve_links(path, target, st, exists) != DOPT_OK) {
+    dopt_clear_error();
+    return 0;
+  }
+  size_t n = strlen(target);
+  while (n > 1 && target[n - 1] == '/') target[--n] = '\0';
+  const char *slash = strrchr(target, '/');
+  snprintf(name, DOPT_PATH_MAX, "%s", slash ? slash + 1 : target);
+  dopt__path_parent(target, dir);
+  return 1;
+}
+
 /* Where an output lands: its node when it exists, else its folder's node and its name
  * (links resolved as the write resolves them). 0: cannot tell (a folder not made yet). */
 typedef struct landing {
@@ -301,25 +317,16 @@ typedef struct landing {
 } landing;
 
 static int land(const char *path, landing *l) {
-  char target[DOPT_PATH_MAX], dir[DOPT_PATH_MAX];
+  char dir[DOPT_PATH_MAX];
   struct stat st;
-  int exists = 0;
   memset(l, 0, sizeof *l);
-  if (resolve_links(path, target, &st, &exists) != DOPT_OK) {
-    dopt_clear_error();
-    return 0; /* dopt__check_output reports it */
-  }
-  if (exists) {
-    if (stat(target, &st) != 0) return 0;
-    l->exists = 1;
+  if (!target_parts(path, dir, l->name, &st, &l->exists)) return 0;
+  if (l->exists) {
+    if (stat(path, &st) != 0) return 0; /* through the links: the node written */
     l->chr = S_ISCHR(st.st_mode);
-  } else {
-    size_t n = strlen(target);
-    while (n > 1 && target[n - 1] == '/') target[--n] = '\0';
-    const char *base = strrchr(target, '/');
-    snprintf(l->name, sizeof l->name, "%s", base ? base + 1 : target);
-    dopt__path_parent(target, dir);
-    if (stat(dir, &st) != 0) return 0;
+    l->name[0] = '\0';                  /* the node alone names it */
+  } else if (stat(dir, &st) != 0) {
+    return 0;
   }
   l->dev = st.st_dev;
   l->ino = st.st_ino;
@@ -339,20 +346,13 @@ dopt_status dopt__check_distinct(const char *opt_a, const char *a, const char *o
 }
 
 dopt_status dopt__check_ckpt_names(const char *out_opt, const char *out, const char *dir_opt, const char *dir) {
-  char target[DOPT_PATH_MAX], parent[DOPT_PATH_MAX];
+  char parent[DOPT_PATH_MAX], name[DOPT_PATH_MAX];
   struct stat st, sd;
   int exists = 0;
   if (!out || !dir || !*out || !*dir || stat(dir, &sd) != 0) return DOPT_OK;
-  if (resolve_links(out, target, &st, &exists) != DOPT_OK) {
-    dopt_clear_error();
-    return DOPT_OK;
-  }
-  size_t n = strlen(target);
-  while (n > 1 && target[n - 1] == '/') target[--n] = '\0';
-  const char *slash = strrchr(target, '/'), *name = slash ? slash + 1 : target;
+  if (!target_parts(out, parent, name, &st, &exists)) return DOPT_OK;
   if (strcmp(name, "latest") != 0 && strncmp(name, "step-", 5) != 0 && strncmp(name, ".tmp-step-", 10) != 0)
     return DOPT_OK;
-  dopt__path_parent(target, parent);
   if (stat(parent, &st) != 0 || !same_node(&st, &sd)) return DOPT_OK;
   char no[DOPT_PATH_MAX + 64], nd[DOPT_PATH_MAX + 64];
   named(no, sizeof no, out_opt, out);

@@ -67,7 +67,7 @@ int dt_run_with(const char *bin, const char *const *args, const char *out, const
  * runs, each commit covers another part, and N offsets cover all. Unset: every item. A malformed
  * value fails the test. */
 int dt_subset_keep(uint64_t group, int i, int n);
-/* "every item" or "1 in N (DOPT_TEST_SUBSET=SEED/N)", for the test's summary line. */
+/* "every item" or "1 in N: DOPT_TEST_SUBSET=SEED/N, unset for all", for the test's summary line. */
 const char *dt_subset_desc(void);
 
 /* Returns the repository root (DOPT_SOURCE_DIR, set by CTest) or ".". */
