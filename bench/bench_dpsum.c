@@ -4,8 +4,10 @@
  * Table 1 (measured here, one thread): the whole-tensor sum of P rank
  * gradients of N fp32 elements — fp32 in rank order vs the exact sum with 1
  * and 2 int64 words (block codes, encode, integer add, decode: what the
- * ranks and the reduction do together, on one core) — median of REPS runs,
- * ns per element and the ratio to the fp32 sum.
+ * ranks and the reduction do together, on one core), with the portable
+ * kernels and with the AVX2 ones (core/grid_avx2.c; "-" where the CPU lacks
+ * AVX2), interleaved run by run — median of REPS runs, ns per element and
+ * the ratio to the fp32 sum of the same run.
  *
  * Table 2 (α–β model): bytes each rank sends per gradient element for an
  * all-reduce over n ranks (ring: 2(n−1)/n · bytes per element) and the
@@ -24,8 +26,9 @@
 #include <time.h>
 
 #include "distopt/dpsum.h"
+#include "grid.h"
 
-#define REPS 5
+#define REPS 7
 
 static double now_s(void) {
   struct timespec ts;
@@ -46,18 +49,27 @@ static double uniform(void) {
   return (double)(rng >> 11) * 0x1p-53;
 }
 
-static double median_sum(const float *const *parts, int p, int words, size_t n, float *out) {
-  double t[REPS];
+/* the medians of REPS interleaved runs of the fp32 sum and the exact sums
+ * with each kernel set (t[0] fp32, then words 1 and 2 for each of nk kernels) */
+static void median_sums(const float *const *parts, int p, size_t n, float *out, const dopt__grid_kern *const *kn,
+                        int nk, double *med) {
+  double t[1 + 4][REPS];
   for (int r = 0; r < REPS; r++) {
-    double t0 = now_s();
-    if (dopt_dp_sum(parts, p, words, n, out) != DOPT_OK) {
-      fprintf(stderr, "dopt_dp_sum failed\n");
-      exit(1);
+    for (int c = 0; c < 1 + 2 * nk; c++) {
+      double t0 = now_s();
+      dopt_status st = c == 0 ? dopt_dp_sum(parts, p, DOPT_DP_SUM_RANK_ORDER, n, out)
+                              : dopt__dp_sum_k(kn[(c - 1) / 2], parts, p, 1 + (c - 1) % 2, n, out);
+      if (st != DOPT_OK) {
+        fprintf(stderr, "dopt_dp_sum failed\n");
+        exit(1);
+      }
+      t[c][r] = now_s() - t0;
     }
-    t[r] = now_s() - t0;
   }
-  qsort(t, REPS, sizeof t[0], cmp_d);
-  return t[REPS / 2];
+  for (int c = 0; c < 1 + 2 * nk; c++) {
+    qsort(t[c], REPS, sizeof t[c][0], cmp_d);
+    med[c] = t[c][REPS / 2];
+  }
 }
 
 int main(int argc, char **argv) {
@@ -77,14 +89,22 @@ int main(int argc, char **argv) {
   const float *parts[PMAX];
   for (int d = 0; d < PMAX; d++) parts[d] = x + (size_t)d * n;
 
-  printf("Table 1: sum of P gradients of N = %zu fp32 elements, one thread, median of %d\n", n, REPS);
-  printf("%3s | %14s | %14s %6s | %14s %6s\n", "P", "fp32 ns/elem", "exact1 ns/elem", "ratio", "exact2 ns/elem",
-         "ratio");
+  const dopt__grid_kern *kn[2] = {dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE), dopt__grid_kernels(DOPT_GRID_IMPL_AVX2)};
+  const int nk = kn[1] ? 2 : 1;
+  printf("Table 1: sum of P gradients of N = %zu fp32 elements, one thread, median of %d (interleaved runs)\n", n, REPS);
+  printf("%3s | %8s | %16s | %16s | %16s | %16s\n", "P", "fp32 ns", "exact1 portable", "exact1 avx2", "exact2 portable",
+         "exact2 avx2");
   for (int p = 2; p <= PMAX; p *= 2) {
-    double f = median_sum(parts, p, DOPT_DP_SUM_RANK_ORDER, n, out);
-    double e1 = median_sum(parts, p, 1, n, out), e2 = median_sum(parts, p, 2, n, out);
-    double k = 1e9 / (double)n;
-    printf("%3d | %14.2f | %14.2f %5.1fx | %14.2f %5.1fx\n", p, f * k, e1 * k, e1 / f, e2 * k, e2 / f);
+    double med[5];
+    median_sums(parts, p, n, out, kn, nk, med);
+    const double k = 1e9 / (double)n;
+    printf("%3d | %8.2f", p, med[0] * k);
+    static const int col[4] = {1, 3, 2, 4}; /* words 1 then 2; portable then avx2 */
+    for (int c = 0; c < 4; c++) {
+      if (col[c] > 2 * nk) printf(" | %16s", "-");
+      else printf(" | %8.2f %6.2fx", med[col[c]] * k, med[col[c]] / med[0]);
+    }
+    printf("\n");
   }
 
   printf("\nTable 2: gradient sum per step, alpha-beta model (alpha %.1f us, beta %.1f GB/s per rank), %.3g parameters\n",

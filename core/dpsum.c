@@ -1,6 +1,7 @@
 /* The exact data-parallel sum (include/distopt/dpsum.h): the CPU kernels over
  * a piece (used by the CPU device) and the whole-tensor sum the reference
- * steps on. Element arithmetic: core/grid.h. */
+ * steps on. Element arithmetic: core/grid.h; the AVX2 segment kernels:
+ * core/grid_avx2.c. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,56 +10,132 @@
 
 size_t dopt_grid_blocks(size_t numel) { return (numel + DOPT_GRID_BLOCK - 1) / DOPT_GRID_BLOCK; }
 
-/* Walks the piece's elements in storage order with their logical index (no
- * division per element: a row of the TP block is contiguous in the logical
- * tensor). body(j, k): j from 0 (element lo), k logical. */
-#define FOR_PIECE(pc, j, k, body)                                                      \
-  do {                                                                                 \
-    if ((pc)->len == 0) break;                                                         \
-    size_t row_ = (pc)->lo / (pc)->wl, col_ = (pc)->lo % (pc)->wl;                     \
-    size_t k0_ = dopt_grid_logical((pc), (pc)->lo) - col_;                             \
-    for (size_t j = 0; j < (pc)->len;) {                                               \
-      size_t run_ = (pc)->wl - col_ < (pc)->len - j ? (pc)->wl - col_ : (pc)->len - j; \
-      for (size_t c_ = 0; c_ < run_; c_++, j++) {                                      \
-        size_t k = k0_ + col_ + c_;                                                    \
-        body;                                                                          \
-      }                                                                                \
-      col_ = 0;                                                                        \
-      row_++;                                                                          \
-      if (j < (pc)->len) k0_ = dopt_grid_logical((pc), row_ * (pc)->wl);               \
-    }                                                                                  \
+/* ---- the portable segment kernels: the element functions of core/grid.h ---- */
+
+static int32_t code_portable(const float *x, size_t n, int64_t *nonfinite) {
+  int32_t c = 0;
+  int64_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    const int32_t e = dopt_grid_code(x[i]);
+    c = e > c ? e : c;
+    bad += !isfinite(x[i]);
+  }
+  *nonfinite += bad;
+  return c;
+}
+
+static void encode_portable(const float *x, size_t n, int32_t code, int words, int k, int add, int64_t *w) {
+  for (size_t i = 0; i < n; i++) {
+    int64_t q[DOPT_DP_SUM_WORDS_MAX];
+    dopt_grid_encode(x[i], code, words, k, q);
+    for (int t = 0; t < words; t++) { /* unsigned: the words' sums stay below 2^62, no wrap */
+      int64_t *o = &w[i * (size_t)words + (size_t)t];
+      *o = add ? (int64_t)((uint64_t)*o + (uint64_t)q[t]) : q[t];
+    }
+  }
+}
+
+static void decode_portable(const int64_t *w, size_t n, int32_t code, int words, int k, float *x) {
+  for (size_t i = 0; i < n; i++) x[i] = dopt_grid_decode(w + i * (size_t)words, 0, code, words, k);
+}
+
+static const dopt__grid_kern kern_portable = {"portable", code_portable, encode_portable, decode_portable};
+
+const dopt__grid_kern *dopt__grid_kernels(int impl) {
+  if (impl == DOPT_GRID_IMPL_PORTABLE) return &kern_portable;
+  const dopt__grid_kern *v = dopt__grid_kern_avx2();
+  if (impl == DOPT_GRID_IMPL_AVX2) return v;
+  return v ? v : &kern_portable;
+}
+
+/* ---- the piece kernels ---- */
+
+/* Walks the piece's elements in segments: storage j.. and logical k.. both
+ * contiguous for n elements, within one logical block (a row of the TP block
+ * is contiguous in the logical tensor; no division per element). */
+#define FOR_SEGMENTS(pc, j, k, n, body)                                                 \
+  do {                                                                                  \
+    if ((pc)->len == 0) break;                                                          \
+    size_t row_ = (pc)->lo / (pc)->wl, col_ = (pc)->lo % (pc)->wl;                      \
+    size_t k0_ = dopt_grid_logical((pc), (pc)->lo) - col_;                              \
+    for (size_t j0_ = 0; j0_ < (pc)->len;) {                                            \
+      const size_t run_ = (pc)->wl - col_ < (pc)->len - j0_ ? (pc)->wl - col_ : (pc)->len - j0_; \
+      for (size_t o_ = 0; o_ < run_;) {                                                 \
+        const size_t j = j0_ + o_, k = k0_ + col_ + o_;                                 \
+        const size_t room_ = DOPT_GRID_BLOCK - k % DOPT_GRID_BLOCK;                     \
+        const size_t n = run_ - o_ < room_ ? run_ - o_ : room_;                         \
+        body;                                                                           \
+        o_ += n;                                                                        \
+      }                                                                                 \
+      j0_ += run_;                                                                      \
+      col_ = 0;                                                                         \
+      row_++;                                                                           \
+      if (j0_ < (pc)->len) k0_ = dopt_grid_logical((pc), row_ * (pc)->wl);              \
+    }                                                                                   \
   } while (0)
 
-void dopt__grid_codes(const float *x, const dopt_piece *pc, int32_t *codes, int64_t *nonfinite) {
+void dopt__grid_codes_k(const dopt__grid_kern *kn, const float *x, const dopt_piece *pc, int32_t *codes,
+                        int64_t *nonfinite) {
   int64_t bad = 0;
-  FOR_PIECE(pc, j, k, {
-    int32_t c = dopt_grid_code(x[j]);
+  FOR_SEGMENTS(pc, j, k, n, {
+    const int32_t c = kn->code(x + j, n, &bad);
     int32_t *b = &codes[k / DOPT_GRID_BLOCK];
     if (c > *b) *b = c;
-    bad += !isfinite(x[j]);
   });
   *nonfinite = bad;
 }
 
+/* cls[i] (+)= the class of x[i] for n elements: only for tensors with a
+ * non-finite value somewhere */
+static void add_classes(const float *x, size_t n, int add, int64_t *cls) {
+  for (size_t i = 0; i < n; i++) cls[i] = (add ? cls[i] : 0) + dopt_grid_class(x[i]);
+}
+
+/* x[i] for the elements whose class count is not 0 (NaN, ±inf) */
+static void decode_classes(const int64_t *w, const int64_t *cls, size_t n, int32_t code, int words, int k, float *x) {
+  for (size_t i = 0; i < n; i++)
+    if (cls[i]) x[i] = dopt_grid_decode(w + i * (size_t)words, cls[i], code, words, k);
+}
+
+void dopt__grid_encode_k(const dopt__grid_kern *kn, const float *x, const dopt_piece *pc, const int32_t *codes,
+                         int words, int k, int add, int64_t *w, int64_t *cls) {
+  FOR_SEGMENTS(pc, j, l, n, {
+    kn->encode(x + j, n, codes[l / DOPT_GRID_BLOCK], words, k, add, w + j * (size_t)words);
+    if (cls) add_classes(x + j, n, add, cls + j);
+  });
+}
+
+void dopt__grid_decode_k(const dopt__grid_kern *kn, const int64_t *w, const int64_t *cls, const dopt_piece *pc,
+                         const int32_t *codes, int words, int k, float *x) {
+  FOR_SEGMENTS(pc, j, l, n, {
+    const int32_t c = codes[l / DOPT_GRID_BLOCK];
+    kn->decode(w + j * (size_t)words, n, c, words, k, x + j);
+    if (cls) decode_classes(w + j * (size_t)words, cls + j, n, c, words, k, x + j);
+  });
+}
+
+void dopt__grid_codes(const float *x, const dopt_piece *pc, int32_t *codes, int64_t *nonfinite) {
+  dopt__grid_codes_k(dopt__grid_kernels(DOPT_GRID_IMPL_AUTO), x, pc, codes, nonfinite);
+}
+
 void dopt__grid_encode(const float *x, const dopt_piece *pc, const int32_t *codes, int words, int k, int add,
                        int64_t *w, int64_t *cls) {
-  FOR_PIECE(pc, j, l, {
-    int64_t q[DOPT_DP_SUM_WORDS_MAX];
-    dopt_grid_encode(x[j], codes[l / DOPT_GRID_BLOCK], words, k, q);
-    for (int t = 0; t < words; t++) /* unsigned: the words' sums stay below 2^62, no wrap */
-      w[j * (size_t)words + (size_t)t] = add ? (int64_t)((uint64_t)w[j * (size_t)words + (size_t)t] + (uint64_t)q[t]) : q[t];
-    if (cls) cls[j] = (add ? cls[j] : 0) + dopt_grid_class(x[j]);
-  });
+  dopt__grid_encode_k(dopt__grid_kernels(DOPT_GRID_IMPL_AUTO), x, pc, codes, words, k, add, w, cls);
 }
 
 void dopt__grid_decode(const int64_t *w, const int64_t *cls, const dopt_piece *pc, const int32_t *codes, int words,
                        int k, float *x) {
-  FOR_PIECE(pc, j, l, {
-    x[j] = dopt_grid_decode(w + j * (size_t)words, cls ? cls[j] : 0, codes[l / DOPT_GRID_BLOCK], words, k);
-  });
+  dopt__grid_decode_k(dopt__grid_kernels(DOPT_GRID_IMPL_AUTO), w, cls, pc, codes, words, k, x);
 }
 
-dopt_status dopt_dp_sum(const float *const *parts, int nparts, int words, size_t numel, float *out) {
+/* ---- the whole-tensor sum ---- */
+
+/* The four steps of the distributed sum fused per logical block, with no
+ * collective between them: the block's code over every part (the MAX), every
+ * part's words added as integers (the SUM; every partial sum of a word stays
+ * below 2^62 in magnitude), decoded. The block's words stay in L1. */
+dopt_status dopt__dp_sum_k(const dopt__grid_kern *kn, const float *const *parts, int nparts, int words, size_t numel,
+                           float *out) {
   DOPT_CHECK_ARG(parts != NULL, "dopt_dp_sum: parts=NULL");
   DOPT_CHECK_ARG(out != NULL, "dopt_dp_sum: out=NULL");
   DOPT_CHECK_ARG(nparts >= 1 && nparts <= DOPT_DP_SUM_MAX_PARTS, "dopt_dp_sum: nparts=%d must be in [1, %d]", nparts,
@@ -73,32 +150,33 @@ dopt_status dopt_dp_sum(const float *const *parts, int nparts, int words, size_t
       for (size_t i = 0; i < numel; i++) out[i] = out[i] + parts[d][i];
     return DOPT_OK;
   }
-  dopt_piece whole;
-  int64_t shape = (int64_t)numel;
-  dopt_piece_full(1, &shape, &whole);
-  const size_t nb = dopt_grid_blocks(numel);
   const int k = 62 - dopt_grid_headroom(nparts);
-  int32_t *codes = calloc(nb, sizeof *codes);
-  int64_t *acc = calloc(numel * (size_t)words, sizeof *acc), *ccls = calloc(numel, sizeof *ccls);
-  dopt_status st = DOPT_OK;
-  if (!codes || !acc || !ccls) {
-    st = dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dp_sum: scratch for %zu elements x %d words", numel, words);
-    goto done;
+  int64_t acc[DOPT_GRID_BLOCK * DOPT_DP_SUM_WORDS_MAX], cls[DOPT_GRID_BLOCK];
+  enum { TILE = 4 }; /* blocks whose codes are taken together: longer runs per part for the prefetcher */
+  for (size_t t0 = 0; t0 < numel; t0 += TILE * DOPT_GRID_BLOCK) {
+    const size_t tn = numel - t0 < TILE * DOPT_GRID_BLOCK ? numel - t0 : TILE * DOPT_GRID_BLOCK;
+    const size_t nb = (tn + DOPT_GRID_BLOCK - 1) / DOPT_GRID_BLOCK;
+    int32_t code[TILE] = {0};
+    int64_t bad[TILE] = {0};
+    for (int d = 0; d < nparts; d++)
+      for (size_t b = 0; b < nb; b++) {
+        const size_t lo = t0 + b * DOPT_GRID_BLOCK, n = numel - lo < DOPT_GRID_BLOCK ? numel - lo : DOPT_GRID_BLOCK;
+        const int32_t c = kn->code(parts[d] + lo, n, &bad[b]);
+        code[b] = c > code[b] ? c : code[b];
+      }
+    for (size_t b = 0; b < nb; b++) {
+      const size_t lo = t0 + b * DOPT_GRID_BLOCK, n = numel - lo < DOPT_GRID_BLOCK ? numel - lo : DOPT_GRID_BLOCK;
+      for (int d = 0; d < nparts; d++) {
+        kn->encode(parts[d] + lo, n, code[b], words, k, d > 0, acc);
+        if (bad[b]) add_classes(parts[d] + lo, n, d > 0, cls);
+      }
+      kn->decode(acc, n, code[b], words, k, out + lo);
+      if (bad[b]) decode_classes(acc, cls, n, code[b], words, k, out + lo);
+    }
   }
-  /* the block codes over every part (the MAX collective) */
-  int64_t bad = 0;
-  for (int d = 0; d < nparts; d++) {
-    int64_t b;
-    dopt__grid_codes(parts[d], &whole, codes, &b);
-    bad += b;
-  }
-  /* every part's words, added as integers (the integer SUM collective; every
-   * partial sum of a word stays below 2^62 in magnitude) */
-  for (int d = 0; d < nparts; d++) dopt__grid_encode(parts[d], &whole, codes, words, k, 1, acc, bad ? ccls : NULL);
-  dopt__grid_decode(acc, bad ? ccls : NULL, &whole, codes, words, k, out);
-done:
-  free(codes);
-  free(acc);
-  free(ccls);
-  return st;
+  return DOPT_OK;
+}
+
+dopt_status dopt_dp_sum(const float *const *parts, int nparts, int words, size_t numel, float *out) {
+  return dopt__dp_sum_k(dopt__grid_kernels(DOPT_GRID_IMPL_AUTO), parts, nparts, words, numel, out);
 }

@@ -183,6 +183,45 @@ void dopt__grid_encode(const float *x, const dopt_piece *pc, const int32_t *code
                        int64_t *w, int64_t *cls);
 void dopt__grid_decode(const int64_t *w, const int64_t *cls, const dopt_piece *pc, const int32_t *codes, int words,
                        int k, float *x);
+
+/* The code of a block whose largest finite |x| has the bit pattern a (the
+ * abs bits are ordered like the magnitudes, and dopt_grid_code is monotone in
+ * them, so the block's MAX of codes is the code of its MAX of abs bits). */
+DOPT_GRID_FN int32_t dopt_grid_code_of_abs(uint32_t a) {
+  const int32_t ex = (int32_t)(a >> 23);
+  return ex ? ex : a ? 1 : 0;
+}
+
+/* The kernels on a segment: n contiguous elements of one logical block (code
+ * `code` for encode and decode). Two implementations (docs/dp-sum.md, "Fast
+ * paths"): the portable one calls the element functions above; the AVX2 one
+ * (core/grid_avx2.c, x86-64 with runtime dispatch) computes the same bytes
+ * with integer shifts, tested bit for bit against it (tests/unit/test_dpsum.c).
+ * Non-finite elements: encode writes (adds) zero words and leaves the class
+ * counts to the caller; decode decodes the words only (the caller
+ * overwrites the elements whose class count is not 0). */
+typedef struct dopt__grid_kern {
+  const char *name;
+  int32_t (*code)(const float *x, size_t n, int64_t *nonfinite); /* max dopt_grid_code; nonfinite += count */
+  void (*encode)(const float *x, size_t n, int32_t code, int words, int k, int add, int64_t *w);
+  void (*decode)(const int64_t *w, size_t n, int32_t code, int words, int k, float *x);
+} dopt__grid_kern;
+
+enum { DOPT_GRID_IMPL_AUTO = 0, DOPT_GRID_IMPL_PORTABLE = 1, DOPT_GRID_IMPL_AVX2 = 2 };
+/* The kernels of an implementation (AUTO: AVX2 where the CPU has it, else
+ * portable); NULL for AVX2 where the CPU or the compiler lacks it. */
+const dopt__grid_kern *dopt__grid_kernels(int impl);
+const dopt__grid_kern *dopt__grid_kern_avx2(void); /* core/grid_avx2.c: NULL when unavailable */
+
+/* The piece kernels and the whole-tensor sum (dopt_dp_sum) with the given kernels. */
+void dopt__grid_codes_k(const dopt__grid_kern *kn, const float *x, const dopt_piece *pc, int32_t *codes,
+                        int64_t *nonfinite);
+void dopt__grid_encode_k(const dopt__grid_kern *kn, const float *x, const dopt_piece *pc, const int32_t *codes,
+                         int words, int k, int add, int64_t *w, int64_t *cls);
+void dopt__grid_decode_k(const dopt__grid_kern *kn, const int64_t *w, const int64_t *cls, const dopt_piece *pc,
+                         const int32_t *codes, int words, int k, float *x);
+dopt_status dopt__dp_sum_k(const dopt__grid_kern *kn, const float *const *parts, int nparts, int words, size_t numel,
+                           float *out);
 #endif
 
 #endif

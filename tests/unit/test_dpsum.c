@@ -294,6 +294,136 @@ static void test_pieces(void **state) {
   free(x);
 }
 
+/* ---- the AVX2 kernels against the portable ones, byte for byte ---- */
+
+/* a float of the given kind: 0 wide random (every exponent, subnormals
+ * included), 1 subnormal, 2 random with NaN (payloads, both signs) and ±inf
+ * mixed in, 3 a block's worth of near-ties: odd multiples of a half unit of
+ * a grid far below the block's top (rounding of small elements), 4 zeros and
+ * ±0 with a few large values */
+static float vec_value(int kind, uint64_t *rng) {
+  const uint64_t r = dt_rand_u64(rng);
+  uint32_t u = (uint32_t)r;
+  float f;
+  switch (kind) {
+  case 0: u &= 0xff7fffffu | ((u & 0x40000000u) ? 0u : 0x00800000u); break; /* exponent field ≤ 254 */
+  case 1: u &= 0x807fffffu; break;
+  case 2:
+    if (r % 7 == 0) u |= 0x7f800000u; /* NaN (payload) or inf (zero fraction, 1 in 2^23) */
+    else if (r % 11 == 0) u = (u & 0x80000000u) | 0x7f800000u; /* ±inf */
+    else u = (u & 0x807fffffu) | (uint32_t)(100 + (r >> 40) % 60) << 23;
+    break;
+  case 3: {
+    const int e = -(int)((r >> 33) % 60); /* 2^0 .. 2^-59 below the top */
+    f = (float)ldexp((double)(2 * ((r >> 8) & 0xffff) + 1), e - 17);
+    return (r & 1) ? -f : f;
+  }
+  default:
+    if (r % 13 == 0) u = (u & 0x80000000u) | 0x4f000000u | (u & 0x7fffffu);
+    else u &= 0x80000000u;
+    break;
+  }
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static void skip_without_avx2(void) {
+  if (!dopt__grid_kernels(DOPT_GRID_IMPL_AVX2)) {
+    print_message("no AVX2 kernels on this CPU/compiler: nothing to compare\n");
+    skip();
+  }
+}
+
+/* The whole-tensor sum: same bytes from both kernels for every kind of
+ * data, 1..9 parts, both word counts, lengths around block and vector edges. */
+static void test_avx2_sum_bitwise(void **state) {
+  (void)state;
+  skip_without_avx2();
+  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE), *vk = dopt__grid_kernels(DOPT_GRID_IMPL_AVX2);
+  static const size_t lens[] = {1, 3, 4, 7, 8, 9, 255, 256, 257, 1023, 1024 + 5, 3 * 256 + 13};
+  uint64_t rng = 21;
+  enum { NMAX = 3 * 256 + 13 + 1024 };
+  float *x = malloc(9 * NMAX * sizeof *x), a[NMAX], b[NMAX];
+  size_t checked = 0;
+  for (int kind = 0; kind < 5; kind++)
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+      for (int np = 1; np <= 9; np += (np < 3 ? 1 : 3)) {
+        const size_t n = lens[li];
+        const float *parts[9];
+        for (int d = 0; d < np; d++) {
+          for (size_t i = 0; i < n; i++) x[(size_t)d * NMAX + i] = vec_value(kind, &rng);
+          parts[d] = x + (size_t)d * NMAX;
+        }
+        for (int words = 1; words <= 2; words++) {
+          memset(a, 0xa5, sizeof a);
+          memset(b, 0x5a, sizeof b);
+          assert_int_equal(dopt__dp_sum_k(pk, parts, np, words, n, a), DOPT_OK);
+          assert_int_equal(dopt__dp_sum_k(vk, parts, np, words, n, b), DOPT_OK);
+          for (size_t i = 0; i < n; i++)
+            if (bits(a[i]) != bits(b[i]))
+              fail_msg("kind %d n=%zu parts=%d words=%d element %zu: portable %08x, avx2 %08x", kind, n, np, words,
+                       i, bits(a[i]), bits(b[i]));
+          checked += n;
+        }
+      }
+  assert_true(checked > 100000);
+  free(x);
+}
+
+/* The segment kernels one by one: codes and non-finite counts; the words
+ * (set and added) for block codes at and above the elements' own (so every
+ * element sits anywhere from on the grid to far below it), every headroom;
+ * decode of arbitrary summed words in the kernels' domain (one word |Q| <
+ * 2^62; two words |hi| < 2^61, |lo| < 2^62) for every block code, so
+ * results cover subnormals, zeros, ties and overflow to inf. */
+static void test_avx2_kernels_bitwise(void **state) {
+  (void)state;
+  skip_without_avx2();
+  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE), *vk = dopt__grid_kernels(DOPT_GRID_IMPL_AVX2);
+  enum { N = 256 };
+  uint64_t rng = 22;
+  float x[N], fa[N], fb[N];
+  int64_t wa[2 * N], wb[2 * N];
+  for (int rep = 0; rep < 400; rep++) {
+    const int kind = rep % 5;
+    const size_t n = 1 + (size_t)(dt_rand_u64(&rng) % N);
+    for (size_t i = 0; i < n; i++) x[i] = vec_value(kind, &rng);
+    int64_t ba = 0, bb = 0;
+    const int32_t ca = pk->code(x, n, &ba), cb = vk->code(x, n, &bb);
+    assert_int_equal(ca, cb);
+    assert_true(ba == bb);
+    const int h = (int)(dt_rand_u64(&rng) % 19), k = 62 - h;
+    int32_t code = ca + (int32_t)(dt_rand_u64(&rng) % 4 == 0 ? dt_rand_u64(&rng) % 70 : 0);
+    if (code > 254) code = 254;
+    for (int words = 1; words <= 2; words++) {
+      for (int add = 0; add <= 1; add++) {
+        for (size_t i = 0; i < (size_t)words * n; i++) wa[i] = wb[i] = (int64_t)(dt_rand_u64(&rng) >> 8) - (INT64_C(1) << 55);
+        pk->encode(x, n, code, words, k, add, wa);
+        vk->encode(x, n, code, words, k, add, wb);
+        if (memcmp(wa, wb, (size_t)words * n * sizeof wa[0]) != 0)
+          fail_msg("encode kind %d n=%zu code %d k=%d words=%d add=%d differs", kind, n, code, k, words, add);
+      }
+      for (size_t i = 0; i < n; i++) {
+        const int sh = (int)(dt_rand_u64(&rng) % 64);
+        const uint64_t r = dt_rand_u64(&rng);
+        int64_t w0 = (int64_t)(r >> 2) >> sh, w1 = (int64_t)(dt_rand_u64(&rng) >> 2) >> (dt_rand_u64(&rng) % 64);
+        if (words == 2) w0 >>= 1 + (int)(dt_rand_u64(&rng) % 3 == 0 ? 0 : dt_rand_u64(&rng) % 62);
+        if (r & 1) w0 = -w0;
+        if (r & 2) w1 = -w1;
+        wa[(size_t)words * i] = w0;
+        if (words == 2) wa[2 * i + 1] = w1;
+      }
+      const int32_t dcode = (int32_t)(dt_rand_u64(&rng) % 255);
+      pk->decode(wa, n, dcode, words, k, fa);
+      vk->decode(wa, n, dcode, words, k, fb);
+      for (size_t i = 0; i < n; i++)
+        if (bits(fa[i]) != bits(fb[i]))
+          fail_msg("decode code %d k=%d words=%d element %zu: portable %08x, avx2 %08x", dcode, k, words, i,
+                   bits(fa[i]), bits(fb[i]));
+    }
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_oracle_one_word), cmocka_unit_test(test_oracle_two_words),
@@ -301,6 +431,7 @@ int main(void) {
       cmocka_unit_test(test_blocks_independent), cmocka_unit_test(test_rounding),
       cmocka_unit_test(test_nonfinite),       cmocka_unit_test(test_single_part),
       cmocka_unit_test(test_errors),          cmocka_unit_test(test_pieces),
+      cmocka_unit_test(test_avx2_sum_bitwise), cmocka_unit_test(test_avx2_kernels_bitwise),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
