@@ -7,7 +7,10 @@
  *
  * Parameter set: one N×N weight (TP role COLUMN: rows split over tp) and one
  * N-element bias (REPLICATED); N = 4096 by default. Per optimizer:
- *  (a) reference: CPU time of one dopt_optim_step (one thread);
+ *  (a) reference: CPU time of one dopt_optim_step (one thread), and with
+ *      it the CPU time of dopt_dp_sum of the dp rank partials of both
+ *      gradients in the same dp-sum mode (what the distributed step sums;
+ *      measured once, it does not depend on the optimizer);
  *  (b) distributed, tp=2 × dp=2 × zero=2 on 4 simulator rank threads: process
  *      CPU time (all ranks together) and wall time of dopt_dist_step alone
  *      (gradients are fed with dopt_dist_backward before each step, outside
@@ -27,6 +30,7 @@
 #include <time.h>
 
 #include "distopt/dist.h"
+#include "distopt/dpsum.h"
 #include "distopt/optim.h"
 #include "distopt/sim.h"
 
@@ -235,6 +239,35 @@ static const cluster_desc CLUSTERS[] = {
     {"64 GPU: tp8 NVLink x dp8 IB (*)", {{"tp", 8, NVLINK_BPS, NVLINK_LAT}, {"dp", 8, IB_BPS, IB_LAT}}},
 };
 #define NCLUSTERS ((int)(sizeof CLUSTERS / sizeof CLUSTERS[0]))
+
+/* ---- the reference's dp sum ------------------------------------------------------------ */
+
+/* CPU time of dopt_dp_sum over the DP rank partials of both gradients (every
+ * dp rank gets the same, so DP copies of gw and gb), in the run's dp-sum mode:
+ * what the reference would add to its step to start from the rank partials
+ * instead of the averaged gradient (item 2 of the dp-sum issue: dist ≤ 1.5 ×
+ * (ref + this)). Median of warmup + steps runs after the warm-up ones. */
+static double dpsum_cpu(const opts *op, const float *gw, const float *gb) {
+  const size_t n = op->n;
+  float *out = malloc(n * n * sizeof *out);
+  if (!out) return -1;
+  const float *pw[DP], *pb[DP];
+  for (int d = 0; d < DP; d++) pw[d] = gw, pb[d] = gb;
+  double cpu[MAXSTEPS];
+  for (int it = 0; it < op->warmup + op->steps; it++) {
+    double c0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
+    dopt_status s = dopt_dp_sum(pw, DP, op->dp_words, n * n, out);
+    if (s == DOPT_OK) s = dopt_dp_sum(pb, DP, op->dp_words, n, out);
+    double c1 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
+    if (s != DOPT_OK) {
+      free(out);
+      return -1;
+    }
+    if (it >= op->warmup) cpu[it - op->warmup] = c1 - c0;
+  }
+  free(out);
+  return median(cpu, op->steps);
+}
 
 /* ---- one optimizer ----------------------------------------------------------------------- */
 
@@ -461,6 +494,11 @@ int main(int argc, char **argv) {
          "after %d warm-up\n\n",
          TP, DP, op.zero, op.zero == 3 ? "fsdp" : "hybrid", NRANKS, op.clip > 0 ? "on" : "off",
          op.dp_words ? "exact" : "rank-order (fp32)", op.steps, op.warmup);
+  const double sum_cpu = dpsum_cpu(&op, gw, gb);
+  if (sum_cpu < 0) {
+    fprintf(stderr, "dopt_dp_sum: %s\n", dopt_last_error());
+    return 1;
+  }
   int rc = 0;
   for (int i = 0; i < nrun; i++) {
     dopt_status s = run_case(&CASES[which[i]], &op, w0, b0, gw, gb, &rows[i]);
@@ -470,9 +508,9 @@ int main(int argc, char **argv) {
     }
   }
 
-  printf("| optimizer | ref CPU ms | dist CPU ms | ratio | dist wall ms | MB/step rank 0 | mean | max | "
-         "bus MB/step rank 0 | collectives/step rank 0 |\n");
-  printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  printf("| optimizer | ref CPU ms | dist CPU ms | ratio | ref + dp sum ms | dist / (ref + sum) | dist wall ms | "
+         "MB/step rank 0 | mean | max | bus MB/step rank 0 | collectives/step rank 0 |\n");
+  printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (int i = 0; i < nrun; i++) {
     const row *r = &rows[i];
     if (!r->name) continue;
@@ -482,16 +520,18 @@ int main(int argc, char **argv) {
       if (r->ops_kind[k] > 0)
         off += (size_t)snprintf(kinds + off, sizeof kinds - off, "%s%s %.0f", off ? ", " : "", kind_short(k),
                                 r->ops_kind[k]);
-    printf("| %s | %.1f | %.1f | %.2fx | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f (%s) |\n", r->name, r->ref_cpu * 1e3,
-           r->dist_cpu * 1e3, r->dist_cpu / r->ref_cpu, r->dist_wall * 1e3, r->bytes / 1e6, r->bytes_mean / 1e6,
+    printf("| %s | %.1f | %.1f | %.2fx | %.1f | %.2fx | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f (%s) |\n", r->name,
+           r->ref_cpu * 1e3, r->dist_cpu * 1e3, r->dist_cpu / r->ref_cpu, (r->ref_cpu + sum_cpu) * 1e3,
+           r->dist_cpu / (r->ref_cpu + sum_cpu), r->dist_wall * 1e3, r->bytes / 1e6, r->bytes_mean / 1e6,
            r->bytes_max / 1e6, r->bus_bytes / 1e6, r->ops, kinds);
   }
-  printf("\nref CPU: one dopt_optim_step, one thread. dist CPU: process CPU time of one dopt_dist_step on all %d\n"
+  printf("\nref CPU: one dopt_optim_step, one thread. ref + dp sum: plus dopt_dp_sum of the %d dp partials of both\n"
+         "gradients in the same mode (%.1f ms, one thread). dist CPU: process CPU time of one dopt_dist_step on all %d\n"
          "ranks together (sum of the ranks' thread CPU times for comparison below). MB: nccl-tests bytes\n"
          "(all_reduce, reduce, broadcast count*size; reduce_scatter/all_gather the full n*count*size buffer;\n"
          "all_to_allv the busiest sender's bytes to the others) of the collectives a rank took part in: rank 0's,\n"
          "the mean and the max over the ranks; bus MB: times the bus factor (what one rank sends in a ring).\n\n",
-         NRANKS);
+         DP, sum_cpu * 1e3, NRANKS);
   printf("| optimizer | ref wall ms | dist thread-CPU sum ms | state MB/rank (ref whole) | param+master MB/rank | "
          "grad MB/rank |\n|---|---:|---:|---:|---:|---:|\n");
   for (int i = 0; i < nrun; i++) {
