@@ -39,7 +39,7 @@ static void decode_portable(const int64_t *w, size_t n, int32_t code, int words,
   for (size_t i = 0; i < n; i++) x[i] = dopt_grid_decode(w + i * (size_t)words, 0, code, words, k);
 }
 
-static const dopt__grid_kern kern_portable = {"portable", code_portable, encode_portable, decode_portable};
+static const dopt__grid_kern kern_portable = {code_portable, encode_portable, decode_portable};
 
 const dopt__grid_kern *dopt__grid_kernels(int impl) {
   if (impl == DOPT_GRID_IMPL_PORTABLE) return &kern_portable;
@@ -152,27 +152,20 @@ dopt_status dopt__dp_sum_k(const dopt__grid_kern *kn, const float *const *parts,
   }
   const int k = 62 - dopt_grid_headroom(nparts);
   int64_t acc[DOPT_GRID_BLOCK * DOPT_DP_SUM_WORDS_MAX], cls[DOPT_GRID_BLOCK];
-  enum { TILE = 4 }; /* blocks whose codes are taken together: longer runs per part for the prefetcher */
-  for (size_t t0 = 0; t0 < numel; t0 += TILE * DOPT_GRID_BLOCK) {
-    const size_t tn = numel - t0 < TILE * DOPT_GRID_BLOCK ? numel - t0 : TILE * DOPT_GRID_BLOCK;
-    const size_t nb = (tn + DOPT_GRID_BLOCK - 1) / DOPT_GRID_BLOCK;
-    int32_t code[TILE] = {0};
-    int64_t bad[TILE] = {0};
-    for (int d = 0; d < nparts; d++)
-      for (size_t b = 0; b < nb; b++) {
-        const size_t lo = t0 + b * DOPT_GRID_BLOCK, n = numel - lo < DOPT_GRID_BLOCK ? numel - lo : DOPT_GRID_BLOCK;
-        const int32_t c = kn->code(parts[d] + lo, n, &bad[b]);
-        code[b] = c > code[b] ? c : code[b];
-      }
-    for (size_t b = 0; b < nb; b++) {
-      const size_t lo = t0 + b * DOPT_GRID_BLOCK, n = numel - lo < DOPT_GRID_BLOCK ? numel - lo : DOPT_GRID_BLOCK;
-      for (int d = 0; d < nparts; d++) {
-        kn->encode(parts[d] + lo, n, code[b], words, k, d > 0, acc);
-        if (bad[b]) add_classes(parts[d] + lo, n, d > 0, cls);
-      }
-      kn->decode(acc, n, code[b], words, k, out + lo);
-      if (bad[b]) decode_classes(acc, cls, n, code[b], words, k, out + lo);
+  for (size_t lo = 0; lo < numel; lo += DOPT_GRID_BLOCK) {
+    const size_t n = numel - lo < DOPT_GRID_BLOCK ? numel - lo : DOPT_GRID_BLOCK;
+    int32_t code = 0;
+    int64_t bad = 0;
+    for (int d = 0; d < nparts; d++) {
+      const int32_t c = kn->code(parts[d] + lo, n, &bad);
+      code = c > code ? c : code;
     }
+    for (int d = 0; d < nparts; d++) {
+      kn->encode(parts[d] + lo, n, code, words, k, d > 0, acc);
+      if (bad) add_classes(parts[d] + lo, n, d > 0, cls);
+    }
+    kn->decode(acc, n, code, words, k, out + lo);
+    if (bad) decode_classes(acc, cls, n, code, words, k, out + lo);
   }
   return DOPT_OK;
 }

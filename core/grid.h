@@ -201,7 +201,6 @@ DOPT_GRID_FN int32_t dopt_grid_code_of_abs(uint32_t a) {
  * counts to the caller; decode decodes the words only (the caller
  * overwrites the elements whose class count is not 0). */
 typedef struct dopt__grid_kern {
-  const char *name;
   int32_t (*code)(const float *x, size_t n, int64_t *nonfinite); /* max dopt_grid_code; nonfinite += count */
   void (*encode)(const float *x, size_t n, int32_t code, int words, int k, int add, int64_t *w);
   void (*decode)(const int64_t *w, size_t n, int32_t code, int words, int k, float *x);

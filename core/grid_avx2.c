@@ -31,6 +31,8 @@
 #include <immintrin.h>
 
 #define AVX2_FN __attribute__((target("avx2")))
+/* the tails (fewer than a vector's elements) go through the portable kernels */
+#define PORTABLE dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE)
 
 AVX2_FN static int32_t code_avx2(const float *x, size_t n, int64_t *nonfinite) {
   const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
@@ -50,15 +52,9 @@ AVX2_FN static int32_t code_avx2(const float *x, size_t n, int64_t *nonfinite) {
     amax = m[t] > amax ? m[t] : amax;
     bad += c[t];
   }
-  for (; i < n; i++) {
-    uint32_t u;
-    memcpy(&u, &x[i], sizeof u);
-    u &= 0x7fffffffu;
-    if (u < 0x7f800000u) amax = u > amax ? u : amax;
-    else bad++;
-  }
   *nonfinite += bad;
-  return dopt_grid_code_of_abs(amax);
+  const int32_t cv = dopt_grid_code_of_abs(amax), ct = PORTABLE->code(x + i, n - i, nonfinite);
+  return cv > ct ? cv : ct;
 }
 
 /* rint(|x|·2^(W·K − top)) of 8 elements (fp32 bits u) before the final
@@ -112,18 +108,6 @@ AVX2_FN static inline void put_two4(int64_t *w, int add, __m128i q, __m128i l, _
   put4(w + 4, add, _mm256_permute2x128_si256(p, b, 0x31));
 }
 
-/* the elements [i, n) through the portable element function */
-static void encode_tail(const float *x, size_t i, size_t n, int32_t code, int words, int k, int add, int64_t *w) {
-  for (; i < n; i++) {
-    int64_t q[DOPT_DP_SUM_WORDS_MAX];
-    dopt_grid_encode(x[i], code, words, k, q);
-    for (int t = 0; t < words; t++) {
-      int64_t *o = &w[i * (size_t)words + (size_t)t];
-      *o = add ? (int64_t)((uint64_t)*o + (uint64_t)q[t]) : q[t];
-    }
-  }
-}
-
 /* one word: v = ±q·2^l, |v| < 2^K; the sign applied in 32 bits, the shift in 64 */
 AVX2_FN static void encode1_avx2(const float *x, size_t n, int32_t code, int k, int add, int64_t *w) {
   const __m256i s0 = _mm256_set1_epi32(k - 24 - (code > 1 ? code : 1));
@@ -140,7 +124,7 @@ AVX2_FN static void encode1_avx2(const float *x, size_t n, int32_t code, int k, 
          _mm256_sllv_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(qs, 1)),
                            _mm256_cvtepu32_epi64(_mm256_extracti128_si256(l, 1))));
   }
-  encode_tail(x, i, n, code, 1, k, add, w);
+  PORTABLE->encode(x + i, n - i, code, 1, k, add, w + i);
 }
 
 AVX2_FN static void encode2_avx2(const float *x, size_t n, int32_t code, int k, int add, int64_t *w) {
@@ -154,7 +138,7 @@ AVX2_FN static void encode2_avx2(const float *x, size_t n, int32_t code, int k, 
     put_two4(w + 2 * i + 8, add, _mm256_extracti128_si256(q, 1), _mm256_extracti128_si256(l, 1),
              _mm256_extracti128_si256(neg, 1), k);
   }
-  encode_tail(x, i, n, code, 2, k, add, w);
+  PORTABLE->encode(x + i, n - i, code, 2, k, add, w + 2 * i);
 }
 
 AVX2_FN static void encode_avx2(const float *x, size_t n, int32_t code, int words, int k, int add, int64_t *w) {
@@ -202,7 +186,7 @@ AVX2_FN static void decode1_avx2(const int64_t *w, size_t n, int32_t code, int k
     const __m256i neg = _mm256_cmpgt_epi64(_mm256_setzero_si256(), q);
     finish4(apply_sign(q, neg), neg, esh, x + i);
   }
-  for (; i < n; i++) x[i] = dopt_grid_decode(w + i, 0, code, 1, k);
+  PORTABLE->decode(w + i, n - i, code, 1, k, x + i);
 }
 
 /* two words: Q = hi·2^K + lo */
@@ -241,7 +225,7 @@ AVX2_FN static void decode2_avx2(const int64_t *w, size_t n, int32_t code, int k
         _mm256_blendv_epi8(_mm256_set1_epi64x(e + k - 26), _mm256_set1_epi64x(e), ca), _mm256_set1_epi64x(e + k - 1), cc);
     finish4(mag, neg, esh, x + i);
   }
-  for (; i < n; i++) x[i] = dopt_grid_decode(w + 2 * i, 0, code, 2, k);
+  PORTABLE->decode(w + 2 * i, n - i, code, 2, k, x + i);
 }
 
 AVX2_FN static void decode_avx2(const int64_t *w, size_t n, int32_t code, int words, int k, float *x) {
@@ -249,7 +233,7 @@ AVX2_FN static void decode_avx2(const int64_t *w, size_t n, int32_t code, int wo
   else decode2_avx2(w, n, code, k, x);
 }
 
-static const dopt__grid_kern kern_avx2 = {"avx2", code_avx2, encode_avx2, decode_avx2};
+static const dopt__grid_kern kern_avx2 = {code_avx2, encode_avx2, decode_avx2};
 
 /* Read-only after libgcc's constructor ran: safe from any thread. */
 const dopt__grid_kern *dopt__grid_kern_avx2(void) { return __builtin_cpu_supports("avx2") ? &kern_avx2 : NULL; }
