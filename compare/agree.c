@@ -118,7 +118,7 @@ int cmp_config_text(const cmp_options *o, char *buf, size_t cap) {
   for (int g = 0; g < o->ngroups; g++) {
     char key[32];
     snprintf(key, sizeof key, "--group.%d", g + 1);
-    line(&t, key, "%s:%s", o->group_glob[g], o->group_hp[g]);
+    line(&t, key, "%s:%s", o->groups[g].glob, o->groups[g].hp);
   }
   line(&t, "--plugin", "%s", o->plugin);
   line(&t, "--tp", "%d", o->tp);
@@ -131,7 +131,10 @@ int cmp_config_text(const cmp_options *o, char *buf, size_t cap) {
   line(&t, "--bf16", "%d", o->bf16);
   line(&t, "--gradients", "%s", o->source);
   if (strcmp(o->source, "trace") == 0) trace_identity(&t, o);
-  else line(&t, "--seed", "%llu", (unsigned long long)o->seed);
+  else {
+    line(&t, "--seed", "%llu", (unsigned long long)o->seed);
+    line(&t, "--model", "%s", o->model);
+  }
   line(&t, "--ring-order", "%d", o->ring_order);
   line(&t, "--dp-sum", "%s", cmp_dp_sum_name(o->dp_sum_words));
   line(&t, "--batch-invariant", "%d", o->batch_invariant);

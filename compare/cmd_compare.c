@@ -13,6 +13,7 @@
 #include "cli.h"
 #include "files.h"
 #include "compare.h"
+#include "model.h"
 #include "distopt/mpi.h"
 #include "registry.h"
 
@@ -28,7 +29,7 @@ static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
         "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
-        "         [--trace FILE | --seed N] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
+        "         [--trace FILE | [--seed N] [--model NAME|COUNT]] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
         "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z]\n"
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
@@ -44,6 +45,9 @@ static void compare_usage(FILE *f) {
         "  hybrid zero=2 (0-2); fsdp zero=3. A given value the plugin does not allow is an error.\n"
         "  --sweep: the optimizer in every layout tp 1..max-tp x dp 1..max-dp x zero 0..3 (default 4 x 4 x 4,\n"
         "  at most 8 x 8), a grid of verdicts and 'N of M layouts bitwise'.\n"
+        "  --model: synthetic gradients of a LLaMA (9 x layers + 3 tensors): a preset llama-60m, llama-130m,\n"
+        "  llama-350m, llama-1b, llama-7b, or a parameter count COUNT[k|m|b][xLAYERS] (100m, 2mx32; docs/cli.md,\n"
+        "  \"Models\"); without it a small built-in transformer (9 tensors, 10 342 parameters).\n"
         "  --ring-order: the simulator sums like a ring all-reduce (as NCCL may) instead of in rank order.\n"
         "  --dp-sum: the data-parallel gradient sum: exact (default; fixed-point, one int64 word per element,\n"
         "  the same bits in any reduction order), exact2 (two words: exact for a wider range of magnitudes)\n"
@@ -302,9 +306,7 @@ static int mpi_begin(const cmp_options *o, dopt_mpi_comm **world, int *rank) {
   return mpi_end(*world, CLI_USAGE);
 }
 
-int cmd_compare(int argc, char **argv) {
-  cmp_options o;
-  cmp_options_default(&o);
+static int compare_with(cmp_options *o, int argc, char **argv) {
   int matrix = 0, rc = CLI_OK, ranks_given = 0, max_given = 0;
   unsigned cli_given = 0; /* CMP_GIVEN_* bits of the command line */
   const char *config = NULL;
@@ -312,7 +314,7 @@ int cmd_compare(int argc, char **argv) {
   for (int i = 1; i + 1 < argc; i++)
     if (strcmp(argv[i], "--config") == 0) config = argv[i + 1];
   if (config) {
-    dopt_status s = cmp_load_yaml(config, &o);
+    dopt_status s = cmp_load_yaml(config, o);
     if (s != DOPT_OK) return cli_error(CMD, s);
   }
   int steps_given = 0;
@@ -323,96 +325,97 @@ int cmd_compare(int argc, char **argv) {
       return CLI_OK;
     }
     if (strcmp(a, "--matrix") == 0) { matrix = 1; continue; }
-    if (strcmp(a, "--sweep") == 0) { o.sweep = 1; continue; }
-    if (strcmp(a, "--bf16") == 0) { o.bf16 = 1; continue; }
-    if (strcmp(a, "--quiet") == 0) { o.quiet = 1; continue; }
-    if (strcmp(a, "--ring-order") == 0) { o.ring_order = 1; continue; }
-    if (strcmp(a, "--batch-invariant") == 0) { o.batch_invariant = 1; continue; }
+    if (strcmp(a, "--sweep") == 0) { o->sweep = 1; continue; }
+    if (strcmp(a, "--bf16") == 0) { o->bf16 = 1; continue; }
+    if (strcmp(a, "--quiet") == 0) { o->quiet = 1; continue; }
+    if (strcmp(a, "--ring-order") == 0) { o->ring_order = 1; continue; }
+    if (strcmp(a, "--batch-invariant") == 0) { o->batch_invariant = 1; continue; }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown; see --help)", a);
     const char *v = argv[++i];
     if (!*v && (strcmp(a, "--config") == 0 || strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 ||
                 strcmp(a, "--plot") == 0 || strcmp(a, "--checkpoint-dir") == 0))
       return cli_errorf(CMD, "%s: empty path", a);
     if (strcmp(a, "--config") == 0) continue;
-    else if (strcmp(a, "--optimizer") == 0) rc = copy_opt(a, v, o.optimizer, sizeof o.optimizer);
-    else if (strcmp(a, "--hparams") == 0) rc = copy_opt(a, v, o.hparams, sizeof o.hparams);
+    else if (strcmp(a, "--optimizer") == 0) rc = copy_opt(a, v, o->optimizer, sizeof o->optimizer);
+    else if (strcmp(a, "--hparams") == 0) rc = copy_opt(a, v, o->hparams, sizeof o->hparams);
     else if (strcmp(a, "--group") == 0) {
       const char *colon = strchr(v, ':');
       if (!colon) return cli_errorf(CMD, "--group '%s': expected GLOB:key=value,...", v);
-      if (o.ngroups == CMP_MAX_GROUPS) return cli_errorf(CMD, "--group: more than %d groups", CMP_MAX_GROUPS);
-      if ((size_t)(colon - v) >= sizeof o.group_glob[0]) return cli_errorf(CMD, "--group '%s': pattern too long", v);
-      memcpy(o.group_glob[o.ngroups], v, (size_t)(colon - v));
-      o.group_glob[o.ngroups][colon - v] = '\0';
-      rc = copy_opt(a, colon + 1, o.group_hp[o.ngroups], sizeof o.group_hp[0]);
-      o.ngroups++;
-    } else if (strcmp(a, "--plugin") == 0) { rc = copy_opt(a, v, o.plugin, sizeof o.plugin); cli_given |= CMP_GIVEN_PLUGIN; }
-    else if (strcmp(a, "--tp") == 0) { rc = parse_int(a, v, 1, 64, &o.tp); cli_given |= CMP_GIVEN_TP; }
-    else if (strcmp(a, "--dp") == 0) { rc = parse_int(a, v, 1, 64, &o.dp); cli_given |= CMP_GIVEN_DP; }
-    else if (strcmp(a, "--zero") == 0) { rc = parse_int(a, v, 0, 3, &o.zero); cli_given |= CMP_GIVEN_ZERO; }
-    else if (strcmp(a, "--ranks") == 0) { rc = parse_int(a, v, 1, 64, &o.ranks); ranks_given = 1; }
-    else if (strcmp(a, "--max-tp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o.max_tp); max_given = 1; }
-    else if (strcmp(a, "--max-dp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o.max_dp); max_given = 1; }
-    else if (strcmp(a, "--threads") == 0) rc = parse_int(a, v, 0, 256, &o.threads);
-    else if (strcmp(a, "--steps") == 0) { rc = parse_int(a, v, 1, 1000000, &o.steps); steps_given = 1; }
-    else if (strcmp(a, "--accumulation") == 0) rc = parse_int(a, v, 1, 1024, &o.micro);
+      if (cmp_options_add_group(o, v, (size_t)(colon - v), colon + 1) != DOPT_OK)
+        rc = cli_errorf(CMD, "--group: %s", dopt_last_error());
+    } else if (strcmp(a, "--plugin") == 0) { rc = copy_opt(a, v, o->plugin, sizeof o->plugin); cli_given |= CMP_GIVEN_PLUGIN; }
+    else if (strcmp(a, "--tp") == 0) { rc = parse_int(a, v, 1, 64, &o->tp); cli_given |= CMP_GIVEN_TP; }
+    else if (strcmp(a, "--dp") == 0) { rc = parse_int(a, v, 1, 64, &o->dp); cli_given |= CMP_GIVEN_DP; }
+    else if (strcmp(a, "--zero") == 0) { rc = parse_int(a, v, 0, 3, &o->zero); cli_given |= CMP_GIVEN_ZERO; }
+    else if (strcmp(a, "--ranks") == 0) { rc = parse_int(a, v, 1, 64, &o->ranks); ranks_given = 1; }
+    else if (strcmp(a, "--max-tp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_tp); max_given = 1; }
+    else if (strcmp(a, "--max-dp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_dp); max_given = 1; }
+    else if (strcmp(a, "--threads") == 0) rc = parse_int(a, v, 0, 256, &o->threads);
+    else if (strcmp(a, "--steps") == 0) { rc = parse_int(a, v, 1, 1000000, &o->steps); steps_given = 1; }
+    else if (strcmp(a, "--accumulation") == 0) rc = parse_int(a, v, 1, 1024, &o->micro);
     else if (strcmp(a, "--max-grad-norm") == 0) {
       char *end;
-      o.max_grad_norm = strtod(v, &end);
-      if (*end || !(o.max_grad_norm >= 0)) return cli_errorf(CMD, "--max-grad-norm '%s': expected a number >= 0", v);
+      o->max_grad_norm = strtod(v, &end);
+      if (*end || !(o->max_grad_norm >= 0)) return cli_errorf(CMD, "--max-grad-norm '%s': expected a number >= 0", v);
     } else if (strcmp(a, "--trace") == 0) {
-      rc = copy_opt(a, v, o.trace_path, sizeof o.trace_path);
-      snprintf(o.source, sizeof o.source, "trace");
+      rc = copy_opt(a, v, o->trace_path, sizeof o->trace_path);
+      snprintf(o->source, sizeof o->source, "trace");
+    } else if (strcmp(a, "--model") == 0) {
+      cmp_model m;
+      if (cmp_model_parse(v, &m) != DOPT_OK) return cli_errorf(CMD, "%s", dopt_last_error());
+      rc = copy_opt(a, v, o->model, sizeof o->model);
+      snprintf(o->source, sizeof o->source, "synthetic");
     } else if (strcmp(a, "--seed") == 0) {
       int seed = 0;
       rc = parse_int(a, v, 0, 2147483647, &seed);
-      o.seed = (uint64_t)seed;
-      snprintf(o.source, sizeof o.source, "synthetic");
+      o->seed = (uint64_t)seed;
+      snprintf(o->source, sizeof o->source, "synthetic");
     } else if (strcmp(a, "--backend") == 0) {
       if (strcmp(v, "sim") != 0 && strcmp(v, "nccl") != 0 && strcmp(v, "mpi") != 0)
         return cli_errorf(CMD, "--backend '%s': expected sim, nccl or mpi", v);
-      rc = copy_opt(a, v, o.backend, sizeof o.backend);
-    } else if (strcmp(a, "--checkpoint-at") == 0) rc = parse_int(a, v, 1, 1000000, &o.checkpoint_at);
-    else if (strcmp(a, "--resume-tp") == 0) { rc = parse_int(a, v, 1, 64, &o.resume_tp); cli_given |= CMP_GIVEN_RESUME_TP; }
-    else if (strcmp(a, "--resume-dp") == 0) { rc = parse_int(a, v, 1, 64, &o.resume_dp); cli_given |= CMP_GIVEN_RESUME_DP; }
-    else if (strcmp(a, "--resume-zero") == 0) { rc = parse_int(a, v, 0, 3, &o.resume_zero); cli_given |= CMP_GIVEN_RESUME_ZERO; }
+      rc = copy_opt(a, v, o->backend, sizeof o->backend);
+    } else if (strcmp(a, "--checkpoint-at") == 0) rc = parse_int(a, v, 1, 1000000, &o->checkpoint_at);
+    else if (strcmp(a, "--resume-tp") == 0) { rc = parse_int(a, v, 1, 64, &o->resume_tp); cli_given |= CMP_GIVEN_RESUME_TP; }
+    else if (strcmp(a, "--resume-dp") == 0) { rc = parse_int(a, v, 1, 64, &o->resume_dp); cli_given |= CMP_GIVEN_RESUME_DP; }
+    else if (strcmp(a, "--resume-zero") == 0) { rc = parse_int(a, v, 0, 3, &o->resume_zero); cli_given |= CMP_GIVEN_RESUME_ZERO; }
     else if (strcmp(a, "--resume-plugin") == 0) {
-      rc = copy_opt(a, v, o.resume_plugin, sizeof o.resume_plugin);
+      rc = copy_opt(a, v, o->resume_plugin, sizeof o->resume_plugin);
       cli_given |= CMP_GIVEN_RESUME_PLUGIN;
     }
-    else if (strcmp(a, "--checkpoint-dir") == 0) rc = copy_opt(a, v, o.checkpoint_dir, sizeof o.checkpoint_dir);
+    else if (strcmp(a, "--checkpoint-dir") == 0) rc = copy_opt(a, v, o->checkpoint_dir, sizeof o->checkpoint_dir);
     else if (strcmp(a, "--dp-sum") == 0) {
-      o.dp_sum_words = cmp_parse_dp_sum(v);
-      if (o.dp_sum_words < 0) return cli_errorf(CMD, "--dp-sum '%s': expected exact, exact2 or rank-order", v);
+      o->dp_sum_words = cmp_parse_dp_sum(v);
+      if (o->dp_sum_words < 0) return cli_errorf(CMD, "--dp-sum '%s': expected exact, exact2 or rank-order", v);
     } else if (strcmp(a, "--device") == 0) {
       if (strcmp(v, "cpu") != 0 && strcmp(v, "cuda") != 0) return cli_errorf(CMD, "--device '%s': expected cpu or cuda", v);
-      rc = copy_opt(a, v, o.device, sizeof o.device);
-    } else if (strcmp(a, "--json") == 0) rc = copy_opt(a, v, o.json_path, sizeof o.json_path);
-    else if (strcmp(a, "--plot") == 0) rc = copy_opt(a, v, o.svg_path, sizeof o.svg_path);
+      rc = copy_opt(a, v, o->device, sizeof o->device);
+    } else if (strcmp(a, "--json") == 0) rc = copy_opt(a, v, o->json_path, sizeof o->json_path);
+    else if (strcmp(a, "--plot") == 0) rc = copy_opt(a, v, o->svg_path, sizeof o->svg_path);
     else return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
   }
   if (rc != CLI_OK) return rc;
   /* the command line's layout values win over the file's */
-  o.given |= cli_given;
-  o.given_yaml &= ~cli_given;
-  if (matrix && o.sweep) return cli_errorf(CMD, "--matrix and --sweep: choose one");
-  if (max_given && !o.sweep) return cli_errorf(CMD, "--max-tp/--max-dp only apply with --sweep");
-  if (matrix) return run_matrix(steps_given ? o.steps : 20);
-  if ((rc = check_paths(&o, config)) != CLI_OK) return rc;
+  o->given |= cli_given;
+  o->given_yaml &= ~cli_given;
+  if (matrix && o->sweep) return cli_errorf(CMD, "--matrix and --sweep: choose one");
+  if (max_given && !o->sweep) return cli_errorf(CMD, "--max-tp/--max-dp only apply with --sweep");
+  if (matrix) return run_matrix(steps_given ? o->steps : 20);
+  if ((rc = check_paths(o, config)) != CLI_OK) return rc;
   /* no hyperparameters given: upstream's defaults, or the registry's example where those are not an optimizer */
-  if (!o.hparams[0]) snprintf(o.hparams, sizeof o.hparams, "%s", cli_default_hparams(o.optimizer));
-  if (o.sweep) {
-    if ((rc = sweep_conflicts(&o, cli_given, ranks_given)) != CLI_OK) return rc;
-    return run_sweep(&o);
+  if (!o->hparams[0]) snprintf(o->hparams, sizeof o->hparams, "%s", cli_default_hparams(o->optimizer));
+  if (o->sweep) {
+    if ((rc = sweep_conflicts(o, cli_given, ranks_given)) != CLI_OK) return rc;
+    return run_sweep(o);
   }
-  dopt_status ps = cmp_apply_plugin(&o);
+  dopt_status ps = cmp_apply_plugin(o);
   if (ps != DOPT_OK) return lib_error(ps);
   dopt_mpi_comm *mpi_world = NULL; /* backend mpi: MPI is up from here to mpi_end */
   int mpi_rank = 0;
-  if (strcmp(o.backend, "mpi") == 0 && (rc = mpi_begin(&o, &mpi_world, &mpi_rank)) != CLI_OK) return rc;
-  if (strcmp(o.backend, "nccl") == 0 && (rc = agree(&o, NULL)) != CLI_OK) return rc;
+  if (strcmp(o->backend, "mpi") == 0 && (rc = mpi_begin(o, &mpi_world, &mpi_rank)) != CLI_OK) return rc;
+  if (strcmp(o->backend, "nccl") == 0 && (rc = agree(o, NULL)) != CLI_OK) return rc;
   cmp_result r;
-  int tty = !o.quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
-  dopt_status s = cmp_run(&o, &r, tty ? progress : NULL, NULL);
+  int tty = !o->quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
+  dopt_status s = cmp_run(o, &r, tty ? progress : NULL, NULL);
   if (s != DOPT_OK) {
     rc = cli_error(CMD, s);
     if (r.run_failed) rc = CLI_FAIL; /* the run failed (a rank, a checkpoint's write), not its input */
@@ -423,11 +426,19 @@ int cmd_compare(int argc, char **argv) {
     cmp_result_free(&r);
     return mpi_world ? mpi_end(mpi_world, CLI_OK) : CLI_OK;
   }
-  cmp_print_table(stdout, &o, &r);
-  if (o.json_path[0] && (s = cmp_write_json(o.json_path, &o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
-  if (rc == CLI_OK && o.svg_path[0] && (s = cmp_write_svg(o.svg_path, &o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
+  cmp_print_table(stdout, o, &r);
+  if (o->json_path[0] && (s = cmp_write_json(o->json_path, o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
+  if (rc == CLI_OK && o->svg_path[0] && (s = cmp_write_svg(o->svg_path, o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
   int eq = r.equivalent;
   cmp_result_free(&r);
   rc = rc != CLI_OK || !eq ? CLI_FAIL : CLI_OK;
   return mpi_world ? mpi_end(mpi_world, rc) : rc;
+}
+
+int cmd_compare(int argc, char **argv) {
+  cmp_options o;
+  cmp_options_default(&o);
+  const int rc = compare_with(&o, argc, argv);
+  cmp_options_free(&o);
+  return rc;
 }

@@ -6,25 +6,10 @@
 #include <string.h>
 
 #include "cli.h"
+#include "model.h"
 #include "registry.h"
 
 static const char *const CMD = "mem";
-
-/* LLaMA shapes as in the GaLore repository's configs. */
-typedef struct model {
-  const char *name;
-  int hidden, inter, layers, vocab;
-  int galore_rank;      /* the paper's rank for this size */
-  double paper_full_gb; /* GaLore paper Table 2: weights + states, BF16 (0: none) */
-  double paper_galore_gb;
-} model;
-
-static const model MODELS[] = {
-    {"llama-60m", 512, 1376, 8, 32000, 128, 0.36, 0.24},   {"llama-130m", 768, 2048, 12, 32000, 256, 0.76, 0.52},
-    {"llama-350m", 1024, 2736, 24, 32000, 256, 2.06, 1.22}, {"llama-1b", 2048, 5461, 24, 32000, 512, 7.80, 4.38},
-    {"llama-7b", 4096, 11008, 32, 32000, 1024, 0, 0},
-};
-#define NMODELS ((int)(sizeof MODELS / sizeof MODELS[0]))
 
 typedef struct pclass {
   const char *what;
@@ -35,7 +20,7 @@ typedef struct pclass {
   int split;     /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
 } pclass;
 
-static int classes(const model *m, pclass *c) {
+static int classes(const cmp_model *m, pclass *c) {
   int n = 0;
   int64_t h = m->hidden, f = m->inter, v = m->vocab;
   long L = m->layers;
@@ -49,7 +34,7 @@ static int classes(const model *m, pclass *c) {
 }
 
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
-static double model_state_bytes(const model *m, const char *opt, const char *hp, int rank, int *ok) {
+static double model_state_bytes(const cmp_model *m, const char *opt, const char *hp, int rank, int *ok) {
   pclass c[8];
   int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
   double total = 0;
@@ -68,13 +53,6 @@ static double model_state_bytes(const model *m, const char *opt, const char *hp,
   return total;
 }
 
-static double model_params(const model *m) {
-  pclass c[8];
-  int n = classes(m, c);
-  double p = 0;
-  for (int i = 0; i < n; i++) p += (double)c[i].shape[0] * (double)(c[i].ndim > 1 ? c[i].shape[1] : 1) * (double)c[i].count;
-  return p;
-}
 
 /* ---- per rank (--tp --dp --zero): what distributed/ allocates ----------------------------
  * fp32 parameters. A tensor steps piecewise or in owner mode, as
@@ -91,7 +69,7 @@ typedef struct rank_mem {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-static int per_rank(const model *m, const char *opt, const char *hp, int grank, int tp, int dp, int zero, rank_mem *out) {
+static int per_rank(const cmp_model *m, const char *opt, const char *hp, int grank, int tp, int dp, int zero, rank_mem *out) {
   pclass c[8];
   int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
   memset(out, 0, sizeof *out);
@@ -163,7 +141,7 @@ static int per_rank(const model *m, const char *opt, const char *hp, int grank, 
   return ok;
 }
 
-static int print_per_rank(const model *m, int grank, int tp, int dp, int zero) {
+static int print_per_rank(const cmp_model *m, int grank, int tp, int dp, int zero) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   printf("\nper rank, tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout):\n", tp, dp,
          zero);
@@ -193,13 +171,14 @@ int cmd_mem(int argc, char **argv) {
   int rank = 0, tp = 0, dp = 0, zero = -1;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b] [--rank R]\n"
-             "                  [--tp T --dp D --zero Z]\n"
+      printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b|COUNT[k|m|b][xLAYERS]]\n"
+             "                  [--rank R] [--tp T --dp D --zero Z]\n"
              "  exact optimizer-state bytes of the model for every registered optimizer (GaLore on the\n"
              "  attention/MLP linears with rank R, default the paper's rank for the size), and the GaLore\n"
              "  paper's weights+states figures (BF16) next to the same accounting here. With --tp/--dp/--zero\n"
              "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
-             "  and states in distributed/'s layout (piecewise or owner mode).\n");
+             "  and states in distributed/'s layout (piecewise or owner mode). A COUNT (100m, 1.5b, 2mx32) is a\n"
+             "  LLaMA of about that many parameters (docs/cli.md, \"Models\").\n");
       return CLI_OK;
     }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", argv[i]);
@@ -219,12 +198,11 @@ int cmd_mem(int argc, char **argv) {
       else dp = (int)x;
     } else return cli_errorf(CMD, "unknown option '%s' (see --help)", argv[i]);
   }
-  const model *m = NULL;
-  for (int i = 0; i < NMODELS; i++)
-    if (strcmp(MODELS[i].name, which) == 0) m = &MODELS[i];
-  if (!m) return cli_errorf(CMD, "--model '%s': unknown (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b)", which);
+  cmp_model mm;
+  if (cmp_model_parse(which, &mm) != DOPT_OK) return cli_errorf(CMD, "%s", dopt_last_error());
+  const cmp_model *m = &mm;
   if (rank == 0) rank = m->galore_rank;
-  const double params = model_params(m), gib = 1024.0 * 1024.0 * 1024.0;
+  const double params = cmp_model_params(m), gib = 1024.0 * 1024.0 * 1024.0;
   printf("%s: %.3f B parameters (hidden %d, intermediate %d, %d layers, vocab %d); weights %.2f GiB bf16, %.2f GiB fp32\n",
          m->name, params / 1e9, m->hidden, m->inter, m->layers, m->vocab, params * 2 / gib, params * 4 / gib);
   printf("%-18s %-22s %12s %10s %10s\n", "optimizer", "hyperparameters", "states GiB", "B/param", "vs adamw");

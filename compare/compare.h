@@ -13,8 +13,12 @@
 #include "distopt/dist.h"
 #include "distopt/distopt.h"
 
-#define CMP_MAX_PARAMS 32
-#define CMP_MAX_GROUPS 8
+/* Hostile-input bounds, not sizes of fixed tables (both grow as needed):
+ * parameters of a trace or recording (a 70B LLaMA has 723), extra groups. */
+#define CMP_MAX_PARAMS 1000000
+#define CMP_MAX_GROUPS 1024
+#define CMP_GLOB_MAX 256 /* a group's glob, bytes with the terminator */
+#define CMP_GROUP_HP_MAX 512
 
 typedef struct cmp_param {
   char name[64];
@@ -23,12 +27,18 @@ typedef struct cmp_param {
   dopt_tp_role role;
 } cmp_param;
 
+/* An extra parameter group: parameters matching glob (fnmatch) get hp's overrides. */
+typedef struct cmp_group {
+  char glob[CMP_GLOB_MAX];
+  char hp[CMP_GROUP_HP_MAX];
+} cmp_group;
+
 typedef struct cmp_options {
   char optimizer[32];
   char hparams[512];                      /* group 0: "k=v,..." */
-  int ngroups;                            /* extra groups: parameters matching glob get hp overrides */
-  char group_glob[CMP_MAX_GROUPS][64];
-  char group_hp[CMP_MAX_GROUPS][256];
+  int ngroups;                            /* extra groups, first match wins */
+  cmp_group *groups;                      /* [ngroups], heap; owned by the options (cmp_options_free): a
+                                             struct copy shares it (read only) */
   char plugin[16];                        /* ddp, zero, hybrid, fsdp */
   int tp, dp, zero;
   int ranks;                              /* world size asked for (0: tp·dp); must equal tp·dp */
@@ -37,6 +47,8 @@ typedef struct cmp_options {
   double max_grad_norm;                   /* 0: no clipping */
   int bf16;                               /* bf16 working parameters with fp32 masters */
   char source[16];                        /* "synthetic" or "trace" */
+  char model[48];                         /* synthetic: "" the built-in small transformer, or --model's
+                                             preset or size (compare/model.h) */
   char trace_path[512];
   uint64_t seed;                          /* synthetic gradients */
   char json_path[512];                    /* "" = none */
@@ -103,6 +115,11 @@ const char *cmp_dp_sum_name(int words);
 
 /* Defaults: adafactor, hybrid tp2 × dp2 × zero2, 100 steps, synthetic. */
 void cmp_options_default(cmp_options *o);
+/* Appends a group (glob: its first glob_len bytes): DOPT_ERR_INVALID_ARG naming the limit when the
+ * glob, the hyperparameters or the count are too long or many; o unchanged on error. */
+dopt_status cmp_options_add_group(cmp_options *o, const char *glob, size_t glob_len, const char *hp);
+/* Frees what the options own (the groups); o is then empty of groups. */
+void cmp_options_free(cmp_options *o);
 
 /* Per tensor ("fc1.weight" or "fc1.weight/exp_avg"), over the steps run. */
 typedef struct cmp_tensor_stat {
@@ -182,7 +199,7 @@ double cmp_now_s(void);
  *   accumulation: 1                                        # optional
  *   max_grad_norm: 1.0                                     # optional
  *   bf16: false                                            # optional
- *   gradients: {source: synthetic, seed: 1} | {source: trace, path: FILE}
+ *   gradients: {source: synthetic, seed: 1, model: llama-60m} | {source: trace, path: FILE}
  *   output: {json: FILE, plot: FILE.svg}                   # optional
  *   checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}}   # optional
  *   compare: {sweep: false, max_tp: 4, max_dp: 4, threads: 0}   # optional (--sweep, --threads)

@@ -26,6 +26,7 @@
  *  - o is only written when the whole file is valid: on error it is unchanged.
  */
 #include "compare.h"
+#include "model.h"
 
 #include <errno.h>
 #include <math.h>
@@ -321,19 +322,22 @@ static dopt_status load_groups(const cfg_ctx *c, yaml_node_t *n, cmp_options *o,
     yaml_node_t *extra = yaml_document_get_node(c->doc, n->data.sequence.items.start[CMP_MAX_GROUPS]);
     return cfg_fail(c, extra, "groups", "too many groups (%d, at most %d)", count, CMP_MAX_GROUPS);
   }
+  /* a fresh list: the one o shares with the caller's options stays as it is until the file is valid */
+  o->groups = NULL;
+  o->ngroups = 0;
   for (int i = 0; i < count; i++) {
     yaml_node_t *g = yaml_document_get_node(c->doc, n->data.sequence.items.start[i]);
-    char where[32], kb[64];
+    char where[32], kb[64], glob[CMP_GLOB_MAX], hp[CMP_GROUP_HP_MAX];
     snprintf(where, sizeof where, "groups[%d]", i);
     DOPT_TRY(check_mapping(c, g, where, NULL));
     yaml_node_t *pv = lookup(c, g, "params");
     join_key(kb, sizeof kb, where, "params");
     if (!pv) return cfg_fail(c, g, kb, "missing (a glob of parameter names)");
-    DOPT_TRY(get_str(c, pv, kb, o->group_glob[i], sizeof o->group_glob[i]));
-    DOPT_TRY(collect_hparams(c, g, where, "params", o->group_hp[i], sizeof o->group_hp[i]));
-    if (typed) DOPT_TRY(check_hparams(c, g, where, "params", o->optimizer, o->hparams, o->group_hp[i]));
+    DOPT_TRY(get_str(c, pv, kb, glob, sizeof glob));
+    DOPT_TRY(collect_hparams(c, g, where, "params", hp, sizeof hp));
+    if (typed) DOPT_TRY(check_hparams(c, g, where, "params", o->optimizer, o->hparams, hp));
+    if (cmp_options_add_group(o, glob, strlen(glob), hp) != DOPT_OK) return cfg_fail(c, g, where, "%s", dopt_last_error());
   }
-  o->ngroups = count;
   return DOPT_OK;
 }
 
@@ -406,9 +410,10 @@ static dopt_status resolve_path(const cfg_ctx *c, const yaml_node_t *v, const ch
 }
 
 static dopt_status load_gradients(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"source", "seed", "path", NULL};
+  static const char *const keys[] = {"source", "seed", "model", "path", NULL};
   DOPT_TRY(check_mapping(c, n, "gradients", keys));
   yaml_node_t *src = lookup(c, n, "source"), *seed = lookup(c, n, "seed"), *path = lookup(c, n, "path");
+  yaml_node_t *model = lookup(c, n, "model");
   if (src) {
     DOPT_TRY(get_str(c, src, "gradients.source", o->source, sizeof o->source));
     if (strcmp(o->source, "synthetic") != 0 && strcmp(o->source, "trace") != 0)
@@ -418,6 +423,13 @@ static dopt_status load_gradients(const cfg_ctx *c, yaml_node_t *n, cmp_options 
     if (src && strcmp(o->source, "trace") == 0)
       return cfg_fail(c, seed, "gradients.seed", "only applies to source synthetic");
     DOPT_TRY(get_u64(c, seed, "gradients.seed", &o->seed));
+  }
+  if (model) {
+    if (src && strcmp(o->source, "trace") == 0)
+      return cfg_fail(c, model, "gradients.model", "only applies to source synthetic");
+    DOPT_TRY(get_str(c, model, "gradients.model", o->model, sizeof o->model));
+    cmp_model m;
+    if (cmp_model_parse(o->model, &m) != DOPT_OK) return cfg_fail(c, model, "gradients.model", "%s", dopt_last_error());
   }
   if (path) {
     if (src && strcmp(o->source, "synthetic") == 0)
@@ -626,6 +638,9 @@ dopt_status cmp_load_yaml(const char *path, cmp_options *o) {
       if (s == DOPT_OK) {
         cmp_options tmp = *o; /* o changes only when the whole file is valid */
         s = load_root(&c, root, &tmp);
+        if (tmp.groups != o->groups) { /* the file gave groups: the list that is not kept goes */
+          free(s == DOPT_OK ? o->groups : tmp.groups);
+        }
         if (s == DOPT_OK) *o = tmp;
       }
     }

@@ -25,6 +25,7 @@
 #include "distopt/sim.h"
 #include "files.h"
 #include "internal.h"
+#include "model.h"
 #include "registry.h"
 #include "verify.h"
 
@@ -45,6 +46,34 @@ void cmp_options_default(cmp_options *o) {
   o->resume_zero = -1;
   o->max_tp = 4;
   o->max_dp = 4;
+}
+
+dopt_status cmp_options_add_group(cmp_options *o, const char *glob, size_t glob_len, const char *hp) {
+  if (o->ngroups >= CMP_MAX_GROUPS)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "groups: more than %d groups", CMP_MAX_GROUPS);
+  if (glob_len >= CMP_GLOB_MAX)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "group %d: params pattern of %zu bytes (at most %d)", o->ngroups + 1,
+                      glob_len, CMP_GLOB_MAX - 1);
+  if (strlen(hp) >= CMP_GROUP_HP_MAX)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "group %d: hyperparameters of %zu bytes (at most %d)", o->ngroups + 1,
+                      strlen(hp), CMP_GROUP_HP_MAX - 1);
+  const int n = o->ngroups;
+  if ((n & (n - 1)) == 0) { /* 0, 1, 2, 4, ...: grow to the next power of two */
+    cmp_group *g = realloc(o->groups, (size_t)(n ? 2 * n : 1) * sizeof *g);
+    if (!g) return dopt__fail(DOPT_ERR_NO_MEMORY, "groups: %d groups", n + 1);
+    o->groups = g;
+  }
+  memcpy(o->groups[n].glob, glob, glob_len);
+  o->groups[n].glob[glob_len] = '\0';
+  memcpy(o->groups[n].hp, hp, strlen(hp) + 1);
+  o->ngroups = n + 1;
+  return DOPT_OK;
+}
+
+void cmp_options_free(cmp_options *o) {
+  free(o->groups);
+  o->groups = NULL;
+  o->ngroups = 0;
 }
 
 static const char *const DP_SUM_NAMES[] = {"rank-order", "exact", "exact2"};
@@ -203,9 +232,9 @@ typedef struct rec_source {
 
 typedef struct source {
   int np;
-  cmp_param p[CMP_MAX_PARAMS];
-  size_t numel[CMP_MAX_PARAMS];
-  float *init[CMP_MAX_PARAMS];
+  cmp_param *p;        /* [np] */
+  size_t *numel;       /* [np] */
+  float **init;        /* [np]: the initial values, whole (the shared template's data) */
   dopt_st_file *trace; /* a single-file trace (NULL: none) */
   rec_source *rec;     /* a recording (NULL: none); neither: synthetic */
   int shards;          /* trace or recording (1): shards per step; 0: synthetic */
@@ -219,21 +248,46 @@ static uint64_t mix(uint64_t z) {
 }
 
 /* Low rank plus noise, heavy-tailed rows, ~6% exact zeros; a pure function of
- * (seed, parameter, step, shard). */
-static void synth_grad(const source *s, int i, int step, int shard, float *out) {
+ * (seed, parameter, step, shard, element). Writes the block of rows
+ * [h0, h0 + hl) x columns [w0, w0 + wl) of every leading index (the tensor
+ * as [b, h, w], dopt_piece_full) in row-major order: a TP block, or the
+ * whole tensor (0, h, 0, w). The sines and cosines are taken per row and per
+ * column (the same values as per element), so a block costs O(its size). */
+static void synth_block(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
+                        float *out) {
   const cmp_param *p = &s->p[i];
-  size_t n = s->numel[i], w = p->ndim >= 1 ? (size_t)p->shape[p->ndim - 1] : 1;
+  dopt_piece pc;
+  dopt_piece_full(p->ndim, p->shape, &pc);
   uint64_t key = mix(s->seed ^ mix(((uint64_t)i << 48) ^ ((uint64_t)step << 20) ^ (uint64_t)shard));
   double a = (double)(mix(key) >> 11) * 0x1.0p-53 - 0.5, b = (double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5;
-  for (size_t k = 0; k < n; k++) {
-    uint64_t h = mix(key + 0x9E3779B97F4A7C15ull * (k + 2));
-    double u = 0;
-    for (int j = 0; j < 4; j++) u += (double)((h >> (16 * j)) & 0xffff) / 65536.0;
-    size_t row = k / w, col = k % w;
-    double lowrank = a * sin(0.7 * (double)row + 0.3) * cos(0.4 * (double)col) + b * (double)((row + col) % 3);
-    double v = 0.05 * ((row % 5 == 1) ? 8.0 : 1.0) * (lowrank + 0.5 * (u - 2.0));
-    out[k] = (h >> 60) == 0 ? 0.0f : (float)v;
+  enum { CHUNK = 256 };
+  double cs[CHUNK];
+  for (size_t j0 = 0; j0 < wl; j0 += CHUNK) {
+    const size_t jn = wl - j0 < CHUNK ? wl - j0 : CHUNK;
+    for (size_t j = 0; j < jn; j++) cs[j] = cos(0.4 * (double)(w0 + j0 + j));
+    for (size_t bi = 0; bi < pc.b; bi++)
+      for (size_t r = 0; r < hl; r++) {
+        const size_t row = bi * pc.h + h0 + r; /* of the tensor as [rows, w] */
+        const double sr = a * sin(0.7 * (double)row + 0.3);
+        float *o = out + (bi * hl + r) * wl + j0;
+        for (size_t j = 0; j < jn; j++) {
+          const size_t col = w0 + j0 + j, k = row * pc.w + col;
+          uint64_t h = mix(key + 0x9E3779B97F4A7C15ull * (k + 2));
+          double u = 0;
+          for (int q = 0; q < 4; q++) u += (double)((h >> (16 * q)) & 0xffff) / 65536.0;
+          double lowrank = sr * cs[j] + b * (double)((row + col) % 3);
+          double v = 0.05 * ((row % 5 == 1) ? 8.0 : 1.0) * (lowrank + 0.5 * (u - 2.0));
+          o[j] = (h >> 60) == 0 ? 0.0f : (float)v;
+        }
+      }
   }
+}
+
+/* The whole tensor's synthetic gradient. */
+static void synth_grad(const source *s, int i, int step, int shard, float *out) {
+  dopt_piece pc;
+  dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
+  synth_block(s, i, step, shard, 0, pc.h, 0, pc.w, out);
 }
 
 /* A trace's gradient of parameter `name` at step t (1-based), shard sh. */
@@ -294,8 +348,22 @@ static dopt_status parse_roles(source *s, const char *roles) {
   return st;
 }
 
+/* Room for n parameters (s->np stays: the loaders count up as they fill). */
+static dopt_status source_reserve(source *s, int n) {
+  if (n > CMP_MAX_PARAMS) return dopt__fail(DOPT_ERR_UNSUPPORTED, "%d parameters, more than compare's limit of %d", n, CMP_MAX_PARAMS);
+  const size_t c = n > 0 ? (size_t)n : 1;
+  s->p = calloc(c, sizeof *s->p);
+  s->numel = calloc(c, sizeof *s->numel);
+  s->init = calloc(c, sizeof *s->init);
+  if (!s->p || !s->numel || !s->init) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", n);
+  return DOPT_OK;
+}
+
 static void source_free(source *s) {
-  for (int i = 0; i < s->np; i++) free(s->init[i]);
+  for (int i = 0; s->init && i < s->np; i++) free(s->init[i]);
+  free(s->p);
+  free(s->numel);
+  free(s->init);
   dopt_st_free(s->trace);
   if (s->rec) {
     vr_reader_close(&s->rec->rd);
@@ -342,9 +410,7 @@ static dopt_status load_recording(const cmp_options *o, source *s) {
     return dopt__fail(DOPT_ERR_INVALID_ARG,
                       "accumulation=%d with a recording (%s): its gradient of a step is the whole step's (leave "
                       "accumulation out or set it to 1)", o->micro, tp);
-  if (ix->nparams > CMP_MAX_PARAMS)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: %d parameters, more than compare's limit of %d", rd->index_path,
-                      ix->nparams, CMP_MAX_PARAMS);
+  if ((st = source_reserve(s, ix->nparams)) != DOPT_OK) return dopt__fail(st, "%s: %s", rd->index_path, dopt_last_error());
   for (int i = 0; i < ix->nparams; i++) {
     const vr_param *vp = &ix->params[i];
     cmp_param *p = &s->p[i];
@@ -403,11 +469,25 @@ static dopt_status load_source(const cmp_options *o, source *s) {
   memset(s, 0, sizeof *s);
   s->seed = o->seed;
   if (strcmp(o->source, "synthetic") == 0) {
-    s->np = (int)(sizeof SYNTH / sizeof SYNTH[0]);
-    for (int i = 0; i < s->np; i++) {
-      s->p[i] = SYNTH[i];
+    cmp_model m;
+    if (o->model[0]) DOPT_TRY(cmp_model_parse(o->model, &m));
+    const int n = o->model[0] ? cmp_model_ntensors(&m) : (int)(sizeof SYNTH / sizeof SYNTH[0]);
+    DOPT_TRY(source_reserve(s, n));
+    for (int i = 0; i < n; i++) {
+      if (o->model[0]) {
+        cmp_model_tensor t;
+        cmp_model_tensor_at(&m, i, &t);
+        cmp_param *p = &s->p[i];
+        memcpy(p->name, t.name, sizeof p->name);
+        p->ndim = t.ndim;
+        memcpy(p->shape, t.shape, sizeof t.shape);
+        p->role = t.role;
+      } else {
+        s->p[i] = SYNTH[i];
+      }
       s->numel[i] = dopt_numel(s->p[i].ndim, s->p[i].shape);
       s->init[i] = malloc(s->numel[i] * sizeof(float));
+      s->np = i + 1;
       if (!s->init[i]) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
       for (size_t k = 0; k < s->numel[i]; k++)
         s->init[i][k] = (float)(((double)(mix(o->seed * 7919 + (uint64_t)i * 1000003 + k) >> 11) * 0x1.0p-53 - 0.5) * 0.2);
@@ -436,13 +516,13 @@ static dopt_status load_source(const cmp_options *o, source *s) {
                       "accumulation=%d with a trace: its %d shards per step over dp=%d are %d micro-batches per rank "
                       "(leave accumulation out or set it to %d)",
                       o->micro, s->shards, o->dp, s->shards / o->dp, s->shards / o->dp);
+  long ncomma = 1;
+  for (const char *c = params; *c; c++) ncomma += *c == ',';
+  dopt_status st = source_reserve(s, ncomma > CMP_MAX_PARAMS ? CMP_MAX_PARAMS + 1 : (int)ncomma);
+  if (st != DOPT_OK) return dopt__fail(st, "%s: metadata params: %s", o->trace_path, dopt_last_error());
   char *copy = strdup(params), *save = NULL;
-  dopt_status st = DOPT_OK;
+  if (!copy) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: metadata params", o->trace_path);
   for (char *tok = strtok_r(copy, ",", &save); tok && st == DOPT_OK; tok = strtok_r(NULL, ",", &save)) {
-    if (s->np == CMP_MAX_PARAMS) {
-      st = dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: more than %d parameters", o->trace_path, CMP_MAX_PARAMS);
-      break;
-    }
     cmp_param *p = &s->p[s->np];
     snprintf(p->name, sizeof p->name, "%s", tok);
     char key[200];
@@ -472,31 +552,38 @@ static int micro_of(const cmp_options *o, const source *s) { return s->shards > 
 
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
 
+/* The plain optimizer of the source's parameters. data [np]: each parameter's own copy of its initial
+ * values (the reference steps on them); data NULL: the source's own (a template that is never stepped:
+ * dopt_dist_create, save and load only read it, so the rank threads share one). work [np]: the bf16
+ * working copies (with o->bf16; NULL otherwise). */
 static dopt_status build_plain(const cmp_options *o, const source *s, float **data, uint16_t **work, dopt_optim **out) {
   dopt_optim *opt;
   DOPT_TRY(dopt_optim_create(o->optimizer, o->hparams, &opt));
-  int gid[CMP_MAX_GROUPS];
-  dopt_status st = DOPT_OK;
-  for (int g = 0; g < o->ngroups && st == DOPT_OK; g++) st = dopt_optim_add_group(opt, o->group_hp[g], &gid[g]);
+  int *gid = calloc((size_t)o->ngroups + 1, sizeof *gid);
+  dopt_status st = gid ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d groups", o->ngroups);
+  for (int g = 0; g < o->ngroups && st == DOPT_OK; g++) st = dopt_optim_add_group(opt, o->groups[g].hp, &gid[g]);
   for (int i = 0; i < s->np && st == DOPT_OK; i++) {
     int group = 0;
     for (int g = 0; g < o->ngroups; g++)
-      if (fnmatch(o->group_glob[g], s->p[i].name, 0) == 0) {
+      if (fnmatch(o->groups[g].glob, s->p[i].name, 0) == 0) {
         group = gid[g];
         break;
       }
-    data[i] = malloc(s->numel[i] * sizeof(float));
-    work[i] = NULL;
-    if (!data[i]) {
-      st = dopt__fail(DOPT_ERR_NO_MEMORY, "parameter '%s'", s->p[i].name);
-      break;
+    float *vals = s->init[i];
+    if (data) {
+      data[i] = vals = malloc((s->numel[i] ? s->numel[i] : 1) * sizeof(float));
+      if (!vals) {
+        st = dopt__fail(DOPT_ERR_NO_MEMORY, "parameter '%s'", s->p[i].name);
+        break;
+      }
+      memcpy(vals, s->init[i], s->numel[i] * sizeof(float));
     }
-    memcpy(data[i], s->init[i], s->numel[i] * sizeof(float));
+    work[i] = NULL;
     dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
     pc.name = s->p[i].name;
     pc.ndim = s->p[i].ndim;
     memcpy(pc.shape, s->p[i].shape, sizeof pc.shape);
-    pc.data = data[i];
+    pc.data = vals;
     pc.layer = dopt_layer_from_name(s->p[i].name); /* LISA */
     if (o->bf16) {
       work[i] = malloc(s->numel[i] * sizeof(uint16_t));
@@ -504,13 +591,14 @@ static dopt_status build_plain(const cmp_options *o, const source *s, float **da
         st = dopt__fail(DOPT_ERR_NO_MEMORY, "parameter '%s'", s->p[i].name);
         break;
       }
-      for (size_t k = 0; k < s->numel[i]; k++) work[i][k] = dopt_f32_to_bf16(data[i][k]);
+      for (size_t k = 0; k < s->numel[i]; k++) work[i][k] = dopt_f32_to_bf16(vals[k]);
       pc.dtype = DOPT_BF16;
-      pc.master = data[i];
+      pc.master = vals;
       pc.data = work[i];
     }
     st = dopt_optim_add_param(opt, group, &pc, NULL);
   }
+  free(gid);
   if (st != DOPT_OK) {
     dopt_optim_destroy(opt);
     return st;
@@ -581,6 +669,7 @@ typedef struct run_ctx {
   const char *load_dir;         /* load before t_first */
   const cmp_options *replay;    /* the options of the steps before t_first: the lead's reference replays them */
   int save_failed;              /* rank 0: writing the checkpoint failed (a full disk): the run's failure */
+  const dopt_optim *plain;      /* the template every rank thread reads (NULL: each process builds its own) */
 } run_ctx;
 
 /* Backend mpi: every rank stepped its own reference and measured its own
@@ -648,18 +737,27 @@ double cmp_now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* This rank's TP block of a logical tensor [b, h, w] into blk. */
-static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float *blk) {
+/* TP rank r's block of a logical tensor [b, h, w]: rows [h0, h0 + hl) x columns [w0, w0 + wl) of every
+ * leading index (uneven splits: the first n mod tp ranks one more). */
+static void tp_block(const cmp_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl) {
   dopt_piece pc;
   dopt_piece_full(p->ndim, p->shape, &pc);
-  size_t h0 = 0, hl = pc.h, w0 = 0, wl = pc.w;
+  *h0 = 0, *hl = pc.h, *w0 = 0, *wl = pc.w;
   if (tp > 1 && p->role != DOPT_TP_REPLICATED) {
     int rowsplit = p->role == DOPT_TP_COLUMN && p->ndim >= 2;
     size_t n = rowsplit ? pc.h : pc.w, base = n / (size_t)tp, rem = n % (size_t)tp, ur = (size_t)r;
     size_t len = base + (ur < rem), off = ur * base + (ur < rem ? ur : rem);
-    if (rowsplit) h0 = off, hl = len;
-    else w0 = off, wl = len;
+    if (rowsplit) *h0 = off, *hl = len;
+    else *w0 = off, *wl = len;
   }
+}
+
+/* This rank's TP block of a logical tensor [b, h, w] into blk. */
+static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float *blk) {
+  dopt_piece pc;
+  dopt_piece_full(p->ndim, p->shape, &pc);
+  size_t h0, hl, w0, wl;
+  tp_block(p, tp, r, &h0, &hl, &w0, &wl);
   for (size_t bi = 0; bi < pc.b; bi++)
     for (size_t i = 0; i < hl; i++)
       memcpy(blk + (bi * hl + i) * wl, full + (bi * pc.h + h0 + i) * pc.w + w0, wl * sizeof(float));
@@ -734,9 +832,11 @@ static dopt_status reference_step(const cmp_options *o, const source *s, int t, 
   *skipped = bad;
   if (bad) return DOPT_OK;
   if (o->max_grad_norm > 0) {
-    double ss[CMP_MAX_PARAMS];
+    double *ss = malloc((size_t)s->np * sizeof *ss);
+    if (!ss) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d squared sums", s->np);
     for (int i = 0; i < s->np; i++) ss[i] = dopt_xsum_sq(avg[i], s->numel[i]);
     float coef = dopt_clip_coef(ss, s->np, o->max_grad_norm, NULL);
+    free(ss);
     for (int i = 0; i < s->np; i++)
       for (size_t k = 0; k < s->numel[i]; k++) avg[i][k] = avg[i][k] * coef;
   }
@@ -759,10 +859,14 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   cfg.dp = *dpt;
   /* the lead steps the reference and measures: rank 0, or every rank with backend mpi */
   const int lead = rank == 0 || x->measure_world != NULL, np = s->np, micro = micro_of(o, s);
-  float *data[CMP_MAX_PARAMS] = {0}, *rdata[CMP_MAX_PARAMS] = {0}, *avg[CMP_MAX_PARAMS] = {0};
-  float *loc[CMP_MAX_PARAMS] = {0};
-  uint16_t *work[CMP_MAX_PARAMS] = {0}, *rwork[CMP_MAX_PARAMS] = {0};
-  dopt_optim *plain = NULL, *ref = NULL;
+  /* per parameter: the reference's values, averaged gradient and bf16 copy (lead); this rank's TP block
+   * of the gradient; the bf16 copies of an own template (without a shared one) */
+  const size_t npc = np > 0 ? (size_t)np : 1;
+  float **rdata = calloc(npc, sizeof *rdata), **avg = calloc(npc, sizeof *avg), **loc = calloc(npc, sizeof *loc);
+  uint16_t **work = calloc(npc, sizeof *work), **rwork = calloc(npc, sizeof *rwork);
+  dopt_tp_role *roles = calloc(npc, sizeof *roles);
+  const dopt_optim *plain = x->plain;
+  dopt_optim *own = NULL, *ref = NULL;
   dopt_dist_optim *d = NULL;
   dopt_digest *dg = NULL, *rdg = NULL; /* the lead's final digests: distributed, reference */
   size_t maxn = 1;
@@ -770,16 +874,25 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   size_t parts = (size_t)o->dp * (size_t)micro_of(o, s);
   if (x->replay && (size_t)x->replay->dp * (size_t)micro_of(x->replay, s) > parts)
     parts = (size_t)x->replay->dp * (size_t)micro_of(x->replay, s);
-  float *full = malloc(maxn * sizeof(float)), *acc = malloc(parts * maxn * sizeof(float));
+  /* whole-tensor buffers (the largest tensor): a trace's gradient before it is sliced; the lead's
+   * reference gradients (acc: every dp part) and bf16 measurements; every rank's gathers */
+  const int sliced = s->trace || s->rec, whole = lead || sliced;
+  float *full = whole ? malloc(maxn * sizeof(float)) : NULL, *acc = lead ? malloc(parts * maxn * sizeof(float)) : NULL;
   float *got = malloc(maxn * sizeof(float));
-  uint16_t *wgot = malloc(maxn * sizeof(uint16_t));
-  float *wf = malloc(2 * maxn * sizeof(float));
+  uint16_t *wgot = o->bf16 ? malloc(maxn * sizeof(uint16_t)) : NULL;
+  float *wf = o->bf16 && lead ? malloc(2 * maxn * sizeof(float)) : NULL;
   /* every rank's own copy, digested per tensor, then its step counters (dopt_dist_check_replicas) */
   const size_t repn = (size_t)r->ntensors * DOPT_DIGEST_BYTES + (size_t)np * sizeof(int64_t);
   unsigned char *rep = calloc(repn ? repn : 1, 1);
-  dopt_status st = full && acc && got && wgot && wf && rep ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: %zu elements x %zu parts and %zu digest bytes", maxn, parts, repn);
-  if (st == DOPT_OK) st = build_plain(o, s, data, work, &plain);
-  dopt_tp_role roles[CMP_MAX_PARAMS];
+  dopt_status st = rdata && avg && loc && work && rwork && roles && (full || !whole) && (acc || !lead) && got &&
+                           (wgot || !o->bf16) && (wf || !o->bf16 || !lead) && rep
+                       ? DOPT_OK
+                       : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: %zu elements x %zu parts and %zu digest bytes",
+                                    maxn, parts, repn);
+  if (st == DOPT_OK && !plain) { /* no shared template (a process per rank): this process's own */
+    st = build_plain(o, s, NULL, work, &own);
+    plain = own;
+  }
   for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
   if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
   if (st == DOPT_OK && lead) st = build_plain(o, s, rdata, rwork, &ref);
@@ -790,8 +903,13 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   if (st == DOPT_OK && lead) st = dopt_optim_set_threads(ref, o->threads ? o->threads
                                                                : strcmp(o->backend, "sim") == 0 ? 0 : 1);
   for (int i = 0; st == DOPT_OK && i < np; i++) {
-    loc[i] = malloc(s->numel[i] * sizeof(float));
-    if (lead) avg[i] = malloc(s->numel[i] * sizeof(float));
+    int ndim;
+    int64_t shape[DOPT_MAX_DIMS];
+    size_t lnumel = 0;
+    st = dopt_dist_local_shape(d, i, &ndim, shape, &lnumel); /* this rank's TP block */
+    if (st != DOPT_OK) break;
+    loc[i] = malloc((lnumel ? lnumel : 1) * sizeof(float));
+    if (lead) avg[i] = malloc((s->numel[i] ? s->numel[i] : 1) * sizeof(float));
     if (!loc[i] || (lead && !avg[i]))
       st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
   }
@@ -807,8 +925,15 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     /* distributed: this rank's micro-batches, then the step */
     for (int m = 0; m < micro && st == DOPT_OK; m++) {
       for (int i = 0; i < np && st == DOPT_OK; i++) {
-        st = shard_grad(s, i, t, shard_of(o, s, cfg.dp.rank, m), full);
-        tp_slice(&s->p[i], o->tp, cfg.tp.rank, full, loc[i]);
+        const int sh = shard_of(o, s, cfg.dp.rank, m);
+        if (sliced) { /* read whole, then sliced */
+          st = shard_grad(s, i, t, sh, full);
+          tp_slice(&s->p[i], o->tp, cfg.tp.rank, full, loc[i]);
+        } else { /* synthetic: only this rank's block */
+          size_t h0, hl, w0, wl;
+          tp_block(&s->p[i], o->tp, cfg.tp.rank, &h0, &hl, &w0, &wl);
+          synth_block(s, i, t, sh, h0, hl, w0, wl, loc[i]);
+        }
       }
       if (st == DOPT_OK) st = dopt_dist_backward(d, lp);
     }
@@ -923,13 +1048,18 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   }
   if (st == DOPT_OK && x->measure_world) st = merge_measurements(x->measure_world, r, o->steps);
   for (int i = 0; i < np; i++) {
-    free(data[i]);
-    free(work[i]);
-    free(rdata[i]);
-    free(rwork[i]);
-    free(avg[i]);
-    free(loc[i]);
+    if (work) free(work[i]);
+    if (rdata) free(rdata[i]);
+    if (rwork) free(rwork[i]);
+    if (avg) free(avg[i]);
+    if (loc) free(loc[i]);
   }
+  free(work);
+  free(rdata);
+  free(rwork);
+  free(avg);
+  free(loc);
+  free(roles);
   free(full);
   free(acc);
   free(got);
@@ -939,7 +1069,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   dopt_digest_destroy(dg);
   dopt_digest_destroy(rdg);
   dopt_dist_destroy(d);
-  dopt_optim_destroy(plain);
+  dopt_optim_destroy(own);
   dopt_optim_destroy(ref);
   return st;
 }
@@ -964,10 +1094,15 @@ static void plan_layout(cmp_tensor_stat *t, dopt_dtype dt, int ndim, const int64
 /* The tensors measured: per parameter, the parameter, its bf16 working copy
  * (with bf16), then every state of the optimizer's layout. */
 static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_result *r) {
-  float *data[CMP_MAX_PARAMS];
-  uint16_t *work[CMP_MAX_PARAMS];
+  uint16_t **work = calloc(s->np > 0 ? (size_t)s->np : 1, sizeof *work);
+  if (!work) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", s->np);
   dopt_optim *opt;
-  DOPT_TRY(build_plain(o, s, data, work, &opt));
+  dopt_status bs = build_plain(o, s, NULL, work, &opt); /* on the source's values: only its states are made */
+  if (bs != DOPT_OK) {
+    for (int i = 0; i < s->np; i++) free(work[i]);
+    free(work);
+    return bs;
+  }
   int cap = s->np * (2 + DOPT_MAX_STATES), n = 0;
   r->t = calloc((size_t)cap, sizeof *r->t);
   dopt_status st = r->t ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare results: %d tensors", cap);
@@ -996,10 +1131,8 @@ static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_resul
       st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare results: %d steps of tensor '%s'", o->steps, r->t[k].name);
   }
   dopt_optim_destroy(opt);
-  for (int i = 0; i < s->np; i++) {
-    free(data[i]);
-    free(work[i]);
-  }
+  for (int i = 0; i < s->np; i++) free(work[i]);
+  free(work);
   return st;
 }
 
@@ -1156,7 +1289,13 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     devno = ndev > 0 ? dopt_launch_device(env.local_rank, ndev) : env.local_rank; /* srun --gpus-per-task 1: 0 */
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
-  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL, 0};
+  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL, 0, NULL};
+  /* the simulator's rank threads share one template on the source's values (with bf16: its copies) */
+  dopt_optim *tmpl = NULL;
+  uint16_t **twork = st == DOPT_OK ? calloc(s.np > 0 ? (size_t)s.np : 1, sizeof *twork) : NULL;
+  if (st == DOPT_OK && !twork) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", s.np);
+  if (st == DOPT_OK && strcmp(o->backend, "sim") == 0) st = build_plain(o, &s, NULL, twork, &tmpl);
+  x.plain = tmpl;
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
     r->seconds = cmp_now_s() - x.t0;
@@ -1190,6 +1329,9 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     st = run_sim(&x);
     r->seconds = cmp_now_s() - x.t0;
   }
+  dopt_optim_destroy(tmpl);
+  for (int i = 0; twork && i < s.np; i++) free(twork[i]);
+  free(twork);
   dopt_device_cuda_destroy(dev);
   source_free(&s);
   if (st != DOPT_OK) {

@@ -15,7 +15,7 @@
  *    or "... (reference: sha256:HEX2, differs)"; none when r->digest is "".
  *  - The JSON record carries "schema_version" (CMP_JSON_SCHEMA; 2 added
  *    "digest"; 3 per-tensor "nan_pairs", the verdict kinds "replica_drift"
- *    and "step_counter" and the verdict's "rank", docs/cli.md); a consumer
+ *    and "step_counter" and the verdict's "rank"; 4 "gradients.model", docs/cli.md); a consumer
  *    checks it before reading fields.
  *  - JSON and SVG files are written to "PATH.tmp.PID" and renamed into place;
  *    on failure the temporary file is removed and PATH is untouched.
@@ -35,7 +35,14 @@
 #include "internal.h"
 
 /* The JSON record's layout version: 1 (unversioned) until the digest, 2 with "digest". */
-#define CMP_JSON_SCHEMA 3
+#define CMP_JSON_SCHEMA 4
+
+/* " | gradients: ..." of the header lines: the trace, or the synthetic model and seed. */
+static void print_gradients(FILE *f, const cmp_options *o) {
+  if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
+  else fprintf(f, " | gradients: %s%s%s (seed %llu)", o->source, o->model[0] ? " " : "", o->model,
+               (unsigned long long)o->seed);
+}
 
 /* ---- verdict ------------------------------------------------------------ */
 
@@ -182,13 +189,12 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
     fprintf(f, " | resumed after step %d in %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->checkpoint_at,
             o->resume_plugin[0] ? o->resume_plugin : o->plugin, o->resume_tp > 0 ? o->resume_tp : o->tp,
             o->resume_dp > 0 ? o->resume_dp : o->dp, o->resume_zero >= 0 ? o->resume_zero : o->zero);
-  if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
-  else fprintf(f, " | gradients: %s (seed %llu)", o->source, (unsigned long long)o->seed);
+  print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
   if (o->bf16) fprintf(f, " | bf16");
   fputc('\n', f);
-  for (int g = 0; g < o->ngroups && g < CMP_MAX_GROUPS; g++)
-    fprintf(f, "  group %d: %s: %s\n", g + 1, o->group_glob[g], o->group_hp[g][0] ? o->group_hp[g] : "(defaults)");
+  for (int g = 0; g < o->ngroups; g++)
+    fprintf(f, "  group %d: %s: %s\n", g + 1, o->groups[g].glob, o->groups[g].hp[0] ? o->groups[g].hp : "(defaults)");
 }
 
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
@@ -282,11 +288,11 @@ static void json_optimizer(jb *b, cJSON *op, const cmp_options *o) {
   jadd(b, op, "optimizer", cJSON_CreateString(o->optimizer));
   jadd(b, op, "hparams", cJSON_CreateString(o->hparams));
   cJSON *gs = jadd(b, op, "groups", cJSON_CreateArray());
-  for (int g = 0; gs && g < o->ngroups && g < CMP_MAX_GROUPS; g++) {
+  for (int g = 0; gs && g < o->ngroups; g++) {
     cJSON *gi = jadd(b, gs, NULL, cJSON_CreateObject());
     if (!gi) break;
-    jadd(b, gi, "params", cJSON_CreateString(o->group_glob[g]));
-    jadd(b, gi, "hparams", cJSON_CreateString(o->group_hp[g]));
+    jadd(b, gi, "params", cJSON_CreateString(o->groups[g].glob));
+    jadd(b, gi, "hparams", cJSON_CreateString(o->groups[g].hp));
   }
 }
 
@@ -295,7 +301,10 @@ static void json_gradients(jb *b, cJSON *op, const cmp_options *o) {
   if (gr) {
     jadd(b, gr, "source", cJSON_CreateString(o->source));
     if (strcmp(o->source, "trace") == 0) jadd(b, gr, "path", cJSON_CreateString(o->trace_path));
-    else jadd(b, gr, "seed", ju64(o->seed));
+    else {
+      jadd(b, gr, "seed", ju64(o->seed));
+      if (o->model[0]) jadd(b, gr, "model", cJSON_CreateString(o->model));
+    }
   }
 }
 
@@ -450,8 +459,7 @@ void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells,
   fprintf(f, "sweep: %s %s | tp 1-%d \xC3\x97 dp 1-%d \xC3\x97 zero 0-3 | %d step%s", o->optimizer,
           o->hparams[0] ? o->hparams : "(upstream defaults)", o->max_tp, o->max_dp, o->steps, plural(o->steps));
   if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
-  if (strcmp(o->source, "trace") == 0) fprintf(f, " | gradients: trace %s", o->trace_path);
-  else fprintf(f, " | gradients: %s (seed %llu)", o->source, (unsigned long long)o->seed);
+  print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
   if (o->bf16) fprintf(f, " | bf16");
   fputs(" | against the single-device reference\n", f);

@@ -11,5 +11,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   cmp_options_default(&o);
   before = o;
   if (cmp_load_yaml(fuzz_file(data, size, ".yaml"), &o) != DOPT_OK && memcmp(&o, &before, sizeof o) != 0) abort();
+  cmp_options_free(&o);
   return 0;
 }

@@ -79,10 +79,10 @@ static void test_full(void **st) {
   assert_string_equal(o.optimizer, "adafactor");
   assert_string_equal(o.hparams, "lr=2e-4,weight_decay=0.01,relative_step=false,beta1=none");
   assert_int_equal(o.ngroups, 2);
-  assert_string_equal(o.group_glob[0], "*bias");
-  assert_string_equal(o.group_hp[0], "weight_decay=0");
-  assert_string_equal(o.group_glob[1], "ln*.weight");
-  assert_string_equal(o.group_hp[1], "lr=1e-3,scale_parameter=true");
+  assert_string_equal(o.groups[0].glob, "*bias");
+  assert_string_equal(o.groups[0].hp, "weight_decay=0");
+  assert_string_equal(o.groups[1].glob, "ln*.weight");
+  assert_string_equal(o.groups[1].hp, "lr=1e-3,scale_parameter=true");
   assert_string_equal(o.plugin, "fsdp");
   assert_int_equal(o.tp, 4);
   assert_int_equal(o.dp, 2);
@@ -102,6 +102,7 @@ static void test_full(void **st) {
   assert_string_equal(o.svg_path, "/abs/r.svg");
   assert_int_equal(o.quiet, 1); /* untouched */
   assert_int_equal((int)o.seed, 1);
+  cmp_options_free(&o);
 }
 
 static void test_partial_on_top(void **st) {
@@ -110,8 +111,7 @@ static void test_partial_on_top(void **st) {
   const char *p = write_yaml("partial.yaml", "steps: 7\ngradients: {path: /data/t.safetensors}\n");
   cmp_options o, before;
   base_options(&o);
-  o.ngroups = 1;
-  snprintf(o.group_glob[0], sizeof o.group_glob[0], "*");
+  assert_ok(cmp_options_add_group(&o, "*", 1, ""));
   before = o;
   assert_ok(cmp_load_yaml(p, &o));
   assert_int_equal(o.steps, 7);
@@ -125,9 +125,13 @@ static void test_partial_on_top(void **st) {
                               "optimizer: {type: adamw}\nmax_grad_norm: 0\n");
   assert_ok(cmp_load_yaml(p, &o));
   assert_true(o.seed == UINT64_MAX);
+  assert_string_equal(o.model, "");
+  assert_ok(cmp_load_yaml(write_yaml("model.yaml", "gradients: {source: synthetic, model: 2mx32}\n"), &o));
+  assert_string_equal(o.model, "2mx32");
   assert_int_equal(o.ngroups, 0);
   assert_string_equal(o.optimizer, "adamw");
   assert_string_equal(o.hparams, "");
+  cmp_options_free(&o);
 }
 
 static void test_relative_trace_path(void **st) {
@@ -157,13 +161,14 @@ static void test_relative_trace_path(void **st) {
 
 static void test_errors(void **st) {
   (void)st;
-  static char long_type[200], long_hp[2000], many_groups[1000];
+  static char long_type[200], long_hp[2000], many_groups[40000], many_line[16];
   snprintf(long_type, sizeof long_type, "optimizer:\n  type: %040d\n", 0);
   size_t n = (size_t)snprintf(long_hp, sizeof long_hp, "steps: 1\noptimizer:\n  type: came\n");
   for (int i = 0; i < 40; i++) n += (size_t)snprintf(long_hp + n, sizeof long_hp - n, "  key_number_%02d: 1\n", i);
   n = (size_t)snprintf(many_groups, sizeof many_groups, "groups:\n");
   for (int i = 0; i < CMP_MAX_GROUPS + 1; i++)
     n += (size_t)snprintf(many_groups + n, sizeof many_groups - n, "  - {params: \"g%d*\"}\n", i);
+  snprintf(many_line, sizeof many_line, ":%d:", CMP_MAX_GROUPS + 2); /* the first group past the limit */
   static const struct {
     const char *yaml;
     dopt_status want;
@@ -220,7 +225,9 @@ static void test_errors(void **st) {
       {"groups:\n  - {params: \"*\"}\n  - {lr: 1}\n", DOPT_ERR_FORMAT, ":3:", "groups[1].params"},
       {"groups:\n  - params: [a, b]\n", DOPT_ERR_FORMAT, ":2:", "groups[0].params"},
       {"groups: {params: a}\n", DOPT_ERR_FORMAT, ":1:", "groups"},
-      {many_groups, DOPT_ERR_FORMAT, ":10:", "groups"},
+      {many_groups, DOPT_ERR_FORMAT, many_line, "groups"},
+      {"gradients:\n  source: synthetic\n  model: llama-2b\n", DOPT_ERR_FORMAT, ":3:", "gradients.model"},
+      {"gradients: {source: trace, model: 100m}\n", DOPT_ERR_FORMAT, ":1:", "gradients.model"},
       {"? [a, b]\n: 1\n", DOPT_ERR_FORMAT, ":1:", "keys must be scalars"},
       {"- steps: 1\n", DOPT_ERR_FORMAT, ":1:", "top level"},
       {"plugin: {type: hybrid\nsteps: 3\n", DOPT_ERR_FORMAT, ":2:", "YAML"},

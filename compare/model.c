@@ -1,0 +1,122 @@
+/* LLaMA-shaped model descriptions (compare/model.h). */
+#include "model.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* LLaMA shapes as in the GaLore repository's configs; the paper's rank and Table 2. */
+static const cmp_model PRESETS[] = {
+    {"llama-60m", 512, 1376, 8, 32000, 128, 0.36, 0.24},    {"llama-130m", 768, 2048, 12, 32000, 256, 0.76, 0.52},
+    {"llama-350m", 1024, 2736, 24, 32000, 256, 2.06, 1.22}, {"llama-1b", 2048, 5461, 24, 32000, 512, 7.80, 4.38},
+    {"llama-7b", 4096, 11008, 32, 32000, 1024, 0, 0},
+};
+#define NPRESETS ((int)(sizeof PRESETS / sizeof PRESETS[0]))
+
+int cmp_model_npresets(void) { return NPRESETS; }
+const cmp_model *cmp_model_preset(int k) { return k >= 0 && k < NPRESETS ? &PRESETS[k] : NULL; }
+
+double cmp_model_params(const cmp_model *m) {
+  const double h = m->hidden, f = m->inter, v = m->vocab, L = m->layers;
+  return 2 * v * h + L * (4 * h * h + 3 * h * f) + (2 * L + 1) * h;
+}
+
+int cmp_model_ntensors(const cmp_model *m) { return 9 * m->layers + 3; }
+
+void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
+  static const struct {
+    const char *what;
+    int kind; /* 0 [h,h], 1 [f,h], 2 [h,f], 3 [h] */
+    dopt_tp_role role;
+  } LAYER[9] = {{"self_attn.q_proj.weight", 0, DOPT_TP_COLUMN},   {"self_attn.k_proj.weight", 0, DOPT_TP_COLUMN},
+                {"self_attn.v_proj.weight", 0, DOPT_TP_COLUMN},   {"self_attn.o_proj.weight", 0, DOPT_TP_ROW},
+                {"mlp.gate_proj.weight", 1, DOPT_TP_COLUMN},      {"mlp.up_proj.weight", 1, DOPT_TP_COLUMN},
+                {"mlp.down_proj.weight", 2, DOPT_TP_ROW},         {"input_layernorm.weight", 3, DOPT_TP_REPLICATED},
+                {"post_attention_layernorm.weight", 3, DOPT_TP_REPLICATED}};
+  const int64_t h = m->hidden, f = m->inter, v = m->vocab;
+  memset(t, 0, sizeof *t);
+  const int last = cmp_model_ntensors(m) - 1;
+  if (i == 0 || i == last) { /* vocab-parallel: the rows of [vocab, hidden] */
+    snprintf(t->name, sizeof t->name, "%s", i == 0 ? "model.embed_tokens.weight" : "lm_head.weight");
+    t->ndim = 2, t->shape[0] = v, t->shape[1] = h, t->role = DOPT_TP_COLUMN;
+    return;
+  }
+  if (i == last - 1) {
+    snprintf(t->name, sizeof t->name, "model.norm.weight");
+    t->ndim = 1, t->shape[0] = h, t->role = DOPT_TP_REPLICATED;
+    return;
+  }
+  const int layer = (i - 1) / 9, k = (i - 1) % 9;
+  snprintf(t->name, sizeof t->name, "model.layers.%d.%s", layer, LAYER[k].what);
+  t->role = LAYER[k].role;
+  t->projected = LAYER[k].kind != 3;
+  switch (LAYER[k].kind) {
+  case 0: t->ndim = 2, t->shape[0] = h, t->shape[1] = h; break;
+  case 1: t->ndim = 2, t->shape[0] = f, t->shape[1] = h; break;
+  case 2: t->ndim = 2, t->shape[0] = h, t->shape[1] = f; break;
+  default: t->ndim = 1, t->shape[0] = h; break;
+  }
+}
+
+/* The model of hidden size h for a count n (layers: 0 = from h). */
+static cmp_model sized(int h, int layers, double n) {
+  cmp_model m;
+  memset(&m, 0, sizeof m);
+  m.hidden = h;
+  m.layers = layers ? layers : h / 64 < 2 ? 2 : h / 64 > 32 ? 32 : h / 64;
+  m.inter = 32 * (int)ceil(8.0 * h / (3.0 * 32));
+  m.vocab = 32000;
+  if (2.0 * m.vocab * h > n / 2) { /* the embedding and head half of the count */
+    const double v = floor(n / (4.0 * h) / 64) * 64;
+    m.vocab = v < 64 ? 64 : (int)v;
+  }
+  m.galore_rank = h / 4 < 8 ? 8 : h / 4;
+  return m;
+}
+
+dopt_status cmp_model_parse(const char *spec, cmp_model *out) {
+  DOPT_CHECK_ARG(spec != NULL && out != NULL, "cmp_model_parse: spec=%p out=%p", (const void *)spec, (void *)out);
+  for (int k = 0; k < NPRESETS; k++)
+    if (strcmp(PRESETS[k].name, spec) == 0) {
+      *out = PRESETS[k];
+      return DOPT_OK;
+    }
+  const char *why = "expected a preset (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b) or a parameter "
+                    "count COUNT[k|m|b][xLAYERS] from 10k to 100b, e.g. 100m, 1.5b, 2mx32";
+  char *end = NULL;
+  errno = 0;
+  const double x = strtod(spec, &end);
+  double n = x;
+  if (end == spec || errno != 0 || !(x > 0)) return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
+  switch (*end) {
+  case 'k': case 'K': n *= 1e3, end++; break;
+  case 'm': case 'M': n *= 1e6, end++; break;
+  case 'b': case 'B': n *= 1e9, end++; break;
+  default: break;
+  }
+  long layers = 0;
+  if (*end == 'x') {
+    char *e2 = NULL;
+    errno = 0;
+    layers = strtol(end + 1, &e2, 10);
+    if (e2 == end + 1 || errno != 0 || layers < 1 || layers > 256)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': layers after 'x' must be 1..256", spec);
+    end = e2;
+  }
+  if (*end != '\0' || !(n >= 1e4 && n <= 1e11))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
+  cmp_model best;
+  double err = INFINITY;
+  for (int h = 64; h <= 16384; h += 64) {
+    const cmp_model m = sized(h, (int)layers, n);
+    const double e = fabs(cmp_model_params(&m) - n);
+    if (e < err) err = e, best = m;
+  }
+  snprintf(best.name, sizeof best.name, "%s", spec);
+  *out = best;
+  return DOPT_OK;
+}

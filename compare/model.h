@@ -1,0 +1,48 @@
+/* LLaMA-shaped model descriptions shared by `distopt mem` and `distopt
+ * compare --model` (docs/cli.md, "Models"): the presets of the GaLore
+ * repository's configs, or a parameter count in LLaMA proportions. */
+#ifndef DOPT_CMP_MODEL_H
+#define DOPT_CMP_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "distopt/dist.h"
+#include "distopt/distopt.h"
+
+typedef struct cmp_model {
+  char name[48];          /* "llama-130m", or the size as given ("100m", "2mx32") */
+  int hidden, inter, layers, vocab;
+  int galore_rank;        /* the GaLore paper's rank for this size (sizes: hidden / 4, at least 8) */
+  double paper_full_gb;   /* GaLore paper Table 2: weights + states, BF16 (0: none) */
+  double paper_galore_gb;
+} cmp_model;
+
+int cmp_model_npresets(void);
+const cmp_model *cmp_model_preset(int k);
+
+/* A preset name (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b) or a size COUNT[k|m|b][xLAYERS]
+ * (a parameter count, decimals allowed: "100m", "1.5b", "2mx32"): the hidden size (a multiple of 64)
+ * whose model comes closest to the count, layers = hidden / 64 within [2, 32] unless given (1..256),
+ * intermediate 8·hidden/3 rounded up to a multiple of 32, vocabulary 32000 or, where that would be more
+ * than half the count, the multiple of 64 that makes embedding and head half of it (at least 64).
+ * Counts from 10k to 100b. DOPT_ERR_INVALID_ARG naming the spec and what is expected. */
+dopt_status cmp_model_parse(const char *spec, cmp_model *out);
+
+/* Its parameter tensors, in the order of Hugging Face's LlamaForCausalLM: model.embed_tokens.weight;
+ * per layer N model.layers.N.self_attn.{q,k,v,o}_proj.weight, model.layers.N.mlp.{gate,up,down}_proj.weight,
+ * model.layers.N.{input,post_attention}_layernorm.weight; model.norm.weight; lm_head.weight
+ * (9·layers + 3 tensors). Tensor-parallel roles as Megatron: embedding and head vocab-parallel
+ * (COLUMN, rows), q/k/v, gate and up COLUMN, o and down ROW, norms replicated. */
+int cmp_model_ntensors(const cmp_model *m);
+typedef struct cmp_model_tensor {
+  char name[64];
+  int ndim;
+  int64_t shape[2];
+  dopt_tp_role role;
+  int projected; /* an attention or MLP linear (what GaLore projects in the paper) */
+} cmp_model_tensor;
+void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t);
+double cmp_model_params(const cmp_model *m);
+
+#endif
