@@ -239,6 +239,7 @@ typedef struct source {
   rec_source *rec;     /* a recording (NULL: none); neither: synthetic */
   int shards;          /* trace or recording (1): shards per step; 0: synthetic */
   uint64_t seed;
+  int fast;            /* --model: the vectorised generator (synth_fast) */
 } source;
 
 static uint64_t mix(uint64_t z) {
@@ -262,22 +263,80 @@ static void synth_block(const source *s, int i, int step, int shard, size_t h0, 
   double a = (double)(mix(key) >> 11) * 0x1.0p-53 - 0.5, b = (double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5;
   enum { CHUNK = 256 };
   double cs[CHUNK];
+  const double bm[3] = {b * (double)0, b * (double)1, b * (double)2}; /* b · ((row + col) mod 3) */
+  const uint64_t step_k = 0x9E3779B97F4A7C15ull; /* the hash input advances by this per element */
   for (size_t j0 = 0; j0 < wl; j0 += CHUNK) {
     const size_t jn = wl - j0 < CHUNK ? wl - j0 : CHUNK;
     for (size_t j = 0; j < jn; j++) cs[j] = cos(0.4 * (double)(w0 + j0 + j));
     for (size_t bi = 0; bi < pc.b; bi++)
       for (size_t r = 0; r < hl; r++) {
-        const size_t row = bi * pc.h + h0 + r; /* of the tensor as [rows, w] */
-        const double sr = a * sin(0.7 * (double)row + 0.3);
+        const size_t row = bi * pc.h + h0 + r, col0 = w0 + j0; /* of the tensor as [rows, w] */
+        const double sr = a * sin(0.7 * (double)row + 0.3), heavy = (row % 5 == 1) ? 8.0 : 1.0;
         float *o = out + (bi * hl + r) * wl + j0;
-        for (size_t j = 0; j < jn; j++) {
-          const size_t col = w0 + j0 + j, k = row * pc.w + col;
-          uint64_t h = mix(key + 0x9E3779B97F4A7C15ull * (k + 2));
+        uint64_t hk = key + step_k * (row * pc.w + col0 + 2); /* key + step_k · (k + 2), k the flat index */
+        size_t m3 = (row + col0) % 3;
+        for (size_t j = 0; j < jn; j++, hk += step_k, m3 = m3 == 2 ? 0 : m3 + 1) {
+          const uint64_t h = mix(hk);
           double u = 0;
           for (int q = 0; q < 4; q++) u += (double)((h >> (16 * q)) & 0xffff) / 65536.0;
-          double lowrank = sr * cs[j] + b * (double)((row + col) % 3);
-          double v = 0.05 * ((row % 5 == 1) ? 8.0 : 1.0) * (lowrank + 0.5 * (u - 2.0));
+          const double lowrank = sr * cs[j] + bm[m3];
+          const double v = 0.05 * heavy * (lowrank + 0.5 * (u - 2.0));
           o[j] = (h >> 60) == 0 ? 0.0f : (float)v;
+        }
+      }
+  }
+}
+
+/* --model's generator: the same kind of values (rank 2 plus noise, heavy-tailed rows, 1/16 exact zeros), a pure
+ * function of (seed, parameter, step, shard, element) in 32-bit integer hashing and fp32 arithmetic that the
+ * compiler vectorises (about 0.3 ns per element here against 5 for synth_block's 64-bit hash in double): a
+ * 64-rank compare generates dp · accumulation gradients per step twice, once for the reference. Same block
+ * layout as synth_block. */
+static inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* 32-bit lane multiplies need SSE4.1 or AVX2: an AVX2 clone, chosen at load time (the same bits: elementwise
+ * IEEE fp32, no contraction) */
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void synth_fast(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
+                       float *out) {
+  const cmp_param *p = &s->p[i];
+  dopt_piece pc;
+  dopt_piece_full(p->ndim, p->shape, &pc);
+  const uint64_t key = mix(s->seed ^ mix(((uint64_t)i << 48) ^ ((uint64_t)step << 20) ^ (uint64_t)shard));
+  const uint32_t k32 = (uint32_t)key;
+  const float a = (float)((double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5),
+              b = (float)((double)(mix(key + 2) >> 11) * 0x1.0p-53 - 0.5);
+  enum { CHUNK = 256 };
+  float ca[CHUNK], cb[CHUNK];
+  for (size_t j0 = 0; j0 < wl; j0 += CHUNK) {
+    const size_t jn = wl - j0 < CHUNK ? wl - j0 : CHUNK;
+    for (size_t j = 0; j < jn; j++) {
+      const double col = (double)(w0 + j0 + j);
+      ca[j] = (float)cos(0.4 * col), cb[j] = (float)cos(1.3 * col + 0.5);
+    }
+    for (size_t bi = 0; bi < pc.b; bi++)
+      for (size_t r = 0; r < hl; r++) {
+        const size_t row = bi * pc.h + h0 + r;
+        const float ra = a * (float)sin(0.7 * (double)row + 0.3), rb = b * (float)sin(0.45 * (double)row + 1.1);
+        const float scale = (row % 5 == 1) ? 0.4f : 0.05f;
+        const uint32_t base = (uint32_t)(row * pc.w + w0 + j0) ^ (uint32_t)((row * pc.w) >> 32) * 0x9e3779b9u;
+        float *o = out + (bi * hl + r) * wl + j0;
+        for (size_t j = 0; j < jn; j++) {
+          const uint32_t h = hash32((base + (uint32_t)j) ^ k32);
+          const float u = (float)(int32_t)((h & 0xffffu) + ((h >> 12) & 0xffffu)) * 0x1.0p-16f; /* [0, 2) */
+          const float v = scale * (ra * ca[j] + rb * cb[j] + 0.5f * (u - 1.0f));
+          uint32_t vb;
+          memcpy(&vb, &v, sizeof vb);
+          vb &= 0u - (uint32_t)((h >> 28) != 0); /* +0 for 1 in 16 (a select without a branch) */
+          memcpy(&o[j], &vb, sizeof vb);
         }
       }
   }
@@ -287,7 +346,7 @@ static void synth_block(const source *s, int i, int step, int shard, size_t h0, 
 static void synth_grad(const source *s, int i, int step, int shard, float *out) {
   dopt_piece pc;
   dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
-  synth_block(s, i, step, shard, 0, pc.h, 0, pc.w, out);
+  (s->fast ? synth_fast : synth_block)(s, i, step, shard, 0, pc.h, 0, pc.w, out);
 }
 
 /* A trace's gradient of parameter `name` at step t (1-based), shard sh. */
@@ -473,6 +532,7 @@ static dopt_status load_source(const cmp_options *o, source *s) {
     if (o->model[0]) DOPT_TRY(cmp_model_parse(o->model, &m));
     const int n = o->model[0] ? cmp_model_ntensors(&m) : (int)(sizeof SYNTH / sizeof SYNTH[0]);
     DOPT_TRY(source_reserve(s, n));
+    s->fast = o->model[0] != 0;
     for (int i = 0; i < n; i++) {
       if (o->model[0]) {
         cmp_model_tensor t;
@@ -878,14 +938,18 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
    * reference gradients (acc: every dp part) and bf16 measurements; every rank's gathers */
   const int sliced = s->trace || s->rec, whole = lead || sliced;
   float *full = whole ? malloc(maxn * sizeof(float)) : NULL, *acc = lead ? malloc(parts * maxn * sizeof(float)) : NULL;
-  float *got = malloc(maxn * sizeof(float));
-  uint16_t *wgot = o->bf16 ? malloc(maxn * sizeof(uint16_t)) : NULL;
+  /* the gathers deliver to the lead only (each rank measures with backend mpi: to every rank) */
+  const int to_lead = x->measure_world == NULL;
+  float *got = lead ? malloc(maxn * sizeof(float)) : NULL;
+  uint16_t *wgot = o->bf16 && lead ? malloc(maxn * sizeof(uint16_t)) : NULL;
   float *wf = o->bf16 && lead ? malloc(2 * maxn * sizeof(float)) : NULL;
-  /* every rank's own copy, digested per tensor, then its step counters (dopt_dist_check_replicas) */
-  const size_t repn = (size_t)r->ntensors * DOPT_DIGEST_BYTES + (size_t)np * sizeof(int64_t);
+  /* every rank's step counters against rank 0's (dopt_dist_check_replicas; the held pieces: check_held) */
+  const size_t repn = (size_t)np * sizeof(int64_t);
   unsigned char *rep = calloc(repn ? repn : 1, 1);
-  dopt_status st = rdata && avg && loc && work && rwork && roles && (full || !whole) && (acc || !lead) && got &&
-                           (wgot || !o->bf16) && (wf || !o->bf16 || !lead) && rep
+  void *sgot = NULL; /* the lead's gathered state */
+  size_t sgot_cap = 0;
+  dopt_status st = rdata && avg && loc && work && rwork && roles && (full || !whole) && (acc || !lead) &&
+                           (got || !lead) && (wgot || !o->bf16 || !lead) && (wf || !o->bf16 || !lead) && rep
                        ? DOPT_OK
                        : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: %zu elements x %zu parts and %zu digest bytes",
                                     maxn, parts, repn);
@@ -895,6 +959,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   }
   for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
   if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
+  if (st == DOPT_OK && to_lead) st = dopt_dist_set_gather(d, DOPT_DIST_GATHER_LEAD);
   if (st == DOPT_OK && lead) st = build_plain(o, s, rdata, rwork, &ref);
   /* The reference steps on the lead while the other ranks wait for its
    * gather: in the simulator they sleep (condition variables), so it may use
@@ -932,7 +997,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         } else { /* synthetic: only this rank's block */
           size_t h0, hl, w0, wl;
           tp_block(&s->p[i], o->tp, cfg.tp.rank, &h0, &hl, &w0, &wl);
-          synth_block(s, i, t, sh, h0, hl, w0, wl, loc[i]);
+          (s->fast ? synth_fast : synth_block)(s, i, t, sh, h0, hl, w0, wl, loc[i]);
         }
       }
       if (st == DOPT_OK) st = dopt_dist_backward(d, lp);
@@ -953,14 +1018,11 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     int ti = 0;
     for (int i = 0; i < np && st == DOPT_OK; i++) {
       st = dopt_dist_gather_param(d, i, got);
-      if (st == DOPT_OK) st = dopt_digest_buffer(got, s->numel[i] * sizeof(float), rep + ti * DOPT_DIGEST_BYTES, NULL);
       if (st == DOPT_OK && lead) measure(&r->t[ti], t, rdata[i], got, s->numel[i]);
       if (st == DOPT_OK && last) st = digest_both(dg, rdg, &r->t[ti], got, rdata[i], s->numel[i] * sizeof(float));
       ti++;
       if (o->bf16 && st == DOPT_OK) {
         st = dopt_dist_gather_work(d, i, wgot);
-        if (st == DOPT_OK)
-          st = dopt_digest_buffer(wgot, s->numel[i] * sizeof(uint16_t), rep + ti * DOPT_DIGEST_BYTES, NULL);
         if (st == DOPT_OK && lead) {
           for (size_t k = 0; k < s->numel[i]; k++) {
             wf[k] = dopt_bf16_to_f32(rwork[i][k]);
@@ -978,10 +1040,12 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         const char *name = r->t[ti].name + pl + 1;
         size_t sbytes = 0;
         st = dopt_dist_state_bytes(d, i, name, &sbytes);
-        void *sgot = st == DOPT_OK ? malloc(sbytes ? sbytes : 1) : NULL;
-        if (st == DOPT_OK && !sgot) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
-        if (st == DOPT_OK) st = dopt_dist_gather_state(d, i, name, sgot);
-        if (st == DOPT_OK) st = dopt_digest_buffer(sgot, sbytes, rep + ti * DOPT_DIGEST_BYTES, NULL);
+        if (st == DOPT_OK && lead && (sbytes > sgot_cap || !sgot)) { /* grown, kept: no allocation per step */
+          void *nb = realloc(sgot, sbytes ? sbytes : 1);
+          if (!nb) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
+          else sgot = nb, sgot_cap = sbytes;
+        }
+        if (st == DOPT_OK) st = dopt_dist_gather_state(d, i, name, lead ? sgot : NULL);
         const cmp_tensor_stat *pt = &r->t[ti]; /* the distributed side has no state views: the plan's layout */
         if (st == DOPT_OK && last) st = dopt_digest_tensor(dg, pt->name, pt->dtype, pt->ndim, pt->shape, sgot, sbytes);
         int found = 0;
@@ -1006,13 +1070,12 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
           if (st == DOPT_OK && last) st = dopt_digest_tensor(rdg, pt->name, pt->dtype, pt->ndim, pt->shape, zeros, sbytes);
           free(zeros);
         }
-        free(sgot);
         ti++;
       }
       /* the step counter: this rank's into the replica bytes; the lead's against the reference */
       int64_t ds = 0, rs = 0;
       if (st == DOPT_OK) st = dopt_dist_get_step(d, i, &ds);
-      if (st == DOPT_OK) memcpy(rep + (size_t)r->ntensors * DOPT_DIGEST_BYTES + (size_t)i * sizeof ds, &ds, sizeof ds);
+      if (st == DOPT_OK) memcpy(rep + (size_t)i * sizeof ds, &ds, sizeof ds);
       if (st == DOPT_OK && lead) st = dopt_optim_get_step(ref, i, &rs);
       if (st == DOPT_OK && lead && ds != rs && r->counter_step == 0) {
         r->counter_step = t;
@@ -1022,16 +1085,22 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
       }
       if (st == DOPT_OK && last) st = digest_steps(ds, rs, s->p[i].name, dg, rdg);
     }
-    /* every rank's copy against rank 0's (which the lead compared with the reference) */
-    int drank = -1;
+    /* every rank's copies against the other holders' (the lead compared its gathered ones with the
+     * reference): each held piece by digest, then the step counters against rank 0's */
+    int drank = -1, dparam = -1;
+    char dname[sizeof r->drift_tensor];
     size_t doff = 0;
+    if (st == DOPT_OK) st = dopt_dist_check_held(d, &drank, &dparam, dname, sizeof dname);
+    if (st == DOPT_OK && lead && drank >= 0 && r->drift_step == 0) {
+      r->drift_step = t;
+      r->drift_rank = drank;
+      snprintf(r->drift_tensor, sizeof r->drift_tensor, "%s", dname);
+    }
     if (st == DOPT_OK) st = dopt_dist_check_replicas(d, rep, repn, &drank, &doff);
     if (st == DOPT_OK && lead && drank >= 0 && r->drift_step == 0) {
       r->drift_step = t;
       r->drift_rank = drank;
-      const size_t tb = (size_t)r->ntensors * DOPT_DIGEST_BYTES;
-      if (doff < tb) snprintf(r->drift_tensor, sizeof r->drift_tensor, "%s", r->t[doff / DOPT_DIGEST_BYTES].name);
-      else snprintf(r->drift_tensor, sizeof r->drift_tensor, "%s/step", s->p[(doff - tb) / sizeof(int64_t)].name);
+      snprintf(r->drift_tensor, sizeof r->drift_tensor, "%s/step", s->p[doff / sizeof(int64_t)].name);
     }
     if (st == DOPT_OK && last) st = dopt_digest_final(dg, NULL, r->digest);
     if (st == DOPT_OK && last) st = dopt_digest_final(rdg, NULL, r->ref_digest);
@@ -1066,6 +1135,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   free(wgot);
   free(wf);
   free(rep);
+  free(sgot);
   dopt_digest_destroy(dg);
   dopt_digest_destroy(rdg);
   dopt_dist_destroy(d);

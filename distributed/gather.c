@@ -1,17 +1,45 @@
 /* Logical tensors from the pieces every rank holds (parameters, bf16 copies,
- * states), state sizes and memory, and the replica check: every rank's own
- * copy against rank 0's. */
+ * states) on every rank or on the lead only, state sizes and memory, and the
+ * replica checks: given bytes against rank 0's, and every held piece against
+ * the same piece on the other ranks that hold it. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dist_internal.h"
+#include "distopt/digest.h"
+
+/* Lead mode in effect: asked for, and both transports can send to one rank. */
+static int lead_mode(const dopt_dist_optim *d) {
+  return d->gather_lead && d->tp.ops->all_to_allv != NULL && d->dp.ops->all_to_allv != NULL;
+}
+
+/* Every rank of t sends count elements at send to rank 0, which receives rank r's rcount elements at
+ * recv + r · stride (elements; recv only on rank 0; the same rcount and stride on every rank). */
+static dopt_status to_root(dopt_dist_optim *d, const dopt_transport *t, const void *send, size_t count, void *recv,
+                           size_t rcount, size_t stride, dopt_dtype dt) {
+  const size_t n = (size_t)t->size;
+  size_t *c = d->xc; /* [5 · xn]: send counts, send offsets, receive counts, receive offsets */
+  memset(c, 0, 4 * n * sizeof *c);
+  c[0] = count;
+  if (t->rank == 0)
+    for (size_t r = 0; r < n; r++) c[2 * n + r] = rcount, c[3 * n + r] = r * stride;
+  void *dummy = NULL; /* a receive buffer where nothing is received */
+  if (t->rank != 0) DOPT_TRY(dd_gdev(d, 1, 8, &dummy));
+  return t->ops->all_to_allv(t->comm, send, c, c + n, t->rank == 0 ? recv : dummy, c + 2 * n, c + 3 * n, dt);
+}
 
 /* The whole TP-local block (host, [lnumel]) of a tensor stored as this rank's
  * shard (sharded != 0: [chunk] at src) or whole (src [lnumel]). elem: 4, 2 or 1. */
 static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
-                                   dopt_dtype dt, unsigned char *host) {
-  if (!sharded || d->dp.size == 1) return DEV(d)->download(DCTX(d), host, src, p->lnumel * elem);
+                                   dopt_dtype dt, unsigned char *host) { /* host NULL: send only (lead mode) */
+  if (!sharded || d->dp.size == 1) return host ? DEV(d)->download(DCTX(d), host, src, p->lnumel * elem) : DOPT_OK;
   void *buf = NULL;
+  if (lead_mode(d)) { /* every dp rank's shard to dp rank 0: rank r's at r · chunk */
+    if (d->dp.rank == 0) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
+    DOPT_TRY(to_root(d, &d->dp, src, p->chunk, buf, p->chunk, p->chunk, dt));
+    return host && d->dp.rank == 0 ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
+  }
   DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
   DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, src, buf, p->chunk, dt));
   return DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem);
@@ -35,12 +63,17 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
   const size_t blk_bytes = (maxblk ? maxblk : 1) * elem;
   void *send = NULL, *recv = NULL;
   unsigned char *all = NULL;
+  const int lead = lead_mode(d), here = !lead || d->tp.rank == 0; /* lead mode: every block to tp rank 0 only */
   DOPT_TRY(dd_gdev(d, 0, blk_bytes, &send));
-  DOPT_TRY(dd_gdev(d, 1, blk_bytes * (size_t)tpn, &recv));
-  DOPT_TRY(dd_ghost(d, 1, blk_bytes * (size_t)tpn, &all));
+  if (here) {
+    DOPT_TRY(dd_gdev(d, 1, blk_bytes * (size_t)tpn, &recv));
+    DOPT_TRY(dd_ghost(d, 1, blk_bytes * (size_t)tpn, &all));
+  }
   DOPT_TRY(DEV(d)->upload(DCTX(d), send, mine, p->lnumel * elem));
-  if (maxblk) DOPT_TRY(d->tp.ops->all_gather(d->tp.comm, send, recv, maxblk, dt));
-  if (!out) return DOPT_OK;
+  if (maxblk)
+    DOPT_TRY(lead ? to_root(d, &d->tp, send, maxblk, recv, maxblk, maxblk, dt)
+                  : d->tp.ops->all_gather(d->tp.comm, send, recv, maxblk, dt));
+  if (!out || !here) return DOPT_OK;
   DOPT_TRY(DEV(d)->download(DCTX(d), all, recv, maxblk * elem * (size_t)tpn));
   for (int r = 0; r < tpn; r++) {
     size_t h0, hl, w0, wl;
@@ -58,27 +91,43 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
 dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out) {
   unsigned char *mine = NULL;
+  if (lead_mode(d) && d->dp.rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
   DOPT_TRY(dd_ghost(d, 0, (p->lnumel ? p->lnumel : 1) * elem, &mine));
   DOPT_TRY(gather_tp_local(d, p, src, sharded, elem, dt, mine));
   return assemble_tp(d, p, mine, elem, dt, out);
 }
 
+/* out may be NULL only where the gather delivers nothing (lead mode, not the lead). */
+static int out_ok(const dopt_dist_optim *d, const void *out) {
+  return out != NULL || (lead_mode(d) && !dopt_dist_is_lead(d));
+}
+
+int dopt_dist_is_lead(const dopt_dist_optim *d) { return d && d->tp.rank == 0 && d->dp.rank == 0; }
+
+dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode) {
+  DOPT_CHECK_ARG(d != NULL, "dopt_dist_set_gather: d=NULL");
+  DOPT_CHECK_ARG(mode == DOPT_DIST_GATHER_ALL || mode == DOPT_DIST_GATHER_LEAD,
+                 "dopt_dist_set_gather: mode=%d (DOPT_DIST_GATHER_ALL 0 or DOPT_DIST_GATHER_LEAD 1)", mode);
+  d->gather_lead = mode == DOPT_DIST_GATHER_LEAD;
+  return DOPT_OK;
+}
+
 dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int i, float *out) {
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_gather_param"));
-  DOPT_CHECK_ARG(out != NULL, "dopt_dist_gather_param: out=NULL");
+  DOPT_CHECK_ARG(out_ok(d, out), "dopt_dist_gather_param: out=NULL");
   return dd_gather(d, &d->p[i], d->p[i].master, d->p[i].master_sharded, sizeof(float), DOPT_F32, out);
 }
 
 dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int i, uint16_t *out) {
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_gather_work"));
-  DOPT_CHECK_ARG(out != NULL, "dopt_dist_gather_work: out=NULL");
+  DOPT_CHECK_ARG(out_ok(d, out), "dopt_dist_gather_work: out=NULL");
   if (!d->p[i].bf16) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_gather_work: '%s' is not a bf16 parameter", d->p[i].name);
   return dd_gather(d, &d->p[i], d->p[i].work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
 }
 
 dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, void *out) {
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_gather_state"));
-  DOPT_CHECK_ARG(key && out, "dopt_dist_gather_state: key/out NULL");
+  DOPT_CHECK_ARG(key && out_ok(d, out), "dopt_dist_gather_state: key/out NULL");
   dist_param *p = &d->p[i];
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
@@ -90,9 +139,9 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
         src = d->xfer;
       }
       DOPT_TRY(dd_from_owner(d, p, src, bytes, DOPT_U8));
-      return DEV(d)->download(DCTX(d), out, src, bytes);
+      return out ? DEV(d)->download(DCTX(d), out, src, bytes) : DOPT_OK;
     }
-    if (!p->spec[k].elementwise) return DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes);
+    if (!p->spec[k].elementwise) return out ? DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes) : DOPT_OK;
     return dd_gather(d, p, p->state[k], d->zero >= 1, sizeof(float), DOPT_F32, out);
   }
   return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_gather_state: '%s' has no state '%s'", p->name, key);
@@ -165,5 +214,137 @@ dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mine, size_
   }
   if (buf) DEV(d)->free(DCTX(d), buf);
   free(h);
+  return s;
+}
+
+/* ---- the replica check on held pieces ---- */
+
+/* Entry e of parameter p: 0 its fp32 values, 1 its bf16 copy (bf16 only), then its states. The bytes this
+ * rank holds (device), how many, and over which groups other ranks hold the same bytes. */
+typedef struct held {
+  const void *x;
+  size_t bytes;
+  int over_dp, over_tp;
+} held;
+
+/* The valid part of this rank's shard [chunk] of a TP block of n elements. */
+static size_t shard_len(const dopt_dist_optim *d, const dist_param *p, size_t n) {
+  const size_t lo = (size_t)d->dp.rank * p->chunk;
+  return lo >= n ? 0 : n - lo < p->chunk ? n - lo : p->chunk;
+}
+
+static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
+  held h = {NULL, 0, 0, 0};
+  const int tprep = p->role == DOPT_TP_REPLICATED && d->tp.size > 1, dprep = d->dp.size > 1;
+  if (e == 0) {
+    h.x = p->master;
+    h.bytes = (p->master_sharded ? shard_len(d, p, p->lnumel) : p->lnumel) * sizeof(float);
+    h.over_dp = dprep && !p->master_sharded, h.over_tp = tprep;
+    return h;
+  }
+  if (p->bf16 && e == 1) {
+    h.x = p->work;
+    h.bytes = (d->zero == 3 ? shard_len(d, p, p->lnumel) : p->lnumel) * sizeof(uint16_t);
+    h.over_dp = dprep && d->zero != 3, h.over_tp = tprep;
+    return h;
+  }
+  const int k = e - 1 - p->bf16;
+  if (p->owned) { /* whole on the owner, nothing elsewhere: nothing to compare */
+    h.x = p->state[k];
+    h.bytes = p->state[k] ? p->spec[k].v.bytes : 0;
+    return h;
+  }
+  h.x = p->state[k];
+  if (p->spec[k].elementwise) {
+    h.bytes = (d->zero >= 1 ? shard_len(d, p, p->lnumel) : p->lnumel) * sizeof(float);
+    h.over_dp = dprep && d->zero == 0, h.over_tp = tprep;
+  } else { /* the logical state, the same on every rank */
+    h.bytes = p->spec[k].v.bytes;
+    h.over_dp = dprep, h.over_tp = d->tp.size > 1;
+  }
+  if (!h.x) h.bytes = 0;
+  return h;
+}
+
+/* Broadcasts rank 0's digests over t and marks in key[e] (this world rank's (rank << 32 | e), else
+ * INT64_MAX) each entry compared over t whose digest differs from rank 0's. */
+static dopt_status compare_over(dopt_dist_optim *d, const dopt_transport *t, const unsigned char *mine, size_t n,
+                                const unsigned char *over, int64_t *first) {
+  if (t->size == 1 || n == 0) return DOPT_OK;
+  const size_t bytes = n * DOPT_DIGEST_BYTES;
+  void *buf = NULL;
+  unsigned char *theirs = malloc(bytes);
+  if (!theirs) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_check_held: %zu digest bytes", bytes);
+  dopt_status s = DEV(d)->alloc(DCTX(d), bytes, &buf);
+  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, mine, bytes);
+  if (s == DOPT_OK) s = t->ops->broadcast(t->comm, buf, buf, bytes, DOPT_U8, 0);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), theirs, buf, bytes);
+  const int64_t wr = (int64_t)d->dp.rank * d->tp.size + d->tp.rank;
+  for (size_t e = 0; s == DOPT_OK && e < n; e++)
+    if (over[e] && memcmp(theirs + e * DOPT_DIGEST_BYTES, mine + e * DOPT_DIGEST_BYTES, DOPT_DIGEST_BYTES) != 0) {
+      const int64_t key = (wr << 32) | (int64_t)e;
+      if (key < *first) *first = key;
+      break;
+    }
+  if (buf) DEV(d)->free(DCTX(d), buf);
+  free(theirs);
+  return s;
+}
+
+dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char *name, size_t cap) {
+  DOPT_CHECK_ARG(d != NULL && rank != NULL && param != NULL && (name != NULL || cap == 0),
+                 "dopt_dist_check_held: NULL argument");
+  *rank = -1;
+  *param = -1;
+  if (cap) name[0] = '\0';
+  size_t n = 0;
+  for (int i = 0; i < d->np; i++) n += 1 + (size_t)d->p[i].bf16 + (size_t)d->p[i].nstates;
+  unsigned char *dg = calloc(n ? n : 1, DOPT_DIGEST_BYTES), *odp = calloc(n ? n : 1, 2), *otp = odp + (n ? n : 1);
+  if (!dg || !odp) {
+    free(dg);
+    free(odp);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_check_held: %zu pieces", n);
+  }
+  dopt_status s = DOPT_OK;
+  size_t e = 0;
+  for (int i = 0; s == DOPT_OK && i < d->np; i++) {
+    const dist_param *p = &d->p[i];
+    for (int q = 0; s == DOPT_OK && q < 1 + p->bf16 + p->nstates; q++, e++) {
+      const held h = held_of(d, p, q);
+      odp[e] = (unsigned char)h.over_dp, otp[e] = (unsigned char)h.over_tp;
+      if (!h.over_dp && !h.over_tp) continue; /* held once: nothing to compare with */
+      unsigned char *host = NULL;
+      s = dd_ghost(d, 0, h.bytes ? h.bytes : 1, &host);
+      if (s == DOPT_OK && h.bytes) s = DEV(d)->download(DCTX(d), host, h.x, h.bytes);
+      if (s == DOPT_OK) s = dopt_digest_buffer(host, h.bytes, dg + e * DOPT_DIGEST_BYTES, NULL);
+    }
+  }
+  int64_t first = INT64_MAX;
+  if (s == DOPT_OK) s = compare_over(d, &d->dp, dg, n, odp, &first);
+  if (s == DOPT_OK) s = compare_over(d, &d->tp, dg, n, otp, &first);
+  int64_t neg = -first;
+  if (s == DOPT_OK) s = dd_world_max(d, &neg, 1);
+  if (s == DOPT_OK && -neg != INT64_MAX) {
+    *rank = (int)(-neg >> 32);
+    size_t want = (size_t)(-neg & 0xffffffff), at = 0;
+    for (int i = 0; i < d->np; i++) {
+      const dist_param *p = &d->p[i];
+      const size_t m = 1 + (size_t)p->bf16 + (size_t)p->nstates;
+      if (want >= at + m) {
+        at += m;
+        continue;
+      }
+      const int q = (int)(want - at);
+      *param = i;
+      if (cap) {
+        if (q == 0) snprintf(name, cap, "%s", p->name);
+        else if (p->bf16 && q == 1) snprintf(name, cap, "%s/bf16", p->name);
+        else snprintf(name, cap, "%s/%s", p->name, p->spec[q - 1 - p->bf16].v.name);
+      }
+      break;
+    }
+  }
+  free(dg);
+  free(odp);
   return s;
 }

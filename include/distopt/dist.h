@@ -149,10 +149,32 @@ DOPT_API dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mi
 DOPT_API int64_t dopt_dist_stat_collectives(const dopt_dist_optim *d);
 
 /* The whole logical parameter / working bf16 copy / state tensor (by
- * upstream key) of parameter i, assembled in host memory on every rank. [C] */
+ * upstream key) of parameter i, assembled in host memory on every rank, or
+ * in DOPT_DIST_GATHER_LEAD mode on the lead only. [C] */
 DOPT_API dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int param, float *out);
 DOPT_API dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int param, uint16_t *out);
 DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const char *key, void *out);
+/* Where the gathers deliver (the same mode on every rank): DOPT_DIST_GATHER_ALL
+ * (the default) every rank; DOPT_DIST_GATHER_LEAD only the lead, the rank
+ * that is rank 0 of its TP and of its DP group (world rank 0 in the Megatron
+ * layout): the others send their pieces, may pass out NULL and hold no
+ * logical-size buffer. Needs the transports' all_to_allv (without it the
+ * gathers stay all-gathers); owner-mode states still reach every rank. */
+enum { DOPT_DIST_GATHER_ALL = 0, DOPT_DIST_GATHER_LEAD = 1 };
+DOPT_API dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode);
+/* 1 on the lead (TP rank 0 and DP rank 0), else 0. */
+DOPT_API int dopt_dist_is_lead(const dopt_dist_optim *d);
+/* The replica check on what each rank holds: every piece that several ranks
+ * hold (a parameter's fp32 values and bf16 copy below ZeRO-3 over dp, every
+ * piece of a TP-replicated tensor over tp, the states that are not
+ * elementwise everywhere, elementwise ones at ZeRO 0 over dp) against the same
+ * piece on DP rank 0 and on TP rank 0, by SHA-256 of the held bytes: one
+ * digest per held piece (the owner-mode states, held once, are not compared)
+ * and two broadcasts of the digests, no logical-size buffer. On return, on
+ * every rank: *rank the lowest world rank (dp rank · tp + tp rank) whose copy
+ * differs (-1: none), *param its parameter and name (cap bytes) "p", "p/bf16"
+ * or "p/<state key>". [C] */
+DOPT_API dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char *name, size_t cap);
 /* The logical size in bytes of parameter i's state `key` (what gather_state writes). */
 DOPT_API dopt_status dopt_dist_state_bytes(const dopt_dist_optim *d, int param, const char *key, size_t *bytes);
 DOPT_API dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int param, int64_t *step);
