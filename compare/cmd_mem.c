@@ -203,8 +203,8 @@ int cmd_mem(int argc, char **argv) {
   const cmp_model *m = &mm;
   if (rank == 0) rank = m->galore_rank;
   const double params = cmp_model_params(m), gib = 1024.0 * 1024.0 * 1024.0;
-  printf("%s: %.3f B parameters (hidden %d, intermediate %d, %d layers, vocab %d); weights %.2f GiB bf16, %.2f GiB fp32\n",
-         m->name, params / 1e9, m->hidden, m->inter, m->layers, m->vocab, params * 2 / gib, params * 4 / gib);
+  printf("%s: %.3f B parameters (%.0f; hidden %d, intermediate %d, %d layers, vocab %d); weights %.2f GiB bf16, %.2f GiB fp32\n",
+         m->name, params / 1e9, params, m->hidden, m->inter, m->layers, m->vocab, params * 2 / gib, params * 4 / gib);
   printf("%-18s %-22s %12s %10s %10s\n", "optimizer", "hyperparameters", "states GiB", "B/param", "vs adamw");
   int okw;
   double adamw = model_state_bytes(m, "adamw", "", rank, &okw);

@@ -558,7 +558,7 @@ static dopt_status load_source(const cmp_options *o, source *s) {
     return dopt__fail(DOPT_ERR_INVALID_ARG, "gradients source '%s' (synthetic or trace)", o->source);
   if (!o->trace_path[0]) return dopt__fail(DOPT_ERR_INVALID_ARG, "gradients source trace needs a path");
   if (cmp_trace_is_recording(o->trace_path)) return load_recording(o, s);
-  DOPT_TRY(dopt_st_load(o->trace_path, &s->trace));
+  DOPT_TRY(dopt_st_open(o->trace_path, &s->trace)); /* the header; each gradient is read when a step needs it */
   const char *params = dopt_st_meta(s->trace, "params"), *steps = dopt_st_meta(s->trace, "steps"),
              *shards = dopt_st_meta(s->trace, "shards");
   if (!params || !steps || !shards)

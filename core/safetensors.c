@@ -19,8 +19,11 @@
 
 struct dopt_st_file {
   char *path;
-  unsigned char *buf; /* the data buffer (after the header) */
+  unsigned char *buf; /* the data buffer (after the header); NULL when streamed (dopt_st_open) */
   size_t buf_len;
+  int fd;             /* streamed: the open file, read with pread (thread-safe); else -1 */
+  uint64_t data_at;   /* the data buffer's offset in the file: 8 + header length */
+  size_t *off;        /* [n] each tensor's data offset in the buffer */
   cJSON *header;
   dopt_st_tensor *t;
   int n;
@@ -33,16 +36,23 @@ static int dtype_from_name(const char *s) {
   return -1;
 }
 
+/* Orders (offset, bytes, index) triples by offset. */
+typedef struct st_span {
+  size_t off, bytes;
+  int i;
+} st_span;
+
 static int cmp_offsets(const void *a, const void *b) {
-  const dopt_st_tensor *x = a, *y = b;
-  const unsigned char *px = x->data, *py = y->data;
-  return px < py ? -1 : px > py;
+  const st_span *x = a, *y = b;
+  return x->off < y->off ? -1 : x->off > y->off;
 }
 
 void dopt_st_free(dopt_st_file *f) {
   if (!f) return;
   free(f->path);
   free(f->buf);
+  free(f->off);
+  if (f->fd >= 0) close(f->fd);
   cJSON_Delete(f->header);
   free(f->t);
   free(f->by_name);
@@ -50,7 +60,7 @@ void dopt_st_free(dopt_st_file *f) {
 }
 
 /* Parses one tensor entry of the header. */
-static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *t) {
+static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *t, size_t *toff) {
   const char *p = f->path;
   t->name = e->string;
   if (!cJSON_IsObject(e)) return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': entry is not an object", p, t->name);
@@ -93,7 +103,8 @@ static dopt_status parse_entry(dopt_st_file *f, const cJSON *e, dopt_st_tensor *
   if (t->bytes != t->numel * dopt_dtype_size(t->dtype))
     return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s': %zu bytes for %zu x %s elements", p, t->name, t->bytes,
                       t->numel, dopt_dtype_name(t->dtype));
-  t->data = f->buf + (size_t)b;
+  *toff = (size_t)b;
+  t->data = f->buf ? f->buf + (size_t)b : NULL;
   return DOPT_OK;
 }
 
@@ -122,8 +133,8 @@ static void sort_by_name(dopt_st_file *f) {
   free(tmp);
 }
 
-dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
-  DOPT_CHECK_ARG(path && out, "dopt_st_load: path/out NULL");
+/* The header (validated whole), and the data buffer read (stream 0) or left in the file (stream 1). */
+static dopt_status st_read(const char *path, int stream, dopt_st_file **out) {
   *out = NULL;
   FILE *fp; /* a regular file only: a folder, FIFO or device is refused, never waited on */
   dopt_status s = dopt__fopen_read(path, &fp, NULL);
@@ -131,6 +142,7 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
   if (s != DOPT_OK) return s;
   dopt_st_file *f = calloc(1, sizeof *f);
   char *hdr = NULL;
+  if (f) f->fd = -1;
   unsigned char lenb[8];
   if (!f || !(f->path = malloc(strlen(path) + 1))) {
     s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: load", path);
@@ -161,13 +173,18 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
   }
   hdr = malloc((size_t)hlen + 1);
   f->buf_len = (size_t)((uint64_t)fsz - 8 - hlen);
-  f->buf = malloc(f->buf_len ? f->buf_len : 1);
-  if (!hdr || !f->buf) {
+  f->data_at = 8 + hlen;
+  if (!stream) f->buf = malloc(f->buf_len ? f->buf_len : 1);
+  if (!hdr || (!stream && !f->buf)) {
     s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: %ld bytes", path, fsz);
     goto done;
   }
-  if (fread(hdr, 1, (size_t)hlen, fp) != hlen || fread(f->buf, 1, f->buf_len, fp) != f->buf_len) {
+  if (fread(hdr, 1, (size_t)hlen, fp) != hlen || (!stream && fread(f->buf, 1, f->buf_len, fp) != f->buf_len)) {
     s = dopt__fail(DOPT_ERR_IO, "%s: short read", path);
+    goto done;
+  }
+  if (stream && (f->fd = dup(fileno(fp))) < 0) {
+    s = dopt__fail(DOPT_ERR_IO, "%s: %s", path, strerror(errno));
     goto done;
   }
   hdr[hlen] = '\0';
@@ -180,7 +197,8 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
   const cJSON *e;
   cJSON_ArrayForEach(e, f->header) n += strcmp(e->string, "__metadata__") != 0;
   f->t = calloc((size_t)(n ? n : 1), sizeof *f->t);
-  if (!f->t) {
+  f->off = calloc((size_t)(n ? n : 1), sizeof *f->off);
+  if (!f->t || !f->off) {
     s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: %d tensors", path, n);
     goto done;
   }
@@ -197,7 +215,7 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
       }
       continue;
     }
-    if ((s = parse_entry(f, e, &f->t[f->n])) != DOPT_OK) goto done;
+    if ((s = parse_entry(f, e, &f->t[f->n], &f->off[f->n])) != DOPT_OK) goto done;
     f->n++;
   }
   /* the name index; a name twice is adjacent in it */
@@ -215,17 +233,17 @@ dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
     }
   /* no two tensors may share bytes */
   {
-    dopt_st_tensor *sorted = malloc((size_t)(f->n ? f->n : 1) * sizeof *sorted);
+    st_span *sorted = malloc((size_t)(f->n ? f->n : 1) * sizeof *sorted);
     if (!sorted) {
       s = dopt__fail(DOPT_ERR_NO_MEMORY, "%s", path);
       goto done;
     }
-    memcpy(sorted, f->t, (size_t)f->n * sizeof *sorted);
+    for (int i = 0; i < f->n; i++) sorted[i] = (st_span){f->off[i], f->t[i].bytes, i};
     qsort(sorted, (size_t)f->n, sizeof *sorted, cmp_offsets);
     for (int i = 1; i < f->n; i++) {
-      const unsigned char *prev_end = (const unsigned char *)sorted[i - 1].data + sorted[i - 1].bytes;
-      if ((const unsigned char *)sorted[i].data < prev_end) {
-        s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensors '%s' and '%s' overlap", path, sorted[i - 1].name, sorted[i].name);
+      if (sorted[i].off < sorted[i - 1].off + sorted[i - 1].bytes) {
+        s = dopt__fail(DOPT_ERR_FORMAT, "%s: tensors '%s' and '%s' overlap", path, f->t[sorted[i - 1].i].name,
+                       f->t[sorted[i].i].name);
         break;
       }
     }
@@ -242,6 +260,16 @@ done:
   return DOPT_OK;
 }
 
+dopt_status dopt_st_load(const char *path, dopt_st_file **out) {
+  DOPT_CHECK_ARG(path && out, "dopt_st_load: path/out NULL");
+  return st_read(path, 0, out);
+}
+
+dopt_status dopt_st_open(const char *path, dopt_st_file **out) {
+  DOPT_CHECK_ARG(path && out, "dopt_st_open: path/out NULL");
+  return st_read(path, 1, out);
+}
+
 int dopt_st_count(const dopt_st_file *f) { return f ? f->n : 0; }
 
 dopt_status dopt_st_get(const dopt_st_file *f, int i, dopt_st_tensor *out) {
@@ -251,19 +279,24 @@ dopt_status dopt_st_get(const dopt_st_file *f, int i, dopt_st_tensor *out) {
   return DOPT_OK;
 }
 
-dopt_status dopt_st_find(const dopt_st_file *f, const char *name, dopt_st_tensor *out) {
-  DOPT_CHECK_ARG(f && name && out, "dopt_st_find: NULL argument");
-  int lo = 0, hi = f->n; /* binary search of the name index */
+/* The tensor's index by a binary search of the name index; -1 when absent. */
+static int find_index(const dopt_st_file *f, const char *name) {
+  int lo = 0, hi = f->n;
   while (lo < hi) {
     int mid = lo + (hi - lo) / 2, c = strcmp(f->t[f->by_name[mid]].name, name);
-    if (c == 0) {
-      *out = f->t[f->by_name[mid]];
-      return DOPT_OK;
-    }
+    if (c == 0) return f->by_name[mid];
     if (c < 0) lo = mid + 1;
     else hi = mid;
   }
-  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: no tensor '%s'", f->path, name);
+  return -1;
+}
+
+dopt_status dopt_st_find(const dopt_st_file *f, const char *name, dopt_st_tensor *out) {
+  DOPT_CHECK_ARG(f && name && out, "dopt_st_find: NULL argument");
+  const int i = find_index(f, name);
+  if (i < 0) return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: no tensor '%s'", f->path, name);
+  *out = f->t[i];
+  return DOPT_OK;
 }
 
 const char *dopt_st_meta(const dopt_st_file *f, const char *key) {
@@ -281,7 +314,23 @@ dopt_status dopt_st_read_f32(const dopt_st_file *f, const char *name, float *dst
                       dopt_dtype_name(t.dtype));
   if (t.numel != n)
     return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s' has %zu elements, expected %zu", f->path, name, t.numel, n);
-  memcpy(dst, t.data, n * sizeof *dst);
+  if (f->buf) {
+    memcpy(dst, t.data, n * sizeof *dst);
+    return DOPT_OK;
+  }
+  /* streamed: the tensor's bytes from the file (pread: no shared offset, safe from any thread) */
+  unsigned char *d = (unsigned char *)dst;
+  size_t left = t.bytes;
+  uint64_t at = f->data_at + f->off[find_index(f, name)]; /* found above */
+  while (left > 0) {
+    const size_t want = left < ((size_t)1 << 30) ? left : ((size_t)1 << 30);
+    const ssize_t got = pread(f->fd, d, want, (off_t)at);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0)
+      return dopt__fail(DOPT_ERR_IO, "%s: tensor '%s': %s at byte %llu", f->path, name,
+                        got < 0 ? strerror(errno) : "the file ends", (unsigned long long)at);
+    d += got, at += (uint64_t)got, left -= (size_t)got;
+  }
   return DOPT_OK;
 }
 

@@ -9,10 +9,8 @@
 #include "dist_internal.h"
 #include "distopt/digest.h"
 
-/* Lead mode in effect: asked for, and both transports can send to one rank. */
-static int lead_mode(const dopt_dist_optim *d) {
-  return d->gather_lead && d->tp.ops->all_to_allv != NULL && d->dp.ops->all_to_allv != NULL;
-}
+/* Lead mode (dopt_dist_set_gather checked that both transports can send to one rank). */
+static int lead_mode(const dopt_dist_optim *d) { return d->gather_lead; }
 
 /* Every rank of t sends count elements at send to rank 0, which receives rank r's rcount elements at
  * recv + r · stride (elements; recv only on rank 0; the same rcount and stride on every rank). */
@@ -108,6 +106,9 @@ dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_set_gather: d=NULL");
   DOPT_CHECK_ARG(mode == DOPT_DIST_GATHER_ALL || mode == DOPT_DIST_GATHER_LEAD,
                  "dopt_dist_set_gather: mode=%d (DOPT_DIST_GATHER_ALL 0 or DOPT_DIST_GATHER_LEAD 1)", mode);
+  if (mode == DOPT_DIST_GATHER_LEAD && (!d->tp.ops->all_to_allv || !d->dp.ops->all_to_allv))
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_set_gather: DOPT_DIST_GATHER_LEAD needs the %s transport's "
+                      "all_to_allv", !d->tp.ops->all_to_allv ? "tp" : "dp");
   d->gather_lead = mode == DOPT_DIST_GATHER_LEAD;
   return DOPT_OK;
 }

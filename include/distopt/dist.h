@@ -158,8 +158,8 @@ DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const
  * (the default) every rank; DOPT_DIST_GATHER_LEAD only the lead, the rank
  * that is rank 0 of its TP and of its DP group (world rank 0 in the Megatron
  * layout): the others send their pieces, may pass out NULL and hold no
- * logical-size buffer. Needs the transports' all_to_allv (without it the
- * gathers stay all-gathers); owner-mode states still reach every rank. */
+ * logical-size buffer. Needs both transports' all_to_allv (DOPT_ERR_UNSUPPORTED
+ * otherwise, the mode unchanged); owner-mode states still reach every rank. */
 enum { DOPT_DIST_GATHER_ALL = 0, DOPT_DIST_GATHER_LEAD = 1 };
 DOPT_API dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode);
 /* 1 on the lead (TP rank 0 and DP rank 0), else 0. */

@@ -24,11 +24,16 @@ typedef struct dopt_st_tensor {
   int ndim;
   int64_t shape[DOPT_MAX_DIMS];
   size_t numel;
-  const void *data; /* inside the file buffer; may be unaligned: copy with memcpy */
+  const void *data; /* inside the file buffer; may be unaligned: copy with memcpy (NULL: dopt_st_open) */
   size_t bytes;
 } dopt_st_tensor;
 
 DOPT_API dopt_status dopt_st_load(const char *path, dopt_st_file **out);
+/* As dopt_st_load, but only the header is read (and validated the same way): the data stay in the file,
+ * the tensors' data pointers are NULL, and dopt_st_read_f32 reads a tensor's bytes from the file when
+ * asked (from any thread), so a file larger than memory can be read tensor by tensor. The file stays open
+ * until dopt_st_free; a file that shrinks meanwhile is DOPT_ERR_IO at the read. */
+DOPT_API dopt_status dopt_st_open(const char *path, dopt_st_file **out);
 DOPT_API void dopt_st_free(dopt_st_file *f);
 DOPT_API int dopt_st_count(const dopt_st_file *f);
 DOPT_API dopt_status dopt_st_get(const dopt_st_file *f, int index, dopt_st_tensor *out);

@@ -1,5 +1,10 @@
 /* Fuzz target: the safetensors reader (dopt_st_load), then every tensor read
- * whole and its metadata looked up, as `distopt run` does. */
+ * whole and its metadata looked up, as `distopt run` does; the streamed reader
+ * (dopt_st_open) accepts exactly the same files and reads every F32 tensor
+ * with the same bytes. */
+#include <stdlib.h>
+#include <string.h>
+
 #include "distopt/safetensors.h"
 #include "fuzzcommon.h"
 
@@ -7,8 +12,12 @@ static volatile unsigned sink; /* keeps the reads of every byte */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  dopt_st_file *f = NULL;
-  if (dopt_st_load(fuzz_file(data, size, ".safetensors"), &f) != DOPT_OK) return 0;
+  dopt_st_file *f = NULL, *g = NULL;
+  const char *path = fuzz_file(data, size, ".safetensors");
+  const dopt_status ls = dopt_st_load(path, &f), os = dopt_st_open(path, &g);
+  if (ls != os) abort(); /* the same verdict on every file */
+  if (ls != DOPT_OK) return 0;
+  if (dopt_st_count(g) != dopt_st_count(f)) abort();
   unsigned sum = 0;
   for (int i = 0; i < dopt_st_count(f); i++) {
     dopt_st_tensor t;
@@ -17,9 +26,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (size_t k = 0; k < t.bytes; k++) sum += b[k]; /* every byte of every tensor is readable */
     dopt_st_tensor again;
     if (dopt_st_find(f, t.name, &again) != DOPT_OK || again.data != t.data) abort(); /* the name index agrees */
+    if (t.dtype == DOPT_F32) { /* streamed: the same bytes */
+      float *a = malloc(t.bytes ? t.bytes : 1);
+      if (!a) abort();
+      if (dopt_st_read_f32(g, t.name, a, t.numel) != DOPT_OK || memcmp(a, t.data, t.bytes) != 0) abort();
+      free(a);
+    }
   }
   sink = sum;
   (void)dopt_st_meta(f, "optimizer");
   dopt_st_free(f);
+  dopt_st_free(g);
   return 0;
 }

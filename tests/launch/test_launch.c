@@ -396,7 +396,7 @@ static void test_nccl_ranks_disagree(void **st) {
     const char *env[] = {rank, "WORLD_SIZE=2", "LOCAL_RANK=0", "MASTER_ADDR=127.0.0.1", master, NULL};
     const char *args[] = {"compare", "--backend", "nccl", "--device", "cuda", "--tp", "1", "--dp", "2", "--plugin", "zero",
                           "--optimizer", r == 1 ? "came" : "adamw", "--hparams", "lr=1e-3", "--steps", "2", "--quiet", NULL};
-    dt_run_opts o = {60, 0, env};
+    dt_run_opts o = {60, 0, env, 0};
     fflush(stdout);
     pid[r] = fork();
     assert_true(pid[r] >= 0);

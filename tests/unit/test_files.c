@@ -108,7 +108,7 @@ static char *slurp(const char *path) {
 static void expect(const char *b, const char *const *args, int want, const char *needle, const char *const *outputs,
                    const dt_run_opts *opts) {
   dt_tree *before = dt_tree_snap(b);
-  dt_run_opts o = opts ? *opts : (dt_run_opts){0, 0, NULL};
+  dt_run_opts o = opts ? *opts : (dt_run_opts){0, 0, NULL, 0};
   if (!o.timeout_s) o.timeout_s = 30;
   int rc = dt_run_with(bin, args, outfile, errfile, &o);
   dt_tree *after = dt_tree_snap(b);
@@ -590,7 +590,7 @@ static void test_save_into_resumed(void **st) {
   /* a full disk during the save: exit 1, latest and every generation as they were, no temporary left */
   a[6] = "6";
   a[8] = at(b, "K");
-  dt_run_opts full = {30, 4096, NULL};
+  dt_run_opts full = {30, 4096, NULL, 0};
   expect(b, a, 1, "step-000000006", NULL, &full);
 }
 
@@ -651,7 +651,7 @@ static void test_exit_codes(void **st) {
   const char *const bad_env[][2] = {{"DOPT_NUM_THREADS=x", "'x'"}, {"DOPT_NUM_THREADS=0", "'0'"}, {"DOPT_NUM_THREADS=999", "'999'"}};
   for (int e = 0; e < 3; e++) {
     const char *env[] = {bad_env[e][0], NULL};
-    dt_run_opts o = {30, 0, env};
+    dt_run_opts o = {30, 0, env, 0};
     const char *r[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "1", "--out", at(b, "o.st"), NULL};
     const char *c[] = {"compare", "--steps", "2", "--json", at(b, "o.json"), NULL};
     const char *bn[] = {"bench", "--size", "8x8", "--iters", "1", NULL};
@@ -664,7 +664,7 @@ static void test_exit_codes(void **st) {
   const char *t[] = {"bench", "--size", "8x8", "--iters", "1", "--torch", "/nonexistent", NULL};
   expect(b, t, 2, "--torch '/nonexistent': no such executable", NULL, NULL);
   /* a full disk while compare writes its checkpoint: exit 1, its temporary generation removed */
-  dt_run_opts full = {60, 4096, NULL};
+  dt_run_opts full = {60, 4096, NULL, 0};
   const char *c[] = {"compare", "--steps", "4", "--checkpoint-at", "2", "--checkpoint-dir", at(b, "C"), "--quiet", NULL};
   assert_int_equal(mkdir(at(b, "C"), 0755), 0);
   expect(b, c, 1, "C/.tmp-step-000000002", NULL, &full);

@@ -103,6 +103,10 @@ int dt_run_with(const char *bin, const char *const *args, const char *out, const
       signal(SIGXFSZ, SIG_IGN); /* kept across exec: the write fails with EFBIG instead */
       if (setrlimit(RLIMIT_FSIZE, &rl) != 0) _exit(125);
     }
+    if (o && o->as_limit) {
+      struct rlimit rl = {o->as_limit, o->as_limit};
+      if (setrlimit(RLIMIT_AS, &rl) != 0) _exit(125);
+    }
     for (const char *const *e = o ? o->env : NULL; e && *e; e++) {
       char name[256];
       const char *eq = strchr(*e, '=');

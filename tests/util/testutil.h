@@ -52,11 +52,13 @@ int dt_run(const char *bin, const char *const *args, const char *out, const char
 /* dt_run with limits for the child: a wall-clock alarm (seconds; 0 none: a
  * command that hangs is killed and returns -1), a file-size limit (bytes; 0
  * none: a write beyond it fails with EFBIG, SIGXFSZ ignored, as a full disk),
- * and environment variables set for it ("NAME=value", NULL-terminated). */
+ * environment variables set for it ("NAME=value", NULL-terminated), and an
+ * address-space limit (bytes, as `ulimit -v`; 0 none). */
 typedef struct dt_run_opts {
   unsigned timeout_s;
   unsigned long fsize_limit;
   const char *const *env;
+  unsigned long as_limit;
 } dt_run_opts;
 int dt_run_with(const char *bin, const char *const *args, const char *out, const char *err, const dt_run_opts *o);
 
