@@ -300,13 +300,9 @@ static inline uint32_t hash32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-/* 32-bit lane multiplies need SSE4.1 or AVX2: an AVX2 clone, chosen at load time (the same bits: elementwise
- * IEEE fp32, no contraction) */
-__attribute__((target_clones("avx2", "default")))
-#endif
-static void synth_fast(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
-                       float *out) {
+static inline __attribute__((always_inline)) void synth_fast_body(const source *s, int i, int step, int shard,
+                                                                  size_t h0, size_t hl, size_t w0, size_t wl,
+                                                                  float *out) {
   const cmp_param *p = &s->p[i];
   dopt_piece pc;
   dopt_piece_full(p->ndim, p->shape, &pc);
@@ -340,6 +336,27 @@ static void synth_fast(const source *s, int i, int step, int shard, size_t h0, s
         }
       }
   }
+}
+
+/* 32-bit lane multiplies need SSE4.1 or AVX2: the body compiled for AVX2 too, chosen at run time (the same
+ * bits: elementwise IEEE fp32, no contraction); no ifunc, which sanitizers cannot run before they start */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+__attribute__((target("avx2"))) static void synth_fast_avx2(const source *s, int i, int step, int shard, size_t h0,
+                                                            size_t hl, size_t w0, size_t wl, float *out) {
+  synth_fast_body(s, i, step, shard, h0, hl, w0, wl, out);
+}
+#define HAVE_SYNTH_AVX2 1
+#endif
+
+static void synth_fast(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
+                       float *out) {
+#ifdef HAVE_SYNTH_AVX2
+  if (__builtin_cpu_supports("avx2")) {
+    synth_fast_avx2(s, i, step, shard, h0, hl, w0, wl, out);
+    return;
+  }
+#endif
+  synth_fast_body(s, i, step, shard, h0, hl, w0, wl, out);
 }
 
 /* The whole tensor's synthetic gradient. */

@@ -314,10 +314,14 @@ dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char
       const held h = held_of(d, p, q);
       odp[e] = (unsigned char)h.over_dp, otp[e] = (unsigned char)h.over_tp;
       if (!h.over_dp && !h.over_tp) continue; /* held once: nothing to compare with */
-      unsigned char *host = NULL;
-      s = dd_ghost(d, 0, h.bytes ? h.bytes : 1, &host);
-      if (s == DOPT_OK && h.bytes) s = DEV(d)->download(DCTX(d), host, h.x, h.bytes);
-      if (s == DOPT_OK) s = dopt_digest_buffer(host, h.bytes, dg + e * DOPT_DIGEST_BYTES, NULL);
+      const void *bytes = h.x; /* the CPU device's buffers are host memory: digested where they are */
+      if (d->dev != dopt_device_cpu()) {
+        unsigned char *host = NULL;
+        s = dd_ghost(d, 0, h.bytes ? h.bytes : 1, &host);
+        if (s == DOPT_OK && h.bytes) s = DEV(d)->download(DCTX(d), host, h.x, h.bytes);
+        bytes = host;
+      }
+      if (s == DOPT_OK) s = dopt_digest_buffer(h.bytes ? bytes : "", h.bytes, dg + e * DOPT_DIGEST_BYTES, NULL);
     }
   }
   int64_t first = INT64_MAX;
