@@ -151,6 +151,8 @@ struct dopt_dist_optim {
   size_t words_cap;
   int64_t *cls;     /* device [padded]: NaN/±inf counts, when a parameter has a non-finite value */
   size_t cls_cap;
+  float *parts;     /* device: a bucket's dp parts of each segment (the fused dp sum, dp_sum.c) */
+  size_t parts_cap;
 };
 
 #define DEV(d) ((d)->dev->ops)

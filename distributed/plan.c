@@ -58,6 +58,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->codes) DEV(d)->free(DCTX(d), d->codes);
   if (d->words) DEV(d)->free(DCTX(d), d->words);
   if (d->cls) DEV(d)->free(DCTX(d), d->cls);
+  if (d->parts) DEV(d)->free(DCTX(d), d->parts);
   free(d->code_off);
   free(d->hflags);
   free(d->args);
