@@ -953,7 +953,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     parts = (size_t)x->replay->dp * (size_t)micro_of(x->replay, s);
   /* whole-tensor buffers (the largest tensor): a trace's gradient before it is sliced; the lead's
    * reference gradients (acc: every dp part) and bf16 measurements; every rank's gathers */
-  const int sliced = s->trace || s->rec, whole = lead || sliced;
+  const int sliced = s->rec != NULL, whole = lead || sliced; /* a recording's gradient is read whole */
   float *full = whole ? malloc(maxn * sizeof(float)) : NULL, *acc = lead ? malloc(parts * maxn * sizeof(float)) : NULL;
   /* the gathers deliver to the lead only (each rank measures with backend mpi: to every rank) */
   const int to_lead = x->measure_world == NULL;
@@ -1008,12 +1008,18 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     for (int m = 0; m < micro && st == DOPT_OK; m++) {
       for (int i = 0; i < np && st == DOPT_OK; i++) {
         const int sh = shard_of(o, s, cfg.dp.rank, m);
-        if (sliced) { /* read whole, then sliced */
+        size_t h0, hl, w0, wl;
+        tp_block(&s->p[i], o->tp, cfg.tp.rank, &h0, &hl, &w0, &wl);
+        if (sliced) { /* a recording: read whole, then sliced */
           st = shard_grad(s, i, t, sh, full);
           tp_slice(&s->p[i], o->tp, cfg.tp.rank, full, loc[i]);
+        } else if (s->trace) { /* a trace: this rank's block alone, from the file */
+          dopt_piece pc;
+          dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
+          char key[200];
+          grad_key(key, sizeof key, t, sh, s->p[i].name);
+          st = dopt_st_read_f32_block(s->trace, key, pc.b, pc.h, pc.w, h0, hl, w0, wl, loc[i]);
         } else { /* synthetic: only this rank's block */
-          size_t h0, hl, w0, wl;
-          tp_block(&s->p[i], o->tp, cfg.tp.rank, &h0, &hl, &w0, &wl);
           (s->fast ? synth_fast : synth_block)(s, i, t, sh, h0, hl, w0, wl, loc[i]);
         }
       }

@@ -14,6 +14,8 @@
 #include "index.h"
 #include "optim_impl.h"
 
+static dopt_status read_span(const dopt_st_file *f, const char *name, int idx, size_t at, size_t n, void *dst);
+
 /* Header larger than this is rejected (the format's own readers use 100 MB). */
 #define ST_MAX_HEADER (100u * 1024u * 1024u)
 
@@ -319,17 +321,53 @@ dopt_status dopt_st_read_f32(const dopt_st_file *f, const char *name, float *dst
     return DOPT_OK;
   }
   /* streamed: the tensor's bytes from the file (pread: no shared offset, safe from any thread) */
-  unsigned char *d = (unsigned char *)dst;
-  size_t left = t.bytes;
-  uint64_t at = f->data_at + f->off[find_index(f, name)]; /* found above */
-  while (left > 0) {
-    const size_t want = left < ((size_t)1 << 30) ? left : ((size_t)1 << 30);
-    const ssize_t got = pread(f->fd, d, want, (off_t)at);
+  return read_span(f, name, find_index(f, name), 0, t.bytes, dst);
+}
+
+/* n bytes at the tensor's byte offset `at` (from its start) into dst: from the buffer, or read from the file. */
+static dopt_status read_span(const dopt_st_file *f, const char *name, int idx, size_t at, size_t n, void *dst) {
+  if (f->buf) {
+    memcpy(dst, (const unsigned char *)f->t[idx].data + at, n);
+    return DOPT_OK;
+  }
+  unsigned char *d = dst;
+  uint64_t pos = f->data_at + f->off[idx] + at;
+  while (n > 0) {
+    const size_t want = n < ((size_t)1 << 30) ? n : ((size_t)1 << 30);
+    const ssize_t got = pread(f->fd, d, want, (off_t)pos);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0)
       return dopt__fail(DOPT_ERR_IO, "%s: tensor '%s': %s at byte %llu", f->path, name,
-                        got < 0 ? strerror(errno) : "the file ends", (unsigned long long)at);
-    d += got, at += (uint64_t)got, left -= (size_t)got;
+                        got < 0 ? strerror(errno) : "the file ends", (unsigned long long)pos);
+    d += got, pos += (uint64_t)got, n -= (size_t)got;
+  }
+  return DOPT_OK;
+}
+
+dopt_status dopt_st_read_f32_block(const dopt_st_file *f, const char *name, size_t b, size_t h, size_t w, size_t h0,
+                                   size_t hl, size_t w0, size_t wl, float *dst) {
+  DOPT_CHECK_ARG(f && name && (dst || b * hl * wl == 0), "dopt_st_read_f32_block: NULL argument");
+  dopt_st_tensor t;
+  DOPT_TRY(dopt_st_find(f, name, &t));
+  if (t.dtype != DOPT_F32)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s' is %s, expected F32", f->path, name,
+                      dopt_dtype_name(t.dtype));
+  if (h && w && b > SIZE_MAX / h / w) return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s': view overflows", f->path, name);
+  if (t.numel != b * h * w)
+    return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s' has %zu elements, the view [%zu, %zu, %zu] %zu", f->path, name,
+                      t.numel, b, h, w, b * h * w);
+  DOPT_CHECK_ARG(h0 <= h && hl <= h - h0 && w0 <= w && wl <= w - w0,
+                 "dopt_st_read_f32_block: rows [%zu, +%zu) x columns [%zu, +%zu) outside [%zu, %zu]", h0, hl, w0, wl, h,
+                 w);
+  const int idx = find_index(f, name);
+  const size_t e = sizeof(float);
+  for (size_t bi = 0; bi < b; bi++) {
+    if (w0 == 0 && wl == w) { /* whole rows: one span per leading index */
+      DOPT_TRY(read_span(f, name, idx, (bi * h + h0) * w * e, hl * w * e, dst + bi * hl * w));
+      continue;
+    }
+    for (size_t r = 0; r < hl; r++)
+      DOPT_TRY(read_span(f, name, idx, ((bi * h + h0 + r) * w + w0) * e, wl * e, dst + (bi * hl + r) * wl));
   }
   return DOPT_OK;
 }

@@ -43,6 +43,11 @@ DOPT_API dopt_status dopt_st_find(const dopt_st_file *f, const char *name, dopt_
 DOPT_API const char *dopt_st_meta(const dopt_st_file *f, const char *key);
 /* Copies an F32 tensor of exactly n elements into dst (errors name the tensor). */
 DOPT_API dopt_status dopt_st_read_f32(const dopt_st_file *f, const char *name, float *dst, size_t n);
+/* Of an F32 tensor of b·h·w elements seen as [b, h, w] (row-major), the rows [h0, h0 + hl) x columns
+ * [w0, w0 + wl) of every leading index into dst [b, hl, wl]: a tensor-parallel block, read alone from a
+ * streamed file (one read per leading index for whole rows, else one per row). */
+DOPT_API dopt_status dopt_st_read_f32_block(const dopt_st_file *f, const char *name, size_t b, size_t h, size_t w,
+                                            size_t h0, size_t hl, size_t w0, size_t wl, float *dst);
 
 typedef struct dopt_st_writer dopt_st_writer;
 

@@ -139,8 +139,63 @@ static void test_failed_save_leaves_nothing(void **st) {
   dopt_st_writer_free(w);
 }
 
+/* Streamed files (dopt_st_open) read the same bytes as loaded ones, whole and by block; a file cut after
+ * it was opened is an I/O error at the read, not garbage. */
+static void test_stream_and_blocks(void **st) {
+  (void)st;
+  enum { B = 2, H = 5, W = 7 };
+  float a[B * H * W];
+  for (int k = 0; k < B * H * W; k++) a[k] = (float)k * 0.5f - 3.0f;
+  const int64_t sa[3] = {B, H, W};
+  dopt_st_writer *w;
+  assert_ok(dopt_st_writer_create(&w));
+  assert_ok(dopt_st_writer_add(w, "x", DOPT_F32, 3, sa, a));
+  assert_ok(dopt_st_writer_add(w, "y", DOPT_F32, 1, sa + 2, a));
+  char path[512];
+  snprintf(path, sizeof path, "%s/blocks.safetensors", dir);
+  assert_ok(dopt_st_writer_save(w, path));
+  dopt_st_writer_free(w);
+  dopt_st_file *f[2];
+  assert_ok(dopt_st_load(path, &f[0]));
+  assert_ok(dopt_st_open(path, &f[1]));
+  dopt_st_tensor t;
+  assert_ok(dopt_st_find(f[1], "x", &t));
+  assert_null(t.data); /* streamed: no buffer */
+  static const size_t blocks[][4] = {{0, H, 0, W}, {1, 3, 0, W}, {0, H, 2, 4}, {4, 1, 6, 1}, {2, 2, 1, 5}, {0, 0, 0, W}};
+  for (int m = 0; m < 2; m++) {
+    float whole[B * H * W];
+    assert_ok(dopt_st_read_f32(f[m], "x", whole, B * H * W));
+    assert_memory_equal(whole, a, sizeof a);
+    for (size_t q = 0; q < sizeof blocks / sizeof blocks[0]; q++) {
+      const size_t h0 = blocks[q][0], hl = blocks[q][1], w0 = blocks[q][2], wl = blocks[q][3];
+      float got[B * H * W + 1], want[B * H * W + 1];
+      size_t n = 0;
+      for (size_t bi = 0; bi < B; bi++)
+        for (size_t r = 0; r < hl; r++)
+          for (size_t c = 0; c < wl; c++) want[n++] = a[(bi * H + h0 + r) * W + w0 + c];
+      got[n] = want[n] = 42.0f; /* nothing beyond the block is written */
+      assert_ok(dopt_st_read_f32_block(f[m], "x", B, H, W, h0, hl, w0, wl, got));
+      assert_memory_equal(got, want, (n + 1) * sizeof(float));
+    }
+    float one[3];
+    assert_ok(dopt_st_read_f32_block(f[m], "y", 1, 1, W, 0, 1, 4, 3, one)); /* a 1-D tensor as [1, 1, n] */
+    assert_memory_equal(one, a + 4, sizeof one);
+    assert_status(dopt_st_read_f32_block(f[m], "x", B, H, W, 3, 3, 0, W, one), DOPT_ERR_INVALID_ARG, "outside");
+    assert_status(dopt_st_read_f32_block(f[m], "x", B, H, W + 1, 0, 1, 0, 1, one), DOPT_ERR_SHAPE, "the view");
+    assert_status(dopt_st_read_f32_block(f[m], "z", 1, 1, 1, 0, 1, 0, 1, one), DOPT_ERR_NOT_FOUND, "'z'");
+  }
+  /* cut after opening: the streamed read says so */
+  assert_int_equal(truncate(path, 80), 0);
+  float whole[B * H * W];
+  assert_status(dopt_st_read_f32(f[1], "x", whole, B * H * W), DOPT_ERR_IO, "the file ends");
+  assert_ok(dopt_st_read_f32(f[0], "x", whole, B * H * W)); /* the loaded copy is in memory */
+  dopt_st_free(f[0]);
+  dopt_st_free(f[1]);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_stream_and_blocks),
       cmocka_unit_test(test_round_trip),
       cmocka_unit_test(test_malformed),
       cmocka_unit_test(test_failed_save_leaves_nothing),
