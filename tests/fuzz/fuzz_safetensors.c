@@ -30,6 +30,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       float *a = malloc(t.bytes ? t.bytes : 1);
       if (!a) abort();
       if (dopt_st_read_f32(g, t.name, a, t.numel) != DOPT_OK || memcmp(a, t.data, t.bytes) != 0) abort();
+      /* a block of the tensor seen as [1, rows, cols] (cols: its last dimension): the same as the loaded copy */
+      const size_t cols = t.ndim ? (size_t)t.shape[t.ndim - 1] : 1, rows = cols ? t.numel / cols : 0;
+      if (rows && cols) {
+        const size_t h0 = rows / 3, hl = rows - h0 > 1 ? (rows - h0) / 2 + 1 : rows - h0, w0 = cols / 2,
+                     wl = cols - w0;
+        if (dopt_st_read_f32_block(g, t.name, 1, rows, cols, h0, hl, w0, wl, a) != DOPT_OK) abort();
+        for (size_t r = 0; r < hl; r++)
+          if (memcmp(a + r * wl, (const unsigned char *)t.data + ((h0 + r) * cols + w0) * sizeof(float),
+                     wl * sizeof(float)) != 0) /* t.data may be unaligned for a float */
+            abort();
+      }
       free(a);
     }
   }
