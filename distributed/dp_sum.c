@@ -89,11 +89,6 @@ static dopt_status fused_sum(dopt_dist_optim *d, int i, float *recv, int W, int 
   return DEV(d)->copy(DCTX(d), p->grad, recv, p->lnumel * sizeof(float));
 }
 
-/* The exact dp sum of every parameter's accumulated gradient (docs/dp-sum.md):
- * the logical blocks' codes and the non-finite flags in one MAX over the
- * world (tp, then dp: a logical block may straddle TP blocks), then per
- * parameter its words (and, with a non-finite value somewhere, its class
- * counts) in one integer SUM over dp, decoded into this rank's piece. */
 /* Every code and flag: its MAX over the world (tp, then dp); the flags to the host. */
 static dopt_status max_codes(dopt_dist_optim *d) {
   if (d->tp.size > 1) DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->codes, d->codes, d->ncodes, DOPT_I32, DOPT_MAX));
@@ -101,6 +96,13 @@ static dopt_status max_codes(dopt_dist_optim *d) {
   return DEV(d)->download(DCTX(d), d->hflags, d->codes, (size_t)d->np * sizeof(int32_t));
 }
 
+/* The exact dp sum of every parameter's accumulated gradient (docs/dp-sum.md):
+ * the logical blocks' codes and the non-finite flags in one MAX over the
+ * world (tp, then dp: a logical block may straddle TP blocks), then per
+ * parameter its words (and, with a non-finite value somewhere, its class
+ * counts) in one integer SUM over dp, decoded into this rank's piece; the
+ * fused parameters (fused()) instead receive their pieces' fp32 parts, take
+ * the codes over them before the MAX (one per bucket) and sum them locally. */
 dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
   /* the contributions: one accumulated gradient per rank, or (batch
    * invariant) every micro-batch of every rank */
@@ -141,9 +143,8 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
       room += ((size_t)d->dp.size + 1) * seg_size(d, &d->p[b1]);
       b1++;
     }
-    float *recv = NULL;
     DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, room * sizeof(float)));
-    recv = d->parts;
+    float *recv = d->parts; /* per parameter (dp + 1) · S: the parts, then (zero 0) its own sum */
     size_t at = 0;
     for (int i = b0; i < b1; i++) {
       DOPT_TRY(fused_exchange(d, i, recv + at));
