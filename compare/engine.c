@@ -248,6 +248,11 @@ static uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+/* The synthetic generators' key of (seed, parameter, step, shard). */
+static uint64_t synth_key(const source *s, int i, int step, int shard) {
+  return mix(s->seed ^ mix(((uint64_t)i << 48) ^ ((uint64_t)step << 20) ^ (uint64_t)shard));
+}
+
 /* Low rank plus noise, heavy-tailed rows, ~6% exact zeros; a pure function of
  * (seed, parameter, step, shard, element). Writes the block of rows
  * [h0, h0 + hl) x columns [w0, w0 + wl) of every leading index (the tensor
@@ -259,7 +264,7 @@ static void synth_block(const source *s, int i, int step, int shard, size_t h0, 
   const cmp_param *p = &s->p[i];
   dopt_piece pc;
   dopt_piece_full(p->ndim, p->shape, &pc);
-  uint64_t key = mix(s->seed ^ mix(((uint64_t)i << 48) ^ ((uint64_t)step << 20) ^ (uint64_t)shard));
+  const uint64_t key = synth_key(s, i, step, shard);
   double a = (double)(mix(key) >> 11) * 0x1.0p-53 - 0.5, b = (double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5;
   enum { CHUNK = 256 };
   double cs[CHUNK];
@@ -306,7 +311,7 @@ static inline __attribute__((always_inline)) void synth_fast_body(const source *
   const cmp_param *p = &s->p[i];
   dopt_piece pc;
   dopt_piece_full(p->ndim, p->shape, &pc);
-  const uint64_t key = mix(s->seed ^ mix(((uint64_t)i << 48) ^ ((uint64_t)step << 20) ^ (uint64_t)shard));
+  const uint64_t key = synth_key(s, i, step, shard);
   const uint32_t k32 = (uint32_t)key;
   const float a = (float)((double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5),
               b = (float)((double)(mix(key + 2) >> 11) * 0x1.0p-53 - 0.5);
@@ -951,8 +956,9 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   size_t parts = (size_t)o->dp * (size_t)micro_of(o, s);
   if (x->replay && (size_t)x->replay->dp * (size_t)micro_of(x->replay, s) > parts)
     parts = (size_t)x->replay->dp * (size_t)micro_of(x->replay, s);
-  /* whole-tensor buffers (the largest tensor): a trace's gradient before it is sliced; the lead's
-   * reference gradients (acc: every dp part) and bf16 measurements; every rank's gathers */
+  /* whole-tensor buffers (the largest tensor): a recording's gradient before it is sliced (synthetic and
+   * trace gradients come as this rank's block); the lead's reference gradients (acc: every dp part),
+   * gathers and bf16 measurements */
   const int sliced = s->rec != NULL, whole = lead || sliced; /* a recording's gradient is read whole */
   float *full = whole ? malloc(maxn * sizeof(float)) : NULL, *acc = lead ? malloc(parts * maxn * sizeof(float)) : NULL;
   /* the gathers deliver to the lead only (each rank measures with backend mpi: to every rank) */

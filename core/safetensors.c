@@ -14,8 +14,6 @@
 #include "index.h"
 #include "optim_impl.h"
 
-static dopt_status read_span(const dopt_st_file *f, const char *name, int idx, size_t at, size_t n, void *dst);
-
 /* Header larger than this is rejected (the format's own readers use 100 MB). */
 #define ST_MAX_HEADER (100u * 1024u * 1024u)
 
@@ -308,22 +306,6 @@ const char *dopt_st_meta(const dopt_st_file *f, const char *key) {
   return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
-dopt_status dopt_st_read_f32(const dopt_st_file *f, const char *name, float *dst, size_t n) {
-  dopt_st_tensor t;
-  DOPT_TRY(dopt_st_find(f, name, &t));
-  if (t.dtype != DOPT_F32)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s' is %s, expected F32", f->path, name,
-                      dopt_dtype_name(t.dtype));
-  if (t.numel != n)
-    return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s' has %zu elements, expected %zu", f->path, name, t.numel, n);
-  if (f->buf) {
-    memcpy(dst, t.data, n * sizeof *dst);
-    return DOPT_OK;
-  }
-  /* streamed: the tensor's bytes from the file (pread: no shared offset, safe from any thread) */
-  return read_span(f, name, find_index(f, name), 0, t.bytes, dst);
-}
-
 /* n bytes at the tensor's byte offset `at` (from its start) into dst: from the buffer, or read from the file. */
 static dopt_status read_span(const dopt_st_file *f, const char *name, int idx, size_t at, size_t n, void *dst) {
   if (f->buf) {
@@ -344,22 +326,39 @@ static dopt_status read_span(const dopt_st_file *f, const char *name, int idx, s
   return DOPT_OK;
 }
 
+/* The index of F32 tensor `name` (errors name the tensor and the file). */
+static dopt_status f32_index(const dopt_st_file *f, const char *name, int *idx) {
+  *idx = find_index(f, name);
+  if (*idx < 0) return dopt__fail(DOPT_ERR_NOT_FOUND, "%s: no tensor '%s'", f->path, name);
+  if (f->t[*idx].dtype != DOPT_F32)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s' is %s, expected F32", f->path, name,
+                      dopt_dtype_name(f->t[*idx].dtype));
+  return DOPT_OK;
+}
+
+dopt_status dopt_st_read_f32(const dopt_st_file *f, const char *name, float *dst, size_t n) {
+  DOPT_CHECK_ARG(f && name, "dopt_st_read_f32: NULL argument");
+  int idx;
+  DOPT_TRY(f32_index(f, name, &idx));
+  if (f->t[idx].numel != n)
+    return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s' has %zu elements, expected %zu", f->path, name,
+                      f->t[idx].numel, n);
+  return read_span(f, name, idx, 0, f->t[idx].bytes, dst);
+}
+
 dopt_status dopt_st_read_f32_block(const dopt_st_file *f, const char *name, size_t b, size_t h, size_t w, size_t h0,
                                    size_t hl, size_t w0, size_t wl, float *dst) {
   DOPT_CHECK_ARG(f && name && (dst || b * hl * wl == 0), "dopt_st_read_f32_block: NULL argument");
-  dopt_st_tensor t;
-  DOPT_TRY(dopt_st_find(f, name, &t));
-  if (t.dtype != DOPT_F32)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: tensor '%s' is %s, expected F32", f->path, name,
-                      dopt_dtype_name(t.dtype));
+  int idx;
+  DOPT_TRY(f32_index(f, name, &idx));
+  const size_t numel = f->t[idx].numel;
   if (h && w && b > SIZE_MAX / h / w) return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s': view overflows", f->path, name);
-  if (t.numel != b * h * w)
+  if (numel != b * h * w)
     return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s' has %zu elements, the view [%zu, %zu, %zu] %zu", f->path, name,
-                      t.numel, b, h, w, b * h * w);
+                      numel, b, h, w, b * h * w);
   DOPT_CHECK_ARG(h0 <= h && hl <= h - h0 && w0 <= w && wl <= w - w0,
                  "dopt_st_read_f32_block: rows [%zu, +%zu) x columns [%zu, +%zu) outside [%zu, %zu]", h0, hl, w0, wl, h,
                  w);
-  const int idx = find_index(f, name);
   const size_t e = sizeof(float);
   for (size_t bi = 0; bi < b; bi++) {
     if (w0 == 0 && wl == w) { /* whole rows: one span per leading index */

@@ -132,7 +132,8 @@ struct dopt_dist_optim {
   size_t *xc;       /* host [5 · xn]: an exchange's send counts and offsets, receive counts and offsets, cursors */
   size_t *xoff;     /* [np] a parameter's offset in the exchange's receive buffer */
   int *xlist, *xord; /* [np] a batch of owned parameters; one owner row's of them in exchange order */
-  int gather_lead;  /* DOPT_DIST_GATHER_LEAD: gathers deliver to the lead only (gather.c) */
+  int gather_lead;  /* DOPT_DIST_GATHER_LEAD: gathers deliver to the lead only (gather.c; set_gather
+                     * checked that both transports have all_to_allv) */
   void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
   size_t gdev_cap[2];
   unsigned char *ghost[2]; /* host scratch: gathers, loads and checkpoints (0, 1) */

@@ -38,6 +38,11 @@ static int fused(const dopt_dist_optim *d, const dist_param *p) {
   return !d->keep && !p->owned && d->dp.size > 1 && d->dp.ops->all_to_allv != NULL;
 }
 
+/* A fused parameter's room in the bucket buffer: its dp parts [dp · S], then (zero 0) its own sum [S]. */
+static size_t fused_room(const dopt_dist_optim *d, const dist_param *p) {
+  return ((size_t)d->dp.size + 1) * seg_size(d, p);
+}
+
 /* The parts of parameter i's segment: recv [dp · S], part q at q · len. */
 static dopt_status fused_exchange(dopt_dist_optim *d, int i, float *recv) {
   dist_param *p = &d->p[i];
@@ -140,23 +145,23 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
       const size_t e = dopt_numel(d->p[b1].ndim, d->p[b1].shape) * sizeof(float) / (size_t)d->tp.size;
       if (b1 > b0 && d->bucket_bytes && est + e > d->bucket_bytes) break;
       est += e;
-      room += ((size_t)d->dp.size + 1) * seg_size(d, &d->p[b1]);
+      room += fused_room(d, &d->p[b1]);
       b1++;
     }
     DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, room * sizeof(float)));
-    float *recv = d->parts; /* per parameter (dp + 1) · S: the parts, then (zero 0) its own sum */
+    float *recv = d->parts; /* per parameter its fused_room */
     size_t at = 0;
     for (int i = b0; i < b1; i++) {
       DOPT_TRY(fused_exchange(d, i, recv + at));
       DOPT_TRY(fused_codes(d, i, recv + at));
-      at += ((size_t)d->dp.size + 1) * seg_size(d, &d->p[i]);
+      at += fused_room(d, &d->p[i]);
     }
     DOPT_TRY(max_codes(d));
     maxed = 1;
     at = 0;
     for (int i = b0; i < b1; i++) {
       DOPT_TRY(fused_sum(d, i, recv + at, W, k));
-      at += ((size_t)d->dp.size + 1) * seg_size(d, &d->p[i]);
+      at += fused_room(d, &d->p[i]);
     }
     b0 = b1;
   }

@@ -9,9 +9,6 @@
 #include "dist_internal.h"
 #include "distopt/digest.h"
 
-/* Lead mode (dopt_dist_set_gather checked that both transports can send to one rank). */
-static int lead_mode(const dopt_dist_optim *d) { return d->gather_lead; }
-
 /* Every rank of t sends count elements at send to rank 0, which receives rank r's rcount elements at
  * recv + r · stride (elements; recv only on rank 0; the same rcount and stride on every rank). */
 static dopt_status to_root(dopt_dist_optim *d, const dopt_transport *t, const void *send, size_t count, void *recv,
@@ -33,7 +30,7 @@ static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, cons
                                    dopt_dtype dt, unsigned char *host) { /* host NULL: send only (lead mode) */
   if (!sharded || d->dp.size == 1) return host ? DEV(d)->download(DCTX(d), host, src, p->lnumel * elem) : DOPT_OK;
   void *buf = NULL;
-  if (lead_mode(d)) { /* every dp rank's shard to dp rank 0: rank r's at r · chunk */
+  if (d->gather_lead) { /* every dp rank's shard to dp rank 0: rank r's at r · chunk */
     if (d->dp.rank == 0) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
     DOPT_TRY(to_root(d, &d->dp, src, p->chunk, buf, p->chunk, p->chunk, dt));
     return host && d->dp.rank == 0 ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
@@ -61,7 +58,7 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
   const size_t blk_bytes = (maxblk ? maxblk : 1) * elem;
   void *send = NULL, *recv = NULL;
   unsigned char *all = NULL;
-  const int lead = lead_mode(d), here = !lead || d->tp.rank == 0; /* lead mode: every block to tp rank 0 only */
+  const int lead = d->gather_lead, here = !lead || d->tp.rank == 0; /* lead mode: every block to tp rank 0 only */
   DOPT_TRY(dd_gdev(d, 0, blk_bytes, &send));
   if (here) {
     DOPT_TRY(dd_gdev(d, 1, blk_bytes * (size_t)tpn, &recv));
@@ -89,7 +86,7 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
 dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out) {
   unsigned char *mine = NULL;
-  if (lead_mode(d) && d->dp.rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
+  if (d->gather_lead && d->dp.rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
   DOPT_TRY(dd_ghost(d, 0, (p->lnumel ? p->lnumel : 1) * elem, &mine));
   DOPT_TRY(gather_tp_local(d, p, src, sharded, elem, dt, mine));
   return assemble_tp(d, p, mine, elem, dt, out);
@@ -97,7 +94,7 @@ dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, 
 
 /* out may be NULL only where the gather delivers nothing (lead mode, not the lead). */
 static int out_ok(const dopt_dist_optim *d, const void *out) {
-  return out != NULL || (lead_mode(d) && !dopt_dist_is_lead(d));
+  return out != NULL || (d->gather_lead && !dopt_dist_is_lead(d));
 }
 
 int dopt_dist_is_lead(const dopt_dist_optim *d) { return d && d->tp.rank == 0 && d->dp.rank == 0; }
@@ -221,31 +218,26 @@ dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mine, size_
 /* ---- the replica check on held pieces ---- */
 
 /* Entry e of parameter p: 0 its fp32 values, 1 its bf16 copy (bf16 only), then its states. The bytes this
- * rank holds (device), how many, and over which groups other ranks hold the same bytes. */
+ * rank holds (device; a shard: its valid p->pc.len elements), how many, and over which groups other ranks
+ * hold the same bytes. */
 typedef struct held {
   const void *x;
   size_t bytes;
   int over_dp, over_tp;
 } held;
 
-/* The valid part of this rank's shard [chunk] of a TP block of n elements. */
-static size_t shard_len(const dopt_dist_optim *d, const dist_param *p, size_t n) {
-  const size_t lo = (size_t)d->dp.rank * p->chunk;
-  return lo >= n ? 0 : n - lo < p->chunk ? n - lo : p->chunk;
-}
-
 static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
   held h = {NULL, 0, 0, 0};
   const int tprep = p->role == DOPT_TP_REPLICATED && d->tp.size > 1, dprep = d->dp.size > 1;
   if (e == 0) {
     h.x = p->master;
-    h.bytes = (p->master_sharded ? shard_len(d, p, p->lnumel) : p->lnumel) * sizeof(float);
+    h.bytes = (p->master_sharded ? p->pc.len : p->lnumel) * sizeof(float);
     h.over_dp = dprep && !p->master_sharded, h.over_tp = tprep;
     return h;
   }
   if (p->bf16 && e == 1) {
     h.x = p->work;
-    h.bytes = (d->zero == 3 ? shard_len(d, p, p->lnumel) : p->lnumel) * sizeof(uint16_t);
+    h.bytes = (d->zero == 3 ? p->pc.len : p->lnumel) * sizeof(uint16_t);
     h.over_dp = dprep && d->zero != 3, h.over_tp = tprep;
     return h;
   }
@@ -257,7 +249,7 @@ static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
   }
   h.x = p->state[k];
   if (p->spec[k].elementwise) {
-    h.bytes = (d->zero >= 1 ? shard_len(d, p, p->lnumel) : p->lnumel) * sizeof(float);
+    h.bytes = (d->zero >= 1 ? p->pc.len : p->lnumel) * sizeof(float);
     h.over_dp = dprep && d->zero == 0, h.over_tp = tprep;
   } else { /* the logical state, the same on every rank */
     h.bytes = p->spec[k].v.bytes;
@@ -267,8 +259,8 @@ static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
   return h;
 }
 
-/* Broadcasts rank 0's digests over t and marks in key[e] (this world rank's (rank << 32 | e), else
- * INT64_MAX) each entry compared over t whose digest differs from rank 0's. */
+/* Broadcasts rank 0's digests over t; *first becomes (this world rank << 32 | e) for the first entry e
+ * compared over t whose digest differs from rank 0's, when that is below *first. */
 static dopt_status compare_over(dopt_dist_optim *d, const dopt_transport *t, const unsigned char *mine, size_t n,
                                 const unsigned char *over, int64_t *first) {
   if (t->size == 1 || n == 0) return DOPT_OK;
