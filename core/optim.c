@@ -40,6 +40,9 @@ struct dopt_optim {
 static int find_key(const dopt_optim_impl *im, const char *key, size_t len) {
   for (int i = 0; i < im->nhp; i++)
     if (strlen(im->hp[i].key) == len && strncmp(im->hp[i].key, key, len) == 0) return i;
+  /* a projection wrapper's composite: inner.KEY names the inner's KEY (its table says inner.KEY only where the
+   * wrapper has a KEY of its own) */
+  if (im->composed && len > 6 && strncmp(key, "inner.", 6) == 0) return find_key(im, key + 6, len - 6);
   return -1;
 }
 
@@ -137,6 +140,9 @@ static dopt_status parse_hparams(const dopt_optim_impl *im, const char *text, do
 
 static dopt_status validate_group(const dopt_optim_impl *im, const double *hp) {
   for (int k = 0; k < im->nhp; k++) DOPT_TRY(check_kind(im, k, hp[k]));
+  if (im->composed && hp[0] != im->hp[0].def) /* the composite was built for one inner */
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: inner=%s cannot differ from the optimizer's inner=%s (per group or "
+                      "after creation)", im->name, im->hp[0].choices[(int)hp[0]], im->hp[0].choices[(int)im->hp[0].def]);
   return im->validate ? im->validate(hp) : DOPT_OK;
 }
 
@@ -175,6 +181,36 @@ static dopt_status split_wrapper(const dopt_optim_impl *w, const char *text, cha
   return DOPT_OK;
 }
 
+void dopt__impl_release(const dopt_optim_impl *im) {
+  if (!im || !im->composed) return;
+  free((void *)(uintptr_t)im->hp);
+  free((void *)(uintptr_t)im);
+}
+
+/* The composite of projection wrapper w for the inner its `inner=NAME` key in text names (w's default
+ * without one); the rest of text is parsed into it by the caller. */
+static dopt_status compose(const dopt_optim_impl *w, const char *text, const dopt_optim_impl **out) {
+  double whp[DOPT_MAX_HPARAMS];
+  for (int k = 0; k < w->nhp; k++) whp[k] = w->hp[k].def;
+  const char *s = text ? text : "";
+  while (*s) { /* only the inner key here: every other key is the composite's */
+    while (*s == ',' || isspace((unsigned char)*s)) s++;
+    if (!*s) break;
+    const char *tok = s;
+    while (*s && *s != ',') s++;
+    size_t klen = 0;
+    while (tok + klen < s && tok[klen] != '=') klen++;
+    size_t k = klen;
+    while (k > 0 && isspace((unsigned char)tok[k - 1])) k--;
+    if (k == 5 && strncmp(tok, "inner", 5) == 0) {
+      char one[256];
+      snprintf(one, sizeof one, "%.*s", (int)(s - tok), tok);
+      DOPT_TRY(parse_hparams(w, one, whp));
+    }
+  }
+  return w->compose(w, whp, out);
+}
+
 /* The optimizer that steps and its hyperparameters: for a wrapper (LISA),
  * its own keys into whp and the inner optimizer's into hp. */
 static dopt_status resolve(const dopt_optim_impl *im, const char *hparams, const dopt_optim_impl **step_impl,
@@ -197,11 +233,19 @@ static dopt_status resolve(const dopt_optim_impl *im, const char *hparams, const
     *wrapper = im;
     hparams = rest;
   }
+  if (in->compose) { /* a projection wrapper (GaLore): the composite for its inner */
+    dopt_status s = compose(in, hparams, &in);
+    if (s != DOPT_OK) {
+      free(rest);
+      return s;
+    }
+  }
   for (int k = 0; k < in->nhp; k++) hp[k] = in->hp[k].def;
   dopt_status s = parse_hparams(in, hparams, hp);
   if (s == DOPT_OK) s = validate_group(in, hp);
   free(rest);
   if (s == DOPT_OK) *step_impl = in;
+  else dopt__impl_release(in);
   return s;
 }
 
@@ -253,6 +297,7 @@ void dopt_optim_destroy(dopt_optim *o) {
   free(o->groups);
   free_items(o);
   dopt__pool_destroy(o->pool);
+  dopt__impl_release(o->impl);
   free(o);
 }
 
@@ -513,6 +558,7 @@ dopt_status dopt__impl_state_bytes(const dopt_optim_impl *im, const char *hparam
   DOPT_TRY(resolve(im, hparams, &im, hp, &wrapper, whp)); /* LISA: the inner optimizer's (all layers active) */
   dopt_state_spec lay[DOPT_MAX_STATES];
   int n = im->layout(hp, ndim, shape, lay);
+  dopt__impl_release(im);
   size_t b = 0;
   for (int i = 0; i < n; i++) b += lay[i].v.bytes;
   *bytes = b;
@@ -702,7 +748,7 @@ static void item_task(void *ctx, size_t t) {
   dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
                       p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
                       it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL,
-                      it->solo ? &r->par : NULL};
+                      it->solo ? &r->par : NULL, NULL, 0};
   dopt_status s;
   if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */
@@ -777,7 +823,8 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     if (!grads[i] || p->frozen) continue; /* grad None (or frozen by a wrapper): untouched, as torch */
     DOPT_TRY(alloc_states(o, p));
     size_t parts = 1;
-    if (o->impl->distributable && threads > 1 && p->numel / chunk >= 2)
+    const int whole = dopt__impl_whole(o->impl, o->groups[p->group].hp, p->ndim, p->shape);
+    if (!whole && threads > 1 && p->numel / chunk >= 2)
       parts = p->numel / chunk < (size_t)threads ? p->numel / chunk : (size_t)threads;
     if (o->nitems + (int)parts > o->items_cap) {
       int cap = o->items_cap ? o->items_cap : 16;
@@ -792,7 +839,7 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     p->events = 0;
     for (size_t k = 0; k < parts; k++) DOPT_TRY(setup_item(o, &o->items[o->nitems++], i, (int)k, (int)parts));
     /* a large whole tensor steps alone, its independent blocks over the threads */
-    o->items[o->nitems - 1].solo = threads > 1 && !o->impl->distributable && p->numel / chunk >= 2;
+    o->items[o->nitems - 1].solo = threads > 1 && whole && p->numel / chunk >= 2;
     if ((int)parts > o->last_parts) o->last_parts = (int)parts;
   }
   int *todo = malloc(2 * (size_t)(o->nitems > 0 ? o->nitems : 1) * sizeof *todo), *split = todo + o->nitems;
@@ -864,7 +911,7 @@ void dopt__optim_free_states(dopt_optim *o, int i) {
 
 dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap) {
   size_t off = 0;
-  if (im->wrap) { /* the wrapper's keys, then a note on forwarding */
+  if (im->wrap || im->compose) { /* the wrapper's keys, then a note on forwarding */
     int n0 = snprintf(buf, cap, "%s: %s\n", im->name, im->summary);
     for (int k = 0; n0 >= 0 && k < im->nhp; k++) {
       off += (size_t)n0;

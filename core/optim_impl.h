@@ -102,7 +102,23 @@ typedef struct dopt_step_args {
   int *more;               /* set to 1 by a stage that posted and needs the next one */
   double *host_out;        /* dopt__impl_sumsq only: where the last stage writes Σx² (host) */
   const dopt_par *par;     /* NULL, or threads for independent work within the step */
+  /* NULL: the parameter's own statistics (‖w‖, RMS(w)) are the piece's
+   * (param, the logical numel). Else the tensor they are taken from,
+   * wstat[wstat_len] whole: a projection wrapper (GaLore) steps a zero
+   * low-rank parameter for the full weight it gives here, so relative step
+   * sizes and trust ratios see the real weight (galore_torch's
+   * GaLoreAdafactor: RMS of the full p). Read with dopt_wstat. */
+  const float *wstat;
+  size_t wstat_len;
 } dopt_step_args;
+
+/* The tensor a step takes its parameter statistics from (dopt_step_args.wstat): *w and *n the local
+ * elements to reduce, *numel the logical count the RMS divides by. */
+static inline void dopt_wstat(const dopt_step_args *a, const float **w, size_t *n, size_t *numel) {
+  *w = a->wstat ? a->wstat : a->param;
+  *n = a->wstat ? a->wstat_len : a->piece->len;
+  *numel = a->wstat ? a->wstat_len : a->piece->numel;
+}
 
 typedef struct dopt_optim_impl {
   const char *name;
@@ -144,7 +160,26 @@ typedef struct dopt_optim_impl {
   const char *example;
   const char *const *grid;
   int grid_ci;
+  /* Non-NULL: a projection wrapper (GaLore, ref/galore.c). Its hp[] are
+   * `inner` (hp[0], an enum of the registry) and its own keys; the
+   * optimizer steps the impl compose() builds for the inner whp[0] names
+   * (the inner's keys appended, `composed` set; core/optim.c frees it with
+   * dopt__impl_release), or it fails when that inner cannot be wrapped. */
+  dopt_status (*compose)(const struct dopt_optim_impl *self, const double *whp, const struct dopt_optim_impl **out);
+  int composed;   /* 1: built by compose (heap; hp[0] is `inner` and fixed for the optimizer's life) */
+  int projection; /* 1: GaLore or one of its fixed-inner aliases (not an inner for a projection wrapper) */
+  /* A projection wrapper around this optimizer decays the full weight
+   * itself (the inner's weight_decay is zeroed in its low-rank step):
+   * p ← p + factor·p. NULL: after the back-projected update, factor
+   * (float)(−lr·weight_decay) (galore_torch's GaLoreAdamW/AdamW8bit).
+   * Otherwise this sets *factor from the low-rank step's states (after it
+   * ran) and returns 1 to decay before the update, 0 after; *factor = 0: no
+   * decay. hp: the inner's keys. */
+  int (*lowrank_decay)(const double *hp, int64_t step, void *const *state, float *factor);
 } dopt_optim_impl;
+
+/* Frees an impl built by a projection wrapper's compose (no-op for the registered ones). */
+void dopt__impl_release(const dopt_optim_impl *im);
 
 /* 1 when a parameter of this logical shape steps whole (owner mode in distributed/): impl->whole, else
  * !impl->distributable. */

@@ -220,11 +220,13 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
                                      float *col, float b, float omb, float eps1) {
   const dopt_piece *pc = a->piece;
   const size_t n = pc->len;
-  const float *g = a->grad, *w = a->param;
+  const float *g = a->grad, *w;
+  size_t nw, numel_w;
+  dopt_wstat(a, &w, &nw, &numel_w); /* ‖w‖²: of the piece, or of a projection wrapper's full weight */
   float *u = f->u;
   switch (stage) {
   case 0:
-    DOPT_TRY(dopt_ss_begin(f->pss, w, n, a->red));
+    DOPT_TRY(dopt_ss_begin(f->pss, w, nw, a->red));
     if (pc->factored) { /* U = G² + eps1 row by row, its maxima taken while in cache */
       sq_rows ctx = {g, u, eps1};
       return dopt_rc_begin_rows(&f->rc, u, pc, a->red, make_sq_rows, &ctx);
@@ -236,11 +238,11 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
     }
     return dopt_ss_begin(f->uss, u, n, a->red);
   case 1:
-    DOPT_TRY(dopt_ss_accum(f->pss, w, n, a->red));
+    DOPT_TRY(dopt_ss_accum(f->pss, w, nw, a->red));
     return dopt_rc_accum(&f->rc, u, pc, a->red);
   case 2:
     if (!pc->factored) { /* 1-D: stage 1's words and stage 3's together */
-      DOPT_TRY(dopt_ss_accum(f->pss, w, n, a->red));
+      DOPT_TRY(dopt_ss_accum(f->pss, w, nw, a->red));
       return dopt_ss_accum(f->uss, u, n, a->red);
     }
     dopt_rc_means(&f->rc, pc, f->rmean, f->cmean);

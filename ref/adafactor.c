@@ -115,7 +115,10 @@ static dopt_status step(const dopt_step_args *a) {
   const int stage = pc->factored ? a->stage : 2 * a->stage; /* 1-D: 0, 2, 4 */
   if (stage < 4) return dopt_second_moment_stage(a, stage, &f, row, col, b2t, omb2t, eps1);
   /* S4 (1-D: S2) */
-  const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), N);
+  const float *wst;
+  size_t nw, Nw; /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
+  dopt_wstat(a, &wst, &nw, &Nw);
+  const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), Nw);
   *rms_state = rms;
   const float alpha = step_size(hp, t, rms);
   float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
@@ -138,6 +141,15 @@ static dopt_status step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
+/* Under a projection wrapper (GaLoreAdafactor): the decay of the full
+ * weight comes before the update and is scaled by α, which takes RMS(w) of
+ * the full weight from the RMS state the low-rank step wrote (the last state). */
+static int lowrank_decay(const double *hp, int64_t step, void *const *state, float *factor) {
+  const int k = (isnan(hp[BETA1]) ? 0 : 1) + 2; /* exp_avg?, row, col, RMS: a projected gradient is a matrix */
+  *factor = hp[WD] != 0.0 ? (float)(-hp[WD]) * step_size(hp, (double)step, *(const float *)state[k]) : 0.0f;
+  return 1;
+}
+
 /* settings that exercise every path (dopt_optim_impl.example/grid) */
 static const char *const grid[] = {
     "beta1=0.9,weight_decay=0.01",
@@ -157,4 +169,5 @@ const dopt_optim_impl dopt_impl_adafactor = {
     .step = step,
     .distributable = 1,
     .grid = grid,
+    .lowrank_decay = lowrank_decay,
 };

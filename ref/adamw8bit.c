@@ -23,17 +23,12 @@
 enum { LR, BETA1, BETA2, EPS, WD, MIN8, PCT, BLOCK, NHP };
 
 static const dopt_hp_def hps[NHP] = {
-    [LR] = {"lr", DOPT_HP_REAL, 1e-3, "learning rate"},
-    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay"},
-    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay"},
-    [EPS] = {"eps", DOPT_HP_REAL, 1e-8, "added to sqrt(v_hat)"},
-    [WD] = {"weight_decay", DOPT_HP_REAL, 1e-2, "decoupled weight decay, applied after the step (p *= 1 - lr*wd)"},
-    [MIN8] = {"min_8bit_size", DOPT_HP_REAL, 4096, "tensors with fewer elements keep fp32 states"},
-    [PCT] = {"percentile_clipping", DOPT_HP_REAL, 100,
-             "clip the gradient at this percentile of its last 100 norms (100 = off)"},
-    [BLOCK] = {"block_size", DOPT_HP_REAL, DOPT_Q8_BLOCK_DEFAULT,
-               "quantisation block (256 = bitsandbytes >= 0.44, 2048 = <= 0.43)"},
+    DOPT_ADAMW8BIT_HPS("decoupled weight decay, applied after the step (p *= 1 - lr*wd)",
+                       "tensors with fewer elements keep fp32 states",
+                       "clip the gradient at this percentile of its last 100 norms (100 = off)", DOPT_Q8_BLOCK_DEFAULT,
+                       "quantisation block (256 = bitsandbytes >= 0.44, 2048 = <= 0.43)"),
 };
+_Static_assert((int)NHP == (int)DOPT_ADAMW8BIT_NHP, "AdamW8bit's keys");
 
 static int is_int(double v) { return v == floor(v); }
 

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "distopt/status.h"
+#include "optim_impl.h"
 
 /* proj_type, in the order of galore_adamw's enum choices */
 enum { DOPT_PROJ_STD = 0, DOPT_PROJ_REVERSE_STD, DOPT_PROJ_LEFT, DOPT_PROJ_RIGHT, DOPT_PROJ_FULL, DOPT_PROJ_COUNT_ };
@@ -78,16 +79,77 @@ int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *sha
 dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
                                        const dopt_svd_opts *opt, float *A, float *B, unsigned *events);
 
-/* The GaLore-8bit update of a matrix P [m, n] once its projector(s) A/B are
- * current (galore_adamw8bit, q_galore): R = project(G); the 8-bit (or fp32)
- * Adam kernel steps a zero low-rank "parameter" U with decay off (U =
- * −lr·bias-corrected update; `state` the low-rank states of
- * dopt__adamw8bit_layout); P ← P + scale·project_back(U); then decoupled
- * decay after the update, P ← P + (−lr·wd)·P. hp[0..7]: AdamW8bit's keys.
- * `who` names the optimizer in messages. */
-dopt_status dopt_galore8_update(const char *who, const dopt_galore_plan *p, const double *hp8, double scale,
-                                int64_t step, const float *g, const float *A, const float *B, void *const *state,
-                                float *w, unsigned *events);
+/* ---- the projection around an inner optimizer (ref/galore.c) ------------------------
+ * One definition of the projector's keys, used by the `galore` wrapper and
+ * by its fixed-inner aliases (galore_adamw, galore_adamw8bit, q_galore), in
+ * this order at hp[proj_off]: */
+enum { DOPT_GP_RANK, DOPT_GP_GAP, DOPT_GP_SCALE, DOPT_GP_PROJ_TYPE, DOPT_GP_SVD, DOPT_GP_OVERSAMPLE,
+       DOPT_GP_POWER_ITERS, DOPT_GP_SEED, DOPT_GP_COUNT };
+extern const char *const dopt_galore_proj_types[];
+extern const char *const dopt_galore_svd_kinds[];
+/* rank, update_proj_gap, scale (every GaLore form; the docs name what rank 0 leaves and how the gap moves) */
+#define DOPT_GALORE_HPS_CORE(rank_doc, gap_doc)                                  \
+  {"rank", DOPT_HP_REAL, 0.0, rank_doc, NULL},                                   \
+  {"update_proj_gap", DOPT_HP_REAL, 200.0, gap_doc, NULL},                       \
+  {"scale", DOPT_HP_REAL, 1.0, "back-projection scale", NULL}
+/* proj_type, svd and the randomized range finder's keys (galore_torch's projector; Q-GaLore has std/exact only) */
+#define DOPT_GALORE_HPS_SVD                                                                                       \
+  {"proj_type", DOPT_HP_ENUM, 0.0, "projected side (docs/galore.md)", dopt_galore_proj_types},                   \
+  {"svd", DOPT_HP_ENUM, 0.0, "exact (LAPACK) or randomized range finder", dopt_galore_svd_kinds},              \
+  {"oversample", DOPT_HP_REAL, -1.0, "randomized SVD: extra columns (-1: as many as the rank)", NULL},         \
+  {"power_iters", DOPT_HP_REAL, 4.0, "randomized SVD: power iterations", NULL},                                \
+  {"seed", DOPT_HP_REAL, 0.0, "randomized SVD: generator seed", NULL}
+#define DOPT_GALORE_GAP_DOC "refresh the projector at 0-based steps 0, T, 2T, ..."
+
+/* How one GaLore form sits in its hyperparameters and what it wraps. */
+typedef struct dopt_galore_spec {
+  const char *who;                     /* the optimizer's name in messages */
+  const dopt_optim_impl *inner;        /* steps every unprojected parameter, and the low-rank gradient */
+  int inner_off;                       /* the inner's keys at hp[inner_off], in its table's order */
+  int proj_off;                        /* DOPT_GP_* at hp[proj_off] */
+  int nproj;                           /* DOPT_GP_COUNT, or 3 (rank, gap, scale: std and exact only) */
+  int lr, wd;                          /* the inner's lr and weight_decay keys (indexes in its table; -1: none) */
+  /* NULL: the inner steps a zero low-rank parameter U (its decay off) and P
+   * gains scale·project_back(U) (galore_torch's GaLoreAdamW8bit and
+   * GaLoreAdafactor). Else the inner's normalised update N of the low-rank
+   * gradient R[n] (its low-rank states) and the multiplier c it applies:
+   * P ← P + c·(scale·project_back(N)) (GaLoreAdamW). */
+  float (*direction)(const double *hp, int64_t step, const float *R, void *const *state, float *N, size_t n);
+} dopt_galore_spec;
+
+/* Fills lr/wd of sp from its inner's table. */
+void dopt_galore_spec_keys(dopt_galore_spec *sp);
+/* One-line checks of the projector keys at hp[sp->proj_off]. */
+dopt_status dopt_galore_validate(const dopt_galore_spec *sp, const double *hp);
+/* 1 and *pl when this parameter is projected (rank > 0, a matrix with leading dims 1), else 0. */
+int dopt_galore_plan_of(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape,
+                        dopt_galore_plan *pl);
+/* The states: the inner's of the parameter (unprojected), or the inner's in the low-rank shape (not
+ * elementwise) followed, when `projectors`, by projector [m, r] / [r, n] (full: projector_left,
+ * projector_right). *ninner: how many are the inner's. */
+int dopt_galore_layout(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape, int projectors,
+                       dopt_state_spec *out, int *ninner);
+/* 1: the parameter steps whole (projected, or whole for the inner). */
+int dopt_galore_whole(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape);
+/* The step's frame: the inner's for an unprojected piece (a projected one allocates its own). */
+size_t dopt_galore_frame(const dopt_galore_spec *sp, const double *hp, const dopt_piece *pc);
+/* An unprojected piece: runs the inner's stage on it (any piece, with the
+ * caller's reducer), sets *st and returns 1. A projected one: checks that
+ * the piece is the whole tensor (else *st is the error and 1), reports a
+ * clamped rank, fills *pl and returns 0. */
+int dopt_galore_begin(const dopt_galore_spec *sp, const dopt_step_args *a, dopt_galore_plan *pl,
+                      dopt_status *st);
+/* The projected update of the whole weight a->param [m, n] once the
+ * projector(s) A/B are current: R = project(G); the inner on R (its states
+ * a->state[0..], the low-rank ones); the weight decay of the full weight
+ * where the inner places it (dopt_optim_impl.lowrank_decay); P ← P +
+ * back-projection. Moments are kept across refreshes (not reset, not
+ * rotated), as upstream. */
+dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args *a, const dopt_galore_plan *pl,
+                               const float *A, const float *B);
+/* The whole step of the exact/randomized projector (galore_torch's GaLoreProjector): begin, refresh when
+ * due, update. */
+dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a);
 
 /* Counter-based standard normal: a pure function of (seed, iter, index). */
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index);

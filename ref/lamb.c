@@ -67,16 +67,20 @@ static dopt_status step(const dopt_step_args *a) {
         if (use_wd) ui = ui + wd * w[i];
         u[i] = ui;
       }
-      wm = dopt_absmax_tile(wm, w + t0, t1 - t0);
+      if (!a->wstat) wm = dopt_absmax_tile(wm, w + t0, t1 - t0);
       um = dopt_absmax_tile(um, u + t0, t1 - t0);
     }
+    if (a->wstat) wm = dopt_absmax_tile(0.0f, a->wstat, a->wstat_len); /* ‖w‖ of a projection wrapper's full weight */
     *a->more = 1;
     DOPT_TRY(dopt_ss_begin_absmax(f.pss, wm, a->red));
     return dopt_ss_begin_absmax(f.uss, um, a->red);
   }
   if (a->stage == 1) {
     *a->more = 1;
-    DOPT_TRY(dopt_ss_accum(f.pss, w, n, a->red));
+    const float *ws;
+    size_t nw, Nw;
+    dopt_wstat(a, &ws, &nw, &Nw);
+    DOPT_TRY(dopt_ss_accum(f.pss, ws, nw, a->red));
     return dopt_ss_accum(f.uss, u, n, a->red);
   }
   const double t = (double)a->step;

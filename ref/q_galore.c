@@ -37,18 +37,9 @@ enum {
 };
 
 static const dopt_hp_def hps[NHP] = {
-    [LR] = {"lr", DOPT_HP_REAL, 1e-3, "learning rate", NULL},
-    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay", NULL},
-    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay", NULL},
-    [EPS] = {"eps", DOPT_HP_REAL, 1e-8, "added to sqrt(v_hat)", NULL},
-    [WD] = {"weight_decay", DOPT_HP_REAL, 1e-2, "decoupled decay after the update (full weight, not x scale)", NULL},
-    [MIN8] = {"min_8bit_size", DOPT_HP_REAL, 4096, "states with fewer elements (low-rank size) stay fp32", NULL},
-    [PCT] = {"percentile_clipping", DOPT_HP_REAL, 100, "clip the (low-rank) gradient at this percentile (100 = off)",
-             NULL},
-    [BLOCK] = {"block_size", DOPT_HP_REAL, 2048, "8-bit state block (2048 = bnb 0.43.1, Q-GaLore's pin)", NULL},
-    [RANK] = {"rank", DOPT_HP_REAL, 0.0, "projection rank (0 = plain AdamW8bit for this group)", NULL},
-    [GAP] = {"update_proj_gap", DOPT_HP_REAL, 200.0, "initial refresh gap (grows by gamma_proj, lazy rule)", NULL},
-    [SCALE] = {"scale", DOPT_HP_REAL, 1.0, "back-projection scale", NULL},
+    DOPT_GALORE8_HPS(2048, "8-bit state block (2048 = bnb 0.43.1, Q-GaLore's pin)"),
+    DOPT_GALORE_HPS_CORE("projection rank (0 = plain AdamW8bit for this group)",
+                         "initial refresh gap (grows by gamma_proj, lazy rule)"),
     [PROJ_QUANT] = {"proj_quant", DOPT_HP_BOOL, 1.0, "store the projector quantised (upstream quant)", NULL},
     [PROJ_BITS] = {"proj_bits", DOPT_HP_REAL, 4.0, "projector bits: 4 or 8 (upstream quant_n_bit)", NULL},
     [PROJ_GROUP] = {"proj_group_size", DOPT_HP_REAL, 256.0, "projector quantisation group (-1 = per row)", NULL},
@@ -70,12 +61,17 @@ enum { LZ_HAVE, LZ_GAP, LZ_SVDS, LZ_COUNT, LZ_WINIT, LZ_QUEUE };
 
 static int is_int(double v, double lo, double hi) { return v == floor(v) && v >= lo && v <= hi; }
 
+/* the projection with inner adamw8bit; the projector keys are rank, gap, scale (std, exact) */
+static dopt_galore_spec spec(void) {
+  dopt_galore_spec sp = {"q_galore", &dopt_impl_adamw8bit, 0, RANK, 3, -1, -1, NULL};
+  dopt_galore_spec_keys(&sp);
+  return sp;
+}
+
 static dopt_status validate(const double *hp) {
   DOPT_TRY(dopt__adamw8bit_validate("q_galore", hp));
-  if (!is_int(hp[RANK], 0, 1e9))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "q_galore: rank=%g must be an integer >= 0", hp[RANK]);
-  if (!is_int(hp[GAP], 1, 1e15))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "q_galore: update_proj_gap=%g must be an integer >= 1", hp[GAP]);
+  dopt_galore_spec sp = spec();
+  DOPT_TRY(dopt_galore_validate(&sp, hp));
   if (hp[PROJ_BITS] != 4 && hp[PROJ_BITS] != 8)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "q_galore: proj_bits=%g must be 4 or 8", hp[PROJ_BITS]);
   if (!(hp[PROJ_GROUP] == -1 || is_int(hp[PROJ_GROUP], 1, 1e12)))
@@ -93,11 +89,6 @@ static dopt_status validate(const double *hp) {
   return DOPT_OK;
 }
 
-/* Q-GaLore applies to rank > 0 groups and matrices (leading dims 1); std only. */
-static int plan_of(const double *hp, int ndim, const int64_t *shape, dopt_galore_plan *pl) {
-  return dopt_galore_applies(hp[RANK], DOPT_PROJ_STD, ndim, shape, pl);
-}
-
 /* projector geometry: P elements, its row length, the first-vector length */
 static size_t proj_numel(const dopt_galore_plan *pl) { return pl->right ? pl->r * pl->n : pl->m * pl->r; }
 static size_t proj_group(const double *hp, const dopt_galore_plan *pl) {
@@ -106,11 +97,11 @@ static size_t proj_group(const double *hp, const dopt_galore_plan *pl) {
 static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
 static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+  dopt_galore_spec sp = spec();
   dopt_galore_plan pl;
-  if (!plan_of(hp, ndim, shape, &pl)) return dopt__adamw8bit_layout(hp, ndim, shape, out);
-  int64_t lr[2] = {(int64_t)pl.rows, (int64_t)pl.cols};
-  int n = dopt__adamw8bit_layout(hp, 2, lr, out);
-  for (int k = 0; k < n; k++) out[k].elementwise = 0; /* low-rank: not shaped like the parameter */
+  int n;
+  dopt_galore_layout(&sp, hp, ndim, shape, 0, out, &n);
+  if (!dopt_galore_plan_of(&sp, hp, ndim, shape, &pl)) return n;
   size_t P = proj_numel(&pl), gs = proj_group(hp, &pl);
   if (hp[PROJ_QUANT] != 0.0) {
     int64_t qb[1] = {(int64_t)dopt_qg_code_bytes(P, (int)hp[PROJ_BITS], hp[INT4_PACKED] != 0.0)};
@@ -139,28 +130,22 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
 /* A projected parameter (its SVD) and an 8-bit one (blocks of the logical tensor) need the whole tensor; a small
  * parameter with fp32 states (below min_8bit_size, no percentile clipping) is elementwise AdamW. */
 static int whole(const double *hp, int ndim, const int64_t *shape) {
-  dopt_galore_plan pl;
-  return plan_of(hp, ndim, shape, &pl) || dopt__adamw8bit_whole(hp, dopt_numel(ndim, shape));
+  dopt_galore_spec sp = spec();
+  return dopt_galore_whole(&sp, hp, ndim, shape);
 }
 
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
-  const dopt_piece *pc = a->piece;
+  const dopt_galore_spec sp = spec();
   dopt_galore_plan pl;
-  int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};
-  const int active = pc->factored && pc->b == 1 && plan_of(hp, 2, shape, &pl); /* the layout's rule (whole()) */
-  if (pc->len != pc->numel && (active || dopt__adamw8bit_whole(hp, pc->numel)))
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "q_galore: needs the whole tensor (got %zu of %zu elements)", pc->len,
-                      pc->numel);
-  if (!active)
-    return dopt__adamw8bit_update(hp, hp[WD], a->step, a->param, a->grad, pc->len, a->state, a->events, a->par);
-
-  if (pl.clamped && a->events) *a->events |= DOPT_EVENT_RANK_CLAMPED;
+  dopt_status st;
+  if (dopt_galore_begin(&sp, a, &pl, &st)) return st;
   dopt_state_spec tmp[DOPT_MAX_STATES];
-  int idx = dopt__adamw8bit_layout(hp, 2, (int64_t[2]){(int64_t)pl.rows, (int64_t)pl.cols}, tmp);
+  int idx;
+  dopt_galore_layout(&sp, hp, 2, (const int64_t[2]){(int64_t)pl.m, (int64_t)pl.n}, 0, tmp, &idx);
   const int quant = hp[PROJ_QUANT] != 0.0, bits = (int)hp[PROJ_BITS], packed = hp[INT4_PACKED] != 0.0;
   const int int8w = hp[INT8_WEIGHTS] != 0.0;
-  const size_t P = proj_numel(&pl), gs = proj_group(hp, &pl), wg = (size_t)hp[WEIGHT_GROUP], numel = pc->numel;
+  const size_t P = proj_numel(&pl), gs = proj_group(hp, &pl), wg = (size_t)hp[WEIGHT_GROUP], numel = a->piece->numel;
   uint8_t *pq = NULL;
   float *ps = NULL, *pz = NULL, *pf = NULL;
   if (quant) {
@@ -184,7 +169,7 @@ static dopt_status step(const dopt_step_args *a) {
                       numel, wg);
 
   float *proj = malloc(P * sizeof *proj);
-  dopt_status st = DOPT_OK;
+  st = DOPT_OK;
   if (!proj) {
     st = dopt__fail(DOPT_ERR_NO_MEMORY, "q_galore: buffers for a [%zu, %zu] parameter", pl.m, pl.n);
     goto done;
@@ -231,9 +216,7 @@ static dopt_status step(const dopt_step_args *a) {
   /* every use dequantises the stored projector */
   if (quant) dopt_qg_dequantize(pq, P, gs, bits, packed, ps, pz, proj);
   else memcpy(proj, pf, P * sizeof *proj);
-  if ((st = dopt_galore8_update("q_galore", &pl, hp, hp[SCALE], a->step, a->grad, A, B, a->state, w, a->events)) !=
-      DOPT_OK)
-    goto done;
+  if ((st = dopt_galore_update(&sp, a, &pl, A, B)) != DOPT_OK) goto done;
   if (int8w) { /* re-grid with fresh per-group min/max, round, and show the dequantised weight */
     if (hp[STOCH_ROUND] != 0.0) dopt_qg_quantize_sr(w, numel, wg, (uint64_t)hp[SEED], a->step, a->tensor, 0, wq, wsc, wze);
     else dopt_qg_quantize(w, numel, wg, 8, 0, wq, wsc, wze);
@@ -261,6 +244,7 @@ const dopt_optim_impl dopt_impl_q_galore = {
     .step = step,
     .distributable = 0,
     .whole = whole,
+    .projection = 1,
     .example = "rank=4,update_proj_gap=2,proj_group_size=-1",
     .grid = grid,
 };

@@ -6,12 +6,32 @@
 #include "optim_impl.h"
 
 /* Every registered optimizer's name in registry order, NULL-terminated (the
- * choices of LISA's `inner`). */
+ * choices of LISA's and galore's `inner`). */
 extern const char *const dopt__registry_names[];
+
+/* AdamW8bit's keys in this order (adamw8bit, and the 8-bit GaLore forms whose inner it is; the docs differ where the
+ * states are low-rank, and Q-GaLore pins block_size 2048) */
+#define DOPT_ADAMW8BIT_HPS(wd_doc, min8_doc, pct_doc, block_def, block_doc)       \
+  {"lr", DOPT_HP_REAL, 1e-3, "learning rate", NULL},                             \
+  {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay", NULL},                      \
+  {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay", NULL},                   \
+  {"eps", DOPT_HP_REAL, 1e-8, "added to sqrt(v_hat)", NULL},                     \
+  {"weight_decay", DOPT_HP_REAL, 1e-2, wd_doc, NULL},                            \
+  {"min_8bit_size", DOPT_HP_REAL, 4096, min8_doc, NULL},                         \
+  {"percentile_clipping", DOPT_HP_REAL, 100, pct_doc, NULL},                     \
+  {"block_size", DOPT_HP_REAL, block_def, block_doc, NULL}
+enum { DOPT_ADAMW8BIT_NHP = 8 };
+/* The 8-bit GaLore forms' docs of AdamW8bit's keys */
+#define DOPT_GALORE8_HPS(block_def, block_doc)                                                                  \
+  DOPT_ADAMW8BIT_HPS("decoupled decay after the update (full weight, not x scale)",                          \
+                     "states with fewer elements (low-rank size) stay fp32",                                  \
+                     "clip the (low-rank) gradient at this percentile (100 = off)", block_def, block_doc)
+extern const dopt_optim_impl dopt_impl_adamw8bit;
 
 /* 8-bit Adam pieces shared by adamw8bit and galore_adamw8bit (hp[0..7]: lr,
  * beta1, beta2, eps, weight_decay, min_8bit_size, percentile_clipping,
  * block_size). */
+
 dopt_status dopt__adamw8bit_validate(const char *who, const double *hp);
 int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out);
 /* 1 when an 8-bit Adam step on a tensor of numel elements needs the whole tensor (hp[0..7]): 8-bit blocks of the

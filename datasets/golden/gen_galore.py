@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Golden vectors for distopt's `galore_adamw` from upstream galore_torch.
+"""Golden vectors for distopt's `galore_adamw` and `galore` (inner=adafactor)
+from upstream galore_torch.
 
 Runs galore_torch 1.0 (PyPI `galore-torch==1.0`, installed with --no-deps)
-`GaLoreAdamW` in fp32 on CPU with one thread, on matrices of several shapes
+`GaLoreAdamW` and `GaLoreAdafactor` in fp32 on CPU with one thread, on matrices of several shapes
 with every proj_type, and records every parameter and every state tensor
 after every step into self-contained safetensors files in
 datasets/golden/galore/ (each file holds its own init/ and grad/ tensors).
@@ -19,7 +20,7 @@ optimizer math is upstream's.
 
 galore_torch/__init__.py imports the 8-bit optimizer (needs bitsandbytes),
 so the package is registered without running __init__ and only
-galore_torch.adamw / galore_torch.galore_projector are imported.
+galore_torch.adamw / .adafactor / .galore_projector are imported.
 
 Usage:  python3 datasets/golden/gen_galore.py
 """
@@ -64,6 +65,30 @@ CASES = [  # name, proj_type, rank, scale, base overrides
     ("galore_defaults", "std", 6, 1.0, None),
 ]
 DEFAULT_GAP = 200  # GaLoreProjector's update_proj_gap default
+# GaLoreAdafactor (galore_torch/adafactor.py), distopt's `galore` with inner=adafactor: name, proj_type, rank,
+# scale, upstream keyword arguments (HF Adafactor's). Each exercises what the wrapper changes: the RMS and the
+# relative step from the full weight, decay of the full weight before the update, momentum and the update clip
+# in projector coordinates, factored second moments decided on the low-rank shape
+# (kind: "" the 24-step set plus a 3-D parameter in the unprojected group, upstream projects matrices only;
+# "defaults": GaLoreAdafactor(groups) with no keyword, the group's projector keys at GaLoreProjector's defaults;
+# "long": 200 steps on three parameters, every 10th recorded, refreshes at 0, 50, 100, 150)
+ADAFACTOR_CASES = [
+    ("galore_adafactor_std", "std", 6, 0.5, dict(beta1=0.9, weight_decay=1e-2), ""),
+    ("galore_adafactor_reverse_std", "reverse_std", 6, 1.0, dict(beta1=0.9, clip_threshold=0.5), ""),
+    ("galore_adafactor_left", "left", 6, 0.5, dict(lr=1e-2, relative_step=False, scale_parameter=False,
+                                                     clip_threshold=0.5, weight_decay=0.1), ""),
+    ("galore_adafactor_full", "full", 5, 0.25, dict(beta1=0.5, scale_parameter=False), ""),
+    ("galore_adafactor_right", "right", 4, 2.0, dict(lr=3e-3, relative_step=False, decay_rate=-0.5), ""),
+    ("galore_adafactor_defaults", "std", 6, 1.0, {}, "defaults"),
+    ("galore_adafactor_long", "std", 4, 0.5, dict(beta1=0.9, weight_decay=1e-2), "long"),
+]
+T3 = [("t3", [2, 4, 6])]  # GaLoreAdafactor cases: a 3-D parameter, unprojected
+LONG_SHAPES, LONG_PLAIN = [("a", [24, 16]), ("b", [16, 24])], [("vec", [16])]
+LONG_STEPS, LONG_EVERY, LONG_GAP = 200, 10, 50
+# distopt's adafactor keys for HF's keyword arguments (eps is the pair eps1, eps2)
+ADAFACTOR_KEYS = dict(lr="lr", clip_threshold="clip_threshold", decay_rate="decay_rate", beta1="beta1",
+                      weight_decay="weight_decay", scale_parameter="scale_parameter",
+                      relative_step="relative_step", warmup_init="warmup_init")
 
 
 def in_venv():
@@ -88,7 +113,8 @@ def load_galore():
     sys.modules["galore_torch"] = pkg  # registered, __init__ not executed
     import galore_torch.galore_projector as gp
     import galore_torch.adamw as ga
-    return gp, ga, pkgdir
+    import galore_torch.adafactor as gf
+    return gp, ga, gf, pkgdir
 
 
 def write_safetensors(path, tensors, metadata):
@@ -111,7 +137,7 @@ def main():
     import hashlib
     import torch
     torch.set_num_threads(1)
-    gp, ga, pkgdir = load_galore()
+    gp, ga, gf, pkgdir = load_galore()
 
     def sign_normalise(vectors_as_rows):
         idx = torch.argmax(vectors_as_rows.abs(), dim=1)  # first maximal value: ties -> lowest index
@@ -147,7 +173,7 @@ def main():
 
     os.makedirs(OUT, exist_ok=True)
     shas = {f: hashlib.sha256(open(os.path.join(pkgdir, f), "rb").read()).hexdigest()[:16]
-            for f in ("adamw.py", "galore_projector.py")}
+            for f in ("adamw.py", "adafactor.py", "galore_projector.py")}
     all_params = SHAPES + PLAIN
     inits = {n: torch.randn(*sh, generator=gen) * 0.5 for n, sh in all_params}
     grads = {}
@@ -157,27 +183,33 @@ def main():
                 grads[(t, n)] = spectral_grad(sh[0], sh[1], 1e-4)
             else:
                 grads[(t, n)] = torch.randn(*sh, generator=gen) * 1e-4
-    only = [a for a in sys.argv[1:] if not a.startswith("-")]  # case names (default: all)
-    for case, proj, rank, scale, over in CASES:
-        if only and case not in only:
-            continue
-        defaults = over is None
-        gap = DEFAULT_GAP if defaults else GAP
-        hp = dict(BASE, **(over or {}))
-        ps = {n: torch.nn.Parameter(inits[n].clone()) for n, _ in all_params}
-        groups = [
-            {"params": [ps[n] for n, _ in SHAPES], "rank": rank, "update_proj_gap": gap, "scale": scale,
-             "proj_type": proj},
-            {"params": [ps[n] for n, _ in PLAIN]},
-        ]
-        opt = ga.AdamW(groups, no_deprecation_warning=True, **({} if defaults else hp))
-        tensors = [("init/%s" % n, inits[n]) for n, _ in all_params]
+    # drawn after the GaLoreAdamW inputs, which stay as they were: the 3-D parameter, then the long set
+    for n, sh in T3:
+        inits[n] = torch.randn(*sh, generator=gen) * 0.5
         for t in range(1, STEPS + 1):
-            for n, _ in all_params:
-                ps[n].grad = grads[(t, n)].clone()
-                tensors.append(("grad/%d/%s" % (t, n), grads[(t, n)]))
+            grads[(t, n)] = torch.randn(*sh, generator=gen) * 1e-4
+    long_inits = {n: torch.randn(*sh, generator=gen) * 0.5 for n, sh in LONG_SHAPES + LONG_PLAIN}
+    long_grads = {}
+    for t in range(1, LONG_STEPS + 1):
+        for n, sh in LONG_SHAPES:
+            long_grads[(t, n)] = spectral_grad(sh[0], sh[1], 1e-4)
+        for n, sh in LONG_PLAIN:
+            long_grads[(t, n)] = torch.randn(*sh, generator=gen) * 1e-4
+    only = [a for a in sys.argv[1:] if not a.startswith("-")]  # case names (default: all)
+    b = lambda x: "true" if x else "false"
+
+    def record(case, opt, ps, meta, params=None, groups=SHAPES, init=inits, grad=grads, steps=STEPS, every=1):
+        """Steps opt over the gradients and writes every parameter and state after every `every`-th step."""
+        params = params or all_params
+        tensors = [("init/%s" % n, init[n]) for n, _ in params]
+        for t in range(1, steps + 1):
+            for n, _ in params:
+                ps[n].grad = grad[(t, n)].clone()
+                tensors.append(("grad/%d/%s" % (t, n), grad[(t, n)]))
             opt.step()
-            for n, _ in all_params:
+            if t % every:
+                continue
+            for n, _ in params:
                 tensors.append(("param/%d/%s" % (t, n), ps[n].data.clone()))
                 st = opt.state[ps[n]]
                 for k, v in st.items():
@@ -192,29 +224,68 @@ def main():
                         else:
                             tensors.append((key + "projector", om.clone()))
                     else:
-                        tensors.append((key + k, v.clone()))
-        b = lambda x: "true" if x else "false"
-        meta = {
-            "optimizer": "galore_adamw",
-            "hparams": "" if defaults else "lr=%r,beta1=%r,beta2=%r,eps=%r,weight_decay=%r,correct_bias=%s" % (
-                hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"], b(hp["correct_bias"])),
-            "groups": ",".join(n for n, _ in SHAPES),
-            "group_hparams": ("rank=%d" % rank) if defaults else
-            "rank=%d,update_proj_gap=%d,scale=%r,proj_type=%s" % (rank, GAP, scale, proj),
-            "params": ",".join(n for n, _ in all_params),
-            "steps": str(STEPS),
+                        tensors.append((key + k, torch.as_tensor(v).clone()))
+        meta.update({
+            "params": ",".join(n for n, _ in params),
+            "groups": ",".join(n for n, _ in groups),
+            "steps": str(steps),
             "seed": str(SEED),
             "case": case,
-            "defaults_only": "1" if defaults else "0",
-            "upstream": "galore-torch==%s (adamw.py %s, galore_projector.py %s) torch==%s" % (
-                GALORE_VERSION, shas["adamw.py"], shas["galore_projector.py"], torch.__version__),
             "intervention": "get_orthogonal_matrix wrapped: sign convention (largest-|x| component positive)",
             "generator": "datasets/golden/gen_galore.py",
-        }
+        })
         path = os.path.join(OUT, case + ".safetensors")
+        if every != 1:
+            meta["record_every"] = str(every)
         write_safetensors(path, tensors, meta)
         print("%-22s %5d tensors %9d bytes" % (case, len(tensors), os.path.getsize(path)))
 
+    def groups_of(ps, rank, gap, scale, proj, shapes=SHAPES, plain=PLAIN):
+        return [
+            {"params": [ps[n] for n, _ in shapes], "rank": rank, "update_proj_gap": gap, "scale": scale,
+             "proj_type": proj},
+            {"params": [ps[n] for n, _ in plain]},
+        ]
+
+    for case, proj, rank, scale, over in CASES:
+        if only and case not in only:
+            continue
+        defaults = over is None
+        gap = DEFAULT_GAP if defaults else GAP
+        hp = dict(BASE, **(over or {}))
+        ps = {n: torch.nn.Parameter(inits[n].clone()) for n, _ in all_params}
+        opt = ga.AdamW(groups_of(ps, rank, gap, scale, proj), no_deprecation_warning=True, **({} if defaults else hp))
+        record(case, opt, ps, {
+            "optimizer": "galore_adamw",
+            "hparams": "" if defaults else "lr=%r,beta1=%r,beta2=%r,eps=%r,weight_decay=%r,correct_bias=%s" % (
+                hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"], b(hp["correct_bias"])),
+            "group_hparams": ("rank=%d" % rank) if defaults else
+            "rank=%d,update_proj_gap=%d,scale=%r,proj_type=%s" % (rank, GAP, scale, proj),
+            "defaults_only": "1" if defaults else "0",
+            "upstream": "galore-torch==%s (adamw.py %s, galore_projector.py %s) torch==%s" % (
+                GALORE_VERSION, shas["adamw.py"], shas["galore_projector.py"], torch.__version__),
+        })
+    for case, proj, rank, scale, kw, kind in ADAFACTOR_CASES:
+        if only and case not in only:
+            continue
+        long = kind == "long"
+        shapes, plain = (LONG_SHAPES, LONG_PLAIN) if long else (SHAPES, PLAIN + T3)
+        gap = {"defaults": DEFAULT_GAP, "long": LONG_GAP}.get(kind, GAP)
+        init = long_inits if long else inits
+        ps = {n: torch.nn.Parameter(init[n].clone()) for n, _ in shapes + plain}
+        opt = gf.Adafactor(groups_of(ps, rank, gap, scale, proj, shapes, plain), **kw)
+        mine = ["inner=adafactor"] + ["%s=%s" % (ADAFACTOR_KEYS[k], b(v) if isinstance(v, bool) else repr(v))
+                                      for k, v in kw.items()]
+        record(case, opt, ps, {
+            "optimizer": "galore",
+            "hparams": ",".join(mine),
+            "group_hparams": ("rank=%d" % rank) if kind == "defaults" else
+            "rank=%d,update_proj_gap=%d,scale=%r,proj_type=%s" % (rank, gap, scale, proj),
+            "defaults_only": "1" if kind == "defaults" else "0",
+            "upstream": "galore-torch==%s (adafactor.py %s, galore_projector.py %s) torch==%s" % (
+                GALORE_VERSION, shas["adafactor.py"], shas["galore_projector.py"], torch.__version__),
+        }, shapes + plain, shapes, init, long_grads if long else grads, LONG_STEPS if long else STEPS,
+            LONG_EVERY if long else 1)
 
 if __name__ == "__main__":
     if not in_venv():

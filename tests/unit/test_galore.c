@@ -17,7 +17,12 @@
  * projector coordinates and carry R's GEMM rounding without lr damping:
  * 1e-5 (measured ≤ 3.3e-7). A wrong side, a missing scale, a reset moment or
  * a wrong refresh step would change results at the 1e-3 level or more
- * (expected from the update size, not measured here). */
+ * (expected from the update size, not measured here). The GaLoreAdafactor
+ * cases (galore inner=adafactor) hold the same bounds with more margin:
+ * Adafactor's update is lr·RMS(W)·N with N clipped to RMS 1, the same size
+ * (params ≤ 1.7e-7 over 24 and 200 steps, moments ≤ 4.3e-7); decaying after
+ * the update instead of before shows at 2.8e-6 on step 1, RMS from the
+ * low-rank numel or from U instead of W at 1 (both measured). */
 #include "testutil.h"
 
 #include <cblas.h>
@@ -53,12 +58,16 @@ static void run_golden(const char *path, const char *file, double worst[3]) {
   dopt_st_file *f;
   assert_ok(dopt_st_load(path, &f));
   dopt_optim *o;
-  assert_string_equal(dopt_st_meta(f, "optimizer"), "galore_adamw");
-  assert_ok(dopt_optim_create("galore_adamw", dopt_st_meta(f, "hparams"), &o));
+  const char *opt = dopt_st_meta(f, "optimizer"); /* GaLoreAdamW, or GaLoreAdafactor as galore inner=adafactor */
+  if (!opt || (strcmp(opt, "galore_adamw") != 0 && strcmp(opt, "galore") != 0))
+    fail_msg("%s: optimizer '%s' is not galore_adamw or galore", file, opt ? opt : "(none)");
+  assert_ok(dopt_optim_create(opt, dopt_st_meta(f, "hparams"), &o));
   int g1;
   assert_ok(dopt_optim_add_group(o, dopt_st_meta(f, "group_hparams"), &g1));
   char names[MAXP][32], key[256];
-  int np = 0, steps = atoi(dopt_st_meta(f, "steps"));
+  const char *ev = dopt_st_meta(f, "record_every"); /* the long cases record every 10th step */
+  int np = 0, steps = atoi(dopt_st_meta(f, "steps")), every = ev ? atoi(ev) : 1;
+  assert_true(every >= 1 && steps % every == 0);
   char *tmp = strdup(dopt_st_meta(f, "params")), *save = NULL;
   for (char *t = strtok_r(tmp, ",", &save); t; t = strtok_r(NULL, ",", &save)) snprintf(names[np++], 32, "%s", t);
   free(tmp);
@@ -93,7 +102,7 @@ static void run_golden(const char *path, const char *file, double worst[3]) {
       gp[i] = grad[i];
     }
     assert_ok(dopt_optim_step(o, gp));
-    for (int i = 0; i < np; i++) {
+    for (int i = 0; i < np && t % every == 0; i++) {
       snprintf(key, sizeof key, "param/%d/%s", t, names[i]);
       assert_ok(dopt_st_read_f32(f, key, gold, numel[i]));
       double e = normwise(data[i], gold, numel[i]);
@@ -149,7 +158,7 @@ static void test_golden(void **st) {
   if (!d) fail_msg("golden directory %s missing", dir);
   struct dirent *e;
   int n = 0;
-  printf("%-28s %12s %12s %12s\n", "case", "param rel", "proj rel", "moment rel");
+  printf("%-42s %12s %12s %12s\n", "case", "param rel", "proj rel", "moment rel");
   while ((e = readdir(d))) {
     size_t l = strlen(e->d_name);
     if (l < 13 || strcmp(e->d_name + l - 12, ".safetensors") != 0) continue;
@@ -157,11 +166,11 @@ static void test_golden(void **st) {
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
     double worst[3] = {0, 0, 0};
     run_golden(path, e->d_name, worst);
-    printf("%-28s %12.3g %12.3g %12.3g\n", e->d_name, worst[0], worst[1], worst[2]);
+    printf("%-42s %12.3g %12.3g %12.3g\n", e->d_name, worst[0], worst[1], worst[2]);
     n++;
   }
   closedir(d);
-  assert_true(n >= 6);
+  assert_true(n >= 14); /* 7 GaLoreAdamW and 7 GaLoreAdafactor cases */
 }
 
 /* ---- helpers ------------------------------------------------------------------------- */

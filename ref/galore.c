@@ -1,0 +1,319 @@
+/* GaLore as one projection around an inner optimizer (docs/galore.md).
+ *
+ * For a matrix P [m, n] in a group with rank > 0 (leading dims 1), each step:
+ *   1. refresh the projector(s) at 0-based iterations 0, T, 2T, ... (or
+ *      when none exists yet): top-r singular vectors of G (ref/galore_proj.c)
+ *   2. R = project(G)                                        [rows, cols]
+ *   3. the inner optimizer steps R with its states in the low-rank shape:
+ *      a zero low-rank parameter U (its own weight decay off; its parameter
+ *      statistics, e.g. Adafactor's RMS or LAMB's ‖w‖, from the full P)
+ *   4. weight decay of the full weight, P ← P + c·P, before the update for
+ *      an inner that decays before (Adafactor: c = −wd·α, GaLoreAdafactor),
+ *      else after it (c = −lr·wd, GaLoreAdamW8bit)
+ *   5. P ← P + scale·project_back(U)
+ * GaLoreAdamW's form (a fixed HF-AdamW inner) back-projects the normalised
+ * update and multiplies by −step_size (dopt_galore_spec.direction). Every
+ * other parameter (rank 0, vectors, batched matrices) is stepped by the
+ * inner optimizer alone, on any piece, with its threads and reducer.
+ *
+ * The `galore` wrapper takes inner=NAME (any registered optimizer that steps
+ * itself); its hyperparameters are `inner`, the projector's keys, then the
+ * inner's keys under their own names (inner.KEY where the projector has a
+ * KEY too, e.g. a seed). galore_adamw, galore_adamw8bit and q_galore are the
+ * same projection with a fixed inner (ref/galore_adamw*.c, ref/q_galore.c). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "galore_proj.h"
+#include "registry.h"
+
+const char *const dopt_galore_proj_types[] = {"std", "reverse_std", "left", "right", "full", NULL};
+const char *const dopt_galore_svd_kinds[] = {"exact", "randomized", NULL};
+
+static int is_int(double v, double lo, double hi) { return v == floor(v) && v >= lo && v <= hi; }
+
+static int key_index(const dopt_optim_impl *im, const char *key) {
+  for (int k = 0; k < im->nhp; k++)
+    if (strcmp(im->hp[k].key, key) == 0) return k;
+  return -1;
+}
+
+void dopt_galore_spec_keys(dopt_galore_spec *sp) {
+  sp->lr = key_index(sp->inner, "lr");
+  sp->wd = key_index(sp->inner, "weight_decay");
+}
+
+dopt_status dopt_galore_validate(const dopt_galore_spec *sp, const double *hp) {
+  const double *g = hp + sp->proj_off;
+  if (!is_int(g[DOPT_GP_RANK], 0, 1e9))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: rank=%g must be an integer >= 0", sp->who, g[DOPT_GP_RANK]);
+  if (!is_int(g[DOPT_GP_GAP], 1, 1e15))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: update_proj_gap=%g must be an integer >= 1", sp->who,
+                      g[DOPT_GP_GAP]);
+  if (sp->nproj < DOPT_GP_COUNT) return DOPT_OK;
+  if (!is_int(g[DOPT_GP_OVERSAMPLE], -1, 1e6))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: oversample=%g must be an integer >= 0 (or -1: auto)", sp->who,
+                      g[DOPT_GP_OVERSAMPLE]);
+  if (!is_int(g[DOPT_GP_POWER_ITERS], 0, 100))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: power_iters=%g must be an integer in [0, 100]", sp->who,
+                      g[DOPT_GP_POWER_ITERS]);
+  if (!is_int(g[DOPT_GP_SEED], 0, 9007199254740992.0))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: seed=%g must be an integer in [0, 2^53]", sp->who, g[DOPT_GP_SEED]);
+  return DOPT_OK;
+}
+
+int dopt_galore_plan_of(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape,
+                        dopt_galore_plan *pl) {
+  const double *g = hp + sp->proj_off;
+  const int type = sp->nproj == DOPT_GP_COUNT ? (int)g[DOPT_GP_PROJ_TYPE] : DOPT_PROJ_STD;
+  return dopt_galore_applies(g[DOPT_GP_RANK], type, ndim, shape, pl);
+}
+
+int dopt_galore_layout(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape, int projectors,
+                       dopt_state_spec *out, int *ninner) {
+  const double *ih = hp + sp->inner_off;
+  dopt_galore_plan pl;
+  if (!dopt_galore_plan_of(sp, hp, ndim, shape, &pl)) {
+    *ninner = sp->inner->layout(ih, ndim, shape, out);
+    return *ninner;
+  }
+  const int64_t lr[2] = {(int64_t)pl.rows, (int64_t)pl.cols};
+  int n = *ninner = sp->inner->layout(ih, 2, lr, out);
+  for (int k = 0; k < n; k++) out[k].elementwise = 0; /* low-rank: not shaped like the parameter */
+  if (!projectors) return n;
+  int64_t a[2] = {(int64_t)pl.m, (int64_t)pl.r}, b[2] = {(int64_t)pl.r, (int64_t)pl.n};
+  if (pl.left && pl.right) {
+    dopt_state_def(&out[n++], "projector_left", 2, a, 0);
+    dopt_state_def(&out[n++], "projector_right", 2, b, 0);
+  } else {
+    dopt_state_def(&out[n++], "projector", 2, pl.left ? a : b, 0);
+  }
+  return n;
+}
+
+int dopt_galore_whole(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape) {
+  dopt_galore_plan pl;
+  return dopt_galore_plan_of(sp, hp, ndim, shape, &pl) ||
+         dopt__impl_whole(sp->inner, hp + sp->inner_off, ndim, shape);
+}
+
+/* A piece is projected iff the layout was the low-rank one: a matrix piece of a projected parameter. */
+static int projected(const dopt_galore_spec *sp, const double *hp, const dopt_piece *pc, dopt_galore_plan *pl) {
+  const int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};
+  return pc->factored && pc->b == 1 && dopt_galore_plan_of(sp, hp, 2, shape, pl);
+}
+
+size_t dopt_galore_frame(const dopt_galore_spec *sp, const double *hp, const dopt_piece *pc) {
+  dopt_galore_plan pl;
+  if (projected(sp, hp, pc, &pl) || !sp->inner->frame) return 0;
+  return sp->inner->frame(hp + sp->inner_off, pc);
+}
+
+int dopt_galore_begin(const dopt_galore_spec *sp, const dopt_step_args *a, dopt_galore_plan *pl, dopt_status *st) {
+  if (!projected(sp, a->hp, a->piece, pl)) {
+    dopt_step_args in = *a;
+    in.impl = sp->inner;
+    in.hp = a->hp + sp->inner_off;
+    *st = sp->inner->step(&in);
+    return 1;
+  }
+  if (a->piece->len != a->piece->numel) {
+    *st = dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: a projected parameter needs the whole tensor (got %zu of %zu elements)",
+                     sp->who, a->piece->len, a->piece->numel);
+    return 1;
+  }
+  if (pl->clamped && a->events) *a->events |= DOPT_EVENT_RANK_CLAMPED;
+  *st = DOPT_OK;
+  return 0;
+}
+
+/* The full weight's decay factor c (P ← P + c·P) and whether it comes before the update. */
+static int decay_of(const dopt_galore_spec *sp, const double *ih, int64_t step, void *const *state, float *c) {
+  if (sp->inner->lowrank_decay && !sp->direction) return sp->inner->lowrank_decay(ih, step, state, c);
+  *c = sp->wd >= 0 && sp->lr >= 0 && ih[sp->wd] > 0.0 ? (float)(-ih[sp->lr] * ih[sp->wd]) : 0.0f;
+  return 0;
+}
+
+dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args *a, const dopt_galore_plan *pl,
+                               const float *A, const float *B) {
+  const size_t nl = pl->rows * pl->cols, numel = pl->m * pl->n;
+  const double *ih = a->hp + sp->inner_off;
+  float *w = a->param;
+  float *R = malloc(nl * sizeof *R), *U = calloc(nl, sizeof *U), *full = malloc(numel * sizeof *full);
+  float *ws = pl->left && pl->right ? malloc((pl->m > pl->n ? pl->m : pl->n) * pl->r * sizeof *ws) : NULL;
+  void *frame = NULL;
+  dopt_status st = DOPT_OK;
+  if (!R || !U || !full || (pl->left && pl->right && !ws)) {
+    st = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: buffers for a [%zu, %zu] parameter", sp->who, pl->m, pl->n);
+    goto done;
+  }
+  dopt_galore_project(pl, a->grad, A, B, R, ws);
+  float mult = 1.0f; /* delta form: P + 1·x is P + x exactly */
+  if (sp->direction) {
+    mult = sp->direction(ih, a->step, R, a->state, U, nl);
+  } else { /* the inner's whole step on the zero low-rank parameter U, its decay off */
+    double hp[DOPT_MAX_HPARAMS];
+    memcpy(hp, ih, (size_t)sp->inner->nhp * sizeof *hp);
+    if (sp->wd >= 0) hp[sp->wd] = 0.0;
+    dopt_piece lp;
+    dopt_piece_full(2, (const int64_t[2]){(int64_t)pl->rows, (int64_t)pl->cols}, &lp);
+    const size_t fb = sp->inner->frame ? sp->inner->frame(hp, &lp) : 0;
+    if (fb && !(frame = malloc(fb))) {
+      st = dopt__fail(DOPT_ERR_NO_MEMORY, "%s: a step frame of %zu bytes", sp->who, fb);
+      goto done;
+    }
+    int more = 0;
+    dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->events, a->tensor, 0, &more,
+                         NULL, a->par, w, numel};
+    if ((st = dopt__run_stages(NULL, &in)) != DOPT_OK) goto done;
+  }
+  float c;
+  const int before = decay_of(sp, ih, a->step, a->state, &c);
+  if (before && c != 0.0f)
+    for (size_t i = 0; i < numel; i++) w[i] = w[i] + c * w[i];
+  dopt_galore_project_back(pl, U, A, B, (float)a->hp[sp->proj_off + DOPT_GP_SCALE], full, ws);
+  for (size_t i = 0; i < numel; i++) w[i] = w[i] + mult * full[i];
+  if (!before && c != 0.0f)
+    for (size_t i = 0; i < numel; i++) w[i] = w[i] + c * w[i];
+done:
+  free(R);
+  free(U);
+  free(full);
+  free(ws);
+  free(frame);
+  return st;
+}
+
+dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a) {
+  dopt_galore_plan pl;
+  dopt_status st;
+  if (dopt_galore_begin(sp, a, &pl, &st)) return st;
+  dopt_state_spec lay[DOPT_MAX_STATES];
+  int ni;
+  dopt_galore_layout(sp, a->hp, 2, (const int64_t[2]){(int64_t)pl.m, (int64_t)pl.n}, 0, lay, &ni);
+  float *A = pl.left ? a->state[ni] : NULL;
+  float *B = pl.right ? a->state[ni + (pl.left ? 1 : 0)] : NULL;
+  const double *g = a->hp + sp->proj_off;
+  const int nq = sp->nproj == DOPT_GP_COUNT;
+  dopt_svd_opts so = {nq ? (int)g[DOPT_GP_SVD] : DOPT_SVD_EXACT, nq ? (int)g[DOPT_GP_OVERSAMPLE] : -1,
+                      nq ? (int)g[DOPT_GP_POWER_ITERS] : 0, nq ? (uint64_t)g[DOPT_GP_SEED] : 0, a->step - 1};
+  DOPT_TRY(dopt_galore_refresh_if_due(&pl, a->grad, a->step, (int64_t)g[DOPT_GP_GAP], &so, A, B, a->events));
+  return dopt_galore_update(sp, a, &pl, A, B);
+}
+
+/* ---- the `galore` wrapper: inner=NAME ------------------------------------------------- */
+
+enum { INNER, PROJ, NOWN = PROJ + DOPT_GP_COUNT };
+
+static const dopt_hp_def hps[NOWN] = {
+    [INNER] = {"inner", DOPT_HP_ENUM, 0.0,
+               "the optimizer of the low-rank gradient and of unprojected parameters (its keys follow)",
+               dopt__registry_names},
+    DOPT_GALORE_HPS_CORE("projection rank (0 = the inner optimizer alone for this group)", DOPT_GALORE_GAP_DOC),
+    DOPT_GALORE_HPS_SVD,
+};
+
+/* The composite's spec: hp[INNER] names the inner, whose keys follow the wrapper's. */
+static dopt_galore_spec spec_of(const double *hp) {
+  dopt_galore_spec sp = {"galore", dopt_find_impl(dopt__registry_names[(int)hp[INNER]]), NOWN, PROJ, DOPT_GP_COUNT,
+                         -1, -1, NULL};
+  dopt_galore_spec_keys(&sp);
+  return sp;
+}
+
+static dopt_status validate(const double *hp) {
+  dopt_galore_spec sp = spec_of(hp);
+  DOPT_TRY(dopt_galore_validate(&sp, hp));
+  return sp.inner->validate ? sp.inner->validate(hp + NOWN) : DOPT_OK;
+}
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+  dopt_galore_spec sp = spec_of(hp);
+  int ni;
+  return dopt_galore_layout(&sp, hp, ndim, shape, 1, out, &ni);
+}
+static size_t frame(const double *hp, const dopt_piece *pc) {
+  dopt_galore_spec sp = spec_of(hp);
+  return dopt_galore_frame(&sp, hp, pc);
+}
+static int whole(const double *hp, int ndim, const int64_t *shape) {
+  dopt_galore_spec sp = spec_of(hp);
+  return dopt_galore_whole(&sp, hp, ndim, shape);
+}
+static dopt_status step(const dopt_step_args *a) {
+  dopt_galore_spec sp = spec_of(a->hp);
+  return dopt_galore_step(&sp, a);
+}
+
+/* The impl for inner whp[INNER]: the wrapper's keys (inner's default = the chosen one), then the inner's. */
+static dopt_status compose(const dopt_optim_impl *self, const double *whp, const dopt_optim_impl **out) {
+  const char *name = dopt__registry_names[(int)whp[INNER]];
+  const dopt_optim_impl *in = dopt_find_impl(name);
+  if (!in || in->wrap || in->compose || in->projection)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore: inner=%s is a wrapper or a GaLore optimizer; choose one that "
+                      "steps itself (adamw, adafactor, came, lamb, adamw8bit, ...)", name);
+  if (NOWN + in->nhp > DOPT_MAX_HPARAMS)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "galore: inner=%s has %d hyperparameters; at most %d fit beside the "
+                      "projector's %d", name, in->nhp, DOPT_MAX_HPARAMS - NOWN, NOWN);
+  const int nhp = NOWN + in->nhp;
+  size_t names = 0;
+  for (int k = 0; k < in->nhp; k++) names += strlen(in->hp[k].key) + 7; /* "inner." + key + NUL */
+  dopt_optim_impl *im = malloc(sizeof *im);
+  dopt_hp_def *hp = malloc((size_t)nhp * sizeof *hp + names);
+  if (!im || !hp) {
+    free(im);
+    free(hp);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "galore: the hyperparameter table for inner=%s", name);
+  }
+  char *text = (char *)(hp + nhp);
+  memcpy(hp, hps, sizeof hps);
+  hp[INNER].def = whp[INNER];
+  for (int k = 0; k < in->nhp; k++) {
+    hp[NOWN + k] = in->hp[k];
+    int clash = 0;
+    for (int j = 0; j < NOWN; j++) clash |= strcmp(hps[j].key, in->hp[k].key) == 0;
+    if (clash) { /* the projector's key keeps its name; the inner's is inner.KEY */
+      strcpy(text, "inner.");
+      strcat(text, in->hp[k].key);
+      hp[NOWN + k].key = text;
+      text += strlen(text) + 1;
+    }
+  }
+  *im = *self;
+  im->hp = hp;
+  im->nhp = nhp;
+  im->compose = NULL;
+  im->composed = 1;
+  *out = im;
+  return DOPT_OK;
+}
+
+/* settings that exercise every path (dopt_optim_impl.example/grid): projected and unprojected parameters, refreshes
+ * inside the run, an elementwise, a factored (its RMS from the full weight, decay before) and a norm-based inner,
+ * 8-bit low-rank states, the randomized SVD */
+static const char *const grid[] = {
+    "inner=adafactor,rank=3,update_proj_gap=7,beta1=0.9,weight_decay=0.01",
+    "inner=lamb,rank=3,update_proj_gap=6,proj_type=left,lr=1e-2,weight_decay=0.01",
+    "inner=adamw,rank=4,update_proj_gap=5,proj_type=full,lr=1e-2",
+    "inner=adamw8bit,rank=3,update_proj_gap=9,min_8bit_size=8,lr=1e-2,svd=randomized",
+    "inner=came,rank=3,update_proj_gap=8,proj_type=right,lr=1e-3",
+    NULL,
+};
+
+const dopt_optim_impl dopt_impl_galore = {
+    .name = "galore",
+    .summary = "GaLore around any optimizer: inner= steps the low-rank projected gradient (galore_torch 1.0's projector)",
+    .hp = hps,
+    .nhp = NOWN,
+    .validate = validate,
+    .layout = layout,
+    .frame = frame,
+    .step = step,
+    .distributable = 0,
+    .whole = whole,
+    .compose = compose,
+    .projection = 1,
+    .example = "inner=adafactor,rank=4,update_proj_gap=2",
+    .grid = grid,
+    .grid_ci = 2,
+};
