@@ -3,6 +3,7 @@
  * machine's streaming bandwidth, measured in the same run.
  *
  *   distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--threads N] [--torch PYTHON]
+ *                 [--galore RANK]
  *
  * Per optimizer: median and minimum ms/step over N timed steps (after the
  * warm-up steps, which also allocate the states) at --threads threads, the
@@ -13,7 +14,8 @@
  * over N runs), on one thread and split over the threads, and a memcpy
  * (2*4*n bytes counted). Times are wall clock (CLOCK_MONOTONIC). --torch
  * PYTHON runs compare/bench_torch.py with that interpreter at the same thread
- * count and adds PyTorch CPU eager ms/step and our speed-up.
+ * count and adds PyTorch CPU eager ms/step and our speed-up. --galore RANK
+ * prints instead the projection wrapper around each inner (bench_galore).
  */
 #include <math.h>
 #include <pthread.h>
@@ -167,12 +169,13 @@ typedef struct opt_result {
   double torch_ms; /* NAN if not measured */
 } opt_result;
 
-static int bench_one(const char *name, int64_t h, int64_t w, int warmup, int iters, int threads, float *param,
-                     const float *init, const float *grad, opt_result *r) {
+/* hp NULL: the optimizer's bench setting (cli_default_hparams). */
+static int bench_one(const char *name, const char *hp, int64_t h, int64_t w, int warmup, int iters, int threads,
+                     float *param, const float *init, const float *grad, opt_result *r) {
   size_t n = (size_t)h * (size_t)w;
   memcpy(param, init, n * sizeof *param);
   dopt_optim *o = NULL;
-  dopt_status s = dopt_optim_create(name, cli_default_hparams(name), &o);
+  dopt_status s = dopt_optim_create(name, hp ? hp : cli_default_hparams(name), &o);
   if (s != DOPT_OK) return cli_error(CMD, s);
   dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
   pc.name = "weight";
@@ -298,17 +301,53 @@ static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int i
   return 0;
 }
 
+/* ---- --galore RANK: the projection around each inner ------------------------------------
+ * Per optimizer galore can wrap (a registered one that steps itself): the
+ * inner alone, galore(inner=X) at rank 0 (nothing projected: the inner's
+ * step through the wrapper) and at rank RANK (the randomized range finder,
+ * refreshed in the first warm-up step only, so the timed steps are
+ * project → the inner's low-rank step → back-project), each with its
+ * ratio to the inner in the same run. */
+static int bench_galore(long rank, int64_t h, int64_t w, int warmup, int iters, int threads, float *param,
+                        const float *init, const float *grad) {
+  printf("%-11s %10s %12s %9s %14s %9s %12s\n", "inner", "inner_ms", "rank0_ms", "vs_inner", "projected_ms",
+         "vs_inner", "state_MiB");
+  int rc = CLI_OK;
+  for (int i = 0; i < dopt_optim_registry_count() && rc == CLI_OK; i++) {
+    const char *name = dopt_optim_registry_name(i);
+    char hp0[512], hpr[768]; /* the inner's bench setting (CAME needs an lr) inside the wrapper's */
+    const char *ih = cli_default_hparams(name);
+    snprintf(hp0, sizeof hp0, "inner=%s%s%s", name, *ih ? "," : "", ih);
+    dopt_optim *probe = NULL;
+    if (dopt_optim_create("galore", hp0, &probe) != DOPT_OK) continue; /* a wrapper or a GaLore form itself */
+    dopt_optim_destroy(probe);
+    snprintf(hpr, sizeof hpr, "%s,rank=%ld,svd=randomized,update_proj_gap=1000000", hp0, rank);
+    opt_result a, b, c;
+    rc = bench_one(name, NULL, h, w, warmup, iters, threads, param, init, grad, &a);
+    if (rc == CLI_OK) rc = bench_one("galore", hp0, h, w, warmup, iters, threads, param, init, grad, &b);
+    if (rc == CLI_OK) rc = bench_one("galore", hpr, h, w, warmup > 0 ? warmup : 1, iters, threads, param, init, grad, &c);
+    if (rc == CLI_OK)
+      printf("%-11s %10.2f %12.2f %8.2fx %14.2f %8.2fx %12.2f\n", name, a.med_ms, b.med_ms, b.med_ms / a.med_ms,
+             c.med_ms, c.med_ms / a.med_ms, (double)c.state_bytes / 1048576.0);
+  }
+  if (rc == CLI_OK)
+    printf("rank0 = galore(inner=X) with nothing projected (target <= 1.1x the inner); projected = rank %ld, "
+           "randomized range finder refreshed in warm-up only; state_MiB = the projected run's states\n", rank);
+  return rc;
+}
+
 /* ---- the command ----------------------------------------------------------------------- */
 
 static void bench_usage(FILE *f) {
   fputs("usage: distopt bench [--size HxW] [--iters N] [--warmup N] [--optimizer NAME] [--threads N]\n"
-        "                    [--torch PYTHON]\n"
+        "                    [--torch PYTHON] [--galore RANK]\n"
         "  times one step of each registered optimizer (or NAME) on one fp32 [H, W] parameter\n"
         "  (default 4096x4096, 10 timed steps after 2 warm-up steps; median and min reported) and\n"
         "  compares the bytes a step must move (gradient, parameter and states once) with a triad\n"
         "  bandwidth floor measured in the same run on one thread and on N threads.\n"
         "  --threads N: threads of the step and of the floor (default: DOPT_NUM_THREADS, else the cores)\n"
-        "  --torch PYTHON: also time PyTorch CPU eager steps at the same thread count (compare/bench_torch.py)\n",
+        "  --torch PYTHON: also time PyTorch CPU eager steps at the same thread count (compare/bench_torch.py)\n"
+        "  --galore RANK: instead, each optimizer galore can wrap: alone, galore(inner=X) at rank 0 and at RANK\n",
         f);
 }
 
@@ -321,7 +360,7 @@ static int parse_int(const char *opt, const char *v, long lo, long hi, long *out
 }
 
 int cmd_bench(int argc, char **argv) {
-  long h = 4096, w = 4096, iters = 10, warmup = 2, threads = 0;
+  long h = 4096, w = 4096, iters = 10, warmup = 2, threads = 0, galore_rank = -1;
   const char *only = NULL, *python = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -348,6 +387,8 @@ int cmd_bench(int argc, char **argv) {
       only = v;
     } else if (strcmp(a, "--threads") == 0) {
       rc = parse_int(a, v, 1, 256, &threads);
+    } else if (strcmp(a, "--galore") == 0) {
+      rc = parse_int(a, v, 1, 1L << 20, &galore_rank);
     } else if (strcmp(a, "--torch") == 0) {
       python = v;
       if (!executable(python))
@@ -382,13 +423,22 @@ int cmd_bench(int argc, char **argv) {
   printf("distopt bench: one fp32 [%ld, %ld] parameter (%.1f MiB), %ld warm-up + %ld timed steps, median, %ld thread%s\n",
          h, w, (double)n * 4.0 / 1048576.0, warmup, iters, threads, threads == 1 ? "" : "s");
   fflush(stdout);
+  if (galore_rank > 0) {
+    if (only || python) {
+      free(init), free(param), free(grad), free(res);
+      return cli_errorf(CMD, "--galore: times every inner itself (without --optimizer and --torch)");
+    }
+    int grc = bench_galore(galore_rank, h, w, (int)warmup, (int)iters, (int)threads, param, init, grad);
+    free(init), free(param), free(grad), free(res);
+    return grc;
+  }
   floor_result fl = {0, 0, 0, 0, 0, 0};
   int rc = measure_floor(n, (int)(iters < 5 ? 5 : iters), (int)threads, &fl);
   int nres = 0;
   for (int i = 0; i < nreg && rc == CLI_OK; i++) {
     const char *name = dopt_optim_registry_name(i);
     if (only && strcmp(name, only) != 0) continue;
-    rc = bench_one(name, h, w, (int)warmup, (int)iters, (int)threads, param, init, grad, &res[nres]);
+    rc = bench_one(name, NULL, h, w, (int)warmup, (int)iters, (int)threads, param, init, grad, &res[nres]);
     if (rc == CLI_OK) nres++;
   }
   int have_torch = 0;

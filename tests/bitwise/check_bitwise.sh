@@ -3,7 +3,7 @@
 # temporary directory and compares, byte for byte (cmp), what both builds
 # write for
 #   - `distopt run` on the same generated input (tests/bitwise/gen_input.py)
-#     for all nine registry optimizers and several hyperparameter sets;
+#     for all ten registry optimizers and several hyperparameter sets;
 #   - `distopt run` replaying every golden case file (datasets/golden/);
 #   - `distopt compare --json` of every optimizer (piecewise and owner mode) in several
 #     layouts (tp, dp, zero, bf16, clipping, accumulation), with the one
@@ -61,6 +61,9 @@ run_case galore_adamw "rank=4,update_proj_gap=2"
 run_case galore_adamw8bit "rank=8,update_proj_gap=3,min_8bit_size=16"
 run_case q_galore "rank=4,update_proj_gap=2,proj_group_size=-1"
 run_case q_galore "rank=4,update_proj_gap=1,proj_group_size=-1,int8_weights=true,weight_group_size=1"
+run_case galore "inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9,weight_decay=0.01"
+run_case galore "inner=lamb,rank=3,update_proj_gap=3,proj_type=left,lr=1e-2,weight_decay=0.01"
+run_case galore "inner=came,rank=3,update_proj_gap=2,lr=1e-3"
 run_case lisa ""
 run_case lisa "inner=adafactor,n_layers=1,interval=2"
 
@@ -91,7 +94,8 @@ cmp_case() { # args for distopt compare
 }
 for o in adamw adafactor "came --hparams lr=2e-4" lamb adamw8bit "galore_adamw --hparams rank=4,update_proj_gap=2" \
   "galore_adamw8bit --hparams rank=8,update_proj_gap=3,min_8bit_size=16" \
-  "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" lisa; do
+  "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" \
+  "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa; do
   # shellcheck disable=SC2086
   set -- --optimizer $o
   cmp_case "$@"

@@ -780,6 +780,20 @@ static void test_threads_options(void **st) {
   }
   if (!strstr(b, "on 2 threads") || !strstr(b, "on 1 thread ")) fail_msg("bench: both floors expected:\n%s", b);
   free(b);
+  /* --galore: a row per inner galore can wrap (not the GaLore forms, not LISA), each with both ratios */
+  const char *gal[] = {"bench", "--size", "64x64", "--iters", "1", "--warmup", "1", "--galore", "8", NULL};
+  assert_int_equal(run_out(gal, txt), 0);
+  b = slurp(txt);
+  const char *want[] = {"\nadamw ", "\nadafactor ", "\ncame ", "\nlamb ", "\nadamw8bit ", NULL};
+  for (int i = 0; want[i]; i++) {
+    const char *row = strstr(b, want[i]);
+    const char *x1 = row ? strchr(row + 1, 'x') : NULL, *eol = row ? strchr(row + 1, '\n') : NULL;
+    if (!row || !x1 || !strchr(x1 + 1, 'x') || strchr(x1 + 1, 'x') > eol) fail_msg("bench --galore: row%s\n%s", want[i], b);
+  }
+  if (strstr(b, "\nlisa ") || strstr(b, "\ngalore_adamw ")) fail_msg("bench --galore: a row for a wrapper:\n%s", b);
+  free(b);
+  const char *galbad[] = {"bench", "--galore", "8", "--optimizer", "adamw", NULL};
+  assert_int_equal(run_out(galbad, txt), 2);
   const char *bad[] = {"bench", "--threads", "257", NULL};
   assert_int_equal(run_out(bad, txt), 2);
 }
