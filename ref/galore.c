@@ -215,7 +215,7 @@ static const dopt_hp_def hps[NOWN] = {
 };
 
 /* The composite's spec: hp[INNER] names the inner, whose keys follow the wrapper's. */
-static dopt_galore_spec spec_of(const double *hp) {
+static dopt_galore_spec spec(const double *hp) {
   dopt_galore_spec sp = {"galore", dopt_find_impl(dopt__registry_names[(int)hp[INNER]]), NOWN, PROJ, DOPT_GP_COUNT,
                          -1, -1, NULL};
   dopt_galore_spec_keys(&sp);
@@ -223,27 +223,11 @@ static dopt_galore_spec spec_of(const double *hp) {
 }
 
 static dopt_status validate(const double *hp) {
-  dopt_galore_spec sp = spec_of(hp);
+  dopt_galore_spec sp = spec(hp);
   DOPT_TRY(dopt_galore_validate(&sp, hp));
   return sp.inner->validate ? sp.inner->validate(hp + NOWN) : DOPT_OK;
 }
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
-  dopt_galore_spec sp = spec_of(hp);
-  int ni;
-  return dopt_galore_layout(&sp, hp, ndim, shape, 1, out, &ni);
-}
-static size_t frame(const double *hp, const dopt_piece *pc) {
-  dopt_galore_spec sp = spec_of(hp);
-  return dopt_galore_frame(&sp, hp, pc);
-}
-static int whole(const double *hp, int ndim, const int64_t *shape) {
-  dopt_galore_spec sp = spec_of(hp);
-  return dopt_galore_whole(&sp, hp, ndim, shape);
-}
-static dopt_status step(const dopt_step_args *a) {
-  dopt_galore_spec sp = spec_of(a->hp);
-  return dopt_galore_step(&sp, a);
-}
+DOPT_GALORE_FORM_FUNCTIONS
 
 /* The impl for inner whp[INNER]: the wrapper's keys (inner's default = the chosen one), then the inner's. */
 static dopt_status compose(const dopt_optim_impl *self, const double *whp, const dopt_optim_impl **out) {
@@ -305,14 +289,8 @@ const dopt_optim_impl dopt_impl_galore = {
     .summary = "GaLore around any optimizer: inner= steps the low-rank projected gradient (galore_torch 1.0's projector)",
     .hp = hps,
     .nhp = NOWN,
-    .validate = validate,
-    .layout = layout,
-    .frame = frame,
-    .step = step,
-    .distributable = 0,
-    .whole = whole,
+    DOPT_GALORE_FORM_IMPL,
     .compose = compose,
-    .projection = 1,
     .example = "inner=adafactor,rank=4,update_proj_gap=2",
     .grid = grid,
     .grid_ci = 2,

@@ -108,30 +108,18 @@ static const dopt_optim_impl hf_adamw = {
 
 /* ---- galore_adamw ---- */
 
-static dopt_galore_spec spec(void) {
+static dopt_galore_spec spec(const double *hp) {
+  (void)hp;
   dopt_galore_spec sp = {"galore_adamw", &hf_adamw, 0, PROJ, DOPT_GP_COUNT, LR, WD, hf_direction};
   return sp;
 }
 
 static dopt_status validate(const double *hp) {
   DOPT_TRY(hf_validate(hp));
-  dopt_galore_spec sp = spec();
+  dopt_galore_spec sp = spec(hp);
   return dopt_galore_validate(&sp, hp);
 }
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
-  dopt_galore_spec sp = spec();
-  int ni;
-  return dopt_galore_layout(&sp, hp, ndim, shape, 1, out, &ni);
-}
-/* Only a projected parameter needs the whole tensor (its SVD); the others are HF AdamW, elementwise. */
-static int whole(const double *hp, int ndim, const int64_t *shape) {
-  dopt_galore_spec sp = spec();
-  return dopt_galore_whole(&sp, hp, ndim, shape);
-}
-static dopt_status step(const dopt_step_args *a) {
-  dopt_galore_spec sp = spec();
-  return dopt_galore_step(&sp, a);
-}
+DOPT_GALORE_FORM_FUNCTIONS
 
 /* settings that exercise every path (dopt_optim_impl.example/grid): a rank below the small tensors' dimensions and several projector refreshes; every projection type, the randomized SVD, the rank clamp (40) */
 static const char *const grid[] = {
@@ -148,12 +136,7 @@ const dopt_optim_impl dopt_impl_galore_adamw = {
     .summary = "GaLore-AdamW as galore_torch 1.0 (HF AdamW on low-rank projected gradients; rank=0: plain HF AdamW)",
     .hp = hps,
     .nhp = NHP,
-    .validate = validate,
-    .layout = layout,
-    .step = step,
-    .distributable = 0,
-    .whole = whole,
-    .projection = 1,
+    DOPT_GALORE_FORM_IMPL,
     .example = "rank=4,update_proj_gap=2",
     .grid = grid,
 };

@@ -19,7 +19,8 @@ static const dopt_hp_def hps[NHP] = {
     DOPT_GALORE_HPS_SVD,
 };
 
-static dopt_galore_spec spec(void) {
+static dopt_galore_spec spec(const double *hp) {
+  (void)hp;
   dopt_galore_spec sp = {"galore_adamw8bit", &dopt_impl_adamw8bit, 0, PROJ, DOPT_GP_COUNT, -1, -1, NULL};
   dopt_galore_spec_keys(&sp);
   return sp;
@@ -27,24 +28,10 @@ static dopt_galore_spec spec(void) {
 
 static dopt_status validate(const double *hp) {
   DOPT_TRY(dopt__adamw8bit_validate("galore_adamw8bit", hp));
-  dopt_galore_spec sp = spec();
+  dopt_galore_spec sp = spec(hp);
   return dopt_galore_validate(&sp, hp);
 }
-static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
-  dopt_galore_spec sp = spec();
-  int ni;
-  return dopt_galore_layout(&sp, hp, ndim, shape, 1, out, &ni);
-}
-/* A projected parameter (its SVD) and an 8-bit one (blocks of the logical tensor) need the whole tensor; a small
- * parameter with fp32 states (below min_8bit_size, no percentile clipping) is elementwise AdamW. */
-static int whole(const double *hp, int ndim, const int64_t *shape) {
-  dopt_galore_spec sp = spec();
-  return dopt_galore_whole(&sp, hp, ndim, shape);
-}
-static dopt_status step(const dopt_step_args *a) {
-  dopt_galore_spec sp = spec();
-  return dopt_galore_step(&sp, a);
-}
+DOPT_GALORE_FORM_FUNCTIONS
 
 /* settings that exercise every path (dopt_optim_impl.example/grid): low rank, refreshes, 8-bit states on the projected moments */
 static const char *const grid[] = {
@@ -57,12 +44,7 @@ const dopt_optim_impl dopt_impl_galore_adamw8bit = {
     .summary = "GaLore-AdamW8bit as galore_torch (bitsandbytes 8-bit Adam on the low-rank projected gradient)",
     .hp = hps,
     .nhp = NHP,
-    .validate = validate,
-    .layout = layout,
-    .step = step,
-    .distributable = 0,
-    .whole = whole,
-    .projection = 1,
+    DOPT_GALORE_FORM_IMPL,
     .example = "rank=4,update_proj_gap=2,min_8bit_size=64",
     .grid = grid,
 };

@@ -151,6 +151,34 @@ dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args 
  * due, update. */
 dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a);
 
+/* The layout, frame, whole and step of a GaLore form, over the form's own
+ * `static dopt_galore_spec spec(const double *hp)` (the fixed-inner forms
+ * ignore hp; the `galore` wrapper reads its inner there), and the impl fields
+ * that name them with the form's `validate`. A parameter steps whole when it
+ * is projected (its SVD) or when the inner steps it whole (AdamW8bit's 8-bit
+ * blocks); otherwise it is the inner's, on any piece. */
+#define DOPT_GALORE_FORM_FUNCTIONS                                                                \
+  static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {     \
+    dopt_galore_spec sp = spec(hp);                                                               \
+    int ni;                                                                                       \
+    return dopt_galore_layout(&sp, hp, ndim, shape, 1, out, &ni);                                 \
+  }                                                                                               \
+  static size_t frame(const double *hp, const dopt_piece *pc) {                                   \
+    dopt_galore_spec sp = spec(hp);                                                               \
+    return dopt_galore_frame(&sp, hp, pc);                                                        \
+  }                                                                                               \
+  static int whole(const double *hp, int ndim, const int64_t *shape) {                            \
+    dopt_galore_spec sp = spec(hp);                                                               \
+    return dopt_galore_whole(&sp, hp, ndim, shape);                                               \
+  }                                                                                               \
+  static dopt_status step(const dopt_step_args *a) {                                              \
+    dopt_galore_spec sp = spec(a->hp);                                                            \
+    return dopt_galore_step(&sp, a);                                                              \
+  }
+#define DOPT_GALORE_FORM_IMPL                                                                     \
+  .validate = validate, .layout = layout, .frame = frame, .step = step, .distributable = 0, .whole = whole, \
+  .projection = 1
+
 /* Counter-based standard normal: a pure function of (seed, iter, index). */
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index);
 

@@ -62,7 +62,8 @@ enum { LZ_HAVE, LZ_GAP, LZ_SVDS, LZ_COUNT, LZ_WINIT, LZ_QUEUE };
 static int is_int(double v, double lo, double hi) { return v == floor(v) && v >= lo && v <= hi; }
 
 /* the projection with inner adamw8bit; the projector keys are rank, gap, scale (std, exact) */
-static dopt_galore_spec spec(void) {
+static dopt_galore_spec spec(const double *hp) {
+  (void)hp;
   dopt_galore_spec sp = {"q_galore", &dopt_impl_adamw8bit, 0, RANK, 3, -1, -1, NULL};
   dopt_galore_spec_keys(&sp);
   return sp;
@@ -70,7 +71,7 @@ static dopt_galore_spec spec(void) {
 
 static dopt_status validate(const double *hp) {
   DOPT_TRY(dopt__adamw8bit_validate("q_galore", hp));
-  dopt_galore_spec sp = spec();
+  dopt_galore_spec sp = spec(hp);
   DOPT_TRY(dopt_galore_validate(&sp, hp));
   if (hp[PROJ_BITS] != 4 && hp[PROJ_BITS] != 8)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "q_galore: proj_bits=%g must be 4 or 8", hp[PROJ_BITS]);
@@ -97,7 +98,7 @@ static size_t proj_group(const double *hp, const dopt_galore_plan *pl) {
 static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
 static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
-  dopt_galore_spec sp = spec();
+  dopt_galore_spec sp = spec(hp);
   dopt_galore_plan pl;
   int n;
   dopt_galore_layout(&sp, hp, ndim, shape, 0, out, &n);
@@ -130,13 +131,13 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
 /* A projected parameter (its SVD) and an 8-bit one (blocks of the logical tensor) need the whole tensor; a small
  * parameter with fp32 states (below min_8bit_size, no percentile clipping) is elementwise AdamW. */
 static int whole(const double *hp, int ndim, const int64_t *shape) {
-  dopt_galore_spec sp = spec();
+  dopt_galore_spec sp = spec(hp);
   return dopt_galore_whole(&sp, hp, ndim, shape);
 }
 
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
-  const dopt_galore_spec sp = spec();
+  const dopt_galore_spec sp = spec(hp);
   dopt_galore_plan pl;
   dopt_status st;
   if (dopt_galore_begin(&sp, a, &pl, &st)) return st;
