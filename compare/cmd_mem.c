@@ -213,6 +213,18 @@ int cmd_mem(int argc, char **argv) {
     const char *name = dopt_optim_registry_name(k);
     const char *h = cli_default_hparams(name);
     int ok;
+    if (strcmp(name, "galore") == 0) { /* a row per inner it can wrap (the others refuse: not a row) */
+      for (int j = 0; j < dopt_optim_registry_count(); j++) {
+        const char *in = dopt_optim_registry_name(j), *ih = cli_default_hparams(in);
+        char hx[512];
+        snprintf(hx, sizeof hx, "inner=%s%s%s", in, *ih ? "," : "", ih);
+        double b = model_state_bytes(m, name, hx, rank, &ok);
+        if (!ok) continue;
+        snprintf(hp, sizeof hp, "%s, rank=%d", in, rank);
+        printf("%-18s %-22s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
+      }
+      continue;
+    }
     double b = model_state_bytes(m, name, h, rank, &ok);
     if (!ok) {
       printf("%-18s %-22s %12s\n", name, h, "n/a");

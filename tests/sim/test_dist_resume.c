@@ -39,7 +39,10 @@ static const struct {
     {"galore_adamw", "lr=1e-2,rank=3,update_proj_gap=4", 0},
     {"galore_adamw8bit", "lr=1e-2,rank=3,update_proj_gap=5,min_8bit_size=8,block_size=256,proj_type=left", 0},
     {"q_galore", "lr=1e-2,rank=3,update_proj_gap=3,proj_group_size=-1,int8_weights=true,weight_group_size=1", 0},
+    {"galore", "inner=adafactor,rank=3,update_proj_gap=4,beta1=0.9,weight_decay=0.01", 0},
+    {"galore", "inner=lamb,rank=2,update_proj_gap=5,proj_type=left,lr=1e-2,weight_decay=0.01", 1},
     {"lisa", "inner=adamw,n_layers=1,interval=3,lr=1e-2", 0},
+    {"lisa", "inner=galore,inner.inner=came,rank=2,update_proj_gap=3,n_layers=1,interval=4,lr=1e-3", 0},
     {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=4,n_layers=2,interval=5,reset_states=true", 0},
 };
 #define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
