@@ -35,6 +35,7 @@ struct dopt_optim {
   struct item *items;      /* the last step's work items; their frames are reused */
   int nitems, items_cap;
   int last_parts;          /* most pieces any parameter had in the last step */
+  dopt_proj_hook hook;     /* dopt_optim_set_projector_hook (fn NULL: none) */
 };
 
 static int find_key(const dopt_optim_impl *im, const char *key, size_t len) {
@@ -635,6 +636,16 @@ static void free_items(dopt_optim *o) {
   free(o->items);
 }
 
+dopt_status dopt_optim_set_projector_hook(dopt_optim *o, dopt_projector_fn fn, void *user) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_set_projector_hook: optimizer=NULL");
+  if (!o->impl->projector_hook)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_optim_set_projector_hook: optimizer '%s' has no projector a caller "
+                      "can supply (galore, galore_adamw, galore_adamw8bit, or lisa around one)", o->impl->name);
+  o->hook.fn = fn;
+  o->hook.user = user;
+  return DOPT_OK;
+}
+
 dopt_status dopt_optim_set_threads(dopt_optim *o, int nthreads) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_set_threads: optimizer=NULL");
   DOPT_CHECK_ARG(nthreads >= 0 && nthreads <= DOPT_MAX_THREADS,
@@ -748,7 +759,7 @@ static void item_task(void *ctx, size_t t) {
   dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
                       p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
                       it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL,
-                      it->solo ? &r->par : NULL, NULL, 0};
+                      it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL};
   dopt_status s;
   if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */

@@ -110,7 +110,14 @@ typedef struct dopt_step_args {
    * GaLoreAdafactor: RMS of the full p). Read with dopt_wstat. */
   const float *wstat;
   size_t wstat_len;
+  /* NULL, or the caller's projector at a GaLore refresh (dopt_optim_set_projector_hook) */
+  const struct dopt_proj_hook *proj_hook;
 } dopt_step_args;
+
+typedef struct dopt_proj_hook {
+  dopt_projector_fn fn;
+  void *user;
+} dopt_proj_hook;
 
 /* The tensor a step takes its parameter statistics from (dopt_step_args.wstat): *w and *n the local
  * elements to reduce, *numel the logical count the RMS divides by. */
@@ -168,6 +175,7 @@ typedef struct dopt_optim_impl {
   dopt_status (*compose)(const struct dopt_optim_impl *self, const double *whp, const struct dopt_optim_impl **out);
   int composed;   /* 1: built by compose (heap; hp[0] is `inner` and fixed for the optimizer's life) */
   int projection; /* 1: GaLore or one of its fixed-inner aliases (not an inner for a projection wrapper) */
+  int projector_hook; /* 1: its refreshes call dopt_step_args.proj_hook (dopt_galore_step) */
   /* A projection wrapper around this optimizer decays the full weight
    * itself (the inner's weight_decay is zeroed in its low-rank step):
    * p ← p + factor·p. NULL: after the back-projected update, factor

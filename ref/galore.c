@@ -165,7 +165,7 @@ dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args 
     }
     int more = 0;
     dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->events, a->tensor, 0, &more,
-                         NULL, a->par, w, numel};
+                         NULL, a->par, w, numel, a->proj_hook};
     if ((st = dopt__run_stages(NULL, &in)) != DOPT_OK) goto done;
   }
   float c;
@@ -198,7 +198,16 @@ dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a
   const int nq = sp->nproj == DOPT_GP_COUNT;
   dopt_svd_opts so = {nq ? (int)g[DOPT_GP_SVD] : DOPT_SVD_EXACT, nq ? (int)g[DOPT_GP_OVERSAMPLE] : -1,
                       nq ? (int)g[DOPT_GP_POWER_ITERS] : 0, nq ? (uint64_t)g[DOPT_GP_SEED] : 0, a->step - 1};
-  DOPT_TRY(dopt_galore_refresh_if_due(&pl, a->grad, a->step, (int64_t)g[DOPT_GP_GAP], &so, A, B, a->events));
+  const int64_t gap = (int64_t)g[DOPT_GP_GAP];
+  int have_prev, given = 0;
+  if (a->proj_hook && dopt_galore_due(&pl, a->step, gap, A, B, &have_prev)) { /* the caller's projector first */
+    given = a->proj_hook->fn(a->proj_hook->user, (int)a->tensor, a->step, a->grad, (int64_t)pl.m, (int64_t)pl.n,
+                             (int64_t)pl.r, A, B);
+    if (given < 0)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: the projector hook failed for parameter %d at step %lld", sp->who,
+                        (int)a->tensor, (long long)a->step);
+  }
+  if (!given) DOPT_TRY(dopt_galore_refresh_if_due(&pl, a->grad, a->step, gap, &so, A, B, a->events));
   return dopt_galore_update(sp, a, &pl, A, B);
 }
 

@@ -76,6 +76,9 @@ int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *sha
  * iterations 0, T, 2T, ... (iter = step - 1, upstream's pre-increment step),
  * or whenever no projector exists yet (all-zero A/B), recompute the
  * projector(s) with dopt_galore_refresh. */
+/* 1 when step's projector is to be refreshed: none yet (all zero; *have_prev 0) or iter % gap == 0. */
+int dopt_galore_due(const dopt_galore_plan *p, int64_t step, int64_t gap, const float *A, const float *B,
+                    int *have_prev);
 dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
                                        const dopt_svd_opts *opt, float *A, float *B, unsigned *events);
 
@@ -177,7 +180,7 @@ dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a
   }
 #define DOPT_GALORE_FORM_IMPL                                                                     \
   .validate = validate, .layout = layout, .frame = frame, .step = step, .distributable = 0, .whole = whole, \
-  .projection = 1
+  .projection = 1, .projector_hook = 1
 
 /* Counter-based standard normal: a pure function of (seed, iter, index). */
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index);

@@ -37,6 +37,8 @@ DOPT_API int dopt_galore_classify(const char *name, int ndim);
 DOPT_API dopt_status dopt_galore_add_groups(dopt_optim *o, const char *galore_overrides, int *galore_group,
                                             int *decay_group, int *nodecay_group);
 
+/* dopt_optim_set_projector_hook (a caller-supplied projector): distopt/optim.h. */
+
 #ifdef __cplusplus
 }
 #endif

@@ -179,6 +179,22 @@ DOPT_API int dopt_layer_from_name(const char *name);
  * fp32(min(1, max_norm / (norm + 1e-6))). */
 DOPT_API float dopt_clip_coef(const double *ss, int n, double max_norm, double *norm);
 
+/* A caller-supplied projector (e.g. one recorded from a galore_torch run):
+ * called at every projector refresh of a projected matrix, before the SVD,
+ * with the parameter's index in the optimizer, the 1-based step being taken,
+ * its fp32 gradient grad [m, n] and the rank r after clamping. Fill `left`
+ * [m, r] and/or `right` [r, n] (row-major, the side(s) proj_type projects;
+ * the other is NULL) and return 1 to use them instead of the SVD, 0 to let
+ * the SVD run, or -1 to fail the step (DOPT_ERR_INVALID_ARG). An all-zero
+ * projector counts as none yet: the next step refreshes again. Called from
+ * the stepping thread(s), one parameter at a time per call. */
+typedef int (*dopt_projector_fn)(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n,
+                                 int64_t r, float *left, float *right);
+/* Installs fn (NULL removes it) on a galore, galore_adamw or galore_adamw8bit
+ * optimizer, or LISA around one; other optimizers (q_galore's lazy quantised
+ * projector included) refuse it with DOPT_ERR_UNSUPPORTED. */
+DOPT_API dopt_status dopt_optim_set_projector_hook(dopt_optim *o, dopt_projector_fn fn, void *user);
+
 #ifdef __cplusplus
 }
 #endif

@@ -186,8 +186,8 @@ typedef struct run1 {
   int64_t shape[2];
 } run1;
 
-static void run1_init(run1 *r, const char *hp, int64_t m, int64_t n) {
-  assert_ok(dopt_optim_create("galore_adamw", hp, &r->o));
+static void run1_init_opt(run1 *r, const char *opt, const char *hp, int64_t m, int64_t n) {
+  assert_ok(dopt_optim_create(opt, hp, &r->o));
   r->shape[0] = m;
   r->shape[1] = n;
   r->w = malloc((size_t)(m * n) * sizeof(float));
@@ -200,6 +200,7 @@ static void run1_init(run1 *r, const char *hp, int64_t m, int64_t n) {
   pc.data = r->w;
   assert_ok(dopt_optim_add_param(r->o, 0, &pc, NULL));
 }
+static void run1_init(run1 *r, const char *hp, int64_t m, int64_t n) { run1_init_opt(r, "galore_adamw", hp, m, n); }
 static void run1_free(run1 *r) {
   dopt_optim_destroy(r->o);
   free(r->w);
@@ -230,6 +231,86 @@ static unsigned events_of(run1 *r) {
 }
 
 /* ---- unit tests ---------------------------------------------------------------------- */
+
+/* The projector hook (dopt_optim_set_projector_hook): what it is told, when, and what it supplies. */
+typedef struct hook_log {
+  int calls, mode; /* mode 0: decline, 1: supply `given`, -1: fail */
+  int64_t steps[8], m, n, r;
+  int param, left, right;
+  const float *given;
+} hook_log;
+static int hook_fn(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r,
+                   float *left, float *right) {
+  hook_log *h = user;
+  if (h->calls < 8) h->steps[h->calls] = step;
+  h->calls++;
+  h->param = param, h->m = m, h->n = n, h->r = r, h->left = left != NULL, h->right = right != NULL;
+  if (!grad) return -1;
+  if (h->mode == 1) memcpy(left ? left : right, h->given, (size_t)(left ? m * r : r * n) * sizeof(float));
+  return h->mode;
+}
+
+static void test_projector_hook(void **st) {
+  (void)st;
+  const char *hp = "inner=adafactor,rank=3,update_proj_gap=4,beta1=0.9";
+  run1 a, b, c;
+  run1_init_opt(&a, "galore", hp, 12, 8); /* m >= n: std projects the right side, B [3, 8] */
+  run1_init_opt(&b, "galore", hp, 12, 8);
+  hook_log hb = {0};
+  assert_ok(dopt_optim_set_projector_hook(b.o, hook_fn, &hb));
+  for (int t = 1; t <= 9; t++) {
+    assert_ok(run1_step(&a, 100 + (uint64_t)t));
+    assert_ok(run1_step(&b, 100 + (uint64_t)t));
+  }
+  /* declined: the SVD's result, bit for bit; called at the refreshes only (steps 1, 5, 9), with the plan's shape */
+  assert_memory_equal(a.w, b.w, 96 * sizeof(float));
+  dopt_state_view pa = state_of(&a, "projector"), pb = state_of(&b, "projector");
+  assert_memory_equal(pa.data, pb.data, pa.bytes);
+  assert_int_equal(hb.calls, 3);
+  assert_true(hb.steps[0] == 1 && hb.steps[1] == 5 && hb.steps[2] == 9);
+  assert_true(hb.m == 12 && hb.n == 8 && hb.r == 3 && !hb.left && hb.right && hb.param == 0);
+  /* supplied: the state holds exactly the caller's projector, and the run follows it (not the SVD's) */
+  float given[24];
+  memset(given, 0, sizeof given);
+  for (int k = 0; k < 3; k++) given[k * 8 + (7 - k)] = 1.0f; /* rows e7, e6, e5 */
+  run1_init_opt(&c, "galore", hp, 12, 8);
+  hook_log hc = {0};
+  hc.mode = 1;
+  hc.given = given;
+  assert_ok(dopt_optim_set_projector_hook(c.o, hook_fn, &hc));
+  assert_ok(run1_step(&c, 101));
+  dopt_state_view pc = state_of(&c, "projector");
+  assert_memory_equal(pc.data, given, sizeof given);
+  run1_free(&a);
+  run1_init_opt(&a, "galore", hp, 12, 8);
+  assert_ok(run1_step(&a, 101));
+  if (memcmp(a.w, c.w, 96 * sizeof(float)) == 0) fail_msg("the supplied projector changed nothing");
+  /* the caller's projector moves only its 3 columns of each row: columns 0..4 keep their values */
+  run1 z;
+  run1_init_opt(&z, "galore", hp, 12, 8);
+  for (int i = 0; i < 12; i++)
+    for (int j = 0; j < 5; j++) assert_true(c.w[i * 8 + j] == z.w[i * 8 + j]);
+  run1_free(&z);
+  /* failing: one line naming the parameter and the step; another optimizer refuses the hook */
+  hc.mode = -1;
+  run1_free(&c);
+  run1_init_opt(&c, "galore", hp, 12, 8);
+  assert_ok(dopt_optim_set_projector_hook(c.o, hook_fn, &hc));
+  assert_status(run1_step(&c, 101), DOPT_ERR_INVALID_ARG, "parameter 0 at step 1");
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("adamw", NULL, &o));
+  assert_status(dopt_optim_set_projector_hook(o, hook_fn, &hc), DOPT_ERR_UNSUPPORTED, "'adamw'");
+  dopt_optim_destroy(o);
+  assert_ok(dopt_optim_create("q_galore", NULL, &o));
+  assert_status(dopt_optim_set_projector_hook(o, hook_fn, &hc), DOPT_ERR_UNSUPPORTED, "'q_galore'");
+  dopt_optim_destroy(o);
+  assert_ok(dopt_optim_create("lisa", "inner=galore_adamw,rank=2", &o));
+  assert_ok(dopt_optim_set_projector_hook(o, hook_fn, &hc));
+  dopt_optim_destroy(o);
+  run1_free(&a);
+  run1_free(&b);
+  run1_free(&c);
+}
 
 static void test_registry_hparams(void **st) {
   (void)st;
@@ -558,6 +639,7 @@ static void test_groups_helper(void **st) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_registry_hparams),   cmocka_unit_test(test_plan_table),
+      cmocka_unit_test(test_projector_hook),
       cmocka_unit_test(test_rank_clamp_and_memory), cmocka_unit_test(test_refresh_schedule),
       cmocka_unit_test(test_moments_kept),       cmocka_unit_test(test_svd_fallback_and_failure),
       cmocka_unit_test(test_non_matrix_params),  cmocka_unit_test(test_determinism),
