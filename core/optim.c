@@ -189,27 +189,17 @@ void dopt__impl_release(const dopt_optim_impl *im) {
 }
 
 /* The composite of projection wrapper w for the inner its `inner=NAME` key in text names (w's default
- * without one); the rest of text is parsed into it by the caller. */
+ * without one): w's own keys of text (split_wrapper) parsed for `inner`; all of text is parsed into the
+ * composite by the caller. */
 static dopt_status compose(const dopt_optim_impl *w, const char *text, const dopt_optim_impl **out) {
   double whp[DOPT_MAX_HPARAMS];
   for (int k = 0; k < w->nhp; k++) whp[k] = w->hp[k].def;
-  const char *s = text ? text : "";
-  while (*s) { /* only the inner key here: every other key is the composite's */
-    while (*s == ',' || isspace((unsigned char)*s)) s++;
-    if (!*s) break;
-    const char *tok = s;
-    while (*s && *s != ',') s++;
-    size_t klen = 0;
-    while (tok + klen < s && tok[klen] != '=') klen++;
-    size_t k = klen;
-    while (k > 0 && isspace((unsigned char)tok[k - 1])) k--;
-    if (k == 5 && strncmp(tok, "inner", 5) == 0) {
-      char one[256];
-      snprintf(one, sizeof one, "%.*s", (int)(s - tok), tok);
-      DOPT_TRY(parse_hparams(w, one, whp));
-    }
-  }
-  return w->compose(w, whp, out);
+  char *own, *rest;
+  DOPT_TRY(split_wrapper(w, text, &own, &rest));
+  dopt_status s = parse_hparams(w, own, whp);
+  free(own);
+  free(rest);
+  return s == DOPT_OK ? w->compose(w, whp, out) : s;
 }
 
 /* The optimizer that steps and its hyperparameters: for a wrapper (LISA),

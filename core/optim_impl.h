@@ -126,6 +126,8 @@ static inline void dopt_wstat(const dopt_step_args *a, const float **w, size_t *
   *n = a->wstat ? a->wstat_len : a->piece->len;
   *numel = a->wstat ? a->wstat_len : a->piece->numel;
 }
+/* The logical count RMS(w) divides by (dopt_wstat's *numel). */
+static inline size_t dopt_wstat_numel(const dopt_step_args *a) { return a->wstat ? a->wstat_len : a->piece->numel; }
 
 typedef struct dopt_optim_impl {
   const char *name;

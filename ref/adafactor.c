@@ -115,10 +115,8 @@ static dopt_status step(const dopt_step_args *a) {
   const int stage = pc->factored ? a->stage : 2 * a->stage; /* 1-D: 0, 2, 4 */
   if (stage < 4) return dopt_second_moment_stage(a, stage, &f, row, col, b2t, omb2t, eps1);
   /* S4 (1-D: S2) */
-  const float *wst;
-  size_t nw, Nw; /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
-  dopt_wstat(a, &wst, &nw, &Nw);
-  const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), Nw);
+  /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
+  const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), dopt_wstat_numel(a));
   *rms_state = rms;
   const float alpha = step_size(hp, t, rms);
   float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);

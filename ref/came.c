@@ -120,10 +120,8 @@ static dopt_status step(const dopt_step_args *a) {
     return dopt_second_moment_stage(a, stage, &f, sq_row, sq_col, (float)hp[BETA2], (float)(1.0 - hp[BETA2]), eps1);
   switch (stage) {
   case 4: { /* 1-D: S2, the last stage */
-    const float *wst;
-    size_t nw, Nw; /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
-    dopt_wstat(a, &wst, &nw, &Nw);
-    *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), Nw);
+    /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
+    *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), dopt_wstat_numel(a));
     float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
     float div = urms / (float)hp[CLIP];
     if (!(div > 1.0f)) div = div != div ? div : 1.0f;

@@ -72,13 +72,13 @@ void dopt_galore_project_back(const dopt_galore_plan *p, const float *N, const f
  * rank > 0: fills *pl and returns 1, else 0 (the plain update). */
 int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *shape, dopt_galore_plan *pl);
 
+/* 1 when step's projector is to be refreshed: none yet (all zero; *have_prev 0) or iter % gap == 0. */
+int dopt_galore_due(const dopt_galore_plan *p, int64_t step, int64_t gap, const float *A, const float *B,
+                    int *have_prev);
 /* The refresh schedule shared by the GaLore optimizers: at 0-based
  * iterations 0, T, 2T, ... (iter = step - 1, upstream's pre-increment step),
  * or whenever no projector exists yet (all-zero A/B), recompute the
  * projector(s) with dopt_galore_refresh. */
-/* 1 when step's projector is to be refreshed: none yet (all zero; *have_prev 0) or iter % gap == 0. */
-int dopt_galore_due(const dopt_galore_plan *p, int64_t step, int64_t gap, const float *A, const float *B,
-                    int *have_prev);
 dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
                                        const dopt_svd_opts *opt, float *A, float *B, unsigned *events);
 
