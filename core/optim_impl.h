@@ -15,7 +15,7 @@
 #include "internal.h"
 
 #define DOPT_MAX_STATES 16
-#define DOPT_MAX_HPARAMS 32
+#define DOPT_MAX_HPARAMS 64
 
 typedef enum dopt_hp_kind {
   DOPT_HP_REAL = 0, /* finite number */

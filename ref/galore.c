@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "galore_proj.h"
+#include "qgalore.h"
 #include "registry.h"
 
 const char *const dopt_galore_proj_types[] = {"std", "reverse_std", "left", "right", "full", NULL};
@@ -44,6 +45,32 @@ void dopt_galore_spec_keys(dopt_galore_spec *sp) {
   sp->wd = key_index(sp->inner, "weight_decay");
 }
 
+int dopt_galore_quantised(const dopt_galore_spec *sp, const double *hp) {
+  if (sp->q_off < 0) return 0;
+  const double *q = hp + sp->q_off;
+  return q[DOPT_GQ_QUANT] != 0.0 || q[DOPT_GQ_INT8_WEIGHTS] != 0.0 || sp->q_lazy < 0 || hp[sp->q_lazy] != 0.0;
+}
+static int lazy_on(const dopt_galore_spec *sp, const double *hp) { return sp->q_lazy < 0 || hp[sp->q_lazy] != 0.0; }
+
+static dopt_status validate_quant(const dopt_galore_spec *sp, const double *hp) {
+  const double *q = hp + sp->q_off;
+  if (q[DOPT_GQ_BITS] != 4 && q[DOPT_GQ_BITS] != 8)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: proj_bits=%g must be 4 or 8", sp->who, q[DOPT_GQ_BITS]);
+  if (!(q[DOPT_GQ_GROUP] == -1 || is_int(q[DOPT_GQ_GROUP], 1, 1e12)))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: proj_group_size=%g must be -1 or an integer >= 1", sp->who,
+                      q[DOPT_GQ_GROUP]);
+  if (!(q[DOPT_GQ_GAMMA] > 0))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: gamma_proj=%g must be > 0", sp->who, q[DOPT_GQ_GAMMA]);
+  if (!is_int(q[DOPT_GQ_QUEUE], 1, 1e6))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: queue_size=%g must be an integer >= 1", sp->who, q[DOPT_GQ_QUEUE]);
+  if (!is_int(q[DOPT_GQ_WEIGHT_GROUP], 1, 1e12))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: weight_group_size=%g must be an integer >= 1", sp->who,
+                      q[DOPT_GQ_WEIGHT_GROUP]);
+  if (!is_int(hp[sp->q_seed], 0, 9007199254740992.0))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: seed=%g must be an integer in [0, 2^53]", sp->who, hp[sp->q_seed]);
+  return DOPT_OK;
+}
+
 dopt_status dopt_galore_validate(const dopt_galore_spec *sp, const double *hp) {
   const double *g = hp + sp->proj_off;
   if (!is_int(g[DOPT_GP_RANK], 0, 1e9))
@@ -51,7 +78,11 @@ dopt_status dopt_galore_validate(const dopt_galore_spec *sp, const double *hp) {
   if (!is_int(g[DOPT_GP_GAP], 1, 1e15))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: update_proj_gap=%g must be an integer >= 1", sp->who,
                       g[DOPT_GP_GAP]);
+  if (sp->q_off >= 0) DOPT_TRY(validate_quant(sp, hp));
   if (sp->nproj < DOPT_GP_COUNT) return DOPT_OK;
+  if (dopt_galore_quantised(sp, hp) && (int)g[DOPT_GP_PROJ_TYPE] == DOPT_PROJ_FULL)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: proj_type=full keeps two projectors; proj_quant, lazy_refresh and "
+                      "int8_weights need one (std, reverse_std, left or right)", sp->who);
   if (!is_int(g[DOPT_GP_OVERSAMPLE], -1, 1e6))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: oversample=%g must be an integer >= 0 (or -1: auto)", sp->who,
                       g[DOPT_GP_OVERSAMPLE]);
@@ -70,6 +101,54 @@ int dopt_galore_plan_of(const dopt_galore_spec *sp, const double *hp, int ndim, 
   return dopt_galore_applies(g[DOPT_GP_RANK], type, ndim, shape, pl);
 }
 
+/* ---- Q-GaLore's projector (q_galore_torch; docs/q_galore.md) ----
+ * One projector P (A [m, r] or B [r, n]: never full) stored quantised in groups of proj_group_size (asymmetric
+ * min-max, int4 or int8) or fp32, dequantised on every use; the lazy refresh (the cosine of the new first singular
+ * vector with the previous one into a FIFO whose full mean >= cos_threshold multiplies the parameter's gap by
+ * gamma_proj); optional INT8 weights held as codes with per-group scales/zeros, re-gridded after each step with
+ * stochastic rounding keyed (seed, step, parameter, element). */
+
+/* the "lazy" state (F64): flags, the current gap, counters, then the queue (lazy refresh only) */
+enum { LZ_HAVE, LZ_GAP, LZ_SVDS, LZ_COUNT, LZ_WINIT, LZ_QUEUE };
+
+static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+/* P's elements and its quantisation group (-1: one row of P) */
+static size_t proj_numel(const dopt_galore_plan *pl) { return pl->right ? pl->r * pl->n : pl->m * pl->r; }
+static size_t proj_group(const double *q, const dopt_galore_plan *pl) {
+  return q[DOPT_GQ_GROUP] > 0 ? (size_t)q[DOPT_GQ_GROUP] : (pl->right ? pl->n : pl->r);
+}
+
+static int quant_layout(const dopt_galore_spec *sp, const double *hp, const dopt_galore_plan *pl, size_t numel,
+                        dopt_state_spec *out) {
+  const double *q = hp + sp->q_off;
+  const size_t P = proj_numel(pl), gs = proj_group(q, pl);
+  int n = 0;
+  if (q[DOPT_GQ_QUANT] != 0.0) {
+    int64_t qb[1] = {(int64_t)dopt_qg_code_bytes(P, (int)q[DOPT_GQ_BITS], q[DOPT_GQ_INT4_PACKED] != 0.0)};
+    int64_t ng[1] = {(int64_t)ceil_div(P, gs)};
+    dopt_state_def_dtype(&out[n++], "projector_q", DOPT_U8, 1, qb, 0);
+    dopt_state_def(&out[n++], "projector_scales", 1, ng, 0);
+    dopt_state_def(&out[n++], "projector_zeros", 1, ng, 0);
+  } else {
+    int64_t a[2] = {(int64_t)pl->m, (int64_t)pl->r}, b[2] = {(int64_t)pl->r, (int64_t)pl->n};
+    dopt_state_def(&out[n++], "projector", 2, pl->right ? b : a, 0);
+  }
+  const int lazy = lazy_on(sp, hp);
+  if (lazy) {
+    int64_t vl[1] = {(int64_t)(pl->right ? pl->n : pl->m)};
+    dopt_state_def(&out[n++], "projector_prev", 1, vl, 0);
+  }
+  int64_t lz[1] = {LZ_QUEUE + (lazy ? (int64_t)q[DOPT_GQ_QUEUE] : 0)};
+  dopt_state_def_dtype(&out[n++], "lazy", DOPT_F64, 1, lz, 0);
+  if (q[DOPT_GQ_INT8_WEIGHTS] != 0.0) {
+    int64_t wn[1] = {(int64_t)numel}, wg[1] = {(int64_t)ceil_div(numel, (size_t)q[DOPT_GQ_WEIGHT_GROUP])};
+    dopt_state_def_dtype(&out[n++], "weight_q", DOPT_U8, 1, wn, 0);
+    dopt_state_def(&out[n++], "weight_scales", 1, wg, 0);
+    dopt_state_def(&out[n++], "weight_zeros", 1, wg, 0);
+  }
+  return n;
+}
+
 int dopt_galore_layout(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape, int projectors,
                        dopt_state_spec *out, int *ninner) {
   const double *ih = hp + sp->inner_off;
@@ -83,6 +162,7 @@ int dopt_galore_layout(const dopt_galore_spec *sp, const double *hp, int ndim, c
   for (int k = 0; k < n; k++) out[k].elementwise = 0; /* low-rank: not shaped like the parameter */
   if (!projectors) return n;
   int64_t a[2] = {(int64_t)pl.m, (int64_t)pl.r}, b[2] = {(int64_t)pl.r, (int64_t)pl.n};
+  if (dopt_galore_quantised(sp, hp)) return n + quant_layout(sp, hp, &pl, dopt_numel(ndim, shape), out + n);
   if (pl.left && pl.right) {
     dopt_state_def(&out[n++], "projector_left", 2, a, 0);
     dopt_state_def(&out[n++], "projector_right", 2, b, 0);
@@ -185,6 +265,114 @@ done:
   return st;
 }
 
+static dopt_svd_opts svd_opts(const dopt_galore_spec *sp, const double *hp, int64_t iter) {
+  const double *g = hp + sp->proj_off;
+  if (sp->nproj < DOPT_GP_COUNT) return (dopt_svd_opts){DOPT_SVD_EXACT, -1, 0, 0, iter};
+  return (dopt_svd_opts){(int)g[DOPT_GP_SVD], (int)g[DOPT_GP_OVERSAMPLE], (int)g[DOPT_GP_POWER_ITERS],
+                         (uint64_t)g[DOPT_GP_SEED], iter};
+}
+
+/* At a due refresh: the caller's projector (1: A/B filled), 0 when there is no hook or it declined, -1 on its
+ * failure (*st set). */
+static int hooked(const dopt_galore_spec *sp, const dopt_step_args *a, const dopt_galore_plan *pl, float *A, float *B,
+                  dopt_status *st) {
+  if (!a->proj_hook) return 0;
+  int given = a->proj_hook->fn(a->proj_hook->user, (int)a->tensor, a->step, a->grad, (int64_t)pl->m, (int64_t)pl->n,
+                               (int64_t)pl->r, A, B);
+  if (given >= 0) return given != 0;
+  *st = dopt__fail(DOPT_ERR_INVALID_ARG, "%s: the projector hook failed for parameter %d at step %lld", sp->who,
+                   (int)a->tensor, (long long)a->step);
+  return -1;
+}
+
+/* Q-GaLore's step of a projected parameter; its states after the inner's (ni) as quant_layout lays them out. */
+static dopt_status quant_step(const dopt_galore_spec *sp, const dopt_step_args *a, const dopt_galore_plan *pl,
+                              int idx) {
+  const double *hp = a->hp, *q = hp + sp->q_off;
+  const int quant = q[DOPT_GQ_QUANT] != 0.0, bits = (int)q[DOPT_GQ_BITS], packed = q[DOPT_GQ_INT4_PACKED] != 0.0;
+  const int int8w = q[DOPT_GQ_INT8_WEIGHTS] != 0.0, lazy = lazy_on(sp, hp);
+  const size_t P = proj_numel(pl), gs = proj_group(q, pl), wg = (size_t)q[DOPT_GQ_WEIGHT_GROUP];
+  const size_t numel = a->piece->numel;
+  uint8_t *pq = NULL;
+  float *ps = NULL, *pz = NULL, *pf = NULL;
+  if (quant) {
+    pq = a->state[idx++];
+    ps = a->state[idx++];
+    pz = a->state[idx++];
+  } else {
+    pf = a->state[idx++];
+  }
+  float *prev = lazy ? a->state[idx++] : NULL;
+  double *lz = a->state[idx++];
+  uint8_t *wq = int8w ? a->state[idx] : NULL;
+  float *wsc = int8w ? a->state[idx + 1] : NULL, *wze = int8w ? a->state[idx + 2] : NULL;
+  if (quant && P % gs != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG,
+                      "%s: projector of %zu elements is not a multiple of proj_group_size=%zu (upstream "
+                      "asserts; use proj_group_size=-1 for per-row groups)",
+                      sp->who, P, gs);
+  if (int8w && numel % wg != 0)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: weight of %zu elements is not a multiple of weight_group_size=%zu",
+                      sp->who, numel, wg);
+  float *proj = malloc(P * sizeof *proj);
+  if (!proj) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s: buffers for a [%zu, %zu] parameter", sp->who, pl->m, pl->n);
+  dopt_status st = DOPT_OK;
+  float *w = a->param;
+  if (int8w) { /* the weight is its codes: quantise once (nearest, as the model conversion), then dequantise */
+    if (lz[LZ_WINIT] == 0.0) {
+      dopt_qg_quantize(w, numel, wg, 8, 0, wq, wsc, wze);
+      lz[LZ_WINIT] = 1.0;
+    }
+    dopt_qg_dequantize(wq, numel, wg, 8, 0, wsc, wze, w);
+  }
+  const int have = lz[LZ_HAVE] != 0.0;
+  if (!have) lz[LZ_GAP] = hp[sp->proj_off + DOPT_GP_GAP];
+  const int64_t iter = a->step - 1; /* upstream projects with the pre-increment step */
+  float *A = pl->left ? proj : NULL, *B = pl->right ? proj : NULL;
+  if (!have || iter % (int64_t)lz[LZ_GAP] == 0) {
+    if (have) { /* kept if the SVD fails */
+      if (quant) dopt_qg_dequantize(pq, P, gs, bits, packed, ps, pz, proj);
+      else memcpy(proj, pf, P * sizeof *proj);
+    }
+    unsigned ev = 0;
+    const dopt_svd_opts so = svd_opts(sp, hp, iter);
+    const int given = hooked(sp, a, pl, A, B, &st);
+    if (given < 0 || (!given && (st = dopt_galore_refresh(pl, a->grad, &so, have, A, B, &ev)) != DOPT_OK)) goto done;
+    if (a->events) *a->events |= ev;
+    if (!(ev & DOPT_EVENT_SVD_FAILED)) {
+      lz[LZ_SVDS] += 1.0;
+      const size_t vlen = pl->right ? pl->n : pl->m, vstride = pl->right ? 1 : pl->r; /* B[0, :] or A[:, 0] */
+      if (lazy) {
+        if (have) {
+          float c = dopt_qg_cosine(prev, 1, proj, vstride, vlen);
+          if (q[DOPT_GQ_ABS_COSINE] != 0.0) c = fabsf(c);
+          int count = (int)lz[LZ_COUNT];
+          lz[LZ_GAP] = dopt_qg_lazy_push(lz + LZ_QUEUE, &count, (int)q[DOPT_GQ_QUEUE], c, q[DOPT_GQ_COS_THRESHOLD],
+                                         q[DOPT_GQ_GAMMA], lz[LZ_GAP]);
+          lz[LZ_COUNT] = count;
+        }
+        for (size_t i = 0; i < vlen; i++) prev[i] = proj[i * vstride];
+      }
+      if (quant) dopt_qg_quantize(proj, P, gs, bits, packed, pq, ps, pz);
+      else memcpy(pf, proj, P * sizeof *proj);
+      lz[LZ_HAVE] = 1.0;
+    }
+  }
+  /* every use dequantises the stored projector */
+  if (quant) dopt_qg_dequantize(pq, P, gs, bits, packed, ps, pz, proj);
+  else memcpy(proj, pf, P * sizeof *proj);
+  if ((st = dopt_galore_update(sp, a, pl, A, B)) != DOPT_OK) goto done;
+  if (int8w) { /* re-grid with fresh per-group min/max, round, and show the dequantised weight */
+    if (q[DOPT_GQ_STOCH_ROUND] != 0.0)
+      dopt_qg_quantize_sr(w, numel, wg, (uint64_t)hp[sp->q_seed], a->step, a->tensor, 0, wq, wsc, wze);
+    else dopt_qg_quantize(w, numel, wg, 8, 0, wq, wsc, wze);
+    dopt_qg_dequantize(wq, numel, wg, 8, 0, wsc, wze, w);
+  }
+done:
+  free(proj);
+  return st;
+}
+
 dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a) {
   dopt_galore_plan pl;
   dopt_status st;
@@ -192,28 +380,22 @@ dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a
   dopt_state_spec lay[DOPT_MAX_STATES];
   int ni;
   dopt_galore_layout(sp, a->hp, 2, (const int64_t[2]){(int64_t)pl.m, (int64_t)pl.n}, 0, lay, &ni);
+  if (dopt_galore_quantised(sp, a->hp)) return quant_step(sp, a, &pl, ni);
   float *A = pl.left ? a->state[ni] : NULL;
   float *B = pl.right ? a->state[ni + (pl.left ? 1 : 0)] : NULL;
-  const double *g = a->hp + sp->proj_off;
-  const int nq = sp->nproj == DOPT_GP_COUNT;
-  dopt_svd_opts so = {nq ? (int)g[DOPT_GP_SVD] : DOPT_SVD_EXACT, nq ? (int)g[DOPT_GP_OVERSAMPLE] : -1,
-                      nq ? (int)g[DOPT_GP_POWER_ITERS] : 0, nq ? (uint64_t)g[DOPT_GP_SEED] : 0, a->step - 1};
-  const int64_t gap = (int64_t)g[DOPT_GP_GAP];
-  int have_prev, given = 0;
-  if (a->proj_hook && dopt_galore_due(&pl, a->step, gap, A, B, &have_prev)) { /* the caller's projector first */
-    given = a->proj_hook->fn(a->proj_hook->user, (int)a->tensor, a->step, a->grad, (int64_t)pl.m, (int64_t)pl.n,
-                             (int64_t)pl.r, A, B);
-    if (given < 0)
-      return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: the projector hook failed for parameter %d at step %lld", sp->who,
-                        (int)a->tensor, (long long)a->step);
-  }
-  if (!given) DOPT_TRY(dopt_galore_refresh_if_due(&pl, a->grad, a->step, gap, &so, A, B, a->events));
+  const dopt_svd_opts so = svd_opts(sp, a->hp, a->step - 1);
+  const int64_t gap = (int64_t)a->hp[sp->proj_off + DOPT_GP_GAP];
+  int have_prev;
+  if (!dopt_galore_due(&pl, a->step, gap, A, B, &have_prev)) return dopt_galore_update(sp, a, &pl, A, B);
+  const int given = hooked(sp, a, &pl, A, B, &st); /* the caller's projector first */
+  if (given < 0) return st;
+  if (!given) DOPT_TRY(dopt_galore_refresh(&pl, a->grad, &so, have_prev, A, B, a->events));
   return dopt_galore_update(sp, a, &pl, A, B);
 }
 
 /* ---- the `galore` wrapper: inner=NAME ------------------------------------------------- */
 
-enum { INNER, PROJ, NOWN = PROJ + DOPT_GP_COUNT };
+enum { INNER, PROJ, QUANT = PROJ + DOPT_GP_COUNT, LAZY = QUANT + DOPT_GQ_COUNT, NOWN };
 
 static const dopt_hp_def hps[NOWN] = {
     [INNER] = {"inner", DOPT_HP_ENUM, 0.0,
@@ -221,12 +403,15 @@ static const dopt_hp_def hps[NOWN] = {
                dopt__registry_names},
     DOPT_GALORE_HPS_CORE("projection rank (0 = the inner optimizer alone for this group)", DOPT_GALORE_GAP_DOC),
     DOPT_GALORE_HPS_SVD,
+    DOPT_GALORE_HPS_QUANT(0.0),
+    [LAZY] = {"lazy_refresh", DOPT_HP_BOOL, 0.0, "Q-GaLore's lazy refresh: the gap grows while the subspace is stable",
+              NULL},
 };
 
 /* The composite's spec: hp[INNER] names the inner, whose keys follow the wrapper's. */
 static dopt_galore_spec spec(const double *hp) {
   dopt_galore_spec sp = {"galore", dopt_find_impl(dopt__registry_names[(int)hp[INNER]]), NOWN, PROJ, DOPT_GP_COUNT,
-                         -1, -1, NULL};
+                         -1, -1, NULL, QUANT, LAZY, PROJ + DOPT_GP_SEED};
   dopt_galore_spec_keys(&sp);
   return sp;
 }
@@ -283,13 +468,15 @@ static dopt_status compose(const dopt_optim_impl *self, const double *whp, const
 
 /* settings that exercise every path (dopt_optim_impl.example/grid): projected and unprojected parameters, refreshes
  * inside the run, an elementwise, a factored (its RMS from the full weight, decay before) and a norm-based inner,
- * 8-bit low-rank states, the randomized SVD */
+ * 8-bit low-rank states, the randomized SVD, Q-GaLore's projector (quantised, lazy, INT8 weights) */
 static const char *const grid[] = {
     "inner=adafactor,rank=3,update_proj_gap=7,beta1=0.9,weight_decay=0.01",
     "inner=lamb,rank=3,update_proj_gap=6,proj_type=left,lr=1e-2,weight_decay=0.01",
     "inner=adamw,rank=4,update_proj_gap=5,proj_type=full,lr=1e-2",
     "inner=adamw8bit,rank=3,update_proj_gap=9,min_8bit_size=8,lr=1e-2,svd=randomized",
     "inner=came,rank=3,update_proj_gap=8,proj_type=right,lr=1e-3",
+    "inner=lamb,rank=3,update_proj_gap=3,lr=1e-2,proj_quant=true,proj_group_size=-1,lazy_refresh=true,queue_size=2,"
+    "cos_threshold=-1,int8_weights=true,weight_group_size=1",
     NULL,
 };
 

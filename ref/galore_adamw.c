@@ -110,7 +110,7 @@ static const dopt_optim_impl hf_adamw = {
 
 static dopt_galore_spec spec(const double *hp) {
   (void)hp;
-  dopt_galore_spec sp = {"galore_adamw", &hf_adamw, 0, PROJ, DOPT_GP_COUNT, LR, WD, hf_direction};
+  dopt_galore_spec sp = {"galore_adamw", &hf_adamw, 0, PROJ, DOPT_GP_COUNT, LR, WD, hf_direction, -1, -1, -1};
   return sp;
 }
 

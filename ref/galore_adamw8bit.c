@@ -21,7 +21,7 @@ static const dopt_hp_def hps[NHP] = {
 
 static dopt_galore_spec spec(const double *hp) {
   (void)hp;
-  dopt_galore_spec sp = {"galore_adamw8bit", &dopt_impl_adamw8bit, 0, PROJ, DOPT_GP_COUNT, -1, -1, NULL};
+  dopt_galore_spec sp = {"galore_adamw8bit", &dopt_impl_adamw8bit, 0, PROJ, DOPT_GP_COUNT, -1, -1, NULL, -1, -1, -1};
   dopt_galore_spec_keys(&sp);
   return sp;
 }

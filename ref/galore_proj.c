@@ -275,10 +275,3 @@ int dopt_galore_due(const dopt_galore_plan *p, int64_t step, int64_t gap, const 
   *have_prev = A ? any_nonzero(A, p->m * p->r) : any_nonzero(B, p->r * p->n);
   return !*have_prev || iter % gap == 0;
 }
-
-dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
-                                       const dopt_svd_opts *opt, float *A, float *B, unsigned *events) {
-  int have_prev;
-  if (!dopt_galore_due(p, step, gap, A, B, &have_prev)) return DOPT_OK;
-  return dopt_galore_refresh(p, g, opt, have_prev, A, B, events);
-}

@@ -72,15 +72,12 @@ void dopt_galore_project_back(const dopt_galore_plan *p, const float *N, const f
  * rank > 0: fills *pl and returns 1, else 0 (the plain update). */
 int dopt_galore_applies(double rank, int proj_type, int ndim, const int64_t *shape, dopt_galore_plan *pl);
 
-/* 1 when step's projector is to be refreshed: none yet (all zero; *have_prev 0) or iter % gap == 0. */
+/* The refresh schedule shared by the GaLore optimizers (Q-GaLore's lazy one
+ * aside): 1 when step's projector is to be refreshed, at 0-based iterations
+ * 0, T, 2T, ... (iter = step - 1, upstream's pre-increment step) or whenever
+ * no projector exists yet (all-zero A/B; *have_prev 0). */
 int dopt_galore_due(const dopt_galore_plan *p, int64_t step, int64_t gap, const float *A, const float *B,
                     int *have_prev);
-/* The refresh schedule shared by the GaLore optimizers: at 0-based
- * iterations 0, T, 2T, ... (iter = step - 1, upstream's pre-increment step),
- * or whenever no projector exists yet (all-zero A/B), recompute the
- * projector(s) with dopt_galore_refresh. */
-dopt_status dopt_galore_refresh_if_due(const dopt_galore_plan *p, const float *g, int64_t step, int64_t gap,
-                                       const dopt_svd_opts *opt, float *A, float *B, unsigned *events);
 
 /* ---- the projection around an inner optimizer (ref/galore.c) ------------------------
  * One definition of the projector's keys, used by the `galore` wrapper and
@@ -101,8 +98,26 @@ extern const char *const dopt_galore_svd_kinds[];
   {"svd", DOPT_HP_ENUM, 0.0, "exact (LAPACK) or randomized range finder", dopt_galore_svd_kinds},              \
   {"oversample", DOPT_HP_REAL, -1.0, "randomized SVD: extra columns (-1: as many as the rank)", NULL},         \
   {"power_iters", DOPT_HP_REAL, 4.0, "randomized SVD: power iterations", NULL},                                \
-  {"seed", DOPT_HP_REAL, 0.0, "randomized SVD: generator seed", NULL}
+  {"seed", DOPT_HP_REAL, 0.0, "generator seed (randomized SVD; INT8 weights: stochastic rounding)", NULL}
 #define DOPT_GALORE_GAP_DOC "refresh the projector at 0-based steps 0, T, 2T, ..."
+/* Q-GaLore's projector keys (q_galore_torch's GaLoreProjector(quant=...) and lazy refresh, INT8 weights), in this
+ * order at hp[q_off]; the quantised form is used by q_galore (always lazy) and by `galore` when proj_quant,
+ * lazy_refresh or int8_weights is on (docs/q_galore.md). */
+enum { DOPT_GQ_QUANT, DOPT_GQ_BITS, DOPT_GQ_GROUP, DOPT_GQ_INT4_PACKED, DOPT_GQ_COS_THRESHOLD, DOPT_GQ_GAMMA,
+       DOPT_GQ_QUEUE, DOPT_GQ_ABS_COSINE, DOPT_GQ_INT8_WEIGHTS, DOPT_GQ_WEIGHT_GROUP, DOPT_GQ_STOCH_ROUND,
+       DOPT_GQ_COUNT };
+#define DOPT_GALORE_HPS_QUANT(quant_def)                                                                             \
+  {"proj_quant", DOPT_HP_BOOL, quant_def, "store the projector quantised (upstream quant)", NULL},                   \
+  {"proj_bits", DOPT_HP_REAL, 4.0, "projector bits: 4 or 8 (upstream quant_n_bit)", NULL},                           \
+  {"proj_group_size", DOPT_HP_REAL, 256.0, "projector quantisation group (-1 = per row)", NULL},                     \
+  {"int4_packed", DOPT_HP_BOOL, 1.0, "two int4 codes per byte (false = one per byte, upstream)", NULL},              \
+  {"cos_threshold", DOPT_HP_REAL, 0.4, "lazy refresh: queue mean at or above this grows the gap", NULL},             \
+  {"gamma_proj", DOPT_HP_REAL, 2.0, "lazy refresh: gap <- int(gap * gamma_proj)", NULL},                             \
+  {"queue_size", DOPT_HP_REAL, 5.0, "lazy refresh: cosine FIFO length", NULL},                                       \
+  {"abs_cosine", DOPT_HP_BOOL, 0.0, "use |cos| (deviation; upstream: signed)", NULL},                                \
+  {"int8_weights", DOPT_HP_BOOL, 0.0, "hold GaLore weights as INT8 codes (optimizer state)", NULL},                  \
+  {"weight_group_size", DOPT_HP_REAL, 256.0, "INT8 weight group (row-major flattened)", NULL},                       \
+  {"stochastic_round", DOPT_HP_BOOL, 1.0, "INT8 weights: stochastic (else nearest) rounding", NULL}
 
 /* How one GaLore form sits in its hyperparameters and what it wraps. */
 typedef struct dopt_galore_spec {
@@ -118,7 +133,14 @@ typedef struct dopt_galore_spec {
    * gradient R[n] (its low-rank states) and the multiplier c it applies:
    * P ← P + c·(scale·project_back(N)) (GaLoreAdamW). */
   float (*direction)(const double *hp, int64_t step, const float *R, void *const *state, float *N, size_t n);
+  int q_off;  /* DOPT_GQ_* at hp[q_off]; -1: the form has no quantised projector */
+  int q_lazy; /* the lazy_refresh key's index; -1: the lazy refresh is always on (q_galore) */
+  int q_seed; /* the stochastic-rounding seed's index */
 } dopt_galore_spec;
+
+/* 1 when this group's projector is Q-GaLore's (quantised storage, lazy refresh or INT8 weights): its states are
+ * then projector_q/scales/zeros (or projector), projector_prev (lazy only), lazy and weight_q/scales/zeros. */
+int dopt_galore_quantised(const dopt_galore_spec *sp, const double *hp);
 
 /* Fills lr/wd of sp from its inner's table. */
 void dopt_galore_spec_keys(dopt_galore_spec *sp);

@@ -186,13 +186,15 @@ DOPT_API float dopt_clip_coef(const double *ss, int n, double max_norm, double *
  * [m, r] and/or `right` [r, n] (row-major, the side(s) proj_type projects;
  * the other is NULL) and return 1 to use them instead of the SVD, 0 to let
  * the SVD run, or -1 to fail the step (DOPT_ERR_INVALID_ARG). An all-zero
- * projector counts as none yet: the next step refreshes again. Called from
- * the stepping thread(s), one parameter at a time per call. */
+ * projector counts as none yet: the next step refreshes again (on Q-GaLore's
+ * path a supplied projector is a refresh like the SVD's: it is quantised and
+ * its first vector enters the lazy queue). Called from the stepping
+ * thread(s), one parameter at a time per call. */
 typedef int (*dopt_projector_fn)(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n,
                                  int64_t r, float *left, float *right);
-/* Installs fn (NULL removes it) on a galore, galore_adamw or galore_adamw8bit
- * optimizer, or LISA around one; other optimizers (q_galore's lazy quantised
- * projector included) refuse it with DOPT_ERR_UNSUPPORTED. */
+/* Installs fn (NULL removes it) on a galore, galore_adamw, galore_adamw8bit
+ * or q_galore optimizer, or LISA around one; other optimizers refuse it with
+ * DOPT_ERR_UNSUPPORTED. */
 DOPT_API dopt_status dopt_optim_set_projector_hook(dopt_optim *o, dopt_projector_fn fn, void *user);
 
 #ifdef __cplusplus

@@ -195,6 +195,8 @@ static const resume_case cases[] = {
     {"galore", "inner=lamb,rank=2,update_proj_gap=2,proj_type=left,lr=1e-2,weight_decay=0.01", NULL, 0},
     {"galore", "inner=adamw8bit,rank=3,update_proj_gap=4,min_8bit_size=8,block_size=64,svd=randomized,seed=2", NULL,
      0},
+    {"galore", "inner=came,rank=2,update_proj_gap=2,lr=1e-3,proj_quant=true,proj_group_size=-1,lazy_refresh=true,"
+               "queue_size=2,cos_threshold=-1,int8_weights=true,weight_group_size=4", "rank=0", 0},
     {"lisa", "inner=adamw,n_layers=1,interval=3,seed=3,lr=1e-2", "weight_decay=0", 1},
     {"lisa", "inner=galore,inner.inner=came,n_layers=1,interval=2,rank=2,update_proj_gap=3,lr=1e-3", NULL, 0},
     {"lisa", "inner=adamw,n_layers=1,interval=3,seed=4,reset_states=true,lr=1e-2", NULL, 0},

@@ -402,6 +402,147 @@ static void test_int8_weights(void **st) {
   free(w), free(g);
 }
 
+/* ---- the `galore` wrapper's Q-GaLore keys: one engine with q_galore --------------------------------- */
+
+/* Runs a and b on the same [m, n] weight and gradients; with every_state, their states must also be the same names,
+ * shapes and bytes (a checkpoint of one is a checkpoint of the other). Returns 1 when the parameters are equal. */
+static int same_run(const char *a_name, const char *a_hp, const char *b_name, const char *b_hp, int64_t m, int64_t n,
+                    int steps, int every_state) {
+  dopt_optim *o[2];
+  assert_ok(dopt_optim_create(a_name, a_hp, &o[0]));
+  assert_ok(dopt_optim_create(b_name, b_hp, &o[1]));
+  float *w[2] = {randn((size_t)(m * n), 3, 0.5), randn((size_t)(m * n), 3, 0.5)};
+  for (int k = 0; k < 2; k++) add(o[k], m, n, w[k], -1);
+  for (int t = 0; t < steps; t++) {
+    float *g = randn((size_t)(m * n), 200 + (uint64_t)t, 1.0);
+    const float *gg[1] = {g};
+    for (int k = 0; k < 2; k++) assert_ok(dopt_optim_step(o[k], gg));
+    free(g);
+  }
+  const int same = memcmp(w[0], w[1], (size_t)(m * n) * sizeof(float)) == 0;
+  if (every_state) {
+    assert_int_equal(dopt_optim_num_states(o[0], 0), dopt_optim_num_states(o[1], 0));
+    for (int s = 0; s < dopt_optim_num_states(o[0], 0); s++) {
+      dopt_state_view v0, v1;
+      assert_ok(dopt_optim_state(o[0], 0, s, &v0));
+      assert_ok(dopt_optim_state(o[1], 0, s, &v1));
+      assert_string_equal(v0.name, v1.name);
+      assert_int_equal(v0.dtype, v1.dtype);
+      assert_int_equal(v0.bytes, v1.bytes);
+      assert_memory_equal(v0.data, v1.data, v0.bytes);
+    }
+  }
+  for (int k = 0; k < 2; k++) {
+    dopt_optim_destroy(o[k]);
+    free(w[k]);
+  }
+  return same;
+}
+
+static void test_galore_wrapper_q_keys(void **st) {
+  (void)st;
+  /* q_galore is galore(inner=adamw8bit) with Q-GaLore's projector on: parameters and every state byte for byte
+   * (int4 packed and per-row groups, 8-bit projector, fp32 projector, INT8 weights with stochastic rounding, the gap
+   * growing: cos_threshold=-1 makes every full queue grow it) */
+  static const char *const q[] = {
+      "rank=4,update_proj_gap=2,queue_size=2,cos_threshold=-1,proj_group_size=-1",
+      "rank=3,update_proj_gap=3,proj_bits=8,proj_group_size=-1,abs_cosine=true",
+      "rank=4,update_proj_gap=2,proj_quant=false,queue_size=3,cos_threshold=0.2",
+      "rank=4,update_proj_gap=3,proj_group_size=-1,int8_weights=true,weight_group_size=8,seed=11",
+      "rank=4,update_proj_gap=3,proj_group_size=-1,int8_weights=true,weight_group_size=32,stochastic_round=false,int4_packed=false",
+  };
+  for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
+    char a[200], b[320];
+    snprintf(a, sizeof a, "lr=1e-2,weight_decay=0.01,min_8bit_size=64,%s", q[i]);
+    snprintf(b, sizeof b, "inner=adamw8bit,block_size=2048,lazy_refresh=true,proj_quant=true,%s", a);
+    assert_true(same_run("q_galore", a, "galore", b, 48, 32, 12, 1));
+    assert_true(same_run("q_galore", a, "galore", b, 24, 40, 12, 1)); /* m < n: the left projector */
+  }
+  /* around any inner: a lazy refresh that never grows the gap, projector fp32, is the plain schedule bit for bit
+   * (the only extra states are projector_prev and lazy); quantising the projector changes the result */
+  static const char *const inner[] = {"inner=adafactor,beta1=0.9", "inner=lamb,lr=1e-2", "inner=came,lr=1e-3",
+                                      "inner=adamw,lr=1e-2"};
+  for (size_t i = 0; i < sizeof inner / sizeof inner[0]; i++) {
+    char plain[160], lazy[240], quant[240];
+    snprintf(plain, sizeof plain, "%s,rank=4,update_proj_gap=3,proj_type=reverse_std", inner[i]);
+    snprintf(lazy, sizeof lazy, "%s,lazy_refresh=true,cos_threshold=2", plain);
+    snprintf(quant, sizeof quant, "%s,proj_quant=true,proj_group_size=-1", plain);
+    assert_true(same_run("galore", plain, "galore", lazy, 40, 24, 10, 0));
+    assert_false(same_run("galore", plain, "galore", quant, 40, 24, 10, 0));
+  }
+  /* INT8 weights around lamb: the caller's weight is its codes, dequantised, after every step */
+  dopt_optim *o;
+  assert_ok(dopt_optim_create("galore", "inner=lamb,lr=1e-2,rank=4,update_proj_gap=3,int8_weights=true,"
+                              "weight_group_size=16,seed=3", &o));
+  float *w = randn(32 * 16, 5, 0.5), deq[32 * 16];
+  add(o, 32, 16, w, -1);
+  for (int t = 0; t < 4; t++) {
+    float *g = randn(32 * 16, 70 + (uint64_t)t, 1.0);
+    const float *gg[1] = {g};
+    assert_ok(dopt_optim_step(o, gg));
+    free(g);
+    dopt_qg_dequantize(state_of(o, 0, "weight_q"), 32 * 16, 16, 8, 0, state_of(o, 0, "weight_scales"),
+                       state_of(o, 0, "weight_zeros"), deq);
+    assert_memory_equal(w, deq, sizeof deq);
+  }
+  dopt_optim_destroy(o);
+  free(w);
+  /* refused in one line: two projectors cannot be Q-GaLore's; the Q keys are validated on galore too */
+  assert_status(dopt_optim_create("galore", "inner=adamw,rank=2,proj_type=full,proj_quant=true", &o),
+                DOPT_ERR_INVALID_ARG, "proj_type=full");
+  assert_status(dopt_optim_create("galore", "inner=adamw,proj_bits=3", &o), DOPT_ERR_INVALID_ARG, "proj_bits=3");
+  assert_ok(dopt_optim_create("galore", "inner=adamw,rank=2,proj_type=full", &o)); /* plain: both projectors */
+  dopt_optim_destroy(o);
+}
+
+/* A projector hook on the Q-GaLore path: asked at each (lazy) refresh; declining is the SVD run bit for bit. */
+typedef struct {
+  int calls, supply;
+  int64_t steps[16];
+} qhook;
+static int qhook_fn(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r, float *A,
+                    float *B) {
+  (void)param, (void)grad;
+  qhook *h = user;
+  if (h->calls < 16) h->steps[h->calls] = step;
+  h->calls++;
+  if (!h->supply) return 0;
+  if (A) /* the first r coordinate vectors */
+    for (int64_t i = 0; i < m * r; i++) A[i] = (i / r == i % r) ? 1.0f : 0.0f;
+  if (B)
+    for (int64_t i = 0; i < r * n; i++) B[i] = (i / n == i % n) ? 1.0f : 0.0f;
+  return 1;
+}
+
+static void test_q_projector_hook(void **st) {
+  (void)st;
+  const char *hp = "lr=1e-2,rank=3,update_proj_gap=3,queue_size=2,cos_threshold=-1,proj_group_size=-1";
+  float *w[3];
+  qhook h[3] = {{0}, {0}, {0, 1, {0}}};
+  for (int k = 0; k < 3; k++) {
+    dopt_optim *o;
+    assert_ok(dopt_optim_create("q_galore", hp, &o));
+    if (k) assert_ok(dopt_optim_set_projector_hook(o, qhook_fn, &h[k]));
+    w[k] = randn(36 * 24, 8, 0.5);
+    add(o, 36, 24, w[k], -1);
+    for (int t = 0; t < 20; t++) {
+      float *g = randn(36 * 24, 300 + (uint64_t)t, 1.0);
+      const float *gg[1] = {g};
+      assert_ok(dopt_optim_step(o, gg));
+      free(g);
+    }
+    dopt_optim_destroy(o);
+  }
+  assert_memory_equal(w[0], w[1], 36 * 24 * sizeof(float));
+  if (memcmp(w[0], w[2], 36 * 24 * sizeof(float)) == 0) fail_msg("the supplied projector changed nothing");
+  /* gap 3, then 6 once the queue of 2 is full (every full queue grows it: cos_threshold=-1), then 12: 0-based
+   * iterations 0, 3, 6, 12 are steps 1, 4, 7, 13 */
+  assert_int_equal(h[1].calls, 4);
+  const int64_t want[4] = {1, 4, 7, 13};
+  for (int i = 0; i < 4; i++) assert_int_equal(h[1].steps[i], want[i]);
+  for (int k = 0; k < 3; k++) free(w[k]);
+}
+
 /* ---- memory (exact) ------------------------------------------------------------------------------ */
 
 static size_t bytes_for(const char *hp, int64_t m, int64_t n) {
@@ -482,6 +623,8 @@ int main(void) {
       cmocka_unit_test(test_lazy_scripted),
       cmocka_unit_test(test_reuse_bit_identical),
       cmocka_unit_test(test_int8_weights),
+      cmocka_unit_test(test_galore_wrapper_q_keys),
+      cmocka_unit_test(test_q_projector_hook),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_validation),
   };
