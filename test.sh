@@ -14,7 +14,7 @@
 # Installs missing Debian packages when run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
-bash cmake/deps.sh --python # python3, numpy, venv: tests/python (torch, when installed, adds its tests)
+bash cmake/deps.sh --python # python3, numpy, venv, torch: tests/python, the verify clients
 jobs=$(nproc)
 quick=0 long=0
 case "${1:-}" in

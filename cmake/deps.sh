@@ -6,12 +6,12 @@ set -euo pipefail
 pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev libssl-dev
   libopenmpi-dev openmpi-bin) # OpenMPI: the MPI transport and its mpirun tests (docs/mpi.md)
 # --fuzz: also clang and its libFuzzer/sanitizer runtime (only a Recommends of clang on bookworm)
-# --python: Debian's python3 with numpy and venv for tests/python (python3-torch is left to the user:
-#           with it, the torch tests run too; without, they say they are skipped)
+# --python: Debian's python3 with numpy, venv and torch (1.13) for tests/python, the verify clients
+#           (tests/verify) and the interop tests: CI runs the torch tests on every stop
 for arg in "$@"; do
   case "$arg" in
     --fuzz) pkgs+=(clang libclang-rt-14-dev) ;;
-    --python) pkgs+=(python3 python3-numpy python3-venv) ;;
+    --python) pkgs+=(python3 python3-numpy python3-venv python3-torch) ;;
     *) echo "deps: unknown option '$arg' (--fuzz, --python)" >&2; exit 2 ;;
   esac
 done

@@ -66,12 +66,22 @@ class Spec:
             self.defaults[key] = default
 
 
-def _number(v):
+def _number(v, key):
     if isinstance(v, bool):
         return 1.0 if v else 0.0
     if hasattr(v, "item") and not isinstance(v, (int, float)):  # a 0-d torch tensor or numpy scalar
-        v = v.item()
-    return float(v)
+        try:
+            v = v.item()
+        except (TypeError, ValueError, RuntimeError):
+            raise _lib.invalid(f"hyperparameter {key}: a tensor of {getattr(v, 'numel', lambda: '?')()} "
+                               f"elements is not one number") from None
+    if not isinstance(v, (int, float)):
+        raise _lib.invalid(f"hyperparameter {key}={v!r} is a {type(v).__name__}, not a number (a tuple where "
+                           f"one value belongs: another optimizer's settings?)")
+    try:
+        return float(v)
+    except OverflowError:
+        raise _lib.invalid(f"hyperparameter {key}={v!r} does not fit a double") from None
 
 
 def format_value(key, v):
@@ -84,7 +94,7 @@ def format_value(key, v):
         if any(c in v for c in ",=") or not v.strip():
             raise ValueError(f"distopt: hyperparameter {key}={v!r}: not a valid value")
         return v.strip()
-    return repr(_number(v))
+    return repr(_number(v, key))
 
 
 def format_hparams(values):
@@ -185,7 +195,7 @@ class Handle:
         elif value is None:
             x = math.nan
         else:
-            x = _number(value)
+            x = _number(value, key)
         call(lib.dopt_optim_set_hparam, self._live(), group, key.encode(), x)
         if self.spec.kinds.get(key) == "enum":
             self.enum_names[(group, key)] = value.strip() if isinstance(value, str) else value
@@ -229,13 +239,20 @@ class Handle:
         return v.value
 
     def set_step(self, param, step):
-        call(lib.dopt_optim_set_step, self._live(), param, int(step))
+        call(lib.dopt_optim_set_step, self._live(), self.param_index(param), _lib.count(step, "step"))
 
     def get_gstep(self):
         return int(lib.dopt_optim_get_gstep(self._live()))
 
     def set_gstep(self, gstep):
-        call(lib.dopt_optim_set_gstep, self._live(), int(gstep))
+        call(lib.dopt_optim_set_gstep, self._live(), _lib.count(gstep, "gstep"))
+
+    def param_index(self, param):
+        """param as an index of this optimizer's parameters, else distopt.Error."""
+        n = self.num_params()
+        if isinstance(param, bool) or not isinstance(param, int) or not 0 <= param < n:
+            raise _lib.invalid(f"distopt {self.name}: parameter {param!r} out of range [0, {n})")
+        return param
 
     def init_state(self, param):
         call(lib.dopt_optim_init_state, self._live(), param)
@@ -243,6 +260,7 @@ class Handle:
     def views(self, param):
         """[(name, dtype code, shape, address, bytes)] of a parameter's states (empty before its first step)."""
         out = []
+        param = self.param_index(param)
         for k in range(lib.dopt_optim_num_states(self._live(), param)):
             v = _lib.StateView()
             call(lib.dopt_optim_state, self.ptr, param, k, ctypes.byref(v))

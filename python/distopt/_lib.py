@@ -34,6 +34,32 @@ class Error(RuntimeError):
 
 Error.__module__ = "distopt"  # shown as distopt.Error in tracebacks
 
+
+def invalid(message):
+    """A distopt.Error for a bad argument caught before the library is called (DOPT_ERR_INVALID_ARG)."""
+    return Error(1, "DOPT_ERR_INVALID_ARG", f"DOPT_ERR_INVALID_ARG: {message}")
+
+
+INT64_MAX = 2**63 - 1
+
+
+def count(value, what):
+    """value as a non-negative int64 count (a step, a clock): an integral int, float or 0-d tensor in
+    [0, 2^63 - 1], else distopt.Error naming `what` (ctypes would wrap 2**70 or 1e30 silently)."""
+    v = value
+    if hasattr(v, "item") and not isinstance(v, (int, float)):
+        try:
+            v = v.item()
+        except (TypeError, ValueError, RuntimeError):
+            raise invalid(f"{what} is {type(value).__name__} of several values, not a count") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(f"{what} is {v!r}, not a count")
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) or v != int(v)):
+        raise invalid(f"{what} is {v!r}, not a whole number")
+    if not 0 <= int(v) <= INT64_MAX:
+        raise invalid(f"{what} is {v!r}, outside [0, 2^63 - 1]")
+    return int(v)
+
 class ParamConfig(ctypes.Structure):  # dopt_param_config, version 1
     _fields_ = [("struct_size", ctypes.c_uint32), ("version", ctypes.c_uint32), ("name", ctypes.c_char_p),
                 ("ndim", ctypes.c_int), ("shape", ctypes.c_int64 * MAX_DIMS), ("dtype", ctypes.c_int),

@@ -137,7 +137,7 @@ class NumpyOptimizer:
         state = dict(state)
         if "step" not in state:
             raise ValueError(f"distopt {self.name}: the state of parameter {param} has no 'step'")
-        step = int(state.pop("step"))
+        step = state.pop("step")  # checked as a count by set_step
         self._h.init_state(param)
         views = self._h.views(param)
         extra = set(state) - {v[0] for v in views}

@@ -1,9 +1,10 @@
 """distopt.Optimizer: a torch.optim.Optimizer whose step is the C reference (imported only with torch)."""
+import collections.abc
 import ctypes
 
 import torch
 
-from . import _upstream
+from . import _lib, _upstream
 from ._core import Handle
 
 # dopt_dtype code -> torch dtype
@@ -22,6 +23,22 @@ def _check_param(p, where):
         raise ValueError(f"distopt: {where} is not a contiguous dense tensor")
     if p.numel() == 0:
         raise ValueError(f"distopt: {where} is empty")
+
+
+def _storage_bytes(t):
+    """Bytes of the storage under t (torch 1.13: typed storage; newer: untyped)."""
+    us = getattr(t, "untyped_storage", None)
+    return us().nbytes() if us is not None else t.storage().nbytes()
+
+
+def _check_storage(t, where):
+    """t's elements lie inside its storage (a storage resized smaller under a registered tensor would be
+    read and written out of bounds by the library)."""
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    have = _storage_bytes(t)
+    if have < need:
+        raise _lib.invalid(f"{where}: its storage holds {have} bytes, the tensor needs {need} (resized under "
+                           f"the optimizer?)")
 
 
 def _tensor_at(dtype, shape, address, nbytes):
@@ -47,6 +64,10 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, name, params, **hparams):
+        if params is None or isinstance(params, (torch.Tensor, dict, str, bytes)):
+            raise _lib.invalid(f"distopt.Optimizer({name!r}): params is "
+                               f"{'None' if params is None else type(params).__name__}; pass an iterable of "
+                               f"tensors or of param-group dicts (model.parameters(), [{{'params': ...}}])")
         values, _ = _upstream.to_distopt(name, hparams)
         self._h = Handle(name, values)  # validates the defaults (distopt.Error)
         self._dname = name
@@ -65,6 +86,28 @@ class Optimizer(torch.optim.Optimizer):
     @property
     def name(self):
         return self._dname
+
+    @property
+    def state(self):
+        """{parameter: {"step": ..., upstream state key: tensor}} as torch optimizers keep it, for the
+        parameters that have stepped: copies of the library's states taken now (writes to them change
+        nothing; load_state_dict() writes states)."""
+        return _States(self)
+
+    @state.setter
+    def state(self, value):  # torch's Optimizer.__init__ assigns an empty defaultdict: the library keeps states
+        if value:
+            raise AttributeError("distopt.Optimizer.state is read-only: use load_state_dict()")
+
+    def __repr__(self):
+        lines = [f"distopt.Optimizer({self._dname!r}) ("]
+        for i, group in enumerate(self.param_groups):
+            n = len(group["params"])
+            lines.append(f"Parameter Group {i} ({n} parameter{'s' if n != 1 else ''})")
+            for key in sorted(k for k in group if k != "params"):
+                lines.append(f"    {key}: {group[key]}")
+        lines.append(")")
+        return "\n".join(lines)
 
     def __getstate__(self):
         raise TypeError("distopt.Optimizer cannot be pickled or deep-copied (the C library owns its states); "
@@ -85,23 +128,25 @@ class Optimizer(torch.optim.Optimizer):
         touched = False
         try:
             plist = group["params"]
-            for k, p in enumerate(plist):
-                _check_param(p, f"param_groups[{n_before}] parameter {k}")
-            cg = self._h.add_group(self._overrides(values))  # validated by the library
+            snaps = [p.detach() for p in plist]  # read once: another thread may reassign p.data meanwhile
+            for k, d in enumerate(snaps):
+                _check_param(d, f"param_groups[{n_before}] parameter {k}")
+                _check_storage(d, f"distopt: param_groups[{n_before}] parameter {k}")
+            cg = _in_group(n_before, self._h.add_group, self._overrides(values))  # validated by the library
             touched = True
             applied = self._h.read_group(cg, values)
-            for k, p in enumerate(plist):
-                self._h.add_param(cg, p.data_ptr(), p.shape, f"param_groups[{n_before}][{k}]")
+            for k, d in enumerate(snaps):
+                self._h.add_param(cg, d.data_ptr(), d.shape, f"param_groups[{n_before}][{k}]")
         except BaseException:
             del self.param_groups[n_before:]
             if touched:  # the library has the group (and maybe some of its parameters): rebuild without them
                 self._rebuild([dict(a) for a in self._applied], None)
             raise
         self._known.update(values)
-        for p in plist:
+        for p, d in zip(plist, snaps):
             self._params.append(p)
-            self._addr.append((p.data_ptr(), tuple(p.shape)))
-            self._keep.append(p.detach())  # keeps this storage alive while the library holds its address
+            self._addr.append((d.data_ptr(), tuple(d.shape)))
+            self._keep.append(d)  # keeps this storage alive while the library holds its address
         self._cgroups.append(cg)
         self._applied.append(applied)
         group.update(_upstream.to_upstream(self._dname, applied))
@@ -115,18 +160,20 @@ class Optimizer(torch.optim.Optimizer):
         parameters whose storage moved (p.data = ...)."""
         for gi, group in enumerate(self.param_groups):
             applied = self._applied[gi]
-            for k, v in self._group_values(group).items():
+            for k, v in _in_group(gi, self._group_values, group).items():
                 if k not in applied or not _same(applied[k], v):
-                    self._h.set(self._cgroups[gi], k, v)
+                    _in_group(gi, self._h.set, self._cgroups[gi], k, v)
                     applied[k] = self._h.get(self._cgroups[gi], k)
         moved = False
         for i, p in enumerate(self._params):
-            if (p.data_ptr(), tuple(p.shape)) != self._addr[i] or p.dtype != torch.float32 or not p.is_contiguous():
-                _check_param(p, f"parameter {i}")
-                if tuple(p.shape) != self._addr[i][1]:
+            d = p.detach()  # one read of p.data
+            if (d.data_ptr(), tuple(d.shape)) != self._addr[i] or d.dtype != torch.float32 or not d.is_contiguous():
+                _check_param(d, f"parameter {i}")
+                if tuple(d.shape) != self._addr[i][1]:
                     raise ValueError(f"distopt: parameter {i} changed shape from {self._addr[i][1]} to "
-                                     f"{tuple(p.shape)}")
+                                     f"{tuple(d.shape)}")
                 moved = True
+            _check_storage(d, f"distopt: parameter {i}")  # unmoved: d's storage is the registered one
         if moved:
             self._rebuild([dict(a) for a in self._applied], None)
 
@@ -135,11 +182,16 @@ class Optimizer(torch.optim.Optimizer):
         `states` (per parameter None or (step, {distopt state name: tensor}, id in the state_dict)), or when
         None the current states and clock. Replaces the old handle only when all of it succeeded."""
         h = Handle(self._dname, self._create)
+        snaps = [p.detach() for p in self._params]  # read once: registered and kept are the same storage
         try:
-            cgroups = [h.add_group(self._overrides(v)) for v in group_values]
+            cgroups = [_in_group(gi, h.add_group, self._overrides(v)) for gi, v in enumerate(group_values)]
+            k = 0
             for gi, group in enumerate(self.param_groups):
-                for k, p in enumerate(group["params"]):
-                    h.add_param(cgroups[gi], p.data_ptr(), p.shape, f"param_groups[{gi}][{k}]")
+                for j in range(len(group["params"])):
+                    d = snaps[k]
+                    _check_storage(d, f"distopt: param_groups[{gi}] parameter {j}")
+                    h.add_param(cgroups[gi], d.data_ptr(), d.shape, f"param_groups[{gi}][{j}]")
+                    k += 1
             if states is None:
                 for i in range(len(self._params)):
                     exported = self._h.export_state(i)
@@ -157,8 +209,8 @@ class Optimizer(torch.optim.Optimizer):
         old, self._h = self._h, h
         old.close()
         self._cgroups, self._applied = cgroups, applied
-        self._addr = [(p.data_ptr(), tuple(p.shape)) for p in self._params]
-        self._keep = [p.detach() for p in self._params]
+        self._addr = [(d.data_ptr(), tuple(d.shape)) for d in snaps]
+        self._keep = snaps
 
     # ---- step ------------------------------------------------------------------------------------------
 
@@ -182,6 +234,7 @@ class Optimizer(torch.optim.Optimizer):
                     raise ValueError(f"distopt: the gradient of parameter {i} has shape {tuple(g.shape)}, "
                                      f"the parameter {tuple(p.shape)}")
                 g = g.contiguous()
+                _check_storage(g, f"distopt: the gradient of parameter {i}")
                 keep.append(g)
                 addrs.append(g.data_ptr())
             self._h.step(addrs)
@@ -192,17 +245,11 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self):
         """{"state": {i: {"step": ..., key: tensor}}, "param_groups": [...]} as the upstream class writes it:
         parameter i numbered group by group, upstream's state keys and step type; tensors are copies."""
-        step_kind = _upstream.entry(self._dname)["step"]
         state = {}
         for i in range(len(self._params)):
-            views = self._h.views(i)
-            if not views:
-                continue
-            step = self._h.get_step(i)
-            st = {"step": torch.tensor(float(step)) if step_kind == "tensor" else step}
-            for n, d, shape, addr, nbytes in views:
-                st[_upstream.state_key(self._dname, n)] = _tensor_at(d, shape, addr, nbytes)
-            state[i] = st
+            st = self._param_state(i)
+            if st is not None:
+                state[i] = st
         groups, k = [], 0
         for group in self.param_groups:
             packed = {key: v for key, v in group.items() if key != "params"}
@@ -214,10 +261,25 @@ class Optimizer(torch.optim.Optimizer):
             sd["distopt"] = {"gstep": self._h.get_gstep()}
         return sd
 
+    def _param_state(self, i):
+        """Parameter i's {"step", upstream key: tensor copy}, or None before its first step."""
+        views = self._h.views(i)
+        if not views:
+            return None
+        step = self._h.get_step(i)
+        st = {"step": torch.tensor(float(step)) if _upstream.entry(self._dname)["step"] == "tensor" else step}
+        for n, d, shape, addr, nbytes in views:
+            st[_upstream.state_key(self._dname, n)] = _tensor_at(d, shape, addr, nbytes)
+        return st
+
     def load_state_dict(self, state_dict):
         """Loads this class's or the upstream class's state_dict: the same groups with the same numbers of
         parameters; their hyperparameters, each parameter's states (checked by name, dtype and shape) and
         step. Nothing changes unless all of it loads."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), (list, tuple)) \
+                or not isinstance(state_dict.get("state"), dict):
+            raise _lib.invalid(f"distopt {self._dname}: a state_dict is a dict with 'state' (a dict) and "
+                               f"'param_groups' (a list); got {type(state_dict).__name__}")
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups):
             raise ValueError(f"distopt: the state_dict has {len(saved)} parameter groups, the optimizer "
@@ -231,7 +293,10 @@ class Optimizer(torch.optim.Optimizer):
             for j, pid in enumerate(sg["params"]):
                 index[pid] = k + j
             k += len(og["params"])
-            v, rest = _upstream.to_distopt(self._dname, sg, self._known)
+            if not isinstance(sg, dict) or "params" not in sg:
+                raise _lib.invalid(f"distopt {self._dname}: param_groups[{gi}] of the state_dict is not a dict "
+                                   f"with 'params'")
+            v, rest = _in_group(gi, _upstream.to_distopt, self._dname, sg, self._known)
             base = dict(self._applied[gi])
             base.update(v)
             values.append(base)
@@ -241,9 +306,12 @@ class Optimizer(torch.optim.Optimizer):
             if pid not in index:
                 raise ValueError(f"distopt: the state_dict has a state for parameter {pid}, which no group lists")
             states[index[pid]] = _from_upstream_state(self._dname, st, pid)
-        self._rebuild(values, states)
+        gstep = None
         if "distopt" in state_dict and "gstep" in state_dict["distopt"]:
-            self._h.set_gstep(int(state_dict["distopt"]["gstep"]))
+            gstep = _lib.count(state_dict["distopt"]["gstep"], "the state_dict's distopt.gstep")
+        self._rebuild(values, states)
+        if gstep is not None:
+            self._h.set_gstep(gstep)
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
             group.clear()
@@ -254,6 +322,45 @@ class Optimizer(torch.optim.Optimizer):
     def state_bytes(self):
         """(allocated, full): the exact optimizer-state memory now and once every parameter has stepped."""
         return self._h.state_bytes(-1)
+
+
+class _States(collections.abc.Mapping):
+    """Optimizer.state: parameter -> its states, copied when looked up (only that parameter's)."""
+
+    def __init__(self, opt):
+        self._o = opt
+        self._index = {id(p): i for i, p in enumerate(getattr(opt, "_params", ()))}
+
+    def __getitem__(self, p):
+        i = self._index.get(id(p))
+        st = None if i is None else self._o._param_state(i)
+        if st is None:
+            raise KeyError(p)
+        return st
+
+    def __iter__(self):
+        for i, p in enumerate(getattr(self._o, "_params", ())):
+            if self._o._h.views(i):
+                yield p
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __contains__(self, p):
+        i = self._index.get(id(p))
+        return i is not None and bool(self._o._h.views(i))
+
+
+def _in_group(gi, fn, *args):
+    """fn(*args), its errors prefixed with the group they concern, numbered as param_groups is."""
+    try:
+        return fn(*args)
+    except _lib.Error as e:  # "DOPT_ERR_X: detail" -> "DOPT_ERR_X: param_groups[i]: detail"
+        head = f"{e.status_name}: "
+        rest = e.message[len(head):] if e.message.startswith(head) else e.message
+        raise _lib.Error(e.status, e.status_name, f"{head}param_groups[{gi}]: {rest}") from None
+    except ValueError as e:
+        raise ValueError(f"param_groups[{gi}]: {e}") from None
 
 
 def _same(a, b):
@@ -270,16 +377,15 @@ def _same(a, b):
 def _from_upstream_state(name, st, pid):
     if "step" not in st:
         raise ValueError(f"distopt: the state of parameter {pid} has no 'step'")
-    step = st["step"]
-    step = step.item() if isinstance(step, torch.Tensor) else step
-    if float(step) != int(step) or int(step) < 0:
-        raise ValueError(f"distopt: the step of parameter {pid} is {step!r}, not a count")
+    if not isinstance(st, dict):
+        raise _lib.invalid(f"distopt: the state of parameter {pid} is a {type(st).__name__}, not a dict")
+    step = _lib.count(st["step"], f"the step of parameter {pid}")
     reverse = {up: c for c, up in _upstream.entry(name)["states"].items()}
     tensors = {}
     for key, v in st.items():
         if key != "step":
             tensors[reverse.get(key, key)] = v
-    return int(step), tensors, pid
+    return step, tensors, pid
 
 
 def _import_tensors(h, i, st):

@@ -78,7 +78,14 @@ def to_distopt(name, group, known=None):
         if pos is not None:
             tuples.setdefault(up, []).append((pos, key))
     renamed = {up: key for key, up, pos in e["group"] if pos is None and up != key}
-    values, rest = {}, {}
+    values, rest, spelled = {}, {}, {}
+
+    def put(key, v, given):  # one value per distopt key: betas=(...) with beta1=... is refused
+        if key in spelled and spelled[key] != given:
+            raise ValueError(f"distopt {name}: {spelled[key]} and {given} both set {key}; give one")
+        spelled[key] = given
+        values[key] = v
+
     for k, v in group.items():
         if k == "params":
             continue
@@ -91,16 +98,16 @@ def to_distopt(name, group, known=None):
             if len(items) != want:
                 raise ValueError(f"distopt {name}: {k}={v!r} must be a tuple of {want} values")
             for pos, key in tuples[k]:
-                values[key] = items[pos]
+                put(key, items[pos], f"{k}={v!r}")
         elif k in renamed:
-            values[renamed[k]] = v
+            put(renamed[k], v, f"{k}={v!r}")
         elif k in e["ignore"]:
             continue
         elif k in e["fixed"]:
             if v != e["fixed"][k]:
                 raise ValueError(f"distopt {name}: {k}={v!r} is not supported (only {e['fixed'][k]!r})")
         elif known is None or k in known:
-            values[k] = v
+            put(k, v, f"{k}={v!r}")
         else:
             rest[k] = v
     return values, rest

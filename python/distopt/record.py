@@ -72,6 +72,9 @@ def _known_name(inner):
         return "adamw"
     if cls.__name__ == "Adafactor" and cls.__module__.split(".")[0] == "transformers":
         return "adafactor"
+    from ._torch_api import Optimizer
+    if isinstance(inner, Optimizer):  # distopt's own: its name; param_groups hold upstream's keys
+        return inner.name
     return None
 
 

@@ -215,6 +215,16 @@ class TestNumpy(unittest.TestCase):
         self.assertEqual(cm.exception.status_name, "DOPT_ERR_STATE")
         with self.assertRaises(ValueError):
             opt.load_state(0, {"step": 1, "exp_avg": np.zeros(3, F)})  # exp_avg_sq missing
+        for bad in (5, -1, 1.0, True):  # no such parameter: an error, not {}
+            with self.assertRaises(distopt.Error) as cm:
+                opt.state(bad)
+            self.assertIn("out of range [0, 1)", str(cm.exception))
+        good = opt.state(0)
+        for bad in (2**70, 1e30, -3, 1.5):  # a step that ctypes would wrap or truncate
+            with self.assertRaises(distopt.Error) as cm:
+                opt.load_state(0, dict(good, step=bad))
+            self.assertIn("step", str(cm.exception))
+        self.assertEqual(opt.state(0)["step"], 1)
 
 
 if __name__ == "__main__":

@@ -424,6 +424,117 @@ class TestErrors(Base):
         with self.assertRaises(ValueError):
             one.load_state_dict(bad)
 
+    def test_state_repr_groups(self):
+        """opt.state[p] as torch optimizers keep it; a repr that names the optimizer; group numbers in
+        messages as param_groups numbers them; betas= with beta1= refused."""
+        model = make_model()
+        opt = distopt.Optimizer("adamw", groups_of(model, {"weight_decay": 0.0}), lr=1e-2)
+        self.assertEqual(len(opt.state), 0)
+        train(model, opt, 2)
+        sd = opt.state_dict()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self.assertEqual(len(opt.state), len(params))
+        for i, p in enumerate(params):
+            st = opt.state[p]
+            self.assertEqual(sorted(st), sorted(sd["state"][i]))
+            for k in ("exp_avg", "exp_avg_sq"):
+                self.assertEqual(st[k].shape, p.shape)
+                self.assertTrue(torch.equal(st[k], sd["state"][i][k]))
+            self.assertEqual(float(st["step"]), 2.0)
+            self.assertIn(p, opt.state)
+        self.assertEqual(list(opt.state), params)
+        self.assertEqual(opt.state.get(torch.zeros(1), {}), {})  # not a parameter of it
+        r = repr(opt)
+        self.assertTrue(r.startswith("distopt.Optimizer('adamw') ("), r)
+        self.assertIn(f"Parameter Group 1 ({len(opt.param_groups[1]['params'])} parameter", r)
+        opt.param_groups[1]["lr"] = -3.0
+        with self.assertRaises(distopt.Error) as cm:
+            opt.step()
+        self.assertIn("param_groups[1]: adamw: lr=-3", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            distopt.Optimizer("adamw", model.parameters(), betas=(0.9, 0.99), beta1=0.5)
+        self.assertIn("both set beta1", str(cm.exception))
+
+    def test_record_distopt_optimizer(self):
+        """distopt.record knows distopt.Optimizer by its name and records its states (opt.state)."""
+        model = make_model(3)
+        opt = distopt.Optimizer("adamw", groups_of(model, {"weight_decay": 0.0}), lr=1e-2)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            with distopt.record(opt, path, names=model):
+                train(model, opt, 4)
+            block = sorted(os.listdir(os.path.join(path, "rank0")))[0]
+            with open(os.path.join(path, "rank0", block), "rb") as f:
+                head = f.read(16384)
+            for key in (b"state/1/0.weight/exp_avg_sq", b"state/4/2.bias/exp_avg", b"state/4/2.bias/step"):
+                self.assertIn(key, head)
+            self.assertEqual(distopt.verify(path).verdict["kind"], "within_tolerance")
+
+    def test_no_crash_no_wrap(self):
+        """What used to crash or wrap is a one-line distopt.Error; p.data reassigned by another thread during
+        step() 1 000 times never crashes."""
+        import threading
+        p = torch.nn.Parameter(torch.randn(64, 8))
+        opt = distopt.Optimizer("adamw", [p], lr=1e-3)
+        stop = threading.Event()
+
+        def reassign():
+            while not stop.is_set():
+                p.data = torch.randn(64, 8)
+
+        th = threading.Thread(target=reassign)
+        th.start()
+        try:
+            for _ in range(1000):
+                p.grad = torch.randn(64, 8)
+                opt.step()
+        finally:
+            stop.set()
+            th.join()
+        self.assertEqual(opt.state_dict()["state"][0]["step"].item(), 1000.0)
+
+        def one_line(cm, *needles):
+            self.assertNotIn("\n", str(cm.exception))
+            for n in needles:
+                self.assertIn(n, str(cm.exception))
+
+        q = torch.nn.Parameter(torch.randn(16))
+        opt = distopt.Optimizer("adamw", [q])
+        q.grad = torch.randn(16)
+        opt.step()
+        q.data.storage().resize_(4)  # the registered storage shrank under the optimizer
+        with self.assertRaises(distopt.Error) as cm:
+            opt.step()
+        one_line(cm, "parameter 0", "storage holds 16 bytes", "needs 64")
+        w = torch.nn.Parameter(torch.randn(3, 2))
+        w.grad = torch.randn(3, 2)
+        opt = distopt.Optimizer("adamw", [w])
+        opt.step()
+        for bad in (torch.tensor(1e30), 2**70, -1, 2.5, "7"):
+            sd = opt.state_dict()
+            sd["state"][0]["step"] = bad
+            with self.assertRaises(distopt.Error) as cm:
+                opt.load_state_dict(sd)
+            one_line(cm, "the step of parameter 0")
+        self.assertEqual(opt.state_dict()["state"][0]["step"].item(), 1.0)  # nothing loaded
+        lisa = distopt.Optimizer("lisa", [w], inner="adamw", n_layers=1)
+        sd = lisa.state_dict()
+        sd["distopt"] = {"gstep": 2**70}
+        with self.assertRaises(distopt.Error) as cm:
+            lisa.load_state_dict(sd)
+        one_line(cm, "gstep", "outside [0, 2^63 - 1]")
+        with self.assertRaises(distopt.Error) as cm:
+            distopt.Optimizer("adamw", None)
+        one_line(cm, "params is None")
+        ada = distopt.Optimizer("adafactor", [torch.nn.Parameter(torch.randn(3, 2))])
+        ada.param_groups[0]["params"][0].grad = torch.randn(3, 2)
+        ada.step()
+        with self.assertRaises(distopt.Error) as cm:  # another optimizer's state_dict
+            opt.load_state_dict(ada.state_dict())
+        one_line(cm, "param_groups[0]", "eps=(1e-30, 0.001)", "another optimizer")
+        with self.assertRaises(distopt.Error):
+            opt.load_state_dict([1, 2])
+
 
 def tearDownModule():
     for label, (p, s) in observed.items():
