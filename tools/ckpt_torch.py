@@ -21,9 +21,11 @@ OUT.pt / IN.pt is a dict (torch.save):
                     used by from-torch when present
 
 State keys are upstream's, which are distopt's (docs/optimizers.md); `step` is a float32 0-d tensor for
-AdamW (torch >= 1.12 keeps it so) and an int for Adafactor and CAME, as upstream. Only stdlib, torch and
-safetensors are needed.
+AdamW (torch >= 1.12 keeps it so) and an int for Adafactor and CAME, as upstream. Needs the stdlib, torch
+and distopt's Python package (its safetensors reader and writer: the library's, which validates every
+header; found installed or in this source tree's python/, with the library as distopt finds it).
 """
+import functools
 import hashlib
 import json
 import os
@@ -31,8 +33,12 @@ import stat
 import sys
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+try:
+    from distopt import _safetensors as st_io
+except ImportError:  # not installed: the package of this source tree
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
+    from distopt import _safetensors as st_io
 
 FORMAT, VERSION = "distopt-checkpoint", 1
 DTYPES = {"F32": torch.float32, "F64": torch.float64, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -206,6 +212,11 @@ def view_bhw(shape):
     return 1, 1, numel(shape)
 
 
+@functools.lru_cache(maxsize=None)  # each rank file read once per checkpoint read (read_checkpoint clears it)
+def rank_tensors(rank_file):
+    return st_io.read_torch(rank_file)
+
+
 def read_tensor(gen, t):
     """The logical tensor of an index entry, assembled from its pieces (each checked against its SHA-256)."""
     dt, shape = DTYPES[t["dtype"]], t["shape"]
@@ -216,10 +227,12 @@ def read_tensor(gen, t):
             continue
         rank_file = os.path.join(gen, p["file"])
         st = os.stat(rank_file) if os.path.exists(rank_file) else None
-        if not st or not stat.S_ISREG(st.st_mode):  # a FIFO would block safe_open
+        if not st or not stat.S_ISREG(st.st_mode):  # a FIFO would block the read
             fail(f"{rank_file}: missing or not a regular file")
-        with safe_open(rank_file, framework="pt") as f:
-            data = f.get_tensor(p["key"]).reshape(-1)
+        tensors = rank_tensors(rank_file)
+        if p["key"] not in tensors:
+            fail(f"{gen}/{p['file']}: no tensor {p['key']!r} (for {t['name']!r})")
+        data = tensors[p["key"]].reshape(-1)
         digest = hashlib.sha256(raw_bytes(data)).hexdigest()
         if digest != p["sha256"]:
             fail(f"{gen}/{p['file']}: tensor {t['name']!r} key {p['key']!r}: SHA-256 mismatch (corrupted)")
@@ -237,7 +250,10 @@ def read_tensor(gen, t):
 def read_checkpoint(path):
     """(index, {tensor name: tensor}) of a checkpoint."""
     gen, idx = load_index(path)
-    return idx, {t["name"]: read_tensor(gen, t) for t in idx["tensors"]}
+    try:
+        return idx, {t["name"]: read_tensor(gen, t) for t in idx["tensors"]}
+    finally:
+        rank_tensors.cache_clear()
 
 
 # ---- distopt -> torch ---------------------------------------------------------------------------
@@ -397,8 +413,8 @@ def from_torch(container, ckpt_dir, optimizer=None):
     remove_flat_dir(tmp)  # a crashed conversion's; a link there goes as a link
     os.makedirs(tmp)
     path = os.path.join(tmp, rank_file)
-    save_file({e["pieces"][0]["key"]: tensors[e["name"]] for e in entries}, path,
-              metadata={"format": FORMAT, "rank": "0", "nranks": "1"})
+    st_io.write(path, [(e["pieces"][0]["key"], tensors[e["name"]]) for e in entries],
+                metadata={"format": FORMAT, "rank": "0", "nranks": "1"})
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     size = os.path.getsize(path)
