@@ -1,7 +1,7 @@
 """distopt.verify: run the `distopt verify` command-line tool on a recording (distopt.record) and return what it
 found (docs/verify.md).
 
-    res = distopt.verify("run.rec")          # the CLI: argument cli=, else $DISTOPT_CLI, else `distopt` on PATH
+    res = distopt.verify("run.rec")          # the CLI: cli=, else $DISTOPT_CLI, else the package's, else PATH
     res.ok, res.returncode                     # True / 0: within tolerance; 1: diverged; 2: bad input
     res.report["verdict"]                      # the CLI's --json record ("schema_version": 1), None on exit 2
     print(res.stdout)                          # the table
@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+
+from ._cli import packaged_cli
 
 __all__ = ["verify", "VerifyResult", "find_cli"]
 
@@ -49,16 +51,18 @@ class VerifyResult:
 
 
 def find_cli(cli=None):
-    """The `distopt` executable: cli, else $DISTOPT_CLI, else `distopt` on PATH."""
+    """The `distopt` executable: cli, else $DISTOPT_CLI, else the one installed in this package (pip install
+    ./python), else `distopt` on PATH."""
     for cand, where in ((cli, "cli="), (os.environ.get("DISTOPT_CLI"), "DISTOPT_CLI")):
         if cand:
             if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
                 raise FileNotFoundError(f"distopt.verify: {where} {cand!r} is not an executable file")
             return cand
-    found = shutil.which("distopt")
+    found = packaged_cli() or shutil.which("distopt")
     if not found:
         raise FileNotFoundError("distopt.verify: the `distopt` command-line tool was not found: pass cli=, set "
-                                "DISTOPT_CLI, or put it on PATH (cmake --build build: build/compare/distopt)")
+                                "DISTOPT_CLI, install the package (pip install ./python ships it), or put it on "
+                                "PATH (cmake --build build: build/compare/distopt)")
     return found
 
 
