@@ -910,6 +910,17 @@ void dopt__optim_free_states(dopt_optim *o, int i) {
   o->params[i].step = 0;
 }
 
+/* A key's default as describe prints it: true/false, an enum's name, none, an integer without a fraction,
+ * a real with one ("1.0", "0.001", "1e-30"). */
+static void default_text(const dopt_hp_def *d, char *def, size_t cap) {
+  if (d->kind == DOPT_HP_BOOL) snprintf(def, cap, "%s", d->def != 0.0 ? "true" : "false");
+  else if (d->kind == DOPT_HP_ENUM) snprintf(def, cap, "%s", d->choices[(int)d->def]);
+  else if (isnan(d->def)) snprintf(def, cap, "none");
+  else if (d->kind == DOPT_HP_INT) snprintf(def, cap, "%.0f", d->def);
+  else if (d->def == floor(d->def) && fabs(d->def) < 1e15) snprintf(def, cap, "%.1f", d->def);
+  else snprintf(def, cap, "%g", d->def);
+}
+
 dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap) {
   size_t off = 0;
   if (im->wrap || im->compose) { /* the wrapper's keys, then a note on forwarding */
@@ -919,9 +930,7 @@ dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap
       if (off >= cap) return DOPT_OK;
       const dopt_hp_def *d = &im->hp[k];
       char def[32];
-      if (d->kind == DOPT_HP_BOOL) snprintf(def, sizeof def, "%s", d->def != 0.0 ? "true" : "false");
-      else if (d->kind == DOPT_HP_ENUM) snprintf(def, sizeof def, "%s", d->choices[(int)d->def]);
-      else snprintf(def, sizeof def, "%g", d->def);
+      default_text(d, def, sizeof def);
       n0 = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);
     }
     if (n0 >= 0 && (off += (size_t)n0) < cap)
@@ -934,10 +943,7 @@ dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap
     if (off >= cap) break;
     const dopt_hp_def *d = &im->hp[k];
     char def[32];
-    if (d->kind == DOPT_HP_BOOL) snprintf(def, sizeof def, "%s", d->def != 0.0 ? "true" : "false");
-    else if (d->kind == DOPT_HP_ENUM) snprintf(def, sizeof def, "%s", d->choices[(int)d->def]);
-    else if (isnan(d->def)) snprintf(def, sizeof def, "none");
-    else snprintf(def, sizeof def, "%g", d->def);
+    default_text(d, def, sizeof def);
     n = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);
   }
   return DOPT_OK;

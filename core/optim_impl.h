@@ -22,6 +22,9 @@ typedef enum dopt_hp_kind {
   DOPT_HP_BOOL = 1, /* true/false (stored as 1.0/0.0) */
   DOPT_HP_OPT = 2,  /* finite number or none (stored as NaN) */
   DOPT_HP_ENUM = 3, /* one of `choices` by name (stored as its index) */
+  DOPT_HP_INT = 4,  /* a whole number (a count, a size, a seed; stored as a double, its range and wholeness
+                     * checked by the optimizer's validate): described without a fraction, where a REAL
+                     * default always shows one ("1.0"), so bindings keep integers as integers */
 } dopt_hp_kind;
 
 typedef struct dopt_hp_def {

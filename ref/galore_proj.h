@@ -89,16 +89,16 @@ extern const char *const dopt_galore_proj_types[];
 extern const char *const dopt_galore_svd_kinds[];
 /* rank, update_proj_gap, scale (every GaLore form; the docs name what rank 0 leaves and how the gap moves) */
 #define DOPT_GALORE_HPS_CORE(rank_doc, gap_doc)                                  \
-  {"rank", DOPT_HP_REAL, 0.0, rank_doc, NULL},                                   \
-  {"update_proj_gap", DOPT_HP_REAL, 200.0, gap_doc, NULL},                       \
+  {"rank", DOPT_HP_INT, 0.0, rank_doc, NULL},                                   \
+  {"update_proj_gap", DOPT_HP_INT, 200.0, gap_doc, NULL},                       \
   {"scale", DOPT_HP_REAL, 1.0, "back-projection scale", NULL}
 /* proj_type, svd and the randomized range finder's keys (galore_torch's projector; Q-GaLore has std/exact only) */
 #define DOPT_GALORE_HPS_SVD                                                                                       \
   {"proj_type", DOPT_HP_ENUM, 0.0, "projected side (docs/galore.md)", dopt_galore_proj_types},                   \
   {"svd", DOPT_HP_ENUM, 0.0, "exact (LAPACK) or randomized range finder", dopt_galore_svd_kinds},              \
-  {"oversample", DOPT_HP_REAL, -1.0, "randomized SVD: extra columns (-1: as many as the rank)", NULL},         \
-  {"power_iters", DOPT_HP_REAL, 4.0, "randomized SVD: power iterations", NULL},                                \
-  {"seed", DOPT_HP_REAL, 0.0, "generator seed (randomized SVD; INT8 weights: stochastic rounding)", NULL}
+  {"oversample", DOPT_HP_INT, -1.0, "randomized SVD: extra columns (-1: as many as the rank)", NULL},         \
+  {"power_iters", DOPT_HP_INT, 4.0, "randomized SVD: power iterations", NULL},                                \
+  {"seed", DOPT_HP_INT, 0.0, "generator seed (randomized SVD; INT8 weights: stochastic rounding)", NULL}
 #define DOPT_GALORE_GAP_DOC "refresh the projector at 0-based steps 0, T, 2T, ..."
 /* Q-GaLore's projector keys (q_galore_torch's GaLoreProjector(quant=...) and lazy refresh, INT8 weights), in this
  * order at hp[q_off]; the quantised form is used by q_galore (always lazy) and by `galore` when proj_quant,
@@ -108,15 +108,15 @@ enum { DOPT_GQ_QUANT, DOPT_GQ_BITS, DOPT_GQ_GROUP, DOPT_GQ_INT4_PACKED, DOPT_GQ_
        DOPT_GQ_COUNT };
 #define DOPT_GALORE_HPS_QUANT(quant_def)                                                                             \
   {"proj_quant", DOPT_HP_BOOL, quant_def, "store the projector quantised (upstream quant)", NULL},                   \
-  {"proj_bits", DOPT_HP_REAL, 4.0, "projector bits: 4 or 8 (upstream quant_n_bit)", NULL},                           \
-  {"proj_group_size", DOPT_HP_REAL, 256.0, "projector quantisation group (-1 = per row)", NULL},                     \
+  {"proj_bits", DOPT_HP_INT, 4.0, "projector bits: 4 or 8 (upstream quant_n_bit)", NULL},                           \
+  {"proj_group_size", DOPT_HP_INT, 256.0, "projector quantisation group (-1 = per row)", NULL},                     \
   {"int4_packed", DOPT_HP_BOOL, 1.0, "two int4 codes per byte (false = one per byte, upstream)", NULL},              \
   {"cos_threshold", DOPT_HP_REAL, 0.4, "lazy refresh: queue mean at or above this grows the gap", NULL},             \
   {"gamma_proj", DOPT_HP_REAL, 2.0, "lazy refresh: gap <- int(gap * gamma_proj)", NULL},                             \
-  {"queue_size", DOPT_HP_REAL, 5.0, "lazy refresh: cosine FIFO length", NULL},                                       \
+  {"queue_size", DOPT_HP_INT, 5.0, "lazy refresh: cosine FIFO length", NULL},                                       \
   {"abs_cosine", DOPT_HP_BOOL, 0.0, "use |cos| (deviation; upstream: signed)", NULL},                                \
   {"int8_weights", DOPT_HP_BOOL, 0.0, "hold GaLore weights as INT8 codes (optimizer state)", NULL},                  \
-  {"weight_group_size", DOPT_HP_REAL, 256.0, "INT8 weight group (row-major flattened)", NULL},                       \
+  {"weight_group_size", DOPT_HP_INT, 256.0, "INT8 weight group (row-major flattened)", NULL},                       \
   {"stochastic_round", DOPT_HP_BOOL, 1.0, "INT8 weights: stochastic (else nearest) rounding", NULL}
 
 /* How one GaLore form sits in its hyperparameters and what it wraps. */

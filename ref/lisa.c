@@ -24,9 +24,9 @@ enum { INNER, N_LAYERS, INTERVAL, SEED, RESET_STATES, NHP };
 static const dopt_hp_def hps[NHP] = {
     [INNER] = {"inner", DOPT_HP_ENUM, 0.0, "the wrapped optimizer, any registered one but a wrapper (its keys are passed through)",
                 dopt__registry_names},
-    [N_LAYERS] = {"n_layers", DOPT_HP_REAL, 2.0, "layers trained per interval (LMFlow lisa_activated_layers)", NULL},
-    [INTERVAL] = {"interval", DOPT_HP_REAL, 20.0, "steps between samplings (LMFlow lisa_interval_steps)", NULL},
-    [SEED] = {"seed", DOPT_HP_REAL, 0.0, "layer-sampling generator seed (inner.seed: the inner optimizer's)", NULL},
+    [N_LAYERS] = {"n_layers", DOPT_HP_INT, 2.0, "layers trained per interval (LMFlow lisa_activated_layers)", NULL},
+    [INTERVAL] = {"interval", DOPT_HP_INT, 20.0, "steps between samplings (LMFlow lisa_interval_steps)", NULL},
+    [SEED] = {"seed", DOPT_HP_INT, 0.0, "layer-sampling generator seed (inner.seed: the inner optimizer's)", NULL},
     [RESET_STATES] = {"reset_states", DOPT_HP_BOOL, 0.0, "free layer states each interval (false = LMFlow: keep)",
                       NULL},
 };

@@ -32,7 +32,7 @@ static const dopt_hp_def hps[NHP] = {
     DOPT_GALORE_HPS_CORE("projection rank (0 = plain AdamW8bit for this group)",
                          "initial refresh gap (grows by gamma_proj, lazy rule)"),
     DOPT_GALORE_HPS_QUANT(1.0),
-    [SEED] = {"seed", DOPT_HP_REAL, 0.0, "stochastic rounding generator seed", NULL},
+    [SEED] = {"seed", DOPT_HP_INT, 0.0, "stochastic rounding generator seed", NULL},
 };
 
 /* the projection with inner adamw8bit; the projector keys are rank, gap, scale (std, exact), always lazy */

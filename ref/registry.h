@@ -17,9 +17,9 @@ extern const char *const dopt__registry_names[];
   {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay", NULL},                   \
   {"eps", DOPT_HP_REAL, 1e-8, "added to sqrt(v_hat)", NULL},                     \
   {"weight_decay", DOPT_HP_REAL, 1e-2, wd_doc, NULL},                            \
-  {"min_8bit_size", DOPT_HP_REAL, 4096, min8_doc, NULL},                         \
-  {"percentile_clipping", DOPT_HP_REAL, 100, pct_doc, NULL},                     \
-  {"block_size", DOPT_HP_REAL, block_def, block_doc, NULL}
+  {"min_8bit_size", DOPT_HP_INT,  4096, min8_doc, NULL},                         \
+  {"percentile_clipping", DOPT_HP_INT,  100, pct_doc, NULL},                     \
+  {"block_size", DOPT_HP_INT,  block_def, block_doc, NULL}
 enum { DOPT_ADAMW8BIT_NHP = 8 };
 /* The 8-bit GaLore forms' docs of AdamW8bit's keys */
 #define DOPT_GALORE8_HPS(block_def, block_doc)                                                                  \

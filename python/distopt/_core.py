@@ -36,12 +36,12 @@ def describe(name):
 
 class Spec:
     """An optimizer's hyperparameter keys and their kinds, from dopt_optim_describe: one line per key,
-    'key default meaning'; the default says the kind: true/false (bool), none (optional number), a number
-    (real), a name (enum)."""
+    'key default meaning'; the default says the kind: true/false (bool), none (optional number), a whole
+    number without a fraction (int: counts, sizes, seeds), a number with one (real), a name (enum)."""
 
     def __init__(self, name):
         self.name = name
-        self.kinds = {}  # key -> "real" | "bool" | "optional" | "enum"
+        self.kinds = {}  # key -> "real" | "int" | "bool" | "optional" | "enum"
         self.defaults = {}  # key -> the default as describe prints it
         self.wrapper = False
         for i, n in enumerate(names()):
@@ -56,6 +56,8 @@ class Spec:
                 kind = "bool"
             elif default == "none":
                 kind = "optional"
+            elif default.lstrip("-").isdigit():
+                kind = "int"
             else:
                 try:
                     float(default)
@@ -158,7 +160,8 @@ class Handle:
 
     def get(self, group, key):
         """A hyperparameter as Python sees it: bool for booleans, None for an unset optional key, an enum's
-        choice by name (as given, or the default), else a float."""
+        choice by name (as given, or the default), int for an integer key (rank, seed, block_size, ...),
+        else a float."""
         v = ctypes.c_double()
         call(lib.dopt_optim_get_hparam, self._live(), group, key.encode(), ctypes.byref(v))
         kind = self.spec.kinds.get(key, "real")
@@ -172,6 +175,8 @@ class Handle:
                 if (g, key) in self.enum_names:
                     return self.enum_names[(g, key)]
             return self.spec.defaults[key]
+        if kind == "int" and x == math.floor(x):
+            return int(x)
         return x
 
     def _enum_index(self, key, choice):

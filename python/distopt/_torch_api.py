@@ -381,9 +381,10 @@ def _from_upstream_state(name, st, pid):
         raise _lib.invalid(f"distopt: the state of parameter {pid} is a {type(st).__name__}, not a dict")
     step = _lib.count(st["step"], f"the step of parameter {pid}")
     reverse = {up: c for c, up in _upstream.entry(name)["states"].items()}
+    drop = _upstream.entry(name).get("drop", ())
     tensors = {}
     for key, v in st.items():
-        if key != "step":
+        if key != "step" and key not in drop:
             tensors[reverse.get(key, key)] = v
     return step, tensors, pid
 

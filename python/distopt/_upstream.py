@@ -11,6 +11,8 @@ One table per optimizer:
            names its states as upstream does, so these are empty; docs/optimizers.md).
   step:    how upstream stores a parameter's step count: "tensor" (a float32 0-d tensor, torch.optim.AdamW since
            torch 1.12) or "int".
+  drop:    per-parameter state keys upstream writes as diagnostics of the last step (not read by its next
+           step): ignored on load (torch_optimizer.Lamb's and ColossalAI's weight_norm, adam_norm, trust_ratio).
 Optimizers without an entry use distopt's names and an int step.
 """
 
@@ -43,12 +45,13 @@ TABLE = {
         "states": {},
         "step": "int",
     },
-    "lamb": {  # colossalai.nn.optimizer.Lamb
+    "lamb": {  # colossalai.nn.optimizer.Lamb (torch_optimizer.Lamb's state_dict loads too)
         "group": [("beta1", "betas", 0), ("beta2", "betas", 1)],
         "ignore": (),
         "fixed": {},
         "states": {},
         "step": "int",
+        "drop": ("weight_norm", "adam_norm", "trust_ratio"),
     },
 }
 for _name in ("adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore"):  # bitsandbytes / galore_torch: betas

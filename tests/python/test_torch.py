@@ -444,6 +444,15 @@ class TestErrors(Base):
             self.assertIn(p, opt.state)
         self.assertEqual(list(opt.state), params)
         self.assertEqual(opt.state.get(torch.zeros(1), {}), {})  # not a parameter of it
+        g = distopt.Optimizer("galore_adamw8bit", model.parameters(), rank=4).param_groups[0]
+        for key, want in (("rank", 4), ("update_proj_gap", 200), ("block_size", 256), ("min_8bit_size", 4096),
+                          ("percentile_clipping", 100), ("oversample", -1), ("seed", 0)):
+            self.assertIs(type(g[key]), int, key)  # integers stay integers, as upstream keeps them
+            self.assertEqual(g[key], want, key)
+        for key in ("lr", "eps", "weight_decay", "scale"):
+            self.assertIs(type(g[key]), float, key)
+        self.assertIs(type(distopt.Optimizer("adafactor", model.parameters()).param_groups[0]["clip_threshold"]),
+                      float)
         r = repr(opt)
         self.assertTrue(r.startswith("distopt.Optimizer('adamw') ("), r)
         self.assertIn(f"Parameter Group 1 ({len(opt.param_groups[1]['params'])} parameter", r)
@@ -454,6 +463,32 @@ class TestErrors(Base):
         with self.assertRaises(ValueError) as cm:
             distopt.Optimizer("adamw", model.parameters(), betas=(0.9, 0.99), beta1=0.5)
         self.assertIn("both set beta1", str(cm.exception))
+
+    def test_lamb_state_dict_with_diagnostics(self):
+        """torch_optimizer.Lamb (and ColossalAI's) keep weight_norm, adam_norm and trust_ratio per parameter as
+        diagnostics of the last step: such a state_dict loads, the diagnostics ignored, and resumes exactly."""
+        model = make_model(5)
+        a = distopt.Optimizer("lamb", model.parameters(), lr=1e-2, weight_decay=0.01)
+        train(model, a, 3)
+        sd = a.state_dict()
+        for st in sd["state"].values():
+            st.update(weight_norm=torch.tensor(1.5), adam_norm=torch.tensor(0.5), trust_ratio=torch.tensor(3.0))
+        for g in sd["param_groups"]:
+            g.update(clamp_value=10, debias=False)  # torch_optimizer's other keys stay in the group
+        saved = [p.detach().clone() for p in model.parameters()]
+        b = distopt.Optimizer("lamb", model.parameters(), lr=1e-2, weight_decay=0.01)
+        b.load_state_dict(sd)
+        self.assertEqual(b.param_groups[0]["clamp_value"], 10)
+        for i, st in b.state_dict()["state"].items():
+            self.assertEqual(sorted(st), ["exp_avg", "exp_avg_sq", "step"])
+        train(model, a, 1, start=3)
+        after_a = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, s0 in zip(model.parameters(), saved):
+                p.copy_(s0)
+        train(model, b, 1, start=3)
+        for x, y in zip(after_a, model.parameters()):
+            self.assertEqual(bits(x), bits(y))
 
     def test_record_distopt_optimizer(self):
         """distopt.record knows distopt.Optimizer by its name and records its states (opt.state)."""
@@ -484,14 +519,23 @@ class TestErrors(Base):
 
         th = threading.Thread(target=reassign)
         th.start()
+        refused = 0
         try:
             for _ in range(1000):
                 p.grad = torch.randn(64, 8)
-                opt.step()
+                try:
+                    opt.step()
+                except distopt.Error as e:
+                    # Rarely (seen ~1 in 10^4 steps on a loaded 2-core machine, also with the C step replaced by
+                    # a no-op) torch 1.13 presents the fresh gradient with a 4-byte storage while the other
+                    # thread reassigns p.data; the library must refuse that step, not read past the storage.
+                    self.assertIn("the gradient of parameter 0: its storage holds", str(e))
+                    refused += 1
         finally:
             stop.set()
             th.join()
-        self.assertEqual(opt.state_dict()["state"][0]["step"].item(), 1000.0)
+        self.assertLessEqual(refused, 10)
+        self.assertEqual(opt.state_dict()["state"][0]["step"].item(), 1000.0 - refused)
 
         def one_line(cm, *needles):
             self.assertNotIn("\n", str(cm.exception))
