@@ -12,17 +12,29 @@ _TORCH = {0: torch.float32, 1: torch.float64, 2: torch.bfloat16, 3: torch.float1
           6: torch.uint8, 7: torch.int8}
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_param(p, where):
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"distopt: {where} is a {type(p).__name__}, not a torch.Tensor")
-    if p.dtype != torch.float32:
-        raise TypeError(f"distopt: {where} is {p.dtype}; only float32 parameters are supported")
+    if p.dtype not in _DTYPES:
+        raise TypeError(f"distopt: {where} is {p.dtype}; parameters are float32, bfloat16 or float16")
     if p.device.type != "cpu":
         raise TypeError(f"distopt: {where} is on {p.device}; only CPU tensors are supported")
-    if p.layout != torch.strided or not p.is_contiguous():
-        raise ValueError(f"distopt: {where} is not a contiguous dense tensor")
+    if p.layout != torch.strided:
+        raise ValueError(f"distopt: {where} is not a dense (strided) tensor")
     if p.numel() == 0:
         raise ValueError(f"distopt: {where} is empty")
+
+
+def _stage_for(d):
+    """None when the library can step d's storage itself (fp32, contiguous); else the fp32 contiguous tensor
+    it steps instead: the fp32 master of a bf16/fp16 parameter (kept across steps, written back rounded to
+    nearest even after each), or the shadow of a non-contiguous fp32 one (channels_last: copied in and out)."""
+    if d.dtype == torch.float32 and d.is_contiguous():
+        return None
+    return torch.empty(d.shape, dtype=torch.float32).copy_(d)
 
 
 def _storage_bytes(t):
@@ -73,7 +85,7 @@ class Optimizer(torch.optim.Optimizer):
         self._dname = name
         self._create = dict(values)
         self._known = set(self._h.keys(values))
-        self._params, self._addr, self._keep = [], [], []
+        self._params, self._addr, self._keep, self._stage = [], [], [], []
         self._cgroups, self._applied = [], []
         self._group0 = self._h.read_group(0, values)
         defaults = _upstream.to_upstream(name, self._group0)
@@ -132,19 +144,21 @@ class Optimizer(torch.optim.Optimizer):
             for k, d in enumerate(snaps):
                 _check_param(d, f"param_groups[{n_before}] parameter {k}")
                 _check_storage(d, f"distopt: param_groups[{n_before}] parameter {k}")
+            stages = [_stage_for(d) for d in snaps]
             cg = _in_group(n_before, self._h.add_group, self._overrides(values))  # validated by the library
             touched = True
             applied = self._h.read_group(cg, values)
-            for k, d in enumerate(snaps):
-                self._h.add_param(cg, d.data_ptr(), d.shape, f"param_groups[{n_before}][{k}]")
+            for k, (d, st) in enumerate(zip(snaps, stages)):
+                self._h.add_param(cg, (d if st is None else st).data_ptr(), d.shape, f"param_groups[{n_before}][{k}]")
         except BaseException:
             del self.param_groups[n_before:]
             if touched:  # the library has the group (and maybe some of its parameters): rebuild without them
                 self._rebuild([dict(a) for a in self._applied], None)
             raise
         self._known.update(values)
-        for p, d in zip(plist, snaps):
+        for p, d, st in zip(plist, snaps, stages):
             self._params.append(p)
+            self._stage.append(st)
             self._addr.append((d.data_ptr(), tuple(d.shape)))
             self._keep.append(d)  # keeps this storage alive while the library holds its address
         self._cgroups.append(cg)
@@ -167,13 +181,19 @@ class Optimizer(torch.optim.Optimizer):
         moved = False
         for i, p in enumerate(self._params):
             d = p.detach()  # one read of p.data
-            if (d.data_ptr(), tuple(d.shape)) != self._addr[i] or d.dtype != torch.float32 or not d.is_contiguous():
+            _check_storage(d, f"distopt: parameter {i}")
+            staged = self._stage[i] is not None
+            direct = d.dtype == torch.float32 and d.is_contiguous()
+            if staged == direct or (direct and d.data_ptr() != self._addr[i][0]) or tuple(d.shape) != self._addr[i][1]:
                 _check_param(d, f"parameter {i}")
                 if tuple(d.shape) != self._addr[i][1]:
                     raise ValueError(f"distopt: parameter {i} changed shape from {self._addr[i][1]} to "
                                      f"{tuple(d.shape)}")
-                moved = True
-            _check_storage(d, f"distopt: parameter {i}")  # unmoved: d's storage is the registered one
+                if staged == direct:  # p.data became (or stopped being) fp32 contiguous: another address
+                    self._stage[i] = _stage_for(d)
+                    moved = True
+                elif direct:
+                    moved = True
         if moved:
             self._rebuild([dict(a) for a in self._applied], None)
 
@@ -188,9 +208,10 @@ class Optimizer(torch.optim.Optimizer):
             k = 0
             for gi, group in enumerate(self.param_groups):
                 for j in range(len(group["params"])):
-                    d = snaps[k]
+                    d, st = snaps[k], self._stage[k]
                     _check_storage(d, f"distopt: param_groups[{gi}] parameter {j}")
-                    h.add_param(cgroups[gi], d.data_ptr(), d.shape, f"param_groups[{gi}][{j}]")
+                    h.add_param(cgroups[gi], (d if st is None else st).data_ptr(), d.shape,
+                                f"param_groups[{gi}][{j}]")
                     k += 1
             if states is None:
                 for i in range(len(self._params)):
@@ -221,23 +242,34 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             self._sync()
-            keep, addrs = [], []
+            keep, addrs, back = [], [], []
             for i, p in enumerate(self._params):
                 g = p.grad
                 if g is None:
                     addrs.append(None)
                     continue
-                if g.is_sparse or g.dtype != torch.float32 or g.device.type != "cpu":
+                if g.is_sparse or g.dtype not in (torch.float32, p.dtype) or g.device.type != "cpu":
                     raise TypeError(f"distopt: the gradient of parameter {i} is {g.dtype} on {g.device}"
-                                    f"{' (sparse)' if g.is_sparse else ''}; only dense fp32 CPU gradients")
+                                    f"{' (sparse)' if g.is_sparse else ''}; dense CPU gradients, fp32 or the "
+                                    f"parameter's dtype")
                 if g.shape != p.shape:
                     raise ValueError(f"distopt: the gradient of parameter {i} has shape {tuple(g.shape)}, "
                                      f"the parameter {tuple(p.shape)}")
-                g = g.contiguous()
+                g = g.float().contiguous()  # bf16/fp16 -> fp32 exactly
                 _check_storage(g, f"distopt: the gradient of parameter {i}")
                 keep.append(g)
                 addrs.append(g.data_ptr())
+                st = self._stage[i]
+                if st is not None:
+                    d = p.detach()
+                    if d.dtype == torch.float32:
+                        st.copy_(d)  # a non-contiguous fp32 parameter: its values, exactly
+                    elif not torch.equal(st.to(d.dtype), d):
+                        st.copy_(d)  # the low-precision weights changed outside: the master follows them
+                    back.append((d, st))
             self._h.step(addrs)
+            for d, st in back:
+                d.copy_(st)  # to bf16/fp16: round to nearest even (fp16 overflows to inf); fp32: exact
         return loss
 
     # ---- state_dict ------------------------------------------------------------------------------------
@@ -270,6 +302,8 @@ class Optimizer(torch.optim.Optimizer):
         st = {"step": torch.tensor(float(step)) if _upstream.entry(self._dname)["step"] == "tensor" else step}
         for n, d, shape, addr, nbytes in views:
             st[_upstream.state_key(self._dname, n)] = _tensor_at(d, shape, addr, nbytes)
+        if self._stage[i] is not None and self._params[i].dtype != torch.float32:
+            st["master"] = self._stage[i].clone()  # the fp32 weights a bf16/fp16 parameter rounds from
         return st
 
     def load_state_dict(self, state_dict):
@@ -302,14 +336,25 @@ class Optimizer(torch.optim.Optimizer):
             values.append(base)
             rests.append(rest)
         states = [None] * len(self._params)
+        masters = {}
         for pid, st in state_dict["state"].items():
             if pid not in index:
                 raise ValueError(f"distopt: the state_dict has a state for parameter {pid}, which no group lists")
             states[index[pid]] = _from_upstream_state(self._dname, st, pid)
+            k = index[pid]
+            m = states[k][1].pop("master", None)  # a bf16/fp16 parameter's fp32 master (else ignored)
+            if m is not None and self._stage[k] is not None and self._params[k].dtype != torch.float32:
+                m = torch.as_tensor(m)
+                if m.shape != self._stage[k].shape:
+                    raise ValueError(f"distopt: the master of parameter {pid} has shape {tuple(m.shape)}, the "
+                                     f"parameter {tuple(self._stage[k].shape)}")
+                masters[k] = m
         gstep = None
         if "distopt" in state_dict and "gstep" in state_dict["distopt"]:
             gstep = _lib.count(state_dict["distopt"]["gstep"], "the state_dict's distopt.gstep")
         self._rebuild(values, states)
+        for k, m in masters.items():
+            self._stage[k].copy_(m)
         if gstep is not None:
             self._h.set_gstep(gstep)
         for gi, group in enumerate(self.param_groups):

@@ -490,6 +490,68 @@ class TestErrors(Base):
         for x, y in zip(after_a, model.parameters()):
             self.assertEqual(bits(x), bits(y))
 
+    def test_low_precision_and_channels_last(self):
+        """bf16 and fp16 parameters step an fp32 master kept by distopt.Optimizer and are written back rounded
+        to nearest even; a channels_last convolution is copied in and out and stays channels_last. Against
+        torch AdamW stepping the same fp32 master on the same fp32 gradients: masters within PARAM_TOL (the
+        AdamW tolerance of docs/golden.md), and every low-precision weight exactly its master rounded."""
+        for dt in (torch.bfloat16, torch.float16):
+            torch.manual_seed(11)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(dt)
+            masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+            opt = distopt.Optimizer("adamw", model.parameters(), lr=1e-2)
+            topt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+            for s in range(6):
+                opt.zero_grad(set_to_none=True)
+                if dt == torch.bfloat16:  # a real backward in bf16
+                    ((model(X[:16].to(dt)).float() - Y[:16]) ** 2).mean().backward()
+                else:  # torch 1.13 has no fp16 matmul on the CPU: fp16 gradients drawn
+                    for p in model.parameters():
+                        p.grad = (0.1 * torch.randn(p.shape)).to(dt)
+                for p, m in zip(model.parameters(), masters):
+                    m.grad = p.grad.float()
+                opt.step()
+                topt.step()
+            sd = opt.state_dict()
+            for i, (p, m) in enumerate(zip(model.parameters(), masters)):
+                self.assertEqual(p.dtype, dt)
+                mine = sd["state"][i]["master"]
+                self.assertTrue(torch.equal(p.detach().view(torch.int16), mine.to(dt).view(torch.int16)),
+                                f"{dt} parameter {i}: not its master rounded")
+                e = common.normwise_rel(mine.numpy(), m.detach().numpy())
+                self.assertLessEqual(e, PARAM_TOL, f"{dt} master {i}: {e:.3g}")
+                self.assertIn("exp_avg", opt.state[p])
+            # the master survives a state_dict round trip; weights changed outside re-seed it
+            b = distopt.Optimizer("adamw", model.parameters(), lr=1e-2)
+            b.load_state_dict(sd)
+            self.assertEqual(bits(b.state_dict()["state"][0]["master"]), bits(sd["state"][0]["master"]))
+            with torch.no_grad():
+                model[0].weight.fill_(0.5)
+            model[0].weight.grad = torch.zeros_like(model[0].weight)
+            b.step()
+            moved = (b.state_dict()["state"][0]["master"] - 0.5).abs().max().item()
+            self.assertLess(moved, 0.02, "the master did not follow the weights")  # one step of lr 1e-2 from 0.5
+        # channels_last: a 4-D convolution weight whose strides are NHWC
+        torch.manual_seed(12)
+        conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        ref = torch.nn.Conv2d(3, 4, 3)
+        ref.load_state_dict(conv.state_dict())
+        self.assertFalse(conv.weight.is_contiguous())
+        opt = distopt.Optimizer("adamw", conv.parameters(), lr=1e-2)
+        topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        img = torch.randn(2, 3, 8, 8)
+        for _ in range(5):
+            for m, o in ((conv, opt), (ref, topt)):
+                o.zero_grad(set_to_none=True)
+                m(img).pow(2).mean().backward()
+                o.step()
+        self.assertTrue(conv.weight.is_contiguous(memory_format=torch.channels_last))
+        for p, q in zip(conv.parameters(), ref.parameters()):
+            e = common.normwise_rel(p.detach().contiguous().numpy(), q.detach().numpy())
+            self.assertLessEqual(e, PARAM_TOL, f"channels_last: {e:.3g}")
+        with self.assertRaises(TypeError):  # still refused: other dtypes
+            distopt.Optimizer("adamw", [torch.zeros(3, dtype=torch.float64, requires_grad=True)])
+
     def test_record_distopt_optimizer(self):
         """distopt.record knows distopt.Optimizer by its name and records its states (opt.state)."""
         model = make_model(3)
