@@ -122,15 +122,19 @@ def launch(fn, world, *args):
 
 # ---- ZeroRedundancyOptimizer(AdamW) under DDP ------------------------------------------------------------
 
-def zero_worker(rank, world, trace, steps):
+def zero_worker(rank, world, trace, steps, inner="torch"):
+    """inner: "torch" (torch.optim.AdamW) or "distopt" (distopt.Optimizer("adamw") as ZeRO's optimizer_class)."""
+    import functools
+    import distopt
     from distopt.record import record  # (not `import distopt.record as`: see docs/verify.md)
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     seeded()  # the same initial model on every rank
     model = mlp()
     ddp = DDP(model)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3,
-                                  betas=(0.9, 0.99), weight_decay=0.05)
+    cls = torch.optim.AdamW if inner == "torch" else functools.partial(distopt.Optimizer, "adamw")
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=3e-3, betas=(0.9, 0.99),
+                                  weight_decay=0.05)
     seeded(rank)
     with record(opt, trace, names=model, flush_every=6):
         for t in range(1, steps + 1):

@@ -157,6 +157,14 @@ def case_zero():
     H.check(len(owners) == 6, f"every parameter owned once ({owners})")
     H.check(any(t["state"] == "exp_avg_sq" for t in by_rank[1]), "rank 1's inner AdamW states compared")
     summary(rep)
+    # ZeroRedundancyOptimizer around distopt.Optimizer: its states (opt.state) recorded on both ranks, verified
+    dz = os.path.join(d, "zero_distopt.rec")
+    H.launch(H.zero_worker, 2, dz, 8, "distopt")
+    out, rep = H.run_verify(dz, expect=0)
+    by_rank = H.tensors_by_rank(rep)
+    H.check(all(any(t["state"] == "exp_avg" for t in by_rank.get(r, [])) for r in (0, 1)),
+            "ZeRO(distopt.Optimizer): both ranks' inner states recorded and compared")
+    summary(rep)
     # a plain AdamW under DDP: replicas, every rank's copy of every parameter compared
     ddp = os.path.join(d, "ddp.rec")
     H.launch(H.ddp_worker, 2, ddp, 10)
