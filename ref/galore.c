@@ -45,12 +45,12 @@ void dopt_galore_spec_keys(dopt_galore_spec *sp) {
   sp->wd = key_index(sp->inner, "weight_decay");
 }
 
+static int lazy_on(const dopt_galore_spec *sp, const double *hp) { return sp->q_lazy < 0 || hp[sp->q_lazy] != 0.0; }
 int dopt_galore_quantised(const dopt_galore_spec *sp, const double *hp) {
   if (sp->q_off < 0) return 0;
   const double *q = hp + sp->q_off;
-  return q[DOPT_GQ_QUANT] != 0.0 || q[DOPT_GQ_INT8_WEIGHTS] != 0.0 || sp->q_lazy < 0 || hp[sp->q_lazy] != 0.0;
+  return q[DOPT_GQ_QUANT] != 0.0 || q[DOPT_GQ_INT8_WEIGHTS] != 0.0 || lazy_on(sp, hp);
 }
-static int lazy_on(const dopt_galore_spec *sp, const double *hp) { return sp->q_lazy < 0 || hp[sp->q_lazy] != 0.0; }
 
 static dopt_status validate_quant(const dopt_galore_spec *sp, const double *hp) {
   const double *q = hp + sp->q_off;

@@ -20,7 +20,6 @@
  * here; the SVD is the exact one of ref/galore_proj.c. Groups with rank = 0
  * and non-matrix parameters are plain AdamW8bit (no INT8 weights, as
  * upstream keeps embeddings, norms and the head in bf16). */
-#include "distopt/quant8.h"
 #include "galore_proj.h"
 #include "registry.h"
 

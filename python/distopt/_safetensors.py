@@ -91,10 +91,11 @@ def read(path, meta_keys=()):
 def read_torch(path):
     """{name: torch tensor} of a safetensors file (copies), via read()."""
     import torch
-    dtypes = {v: getattr(torch, k[len("torch."):]) for k, v in _TORCH_NAMES.items()}
+    from ._torch_api import _TORCH  # dopt_dtype code -> torch dtype
     out = {}
     for name, (dt, shape, data) in read(path)[0].items():
-        t = torch.frombuffer(bytearray(data), dtype=dtypes[dt]) if data else torch.zeros(0, dtype=dtypes[dt])
+        td = _TORCH[_CODES[dt]]
+        t = torch.frombuffer(bytearray(data), dtype=td) if data else torch.zeros(0, dtype=td)
         out[name] = t.reshape(shape)
     return out
 
