@@ -57,9 +57,10 @@ static double model_state_bytes(const cmp_model *m, const char *opt, const char 
 /* ---- per rank (--tp --dp --zero): what distributed/ allocates ----------------------------
  * fp32 parameters. A tensor steps piecewise or in owner mode, as
  * dopt_dist_create decides per parameter (dopt__impl_whole: GaLore's projected
- * matrices, 8-bit blocks). Piecewise: the TP-local block (largest TP rank's:
- * ceil of the split dim), ZeRO-padded; elementwise states sharded like the
- * parameter, the others whole on every rank. Owner mode: every state whole on
+ * matrices). Piecewise: the TP-local block (largest TP rank's: ceil of the
+ * split dim), ZeRO-padded; elementwise states sharded like the parameter,
+ * blockwise ones (8-bit absmax) the blocks of each rank's own piece, the
+ * others whole on every rank. Owner mode: every state whole on
  * its owner, owners assigned as dopt_dist_create does (largest first to the
  * least loaded of the tp·dp ranks), plus the owner's logical fp32 copy. */
 typedef struct rank_mem {
@@ -68,6 +69,25 @@ typedef struct rank_mem {
 } rank_mem;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* The blocks of B elements that world rank w's piece of a tensor of class c falls in, as distributed/ lays it
+ * out: the TP block of tp rank w mod tp (uneven splits: the first ranks one more), the ZeRO range of dp rank
+ * w / tp. */
+static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size_t B) {
+  dopt_piece pc;
+  dopt_piece_full(c->ndim, c->shape, &pc);
+  const size_t r = (size_t)(w % tp), q = (size_t)(w / tp);
+  size_t *off = c->split == 1 && c->ndim >= 2 ? &pc.h0 : &pc.w0, *len = c->split == 1 && c->ndim >= 2 ? &pc.hl : &pc.wl;
+  if (tp > 1 && c->split) {
+    const size_t n = *len, base = n / (size_t)tp, rem = n % (size_t)tp;
+    *len = base + (r < rem);
+    *off = r * base + (r < rem ? r : rem);
+  }
+  const size_t ln = pc.b * pc.hl * pc.wl, chunk = zero >= 1 ? (ln + (size_t)dp - 1) / (size_t)dp : ln;
+  pc.lo = zero >= 1 ? (q * chunk < ln ? q * chunk : ln) : 0;
+  pc.len = ln - pc.lo < chunk ? ln - pc.lo : chunk;
+  return dopt_piece_blocks(&pc, B, NULL);
+}
 
 static int per_rank(const cmp_model *m, const char *opt, const char *hp, int grank, int tp, int dp, int zero, rank_mem *out) {
   pclass c[8];
@@ -81,7 +101,8 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
   double *tb = malloc((size_t)total * sizeof *tb), *tn = malloc((size_t)total * sizeof *tn);
   int ok = load && copy && tb && tn;
   long nt = 0;
-  double piecewise = 0; /* every rank's state bytes of the piecewise tensors */
+  double *piecewise = calloc((size_t)world, sizeof *piecewise); /* each rank's state bytes of the piecewise tensors */
+  ok = ok && piecewise;
   for (int i = 0; ok && i < n; i++) {
     char h[256];
     if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp, hp[0] ? "," : "", c[i].projected ? grank : 0);
@@ -103,14 +124,19 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
     out->grads += (double)c[i].count * (double)padded * 4;
     double whole = 0, piece = 0;
     for (int k = 0; k < ns; k++) {
+      const double es = (double)dopt_dtype_size(sp[k].v.dtype);
       whole += (double)sp[k].v.bytes;
-      piece += sp[k].elementwise ? (double)chunk * (double)dopt_dtype_size(sp[k].v.dtype) : (double)sp[k].v.bytes;
+      if (sp[k].kind == DOPT_STATE_ELEMENTWISE) piece += (double)chunk * es;
+      else if (sp[k].kind == DOPT_STATE_WHOLE) piece += (double)sp[k].v.bytes;
+      else if (!owned) /* blockwise: the blocks of each rank's own piece */
+        for (int w = 0; w < world; w++)
+          piecewise[w] += (double)c[i].count * (double)rank_blocks(&c[i], tp, dp, zero, w, sp[k].block) * es;
     }
     if (owned) {
       for (long k = 0; k < c[i].count; k++) tb[nt] = whole, tn[nt++] = (double)numel;
       out->owned += c[i].count;
     } else {
-      piecewise += (double)c[i].count * piece;
+      for (int w = 0; w < world; w++) piecewise[w] += (double)c[i].count * piece;
       out->piecewise += c[i].count;
     }
     dopt_optim_destroy(o);
@@ -131,13 +157,13 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
     done[best] = 1;
   }
   for (int r = 0; ok && r < world; r++) {
-    const double mine = st[r] + piecewise;
+    const double mine = st[r] + piecewise[r];
     out->states_sum += mine;
     out->states_max = r == 0 || mine > out->states_max ? mine : out->states_max;
     out->states_min = r == 0 || mine < out->states_min ? mine : out->states_min;
     out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
   }
-  free(st), free(done), free(load), free(copy), free(tb), free(tn);
+  free(st), free(done), free(load), free(copy), free(tb), free(tn), free(piecewise);
   return ok;
 }
 
@@ -160,9 +186,10 @@ static int print_per_rank(const cmp_model *m, int grank, int tp, int dp, int zer
            (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib,
            mean > 0 ? r.states_max / mean : 1.0, r.states_max, r.states_sum);
   }
-  printf("owner mode (GaLore's projected matrices, 8-bit blocks): every state of the tensor whole on one rank (params\n"
-         "include the owner's fp32 copy of its tensors, max rank); piecewise: elementwise states sharded like the\n"
-         "parameter, factored/scalar ones whole on every rank.\n");
+  printf("owner mode (GaLore's projected matrices): every state of the tensor whole on one rank (params include the\n"
+         "owner's fp32 copy of its tensors, max rank); piecewise: elementwise states (8-bit codes too) sharded like\n"
+         "the parameter, blockwise ones (8-bit absmax) by the blocks of each rank's piece, factored/scalar ones whole\n"
+         "on every rank.\n");
   return CLI_OK;
 }
 

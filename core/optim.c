@@ -451,9 +451,14 @@ static dopt_status alloc_states(dopt_optim *o, dopt_param *p) {
   if (p->nstates > 0) return DOPT_OK;
   dopt_state_spec lay[DOPT_MAX_STATES];
   int n = o->impl->layout(o->groups[p->group].hp, p->ndim, p->shape, lay);
+  const long long qb = dopt_layout_block(lay, n);
+  if (qb < 0)
+    return dopt__fail(DOPT_ERR_STATE, "%s: the blockwise states of '%s' have different blocks", o->impl->name,
+                      p->name);
+  p->qblock = (size_t)qb;
   for (int i = 0; i < n; i++) {
     p->st[i] = lay[i].v;
-    p->elementwise[i] = (unsigned char)lay[i].elementwise;
+    p->kind[i] = (unsigned char)lay[i].kind;
     p->st[i].data = calloc(1, lay[i].v.bytes ? lay[i].v.bytes : 1);
     if (!p->st[i].data) {
       for (int j = 0; j < i; j++) free(p->st[j].data);
@@ -700,17 +705,22 @@ static dopt_status setup_item(dopt_optim *o, item *it, int i, int part, int part
   it->param = i, it->part = part, it->parts = parts;
   it->stage = 0, it->more = 0, it->events = 0, it->nposts = 0, it->st = DOPT_OK, it->solo = 0;
   dopt_piece_full(p->ndim, p->shape, &it->pc);
-  it->pc.lo = p->numel * (size_t)part / (size_t)parts;
-  it->pc.len = p->numel * (size_t)(part + 1) / (size_t)parts - it->pc.lo;
+  /* pieces of whole blocks when the parameter has blockwise states: no block is shared between them */
+  const size_t B = p->qblock ? p->qblock : 1, nb = (p->numel + B - 1) / B;
+  const size_t b0 = nb * (size_t)part / (size_t)parts, b1 = nb * (size_t)(part + 1) / (size_t)parts;
+  it->pc.lo = b0 * B < p->numel ? b0 * B : p->numel;
+  it->pc.len = (b1 * B < p->numel ? b1 * B : p->numel) - it->pc.lo;
   DOPT_TRY(grow(&it->frame, &it->frame_cap, o->impl->frame ? o->impl->frame(hp, &it->pc) : 0, "step frame", p->name));
   size_t whole = 0;
   for (int k = 0; part > 0 && k < p->nstates; k++)
-    if (!p->elementwise[k]) whole += (p->st[k].bytes + 15) & ~(size_t)15;
+    if (p->kind[k] == DOPT_STATE_WHOLE) whole += (p->st[k].bytes + 15) & ~(size_t)15;
   DOPT_TRY(grow(&it->whole, &it->whole_cap, whole, "state copies", p->name));
   unsigned char *w = it->whole;
   for (int k = 0; k < p->nstates; k++) {
-    if (p->elementwise[k]) {
+    if (p->kind[k] == DOPT_STATE_ELEMENTWISE) {
       it->state[k] = (unsigned char *)p->st[k].data + it->pc.lo * dopt_dtype_size(p->st[k].dtype);
+    } else if (p->kind[k] == DOPT_STATE_BLOCKWISE) { /* this piece's blocks [b0, b1) */
+      it->state[k] = (unsigned char *)p->st[k].data + b0 * dopt_dtype_size(p->st[k].dtype);
     } else if (part == 0) {
       it->state[k] = p->st[k].data;
     } else {
@@ -749,7 +759,7 @@ static void item_task(void *ctx, size_t t) {
   dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
                       p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
                       it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL,
-                      it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL};
+                      it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL, NULL};
   dopt_status s;
   if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */

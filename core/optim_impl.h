@@ -35,12 +35,23 @@ typedef struct dopt_hp_def {
   const char *const *choices; /* DOPT_HP_ENUM: NULL-terminated names */
 } dopt_hp_def;
 
-/* A state tensor's description. Elementwise states have the parameter's
- * shape and are sharded like it; the others (factored row/column statistics,
- * the 0-d RMS) are small and every rank holds them whole. */
+/* How a state tensor is laid out over the pieces of its parameter. */
+typedef enum dopt_state_kind {
+  DOPT_STATE_WHOLE = 0,       /* small (factored row/column statistics, the 0-d RMS, a clipping history):
+                               * every piece, every rank holds it whole */
+  DOPT_STATE_ELEMENTWISE = 1, /* the parameter's shape (any dtype): sliced and sharded like the parameter */
+  DOPT_STATE_BLOCKWISE = 2,   /* one value per quantisation block of `block` consecutive elements of the
+                               * logical flattened tensor, shape [ceil(numel / block)] (8-bit absmax): a
+                               * piece holds the values of the blocks its elements fall in, in block order
+                               * (dopt_piece_blocks); a block whose elements several pieces hold is held,
+                               * and kept equal, by each of them */
+} dopt_state_kind;
+
+/* A state tensor's description. */
 typedef struct dopt_state_spec {
-  dopt_state_view v; /* name, dtype, shape, bytes (data NULL) */
-  int elementwise;
+  dopt_state_view v; /* name, dtype, logical shape, bytes (data NULL) */
+  dopt_state_kind kind;
+  size_t block;      /* DOPT_STATE_BLOCKWISE: elements per block (else 0) */
 } dopt_state_spec;
 
 /* A parameter as the single-device optimizer sees it. */
@@ -58,7 +69,9 @@ typedef struct dopt_param {
   unsigned events;                     /* DOPT_EVENT_* of the last step */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
-  unsigned char elementwise[DOPT_MAX_STATES]; /* st[k] has the parameter's shape (dopt_state_spec) */
+  unsigned char kind[DOPT_MAX_STATES]; /* dopt_state_kind of st[k] */
+  size_t qblock;                       /* the block of its DOPT_STATE_BLOCKWISE states (0: none); the
+                                        * threads cut its pieces on block boundaries */
 } dopt_param;
 
 /* One stage of one step of one optimizer on one piece (what
@@ -89,6 +102,18 @@ typedef struct dopt_par {
   void (*run)(void *ctx, size_t n, void (*task)(void *arg, size_t i), void *arg);
 } dopt_par;
 
+/* The blocks of a DOPT_STATE_BLOCKWISE state that several pieces of the tensor hold elements of: a value
+ * per block (8-bit absmax) is then a MAX over those pieces, posted in one array per step. The list is the
+ * same on every piece of the tensor (distributed/ derives it from every rank's piece); a piece that holds no
+ * element of shared block s still posts its slot (-inf). NULL: no block is shared (a whole tensor, or the
+ * reference's threads, which cut pieces on block boundaries). */
+typedef struct dopt_block_share {
+  size_t block;      /* elements per block */
+  size_t n;          /* shared blocks */
+  const size_t *idx; /* [n] their logical block indices, ascending (device memory) */
+  double *max;       /* [2·n] the step's scratch for the per-block maxima it posts (device memory) */
+} dopt_block_share;
+
 typedef struct dopt_step_args {
   const struct dopt_optim_impl *impl;
   const double *hp;        /* the group's hyperparameters, impl order */
@@ -115,6 +140,8 @@ typedef struct dopt_step_args {
   size_t wstat_len;
   /* NULL, or the caller's projector at a GaLore refresh (dopt_optim_set_projector_hook) */
   const struct dopt_proj_hook *proj_hook;
+  /* NULL, or the blocks of the piece's blockwise states that other pieces share (dopt_block_share) */
+  const dopt_block_share *shared;
 } dopt_step_args;
 
 typedef struct dopt_proj_hook {
@@ -243,10 +270,31 @@ void dopt__optim_free_states(dopt_optim *o, int i);
 size_t dopt_numel(int ndim, const int64_t *shape);
 /* Splits a >=2-D shape into batch x rows x cols (leading dims are batch). */
 void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t *w);
-/* Fills a state spec's name/dtype/shape (F32; _dtype: any dtype). */
+/* Fills a state spec's name/dtype/shape (F32; _dtype: any dtype); elementwise: DOPT_STATE_ELEMENTWISE,
+ * else DOPT_STATE_WHOLE. */
 void dopt_state_def(dopt_state_spec *s, const char *name, int ndim, const int64_t *shape, int elementwise);
 void dopt_state_def_dtype(dopt_state_spec *s, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
                           int elementwise);
+/* A DOPT_STATE_BLOCKWISE state of a numel-element parameter: [ceil(numel / block)] of dtype. */
+void dopt_state_def_blocks(dopt_state_spec *s, const char *name, dopt_dtype dtype, size_t numel, size_t block);
+/* The block of a layout's blockwise states (0: none); -1 when two of them have different blocks. */
+long long dopt_layout_block(const dopt_state_spec *spec, int n);
+
+/* ---- a piece in logical order ----------------------------------------------------------
+ * A piece's local elements, in order, are its logical elements in increasing
+ * order, cut into runs that are contiguous in the logical flattened tensor:
+ * local [off, off+len) is logical [at, at+len). Runs are maximal (whole TP
+ * rows join when the block has every column, whole batches when it has
+ * every row), so the logical element just before a run and the one just
+ * after it belong to other pieces (or lie outside the tensor). */
+typedef struct dopt_run {
+  size_t off, at, len;
+} dopt_run;
+/* The run starting at local offset *off (0 at first); returns 0 at the end (*off advances). */
+int dopt_piece_next_run(const dopt_piece *pc, size_t *off, dopt_run *r);
+/* The blocks of `block` logical elements a piece's elements fall in: returns how many, and writes their
+ * indices (ascending) to out[] when out != NULL. */
+size_t dopt_piece_blocks(const dopt_piece *pc, size_t block, size_t *out);
 
 /* ---- exact statistics of a piece (core/stats.c) --------------------------------------
  * Each statistic is reduced in two phases, each a stage boundary of the step:

@@ -1,8 +1,10 @@
 /* Shapes and pieces: element counts, the [b, h, w] view, state descriptions,
  * the piece of a whole tensor (distopt/device.h). Below both the optimizer
  * framework (core/optim.c) and the piece statistics (core/stats.c). */
+#include <stdint.h>
 #include <string.h>
 
+#include "grid.h"
 #include "optim_impl.h"
 
 size_t dopt_numel(int ndim, const int64_t *shape) {
@@ -24,13 +26,57 @@ void dopt_state_def(dopt_state_spec *spec, const char *name, int ndim, const int
 void dopt_state_def_dtype(dopt_state_spec *spec, const char *name, dopt_dtype dtype, int ndim, const int64_t *shape,
                           int elementwise) {
   memset(spec, 0, sizeof *spec);
-  spec->elementwise = elementwise;
+  spec->kind = elementwise ? DOPT_STATE_ELEMENTWISE : DOPT_STATE_WHOLE;
   dopt_state_view *v = &spec->v;
   v->name = name;
   v->dtype = dtype;
   v->ndim = ndim;
   for (int i = 0; i < ndim; i++) v->shape[i] = shape[i];
   v->bytes = dopt_numel(ndim, shape) * dopt_dtype_size(dtype);
+}
+
+void dopt_state_def_blocks(dopt_state_spec *spec, const char *name, dopt_dtype dtype, size_t numel, size_t block) {
+  const int64_t nb = (int64_t)(block ? (numel + block - 1) / block : 0);
+  dopt_state_def_dtype(spec, name, dtype, 1, &nb, 0);
+  spec->kind = DOPT_STATE_BLOCKWISE;
+  spec->block = block;
+}
+
+long long dopt_layout_block(const dopt_state_spec *spec, int n) {
+  long long b = 0;
+  for (int k = 0; k < n; k++) {
+    if (spec[k].kind != DOPT_STATE_BLOCKWISE) continue;
+    if (b && (size_t)b != spec[k].block) return -1;
+    b = (long long)spec[k].block;
+  }
+  return b;
+}
+
+int dopt_piece_next_run(const dopt_piece *pc, size_t *off, dopt_run *r) {
+  if (*off >= pc->len) return 0;
+  const size_t j = pc->lo + *off, per = pc->hl * pc->wl;
+  size_t n = pc->wl - j % pc->wl;                  /* to the end of its TP-local row */
+  if (pc->wl == pc->w) n = per - j % per;          /* whole rows: to the end of the batch's block */
+  if (pc->wl == pc->w && pc->hl == pc->h) n = pc->len - *off; /* whole batches: to the end */
+  if (n > pc->len - *off) n = pc->len - *off;
+  r->off = *off;
+  r->at = dopt_grid_logical(pc, j);
+  r->len = n;
+  *off += n;
+  return 1;
+}
+
+size_t dopt_piece_blocks(const dopt_piece *pc, size_t block, size_t *out) {
+  size_t count = 0, last = SIZE_MAX, off = 0;
+  dopt_run r;
+  while (block && dopt_piece_next_run(pc, &off, &r))
+    for (size_t k = r.at / block; k <= (r.at + r.len - 1) / block; k++) {
+      if (k == last) continue; /* the previous run ended in this block */
+      if (out) out[count] = k;
+      count++;
+      last = k;
+    }
+  return count;
 }
 
 void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *pc) {

@@ -60,7 +60,16 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
       dopt_piece_full(v->ndim, v->shape, &whole);
       if (p->owned) { /* whole, on the owner */
         if (p->state[k]) DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, &whole, p->state[k]));
-      } else if (p->spec[k].elementwise) { /* sharded like the parameter (zero >= 1), the parameter's shape */
+      } else if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) { /* gathered (collective), written whole by rank 0 */
+        const size_t nb = (size_t)v->shape[0];
+        float *all = d->tp.rank == 0 && d->dp.rank == 0 ? malloc((nb ? nb : 1) * sizeof *all) : NULL;
+        if (d->tp.rank == 0 && d->dp.rank == 0 && !all)
+          return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_save: '%s': %zu blocks", name, nb);
+        dopt_status s = dd_gather_blocks(d, p, k, all);
+        if (s == DOPT_OK && all) s = dopt_ckpt_put(w, name, v->dtype, v->ndim, v->shape, &whole, all);
+        free(all);
+        DOPT_TRY(s);
+      } else if (p->spec[k].kind == DOPT_STATE_ELEMENTWISE) { /* sharded like the parameter (zero >= 1) */
         dd_held_piece(p, d->zero >= 1, &pc);
         if (writes_piece(d, p, d->zero >= 1, &pc))
           DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, &pc, p->state[k]));
@@ -138,6 +147,26 @@ static dopt_status get_piece(dopt_dist_optim *d, dopt_ckpt_reader *r, const char
   return DEV(d)->upload(DCTX(d), x, h, bytes);
 }
 
+/* The values of a blockwise F32 state at this rank's blocks (p->blk) into device x: the range of the
+ * logical [nb] from its first block to its last, read at once, then picked. */
+static dopt_status get_blocks(dopt_dist_optim *d, dopt_ckpt_reader *r, const char *tensor, const dist_param *p,
+                              void *x) {
+  if (p->nblk == 0) return DOPT_OK;
+  const size_t b0 = p->blk[0], span = p->blk[p->nblk - 1] - b0 + 1;
+  const int64_t nb = (int64_t)((dopt_numel(p->ndim, p->shape) + p->qblock - 1) / p->qblock);
+  dopt_piece pc;
+  dopt_piece_full(1, &nb, &pc);
+  pc.lo = b0;
+  pc.len = span;
+  float *h = malloc(span * sizeof *h);
+  if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_load: '%s': %zu blocks", tensor, span);
+  dopt_status s = dopt_ckpt_get(r, tensor, &pc, h);
+  for (size_t t = 0; s == DOPT_OK && t < p->nblk; t++) h[t] = h[p->blk[t] - b0]; /* ascending: t <= blk[t] - b0 */
+  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), x, h, p->nblk * sizeof *h);
+  free(h);
+  return s;
+}
+
 static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const dopt_ckpt_meta *m) {
   char name[512];
   for (int i = 0; i < d->np; i++) {
@@ -164,8 +193,13 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
       snprintf(name, sizeof name, "%s/%s", p->name, v->name);
       dopt_piece whole;
       dopt_piece_full(v->ndim, v->shape, &whole);
-      if (!p->owned && p->spec[k].elementwise) dd_held_piece(p, d->zero >= 1, &pc);
-      DOPT_TRY(get_piece(d, r, name, v->dtype, !p->owned && p->spec[k].elementwise ? &pc : &whole, p->state[k]));
+      if (!p->owned && p->spec[k].kind == DOPT_STATE_BLOCKWISE) {
+        DOPT_TRY(get_blocks(d, r, name, p, p->state[k]));
+        continue;
+      }
+      const int sliced = !p->owned && p->spec[k].kind == DOPT_STATE_ELEMENTWISE;
+      if (sliced) dd_held_piece(p, d->zero >= 1, &pc);
+      DOPT_TRY(get_piece(d, r, name, v->dtype, sliced ? &pc : &whole, p->state[k]));
     }
     p->acc = 0;
     p->nmb = 0;

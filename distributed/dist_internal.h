@@ -76,7 +76,14 @@ struct dist_param {
   uint16_t *work; /* bf16 working copy: [chunk] (zero 3) or [padded] */
   int nstates;
   dopt_state_spec spec[DOPT_MAX_STATES];
-  void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; others whole */
+  void *state[DOPT_MAX_STATES]; /* elementwise: [chunk]; blockwise: [nblk]; others whole (owner mode: all whole) */
+  /* blockwise states (8-bit absmax; piecewise parameters only): the block, the blocks the elements of this
+   * rank's piece (pc) fall in (host [nblk], ascending: the order of the state buffers), and the blocks
+   * several ranks hold elements of, whose values the step reduces by MAX (the same list on every rank) */
+  size_t qblock;
+  size_t nblk;
+  size_t *blk;
+  dopt_block_share share;
   int64_t step;
   int acc;        /* the accumulator holds a gradient since the last step */
   float *mb;      /* batch-invariant mode: device [mb_cap · lnumel], this step's micro-batch gradients */
@@ -197,5 +204,6 @@ dopt_status dd_owner_steps(dopt_dist_optim *d);
 
 dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out);
+dopt_status dd_gather_blocks(dopt_dist_optim *d, const dist_param *p, int k, float *out);
 
 #endif

@@ -2,6 +2,7 @@
  * states) on every rank or on the lead only, state sizes and memory, and the
  * replica checks: given bytes against rank 0's, and every held piece against
  * the same piece on the other ranks that hold it. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,10 +140,52 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
       DOPT_TRY(dd_from_owner(d, p, src, bytes, DOPT_U8));
       return out ? DEV(d)->download(DCTX(d), out, src, bytes) : DOPT_OK;
     }
-    if (!p->spec[k].elementwise) return out ? DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes) : DOPT_OK;
-    return dd_gather(d, p, p->state[k], d->zero >= 1, sizeof(float), DOPT_F32, out);
+    const dopt_dtype dt = p->spec[k].v.dtype;
+    if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) return dd_gather_blocks(d, p, k, out);
+    if (p->spec[k].kind == DOPT_STATE_WHOLE)
+      return out ? DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes) : DOPT_OK;
+    return dd_gather(d, p, p->state[k], d->zero >= 1, dopt_dtype_size(dt), dt, out);
   }
   return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_gather_state: '%s' has no state '%s'", p->name, key);
+}
+
+/* This rank's values of blockwise state k at their logical blocks, the other blocks -inf (host [nb] doubles,
+ * *out allocated): what a MAX over the ranks turns into the logical state. */
+static dopt_status blocks_of(dopt_dist_optim *d, const dist_param *p, int k, size_t nb, double **out) {
+  double *v = malloc((nb ? nb : 1) * sizeof *v);
+  float *mine = malloc((p->nblk ? p->nblk : 1) * sizeof *mine);
+  dopt_status s = v && mine ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "'%s/%s': %zu blocks", p->name, p->spec[k].v.name, nb);
+  if (s == DOPT_OK && p->nblk) s = DEV(d)->download(DCTX(d), mine, p->state[k], p->nblk * sizeof *mine);
+  for (size_t b = 0; s == DOPT_OK && b < nb; b++) v[b] = -INFINITY;
+  for (size_t t = 0; s == DOPT_OK && t < p->nblk; t++) v[p->blk[t]] = (double)mine[t];
+  free(mine);
+  if (s != DOPT_OK) free(v);
+  *out = s == DOPT_OK ? v : NULL;
+  return s;
+}
+
+/* x[n] (host doubles) ← their MAX over the world (tp, then dp), through device scratch */
+static dopt_status world_max_f64(dopt_dist_optim *d, double *x, size_t n) {
+  void *buf = NULL;
+  if (n == 0) return DOPT_OK;
+  DOPT_TRY(dd_gdev(d, 0, n * sizeof *x, &buf));
+  DOPT_TRY(DEV(d)->upload(DCTX(d), buf, x, n * sizeof *x));
+  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, buf, buf, n, DOPT_F64, DOPT_MAX));
+  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, buf, buf, n, DOPT_F64, DOPT_MAX));
+  return DEV(d)->download(DCTX(d), x, buf, n * sizeof *x);
+}
+
+/* The logical blockwise state k ([nb] F32) on every rank (out NULL: take part only): every block from the
+ * ranks whose piece holds elements of it (their copies are equal: dopt_dist_check_held checks it), by one MAX
+ * over the world of nb doubles. */
+dopt_status dd_gather_blocks(dopt_dist_optim *d, const dist_param *p, int k, float *out) {
+  const size_t nb = (size_t)p->spec[k].v.shape[0];
+  double *v = NULL;
+  DOPT_TRY(blocks_of(d, p, k, nb, &v));
+  dopt_status s = world_max_f64(d, v, nb);
+  for (size_t b = 0; s == DOPT_OK && out && b < nb; b++) out[b] = (float)v[b];
+  free(v);
+  return s;
 }
 
 dopt_status dopt_dist_state_bytes(const dopt_dist_optim *d, int i, const char *key, size_t *bytes) {
@@ -248,8 +291,11 @@ static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
     return h;
   }
   h.x = p->state[k];
-  if (p->spec[k].elementwise) {
-    h.bytes = (d->zero >= 1 ? p->pc.len : p->lnumel) * sizeof(float);
+  if (p->spec[k].kind == DOPT_STATE_ELEMENTWISE) {
+    h.bytes = (d->zero >= 1 ? p->pc.len : p->lnumel) * dopt_dtype_size(p->spec[k].v.dtype);
+    h.over_dp = dprep && d->zero == 0, h.over_tp = tprep;
+  } else if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) { /* the blocks of the piece: replicated as it is */
+    h.bytes = p->nblk * dopt_dtype_size(p->spec[k].v.dtype);
     h.over_dp = dprep && d->zero == 0, h.over_tp = tprep;
   } else { /* the logical state, the same on every rank */
     h.bytes = p->spec[k].v.bytes;
@@ -281,6 +327,49 @@ static dopt_status compare_over(dopt_dist_optim *d, const dopt_transport *t, con
     }
   if (buf) DEV(d)->free(DCTX(d), buf);
   free(theirs);
+  return s;
+}
+
+/* Whether this rank's piece holds logical element L (flat in the logical [b, h, w]). */
+static int holds_elem(const dopt_piece *pc, size_t L) {
+  const size_t bi = L / (pc->h * pc->w), row = L / pc->w % pc->h, col = L % pc->w;
+  if (row < pc->h0 || row >= pc->h0 + pc->hl || col < pc->w0 || col >= pc->w0 + pc->wl) return 0;
+  const size_t j = (bi * pc->hl + row - pc->h0) * pc->wl + col - pc->w0;
+  return j >= pc->lo && j < pc->lo + pc->len;
+}
+
+/* The shared blocks of blockwise state k (entry e of check_held): each rank holding elements of a block keeps
+ * a copy of its value; every copy is compared with the copy of the ranks that hold the block's first element
+ * (one MAX over the world), and *first becomes (world rank << 32 | e) when this rank's copy differs and that
+ * is below it. */
+static dopt_status check_shared(dopt_dist_optim *d, const dist_param *p, int k, size_t e, int64_t *first) {
+  const size_t n = p->share.n, B = p->qblock;
+  size_t *idx = malloc(n * sizeof *idx);
+  double *prim = malloc(n * sizeof *prim);
+  float *mine = malloc((p->nblk ? p->nblk : 1) * sizeof *mine);
+  long long *at = malloc(n * sizeof *at); /* this rank's slot of shared block s, or -1 */
+  dopt_status s = idx && prim && mine && at ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_check_held: %zu blocks", n);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), idx, p->share.idx, n * sizeof *idx);
+  if (s == DOPT_OK && p->nblk) s = DEV(d)->download(DCTX(d), mine, p->state[k], p->nblk * sizeof *mine);
+  for (size_t q = 0, t = 0; s == DOPT_OK && q < n; q++) { /* both lists ascending */
+    while (t < p->nblk && p->blk[t] < idx[q]) t++;
+    at[q] = t < p->nblk && p->blk[t] == idx[q] ? (long long)t : -1;
+    prim[q] = at[q] >= 0 && holds_elem(&p->pc, idx[q] * B) ? (double)mine[at[q]] : -INFINITY;
+  }
+  if (s == DOPT_OK) s = world_max_f64(d, prim, n);
+  const int64_t wr = (int64_t)d->dp.rank * d->tp.size + d->tp.rank;
+  for (size_t q = 0; s == DOPT_OK && q < n; q++) {
+    const float v = (float)prim[q];
+    if (at[q] >= 0 && memcmp(&v, &mine[at[q]], sizeof v) != 0) {
+      const int64_t key = (wr << 32) | (int64_t)e;
+      if (key < *first) *first = key;
+      break;
+    }
+  }
+  free(idx);
+  free(prim);
+  free(mine);
+  free(at);
   return s;
 }
 
@@ -319,6 +408,14 @@ dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char
   int64_t first = INT64_MAX;
   if (s == DOPT_OK) s = compare_over(d, &d->dp, dg, n, odp, &first);
   if (s == DOPT_OK) s = compare_over(d, &d->tp, dg, n, otp, &first);
+  e = 0;
+  for (int i = 0; s == DOPT_OK && i < d->np; i++) { /* blocks whose elements several ranks hold */
+    const dist_param *p = &d->p[i];
+    for (int k = 0; s == DOPT_OK && k < p->nstates; k++)
+      if (p->qblock && p->share.n && p->spec[k].kind == DOPT_STATE_BLOCKWISE)
+        s = check_shared(d, p, k, e + 1 + (size_t)p->bf16 + (size_t)k, &first);
+    e += 1 + (size_t)p->bf16 + (size_t)p->nstates;
+  }
   int64_t neg = -first;
   if (s == DOPT_OK) s = dd_world_max(d, &neg, 1);
   if (s == DOPT_OK && -neg != INT64_MAX) {

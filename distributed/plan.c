@@ -3,6 +3,7 @@
  * mode; creation, destruction, and the device buffers and host scratch the
  * other files share. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,9 @@ static void free_param(dopt_dist_optim *d, dist_param *p) {
   if (p->work) DEV(d)->free(DCTX(d), p->work);
   for (int k = 0; k < p->nstates; k++)
     if (p->state[k]) DEV(d)->free(DCTX(d), p->state[k]);
+  if (p->share.idx) DEV(d)->free(DCTX(d), (void *)(uintptr_t)p->share.idx);
+  if (p->share.max) DEV(d)->free(DCTX(d), p->share.max);
+  free(p->blk);
   free(p->name);
 }
 
@@ -161,15 +165,93 @@ dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full)
 }
 
 /* Bytes of state k this rank's buffer holds: an elementwise state's ZeRO
- * shard (sharded like the parameter), else the whole logical state (owner
- * mode: on the owner only). */
+ * shard (sharded like the parameter), a blockwise state's values of the
+ * blocks this rank's piece falls in, else the whole logical state (owner
+ * mode: every state whole, on the owner only). */
 size_t dd_state_held_bytes(const dist_param *p, int k) {
-  return !p->owned && p->spec[k].elementwise ? p->chunk * sizeof(float) : p->spec[k].v.bytes;
+  const size_t es = dopt_dtype_size(p->spec[k].v.dtype);
+  if (p->owned || p->spec[k].kind == DOPT_STATE_WHOLE) return p->spec[k].v.bytes;
+  return (p->spec[k].kind == DOPT_STATE_ELEMENTWISE ? p->chunk : p->nblk) * es;
+}
+
+static int cmp_size(const void *a, const void *b) {
+  const size_t x = *(const size_t *)a, y = *(const size_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Appends v to the growable host list *l (*n used, *cap allocated). */
+static int push_size(size_t **l, size_t *n, size_t *cap, size_t v) {
+  if (*n == *cap) {
+    size_t c = *cap ? 2 * *cap : 64;
+    size_t *q = realloc(*l, c * sizeof *q);
+    if (!q) return 0;
+    *l = q, *cap = c;
+  }
+  (*l)[(*n)++] = v;
+  return 1;
+}
+
+/* The blocks of B elements that the pieces of several ranks hold elements of: every rank's piece (each TP
+ * block and, sharded, each ZeRO range of it) cut into its logically contiguous runs; a run that starts
+ * inside a block shares that block with the piece holding the element before it (every boundary between
+ * two pieces is such a start). From the layout alone, so the list is the same on every rank. */
+static dopt_status share_blocks(dopt_dist_optim *d, dist_param *p, size_t B) {
+  size_t *l = NULL, n = 0, cap = 0;
+  dopt_piece pc;
+  dopt_piece_full(p->ndim, p->shape, &pc);
+  const int tpn = p->role == DOPT_TP_REPLICATED ? 1 : d->tp.size, dpn = d->zero >= 1 ? d->dp.size : 1;
+  for (int r = 0; r < tpn; r++) {
+    dd_tp_block(p, d->tp.size, r, &pc.h0, &pc.hl, &pc.w0, &pc.wl);
+    const size_t ln = pc.b * pc.hl * pc.wl, chunk = (ln + (size_t)dpn - 1) / (size_t)dpn;
+    for (int q = 0; q < dpn; q++) {
+      pc.lo = (size_t)q * chunk < ln ? (size_t)q * chunk : ln;
+      pc.len = ln - pc.lo < chunk ? ln - pc.lo : chunk;
+      size_t off = 0;
+      dopt_run run;
+      while (dopt_piece_next_run(&pc, &off, &run))
+        if (run.at % B && !push_size(&l, &n, &cap, run.at / B)) {
+          free(l);
+          return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s': shared blocks (%zu)", p->name, n);
+        }
+    }
+  }
+  if (n) qsort(l, n, sizeof *l, cmp_size);
+  size_t u = 0;
+  for (size_t i = 0; i < n; i++)
+    if (u == 0 || l[i] != l[u - 1]) l[u++] = l[i];
+  p->share.block = B;
+  p->share.n = u;
+  dopt_status s = dd_dalloc(d, u * sizeof *l, (void **)&p->share.idx);
+  if (s == DOPT_OK) s = dd_dalloc(d, 2 * u * sizeof(double), (void **)&p->share.max);
+  if (s == DOPT_OK && u) s = DEV(d)->upload(DCTX(d), (void *)(uintptr_t)p->share.idx, l, u * sizeof *l);
+  free(l);
+  return s;
+}
+
+/* The blockwise states' geometry of a piecewise parameter: its block, the blocks of this rank's piece, the
+ * shared blocks. */
+static dopt_status plan_blocks(dopt_dist_optim *d, dist_param *p) {
+  const long long B = dopt_layout_block(p->spec, p->nstates);
+  if (B < 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_create: '%s': blockwise states of different blocks", p->name);
+  if (B == 0 || p->owned) return DOPT_OK;
+  for (int k = 0; k < p->nstates; k++)
+    if (p->spec[k].kind == DOPT_STATE_BLOCKWISE && p->spec[k].v.dtype != DOPT_F32)
+      return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_create: '%s': blockwise state '%s' is %s (F32 only)", p->name,
+                        p->spec[k].v.name, dopt_dtype_name(p->spec[k].v.dtype));
+  p->qblock = (size_t)B;
+  p->nblk = dopt_piece_blocks(&p->pc, p->qblock, NULL);
+  p->blk = malloc((p->nblk ? p->nblk : 1) * sizeof *p->blk);
+  if (!p->blk) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s': %zu blocks", p->name, p->nblk);
+  dopt_piece_blocks(&p->pc, p->qblock, p->blk);
+  return share_blocks(d, p, p->qblock);
 }
 
 /* Sets up one parameter: geometry, buffers, the initial values of its piece. */
 static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
   const int tpn = d->tp.size, dpn = d->dp.size;
+  p->name = malloc(strlen(src->name) + 1);
+  if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
+  strcpy(p->name, src->name);
   p->group = src->group;
   p->ndim = src->ndim;
   memcpy(p->shape, src->shape, sizeof p->shape);
@@ -208,8 +290,10 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   DOPT_TRY(dd_dalloc(d, mext * sizeof(float), (void **)&p->master));
   if (p->bf16) DOPT_TRY(dd_dalloc(d, wext * sizeof(uint16_t), (void **)&p->work));
   DOPT_TRY(dd_load_values(d, p, src->data));
-  /* states: elementwise ones are sharded like the parameter, the others whole */
+  /* states: elementwise ones are sharded like the parameter, blockwise ones by the blocks of its piece, the
+   * others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
+  DOPT_TRY(plan_blocks(d, p));
   if (p->owned) { /* whole states and the logical values on the owner ranks only */
     if (d->dp.rank == p->owner && d->tp.rank == p->owner_tp) {
       size_t numel = dopt_numel(p->ndim, p->shape);
@@ -237,9 +321,6 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
    * estimate the frame from logical sizes, not from this rank's piece */
   size_t sharing = (p->rc.over_tp ? (size_t)tpn : 1) * (p->rc.over_dp ? (size_t)dpn : 1);
   p->est = dopt_numel(p->ndim, p->shape) * sizeof(float) / sharing;
-  p->name = malloc(strlen(src->name) + 1);
-  if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
-  strcpy(p->name, src->name);
   return DOPT_OK;
 }
 

@@ -201,7 +201,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     for (int i = 0; i < d->np; i++) {
       dist_param *p = &d->p[i];
       d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->gpc, NULL, p->grad + p->gpc.lo, NULL, NULL,
-                                    &p->red, NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL, NULL, 0, NULL};
+                                    &p->red, NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL, NULL, 0, NULL, NULL};
     }
     DOPT_TRY(map_frames(d, 0, d->np, 0));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
@@ -215,7 +215,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     if (!d->skip[i]) p->step++;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
-                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL};
+                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL,
+                                  p->qblock ? &p->share : NULL};
   }
   DOPT_TRY(run_buckets(d));
   for (int i = 0; i < d->np; i++) {

@@ -159,7 +159,7 @@ int dopt_galore_layout(const dopt_galore_spec *sp, const double *hp, int ndim, c
   }
   const int64_t lr[2] = {(int64_t)pl.rows, (int64_t)pl.cols};
   int n = *ninner = sp->inner->layout(ih, 2, lr, out);
-  for (int k = 0; k < n; k++) out[k].elementwise = 0; /* low-rank: not shaped like the parameter */
+  for (int k = 0; k < n; k++) out[k].kind = DOPT_STATE_WHOLE, out[k].block = 0; /* low-rank, on its owner: whole */
   if (!projectors) return n;
   int64_t a[2] = {(int64_t)pl.m, (int64_t)pl.r}, b[2] = {(int64_t)pl.r, (int64_t)pl.n};
   if (dopt_galore_quantised(sp, hp)) return n + quant_layout(sp, hp, &pl, dopt_numel(ndim, shape), out + n);
@@ -245,7 +245,7 @@ dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args 
     }
     int more = 0;
     dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->events, a->tensor, 0, &more,
-                         NULL, a->par, w, numel, a->proj_hook};
+                         NULL, a->par, w, numel, a->proj_hook, NULL};
     if ((st = dopt__run_stages(NULL, &in)) != DOPT_OK) goto done;
   }
   float c;

@@ -364,56 +364,64 @@ typedef struct q8ctx {
   const uint32_t *lut1, *lut2; /* their tables; NULL: dopt_q8_search */
 } q8ctx;
 
+/* The kernel's equations for one slot, in plain C; the AVX2 block below does
+ * the same operations lane by lane. new_states: the slot's new states from
+ * its flushed gradient gj and bytes q1, q2 under the block's current absmax
+ * a1, a2 (a padding slot: gj = 0, byte 128 / byte 0); a non-finite gradient
+ * gives s1 = s2 = 0 and returns 0. */
+static inline int new_states(const q8ctx *c, float gj, uint8_t q1, uint8_t q2, float a1, float a2, float *s1,
+                             float *s2) {
+  const scalars k = c->k;
+  *s1 = 0.0f, *s2 = 0.0f;
+  if (!isfinite(gj)) return 0;
+  const float gs = F(gj * k.gscale);
+  float v = F(c->code2[q2] * a2);
+  *s2 = F(F(v * k.beta2) + F(F(k.omb2 * gs) * gs));
+  float m = F(c->code1[q1] * a1);
+  *s1 = F(F(m * k.beta1) + F(k.omb1 * gs));
+  return 1;
+}
+
+/* apply_elem: the parameter (unless its gradient g is non-finite) and the
+ * two bytes of one element from its new states and the block's new absmax
+ * m1, m2. */
+static inline void apply_elem(const q8ctx *c, float *p, float g, float s1, float s2, float m1, float m2, uint8_t *b1,
+                              uint8_t *b2) {
+  const scalars k = c->k;
+  /* 3. parameter: step from the full-precision states, then decay */
+  if (isfinite(F(g))) {
+    float pj = F(*p);
+    const float den = F(F(sqrtf(s2)) + k.c2eps);
+    pj = F(pj + F(k.step_size * F(s1 / den)));
+    if (k.decay_on) pj = F(pj * k.decay);
+    *p = pj;
+  }
+  /* 4. requantise; keep the sign of m */
+  uint8_t q1 = search_any(c->code1, c->lut1, LUT_KNEG(1), F(s1 / m1));
+  if (signbit(c->code1[q1]) != signbit(s1)) q1 = (uint8_t)(s1 > 0.0f ? q1 + 1u : q1 - 1u);
+  *b1 = q1;
+  *b2 = search_any(c->code2, c->lut2, LUT_KNEG(0), F(s2 / m2));
+}
+
 /* One block of B slots, `valid` of them real (the rest padded: g = 0, byte
- * 128 / byte 0), in plain C: the kernel's equations one element at a time.
- * The AVX2 block below does the same operations lane by lane. Returns the
- * number of non-finite gradient items. */
+ * 128 / byte 0). Returns the number of non-finite gradient items. */
 static size_t block_scalar(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
                            float *absmax2, size_t valid, size_t B) {
-  const scalars k = c->k;
   float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX];
   size_t bad = 0;
   const float a1 = *absmax1, a2 = *absmax2;
   float m1 = -FLT_MAX, m2 = -FLT_MAX;
-  /* 1. new states of all B slots (padding: g = 0, byte 128 / byte 0) */
+  /* 1. new states of all B slots */
   for (size_t j = 0; j < B; j++) {
     const int in = j < valid;
-    const float gj = in ? F(g[j]) : 0.0f;
-    const uint8_t q1 = in ? state1[j] : 128, q2 = in ? state2[j] : 0;
-    float s1 = 0.0f, s2 = 0.0f;
-    if (isfinite(gj)) {
-      const float gs = F(gj * k.gscale);
-      s2 = F(c->code2[q2] * a2);
-      s2 = F(F(s2 * k.beta2) + F(F(k.omb2 * gs) * gs));
-      s1 = F(c->code1[q1] * a1);
-      s1 = F(F(s1 * k.beta1) + F(k.omb1 * gs));
-    } else {
-      bad++;
-    }
-    m1 = fmaxf(m1, fabsf(s1));
-    m2 = fmaxf(m2, fabsf(s2));
-    s1b[j] = s1;
-    s2b[j] = s2;
+    bad += !new_states(c, in ? F(g[j]) : 0.0f, in ? state1[j] : 128, in ? state2[j] : 0, a1, a2, &s1b[j], &s2b[j]);
+    m1 = fmaxf(m1, fabsf(s1b[j]));
+    m2 = fmaxf(m2, fabsf(s2b[j]));
   }
   /* 2. absmax of the new, unquantised states */
   *absmax1 = m1;
   *absmax2 = m2;
-  for (size_t j = 0; j < valid; j++) {
-    const float s1 = s1b[j], s2 = s2b[j];
-    /* 3. parameter: step from the full-precision states, then decay */
-    if (isfinite(F(g[j]))) {
-      float pj = F(p[j]);
-      const float den = F(F(sqrtf(s2)) + k.c2eps);
-      pj = F(pj + F(k.step_size * F(s1 / den)));
-      if (k.decay_on) pj = F(pj * k.decay);
-      p[j] = pj;
-    }
-    /* 4. requantise; keep the sign of m */
-    uint8_t q1 = search_any(c->code1, c->lut1, LUT_KNEG(1), F(s1 / m1));
-    if (signbit(c->code1[q1]) != signbit(s1)) q1 = (uint8_t)(s1 > 0.0f ? q1 + 1u : q1 - 1u);
-    state1[j] = q1;
-    state2[j] = search_any(c->code2, c->lut2, LUT_KNEG(0), F(s2 / m2));
-  }
+  for (size_t j = 0; j < valid; j++) apply_elem(c, &p[j], g[j], s1b[j], s2b[j], m1, m2, &state1[j], &state2[j]);
   return bad;
 }
 
@@ -581,21 +589,25 @@ AVX2_FN static size_t block_avx2(const q8ctx *c, float *p, const float *g, uint8
 }
 #endif
 
+static dopt_status ctx_of(const dopt_q8_adam_hp *hp, const char *fn, q8ctx *c) {
+  DOPT_TRY(check_hp(hp, fn));
+  DOPT_CHECK_ARG(dopt_q8_block_ok(hp->block), "%s: block=%zu must be a power of two in [64, 4096]", fn, hp->block);
+  c->k = kernel_scalars(hp);
+  c->code1 = dopt_q8_map(1);
+  c->code2 = dopt_q8_map(0);
+  c->lut1 = dopt__q8_lut(1);
+  c->lut2 = dopt__q8_lut(0);
+  return DOPT_OK;
+}
+
 dopt_status dopt__q8_adam_update_impl(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
                                       float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite,
                                       dopt_q8_impl impl) {
-  DOPT_TRY(check_hp(hp, "dopt_q8_adam_update"));
+  q8ctx c;
+  DOPT_TRY(ctx_of(hp, "dopt_q8_adam_update", &c));
   DOPT_CHECK_ARG(n == 0 || (p && g && state1 && state2 && absmax1 && absmax2), "dopt_q8_adam_update: NULL array");
-  DOPT_CHECK_ARG(dopt_q8_block_ok(hp->block), "dopt_q8_adam_update: block=%zu must be a power of two in [64, 4096]",
-                 hp->block);
   if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_q8_adam_update: AVX2 is not available");
-  q8ctx c;
-  c.k = kernel_scalars(hp);
-  c.code1 = dopt_q8_map(1);
-  c.code2 = dopt_q8_map(0);
-  c.lut1 = dopt__q8_lut(1);
-  c.lut2 = dopt__q8_lut(0);
   const size_t B = hp->block;
   size_t bad = 0;
 #ifdef Q8_AVX2
@@ -625,6 +637,45 @@ dopt_status dopt__q8_adam_update_impl(float *p, const float *g, uint8_t *state1,
 dopt_status dopt_q8_adam_update(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
                                 float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite) {
   return dopt__q8_adam_update_impl(p, g, state1, state2, absmax1, absmax2, n, hp, nonfinite, DOPT_Q8_IMPL_AUTO);
+}
+
+dopt_status dopt_q8_adam_absmax(const float *g, const uint8_t *state1, const uint8_t *state2, float a1, float a2,
+                                size_t n, size_t pad, const dopt_q8_adam_hp *hp, float *m1, float *m2,
+                                size_t *nonfinite) {
+  q8ctx c;
+  DOPT_TRY(ctx_of(hp, "dopt_q8_adam_absmax", &c));
+  DOPT_CHECK_ARG((n == 0 || (g && state1 && state2)) && m1 && m2, "dopt_q8_adam_absmax: NULL array");
+  DOPT_CHECK_ARG(n + pad <= hp->block, "dopt_q8_adam_absmax: n=%zu + pad=%zu slots exceed the block of %zu", n, pad,
+                 hp->block);
+  float x1 = *m1, x2 = *m2, s1, s2;
+  size_t bad = 0;
+  for (size_t j = 0; j < n; j++) {
+    bad += !new_states(&c, F(g[j]), state1[j], state2[j], a1, a2, &s1, &s2);
+    x1 = fmaxf(x1, fabsf(s1));
+    x2 = fmaxf(x2, fabsf(s2));
+  }
+  if (pad) { /* every padding slot has the same new states */
+    new_states(&c, 0.0f, 128, 0, a1, a2, &s1, &s2);
+    x1 = fmaxf(x1, fabsf(s1));
+    x2 = fmaxf(x2, fabsf(s2));
+  }
+  *m1 = x1, *m2 = x2;
+  if (nonfinite) *nonfinite += bad;
+  return DOPT_OK;
+}
+
+dopt_status dopt_q8_adam_apply(float *p, const float *g, uint8_t *state1, uint8_t *state2, float a1, float a2,
+                               float m1, float m2, size_t n, const dopt_q8_adam_hp *hp) {
+  q8ctx c;
+  DOPT_TRY(ctx_of(hp, "dopt_q8_adam_apply", &c));
+  DOPT_CHECK_ARG(n == 0 || (p && g && state1 && state2), "dopt_q8_adam_apply: NULL array");
+  DOPT_CHECK_ARG(n <= hp->block, "dopt_q8_adam_apply: n=%zu exceeds the block of %zu", n, hp->block);
+  for (size_t j = 0; j < n; j++) {
+    float s1, s2;
+    new_states(&c, F(g[j]), state1[j], state2[j], a1, a2, &s1, &s2);
+    apply_elem(&c, &p[j], g[j], s1, s2, m1, m2, &state1[j], &state2[j]);
+  }
+  return DOPT_OK;
 }
 
 dopt_status dopt_q8_adam32_update(float *p, const float *g, float *state1, float *state2, size_t n,
@@ -657,14 +708,11 @@ static int cmp_nan_last(const void *a, const void *b) {
 
 float dopt_q8_percentile_clipping(const float *g, size_t n, float *gnorm_vec, int64_t step, int percentile,
                                   int *clipped) {
-  int finite = 1;
-  for (size_t i = 0; i < n && finite; i++) finite = isfinite(g[i]);
-  double ss = 0.0;
-  if (finite) {
-    ss = dopt_sumsq(g, n); /* exact, rounded to double */
-  } else {
-    for (size_t i = 0; i < n; i++) ss += (double)g[i] * (double)g[i]; /* inf or NaN */
-  }
+  /* exact, rounded to double; NaN if a gradient is NaN, else +inf if one is infinite (as a plain double sum) */
+  return dopt__q8_percentile_scale(dopt_sumsq(g, n), gnorm_vec, step, percentile, clipped);
+}
+
+float dopt__q8_percentile_scale(double ss, float *gnorm_vec, int64_t step, int percentile, int *clipped) {
   const float gn = (float)ss;
   const size_t slot = (size_t)(step % DOPT_Q8_GNORM_HISTORY);
   gnorm_vec[slot] = 0.0f; /* upstream zeroes the slot, then the kernel adds ‖g‖² */

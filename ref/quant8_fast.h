@@ -41,4 +41,8 @@ dopt_status dopt__q8_adam_update_impl(float *p, const float *g, uint8_t *state1,
                                       float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite,
                                       dopt_q8_impl impl);
 
+/* dopt_q8_percentile_clipping from ‖g‖² already summed (ss, double: the exact sum of the whole tensor's
+ * squares, NaN/+inf for non-finite gradients, as the distributed step reduces it over the pieces). */
+float dopt__q8_percentile_scale(double ss, float *gnorm_vec, int64_t step, int percentile, int *clipped);
+
 #endif

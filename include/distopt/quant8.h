@@ -114,6 +114,31 @@ typedef struct dopt_q8_adam_hp {
 DOPT_API dopt_status dopt_q8_adam_update(float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1,
                                          float *absmax2, size_t n, const dopt_q8_adam_hp *hp, size_t *nonfinite);
 
+/* The same step on a block whose elements lie in several pieces (ranks), in
+ * two phases around a MAX: every holder of elements of the block computes
+ * the maximum of their new states (dopt_q8_adam_absmax), the maxima are
+ * combined by MAX over the holders, and every holder applies the update of
+ * its elements with the combined absmax (dopt_q8_adam_apply) and stores it
+ * as the block's absmax. On a whole block the two phases are bitwise
+ * dopt_q8_adam_update.
+ *
+ * dopt_q8_adam_absmax: n elements of ONE block (gradients, their state1 and
+ * state2 bytes) under the block's current absmax a1, a2, and `pad` padding
+ * slots of that block (the last block's slots beyond the tensor: g = 0,
+ * byte 128 / byte 0; MAX is idempotent, so any holder of the last block may
+ * count them); n + pad <= hp->block. *m1 = max(*m1, |s1|), *m2 = max(*m2,
+ * |s2|) over their new states (NaN ignored; start from -FLT_MAX);
+ * *nonfinite (may be NULL) += the non-finite gradients among the n. */
+DOPT_API dopt_status dopt_q8_adam_absmax(const float *g, const uint8_t *state1, const uint8_t *state2, float a1,
+                                         float a2, size_t n, size_t pad, const dopt_q8_adam_hp *hp, float *m1,
+                                         float *m2, size_t *nonfinite);
+/* dopt_q8_adam_apply: the parameters and bytes of n elements of one block
+ * from the block's current absmax a1, a2 (the one the maxima were taken
+ * under) and its new absmax m1, m2 (their MAX over every holder). The caller
+ * stores m1, m2 as the block's absmax after its last elements are applied. */
+DOPT_API dopt_status dopt_q8_adam_apply(float *p, const float *g, uint8_t *state1, uint8_t *state2, float a1,
+                                        float a2, float m1, float m2, size_t n, const dopt_q8_adam_hp *hp);
+
 /* The fp32 fallback for tensors below min_8bit_size (kOptimizer32bit2State,
  * "adam"): the same equations on fp32 states with g' = g·gnorm_scale and
  * (1−β2)·(g'·g'), no guard for non-finite gradients (NaN propagates), decay

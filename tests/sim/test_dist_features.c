@@ -260,10 +260,91 @@ static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref,
     fail_msg("%s [%s] tp%d dp%d zero%d: %s", c->optimizer, c->hparams, l->tp, l->dp, l->zero, msg);
 }
 
+
+/* ---- 8-bit states per rank, from the layout alone (a brute force over every element) ------------------- */
+
+/* Uneven split of n over parts: part r gets base + (r < rem) from r·base + min(r, rem). */
+static void split_of(size_t n, int parts, int r, size_t *off, size_t *len) {
+  const size_t base = n / (size_t)parts, rem = n % (size_t)parts, ur = (size_t)r;
+  *len = base + (ur < rem);
+  *off = ur * base + (ur < rem ? ur : rem);
+}
+
+/* What an adamw8bit parameter costs world rank w (tp rank w % tp, dp rank w / tp) in state bytes, as
+ * docs/distributed.md lays it out: 8-bit (numel >= min8) codes 2 bytes per element of its padded ZeRO extent
+ * (chunk; the TP block at zero 0) and 8 bytes per block any of its elements falls in; fp32 states 8 bytes
+ * per element of the extent; 400 with percentile clipping. *shared: the parameter has a block whose elements
+ * lie in two different pieces. */
+static size_t q8_rank_bytes(const dt_param *p, const dt_layout *l, int w, size_t B, size_t min8, int pct,
+                            int *shared) {
+  int64_t one = 1;
+  size_t numel = 1, b = 1, h = 1, wd = 1;
+  for (int k = 0; k < p->ndim; k++) numel *= (size_t)p->shape[k];
+  if (p->ndim >= 2) {
+    wd = (size_t)p->shape[p->ndim - 1], h = (size_t)p->shape[p->ndim - 2], b = numel / (h * wd);
+  } else {
+    wd = numel;
+  }
+  (void)one;
+  const int split = l->tp > 1 && p->role != DOPT_TP_REPLICATED;
+  const int rows = split && p->role == DOPT_TP_COLUMN && p->ndim >= 2, zdp = l->zero >= 1 ? l->dp : 1;
+  const int tr = w % l->tp, dr = w / l->tp;
+  size_t h0 = 0, hl = h, w0 = 0, wl = wd;
+  if (split && rows) split_of(h, l->tp, tr, &h0, &hl);
+  else if (split) split_of(wd, l->tp, tr, &w0, &wl);
+  const size_t ln = b * hl * wl, chunk = (ln + (size_t)zdp - 1) / (size_t)zdp;
+  const size_t nb = (numel + B - 1) / B;
+  /* every element's piece: (tp block index, dp range index); blocks of this rank's elements; shared blocks */
+  unsigned char *mine = calloc(nb ? nb : 1, 1);
+  long long *first = malloc((nb ? nb : 1) * sizeof *first);
+  for (size_t k = 0; k < nb; k++) first[k] = -1;
+  *shared = 0;
+  for (size_t L = 0; L < numel; L++) {
+    const size_t bi = L / (h * wd), row = L / wd % h, col = L % wd;
+    int t = 0; /* the TP rank whose block holds it (REPLICATED: all, piece of tp rank 0) */
+    for (int r = 0; split && r < l->tp; r++) {
+      size_t o, n;
+      split_of(rows ? h : wd, l->tp, r, &o, &n);
+      const size_t x = rows ? row : col;
+      if (x >= o && x < o + n) t = r;
+    }
+    size_t th0 = 0, thl = h, tw0 = 0, twl = wd;
+    if (split && rows) split_of(h, l->tp, t, &th0, &thl);
+    else if (split) split_of(wd, l->tp, t, &tw0, &twl);
+    const size_t tln = b * thl * twl, tchunk = (tln + (size_t)zdp - 1) / (size_t)zdp;
+    const size_t j = (bi * thl + row - th0) * twl + col - tw0, q = j / tchunk;
+    const long long piece = (long long)t * 1000 + (long long)q;
+    if (first[L / B] < 0) first[L / B] = piece;
+    else if (first[L / B] != piece) *shared = 1;
+    if ((t == tr || !split) && (l->zero == 0 || (int)q == dr)) mine[L / B] = 1;
+  }
+  size_t nblk = 0;
+  for (size_t k = 0; k < nb; k++) nblk += mine[k];
+  free(mine);
+  free(first);
+  const size_t ext = l->zero >= 1 ? chunk : ln;
+  return (numel >= min8 ? 2 * ext + 8 * nblk : 8 * ext) + (pct ? 400 : 0);
+}
+
+/* Every rank holds exactly its own pieces' 8-bit states (q8_rank_bytes summed over the case's parameters):
+ * its codes (1/dp of the reference's, plus ZeRO padding) and the absmax of the blocks its elements fall in
+ * (one block more per shard edge at most), nothing of anybody else's tensor. */
+static void check_q8_states(const dt_case *c, const dt_layout *l, const dt_result *got, size_t B, size_t min8,
+                            int pct) {
+  for (int w = 0; w < l->tp * l->dp; w++) {
+    size_t want = 0;
+    int sh;
+    for (int i = 0; i < c->nparams; i++) want += q8_rank_bytes(&c->params[i], l, w, B, min8, pct, &sh);
+    if (got->state_mem[w] != want)
+      fail_msg("%s [%s] tp%d dp%d zero%d: world rank %d holds %zu state bytes, its pieces' are %zu", c->optimizer,
+               c->hparams, l->tp, l->dp, l->zero, w, got->state_mem[w], want);
+  }
+}
+
 /* bitsandbytes #2080: FSDP applied min_8bit_size to the flattened shard, so a
  * 4096-element weight sharded 4 ways (1024 each) silently got fp32 states.
  * Here the threshold is the logical numel's: 8-bit codes in every layout, the
- * same bytes as the reference, and the states held once across the ranks. */
+ * same bytes as the reference, and every rank holds its own pieces' states. */
 static void test_8bit_threshold_is_logical(void **st) {
   (void)st;
   static const dt_param P[] = {{"w", 2, {64, 64}, DOPT_TP_COLUMN, 0}, {"b", 1, {64}, DOPT_TP_COLUMN, 1}};
@@ -281,28 +362,105 @@ static void test_8bit_threshold_is_logical(void **st) {
   for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
     dt_result got;
     expect_bitwise(&c, &L[li], &ref, &got);
-    size_t sum = 0;
-    for (int r = 0; r < L[li].tp * L[li].dp; r++) sum += got.state_mem[r];
-    if (sum != ref.ref_state_mem)
-      fail_msg("tp%d dp%d: the ranks hold %zu state bytes together, the reference %zu", L[li].tp, L[li].dp, sum,
-               ref.ref_state_mem);
+    check_q8_states(&c, &L[li], &got, 256, 4096, 0);
     dt_result_free(&got);
   }
   dt_result_free(&ref);
+}
+
+
+/* 8-bit states sharded by the logical blocks (docs/distributed.md "8-bit blocks"): adamw8bit steps every
+ * tensor piecewise, a block whose elements several ranks hold takes its absmax from one MAX over them, and
+ * every rank holds only its own codes and the absmax of its blocks. Bitwise the reference, outside the CI
+ * grid's layouts: blocks of 64 straddling ZeRO edges at dp 5..8, ROW splits whose rows are narrower than a
+ * block (strided blocks), tp 5..8, ZeRO-3, bf16 working copies, 3 accumulated micro-batches, global clipping,
+ * percentile clipping; and torchao #4912's (6, 1024) weight with bitsandbytes' min_8bit_size 4096, which
+ * became fp32 when split in two: 8-bit here in every split. One MAX round per step: with one bucket, the
+ * statistic collectives per step are one per transport that a tensor with shared blocks reduces over. */
+static void test_8bit_blocks_any_layout(void **st) {
+  (void)st;
+  static const dt_param P[] = {
+      {"col", 2, {37, 29}, DOPT_TP_COLUMN, 0}, {"row", 2, {13, 40}, DOPT_TP_ROW, 0},
+      {"t3", 3, {2, 5, 30}, DOPT_TP_COLUMN, 0}, {"rep", 1, {300}, DOPT_TP_REPLICATED, 1},
+      {"b", 1, {50}, DOPT_TP_COLUMN, 1},       {"one", 2, {1, 70}, DOPT_TP_ROW, 0},
+  };
+  static const dt_param W4912[] = {{"w", 2, {6, 1024}, DOPT_TP_COLUMN, 0}, {"wr", 2, {6, 1024}, DOPT_TP_ROW, 0}};
+  static const struct {
+    const char *hp;
+    const dt_param *p;
+    int np, micro, bf16, pct;
+    double clip;
+    size_t B, min8;
+  } S[] = {
+      {"lr=1e-2,min_8bit_size=64,block_size=64", P, 6, 1, 0, 0, 0.0, 64, 64},
+      {"lr=1e-2,min_8bit_size=64,block_size=64,weight_decay=0.01", P, 6, 3, 1, 0, 0.05, 64, 64},
+      {"lr=1e-2,min_8bit_size=64,block_size=128,percentile_clipping=5", P, 6, 1, 0, 1, 0.0, 128, 64},
+      {"lr=1e-2,block_size=256", W4912, 2, 1, 0, 0, 0.0, 256, 4096}, /* bitsandbytes' default min_8bit_size */
+  };
+  static const dt_layout L[] = {{1, 7, 2, 0}, {1, 7, 3, 0}, {1, 5, 1, 0}, {1, 8, 2, 0}, {5, 1, 0, 0},
+                                {6, 1, 0, 0}, {7, 2, 3, 0}, {8, 1, 0, 0}, {3, 5, 3, 0}, {2, 6, 1, 0}};
+  int runs = 0;
+  for (size_t k = 0; k < sizeof S / sizeof S[0]; k++) {
+    dt_case c = {"adamw8bit", S[k].hp, NULL, S[k].p, S[k].np, 9, S[k].micro, S[k].clip, S[k].bf16,
+                 500 + (uint64_t)k, 0.5, 0, 3, 0, 0, 0, 0, 0};
+    dt_result ref[9];
+    int have[9] = {0};
+    for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
+      const dt_layout *l = &L[li];
+      if (!have[l->dp]) {
+        assert_ok(dt_run_reference(&c, l->dp, &ref[l->dp]));
+        have[l->dp] = 1;
+        for (int i = 0; i < c.nparams; i++)
+          for (int q = 0; q < ref[l->dp].nstates[i]; q++)
+            if (strcmp(ref[l->dp].state_name[i][q], "state1") == 0) {
+              size_t n = 1;
+              for (int d = 0; d < c.params[i].ndim; d++) n *= (size_t)c.params[i].shape[d];
+              if (ref[l->dp].state_bytes[i][q] != (n >= S[k].min8 ? n : 4 * n))
+                fail_msg("[%s] %s: state1 is %zu bytes", c.hparams, c.params[i].name, ref[l->dp].state_bytes[i][q]);
+            }
+      }
+      dt_result got;
+      expect_bitwise(&c, l, &ref[l->dp], &got);
+      check_q8_states(&c, l, &got, S[k].B, S[k].min8, S[k].pct);
+      /* one bucket, no percentile or global clipping: one MAX round, over each transport a posting tensor uses */
+      if (!S[k].pct && S[k].clip == 0.0) {
+        int over_tp = 0, over_dp = 0;
+        for (int i = 0; i < c.nparams; i++) {
+          int sh;
+          q8_rank_bytes(&c.params[i], l, 0, S[k].B, S[k].min8, 0, &sh);
+          size_t n = 1;
+          for (int d = 0; d < c.params[i].ndim; d++) n *= (size_t)c.params[i].shape[d];
+          if (!sh || n < S[k].min8) continue;
+          over_tp |= l->tp > 1 && c.params[i].role != DOPT_TP_REPLICATED;
+          over_dp |= l->zero >= 1 && l->dp > 1;
+        }
+        for (int w = 0; w < l->tp * l->dp; w++)
+          if (got.stat_collectives[w] != (int64_t)(over_tp + over_dp) * c.steps)
+            fail_msg("[%s] tp%d dp%d zero%d: rank %d issued %lld statistic collectives in %d steps, expected %d",
+                     c.hparams, l->tp, l->dp, l->zero, w, (long long)got.stat_collectives[w], c.steps,
+                     (over_tp + over_dp) * c.steps);
+      }
+      dt_result_free(&got);
+      runs++;
+    }
+    for (int d = 0; d < 9; d++)
+      if (have[d]) dt_result_free(&ref[d]);
+  }
+  printf("8-bit blocks: %d runs bitwise, every rank's states its own pieces'\n", runs);
 }
 
 /* Owner mode per parameter: under galore_adamw only the projected matrix steps whole on one owner rank; the
  * bias (not projected: plain HF AdamW) steps piecewise, its states sharded over dp like AdamW's (before, the
  * whole optimizer was in owner mode and the bias's states sat whole on one rank). Every rank that does not own
  * the matrix holds exactly its ZeRO piece of the bias's two states; the ranks hold the reference's state bytes
- * once between them; bitwise the reference. The same for adamw8bit's tensor below min_8bit_size. */
+ * once between them; bitwise the reference. The same for galore_adamw8bit's bias below min_8bit_size (adamw8bit
+ * itself owns nothing: test_8bit_blocks_any_layout). */
 static void test_owner_mode_per_parameter(void **st) {
   (void)st;
   static const dt_param P[] = {{"w", 2, {32, 24}, DOPT_TP_COLUMN, 0}, {"b", 1, {400}, DOPT_TP_COLUMN, 1}};
   static const struct {
     const char *opt, *hp;
   } O[] = {{"galore_adamw", "lr=1e-2,rank=4,update_proj_gap=3"},
-           {"adamw8bit", "lr=1e-2,min_8bit_size=512,block_size=256"},
            {"galore_adamw8bit", "lr=1e-2,rank=4,update_proj_gap=3,min_8bit_size=512,block_size=256"}};
   const dt_layout l = {1, 4, 2, 0};
   for (size_t o = 0; o < sizeof O / sizeof O[0]; o++) {
@@ -451,6 +609,7 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_skip),
       cmocka_unit_test(test_batched_reductions),
       cmocka_unit_test(test_8bit_threshold_is_logical),
+      cmocka_unit_test(test_8bit_blocks_any_layout),
       cmocka_unit_test(test_owner_mode_per_parameter),
       cmocka_unit_test(test_galore_split_inner_dimension),
       cmocka_unit_test(test_config_errors),

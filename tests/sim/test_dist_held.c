@@ -15,6 +15,7 @@
 enum { TP = 2, DP = 3, NR = TP * DP, STEPS = 2 };
 
 typedef struct held_case {
+  const char *opt, *hp; /* NULL: adafactor's defaults */
   int zero;
   int bad_rank;      /* world rank whose copy is flipped (-1: none) */
   int param, entry;  /* the flipped piece: 0 fp32 values, 1 + k state k */
@@ -37,7 +38,7 @@ static dopt_status body(dopt_sim_comm *world, int rank, void *user) {
   for (int k = 0; k < 30; k++) w[k] = 0.01f * (float)(k % 7) - 0.02f;
   for (int k = 0; k < 7; k++) ln[k] = 1.0f + 0.1f * (float)k;
   dopt_optim *o = NULL;
-  DOPT_TRY(dopt_optim_create("adafactor", NULL, &o));
+  DOPT_TRY(dopt_optim_create(x->opt ? x->opt : "adafactor", x->hp, &o));
   dopt_param_config pw = DOPT_PARAM_CONFIG_INIT, pl = DOPT_PARAM_CONFIG_INIT;
   pw.name = "w", pw.ndim = 2, pw.shape[0] = WS[0], pw.shape[1] = WS[1], pw.data = w;
   pl.name = "ln", pl.ndim = 1, pl.shape[0] = 7, pl.data = ln;
@@ -101,24 +102,37 @@ static void test_held(void **st) {
   (void)st;
   /* adafactor's states: w (factored) exp_avg_sq_row, exp_avg_sq_col, RMS; ln exp_avg_sq, RMS. World rank
    * r is tp rank r % 2, dp rank r / 2. */
+  /* adamw8bit (blocks of 64): w [6, 5] is one block whose elements every piece holds (tp 2 x dp 3 at ZeRO
+   * 1..3, tp 2 at ZeRO 0), states state1, state2, absmax1, absmax2; ln stays fp32 (7 < 16) */
+  const char *q8 = "adamw8bit", *q8hp = "lr=1e-2,min_8bit_size=16,block_size=64";
   held_case cases[] = {
-      {1, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
-      {0, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
-      {3, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      /* a shared block's absmax copy on rank 4 (not the rank of the block's first element, rank 0) */
+      {q8, q8hp, 1, 4, 0, 3, 4, "w/absmax1", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 3, 5, 0, 4, 5, "w/absmax2", {0}, {0}, {{0}}, 0},
+      /* the first element's holder itself: every other holder differs from it, the lowest is named */
+      {q8, q8hp, 2, 0, 0, 3, 1, "w/absmax1", {0}, {0}, {{0}}, 0},
+      /* ZeRO 0: replicated over dp, and shared over tp */
+      {q8, q8hp, 0, 3, 0, 3, 3, "w/absmax1", {0}, {0}, {{0}}, 0},
+      /* the codes are a shard held once at ZeRO 2: not a replica difference */
+      {q8, q8hp, 2, 3, 0, 1, -1, "", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 2, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 0, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
       /* ln's values (TP-replicated) on rank 3: differs from rank 2 (tp) and rank 1 (dp) */
-      {1, 3, 1, 0, 3, "ln", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, 3, 1, 0, 3, "ln", {0}, {0}, {{0}}, 0},
       /* w's values (replicated over dp below ZeRO-3) on rank 4 */
-      {1, 4, 0, 0, 4, "w", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, 4, 0, 0, 4, "w", {0}, {0}, {{0}}, 0},
       /* a factored statistic, the logical state on every rank, on rank 5 */
-      {2, 5, 0, 1, 5, "w/exp_avg_sq_row", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 2, 5, 0, 1, 5, "w/exp_avg_sq_row", {0}, {0}, {{0}}, 0},
       /* an elementwise state at ZeRO 0 (replicated over dp) on rank 2 */
-      {0, 2, 1, 1, 2, "ln/exp_avg_sq", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 0, 2, 1, 1, 2, "ln/exp_avg_sq", {0}, {0}, {{0}}, 0},
       /* ZeRO 3: w's values are a shard held once: not a replica difference */
-      {3, 4, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, 4, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
       /* ZeRO 3: ln's shard is held by both TP ranks of its dp rank */
-      {3, 3, 1, 0, 3, "ln", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, 3, 1, 0, 3, "ln", {0}, {0}, {{0}}, 0},
       /* dp rank 0 itself (rank 0): the others of its dp group differ from it, the lowest is named */
-      {1, 0, 0, 0, 2, "w", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, 0, 0, 0, 2, "w", {0}, {0}, {{0}}, 0},
   };
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     held_case *x = &cases[c];

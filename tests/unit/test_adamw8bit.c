@@ -38,6 +38,7 @@
 #include "distopt/distopt.h"
 #include "distopt/quant8.h"
 #include "quant8_fast.h"
+#include "registry.h"
 
 #define EPS32 (1.0 / 16777216.0)
 #define NSTEPS 24
@@ -679,12 +680,233 @@ static void test_fast_kernel_bitwise(void **st) {
          dopt__q8_have_avx2() ? "tested" : "unavailable");
 }
 
+/* dopt_q8_adam_update through the two-phase API, as pieces on several ranks run it: every block cut at up
+ * to three random points into sub-runs (the pieces holding its elements), the maxima of each sub-run taken
+ * alone (dopt_q8_adam_absmax) and combined by MAX (the padding slots counted by one or two of them: MAX is
+ * idempotent), then each sub-run applied (dopt_q8_adam_apply) with the block's old and new absmax. */
+static void two_phase_update(float *p, const float *g, uint8_t *q1, uint8_t *q2, float *a1, float *a2, size_t n,
+                             const dopt_q8_adam_hp *hp, size_t *bad, uint64_t *rng) {
+  const size_t B = hp->block;
+  for (size_t b0 = 0, blk = 0; b0 < n; b0 += B, blk++) {
+    const size_t valid = n - b0 < B ? n - b0 : B, pad = B - valid;
+    size_t cut[5] = {0, 0, 0, 0, valid}, nc = 1 + dt_rand_u64(rng) % 4; /* sub-runs [cut[k], cut[k+1]) */
+    for (size_t k = 1; k < nc; k++) cut[k] = (size_t)(dt_rand_u64(rng) % (valid + 1));
+    cut[nc] = valid;
+    for (size_t i = 1; i < nc; i++) /* sort the inner cuts */
+      for (size_t j = i; j > 0 && cut[j] < cut[j - 1]; j--) {
+        size_t t = cut[j];
+        cut[j] = cut[j - 1], cut[j - 1] = t;
+      }
+    float m1 = -FLT_MAX, m2 = -FLT_MAX;
+    for (size_t k = 0; k < nc; k++) {
+      float x1 = -FLT_MAX, x2 = -FLT_MAX;
+      const size_t lo = cut[k], len = cut[k + 1] - lo;
+      const size_t mypad = k + 1 == nc || dt_rand_u64(rng) % 3 == 0 ? pad : 0; /* the last one, maybe another */
+      assert_ok(dopt_q8_adam_absmax(g + b0 + lo, q1 + b0 + lo, q2 + b0 + lo, a1[blk], a2[blk], len, mypad, hp, &x1,
+                                    &x2, bad));
+      m1 = x1 > m1 ? x1 : m1;
+      m2 = x2 > m2 ? x2 : m2;
+    }
+    for (size_t k = 0; k < nc; k++)
+      assert_ok(dopt_q8_adam_apply(p + b0 + cut[k], g + b0 + cut[k], q1 + b0 + cut[k], q2 + b0 + cut[k], a1[blk],
+                                   a2[blk], m1, m2, cut[k + 1] - cut[k], hp));
+    a1[blk] = m1, a2[blk] = m2;
+  }
+}
+
+/* The two-phase API is the fused kernel, bit for bit, on the inputs of test_fast_kernel_bitwise (odd values,
+ * odd absmax states, clipping, partial last blocks), over chained steps; and its arguments are checked. */
+static void test_two_phase_bitwise(void **st) {
+  (void)st;
+  const size_t sizes[] = {64, 100, 4096 + 300, 9000};
+  const size_t blocks[] = {64, 256, 2048};
+  uint64_t rng = 91;
+  size_t compared = 0;
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+    for (size_t bi = 0; bi < sizeof blocks / sizeof *blocks; bi++)
+      for (int mode = 0; mode < 4; mode++) { /* 0 plain, 1 odd inputs, 2 odd states, 3 clipped, no decay */
+        const size_t n = sizes[si], B = blocks[bi], nb = dopt_q8_num_blocks(n, B);
+        float *p[2], *a1[2], *a2[2], *g = malloc(n * sizeof *g);
+        uint8_t *q1[2], *q2[2];
+        for (int v = 0; v < 2; v++) {
+          p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
+          q1[v] = malloc(n), q2[v] = malloc(n);
+        }
+        for (size_t i = 0; i < n; i++) {
+          p[0][i] = mode == 1 ? odd_value(&rng, 0.5) : (float)(dt_rand_normal(&rng) * 0.5);
+          q1[0][i] = (uint8_t)dt_rand_u64(&rng), q2[0][i] = (uint8_t)dt_rand_u64(&rng);
+        }
+        for (size_t b = 0; b < nb; b++) {
+          a1[0][b] = (float)fabs(dt_rand_normal(&rng) * 0.1), a2[0][b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
+          if (mode == 2) {
+            const float odd[] = {0.0f, -0.0f, -1.0f, 1e-40f, 1e-39f, INFINITY, NAN, 3e38f, 1e-30f};
+            a1[0][b] = odd[dt_rand_u64(&rng) % 9], a2[0][b] = odd[dt_rand_u64(&rng) % 9];
+          }
+        }
+        memcpy(p[1], p[0], n * 4), memcpy(q1[1], q1[0], n), memcpy(q2[1], q2[0], n);
+        memcpy(a1[1], a1[0], nb * 4), memcpy(a2[1], a2[0], nb * 4);
+        dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
+                              .gnorm_scale = 1.0f, .step = 1, .block = B};
+        if (mode == 3) hp.gnorm_scale = 0.37f, hp.weight_decay = 0.0f, hp.lr = 3e-2f, hp.beta2 = 0.99f;
+        for (int t = 1; t <= 3; t++) {
+          hp.step = t;
+          for (size_t i = 0; i < n; i++)
+            g[i] = mode == 1 || mode == 2 ? odd_value(&rng, 1e-2) : (float)(dt_rand_normal(&rng) * 1e-2);
+          size_t bad[2] = {0, 0};
+          assert_ok(dopt_q8_adam_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]));
+          two_phase_update(p[1], g, q1[1], q2[1], a1[1], a2[1], n, &hp, &bad[1], &rng);
+          for (size_t i = 0; i < n; i++)
+            if (!same_param(p[1][i], p[0][i]) || q1[1][i] != q1[0][i] || q2[1][i] != q2[0][i])
+              fail_msg("n=%zu B=%zu mode %d t=%d: element %zu: p %a/%a bytes %d,%d / %d,%d", n, B, mode, t, i,
+                       (double)p[1][i], (double)p[0][i], q1[1][i], q2[1][i], q1[0][i], q2[0][i]);
+          if (memcmp(a1[1], a1[0], nb * 4) || memcmp(a2[1], a2[0], nb * 4) || bad[1] != bad[0])
+            fail_msg("n=%zu B=%zu mode %d t=%d: absmax or non-finite count (%zu, %zu) differ", n, B, mode, t, bad[1],
+                     bad[0]);
+          compared += n;
+        }
+        for (int v = 0; v < 2; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+        free(g);
+      }
+  /* the arguments: more slots than a block, a bad block, NULL arrays */
+  dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .step = 1, .block = 64};
+  float x = 0.0f, m1 = 0.0f, m2 = 0.0f;
+  uint8_t b = 0;
+  assert_status(dopt_q8_adam_absmax(&x, &b, &b, 1.0f, 1.0f, 60, 5, &hp, &m1, &m2, NULL), DOPT_ERR_INVALID_ARG,
+                "pad=5");
+  assert_status(dopt_q8_adam_apply(&x, &x, &b, &b, 1.0f, 1.0f, 1.0f, 1.0f, 65, &hp), DOPT_ERR_INVALID_ARG, "n=65");
+  assert_status(dopt_q8_adam_absmax(NULL, &b, &b, 1.0f, 1.0f, 1, 0, &hp, &m1, &m2, NULL), DOPT_ERR_INVALID_ARG,
+                "NULL");
+  hp.block = 100;
+  assert_status(dopt_q8_adam_apply(&x, &x, &b, &b, 1.0f, 1.0f, 1.0f, 1.0f, 1, &hp), DOPT_ERR_INVALID_ARG,
+                "block=100");
+  printf("two-phase kernel: %zu element updates bitwise equal to the fused kernel\n", compared);
+}
+
+typedef struct posts {
+  double *x[4];
+  size_t n[4];
+  int count;
+} posts;
+static dopt_status rec_max(void *ctx, double *x, size_t n) {
+  posts *p = ctx;
+  p->x[p->count] = x, p->n[p->count++] = n;
+  return DOPT_OK;
+}
+static dopt_status rec_sum(void *ctx, int64_t *x, size_t n) {
+  (void)ctx, (void)x, (void)n;
+  return DOPT_ERR_STATE; /* adamw8bit without percentile clipping posts no sum */
+}
+
+/* The piecewise step (ref/adamw8bit.c) on four pieces of one [150] tensor cut inside its blocks of 64, each
+ * with its own copy of the blocks it touches and the shared-block list {0, 1, 2}, driven as distributed/
+ * drives it (stage 0, a MAX over the four posts, stage 1), is the whole-tensor step bit for bit: parameters,
+ * codes, and every piece's copy of every absmax. Twice: random states and gradients; and zero gradients with
+ * every code at 127 (m = 0) under absmax 1, where only the last block's padding slots (byte 128) give the new
+ * absmax1 (beta1 * code1[128]): the piece holding the end of the tensor must count them. A piece that cuts a
+ * block without a shared list is refused. */
+static void test_piecewise_step_shared_blocks(void **st) {
+  (void)st;
+  enum { N = 150, B = 64, NB = 3, NPC = 4 };
+  const size_t lo[NPC + 1] = {0, 50, 100, 140, N};
+  const size_t idx[3] = {0, 1, 2};
+  const dopt_optim_impl *im = dopt_find_impl("adamw8bit");
+  dopt_optim *o = NULL;
+  assert_ok(dopt_optim_create("adamw8bit", "lr=1e-2,block_size=64,min_8bit_size=16,weight_decay=0.01", &o));
+  const double *hp = dopt__optim_group_hp(o, 0);
+  uint64_t rng = 4;
+  for (int pass = 0; pass < 2; pass++) {
+    float p[N], g[N], a1[NB], a2[NB], pp[N];
+    uint8_t q1[N], q2[N], pq1[N], pq2[N];
+    for (size_t i = 0; i < N; i++) {
+      p[i] = (float)dt_rand_normal(&rng);
+      g[i] = pass ? 0.0f : (float)(dt_rand_normal(&rng) * 1e-2);
+      q1[i] = pass ? 127 : (uint8_t)dt_rand_u64(&rng), q2[i] = pass ? 0 : (uint8_t)dt_rand_u64(&rng);
+    }
+    for (int b = 0; b < NB; b++) a1[b] = pass ? 1.0f : (float)fabs(dt_rand_normal(&rng)), a2[b] = 1.0f;
+    memcpy(pp, p, sizeof p), memcpy(pq1, q1, sizeof q1), memcpy(pq2, q2, sizeof q2);
+    float pa1[NPC][NB], pa2[NPC][NB]; /* each piece's blocks, from its first */
+    size_t first[NPC], nblk[NPC];
+    for (int k = 0; k < NPC; k++) {
+      first[k] = lo[k] / B, nblk[k] = (lo[k + 1] - 1) / B - first[k] + 1;
+      for (size_t t = 0; t < nblk[k]; t++) pa1[k][t] = a1[first[k] + t], pa2[k][t] = a2[first[k] + t];
+    }
+    /* the whole tensor */
+    const int64_t shape[1] = {N};
+    dopt_piece whole;
+    dopt_piece_full(1, shape, &whole);
+    unsigned char fw[64], fp[NPC][64];
+    assert_true(im->frame(hp, &whole) <= sizeof fw);
+    void *sw[4] = {q1, q2, a1, a2};
+    int more = 0;
+    dopt_step_args a = {im, hp, 1, &whole, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL};
+    assert_ok(dopt__run_stages(NULL, &a));
+    /* the pieces */
+    dopt_piece pc[NPC];
+    double mx[NPC][6];
+    dopt_block_share sh[NPC];
+    posts ps = {{NULL}, {0}, 0};
+    dopt_reducer red = {&ps, rec_max, rec_sum};
+    dopt_step_args pa[NPC];
+    int pmore[NPC];
+    void *stp[NPC][4];
+    for (int k = 0; k < NPC; k++) {
+      pc[k] = whole, pc[k].lo = lo[k], pc[k].len = lo[k + 1] - lo[k];
+      sh[k] = (dopt_block_share){B, 3, idx, mx[k]};
+      stp[k][0] = pq1 + lo[k], stp[k][1] = pq2 + lo[k], stp[k][2] = pa1[k], stp[k][3] = pa2[k];
+      pa[k] = (dopt_step_args){im, hp, 1, &pc[k], pp + lo[k], g + lo[k], stp[k], fp[k], &red, NULL, 0, 0, &pmore[k],
+                               NULL, NULL, NULL, 0, NULL, &sh[k]};
+      pmore[k] = 0;
+      assert_ok(im->step(&pa[k]));
+      assert_int_equal(pmore[k], 1);
+    }
+    assert_int_equal(ps.count, NPC);
+    for (int e = 0; e < 6; e++) { /* the MAX a collective does */
+      double m = -INFINITY;
+      for (int k = 0; k < NPC; k++) m = ps.x[k][e] > m ? ps.x[k][e] : m;
+      for (int k = 0; k < NPC; k++) ps.x[k][e] = m;
+    }
+    for (int k = 0; k < NPC; k++) {
+      pa[k].stage = 1, pmore[k] = 0;
+      assert_ok(im->step(&pa[k]));
+      assert_int_equal(pmore[k], 0);
+    }
+    for (size_t i = 0; i < N; i++)
+      if (!same_param(pp[i], p[i]) || pq1[i] != q1[i] || pq2[i] != q2[i])
+        fail_msg("pass %d element %zu: p %a/%a bytes %d,%d / %d,%d", pass, i, (double)pp[i], (double)p[i], pq1[i],
+                 pq2[i], q1[i], q2[i]);
+    for (int k = 0; k < NPC; k++)
+      for (size_t t = 0; t < nblk[k]; t++)
+        if (memcmp(&pa1[k][t], &a1[first[k] + t], 4) || memcmp(&pa2[k][t], &a2[first[k] + t], 4))
+          fail_msg("pass %d piece %d: block %zu absmax %a, %a; whole %a, %a", pass, k, first[k] + t,
+                   (double)pa1[k][t], (double)pa2[k][t], (double)a1[first[k] + t], (double)a2[first[k] + t]);
+    if (pass == 1) { /* the padding decided it */
+      const float want = 0.9f * (dopt_q8_map(1)[128] * 1.0f);
+      assert_memory_equal(&a1[2], &want, 4);
+    }
+  }
+  /* a cut block without a shared list */
+  const int64_t shape[1] = {N};
+  dopt_piece half;
+  dopt_piece_full(1, shape, &half);
+  half.lo = 50, half.len = 100;
+  float p[N] = {0}, g[N] = {0}, a1[NB] = {0}, a2[NB] = {0};
+  uint8_t q1[N] = {0}, q2[N] = {0};
+  void *sw[4] = {q1, q2, a1, a2};
+  unsigned char fw[64];
+  int more = 0;
+  dopt_step_args a = {im, hp, 1, &half, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL};
+  assert_status(im->step(&a), DOPT_ERR_STATE, "part of block 0");
+  dopt_optim_destroy(o);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_against_oracle),     cmocka_unit_test(test_zero_block_and_padding),
       cmocka_unit_test(test_decay_after),        cmocka_unit_test(test_fp32_nan_propagates),
       cmocka_unit_test(test_percentile_clipping), cmocka_unit_test(test_memory),
       cmocka_unit_test(test_hparams),             cmocka_unit_test(test_fast_kernel_bitwise),
+      cmocka_unit_test(test_two_phase_bitwise),
+      cmocka_unit_test(test_piecewise_step_shared_blocks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

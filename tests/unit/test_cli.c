@@ -609,9 +609,11 @@ static void mem_row(const char *txt, const char *opt, int *npiece, int *nowner, 
   *all = v[6];
 }
 
-/* distopt mem --dp: sharded 8-bit and GaLore states (owner mode) are held
- * once across the ranks, about 1/dp each (up to one tensor's states: whole
- * tensors are owned); piecewise states are 1/dp up to the block padding. */
+/* distopt mem --dp: GaLore's projected states (owner mode) are held once
+ * across the ranks, about 1/dp each (up to one tensor's states: whole
+ * tensors are owned); piecewise states, 8-bit ones included, are 1/dp up to
+ * the ZeRO padding and, for 8-bit absmax, a block per shard edge (held by
+ * both ranks whose elements share it). */
 static void test_mem_per_rank(void **st) {
   (void)st;
   char out[600];
@@ -634,16 +636,17 @@ static void test_mem_per_rank(void **st) {
     if (p1 != p4 || o1 != o4 || p1 + o1 != 219) fail_msg("%s: tensors %d / %d and %d / %d", opts[k], p1, o1, p4, o4);
     /* max / mean, printed with 3 decimals: the most loaded rank over the mean of the 4 */
     if (fabs(r4 - m4 / (a4 / 4)) > 0.0006) fail_msg("%s: max / mean %.3f, bytes give %.4f", opts[k], r4, m4 / (a4 / 4));
-    if (strcmp(opts[k], "adamw") == 0) { /* piecewise: chunk = ceil(numel / 4): within padding of 1/dp */
-      if (o1 != 0) fail_msg("adamw: %d tensors in owner mode", o1);
-      if (!(m4 * 4 >= m1 && m4 * 4 <= m1 * 1.0001)) fail_msg("adamw: dp4 %.0f vs dp1 %.0f", m4, m1);
+    if (strncmp(opts[k], "adamw", 5) == 0) { /* piecewise: chunk = ceil(numel / 4): within padding of 1/dp */
+      if (o1 != 0) fail_msg("%s: %d tensors in owner mode", opts[k], o1);
+      if (!(m4 * 4 >= m1 && m4 * 4 <= m1 * 1.0001)) fail_msg("%s: dp4 %.0f vs dp1 %.0f", opts[k], m4, m1);
       continue;
     }
     /* owner mode per tensor: GaLore's unprojected tensors (norms, embedding, lm_head) step piecewise, its
-     * projected linears in owner mode; llama-1b's 2048-wide norms are below min_8bit_size (4096), so the
-     * 8-bit optimizers step them piecewise too */
+     * projected linears in owner mode */
     if (o1 == 0 || p1 == 0) fail_msg("%s: tensors %d piecewise / %d owner: no per-tensor decision", opts[k], p1, o1);
-    if (a4 != a1) fail_msg("%s: the ranks hold %.0f state bytes together, one rank %.0f", opts[k], a4, a1);
+    /* once across the ranks, but for the absmax of a block two ranks' elements share (8 bytes, 3 edges) */
+    if (a4 < a1 || a4 > a1 + 219.0 * 3 * 8)
+      fail_msg("%s: the ranks hold %.0f state bytes together, one rank %.0f", opts[k], a4, a1);
     if (m1 != a1) fail_msg("%s: dp1 max %.0f vs all %.0f", opts[k], m1, a1);
     if (!(m4 <= a1 / 4 + biggest)) fail_msg("%s: max rank %.0f > 1/4 of %.0f + one tensor", opts[k], m4, a1);
   }

@@ -4,9 +4,13 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "distopt/device.h"
+#include "grid.h"
+#include "optim_impl.h"
 #include "distopt/distopt.h"
 
 static void test_registry(void **st) {
@@ -360,9 +364,57 @@ static void test_bf16_master(void **st) {
   assert_true(dopt_bf16_to_f32(dopt_f32_to_bf16(NAN)) != dopt_bf16_to_f32(dopt_f32_to_bf16(NAN)));
 }
 
+/* A piece's runs and blocks (core/shape.c) against a brute force over every local element: the runs cover the
+ * piece in order, each logically contiguous, maximal (the logical neighbours of a run are not in the piece),
+ * and the blocks are exactly the set of element / block, for random TP blocks (rows, columns or both cut),
+ * ZeRO ranges, batch dims and block sizes. */
+static void test_piece_runs_and_blocks(void **st) {
+  (void)st;
+  uint64_t rng = 5;
+  int cases = 0;
+  for (int it = 0; it < 3000; it++) {
+    dopt_piece pc;
+    memset(&pc, 0, sizeof pc);
+    pc.b = 1 + dt_rand_u64(&rng) % 3, pc.h = 1 + dt_rand_u64(&rng) % 9, pc.w = 1 + dt_rand_u64(&rng) % 13;
+    pc.numel = pc.b * pc.h * pc.w;
+    pc.factored = 1;
+    const int cut = (int)(dt_rand_u64(&rng) % 4); /* 0 none, 1 rows, 2 columns, 3 both */
+    pc.hl = pc.h, pc.wl = pc.w;
+    if (cut & 1) pc.hl = dt_rand_u64(&rng) % (pc.h + 1), pc.h0 = dt_rand_u64(&rng) % (pc.h - pc.hl + 1);
+    if (cut & 2) pc.wl = dt_rand_u64(&rng) % (pc.w + 1), pc.w0 = dt_rand_u64(&rng) % (pc.w - pc.wl + 1);
+    const size_t ln = pc.b * pc.hl * pc.wl;
+    pc.lo = dt_rand_u64(&rng) % (ln + 1);
+    pc.len = dt_rand_u64(&rng) % (ln - pc.lo + 1);
+    const size_t B = 1 + dt_rand_u64(&rng) % 17;
+    unsigned char in[3 * 9 * 13] = {0}, blk[3 * 9 * 13] = {0};
+    for (size_t j = 0; j < pc.len; j++) in[dopt_grid_logical(&pc, pc.lo + j)] = 1;
+    size_t off = 0, next = 0;
+    dopt_run r;
+    while (dopt_piece_next_run(&pc, &off, &r)) {
+      assert_int_equal(r.off, next);
+      assert_true(r.len > 0);
+      for (size_t k = 0; k < r.len; k++) assert_int_equal(dopt_grid_logical(&pc, pc.lo + r.off + k), r.at + k);
+      if (r.at > 0) assert_false(in[r.at - 1]);                  /* maximal at its start */
+      if (r.at + r.len < pc.numel) assert_false(in[r.at + r.len]); /* and at its end */
+      next = r.off + r.len;
+    }
+    assert_int_equal(next, pc.len);
+    size_t want = 0, got[3 * 9 * 13];
+    for (size_t L = 0; L < pc.numel; L++)
+      if (in[L] && !blk[L / B]) blk[L / B] = 1, want++;
+    assert_int_equal(dopt_piece_blocks(&pc, B, NULL), want);
+    assert_int_equal(dopt_piece_blocks(&pc, B, got), want);
+    for (size_t k = 0, q = 0; k < (pc.numel + B - 1) / B; k++)
+      if (blk[k]) assert_int_equal(got[q++], k);
+    cases++;
+  }
+  printf("piece runs and blocks: %d random pieces against the brute force\n", cases);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_registry),
+      cmocka_unit_test(test_piece_runs_and_blocks),
       cmocka_unit_test(test_hparam_parsing),
       cmocka_unit_test(test_adafactor_validation),
       cmocka_unit_test(test_add_param_errors),

@@ -171,7 +171,7 @@ static size_t ck_frame_bytes(void *ctx, const dopt_step_args *a) {
 }
 
 /* a step's buffers: param and grad [len], every state in full (elementwise:
- * [len]; whole: its logical size), the frame */
+ * [len]; blockwise: the piece's blocks; whole: its logical size), the frame */
 static dopt_status ck_step(void *ctx, const dopt_step_args *a) {
   dt_checkdev *c = C(ctx);
   void *site = __builtin_return_address(0);
@@ -186,7 +186,10 @@ static dopt_status ck_step(void *ctx, const dopt_step_args *a) {
     dopt_state_spec spec[DOPT_MAX_STATES];
     int ns = a->impl->layout(a->hp, ndim, shape, spec);
     for (int k = 0; k < ns; k++) {
-      size_t bytes = spec[k].elementwise ? n * dopt_dtype_size(spec[k].v.dtype) : spec[k].v.bytes;
+      const size_t es = dopt_dtype_size(spec[k].v.dtype);
+      size_t bytes = spec[k].kind == DOPT_STATE_ELEMENTWISE ? n * es
+                     : spec[k].kind == DOPT_STATE_BLOCKWISE ? dopt_piece_blocks(pc, spec[k].block, NULL) * es
+                                                             : spec[k].v.bytes;
       CHECK(c, "step", spec[k].v.name, a->state[k], bytes, site);
     }
   }
