@@ -260,6 +260,39 @@ static void test_resume_refused(void **st) {
   rmtree(dir);
 }
 
+/* 8-bit absmax of ROW-split tensors whose rows are wider than a block: a rank's blocks are strided (rows 0,
+ * 1, ... of its columns touch blocks with gaps between them), so a load must pick its blocks out of the
+ * saved range, not take the first ones. Bitwise the uninterrupted run across tp and dp changes. */
+static void test_resume_8bit_strided_blocks(void **st) {
+  (void)st;
+  static const dt_param P[] = {{"wide_row", 2, {4, 300}, DOPT_TP_ROW, 0}, {"t3", 3, {2, 3, 130}, DOPT_TP_ROW, 0},
+                               {"col", 2, {9, 70}, DOPT_TP_COLUMN, 0}};
+  static const dt_layout PAIR[][2] = {{{3, 2, 2, 0}, {2, 3, 3, 0}}, {{1, 1, 0, 0}, {3, 1, 0, 0}},
+                                      {{2, 2, 1, 0}, {1, 1, 0, 0}}};
+  dt_case c1 = {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=64", NULL, P, 3, STEPS, GLOBAL, 0.0, 0, 77, 0.05, 0,
+                STEPS, 0, 0, 0, 0, 1};
+  dt_result ref;
+  assert_ok(dt_run_reference(&c1, 1, &ref));
+  for (size_t k = 0; k < sizeof PAIR / sizeof PAIR[0]; k++) {
+    const dt_layout *a = &PAIR[k][0], *b = &PAIR[k][1];
+    dt_case ca = c1, cb = c1;
+    ca.micro = GLOBAL / a->dp, cb.micro = GLOBAL / b->dp;
+    char dir[512];
+    tmpdir(dir, sizeof dir);
+    dt_result ga, gb;
+    run_phase(&ca, a, 1, K, NULL, dir, &ref, &ga);
+    run_phase(&cb, b, K + 1, STEPS, dir, NULL, &ref, &gb);
+    char msg[512] = "";
+    if (dt_compare(&cb, &ref, &gb, msg, sizeof msg))
+      fail_msg("adamw8bit strided blocks: tp%d dp%d zero%d -> tp%d dp%d zero%d: not the uninterrupted run: %s", a->tp,
+               a->dp, a->zero, b->tp, b->dp, b->zero, msg);
+    dt_result_free(&ga);
+    dt_result_free(&gb);
+    rmtree(dir);
+  }
+  dt_result_free(&ref);
+}
+
 /* Checkpoints written while adamw8bit stepped its 8-bit tensors in owner mode (each tensor's codes and absmax
  * whole on one rank) load into the piecewise layout and resume bitwise: the tensors are named and laid out
  * logically the same, only who held them changed. The fixtures (tests/data/ckpt-adamw8bit-owner/<case>/, K
@@ -313,6 +346,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_resume_grid), cmocka_unit_test(test_resume_real_runs),
                                      cmocka_unit_test(test_resume_through_reference),
                                      cmocka_unit_test(test_resume_refused),
-                                     cmocka_unit_test(test_resume_owner_mode_checkpoint)};
+                                     cmocka_unit_test(test_resume_owner_mode_checkpoint),
+                                     cmocka_unit_test(test_resume_8bit_strided_blocks)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
