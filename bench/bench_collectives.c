@@ -8,8 +8,9 @@
  *          collective count does not depend on the dimensions.
  * Runs tp=2 x dp=2 x ZeRO-2 on 4 simulator rank threads and prints per
  * optimizer, for world rank 0 and one step: collectives by kind (all_reduce
- * carries every statistic, plus 2 for the non-finite count; reduce_scatter
- * and all_gather are the gradient and parameter traffic, one per tensor),
+ * carries every statistic, the non-finite count and the dp sum's block codes;
+ * all_to_allv the dp sum's parts and owner exchanges, all_gather the
+ * weights: one per bucket of bucket_bytes, the default 64 MiB),
  * the simulator's measured communication time, and the alpha-beta projection
  * (dopt_sim_project) of the recorded operations onto 8, 64 and 1024 GPUs.
  *
@@ -271,11 +272,16 @@ static dopt_status run(const model *m, const char *opt, const char *hp) {
     fprintf(stderr, "%s/%s: %s: %s\n", m->name, opt, dopt_status_name(s),
             world ? dopt_sim_world_rank_error(world, 0) : dopt_last_error());
   } else {
-    uint64_t ar = x.ops[0][DOPT_SIM_KIND_ALL_REDUCE] + x.ops[1][DOPT_SIM_KIND_ALL_REDUCE];
-    uint64_t rs = x.ops[0][DOPT_SIM_KIND_REDUCE_SCATTER] + x.ops[1][DOPT_SIM_KIND_REDUCE_SCATTER];
-    uint64_t ag = x.ops[0][DOPT_SIM_KIND_ALL_GATHER] + x.ops[1][DOPT_SIM_KIND_ALL_GATHER];
-    printf("| %s | %d | %s | %llu | %llu | %llu | %.2f | %.1f |", m->name, m->n, opt, (unsigned long long)ar,
-           (unsigned long long)rs, (unsigned long long)ag, (x.comm_s[0] + x.comm_s[1]) * 1e3, x.step_wall * 1e3);
+    static const int kinds[] = {DOPT_SIM_KIND_ALL_REDUCE, DOPT_SIM_KIND_REDUCE_SCATTER, DOPT_SIM_KIND_ALL_GATHER,
+                                DOPT_SIM_KIND_ALL_TO_ALLV, DOPT_SIM_KIND_BROADCAST, DOPT_SIM_KIND_REDUCE};
+    printf("| %s | %d | %s |", m->name, m->n, opt);
+    unsigned long long ops = 0;
+    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) {
+      const unsigned long long c = x.ops[0][kinds[k]] + x.ops[1][kinds[k]];
+      printf(" %llu |", c);
+      ops += c;
+    }
+    printf(" %llu | %.2f | %.1f |", ops, (x.comm_s[0] + x.comm_s[1]) * 1e3, x.step_wall * 1e3);
     const int total = WARMUP + STEPS;
     for (int ci = 0; ci < NCLUSTERS && s == DOPT_OK; ci++) {
       dopt_sim_cluster cl = DOPT_SIM_CLUSTER_INIT;
@@ -317,7 +323,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: %s [--model block|llama|all] [--optimizer NAME|all] [--shrink K (1..1024)]\n", argv[0]);
     return 2;
   }
-  static const char *const opts[][2] = {{"adamw", NULL}, {"adafactor", NULL}, {"came", "lr=2e-4"}, {"lamb", NULL}};
+  static const char *const opts[][2] = {{"adamw", NULL},          {"adafactor", NULL},
+                                        {"came", "lr=2e-4"},      {"lamb", NULL},
+                                        {"adamw8bit", NULL},      {"galore_adamw", "rank=8,update_proj_gap=1000"}};
   model ms[2];
   int nm = 0;
   memset(ms, 0, sizeof ms);
@@ -326,9 +334,10 @@ int main(int argc, char **argv) {
   printf("collectives per step of world rank 0 (its tp and dp communicators), tp=%d x dp=%d x ZeRO-2 on %d simulator\n"
          "rank threads; median-free: every step issues the same operations (mean of %d steps after %d warm-up)\n\n",
          TP, DP, NRANKS, STEPS, WARMUP);
-  printf("| model | tensors | optimizer | all_reduce | reduce_scatter | all_gather | sim comm ms | sim step ms |");
+  printf("| model | tensors | optimizer | all_reduce | reduce_scatter | all_gather | all_to_allv | broadcast | reduce | "
+         "total | sim comm ms | sim step ms |");
   for (int c = 0; c < NCLUSTERS; c++) printf(" %s: stats / all ms |", CLUSTERS[c].name);
-  printf("\n|---|---:|---|---:|---:|---:|---:|---:|");
+  printf("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
   for (int c = 0; c < NCLUSTERS; c++) printf("---:|");
   printf("\n");
   int rc = 0;
@@ -336,7 +345,9 @@ int main(int argc, char **argv) {
     for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++)
       if (!strcmp(only, "all") || !strcmp(only, opts[k][0]))
         if (run(&ms[i], opts[k][0], opts[k][1]) != DOPT_OK) rc = 1;
-  printf("\nall_reduce: every statistic collective plus 2 for the non-finite count (tp, dp). sim comm ms: wall time\n"
+  printf("\nall_reduce: every statistic collective, 2 for the non-finite count (tp, dp) and 2 per bucket for the exact\n"
+         "dp sum's block codes (tp, dp); all_to_allv: the dp sum's parts (one per bucket) and the owner exchanges;\n"
+         "all_gather: the weights at ZeRO-2 (one per bucket). sim comm ms: wall time\n"
          "of rank 0's collectives in the simulator. Projection: alpha-beta (NVLink %.0f GB/s %.0f us, IB %.0f GB/s\n"
          "%.0f us) of the recorded operations with the group sizes replaced (the tp2 x dp2 buffers on larger\n"
          "groups); stats = all_reduce only, all = every collective of the step.\n",

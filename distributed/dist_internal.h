@@ -151,7 +151,7 @@ struct dopt_dist_optim {
   /* the exact dp sum (distopt/dpsum.h) */
   int dp_words;     /* int64 words per element; 0: fp32 in the transport's order */
   int keep;         /* batch-invariant: micro-batches kept and summed on the grid one by one */
-  size_t *code_off; /* [np] parameter i's block codes at codes[code_off[i]]; codes[0, np): its non-finite flag */
+  size_t *code_off; /* [np + 1] parameter i's block codes at codes[code_off[i]], its non-finite flag just before */
   size_t ncodes;
   int32_t *codes;   /* device [ncodes], one MAX over the world */
   int32_t *hflags;  /* host [np] */
@@ -159,8 +159,11 @@ struct dopt_dist_optim {
   size_t words_cap;
   int64_t *cls;     /* device [padded]: NaN/±inf counts, when a parameter has a non-finite value */
   size_t cls_cap;
-  float *parts;     /* device: a bucket's dp parts of each segment (the fused dp sum, dp_sum.c) */
+  float *parts;     /* device: a bucket's dp parts of each segment (the bucketed dp sum, dp_sum.c) */
   size_t parts_cap;
+  float *pack;      /* device: what a bucket's exchange or gather sends (dp_sum.c, step.c) */
+  size_t pack_cap;
+  size_t *part_at;  /* [np] dp_sum.c: a parameter's parts in each source's region of the bucket's exchange */
 };
 
 #define DEV(d) ((d)->dev->ops)

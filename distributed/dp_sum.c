@@ -18,60 +18,97 @@ dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t p
   return d->dp.ops->all_reduce(d->dp.comm, x, x, p->padded * per, dt, DOPT_SUM);
 }
 
-/* This rank's segment of a parameter's TP block for the fused sum: the ZeRO shard (zero >= 1: p->pc), or at
- * zero 0 the same split of the whole block, [q·S, q·S + len) with S = ceil(lnumel / dp). */
+/* ---- the exact sum in buckets (a transport with all_to_allv, dp > 1) ---------------------------------------
+ * Per bucket of consecutive parameters (their logical bytes / tp fit d->bucket_bytes, the same cut on every
+ * rank): one all_to_allv over dp brings every dp rank's fp32 parts of the elements this rank sums (its
+ * segment; owner mode: the whole TP block to the owner's row), the codes are taken over those parts, one MAX
+ * over the world completes the bucket's codes and flags, and each part is encoded, added and decoded a few
+ * thousand elements at a time in cache, as dopt_dp_sum does; at zero 0 one all_gather gives every rank the
+ * whole TP blocks again. The parts are one accumulated gradient per rank, or (batch invariant) its micro-batch
+ * gradients, every rank d->micro of them (a micro-batch without a gradient: zeros). Collectives per bucket:
+ * 1 all_to_allv + 1 MAX per transport (+ 1 all_gather at zero 0), whatever the number of parameters. */
+
+/* A piecewise parameter's segment size S = ceil(lnumel / dp): dp rank q sums [q·S, q·S + len) of the TP block
+ * (the ZeRO shard at zero >= 1). */
 static size_t seg_size(const dopt_dist_optim *d, const dist_param *p) {
   return (p->lnumel + (size_t)d->dp.size - 1) / (size_t)d->dp.size;
 }
-static size_t seg_len(const dist_param *p, size_t S, size_t q) {
-  const size_t lo = q * S;
-  return lo >= p->lnumel ? 0 : p->lnumel - lo < S ? p->lnumel - lo : S;
-}
 
-/* The fused path (a parameter not in owner mode, one accumulated gradient per rank, a transport that can
- * exchange): every dp rank's fp32 values of this rank's segment arrive by one all_to_allv (the fp32
- * reduce-scatter's traffic, not W words per element), the codes are taken over them, and after the MAX
- * each part is encoded, added and decoded a few thousand elements at a time, in cache, as dopt_dp_sum does. */
-static int fused(const dopt_dist_optim *d, const dist_param *p) {
-  /* not on p->lnumel: a TP rank's block may be empty where the others' are not, and the MAX is over tp too,
-   * so every rank takes this path for the same parameters */
-  return !d->keep && !p->owned && d->dp.size > 1 && d->dp.ops->all_to_allv != NULL;
-}
-
-/* A fused parameter's room in the bucket buffer: its dp parts [dp · S], then (zero 0) its own sum [S]. */
-static size_t fused_room(const dopt_dist_optim *d, const dist_param *p) {
-  return ((size_t)d->dp.size + 1) * seg_size(d, p);
-}
-
-/* The parts of parameter i's segment: recv [dp · S], part q at q · len. */
-static dopt_status fused_exchange(dopt_dist_optim *d, int i, float *recv) {
-  dist_param *p = &d->p[i];
-  const size_t n = (size_t)d->dp.size, S = seg_size(d, p), me = (size_t)d->dp.rank, len = seg_len(p, S, me);
-  size_t *c = d->xc; /* [5 · xn]: send counts, send offsets, receive counts, receive offsets */
-  for (size_t q = 0; q < n; q++) c[q] = seg_len(p, S, q), c[n + q] = q * S, c[2 * n + q] = len, c[3 * n + q] = q * len;
-  return d->dp.ops->all_to_allv(d->dp.comm, p->grad, c, c + n, recv, c + 2 * n, c + 3 * n, DOPT_F32);
-}
-
-/* The codes of parameter i's blocks over its segment's parts (MAX into d->codes), its non-finite flag. */
-static dopt_status fused_codes(dopt_dist_optim *d, int i, const float *recv) {
-  dist_param *p = &d->p[i];
-  const size_t S = seg_size(d, p), len = seg_len(p, S, (size_t)d->dp.rank);
-  dopt_piece g = p->pc;
-  g.lo = (size_t)d->dp.rank * S, g.len = len;
-  int64_t bad = 0;
-  for (int q = 0; q < d->dp.size && len; q++) {
-    int64_t b;
-    DOPT_TRY(DEV(d)->grid_codes(DCTX(d), recv + (size_t)q * len, &g, d->codes + d->code_off[i], &b));
-    bad += b;
+/* The elements of p's TP block that dp rank q sums: its segment; owner mode: all of them on the owner's row. */
+static void seg_of(const dopt_dist_optim *d, const dist_param *p, size_t q, size_t *lo, size_t *len) {
+  if (p->owned) {
+    *lo = 0;
+    *len = q == (size_t)p->owner ? p->lnumel : 0;
+    return;
   }
-  const int32_t one = 1;
-  return bad ? DEV(d)->upload(DCTX(d), d->codes + i, &one, sizeof one) : DOPT_OK;
+  const size_t S = seg_size(d, p);
+  *lo = q * S < p->lnumel ? q * S : p->lnumel;
+  *len = p->lnumel - *lo < S ? p->lnumel - *lo : S;
 }
 
-/* The sum of parameter i's segment into p->grad (zero 0: then every segment to every rank). */
-static dopt_status fused_sum(dopt_dist_optim *d, int i, float *recv, int W, int k) {
+static size_t nparts(const dopt_dist_optim *d) { return d->keep ? (size_t)d->micro : 1; }
+
+/* Local part m of parameter p (device): its accumulated gradient, or its m-th micro-batch (NULL: none). */
+static const float *local_part(const dopt_dist_optim *d, const dist_param *p, size_t m) {
+  if (!d->keep) return p->grad;
+  return m < (size_t)p->nmb ? p->mb + m * p->lnumel : NULL;
+}
+
+/* The bucket [b0, b1)'s exchange: every rank's parts of what this rank sums arrive in d->parts, from source q
+ * at q·R, parameter i's P parts at d->part_at[i] within it, each `len` long. */
+static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R) {
+  const size_t D = (size_t)d->dp.size, P = nparts(d), me = (size_t)d->dp.rank;
+  size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
+  size_t stot = 0, lo, len;
+  for (size_t q = 0; q < D; q++) {
+    sd[q] = stot, sc[q] = 0;
+    for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], q, &lo, &len), sc[q] += P * len;
+    stot += sc[q];
+  }
+  *R = 0;
+  for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], me, &lo, &len), d->part_at[i] = *R, *R += P * len;
+  for (size_t q = 0; q < D; q++) rc[q] = *R, rd[q] = q * *R;
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (D * *R > 0 ? D * *R : 1) * sizeof(float)));
+  for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
+    size_t at = sd[q];
+    for (int i = b0; i < b1; i++) {
+      const dist_param *p = &d->p[i];
+      seg_of(d, p, q, &lo, &len);
+      for (size_t m = 0; m < P && len; m++, at += len) {
+        const float *src = local_part(d, p, m);
+        DOPT_TRY(src ? DEV(d)->copy(DCTX(d), d->pack + at, src + lo, len * sizeof(float))
+                     : dd_zero_dev(d, d->pack + at, len * sizeof(float)));
+      }
+    }
+  }
+  return d->dp.ops->all_to_allv(d->dp.comm, d->pack, sc, sd, d->parts, rc, rd, DOPT_F32);
+}
+
+/* The codes of parameter i's blocks over the parts this rank received (MAX into its codes), its flag. */
+static dopt_status bucket_codes(dopt_dist_optim *d, int i, size_t R) {
   dist_param *p = &d->p[i];
-  const size_t S = seg_size(d, p), len = seg_len(p, S, (size_t)d->dp.rank);
+  size_t lo, len;
+  seg_of(d, p, (size_t)d->dp.rank, &lo, &len);
+  dopt_piece g = p->pc;
+  g.lo = lo, g.len = len;
+  int64_t bad = 0;
+  for (size_t q = 0; q < (size_t)d->dp.size && len; q++)
+    for (size_t m = 0; m < nparts(d); m++) {
+      int64_t b;
+      DOPT_TRY(DEV(d)->grid_codes(DCTX(d), d->parts + q * R + d->part_at[i] + m * len, &g, d->codes + d->code_off[i],
+                                  &b));
+      bad += b;
+    }
+  const int32_t one = 1;
+  return bad ? DEV(d)->upload(DCTX(d), d->codes + d->code_off[i] - 1, &one, sizeof one) : DOPT_OK;
+}
+
+/* The sum of parameter i's parts into p->grad at its segment (owner mode: the whole block, on the owner's row). */
+static dopt_status bucket_sum(dopt_dist_optim *d, int i, size_t R, int W, int k) {
+  dist_param *p = &d->p[i];
+  size_t lo, len;
+  seg_of(d, p, (size_t)d->dp.rank, &lo, &len);
   const int flagged = d->hflags[i] != 0;
   /* a few thousand elements at a time on the CPU (the words stay in cache); one pass on other devices */
   const size_t sub = d->dev == dopt_device_cpu() ? 4096 : (len ? len : 1);
@@ -80,43 +117,67 @@ static dopt_status fused_sum(dopt_dist_optim *d, int i, float *recv, int W, int 
   const int32_t *codes = d->codes + d->code_off[i];
   for (size_t s0 = 0; s0 < len; s0 += sub) {
     dopt_piece sp = p->pc;
-    sp.lo = (size_t)d->dp.rank * S + s0, sp.len = len - s0 < sub ? len - s0 : sub;
-    for (int q = 0; q < d->dp.size; q++)
-      DOPT_TRY(DEV(d)->grid_encode(DCTX(d), recv + (size_t)q * len + s0, &sp, codes, W, k, q > 0, d->words,
-                                   flagged ? d->cls : NULL));
+    sp.lo = lo + s0, sp.len = len - s0 < sub ? len - s0 : sub;
+    int first = 1;
+    for (size_t q = 0; q < (size_t)d->dp.size; q++)
+      for (size_t m = 0; m < nparts(d); m++, first = 0)
+        DOPT_TRY(DEV(d)->grid_encode(DCTX(d), d->parts + q * R + d->part_at[i] + m * len + s0, &sp, codes, W, k,
+                                     !first, d->words, flagged ? d->cls : NULL));
     DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words, flagged ? d->cls : NULL, &sp, codes, W, k, p->grad + sp.lo));
   }
-  if (d->zero >= 1) return DOPT_OK;
-  /* zero 0: every rank's segment to every rank (S elements each: the last ones padded), then the block */
-  float *seg = recv + (size_t)d->dp.size * S; /* recv has room for dp · S + S */
-  if (len) DOPT_TRY(DEV(d)->copy(DCTX(d), seg, p->grad + (size_t)d->dp.rank * S, len * sizeof(float)));
-  DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, seg, recv, S, DOPT_F32));
-  return DEV(d)->copy(DCTX(d), p->grad, recv, p->lnumel * sizeof(float));
+  return DOPT_OK;
 }
 
-/* Every code and flag: its MAX over the world (tp, then dp); the flags to the host. */
-static dopt_status max_codes(dopt_dist_optim *d) {
-  if (d->tp.size > 1) DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->codes, d->codes, d->ncodes, DOPT_I32, DOPT_MAX));
-  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->codes, d->codes, d->ncodes, DOPT_I32, DOPT_MAX));
-  return DEV(d)->download(DCTX(d), d->hflags, d->codes, (size_t)d->np * sizeof(int32_t));
+/* The codes and flags of parameters [b0, b1) (one range of d->codes): their MAX over the world (tp, then dp);
+ * the flags to the host. */
+static dopt_status max_codes(dopt_dist_optim *d, int b0, int b1) {
+  int32_t *at = d->codes + d->code_off[b0] - 1;
+  const size_t n = d->code_off[b1] - d->code_off[b0];
+  if (d->tp.size > 1 && n) DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, at, at, n, DOPT_I32, DOPT_MAX));
+  if (d->dp.size > 1 && n) DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, at, at, n, DOPT_I32, DOPT_MAX));
+  for (int i = b0; i < b1; i++)
+    DOPT_TRY(DEV(d)->download(DCTX(d), &d->hflags[i], d->codes + d->code_off[i] - 1, sizeof(int32_t)));
+  return DOPT_OK;
 }
 
-/* The exact dp sum of every parameter's accumulated gradient (docs/dp-sum.md):
- * the logical blocks' codes and the non-finite flags in one MAX over the
- * world (tp, then dp: a logical block may straddle TP blocks), then per
- * parameter its words (and, with a non-finite value somewhere, its class
- * counts) in one integer SUM over dp, decoded into this rank's piece; the
- * fused parameters (fused()) instead receive their pieces' fp32 parts, take
- * the codes over them before the MAX (one per bucket) and sum them locally. */
-dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
-  /* the contributions: one accumulated gradient per rank, or (batch
-   * invariant) every micro-batch of every rank */
-  const int W = d->dp_words, n = d->keep ? d->dp.size * d->micro : d->dp.size;
-  const int k = 62 - dopt_grid_headroom(n);
-  DOPT_TRY(dd_zero_dev(d, d->codes, d->ncodes * sizeof(int32_t)));
+/* zero 0: every rank's segments of the bucket's piecewise parameters to every rank (one all_gather: S_i
+ * elements each, the last ones padded), then the whole TP blocks. */
+static dopt_status bucket_regather(dopt_dist_optim *d, int b0, int b1) {
+  const size_t D = (size_t)d->dp.size, me = (size_t)d->dp.rank;
+  size_t T = 0, lo, len;
+  for (int i = b0; i < b1; i++)
+    if (!d->p[i].owned) T += seg_size(d, &d->p[i]);
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (T ? T : 1) * sizeof(float)));
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (D * T > 0 ? D * T : 1) * sizeof(float)));
+  size_t at = 0;
+  for (int i = b0; i < b1; i++) {
+    const dist_param *p = &d->p[i];
+    if (p->owned) continue;
+    seg_of(d, p, me, &lo, &len);
+    if (len) DOPT_TRY(DEV(d)->copy(DCTX(d), d->pack + at, p->grad + lo, len * sizeof(float)));
+    at += seg_size(d, p);
+  }
+  DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, d->pack, d->parts, T, DOPT_F32));
+  at = 0;
+  for (int i = b0; i < b1; i++) {
+    const dist_param *p = &d->p[i];
+    if (p->owned) continue;
+    for (size_t q = 0; q < D; q++) {
+      seg_of(d, p, q, &lo, &len);
+      if (len) DOPT_TRY(DEV(d)->copy(DCTX(d), p->grad + lo, d->parts + q * T + at, len * sizeof(float)));
+    }
+    at += seg_size(d, p);
+  }
+  return DOPT_OK;
+}
+
+/* The exact dp sum without all_to_allv (or at dp 1, batch invariant: the micro-batches of this rank alone):
+ * every parameter's codes in one MAX over the world, then per parameter its int64 words in one integer SUM
+ * over dp (dd_dp_sum), decoded into this rank's piece. */
+static dopt_status words_dp_sum(dopt_dist_optim *d, int W, int k) {
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (p->lnumel == 0 || fused(d, p)) continue; /* fused: below, over the parts it receives */
+    if (p->lnumel == 0) continue;
     dopt_piece tb; /* the whole TP block */
     dd_held_piece(p, 0, &tb);
     const int nsrc = d->keep ? p->nmb : 1;
@@ -128,47 +189,12 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
       bad += b;
     }
     const int32_t one = 1;
-    if (bad) DOPT_TRY(DEV(d)->upload(DCTX(d), d->codes + i, &one, sizeof one));
+    if (bad) DOPT_TRY(DEV(d)->upload(DCTX(d), d->codes + d->code_off[i] - 1, &one, sizeof one));
   }
-  /* the fused parameters in buckets of consecutive ones whose logical bytes / tp (the same on every rank) fit
-   * d->bucket_bytes: their parts, their codes, one MAX (of every code: the first also completes the others'),
-   * their sums */
-  int maxed = 0;
-  for (int b0 = 0; b0 < d->np;) {
-    if (!fused(d, &d->p[b0])) {
-      b0++;
-      continue;
-    }
-    int b1 = b0;
-    size_t est = 0, room = 0;
-    while (b1 < d->np && fused(d, &d->p[b1])) {
-      const size_t e = dopt_numel(d->p[b1].ndim, d->p[b1].shape) * sizeof(float) / (size_t)d->tp.size;
-      if (b1 > b0 && d->bucket_bytes && est + e > d->bucket_bytes) break;
-      est += e;
-      room += fused_room(d, &d->p[b1]);
-      b1++;
-    }
-    DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, room * sizeof(float)));
-    float *recv = d->parts; /* per parameter its fused_room */
-    size_t at = 0;
-    for (int i = b0; i < b1; i++) {
-      DOPT_TRY(fused_exchange(d, i, recv + at));
-      DOPT_TRY(fused_codes(d, i, recv + at));
-      at += fused_room(d, &d->p[i]);
-    }
-    DOPT_TRY(max_codes(d));
-    maxed = 1;
-    at = 0;
-    for (int i = b0; i < b1; i++) {
-      DOPT_TRY(fused_sum(d, i, recv + at, W, k));
-      at += fused_room(d, &d->p[i]);
-    }
-    b0 = b1;
-  }
-  if (!maxed) DOPT_TRY(max_codes(d));
+  DOPT_TRY(max_codes(d, 0, d->np));
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (p->lnumel == 0 || fused(d, p)) continue; /* the same on every rank of this dp group */
+    if (p->lnumel == 0) continue; /* the same on every rank of this dp group */
     const int32_t *codes = d->codes + d->code_off[i];
     const int flagged = d->hflags[i] != 0;
     DOPT_TRY(dd_grow_dev(d, (void **)&d->words, &d->words_cap, p->padded * (size_t)W * sizeof(int64_t)));
@@ -195,6 +221,33 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
     if (g->len)
       DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words + g->lo * (size_t)W, flagged ? d->cls + g->lo : NULL, g, codes, W,
                                    k, p->grad + g->lo));
+  }
+  return DOPT_OK;
+}
+
+/* The exact dp sum of every parameter's gradient (docs/dp-sum.md): in buckets through all_to_allv (above), or
+ * through the transport's integer sums (words_dp_sum). */
+dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
+  /* the contributions: one accumulated gradient per rank, or (batch invariant) every micro-batch of every rank */
+  const int W = d->dp_words, n = d->keep ? d->dp.size * d->micro : d->dp.size;
+  const int k = 62 - dopt_grid_headroom(n);
+  DOPT_TRY(dd_zero_dev(d, d->codes, d->ncodes * sizeof(int32_t)));
+  if (d->dp.size == 1 || !d->dp.ops->all_to_allv) return words_dp_sum(d, W, k);
+  for (int b0 = 0; b0 < d->np;) {
+    int b1 = b0;
+    size_t est = 0, R = 0;
+    while (b1 < d->np) {
+      const size_t e = dopt_numel(d->p[b1].ndim, d->p[b1].shape) * sizeof(float) / (size_t)d->tp.size;
+      if (b1 > b0 && d->bucket_bytes && est + e > d->bucket_bytes) break;
+      est += e;
+      b1++;
+    }
+    DOPT_TRY(bucket_exchange(d, b0, b1, &R));
+    for (int i = b0; i < b1; i++) DOPT_TRY(bucket_codes(d, i, R));
+    DOPT_TRY(max_codes(d, b0, b1));
+    for (int i = b0; i < b1; i++) DOPT_TRY(bucket_sum(d, i, R, W, k));
+    if (d->zero == 0) DOPT_TRY(bucket_regather(d, b0, b1));
+    b0 = b1;
   }
   return DOPT_OK;
 }

@@ -7,10 +7,9 @@
  *             (dp_sum.c, dd_dp_sum) and averaged there; the owner row's TP
  *             blocks go to the owner (one all_to_allv over tp per batch);
  *   values    the owner sends each TP rank of its row that rank's block of
- *             the new tensor (all_to_allv over tp), and the owner row sends
- *             each dp rank what it holds: the whole TP block up to zero 2
- *             (one broadcast per owner row and batch), its ZeRO shard with
- *             zero 3 (one all_to_allv over dp per batch).
+ *             the new tensor (all_to_allv over tp), and the owner rows send
+ *             each dp rank what it holds: the whole TP block up to zero 2,
+ *             its ZeRO shard with zero 3 (one all_to_allv over dp per batch).
  * Many owners share each exchange: the owned parameters stepped this step
  * are cut into batches of at most the bucket budget (logical bytes, the same
  * cut on every rank); within a batch and an owner row they are ordered by
@@ -311,24 +310,28 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
   }
   if (D == 1) return DOPT_OK;
 
-  /* 4. over dp, in every tp column: the owner rows' blocks to the other rows */
-  if (d->zero < 3) { /* every dp rank keeps the whole TP block: one broadcast per owner row, its row order */
+  /* 4. over dp, in every tp column: the owner rows' blocks to the other rows, in one exchange (every row sends
+   * what it stepped to every other row) */
+  if (d->zero < 3) { /* every dp rank keeps the whole TP block */
+    size_t cnt = 0, rtot = 0;
+    for (int k = 0; k < m; k++) cnt += d->p[ord[k]].lnumel;
+    for (int q = 0; q < D; q++) sd[q] = 0, sc[q] = q == row ? 0 : cnt; /* the same region to every other row */
     for (int o = 0; o < D; o++) {
       int mo = 0;
+      rd[o] = rtot, rc[o] = 0;
+      if (o == row) continue;
       row_order(d, list, n, o, ord, &mo);
-      size_t cnt = 0;
-      for (int k = 0; k < mo; k++) cnt += d->p[ord[k]].lnumel;
-      if (cnt == 0) continue; /* nothing of row o in this column's blocks: the same on every rank of it */
-      const int direct = mo == 1 && values_direct(&d->p[ord[0]]);
-      float *buf = o == row ? vals : direct ? d->p[ord[0]].master : NULL; /* the root: its row's values */
-      if (!buf) DOPT_TRY(dd_gdev(d, 0, cnt * sizeof(float), (void **)&buf));
-      DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, buf, buf, cnt, DOPT_F32, o));
-      if (o == row || direct) continue; /* loaded above, or received in place */
-      size_t off = 0;
-      for (int k = 0; k < mo; k++) {
-        DOPT_TRY(load_from(d, &d->p[ord[k]], buf + off, 0));
-        off += d->p[ord[k]].lnumel;
-      }
+      for (int k = 0; k < mo; k++) d->xoff[ord[k]] = rtot + rc[o], rc[o] += d->p[ord[k]].lnumel;
+      rtot += rc[o];
+    }
+    void *rbuf = NULL;
+    DOPT_TRY(dd_gdev(d, 0, (rtot ? rtot : 1) * sizeof(float), &rbuf));
+    DOPT_TRY(exchange(d, &d->dp, cnt ? (const void *)vals : rbuf, sc, sd, rbuf, rc, rd));
+    for (int o = 0; o < D; o++) {
+      int mo = 0;
+      if (o == row) continue; /* loaded in step 3 */
+      row_order(d, list, n, o, ord, &mo);
+      for (int k = 0; k < mo; k++) DOPT_TRY(load_from(d, &d->p[ord[k]], (const float *)rbuf + d->xoff[ord[k]], 0));
     }
     return DOPT_OK;
   }

@@ -63,6 +63,8 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->words) DEV(d)->free(DCTX(d), d->words);
   if (d->cls) DEV(d)->free(DCTX(d), d->cls);
   if (d->parts) DEV(d)->free(DCTX(d), d->parts);
+  if (d->pack) DEV(d)->free(DCTX(d), d->pack);
+  free(d->part_at);
   free(d->code_off);
   free(d->hflags);
   free(d->args);
@@ -421,15 +423,18 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
       return s;
     }
   }
-  /* the exact dp sum's codes: np non-finite flags, then each parameter's logical blocks */
-  d->code_off = calloc(npa, sizeof *d->code_off);
+  /* the exact dp sum's codes: per parameter its non-finite flag, then its logical blocks' codes (a bucket of
+   * consecutive parameters is one range: one MAX) */
+  d->code_off = calloc(npa + 1, sizeof *d->code_off);
   d->hflags = calloc(npa, sizeof *d->hflags);
-  d->ncodes = (size_t)d->np;
+  d->part_at = calloc(npa, sizeof *d->part_at);
+  d->ncodes = 0;
   for (int i = 0; d->code_off && i < d->np; i++) {
-    d->code_off[i] = d->ncodes;
-    d->ncodes += dopt_grid_blocks(dopt_numel(d->p[i].ndim, d->p[i].shape));
+    d->code_off[i] = d->ncodes + 1;
+    d->ncodes += 1 + dopt_grid_blocks(dopt_numel(d->p[i].ndim, d->p[i].shape));
   }
-  cs = d->code_off && d->hflags ? dd_dalloc(d, d->ncodes * sizeof(int32_t), (void **)&d->codes) : DOPT_ERR_NO_MEMORY;
+  if (d->code_off) d->code_off[d->np] = d->ncodes + 1; /* the end of the last range, + 1 */
+  cs = d->code_off && d->hflags && d->part_at ? dd_dalloc(d, d->ncodes * sizeof(int32_t), (void **)&d->codes) : DOPT_ERR_NO_MEMORY;
   if (cs != DOPT_OK) {
     d->codes = NULL;
     dopt_dist_destroy(d);

@@ -180,6 +180,62 @@ static dopt_status run_buckets(dopt_dist_optim *d) {
   return DOPT_OK;
 }
 
+/* The model weights a parameter all-gathers at zero 1/2 (its bf16 working copy, or its fp32 values), the
+ * padded buffer and the bytes per element. */
+static unsigned char *weights_of(const dist_param *p, size_t *es) {
+  *es = p->bf16 ? sizeof(uint16_t) : sizeof(float);
+  return p->bf16 ? (unsigned char *)p->work : (unsigned char *)p->master;
+}
+
+/* Zero 1/2: every dp rank gets the whole TP-local model weights of the parameters stepped piecewise back, in
+ * buckets of consecutive ones whose logical bytes / tp fit d->bucket_bytes (the same cut on every rank): one
+ * all_gather of bytes per bucket, each rank's shards packed by parameter (a bucket of one parameter: in place). */
+static dopt_status gather_weights(dopt_dist_optim *d) {
+  const size_t D = (size_t)d->dp.size, me = (size_t)d->dp.rank;
+  for (int b0 = 0; b0 < d->np;) {
+    int b1 = b0, n = 0, last = -1;
+    size_t est = 0, T = 0, es;
+    for (; b1 < d->np; b1++) {
+      const dist_param *p = &d->p[b1];
+      if (d->skip[b1] || p->owned) continue;
+      const size_t e = dopt_numel(p->ndim, p->shape) * sizeof(float) / (size_t)d->tp.size;
+      if (n > 0 && d->bucket_bytes && est + e > d->bucket_bytes) break;
+      est += e, n++, last = b1;
+      (void)weights_of(p, &es);
+      T += p->chunk * es;
+    }
+    if (n == 1) { /* in place */
+      unsigned char *w = weights_of(&d->p[last], &es);
+      DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));
+    } else if (n > 1) {
+      unsigned char *pack = NULL, *all = NULL;
+      DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, T));
+      DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, D * T));
+      pack = (unsigned char *)d->pack, all = (unsigned char *)d->parts;
+      size_t at = 0;
+      for (int i = b0; i < b1; i++) {
+        const dist_param *p = &d->p[i];
+        if (d->skip[i] || p->owned) continue;
+        unsigned char *w = weights_of(p, &es);
+        DOPT_TRY(DEV(d)->copy(DCTX(d), pack + at, w + me * p->chunk * es, p->chunk * es));
+        at += p->chunk * es;
+      }
+      DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, pack, all, T, DOPT_U8));
+      at = 0;
+      for (int i = b0; i < b1; i++) {
+        const dist_param *p = &d->p[i];
+        if (d->skip[i] || p->owned) continue;
+        unsigned char *w = weights_of(p, &es);
+        for (size_t q = 0; q < D; q++)
+          if (q != me) DOPT_TRY(DEV(d)->copy(DCTX(d), w + q * p->chunk * es, all + q * T + at, p->chunk * es));
+        at += p->chunk * es;
+      }
+    }
+    b0 = b1;
+  }
+  return DOPT_OK;
+}
+
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
@@ -224,14 +280,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     if (d->skip[i] || p->owned) continue; /* untouched: its values are still in place everywhere */
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
-    /* zero 1/2: every dp rank gets the whole TP-local model weights back (the
-     * bf16 working copy, or the fp32 parameter itself) */
-    if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) {
-      size_t me = (size_t)d->dp.rank * p->chunk;
-      if (p->bf16) DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->work + me, p->work, p->chunk, DOPT_BF16));
-      else DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, p->master + me, p->master, p->chunk, DOPT_F32));
-    }
   }
+  if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) DOPT_TRY(gather_weights(d));
   /* owner mode: every rank receives its pieces' new values (no working-copy update, no all-gather) */
   if (d->nowned) DOPT_TRY(dd_owner_steps(d));
   if (info) *info = local;

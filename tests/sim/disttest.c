@@ -294,7 +294,14 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
       }
       s = dopt_dist_backward(d, lp);
     }
+    dopt_sim_stats before[2] = {DOPT_SIM_STATS_INIT, DOPT_SIM_STATS_INIT}, after[2] = {DOPT_SIM_STATS_INIT, DOPT_SIM_STATS_INIT};
+    if (s == DOPT_OK) s = dopt_sim_comm_stats(tpc, &before[0]);
+    if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &before[1]);
     if (s == DOPT_OK) s = dopt_dist_step(d, NULL);
+    if (s == DOPT_OK) s = dopt_sim_comm_stats(tpc, &after[0]);
+    if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &after[1]);
+    for (int g = 0; s == DOPT_OK && rank < DT_MAXRANKS && g < 2; g++)
+      for (int k = 0; k < DOPT_SIM_KIND_COUNT; k++) x->r->step_ops[rank][k] += after[g].ops[k] - before[g].ops[k];
     if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
     /* gather (collective); world rank 0 keeps the result (only it touches
      * x->r: with only replicated tensors no collective orders the other

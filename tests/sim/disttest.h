@@ -79,6 +79,9 @@ typedef struct dt_result {
   int64_t step[DT_MAXCK][DT_MAXP];
   int64_t skipped;
   int64_t stat_collectives[DT_MAXRANKS]; /* dopt_dist_stat_collectives of each world rank after the run */
+  /* every collective each world rank's dopt_dist_step calls issued over the run, by kind (its tp and dp
+   * communicators together; a group of one counts as the simulator counts it) */
+  uint64_t step_ops[DT_MAXRANKS][DOPT_SIM_KIND_COUNT];
   size_t state_mem[DT_MAXRANKS];         /* dopt_dist_memory_usage().state_bytes of each world rank */
   size_t ref_state_mem;                  /* the reference's allocated state bytes at the end */
   /* Every rank's own copy (distributed runs only): at each checkpoint every

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "disttest.h"
+#include "distopt/sim.h"
 #include "internal.h"
 
 static const dt_param PARAMS[] = {
@@ -369,6 +370,71 @@ static void test_8bit_threshold_is_logical(void **st) {
 }
 
 
+/* Collectives per step in buckets (docs/distributed.md "Collectives per step"): the exact dp sum's parts (one
+ * all_to_allv over dp), its block codes (one MAX over tp and over dp) and, at zero 1/2, the weights (one
+ * all_gather over dp) go one collective per bucket, so with one bucket (bucket_bytes 0) a step's count does not
+ * depend on the number of parameters. Exact per kind on every rank, for AdamW (no statistic rounds) with 5 and
+ * 15 tensors and one bucket or a bucket per tensor; the non-finite flags add one MAX per transport per step;
+ * zero 0 gathers the summed segments instead (one all_gather per bucket). GaLore's owner steps (their
+ * exchanges batched the same way, no broadcast) stay within the same per-kind bounds for 5 and 15 tensors
+ * (which of them a rank issues depends on what its row owns). Bitwise throughout. */
+static void test_collectives_per_bucket(void **st) {
+  (void)st;
+  static const dt_param P[] = {
+      {"t0", 2, {10, 9}, DOPT_TP_COLUMN, 0},  {"t1", 2, {7, 10}, DOPT_TP_ROW, 0},      {"t2", 1, {9}, DOPT_TP_REPLICATED, 1},
+      {"t3", 1, {10}, DOPT_TP_COLUMN, 1},     {"t4", 2, {1, 5}, DOPT_TP_COLUMN, 0},    {"t5", 2, {12, 8}, DOPT_TP_COLUMN, 0},
+      {"t6", 2, {6, 11}, DOPT_TP_ROW, 0},     {"t7", 1, {13}, DOPT_TP_REPLICATED, 1},  {"t8", 2, {9, 9}, DOPT_TP_COLUMN, 0},
+      {"t9", 3, {2, 3, 5}, DOPT_TP_COLUMN, 0}, {"t10", 2, {5, 14}, DOPT_TP_ROW, 0},    {"t11", 1, {8}, DOPT_TP_COLUMN, 1},
+      {"t12", 2, {11, 7}, DOPT_TP_COLUMN, 0}, {"t13", 2, {4, 4}, DOPT_TP_REPLICATED, 0}, {"t14", 1, {6}, DOPT_TP_REPLICATED, 1},
+  };
+  static const dt_layout L[] = {{2, 2, 2, 0}, {2, 2, 2, 1}, {1, 3, 1, 0}, {1, 3, 1, 1}, {2, 3, 0, 0},
+                                {2, 3, 0, 1}, {3, 2, 3, 0}, {3, 2, 3, 1}};
+  const int steps = 3;
+  for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
+    const dt_layout *l = &L[li];
+    for (int big = 0; big < 2; big++) {
+      const int np = big ? 15 : 5;
+      for (int o = 0; o < 2; o++) {
+        dt_case c = {o ? "galore_adamw" : "adamw", o ? "lr=1e-2,rank=2,update_proj_gap=3" : "lr=1e-2", NULL, P, np,
+                     steps, 1, 0.0, 0, 3 + (uint64_t)np, 0.5, 0, steps, 0, 0, 0, 0, 0};
+        dt_result ref, got;
+        assert_ok(dt_run_reference(&c, l->dp, &ref));
+        expect_bitwise(&c, l, &ref, &got);
+        /* buckets: one, or one per tensor (each tensor's estimate is above 1 byte) */
+        const uint64_t nb = l->bucket_bytes ? (uint64_t)np : 1, T = (uint64_t)(l->tp > 1), D = (uint64_t)(l->dp > 1);
+        for (int w = 0; w < l->tp * l->dp; w++) {
+          const uint64_t *k = got.step_ops[w];
+          const uint64_t ns = (uint64_t)steps;
+          const uint64_t ar = k[DOPT_SIM_KIND_ALL_REDUCE] / ns, a2a = k[DOPT_SIM_KIND_ALL_TO_ALLV] / ns;
+          const uint64_t ag = k[DOPT_SIM_KIND_ALL_GATHER] / ns, rest = (k[DOPT_SIM_KIND_REDUCE_SCATTER] +
+                              k[DOPT_SIM_KIND_BROADCAST] + k[DOPT_SIM_KIND_REDUCE]) / ns;
+          if (o == 0) {
+            const uint64_t want_ar = 2 + nb * (T + D), want_a2a = D * nb, want_ag = D * (l->zero == 3 ? 0 : nb);
+            if (ar != want_ar || a2a != want_a2a || ag != want_ag || rest != 0)
+              fail_msg("adamw, %d tensors, tp%d dp%d zero%d bucket %zu: rank %d issued per step all_reduce %llu "
+                       "(want %llu), all_to_allv %llu (%llu), all_gather %llu (%llu), others %llu (0)", np, l->tp,
+                       l->dp, l->zero, l->bucket_bytes, w, (unsigned long long)ar, (unsigned long long)want_ar,
+                       (unsigned long long)a2a, (unsigned long long)want_a2a, (unsigned long long)ag,
+                       (unsigned long long)want_ag, (unsigned long long)rest);
+          } else if (l->bucket_bytes == 0) {
+            /* one batch: the flags and codes MAX; all_to_allv: the dp sum's parts, the owners' gradients and
+             * values over tp (on a row that owns a TP-split tensor: ownership decides), the values over dp;
+             * no broadcast, reduce or reduce-scatter; the weights of the piecewise tensors */
+            if (ar != 2 + T + D || a2a > D + 2 * T + D || ag > D * (l->zero == 3 ? 0 : 1) || rest != 0)
+              fail_msg("galore_adamw, %d tensors, tp%d dp%d zero%d, one bucket: rank %d issued per step all_reduce "
+                       "%llu (want %llu), all_to_allv %llu (at most %llu), all_gather %llu, others %llu (0)", np,
+                       l->tp, l->dp, l->zero, w, (unsigned long long)ar, (unsigned long long)(2 + T + D),
+                       (unsigned long long)a2a, (unsigned long long)(D + 2 * T + D), (unsigned long long)ag,
+                       (unsigned long long)rest);
+          }
+        }
+        dt_result_free(&ref);
+        dt_result_free(&got);
+      }
+    }
+  }
+}
+
 /* 8-bit states sharded by the logical blocks (docs/distributed.md "8-bit blocks"): adamw8bit steps every
  * tensor piecewise, a block whose elements several ranks hold takes its absmax from one MAX over them, and
  * every rank holds only its own codes and the absmax of its blocks. Bitwise the reference, outside the CI
@@ -610,6 +676,7 @@ int main(void) {
       cmocka_unit_test(test_batched_reductions),
       cmocka_unit_test(test_8bit_threshold_is_logical),
       cmocka_unit_test(test_8bit_blocks_any_layout),
+      cmocka_unit_test(test_collectives_per_bucket),
       cmocka_unit_test(test_owner_mode_per_parameter),
       cmocka_unit_test(test_galore_split_inner_dimension),
       cmocka_unit_test(test_config_errors),
