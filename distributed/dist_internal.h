@@ -182,6 +182,12 @@ size_t dd_state_held_bytes(const dist_param *p, int k);
 void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
 dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 
+/* The bucket of the dp sum's exchange and the weights' gather that starts at parameter b0 (plan.c): the end
+ * of the run of consecutive parameters (those `member` accepts; NULL: all) whose logical bytes / tp fit
+ * d->bucket_bytes (0: no limit); a parameter of at least half the budget is a bucket of its own (sent and
+ * gathered in place, no packing copy). The same cut on every rank. */
+int dd_bucket_end(const dopt_dist_optim *d, int b0, int (*member)(const dopt_dist_optim *d, int i));
+
 /* ---- batch.c ------------------------------------------------------------------------------ */
 
 dopt_status dd_flush(dopt_dist_optim *d);

@@ -68,8 +68,13 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   *R = 0;
   for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], me, &lo, &len), d->part_at[i] = *R, *R += P * len;
   for (size_t q = 0; q < D; q++) rc[q] = *R, rd[q] = q * *R;
-  DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (D * *R > 0 ? D * *R : 1) * sizeof(float)));
+  if (b1 == b0 + 1 && P == 1) { /* one parameter's gradient: each destination's segment sent from where it is */
+    const dist_param *p = &d->p[b0];
+    for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
+    return d->dp.ops->all_to_allv(d->dp.comm, p->grad, sc, sd, d->parts, rc, rd, DOPT_F32);
+  }
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
     size_t at = sd[q];
     for (int i = b0; i < b1; i++) {
@@ -234,14 +239,8 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
   DOPT_TRY(dd_zero_dev(d, d->codes, d->ncodes * sizeof(int32_t)));
   if (d->dp.size == 1 || !d->dp.ops->all_to_allv) return words_dp_sum(d, W, k);
   for (int b0 = 0; b0 < d->np;) {
-    int b1 = b0;
-    size_t est = 0, R = 0;
-    while (b1 < d->np) {
-      const size_t e = dopt_numel(d->p[b1].ndim, d->p[b1].shape) * sizeof(float) / (size_t)d->tp.size;
-      if (b1 > b0 && d->bucket_bytes && est + e > d->bucket_bytes) break;
-      est += e;
-      b1++;
-    }
+    const int b1 = dd_bucket_end(d, b0, NULL);
+    size_t R = 0;
     DOPT_TRY(bucket_exchange(d, b0, b1, &R));
     for (int i = b0; i < b1; i++) DOPT_TRY(bucket_codes(d, i, R));
     DOPT_TRY(max_codes(d, b0, b1));

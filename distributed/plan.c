@@ -444,6 +444,22 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   return DOPT_OK;
 }
 
+int dd_bucket_end(const dopt_dist_optim *d, int b0, int (*member)(const dopt_dist_optim *d, int i)) {
+  size_t est = 0;
+  int n = 0, b1 = b0;
+  for (; b1 < d->np; b1++) {
+    if (member && !member(d, b1)) continue;
+    const dist_param *p = &d->p[b1];
+    const size_t e = dopt_numel(p->ndim, p->shape) * sizeof(float) / (size_t)d->tp.size;
+    const int big = d->bucket_bytes && 2 * e >= d->bucket_bytes;
+    if (n > 0 && d->bucket_bytes && (big || est + e > d->bucket_bytes)) break;
+    est += e;
+    n++;
+    if (big) return b1 + 1;
+  }
+  return b1;
+}
+
 dopt_status dd_check_param(const dopt_dist_optim *d, int i, const char *fn) {
   DOPT_CHECK_ARG(d != NULL, "%s: optimizer=NULL", fn);
   DOPT_CHECK_ARG(i >= 0 && i < d->np, "%s: param=%d out of range [0, %d)", fn, i, d->np);

@@ -188,22 +188,18 @@ static unsigned char *weights_of(const dist_param *p, size_t *es) {
 }
 
 /* Zero 1/2: every dp rank gets the whole TP-local model weights of the parameters stepped piecewise back, in
- * buckets of consecutive ones whose logical bytes / tp fit d->bucket_bytes (the same cut on every rank): one
- * all_gather of bytes per bucket, each rank's shards packed by parameter (a bucket of one parameter: in place). */
+ * buckets (dd_bucket_end): one all_gather of bytes per bucket, each rank's shards packed by parameter (a bucket
+ * of one parameter: in place). */
+static int gathers(const dopt_dist_optim *d, int i) { return !d->skip[i] && !d->p[i].owned; }
+
 static dopt_status gather_weights(dopt_dist_optim *d) {
   const size_t D = (size_t)d->dp.size, me = (size_t)d->dp.rank;
   for (int b0 = 0; b0 < d->np;) {
-    int b1 = b0, n = 0, last = -1;
-    size_t est = 0, T = 0, es;
-    for (; b1 < d->np; b1++) {
-      const dist_param *p = &d->p[b1];
-      if (d->skip[b1] || p->owned) continue;
-      const size_t e = dopt_numel(p->ndim, p->shape) * sizeof(float) / (size_t)d->tp.size;
-      if (n > 0 && d->bucket_bytes && est + e > d->bucket_bytes) break;
-      est += e, n++, last = b1;
-      (void)weights_of(p, &es);
-      T += p->chunk * es;
-    }
+    const int b1 = dd_bucket_end(d, b0, gathers);
+    int n = 0, last = -1;
+    size_t T = 0, es;
+    for (int i = b0; i < b1; i++)
+      if (gathers(d, i)) n++, last = i, (void)weights_of(&d->p[i], &es), T += d->p[i].chunk * es;
     if (n == 1) { /* in place */
       unsigned char *w = weights_of(&d->p[last], &es);
       DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));
@@ -215,7 +211,7 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
       size_t at = 0;
       for (int i = b0; i < b1; i++) {
         const dist_param *p = &d->p[i];
-        if (d->skip[i] || p->owned) continue;
+        if (!gathers(d, i)) continue;
         unsigned char *w = weights_of(p, &es);
         DOPT_TRY(DEV(d)->copy(DCTX(d), pack + at, w + me * p->chunk * es, p->chunk * es));
         at += p->chunk * es;
@@ -224,7 +220,7 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
       at = 0;
       for (int i = b0; i < b1; i++) {
         const dist_param *p = &d->p[i];
-        if (d->skip[i] || p->owned) continue;
+        if (!gathers(d, i)) continue;
         unsigned char *w = weights_of(p, &es);
         for (size_t q = 0; q < D; q++)
           if (q != me) DOPT_TRY(DEV(d)->copy(DCTX(d), w + q * p->chunk * es, all + q * T + at, p->chunk * es));
