@@ -65,7 +65,8 @@ static double model_state_bytes(const cmp_model *m, const char *opt, const char 
  * least loaded of the tp·dp ranks), plus the owner's logical fp32 copy. */
 typedef struct rank_mem {
   double params, grads, states_max, states_min, states_sum, owner_copy_max;
-  long owned, piecewise; /* tensors in each mode */
+  double cost_max, cost_sum; /* step cost (multiply-adds, dopt__impl_cost): the most loaded rank's, all ranks' */
+  long owned, piecewise;     /* tensors in each mode */
 } rank_mem;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -99,7 +100,9 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
   long total = 0;
   for (int i = 0; i < n; i++) total += c[i].count;
   double *tb = malloc((size_t)total * sizeof *tb), *tn = malloc((size_t)total * sizeof *tn);
-  int ok = load && copy && tb && tn;
+  double *tc = malloc((size_t)total * sizeof *tc), *pcost = calloc((size_t)world, sizeof *pcost);
+  int *slot = malloc((size_t)total * sizeof *slot);
+  int ok = load && copy && tb && tn && tc && pcost && slot;
   long nt = 0;
   double *piecewise = calloc((size_t)world, sizeof *piecewise); /* each rank's state bytes of the piecewise tensors */
   ok = ok && piecewise;
@@ -132,38 +135,35 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
         for (int w = 0; w < world; w++)
           piecewise[w] += (double)c[i].count * (double)rank_blocks(&c[i], tp, dp, zero, w, sp[k].block) * es;
     }
+    const double cost = dopt__impl_cost(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
     if (owned) {
-      for (long k = 0; k < c[i].count; k++) tb[nt] = whole, tn[nt++] = (double)numel;
+      for (long k = 0; k < c[i].count; k++) tb[nt] = whole, tc[nt] = cost, tn[nt++] = (double)numel;
       out->owned += c[i].count;
-    } else {
+    } else { /* the piece's share of the step (the largest TP block's ZeRO extent) */
       for (int w = 0; w < world; w++) piecewise[w] += (double)c[i].count * piece;
+      for (int w = 0; w < world; w++) pcost[w] += (double)c[i].count * cost * (double)chunk / (double)numel;
       out->piecewise += c[i].count;
     }
     dopt_optim_destroy(o);
   }
   double *st = ok ? calloc((size_t)world, sizeof *st) : NULL;
-  char *done = ok ? calloc((size_t)nt ? (size_t)nt : 1, 1) : NULL;
-  ok = ok && st && done;
-  for (long k = 0; ok && k < nt; k++) { /* owners: greedy, largest first; the classes come in no particular order */
-    long best = -1;
-    for (long j = 0; j < nt; j++)
-      if (!done[j] && (best < 0 || tn[j] > tn[best])) best = j;
-    int r = 0;
-    for (int q = 1; q < world; q++)
-      if (load[q] < load[r]) r = q;
-    load[r] += tn[best];
-    copy[r] += tn[best] * 4;
-    st[r] += tb[best];
-    done[best] = 1;
+  ok = ok && st && dopt__assign_owners((int)nt, tc, tb, world, slot) == 0; /* distributed/'s owners */
+  for (long k = 0; ok && k < nt; k++) {
+    const int r = slot[k];
+    load[r] += tc[k];
+    copy[r] += tn[k] * 4;
+    st[r] += tb[k];
   }
   for (int r = 0; ok && r < world; r++) {
-    const double mine = st[r] + piecewise[r];
+    const double mine = st[r] + piecewise[r], work = load[r] + pcost[r];
     out->states_sum += mine;
     out->states_max = r == 0 || mine > out->states_max ? mine : out->states_max;
     out->states_min = r == 0 || mine < out->states_min ? mine : out->states_min;
     out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
+    out->cost_sum += work;
+    out->cost_max = work > out->cost_max ? work : out->cost_max;
   }
-  free(st), free(done), free(load), free(copy), free(tb), free(tn), free(piecewise);
+  free(st), free(load), free(copy), free(tb), free(tn), free(tc), free(pcost), free(slot), free(piecewise);
   return ok;
 }
 
@@ -172,19 +172,20 @@ static int print_per_rank(const cmp_model *m, int grank, int tp, int dp, int zer
   printf("\nper rank, tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout):\n", tp, dp,
          zero);
   printf("| optimizer | tensors piecewise / owner | params GiB | grads GiB | states GiB (max rank) | states GiB (min rank) "
-         "| max / mean | states bytes (max) | states bytes (all ranks) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+         "| max / mean | states bytes (max) | states bytes (all ranks) | step cost max / mean |\n"
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
     const char *h = cli_default_hparams(name);
     rank_mem r;
     if (!per_rank(m, name, h, grank, tp, dp, zero, &r)) {
-      printf("| %s | n/a | | | | | | | |\n", name);
+      printf("| %s | n/a | | | | | | | | |\n", name);
       continue;
     }
-    const double mean = r.states_sum / (double)(tp * dp);
-    printf("| %s | %ld / %ld | %.2f | %.2f | %.3f | %.3f | %.3f | %.0f | %.0f |\n", name, r.piecewise, r.owned,
+    const double mean = r.states_sum / (double)(tp * dp), cmean = r.cost_sum / (double)(tp * dp);
+    printf("| %s | %ld / %ld | %.2f | %.2f | %.3f | %.3f | %.3f | %.0f | %.0f | %.3f |\n", name, r.piecewise, r.owned,
            (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib,
-           mean > 0 ? r.states_max / mean : 1.0, r.states_max, r.states_sum);
+           mean > 0 ? r.states_max / mean : 1.0, r.states_max, r.states_sum, cmean > 0 ? r.cost_max / cmean : 1.0);
   }
   printf("owner mode (GaLore's projected matrices): every state of the tensor whole on one rank (params include the\n"
          "owner's fp32 copy of its tensors, max rank); piecewise: elementwise states (8-bit codes too) sharded like\n"

@@ -471,6 +471,51 @@ static dopt_status alloc_states(dopt_optim *o, dopt_param *p) {
   return DOPT_OK;
 }
 
+double dopt__impl_cost(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape) {
+  return im->cost ? im->cost(hp, ndim, shape) : DOPT_COST_PER_ELEMENT * (double)dopt_numel(ndim, shape);
+}
+
+/* items in decreasing cost, then bytes, then index */
+typedef struct owner_item {
+  double cost, bytes;
+  int i;
+} owner_item;
+
+static int cmp_owner_item(const void *a, const void *b) {
+  const owner_item *x = a, *y = b;
+  if (x->cost != y->cost) return x->cost < y->cost ? 1 : -1;
+  if (x->bytes != y->bytes) return x->bytes < y->bytes ? 1 : -1;
+  return (x->i > y->i) - (x->i < y->i);
+}
+
+int dopt__assign_owners(int n, const double *cost, const double *bytes, int world, int *owner) {
+  owner_item *it = malloc((size_t)(n > 0 ? n : 1) * sizeof *it);
+  double *lc = calloc((size_t)world, sizeof *lc), *lb = calloc((size_t)world, sizeof *lb);
+  if (!it || !lc || !lb) {
+    free(it), free(lc), free(lb);
+    return -1;
+  }
+  double tc = 0, tb = 0;
+  for (int k = 0; k < n; k++) it[k] = (owner_item){cost[k], bytes[k], k}, tc += cost[k], tb += bytes[k];
+  if (tc <= 0) tc = 1;
+  if (tb <= 0) tb = 1;
+  qsort(it, (size_t)n, sizeof *it, cmp_owner_item);
+  for (int k = 0; k < n; k++) {
+    int best = 0;
+    double bmax = 0, bsum = 0;
+    for (int r = 0; r < world; r++) {
+      const double c = (lc[r] + it[k].cost) / tc, b = (lb[r] + it[k].bytes) / tb;
+      const double mx = c > b ? c : b, sm = c + b;
+      if (r == 0 || mx < bmax || (mx == bmax && sm < bsum)) best = r, bmax = mx, bsum = sm;
+    }
+    owner[it[k].i] = best;
+    lc[best] += it[k].cost;
+    lb[best] += it[k].bytes;
+  }
+  free(it), free(lc), free(lb);
+  return 0;
+}
+
 int dopt__impl_whole(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape) {
   if (im->distributable) return 0;
   return im->whole ? im->whole(hp, ndim, shape) != 0 : 1;

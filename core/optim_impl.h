@@ -186,6 +186,10 @@ typedef struct dopt_optim_impl {
    * depends only on the hyperparameters and the logical shape, so every rank
    * gives the same one. Use dopt__impl_whole. */
   int (*whole)(const double *hp, int ndim, const int64_t *shape);
+  /* The work of one step of a parameter of this logical shape, in multiply-adds (docs/distributed.md,
+   * "Owners by cost"; a periodic refresh amortised over its period), so distributed/ balances owners by it.
+   * NULL: DOPT_COST_PER_ELEMENT per element (an elementwise step). Use dopt__impl_cost. */
+  double (*cost)(const double *hp, int ndim, const int64_t *shape);
   /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
    * belongs to the inner optimizer it chooses (docs/lisa.md). */
   const struct dopt_wrap_ops *wrap;
@@ -217,6 +221,19 @@ typedef struct dopt_optim_impl {
    * decay. hp: the inner's keys. */
   int (*lowrank_decay)(const double *hp, int64_t step, void *const *state, float *factor);
 } dopt_optim_impl;
+
+/* The cost of an elementwise step per element, in multiply-adds (an Adam update: two moments, a square root,
+ * a division, the update and the decay). */
+#define DOPT_COST_PER_ELEMENT 8.0
+/* impl->cost, or DOPT_COST_PER_ELEMENT per element. */
+double dopt__impl_cost(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape);
+
+/* Owners for n whole-tensor steps over `world` ranks (distributed/'s owner mode, docs/distributed.md "Owners
+ * by cost"): the steps in decreasing cost (then state bytes, then index), each to the rank where the larger
+ * of its cost and state bytes, as shares of their totals, stays smallest (then their sum, then the lowest
+ * rank). From the inputs alone, so every rank computes the same map. owner[n]: world slots; 0 on success,
+ * -1 out of memory. */
+int dopt__assign_owners(int n, const double *cost, const double *bytes, int world, int *owner);
 
 /* Frees an impl built by a projection wrapper's compose (no-op for the registered ones). */
 void dopt__impl_release(const dopt_optim_impl *im);

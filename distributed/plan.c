@@ -326,34 +326,32 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   return DOPT_OK;
 }
 
-/* Owner mode: the parameters in owner mode go whole to the world's ranks,
- * largest first, each to the least loaded rank (ties: the lowest), as torch's
- * ZeroRedundancyOptimizer partitions whole parameters; world slot w is tp rank
- * w mod tp, dp rank w / tp. Logical sizes only, so every rank agrees. */
+/* Owner mode: the parameters in owner mode go whole to the world's ranks by
+ * their step cost and state bytes (dopt__assign_owners: largest cost first,
+ * each where the larger share of the two stays smallest; docs/distributed.md
+ * "Owners by cost"); world slot w is tp rank w mod tp, dp rank w / tp.
+ * Logical shapes only, so every rank agrees. */
 static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
   const int world = d->tp.size * d->dp.size;
-  size_t *load = calloc((size_t)world, sizeof *load);
-  char *done = calloc((size_t)(d->np > 0 ? d->np : 1), 1);
-  for (int i = 0; done && i < d->np; i++) done[i] = !d->p[i].owned; /* piecewise: no owner */
-  for (int n = 0; done && load && n < d->nowned; n++) {
-    int best = -1;
-    size_t bs = 0;
-    for (int i = 0; i < d->np; i++) {
-      const dopt_param *q = dopt__optim_param(po, i);
-      if (!done[i] && (best < 0 || q->numel > bs)) best = i, bs = q->numel;
-    }
-    int r = 0;
-    for (int k = 1; k < world; k++)
-      if (load[k] < load[r]) r = k;
-    d->p[best].owner = r / d->tp.size;
-    d->p[best].owner_tp = r % d->tp.size;
-    load[r] += bs;
-    done[best] = 1;
+  double *cost = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *cost);
+  double *bytes = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *bytes);
+  int *idx = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *idx), *slot = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *slot);
+  int n = 0, ok = cost && bytes && idx && slot;
+  for (int i = 0; ok && i < d->np; i++) {
+    if (!d->p[i].owned) continue;
+    const dopt_param *q = dopt__optim_param(po, i);
+    const double *hp = d->hp[q->group];
+    dopt_state_spec sp[DOPT_MAX_STATES];
+    const int ns = d->impl->layout(hp, q->ndim, q->shape, sp);
+    double b = 0;
+    for (int k = 0; k < ns; k++) b += (double)sp[k].v.bytes;
+    cost[n] = dopt__impl_cost(d->impl, hp, q->ndim, q->shape), bytes[n] = b, idx[n++] = i;
   }
-  if (!done || !load) /* out of memory: round robin, still the same on every rank */
+  ok = ok && dopt__assign_owners(n, cost, bytes, world, slot) == 0;
+  for (int k = 0; ok && k < n; k++) d->p[idx[k]].owner = slot[k] / d->tp.size, d->p[idx[k]].owner_tp = slot[k] % d->tp.size;
+  if (!ok) /* out of memory: round robin, still the same on every rank */
     for (int i = 0; i < d->np; i++) d->p[i].owner = (i / d->tp.size) % d->dp.size, d->p[i].owner_tp = i % d->tp.size;
-  free(done);
-  free(load);
+  free(cost), free(bytes), free(idx), free(slot);
 }
 
 dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cfg, const dopt_tp_role *roles,

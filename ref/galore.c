@@ -178,6 +178,22 @@ int dopt_galore_whole(const dopt_galore_spec *sp, const double *hp, int ndim, co
          dopt__impl_whole(sp->inner, hp + sp->inner_off, ndim, shape);
 }
 
+double dopt_galore_cost(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape) {
+  dopt_galore_plan pl;
+  const double *ih = hp + sp->inner_off;
+  if (!dopt_galore_plan_of(sp, hp, ndim, shape, &pl)) return dopt__impl_cost(sp->inner, ih, ndim, shape);
+  const double m = (double)pl.m, n = (double)pl.n, r = (double)pl.r, mn = m < n ? m : n;
+  const int64_t low[2] = {(int64_t)pl.rows, (int64_t)pl.cols};
+  const double *g = hp + sp->proj_off, gap = g[DOPT_GP_GAP] >= 1 ? g[DOPT_GP_GAP] : 1;
+  double svd = 4.0 * m * n * mn; /* dense SVD: LAPACK gesdd's leading term */
+  if (sp->nproj == DOPT_GP_COUNT && (int)g[DOPT_GP_SVD] == DOPT_SVD_RANDOMIZED) {
+    const double p = g[DOPT_GP_OVERSAMPLE] < 0 ? r : g[DOPT_GP_OVERSAMPLE], k = r + p < mn ? r + p : mn;
+    svd = (2.0 + 2.0 * g[DOPT_GP_POWER_ITERS]) * m * n * k; /* the sketch and q power iterations: two G products each */
+  }
+  return 2.0 * m * n * r * (double)(pl.left + pl.right) + 4.0 * m * n + dopt__impl_cost(sp->inner, ih, 2, low) +
+         svd / gap;
+}
+
 /* A piece is projected iff the layout was the low-rank one: a matrix piece of a projected parameter. */
 static int projected(const dopt_galore_spec *sp, const double *hp, const dopt_piece *pc, dopt_galore_plan *pl) {
   const int64_t shape[2] = {(int64_t)pc->h, (int64_t)pc->w};

@@ -156,6 +156,12 @@ int dopt_galore_layout(const dopt_galore_spec *sp, const double *hp, int ndim, c
                        dopt_state_spec *out, int *ninner);
 /* 1: the parameter steps whole (projected, or whole for the inner). */
 int dopt_galore_whole(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape);
+/* The cost of a step in multiply-adds (dopt_optim_impl.cost; docs/distributed.md "Owners by cost"): the
+ * inner's for an unprojected parameter; for a projected [m, n] of rank r: 2·m·n·r per projector side (the
+ * gradient projected, the update back), 4·m·n (the full weight's decay and update), the inner's step on the
+ * low-rank shape, and the SVD over the refresh gap (dense: 4·m·n·min(m, n); randomized: (2 + 2q)·m·n·k,
+ * k = r + oversample). Q-GaLore's lazy gap counts as its first one (the most it refreshes). */
+double dopt_galore_cost(const dopt_galore_spec *sp, const double *hp, int ndim, const int64_t *shape);
 /* The step's frame: the inner's for an unprojected piece (a projected one allocates its own). */
 size_t dopt_galore_frame(const dopt_galore_spec *sp, const double *hp, const dopt_piece *pc);
 /* An unprojected piece: runs the inner's stage on it (any piece, with the
@@ -196,13 +202,17 @@ dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a
     dopt_galore_spec sp = spec(hp);                                                               \
     return dopt_galore_whole(&sp, hp, ndim, shape);                                               \
   }                                                                                               \
+  static double cost(const double *hp, int ndim, const int64_t *shape) {                          \
+    dopt_galore_spec sp = spec(hp);                                                               \
+    return dopt_galore_cost(&sp, hp, ndim, shape);                                                \
+  }                                                                                               \
   static dopt_status step(const dopt_step_args *a) {                                              \
     dopt_galore_spec sp = spec(a->hp);                                                            \
     return dopt_galore_step(&sp, a);                                                              \
   }
 #define DOPT_GALORE_FORM_IMPL                                                                     \
   .validate = validate, .layout = layout, .frame = frame, .step = step, .distributable = 0, .whole = whole, \
-  .projection = 1, .projector_hook = 1
+  .cost = cost, .projection = 1, .projector_hook = 1
 
 /* Counter-based standard normal: a pure function of (seed, iter, index). */
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index);

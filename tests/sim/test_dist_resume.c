@@ -293,23 +293,26 @@ static void test_resume_8bit_strided_blocks(void **st) {
   dt_result_free(&ref);
 }
 
-/* Checkpoints written while adamw8bit stepped its 8-bit tensors in owner mode (each tensor's codes and absmax
- * whole on one rank) load into the piecewise layout and resume bitwise: the tensors are named and laid out
- * logically the same, only who held them changed. The fixtures (tests/data/ckpt-adamw8bit-owner/<case>/, K
- * steps at tp2 x dp2 x zero2) were written by the owner-mode code (commit a51c4a2) with
- * DOPT_WRITE_OWNER_FIXTURE=<dir>, which makes this test write them instead of reading them. */
+/* Checkpoints written by an older layout resume bitwise: adamw8bit's when it stepped its 8-bit tensors in
+ * owner mode (each tensor's codes and absmax whole on one rank; now sharded by blocks), galore_adamw's when
+ * its owners were chosen by numel (now by cost and state bytes). The tensors are named and laid out logically
+ * the same, only who held them changed. The fixtures (tests/data/ckpt-owner-layouts/<case>/, K steps at
+ * tp2 x dp2 x zero2) were written by commit a51c4a2 with DOPT_WRITE_OWNER_FIXTURE=<dir>, which makes this
+ * test write them instead of reading them. */
 static void test_resume_owner_mode_checkpoint(void **st) {
   (void)st;
-  static const char *const HP[][2] = {
-      {"plain", "lr=1e-2,min_8bit_size=16,block_size=64"},
-      {"pct", "lr=1e-2,min_8bit_size=16,block_size=64,percentile_clipping=5,weight_decay=0.01"},
+  static const char *const HP[][3] = {
+      {"plain", "adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=64"},
+      {"pct", "adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=64,percentile_clipping=5,weight_decay=0.01"},
+      /* owners by numel then, by cost and state bytes now (docs/distributed.md "Owners by cost") */
+      {"galore", "galore_adamw", "lr=1e-2,rank=3,update_proj_gap=4"},
   };
   static const dt_layout WROTE = {2, 2, 2, 0};
   static const dt_layout INTO[] = {{2, 2, 2, 0}, {1, 3, 3, 0}, {3, 2, 1, 0}, {1, 1, 0, 0}, {2, 4, 3, 64}};
   const char *write = getenv("DOPT_WRITE_OWNER_FIXTURE");
   int runs = 0;
   for (size_t h = 0; h < sizeof HP / sizeof HP[0]; h++) {
-    dt_case c1 = {"adamw8bit", HP[h][1], NULL, PARAMS, NPARAMS, STEPS, GLOBAL, 0.0, 0, 4242 + (uint64_t)h, 0.05, 0,
+    dt_case c1 = {HP[h][1], HP[h][2], NULL, PARAMS, NPARAMS, STEPS, GLOBAL, 0.0, 0, 4242 + (uint64_t)h, 0.05, 0,
                   STEPS, 0, 0, 0, 0, 1};
     dt_result ref;
     assert_ok(dt_run_reference(&c1, 1, &ref));
@@ -324,7 +327,7 @@ static void test_resume_owner_mode_checkpoint(void **st) {
       dt_result_free(&ref);
       continue;
     }
-    snprintf(dir, sizeof dir, "%s/tests/data/ckpt-adamw8bit-owner/%s", dt_source_dir(), HP[h][0]);
+    snprintf(dir, sizeof dir, "%s/tests/data/ckpt-owner-layouts/%s", dt_source_dir(), HP[h][0]);
     for (size_t b = 0; b < sizeof INTO / sizeof INTO[0]; b++) {
       dt_case cb = c1;
       cb.micro = GLOBAL / INTO[b].dp;
@@ -332,7 +335,7 @@ static void test_resume_owner_mode_checkpoint(void **st) {
       run_phase(&cb, &INTO[b], K + 1, STEPS, dir, NULL, &ref, &gb);
       char msg[512] = "";
       if (dt_compare(&cb, &ref, &gb, msg, sizeof msg))
-        fail_msg("adamw8bit [%s]: owner-mode checkpoint -> tp%d dp%d zero%d: not the uninterrupted run: %s",
+        fail_msg("%s [%s]: owner-mode checkpoint -> tp%d dp%d zero%d: not the uninterrupted run: %s", c1.optimizer,
                  c1.hparams, INTO[b].tp, INTO[b].dp, INTO[b].zero, msg);
       dt_result_free(&gb);
       runs++;

@@ -639,8 +639,47 @@ static void test_groups_helper(void **st) {
   dopt_optim_destroy(o);
 }
 
+/* The cost model that balances owners (docs/distributed.md "Owners by cost"), transcribed: per projector side
+ * 2·m·n·r (project, back), 4·m·n, the inner's step on the low-rank shape (8 per element for AdamW) and the
+ * SVD over the gap (dense 4·m·n·min(m, n); randomized (2 + 2q)·m·n·k); an unprojected parameter the inner's. */
+static void test_cost_model(void **st) {
+  (void)st;
+  static const struct {
+    const char *opt, *hp;
+    int64_t m, n;
+    double want;
+  } C[] = {
+      /* std on a wide matrix: left side, R [r, n] */
+      {"galore_adamw", "rank=8,update_proj_gap=200", 64, 256,
+       2.0 * 64 * 256 * 8 + 4.0 * 64 * 256 + 8.0 * 8 * 256 + 4.0 * 64 * 256 * 64 / 200},
+      /* tall, right side, gap 10 */
+      {"galore_adamw", "rank=4,update_proj_gap=10", 300, 40,
+       2.0 * 300 * 40 * 4 + 4.0 * 300 * 40 + 8.0 * 300 * 4 + 4.0 * 300 * 40 * 40 / 10},
+      /* full: both sides, R [r, r] */
+      {"galore", "inner=adamw,rank=4,update_proj_gap=50,proj_type=full", 30, 20,
+       2.0 * 30 * 20 * 4 * 2 + 4.0 * 30 * 20 + 8.0 * 4 * 4 + 4.0 * 30 * 20 * 20 / 50},
+      /* randomized: k = r + oversample (default r), q = 2 */
+      {"galore", "inner=adamw,rank=4,update_proj_gap=20,svd=randomized,power_iters=2", 100, 60,
+       2.0 * 100 * 60 * 4 + 4.0 * 100 * 60 + 8.0 * 100 * 4 + (2.0 + 2.0 * 2) * 100 * 60 * 8 / 20},
+      /* rank 0: unprojected, the inner's elementwise step */
+      {"galore_adamw", "rank=0", 64, 256, 8.0 * 64 * 256},
+      {"adamw", NULL, 64, 256, 8.0 * 64 * 256},
+  };
+  for (size_t k = 0; k < sizeof C / sizeof C[0]; k++) {
+    dopt_optim *o = NULL;
+    assert_ok(dopt_optim_create(C[k].opt, C[k].hp, &o));
+    const int64_t shape[2] = {C[k].m, C[k].n};
+    const double got = dopt__impl_cost(dopt__optim_impl(o), dopt__optim_group_hp(o, 0), 2, shape);
+    if (fabs(got - C[k].want) > 1e-9 * C[k].want)
+      fail_msg("%s [%s] on [%lld, %lld]: cost %.17g, the formula %.17g", C[k].opt, C[k].hp ? C[k].hp : "",
+               (long long)C[k].m, (long long)C[k].n, got, C[k].want);
+    dopt_optim_destroy(o);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_cost_model),
       cmocka_unit_test(test_registry_hparams),   cmocka_unit_test(test_plan_table),
       cmocka_unit_test(test_projector_hook),
       cmocka_unit_test(test_rank_clamp_and_memory), cmocka_unit_test(test_refresh_schedule),

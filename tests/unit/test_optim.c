@@ -411,10 +411,37 @@ static void test_piece_runs_and_blocks(void **st) {
   printf("piece runs and blocks: %d random pieces against the brute force\n", cases);
 }
 
+/* Owners by cost and state bytes (dopt__assign_owners): the largest cost first, each where the larger of its
+ * two shares stays smallest. One step 10× the others goes alone while the rest fill the other rank; equal items
+ * spread evenly; at equal costs the state bytes decide; the answer depends on the inputs only. */
+static void test_assign_owners(void **st) {
+  (void)st;
+  const double cost[7] = {1, 1, 10, 1, 1, 1, 1}, bytes[7] = {1, 1, 10, 1, 1, 1, 1}; /* states grow with the work */
+  int own[7], again[7];
+  assert_int_equal(dopt__assign_owners(7, cost, bytes, 2, own), 0);
+  for (int k = 0; k < 7; k++)
+    if (k != 2) assert_int_not_equal(own[k], own[2]); /* the heavy step alone */
+  assert_int_equal(dopt__assign_owners(7, cost, bytes, 2, again), 0);
+  assert_memory_equal(own, again, sizeof own);
+  /* 8 equal items on 4 ranks: 2 each */
+  const double one[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  int o8[8], per[4] = {0};
+  assert_int_equal(dopt__assign_owners(8, one, one, 4, o8), 0);
+  for (int k = 0; k < 8; k++) per[o8[k]]++;
+  for (int r = 0; r < 4; r++) assert_int_equal(per[r], 2);
+  /* equal costs: the state bytes decide (two big states never share a rank of two) */
+  const double c4[4] = {1, 1, 1, 1}, b4[4] = {100, 1, 100, 1};
+  int o4[4];
+  assert_int_equal(dopt__assign_owners(4, c4, b4, 2, o4), 0);
+  assert_int_not_equal(o4[0], o4[2]);
+  assert_int_equal(dopt__assign_owners(0, NULL, NULL, 3, o4), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_registry),
       cmocka_unit_test(test_piece_runs_and_blocks),
+      cmocka_unit_test(test_assign_owners),
       cmocka_unit_test(test_hparam_parsing),
       cmocka_unit_test(test_adafactor_validation),
       cmocka_unit_test(test_add_param_errors),
