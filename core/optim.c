@@ -804,7 +804,7 @@ static void item_task(void *ctx, size_t t) {
   dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
                       p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
                       it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL,
-                      it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL, NULL};
+                      it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL, NULL, p->ndim, p->shape};
   dopt_status s;
   if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */

@@ -142,6 +142,9 @@ typedef struct dopt_step_args {
   const struct dopt_proj_hook *proj_hook;
   /* NULL, or the blocks of the piece's blockwise states that other pieces share (dopt_block_share) */
   const dopt_block_share *shared;
+  /* the parameter's logical shape (ndim 0 and NULL: only the piece's [b, h, w] view is known) */
+  int ndim;
+  const int64_t *shape;
 } dopt_step_args;
 
 typedef struct dopt_proj_hook {

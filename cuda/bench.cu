@@ -139,11 +139,11 @@ int main(int argc, char **argv) {
     for (int k = 0; k < ns; k++)
       CHECK(op->alloc(ctx, spec[k].kind == DOPT_STATE_ELEMENTWISE ? n * 4 : spec[k].v.bytes, &st[k]));
     int64_t step = 0;
-    dopt_step_args fa = {im, hp, 1, &pc, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL};
+    dopt_step_args fa = {im, hp, 1, &pc, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
     void *frame;
     CHECK(op->alloc(ctx, op->frame_bytes(ctx, &fa), &frame));
     float ms = bench([&] {
-      dopt_step_args a = {im, hp, ++step, &pc, y, x, st, frame, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL};
+      dopt_step_args a = {im, hp, ++step, &pc, y, x, st, frame, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
       CHECK(dopt__run_stages(G, &a));
     });
     op->free(ctx, frame);

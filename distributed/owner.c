@@ -151,7 +151,7 @@ static dopt_status step_whole(dopt_dist_optim *d, int i, const float *g) {
   dopt_piece_full(p->ndim, p->shape, &whole);
   p->events = 0;
   dopt_step_args a = {d->impl, d->hp[p->group], p->step, &whole, p->full, g, p->state, NULL, NULL, &p->events,
-                      (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL};
+                      (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, p->ndim, p->shape};
   DOPT_TRY(dd_grow_dev(d, &d->frames, &d->frames_cap, DEV(d)->frame_bytes(DCTX(d), &a)));
   a.frame = d->frames;
   return dopt__run_stages(d->dev, &a);

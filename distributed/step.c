@@ -253,7 +253,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     for (int i = 0; i < d->np; i++) {
       dist_param *p = &d->p[i];
       d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->gpc, NULL, p->grad + p->gpc.lo, NULL, NULL,
-                                    &p->red, NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL, NULL, 0, NULL, NULL};
+                                    &p->red, NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL, NULL, 0, NULL, NULL, 0, NULL};
     }
     DOPT_TRY(map_frames(d, 0, d->np, 0));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
@@ -268,7 +268,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
                                   NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL,
-                                  p->qblock ? &p->share : NULL};
+                                  p->qblock ? &p->share : NULL, p->ndim, p->shape};
   }
   DOPT_TRY(run_buckets(d));
   for (int i = 0; i < d->np; i++) {

@@ -260,8 +260,9 @@ dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args 
       goto done;
     }
     int more = 0;
+    const int64_t low[2] = {(int64_t)pl->rows, (int64_t)pl->cols};
     dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->events, a->tensor, 0, &more,
-                         NULL, a->par, w, numel, a->proj_hook, NULL};
+                         NULL, a->par, w, numel, a->proj_hook, NULL, 2, low};
     if ((st = dopt__run_stages(NULL, &in)) != DOPT_OK) goto done;
   }
   float c;

@@ -87,7 +87,20 @@ LONG_SEED = 20240302
 LONG_ZERO_GRAD_STEPS = (100,)
 LONG_NONE_GRAD = {150: ("small",), 151: ("small",)}
 
-INPUT_SETS = {"base": INPUTS_NAME, "long": LONG_INPUTS_NAME}
+# Matrices: every matrix product of Muon's Newton-Schulz iteration above m*n*k = 4096 (where torch 1.13's CPU
+# bf16 matmul accumulates in fp32 in k order; below, in bf16), a tall, a wide, a square, a 3-D stack [E, out, in]
+# (tall per expert), a matrix starting at zero and a conv filter [o, i, kh, kw], plus one 1-D parameter for the
+# aux Adam; every parameter has a gradient at every
+# step (muon-optimizer 0.1.0 cannot step a parameter without one), all-zero ones at steps 7, 8 and 100.
+MATRIX_INPUTS_NAME = "inputs_matrices.safetensors"
+MATRIX_SHAPES = [("vec", [13]), ("tall", [48, 20]), ("wide", [24, 40]), ("sq", [20, 20]), ("t3", [2, 24, 18]),
+                 ("zeros", [20, 24]), ("conv", [20, 4, 3, 3])]
+MATRIX_GRAD_SCALE = {"vec": 1.0, "tall": 0.3, "wide": 1e-2, "sq": 1.0, "t3": 3e-3, "zeros": 0.5, "conv": 0.1}
+MATRIX_STEPS = 200
+MATRIX_SEED = 20261204
+MATRIX_ZERO_GRAD_STEPS = (7, 8, 100)
+
+INPUT_SETS = {"base": INPUTS_NAME, "long": LONG_INPUTS_NAME, "matrices": MATRIX_INPUTS_NAME}
 
 
 # --------------------------------------------------------------------------
@@ -258,7 +271,7 @@ def read_safetensors(path):
 # --------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------
-def step_grad(torch, g, name, shape):
+def step_grad(torch, g, name, shape, scale=None):
     """One step's gradient of one parameter: N(0,1) x scale, with 1-2 rows
     (elements for 1-D) amplified by e^1..e^5 (heavy tails)."""
     gr = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -269,7 +282,7 @@ def step_grad(torch, g, name, shape):
     mult = torch.exp(torch.rand(k, generator=g) * 4.0 + 1.0)  # e^1 .. e^5
     for i in range(k):
         flat[idx[i]] *= mult[i]
-    return flat.reshape(shape) * GRAD_SCALE[name]
+    return flat.reshape(shape) * (GRAD_SCALE if scale is None else scale)[name]
 
 
 def make_inputs(torch):
@@ -309,6 +322,20 @@ def make_long_inputs(torch, init, grads):
     return linit, lgrads
 
 
+def make_matrix_inputs(torch):
+    g = torch.Generator().manual_seed(MATRIX_SEED)
+    init = {}
+    for name, shape in MATRIX_SHAPES:
+        t = torch.randn(shape, generator=g, dtype=torch.float32) * 0.5
+        init[name] = torch.zeros(shape) if name == "zeros" else t
+    grads = {}
+    for t in range(1, MATRIX_STEPS + 1):
+        for name, shape in MATRIX_SHAPES:
+            gr = step_grad(torch, g, name, shape, MATRIX_GRAD_SCALE)
+            grads[(t, name)] = (torch.zeros(shape) if t in MATRIX_ZERO_GRAD_STEPS else gr).contiguous()
+    return init, grads
+
+
 def inputs_tensors(torch, order, steps, init, grads):
     tensors = [("init/" + n, to_np(torch, init[n])) for n in order]
     for t in range(1, steps + 1):
@@ -319,6 +346,14 @@ def inputs_tensors(torch, order, steps, init, grads):
 
 
 def inputs_meta(which):
+    if which == "matrices":
+        return {
+            "params": ",".join(n for n, _ in MATRIX_SHAPES),
+            "steps": str(MATRIX_STEPS),
+            "seed": str(MATRIX_SEED),
+            "generator": GENERATOR_REL,
+            "zero_grad_steps": ",".join(str(t) for t in MATRIX_ZERO_GRAD_STEPS),
+        }
     if which == "base":
         return {
             "params": ",".join(n for n, _ in PARAM_SHAPES),
@@ -349,7 +384,11 @@ def write_inputs(out_dir):
     write_safetensors(os.path.join(out_dir, LONG_INPUTS_NAME),
                       inputs_tensors(torch, LONG_PARAMS, LONG_STEPS, linit, lgrads),
                       inputs_meta("long"))
-    print("wrote %s and %s" % (INPUTS_NAME, LONG_INPUTS_NAME), flush=True)
+    minit, mgrads = make_matrix_inputs(torch)
+    write_safetensors(os.path.join(out_dir, MATRIX_INPUTS_NAME),
+                      inputs_tensors(torch, [n for n, _ in MATRIX_SHAPES], MATRIX_STEPS, minit, mgrads),
+                      inputs_meta("matrices"))
+    print("wrote %s, %s and %s" % (INPUTS_NAME, LONG_INPUTS_NAME, MATRIX_INPUTS_NAME), flush=True)
 
 
 def load_inputs(torch, out_dir, which):
@@ -507,6 +546,11 @@ def check_defaults(e, opt):
 def run_case(e, ctx, case, out_dir, pin, cap, versions):
     torch = ctx.torch
     order, steps_in, init, grads = load_inputs(torch, out_dir, case.get("inputs", "base"))
+    all_params = list(order)
+    if "params" in case:  # a subset of the inputs' parameters, in their order
+        if set(case["params"]) - set(order):
+            sys.exit("%s: params %s not in the inputs" % (case["name"], sorted(set(case["params"]) - set(order))))
+        order = [n for n in order if n in case["params"]]
     steps = case.get("steps", steps_in)
     every = case.get("record_every", 1)
     assert steps <= steps_in and steps % every == 0, case["name"]
@@ -540,7 +584,10 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
             d.update(group_kwargs(e, hp, ov))
             pg.append(d)
     optim = e.build(ctx, pg, kwargs)
-    check_defaults(e, optim)
+    if hasattr(e, "check_defaults"):  # an upstream whose defaults are not its constructor's signature
+        e.check_defaults(ctx, optim)
+    else:
+        check_defaults(e, optim)
     state_name = {up: mine for mine, up in e.STATES.items()}
 
     tensors = []
@@ -566,18 +613,20 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
         "optimizer": e.OPTIMIZER,
         "hparams": fmt_hparams(hp),
         "steps": str(steps),
-        "params": ",".join(order),
+        "params": ",".join(all_params),
         # e.g. "transformers==4.36.2 torch==1.13.1 (debian python3-torch ...)"
         "upstream": " ".join([v for v in versions.split() if not v.startswith("torch==")] +
                              [x for x in (getattr(e, "UPSTREAM_NOTE", ""), pin) if x]),
         "generator": GENERATOR_REL,
         "case": case["name"],
-        "seed": str(SEED),
+        "seed": inputs_meta(case.get("inputs", "base"))["seed"],
         "dtype": "float32 cpu torch.set_num_threads(1)",
         "inputs": INPUT_SETS[case.get("inputs", "base")],
     }
     if hasattr(e, "metadata"):
         meta.update(e.metadata(ctx))
+    if "params" in case:
+        meta["case_params"] = ",".join(order)
     if groups is not None:
         meta["groups"] = "|".join(",".join(names) for names, _ in groups)
         meta["group_hparams"] = "|".join(fmt_hparams(ov) for _, ov in groups)
@@ -655,7 +704,7 @@ def check_files(out_dir, names):
         for k in ("params", "seed", "generator"):
             assert meta[k] == im[k], (name, k)
         steps, every = int(meta["steps"]), int(meta.get("record_every", "1"))
-        order = meta["params"].split(",")
+        order = meta.get("case_params", meta["params"]).split(",")
         params = {"param/%d/%s" % (t, n) for t in range(every, steps + 1, every) for n in order}
         assert params <= set(mine), name
         assert all(k in params or k.startswith("state/") for k in mine), name

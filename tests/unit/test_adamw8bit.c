@@ -838,7 +838,7 @@ static void test_piecewise_step_shared_blocks(void **st) {
     assert_true(im->frame(hp, &whole) <= sizeof fw);
     void *sw[4] = {q1, q2, a1, a2};
     int more = 0;
-    dopt_step_args a = {im, hp, 1, &whole, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL};
+    dopt_step_args a = {im, hp, 1, &whole, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
     assert_ok(dopt__run_stages(NULL, &a));
     /* the pieces */
     dopt_piece pc[NPC];
@@ -854,7 +854,7 @@ static void test_piecewise_step_shared_blocks(void **st) {
       sh[k] = (dopt_block_share){B, 3, idx, mx[k]};
       stp[k][0] = pq1 + lo[k], stp[k][1] = pq2 + lo[k], stp[k][2] = pa1[k], stp[k][3] = pa2[k];
       pa[k] = (dopt_step_args){im, hp, 1, &pc[k], pp + lo[k], g + lo[k], stp[k], fp[k], &red, NULL, 0, 0, &pmore[k],
-                               NULL, NULL, NULL, 0, NULL, &sh[k]};
+                               NULL, NULL, NULL, 0, NULL, &sh[k], 0, NULL};
       pmore[k] = 0;
       assert_ok(im->step(&pa[k]));
       assert_int_equal(pmore[k], 1);
@@ -894,7 +894,7 @@ static void test_piecewise_step_shared_blocks(void **st) {
   void *sw[4] = {q1, q2, a1, a2};
   unsigned char fw[64];
   int more = 0;
-  dopt_step_args a = {im, hp, 1, &half, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL};
+  dopt_step_args a = {im, hp, 1, &half, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
   assert_status(im->step(&a), DOPT_ERR_STATE, "part of block 0");
   dopt_optim_destroy(o);
 }

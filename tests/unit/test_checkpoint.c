@@ -202,6 +202,10 @@ static const resume_case cases[] = {
     {"lisa", "inner=adamw,n_layers=1,interval=3,seed=4,reset_states=true,lr=1e-2", NULL, 0},
     {"lisa", "inner=galore_adamw,n_layers=1,interval=2,reset_states=true,rank=2,update_proj_gap=2,lr=1e-2", NULL, 1},
     {"lisa", "inner=q_galore,n_layers=1,interval=3,rank=2,update_proj_gap=2,queue_size=2,proj_group_size=-1", NULL, 0},
+    /* Muon on the matrices (bf16), aux Adam on the rest (auto); a whole aux group; fp32 iteration */
+    {"muon", "lr=2e-2,weight_decay=0.01", "use_muon=false,weight_decay=0", 1},
+    {"muon", "lr=2e-2,ns_dtype=fp32,nesterov=false,adjust_lr_fn=original", NULL, 0},
+    {"lisa", "inner=muon,n_layers=1,interval=2,lr=2e-2", NULL, 0},
 };
 
 static void resume_one(const resume_case *c, int K, int N) {
@@ -246,7 +250,7 @@ static void test_resume_bitwise(void **st) {
     if (!found) fail_msg("optimizer %s has no resume case", dopt_optim_registry_name(r));
     names++;
   }
-  assert_int_equal(names, 10); /* a registry that lost one fails here */
+  assert_int_equal(names, 11); /* a registry that lost one fails here */
 }
 
 /* Save before any step (no states), and save twice at the same step (the generation is replaced). */

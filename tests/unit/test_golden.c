@@ -53,7 +53,7 @@
 
 #define TOL_PARAM 1e-6
 #define TOL_STATE 1e-5
-#define TOL_LIMIT 1e-4 /* the loosest tolerance a case may declare */
+#define TOL_LIMIT 2e-3 /* the loosest tolerance a case may declare: bf16 arithmetic (Muon; one bf16 ulp is 3.9e-3) */
 #define LONG_STEPS 200 /* a case-covered optimizer needs a run at least this long */
 #define MAXP 32
 
@@ -166,7 +166,10 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
   if (ipath) assert_ok(dopt_st_load(ipath, &inf));
   else inf = cf;
   const char *optname = dopt_st_meta(cf, "optimizer");
-  const char *params = dopt_st_meta(inf, "params") ? dopt_st_meta(inf, "params") : dopt_st_meta(cf, "params");
+  /* the case's own subset of the inputs' parameters, else all of them */
+  const char *params = dopt_st_meta(cf, "case_params") ? dopt_st_meta(cf, "case_params")
+                       : dopt_st_meta(inf, "params")   ? dopt_st_meta(inf, "params")
+                                                         : dopt_st_meta(cf, "params");
   const char *steps_s = dopt_st_meta(cf, "steps") ? dopt_st_meta(cf, "steps") : dopt_st_meta(inf, "steps");
   assert_non_null(optname);
   assert_non_null(params);
@@ -421,7 +424,7 @@ static void test_golden(void **st) {
   while ((e = readdir(d))) {
     size_t l = strlen(e->d_name);
     if (l > 12 && strcmp(e->d_name + l - 12, ".safetensors") == 0 && strncmp(e->d_name, "inputs", 6) != 0 &&
-        strncmp(e->d_name, "bnb_", 4) != 0) { /* bnb_*: 8-bit maps and kernel data, not optimizer cases */
+        strncmp(e->d_name, "bnb_", 4) != 0) { /* inputs*: shared inputs; bnb_*: 8-bit maps and kernel data */
       if (nf == 128) fail_msg("more than 128 case files in %s", dir);
       files[nf++] = strdup(e->d_name);
     }

@@ -1,0 +1,233 @@
+/* Muon as PyPI muon-optimizer 0.1.0 (muon.py: SingleDeviceMuon,
+ * SingleDeviceMuonWithAuxAdam; docs/muon.md), fp32 parameters.
+ *
+ * use_muon=true steps each matrix P [..., h, w] with its gradient G and
+ * momentum M (state momentum_buffer, P's shape):
+ *   M ← lerp(M, G, 1 − momentum)                    torch's lerp (fused, as its AVX2 kernel)
+ *   U ← nesterov ? lerp(G, M, momentum) : M          (upstream writes it into p.grad)
+ *   U ← NS(U) per matrix: 4-D [o, i, kh, kw] as [o, i·kh·kw]; otherwise
+ *       every leading index of [..., h, w] its own (a 3-D expert stack
+ *       [E, out, in] per expert, upstream's batched iteration); the quintic
+ *       Newton–Schulz of ns.c, ns_steps times, in bf16 (ns_dtype=fp32: fp32)
+ *   adjust_lr_fn none (upstream):     U ← U·√max(1, G.size(-2)/G.size(-1))   (in U's arithmetic; the
+ *                                     unflattened gradient's last two dims, also for 4-D)
+ *          original (torch.optim.Muon): lr' = lr·√max(1, A/B), A, B = P's first two dims
+ *          match_rms_adamw:             lr' = lr·0.2·√max(A, B)
+ *   P ← P·(1 − lr·weight_decay);  P ← P + (−lr')·U  (fused, as torch's add_ with alpha)
+ * use_muon=false steps every parameter with upstream's aux Adam (states
+ * exp_avg, exp_avg_sq; the step count is the parameter's):
+ *   m ← lerp(m, G, 1 − β1);  v ← lerp(v, G², 1 − β2)
+ *   U ← (m / (1 − β1^t)) / (√(v / (1 − β2^t)) + eps)
+ *   P ← P·(1 − lr·weight_decay);  P ← P + (−lr)·U
+ * use_muon=auto (the default; upstream has no default and asserts the key):
+ * Muon for every parameter of 2 or more dims, aux Adam for the others.
+ * lr none: 0.02 for Muon, 3e-4 for aux Adam (upstream's per-kind defaults);
+ * beta1, beta2, eps belong to aux Adam, momentum, nesterov, ns_steps,
+ * ns_dtype and adjust_lr_fn to Muon.
+ *
+ * distributed/: a Muon matrix steps whole on its owner (the iteration needs
+ * the whole matrix); aux Adam is elementwise and steps piecewise. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ns.h"
+#include "registry.h"
+
+enum { LR, MOMENTUM, WD, USE_MUON, BETA1, BETA2, EPS, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR, NHP };
+enum { NS_BF16, NS_FP32 };
+enum { ADJ_NONE, ADJ_ORIGINAL, ADJ_MATCH_RMS };
+enum { USE_AUTO, USE_TRUE, USE_FALSE };
+
+static const char *const uses[] = {"auto", "true", "false", NULL};
+static const char *const ns_dtypes[] = {"bf16", "fp32", NULL};
+static const char *const adjusts[] = {"none", "original", "match_rms_adamw", NULL};
+
+static const dopt_hp_def hps[NHP] = {
+    [LR] = {"lr", DOPT_HP_OPT, NAN, "learning rate (none: 0.02 in a Muon group, 3e-4 in an aux Adam group)", NULL},
+    [MOMENTUM] = {"momentum", DOPT_HP_REAL, 0.95, "Muon: momentum (M <- lerp(M, G, 1 - momentum))", NULL},
+    [WD] = {"weight_decay", DOPT_HP_REAL, 0.0, "decoupled decay before the update (p *= 1 - lr*wd)", NULL},
+    [USE_MUON] = {"use_muon", DOPT_HP_ENUM, USE_AUTO,
+                  "true: Muon (a 1-D parameter is refused), false: upstream's aux Adam, auto: Muon for matrices, "
+                  "aux Adam for the rest",
+                  uses},
+    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "aux Adam: first-moment decay", NULL},
+    [BETA2] = {"beta2", DOPT_HP_REAL, 0.95, "aux Adam: second-moment decay", NULL},
+    [EPS] = {"eps", DOPT_HP_REAL, 1e-10, "aux Adam: added to sqrt(v_hat)", NULL},
+    [NESTEROV] = {"nesterov", DOPT_HP_BOOL, 1.0, "Muon: orthogonalise lerp(G, M, momentum) (upstream: always)", NULL},
+    [NS_STEPS] = {"ns_steps", DOPT_HP_INT, 5.0, "Muon: Newton-Schulz iterations (upstream: 5)", NULL},
+    [NS_DTYPE] = {"ns_dtype", DOPT_HP_ENUM, NS_BF16, "Muon: the iteration's arithmetic (upstream: bf16)", ns_dtypes},
+    [ADJUST_LR] = {"adjust_lr_fn", DOPT_HP_ENUM, ADJ_NONE,
+                   "Muon: none (upstream's sqrt(max(1, rows/cols)) on the update), original or match_rms_adamw "
+                   "(torch.optim.Muon's, on the lr)",
+                   adjusts},
+};
+
+static int is_int(double v) { return v == floor(v); }
+
+static dopt_status validate(const double *hp) {
+  if (!isnan(hp[LR]) && hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: lr=%g must be >= 0", hp[LR]);
+  if (!(hp[MOMENTUM] >= 0 && hp[MOMENTUM] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: momentum=%g must be in [0, 1)", hp[MOMENTUM]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: weight_decay=%g must be >= 0", hp[WD]);
+  if (!(hp[BETA1] >= 0 && hp[BETA1] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: beta1=%g must be in [0, 1)", hp[BETA1]);
+  if (!(hp[BETA2] >= 0 && hp[BETA2] < 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: beta2=%g must be in [0, 1)", hp[BETA2]);
+  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: eps=%g must be >= 0", hp[EPS]);
+  if (!(hp[NS_STEPS] >= 0 && hp[NS_STEPS] <= 100 && is_int(hp[NS_STEPS])))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: ns_steps=%g must be an integer in [0, 100]", hp[NS_STEPS]);
+  return DOPT_OK;
+}
+
+/* Whether a parameter of ndim dims in this group steps Muon (else aux Adam). use_muon=true with ndim < 2 is
+ * Muon too, refused by the step. */
+static int is_muon(const double *hp, int ndim) {
+  const int use = (int)hp[USE_MUON];
+  return use == USE_TRUE || (use == USE_AUTO && ndim >= 2);
+}
+
+static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+  int n = 0;
+  if (is_muon(hp, ndim)) {
+    dopt_state_def(&out[n++], "momentum_buffer", ndim, shape, 1);
+  } else {
+    dopt_state_def(&out[n++], "exp_avg", ndim, shape, 1);
+    dopt_state_def(&out[n++], "exp_avg_sq", ndim, shape, 1);
+  }
+  return n;
+}
+
+/* A Muon matrix needs the whole tensor (owner mode in distributed/); aux Adam is elementwise. */
+static int whole(const double *hp, int ndim, const int64_t *shape) {
+  (void)shape;
+  return is_muon(hp, ndim) && ndim >= 2;
+}
+
+/* The matrices a Muon parameter is orthogonalised as: count × [h, w]. */
+static void matrices(int ndim, const int64_t *shape, size_t *count, size_t *h, size_t *w) {
+  if (ndim == 4) { /* a conv filter [o, i, kh, kw] viewed as [o, i·kh·kw] (upstream's later fix: reshaped back) */
+    *count = 1, *h = (size_t)shape[0], *w = (size_t)(shape[1] * shape[2] * shape[3]);
+    return;
+  }
+  dopt_split_bhw(ndim, shape, count, h, w);
+}
+
+static double cost(const double *hp, int ndim, const int64_t *shape) {
+  const size_t numel = dopt_numel(ndim, shape);
+  if (!whole(hp, ndim, shape)) return DOPT_COST_PER_ELEMENT * (double)numel; /* aux Adam */
+  size_t count, h, w;
+  matrices(ndim, shape, &count, &h, &w);
+  return (double)count * dopt_ns_cost(h, w, (int)hp[NS_STEPS]) + 8.0 * (double)numel;
+}
+
+/* torch's lerp(start, end, weight) with a scalar weight, as its AVX2 kernel computes it: one fused multiply-add,
+ * start + w·(end − start) for |w| < 0.5, else end + (w − 1)·(end − start). */
+static inline float lerp(float start, float end, float w) {
+  return fabsf(w) < 0.5f ? fmaf(w, end - start, start) : fmaf(w - 1.0f, end - start, end);
+}
+
+
+/* aux Adam, elementwise on any piece */
+static dopt_status adam_step(const dopt_step_args *a) {
+  const double *hp = a->hp;
+  const double lr = isnan(hp[LR]) ? 3e-4 : hp[LR], t = (double)a->step;
+  const float w1 = (float)(1.0 - hp[BETA1]), w2 = (float)(1.0 - hp[BETA2]);
+  const float bc1 = (float)(1.0 - pow(hp[BETA1], t)), bc2 = (float)(1.0 - pow(hp[BETA2], t));
+  const float eps = (float)hp[EPS], decay = (float)(1.0 - lr * hp[WD]), alpha = (float)(-lr);
+  float *p = a->param, *m = a->state[0], *v = a->state[1];
+  const float *g = a->grad;
+  for (size_t i = 0; i < a->piece->len; i++) {
+    m[i] = lerp(m[i], g[i], w1);
+    v[i] = lerp(v[i], g[i] * g[i], w2);
+    const float u = (m[i] / bc1) / (sqrtf(v[i] / bc2) + eps);
+    p[i] = fmaf(alpha, u, p[i] * decay);
+  }
+  return DOPT_OK;
+}
+
+static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *shape) {
+  const double *hp = a->hp;
+  const dopt_piece *pc = a->piece;
+  const size_t n = pc->len;
+  if (n != pc->numel)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "muon: a Muon matrix needs the whole tensor (got %zu of %zu elements)", n,
+                      pc->numel);
+  const int bf16 = (int)hp[NS_DTYPE] == NS_BF16;
+  float *p = a->param, *m = a->state[0];
+  const float *g = a->grad;
+  float *u = malloc((n ? n : 1) * sizeof *u);
+  if (!u) return dopt__fail(DOPT_ERR_NO_MEMORY, "muon: the update of a %zu-element matrix", n);
+  const float w = (float)(1.0 - hp[MOMENTUM]), beta = (float)hp[MOMENTUM];
+  for (size_t i = 0; i < n; i++) {
+    m[i] = lerp(m[i], g[i], w);
+    u[i] = hp[NESTEROV] != 0.0 ? lerp(g[i], m[i], beta) : m[i];
+  }
+  size_t count, h, wd;
+  matrices(ndim, shape, &count, &h, &wd);
+  dopt_status s = DOPT_OK;
+  for (size_t k = 0; s == DOPT_OK && k < count; k++)
+    s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, (int)hp[NS_STEPS], bf16, a->par);
+  if (s != DOPT_OK) {
+    free(u);
+    return s;
+  }
+  /* the scale: upstream's on the update, from the unflattened gradient's last two dims; torch.optim.Muon's on
+   * the lr, from the parameter's first two */
+  const double lr = isnan(hp[LR]) ? 0.02 : hp[LR], d0 = (double)shape[0], d1 = (double)shape[1];
+  const double rows = (double)shape[ndim - 2], cols = (double)shape[ndim - 1];
+  double lr_adj = lr;
+  if ((int)hp[ADJUST_LR] == ADJ_NONE) {
+    const double sc = sqrt(rows / cols > 1.0 ? rows / cols : 1.0);
+    const float f = bf16 ? dopt_round_bf16((float)sc) : (float)sc; /* a Python scalar factor on the update */
+    for (size_t i = 0; i < n; i++) u[i] = bf16 ? dopt_round_bf16(u[i] * f) : u[i] * f;
+  } else if ((int)hp[ADJUST_LR] == ADJ_ORIGINAL) {
+    lr_adj = lr * sqrt(d0 / d1 > 1.0 ? d0 / d1 : 1.0);
+  } else {
+    lr_adj = lr * 0.2 * sqrt(d0 > d1 ? d0 : d1);
+  }
+  const float decay = (float)(1.0 - lr * hp[WD]), alpha = (float)(-lr_adj);
+  for (size_t i = 0; i < n; i++) p[i] = fmaf(alpha, u[i], p[i] * decay);
+  free(u);
+  return DOPT_OK;
+}
+
+static dopt_status step(const dopt_step_args *a) {
+  const dopt_piece *pc = a->piece;
+  /* the parameter's logical shape (a conv filter's 4 dims matter), or the piece's view */
+  const int64_t view[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
+  const int ndim = a->shape ? a->ndim : pc->factored ? 3 : 1;
+  const int64_t *shape = a->shape ? a->shape : pc->factored ? view : view + 2;
+  if (!is_muon(a->hp, ndim)) return adam_step(a);
+  if (ndim < 2)
+    return dopt__fail(DOPT_ERR_SHAPE,
+                      "muon: a %d-D parameter of %zu elements cannot be orthogonalised (use_muon=true); put it in a "
+                      "use_muon=false group (aux Adam) or leave use_muon=auto",
+                      ndim, pc->numel);
+  return muon_step(a, ndim, shape);
+}
+
+/* settings that exercise every path (dopt_optim_impl.example/grid): Muon in bf16 with weight decay on every
+ * matrix (3-D ones per batch index), aux Adam on the rest (use_muon=auto); fp32 iteration without Nesterov;
+ * torch.optim.Muon's lr rule */
+static const char *const grid[] = {
+    "lr=2e-2,weight_decay=0.01",
+    "lr=2e-2,ns_dtype=fp32,nesterov=false,ns_steps=3",
+    "lr=2e-2,adjust_lr_fn=match_rms_adamw,momentum=0.9,beta1=0.8",
+    NULL,
+};
+
+const dopt_optim_impl dopt_impl_muon = {
+    .name = "muon",
+    .summary = "Muon as muon-optimizer 0.1.0 (momentum orthogonalised by Newton-Schulz in bf16; aux Adam groups)",
+    .hp = hps,
+    .nhp = NHP,
+    .validate = validate,
+    .layout = layout,
+    .step = step,
+    .distributable = 0,
+    .whole = whole,
+    .cost = cost,
+    .example = NULL,
+    .grid = grid,
+};

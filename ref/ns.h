@@ -1,0 +1,46 @@
+/* Muon's orthogonalisation: the quintic Newton–Schulz iteration of
+ * muon-optimizer 0.1.0 (zeropower_via_newtonschulz5) on one matrix, with our
+ * own fixed-order GEMM (docs/muon.md).
+ *
+ * bf16 mode, as upstream runs it in torch's bf16 arithmetic: every tensor
+ * is rounded to bf16 (nearest even) after every operation; a product of two
+ * matrices accumulates its exact bf16·bf16 products in fp32 in increasing k
+ * and rounds the sum once (torch 1.13's CPU path for m·n·k > 4096; below it
+ * accumulates in bf16); a Python scalar factor is rounded to bf16 first
+ * (3.4445 → 3.4375), a scalar addend is not (the norm's + 1e-7); the
+ * Frobenius norm is the exact sum of squares, rounded to fp32, its fp32
+ * square root rounded to bf16. fp32 mode: the same operations in fp32,
+ * nothing rounded to bf16, scalars in fp32.
+ *
+ * Every element of every product is one sum in a fixed order computed by one
+ * thread, so the result does not depend on the thread count; no operation is
+ * contracted (the build's -ffp-contract=off). */
+#ifndef DISTOPT_NS_H
+#define DISTOPT_NS_H
+
+#include <stddef.h>
+
+#include "optim_impl.h"
+
+/* upstream's coefficients (a, b, c) of X ← a·X + (b·A + c·A·A)·X, A = X·Xᵀ */
+#define DOPT_NS_A 3.4445
+#define DOPT_NS_B (-4.7750)
+#define DOPT_NS_C 2.0315
+#define DOPT_NS_EPS 1e-7 /* X ← X / (‖X‖_F + eps) */
+
+/* bf16 round to nearest even of an fp32 value, as an fp32 value (NaN kept) */
+float dopt_round_bf16(float x);
+
+/* C[M, N] = A[M, K] · B[K, N], all row-major fp32; each C[i][j] accumulated in fp32 over k = 0..K-1 in order
+ * (no contraction). par: NULL or threads for rows of C. */
+void dopt_gemm_nn(size_t M, size_t N, size_t K, const float *A, const float *B, float *C, const dopt_par *par);
+
+/* Orthogonalises g [h, w] (row-major) in place: `steps` iterations, bf16 != 0: in bf16 arithmetic (the result
+ * holds bf16 values). A tall matrix is iterated transposed, as upstream. */
+dopt_status dopt_ns_orthogonalize(float *g, size_t h, size_t w, int steps, int bf16, const dopt_par *par);
+
+/* Multiply-adds of dopt_ns_orthogonalize on [h, w]: per iteration r·r·c (X·Xᵀ), r³ (A·A), r·r·c (B·X), r =
+ * min(h, w), c = max(h, w), plus the elementwise passes. */
+double dopt_ns_cost(size_t h, size_t w, int steps);
+
+#endif
