@@ -13,8 +13,11 @@
 #include "distopt/dpsum.h"
 #include "distopt/xsum.h"
 #include "internal.h"
+#include "optim_impl.h"
 
 int dt_basic_transport;
+const dopt_optim_impl *dt_dist_impl;
+int dt_step_per_micro;
 
 static size_t numel_of(const dt_param *p) {
   size_t n = 1;
@@ -68,9 +71,10 @@ void dt_gradient(const dt_case *c, int p, int step, int micro, int dprank, float
   if (c->nan_step == step && p == 0 && dprank == 0 && micro == 0) out[n / 2] = NAN;
 }
 
-dopt_status dt_build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
+static dopt_status build_plain(const dt_case *c, const dopt_optim_impl *im, float **data, float **master,
+                               uint16_t **work, dopt_optim **out) {
   dopt_optim *o;
-  DOPT_TRY(dopt_optim_create(c->optimizer, c->hparams, &o));
+  DOPT_TRY(im ? dopt__optim_create_impl(im, c->hparams, &o) : dopt_optim_create(c->optimizer, c->hparams, &o));
   int g1;
   dopt_status s = dopt_optim_add_group(o, c->group1 ? c->group1 : "weight_decay=0", &g1);
   for (int i = 0; s == DOPT_OK && i < c->nparams; i++) {
@@ -106,6 +110,10 @@ dopt_status dt_build_plain(const dt_case *c, float **data, float **master, uint1
   }
   *out = o;
   return DOPT_OK;
+}
+
+dopt_status dt_build_plain(const dt_case *c, float **data, float **master, uint16_t **work, dopt_optim **out) {
+  return build_plain(c, NULL, data, master, work, out);
 }
 
 static int is_checkpoint(const dt_case *c, int t) { return t == c->steps || (c->check_every > 0 && t % c->check_every == 0); }
@@ -257,7 +265,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   float *data[DT_MAXP], *master[DT_MAXP];
   uint16_t *work[DT_MAXP];
   dopt_optim *plain;
-  DOPT_TRY(dt_build_plain(c, data, master, work, &plain));
+  DOPT_TRY(build_plain(c, dt_dist_impl, data, master, work, &plain));
   dopt_tp_role roles[DT_MAXP];
   for (int i = 0; i < c->nparams; i++) roles[i] = c->params[i].role;
   dopt_dist_optim *d = NULL;
@@ -293,6 +301,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
             memcpy(loc[i] + (bi * hl + ii) * wl, full + (bi * pc.h + h0 + ii) * pc.w + w0, wl * sizeof(float));
       }
       s = dopt_dist_backward(d, lp);
+      if (s == DOPT_OK && dt_step_per_micro && m + 1 < c->micro) s = dopt_dist_step(d, NULL); /* a planted bug */
     }
     dopt_sim_stats before[2] = {DOPT_SIM_STATS_INIT, DOPT_SIM_STATS_INIT}, after[2] = {DOPT_SIM_STATS_INIT, DOPT_SIM_STATS_INIT};
     if (s == DOPT_OK) s = dopt_sim_comm_stats(tpc, &before[0]);

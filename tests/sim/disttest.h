@@ -50,6 +50,13 @@ typedef struct dt_case {
  * reduce and all_to_allv, as an older or minimal backend (distributed/'s fallbacks). */
 extern int dt_basic_transport;
 
+/* Planted bugs, set by a test on its main thread before dt_run_dist: the distributed side runs this
+ * implementation instead of the registry's (the reference keeps the registry's), or steps after every
+ * micro-batch instead of once per step (an optimizer step per micro-batch, as a gradient hook would). */
+struct dopt_optim_impl;
+extern const struct dopt_optim_impl *dt_dist_impl;
+extern int dt_step_per_micro;
+
 /* The plain (single-device) optimizer of a case with its initial values:
  * data[i] (fp32; with bf16 the master), work[i] (bf16 or NULL), updated in
  * place by the optimizer: free them after it. */

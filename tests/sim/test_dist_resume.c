@@ -46,6 +46,8 @@ static const struct {
     {"lisa", "inner=galore_adamw,rank=3,update_proj_gap=4,n_layers=2,interval=5,reset_states=true", 0},
     /* blocks of 64 that ZeRO and TP edges cut (absmax of shared blocks), percentile clipping's history */
     {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=64,percentile_clipping=5,weight_decay=0.01", 1},
+    /* Muon's matrices on owners (3-D per batch index), aux Adam piecewise */
+    {"muon", "lr=2e-2,weight_decay=0.01", 1},
 };
 #define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
 
