@@ -1,0 +1,158 @@
+/* Muon (ref/muon.c, ref/ns.c; docs/muon.md) beyond its golden cases: torch.optim.Muon's adjust_lr_fn rules
+ * against a transcription of their documented formulas, the iteration's kernel against a plain loop and
+ * against orthogonality, the per-kind defaults and the groups (use_muon), the one-line refusals. */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "distopt/distopt.h"
+#include "ns.h"
+#include "optim_impl.h"
+
+static float *filled(size_t n, uint64_t seed, double scale) {
+  float *x = malloc(n * sizeof *x);
+  for (size_t i = 0; i < n; i++) x[i] = (float)(dt_rand_normal(&seed) * scale);
+  return x;
+}
+
+/* One step of `hp` on a fresh [h, w] parameter (weights w0, gradient g): the new weights. */
+static void one_step(const char *hp, size_t h, size_t w, const float *w0, const float *g, float *out) {
+  dopt_optim *o = NULL;
+  assert_ok(dopt_optim_create("muon", hp, &o));
+  memcpy(out, w0, h * w * sizeof *out);
+  dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+  pc.name = "w", pc.ndim = 2, pc.shape[0] = (int64_t)h, pc.shape[1] = (int64_t)w, pc.data = out;
+  assert_ok(dopt_optim_add_param(o, 0, &pc, NULL));
+  const float *gp[1] = {g};
+  assert_ok(dopt_optim_step(o, gp));
+  dopt_optim_destroy(o);
+}
+
+/* torch.optim.Muon (torch >= 2.9, not installable here): its documented rules, transcribed. The update is
+ * the Newton-Schulz of the Nesterov blend, unscaled; the lr is adjusted: original lr·sqrt(max(1, A/B)),
+ * match_rms_adamw lr·0.2·sqrt(max(A, B)), A, B the parameter's first two dims; p ← p·(1 − lr·wd) +
+ * (−lr')·update. After one step from zero momentum: M = 0.05·G, U = lerp(G, M, 0.95). */
+static void test_adjust_lr_fn(void **st) {
+  (void)st;
+  const size_t shapes[][2] = {{24, 40}, {40, 24}};
+  for (size_t s = 0; s < 2; s++)
+    for (int rule = 0; rule < 2; rule++) {
+      const size_t h = shapes[s][0], w = shapes[s][1], n = h * w;
+      float *w0 = filled(n, 3 + s, 0.5), *g = filled(n, 5 + s, 1.0), *got = malloc(n * sizeof *got);
+      const double lr = 0.02, wd = 0.1;
+      char hp[128];
+      snprintf(hp, sizeof hp, "lr=%g,weight_decay=%g,adjust_lr_fn=%s", lr, wd, rule ? "match_rms_adamw" : "original");
+      one_step(hp, h, w, w0, g, got);
+      /* the transcription */
+      float *u = malloc(n * sizeof *u);
+      const float wm = (float)(1.0 - 0.95), beta = 0.95f;
+      for (size_t i = 0; i < n; i++) {
+        const float m = fmaf(wm, g[i] - 0.0f, 0.0f);
+        u[i] = fmaf(beta - 1.0f, m - g[i], m); /* lerp(G, M, 0.95): w >= 0.5 */
+      }
+      assert_ok(dopt_ns_orthogonalize(u, h, w, 5, 1, NULL));
+      const double A = (double)h, B = (double)w;
+      const double adj = rule ? lr * 0.2 * sqrt(A > B ? A : B) : lr * sqrt(A / B > 1 ? A / B : 1);
+      size_t bad = 0;
+      for (size_t i = 0; i < n; i++) {
+        const float want = fmaf((float)(-adj), u[i], w0[i] * (float)(1.0 - lr * wd));
+        bad += memcmp(&want, &got[i], sizeof want) != 0;
+      }
+      if (bad) fail_msg("[%zu, %zu] %s: %zu of %zu weights differ from the transcription", h, w, hp, bad, n);
+      free(w0), free(g), free(got), free(u);
+    }
+}
+
+/* dopt_gemm_nn: each element the k-order fp32 sum (a plain loop), at any thread split; the bf16 iteration's
+ * output is close to orthogonal (upstream's iteration leaves the singular values in about [0.5, 1.5]). */
+static void test_kernel(void **st) {
+  (void)st;
+  const size_t M = 70, N = 90, K = 65;
+  float *A = filled(M * K, 7, 1.0), *B = filled(K * N, 8, 1.0), *C = malloc(M * N * sizeof *C);
+  dopt_gemm_nn(M, N, K, A, B, C, NULL);
+  for (size_t i = 0; i < M; i++)
+    for (size_t j = 0; j < N; j++) {
+      float acc = 0.0f;
+      for (size_t k = 0; k < K; k++) acc = acc + A[i * K + k] * B[k * N + j];
+      if (memcmp(&acc, &C[i * N + j], sizeof acc)) fail_msg("C[%zu][%zu] = %a, the k-order sum %a", i, j, (double)C[i * N + j], (double)acc);
+    }
+  const size_t h = 32, w = 64;
+  float *x = filled(h * w, 9, 1.0), *xxt = malloc(h * h * sizeof *xxt), *xt = malloc(w * h * sizeof *xt);
+  assert_ok(dopt_ns_orthogonalize(x, h, w, 5, 1, NULL));
+  for (size_t i = 0; i < h * w; i++) assert_true(x[i] == dopt_round_bf16(x[i])); /* bf16 values */
+  for (size_t i = 0; i < h; i++)
+    for (size_t j = 0; j < w; j++) xt[j * h + i] = x[i * w + j];
+  dopt_gemm_nn(h, h, w, x, xt, xxt, NULL);
+  for (size_t i = 0; i < h; i++) { /* X·Xᵀ: diagonal (the squared singular values) in [0.25, 2.25], off-diagonal small */
+    assert_true(xxt[i * h + i] > 0.25f && xxt[i * h + i] < 2.25f);
+    for (size_t j = 0; j < h; j++)
+      if (j != i) assert_true(fabsf(xxt[i * h + j]) < 0.5f);
+  }
+  free(A), free(B), free(C), free(x), free(xxt), free(xt);
+}
+
+/* use_muon: auto (Muon for matrices, aux Adam for the rest: states by kind), true (a 1-D parameter refused in
+ * one line), false (aux Adam for a matrix); the per-kind lr defaults (0.02 / 3e-4) are the step's */
+static void test_groups_and_refusals(void **st) {
+  (void)st;
+  float w[12], b[4], g12[12], g4[4];
+  for (int i = 0; i < 12; i++) w[i] = 0.1f * (float)i, g12[i] = 0.3f - 0.05f * (float)i;
+  for (int i = 0; i < 4; i++) b[i] = 1.0f, g4[i] = 0.5f;
+  dopt_optim *o = NULL;
+  assert_ok(dopt_optim_create("muon", NULL, &o));
+  int gaux;
+  assert_ok(dopt_optim_add_group(o, "use_muon=false", &gaux));
+  dopt_param_config pw = DOPT_PARAM_CONFIG_INIT, pb = DOPT_PARAM_CONFIG_INIT;
+  pw.name = "w", pw.ndim = 2, pw.shape[0] = 3, pw.shape[1] = 4, pw.data = w;
+  pb.name = "b", pb.ndim = 1, pb.shape[0] = 4, pb.data = b;
+  assert_ok(dopt_optim_add_param(o, 0, &pw, NULL));
+  assert_ok(dopt_optim_add_param(o, 0, &pb, NULL)); /* auto: aux Adam */
+  const float *g[2] = {g12, g4};
+  assert_ok(dopt_optim_step(o, g));
+  dopt_state_view v;
+  assert_ok(dopt_optim_state(o, 0, 0, &v));
+  assert_string_equal(v.name, "momentum_buffer");
+  assert_int_equal(dopt_optim_num_states(o, 1), 2);
+  assert_ok(dopt_optim_state(o, 1, 0, &v));
+  assert_string_equal(v.name, "exp_avg");
+  /* aux Adam's first step from zero states, as its formula with lr 3e-4 (lr none) */
+  const float m1 = fmaf((float)(1.0 - 0.9), 0.5f, 0.0f), v1 = fmaf((float)(1.0 - 0.95), 0.5f * 0.5f, 0.0f);
+  const float u1 = (m1 / (float)(1.0 - 0.9)) / (sqrtf(v1 / (float)(1.0 - 0.95)) + (float)1e-10);
+  const float want = fmaf((float)(-3e-4), u1, 1.0f * (float)(1.0 - 3e-4 * 0.0));
+  if (memcmp(&want, &b[0], sizeof want)) fail_msg("aux Adam with lr none: %a, want %a (lr 3e-4)", (double)b[0], (double)want);
+  dopt_optim_destroy(o);
+  /* true: a 1-D parameter is refused, naming the fix */
+  assert_ok(dopt_optim_create("muon", "use_muon=true", &o));
+  assert_ok(dopt_optim_add_param(o, 0, &pb, NULL));
+  const float *gb[1] = {g4};
+  assert_status(dopt_optim_step(o, gb), DOPT_ERR_SHAPE, "use_muon=false group");
+  dopt_optim_destroy(o);
+  assert_status(dopt_optim_create("muon", "ns_steps=2.5", &o), DOPT_ERR_INVALID_ARG, "ns_steps=2.5");
+  assert_status(dopt_optim_create("muon", "momentum=1", &o), DOPT_ERR_INVALID_ARG, "momentum=1");
+  assert_status(dopt_optim_create("muon", "use_muon=maybe", &o), DOPT_ERR_INVALID_ARG, "maybe");
+}
+
+/* The cost that balances owners: Newton-Schulz multiply-adds per matrix (3-D: per batch index), aux Adam 8
+ * per element. */
+static void test_cost(void **st) {
+  (void)st;
+  dopt_optim *o = NULL;
+  assert_ok(dopt_optim_create("muon", NULL, &o));
+  const dopt_optim_impl *im = dopt__optim_impl(o);
+  const double *hp = dopt__optim_group_hp(o, 0);
+  const int64_t m[2] = {64, 256}, e[3] = {4, 64, 256}, v[1] = {100};
+  const double ns = 5.0 * (2.0 * 64 * 64 * 256 + 64.0 * 64 * 64 + 4.0 * 64 * 256 + 4.0 * 64 * 64) + 4.0 * 64 * 256;
+  assert_true(fabs(dopt__impl_cost(im, hp, 2, m) - (ns + 8.0 * 64 * 256)) < 1e-6);
+  assert_true(fabs(dopt__impl_cost(im, hp, 3, e) - 4 * (ns + 8.0 * 64 * 256)) < 1e-6);
+  assert_true(fabs(dopt__impl_cost(im, hp, 1, v) - 800.0) < 1e-9);
+  dopt_optim_destroy(o);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_adjust_lr_fn), cmocka_unit_test(test_kernel),
+                                     cmocka_unit_test(test_groups_and_refusals), cmocka_unit_test(test_cost)};
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
