@@ -7,24 +7,79 @@
 
 float dopt_round_bf16(float x) { return dopt_bf16_to_f32(dopt_f32_to_bf16(x)); }
 
-/* columns of C kept in one accumulator row (L1): 512 fp32 */
-#define GEMM_JB 512
+/* The product in register tiles of MR rows × NR columns of C: per tile, the accumulators over all of k in
+ * order, A's MR rows broadcast and B's NR columns read once per k (the column block of B stays in L2 while
+ * the row tiles pass). The same k-order sum per element as a plain loop: only the loop nest is blocked. */
+#define MR 4
+#define NR 16
 
-/* rows [i0, i1) of C = A·B: per block of columns, each row's accumulators over k in order */
-static void gemm_rows(size_t N, size_t K, const float *A, const float *B, float *C, size_t i0, size_t i1) {
-  float acc[GEMM_JB];
-  for (size_t j0 = 0; j0 < N; j0 += GEMM_JB) {
-    const size_t jn = N - j0 < GEMM_JB ? N - j0 : GEMM_JB;
-    for (size_t i = i0; i < i1; i++) {
-      for (size_t j = 0; j < jn; j++) acc[j] = 0.0f;
-      const float *a = A + i * K;
-      for (size_t k = 0; k < K; k++) {
-        const float ak = a[k], *b = B + k * N + j0;
-        for (size_t j = 0; j < jn; j++) acc[j] = acc[j] + ak * b[j];
-      }
-      memcpy(C + i * N + j0, acc, jn * sizeof *acc);
+static void tile(size_t K, size_t N, const float *A, const float *B, float *C) {
+  float acc[MR][NR];
+  for (size_t ii = 0; ii < MR; ii++)
+    for (size_t jj = 0; jj < NR; jj++) acc[ii][jj] = 0.0f;
+  for (size_t k = 0; k < K; k++) {
+    const float *b = B + k * N;
+    for (size_t ii = 0; ii < MR; ii++) {
+      const float a = A[ii * K + k];
+      for (size_t jj = 0; jj < NR; jj++) acc[ii][jj] = acc[ii][jj] + a * b[jj];
     }
   }
+  for (size_t ii = 0; ii < MR; ii++) memcpy(C + ii * N, acc[ii], sizeof acc[ii]);
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+#define NS_AVX2 1
+/* tile() on AVX2: the same multiply, then add, per element and k (no fused multiply-add), so the same bits */
+__attribute__((target("avx2"))) static void tile_avx2(size_t K, size_t N, const float *A, const float *B, float *C) {
+  __m256 c[MR][2];
+  for (size_t ii = 0; ii < MR; ii++) c[ii][0] = _mm256_setzero_ps(), c[ii][1] = _mm256_setzero_ps();
+  for (size_t k = 0; k < K; k++) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * N), b1 = _mm256_loadu_ps(B + k * N + 8);
+    for (size_t ii = 0; ii < MR; ii++) {
+      const __m256 a = _mm256_broadcast_ss(A + ii * K + k);
+      c[ii][0] = _mm256_add_ps(c[ii][0], _mm256_mul_ps(a, b0));
+      c[ii][1] = _mm256_add_ps(c[ii][1], _mm256_mul_ps(a, b1));
+    }
+  }
+  for (size_t ii = 0; ii < MR; ii++) {
+    _mm256_storeu_ps(C + ii * N, c[ii][0]);
+    _mm256_storeu_ps(C + ii * N + 8, c[ii][1]);
+  }
+}
+#endif
+
+/* one element, k in order (the tiles' edges) */
+static float dot(size_t K, size_t N, const float *a, const float *b) {
+  float acc = 0.0f;
+  for (size_t k = 0; k < K; k++) acc = acc + a[k] * b[k * N];
+  return acc;
+}
+
+/* rows [i0, i1) of C = A·B */
+static void gemm_rows(size_t N, size_t K, const float *A, const float *B, float *C, size_t i0, size_t i1) {
+  const size_t nfull = N / NR * NR;
+  size_t i = i0;
+#ifdef NS_AVX2
+  const int avx2 = __builtin_cpu_supports("avx2") != 0;
+#else
+  const int avx2 = 0;
+#endif
+  for (size_t j = 0; j < nfull; j += NR)
+    for (i = i0; i + MR <= i1; i += MR) {
+#ifdef NS_AVX2
+      if (avx2) {
+        tile_avx2(K, N, A + i * K, B + j, C + i * N + j);
+        continue;
+      }
+#endif
+      tile(K, N, A + i * K, B + j, C + i * N + j);
+    }
+  (void)avx2;
+  for (size_t r = i; r < i1; r++) /* the last rows */
+    for (size_t j = 0; j < nfull; j++) C[r * N + j] = dot(K, N, A + r * K, B + j);
+  for (size_t r = i0; r < i1; r++) /* the last columns */
+    for (size_t j = nfull; j < N; j++) C[r * N + j] = dot(K, N, A + r * K, B + j);
 }
 
 typedef struct gemm_job {
