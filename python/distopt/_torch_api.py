@@ -420,11 +420,11 @@ def _same(a, b):
 
 
 def _from_upstream_state(name, st, pid):
-    if "step" not in st:
-        raise ValueError(f"distopt: the state of parameter {pid} has no 'step'")
     if not isinstance(st, dict):
         raise _lib.invalid(f"distopt: the state of parameter {pid} is a {type(st).__name__}, not a dict")
-    step = _lib.count(st["step"], f"the step of parameter {pid}")
+    if "step" not in st and not _upstream.entry(name).get("step_optional"):
+        raise ValueError(f"distopt: the state of parameter {pid} has no 'step'")
+    step = _lib.count(st.get("step", 0), f"the step of parameter {pid}")
     reverse = {up: c for c, up in _upstream.entry(name)["states"].items()}
     drop = _upstream.entry(name).get("drop", ())
     tensors = {}

@@ -10,7 +10,8 @@ One table per optimizer:
   states:  distopt state name -> upstream state key, where they differ (every reference optimizer already
            names its states as upstream does, so these are empty; docs/optimizers.md).
   step:    how upstream stores a parameter's step count: "tensor" (a float32 0-d tensor, torch.optim.AdamW since
-           torch 1.12) or "int".
+           torch 1.12) or "int"; step_optional: upstream leaves it out for some parameters (read as 0).
+  bools:   distopt enum keys whose "true"/"false" upstream spells as a Python bool (muon's use_muon).
   drop:    per-parameter state keys upstream writes as diagnostics of the last step (not read by its next
            step): ignored on load (torch_optimizer.Lamb's and ColossalAI's weight_norm, adam_norm, trust_ratio).
 Optimizers without an entry use distopt's names and an int step.
@@ -54,6 +55,11 @@ TABLE = {
         "drop": ("weight_norm", "adam_norm", "trust_ratio"),
     },
 }
+# muon-optimizer 0.1.0 (SingleDeviceMuonWithAuxAdam): use_muon a bool (distopt's enum true/false; auto stays a
+# string), betas for the aux Adam groups, and a Muon parameter's state without a step (its update has no bias
+# correction): missing on load, it reads as 0
+TABLE["muon"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {}, "states": {},
+                 "step": "int", "step_optional": True, "bools": ("use_muon",)}
 for _name in ("adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore"):  # bitsandbytes / galore_torch: betas
     TABLE[_name] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {},
                     "states": {}, "step": "int"}
@@ -122,6 +128,8 @@ def to_upstream(name, values):
     out, tuples = {}, {}
     mapped = {key: (up, pos) for key, up, pos in e["group"]}
     for key, v in values.items():
+        if key in e.get("bools", ()) and v in ("true", "false"):
+            v = v == "true"
         if key not in mapped:
             out[key] = v
             continue

@@ -332,6 +332,35 @@ class TestTorchStateDict(Base):
         aopt.load_state_dict(copy.deepcopy(sd))
         self.assert_state_dicts_equal(aopt.state_dict(), sd)
 
+    def test_muon_names(self):
+        """muon-optimizer 0.1.0's SingleDeviceMuonWithAuxAdam groups and state_dict: use_muon a bool, the aux
+        Adam's betas, momentum_buffer for a Muon matrix (no step upstream: it loads as 0), exp_avg/exp_avg_sq
+        and an int step for aux Adam; a state_dict in upstream's shape loads and the next steps are bitwise."""
+        model = make_model()
+        groups = [dict(params=[p for p in model.parameters() if p.ndim == 2], use_muon=True, lr=0.02),
+                  dict(params=[p for p in model.parameters() if p.ndim == 1], use_muon=False, betas=(0.8, 0.95))]
+        opt = distopt.Optimizer("muon", groups)
+        self.assertIs(opt.param_groups[0]["use_muon"], True)
+        self.assertIs(opt.param_groups[1]["use_muon"], False)
+        self.assertEqual(opt.param_groups[1]["betas"], (0.8, 0.95))
+        train(model, opt, 3)
+        sd = opt.state_dict()
+        self.assertEqual(sorted(sd["state"][0]), ["momentum_buffer", "step"])
+        self.assertEqual(sorted(sd["state"][2]), ["exp_avg", "exp_avg_sq", "step"])
+        upstream = copy.deepcopy(sd)
+        for i in (0, 1):  # upstream keeps no step for a Muon matrix
+            del upstream["state"][i]["step"]
+        again = make_model(seed=3)
+        again.load_state_dict(model.state_dict())
+        agroups = [dict(params=[p for p in again.parameters() if p.ndim == 2], use_muon=True, lr=0.02),
+                   dict(params=[p for p in again.parameters() if p.ndim == 1], use_muon=False, betas=(0.8, 0.95))]
+        aopt = distopt.Optimizer("muon", agroups)
+        aopt.load_state_dict(upstream)
+        train(model, opt, 2, start=3)
+        train(again, aopt, 2, start=3)
+        for a, b in zip(model.parameters(), again.parameters()):
+            self.assertTrue(torch.equal(a, b))
+
 
 class TestMore(Base):
     def test_docs_example(self):
