@@ -35,6 +35,9 @@ run_case() { # optimizer hparams
   if [ ! -f "$TMP/old_$tag.st" ] && [ ! -f "$TMP/new_$tag.st" ] && cmp -s "$TMP/old.err" "$TMP/new.err"; then
     echo "same $1 [$2] (both refuse: $(cat "$TMP/new.err"))"; return
   fi
+  if [ ! -f "$TMP/old_$tag.st" ] && grep -q "unknown optimizer" "$TMP/old.err"; then
+    echo "new $1 [$2] (the baseline has no such optimizer)"; return
+  fi
   if [ ! -f "$TMP/old_$tag.st" ]; then
     echo "FAIL $1 [$2]: baseline produced no output: $(cat "$TMP/old.err")"; fail=1; return
   fi
@@ -66,10 +69,12 @@ run_case galore "inner=lamb,rank=3,update_proj_gap=3,proj_type=left,lr=1e-2,weig
 run_case galore "inner=came,rank=3,update_proj_gap=2,lr=1e-3"
 run_case lisa ""
 run_case lisa "inner=adafactor,n_layers=1,interval=2"
+run_case muon ""
+run_case muon "ns_dtype=fp32,nesterov=false,weight_decay=0.1"
 
 # golden case files replayed (their optimizer, hyperparameters and inputs come from the file)
 for f in "$SRC"/datasets/golden/*.safetensors "$SRC"/datasets/golden/*/*.safetensors; do
-  case $(basename "$f") in inputs.safetensors|bnb_maps.safetensors|quant.safetensors) continue ;; esac
+  case $(basename "$f") in inputs*.safetensors|bnb_maps.safetensors|quant.safetensors) continue ;; esac
   tag=golden_$n
   n=$((n + 1))
   "$OLD" run --quiet --params "$f" --out "$TMP/old_$tag.st" 2>/dev/null || true
@@ -83,8 +88,11 @@ strip() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d.pop("se
 cmp_case() { # args for distopt compare
   tag=cmp_$n
   n=$((n + 1))
-  "$OLD" compare --quiet --steps 12 --json "$TMP/old_$tag.json" "$@" >/dev/null 2>&1 || true
+  "$OLD" compare --quiet --steps 12 --json "$TMP/old_$tag.json" "$@" >/dev/null 2>"$TMP/old.err" || true
   "$NEW" compare --quiet --steps 12 --json "$TMP/new_$tag.json" "$@" >/dev/null 2>&1 || true
+  if [ ! -f "$TMP/old_$tag.json" ] && grep -q "unknown optimizer" "$TMP/old.err"; then
+    echo "new compare $* (the baseline has no such optimizer)"; return
+  fi
   if [ ! -f "$TMP/old_$tag.json" ]; then echo "FAIL compare $*: baseline wrote no JSON"; fail=1; return; fi
   if [ -f "$TMP/new_$tag.json" ] && [ "$(strip "$TMP/old_$tag.json")" = "$(strip "$TMP/new_$tag.json")" ]; then
     echo "same compare $*"
@@ -95,7 +103,7 @@ cmp_case() { # args for distopt compare
 for o in adamw adafactor "came --hparams lr=2e-4" lamb adamw8bit "galore_adamw --hparams rank=4,update_proj_gap=2" \
   "galore_adamw8bit --hparams rank=8,update_proj_gap=3,min_8bit_size=16" \
   "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" \
-  "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa; do
+  "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa muon; do
   # shellcheck disable=SC2086
   set -- --optimizer $o
   cmp_case "$@"
