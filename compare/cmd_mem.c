@@ -14,7 +14,7 @@ static const char *const CMD = "mem";
 typedef struct pclass {
   const char *what;
   int ndim;
-  int64_t shape[2];
+  int64_t shape[3];
   long count;
   int projected; /* GaLore applies (attention and MLP linears, as the paper) */
   int split;     /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
@@ -27,15 +27,22 @@ static int classes(const cmp_model *m, pclass *c) {
   c[n++] = (pclass){"embed + lm_head", 2, {v, h}, 2, 0, 1}; /* vocab-parallel */
   c[n++] = (pclass){"attn q,k,v", 2, {h, h}, 3 * L, 1, 1};
   c[n++] = (pclass){"attn o", 2, {h, h}, L, 1, 2};
-  c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1, 1};
-  c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1, 2};
+  if (m->experts > 0) { /* stacked experts [E, f, h] / [E, h, f] (TP within each expert) and the router */
+    const int64_t E = m->experts;
+    c[n++] = (pclass){"moe router", 2, {E, h}, L, 0, 0};
+    c[n++] = (pclass){"experts gate,up", 3, {E, f, h}, 2 * L, 0, 1};
+    c[n++] = (pclass){"experts down", 3, {E, h, f}, L, 0, 2};
+  } else {
+    c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1, 1};
+    c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1, 2};
+  }
   c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + 1, 0, 0};
   return n;
 }
 
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
 static double model_state_bytes(const cmp_model *m, const char *opt, const char *hp, int rank, int *ok) {
-  pclass c[8];
+  pclass c[9];
   int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
   double total = 0;
   *ok = 1;
@@ -91,7 +98,7 @@ static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size
 }
 
 static int per_rank(const cmp_model *m, const char *opt, const char *hp, int grank, int tp, int dp, int zero, rank_mem *out) {
-  pclass c[8];
+  pclass c[9];
   int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
   memset(out, 0, sizeof *out);
   const int world = tp * dp;
@@ -119,9 +126,12 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
     const int owned = dopt__impl_whole(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
     dopt_state_spec sp[DOPT_MAX_STATES];
     int ns = im->layout(dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape, sp);
-    int64_t numel = c[i].shape[0] * (c[i].ndim > 1 ? c[i].shape[1] : 1), lnumel = numel;
-    if (tp > 1 && c[i].split == 1) lnumel = ceil_div(c[i].shape[0], tp) * (c[i].ndim > 1 ? c[i].shape[1] : 1);
-    if (tp > 1 && c[i].split == 2) lnumel = c[i].shape[0] * ceil_div(c[i].shape[1], tp);
+    /* the largest TP block: the split dim (-2 for COLUMN, -1 for ROW; a 1-D tensor's only dim) rounded up */
+    const int nd = c[i].ndim, sdim = c[i].split == 1 && nd >= 2 ? nd - 2 : nd - 1;
+    int64_t numel = 1;
+    for (int k = 0; k < nd; k++) numel *= c[i].shape[k];
+    int64_t lnumel = numel;
+    if (tp > 1 && c[i].split) lnumel = numel / c[i].shape[sdim] * ceil_div(c[i].shape[sdim], tp);
     int64_t chunk = zero >= 1 ? ceil_div(lnumel, dp) : lnumel, padded = zero >= 1 ? chunk * dp : lnumel;
     out->params += (double)c[i].count * (double)(zero == 3 ? chunk : padded) * 4;
     out->grads += (double)c[i].count * (double)padded * 4;
@@ -199,14 +209,14 @@ int cmd_mem(int argc, char **argv) {
   int rank = 0, tp = 0, dp = 0, zero = -1;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b|COUNT[k|m|b][xLAYERS]]\n"
+      printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b|COUNT[k|m|b][xLAYERS][eEXPERTS]]\n"
              "                  [--rank R] [--tp T --dp D --zero Z]\n"
              "  exact optimizer-state bytes of the model for every registered optimizer (GaLore on the\n"
              "  attention/MLP linears with rank R, default the paper's rank for the size), and the GaLore\n"
              "  paper's weights+states figures (BF16) next to the same accounting here. With --tp/--dp/--zero\n"
              "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
              "  and states in distributed/'s layout (piecewise or owner mode). A COUNT (100m, 1.5b, 2mx32) is a\n"
-             "  LLaMA of about that many parameters (docs/cli.md, \"Models\").\n");
+             "  LLaMA of about that many parameters, eEXPERTS a MoE one (4mx2e8; docs/cli.md, \"Models\").\n");
       return CLI_OK;
     }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", argv[i]);
@@ -231,8 +241,10 @@ int cmd_mem(int argc, char **argv) {
   const cmp_model *m = &mm;
   if (rank == 0) rank = m->galore_rank;
   const double params = cmp_model_params(m), gib = 1024.0 * 1024.0 * 1024.0;
-  printf("%s: %.3f B parameters (%.0f; hidden %d, intermediate %d, %d layers, vocab %d); weights %.2f GiB bf16, %.2f GiB fp32\n",
-         m->name, params / 1e9, params, m->hidden, m->inter, m->layers, m->vocab, params * 2 / gib, params * 4 / gib);
+  char moe[32] = "";
+  if (m->experts > 0) snprintf(moe, sizeof moe, ", %d experts", m->experts);
+  printf("%s: %.3f B parameters (%.0f; hidden %d, intermediate %d, %d layers%s, vocab %d); weights %.2f GiB bf16, %.2f GiB fp32\n",
+         m->name, params / 1e9, params, m->hidden, m->inter, m->layers, moe, m->vocab, params * 2 / gib, params * 4 / gib);
   printf("%-18s %-22s %12s %10s %10s\n", "optimizer", "hyperparameters", "states GiB", "B/param", "vs adamw");
   int okw;
   double adamw = model_state_bytes(m, "adamw", "", rank, &okw);

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,9 +12,9 @@
 
 /* LLaMA shapes as in the GaLore repository's configs; the paper's rank and Table 2. */
 static const cmp_model PRESETS[] = {
-    {"llama-60m", 512, 1376, 8, 32000, 128, 0.36, 0.24},    {"llama-130m", 768, 2048, 12, 32000, 256, 0.76, 0.52},
-    {"llama-350m", 1024, 2736, 24, 32000, 256, 2.06, 1.22}, {"llama-1b", 2048, 5461, 24, 32000, 512, 7.80, 4.38},
-    {"llama-7b", 4096, 11008, 32, 32000, 1024, 0, 0},
+    {"llama-60m", 512, 1376, 8, 32000, 128, 0.36, 0.24, 0},    {"llama-130m", 768, 2048, 12, 32000, 256, 0.76, 0.52, 0},
+    {"llama-350m", 1024, 2736, 24, 32000, 256, 2.06, 1.22, 0}, {"llama-1b", 2048, 5461, 24, 32000, 512, 7.80, 4.38, 0},
+    {"llama-7b", 4096, 11008, 32, 32000, 1024, 0, 0, 0},
 };
 #define NPRESETS ((int)(sizeof PRESETS / sizeof PRESETS[0]))
 
@@ -21,11 +22,14 @@ int cmp_model_npresets(void) { return NPRESETS; }
 const cmp_model *cmp_model_preset(int k) { return k >= 0 && k < NPRESETS ? &PRESETS[k] : NULL; }
 
 double cmp_model_params(const cmp_model *m) {
-  const double h = m->hidden, f = m->inter, v = m->vocab, L = m->layers;
-  return 2 * v * h + L * (4 * h * h + 3 * h * f) + (2 * L + 1) * h;
+  const double h = m->hidden, f = m->inter, v = m->vocab, L = m->layers, E = m->experts;
+  const double mlp = E > 0 ? E * (3 * h * f + h) : 3 * h * f; /* the stacks and the router, or one MLP */
+  return 2 * v * h + L * (4 * h * h + mlp) + (2 * L + 1) * h;
 }
 
-int cmp_model_ntensors(const cmp_model *m) { return 9 * m->layers + 3; }
+static int per_layer(const cmp_model *m) { return m->experts > 0 ? 10 : 9; }
+
+int cmp_model_ntensors(const cmp_model *m) { return per_layer(m) * m->layers + 3; }
 
 void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
   static const struct {
@@ -50,11 +54,22 @@ void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
     t->ndim = 1, t->shape[0] = h, t->role = DOPT_TP_REPLICATED;
     return;
   }
-  const int layer = (i - 1) / 9, k = (i - 1) % 9;
-  snprintf(t->name, sizeof t->name, "model.layers.%d.%s", layer, LAYER[k].what);
-  t->role = LAYER[k].role;
-  t->projected = LAYER[k].kind != 3;
-  switch (LAYER[k].kind) {
+  const int layer = (i - 1) / per_layer(m), k = (i - 1) % per_layer(m);
+  if (m->experts > 0 && k >= 4 && k <= 7) { /* the MoE block in the MLP's place: router, then the stacks */
+    static const char *const WHAT[4] = {"mlp.router.weight", "mlp.experts.gate_proj", "mlp.experts.up_proj",
+                                        "mlp.experts.down_proj"};
+    const int64_t E = m->experts;
+    snprintf(t->name, sizeof t->name, "model.layers.%d.%s", layer, WHAT[k - 4]);
+    if (k == 4) t->ndim = 2, t->shape[0] = E, t->shape[1] = h, t->role = DOPT_TP_REPLICATED;
+    else if (k < 7) t->ndim = 3, t->shape[0] = E, t->shape[1] = f, t->shape[2] = h, t->role = DOPT_TP_COLUMN;
+    else t->ndim = 3, t->shape[0] = E, t->shape[1] = h, t->shape[2] = f, t->role = DOPT_TP_ROW;
+    return; /* not projected: GaLore's projection is for matrices */
+  }
+  const int kk = m->experts > 0 && k > 7 ? k - 1 : k; /* the norms after the MoE block */
+  snprintf(t->name, sizeof t->name, "model.layers.%d.%s", layer, LAYER[kk].what);
+  t->role = LAYER[kk].role;
+  t->projected = LAYER[kk].kind != 3;
+  switch (LAYER[kk].kind) {
   case 0: t->ndim = 2, t->shape[0] = h, t->shape[1] = h; break;
   case 1: t->ndim = 2, t->shape[0] = f, t->shape[1] = h; break;
   case 2: t->ndim = 2, t->shape[0] = h, t->shape[1] = f; break;
@@ -63,10 +78,11 @@ void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
 }
 
 /* The model of hidden size h for a count n (layers: 0 = from h). */
-static cmp_model sized(int h, int layers, double n) {
+static cmp_model sized(int h, int layers, int experts, double n) {
   cmp_model m;
   memset(&m, 0, sizeof m);
   m.hidden = h;
+  m.experts = experts;
   m.layers = layers ? layers : h / 64 < 2 ? 2 : h / 64 > 32 ? 32 : h / 64;
   m.inter = 32 * (int)ceil(8.0 * h / (3.0 * 32));
   m.vocab = 32000;
@@ -78,6 +94,18 @@ static cmp_model sized(int h, int layers, double n) {
   return m;
 }
 
+/* After a one-letter tag at *p: 1..256 in decimal digits only; *p moves past them. */
+static int small_int(char **p, long *v) {
+  const char *q = *p + 1;
+  long x = 0;
+  int nd = 0;
+  while (*q >= '0' && *q <= '9' && nd < 4) x = x * 10 + (*q++ - '0'), nd++;
+  if (nd == 0 || (*q >= '0' && *q <= '9') || x < 1 || x > 256) return 0;
+  *p = (char *)(uintptr_t)q;
+  *v = x;
+  return 1;
+}
+
 dopt_status cmp_model_parse(const char *spec, cmp_model *out) {
   DOPT_CHECK_ARG(spec != NULL && out != NULL, "cmp_model_parse: spec=%p out=%p", (const void *)spec, (void *)out);
   for (int k = 0; k < NPRESETS; k++)
@@ -86,33 +114,38 @@ dopt_status cmp_model_parse(const char *spec, cmp_model *out) {
       return DOPT_OK;
     }
   const char *why = "expected a preset (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b) or a parameter "
-                    "count COUNT[k|m|b][xLAYERS] from 10k to 100b, e.g. 100m, 1.5b, 2mx32";
+                    "count COUNT[k|m|b][xLAYERS][eEXPERTS] from 10k to 100b, e.g. 100m, 1.5b, 2mx32, 4mx2e8";
+  /* COUNT: digits with at most one '.', read by strtod on that span only (no sign, space or exponent: an 'e'
+   * after the count names experts) */
+  size_t nd = 0, dots = 0;
+  while ((spec[nd] >= '0' && spec[nd] <= '9') || (spec[nd] == '.' && dots++ == 0)) nd++;
+  char num[32];
+  if (nd == 0 || nd >= sizeof num) return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
+  memcpy(num, spec, nd);
+  num[nd] = '\0';
   char *end = NULL;
   errno = 0;
-  const double x = strtod(spec, &end);
+  const double x = strtod(num, &end);
   double n = x;
-  if (end == spec || errno != 0 || !(x > 0)) return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
+  if (*end != '\0' || errno != 0 || !(x > 0)) return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
+  end = (char *)(uintptr_t)(spec + nd);
   switch (*end) {
   case 'k': case 'K': n *= 1e3, end++; break;
   case 'm': case 'M': n *= 1e6, end++; break;
   case 'b': case 'B': n *= 1e9, end++; break;
   default: break;
   }
-  long layers = 0;
-  if (*end == 'x') {
-    char *e2 = NULL;
-    errno = 0;
-    layers = strtol(end + 1, &e2, 10);
-    if (e2 == end + 1 || errno != 0 || layers < 1 || layers > 256)
-      return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': layers after 'x' must be 1..256", spec);
-    end = e2;
-  }
+  long layers = 0, experts = 0;
+  if (*end == 'x' && !small_int(&end, &layers))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': layers after 'x' must be 1..256", spec);
+  if (*end == 'e' && !small_int(&end, &experts))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': experts after 'e' must be 1..256", spec);
   if (*end != '\0' || !(n >= 1e4 && n <= 1e11))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
   cmp_model best;
   double err = INFINITY;
   for (int h = 64; h <= 16384; h += 64) {
-    const cmp_model m = sized(h, (int)layers, n);
+    const cmp_model m = sized(h, (int)layers, (int)experts, n);
     const double e = fabs(cmp_model_params(&m) - n);
     if (e < err) err = e, best = m;
   }

@@ -193,10 +193,90 @@ static void test_compare_blocks(void **st) {
   cmp_result_free(&r);
 }
 
+/* eEXPERTS: the MLP as a router and three stacked expert tensors, TP within each expert; the numels sum to
+ * the count; a spec whose 'e' could be read as an exponent is not. */
+static void test_experts(void **st) {
+  (void)st;
+  cmp_model m;
+  assert_ok(cmp_model_parse("4mx2e8", &m));
+  assert_int_equal(m.experts, 8);
+  assert_int_equal(m.layers, 2);
+  const int n = cmp_model_ntensors(&m);
+  assert_int_equal(n, 10 * 2 + 3);
+  double sum = 0;
+  int stacks = 0;
+  for (int i = 0; i < n; i++) {
+    cmp_model_tensor t;
+    cmp_model_tensor_at(&m, i, &t);
+    double e = 1;
+    for (int k = 0; k < t.ndim; k++) e *= (double)t.shape[k];
+    sum += e;
+    stacks += t.ndim == 3;
+  }
+  assert_true(sum == cmp_model_params(&m));
+  assert_int_equal(stacks, 3 * 2);
+  const int64_t E = 8, h = m.hidden, f = m.inter;
+  cmp_model_tensor t;
+  cmp_model_tensor_at(&m, 1 + 10 + 4, &t);
+  assert_string_equal(t.name, "model.layers.1.mlp.router.weight");
+  assert_true(t.ndim == 2 && t.shape[0] == E && t.shape[1] == h && t.role == DOPT_TP_REPLICATED && !t.projected);
+  cmp_model_tensor_at(&m, 1 + 10 + 5, &t);
+  assert_string_equal(t.name, "model.layers.1.mlp.experts.gate_proj");
+  assert_true(t.ndim == 3 && t.shape[0] == E && t.shape[1] == f && t.shape[2] == h && t.role == DOPT_TP_COLUMN);
+  cmp_model_tensor_at(&m, 1 + 10 + 7, &t);
+  assert_string_equal(t.name, "model.layers.1.mlp.experts.down_proj");
+  assert_true(t.ndim == 3 && t.shape[0] == E && t.shape[1] == h && t.shape[2] == f && t.role == DOPT_TP_ROW);
+  cmp_model_tensor_at(&m, 1 + 10 + 9, &t);
+  assert_string_equal(t.name, "model.layers.1.post_attention_layernorm.weight");
+  cmp_model_tensor_at(&m, n - 1, &t);
+  assert_string_equal(t.name, "lm_head.weight");
+  /* the same count with experts: a smaller hidden size */
+  cmp_model d;
+  assert_ok(cmp_model_parse("4mx2", &d));
+  assert_true(d.experts == 0 && d.hidden > m.hidden);
+  /* "20000e4" is 20k parameters in 4 experts, never 2e8 */
+  assert_ok(cmp_model_parse("20000e4", &m));
+  assert_true(m.experts == 4 && cmp_model_params(&m) < 1e6);
+  static const char *const bad[] = {"1mx2e0", "1mx2e257", "1me", "1mx2e", "1mx2e8x2", "1e5", "2e4", "1mx2e+8", "1m e8"};
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    dopt_clear_error();
+    if (cmp_model_parse(bad[k], &m) != DOPT_ERR_INVALID_ARG) fail_msg("'%s' accepted", bad[k]);
+    if (!strstr(dopt_last_error(), "--model")) fail_msg("'%s': %s", bad[k], dopt_last_error());
+  }
+}
+
+/* Muon on the MoE model: each stack orthogonalised per expert on its owner, uneven TP blocks within every
+ * expert (tp 3), ZeRO 3, bf16, two micro-batches: bitwise on every rank, the stacks' momenta measured. */
+static void test_compare_experts(void **st) {
+  (void)st;
+  cmp_options o;
+  cmp_options_default(&o);
+  snprintf(o.optimizer, sizeof o.optimizer, "muon");
+  snprintf(o.model, sizeof o.model, "300kx2e4");
+  o.tp = 3, o.dp = 2, o.zero = 3;
+  snprintf(o.plugin, sizeof o.plugin, "fsdp");
+  o.micro = 2;
+  o.bf16 = 1;
+  o.steps = 3;
+  o.quiet = 1;
+  cmp_result r;
+  assert_ok(cmp_run(&o, &r, NULL, NULL));
+  int stacks = 0;
+  for (int k = 0; k < r.ntensors; k++) {
+    if (r.t[k].max_ulp) fail_msg("%s: %llu ULP from step %d", r.t[k].name, (unsigned long long)r.t[k].max_ulp, r.t[k].first_diff);
+    stacks += strstr(r.t[k].name, "experts.") && strstr(r.t[k].name, "momentum_buffer");
+  }
+  assert_int_equal(stacks, 3 * 2);
+  assert_true(r.equivalent);
+  assert_string_equal(r.digest, r.ref_digest);
+  cmp_result_free(&r);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_presets),      cmocka_unit_test(test_tensors),        cmocka_unit_test(test_sizes),
-      cmocka_unit_test(test_compare_291),  cmocka_unit_test(test_compare_blocks),
+      cmocka_unit_test(test_compare_291),  cmocka_unit_test(test_compare_blocks), cmocka_unit_test(test_experts),
+      cmocka_unit_test(test_compare_experts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
