@@ -3,7 +3,8 @@
  * piecewise; bitwise the reference outside the CI grid's layouts (tp 5..8, dp 5..8, ZeRO 0..3, uneven splits,
  * a 3-D expert stack, a conv filter, bf16 working copies, 3 micro-batches, clipping, LISA around Muon); and
  * the known bugs of distributed Muon, planted into the distributed side, are caught against the reference:
- * Newton-Schulz on each rank's shard, a matrix on a plain path, an optimizer step per micro-batch. */
+ * Newton-Schulz on each rank's shard, a matrix on a plain path, an optimizer step per micro-batch, the
+ * matrices on the aux-Adam path. */
 #include "testutil.h"
 
 #include <math.h>
@@ -102,6 +103,29 @@ static dopt_status plain_step(const dopt_step_args *a) {
   return real()->step(&b);
 }
 
+/* a matrix silently on the aux-Adam path: the distributed side sees each 2-D matrix flattened to 1-D (what a
+ * model built under ZeRO-3 init hands the optimizer), so use_muon=auto steps it with Adam */
+static int flat(int ndim, const int64_t *shape, int64_t *one) {
+  if (ndim != 2) return 0;
+  one[0] = shape[0] * shape[1];
+  return 1;
+}
+static int flat_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+  int64_t one[1];
+  return flat(ndim, shape, one) ? real()->layout(hp, 1, one, out) : real()->layout(hp, ndim, shape, out);
+}
+static int flat_whole(const double *hp, int ndim, const int64_t *shape) {
+  int64_t one[1];
+  return flat(ndim, shape, one) ? real()->whole(hp, 1, one) : real()->whole(hp, ndim, shape);
+}
+static dopt_status flat_step(const dopt_step_args *a) {
+  int64_t one[1];
+  if (!a->shape || !flat(a->ndim, a->shape, one)) return real()->step(a);
+  dopt_step_args b = *a;
+  b.ndim = 1, b.shape = one;
+  return real()->step(&b);
+}
+
 static int caught(const dt_case *c, const dt_layout *l, dt_result *ref, char *msg, size_t cap) {
   dt_result got;
   memcpy(got.state_name, ref->state_name, sizeof got.state_name);
@@ -115,9 +139,10 @@ static int caught(const dt_case *c, const dt_layout *l, dt_result *ref, char *ms
 
 static void test_muon_planted_bugs(void **st) {
   (void)st;
-  dopt_optim_impl shard = dopt_impl_muon, plain = dopt_impl_muon;
+  dopt_optim_impl shard = dopt_impl_muon, plain = dopt_impl_muon, aux = dopt_impl_muon;
   shard.whole = shard_whole, shard.step = shard_step;
   plain.step = plain_step;
+  aux.layout = flat_layout, aux.whole = flat_whole, aux.step = flat_step;
   static const dt_layout l = {2, 2, 2, 0};
   dt_case c = {"muon", "lr=2e-2", NULL, P, NP, 6, 3, 0.0, 0, 77, 0.5, 0, 3, 0, 0, 0, 0, 0};
   dt_result ref;
@@ -126,9 +151,9 @@ static void test_muon_planted_bugs(void **st) {
   /* the correct distributed Muon first: the harness is not merely strict */
   if (caught(&c, &l, &ref, msg, sizeof msg)) fail_msg("muon without a planted bug: %s", msg);
   static const char *const what[] = {"Newton-Schulz on each rank's shard", "the expert stack on a plain path",
-                                     "an optimizer step per micro-batch"};
-  for (int k = 0; k < 3; k++) {
-    dt_dist_impl = k == 0 ? &shard : k == 1 ? &plain : NULL;
+                                     "an optimizer step per micro-batch", "the matrices on the aux-Adam path"};
+  for (int k = 0; k < 4; k++) {
+    dt_dist_impl = k == 0 ? &shard : k == 1 ? &plain : k == 3 ? &aux : NULL;
     dt_step_per_micro = k == 2;
     msg[0] = '\0';
     const int got = caught(&c, &l, &ref, msg, sizeof msg);
