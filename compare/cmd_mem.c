@@ -104,8 +104,8 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
   const int world = tp * dp;
   double *load = calloc((size_t)world, sizeof *load), *copy = calloc((size_t)world, sizeof *copy);
   /* whole tensors for owner mode: (state bytes, numel) per tensor, largest numel first */
-  long total = 0;
-  for (int i = 0; i < n; i++) total += c[i].count;
+  long total = 0; /* owner items: a tensor, or (owner units) up to `world` runs of an expert stack's units */
+  for (int i = 0; i < n; i++) total += c[i].count * (c[i].ndim >= 3 && c[i].shape[0] > 1 ? (c[i].shape[0] < world ? c[i].shape[0] : world) : 1);
   double *tb = malloc((size_t)total * sizeof *tb), *tn = malloc((size_t)total * sizeof *tn);
   double *tc = malloc((size_t)total * sizeof *tc), *pcost = calloc((size_t)world, sizeof *pcost);
   int *slot = malloc((size_t)total * sizeof *slot);
@@ -146,8 +146,16 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
           piecewise[w] += (double)c[i].count * (double)rank_blocks(&c[i], tp, dp, zero, w, sp[k].block) * es;
     }
     const double cost = dopt__impl_cost(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
-    if (owned) {
-      for (long k = 0; k < c[i].count; k++) tb[nt] = whole, tc[nt] = cost, tn[nt++] = (double)numel;
+    if (owned) { /* as dopt_dist_create: min(units, world) items of consecutive units (every state elementwise) */
+      int64_t nu = dopt__impl_units(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
+      for (int k = 0; k < ns; k++)
+        if (sp[k].kind != DOPT_STATE_ELEMENTWISE) nu = 1;
+      const int64_t G = nu < world ? nu : world;
+      for (long k = 0; k < c[i].count; k++)
+        for (int64_t g = 0; g < G; g++) {
+          const double share = (double)((g + 1) * nu / G - g * nu / G) / (double)nu;
+          tb[nt] = whole * share, tc[nt] = cost * share, tn[nt++] = (double)numel * share;
+        }
       out->owned += c[i].count;
     } else { /* the piece's share of the step (the largest TP block's ZeRO extent) */
       for (int w = 0; w < world; w++) piecewise[w] += (double)c[i].count * piece;
@@ -197,8 +205,8 @@ static int print_per_rank(const cmp_model *m, int grank, int tp, int dp, int zer
            (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib,
            mean > 0 ? r.states_max / mean : 1.0, r.states_max, r.states_sum, cmean > 0 ? r.cost_max / cmean : 1.0);
   }
-  printf("owner mode (GaLore's projected matrices): every state of the tensor whole on one rank (params include the\n"
-         "owner's fp32 copy of its tensors, max rank); piecewise: elementwise states (8-bit codes too) sharded like\n"
+  printf("owner mode (GaLore's projected matrices, Muon's matrices): every state of the tensor whole on one rank, an\n"
+         "expert stack's per expert on its owners (params include the owner's fp32 copy, max rank); piecewise: elementwise states (8-bit codes too) sharded like\n"
          "the parameter, blockwise ones (8-bit absmax) by the blocks of each rank's piece, factored/scalar ones whole\n"
          "on every rank.\n");
   return CLI_OK;

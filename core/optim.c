@@ -521,6 +521,14 @@ int dopt__impl_whole(const dopt_optim_impl *im, const double *hp, int ndim, cons
   return im->whole ? im->whole(hp, ndim, shape) != 0 : 1;
 }
 
+int64_t dopt__impl_units(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape) {
+  if (!im->units || !dopt__impl_whole(im, hp, ndim, shape)) return 1;
+  dopt_piece pc;
+  dopt_piece_full(ndim, shape, &pc);
+  const int64_t u = im->units(hp, ndim, shape);
+  return u == (int64_t)pc.b && u > 1 ? u : 1;
+}
+
 dopt_status dopt_optim_init_state(dopt_optim *o, int i) {
   DOPT_TRY(check_param(o, i, "dopt_optim_init_state"));
   return alloc_states(o, &o->params[i]);

@@ -193,6 +193,12 @@ typedef struct dopt_optim_impl {
    * "Owners by cost"; a periodic refresh amortised over its period), so distributed/ balances owners by it.
    * NULL: DOPT_COST_PER_ELEMENT per element (an elementwise step). Use dopt__impl_cost. */
   double (*cost)(const double *hp, int ndim, const int64_t *shape);
+  /* For a parameter whose step needs the whole tensor (whole): the leading indices of its [b, h, w] view
+   * (dopt_piece_full) when each steps on its own and every state is elementwise (Muon's expert stack
+   * [E, out, in], orthogonalised per expert: E units), so the step runs on any piece of whole units and
+   * distributed/ spreads one tensor's units over several owners (docs/distributed.md, "Owner units");
+   * else 1. NULL: 1. Use dopt__impl_units. */
+  int64_t (*units)(const double *hp, int ndim, const int64_t *shape);
   /* Non-NULL: a wrapper (LISA). Its own keys are hp[]; every other key
    * belongs to the inner optimizer it chooses (docs/lisa.md). */
   const struct dopt_wrap_ops *wrap;
@@ -230,6 +236,9 @@ typedef struct dopt_optim_impl {
 #define DOPT_COST_PER_ELEMENT 8.0
 /* impl->cost, or DOPT_COST_PER_ELEMENT per element. */
 double dopt__impl_cost(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape);
+
+/* impl->units for a parameter in owner mode (dopt__impl_whole), checked: the [b, h, w] view's b or 1. */
+int64_t dopt__impl_units(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape);
 
 /* Owners for n whole-tensor steps over `world` ranks (distributed/'s owner mode, docs/distributed.md "Owners
  * by cost"): the steps in decreasing cost (then state bytes, then index), each to the rank where the larger

@@ -28,6 +28,14 @@ static int writes_piece(const dopt_dist_optim *d, const dist_param *p, int shard
   return pc->len > 0 && (d->tp.rank == 0 || p->role != DOPT_TP_REPLICATED) && (d->dp.rank == 0 || sharded);
 }
 
+/* An owned parameter's units on this rank as a piece of the logical tensor (or of an elementwise state of its
+ * shape) *whole: one unit, all of it. */
+static const dopt_piece *owned_piece(const dist_param *p, dopt_piece *whole) {
+  const size_t lu = whole->numel / (size_t)p->nunits;
+  whole->lo = p->u0 * lu, whole->len = (p->u1 - p->u0) * lu;
+  return whole;
+}
+
 /* device x[pc->len] (dtype dt) → the writer, through host scratch */
 static dopt_status put_piece(dopt_dist_optim *d, dopt_ckpt_writer *w, const char *tensor, dopt_dtype dt, int ndim,
                              const int64_t *shape, const dopt_piece *pc, const void *x) {
@@ -58,8 +66,8 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
       snprintf(name, sizeof name, "%s/%s", p->name, v->name);
       dopt_piece whole;
       dopt_piece_full(v->ndim, v->shape, &whole);
-      if (p->owned) { /* whole, on the owner */
-        if (p->state[k]) DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, &whole, p->state[k]));
+      if (p->owned) { /* its units, on their owner (one unit: whole) */
+        if (p->state[k]) DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, owned_piece(p, &whole), p->state[k]));
       } else if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) { /* gathered (collective), written whole by rank 0 */
         const size_t nb = (size_t)v->shape[0];
         float *all = d->tp.rank == 0 && d->dp.rank == 0 ? malloc((nb ? nb : 1) * sizeof *all) : NULL;
@@ -179,10 +187,10 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
       snprintf(name, sizeof name, "%s/bf16", p->name);
       DOPT_TRY(get_piece(d, r, name, DOPT_BF16, &pc, p->work));
     }
-    if (p->owned && p->full) { /* the owner's logical values */
+    if (p->owned && p->full) { /* the owner's logical values of its units */
       dopt_piece whole;
       dopt_piece_full(p->ndim, p->shape, &whole);
-      DOPT_TRY(get_piece(d, r, p->name, DOPT_F32, &whole, p->full));
+      DOPT_TRY(get_piece(d, r, p->name, DOPT_F32, owned_piece(p, &whole), p->full));
     }
     p->step = m->params[i].step;
     for (int k = 0; k < p->nstates; k++) {
@@ -199,7 +207,7 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
       }
       const int sliced = !p->owned && p->spec[k].kind == DOPT_STATE_ELEMENTWISE;
       if (sliced) dd_held_piece(p, d->zero >= 1, &pc);
-      DOPT_TRY(get_piece(d, r, name, v->dtype, sliced ? &pc : &whole, p->state[k]));
+      DOPT_TRY(get_piece(d, r, name, v->dtype, sliced ? &pc : p->owned ? owned_piece(p, &whole) : &whole, p->state[k]));
     }
     p->acc = 0;
     p->nmb = 0;

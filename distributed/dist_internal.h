@@ -95,8 +95,15 @@ struct dist_param {
    * one rank, (tp rank owner_tp, dp rank owner), holds the logical fp32 values
    * and every state whole, and steps them with the reference's own step */
   int owned;           /* this parameter steps in owner mode */
-  int owner, owner_tp; /* the owning rank's dp and tp ranks (owner mode) */
-  float *full;        /* [numel] the logical fp32 values (owner ranks only) */
+  int owner, owner_tp; /* the owning rank's dp and tp ranks (owner mode, one unit) */
+  /* owner units (dopt__impl_units: an expert stack's matrices): the tensor is nunits equal runs of the
+   * logical tensor (and of each TP block); world slot s = dp rank · tp + tp rank owns units
+   * [ub[s], ub[s + 1]) (host [world + 1], ascending); one unit: ub NULL, the whole tensor on (owner,
+   * owner_tp). dd_units reads either. */
+  int64_t nunits;
+  size_t *ub;
+  size_t u0, u1;      /* this rank's units: what full and the states hold (owner mode) */
+  float *full;        /* [(u1 - u0) · numel / nunits] its units' logical fp32 values (owner ranks only) */
   unsigned events;    /* DOPT_EVENT_* of the last step (owner ranks) */
 };
 
@@ -205,9 +212,12 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d);
 
 /* ---- owner.c ------------------------------------------------------------------------------ */
 
-dopt_status dd_from_owner(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt);
 dopt_status dd_from_rank(dopt_dist_optim *d, int owner, int owner_tp, void *x, size_t count, dopt_dtype dt);
 dopt_status dd_owner_steps(dopt_dist_optim *d);
+/* Owner mode: the units [*u0, *u1) of world slot `slot` (dp rank · tp + tp rank), or of dp row `row`'s slots
+ * (dd_row_units: the part of every TP block that row sums and steps). */
+void dd_units(const dopt_dist_optim *d, const dist_param *p, int slot, size_t *u0, size_t *u1);
+void dd_row_units(const dopt_dist_optim *d, const dist_param *p, int row, size_t *u0, size_t *u1);
 
 /* ---- gather.c ----------------------------------------------------------------------------- */
 

@@ -1,7 +1,7 @@
 /* The data-parallel gradient sum (docs/dp-sum.md): exact — the logical
  * blocks' codes in one MAX over the world, the fixed-point words in one
  * integer SUM over dp, decoded into each rank's piece — or fp32 in the
- * transport's order. Owner mode: reduced to the owner's dp row only. */
+ * transport's order. Owner mode: each dp row sums the units its ranks own. */
 #include "dist_internal.h"
 
 /* SUM over dp of x[padded·per] (all-reduce for zero 0/1; reduce-scatter for
@@ -9,9 +9,10 @@
  * x[lnumel·per] reduced to the owner's dp row (all-reduce with a transport
  * that has no reduce). */
 dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt) {
-  if (p->owned)
-    return d->dp.ops->reduce ? d->dp.ops->reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM, p->owner)
-                             : d->dp.ops->all_reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM);
+  if (p->owned) /* one unit: reduced to its owner's row; units over several rows: all-reduced */
+    return d->dp.ops->reduce && !p->ub
+               ? d->dp.ops->reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM, p->owner)
+               : d->dp.ops->all_reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM);
   if (d->zero >= 2)
     return d->dp.ops->reduce_scatter(d->dp.comm, x, (char *)x + (size_t)d->dp.rank * p->chunk * per * dopt_dtype_size(dt),
                                      p->chunk * per, dt, DOPT_SUM);
@@ -34,11 +35,15 @@ static size_t seg_size(const dopt_dist_optim *d, const dist_param *p) {
   return (p->lnumel + (size_t)d->dp.size - 1) / (size_t)d->dp.size;
 }
 
-/* The elements of p's TP block that dp rank q sums: its segment; owner mode: all of them on the owner's row. */
+/* The elements of p's TP block that dp rank q sums: its segment; owner mode: the units of its row's owners
+ * (one unit: the whole block on the owner's row). */
 static void seg_of(const dopt_dist_optim *d, const dist_param *p, size_t q, size_t *lo, size_t *len) {
   if (p->owned) {
-    *lo = 0;
-    *len = q == (size_t)p->owner ? p->lnumel : 0;
+    size_t u0, u1;
+    dd_row_units(d, p, (int)q, &u0, &u1);
+    const size_t bu = p->lnumel / (size_t)p->nunits;
+    *lo = u1 > u0 ? u0 * bu : 0;
+    *len = (u1 - u0) * bu;
     return;
   }
   const size_t S = seg_size(d, p);

@@ -130,15 +130,23 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
   dist_param *p = &d->p[i];
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
-    if (p->owned) { /* whole on the owner: broadcast */
-      size_t bytes = p->spec[k].v.bytes;
-      void *src = p->state[k];
-      if (!src) {
-        DOPT_TRY(dd_grow_dev(d, (void **)&d->xfer, &d->xfer_cap, bytes));
-        src = d->xfer;
+    if (p->owned) { /* on the owners: each one's units broadcast from it (one unit: the whole state) */
+      const size_t bytes = p->spec[k].v.bytes, ub = bytes / (size_t)p->nunits;
+      void *buf = p->nunits == 1 ? p->state[k] : NULL;
+      if (!buf) {
+        DOPT_TRY(dd_grow_dev(d, (void **)&d->xfer, &d->xfer_cap, bytes ? bytes : 1));
+        buf = d->xfer;
       }
-      DOPT_TRY(dd_from_owner(d, p, src, bytes, DOPT_U8));
-      return out ? DEV(d)->download(DCTX(d), out, src, bytes) : DOPT_OK;
+      for (int w = 0; w < d->tp.size * d->dp.size; w++) {
+        size_t u0, u1;
+        dd_units(d, p, w, &u0, &u1);
+        if (u1 == u0) continue;
+        unsigned char *at = (unsigned char *)buf + u0 * ub;
+        if (p->nunits > 1 && p->u1 > p->u0 && p->u0 == u0) /* mine: into place first */
+          DOPT_TRY(DEV(d)->copy(DCTX(d), at, p->state[k], (u1 - u0) * ub));
+        DOPT_TRY(dd_from_rank(d, w / d->tp.size, w % d->tp.size, at, (u1 - u0) * ub, DOPT_U8));
+      }
+      return out ? DEV(d)->download(DCTX(d), out, buf, bytes) : DOPT_OK;
     }
     const dopt_dtype dt = p->spec[k].v.dtype;
     if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) return dd_gather_blocks(d, p, k, out);
@@ -216,7 +224,8 @@ dopt_status dopt_dist_memory_usage(const dopt_dist_optim *d, dopt_dist_memory *m
     m->param_bytes += mext * sizeof(float) + (p->bf16 ? wext * sizeof(uint16_t) : 0);
     m->grad_bytes += p->padded * sizeof(float);
     for (int k = 0; k < p->nstates; k++) m->state_bytes += p->state[k] ? dd_state_held_bytes(p, k) : 0;
-    if (p->full) m->param_bytes += dopt_numel(p->ndim, p->shape) * sizeof(float); /* the owner's logical copy */
+    if (p->full) /* the owner's logical copy of its units */
+      m->param_bytes += (p->u1 - p->u0) * (dopt_numel(p->ndim, p->shape) / (size_t)p->nunits) * sizeof(float);
   }
   return DOPT_OK;
 }
@@ -285,9 +294,9 @@ static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
     return h;
   }
   const int k = e - 1 - p->bf16;
-  if (p->owned) { /* whole on the owner, nothing elsewhere: nothing to compare */
+  if (p->owned) { /* its units on their owner, nothing elsewhere: nothing to compare */
     h.x = p->state[k];
-    h.bytes = p->state[k] ? p->spec[k].v.bytes : 0;
+    h.bytes = p->state[k] ? dd_state_held_bytes(p, k) : 0;
     return h;
   }
   h.x = p->state[k];

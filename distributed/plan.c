@@ -37,6 +37,7 @@ static void free_param(dopt_dist_optim *d, dist_param *p) {
   if (p->share.idx) DEV(d)->free(DCTX(d), (void *)(uintptr_t)p->share.idx);
   if (p->share.max) DEV(d)->free(DCTX(d), p->share.max);
   free(p->blk);
+  free(p->ub);
   free(p->name);
 }
 
@@ -172,7 +173,8 @@ dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full)
  * mode: every state whole, on the owner only). */
 size_t dd_state_held_bytes(const dist_param *p, int k) {
   const size_t es = dopt_dtype_size(p->spec[k].v.dtype);
-  if (p->owned || p->spec[k].kind == DOPT_STATE_WHOLE) return p->spec[k].v.bytes;
+  if (p->owned) return p->spec[k].v.bytes / (size_t)p->nunits * (p->u1 - p->u0); /* this rank's units */
+  if (p->spec[k].kind == DOPT_STATE_WHOLE) return p->spec[k].v.bytes;
   return (p->spec[k].kind == DOPT_STATE_ELEMENTWISE ? p->chunk : p->nblk) * es;
 }
 
@@ -296,11 +298,12 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
    * others whole */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
   DOPT_TRY(plan_blocks(d, p));
-  if (p->owned) { /* whole states and the logical values on the owner ranks only */
-    if (d->dp.rank == p->owner && d->tp.rank == p->owner_tp) {
-      size_t numel = dopt_numel(p->ndim, p->shape);
-      DOPT_TRY(dd_dalloc(d, numel * sizeof(float), (void **)&p->full));
-      DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data, numel * sizeof(float)));
+  if (p->owned) { /* the states and the logical values of its units on each owner rank only */
+    dd_units(d, p, d->dp.rank * tpn + d->tp.rank, &p->u0, &p->u1);
+    if (p->u1 > p->u0) {
+      const size_t lu = dopt_numel(p->ndim, p->shape) / (size_t)p->nunits, cnt = (p->u1 - p->u0) * lu;
+      DOPT_TRY(dd_dalloc(d, cnt * sizeof(float), (void **)&p->full));
+      DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data + p->u0 * lu, cnt * sizeof(float)));
       for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(p, k), &p->state[k]));
     }
   } else {
@@ -312,9 +315,13 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   /* owner mode: the averaged gradient is on the owner's dp row only (gpc), so its statistics sum over dp */
   p->rc.over_dp = (d->zero >= 1 || p->owned) && dpn > 1;
   p->gpc = p->pc;
-  if (p->owned) {
+  if (p->owned) { /* its dp row's units of the TP block */
+    size_t ru0, ru1;
+    dd_row_units(d, p, d->dp.rank, &ru0, &ru1);
     dd_held_piece(p, 0, &p->gpc);
-    if (d->dp.rank != p->owner) p->gpc.len = 0;
+    const size_t bu = p->lnumel / (size_t)p->nunits;
+    p->gpc.lo = ru1 > ru0 ? ru0 * bu : 0;
+    p->gpc.len = (ru1 - ru0) * bu;
   }
   p->red.ctx = &p->rc;
   p->red.post_max_f64 = dd_post_max;
@@ -326,32 +333,65 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   return DOPT_OK;
 }
 
-/* Owner mode: the parameters in owner mode go whole to the world's ranks by
- * their step cost and state bytes (dopt__assign_owners: largest cost first,
- * each where the larger share of the two stays smallest; docs/distributed.md
- * "Owners by cost"); world slot w is tp rank w mod tp, dp rank w / tp.
+/* Owner mode: the parameters in owner mode go to the world's ranks by their
+ * step cost and state bytes (dopt__assign_owners: largest cost first, each
+ * where the larger share of the two stays smallest; docs/distributed.md
+ * "Owners by cost"); world slot w is tp rank w mod tp, dp rank w / tp. A
+ * tensor of several units (dopt__impl_units: an expert stack whose states are
+ * all elementwise) is min(units, world) items of consecutive units, and each
+ * slot owns as many of its units as its items hold, in slot order (ub).
  * Logical shapes only, so every rank agrees. */
-static void assign_owners(dopt_dist_optim *d, dopt_optim *po) {
+static dopt_status assign_owners(dopt_dist_optim *d, dopt_optim *po) {
   const int world = d->tp.size * d->dp.size;
-  double *cost = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *cost);
-  double *bytes = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *bytes);
-  int *idx = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *idx), *slot = malloc((size_t)(d->nowned > 0 ? d->nowned : 1) * sizeof *slot);
-  int n = 0, ok = cost && bytes && idx && slot;
+  size_t n = 0;
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (!p->owned) continue;
+    const dopt_param *q = dopt__optim_param(po, i);
+    dopt_state_spec sp[DOPT_MAX_STATES];
+    const int ns = d->impl->layout(d->hp[q->group], q->ndim, q->shape, sp);
+    p->nunits = dopt__impl_units(d->impl, d->hp[q->group], q->ndim, q->shape);
+    for (int k = 0; k < ns; k++)
+      if (sp[k].kind != DOPT_STATE_ELEMENTWISE) p->nunits = 1;
+    n += p->nunits > world ? (size_t)world : (size_t)p->nunits;
+  }
+  const size_t na = n ? n : 1;
+  double *cost = malloc(na * sizeof *cost), *bytes = malloc(na * sizeof *bytes);
+  int *idx = malloc(na * sizeof *idx), *slot = malloc(na * sizeof *slot);
+  size_t *g0 = malloc(na * sizeof *g0), *g1 = malloc(na * sizeof *g1);
+  int ok = cost && bytes && idx && slot && g0 && g1 && n <= (size_t)INT32_MAX;
+  n = 0;
   for (int i = 0; ok && i < d->np; i++) {
-    if (!d->p[i].owned) continue;
+    dist_param *p = &d->p[i];
+    if (!p->owned) continue;
     const dopt_param *q = dopt__optim_param(po, i);
     const double *hp = d->hp[q->group];
     dopt_state_spec sp[DOPT_MAX_STATES];
     const int ns = d->impl->layout(hp, q->ndim, q->shape, sp);
     double b = 0;
     for (int k = 0; k < ns; k++) b += (double)sp[k].v.bytes;
-    cost[n] = dopt__impl_cost(d->impl, hp, q->ndim, q->shape), bytes[n] = b, idx[n++] = i;
+    const double c = dopt__impl_cost(d->impl, hp, q->ndim, q->shape), nu = (double)p->nunits;
+    const size_t G = p->nunits > world ? (size_t)world : (size_t)p->nunits;
+    for (size_t g = 0; g < G; g++, n++) { /* units [g·nu/G, (g + 1)·nu/G) */
+      g0[n] = g * (size_t)p->nunits / G, g1[n] = (g + 1) * (size_t)p->nunits / G;
+      const double share = (double)(g1[n] - g0[n]) / nu;
+      cost[n] = c * share, bytes[n] = b * share, idx[n] = i;
+    }
+    if (p->nunits > 1) {
+      p->ub = calloc((size_t)world + 1, sizeof *p->ub);
+      ok = p->ub != NULL;
+    }
   }
-  ok = ok && dopt__assign_owners(n, cost, bytes, world, slot) == 0;
-  for (int k = 0; ok && k < n; k++) d->p[idx[k]].owner = slot[k] / d->tp.size, d->p[idx[k]].owner_tp = slot[k] % d->tp.size;
-  if (!ok) /* out of memory: round robin, still the same on every rank */
-    for (int i = 0; i < d->np; i++) d->p[i].owner = (i / d->tp.size) % d->dp.size, d->p[i].owner_tp = i % d->tp.size;
-  free(cost), free(bytes), free(idx), free(slot);
+  ok = ok && dopt__assign_owners((int)n, cost, bytes, world, slot) == 0;
+  for (size_t k = 0; ok && k < n; k++) {
+    dist_param *p = &d->p[idx[k]];
+    if (p->ub) p->ub[slot[k] + 1] += g1[k] - g0[k]; /* counts per slot, then their prefix sums */
+    else p->owner = slot[k] / d->tp.size, p->owner_tp = slot[k] % d->tp.size;
+  }
+  for (int i = 0; ok && i < d->np; i++)
+    for (int s = 0; d->p[i].ub && s < world; s++) d->p[i].ub[s + 1] += d->p[i].ub[s];
+  free(cost), free(bytes), free(idx), free(slot), free(g0), free(g1);
+  return ok ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: owners of %zu owned units", n);
 }
 
 dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cfg, const dopt_tp_role *roles,
@@ -406,9 +446,16 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   for (int i = 0; i < d->np; i++) {
     const dopt_param *q = dopt__optim_param(po, i);
     d->p[i].owned = dopt__impl_whole(d->impl, d->hp[q->group], q->ndim, q->shape);
+    d->p[i].nunits = 1;
     d->nowned += d->p[i].owned;
   }
-  if (d->nowned) assign_owners(d, po);
+  if (d->nowned) {
+    dopt_status s = assign_owners(d, po);
+    if (s != DOPT_OK) {
+      dopt_dist_destroy(d);
+      return s;
+    }
+  }
   for (int i = 0; i < d->np; i++) {
     dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
     dopt_status s = (unsigned)role > DOPT_TP_ROW

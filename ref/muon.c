@@ -113,6 +113,15 @@ static void matrices(int ndim, const int64_t *shape, size_t *count, size_t *h, s
   dopt_split_bhw(ndim, shape, count, h, w);
 }
 
+/* The matrices of a 3-D or higher stack (not a conv filter) step on their own: one unit each (a piece of whole
+ * matrices steps as those matrices would within the whole tensor; the lr rules read the parameter's shape). */
+static int64_t units(const double *hp, int ndim, const int64_t *shape) {
+  if (!whole(hp, ndim, shape) || ndim == 4 || ndim < 3) return 1;
+  size_t count, h, w;
+  matrices(ndim, shape, &count, &h, &w);
+  return (int64_t)count;
+}
+
 static double cost(const double *hp, int ndim, const int64_t *shape) {
   const size_t numel = dopt_numel(ndim, shape);
   if (!whole(hp, ndim, shape)) return DOPT_COST_PER_ELEMENT * (double)numel; /* aux Adam */
@@ -150,9 +159,15 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
   const size_t n = pc->len;
-  if (n != pc->numel)
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "muon: a Muon matrix needs the whole tensor (got %zu of %zu elements)", n,
-                      pc->numel);
+  size_t count, h, wd;
+  matrices(ndim, shape, &count, &h, &wd);
+  /* the whole tensor, or (a stack: units) a piece of whole matrices */
+  const size_t mat = h * wd;
+  if (n != pc->numel && (units(hp, ndim, shape) == 1 || mat == 0 || pc->lo % mat != 0 || n % mat != 0))
+    return dopt__fail(DOPT_ERR_UNSUPPORTED,
+                      "muon: a Muon matrix needs whole matrices of %zu elements (got [%zu, +%zu) of %zu elements)", mat,
+                      pc->lo, n, pc->numel);
+  count = mat ? n / mat : 0;
   const int bf16 = (int)hp[NS_DTYPE] == NS_BF16;
   float *p = a->param, *m = a->state[0];
   const float *g = a->grad;
@@ -163,8 +178,6 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
     m[i] = lerp(m[i], g[i], w);
     u[i] = hp[NESTEROV] != 0.0 ? lerp(g[i], m[i], beta) : m[i];
   }
-  size_t count, h, wd;
-  matrices(ndim, shape, &count, &h, &wd);
   dopt_status s = DOPT_OK;
   for (size_t k = 0; s == DOPT_OK && k < count; k++)
     s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, (int)hp[NS_STEPS], bf16, a->par);
@@ -228,6 +241,7 @@ const dopt_optim_impl dopt_impl_muon = {
     .distributable = 0,
     .whole = whole,
     .cost = cost,
+    .units = units,
     .example = NULL,
     .grid = grid,
 };

@@ -71,6 +71,47 @@ static void test_muon_any_layout(void **st) {
   printf("muon: %d runs outside the grid, bitwise\n", runs);
 }
 
+/* Owner units: an expert stack's experts spread over owners. Two stacks (6 and 5 experts, COLUMN and ROW) and
+ * a matrix, Muon only, at world 4 and 8: bitwise; every rank holds momentum (state bytes > 0), none a whole
+ * stack (the old one-owner-per-tensor layout put each stack's 1 512 or 960 bytes on one rank), the bytes of all
+ * ranks sum to the reference's, and with units enough each rank's share is within one expert of the mean. */
+static void test_muon_expert_owners(void **st) {
+  (void)st;
+  static const dt_param Q[] = {
+      {"layers.0.experts.up", 3, {6, 9, 7}, DOPT_TP_COLUMN, 0},
+      {"layers.0.experts.down", 3, {5, 8, 6}, DOPT_TP_ROW, 0},
+      {"layers.0.w", 2, {10, 12}, DOPT_TP_COLUMN, 0},
+  };
+  static const dt_layout L[] = {{2, 2, 1, 0}, {1, 4, 3, 0}, {2, 4, 2, 0}, {4, 2, 3, 0}, {1, 8, 0, 0}};
+  const size_t stack = 6 * 63 * 4, total = stack + 5 * 48 * 4 + 120 * 4;
+  for (size_t li = 0; li < sizeof L / sizeof L[0]; li++) {
+    dt_case c = {"muon", "lr=2e-2,weight_decay=0.01", NULL, Q, 3, 6, 2, 0.0, 0, 900 + (uint64_t)li, 0.5, 0, 3,
+                 0, 0, 0, 0, 0};
+    dt_result ref;
+    assert_ok(dt_run_reference(&c, L[li].dp, &ref));
+    dt_result got;
+    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    char err[512] = "", msg[512] = "";
+    if (dt_run_dist(&c, &L[li], &got, err, sizeof err) != DOPT_OK) fail_msg("tp%d dp%d: %s", L[li].tp, L[li].dp, err);
+    if (dt_compare(&c, &ref, &got, msg, sizeof msg)) fail_msg("tp%d dp%d zero%d: %s", L[li].tp, L[li].dp, L[li].zero, msg);
+    const int W = L[li].tp * L[li].dp;
+    size_t sum = 0, most = 0;
+    for (int r = 0; r < W; r++) {
+      sum += got.state_mem[r];
+      most = got.state_mem[r] > most ? got.state_mem[r] : most;
+      if (got.state_mem[r] == 0) fail_msg("tp%d dp%d: rank %d holds no momentum", L[li].tp, L[li].dp, r);
+    }
+    assert_int_equal(sum, total);
+    assert_int_equal(ref.ref_state_mem, total);
+    if (most >= stack) fail_msg("tp%d dp%d: a rank holds %zu bytes, a whole stack is %zu", L[li].tp, L[li].dp, most, stack);
+    if (W == 4 && most > total / 4 + 63 * 4) fail_msg("tp%d dp%d: %zu bytes on one rank, mean %zu", L[li].tp, L[li].dp, most, total / 4);
+    printf("owner units tp%d dp%d: max rank %zu of %zu bytes (mean %zu)\n", L[li].tp, L[li].dp, most, total, total / (size_t)W);
+    dt_result_free(&got);
+    dt_result_free(&ref);
+  }
+}
+
 /* ---- planted bugs: the distributed side runs a broken Muon --------------------------------------------- */
 
 static const dopt_optim_impl *real(void) { return &dopt_impl_muon; }
@@ -166,6 +207,7 @@ static void test_muon_planted_bugs(void **st) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {cmocka_unit_test(test_muon_any_layout), cmocka_unit_test(test_muon_planted_bugs)};
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_muon_any_layout), cmocka_unit_test(test_muon_expert_owners),
+                                     cmocka_unit_test(test_muon_planted_bugs)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
