@@ -103,15 +103,18 @@ static dopt_status parse_hparams(const dopt_optim_impl *im, const char *text, do
     memcpy(buf, val, vlen);
     buf[vlen] = '\0';
     double v;
-    if (strcmp(buf, "true") == 0 || strcmp(buf, "True") == 0) {
+    /* an enum's names first: its "true"/"false" are choices (muon's use_muon: auto, true, false), not 1/0 */
+    if (im->hp[k].kind != DOPT_HP_ENUM && (strcmp(buf, "true") == 0 || strcmp(buf, "True") == 0)) {
       v = 1.0;
-    } else if (strcmp(buf, "false") == 0 || strcmp(buf, "False") == 0) {
+    } else if (im->hp[k].kind != DOPT_HP_ENUM && (strcmp(buf, "false") == 0 || strcmp(buf, "False") == 0)) {
       v = 0.0;
     } else if (im->hp[k].kind == DOPT_HP_ENUM) {
       int found = -1;
       char names[256] = "";
       for (int c = 0; im->hp[k].choices[c]; c++) {
-        if (strcmp(buf, im->hp[k].choices[c]) == 0) found = c;
+        if (strcmp(buf, im->hp[k].choices[c]) == 0 || (strcmp(buf, "True") == 0 && strcmp(im->hp[k].choices[c], "true") == 0) ||
+            (strcmp(buf, "False") == 0 && strcmp(im->hp[k].choices[c], "false") == 0))
+          found = c;
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", c ? ", " : "", im->hp[k].choices[c]);
       }
       if (found < 0)

@@ -110,7 +110,12 @@ static void test_groups_and_refusals(void **st) {
   pb.name = "b", pb.ndim = 1, pb.shape[0] = 4, pb.data = b;
   assert_ok(dopt_optim_add_param(o, 0, &pw, NULL));
   assert_ok(dopt_optim_add_param(o, 0, &pb, NULL)); /* auto: aux Adam */
-  const float *g[2] = {g12, g4};
+  float w2[12];
+  memcpy(w2, w, sizeof w2);
+  dopt_param_config pa = pw;
+  pa.name = "w_aux", pa.data = w2;
+  assert_ok(dopt_optim_add_param(o, gaux, &pa, NULL)); /* a matrix in a use_muon=false group: aux Adam */
+  const float *g[3] = {g12, g4, g12};
   assert_ok(dopt_optim_step(o, g));
   dopt_state_view v;
   assert_ok(dopt_optim_state(o, 0, 0, &v));
@@ -118,6 +123,24 @@ static void test_groups_and_refusals(void **st) {
   assert_int_equal(dopt_optim_num_states(o, 1), 2);
   assert_ok(dopt_optim_state(o, 1, 0, &v));
   assert_string_equal(v.name, "exp_avg");
+  assert_int_equal(dopt_optim_num_states(o, 2), 2);
+  assert_ok(dopt_optim_state(o, 2, 0, &v));
+  assert_string_equal(v.name, "exp_avg");
+  /* the spellings of the enum's choices: "false"/"False" are use_muon's third choice, never 0 (auto) */
+  static const struct {
+    const char *hp;
+    double want;
+  } SP[] = {{"use_muon=false", 2}, {"use_muon=False", 2}, {"use_muon=true", 1}, {"use_muon=True", 1}, {"use_muon=auto", 0}};
+  for (size_t k = 0; k < sizeof SP / sizeof SP[0]; k++) {
+    dopt_optim *q = NULL;
+    assert_ok(dopt_optim_create("muon", SP[k].hp, &q));
+    const dopt_optim_impl *im = dopt__optim_impl(q);
+    int at = -1;
+    for (int j = 0; j < im->nhp; j++)
+      if (strcmp(im->hp[j].key, "use_muon") == 0) at = j;
+    if (dopt__optim_group_hp(q, 0)[at] != SP[k].want) fail_msg("%s -> %g", SP[k].hp, dopt__optim_group_hp(q, 0)[at]);
+    dopt_optim_destroy(q);
+  }
   /* aux Adam's first step from zero states, as its formula with lr 3e-4 (lr none) */
   const float m1 = fmaf((float)(1.0 - 0.9), 0.5f, 0.0f), v1 = fmaf((float)(1.0 - 0.95), 0.5f * 0.5f, 0.0f);
   const float u1 = (m1 / (float)(1.0 - 0.9)) / (sqrtf(v1 / (float)(1.0 - 0.95)) + (float)1e-10);
@@ -151,8 +174,61 @@ static void test_cost(void **st) {
   dopt_optim_destroy(o);
 }
 
+/* Owner units (docs/distributed.md#owner-units): a stack of 3 or more dims is one unit per matrix, a conv
+ * filter, a matrix and an aux-Adam parameter one; a piece of whole matrices steps to the bits those matrices
+ * get in the whole tensor (every lr rule reads the parameter's shape), a piece that cuts a matrix is refused. */
+static dopt_status step_piece(const dopt_optim_impl *im, const double *hp, int ndim, const int64_t *shape, size_t lo,
+                              size_t len, float *p, const float *g, float *m) {
+  dopt_piece pc;
+  dopt_piece_full(ndim, shape, &pc);
+  pc.lo = lo, pc.len = len;
+  void *state[1] = {m};
+  dopt_step_args a = {im, hp, 1, &pc, p, g, state, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, ndim,
+                      shape};
+  return dopt__run_stages(dopt_device_cpu(), &a);
+}
+
+static void test_units(void **st) {
+  (void)st;
+  static const char *const H[] = {"", "adjust_lr_fn=original,weight_decay=0.1", "adjust_lr_fn=match_rms_adamw"};
+  for (size_t h = 0; h < sizeof H / sizeof H[0]; h++) {
+    dopt_optim *o = NULL;
+    assert_ok(dopt_optim_create("muon", H[h], &o));
+    const dopt_optim_impl *im = dopt__optim_impl(o);
+    const double *hp = dopt__optim_group_hp(o, 0);
+    const int64_t e[3] = {4, 9, 7}, c[4] = {6, 2, 3, 3}, m2[2] = {9, 7}, v[1] = {9}, five[5] = {2, 3, 1, 9, 7};
+    assert_int_equal(dopt__impl_units(im, hp, 3, e), 4);
+    assert_int_equal(dopt__impl_units(im, hp, 5, five), 6);
+    assert_int_equal(dopt__impl_units(im, hp, 4, c), 1);
+    assert_int_equal(dopt__impl_units(im, hp, 2, m2), 1);
+    assert_int_equal(dopt__impl_units(im, hp, 1, v), 1);
+    const size_t n = 4 * 63;
+    float *w0 = filled(n, 11 + h, 0.1), *g = filled(n, 12 + h, 1.0), *mom0 = filled(n, 13 + h, 0.05);
+    float *pw = malloc(n * sizeof *pw), *mw = malloc(n * sizeof *mw), *pp = malloc(n * sizeof *pp),
+          *mp = malloc(n * sizeof *mp);
+    memcpy(pw, w0, n * sizeof *pw), memcpy(mw, mom0, n * sizeof *mw);
+    memcpy(pp, w0, n * sizeof *pp), memcpy(mp, mom0, n * sizeof *mp);
+    assert_ok(step_piece(im, hp, 3, e, 0, n, pw, g, mw)); /* the whole stack */
+    assert_ok(step_piece(im, hp, 3, e, 0, 63, pp, g, mp)); /* expert 0, then experts 1..3 */
+    assert_ok(step_piece(im, hp, 3, e, 63, 3 * 63, pp + 63, g + 63, mp + 63));
+    assert_memory_equal(pw, pp, n * sizeof *pw);
+    assert_memory_equal(mw, mp, n * sizeof *mw);
+    assert_true(memcmp(pw, w0, n * sizeof *pw) != 0);
+    assert_status(step_piece(im, hp, 3, e, 63, 62, pp + 63, g + 63, mp + 63), DOPT_ERR_UNSUPPORTED, "whole matrices of 63");
+    assert_status(step_piece(im, hp, 2, m2, 0, 62, pp, g, mp), DOPT_ERR_UNSUPPORTED, "whole matrices");
+    free(w0), free(g), free(mom0), free(pw), free(mw), free(pp), free(mp);
+    dopt_optim_destroy(o);
+  }
+  dopt_optim *o = NULL; /* use_muon=false: aux Adam, elementwise, not owned */
+  assert_ok(dopt_optim_create("muon", "use_muon=false", &o));
+  const int64_t e[3] = {4, 9, 7};
+  assert_int_equal(dopt__impl_units(dopt__optim_impl(o), dopt__optim_group_hp(o, 0), 3, e), 1);
+  dopt_optim_destroy(o);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_adjust_lr_fn), cmocka_unit_test(test_kernel),
-                                     cmocka_unit_test(test_groups_and_refusals), cmocka_unit_test(test_cost)};
+                                     cmocka_unit_test(test_groups_and_refusals), cmocka_unit_test(test_cost),
+                                     cmocka_unit_test(test_units)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
