@@ -55,11 +55,12 @@ static const opt_case CASES[] = {
     {"adafactor", NULL},
     {"came", "lr=2e-4"},
     {"lamb", NULL},
-    /* owner mode: each whole parameter stepped on one rank */
     {"adamw8bit", NULL},
+    /* owner mode: each whole parameter stepped on one rank */
     {"galore_adamw", "rank=128"},
     {"galore_adamw8bit", "rank=128"},
     {"q_galore", "rank=128"},
+    {"muon", "lr=2e-2"},
     {"lisa", "inner=adamw"},
 };
 #define NCASES ((int)(sizeof CASES / sizeof CASES[0]))
