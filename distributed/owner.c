@@ -340,6 +340,13 @@ static dopt_status values_over_tp(dopt_dist_optim *d, const int *ord, int m, flo
   return DOPT_OK;
 }
 
+/* The part [*a, *b) of TP-block elements [lo, lo + len) of p in dp rank q's ZeRO shard (empty: *a >= *b). */
+static void shard_cut(const dist_param *p, size_t q, size_t lo, size_t len, size_t *a, size_t *b) {
+  const size_t s0 = q * p->chunk < p->lnumel ? q * p->chunk : p->lnumel;
+  const size_t s1 = s0 + p->chunk < p->lnumel ? s0 + p->chunk : p->lnumel;
+  *a = lo > s0 ? lo : s0, *b = lo + len < s1 ? lo + len : s1;
+}
+
 /* Steps the owned parameters list[0, n) (ascending index, none skipped):
  * gradients to their owners, the owners' steps, the new values back. */
 static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
@@ -410,9 +417,8 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     if (q == row) continue;
     it = (piece_it){0, 0, 0};
     while (next_piece(d, ord, m, row, me, &it, &i, &lo, &len, &at)) {
-      const dist_param *p = &d->p[i];
-      const size_t s0 = (size_t)q * p->chunk, s1 = s0 + p->chunk < p->lnumel ? s0 + p->chunk : p->lnumel;
-      const size_t a = lo > s0 ? lo : s0, b = lo + len < s1 ? lo + len : s1;
+      size_t a, b;
+      shard_cut(&d->p[i], (size_t)q, lo, len, &a, &b);
       spos += a < b ? b - a : 0;
     }
   }
@@ -424,9 +430,8 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     if (q == row) continue;
     it = (piece_it){0, 0, 0};
     while (next_piece(d, ord, m, row, me, &it, &i, &lo, &len, &at)) {
-      const dist_param *p = &d->p[i];
-      const size_t s0 = (size_t)q * p->chunk, s1 = s0 + p->chunk < p->lnumel ? s0 + p->chunk : p->lnumel;
-      const size_t a = lo > s0 ? lo : s0, b = lo + len < s1 ? lo + len : s1;
+      size_t a, b;
+      shard_cut(&d->p[i], (size_t)q, lo, len, &a, &b);
       if (a >= b) continue;
       DOPT_TRY(DEV(d)->copy(DCTX(d), (float *)d->xs + off, vals + at + (a - lo), (b - a) * sizeof(float)));
       off += b - a;
@@ -442,8 +447,8 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     row_params(d, list, n, o, ord, &mo);
     it = (piece_it){0, 0, 0};
     while (next_piece(d, ord, mo, o, me, &it, &i, &lo, &len, &at)) {
-      const dist_param *p = &d->p[i];
-      const size_t a = lo > p->pc.lo ? lo : p->pc.lo, b = lo + len < p->pc.lo + p->pc.len ? lo + len : p->pc.lo + p->pc.len;
+      size_t a, b;
+      shard_cut(&d->p[i], (size_t)row, lo, len, &a, &b);
       rc[o] += a < b ? b - a : 0;
     }
     rtot += rc[o];
@@ -458,10 +463,10 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     it = (piece_it){0, 0, 0};
     size_t got = rd[o];
     while (next_piece(d, ord, mo, o, me, &it, &i, &lo, &len, &at)) {
-      dist_param *p = &d->p[i];
-      const size_t a = lo > p->pc.lo ? lo : p->pc.lo, b = lo + len < p->pc.lo + p->pc.len ? lo + len : p->pc.lo + p->pc.len;
+      size_t a, b;
+      shard_cut(&d->p[i], (size_t)row, lo, len, &a, &b);
       if (a >= b) continue;
-      DOPT_TRY(load_range(d, p, (const float *)rbuf + got, a, b - a));
+      DOPT_TRY(load_range(d, &d->p[i], (const float *)rbuf + got, a, b - a));
       got += b - a;
     }
   }

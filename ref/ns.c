@@ -116,6 +116,17 @@ static void round_all(float *x, size_t n, int bf16) {
   for (size_t i = 0; bf16 && i < n; i++) x[i] = dopt_round_bf16(x[i]);
 }
 
+/* out = f·x + y per element, as torch's bf16 `f * x + y` with a Python scalar f (each product rounded to bf16
+ * first, the sum rounded again; fp32: plain); out may be x or y. */
+static void scale_add(float *out, float f, const float *x, const float *y, size_t n, int bf16) {
+  for (size_t i = 0; i < n; i++) {
+    float fx = f * x[i];
+    if (bf16) fx = dopt_round_bf16(fx);
+    out[i] = fx + y[i];
+  }
+  round_all(out, n, bf16);
+}
+
 dopt_status dopt_ns_orthogonalize(float *g, size_t h, size_t w, int steps, int bf16, const dopt_par *par) {
   const int tall = h > w; /* upstream iterates X = Gᵀ, so that X·Xᵀ is the small side */
   const size_t r = tall ? w : h, c = tall ? h : w, rc = r * c, rr = r * r;
@@ -155,21 +166,11 @@ dopt_status dopt_ns_orthogonalize(float *g, size_t h, size_t w, int steps, int b
     round_all(CA, rr, bf16);
     dopt_gemm_nn(r, r, r, CA, A, B, par);
     round_all(B, rr, bf16);
-    for (size_t i = 0; i < rr; i++) {
-      float ba = fb * A[i];
-      if (bf16) ba = dopt_round_bf16(ba);
-      B[i] = ba + B[i];
-    }
-    round_all(B, rr, bf16);
+    scale_add(B, fb, A, B, rr, bf16);
     /* X = a·X + B·X */
     dopt_gemm_nn(r, c, r, B, X, T, par);
     round_all(T, rc, bf16);
-    for (size_t i = 0; i < rc; i++) {
-      float ax = fa * X[i];
-      if (bf16) ax = dopt_round_bf16(ax);
-      X[i] = ax + T[i];
-    }
-    round_all(X, rc, bf16);
+    scale_add(X, fa, X, T, rc, bf16);
   }
   if (tall) transpose(X, r, c, g);
   else memcpy(g, X, rc * sizeof *X);

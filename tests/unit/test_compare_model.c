@@ -72,6 +72,16 @@ static void test_tensors(void **st) {
   assert_string_equal(t.name, "lm_head.weight");
 }
 
+/* Each spec refused in one line naming --model. */
+static void expect_bad(const char *const *bad, size_t n) {
+  for (size_t k = 0; k < n; k++) {
+    cmp_model m;
+    dopt_clear_error();
+    if (cmp_model_parse(bad[k], &m) != DOPT_ERR_INVALID_ARG) fail_msg("'%s' accepted", bad[k]);
+    if (!strstr(dopt_last_error(), "--model")) fail_msg("'%s': %s", bad[k], dopt_last_error());
+  }
+}
+
 /* Sizes: the closest model in LLaMA proportions; layers when given. */
 static void test_sizes(void **st) {
   (void)st;
@@ -103,12 +113,7 @@ static void test_sizes(void **st) {
   assert_true(b.layers == 32 && b.vocab == 32000 && b.hidden % 64 == 0);
   static const char *const bad[] = {"", "5", "0m", "-1m", "1e12", "100q", "1mx0", "1mx257", "1mx", "llama-2b",
                                     "nanm", "infm", "100m ", "1m x2"};
-  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-    cmp_model m;
-    dopt_clear_error();
-    if (cmp_model_parse(bad[k], &m) != DOPT_ERR_INVALID_ARG) fail_msg("'%s' accepted", bad[k]);
-    if (!strstr(dopt_last_error(), "--model")) fail_msg("'%s': %s", bad[k], dopt_last_error());
-  }
+  expect_bad(bad, sizeof bad / sizeof bad[0]);
 }
 
 /* 291 tensors (a 32-layer LLaMA of 2.7 M parameters) and 40 groups (more than the 32 tensors and 8 groups
@@ -238,11 +243,7 @@ static void test_experts(void **st) {
   assert_ok(cmp_model_parse("20000e4", &m));
   assert_true(m.experts == 4 && cmp_model_params(&m) < 1e6);
   static const char *const bad[] = {"1mx2e0", "1mx2e257", "1me", "1mx2e", "1mx2e8x2", "1e5", "2e4", "1mx2e+8", "1m e8"};
-  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-    dopt_clear_error();
-    if (cmp_model_parse(bad[k], &m) != DOPT_ERR_INVALID_ARG) fail_msg("'%s' accepted", bad[k]);
-    if (!strstr(dopt_last_error(), "--model")) fail_msg("'%s': %s", bad[k], dopt_last_error());
-  }
+  expect_bad(bad, sizeof bad / sizeof bad[0]);
 }
 
 /* Muon on the MoE model: each stack orthogonalised per expert on its owner, uneven TP blocks within every
