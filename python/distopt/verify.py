@@ -18,7 +18,7 @@ from ._cli import packaged_cli
 
 __all__ = ["verify", "VerifyResult", "find_cli"]
 
-JSON_SCHEMA_VERSION = 1  # the verify record's schema_version this module reads
+JSON_SCHEMA_VERSION = 2  # the verify record's schema_version this module reads (2: mode, reference, window)
 
 
 class VerifyResult:

@@ -202,7 +202,7 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t1"));
+  assert_non_null(strstr(js, "\"schema_version\":\t2"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
   char ipath[500];
@@ -296,8 +296,8 @@ static void test_bad_input(void **st) {
   expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
   write_index(root, "{\"schema_version\": 1,");
   expect_bad(root, "index.json: not valid JSON", NULL);
-  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 2",
-            "index.json: schema_version: 2 is not supported (this distopt reads 1)");
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 3",
+            "index.json: schema_version: 3 is not supported (this distopt reads 1 to 2)");
   bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
   bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
   bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
