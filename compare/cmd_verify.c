@@ -712,6 +712,10 @@ static int open_reference(vctx *c) {
 
 static int setup(vctx *c) {
   const vr_index *ix = &c->rd.ix;
+  if (!c->ref_path && !ix->optimizer[0])
+    return cli_errorf(CMD, "%s: optimizer.name is null: %s has no distopt optimizer; replay it with your own "
+                           "(distopt.replay, docs/verify.md) and give --reference", c->rd.index_path,
+                      ix->upstream[0] ? ix->upstream : "the recorded class");
   const verify_tol *tol = find_tol(ix->optimizer);
   if (c->rtol > 0.0) {
     c->tol_param = c->tol_state = c->rtol;
@@ -739,10 +743,6 @@ static int setup(vctx *c) {
     int rc = open_reference(c);
     if (rc) return rc;
   } else {
-    if (!ix->optimizer[0])
-      return cli_errorf(CMD, "%s: optimizer.name is null: %s has no distopt optimizer; replay it with your own "
-                             "(distopt.replay, docs/verify.md) and give --reference", c->rd.index_path,
-                        ix->upstream[0] ? ix->upstream : "the recorded class");
     if ((s = dopt_optim_create(ix->optimizer, ix->group_hparams[0], &c->opt)) != DOPT_OK)
       return lib_error(c->rd.index_path, s);
     for (int g = 1; g < ix->ngroups; g++) {

@@ -259,3 +259,135 @@ def sharded_worker(rank, world, trace, steps, local_stats):
             opt.zero_grad()
             ((x @ w.T + bias - target) ** 2).mean().backward()  # the gradient of this rank's rows
             opt.step()
+
+
+# ---- a custom optimizer distopt does not implement, sharded by hand (distopt.replay) -------------------------
+
+class NormalizedMomentum(torch.optim.Optimizer):
+    """Heavy-ball momentum normalised by its RMS over the whole tensor: m = mu·m + g; p -= lr·m / (rms(m) + eps).
+    States: step (int), momentum_buffer, rms (0-d: a statistic over every element). Sharded (numel given: the
+    global element count of each local piece): the sum of squares is all_reduced; from step `local_from` on it
+    is taken over the local rows only (the planted bug: a shard-local statistic)."""
+
+    def __init__(self, params, lr=1e-2, momentum=0.9, eps=1e-8, numel=None, local_from=None):
+        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps))
+        self.numel, self.local_from = numel, local_from
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["momentum_buffer"] = torch.zeros_like(p)
+                st["step"] += 1
+                buf = st["momentum_buffer"].mul_(group["momentum"]).add_(p.grad)
+                ss = (buf * buf).sum()
+                n = p.numel()
+                if self.numel is not None and not (self.local_from and st["step"] >= self.local_from):
+                    import torch.distributed as dist
+                    dist.all_reduce(ss)
+                    n = self.numel[p]
+                st["rms"] = (ss / n).sqrt()
+                p.add_(buf / (st["rms"] + group["eps"]), alpha=-group["lr"])
+
+
+def make_normalized(params):
+    """The single-device reference of the recordings below (python3 -m distopt.replay REC harness:make_normalized)."""
+    return NormalizedMomentum(params, lr=1e-2, momentum=0.9)
+
+
+def normalized_worker(rank, world, trace, steps, local_from):
+    from distopt.record import record
+    seeded()
+    W = torch.randn(ROWS, COLS) * 0.5
+    b = torch.randn(ROWS) * 0.5
+    per = ROWS // world
+    lo = rank * per
+    w = W[lo:lo + per].clone().requires_grad_(True)
+    bias = b[lo:lo + per].clone().requires_grad_(True)
+    opt = NormalizedMomentum([w, bias], lr=1e-2, momentum=0.9, numel={w: ROWS * COLS, bias: ROWS},
+                             local_from=local_from)
+    layout = {w: {"param": "w", "shape": [ROWS, COLS], "lo": lo * COLS, "states": {"rms": (0, 1)}},
+              bias: {"param": "b", "shape": [ROWS], "lo": lo, "states": {"rms": (0, 1)}}}
+    with record(opt, trace, layout=layout, flush_every=5):  # no name=: recorded as it is, for distopt.replay
+        for t in range(1, steps + 1):
+            g = torch.Generator().manual_seed(SEED + 31 * t)
+            x = torch.randn(10, COLS, generator=g)
+            target = torch.randn(10, ROWS, generator=g)[:, lo:lo + per] * (1 + 3 * rank)
+            opt.zero_grad()
+            ((x @ w.T + bias - target) ** 2).mean().backward()
+            opt.step()
+
+
+# ---- a GaLore-AdamW written here under galore_torch's names (CI has no galore_torch) ----------------------------
+
+class _Projector:
+    """galore_torch's projector object's interface as record() reads it: ortho_matrix (the projector)."""
+
+    def __init__(self):
+        self.ortho_matrix = None
+
+
+class GaLoreAdamWStandIn(torch.optim.Optimizer):
+    """galore_torch 1.0's GaLoreAdamW semantics (docs/galore.md: HF AdamW on the projected gradient, projector
+    from torch.linalg.svd's top-r vectors at 0-based steps 0, T, 2T, ..., std projection), its state keys (step
+    int, exp_avg, exp_avg_sq, projector object) and param_groups keys (rank, update_proj_gap, scale, proj_type).
+    Named galore_torch.adamw.AdamW below so that record() maps it as it maps the real class. bad_refresh: at that
+    step's refresh the projector is a rotation of the right one out of the gradient's top subspace (the planted
+    bug the sin theta check must catch)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, correct_bias=True,
+                 bad_refresh=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      correct_bias=correct_bias))
+        self.bad_refresh = bad_refresh
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, st = p.grad, self.state[p]
+                if "step" not in st:
+                    st["step"] = 0
+                proj, right = None, g.dim() == 2 and g.shape[0] >= g.shape[1]  # std: project the smaller side
+                if "rank" in group:
+                    proj = st.setdefault("projector", _Projector())
+                    if proj.ortho_matrix is None or st["step"] % group["update_proj_gap"] == 0:
+                        U, S, Vh = torch.linalg.svd(g, full_matrices=False)
+                        r = group["rank"]
+                        q = Vh[:r].clone() if right else U[:, :r].clone()
+                        if self.bad_refresh == st["step"] + 1:  # mix in the next singular vector: another subspace
+                            nxt = Vh[r] if right else U[:, r]
+                            if right:
+                                q[0] = 0.6 * q[0] + 0.8 * nxt
+                            else:
+                                q[:, 0] = 0.6 * q[:, 0] + 0.8 * nxt
+                        proj.ortho_matrix = q
+                    Q = proj.ortho_matrix
+                    g = g @ Q.t() if right else Q.t() @ g
+                if "exp_avg" not in st:
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(g), torch.zeros_like(g)
+                b1, b2 = group["betas"]
+                st["step"] += 1
+                st["exp_avg"].mul_(b1).add_(g, alpha=1.0 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1.0 - b2)
+                size = group["lr"]
+                if group["correct_bias"]:
+                    size = size * math.sqrt(1.0 - b2 ** st["step"]) / (1.0 - b1 ** st["step"])
+                n = st["exp_avg"] / st["exp_avg_sq"].sqrt().add_(group["eps"])
+                if proj is not None:
+                    Q = proj.ortho_matrix
+                    n = (n @ Q if right else Q @ n) * group["scale"]
+                p.add_(n, alpha=-size)
+                if group["weight_decay"] > 0.0:
+                    p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+
+
+GaLoreAdamWStandIn.__module__ = "galore_torch.adamw"
+GaLoreAdamWStandIn.__name__ = GaLoreAdamWStandIn.__qualname__ = "AdamW"
