@@ -28,7 +28,7 @@ from . import _upstream
 from ._safetensors import read_torch
 from .record import KIND, SCHEMA_VERSION, _torch_info, _write_json_atomic
 from ._safetensors import write as _write_safetensors
-from .verify import VerifyResult, find_cli
+from .verify import run_verify
 
 __all__ = ["replay", "Params"]
 
@@ -305,22 +305,8 @@ def replay(recording, make_optimizer, stepwise=False, rtol=None, json_path=None,
     }
     _write_json_atomic(os.path.join(out, "index.json"), index)
     try:
-        exe = find_cli(cli)
-        import subprocess
-        jp = os.fspath(json_path) if json_path else os.path.join(os.path.dirname(out), "verify.json")
-        cmd = [exe, "verify", os.fspath(recording), "--reference", out, "--json", jp]
-        if stepwise:
-            cmd.append("--stepwise")
-        if rtol is not None:
-            cmd += ["--rtol", repr(float(rtol))]
-        if plot:
-            cmd += ["--plot", os.fspath(plot)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        report = None
-        if p.returncode in (0, 1) and os.path.isfile(jp):
-            with open(jp) as f:
-                report = json.load(f)
-        res = VerifyResult(p.returncode, report, p.stdout, p.stderr, cmd)
+        extra = ["--reference", out] + (["--stepwise"] if stepwise else [])
+        res = run_verify(recording, extra, cli, rtol, json_path, plot, timeout)
         res.not_replayed = not_replayed
         return res
     finally:

@@ -125,10 +125,16 @@ def case_adamw():
     H.check(res.diverged and not res and res.verdict["step"] == 1, f"verify() of the wrong lr: {res!r}")
     res = verify(os.path.join(d, "missing.rec"))
     H.check(res.returncode == 2 and res.report is None and "missing.rec" in res.stderr, f"verify() bad input: {res!r}")
+    # a class distopt does not implement is recorded as it is (for distopt.replay); verify says so
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(sgd, os.path.join(d, "sgd.rec"), names=model):
+        H.train_step(model, sgd, 1)
+    res = verify(os.path.join(d, "sgd.rec"))
+    H.check(res.returncode == 2 and "optimizer.name is null: torch.optim.sgd.SGD has no distopt optimizer" in
+            res.stderr, f"an as-is recording: {res.stderr}")
     refusals = [
-        (lambda: record(torch.optim.SGD(model.parameters(), lr=0.1), os.path.join(d, "sgd.rec")), ValueError,
-         "no distopt mapping for torch.optim.sgd.SGD: pass name="),
-        (lambda: record(opt, os.path.join(d, "late.rec")), ValueError, "the optimizer has stepped already"),
+        (lambda: record(opt, os.path.join(d, "late.rec")), ValueError, "the optimizer has stepped already (it "
+         "holds state): pass start_step="),
         (lambda: record(torch.optim.AdamW(model.parameters()), trace), FileExistsError, "already holds a recording"),
         (lambda: record(torch.optim.AdamW(model.parameters()), os.path.join(d, "x.rec"), every=0), ValueError,
          "every=0 must be an integer >= 1"),
