@@ -182,7 +182,7 @@ static void usage(FILE *f) {
         "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
         "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 1); --plot FILE.svg: error vs step per tensor.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 2); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -570,19 +570,31 @@ static double norm2(const double *R, size_t m, size_t r) {
 }
 
 /* sin of the largest principal angle between span(Q [rows, r], column j at Q[i*ldq + j]) and span(P, same
- * layout, ld r), and the orthonormality defect max|PᵀP - I| of P. `tr`: both are given as [r, rows] rows. */
+ * layout, ld r), and the orthonormality defect max|PᵀP - I| of P. `tr`: both are given as [r, rows] rows.
+ * The inner products of the fp32 columns are exact sums (products of floats are exact in double; the
+ * exact reduction adds them); the residual's norm is an r x r power iteration in double, in a fixed order. */
 static double sin_theta(const float *Q, size_t ldq, const float *P, size_t rows, size_t r, int tr, double *defect) {
 #define QE(i, j) ((double)(tr ? Q[(j) * ldq + (i)] : Q[(i) * ldq + (j)]))
 #define PE(i, j) ((double)(tr ? P[(j) * rows + (i)] : P[(i) * r + (j)]))
-  double *M = calloc(r * r, sizeof *M), *R = malloc(rows * r * sizeof *R), worst = 0;
+  double *M = calloc(r * r, sizeof *M), *R = malloc(rows * r * sizeof *R), worst = 0, amax = 0;
   if (!M || !R) {
     free(M), free(R);
     return INFINITY;
   }
+  for (size_t i = 0; i < rows; i++)
+    for (size_t a = 0; a < r; a++) {
+      double q = fabs(QE(i, a)), p = fabs(PE(i, a));
+      amax = fmax(amax, fmax(q, p));
+    }
+  const double scale = dopt_xsum_scale(amax * amax); /* every product is at most amax^2 */
   for (size_t a = 0; a < r; a++)
     for (size_t b = 0; b < r; b++) {
-      double qp = 0, pp = 0;
-      for (size_t i = 0; i < rows; i++) qp += QE(i, a) * PE(i, b), pp += PE(i, a) * PE(i, b);
+      dopt_xacc qa = {{0}}, pa = {{0}};
+      for (size_t i = 0; i < rows; i++) {
+        dopt_xacc_add(&qa, scale, QE(i, a) * PE(i, b));
+        dopt_xacc_add(&pa, scale, PE(i, a) * PE(i, b));
+      }
+      double qp = dopt_xacc_value(&qa, scale), pp = dopt_xacc_value(&pa, scale);
       M[a * r + b] = qp;
       double d = fabs(pp - (a == b ? 1.0 : 0.0));
       if (!(d <= worst)) worst = d;

@@ -7,7 +7,7 @@
             opt.zero_grad()
     distopt.verify("run.rec")                                      # the `distopt verify` CLI: exit 0, 1 or 2
 
-The recording (docs/verify.md, schema_version 1) is a directory: `index.json` and safetensors files, each a
+The recording (docs/verify.md, schema_version 2) is a directory: `index.json` and safetensors files, each a
 contiguous block of `flush_every` steps of one rank (`rank<R>/<first>-<last>.safetensors`) holding
 `init/<param>` (first file), `grad/<t>/<param>` (every step: the replay needs them all), and every `every`
 steps `param/<t>/<param>` and `state/<t>/<param>/<key>` (upstream's state keys; `step` as I64). A file is
@@ -27,9 +27,12 @@ gradient from the owners. A plain optimizer in a distributed job (DDP): every ra
 optimizer passes `layout=`: for each local tensor the global parameter it is a piece of and which flat elements
 (and which state elements) it holds.
 
-Optimizers known by class: torch.optim.AdamW -> adamw, transformers' Adafactor -> adafactor (hyperparameters
-through distopt._upstream's table); ZeroRedundancyOptimizer -> its inner optimizer. Others need `name=` and
-`hparams=` (distopt keys, `distopt list`).
+Optimizers known by class (distopt._upstream.CLASSES: torch AdamW, HF Adafactor, came_pytorch CAME,
+torch_optimizer Lamb, galore_torch's AdamW, Adafactor and AdamW8bit with their projectors, bitsandbytes'
+AdamW8bit) and distopt.Optimizer are recorded with no names to write; ZeroRedundancyOptimizer -> its inner
+optimizer. Any other class is recorded as it is (optimizer.name null: distopt.replay verifies it against your
+own optimizer), or under `name=` with `hparams=` (distopt keys, `distopt list`). start_step= records a window
+of a run under way (its states at the start first); grads="bf16" and grad_steps= shrink the gradients.
 """
 import hashlib
 import json

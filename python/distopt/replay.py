@@ -176,7 +176,7 @@ def _set_change(group, name, key, value):
         group[key] = type(group[key])(value) if isinstance(group[key], (bool, int, float)) else value
 
 
-def _force(rec, opt, params, index_of, t, strict):
+def _force(rec, opt, params, t, strict):
     """The optimizer's parameters and states := those recorded after step t (t = start: the window's start)."""
     import torch
     with torch.no_grad():
@@ -258,11 +258,11 @@ def replay(recording, make_optimizer, stepwise=False, rtol=None, json_path=None,
     block.extend((f"init/{n}", p.detach().clone()) for n, p in params.named())
     synced = True
     if rec.start:
-        _force(rec, opt, params, index_of, rec.start, True)
+        _force(rec, opt, params, rec.start, True)
     not_replayed = 0
     for t in range(rec.start + 1, rec.steps + 1):
         if stepwise and t - 1 > rec.start and rec.recorded_after(t - 1):
-            _force(rec, opt, params, index_of, t - 1, False)
+            _force(rec, opt, params, t - 1, False)
             synced = True
         for ch in changes.get(t, []):
             g = ch["group"]

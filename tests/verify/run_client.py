@@ -374,6 +374,13 @@ def case_stepwise():
         out, rep = H.run_verify(win, *extra, expect=0)
         H.check(rep["start_step"] == 20 and rep["tensors"][0]["steps"][0] == 21, "the window starts at step 21")
         H.check("window: steps 21..50" in out, "the table names the window")
+    # the same window replayed through torch's own AdamW (distopt.replay loads its start states into it)
+    from distopt.replay import replay
+    for stepwise in (False, True):
+        res = replay(win, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), stepwise=stepwise)
+        H.check(res.ok and res.report["start_step"] == 20, f"replay of a window (stepwise={stepwise}): {res!r} "
+                f"{res.stderr}")
+        summary(res.report)
     # bf16 gradients: lossy, so the declared tolerance does not apply (exit 2 without --rtol)
     model = _small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
