@@ -91,8 +91,8 @@ typedef struct verify_tol {
  * reductions over a row, column or tensor of n elements: torch sums in fp32 with a cascade of vector
  * lanes, error <= (log2 n + 8)·u relative for sums of squares; through rsqrt and the update's RMS clipping
  * it enters every element, so states 2·(log2 n + 16)·u: n <= 2^24 -> 80u = 4.8e-6 -> 1e-5, parameters
- * (damped by lr) 1e-6. Measured (tests/verify, torch 1.13 AVX2): AdamW 3 000 steps stepwise <= 1.2e-7
- * (params) and 1.1e-7 (states) (docs/verify.md). A bug that changes one step by more than the bound is
+ * (damped by lr) 1e-6. Measured (tests/verify, torch 1.13 AVX2): AdamW 3 000 steps stepwise <= 1.0e-7
+ * (params) and 1.2e-7 (states), margins >= 8 (docs/verify.md). A bug that changes one step by more than the bound is
  * named at that step however long the run. */
 static const verify_tol verify_tolerances[] = {
     {"adamw", 1e-6, 1e-5, 1e-6, 1e-6},
