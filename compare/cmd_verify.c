@@ -1,7 +1,7 @@
 /* distopt verify: replay a recorded PyTorch run (distopt.record, docs/verify.md)
  * through the reference optimizer and compare.
  *
- *   distopt verify TRACE [--rtol X] [--json FILE] [--plot FILE.svg] [--quiet]
+ *   distopt verify TRACE [--stepwise] [--reference REF] [--rtol X] [--json FILE] [--plot FILE.svg] [--quiet]
  *
  * TRACE is the recording's directory (or its index.json). The reference
  * optimizer is created with the recorded name, hyperparameters and groups;
@@ -12,6 +12,17 @@
  * the normwise relative error max|rec - ref| / max|ref| (docs/golden.md's
  * metric), against the optimizer's declared tolerance (verify_tolerances
  * below) or --rtol. Step counters ("step" states) must be equal.
+ *
+ * --stepwise (teacher-forced): before each step the reference takes the
+ * recorded parameters and states of the step before (assembled from the
+ * ranks' pieces), so each comparison measures one step's rounding and the
+ * verdict names the step where the computations first parted; the per-step
+ * tolerances below apply. --reference REF: the reference is not the C
+ * optimizer but a recording REF of the reference values (distopt.replay
+ * writes it from the user's own single-device torch optimizer); the same
+ * comparison and report. A window (start_step > 0) starts the reference from
+ * the recorded states at its start; GaLore recordings with projectors have
+ * each recorded projector checked against ours (sin theta) and adopted.
  *
  * The recording is read through compare/verify_reader.c (verify.h; shared with
  * `distopt compare --trace` on a recording): one loaded block per rank.
@@ -32,6 +43,7 @@
 #include "cli.h"
 #include "compare.h" /* cmp_xml_text */
 #include "files.h"
+#include "galore_proj.h" /* the projector check: dopt_galore_svd */
 #include "verify.h"
 
 static const char *const CMD = "verify";
@@ -64,14 +76,29 @@ static const char *const CMD = "verify";
  * or projected updates, no golden bound against torch here) need --rtol. */
 typedef struct verify_tol {
   const char *optimizer;
-  double param, state;
+  double param, state;           /* accumulated (the default mode) */
+  double step_param, step_state; /* --stepwise: one step from the recorded states (0: no declared bound) */
 } verify_tol;
 
+/* --stepwise tolerances (docs/verify.md, "Per-step tolerances"): one step from the same parameters, states and
+ * gradient differs only by the roundings of that step's operations. Elementwise optimizers (adamw): each
+ * output element is a chain of at most k = 8 fp32 operations (mul, add, addcmul, sqrt, add eps, div, the
+ * update and the weight decay), each rounded once on either side (torch fuses add_(alpha=): one rounding
+ * where distopt has two), so |rec - ref| <= 2k·u·(the magnitudes in the chain), u = 2^-24; normwise
+ * relative 2·8·2^-24 = 9.5e-7 -> 1e-6 for states; parameters p - lr·update: the p term's roundings dominate,
+ * <= 4u = 2.4e-7 of max|p| plus lr·(the update's error) -> 1e-6 too, and at the declared accumulated
+ * bounds the two modes agree. Factored and norm-based optimizers (adafactor, came, lamb) add torch's fp32
+ * reductions over a row, column or tensor of n elements: torch sums in fp32 with a cascade of vector
+ * lanes, error <= (log2 n + 8)·u relative for sums of squares; through rsqrt and the update's RMS clipping
+ * it enters every element, so states 2·(log2 n + 16)·u: n <= 2^24 -> 80u = 4.8e-6 -> 1e-5, parameters
+ * (damped by lr) 1e-6. Measured (tests/verify, torch 1.13 AVX2): AdamW 3 000 steps stepwise <= 1.0e-7
+ * (params) and 1.2e-7 (states), margins >= 8 (docs/verify.md). A bug that changes one step by more than the bound is
+ * named at that step however long the run. */
 static const verify_tol verify_tolerances[] = {
-    {"adamw", 1e-6, 1e-5},
-    {"adafactor", 1e-6, 1e-5},
-    {"came", 1e-6, 1e-5},
-    {"lamb", 1e-6, 1e-5},
+    {"adamw", 1e-6, 1e-5, 1e-6, 1e-6},
+    {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5},
+    {"came", 1e-6, 1e-5, 1e-6, 1e-5},
+    {"lamb", 1e-6, 1e-5, 1e-6, 1e-5},
 };
 
 static const verify_tol *find_tol(const char *name) {
@@ -84,7 +111,7 @@ static const verify_tol *find_tol(const char *name) {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 1
+#define VR_JSON_SCHEMA 2              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat */
 
 typedef struct vstat {
   int rank, param;
@@ -96,6 +123,7 @@ typedef struct vstat {
   long compared;            /* recorded steps compared */
   long first_beyond;        /* first step beyond tolerance (0: never) */
   int no_ref;               /* the reference has no state of this key: not compared */
+  double tol_first;         /* the tolerance at first_beyond (a projector's sin theta bound varies per refresh) */
   long npts, cappts;
   long *pt_step;
   double *pt_rel;
@@ -113,9 +141,19 @@ typedef struct vrank_rt {
 typedef struct vctx {
   const char *trace;
   const char *json_path, *svg_path;
+  const char *ref_path;   /* --reference: a recording of the reference values (distopt.replay) */
   double rtol;         /* > 0: --rtol */
   int quiet;
+  int stepwise;           /* --stepwise: teacher-forced */
   vr_reader rd;         /* the recording: its index, source pieces and one open file per rank */
+  vr_reader ref;          /* --reference's recording */
+  int *proj_stat;         /* [nparams] the sin theta statistic of a GaLore parameter's projector (-1: none yet) */
+  float *scratch;         /* the largest parameter's elements: a reference tensor of --reference, a state */
+  unsigned char *mask;    /* as many flags: which elements the ranks' pieces covered */
+  size_t scratch_n;
+  long not_replayed;      /* --stepwise: steps skipped (only a gradient digest, or no recorded state before) */
+  long proj_adopted, proj_none; /* recorded projectors adopted / refreshes with no recorded projector */
+  char hook_err[5120];    /* the projector hook's failure (exit 2) */
   double tol_param, tol_state;
   const char *tol_source;
   dopt_optim *opt;
@@ -133,14 +171,18 @@ typedef struct vctx {
 } vctx;
 
 static void usage(FILE *f) {
-  fputs("usage: distopt verify TRACE [--rtol X] [--json FILE] [--plot FILE.svg] [--quiet]\n"
+  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--rtol X] [--json FILE] [--plot FILE.svg] "
+        "[--quiet]\n"
         "  Replays a run recorded by distopt.record (TRACE: its directory, or its index.json; docs/verify.md)\n"
         "  through the reference optimizer: the recorded initial parameters and gradients, step by step, and\n"
         "  compares every recorded parameter and state (per rank for sharded recordings) with the reference:\n"
         "  max abs error, max ULP distance, normwise relative error max|rec-ref|/max|ref|, first step beyond the\n"
         "  tolerance. Tolerance: the optimizer's declared one (normwise relative, parameters and states), or\n"
         "  --rtol X for both. Step counters must be equal.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 1); --plot FILE.svg: error vs step per tensor.\n"
+        "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
+        "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
+        "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 2); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -161,11 +203,16 @@ static int parse_args(vctx *c, int argc, char **argv) {
       c->quiet = 1;
       continue;
     }
+    if (strcmp(a, "--stepwise") == 0) {
+      c->stepwise = 1;
+      continue;
+    }
     if (a[0] == '-' && a[1] == '-') {
       if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", a);
       const char *v = argv[++i];
       if (strcmp(a, "--json") == 0) c->json_path = v;
       else if (strcmp(a, "--plot") == 0) c->svg_path = v;
+      else if (strcmp(a, "--reference") == 0) c->ref_path = v;
       else if (strcmp(a, "--rtol") == 0) {
         char *end;
         errno = 0;
@@ -181,22 +228,27 @@ static int parse_args(vctx *c, int argc, char **argv) {
   if (!c->trace) return cli_errorf(CMD, "TRACE (a recording's directory) is required (see --help)");
   if (c->json_path && !c->json_path[0]) return cli_errorf(CMD, "--json: empty path");
   if (c->svg_path && !c->svg_path[0]) return cli_errorf(CMD, "--plot: empty path");
+  if (c->ref_path && !c->ref_path[0]) return cli_errorf(CMD, "--reference: empty path");
   /* the one rule for outputs; neither may be, or lie inside, the recording (its folder) */
   char rec[4096];
   struct stat st;
   if (stat(c->trace, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->trace, rec); /* TRACE/index.json */
   else snprintf(rec, sizeof rec, "%s", c->trace);
+  char refdir[4096];
+  if (c->ref_path && stat(c->ref_path, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->ref_path, refdir);
+  else snprintf(refdir, sizeof refdir, "%s", c->ref_path ? c->ref_path : "");
   const cli_path outs[] = {{"--json", c->json_path, 0}, {"--plot", c->svg_path, 0}};
-  const cli_path ins[] = {{"TRACE", rec, 1}};
-  return cli_check_paths(CMD, outs, 2, ins, 1);
+  const cli_path ins[] = {{"TRACE", rec, 1}, {"--reference", c->ref_path ? refdir : NULL, 1}};
+  return cli_check_paths(CMD, outs, 2, ins, 2);
 }
 
 /* ---- the index ---------------------------------------------------------------------- */
 
 static int load_index(vctx *c) {
   if (vr_reader_open(&c->rd, c->trace) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
-  if (c->rd.ix.steps == 0)
-    return cli_errorf(CMD, "%s: steps: 0: the recording holds no step (nothing to verify)", c->rd.index_path);
+  if (c->rd.ix.steps == c->rd.ix.start_step)
+    return cli_errorf(CMD, "%s: steps: %ld: the recording holds no step (nothing to verify)", c->rd.index_path,
+                      c->rd.ix.steps);
   return CLI_OK;
 }
 
@@ -294,7 +346,7 @@ static void record_result(vctx *c, int si, long t, double rel, double tol) {
   if (rel > s->max_rel || isnan(rel)) s->max_rel = rel;
   add_point(c, s, t, rel);
   int beyond = !(rel <= tol);
-  if (beyond && !s->first_beyond) s->first_beyond = t;
+  if (beyond && !s->first_beyond) s->first_beyond = t, s->tol_first = tol;
   if (beyond && !c->verdict_step) {
     c->verdict_step = t;
     c->verdict_stat = si;
@@ -340,42 +392,393 @@ static int file_for_step(vctx *c, int r, long t) {
 
 /* ---- setup -------------------------------------------------------------------------- */
 
+/* The reference's parameter p after step t: the optimizer's (c->data[p]) or, with --reference, REF's
+ * param/<t>/<p> copied into c->data[p]; NULL when REF lacks it. */
+static const float *ref_param(vctx *c, int p, long t) {
+  if (!c->ref_path) return c->data[p];
+  char key[VR_MAX_NAME + 64];
+  size_t n = 0;
+  snprintf(key, sizeof key, "param/%ld/%s", t, c->rd.ix.params[p].name);
+  const void *b = vr_reader_f32(&c->ref, 0, t, key, &n);
+  if (!b || (int64_t)n != c->rd.ix.params[p].numel) return NULL;
+  memcpy(c->data[p], b, n * sizeof(float));
+  return c->data[p];
+}
+
+/* A scalar tensor's value (a step count: F32, F64, I32 or I64). */
+static double scalar_value(const dopt_st_tensor *x) {
+  if (x->dtype == DOPT_F32) {
+    float v;
+    memcpy(&v, x->data, sizeof v);
+    return v;
+  }
+  if (x->dtype == DOPT_F64) {
+    double v;
+    memcpy(&v, x->data, sizeof v);
+    return v;
+  }
+  if (x->dtype == DOPT_I64) {
+    int64_t v;
+    memcpy(&v, x->data, sizeof v);
+    return (double)v;
+  }
+  int32_t v;
+  memcpy(&v, x->data, sizeof v);
+  return v;
+}
+
+static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len);
+
+/* The recorded tensor names of the state before step t+1 (t = the window's start: init/, init_state/). */
+static void before_names(const vctx *c, long t, int p, const char *key, char *buf, size_t cap) {
+  const char *pn = c->rd.ix.params[p].name;
+  if (t == c->rd.ix.start_step) {
+    if (key) snprintf(buf, cap, "init_state/%s/%s", pn, key);
+    else snprintf(buf, cap, "init/%s", pn);
+  } else {
+    if (key) snprintf(buf, cap, "state/%ld/%s/%s", t, pn, key);
+    else snprintf(buf, cap, "param/%ld/%s", t, pn);
+  }
+}
+
+/* Sets the reference's parameters and states to those recorded after step t (the window's start: its initial
+ * ones): parameters from their source pieces; each F32 state of the reference from every rank's recorded range
+ * (the lowest rank's value where ranges overlap), every element covered; the step counts. A state no rank
+ * records keeps the reference's value (a GaLore projector, adopted at refreshes) unless `strict` (a window's
+ * start: the reference has no value of its own). */
+static int force_states(vctx *c, long t, int strict) {
+  const vr_index *ix = &c->rd.ix;
+  vr_reader *rd = &c->rd;
+  const long at = t == ix->start_step ? t + 1 : t; /* the file holding the names */
+  char key[VR_MAX_NAME + VR_MAX_KEY + 64];
+  for (int r = 0; r < ix->world_size; r++)
+    if (ix->ranks[r].npieces && file_for_step(c, r, at)) return CLI_USAGE;
+  for (int p = 0; p < ix->nparams; p++) {
+    const vr_param *vp = &ix->params[p];
+    if (t > ix->start_step) { /* (the window's start: vr_reader_init has set them) */
+      before_names(c, t, p, NULL, key, sizeof key);
+      for (int k = 0; k < rd->nsrc[p]; k++) {
+        const vr_source *sr = &rd->src[p][k];
+        dopt_st_tensor x;
+        if (dopt_st_find(rd->f[sr->rank], key, &x) != DOPT_OK)
+          return cli_errorf(CMD, "%s: --stepwise: rank %d's file for step %ld has no '%s' (the state to start step %ld "
+                                 "from)", rd->index_path, sr->rank, at, key, t + 1);
+        memcpy(c->data[p] + sr->pc->lo, x.data, (size_t)sr->pc->len * sizeof(float));
+      }
+    }
+    /* the step count (any rank's piece), which also says whether the recorded run had states for p */
+    before_names(c, t, p, "step", key, sizeof key);
+    int have = 0;
+    double step = 0;
+    for (int r = 0; r < ix->world_size && !have; r++) {
+      const vr_piece *pc = vr_rank_piece(ix, r, p);
+      dopt_st_tensor x;
+      if (pc && dopt_st_find(rd->f[r], key, &x) == DOPT_OK) have = 1, step = scalar_value(&x);
+    }
+    if (!have) continue; /* the recorded run had no state for p yet: neither has the reference */
+    dopt_status s = DOPT_OK;
+    if (dopt_optim_num_states(c->opt, p) == 0) s = dopt_optim_init_state(c->opt, p);
+    if (s == DOPT_OK) s = dopt_optim_set_step(c->opt, p, (int64_t)step);
+    if (s != DOPT_OK) return lib_error(vp->name, s);
+    int nst = dopt_optim_num_states(c->opt, p);
+    for (int k = 0; k < nst; k++) {
+      dopt_state_view v;
+      if (dopt_optim_state(c->opt, p, k, &v) != DOPT_OK || v.dtype != DOPT_F32) continue;
+      int64_t n = 1;
+      for (int d = 0; d < v.ndim; d++) n *= v.shape[d];
+      if ((size_t)n > c->scratch_n)
+        return cli_errorf(CMD, "state '%s' of '%s' has %lld elements, more than its parameter's", v.name, vp->name,
+                          (long long)n);
+      before_names(c, t, p, v.name, key, sizeof key);
+      memset(c->mask, 0, (size_t)n);
+      int64_t covered = 0;
+      int any = 0;
+      for (int r = 0; r < ix->world_size; r++) {
+        const vr_piece *pc = vr_rank_piece(ix, r, p);
+        dopt_st_tensor x;
+        int64_t lo, len;
+        if (!pc || dopt_st_find(rd->f[r], key, &x) != DOPT_OK) continue;
+        any = 1;
+        if (state_range(c, pc, v.name, n, &lo, &len) || lo + len > n || (int64_t)x.numel != len)
+          return cli_errorf(CMD, "%s: rank %d: tensor '%s' (%zu elements) does not fit the reference's state of %lld "
+                                 "elements", rd->index_path, r, key, x.numel, (long long)n);
+        for (int64_t i = 0; i < len; i++)
+          if (!c->mask[lo + i]) {
+            c->mask[lo + i] = 1;
+            memcpy(c->scratch + lo + i, (const unsigned char *)x.data + 4 * i, sizeof(float));
+            covered++;
+          }
+      }
+      if (!any && !strict) continue;
+      if (covered != n) {
+        int64_t i = 0;
+        while (i < n && c->mask[i]) i++;
+        return cli_errorf(CMD, "%s: %s: state '%s' of '%s' after step %ld: element %lld of %lld is recorded by no "
+                               "rank (the reference cannot start from it)", rd->index_path,
+                          strict ? "the window's start" : "--stepwise", v.name, vp->name, t, (long long)i,
+                          (long long)n);
+      }
+      memcpy(v.data, c->scratch, (size_t)n * sizeof(float));
+    }
+  }
+  if (dopt_optim_set_gstep(c->opt, t) != DOPT_OK) return lib_error("gstep", DOPT_ERR_INVALID_ARG);
+  return CLI_OK;
+}
+
+/* ---- GaLore projectors: the recorded one checked against ours and adopted --------------------
+ *
+ * At a refresh the recorded run's projector Q_rec (galore_torch: torch.linalg.svd's top-r singular vectors)
+ * and ours Q (LAPACK sgesdd, our sign convention) span the top-r singular subspace of the same fp32
+ * gradient G up to rounding. Both SVDs are backward stable: each computed subspace is exact for G + E with
+ * ||E||_2 <= p(m,n)·u·sigma_1 (LAPACK's error bounds, p a modest function of the size: we take max(m, n)),
+ * and by Wedin's theorem sin theta(computed, exact) <= ||E||_2 / (sigma_r - sigma_{r+1}). So
+ *   sin theta(Q_rec, Q) <= 2·max(m, n)·u·sigma_1 / (sigma_r - sigma_{r+1}),   u = 2^-24,
+ * the largest principal angle, computed from the residual R = Q_rec - Q (Qᵀ Q_rec) as ||R||_2. Q_rec must be
+ * orthonormal within the same p(m,n)·u (a scaled projector spans the subspace but scales the update). A
+ * projector beyond the bound is a divergence at that step (tensor P/sin_theta(KEY)); within it, it is
+ * adopted, so a stock galore_torch run verifies whatever signs its SVD chose. With no gap (sigma_r =
+ * sigma_{r+1}) the subspace is not unique and the bound is infinite: any orthonormal projector passes. */
+
+#define PROJ_P(m, n) ((double)((m) > (n) ? (m) : (n)))
+#define PROJ_U 5.9604644775390625e-8 /* 2^-24 */
+
+/* Largest singular value of R [m, r] (ld r, double): power iteration on RᵀR (r x r). */
+static double norm2(const double *R, size_t m, size_t r) {
+  double *G = calloc(r * r, sizeof *G), *x = malloc(r * sizeof *x), *y = malloc(r * sizeof *y), lam = 0;
+  if (!G || !x || !y) {
+    free(G), free(x), free(y);
+    return INFINITY;
+  }
+  for (size_t i = 0; i < m; i++)
+    for (size_t a = 0; a < r; a++)
+      for (size_t b = 0; b < r; b++) G[a * r + b] += R[i * r + a] * R[i * r + b];
+  for (size_t a = 0; a < r; a++) x[a] = 1.0 + 0.01 * (double)a;
+  for (int it = 0; it < 300; it++) {
+    double nn = 0;
+    for (size_t a = 0; a < r; a++) {
+      y[a] = 0;
+      for (size_t b = 0; b < r; b++) y[a] += G[a * r + b] * x[b];
+      nn += y[a] * y[a];
+    }
+    nn = sqrt(nn);
+    if (!(nn > 0)) break;
+    for (size_t a = 0; a < r; a++) x[a] = y[a] / nn;
+    lam = nn;
+  }
+  free(G), free(x), free(y);
+  return sqrt(lam);
+}
+
+/* sin of the largest principal angle between span(Q [rows, r], column j at Q[i*ldq + j]) and span(P, same
+ * layout, ld r), and the orthonormality defect max|PᵀP - I| of P. `tr`: both are given as [r, rows] rows.
+ * The inner products of the fp32 columns are exact sums (products of floats are exact in double; the
+ * exact reduction adds them); the residual's norm is an r x r power iteration in double, in a fixed order. */
+static double sin_theta(const float *Q, size_t ldq, const float *P, size_t rows, size_t r, int tr, double *defect) {
+#define QE(i, j) ((double)(tr ? Q[(j) * ldq + (i)] : Q[(i) * ldq + (j)]))
+#define PE(i, j) ((double)(tr ? P[(j) * rows + (i)] : P[(i) * r + (j)]))
+  double *M = calloc(r * r, sizeof *M), *R = malloc(rows * r * sizeof *R), worst = 0, amax = 0;
+  if (!M || !R) {
+    free(M), free(R);
+    return INFINITY;
+  }
+  for (size_t i = 0; i < rows; i++)
+    for (size_t a = 0; a < r; a++) {
+      double q = fabs(QE(i, a)), p = fabs(PE(i, a));
+      amax = fmax(amax, fmax(q, p));
+    }
+  const double scale = dopt_xsum_scale(amax * amax); /* every product is at most amax^2 */
+  for (size_t a = 0; a < r; a++)
+    for (size_t b = 0; b < r; b++) {
+      dopt_xacc qa = {{0}}, pa = {{0}};
+      for (size_t i = 0; i < rows; i++) {
+        dopt_xacc_add(&qa, scale, QE(i, a) * PE(i, b));
+        dopt_xacc_add(&pa, scale, PE(i, a) * PE(i, b));
+      }
+      double qp = dopt_xacc_value(&qa, scale), pp = dopt_xacc_value(&pa, scale);
+      M[a * r + b] = qp;
+      double d = fabs(pp - (a == b ? 1.0 : 0.0));
+      if (!(d <= worst)) worst = d;
+    }
+  for (size_t i = 0; i < rows; i++)
+    for (size_t b = 0; b < r; b++) {
+      double v = PE(i, b);
+      for (size_t a = 0; a < r; a++) v -= QE(i, a) * M[a * r + b];
+      R[i * r + b] = v;
+    }
+#undef QE
+#undef PE
+  double sn = norm2(R, rows, r);
+  free(M), free(R);
+  *defect = worst;
+  return sn;
+}
+
+/* The projector hook (dopt_projector_fn): the recorded projector of this refresh, checked and adopted. */
+static int proj_hook(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r,
+                     float *left, float *right) {
+  vctx *c = user;
+  const vr_index *ix = &c->rd.ix;
+  const char *pn = ix->params[param].name;
+  const char *keys[2] = {left && right ? "projector_left" : "projector", left && right ? "projector_right" : "projector"};
+  const void *rec[2] = {NULL, NULL};
+  int owner = -1;
+  for (int side = 0; side < 2; side++) {
+    if (!(side ? right : left)) continue;
+    char key[VR_MAX_NAME + 128];
+    snprintf(key, sizeof key, "proj/%lld/%s/%s", (long long)step, pn, keys[side]);
+    size_t numel = 0;
+    for (int rk = 0; rk < ix->world_size && !rec[side]; rk++)
+      if (vr_rank_piece(ix, rk, param) && (rec[side] = vr_reader_f32(&c->rd, rk, (long)step, key, &numel))) owner = rk;
+    if (!rec[side]) {
+      c->proj_none++;
+      return 0; /* not recorded at this step: our own SVD */
+    }
+    if ((int64_t)numel != (side ? r * n : m * r)) {
+      snprintf(c->hook_err, sizeof c->hook_err, "%s: tensor '%s' has %zu elements, expected %lld ([%lld, %lld])",
+               c->rd.index_path, key, numel, (long long)(side ? r * n : m * r), (long long)(side ? r : m),
+               (long long)(side ? n : r));
+      return -1;
+    }
+  }
+  const size_t k = (size_t)(r < (m < n ? m : n) ? r + 1 : r); /* sigma_{r+1} too, when there is one */
+  float *U = malloc((size_t)m * k * sizeof *U), *S = malloc(k * sizeof *S), *Vt = malloc(k * (size_t)n * sizeof *Vt);
+  float *P = malloc((size_t)(m > n ? m : n) * (size_t)r * sizeof *P);
+  const dopt_svd_opts so = {DOPT_SVD_EXACT, -1, 0, 0, step - 1};
+  unsigned ev = 0;
+  if (!U || !S || !Vt || !P || dopt_galore_svd((size_t)m, (size_t)n, k, grad, &so, left != NULL, U, S, Vt, &ev) != DOPT_OK) {
+    free(U), free(S), free(Vt), free(P);
+    snprintf(c->hook_err, sizeof c->hook_err, "step %lld: parameter '%s': the SVD for the projector check failed",
+             (long long)step, pn);
+    return -1;
+  }
+  const double gap = (double)S[r - 1] - (k > (size_t)r ? (double)S[r] : 0.0);
+  const double bound = gap > 0 ? 2.0 * PROJ_P(m, n) * PROJ_U * (double)S[0] / gap : INFINITY;
+  double worst = 0, defect = 0;
+  for (int side = 0; side < 2; side++) {
+    if (!rec[side]) continue;
+    const size_t rows = (size_t)(side ? n : m);
+    memcpy(P, rec[side], rows * (size_t)r * sizeof *P);
+    double d = INFINITY, sn = side ? sin_theta(Vt, (size_t)n, P, rows, (size_t)r, 1, &d) : sin_theta(U, k, P, rows, (size_t)r, 0, &d);
+    if (!(sn <= worst)) worst = sn;
+    if (!(d <= defect)) defect = d;
+  }
+  free(U), free(S), free(Vt);
+  /* its statistic: a row of the owner rank's piece, created at the first refresh */
+  if (c->proj_stat[param] < 0) {
+    const vr_rank *rk = &ix->ranks[owner];
+    int pi = -1;
+    for (int i = 0; i < rk->npieces; i++)
+      if (rk->pieces[i].param == param) pi = i;
+    vpiece_keys *pk = &c->rt[owner].keys[pi];
+    char sk[VR_MAX_KEY + 1];
+    snprintf(sk, sizeof sk, "sin_theta(%s)", left && right ? "projectors" : "projector");
+    int si = pk->nkeys < VR_MAX_KEYS ? new_stat(c, owner, &rk->pieces[pi], sk) : -1;
+    if (si < 0) {
+      free(P);
+      snprintf(c->hook_err, sizeof c->hook_err, "parameter '%s': no room for its projector's statistic", pn);
+      return -1;
+    }
+    pk->stat[++pk->nkeys] = si;
+    c->proj_stat[param] = si;
+  }
+  const double orth_bound = 2.0 * PROJ_P(m, n) * PROJ_U;
+  /* an orthonormality defect beyond its bound fails as an infinite angle: the projector would scale the update */
+  const double measured = defect <= orth_bound ? worst : INFINITY;
+  vstat *s = &c->st[c->proj_stat[param]];
+  if (measured > s->max_abs || isnan(measured)) s->max_abs = measured;
+  record_result(c, c->proj_stat[param], (long)step, measured, bound);
+  if (!(measured <= bound)) {
+    free(P);
+    return 0; /* named by the verdict; the replay goes on with our own projector */
+  }
+  for (int side = 0; side < 2; side++)
+    if (rec[side]) memcpy(side ? right : left, rec[side], (size_t)(side ? r * n : m * r) * sizeof(float));
+  free(P);
+  c->proj_adopted++;
+  return 1;
+}
+
+/* --reference: REF holds, for the run's parameters (same names, shapes), the reference values at the steps the
+ * run records; one rank, whole pieces. */
+static int open_reference(vctx *c) {
+  const vr_index *ix = &c->rd.ix;
+  if (vr_reader_open(&c->ref, c->ref_path) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
+  const vr_index *rx = &c->ref.ix;
+  if (rx->world_size != 1)
+    return cli_errorf(CMD, "--reference %s: world_size %d, expected 1 (the single-device reference)", c->ref.index_path,
+                      rx->world_size);
+  if (rx->nparams != ix->nparams)
+    return cli_errorf(CMD, "--reference %s: %d parameters, the recording has %d", c->ref.index_path, rx->nparams,
+                      ix->nparams);
+  for (int p = 0; p < ix->nparams; p++) {
+    int q = vr_index_find_param(rx, ix->params[p].name);
+    if (q < 0 || rx->params[q].numel != ix->params[p].numel)
+      return cli_errorf(CMD, "--reference %s: parameter '%s' is %s", c->ref.index_path, ix->params[p].name,
+                        q < 0 ? "missing" : "of another size");
+  }
+  if (rx->start_step != ix->start_step || rx->steps < ix->steps)
+    return cli_errorf(CMD, "--reference %s: steps %ld..%ld, the recording's are %ld..%ld", c->ref.index_path,
+                      rx->start_step + 1, rx->steps, ix->start_step + 1, ix->steps);
+  return CLI_OK;
+}
+
 static int setup(vctx *c) {
   const vr_index *ix = &c->rd.ix;
+  if (!c->ref_path && !ix->optimizer[0])
+    return cli_errorf(CMD, "%s: optimizer.name is null: %s has no distopt optimizer; replay it with your own "
+                           "(distopt.replay, docs/verify.md) and give --reference", c->rd.index_path,
+                      ix->upstream[0] ? ix->upstream : "the recorded class");
   const verify_tol *tol = find_tol(ix->optimizer);
   if (c->rtol > 0.0) {
     c->tol_param = c->tol_state = c->rtol;
     c->tol_source = "--rtol";
-  } else if (tol) {
-    c->tol_param = tol->param;
-    c->tol_state = tol->state;
-    c->tol_source = "declared";
+  } else if (tol && (!c->stepwise || tol->step_param > 0)) {
+    c->tol_param = c->stepwise ? tol->step_param : tol->param;
+    c->tol_state = c->stepwise ? tol->step_state : tol->state;
+    c->tol_source = c->stepwise ? "declared per step" : "declared";
   } else {
-    return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared tolerance (give --rtol)", c->rd.index_path,
-                      ix->optimizer);
+    return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared%s tolerance (give --rtol)", c->rd.index_path,
+                      ix->optimizer[0] ? ix->optimizer : "null", c->stepwise ? " per-step" : "");
   }
-  dopt_status s = dopt_optim_create(ix->optimizer, ix->group_hparams[0], &c->opt);
-  if (s != DOPT_OK) return lib_error(c->rd.index_path, s);
-  for (int g = 1; g < ix->ngroups; g++) {
-    int gid;
-    if ((s = dopt_optim_add_group(c->opt, ix->group_hparams[g], &gid)) != DOPT_OK) {
-      char what[4400];
-      snprintf(what, sizeof what, "%s: groups[%d].hparams", c->rd.index_path, g);
-      return lib_error(what, s);
+  if (ix->grads == VR_GRADS_BF16 && c->rtol <= 0.0)
+    return cli_errorf(CMD, "%s: record.grads is BF16: the replay's gradients are the recorded run's rounded to bf16, "
+                           "so the declared tolerances do not apply (give --rtol; docs/verify.md)", c->rd.index_path);
+  if (c->stepwise && (!ix->record_params || !ix->record_states))
+    return cli_errorf(CMD, "%s: --stepwise starts each step from the recorded parameters and states, but record.%s is "
+                           "false", c->rd.index_path, !ix->record_params ? "params" : "states");
+  int np = ix->nparams;
+  size_t maxn = 1;
+  for (int p = 0; p < np; p++)
+    if ((size_t)ix->params[p].numel > maxn) maxn = (size_t)ix->params[p].numel;
+  dopt_status s;
+  if (c->ref_path) {
+    int rc = open_reference(c);
+    if (rc) return rc;
+  } else {
+    if ((s = dopt_optim_create(ix->optimizer, ix->group_hparams[0], &c->opt)) != DOPT_OK)
+      return lib_error(c->rd.index_path, s);
+    for (int g = 1; g < ix->ngroups; g++) {
+      int gid;
+      if ((s = dopt_optim_add_group(c->opt, ix->group_hparams[g], &gid)) != DOPT_OK) {
+        char what[4400];
+        snprintf(what, sizeof what, "%s: groups[%d].hparams", c->rd.index_path, g);
+        return lib_error(what, s);
+      }
     }
   }
-  int np = ix->nparams;
   c->data = calloc((size_t)np, sizeof *c->data);
   c->grad = calloc((size_t)np, sizeof *c->grad);
   c->gptr = calloc((size_t)np, sizeof *c->gptr);
   c->rt = calloc((size_t)ix->world_size, sizeof *c->rt);
-  if (!c->data || !c->grad || !c->gptr || !c->rt) return cli_errorf(CMD, "out of memory");
+  c->proj_stat = malloc((size_t)np * sizeof *c->proj_stat);
+  if (!c->data || !c->grad || !c->gptr || !c->rt || !c->proj_stat) return cli_errorf(CMD, "out of memory");
   for (int p = 0; p < np; p++) {
+    c->proj_stat[p] = -1;
     size_t n = (size_t)ix->params[p].numel;
     if (n > SIZE_MAX / sizeof(float) / 2) return cli_errorf(CMD, "parameter '%s': too large", ix->params[p].name);
     c->data[p] = malloc(n * sizeof(float));
-    c->grad[p] = malloc(n * sizeof(float));
-    if (!c->data[p] || !c->grad[p])
+    c->grad[p] = c->ref_path ? NULL : malloc(n * sizeof(float));
+    if (!c->data[p] || (!c->ref_path && !c->grad[p]))
       return cli_errorf(CMD, "out of memory for parameter '%s' (%zu elements)", ix->params[p].name, n);
   }
   for (int r = 0; r < ix->world_size; r++) {
@@ -393,13 +796,15 @@ static int setup(vctx *c) {
    * each source piece, in its rank's first file */
   c->rd.on_state = key_stat;
   c->rd.user = c;
+  c->rd.allow_digest = 1;
   for (int r = 0; r < ix->world_size; r++) {
     if (ix->ranks[r].npieces == 0) continue;
-    int rc = file_for_step(c, r, 1);
+    int rc = file_for_step(c, r, ix->start_step + 1);
     if (rc) return rc;
   }
   for (int p = 0; p < np; p++)
     if (vr_reader_init(&c->rd, p, c->data[p]) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
+  if (c->ref_path) return CLI_OK;
   for (int p = 0; p < np; p++) {
     const vr_param *vp = &ix->params[p];
     dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
@@ -411,16 +816,27 @@ static int setup(vctx *c) {
     int id;
     if ((s = dopt_optim_add_param(c->opt, vp->group, &pc, &id)) != DOPT_OK) return lib_error(c->rd.index_path, s);
   }
+  if (ix->projectors && (s = dopt_optim_set_projector_hook(c->opt, proj_hook, c)) != DOPT_OK)
+    return lib_error("record.projectors is true", s);
+  /* states are as large as their parameter at most (elementwise, factored, low-rank); checked when forced */
+  c->scratch_n = maxn;
+  c->scratch = malloc(maxn * sizeof *c->scratch);
+  c->mask = malloc(maxn);
+  if (!c->scratch || !c->mask) return cli_errorf(CMD, "out of memory");
+  if (ix->start_step > 0) return force_states(c, ix->start_step, 1); /* a window: its recorded start */
   return CLI_OK;
 }
 
 /* ---- the replay ---------------------------------------------------------------------- */
 
-static int assemble_grads(vctx *c, long t) {
+/* Step t's gradients; 1 when some parameter has only a digest (the step cannot be replayed). */
+static int assemble_grads(vctx *c, long t, int *digest_only) {
+  *digest_only = 0;
   for (int p = 0; p < c->rd.ix.nparams; p++) {
     int present = 0;
     if (vr_reader_grad(&c->rd, p, t, c->grad[p], &present) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
-    c->gptr[p] = present ? c->grad[p] : NULL;
+    if (present < 0) *digest_only = 1;
+    c->gptr[p] = present > 0 ? c->grad[p] : NULL;
   }
   return CLI_OK;
 }
@@ -447,8 +863,64 @@ static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64
   return -1;
 }
 
+/* The reference's state `key` of parameter p after step t: its elements (*n) and 1; 0 when the reference keeps
+ * no such F32 state (*none: it keeps no state at all for p: it never stepped). */
+static int ref_state(vctx *c, int p, long t, const char *key, const float **data, int64_t *n, int *none) {
+  *none = 0;
+  if (c->ref_path) {
+    char name[VR_MAX_NAME + VR_MAX_KEY + 64];
+    size_t numel = 0;
+    snprintf(name, sizeof name, "state/%ld/%s/%s", t, c->rd.ix.params[p].name, key);
+    const void *b = vr_reader_f32(&c->ref, 0, t, name, &numel);
+    if (!b) return 0;
+    if (numel > c->scratch_n) { /* a reference state larger than the largest parameter: its own buffer */
+      float *s = realloc(c->scratch, numel * sizeof *s);
+      unsigned char *m = realloc(c->mask, numel);
+      if (s) c->scratch = s;
+      if (m) c->mask = m;
+      if (!s || !m) return 0;
+      c->scratch_n = numel;
+    }
+    memcpy(c->scratch, b, numel * sizeof(float));
+    *data = c->scratch;
+    *n = (int64_t)numel;
+    return 1;
+  }
+  int nst = dopt_optim_num_states(c->opt, p);
+  *none = nst == 0;
+  for (int k = 0; k < nst; k++) {
+    dopt_state_view v;
+    if (dopt_optim_state(c->opt, p, k, &v) == DOPT_OK && strcmp(v.name, key) == 0) {
+      if (v.dtype != DOPT_F32) return 0;
+      *n = 1;
+      for (int d = 0; d < v.ndim; d++) *n *= v.shape[d];
+      *data = v.data;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* The reference's step count of parameter p after step t; 0 when it has none to compare (--reference: REF
+ * records none). */
+static int ref_step(vctx *c, int p, long t, double *out) {
+  if (!c->ref_path) {
+    int64_t v = 0;
+    dopt_optim_get_step(c->opt, p, &v);
+    *out = (double)v;
+    return 1;
+  }
+  char name[VR_MAX_NAME + 64];
+  snprintf(name, sizeof name, "state/%ld/%s/step", t, c->rd.ix.params[p].name);
+  dopt_st_tensor x;
+  if (vr_reader_seek(&c->ref, 0, t) != DOPT_OK || dopt_st_find(c->ref.f[0], name, &x) != DOPT_OK) return 0;
+  *out = scalar_value(&x);
+  return 1;
+}
+
 static int compare_step(vctx *c, long t) {
   char key[VR_MAX_NAME + 128];
+  if (c->ref_path && vr_reader_seek(&c->ref, 0, t) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
   for (int r = 0; r < c->rd.ix.world_size; r++) {
     const vr_rank *rk = &c->rd.ix.ranks[r];
     const dopt_st_file *f = c->rd.f[r];
@@ -463,29 +935,16 @@ static int compare_step(vctx *c, long t) {
         vstat *s = &c->st[pk->stat[j]];
         snprintf(key, sizeof key, "state/%ld/%s/%s", t, vp->name, s->key);
         if (dopt_st_find(f, key, &rec) != DOPT_OK) continue;
-        int nst = dopt_optim_num_states(c->opt, pc->param);
         if (strcmp(s->key, "step") == 0) {
-          int64_t ref = 0;
-          dopt_optim_get_step(c->opt, pc->param, &ref);
-          double got = 0;
-          if (rec.dtype == DOPT_F32) {
-            float v;
-            memcpy(&v, rec.data, sizeof v);
-            got = v;
-          } else if (rec.dtype == DOPT_F64) memcpy(&got, rec.data, sizeof got);
-          else if (rec.dtype == DOPT_I64) {
-            int64_t v;
-            memcpy(&v, rec.data, sizeof v);
-            got = (double)v;
-          } else {
-            int32_t v;
-            memcpy(&v, rec.data, sizeof v);
-            got = v;
+          double ref = 0, got = scalar_value(&rec);
+          if (!ref_step(c, pc->param, t, &ref)) {
+            s->no_ref = 1;
+            continue;
           }
-          double d = fabs(got - (double)ref);
+          double d = fabs(got - ref);
           if (!(d <= s->max_abs)) s->max_abs = d;
           s->compared++;
-          double rel = d == 0.0 ? 0.0 : (ref ? d / fabs((double)ref) : INFINITY);
+          double rel = d == 0.0 ? 0.0 : (ref != 0.0 ? d / fabs(ref) : INFINITY);
           if (rel > s->max_rel) s->max_rel = rel;
           add_point(c, s, t, rel);
           if (d != 0.0) {
@@ -498,26 +957,20 @@ static int compare_step(vctx *c, long t) {
           }
           continue;
         }
-        dopt_state_view v;
-        int found = 0;
-        for (int k = 0; k < nst && !found; k++)
-          if (dopt_optim_state(c->opt, pc->param, k, &v) == DOPT_OK && strcmp(v.name, s->key) == 0) found = 1;
-        if (!found && nst > 0) { /* a key the reference does not keep: listed, not compared */
-          s->no_ref = 1;
-          continue;
-        }
-        if (!found) { /* torch has state, the reference none: the parameter never stepped here */
+        const float *data = NULL;
+        int64_t n = 0, lo, len;
+        int none = 0;
+        if (!ref_state(c, pc->param, t, s->key, &data, &n, &none)) {
+          if (!none) { /* a key the reference does not keep: listed, not compared */
+            s->no_ref = 1;
+            continue;
+          }
+          /* torch has state, the reference none: the parameter never stepped here */
           s->compared++;
           s->max_abs = INFINITY;
           record_result(c, pk->stat[j], t, INFINITY, c->tol_state);
           continue;
         }
-        if (v.dtype != DOPT_F32) {
-          s->no_ref = 1;
-          continue;
-        }
-        int64_t n = 1, lo, len;
-        for (int d = 0; d < v.ndim; d++) n *= v.shape[d];
         if (state_range(c, pc, s->key, n, &lo, &len))
           return cli_errorf(CMD, "%s: rank %d records state '%s' of '%s' for elements [%lld, %lld) of the parameter but "
                                  "declares no range of the state (ranks[%d].pieces[].states)",
@@ -529,13 +982,16 @@ static int compare_step(vctx *c, long t) {
         if ((int64_t)rec.numel != len)
           return cli_errorf(CMD, "rank %d: tensor '%s' has %zu elements, expected %lld (the state range [%lld, %lld))",
                             r, key, rec.numel, (long long)len, (long long)lo, (long long)(lo + len));
-        double rel = compare_f32(s, rec.data, (const float *)v.data + lo, (size_t)len);
+        double rel = compare_f32(s, rec.data, data + lo, (size_t)len);
         record_result(c, pk->stat[j], t, rel, c->tol_state);
       }
       snprintf(key, sizeof key, "param/%ld/%s", t, vp->name);
       if (dopt_st_find(f, key, &rec) == DOPT_OK) {
         vstat *s = &c->st[pk->stat[0]];
-        double rel = compare_f32(s, rec.data, c->data[pc->param] + pc->lo, (size_t)pc->len);
+        const float *ref = ref_param(c, pc->param, t);
+        if (!ref)
+          return cli_errorf(CMD, "--reference %s: no '%s' (the recording compares it)", c->ref.index_path, key);
+        double rel = compare_f32(s, rec.data, ref + pc->lo, (size_t)pc->len);
         record_result(c, pk->stat[0], t, rel, c->tol_param);
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
@@ -547,15 +1003,26 @@ static int compare_step(vctx *c, long t) {
   return CLI_OK;
 }
 
+/* --stepwise: the state after step t was recorded (parameters and states), so step t+1 can start from it. */
+static int recorded_after(const vctx *c, long t) {
+  return t == c->rd.ix.start_step || (c->rd.ix.record_params && c->rd.ix.record_states && t % c->rd.ix.every == 0);
+}
+
 static int replay(vctx *c) {
+  const vr_index *ix = &c->rd.ix;
   long ch = 0;
-  for (long t = 1; t <= c->rd.ix.steps; t++) {
-    for (int r = 0; r < c->rd.ix.world_size; r++) {
-      int rc = file_for_step(c, r, t);
-      if (rc) return rc;
+  int synced = 1; /* --stepwise: the reference's state is the recorded run's (0 after a skipped step) */
+  for (long t = ix->start_step + 1; t <= ix->steps; t++) {
+    int rc;
+    /* --stepwise: from the state recorded after step t-1 (read before moving to step t's block) */
+    if (c->stepwise && !c->ref_path && t - 1 > ix->start_step && recorded_after(c, t - 1)) {
+      if ((rc = force_states(c, t - 1, 0))) return rc;
+      synced = 1;
     }
-    for (; ch < c->rd.ix.nchanges && c->rd.ix.changes[ch].step == t; ch++) {
-      const vr_change *h = &c->rd.ix.changes[ch];
+    for (int r = 0; r < ix->world_size; r++)
+      if ((rc = file_for_step(c, r, t))) return rc;
+    for (; !c->ref_path && ch < ix->nchanges && ix->changes[ch].step == t; ch++) {
+      const vr_change *h = &ix->changes[ch];
       dopt_status s = dopt_optim_set_hparam(c->opt, h->group, h->key, h->value);
       if (s != DOPT_OK) {
         char what[4400];
@@ -563,13 +1030,26 @@ static int replay(vctx *c) {
         return lib_error(what, s);
       }
     }
-    int rc = assemble_grads(c, t);
-    if (rc) return rc;
-    dopt_status s = dopt_optim_step(c->opt, c->gptr);
-    if (s != DOPT_OK) {
-      char what[64];
-      snprintf(what, sizeof what, "step %ld: the reference step failed", t);
-      return lib_error(what, s);
+    if (!c->ref_path) {
+      int digest_only = 0;
+      if ((rc = assemble_grads(c, t, &digest_only))) return rc;
+      if (digest_only && !c->stepwise)
+        return cli_errorf(CMD, "%s: step %ld keeps only gradient digests: the accumulated replay needs every step's "
+                               "gradient (--stepwise replays the steps whose gradients are kept)", c->rd.index_path, t);
+      if (c->stepwise) {
+        if (digest_only || !synced) { /* not replayed: the next step starts from its recorded state again */
+          c->not_replayed++;
+          synced = 0;
+          continue;
+        }
+      }
+      dopt_status s = dopt_optim_step(c->opt, c->gptr);
+      if (c->hook_err[0]) return cli_errorf(CMD, "%s", c->hook_err);
+      if (s != DOPT_OK) {
+        char what[64];
+        snprintf(what, sizeof what, "step %ld: the reference step failed", t);
+        return lib_error(what, s);
+      }
     }
     long before = 0;
     for (int i = 0; i < c->nst; i++) before += c->st[i].compared;
@@ -621,17 +1101,30 @@ static int *row_order(const vctx *c) {
 
 static void print_table(const vctx *c) {
   const vr_index *ix = &c->rd.ix;
-  printf("verify: %s %s%s%s\n", ix->optimizer, ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)",
-         ix->upstream[0] ? " | recorded from " : "", ix->upstream);
+  printf("verify: %s %s%s%s\n", ix->optimizer[0] ? ix->optimizer : "(no distopt optimizer)",
+         ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)", ix->upstream[0] ? " | recorded from " : "",
+         ix->upstream);
   for (int g = 1; g < ix->ngroups; g++) printf("  group %d: %s\n", g, ix->group_hparams[g]);
   printf("  torch %s (CPU capability %s) | world size %d | %ld step%s, parameters and states every %ld | %s%s\n",
          ix->torch_version[0] ? ix->torch_version : "?", ix->cpu_capability[0] ? ix->cpu_capability : "?",
          ix->world_size, ix->steps, ix->steps == 1 ? "" : "s", ix->every, c->trace,
          ix->complete ? "" : " (interrupted: a prefix)");
-  if (ix->nchanges) printf("  %ld hyperparameter change%s replayed (an lr schedule)\n", ix->nchanges, ix->nchanges == 1 ? "" : "s");
+  if (c->ref_path) printf("  reference: %s (a recording of reference values, distopt.replay)\n", c->ref_path);
+  printf("  mode: %s\n", c->stepwise ? "stepwise (teacher-forced: each step starts from the recorded state before it)"
+                                     : "accumulated (the reference runs freely from the recorded start)");
+  if (ix->start_step) printf("  window: steps %ld..%ld (the reference starts from the states recorded at step %ld)\n",
+                             ix->start_step + 1, ix->steps, ix->start_step);
+  if (ix->grads == VR_GRADS_BF16) printf("  gradients recorded as bf16 (the replay's gradients are rounded)\n");
+  if (c->not_replayed) printf("  %ld step%s not replayed (only gradient digests, or no recorded state before)\n",
+                              c->not_replayed, c->not_replayed == 1 ? "" : "s");
+  if (c->proj_adopted || c->proj_none)
+    printf("  GaLore projectors: %ld recorded one%s adopted after the subspace check, %ld refresh%s without one (our "
+           "SVD)\n", c->proj_adopted, c->proj_adopted == 1 ? "" : "s", c->proj_none, c->proj_none == 1 ? "" : "es");
+  if (ix->nchanges && !c->ref_path)
+    printf("  %ld hyperparameter change%s replayed (an lr schedule)\n", ix->nchanges, ix->nchanges == 1 ? "" : "s");
   printf("  tolerance (normwise relative max|rec-ref|/max|ref|): parameters %g, states %g (%s%s%s); step counts exact\n",
-         c->tol_param, c->tol_state, c->tol_source, strcmp(c->tol_source, "declared") == 0 ? " for " : "",
-         strcmp(c->tol_source, "declared") == 0 ? ix->optimizer : "");
+         c->tol_param, c->tol_state, c->tol_source, strncmp(c->tol_source, "declared", 8) == 0 ? " for " : "",
+         strncmp(c->tol_source, "declared", 8) == 0 ? ix->optimizer : "");
   int *order = row_order(c);
   int namew = 6;
   char name[VR_MAX_NAME + VR_MAX_KEY + 2], piece[64];
@@ -686,6 +1179,9 @@ static void print_table(const vctx *c) {
     if (strcmp(s->key, "step") == 0)
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: the step count differs from the reference's)\n",
              c->verdict_step, name, s->rank);
+    else if (strncmp(s->key, "sin_theta(", 10) == 0)
+      printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: the recorded projector's subspace is %.3g from ours, "
+             "beyond the bound %.3g)\n", c->verdict_step, name, s->rank, c->verdict_value, s->tol_first);
     else
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: normwise relative error %.3g > %g)\n", c->verdict_step,
              name, s->rank, c->verdict_value, s->key[0] ? c->tol_state : c->tol_param);
@@ -719,6 +1215,12 @@ static int json_body(FILE *f, const void *ctx) {
   cJSON_AddNumberToObject(root, "world_size", ix->world_size);
   cJSON_AddNumberToObject(root, "steps", (double)ix->steps);
   cJSON_AddBoolToObject(root, "complete", ix->complete);
+  cJSON_AddStringToObject(root, "mode", c->stepwise ? "stepwise" : "accumulated");
+  cJSON_AddStringToObject(root, "reference", c->ref_path ? "recording" : "distopt");
+  cJSON_AddNumberToObject(root, "start_step", (double)ix->start_step);
+  cJSON_AddStringToObject(root, "grads", ix->grads == VR_GRADS_BF16 ? "BF16" : "F32");
+  cJSON_AddNumberToObject(root, "not_replayed", (double)c->not_replayed);
+  cJSON_AddNumberToObject(root, "projectors_adopted", (double)c->proj_adopted);
   cJSON *tol = cJSON_AddObjectToObject(root, "tolerance");
   if (tol) {
     cJSON_AddStringToObject(tol, "metric", "normwise_relative");
@@ -750,6 +1252,7 @@ static int json_body(FILE *f, const void *ctx) {
     cJSON_AddNumberToObject(o, "nan_pairs", (double)s->nan_pairs);
     if (s->first_beyond) cJSON_AddNumberToObject(o, "first_beyond", (double)s->first_beyond);
     else cJSON_AddNullToObject(o, "first_beyond");
+    if (s->first_beyond) cJSON_AddNumberToObject(o, "tolerance_at_first_beyond", s->tol_first);
     cJSON *st = cJSON_AddArrayToObject(o, "steps"), *rl = cJSON_AddArrayToObject(o, "rel_per_step");
     for (long i = 0; st && rl && i < s->npts; i++) {
       cJSON_AddItemToArray(st, cJSON_CreateNumber((double)s->pt_step[i]));
@@ -766,7 +1269,9 @@ static int json_body(FILE *f, const void *ctx) {
   } else if (v) {
     const vstat *s = &c->st[c->verdict_stat];
     stat_name(c, s, name, sizeof name);
-    cJSON_AddStringToObject(v, "kind", strcmp(s->key, "step") == 0 ? "step_counter" : "diverged");
+    cJSON_AddStringToObject(v, "kind", strcmp(s->key, "step") == 0                ? "step_counter"
+                                       : strncmp(s->key, "sin_theta(", 10) == 0 ? "projector"
+                                                                                : "diverged");
     cJSON_AddNumberToObject(v, "step", (double)c->verdict_step);
     cJSON_AddStringToObject(v, "tensor", name);
     cJSON_AddNumberToObject(v, "rank", s->rank);
@@ -908,8 +1413,12 @@ static void cleanup(vctx *c) {
     free(c->st[i].pt_rel);
   }
   free(c->st);
+  free(c->proj_stat);
+  free(c->scratch);
+  free(c->mask);
   dopt_optim_destroy(c->opt);
   vr_reader_close(&c->rd);
+  if (c->ref_path) vr_reader_close(&c->ref);
 }
 
 int cmd_verify(int argc, char **argv) {

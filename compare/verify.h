@@ -15,7 +15,8 @@
 #include "distopt/dtype.h"
 #include "distopt/safetensors.h"
 
-#define VR_SCHEMA_VERSION 1
+#define VR_SCHEMA_VERSION 2     /* the newest this distopt writes and reads */
+#define VR_SCHEMA_OLDEST 1      /* schema 1 (no window, F32 gradients, no projectors) still reads */
 #define VR_KIND "distopt-record"
 
 /* Limits: an index beyond one is rejected (one line naming the key, the value and the limit). */
@@ -78,9 +79,14 @@ typedef struct vr_change {
   double value; /* NaN: none (an unset optional key) */
 } vr_change;
 
+/* How gradients are stored (record.grads, schema 2): grad/<t>/<p> F32 (default) or BF16 (rounded to nearest
+ * even by the recorder: lossy, docs/verify.md). Steps not replayed may hold only grad_digest/<t>/<p>, the
+ * SHA-256 of the piece's F32 gradient bytes (U8, 32 bytes). */
+enum { VR_GRADS_F32 = 0, VR_GRADS_BF16 = 1 };
+
 typedef struct vr_index {
   int schema_version;
-  char optimizer[64];
+  char optimizer[64];     /* "" : optimizer.name null (schema 2: a class with no distopt optimizer, replay only) */
   char upstream[128];     /* the recorded class, e.g. torch.optim.AdamW ("" if absent) */
   char torch_version[64]; /* "" if absent */
   char cpu_capability[64];
@@ -90,10 +96,14 @@ typedef struct vr_index {
   vr_param *params;
   int world_size;
   vr_rank *ranks;         /* [world_size], by rank */
-  long steps;             /* steps recorded (every rank's files cover 1..steps) */
+  long start_step;        /* schema 2 window: the steps before it were not recorded (0: from the start) */
+  long steps;             /* the last step recorded (every rank's files cover start_step+1..steps) */
   long every;             /* parameters and states recorded every `every` steps */
   int complete;           /* the recorder was closed (0: an interrupted run's prefix) */
   int record_params;      /* record.params: every recorded step (t % every == 0) holds param/<t>/<p> of every piece */
+  int record_states;      /* record.states */
+  int grads;              /* record.grads: VR_GRADS_F32 or VR_GRADS_BF16 */
+  int projectors;         /* record.projectors: GaLore projectors as proj/<t>/<p>/<key> at refresh steps */
   long nchanges;
   vr_change *changes;     /* by step */
   int *by_name;           /* [nparams] parameter indices sorted by name (vr_index_find_param) */
@@ -120,8 +130,10 @@ const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param);
  * past it, or an earlier one when it moves back), so memory is one block per
  * rank besides the index. Every file is checked when it is loaded against the
  * index (metadata rank, tensor names init/, grad/<t>/, param/<t>/, state/<t>/.../<key>
- * with t inside the file's block, parameters of the rank's layout, F32 with the
- * piece's element count; step counts one F32/F64/I32/I64 element). Not thread
+ * and, schema 2, init_state/<p>/<key> (first file), grad_digest/<t>/<p>, proj/<t>/<p>/<key>,
+ * with t inside the file's block, parameters of the rank's layout, F32 (BF16 gradients when
+ * record.grads says so) with the piece's element count; step counts one F32/F64/I32/I64
+ * element; a digest 32 U8). Not thread
  * safe. Functions return DOPT_OK or an error status with one line in rd->err
  * naming the file, tensor or key and the value (unescaped: the printer escapes). */
 
@@ -146,6 +158,7 @@ typedef struct vr_reader {
   dopt_st_file **f;        /* [world_size] */
   long loads;              /* tensor files loaded so far */
   vr_state_fn on_state;    /* optional */
+  int allow_digest;        /* vr_reader_grad may answer -1 (a digest only); 0: that is an error */
   void *user;
   char err[1024];
 } vr_reader;
@@ -166,8 +179,15 @@ dopt_status vr_reader_seek(vr_reader *rd, int r, long t);
 dopt_status vr_reader_init(vr_reader *rd, int p, float *out);
 
 /* The gradient of parameter p at step t (numel floats), assembled from its
- * source pieces' grad/<t>/<p>. *present: 1, or 0 when no source records one
- * (the step had no gradient; out is then untouched); the sources must agree. */
+ * source pieces' grad/<t>/<p> (BF16 widened exactly). *present: 1, or 0 when
+ * no source records one (the step had no gradient; out is then untouched), or
+ * -1 when the sources hold only its digest (grad_digest/<t>/<p>: a step
+ * recorded for its states, not for a replay; out untouched) if
+ * rd->allow_digest, else an error naming the step; the sources must agree. */
 dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *present);
+
+/* The bytes of the recorded F32 tensor `name` (maybe unaligned: memcpy them) of rank r's file holding step t
+ * (seeked), or NULL (absent, or another dtype). */
+const void *vr_reader_f32(vr_reader *rd, int r, long t, const char *name, size_t *numel);
 
 #endif

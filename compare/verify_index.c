@@ -291,7 +291,7 @@ static int parse_piece(vctx *c, const cJSON *it, const char *base, vr_index *ix,
   return 0;
 }
 
-static int parse_files(vctx *c, const cJSON *arr, const char *base, vr_rank *rk, long *total_files) {
+static int parse_files(vctx *c, const cJSON *arr, const char *base, vr_rank *rk, long *total_files, long start) {
   static const char *const keys[] = {"path", "first_step", "last_step", NULL};
   char path[160], b[96];
   snprintf(path, sizeof path, "%s.files", base);
@@ -301,7 +301,7 @@ static int parse_files(vctx *c, const cJSON *arr, const char *base, vr_rank *rk,
   rk->files = calloc(rk->nfiles > 0 ? (size_t)rk->nfiles : 1, sizeof *rk->files);
   if (!rk->files) return fail(c, "%s: out of memory", path);
   int i = 0;
-  long next = 1;
+  long next = start + 1;
   for (const cJSON *it = arr->child; it; it = it->next, i++) {
     vr_file *f = &rk->files[i];
     snprintf(path, sizeof path, "%s.files[%d]", base, i);
@@ -315,7 +315,8 @@ static int parse_files(vctx *c, const cJSON *arr, const char *base, vr_rank *rk,
     snprintf(path, sizeof path, "%s.files[%d].first_step", base, i);
     if (get_int(c, member(it, "first_step"), path, 1, VR_MAX_STEPS, &first)) return -1;
     if (first != next)
-      return fail(c, "%s: %lld, expected %ld (files hold contiguous blocks of steps from step 1)", path, first, next);
+      return fail(c, "%s: %lld, expected %ld (files hold contiguous blocks of steps from step %ld)", path, first, next,
+                  start + 1);
     snprintf(path, sizeof path, "%s.files[%d].last_step", base, i);
     if (get_int(c, member(it, "last_step"), path, first, VR_MAX_STEPS, &last)) return -1;
     f->first = (long)first;
@@ -434,10 +435,10 @@ static int parse_ranks(vctx *c, const cJSON *arr, vr_index *ix, const vr_lookup 
       seen[p] = r + 1;
     }
     snprintf(path, sizeof path, "ranks[%d]", r);
-    if (rc == 0) rc = parse_files(c, member(it, "files"), path, rk, &nfiles);
-    if (rc == 0 && (rk->nfiles ? rk->files[rk->nfiles - 1].last : 0) != ix->steps)
-      rc = fail(c, "ranks[%d].files: cover steps 1..%ld but steps is %ld", r,
-                rk->nfiles ? rk->files[rk->nfiles - 1].last : 0, ix->steps);
+    if (rc == 0) rc = parse_files(c, member(it, "files"), path, rk, &nfiles, ix->start_step);
+    if (rc == 0 && (rk->nfiles ? rk->files[rk->nfiles - 1].last : ix->start_step) != ix->steps)
+      rc = fail(c, "ranks[%d].files: cover steps %ld..%ld but steps is %ld", r, ix->start_step + 1,
+                rk->nfiles ? rk->files[rk->nfiles - 1].last : ix->start_step, ix->steps);
   }
   free(seen);
   if (rc == 0) rc = check_coverage(c, ix, npieces);
@@ -454,14 +455,14 @@ static int parse_changes(vctx *c, const cJSON *arr, vr_index *ix) {
   ix->changes = calloc(n > 0 ? (size_t)n : 1, sizeof *ix->changes);
   if (!ix->changes) return fail(c, "hparam_changes: out of memory");
   int i = 0;
-  long prev = 1;
+  long prev = ix->start_step + 1;
   for (const cJSON *it = arr->child; it; it = it->next, i++) {
     vr_change *ch = &ix->changes[i];
     snprintf(path, sizeof path, "hparam_changes[%d]", i);
     if (get_object(c, it, path) || check_keys(c, it, path, keys)) return -1;
     long long v;
     snprintf(path, sizeof path, "hparam_changes[%d].step", i);
-    if (get_int(c, member(it, "step"), path, prev, ix->steps > 0 ? ix->steps : 1, &v)) return -1;
+    if (get_int(c, member(it, "step"), path, prev, ix->steps > prev ? ix->steps : prev, &v)) return -1;
     ch->step = (long)v;
     prev = ch->step;
     snprintf(path, sizeof path, "hparam_changes[%d].group", i);
@@ -481,20 +482,27 @@ static int parse_changes(vctx *c, const cJSON *arr, vr_index *ix) {
 }
 
 static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
-  static const char *const keys[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
-                                     "world_size", "record", "ranks", "steps", "complete", "hparam_changes", NULL};
+  /* schema 1's keys; schema 2 adds start_step, record.grads and record.projectors, and lets optimizer.name be null */
+  static const char *const keys1[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
+                                      "world_size", "record", "ranks", "steps", "complete", "hparam_changes", NULL};
+  static const char *const keys2[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
+                                      "world_size", "record", "ranks", "steps", "complete", "hparam_changes",
+                                      "start_step", NULL};
   static const char *const okeys[] = {"name", "upstream", NULL};
   static const char *const tkeys[] = {"version", "cpu_capability", "num_threads", NULL};
-  static const char *const rkeys[] = {"every", "params", "states", "flush_every", NULL};
+  static const char *const rkeys1[] = {"every", "params", "states", "flush_every", NULL};
+  static const char *const rkeys2[] = {"every", "params", "states", "flush_every", "grads", "projectors", NULL};
   char b[96];
   long long v;
   if (get_object(c, root, "(top level)")) return -1;
   /* the version first: a newer recorder's index is refused as such, not for an unknown key */
   if (get_int(c, member(root, "schema_version"), "schema_version", 0, 1000000, &v)) return -1;
-  if (v != VR_SCHEMA_VERSION)
-    return fail(c, "schema_version: %lld is not supported (this distopt reads %d)", v, VR_SCHEMA_VERSION);
+  if (v < VR_SCHEMA_OLDEST || v > VR_SCHEMA_VERSION)
+    return fail(c, "schema_version: %lld is not supported (this distopt reads %d to %d)", v, VR_SCHEMA_OLDEST,
+                VR_SCHEMA_VERSION);
   ix->schema_version = (int)v;
-  if (check_keys(c, root, "(top level)", keys)) return -1;
+  const int v2 = ix->schema_version >= 2;
+  if (check_keys(c, root, "(top level)", v2 ? keys2 : keys1)) return -1;
   const cJSON *kind = member(root, "kind");
   if (!kind || !cJSON_IsString(kind) || strcmp(kind->valuestring, VR_KIND) != 0)
     return fail(c, "kind: %s, expected \"%s\"", value_text(kind, b, sizeof b), VR_KIND);
@@ -503,7 +511,9 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   if (gen && get_str(c, gen, "generator", 256, gbuf)) return -1;
   const cJSON *op = member(root, "optimizer");
   if (get_object(c, op, "optimizer") || check_keys(c, op, "optimizer", okeys)) return -1;
-  if (get_str(c, member(op, "name"), "optimizer.name", sizeof ix->optimizer - 1, ix->optimizer)) return -1;
+  if (!(v2 && cJSON_IsNull(member(op, "name"))) &&
+      get_str(c, member(op, "name"), "optimizer.name", sizeof ix->optimizer - 1, ix->optimizer))
+    return -1;
   if (member(op, "upstream") && get_str(c, member(op, "upstream"), "optimizer.upstream", sizeof ix->upstream - 1, ix->upstream))
     return -1;
   const cJSON *tj = member(root, "torch");
@@ -517,15 +527,25 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
     if (member(tj, "num_threads") && get_int(c, member(tj, "num_threads"), "torch.num_threads", 1, 1 << 20, &v)) return -1;
   }
   const cJSON *rj = member(root, "record");
-  if (get_object(c, rj, "record") || check_keys(c, rj, "record", rkeys)) return -1;
+  if (get_object(c, rj, "record") || check_keys(c, rj, "record", v2 ? rkeys2 : rkeys1)) return -1;
   if (get_int(c, member(rj, "every"), "record.every", 1, VR_MAX_STEPS, &v)) return -1;
   ix->every = (long)v;
   int flag = 0;
   if (member(rj, "params") && get_bool(c, member(rj, "params"), "record.params", &flag)) return -1;
   ix->record_params = member(rj, "params") ? flag : 0;
   if (member(rj, "states") && get_bool(c, member(rj, "states"), "record.states", &flag)) return -1;
+  ix->record_states = member(rj, "states") ? flag : 0;
+  const cJSON *gj = member(rj, "grads");
+  if (gj) {
+    if (!cJSON_IsString(gj) || (strcmp(gj->valuestring, "F32") != 0 && strcmp(gj->valuestring, "BF16") != 0))
+      return fail(c, "record.grads: %s, expected \"F32\" or \"BF16\"", value_text(gj, b, sizeof b));
+    ix->grads = strcmp(gj->valuestring, "BF16") == 0 ? VR_GRADS_BF16 : VR_GRADS_F32;
+  }
+  if (member(rj, "projectors") && get_bool(c, member(rj, "projectors"), "record.projectors", &ix->projectors)) return -1;
   if (member(rj, "flush_every") && get_int(c, member(rj, "flush_every"), "record.flush_every", 1, VR_MAX_STEPS, &v)) return -1;
-  if (get_int(c, member(root, "steps"), "steps", 0, VR_MAX_STEPS, &v)) return -1;
+  if (member(root, "start_step") && get_int(c, member(root, "start_step"), "start_step", 0, VR_MAX_STEPS, &v)) return -1;
+  ix->start_step = member(root, "start_step") ? (long)v : 0;
+  if (get_int(c, member(root, "steps"), "steps", ix->start_step, VR_MAX_STEPS, &v)) return -1;
   ix->steps = (long)v;
   if (get_bool(c, member(root, "complete"), "complete", &ix->complete)) return -1;
   if (get_int(c, member(root, "world_size"), "world_size", 1, VR_MAX_RANKS, &v)) return -1;

@@ -141,28 +141,39 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     const char *nm = t.name, *rest = NULL, *kind;
     long step = 0;
     char pname[VR_MAX_NAME + 1], key[VR_MAX_KEY + 1] = "";
-    if (strncmp(nm, "init/", 5) == 0) {
-      kind = "init";
-      rest = nm + 5;
-      if (k != 0) return rfail(rd, E, "%s: tensor '%s': init/ tensors belong in the rank's first file", fpath, nm);
-    } else if (strncmp(nm, "grad/", 5) == 0 || strncmp(nm, "param/", 6) == 0 || strncmp(nm, "state/", 6) == 0) {
-      kind = nm[0] == 'g' ? "grad" : nm[0] == 'p' ? "param" : "state";
+    /* kinds: init, init_state (a window's states at its start), grad, grad_digest, param, state, proj */
+    static const char *const stepped[] = {"grad_digest", "grad", "param", "state", "proj", NULL};
+    const int v2 = ix->schema_version >= 2;
+    int keyed = 0; /* the name ends in /<key> */
+    kind = NULL;
+    if (strncmp(nm, "init/", 5) == 0 || (v2 && strncmp(nm, "init_state/", 11) == 0)) {
+      kind = nm[4] == '/' ? "init" : "init_state";
+      rest = nm + strlen(kind) + 1;
+      keyed = kind[4] == '_';
+      if (k != 0) return rfail(rd, E, "%s: tensor '%s': %s/ tensors belong in the rank's first file", fpath, nm, kind);
+    } else {
+      for (int j = 0; stepped[j] && !kind; j++) {
+        size_t kl = strlen(stepped[j]);
+        if (strncmp(nm, stepped[j], kl) == 0 && nm[kl] == '/' && (v2 || j == 1 || j == 2 || j == 3)) kind = stepped[j];
+      }
+      if (!kind)
+        return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/%s", fpath, nm,
+                     v2 ? " (or init_state/, grad_digest/, proj/)" : "");
+      keyed = strcmp(kind, "state") == 0 || strcmp(kind, "proj") == 0;
       rest = parse_step(nm + strlen(kind) + 1, &step);
       if (!rest)
         return rfail(rd, E, "%s: tensor '%s': expected %s/<step>/<param>%s with step a decimal integer >= 1", fpath, nm,
-                     kind, kind[0] == 's' ? "/<key>" : "");
+                     kind, keyed ? "/<key>" : "");
       if (step < vf->first || step > vf->last)
         return rfail(rd, E, "%s: tensor '%s': step %ld is outside the file's steps %ld..%ld", fpath, nm, step, vf->first,
                      vf->last);
-    } else {
-      return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/", fpath, nm);
     }
     size_t rl = strlen(rest);
-    if (kind[0] == 's') {
+    if (keyed) {
       const char *slash = strrchr(rest, '/');
       if (!slash || slash == rest || !slash[1] || strlen(slash + 1) > VR_MAX_KEY)
-        return rfail(rd, E, "%s: tensor '%s': expected state/<step>/<param>/<key> (key 1..%d bytes)", fpath, nm,
-                     VR_MAX_KEY);
+        return rfail(rd, E, "%s: tensor '%s': expected %s/%s<param>/<key> (key 1..%d bytes)", fpath, nm, kind,
+                     strcmp(kind, "init_state") == 0 ? "" : "<step>/", VR_MAX_KEY);
       rl = (size_t)(slash - rest);
       snprintf(key, sizeof key, "%s", slash + 1);
     }
@@ -173,17 +184,25 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     int pi = p >= 0 ? piece_index(ix, r, p) : -1;
     if (pi < 0) return rfail(rd, E, "%s: tensor '%s': rank %d's layout has no parameter '%s'", fpath, nm, r, pname);
     const vr_piece *pc = &ix->ranks[r].pieces[pi];
-    if (kind[0] == 's' && strcmp(key, "step") == 0) {
+    const int is_state = strcmp(kind, "state") == 0 || strcmp(kind, "init_state") == 0;
+    const int is_grad = strcmp(kind, "grad") == 0;
+    if (strcmp(kind, "grad_digest") == 0) {
+      if (t.numel != 32 || t.dtype != DOPT_U8)
+        return rfail(rd, E, "%s: tensor '%s': a gradient digest is 32 U8 (SHA-256; got %s, %zu elements)", fpath, nm,
+                     dopt_dtype_name(t.dtype), t.numel);
+    } else if (is_state && strcmp(key, "step") == 0) {
       if (t.numel != 1 || (t.dtype != DOPT_F32 && t.dtype != DOPT_F64 && t.dtype != DOPT_I64 && t.dtype != DOPT_I32))
         return rfail(rd, E, "%s: tensor '%s': a step count must be one F32, F64, I32 or I64 element (got %s, %zu "
                             "elements)", fpath, nm, dopt_dtype_name(t.dtype), t.numel);
-    } else if (t.dtype != DOPT_F32) {
-      return rfail(rd, E, "%s: tensor '%s' is %s, expected F32", fpath, nm, dopt_dtype_name(t.dtype));
-    } else if (kind[0] != 's' && (int64_t)t.numel != pc->len) {
+    } else if (t.dtype != (is_grad && ix->grads == VR_GRADS_BF16 ? DOPT_BF16 : DOPT_F32)) {
+      return rfail(rd, E, "%s: tensor '%s' is %s, expected %s", fpath, nm, dopt_dtype_name(t.dtype),
+                   is_grad && ix->grads == VR_GRADS_BF16 ? "BF16 (record.grads)" : "F32");
+    } else if (!keyed && (int64_t)t.numel != pc->len) {
       return rfail(rd, E, "%s: tensor '%s' has %zu elements but rank %d's piece of '%s' has %lld", fpath, nm, t.numel,
                    r, pname, (long long)pc->len);
     }
-    if (kind[0] == 's' && rd->on_state && rd->on_state(rd->user, r, pi, key, fpath, nm, rd->err, sizeof rd->err))
+    if (strcmp(kind, "state") == 0 && rd->on_state &&
+        rd->on_state(rd->user, r, pi, key, fpath, nm, rd->err, sizeof rd->err))
       return E;
   }
   return DOPT_OK;
@@ -221,7 +240,7 @@ dopt_status vr_reader_seek(vr_reader *rd, int r, long t) {
     if (rk->files[mid].last < t) lo = mid + 1;
     else hi = mid;
   }
-  if (t < 1 || lo >= rk->nfiles) return rfail(rd, DOPT_ERR_FORMAT, "rank %d: no file holds step %ld", r, t);
+  if (t <= rd->ix.start_step || lo >= rk->nfiles) return rfail(rd, DOPT_ERR_FORMAT, "rank %d: no file holds step %ld", r, t);
   return load_file(rd, r, lo);
 }
 
@@ -231,7 +250,7 @@ dopt_status vr_reader_init(vr_reader *rd, int p, float *out) {
   snprintf(key, sizeof key, "init/%s", ix->params[p].name);
   for (int k = 0; k < rd->nsrc[p]; k++) {
     const vr_source *sr = &rd->src[p][k];
-    dopt_status s = vr_reader_seek(rd, sr->rank, 1);
+    dopt_status s = vr_reader_seek(rd, sr->rank, ix->start_step + 1);
     if (s != DOPT_OK) return s;
     dopt_st_tensor t;
     if (dopt_st_find(rd->f[sr->rank], key, &t) != DOPT_OK)
@@ -244,22 +263,46 @@ dopt_status vr_reader_init(vr_reader *rd, int p, float *out) {
 
 dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *present) {
   const vr_index *ix = &rd->ix;
-  char key[VR_MAX_NAME + 64];
+  char key[VR_MAX_NAME + 64], dkey[VR_MAX_NAME + 64];
   snprintf(key, sizeof key, "grad/%ld/%s", t, ix->params[p].name);
-  int seen = -1;
+  snprintf(dkey, sizeof dkey, "grad_digest/%ld/%s", t, ix->params[p].name);
+  static const char *const what[] = {"records only a digest of", "records no", "records"};
+  int seen = -2;
   for (int k = 0; k < rd->nsrc[p]; k++) {
     const vr_source *sr = &rd->src[p][k];
     dopt_status s = vr_reader_seek(rd, sr->rank, t);
     if (s != DOPT_OK) return s;
-    dopt_st_tensor g;
-    int has = dopt_st_find(rd->f[sr->rank], key, &g) == DOPT_OK;
-    if (seen >= 0 && has != seen)
-      return rfail(rd, DOPT_ERR_FORMAT, "step %ld: parameter '%s': rank %d %s a gradient but rank %d %s", t,
-                   ix->params[p].name, sr->rank, has ? "records" : "records no", rd->src[p][0].rank,
-                   seen ? "does" : "does not");
+    dopt_st_tensor g, d;
+    int has = dopt_st_find(rd->f[sr->rank], key, &g) == DOPT_OK ? 1
+              : dopt_st_find(rd->f[sr->rank], dkey, &d) == DOPT_OK ? -1
+                                                                    : 0;
+    if (seen > -2 && has != seen)
+      return rfail(rd, DOPT_ERR_FORMAT, "step %ld: parameter '%s': rank %d %s a gradient but rank %d %s one", t,
+                   ix->params[p].name, sr->rank, what[has + 1], rd->src[p][0].rank, what[seen + 1]);
     seen = has;
-    if (has) memcpy(out + sr->pc->lo, g.data, (size_t)sr->pc->len * sizeof(float));
+    if (has != 1) continue;
+    size_t n = (size_t)sr->pc->len;
+    if (g.dtype == DOPT_BF16) { /* widened exactly: the bf16 bits are the top half of the f32's */
+      const unsigned char *b = g.data;
+      for (size_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)((unsigned)b[2 * i] | (unsigned)b[2 * i + 1] << 8) << 16;
+        memcpy(out + sr->pc->lo + i, &u, sizeof u);
+      }
+    } else {
+      memcpy(out + sr->pc->lo, g.data, n * sizeof(float));
+    }
   }
-  *present = seen == 1;
+  if (seen == -1 && !rd->allow_digest)
+    return rfail(rd, DOPT_ERR_FORMAT, "step %ld: parameter '%s': the recording keeps only the digest of its gradient "
+                                      "(grad_digest/): this step cannot be replayed", t, ix->params[p].name);
+  *present = seen < -1 ? 0 : seen;
   return DOPT_OK;
+}
+
+const void *vr_reader_f32(vr_reader *rd, int r, long t, const char *name, size_t *numel) {
+  if (vr_reader_seek(rd, r, t) != DOPT_OK) return NULL;
+  dopt_st_tensor x;
+  if (dopt_st_find(rd->f[r], name, &x) != DOPT_OK || x.dtype != DOPT_F32) return NULL;
+  *numel = x.numel;
+  return x.data;
 }

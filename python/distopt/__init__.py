@@ -6,6 +6,7 @@
     np_opt = distopt.NumpyOptimizer("adamw", lr=1e-3)                 # float32 numpy arrays (needs numpy)
     with distopt.record(torch_optimizer, "run.rec"): ...           # record a torch run (docs/verify.md)
     distopt.verify("run.rec")                        # replay it through the reference (the distopt CLI)
+    distopt.replay("run.rec", make_optimizer)        # ... or through your own single-device torch optimizer
 
 Importing distopt needs neither torch nor numpy: distopt.Optimizer imports torch, distopt.NumpyOptimizer
 numpy, on first use. Every failing library call raises distopt.Error (a RuntimeError) with the library's
@@ -15,6 +16,7 @@ from . import _core
 from ._lib import Error
 from ._lib import path as library_path
 from .record import record, verify  # noqa: F401 (torch is imported on first use; docs/verify.md)
+from .replay import replay  # noqa: F401 (your own torch optimizer as the reference; docs/verify.md)
 
 __version__ = "0.1.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
 
@@ -53,5 +55,5 @@ def __getattr__(attr):
     raise AttributeError(f"module 'distopt' has no attribute {attr!r}")
 
 
-__all__ = ["Error", "Optimizer", "NumpyOptimizer", "list", "describe", "hparams", "library_path", "record", "verify",
+__all__ = ["Error", "Optimizer", "NumpyOptimizer", "list", "describe", "hparams", "library_path", "record", "verify", "replay",
            "__version__"]

@@ -148,3 +148,62 @@ def to_upstream(name, values):
                 if u == up and key in values:
                     out[key] = values[key]
     return out
+
+
+# ---- recording upstream classes (distopt.record, docs/verify.md) ---------------------------------------
+#
+# How record() names an upstream optimizer class and reads its param_groups and states, so that a run of it
+# records with no hand-written names. Looked up by (the class's top-level package, its class name). Fields:
+#   name:      the distopt optimizer
+#   group:     None, or a function(param_groups entry) -> the entry in the upstream spelling TABLE[name] reads
+#              (galore's keys for a group without them, torch_optimizer's `debias`, an `inner`)
+#   attrs:     optimizer attributes (not group keys) that are distopt hyperparameters of every group:
+#              {attribute: distopt key} (torch_optimizer.Lamb's debias and adam)
+#   drop:      per-parameter state keys that are not optimizer state (diagnostics): never recorded
+#   projector: galore_torch keeps a GaLoreProjector object under state["projector"]; its ortho_matrix (a list
+#              [A, B] for proj_type="full") is recorded as the projector at every refresh (proj/<t>/...)
+# Classes without an entry (and without name=) are recorded as they are, for distopt.replay.
+
+def _galore_group(extra=None):
+    """galore_torch's groups: a group without `rank` is not projected (distopt's rank=0)."""
+    def adapt(group):
+        g = dict(group)
+        if "rank" not in g:
+            for k in ("update_proj_gap", "scale", "proj_type"):
+                g.pop(k, None)
+            g["rank"] = 0
+        g.update(extra or {})
+        return g
+    return adapt
+
+
+def _galore_adafactor(group):
+    """galore_torch.adafactor.Adafactor: HF Adafactor's keys (eps a pair) around galore_torch's projector."""
+    g = _galore_group({"inner": "adafactor"})(group)
+    if "eps" in g:
+        g["eps1"], g["eps2"] = tuple(g.pop("eps"))
+    return g
+
+
+CLASSES = {
+    ("torch", "AdamW"): {"name": "adamw"},
+    ("transformers", "Adafactor"): {"name": "adafactor"},
+    ("came_pytorch", "CAME"): {"name": "came"},
+    # torch_optimizer.Lamb: debias and adam are attributes; its clamp_value bounds ||p|| in the trust ratio,
+    # distopt's lamb (ColossalAI's) has none: the two agree while ||p|| <= clamp_value (docs/verify.md)
+    ("torch_optimizer", "Lamb"): {"name": "lamb", "attrs": {"debias": "bias_correction", "adam": "adam"},
+                                  "drop": ("weight_norm", "adam_norm", "trust_ratio")},
+    ("galore_torch", "AdamW"): {"name": "galore_adamw", "group": _galore_group(), "projector": True},
+    ("galore_torch", "Adafactor"): {"name": "galore", "group": _galore_adafactor, "projector": True},
+    ("galore_torch", "AdamW8bit"): {"name": "galore_adamw8bit", "group": _galore_group(), "projector": True},
+    ("bitsandbytes", "AdamW8bit"): {"name": "adamw8bit"},
+    ("bitsandbytes", "PagedAdamW8bit"): {"name": "adamw8bit"},
+    # muon-optimizer lands with distopt's muon: add ("muon", "Muon"): {"name": "muon", ...} here (its groups
+    # read through TABLE["muon"]), and a test beside tests/verify/run_client.py's case_upstream.
+}
+
+
+def upstream_class(cls):
+    """The CLASSES entry of an optimizer class (its top-level package and name; a subclass is not matched:
+    it may compute something else), or None."""
+    return CLASSES.get((cls.__module__.split(".")[0], cls.__name__))

@@ -7,7 +7,7 @@
             opt.zero_grad()
     distopt.verify("run.rec")                                      # the `distopt verify` CLI: exit 0, 1 or 2
 
-The recording (docs/verify.md, schema_version 1) is a directory: `index.json` and safetensors files, each a
+The recording (docs/verify.md, schema_version 2) is a directory: `index.json` and safetensors files, each a
 contiguous block of `flush_every` steps of one rank (`rank<R>/<first>-<last>.safetensors`) holding
 `init/<param>` (first file), `grad/<t>/<param>` (every step: the replay needs them all), and every `every`
 steps `param/<t>/<param>` and `state/<t>/<param>/<key>` (upstream's state keys; `step` as I64). A file is
@@ -27,10 +27,14 @@ gradient from the owners. A plain optimizer in a distributed job (DDP): every ra
 optimizer passes `layout=`: for each local tensor the global parameter it is a piece of and which flat elements
 (and which state elements) it holds.
 
-Optimizers known by class: torch.optim.AdamW -> adamw, transformers' Adafactor -> adafactor (hyperparameters
-through distopt._upstream's table); ZeroRedundancyOptimizer -> its inner optimizer. Others need `name=` and
-`hparams=` (distopt keys, `distopt list`).
+Optimizers known by class (distopt._upstream.CLASSES: torch AdamW, HF Adafactor, came_pytorch CAME,
+torch_optimizer Lamb, galore_torch's AdamW, Adafactor and AdamW8bit with their projectors, bitsandbytes'
+AdamW8bit) and distopt.Optimizer are recorded with no names to write; ZeroRedundancyOptimizer -> its inner
+optimizer. Any other class is recorded as it is (optimizer.name null: distopt.replay verifies it against your
+own optimizer), or under `name=` with `hparams=` (distopt keys, `distopt list`). start_step= records a window
+of a run under way (its states at the start first); grads="bf16" and grad_steps= shrink the gradients.
 """
+import hashlib
 import json
 import os
 
@@ -39,7 +43,7 @@ from ._safetensors import write as _write_safetensors
 from ._safetensors import write_bytes as _write_bytes
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/ (docs/verify.md)
 KIND = "distopt-record"
 
 __all__ = ["record", "Recorder", "verify"]
@@ -66,12 +70,10 @@ def _torch_info(torch):
 
 
 def _known_name(inner):
-    import torch
-    cls = type(inner)
-    if cls is torch.optim.AdamW:
-        return "adamw"
-    if cls.__name__ == "Adafactor" and cls.__module__.split(".")[0] == "transformers":
-        return "adafactor"
+    """The distopt optimizer of an upstream class (distopt._upstream.CLASSES) or of distopt.Optimizer, else None."""
+    entry = _upstream.upstream_class(type(inner))
+    if entry:
+        return entry["name"]
     from ._torch_api import Optimizer
     if isinstance(inner, Optimizer):  # distopt's own: its name; param_groups hold upstream's keys
         return inner.name
@@ -88,7 +90,30 @@ class _Groups:
 
     def __init__(self, name, hparams, outer, inner):
         self.name, self.fixed, self.outer, self.inner = name, hparams, outer, inner
-        self.keys = set(_core.Spec(name).kinds)
+        self.entry = _upstream.upstream_class(type(inner)) if name is not None else None
+        self.keys = set(_core.Spec(name).kinds) if name is not None else set()
+        if name is not None and self.fixed is None:  # a wrapper's (galore's) inner keys are its keys too
+            inner_name = self._adapt(dict(outer.param_groups[0])).get("inner")
+            if isinstance(inner_name, str) and inner_name in _core.names():
+                self.keys |= set(_core.Spec(inner_name).kinds)
+
+    def _adapt(self, group):
+        fn = self.entry.get("group") if self.entry else None
+        out = fn(group) if fn else dict(group)
+        for attr, key in (self.entry or {}).get("attrs", {}).items():
+            if hasattr(self.inner, attr):
+                out[key] = getattr(self.inner, attr)
+        return out
+
+    def read_raw(self):
+        """An as-is recording's groups: the upstream keys with a number or bool value (what a schedule changes)."""
+        out = []
+        for group in self.outer.param_groups:
+            merged = dict(self.inner.param_groups[len(out)]) if self.inner is not self.outer else {}
+            merged.update(group)
+            out.append({k: v for k, v in merged.items() if k != "params" and isinstance(v, (int, float))
+                        and isinstance(k, str) and 0 < len(k) <= 63})
+        return out
 
     def read(self):
         out = []
@@ -101,8 +126,8 @@ class _Groups:
             else:
                 merged = dict(self.inner.param_groups[g]) if self.inner is not self.outer else {}
                 merged.update(group)
-                hp, _rest = _upstream.to_distopt(self.name, {k: v for k, v in merged.items() if k != "params"},
-                                                  known=self.keys)
+                merged = self._adapt({k: v for k, v in merged.items() if k != "params"})
+                hp, _rest = _upstream.to_distopt(self.name, merged, known=self.keys)
             out.append(hp)
         return out
 
@@ -122,7 +147,7 @@ class Recorder:
     """What record() returns: a context manager; close() flushes, writes the final index and restores `step`."""
 
     def __init__(self, optimizer, path, every=1, params=True, states=True, *, flush_every=16, names=None,
-                 name=None, hparams=None, layout=None):
+                 name=None, hparams=None, layout=None, start_step=None, grads="f32", grad_steps=None):
         import torch
         import torch.distributed as dist
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -134,8 +159,18 @@ class Recorder:
         self.optimizer, self.path = optimizer, os.fspath(path)
         self.every, self.flush_every = every, flush_every
         self.want_params, self.want_states = bool(params), bool(states)
+        if start_step is not None and (not isinstance(start_step, int) or isinstance(start_step, bool)
+                                       or start_step < 0):
+            raise ValueError(f"distopt.record: start_step={start_step!r} must be an integer >= 0")
+        if grads not in ("f32", "bf16"):
+            raise ValueError(f"distopt.record: grads={grads!r} must be 'f32' or 'bf16'")
+        if grad_steps is not None and not callable(grad_steps):
+            kept = set(int(t) for t in grad_steps)
+            grad_steps = kept.__contains__
+        self.grad_dtype, self.grad_steps = grads, grad_steps
+        self.start = start_step or 0
         self.closed = False
-        self.t = 0
+        self.t = self.start
 
         # the optimizer: ZeRO -> its inner optimizer; the distopt name and hyperparameters
         zero = None
@@ -149,18 +184,19 @@ class Recorder:
         self.upstream = _qualname(inner) + (" under " + _qualname(zero) if zero is not None else "")
         known = _known_name(inner)
         if name is None:
-            if known is None:
-                raise ValueError(f"distopt.record: no distopt mapping for {_qualname(inner)}: pass name= (a distopt "
-                                 f"optimizer, `distopt list`) and hparams= (its keys, a dict or one dict per group)")
-            name = known
+            name = known  # None: no distopt optimizer, recorded as it is for distopt.replay
         elif hparams is None and known != name:
             raise ValueError(f"distopt.record: name={name!r} for {_qualname(inner)} needs hparams= (distopt keys)")
-        if name not in _core.names():
+        if name is not None and name not in _core.names():
             raise ValueError(f"distopt.record: {name!r} is not a distopt optimizer (known: {', '.join(_core.names())})")
-        if any(len(v) for v in inner.state.values()):
-            raise ValueError("distopt.record: the optimizer has stepped already (it holds state): the replay starts "
-                             "from fresh states, so start recording before the first step")
+        if start_step is None and any(len(v) for v in inner.state.values()):
+            raise ValueError("distopt.record: the optimizer has stepped already (it holds state): pass start_step= "
+                             "(the steps taken so far) to record a window, its states at the start recorded first")
         self.name = name
+        entry = _upstream.upstream_class(type(inner)) if known == name else None
+        self.drop = set(entry.get("drop", ())) if entry else set()
+        self.projectors = bool(entry and entry.get("projector"))
+        self.proj_seen = {}  # id(parameter) -> the projector tensor(s) last recorded
         self.groups = _Groups(name, hparams, zero if zero is not None else optimizer, inner)
         self.inner = inner
 
@@ -243,13 +279,19 @@ class Recorder:
         os.makedirs(os.path.join(self.path, f"rank{self.rank}"), exist_ok=True)
         self.files = [[] for _ in range(self.world)]
         self.changes = []
-        self.last_hp = self.groups.read()
+        self.last_hp = self._read_groups()
         self.hp0 = [dict(h) for h in self.last_hp]
-        _core.format_hparams(self.hp0[0])  # a value distopt cannot spell fails here, not at the first flush
+        if self.name is not None:
+            _core.format_hparams(self.hp0[0])  # a value distopt cannot spell fails here, not at the first flush
         self.block = []  # (name, tensor) of the open block
-        self.block_first = 1
+        self.block_first = self.start + 1
         self.block.extend((f"init/{n}", _f32(p, f"parameter {n}")) for p, n, *_ in self.pieces)
+        if self.start:  # a window: the states at its start first
+            self._snapshot(None)
         self._install()
+
+    def _read_groups(self):
+        return self.groups.read() if self.name is not None else self.groups.read_raw()
 
     # -- names --
     @staticmethod
@@ -314,11 +356,25 @@ class Recorder:
                 out.append((n, _f32(p.grad, f"the gradient of {n}")))
         return out
 
+    def _grad_tensors(self, t, grads):
+        """Step t's gradient tensors: F32, BF16 (grads="bf16": rounded to nearest even), or for a step outside
+        grad_steps only the SHA-256 of the piece's F32 bytes (grad_digest/<t>/<p>, 32 U8)."""
+        import torch
+        if self.grad_steps is not None and not self.grad_steps(t):
+            out = []
+            for n, g in grads:
+                d = hashlib.sha256(g.numpy().tobytes()).digest()
+                out.append((f"grad_digest/{t}/{n}", torch.tensor(list(d), dtype=torch.uint8)))
+            return out
+        if self.grad_dtype == "bf16":
+            return [(f"grad/{t}/{n}", g.to(torch.bfloat16)) for n, g in grads]
+        return [(f"grad/{t}/{n}", g) for n, g in grads]
+
     def _step(self, args, kwargs):
         if self.closed:
             return self._orig_step(*args, **kwargs)
         t = self.t + 1
-        hp = self.groups.read()
+        hp = self._read_groups()
         for g, (old, new) in enumerate(zip(self.last_hp, hp)):
             for k in sorted(set(old) | set(new)):
                 if old.get(k) != new.get(k):
@@ -346,29 +402,61 @@ class Recorder:
             out = self._orig_step(*args, **kwargs)
             grads = box[0] if box else []
         self.t = t
-        self.block.extend((f"grad/{t}/{n}", g) for n, g in grads)
+        self.block.extend(self._grad_tensors(t, grads))
+        if self.projectors:
+            self._projectors(t)
         if t % self.every == 0:
             self._snapshot(t)
         if t - self.block_first + 1 >= self.flush_every:
             self._flush()
         return out
 
+    def _projector_of(self, p):
+        """galore_torch's projector of p: {distopt state name: tensor}, empty before its first refresh."""
+        obj = self.inner.state.get(p, {}).get("projector")
+        m = getattr(obj, "ortho_matrix", None)
+        if m is None:
+            return {}
+        if isinstance(m, (list, tuple)):  # proj_type="full": [A, B]
+            return {"projector_left": m[0], "projector_right": m[1]}
+        return {"projector": m}
+
+    def _projectors(self, t):
+        """The projectors refreshed by step t (a new ortho_matrix object): proj/<t>/<p>/<key>."""
+        for p, n, *_ in self.pieces:
+            cur = self._projector_of(p)
+            seen = self.proj_seen.get(id(p), {})
+            if cur and any(seen.get(k) is not v for k, v in cur.items()):
+                for k, v in cur.items():
+                    self.block.append((f"proj/{t}/{n}/{k}", _f32(v, f"the projector of {n}")))
+                self.proj_seen[id(p)] = dict(cur)
+
     def _snapshot(self, t):
+        """Parameters and states after step t; t None: a window's start (init_state/<p>/<key>; the parameters
+        are init/<p>)."""
         import torch
         for p, n, *_ in self.pieces:
-            if self.want_params:
+            if self.want_params and t is not None:
                 self.block.append((f"param/{t}/{n}", _f32(p, f"parameter {n}")))
-            if not self.want_states:
+            if not self.want_states and t is not None:
                 continue
+            base = f"state/{t}/{n}" if t is not None else f"init_state/{n}"
             for key, v in self.inner.state.get(p, {}).items():
                 k = str(key)
-                if not k or "/" in k or len(k) > 63:
+                if not k or "/" in k or len(k) > 63 or k in self.drop:
                     continue
-                if k == "step":
-                    s = v.item() if torch.is_tensor(v) else v
-                    self.block.append((f"state/{t}/{n}/step", torch.tensor(int(s), dtype=torch.int64)))
+                if k == "step":  # upstream's type kept: a tensor (torch AdamW) as F32, an int as I64
+                    if torch.is_tensor(v):
+                        self.block.append((f"{base}/step", torch.tensor(float(v.item()), dtype=torch.float32)))
+                    else:
+                        self.block.append((f"{base}/step", torch.tensor(int(v), dtype=torch.int64)))
                 elif torch.is_tensor(v) and v.dtype == torch.float32 and not v.is_sparse:
-                    self.block.append((f"state/{t}/{n}/{k}", v.detach().to("cpu", copy=True).contiguous()))
+                    self.block.append((f"{base}/{k}", v.detach().to("cpu", copy=True).contiguous()))
+            if t is None and self.projectors:
+                cur = self._projector_of(p)
+                for k, v in cur.items():
+                    self.block.append((f"{base}/{k}", _f32(v, f"the projector of {n}")))
+                self.proj_seen[id(p)] = dict(cur)
 
     def _flush(self, final=False):
         last = self.t
@@ -397,14 +485,16 @@ class Recorder:
             "kind": KIND,
             "generator": "distopt.record (python)",
             "optimizer": {"name": self.name, "upstream": self.upstream},
-            "groups": [{"hparams": _core.format_hparams(h)} for h in self.hp0],
+            "groups": [{"hparams": _core.format_hparams(h) if self.name is not None else ""} for h in self.hp0],
             "params": self.params,
             "torch": self.torch,
             "world_size": self.world,
             "record": {"every": self.every, "params": self.want_params, "states": self.want_states,
-                       "flush_every": self.flush_every},
+                       "flush_every": self.flush_every, "grads": "BF16" if self.grad_dtype == "bf16" else "F32",
+                       "projectors": self.projectors},
             "ranks": [{"rank": r, "pieces": self.layouts[r], "files": self.files[r]} for r in range(self.world)],
-            "steps": max((f["last_step"] for f in self.files[0]), default=0),
+            "start_step": self.start,
+            "steps": max((f["last_step"] for f in self.files[0]), default=self.start),
             "complete": bool(complete),
             "hparam_changes": self.changes,
         }
@@ -450,5 +540,12 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
                   optimizer distopt does not know by class
     layout:       {local tensor: {"param": global name, "shape": global shape, "lo": first flat element,
                   "states": {key: (lo, len)}}} for a hand-written sharded optimizer (docs/verify.md)
+    start_step:   record a window of a run under way: the steps taken so far; the parameters and states now are
+                  recorded first (init/, init_state/) and the steps are numbered from start_step + 1
+    grads:        "f32" (default) or "bf16" (gradients rounded to bf16: half the size, lossy, docs/verify.md)
+    grad_steps:   the steps whose gradients are kept (a container or a callable t -> bool); the others keep only
+                  the SHA-256 of each gradient (verify --stepwise skips them); default: every step
+    An optimizer class distopt does not implement (no mapping, no name=) is recorded as it is: its states under
+    its own keys, its groups' numeric values as hyperparameter changes, for distopt.replay.
     """
     return Recorder(optimizer, path, every, params, states, **kw)

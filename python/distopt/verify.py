@@ -16,9 +16,9 @@ import tempfile
 
 from ._cli import packaged_cli
 
-__all__ = ["verify", "VerifyResult", "find_cli"]
+__all__ = ["verify", "run_verify", "VerifyResult", "find_cli"]
 
-JSON_SCHEMA_VERSION = 1  # the verify record's schema_version this module reads
+JSON_SCHEMA_VERSION = 2  # the verify record's schema_version this module reads (2: mode, reference, window)
 
 
 class VerifyResult:
@@ -66,13 +66,13 @@ def find_cli(cli=None):
     return found
 
 
-def verify(path, cli=None, rtol=None, json_path=None, plot=None, timeout=None):
-    """Runs `distopt verify path [--rtol X] --json ... [--plot FILE.svg]`; returns a VerifyResult (never raises
-    for a divergence or bad input: look at returncode / ok; raises FileNotFoundError without the CLI)."""
+def run_verify(path, extra=(), cli=None, rtol=None, json_path=None, plot=None, timeout=None):
+    """`distopt verify path EXTRA... --json J [--rtol X] [--plot FILE.svg]` -> VerifyResult (distopt.verify,
+    distopt.replay)."""
     exe = find_cli(cli)
     with tempfile.TemporaryDirectory(prefix="distopt-verify-") as tmp:
         jp = os.fspath(json_path) if json_path else os.path.join(tmp, "verify.json")
-        cmd = [exe, "verify", os.fspath(path), "--json", jp]
+        cmd = [exe, "verify", os.fspath(path), *extra, "--json", jp]
         if rtol is not None:
             cmd += ["--rtol", repr(float(rtol))]
         if plot:
@@ -86,3 +86,9 @@ def verify(path, cli=None, rtol=None, json_path=None, plot=None, timeout=None):
                 raise RuntimeError(f"distopt.verify: {exe} wrote schema_version {report.get('schema_version')!r}; "
                                    f"this module reads {JSON_SCHEMA_VERSION}")
         return VerifyResult(p.returncode, report, p.stdout, p.stderr, cmd)
+
+
+def verify(path, cli=None, rtol=None, json_path=None, plot=None, timeout=None):
+    """Runs `distopt verify path [--rtol X] --json ... [--plot FILE.svg]`; returns a VerifyResult (never raises
+    for a divergence or bad input: look at returncode / ok; raises FileNotFoundError without the CLI)."""
+    return run_verify(path, (), cli, rtol, json_path, plot, timeout)

@@ -51,7 +51,7 @@ def run_verify(trace, *extra, expect):
     if os.path.exists(jp):
         with open(jp) as f:
             report = json.load(f)
-        check(report.get("schema_version") == 1, f"verify JSON schema_version {report.get('schema_version')}")
+        check(report.get("schema_version") == 2, f"verify JSON schema_version {report.get('schema_version')}")
     return p.stdout, report
 
 
@@ -233,15 +233,30 @@ class ShardedAdafactor(torch.optim.Optimizer):
                 p.add_(-update)
 
 
-def sharded_worker(rank, world, trace, steps, local_stats):
-    from distopt.record import record  # (not `import distopt.record as`: see docs/verify.md)
+def row_shard(rank, world):
+    """This rank's rows of the seeded W [ROWS, COLS] and b [ROWS]: (first row, rows, w, bias)."""
     seeded()
     W = torch.randn(ROWS, COLS) * 0.5
     b = torch.randn(ROWS) * 0.5
     per = ROWS // world
     lo = rank * per
-    w = W[lo:lo + per].clone().requires_grad_(True)
-    bias = b[lo:lo + per].clone().requires_grad_(True)
+    return lo, per, W[lo:lo + per].clone().requires_grad_(True), b[lo:lo + per].clone().requires_grad_(True)
+
+
+def train_rows(opt, w, bias, lo, per, rank, steps):
+    """Seeded least squares on this rank's rows (the shards differ in scale)."""
+    for t in range(1, steps + 1):
+        g = torch.Generator().manual_seed(SEED + 31 * t)
+        x = torch.randn(10, COLS, generator=g)
+        target = torch.randn(10, ROWS, generator=g)[:, lo:lo + per] * (1 + 3 * rank)
+        opt.zero_grad()
+        ((x @ w.T + bias - target) ** 2).mean().backward()  # the gradient of this rank's rows
+        opt.step()
+
+
+def sharded_worker(rank, world, trace, steps, local_stats):
+    from distopt.record import record  # (not `import distopt.record as`: see docs/verify.md)
+    lo, per, w, bias = row_shard(rank, world)
     opt = ShardedAdafactor([w, bias], lr=1e-2, global_rows=ROWS, global_numel={w: ROWS * COLS, bias: ROWS},
                            local_stats=local_stats)
     layout = {
@@ -252,10 +267,126 @@ def sharded_worker(rank, world, trace, steps, local_stats):
     hp = dict(lr=1e-2, relative_step=False, scale_parameter=True, warmup_init=False, eps1=1e-30, eps2=1e-3,
               clip_threshold=1.0, decay_rate=-0.8, beta1=None, weight_decay=0.0)
     with record(opt, trace, name="adafactor", hparams=hp, layout=layout, flush_every=5):
-        for t in range(1, steps + 1):
-            g = torch.Generator().manual_seed(SEED + 31 * t)
-            x = torch.randn(10, COLS, generator=g)
-            target = torch.randn(10, ROWS, generator=g)[:, lo:lo + per] * (1 + 3 * rank)  # shards differ in scale
-            opt.zero_grad()
-            ((x @ w.T + bias - target) ** 2).mean().backward()  # the gradient of this rank's rows
-            opt.step()
+        train_rows(opt, w, bias, lo, per, rank, steps)
+
+
+# ---- a custom optimizer distopt does not implement, sharded by hand (distopt.replay) -------------------------
+
+def with_grads(opt):
+    """(group, parameter) of every parameter with a gradient, in param_groups order (a step's loop)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p
+
+
+class NormalizedMomentum(torch.optim.Optimizer):
+    """Heavy-ball momentum normalised by its RMS over the whole tensor: m = mu·m + g; p -= lr·m / (rms(m) + eps).
+    States: step (int), momentum_buffer, rms (0-d: a statistic over every element). Sharded (numel given: the
+    global element count of each local piece): the sum of squares is all_reduced; from step `local_from` on it
+    is taken over the local rows only (the planted bug: a shard-local statistic)."""
+
+    def __init__(self, params, lr=1e-2, momentum=0.9, eps=1e-8, numel=None, local_from=None):
+        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps))
+        self.numel, self.local_from = numel, local_from
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, p in with_grads(self):
+            st = self.state[p]
+            if not st:
+                st["step"] = 0
+                st["momentum_buffer"] = torch.zeros_like(p)
+            st["step"] += 1
+            buf = st["momentum_buffer"].mul_(group["momentum"]).add_(p.grad)
+            ss = (buf * buf).sum()
+            n = p.numel()
+            if self.numel is not None and not (self.local_from and st["step"] >= self.local_from):
+                import torch.distributed as dist
+                dist.all_reduce(ss)
+                n = self.numel[p]
+            st["rms"] = (ss / n).sqrt()
+            p.add_(buf / (st["rms"] + group["eps"]), alpha=-group["lr"])
+
+
+def make_normalized(params):
+    """The single-device reference of the recordings below (python3 -m distopt.replay REC harness:make_normalized)."""
+    return NormalizedMomentum(params, lr=1e-2, momentum=0.9)
+
+
+def normalized_worker(rank, world, trace, steps, local_from):
+    from distopt.record import record
+    lo, per, w, bias = row_shard(rank, world)
+    opt = NormalizedMomentum([w, bias], lr=1e-2, momentum=0.9, numel={w: ROWS * COLS, bias: ROWS},
+                             local_from=local_from)
+    layout = {w: {"param": "w", "shape": [ROWS, COLS], "lo": lo * COLS, "states": {"rms": (0, 1)}},
+              bias: {"param": "b", "shape": [ROWS], "lo": lo, "states": {"rms": (0, 1)}}}
+    with record(opt, trace, layout=layout, flush_every=5):  # no name=: recorded as it is, for distopt.replay
+        train_rows(opt, w, bias, lo, per, rank, steps)
+
+
+# ---- a GaLore-AdamW written here under galore_torch's names (CI has no galore_torch) ----------------------------
+
+class _Projector:
+    """galore_torch's projector object's interface as record() reads it: ortho_matrix (the projector)."""
+
+    def __init__(self):
+        self.ortho_matrix = None
+
+
+class GaLoreAdamWStandIn(torch.optim.Optimizer):
+    """galore_torch 1.0's GaLoreAdamW semantics (docs/galore.md: HF AdamW on the projected gradient, projector
+    from torch.linalg.svd's top-r vectors at 0-based steps 0, T, 2T, ..., std projection), its state keys (step
+    int, exp_avg, exp_avg_sq, projector object) and param_groups keys (rank, update_proj_gap, scale, proj_type).
+    Named galore_torch.adamw.AdamW below so that record() maps it as it maps the real class. bad_refresh: at that
+    step's refresh the projector is a rotation of the right one out of the gradient's top subspace (the planted
+    bug the sin theta check must catch)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, correct_bias=True,
+                 bad_refresh=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      correct_bias=correct_bias))
+        self.bad_refresh = bad_refresh
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, p in with_grads(self):
+            g, st = p.grad, self.state[p]
+            if "step" not in st:
+                st["step"] = 0
+            proj, right = None, g.dim() == 2 and g.shape[0] >= g.shape[1]  # std: project the smaller side
+            if "rank" in group:
+                proj = st.setdefault("projector", _Projector())
+                if proj.ortho_matrix is None or st["step"] % group["update_proj_gap"] == 0:
+                    U, S, Vh = torch.linalg.svd(g, full_matrices=False)
+                    r = group["rank"]
+                    q = Vh[:r].clone() if right else U[:, :r].clone()
+                    if self.bad_refresh == st["step"] + 1:  # mix in the next singular vector: another subspace
+                        nxt = Vh[r] if right else U[:, r]
+                        if right:
+                            q[0] = 0.6 * q[0] + 0.8 * nxt
+                        else:
+                            q[:, 0] = 0.6 * q[:, 0] + 0.8 * nxt
+                    proj.ortho_matrix = q
+                Q = proj.ortho_matrix
+                g = g @ Q.t() if right else Q.t() @ g
+            if "exp_avg" not in st:
+                st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(g), torch.zeros_like(g)
+            b1, b2 = group["betas"]
+            st["step"] += 1
+            st["exp_avg"].mul_(b1).add_(g, alpha=1.0 - b1)
+            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            size = group["lr"]
+            if group["correct_bias"]:
+                size = size * math.sqrt(1.0 - b2 ** st["step"]) / (1.0 - b1 ** st["step"])
+            n = st["exp_avg"] / st["exp_avg_sq"].sqrt().add_(group["eps"])
+            if proj is not None:
+                Q = proj.ortho_matrix
+                n = (n @ Q if right else Q @ n) * group["scale"]
+            p.add_(n, alpha=-size)
+            if group["weight_decay"] > 0.0:
+                p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+
+
+GaLoreAdamWStandIn.__module__ = "galore_torch.adamw"
+GaLoreAdamWStandIn.__name__ = GaLoreAdamWStandIn.__qualname__ = "AdamW"

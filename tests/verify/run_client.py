@@ -13,6 +13,7 @@
                                  .golden-venv/adafactor, else skipped with the reason: exit 77)
 
 Exit 77 (skipped, with the reason) when this interpreter lacks torch."""
+import json
 import os
 import shutil
 import subprocess
@@ -124,10 +125,16 @@ def case_adamw():
     H.check(res.diverged and not res and res.verdict["step"] == 1, f"verify() of the wrong lr: {res!r}")
     res = verify(os.path.join(d, "missing.rec"))
     H.check(res.returncode == 2 and res.report is None and "missing.rec" in res.stderr, f"verify() bad input: {res!r}")
+    # a class distopt does not implement is recorded as it is (for distopt.replay); verify says so
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(sgd, os.path.join(d, "sgd.rec"), names=model):
+        H.train_step(model, sgd, 1)
+    res = verify(os.path.join(d, "sgd.rec"))
+    H.check(res.returncode == 2 and "optimizer.name is null: torch.optim.sgd.SGD has no distopt optimizer" in
+            res.stderr, f"an as-is recording: {res.stderr}")
     refusals = [
-        (lambda: record(torch.optim.SGD(model.parameters(), lr=0.1), os.path.join(d, "sgd.rec")), ValueError,
-         "no distopt mapping for torch.optim.sgd.SGD: pass name="),
-        (lambda: record(opt, os.path.join(d, "late.rec")), ValueError, "the optimizer has stepped already"),
+        (lambda: record(opt, os.path.join(d, "late.rec")), ValueError, "the optimizer has stepped already (it "
+         "holds state): pass start_step="),
         (lambda: record(torch.optim.AdamW(model.parameters()), trace), FileExistsError, "already holds a recording"),
         (lambda: record(torch.optim.AdamW(model.parameters()), os.path.join(d, "x.rec"), every=0), ValueError,
          "every=0 must be an integer >= 1"),
@@ -248,7 +255,301 @@ def case_hf_adafactor():
     summary(rep)
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "hf_adafactor": case_hf_adafactor}
+def case_replay():
+    """distopt.replay: a custom optimizer distopt does not implement (harness.NormalizedMomentum), sharded by hand
+    on 2 gloo ranks and recorded as it is, replayed through its own single-device version. Tolerance 1e-5: the
+    shards' sums of squares reach the rms state through an all_reduce of two fp32 partial sums where the single
+    device sums 48 (or 8) squares at once; an fp32 sum of n terms is within (n-1)·u of the exact one, 47·2^-24 =
+    2.8e-6 relative, halved by the square root; the momentum is elementwise (the same operations, bitwise) and
+    the update divides by rms: 1.4e-6 relative to one update, < 1e-6 of the parameter. Margin 3.6 on the rms."""
+    from distopt.record import verify
+    from distopt.replay import replay
+    d = H.work_dir("replay")
+    good, bad = os.path.join(d, "good.rec"), os.path.join(d, "local.rec")
+    H.launch(H.normalized_worker, 2, good, 12, None)
+    H.launch(H.normalized_worker, 2, bad, 12, 5)
+    with open(os.path.join(good, "index.json")) as f:
+        index = json.load(f)
+    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 2, "an unknown class is recorded as is")
+    res = verify(good)
+    H.check(res.returncode == 2 and "optimizer.name is null" in res.stderr, f"verify without a reference: {res!r}")
+    for stepwise in (False, True):
+        res = replay(good, H.make_normalized, stepwise=stepwise, rtol=1e-5)
+        print(res.stdout)
+        H.check(res.ok, f"the correct sharding replays within tolerance (stepwise={stepwise}): {res!r} {res.stderr}")
+        H.check(res.report["mode"] == ("stepwise" if stepwise else "accumulated") and
+                res.report["reference"] == "recording", "the JSON names the mode and the reference")
+        keys = {t["state"] for t in res.report["tensors"]}
+        H.check({"momentum_buffer", "rms", "step"} <= keys, f"its states compared by their own names ({keys})")
+        H.check(sorted(H.tensors_by_rank(res.report)) == [0, 1], "both ranks' pieces compared")
+        summary(res.report)
+    for stepwise in (False, True):
+        res = replay(bad, H.make_normalized, stepwise=stepwise, rtol=1e-5)
+        print(res.stdout)
+        v = res.verdict
+        H.check(res.diverged and (v["step"], v["tensor"]) == (5, "w/rms"),
+                f"the shard-local statistic planted at step 5 is named at step 5 (stepwise={stepwise}): {v}")
+    # the command-line form (Python: python3 -m distopt.replay)
+    p = subprocess.run([sys.executable, "-m", "distopt.replay", bad, "harness:make_normalized", "--stepwise",
+                        "--rtol", "1e-5"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    print(p.stdout[-400:], p.stderr[-400:])
+    H.check(p.returncode == 1 and "DIVERGED at step 5 (tensor w/rms, rank 0" in p.stdout, "python3 -m distopt.replay")
+
+
+def _adamw_bug_at(params, bug_at, **kw):
+    """torch AdamW whose step, at step bug_at, applies the weight decay twice: a one-step bug that param_groups do
+    not show (the class stays torch.optim.AdamW, so record() maps it; record() wraps the step it finds)."""
+    opt = torch.optim.AdamW(params, **kw)
+    inner, count = opt.step, [0]
+
+    def step(closure=None):
+        out = inner(closure)
+        count[0] += 1
+        if count[0] == bug_at:
+            with torch.no_grad():
+                for g in opt.param_groups:
+                    for p in g["params"]:
+                        p.mul_(1 - g["lr"] * g["weight_decay"])
+        return out
+
+    opt.step = step
+    return opt
+
+
+def _small_model():
+    torch.manual_seed(H.SEED)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))  # 808 parameters
+
+
+def _train(model, opt, steps, first=1):
+    for t in range(first, first + steps):
+        g = torch.Generator().manual_seed(H.SEED + t)
+        x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def case_stepwise():
+    """--stepwise on a 3 000-step torch AdamW recording (808 parameters): within the per-step tolerance; a bug at
+    step 2 500 named at 2 500. Also: a window (start_step), bf16 gradients, digest-only steps."""
+    import time
+    from distopt.record import record
+    d = H.work_dir("stepwise")
+    H.seeded()
+    traces = {}
+    for tag, bug in (("clean", None), ("bug2500", 2500)):
+        model = _small_model()
+        opt = _adamw_bug_at(model.parameters(), bug, lr=1e-3, weight_decay=0.1)
+        traces[tag] = os.path.join(d, tag + ".rec")
+        t0 = time.time()
+        with record(opt, traces[tag], names=model, flush_every=100):
+            _train(model, opt, 3000)
+        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(traces[tag]) for f in fs)
+        print(f"recorded {tag}: 3000 steps in {time.time() - t0:.1f} s, {size / 1e6:.1f} MB")
+        H.check(size <= 100e6, f"the recording is {size / 1e6:.1f} MB (<= 100 MB)")
+    t0 = time.time()
+    out, rep = H.run_verify(traces["clean"], "--stepwise", "--quiet", expect=0)
+    print(f"verify --stepwise: {time.time() - t0:.1f} s")
+    H.check(rep["mode"] == "stepwise" and rep["tolerance"]["source"] == "declared per step", "per-step tolerance")
+    w = summary(rep)
+    H.check(0 < w["params"] < 1e-6 and w["states"] < 1e-6, "one step's rounding: nonzero, within the bound")
+    # the accumulated mode on the same run (measured, not asserted: it grows with the steps, docs/verify.md)
+    p = subprocess.run([H.cli(), "verify", traces["clean"], "--quiet"], capture_output=True, text=True)
+    print("accumulated:", p.stdout.strip(), f"(exit {p.returncode})")
+    out, rep = H.run_verify(traces["bug2500"], "--stepwise", "--quiet", expect=1)
+    v = rep["verdict"]
+    H.check(v["step"] == 2500, f"the bug at step 2500 is named at 2500: {v}")
+    H.check(all(t["first_beyond"] in (None, 2500) for t in rep["tensors"]) and
+            all(r <= 1e-6 for t in rep["tensors"] for s, r in zip(t["steps"], t["rel_per_step"]) if s > 2500),
+            "steps after the bug start from the recorded state again: within tolerance")
+    # a window: 30 steps recorded after 20 unrecorded ones, its start states recorded first
+    model = _small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _train(model, opt, 20)
+    win = os.path.join(d, "window.rec")
+    with record(opt, win, names=model, start_step=20, flush_every=8):
+        _train(model, opt, 30, first=21)
+    for extra in ([], ["--stepwise"]):
+        out, rep = H.run_verify(win, *extra, expect=0)
+        H.check(rep["start_step"] == 20 and rep["tensors"][0]["steps"][0] == 21, "the window starts at step 21")
+        H.check("window: steps 21..50" in out, "the table names the window")
+    # the same window replayed through torch's own AdamW (distopt.replay loads its start states into it)
+    from distopt.replay import replay
+    for stepwise in (False, True):
+        res = replay(win, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), stepwise=stepwise)
+        H.check(res.ok and res.report["start_step"] == 20, f"replay of a window (stepwise={stepwise}): {res!r} "
+                f"{res.stderr}")
+        summary(res.report)
+    # bf16 gradients: lossy, so the declared tolerance does not apply (exit 2 without --rtol)
+    model = _small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    bf = os.path.join(d, "bf16.rec")
+    with record(opt, bf, names=model, grads="bf16", flush_every=8):
+        _train(model, opt, 20)
+    H.run_verify(bf, expect=2)
+    out, rep = H.run_verify(bf, "--stepwise", "--rtol", "0.05", expect=0)
+    summary(rep)
+    # digests: only every 4th step's gradient kept; the accumulated replay refuses, --stepwise skips the others
+    model = _small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    dg = os.path.join(d, "digest.rec")
+    with record(opt, dg, names=model, grad_steps=lambda t: t % 4 == 0, flush_every=8):
+        _train(model, opt, 20)
+    H.run_verify(dg, expect=2)
+    out, rep = H.run_verify(dg, "--stepwise", expect=0)
+    H.check(rep["not_replayed"] == 15 and rep["tensors"][0]["steps"] == [4, 8, 12, 16, 20], "digest steps skipped")
+
+
+class _CAMEStandIn(__import__("distopt").Optimizer):
+    """distopt's CAME under came_pytorch's class name and constructor: record() maps it as the real class."""
+
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-16), clip_threshold=1.0, betas=(0.9, 0.999, 0.9999),
+                 weight_decay=0.0):
+        super().__init__("came", params, lr=lr, eps=eps, clip_threshold=clip_threshold, betas=betas,
+                         weight_decay=weight_decay)
+
+
+class _LambStandIn(__import__("distopt").Optimizer):
+    """distopt's LAMB under torch_optimizer's class name, its debias, adam and clamp_value attributes (not group
+    keys, as torch_optimizer keeps them) and its groups without bias_correction and adam."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, clamp_value=10,
+                 adam=False, debias=False):
+        super().__init__("lamb", params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
+                         bias_correction=debias)
+        self.clamp_value, self.adam, self.debias = clamp_value, adam, debias
+        for g in self.param_groups:
+            g.pop("bias_correction", None)
+            g.pop("adam", None)
+
+
+_CAMEStandIn.__module__, _CAMEStandIn.__name__, _CAMEStandIn.__qualname__ = "came_pytorch.CAME", "CAME", "CAME"
+_LambStandIn.__module__, _LambStandIn.__name__, _LambStandIn.__qualname__ = "torch_optimizer.lamb", "Lamb", "Lamb"
+
+
+def _upstream_runs(d, classes, rtol=None, steps=12):
+    """Records each (tag, make(model) -> optimizer) for `steps` steps with no name= and verifies it."""
+    from distopt.record import record
+    for tag, make, extra in classes:
+        model = _small_model()
+        opt = make(model)
+        trace = os.path.join(d, tag + ".rec")
+        with record(opt, trace, names=model, flush_every=5):
+            _train(model, opt, steps)
+        out, rep = H.run_verify(trace, *extra, expect=0)
+        print(f"{tag}: recorded as {rep['optimizer']} from {rep['upstream']}")
+        summary(rep)
+        yield tag, rep
+
+
+def galore_groups(model, cls, **kw):
+    mats = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return cls([{"params": rest}, {"params": mats, "rank": 4, "update_proj_gap": 5, "scale": 0.25,
+                                   "proj_type": "std"}], **kw)
+
+
+def case_upstream():
+    """Upstream classes recorded with no hand-written names, through stand-ins written here (CI has none of the
+    packages): came_pytorch.CAME and torch_optimizer.Lamb as distopt's own under the upstream names (error 0:
+    the mapping of names, hyperparameters and states is what is tested), galore_torch's AdamW as a torch GaLore
+    (its own SVD signs: the recorded projectors are checked and adopted), and a projector out of the gradient's
+    subspace (named)."""
+    d = H.work_dir("upstream")
+    runs = [("came", lambda m: _CAMEStandIn(m.parameters(), lr=1e-3, weight_decay=0.01), []),
+            ("lamb", lambda m: _LambStandIn(m.parameters(), lr=1e-2, weight_decay=0.01, debias=True), []),
+            # galore_adamw has no declared tolerance; 1e-5: the golden bound of galore_adamw (docs/galore.md)
+            ("galore", lambda m: galore_groups(m, H.GaLoreAdamWStandIn, lr=1e-3), ["--rtol", "1e-5"])]
+    for tag, rep in _upstream_runs(d, runs):
+        if tag in ("came", "lamb"):
+            H.check(all(t["max_abs"] == 0 for t in rep["tensors"] if t["compared"]), f"{tag}: bitwise (error 0)")
+            H.check(rep["upstream"].startswith({"came": "came_pytorch.", "lamb": "torch_optimizer."}[tag]),
+                    f"{tag}: the upstream class is recorded")
+        else:
+            H.check(rep["optimizer"] == "galore_adamw" and rep["projectors_adopted"] >= 6,
+                    f"galore: projectors adopted ({rep['projectors_adopted']})")
+            H.check(any(t["state"] == "sin_theta(projector)" for t in rep["tensors"]), "the sin theta rows")
+    from distopt.record import record
+    model = _small_model()
+    opt = galore_groups(model, H.GaLoreAdamWStandIn, lr=1e-3, bad_refresh=6)
+    trace = os.path.join(d, "galore_bad.rec")
+    with record(opt, trace, names=model, flush_every=5):
+        _train(model, opt, 12)
+    out, rep = H.run_verify(trace, "--rtol", "1e-5", expect=1)
+    v = rep["verdict"]
+    H.check((v["kind"], v["step"]) == ("projector", 6) and v["tensor"].endswith("/sin_theta(projector)"),
+            f"a projector out of the gradient's subspace is named at its refresh: {v}")
+
+
+def upstream_python():
+    """An interpreter with came_pytorch, torch_optimizer, galore_torch (and transformers): this one, or
+    $DISTOPT_UPSTREAM_PYTHON (a venv over Debian's torch, docs/verify.md)."""
+    probe = "import came_pytorch, torch_optimizer, transformers.optimization"
+    try:
+        exec(probe)
+        return sys.executable, None
+    except Exception as e:  # noqa: BLE001 (any import failure means: not here)
+        why = f"{sys.executable}: {probe} failed ({type(e).__name__}: {e})"
+    c = os.environ.get("DISTOPT_UPSTREAM_PYTHON")
+    if c and os.path.isfile(c) and os.path.realpath(c) != os.path.realpath(sys.executable):
+        p = subprocess.run([c, "-c", probe], capture_output=True, text=True)
+        if p.returncode == 0:
+            return c, why
+        why += f"; {c}: failed"
+    elif c and os.path.isfile(c):
+        p = subprocess.run([c, "-c", probe], capture_output=True, text=True)
+        if p.returncode == 0:
+            return c, why
+    return None, why
+
+
+def _galore_torch():
+    """galore_torch's modules without its __init__ (which imports bitsandbytes, CUDA-only here)."""
+    import importlib.util
+    import types
+    spec = importlib.util.find_spec("galore_torch")
+    if spec is None:
+        return None
+    pkg = types.ModuleType("galore_torch")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    sys.modules["galore_torch"] = pkg
+    import galore_torch.adafactor as gf
+    import galore_torch.adamw as ga
+    return ga, gf
+
+
+def case_upstream_real():
+    """The real classes: came_pytorch 0.1.3 CAME, torch_optimizer 0.3.0 Lamb, galore_torch 1.0's AdamW and
+    Adafactor (skipped, with the reason, where they cannot be imported)."""
+    py, why = upstream_python()
+    if py is None:
+        print(f"skipped: the upstream packages cannot be imported: {why}")
+        sys.exit(77)
+    if py != sys.executable:
+        print(f"note: {why}; running under {py}")
+        sys.stdout.flush()
+        os.execv(py, [py, os.path.abspath(__file__), "upstream_real"])
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from came_pytorch import CAME
+    from torch_optimizer import Lamb
+    ga, gf = _galore_torch()
+    d = H.work_dir("upstream_real")
+    runs = [("came", lambda m: CAME(m.parameters(), lr=1e-3, weight_decay=0.01), []),
+            ("lamb", lambda m: Lamb(m.parameters(), lr=1e-2, weight_decay=0.01, debias=True), []),
+            ("galore_adamw", lambda m: galore_groups(m, ga.AdamW, lr=1e-3, no_deprecation_warning=True),
+             ["--rtol", "1e-5"]),
+            ("galore_adafactor", lambda m: galore_groups(m, gf.Adafactor, lr=1e-2, relative_step=False,
+                                                         scale_parameter=False), ["--rtol", "1e-5"])]
+    for tag, rep in _upstream_runs(d, runs):
+        if tag.startswith("galore"):
+            H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
+
+
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "hf_adafactor": case_hf_adafactor,
+         "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
+         "upstream_real": case_upstream_real}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in CASES:

@@ -47,7 +47,9 @@ static void grad_at(int step, int p, size_t n, float *g) {
 }
 
 /* Writes the recording of the reference's own run: faithful, so verify finds error 0. perturb: 0 none;
- * 1 rank 1's w/exp_avg at step 3 scaled by 1.001; 2 rank 0's b/step at step 5 off by one; 3 no param/3/b. */
+ * 1 rank 1's w/exp_avg at step 3 scaled by 1.001 (in the recording only); 2 rank 0's b/step at step 5 off by
+ * one; 3 no param/3/b; 4 the run's own w/exp_avg element 8 scaled by 1.001 after step 3 (the run goes on from
+ * it: a one-step glitch of the recorded run). */
 static void make_trace(const char *root, int perturb) {
   char path[900];
   snprintf(path, sizeof path, "%s/rank0", root);
@@ -85,6 +87,11 @@ static void make_trace(const char *root, int perturb) {
     grad_at(t, 1, 5, gb);
     const float *g[2] = {gw, gb};
     assert_ok(dopt_optim_step(o, g));
+    if (perturb == 4 && t == 3) {
+      dopt_state_view v;
+      assert_ok(dopt_optim_state(o, 0, 0, &v)); /* exp_avg */
+      ((float *)v.data)[8] *= 1.001f;
+    }
     for (int r = 0; r < 2; r++) {
       snprintf(name, sizeof name, "grad/%d/w", t);
       assert_ok(dopt_st_writer_add(wr[r], name, DOPT_F32, 1, half, gw + 6 * r));
@@ -202,7 +209,7 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t1"));
+  assert_non_null(strstr(js, "\"schema_version\":\t2"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
   char ipath[500];
@@ -235,6 +242,55 @@ static void test_perturbed_state_diverges(void **st) {
   /* a looser --rtol accepts the perturbation (1e-3 of one element) */
   const char *loose[] = {"verify", root, "--rtol", "0.01", NULL};
   assert_int_equal(run(loose), 0);
+}
+
+static void expect_bad(const char *root, const char *needle, const char *const *extra);
+static void write_index(const char *root, const char *text);
+static char *edited(const char *from, const char *to);
+
+/* --stepwise on a run with a one-step glitch at step 3 (its exp_avg changed, and the run went on from it):
+ * both modes name step 3; accumulated the error persists afterwards, stepwise every other step is exactly 0
+ * (each starts from the recorded state, and the reference is the recorder). */
+static void test_stepwise_names_the_glitch(void **st) {
+  (void)st;
+  char root[400], out[16384], js[65536];
+  snprintf(root, sizeof root, "%s/glitch", dir);
+  make_trace(root, 4);
+  for (int stepwise = 0; stepwise < 2; stepwise++) {
+    unlink(jsonfile);
+    const char *args[] = {"verify", root, "--json", jsonfile, stepwise ? "--stepwise" : NULL, NULL};
+    int rc = run(args);
+    slurp(outfile, out, sizeof out);
+    printf("%s", out);
+    assert_int_equal(rc, 1);
+    assert_non_null(strstr(out, "verdict: DIVERGED at step 3 (tensor w/exp_avg, rank 1:"));
+    slurp(jsonfile, js, sizeof js);
+    /* rank 1's w/exp_avg row: its per-step errors, steps 1..6 */
+    const char *row = strstr(js, "\"name\":\t\"w/exp_avg\",\n\t\t\t\"param\":\t\"w\",\n\t\t\t\"state\":\t\"exp_avg\",\n\t\t\t\"rank\":\t1");
+    assert_non_null(row);
+    const char *rel = strstr(row, "\"rel_per_step\":");
+    assert_non_null(rel);
+    double v[6];
+    const char *p = strchr(rel, '[');
+    for (int k = 0; k < 6; k++) {
+      p += strspn(p, "[, \t\n");
+      v[k] = strtod(p, (char **)&p);
+    }
+    for (int k = 0; k < 6; k++) {
+      int t = k + 1;
+      if (t < 3) assert_true(v[k] == 0.0);
+      else if (t == 3) assert_true(v[k] > 1e-5);
+      else if (stepwise) assert_true(v[k] == 0.0); /* from the recorded (glitched) state: exact */
+      else assert_true(v[k] > 1e-6);              /* the reference never had the glitch */
+    }
+  }
+  assert_non_null(strstr(out, "mode: stepwise"));
+  /* --stepwise needs the states: a recording without them is refused */
+  char *ix = edited("\"states\": true", "\"states\": false");
+  write_index(root, ix);
+  free(ix);
+  expect_bad(root, "--stepwise starts each step from the recorded parameters and states, but record.states is false",
+             (const char *const[]){"--stepwise", NULL});
 }
 
 /* A recorded step whose file lacks a parameter (record.params true): bad input, not a silent pass. */
@@ -296,8 +352,8 @@ static void test_bad_input(void **st) {
   expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
   write_index(root, "{\"schema_version\": 1,");
   expect_bad(root, "index.json: not valid JSON", NULL);
-  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 2",
-            "index.json: schema_version: 2 is not supported (this distopt reads 1)");
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 3",
+            "index.json: schema_version: 3 is not supported (this distopt reads 1 to 2)");
   bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
   bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
   bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
@@ -588,6 +644,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_missing_param_refused),
       cmocka_unit_test(test_index_error_one_line),
       cmocka_unit_test(test_step_count_diverges),
+      cmocka_unit_test(test_stepwise_names_the_glitch),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_reader_blocks),
       cmocka_unit_test(test_compare_on_recording),
