@@ -987,6 +987,20 @@ static void default_text(const dopt_hp_def *d, char *def, size_t cap) {
   else snprintf(def, cap, "%g", d->def);
 }
 
+/* One key's line: key, default, meaning; an enum's choices after it ("(one of: a, b, c)"), so a reader of the
+ * text tells an enum whose default is a choice named "none" or "true" from an optional number or a bool. */
+static int describe_key(const dopt_hp_def *d, char *buf, size_t cap) {
+  char def[32], choices[512] = "";
+  default_text(d, def, sizeof def);
+  if (d->kind == DOPT_HP_ENUM) {
+    size_t at = (size_t)snprintf(choices, sizeof choices, " (one of: ");
+    for (int c = 0; d->choices[c] && at < sizeof choices; c++)
+      at += (size_t)snprintf(choices + at, sizeof choices - at, "%s%s", c ? ", " : "", d->choices[c]);
+    if (at < sizeof choices) snprintf(choices + at, sizeof choices - at, ")");
+  }
+  return snprintf(buf, cap, "  %-16s %-8s %s%s\n", d->key, def, d->doc, choices);
+}
+
 dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap) {
   size_t off = 0;
   if (im->wrap || im->compose) { /* the wrapper's keys, then a note on forwarding */
@@ -994,10 +1008,7 @@ dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap
     for (int k = 0; n0 >= 0 && k < im->nhp; k++) {
       off += (size_t)n0;
       if (off >= cap) return DOPT_OK;
-      const dopt_hp_def *d = &im->hp[k];
-      char def[32];
-      default_text(d, def, sizeof def);
-      n0 = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);
+      n0 = describe_key(&im->hp[k], buf + off, cap - off);
     }
     if (n0 >= 0 && (off += (size_t)n0) < cap)
       snprintf(buf + off, cap - off, "  (every other key is the inner optimizer's; inner.KEY forces forwarding)\n");
@@ -1007,10 +1018,7 @@ dopt_status dopt__impl_describe(const dopt_optim_impl *im, char *buf, size_t cap
   for (int k = 0; n >= 0 && k < im->nhp; k++) {
     off += (size_t)n;
     if (off >= cap) break;
-    const dopt_hp_def *d = &im->hp[k];
-    char def[32];
-    default_text(d, def, sizeof def);
-    n = snprintf(buf + off, cap - off, "  %-16s %-8s %s\n", d->key, def, d->doc);
+    n = describe_key(&im->hp[k], buf + off, cap - off);
   }
   return DOPT_OK;
 }

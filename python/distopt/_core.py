@@ -37,7 +37,8 @@ def describe(name):
 class Spec:
     """An optimizer's hyperparameter keys and their kinds, from dopt_optim_describe: one line per key,
     'key default meaning'; the default says the kind: true/false (bool), none (optional number), a whole
-    number without a fraction (int: counts, sizes, seeds), a number with one (real), a name (enum)."""
+    number without a fraction (int: counts, sizes, seeds), a number with one (real), a name (enum); an enum's
+    line ends with its choices, '(one of: a, b)', which decides (muon's adjust_lr_fn defaults to 'none')."""
 
     def __init__(self, name):
         self.name = name
@@ -52,7 +53,9 @@ class Spec:
             if len(parts) < 2 or parts[0].startswith("("):
                 continue
             key, default = parts[0], parts[1]
-            if default in ("true", "false"):
+            if len(parts) > 2 and "(one of: " in parts[2]:  # an enum lists its choices (one may be "none")
+                kind = "enum"
+            elif default in ("true", "false"):
                 kind = "bool"
             elif default == "none":
                 kind = "optional"

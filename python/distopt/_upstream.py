@@ -198,8 +198,10 @@ CLASSES = {
     ("galore_torch", "AdamW8bit"): {"name": "galore_adamw8bit", "group": _galore_group(), "projector": True},
     ("bitsandbytes", "AdamW8bit"): {"name": "adamw8bit"},
     ("bitsandbytes", "PagedAdamW8bit"): {"name": "adamw8bit"},
-    # muon-optimizer lands with distopt's muon: add ("muon", "Muon"): {"name": "muon", ...} here (its groups
-    # read through TABLE["muon"]), and a test beside tests/verify/run_client.py's case_upstream.
+    # muon-optimizer 0.1.0: its groups (use_muon a bool, betas for the aux Adam) read through TABLE["muon"];
+    # SingleDeviceMuon's groups have no use_muon (every parameter steps Muon)
+    ("muon", "SingleDeviceMuonWithAuxAdam"): {"name": "muon"},
+    ("muon", "SingleDeviceMuon"): {"name": "muon", "group": lambda g: dict(g, use_muon=True)},
 }
 
 

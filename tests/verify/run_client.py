@@ -424,7 +424,17 @@ class _LambStandIn(__import__("distopt").Optimizer):
             g.pop("adam", None)
 
 
+class _MuonStandIn(__import__("distopt").Optimizer):
+    """distopt's Muon under muon-optimizer's SingleDeviceMuonWithAuxAdam: upstream's group dicts (use_muon a bool
+    per group, betas for the aux Adam)."""
+
+    def __init__(self, param_groups):
+        super().__init__("muon", param_groups)
+
+
 _CAMEStandIn.__module__, _CAMEStandIn.__name__, _CAMEStandIn.__qualname__ = "came_pytorch.CAME", "CAME", "CAME"
+_MuonStandIn.__module__ = "muon"
+_MuonStandIn.__name__ = _MuonStandIn.__qualname__ = "SingleDeviceMuonWithAuxAdam"
 _LambStandIn.__module__, _LambStandIn.__name__, _LambStandIn.__qualname__ = "torch_optimizer.lamb", "Lamb", "Lamb"
 
 
@@ -452,20 +462,29 @@ def galore_groups(model, cls, **kw):
 
 def case_upstream():
     """Upstream classes recorded with no hand-written names, through stand-ins written here (CI has none of the
-    packages): came_pytorch.CAME and torch_optimizer.Lamb as distopt's own under the upstream names (error 0:
+    packages): came_pytorch.CAME, torch_optimizer.Lamb and muon's SingleDeviceMuonWithAuxAdam as distopt's own
+    under the upstream names (error 0:
     the mapping of names, hyperparameters and states is what is tested), galore_torch's AdamW as a torch GaLore
     (its own SVD signs: the recorded projectors are checked and adopted), and a projector out of the gradient's
     subspace (named)."""
     d = H.work_dir("upstream")
     runs = [("came", lambda m: _CAMEStandIn(m.parameters(), lr=1e-3, weight_decay=0.01), []),
             ("lamb", lambda m: _LambStandIn(m.parameters(), lr=1e-2, weight_decay=0.01, debias=True), []),
+            # muon: no declared tolerance (torch's bf16 matmul; docs/muon.md); the stand-in is distopt's: error 0
+            ("muon", lambda m: _MuonStandIn(
+                [dict(params=[q for q in m.parameters() if q.ndim >= 2], use_muon=True, lr=0.02, weight_decay=0.01),
+                 dict(params=[q for q in m.parameters() if q.ndim < 2], use_muon=False, lr=3e-4, betas=(0.9, 0.95))]),
+             ["--rtol", "1e-6"]),
             # galore_adamw has no declared tolerance; 1e-5: the golden bound of galore_adamw (docs/galore.md)
             ("galore", lambda m: galore_groups(m, H.GaLoreAdamWStandIn, lr=1e-3), ["--rtol", "1e-5"])]
     for tag, rep in _upstream_runs(d, runs):
-        if tag in ("came", "lamb"):
+        if tag in ("came", "lamb", "muon"):
             H.check(all(t["max_abs"] == 0 for t in rep["tensors"] if t["compared"]), f"{tag}: bitwise (error 0)")
-            H.check(rep["upstream"].startswith({"came": "came_pytorch.", "lamb": "torch_optimizer."}[tag]),
-                    f"{tag}: the upstream class is recorded")
+            H.check(rep["upstream"].startswith({"came": "came_pytorch.", "lamb": "torch_optimizer.",
+                                                "muon": "muon."}[tag]), f"{tag}: the upstream class is recorded")
+            if tag == "muon":  # both kinds: momentum_buffer for the matrices, aux Adam's moments for the biases
+                keys = {t["state"] for t in rep["tensors"] if t["compared"]}
+                H.check({"momentum_buffer", "exp_avg", "exp_avg_sq"} <= keys, f"muon: the states of both kinds {keys}")
         else:
             H.check(rep["optimizer"] == "galore_adamw" and rep["projectors_adopted"] >= 6,
                     f"galore: projectors adopted ({rep['projectors_adopted']})")
