@@ -12,8 +12,9 @@
  * square root rounded to bf16. fp32 mode: the same operations in fp32,
  * nothing rounded to bf16, scalars in fp32.
  *
- * Every element of every product is one sum in a fixed order computed by one
- * thread, so the result does not depend on the thread count; no operation is
+ * Every element of every product is one chain of fused multiply-adds in a
+ * fixed k order computed by one thread, so the result does not depend on the
+ * thread count or the CPU (AVX2+FMA or the portable fmaf); nothing else is
  * contracted (the build's -ffp-contract=off). */
 #ifndef DISTOPT_NS_H
 #define DISTOPT_NS_H
@@ -31,9 +32,10 @@
 /* bf16 round to nearest even of an fp32 value, as an fp32 value (NaN kept) */
 float dopt_round_bf16(float x);
 
-/* C[M, N] = A[M, K] · B[K, N], all row-major fp32; each C[i][j] accumulated in fp32 over k = 0..K-1 in order
- * (no contraction). par: NULL or threads for rows of C. */
-void dopt_gemm_nn(size_t M, size_t N, size_t K, const float *A, const float *B, float *C, const dopt_par *par);
+/* C[M, N] = A[M, K] · B[K, N], all row-major fp32; each C[i][j] = fmaf(A[i][k], B[k][j], acc) over k = 0..K-1
+ * in order from +0 (bf16 operands: the exact products' fp32 sum). par: NULL or threads for blocks of rows of C
+ * (no bit depends on them). DOPT_ERR_NO_MEMORY: the packed copy of B (K · N rounded up to 16 floats). */
+dopt_status dopt_gemm_nn(size_t M, size_t N, size_t K, const float *A, const float *B, float *C, const dopt_par *par);
 
 /* Orthogonalises g [h, w] (row-major) in place: `steps` iterations, bf16 != 0: in bf16 arithmetic (the result
  * holds bf16 values). A tall matrix is iterated transposed, as upstream. */

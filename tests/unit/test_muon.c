@@ -66,18 +66,18 @@ static void test_adjust_lr_fn(void **st) {
     }
 }
 
-/* dopt_gemm_nn: each element the k-order fp32 sum (a plain loop), at any thread split; the bf16 iteration's
+/* dopt_gemm_nn: each element the k-order fmaf chain (a plain loop), K across two slabs, edge tiles; the bf16 iteration's
  * output is close to orthogonal (upstream's iteration leaves the singular values in about [0.5, 1.5]). */
 static void test_kernel(void **st) {
   (void)st;
-  const size_t M = 70, N = 90, K = 65;
+  const size_t M = 70, N = 90, K = 300; /* edge rows (70 = 11·6 + 4) and columns (90 = 5·16 + 10), two k slabs */
   float *A = filled(M * K, 7, 1.0), *B = filled(K * N, 8, 1.0), *C = malloc(M * N * sizeof *C);
-  dopt_gemm_nn(M, N, K, A, B, C, NULL);
+  assert_ok(dopt_gemm_nn(M, N, K, A, B, C, NULL));
   for (size_t i = 0; i < M; i++)
     for (size_t j = 0; j < N; j++) {
       float acc = 0.0f;
-      for (size_t k = 0; k < K; k++) acc = acc + A[i * K + k] * B[k * N + j];
-      if (memcmp(&acc, &C[i * N + j], sizeof acc)) fail_msg("C[%zu][%zu] = %a, the k-order sum %a", i, j, (double)C[i * N + j], (double)acc);
+      for (size_t k = 0; k < K; k++) acc = fmaf(A[i * K + k], B[k * N + j], acc);
+      if (memcmp(&acc, &C[i * N + j], sizeof acc)) fail_msg("C[%zu][%zu] = %a, the k-order chain %a", i, j, (double)C[i * N + j], (double)acc);
     }
   const size_t h = 32, w = 64;
   float *x = filled(h * w, 9, 1.0), *xxt = malloc(h * h * sizeof *xxt), *xt = malloc(w * h * sizeof *xt);
@@ -85,7 +85,7 @@ static void test_kernel(void **st) {
   for (size_t i = 0; i < h * w; i++) assert_true(x[i] == dopt_round_bf16(x[i])); /* bf16 values */
   for (size_t i = 0; i < h; i++)
     for (size_t j = 0; j < w; j++) xt[j * h + i] = x[i * w + j];
-  dopt_gemm_nn(h, h, w, x, xt, xxt, NULL);
+  assert_ok(dopt_gemm_nn(h, h, w, x, xt, xxt, NULL));
   for (size_t i = 0; i < h; i++) { /* X·Xᵀ: diagonal (the squared singular values) in [0.25, 2.25], off-diagonal small */
     assert_true(xxt[i * h + i] > 0.25f && xxt[i * h + i] < 2.25f);
     for (size_t j = 0; j < h; j++)
