@@ -220,6 +220,16 @@ static dopt_status step(const dopt_step_args *a) {
   return muon_step(a, ndim, shape);
 }
 
+/* GaLore around Muon (galore(inner=muon)): the full weight decays as Muon decays its parameter, before the
+ * update, by lr·weight_decay with the lr its low-rank matrix steps with (lr none: Muon's 0.02, or aux Adam's
+ * 3e-4 in a use_muon=false group); the wrapper's default, −lr·weight_decay from the key, would be NaN there. */
+static int lowrank_decay(const double *hp, int64_t step, void *const *state, float *factor) {
+  (void)step, (void)state;
+  const double lr = !isnan(hp[LR]) ? hp[LR] : is_muon(hp, 2) ? 0.02 : 3e-4;
+  *factor = hp[WD] != 0.0 ? (float)(-(lr * hp[WD])) : 0.0f;
+  return 1;
+}
+
 /* settings that exercise every path (dopt_optim_impl.example/grid): Muon in bf16 with weight decay on every
  * matrix (3-D ones per batch index), aux Adam on the rest (use_muon=auto); fp32 iteration without Nesterov;
  * torch.optim.Muon's lr rule */
@@ -242,6 +252,7 @@ const dopt_optim_impl dopt_impl_muon = {
     .whole = whole,
     .cost = cost,
     .units = units,
+    .lowrank_decay = lowrank_decay,
     .example = NULL,
     .grid = grid,
 };

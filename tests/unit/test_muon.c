@@ -226,9 +226,41 @@ static void test_units(void **st) {
   dopt_optim_destroy(o);
 }
 
+/* galore(inner=muon) with weight decay: lr none is the Muon lr (0.02) for the full weight's decay too, bit for
+ * bit the run with lr=0.02 given (it was NaN: the wrapper's default decay read the key's none), and the decay
+ * acts (weight_decay=0 differs). */
+static void test_galore_around_muon(void **st) {
+  (void)st;
+  static const char *const H[] = {"inner=muon,rank=4,update_proj_gap=2,weight_decay=0.1",
+                                  "inner=muon,rank=4,update_proj_gap=2,weight_decay=0.1,lr=0.02",
+                                  "inner=muon,rank=4,update_proj_gap=2"};
+  float out[3][32 * 16];
+  for (int h = 0; h < 3; h++) {
+    dopt_optim *o = NULL;
+    assert_ok(dopt_optim_create("galore", H[h], &o));
+    float *w0 = filled(32 * 16, 21, 0.1);
+    memcpy(out[h], w0, sizeof out[h]);
+    dopt_param_config pc = DOPT_PARAM_CONFIG_INIT;
+    pc.name = "w", pc.ndim = 2, pc.shape[0] = 32, pc.shape[1] = 16, pc.data = out[h];
+    assert_ok(dopt_optim_add_param(o, 0, &pc, NULL));
+    for (uint64_t t = 0; t < 4; t++) {
+      float *g = filled(32 * 16, 30 + t, 1.0);
+      const float *gp[1] = {g};
+      assert_ok(dopt_optim_step(o, gp));
+      free(g);
+    }
+    for (size_t i = 0; i < 32 * 16; i++)
+      if (!isfinite(out[h][i])) fail_msg("[%s] w[%zu] = %g", H[h], i, (double)out[h][i]);
+    free(w0);
+    dopt_optim_destroy(o);
+  }
+  assert_memory_equal(out[0], out[1], sizeof out[0]);
+  assert_true(memcmp(out[0], out[2], sizeof out[0]) != 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_adjust_lr_fn), cmocka_unit_test(test_kernel),
                                      cmocka_unit_test(test_groups_and_refusals), cmocka_unit_test(test_cost),
-                                     cmocka_unit_test(test_units)};
+                                     cmocka_unit_test(test_units), cmocka_unit_test(test_galore_around_muon)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
