@@ -125,7 +125,7 @@ int main(int argc, char **argv) {
     }
     free(x), free(g), free(p), free(A), free(C), free(T);
   }
-  printf("\ndistopt's kernel: each output element one fp32 sum in k order (exact bf16 products), rows split over\n"
+  printf("\ndistopt's kernel: each output element one fmaf chain in k order (exact bf16 products), row blocks split over\n"
          "threads; sgemm: OpenBLAS's blocked fp32 kernel with FMAs (the order and the bits depend on the build and\n"
          "the thread count). The iteration's time is a muon step less a step with ns_steps=0 (the same elementwise\n"
          "passes and normalisation).\n");
