@@ -629,7 +629,11 @@ static dopt_status apply_schedule(dopt_optim *o) {
   if (s == DOPT_OK) s = o->wrapper->wrap->schedule(o->whp, o->gstep, o->nparams, layer, frozen, &reset);
   for (int i = 0; s == DOPT_OK && i < o->nparams; i++) {
     o->params[i].frozen = frozen[i];
-    if (reset && o->params[i].layer >= 0) dopt__optim_free_states(o, i);
+    o->params[i].cnt_last[DOPT_COUNTER_FROZEN] = frozen[i] != 0;
+    if (reset && o->params[i].layer >= 0) {
+      dopt__optim_free_states(o, i);
+      o->params[i].cnt_last[DOPT_COUNTER_RESETS] = 1;
+    }
   }
   free(layer);
   free(frozen);
@@ -672,7 +676,7 @@ typedef struct item {
   dopt_reducer red;
   post *posts;
   int nposts, posts_cap;
-  unsigned events;
+  int64_t counts[DOPT_NCOUNTERS]; /* this piece's counts of the step */
   int solo; /* a whole tensor of an optimizer that takes no pieces, large: run alone, with dopt_par */
   dopt_status st;
   char msg[512]; /* the failing stage's message (it ran on another thread) */
@@ -759,7 +763,8 @@ static dopt_status setup_item(dopt_optim *o, item *it, int i, int part, int part
   dopt_param *p = &o->params[i];
   const double *hp = o->groups[p->group].hp;
   it->param = i, it->part = part, it->parts = parts;
-  it->stage = 0, it->more = 0, it->events = 0, it->nposts = 0, it->st = DOPT_OK, it->solo = 0;
+  memset(it->counts, 0, sizeof it->counts);
+  it->stage = 0, it->more = 0, it->nposts = 0, it->st = DOPT_OK, it->solo = 0;
   dopt_piece_full(p->ndim, p->shape, &it->pc);
   /* pieces of whole blocks when the parameter has blockwise states: no block is shared between them */
   const size_t B = p->qblock ? p->qblock : 1, nb = (p->numel + B - 1) / B;
@@ -814,7 +819,7 @@ static void item_task(void *ctx, size_t t) {
   it->red = (dopt_reducer){it, post_max, post_sum}; /* here: the items array moves while it grows */
   dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
                       p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
-                      it->parts > 1 ? &it->red : NULL, &it->events, (uint64_t)it->param, it->stage, &it->more, NULL,
+                      it->parts > 1 ? &it->red : NULL, it->counts, (uint64_t)it->param, it->stage, &it->more, NULL,
                       it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL, NULL, p->ndim, p->shape};
   dopt_status s;
   if (it->parts == 1) {
@@ -880,6 +885,7 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");
   int threads = 1;
   DOPT_TRY(ensure_pool(o, &threads));
+  for (int i = 0; i < o->nparams; i++) memset(o->params[i].cnt_last, 0, sizeof o->params[i].cnt_last);
   if (o->wrapper) DOPT_TRY(apply_schedule(o));
   const size_t chunk = o->min_chunk ? o->min_chunk : DOPT_MIN_CHUNK;
   /* the items: pieces of a parameter are consecutive */
@@ -903,7 +909,7 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
       o->items_cap = cap;
     }
     p->step++;
-    p->events = 0;
+    p->cnt_last[DOPT_COUNTER_STEPS] = 1;
     for (size_t k = 0; k < parts; k++) DOPT_TRY(setup_item(o, &o->items[o->nitems++], i, (int)k, (int)parts));
     /* a large whole tensor steps alone, its independent blocks over the threads */
     o->items[o->nitems - 1].solo = threads > 1 && whole && p->numel / chunk >= 2;
@@ -953,7 +959,9 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
       }
   }
   free(todo);
-  for (int k = 0; k < o->nitems; k++) o->params[o->items[k].param].events |= o->items[k].events;
+  for (int k = 0; k < o->nitems; k++) dopt_counts_merge(o->params[o->items[k].param].cnt_last, o->items[k].counts);
+  for (int i = 0; i < o->nparams; i++)
+    for (int c = 0; c < DOPT_NCOUNTERS; c++) o->params[i].cnt_total[c] += o->params[i].cnt_last[c];
   if (s == DOPT_OK) o->gstep++;
   return s;
 }
@@ -961,9 +969,45 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
 dopt_status dopt_optim_events(const dopt_optim *o, int i, unsigned *events) {
   DOPT_TRY(check_param(o, i, "dopt_optim_events"));
   DOPT_CHECK_ARG(events != NULL, "dopt_optim_events: events=NULL");
-  *events = o->params[i].events;
+  *events = dopt__counts_events(o->params[i].cnt_last);
   return DOPT_OK;
 }
+
+unsigned dopt__counts_events(const int64_t *c) {
+  return (c[DOPT_COUNTER_RANK_CLAMPED] ? DOPT_EVENT_RANK_CLAMPED : 0u) |
+         (c[DOPT_COUNTER_SVD_FALLBACKS] ? DOPT_EVENT_SVD_FALLBACK : 0u) |
+         (c[DOPT_COUNTER_SVD_FAILURES] ? DOPT_EVENT_SVD_FAILED : 0u) |
+         (c[DOPT_COUNTER_NONFINITE_RESETS] ? DOPT_EVENT_NONFINITE_RESET : 0u) |
+         (c[DOPT_COUNTER_CLIPPED] ? DOPT_EVENT_CLIPPED : 0u);
+}
+
+dopt_status dopt__counters_fill(dopt_counters *out, const int64_t *last, const int64_t *total, int held, int primary) {
+  DOPT_CHECK_ARG(out != NULL, "counters: out=NULL");
+  DOPT_CHECK_ARG(out->size >= sizeof *out && out->version >= 1,
+                 "counters: out.size=%zu / version=%d (initialise it with DOPT_COUNTERS_INIT)", out->size, out->version);
+  out->n = DOPT_NCOUNTERS;
+  out->held = held, out->primary = primary;
+  memset(out->last, 0, sizeof out->last);
+  memset(out->total, 0, sizeof out->total);
+  memcpy(out->last, last, DOPT_NCOUNTERS * sizeof *last);
+  memcpy(out->total, total, DOPT_NCOUNTERS * sizeof *total);
+  return DOPT_OK;
+}
+
+dopt_status dopt_optim_counters(const dopt_optim *o, int i, dopt_counters *out) {
+  DOPT_TRY(check_param(o, i, "dopt_optim_counters"));
+  return dopt__counters_fill(out, o->params[i].cnt_last, o->params[i].cnt_total, 1, 1);
+}
+
+#define DOPT_COUNTER_ROW_(id, name, scope) {name, scope},
+static const struct {
+  const char *name;
+  int scope;
+} counter_rows[] = {DOPT_COUNTER_TABLE(DOPT_COUNTER_ROW_)};
+#undef DOPT_COUNTER_ROW_
+
+const char *dopt_counter_name(int c) { return c >= 0 && c < DOPT_NCOUNTERS ? counter_rows[c].name : NULL; }
+int dopt_counter_scope(int c) { return c >= 0 && c < DOPT_NCOUNTERS ? counter_rows[c].scope : -1; }
 
 const dopt_optim_impl *dopt__optim_impl(const dopt_optim *o) { return o->impl; }
 const double *dopt__optim_group_hp(const dopt_optim *o, int g) { return o->groups[g].hp; }

@@ -66,7 +66,8 @@ typedef struct dopt_param {
   int layer;
   int64_t step;                        /* steps taken by this parameter */
   int frozen;                          /* set from a wrapper's schedule (LISA): skip as a NULL gradient */
-  unsigned events;                     /* DOPT_EVENT_* of the last step */
+  int64_t cnt_last[DOPT_NCOUNTERS];    /* dopt_counters: the last step call's counts */
+  int64_t cnt_total[DOPT_NCOUNTERS];   /* since creation */
   int nstates;                         /* 0 until allocated */
   dopt_state_view st[DOPT_MAX_STATES]; /* names/shapes from the layout, data owned */
   unsigned char kind[DOPT_MAX_STATES]; /* dopt_state_kind of st[k] */
@@ -124,7 +125,7 @@ typedef struct dopt_step_args {
   void *const *state;      /* elementwise states [len], the others whole */
   void *frame;             /* impl->frame(hp, piece) bytes, kept across stages */
   const dopt_reducer *red; /* NULL: single device */
-  unsigned *events;        /* the step ORs DOPT_EVENT_* flags here (may be NULL) */
+  int64_t *counts;         /* [DOPT_NCOUNTERS] the step adds its counts here (dopt_count; may be NULL) */
   uint64_t tensor;         /* the parameter's index in its optimizer (counter-based generator key) */
   int stage;               /* the stage to run: 0, 1, ... */
   int *more;               /* set to 1 by a stage that posted and needs the next one */
@@ -146,6 +147,23 @@ typedef struct dopt_step_args {
   int ndim;
   const int64_t *shape;
 } dopt_step_args;
+
+/* Adds n to counter c of this step (a piece counts a SUM counter for the work it did, an EACH counter once). */
+static inline void dopt_count(const dopt_step_args *a, dopt_counter c, int64_t n) {
+  if (a->counts) a->counts[c] += n;
+}
+
+/* Merges one piece's counts of a step into the parameter's: SUM counters add, EACH counters (alike on every
+ * piece) take the largest. */
+static inline void dopt_counts_merge(int64_t *into, const int64_t *piece) {
+  for (int c = 0; c < DOPT_NCOUNTERS; c++)
+    into[c] = dopt_counter_scope(c) == DOPT_COUNT_SUM ? into[c] + piece[c] : (piece[c] > into[c] ? piece[c] : into[c]);
+}
+
+/* DOPT_EVENT_* flags of a step's counts; an out struct filled from a parameter's counts (checks size and
+ * version). */
+unsigned dopt__counts_events(const int64_t *counts);
+dopt_status dopt__counters_fill(dopt_counters *out, const int64_t *last, const int64_t *total, int held, int primary);
 
 typedef struct dopt_proj_hook {
   dopt_projector_fn fn;

@@ -104,7 +104,9 @@ struct dist_param {
   size_t *ub;
   size_t u0, u1;      /* this rank's units: what full and the states hold (owner mode) */
   float *full;        /* [(u1 - u0) · numel / nunits] its units' logical fp32 values (owner ranks only) */
-  unsigned events;    /* DOPT_EVENT_* of the last step (owner ranks) */
+  int64_t cnt_last[DOPT_NCOUNTERS];  /* dopt_counters of this rank's piece: the last step call's counts */
+  int64_t cnt_total[DOPT_NCOUNTERS]; /* since creation */
+  int64_t cnt_seen[DOPT_NCOUNTERS];  /* cnt_total at the last dopt_dist_check_counters */
 };
 
 struct dopt_dist_optim {

@@ -181,8 +181,8 @@ static dopt_status step_units(dopt_dist_optim *d, int i, const float *g) {
   dopt_piece piece;
   dopt_piece_full(p->ndim, p->shape, &piece);
   piece.lo = p->u0 * lunit(p), piece.len = (p->u1 - p->u0) * lunit(p); /* one unit: the whole tensor */
-  p->events = 0;
-  dopt_step_args a = {d->impl, d->hp[p->group], p->step, &piece, p->full, g, p->state, NULL, NULL, &p->events,
+  p->cnt_last[DOPT_COUNTER_STEPS] = 1;
+  dopt_step_args a = {d->impl, d->hp[p->group], p->step, &piece, p->full, g, p->state, NULL, NULL, p->cnt_last,
                       (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, p->ndim, p->shape};
   DOPT_TRY(dd_grow_dev(d, &d->frames, &d->frames_cap, DEV(d)->frame_bytes(DCTX(d), &a)));
   a.frame = d->frames;

@@ -114,7 +114,9 @@ static dopt_status apply_schedule(dopt_dist_optim *d) {
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     d->skip[i] |= d->frozen[i];
+    p->cnt_last[DOPT_COUNTER_FROZEN] = d->frozen[i] != 0;
     if (!reset || d->layer[i] < 0) continue;
+    p->cnt_last[DOPT_COUNTER_RESETS] = 1;
     p->step = 0;
     for (int k = 0; k < p->nstates; k++) {
       if (!p->state[k]) continue; /* owner mode: not the owner */
@@ -237,6 +239,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
   dopt_dist_step_info local = {0, -1.0, d->micro};
   int64_t bad;
+  for (int i = 0; i < d->np; i++) memset(d->p[i].cnt_last, 0, sizeof d->p[i].cnt_last);
   DOPT_TRY(reduce_grads(d, &bad));
   DOPT_TRY(world_flags(d, &bad));
   memset(d->has, 0, (size_t)d->np);
@@ -264,10 +267,10 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   for (int i = 0; i < d->np; i++) { /* the piecewise parameters (owner mode: below) */
     dist_param *p = &d->p[i];
     if (p->owned) continue;
-    if (!d->skip[i]) p->step++;
+    if (!d->skip[i]) p->step++, p->cnt_last[DOPT_COUNTER_STEPS] = 1;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
-                                  NULL, &p->red, NULL, (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL,
+                                  NULL, &p->red, p->cnt_last, (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL,
                                   p->qblock ? &p->share : NULL, p->ndim, p->shape};
   }
   DOPT_TRY(run_buckets(d));
@@ -280,6 +283,8 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) DOPT_TRY(gather_weights(d));
   /* owner mode: every rank receives its pieces' new values (no working-copy update, no all-gather) */
   if (d->nowned) DOPT_TRY(dd_owner_steps(d));
+  for (int i = 0; i < d->np; i++)
+    for (int c = 0; c < DOPT_NCOUNTERS; c++) d->p[i].cnt_total[c] += d->p[i].cnt_last[c];
   if (info) *info = local;
   d->micro = 0; /* the next backward overwrites the accumulators */
   return DOPT_OK;

@@ -219,7 +219,7 @@ static dopt_status step(const dopt_step_args *a) {
       int clipped = 0;
       f->gscale = dopt__q8_percentile_scale(dopt_ss_value(&f->ss), a->state[q8 ? 4 : 2], a->step, (int)hp[PCT],
                                             &clipped);
-      if (clipped && a->events) *a->events |= DOPT_EVENT_CLIPPED;
+      if (clipped) dopt_count(a, DOPT_COUNTER_CLIPPED, 1);
     }
     stage -= 2;
   } else if (stage == 0) {
@@ -235,7 +235,10 @@ static dopt_status step(const dopt_step_args *a) {
       .step = a->step,
       .block = (size_t)hp[BLOCK],
   };
-  if (!q8) return dopt_q8_adam32_update(a->param, a->grad, a->state[0], a->state[1], a->piece->len, &k);
+  if (!q8) {
+    if (*a->more == 0) dopt_count(a, DOPT_COUNTER_Q8_FP32_STEPS, 1); /* the last stage */
+    return dopt_q8_adam32_update(a->param, a->grad, a->state[0], a->state[1], a->piece->len, &k);
+  }
   size_t bad = 0;
   const dopt_block_share *sh = a->shared && a->shared->n ? a->shared : NULL;
   if (stage == 0) {
@@ -250,7 +253,13 @@ static dopt_status step(const dopt_step_args *a) {
   } else {
     DOPT_TRY(walk_blocks(a, &k, 1, &bad));
   }
-  if (bad && a->events) *a->events |= DOPT_EVENT_NONFINITE_RESET;
+  if (*a->more) return DOPT_OK; /* the counts once, at the last stage */
+  dopt_count(a, DOPT_COUNTER_Q8_STEPS, 1);
+  if (bad) { /* the kernels' count depends on how the blocks were walked: the elements, counted once */
+    size_t n = 0;
+    for (size_t i = 0; i < a->piece->len; i++) n += isfinite(a->grad[i]) ? 0u : 1u;
+    dopt_count(a, DOPT_COUNTER_NONFINITE_RESETS, (int64_t)n);
+  }
   return DOPT_OK;
 }
 

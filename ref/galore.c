@@ -219,7 +219,8 @@ int dopt_galore_begin(const dopt_galore_spec *sp, const dopt_step_args *a, dopt_
                      sp->who, a->piece->len, a->piece->numel);
     return 1;
   }
-  if (pl->clamped && a->events) *a->events |= DOPT_EVENT_RANK_CLAMPED;
+  dopt_count(a, DOPT_COUNTER_PROJECTED, 1);
+  if (pl->clamped) dopt_count(a, DOPT_COUNTER_RANK_CLAMPED, 1);
   *st = DOPT_OK;
   return 0;
 }
@@ -261,7 +262,7 @@ dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args 
     }
     int more = 0;
     const int64_t low[2] = {(int64_t)pl->rows, (int64_t)pl->cols};
-    dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->events, a->tensor, 0, &more,
+    dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->counts, a->tensor, 0, &more,
                          NULL, a->par, w, numel, a->proj_hook, NULL, 2, low};
     if ((st = dopt__run_stages(NULL, &in)) != DOPT_OK) goto done;
   }
@@ -289,6 +290,13 @@ static dopt_svd_opts svd_opts(const dopt_galore_spec *sp, const double *hp, int6
                          (uint64_t)g[DOPT_GP_SEED], iter};
 }
 
+/* A refresh's counts: one refresh (supplied or by SVD), and the SVD's DOPT_EVENT_* flags. */
+static void count_refresh(const dopt_step_args *a, unsigned ev) {
+  dopt_count(a, DOPT_COUNTER_REFRESHES, 1);
+  if (ev & DOPT_EVENT_SVD_FALLBACK) dopt_count(a, DOPT_COUNTER_SVD_FALLBACKS, 1);
+  if (ev & DOPT_EVENT_SVD_FAILED) dopt_count(a, DOPT_COUNTER_SVD_FAILURES, 1);
+}
+
 /* At a due refresh: the caller's projector (1: A/B filled), 0 when there is no hook or it declined, -1 on its
  * failure (*st set). */
 static int hooked(const dopt_galore_spec *sp, const dopt_step_args *a, const dopt_galore_plan *pl, float *A, float *B,
@@ -296,6 +304,7 @@ static int hooked(const dopt_galore_spec *sp, const dopt_step_args *a, const dop
   if (!a->proj_hook) return 0;
   int given = a->proj_hook->fn(a->proj_hook->user, (int)a->tensor, a->step, a->grad, (int64_t)pl->m, (int64_t)pl->n,
                                (int64_t)pl->r, A, B);
+  if (given > 0) dopt_count(a, DOPT_COUNTER_SUPPLIED, 1);
   if (given >= 0) return given != 0;
   *st = dopt__fail(DOPT_ERR_INVALID_ARG, "%s: the projector hook failed for parameter %d at step %lld", sp->who,
                    (int)a->tensor, (long long)a->step);
@@ -355,7 +364,7 @@ static dopt_status quant_step(const dopt_galore_spec *sp, const dopt_step_args *
     const dopt_svd_opts so = svd_opts(sp, hp, iter);
     const int given = hooked(sp, a, pl, A, B, &st);
     if (given < 0 || (!given && (st = dopt_galore_refresh(pl, a->grad, &so, have, A, B, &ev)) != DOPT_OK)) goto done;
-    if (a->events) *a->events |= ev;
+    count_refresh(a, ev);
     if (!(ev & DOPT_EVENT_SVD_FAILED)) {
       lz[LZ_SVDS] += 1.0;
       const size_t vlen = pl->right ? pl->n : pl->m, vstride = pl->right ? 1 : pl->r; /* B[0, :] or A[:, 0] */
@@ -406,7 +415,9 @@ dopt_status dopt_galore_step(const dopt_galore_spec *sp, const dopt_step_args *a
   if (!dopt_galore_due(&pl, a->step, gap, A, B, &have_prev)) return dopt_galore_update(sp, a, &pl, A, B);
   const int given = hooked(sp, a, &pl, A, B, &st); /* the caller's projector first */
   if (given < 0) return st;
-  if (!given) DOPT_TRY(dopt_galore_refresh(&pl, a->grad, &so, have_prev, A, B, a->events));
+  unsigned ev = 0;
+  if (!given) DOPT_TRY(dopt_galore_refresh(&pl, a->grad, &so, have_prev, A, B, &ev));
+  count_refresh(a, ev);
   return dopt_galore_update(sp, a, &pl, A, B);
 }
 

@@ -181,6 +181,8 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   dopt_status s = DOPT_OK;
   for (size_t k = 0; s == DOPT_OK && k < count; k++)
     s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, (int)hp[NS_STEPS], bf16, a->par);
+  dopt_count(a, DOPT_COUNTER_NS, (int64_t)count);
+  dopt_count(a, DOPT_COUNTER_NS_ITERATIONS, (int64_t)count * (int64_t)hp[NS_STEPS]);
   if (s != DOPT_OK) {
     free(u);
     return s;
@@ -211,7 +213,10 @@ static dopt_status step(const dopt_step_args *a) {
   const int64_t view[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
   const int ndim = a->shape ? a->ndim : pc->factored ? 3 : 1;
   const int64_t *shape = a->shape ? a->shape : pc->factored ? view : view + 2;
-  if (!is_muon(a->hp, ndim)) return adam_step(a);
+  if (!is_muon(a->hp, ndim)) {
+    dopt_count(a, DOPT_COUNTER_AUX_ADAM, 1);
+    return adam_step(a);
+  }
   if (ndim < 2)
     return dopt__fail(DOPT_ERR_SHAPE,
                       "muon: a %d-D parameter of %zu elements cannot be orthogonalised (use_muon=true); put it in a "

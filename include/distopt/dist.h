@@ -178,6 +178,25 @@ DOPT_API dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *pa
 /* The logical size in bytes of parameter i's state `key` (what gather_state writes). */
 DOPT_API dopt_status dopt_dist_state_bytes(const dopt_dist_optim *d, int param, const char *key, size_t *bytes);
 DOPT_API dopt_status dopt_dist_get_step(const dopt_dist_optim *d, int param, int64_t *step);
+/* This rank's counters of parameter i (dopt_counters, distopt/optim.h): its
+ * piece's counts; held: it holds a piece it steps; primary: that piece is its
+ * first copy (a TP-replicated tensor's repeats over tp, a piecewise one's at
+ * ZeRO 0 over dp), so a SUM counter's total is the sum over primaries. */
+DOPT_API dopt_status dopt_dist_counters(const dopt_dist_optim *d, int param, dopt_counters *out);
+typedef struct dopt_counter_diff {
+  int param;           /* -1: every count equals the reference's */
+  int counter;         /* dopt_counter id (dopt_counter_name) */
+  int rank;            /* the world rank whose EACH count differs; -1: a SUM counter's total over the pieces */
+  int64_t reference, distributed;
+} dopt_counter_diff;
+/* The counts of every parameter since the previous check (the step, or the
+ * steps, taken since) against the reference's: ref is [np · DOPT_NCOUNTERS]
+ * (row-major: the reference's `total` now minus at the previous check), read on
+ * world rank 0 (the others may pass NULL). EACH counters must equal it on
+ * every rank that holds a piece, SUM counters in total over the primary
+ * pieces. *out, on every rank: the first difference by parameter, counter,
+ * rank, or param -1. [C] */
+DOPT_API dopt_status dopt_dist_check_counters(dopt_dist_optim *d, const int64_t *ref, dopt_counter_diff *out);
 
 /* Checkpoints (docs/checkpoints.md). Save: every rank writes the pieces it
  * holds — its TP block or ZeRO range of each parameter, bf16 copy and

@@ -151,7 +151,59 @@ DOPT_API dopt_status dopt_optim_set_gstep(dopt_optim *o, int64_t gstep);
 #define DOPT_EVENT_SVD_FAILED 0x4u     /* both SVDs failed: the previous projector was kept */
 #define DOPT_EVENT_NONFINITE_RESET 0x8u /* non-finite gradient elements reset their states */
 #define DOPT_EVENT_CLIPPED 0x10u       /* a per-tensor clipping (e.g. percentile) scaled the gradient */
+/* The last step's flags, read from its counters (dopt_optim_counters). */
 DOPT_API dopt_status dopt_optim_events(const dopt_optim *o, int param, unsigned *events);
+
+/* ---- counters: how much work each parameter's steps did ----------------------------------
+ * X(ID, "name", scope), one row per counter (docs/api.md "Counters"). Scope
+ * DOPT_COUNT_EACH: a property of the parameter's step that every piece
+ * stepping it reports alike (a distributed run is checked on every rank that
+ * holds a piece); DOPT_COUNT_SUM: work counted where it is done (per matrix,
+ * per element), whose total over the distinct pieces is the parameter's. New
+ * rows go at the end (the ids are the ABI). */
+#define DOPT_COUNTER_TABLE(X)                                                                                          \
+  X(STEPS, "steps", DOPT_COUNT_EACH)                         /* updates applied (0: skipped, absent, frozen) */        \
+  X(FROZEN, "lisa.frozen", DOPT_COUNT_EACH)                  /* steps a wrapper (LISA) froze it */                     \
+  X(RESETS, "lisa.resets", DOPT_COUNT_EACH)                  /* its states and step reset by a wrapper (LISA) */       \
+  X(Q8_STEPS, "q8.steps", DOPT_COUNT_EACH)                   /* steps on 8-bit states */                               \
+  X(Q8_FP32_STEPS, "q8.fp32_steps", DOPT_COUNT_EACH)         /* an 8-bit optimizer's steps on fp32 states */           \
+  X(CLIPPED, "q8.clipped", DOPT_COUNT_EACH)                  /* steps whose percentile clipping scaled the gradient */ \
+  X(NONFINITE_RESETS, "q8.nonfinite_resets", DOPT_COUNT_SUM) /* non-finite gradient elements (their states reset) */   \
+  X(PROJECTED, "galore.projected", DOPT_COUNT_SUM)           /* steps of a matrix in its low-rank frame */             \
+  X(REFRESHES, "galore.refreshes", DOPT_COUNT_SUM)           /* projector refreshes (SVD or supplied) */               \
+  X(SUPPLIED, "galore.supplied", DOPT_COUNT_SUM)             /* refreshes whose projector the caller's hook gave */    \
+  X(RANK_CLAMPED, "galore.rank_clamped", DOPT_COUNT_SUM)     /* projected steps with a rank clamped to min(m, n) */    \
+  X(SVD_FALLBACKS, "galore.svd_fallbacks", DOPT_COUNT_SUM)   /* sgesdd failed, sgesvd used */                          \
+  X(SVD_FAILURES, "galore.svd_failures", DOPT_COUNT_SUM)     /* both SVDs failed: the previous projector kept */       \
+  X(NS, "muon.ns", DOPT_COUNT_SUM)                           /* Newton-Schulz calls (one per matrix) */                \
+  X(AUX_ADAM, "muon.adam", DOPT_COUNT_EACH)                  /* steps on Muon's auxiliary Adam path */                 \
+  X(NS_ITERATIONS, "muon.ns_iterations", DOPT_COUNT_SUM)     /* Newton-Schulz iterations (calls x ns_steps) */
+
+#define DOPT_COUNT_EACH 0
+#define DOPT_COUNT_SUM 1
+#define DOPT_COUNTER_ID_(id, name, scope) DOPT_COUNTER_##id,
+typedef enum dopt_counter { DOPT_COUNTER_TABLE(DOPT_COUNTER_ID_) DOPT_NCOUNTERS } dopt_counter;
+#undef DOPT_COUNTER_ID_
+#define DOPT_COUNTERS_MAX 32 /* room in dopt_counters: rows can be added without changing its size */
+
+#define DOPT_COUNTERS_VERSION 1
+typedef struct dopt_counters {
+  size_t size;                       /* sizeof(dopt_counters) */
+  int version;                       /* DOPT_COUNTERS_VERSION */
+  int n;                             /* out: the counters filled, DOPT_NCOUNTERS */
+  int held;                          /* out: this optimizer (rank) holds a piece of the parameter it steps */
+  int primary;                       /* out: its piece is the first copy (replicas repeat it): SUM counters total
+                                      * over the primary pieces */
+  int64_t last[DOPT_COUNTERS_MAX];   /* out: the last step call's counts */
+  int64_t total[DOPT_COUNTERS_MAX];  /* out: since the optimizer was created */
+} dopt_counters;
+#define DOPT_COUNTERS_INIT { sizeof(dopt_counters), DOPT_COUNTERS_VERSION, 0, 0, 0, {0}, {0} }
+
+/* A parameter's counters (the reference: held and primary are 1). */
+DOPT_API dopt_status dopt_optim_counters(const dopt_optim *o, int param, dopt_counters *out);
+/* Counter c's name ("galore.refreshes") and scope (DOPT_COUNT_*); NULL / -1 for an unknown id. */
+DOPT_API const char *dopt_counter_name(int c);
+DOPT_API int dopt_counter_scope(int c);
 
 /* Exact optimizer-state memory in bytes. param >= 0: that parameter;
  * param = -1: all parameters. `allocated` = what is allocated now; `full` =

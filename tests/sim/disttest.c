@@ -140,7 +140,9 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
     gp[i] = avg[i];
   }
   g = malloc(maxn * sizeof(float));
-  dopt_status s = DOPT_OK;
+  const size_t nc = (size_t)c->nparams * DOPT_NCOUNTERS;
+  r->counts = calloc((size_t)(c->steps + 1) * nc + 1, sizeof *r->counts);
+  dopt_status s = r->counts ? DOPT_OK : DOPT_ERR_NO_MEMORY;
   const float denom = (float)((double)dp * (double)c->micro);
   double ss[DT_MAXP];
   for (int t = 1; t <= c->steps && s == DOPT_OK; t++) {
@@ -182,6 +184,13 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
           for (size_t k = 0; k < numel_of(&c->params[i]); k++) avg[i][k] = avg[i][k] * coef;
       }
       s = dopt_optim_step(o, gp);
+    }
+    for (int i = 0; s == DOPT_OK && i < c->nparams; i++) { /* this step's counts: the totals' change */
+      dopt_counters k = DOPT_COUNTERS_INIT;
+      s = dopt_optim_counters(o, i, &k);
+      int64_t *row = r->counts + (size_t)t * nc + (size_t)i * DOPT_NCOUNTERS;
+      for (int q = 0; s == DOPT_OK && q < DOPT_NCOUNTERS; q++) row[q] = k.total[q] - r->counts[(size_t)i * DOPT_NCOUNTERS + (size_t)q];
+      for (int q = 0; s == DOPT_OK && q < DOPT_NCOUNTERS; q++) r->counts[(size_t)i * DOPT_NCOUNTERS + (size_t)q] = k.total[q];
     }
     if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
     int ck = r->nck++;
@@ -226,6 +235,7 @@ typedef struct run_ctx {
   dt_result *r; /* written by world rank 0 only */
   int t_first, t_last;          /* the steps this world runs */
   const char *load_dir, *save_dir; /* checkpoint loaded before t_first / saved after t_last (NULL: none) */
+  const int64_t *ref_counts;       /* the reference's counts per step (dt_result.counts), or NULL */
 } run_ctx;
 
 static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
@@ -311,6 +321,14 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &after[1]);
     for (int g = 0; s == DOPT_OK && rank < DT_MAXRANKS && g < 2; g++)
       for (int k = 0; k < DOPT_SIM_KIND_COUNT; k++) x->r->step_ops[rank][k] += after[g].ops[k] - before[g].ops[k];
+    if (s == DOPT_OK && x->ref_counts) { /* every step's counters against the reference's (collective) */
+      dopt_counter_diff df;
+      s = dopt_dist_check_counters(d, x->ref_counts + (size_t)t * (size_t)c->nparams * DOPT_NCOUNTERS, &df);
+      if (s == DOPT_OK && rank == 0 && df.param >= 0 && x->r->counter_step == 0) {
+        x->r->counter_step = t, x->r->counter_param = df.param, x->r->counter_id = df.counter;
+        x->r->counter_rank = df.rank, x->r->counter_ref = df.reference, x->r->counter_dist = df.distributed;
+      }
+    }
     if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
     /* gather (collective); world rank 0 keeps the result (only it touches
      * x->r: with only replicated tensors no collective orders the other
@@ -404,6 +422,7 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
   int nst[DT_MAXP];
   memcpy(names, out->state_name, sizeof names);
   memcpy(nst, out->nstates, sizeof nst);
+  const int64_t *ref_counts = out->ref_counts;
   memset(out, 0, sizeof *out);
   memcpy(out->state_name, names, sizeof names);
   memcpy(out->nstates, nst, sizeof nst);
@@ -422,6 +441,7 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
   x.t_last = t_last;
   x.load_dir = load_dir;
   x.save_dir = save_dir;
+  x.ref_counts = ref_counts;
   dopt_status st[64];
   dopt_status s = dopt_sim_launch(w, rank_body, &x, st);
   for (int r = 0; s == DOPT_OK && r < cfg.nranks; r++)
@@ -452,7 +472,17 @@ int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, cha
     snprintf(msg, cap, "skipped steps: reference %lld, distributed %lld", (long long)ref->skipped, (long long)got->skipped);
     return 1;
   }
-  for (int k = 0; k < ref->nck; k++) {
+  for (int k = 0; k <= ref->nck; k++) {
+    /* the counters first: a difference at or before this checkpoint names the work that went wrong */
+    if (got->counter_step != 0 && (k == ref->nck || got->counter_step <= ref->ck_step[k])) {
+      char who[32] = "in total over the pieces";
+      if (got->counter_rank >= 0) snprintf(who, sizeof who, "on rank %d", got->counter_rank);
+      snprintf(msg, cap, "DIVERGED at step %d (events: %s of %s: reference %lld, distributed %lld %s)",
+               got->counter_step, dopt_counter_name(got->counter_id), c->params[got->counter_param].name,
+               (long long)got->counter_ref, (long long)got->counter_dist, who);
+      return 1;
+    }
+    if (k == ref->nck) break;
     /* every rank's own copy is rank 0's (which is compared in full below) */
     if (got->drift_step != 0 && got->drift_step == ref->ck_step[k]) {
       snprintf(msg, cap, "step %d: rank %d's copy of %s (values, states or step counter) differs from rank 0's: "
@@ -508,5 +538,6 @@ void dt_result_free(dt_result *r) {
       free(r->work[k][i]);
       for (int s = 0; s < DT_MAXS; s++) free(r->state[k][i][s]);
     }
+  free(r->counts);
   memset(r, 0, sizeof *r);
 }

@@ -99,6 +99,15 @@ typedef struct dt_result {
    * checkpoint where some rank differed (0: none), that world rank and the
    * parameter's index. */
   int drift_step, drift_rank, drift_param;
+  /* Counters (dopt_counters). The reference's run fills counts: [(steps + 1) · nparams · DOPT_NCOUNTERS], each
+   * step's counts (its totals' change; row 0 unused). A distributed run reads ref_counts (set it to the
+   * reference's counts before the run, or NULL: not checked) and checks them after every step with
+   * dopt_dist_check_counters; the first difference: step (0: none), parameter, counter, world rank (-1: the
+   * total over the pieces) and both counts. */
+  int64_t *counts;
+  const int64_t *ref_counts;
+  int counter_step, counter_param, counter_id, counter_rank;
+  int64_t counter_ref, counter_dist;
 } dt_result;
 
 /* The plugin name the layout belongs to. */

@@ -32,6 +32,7 @@ static void check_case(dt_case *c) {
     }
     dt_result got;
     memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
+    got.ref_counts = ref[l->dp].counts;
     memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
     char err[512] = "", msg[512] = "";
     if (dt_run_dist(c, l, &got, err, sizeof err) != DOPT_OK)
@@ -200,6 +201,7 @@ static void test_batched_reductions(void **st) {
         }
         dt_result got;
         memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
+        got.ref_counts = ref[l->dp].counts;
         memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
         char err[512] = "", msg[512] = "";
         if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK)
@@ -253,6 +255,7 @@ static void test_batched_reductions(void **st) {
 /* Runs c on layout l and compares it bitwise with the reference at dp. */
 static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref, dt_result *got) {
   memcpy(got->state_name, ref->state_name, sizeof got->state_name);
+  got->ref_counts = ref->counts;
   memcpy(got->nstates, ref->nstates, sizeof got->nstates);
   char err[512] = "", msg[512] = "";
   if (dt_run_dist(c, l, got, err, sizeof err) != DOPT_OK)

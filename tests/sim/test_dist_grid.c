@@ -86,6 +86,7 @@ static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int n
       }
       dt_result got;
       memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
+      got.ref_counts = ref[l->dp].counts;
       memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
       char err[512] = "", msg[512] = "";
       dopt_status s = dt_run_dist(&c, l, &got, err, sizeof err);
@@ -165,6 +166,7 @@ static void test_adversarial_ring_order(void **st) {
         dt_result ref, got;
         assert_ok(dt_run_reference(&c, l->dp, &ref));
         memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+        got.ref_counts = ref.counts;
         memcpy(got.nstates, ref.nstates, sizeof got.nstates);
         char err[512] = "", msg[512] = "";
         if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK) fail_msg("%s", err);
@@ -188,6 +190,7 @@ static void test_rank_order_sum_control(void **st) {
     dt_result ref, got;
     assert_ok(dt_run_reference(&c, l.dp, &ref));
     memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+    got.ref_counts = ref.counts;
     memcpy(got.nstates, ref.nstates, sizeof got.nstates);
     char err[512] = "", msg[512] = "";
     if (dt_run_dist(&c, &l, &got, err, sizeof err) != DOPT_OK) fail_msg("%s", err);

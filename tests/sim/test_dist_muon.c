@@ -28,6 +28,7 @@ static const dt_param P[] = {
 static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref) {
   dt_result got;
   memcpy(got.state_name, ref->state_name, sizeof got.state_name);
+  got.ref_counts = ref->counts;
   memcpy(got.nstates, ref->nstates, sizeof got.nstates);
   char err[512] = "", msg[512] = "";
   if (dt_run_dist(c, l, &got, err, sizeof err) != DOPT_OK)
@@ -91,6 +92,7 @@ static void test_muon_expert_owners(void **st) {
     assert_ok(dt_run_reference(&c, L[li].dp, &ref));
     dt_result got;
     memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+    got.ref_counts = ref.counts;
     memcpy(got.nstates, ref.nstates, sizeof got.nstates);
     char err[512] = "", msg[512] = "";
     if (dt_run_dist(&c, &L[li], &got, err, sizeof err) != DOPT_OK) fail_msg("tp%d dp%d: %s", L[li].tp, L[li].dp, err);
@@ -170,6 +172,7 @@ static dopt_status flat_step(const dopt_step_args *a) {
 static int caught(const dt_case *c, const dt_layout *l, dt_result *ref, char *msg, size_t cap) {
   dt_result got;
   memcpy(got.state_name, ref->state_name, sizeof got.state_name);
+  got.ref_counts = ref->counts;
   memcpy(got.nstates, ref->nstates, sizeof got.nstates);
   char err[512] = "";
   dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
@@ -202,6 +205,8 @@ static void test_muon_planted_bugs(void **st) {
     dt_step_per_micro = 0;
     if (!got) fail_msg("planted bug not caught: %s", what[k]);
     printf("planted: %s -> %s\n", what[k], msg);
+    /* each is a wrong amount of work: named by a counter at step 1, before any bit is compared */
+    if (!strstr(msg, "DIVERGED at step 1 (events: ")) fail_msg("planted bug not named by a counter: %s: %s", what[k], msg);
   }
   dt_result_free(&ref);
 }

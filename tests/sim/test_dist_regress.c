@@ -118,6 +118,7 @@ static float rms_from_ss(double ss, size_t count) { return (float)sqrt(ss) / (fl
 static void expect_bitwise(const dt_case *c, const dt_layout *l, const dt_result *ref) {
   dt_result got;
   memcpy(got.state_name, ref->state_name, sizeof got.state_name);
+  got.ref_counts = ref->counts;
   memcpy(got.nstates, ref->nstates, sizeof got.nstates);
   char err[512] = "", msg[512] = "";
   dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
@@ -636,6 +637,7 @@ static void test_came_states_not_aliased(void **st) {
         fail_msg("came %s: residual and second-moment statistics too close at step 1", pp->name);
     }
     memcpy(got.state_name, ref.state_name, sizeof got.state_name);
+    got.ref_counts = ref.counts;
     memcpy(got.nstates, ref.nstates, sizeof got.nstates);
     char err[512] = "", msg[512] = "";
     dopt_status s = dt_run_dist(&c, &lays[i], &got, err, sizeof err);

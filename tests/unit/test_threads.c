@@ -121,6 +121,13 @@ static void assert_same(run *a, run *b, const char *what) {
     assert_ok(dopt_optim_events(a->o, i, &ea));
     assert_ok(dopt_optim_events(b->o, i, &eb));
     if (ea != eb) fail_msg("%s: events of '%s': %#x vs %#x", what, pn, ea, eb);
+    dopt_counters ca = DOPT_COUNTERS_INIT, cb = DOPT_COUNTERS_INIT; /* the pieces' counts merge to the same */
+    assert_ok(dopt_optim_counters(a->o, i, &ca));
+    assert_ok(dopt_optim_counters(b->o, i, &cb));
+    for (int c = 0; c < DOPT_NCOUNTERS; c++)
+      if (ca.total[c] != cb.total[c])
+        fail_msg("%s: counter %s of '%s': %lld vs %lld", what, dopt_counter_name(c), pn, (long long)ca.total[c],
+                 (long long)cb.total[c]);
     int ns = dopt_optim_num_states(a->o, i);
     assert_int_equal(ns, dopt_optim_num_states(b->o, i));
     for (int k = 0; k < ns; k++) {
