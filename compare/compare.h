@@ -71,6 +71,8 @@ typedef struct cmp_options {
   int max_tp, max_dp;                     /* --max-tp, --max-dp (default 4, at most CMP_SWEEP_MAX) */
   int threads;                            /* --threads: the reference's step threads (0: the library's default
                                              with the simulator, 1 with a process per rank) */
+  const struct dopt_optim_impl *dist_impl; /* tests only (no option or key): the distributed side's optimizer,
+                                             a planted bug; NULL: the registry's, as the reference */
 } cmp_options;
 
 /* The layout values a user can give; the ones not given follow from the
@@ -165,6 +167,16 @@ typedef struct cmp_result {
   int counter_step;
   char counter_param[128];
   int64_t counter_ref, counter_dist;
+  /* The counters (dopt_counters: what each parameter's step did) against the reference's after every
+   * step (dopt_dist_check_counters): the first difference (0: none), its parameter, counter, world rank
+   * (-1: a SUM counter's total over the pieces) and both counts; the reference's totals per counter over
+   * the steps run (summed over parameters); the steps at which some projector refreshed (--plot), ascending. */
+  int events_step, events_rank, events_counter;
+  char events_param[128];
+  int64_t events_ref, events_dist;
+  int64_t event_totals[DOPT_NCOUNTERS];
+  int *refresh_steps;
+  int nrefresh;
 } cmp_result;
 
 typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t worst_ulp, void *user);

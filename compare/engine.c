@@ -638,9 +638,12 @@ static int micro_of(const cmp_options *o, const source *s) { return s->shards > 
  * values (the reference steps on them); data NULL: the source's own (a template that is never stepped:
  * dopt_dist_create, save and load only read it, so the rank threads share one). work [np]: the bf16
  * working copies (with o->bf16; NULL otherwise). */
-static dopt_status build_plain(const cmp_options *o, const source *s, float **data, uint16_t **work, dopt_optim **out) {
+/* dist: the distributed side's template (cmp_options.dist_impl when a test plants one) */
+static dopt_status build_plain(const cmp_options *o, const source *s, int dist, float **data, uint16_t **work,
+                               dopt_optim **out) {
   dopt_optim *opt;
-  DOPT_TRY(dopt_optim_create(o->optimizer, o->hparams, &opt));
+  DOPT_TRY(dist && o->dist_impl ? dopt__optim_create_impl(o->dist_impl, o->hparams, &opt)
+                                 : dopt_optim_create(o->optimizer, o->hparams, &opt));
   int *gid = calloc((size_t)o->ngroups + 1, sizeof *gid);
   dopt_status st = gid ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d groups", o->ngroups);
   for (int g = 0; g < o->ngroups && st == DOPT_OK; g++) st = dopt_optim_add_group(opt, o->groups[g].hp, &gid[g]);
@@ -721,6 +724,16 @@ static void measure(cmp_tensor_stat *ts, int t, const float *ref, const float *g
   if (!(mabs <= ts->max_abs)) ts->max_abs = mabs;
   if (mulp > ts->max_ulp) ts->max_ulp = mulp;
   if (mulp > 0 && ts->first_diff == 0) ts->first_diff = t;
+}
+
+/* A state the distributed side holds in another size, or not at all (its layout differs: a wrong state
+ * decision), after step t: every element differs (ULP column UINT64_MAX, abs +inf); a finding, not an error. */
+static void measure_mismatch(cmp_tensor_stat *ts, int t) {
+  ts->abs_per_step[t - 1] = INFINITY;
+  ts->ulp_per_step[t - 1] = UINT64_MAX;
+  ts->max_abs = INFINITY;
+  ts->max_ulp = UINT64_MAX;
+  if (ts->first_diff == 0) ts->first_diff = t;
 }
 
 /* Records the difference of a non-fp32 state (8-bit codes, int8 weights,
@@ -926,6 +939,38 @@ static dopt_status reference_step(const cmp_options *o, const source *s, int t, 
 }
 
 /* One rank's run on its TP and DP transports (either backend). */
+/* The reference's counts since the previous call, per parameter and counter (step: [np · DOPT_NCOUNTERS],
+ * or NULL); prev holds the totals of the previous call. */
+static dopt_status reference_counts(const dopt_optim *ref, int np, int64_t *prev, int64_t *step) {
+  for (int i = 0; i < np; i++) {
+    dopt_counters c = DOPT_COUNTERS_INIT;
+    DOPT_TRY(dopt_optim_counters(ref, i, &c));
+    int64_t *pv = prev + (size_t)i * DOPT_NCOUNTERS;
+    for (int k = 0; k < DOPT_NCOUNTERS; k++) {
+      if (step) step[(size_t)i * DOPT_NCOUNTERS + (size_t)k] = c.total[k] - pv[k];
+      pv[k] = c.total[k];
+    }
+  }
+  return DOPT_OK;
+}
+
+/* Adds step t's reference counts to the run's totals, and t to the refresh steps when a projector refreshed. */
+static dopt_status note_counts(cmp_result *r, int t, int np, const int64_t *step) {
+  int refreshed = 0;
+  for (int i = 0; i < np; i++)
+    for (int k = 0; k < DOPT_NCOUNTERS; k++) {
+      const int64_t v = step[(size_t)i * DOPT_NCOUNTERS + (size_t)k];
+      r->event_totals[k] += v;
+      refreshed |= k == DOPT_COUNTER_REFRESHES && v > 0;
+    }
+  if (!refreshed) return DOPT_OK;
+  int *n = realloc(r->refresh_steps, ((size_t)r->nrefresh + 1) * sizeof *n);
+  if (!n) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d refresh steps", r->nrefresh + 1);
+  r->refresh_steps = n;
+  r->refresh_steps[r->nrefresh++] = t;
+  return DOPT_OK;
+}
+
 static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt) {
   const cmp_options *o = x->o;
   const source *s = x->s;
@@ -969,21 +1014,25 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   /* every rank's step counters against rank 0's (dopt_dist_check_replicas; the held pieces: check_held) */
   const size_t repn = (size_t)np * sizeof(int64_t);
   unsigned char *rep = calloc(repn ? repn : 1, 1);
+  /* the lead's reference counters: totals at the previous step, and this step's counts */
+  const size_t ncnt = (size_t)np * DOPT_NCOUNTERS;
+  int64_t *cprev = lead ? calloc(2 * ncnt + 1, sizeof *cprev) : NULL, *cstep = cprev ? cprev + ncnt : NULL;
   void *sgot = NULL; /* the lead's gathered state */
   size_t sgot_cap = 0;
   dopt_status st = rdata && avg && loc && work && rwork && roles && (full || !whole) && (acc || !lead) &&
-                           (got || !lead) && (wgot || !o->bf16 || !lead) && (wf || !o->bf16 || !lead) && rep
+                           (got || !lead) && (wgot || !o->bf16 || !lead) && (wf || !o->bf16 || !lead) && rep &&
+                           (cprev || !lead)
                        ? DOPT_OK
                        : dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: %zu elements x %zu parts and %zu digest bytes",
                                     maxn, parts, repn);
   if (st == DOPT_OK && !plain) { /* no shared template (a process per rank): this process's own */
-    st = build_plain(o, s, NULL, work, &own);
+    st = build_plain(o, s, 1, NULL, work, &own);
     plain = own;
   }
   for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
   if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
   if (st == DOPT_OK && to_lead) st = dopt_dist_set_gather(d, DOPT_DIST_GATHER_LEAD);
-  if (st == DOPT_OK && lead) st = build_plain(o, s, rdata, rwork, &ref);
+  if (st == DOPT_OK && lead) st = build_plain(o, s, 0, rdata, rwork, &ref);
   /* The reference steps on the lead while the other ranks wait for its
    * gather: in the simulator they sleep (condition variables), so it may use
    * every core; other ranks' processes may busy-poll (MPI, NCCL), so there
@@ -1009,6 +1058,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     int bad = 0;
     st = reference_step(x->replay, s, t, ref, avg, acc, full, &bad); /* its skips were counted before the save */
   }
+  if (st == DOPT_OK && lead) st = reference_counts(ref, np, cprev, NULL); /* the replayed steps' counts: not compared */
   for (int t = x->t_first; t <= x->t_last && st == DOPT_OK; t++) {
     /* distributed: this rank's micro-batches, then the step */
     for (int m = 0; m < micro && st == DOPT_OK; m++) {
@@ -1040,6 +1090,16 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
       st = reference_step(o, s, t, ref, avg, acc, full, &bad);
       if (st == DOPT_OK && bad) r->skipped_ref++;
     }
+    /* every parameter's counters against the reference's (collective) */
+    if (st == DOPT_OK && lead) st = reference_counts(ref, np, cprev, cstep);
+    if (st == DOPT_OK && lead) st = note_counts(r, t, np, cstep);
+    dopt_counter_diff df;
+    if (st == DOPT_OK) st = dopt_dist_check_counters(d, cstep, &df);
+    if (st == DOPT_OK && lead && df.param >= 0 && r->events_step == 0) {
+      r->events_step = t, r->events_rank = df.rank, r->events_counter = df.counter;
+      r->events_ref = df.reference, r->events_dist = df.distributed;
+      snprintf(r->events_param, sizeof r->events_param, "%s", s->p[df.param].name);
+    }
     /* gather (collective) and measure on rank 0; after the last step it also digests */
     const int last = lead && t == o->steps;
     if (st == DOPT_OK && last) st = dopt_digest_create(&dg);
@@ -1069,21 +1129,29 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         const char *name = r->t[ti].name + pl + 1;
         size_t sbytes = 0;
         st = dopt_dist_state_bytes(d, i, name, &sbytes);
-        if (st == DOPT_OK && lead && (sbytes > sgot_cap || !sgot)) { /* grown, kept: no allocation per step */
+        /* absent: the distributed layout has no such state (the same on every rank: none gathers it); its
+         * digest lacks the tensor, the reference's has it */
+        const int absent = st == DOPT_ERR_NOT_FOUND;
+        if (absent) st = DOPT_OK;
+        if (st == DOPT_OK && !absent && lead && (sbytes > sgot_cap || !sgot)) { /* grown, kept: no allocation per step */
           void *nb = realloc(sgot, sbytes ? sbytes : 1);
           if (!nb) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
           else sgot = nb, sgot_cap = sbytes;
         }
-        if (st == DOPT_OK) st = dopt_dist_gather_state(d, i, name, lead ? sgot : NULL);
+        if (st == DOPT_OK && !absent) st = dopt_dist_gather_state(d, i, name, lead ? sgot : NULL);
         const cmp_tensor_stat *pt = &r->t[ti]; /* the distributed side has no state views: the plan's layout */
-        if (st == DOPT_OK && last) st = dopt_digest_tensor(dg, pt->name, pt->dtype, pt->ndim, pt->shape, sgot, sbytes);
+        if (st == DOPT_OK && last && !absent) {
+          const int64_t flat[1] = {(int64_t)sbytes}; /* another size than the plan's: its bytes, as they are */
+          st = sbytes == dopt_numel(pt->ndim, pt->shape) * dopt_dtype_size(pt->dtype)
+                   ? dopt_digest_tensor(dg, pt->name, pt->dtype, pt->ndim, pt->shape, sgot, sbytes)
+                   : dopt_digest_tensor(dg, pt->name, DOPT_U8, 1, flat, sgot, sbytes);
+        }
         int found = 0;
         for (int q = 0; st == DOPT_OK && lead && q < dopt_optim_num_states(ref, i); q++) {
           dopt_state_view v;
           if (dopt_optim_state(ref, i, q, &v) != DOPT_OK || strcmp(v.name, name) != 0) continue;
           found = 1;
-          if (v.bytes != sbytes) st = dopt__fail(DOPT_ERR_SHAPE, "state '%s': %zu bytes, the reference's %zu", name,
-                                                  sbytes, v.bytes);
+          if (absent || v.bytes != sbytes) measure_mismatch(&r->t[ti], t);
           else if (v.dtype == DOPT_F32) measure(&r->t[ti], t, v.data, sgot, v.bytes / sizeof(float));
           else measure_bytes(&r->t[ti], t, v.data, sgot, v.bytes);
           if (st == DOPT_OK && last) st = dopt_digest_tensor(rdg, pt->name, v.dtype, v.ndim, v.shape, v.data, v.bytes);
@@ -1094,9 +1162,11 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
         if (st == DOPT_OK && lead && !found) {
           void *zeros = calloc(1, sbytes ? sbytes : 1);
           if (!zeros) st = dopt__fail(DOPT_ERR_NO_MEMORY, "state '%s' (%zu bytes)", name, sbytes);
+          else if (absent) measure_mismatch(&r->t[ti], t);
           else if (pt->dtype == DOPT_F32) measure(&r->t[ti], t, zeros, sgot, sbytes / sizeof(float));
           else measure_bytes(&r->t[ti], t, zeros, sgot, sbytes);
-          if (st == DOPT_OK && last) st = dopt_digest_tensor(rdg, pt->name, pt->dtype, pt->ndim, pt->shape, zeros, sbytes);
+          if (st == DOPT_OK && last && !absent)
+            st = dopt_digest_tensor(rdg, pt->name, pt->dtype, pt->ndim, pt->shape, zeros, sbytes);
           free(zeros);
         }
         ti++;
@@ -1164,6 +1234,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   free(wgot);
   free(wf);
   free(rep);
+  free(cprev);
   free(sgot);
   dopt_digest_destroy(dg);
   dopt_digest_destroy(rdg);
@@ -1196,7 +1267,7 @@ static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_resul
   uint16_t **work = calloc(s->np > 0 ? (size_t)s->np : 1, sizeof *work);
   if (!work) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", s->np);
   dopt_optim *opt;
-  dopt_status bs = build_plain(o, s, NULL, work, &opt); /* on the source's values: only its states are made */
+  dopt_status bs = build_plain(o, s, 0, NULL, work, &opt); /* on the source's values: only its states are made */
   if (bs != DOPT_OK) {
     for (int i = 0; i < s->np; i++) free(work[i]);
     free(work);
@@ -1393,7 +1464,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   dopt_optim *tmpl = NULL;
   uint16_t **twork = st == DOPT_OK ? calloc(s.np > 0 ? (size_t)s.np : 1, sizeof *twork) : NULL;
   if (st == DOPT_OK && !twork) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", s.np);
-  if (st == DOPT_OK && strcmp(o->backend, "sim") == 0) st = build_plain(o, &s, NULL, twork, &tmpl);
+  if (st == DOPT_OK && strcmp(o->backend, "sim") == 0) st = build_plain(o, &s, 1, NULL, twork, &tmpl);
   x.plain = tmpl;
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
@@ -1441,7 +1512,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   r->declared_ulp = cmp_declared_ulp(o->optimizer);
   r->equivalent = r->skipped_ref == r->skipped_dist;
   for (int k = 0; k < r->ntensors; k++) r->equivalent &= r->t[k].max_ulp <= r->declared_ulp;
-  r->equivalent &= r->drift_step == 0 && r->counter_step == 0;
+  r->equivalent &= r->drift_step == 0 && r->counter_step == 0 && r->events_step == 0;
   return DOPT_OK;
 }
 
@@ -1451,5 +1522,6 @@ void cmp_result_free(cmp_result *r) {
     free(r->t[k].ulp_per_step);
   }
   free(r->t);
+  free(r->refresh_steps);
   memset(r, 0, sizeof *r);
 }

@@ -11,11 +11,13 @@
  *    it but the result is not equivalent.
  *  - Table rows: parameters in r->t order, each followed by its states
  *    ("param/state", indented); states whose parameter is absent come last.
- *  - The table ends with the digest line, "digest sha256:HEX (reference: equal)"
+ *  - After the verdict: the reference's nonzero counters over the run ("events ..."). The table ends with
+ *    the digest line, "digest sha256:HEX (reference: equal)"
  *    or "... (reference: sha256:HEX2, differs)"; none when r->digest is "".
  *  - The JSON record carries "schema_version" (CMP_JSON_SCHEMA; 2 added
  *    "digest"; 3 per-tensor "nan_pairs", the verdict kinds "replica_drift"
- *    and "step_counter" and the verdict's "rank"; 4 "gradients.model", docs/cli.md); a consumer
+ *    and "step_counter" and the verdict's "rank"; 4 "gradients.model"; 5 "events" (the
+ *    counters) and the verdict kind "events", docs/cli.md); a consumer
  *    checks it before reading fields.
  *  - JSON and SVG files are written to "PATH.tmp.PID" and renamed into place;
  *    on failure the temporary file is removed and PATH is untouched.
@@ -35,7 +37,7 @@
 #include "internal.h"
 
 /* The JSON record's layout version: 1 (unversioned) until the digest, 2 with "digest". */
-#define CMP_JSON_SCHEMA 4
+#define CMP_JSON_SCHEMA 5
 
 /* " | gradients: ..." of the header lines: the trace, or the synthetic model and seed. */
 static void print_gradients(FILE *f, const cmp_options *o) {
@@ -46,7 +48,7 @@ static void print_gradients(FILE *f, const cmp_options *o) {
 
 /* ---- verdict ------------------------------------------------------------ */
 
-typedef enum { V_BITWISE, V_WITHIN, V_DIVERGED, V_SKIPS, V_DRIFT, V_COUNTER } verdict_kind;
+typedef enum { V_BITWISE, V_WITHIN, V_DIVERGED, V_SKIPS, V_DRIFT, V_COUNTER, V_EVENTS } verdict_kind;
 
 typedef struct verdict {
   verdict_kind kind;
@@ -93,6 +95,12 @@ static verdict compute_verdict(const cmp_result *r) {
     v.kind = V_DRIFT;
     v.step = r->drift_step;
   }
+  /* a wrong amount of work names the cause: first at its step, even when the bits differ there too */
+  if (r->events_step > 0 && ((v.kind != V_DIVERGED && v.kind != V_COUNTER && v.kind != V_DRIFT) ||
+                             r->events_step <= v.step)) {
+    v.kind = V_EVENTS;
+    v.step = r->events_step;
+  }
   return v;
 }
 
@@ -102,6 +110,7 @@ static const char *verdict_tensor(const cmp_result *r, const verdict *v) {
   case V_DIVERGED: return r->t[v->tensor].name;
   case V_DRIFT: return r->drift_tensor;
   case V_COUNTER: return r->counter_param;
+  case V_EVENTS: return r->events_param;
   default: return NULL;
   }
 }
@@ -134,6 +143,14 @@ static void verdict_text(const cmp_result *r, const verdict *v, char *buf, size_
     snprintf(buf, cap, "DIVERGED at step %d (step counter of %s: reference %lld, distributed %lld)", v->step,
              r->counter_param, (long long)r->counter_ref, (long long)r->counter_dist);
     break;
+  case V_EVENTS: {
+    char who[40] = "";
+    if (r->events_rank >= 0) snprintf(who, sizeof who, " on rank %d", r->events_rank);
+    snprintf(buf, cap, "DIVERGED at step %d (events: %s of %s: reference %lld, distributed %lld%s)", v->step,
+             dopt_counter_name(r->events_counter), r->events_param, (long long)r->events_ref,
+             (long long)r->events_dist, who);
+    break;
+  }
   }
 }
 
@@ -235,6 +252,14 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (r->skipped_ref || r->skipped_dist)
     fprintf(f, "skipped steps (non-finite gradients): reference %lld, distributed %lld\n", (long long)r->skipped_ref,
             (long long)r->skipped_dist);
+  /* what the steps did: the reference's nonzero counters over the run (the distributed run's are checked
+   * against them after every step: the verdict names a difference) */
+  int nev = 0;
+  for (int k = 0; k < DOPT_NCOUNTERS; k++)
+    if (r->event_totals[k])
+      fprintf(f, "%s %s %lld", nev++ ? "," : "events (reference, every step checked on every rank):", dopt_counter_name(k),
+              (long long)r->event_totals[k]);
+  if (nev) fputc('\n', f);
   /* the one line two runs compare by (docs/digest.md) */
   if (r->digest[0] && strcmp(r->digest, r->ref_digest) == 0)
     fprintf(f, "digest sha256:%s (reference: equal)\n", r->digest);
@@ -364,7 +389,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
   cJSON *vj = jadd(b, root, "verdict", cJSON_CreateObject());
   if (vj) {
     static const char *const kinds[] = {"bitwise", "within_tolerance", "diverged", "skips_differ", "replica_drift",
-                                        "step_counter"};
+                                        "step_counter", "events"};
     jadd(b, vj, "equivalent", cJSON_CreateBool(r->equivalent != 0));
     jadd(b, vj, "kind", cJSON_CreateString(kinds[v.kind]));
     jadd(b, vj, "text", cJSON_CreateString(text));
@@ -372,7 +397,28 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, vj, "step", v.step > 0 ? cJSON_CreateNumber(v.step) : cJSON_CreateNull());
     const char *vt = verdict_tensor(r, &v);
     jadd(b, vj, "tensor", vt ? cJSON_CreateString(vt) : cJSON_CreateNull());
-    jadd(b, vj, "rank", v.kind == V_DRIFT ? cJSON_CreateNumber(r->drift_rank) : cJSON_CreateNull());
+    jadd(b, vj, "rank", v.kind == V_DRIFT                        ? cJSON_CreateNumber(r->drift_rank)
+                        : v.kind == V_EVENTS && r->events_rank >= 0 ? cJSON_CreateNumber(r->events_rank)
+                                                                    : cJSON_CreateNull());
+  }
+  /* the counters: the reference's totals over the run, the first difference, the refresh steps */
+  cJSON *ev = jadd(b, root, "events", cJSON_CreateObject());
+  if (ev) {
+    cJSON *tot = jadd(b, ev, "reference_totals", cJSON_CreateObject());
+    for (int k = 0; tot && k < DOPT_NCOUNTERS && b->ok; k++)
+      jadd(b, tot, dopt_counter_name(k), cJSON_CreateNumber((double)r->event_totals[k]));
+    cJSON *fd = jadd(b, ev, "first_difference", r->events_step > 0 ? cJSON_CreateObject() : cJSON_CreateNull());
+    if (fd && r->events_step > 0) {
+      jadd(b, fd, "step", cJSON_CreateNumber(r->events_step));
+      jadd(b, fd, "parameter", cJSON_CreateString(r->events_param));
+      jadd(b, fd, "counter", cJSON_CreateString(dopt_counter_name(r->events_counter)));
+      jadd(b, fd, "scope", cJSON_CreateString(dopt_counter_scope(r->events_counter) == DOPT_COUNT_SUM ? "sum" : "each"));
+      jadd(b, fd, "rank", r->events_rank >= 0 ? cJSON_CreateNumber(r->events_rank) : cJSON_CreateNull());
+      jadd(b, fd, "reference", cJSON_CreateNumber((double)r->events_ref));
+      jadd(b, fd, "distributed", cJSON_CreateNumber((double)r->events_dist));
+    }
+    cJSON *rs = jadd(b, ev, "refresh_steps", cJSON_CreateArray());
+    for (int k = 0; rs && k < r->nrefresh && b->ok; k++) jadd(b, rs, NULL, cJSON_CreateNumber(r->refresh_steps[k]));
   }
   /* the final tensors' SHA-256 (docs/digest.md); null when this process measured nothing */
   cJSON *dj = jadd(b, root, "digest", r->digest[0] ? cJSON_CreateObject() : cJSON_CreateNull());
@@ -414,7 +460,7 @@ dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_res
 
 void cmp_sweep_cell_set(cmp_sweep_cell *c, const cmp_result *r) {
   verdict v = compute_verdict(r);
-  static const cmp_cell_kind kinds[] = {CMP_CELL_BITWISE,  CMP_CELL_WITHIN,   CMP_CELL_DIVERGED,
+  static const cmp_cell_kind kinds[] = {CMP_CELL_BITWISE,  CMP_CELL_WITHIN,   CMP_CELL_DIVERGED, CMP_CELL_DIVERGED,
                                         CMP_CELL_DIVERGED, CMP_CELL_DIVERGED, CMP_CELL_DIVERGED};
   c->kind = kinds[v.kind];
   c->step = v.step;
@@ -794,6 +840,16 @@ static int svg_body(FILE *f, const void *vctx) {
             "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\" fill=\"#b00000\" font-size=\"11\">"
             "non-finite errors drawn at the top</text>\n",
             PR - 4, PT + 14);
+
+  /* projector refreshes: a dotted vertical line at each refresh step (at most 200 drawn, the rest counted) */
+  for (int k = 0; k < r->nrefresh && k < 200; k++) {
+    const double rx = map_x((double)r->refresh_steps[k], xlo, xhi);
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#9aa0a6\" stroke-dasharray=\"1 3\">"
+               "<title>projector refresh at step %d</title></line>\n", rx, PT, rx, PB, r->refresh_steps[k]);
+  }
+  if (r->nrefresh > 0)
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" fill=\"#6b7075\" font-size=\"11\">dotted: %d projector refresh%s</text>\n",
+            PL + 4, PT + 14, r->nrefresh, r->nrefresh == 1 ? "" : "es");
 
   /* one polyline per tensor that ever differs; the rest share the baseline */
   int ndiff = 0, nequal = 0;

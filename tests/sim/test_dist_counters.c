@@ -10,8 +10,7 @@
 
 #include "disttest.h"
 #include "optim_impl.h"
-
-extern const dopt_optim_impl dopt_impl_galore_adamw, dopt_impl_adamw8bit;
+#include "planted.h"
 
 static const dt_param GP[] = {
     {"layers.0.w", 2, {32, 24}, DOPT_TP_COLUMN, 0},
@@ -20,13 +19,6 @@ static const dt_param GP[] = {
 static const dt_param QP[] = {
     {"w", 2, {6, 1024}, DOPT_TP_REPLICATED, 0}, /* torchao #4912's shape: 8-bit whole, 3072 per rank at dp 2 */
 };
-
-static int hp_index(const dopt_optim_impl *im, const char *key) {
-  for (int k = 0; k < im->nhp; k++)
-    if (strcmp(im->hp[k].key, key) == 0) return k;
-  fail_msg("%s has no key %s", im->name, key);
-  return -1;
-}
 
 static int64_t total(const dt_case *c, const dt_result *r, int param, dopt_counter id) {
   int64_t n = 0;
@@ -99,102 +91,6 @@ static void test_reference_counts(void **st) {
 
 /* ---- planted bugs ---- */
 
-static const dopt_optim_impl *galore(void) { return &dopt_impl_galore_adamw; }
-static const dopt_optim_impl *q8(void) { return &dopt_impl_adamw8bit; }
-static int gap_key, min8_key;
-
-/* A refresh run twice: at every step the matrix's step is first run on copies of its values and states (so a
- * due refresh computes its SVD twice, on the same gradient: the same projector, the same bits) */
-static dopt_status twice_step(const dopt_step_args *a) {
-  if (a->ndim != 2 || a->piece->len != a->piece->numel || a->stage != 0) return galore()->step(a);
-  dopt_state_spec sp[DOPT_MAX_STATES];
-  const int ns = galore()->layout(a->hp, a->ndim, a->shape, sp);
-  void *copy[DOPT_MAX_STATES] = {0};
-  float *w = malloc(a->piece->len * sizeof *w);
-  dopt_status s = w ? DOPT_OK : DOPT_ERR_NO_MEMORY;
-  for (int k = 0; s == DOPT_OK && k < ns; k++) {
-    copy[k] = malloc(sp[k].v.bytes ? sp[k].v.bytes : 1);
-    if (!copy[k]) s = DOPT_ERR_NO_MEMORY;
-    else memcpy(copy[k], a->state[k], sp[k].v.bytes);
-  }
-  int64_t cnt[DOPT_NCOUNTERS] = {0};
-  int more = 0;
-  if (s == DOPT_OK) {
-    memcpy(w, a->param, a->piece->len * sizeof *w);
-    dopt_step_args b = *a;
-    b.param = w, b.state = copy, b.counts = cnt, b.more = &more;
-    s = galore()->step(&b);
-  }
-  if (a->counts) a->counts[DOPT_COUNTER_REFRESHES] += cnt[DOPT_COUNTER_REFRESHES];
-  for (int k = 0; k < ns; k++) free(copy[k]);
-  free(w);
-  return s == DOPT_OK ? galore()->step(a) : s;
-}
-
-/* A refresh skipped: after the first, the distributed side never refreshes (a gap it reads as infinite) */
-static dopt_status skip_step(const dopt_step_args *a) {
-  if (a->step == 1) return galore()->step(a);
-  double hp[DOPT_MAX_HPARAMS];
-  memcpy(hp, a->hp, (size_t)galore()->nhp * sizeof *hp);
-  hp[gap_key] = 1e9;
-  dopt_step_args b = *a;
-  b.hp = hp;
-  return galore()->step(&b);
-}
-
-/* A matrix on the plain path: the distributed side sees it flattened (a model built under ZeRO-3 init), so it
- * steps piecewise with the inner AdamW, unprojected */
-static int flat(int ndim, const int64_t *shape, int64_t *one) { /* 2-D, or the checking device's [1, h, w] view */
-  if (ndim < 2) return 0;
-  one[0] = (int64_t)dopt_numel(ndim, shape);
-  return 1;
-}
-static int flat_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
-  int64_t one[1];
-  return flat(ndim, shape, one) ? galore()->layout(hp, 1, one, out) : galore()->layout(hp, ndim, shape, out);
-}
-static int flat_whole(const double *hp, int ndim, const int64_t *shape) {
-  int64_t one[1];
-  return flat(ndim, shape, one) ? galore()->whole(hp, 1, one) : galore()->whole(hp, ndim, shape);
-}
-static size_t flat_frame(const double *hp, const dopt_piece *pc) {
-  dopt_piece f = *pc;
-  f.factored = 0;
-  return galore()->frame ? galore()->frame(hp, &f) : 0;
-}
-static dopt_status flat_step(const dopt_step_args *a) {
-  int64_t one[1];
-  if (!a->shape || !flat(a->ndim, a->shape, one)) return galore()->step(a);
-  dopt_piece f = *a->piece;
-  f.factored = 0;
-  dopt_step_args b = *a;
-  b.ndim = 1, b.shape = one, b.piece = &f;
-  return galore()->step(&b);
-}
-
-/* The 8-bit decision made on the shard's numel (bitsandbytes #2080, torchao #4912): min_8bit_size compared
- * with numel / dp, dp = 2 */
-static const double *shard_hp(const double *hp, size_t numel, double *buf) {
-  if ((double)(numel / 2) >= hp[min8_key]) return hp;
-  memcpy(buf, hp, (size_t)q8()->nhp * sizeof *buf);
-  buf[min8_key] = (double)numel + 1.0; /* fp32 states */
-  return buf;
-}
-static int shard_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
-  double buf[DOPT_MAX_HPARAMS];
-  return q8()->layout(shard_hp(hp, dopt_numel(ndim, shape), buf), ndim, shape, out);
-}
-static size_t shard_frame(const double *hp, const dopt_piece *pc) {
-  double buf[DOPT_MAX_HPARAMS];
-  return q8()->frame ? q8()->frame(shard_hp(hp, pc->numel, buf), pc) : 0;
-}
-static dopt_status shard_step(const dopt_step_args *a) {
-  double buf[DOPT_MAX_HPARAMS];
-  dopt_step_args b = *a;
-  b.hp = shard_hp(a->hp, a->piece->numel, buf);
-  return q8()->step(&b);
-}
-
 static void expect_named(const char *what, const char *msg, const char *needle) {
   printf("planted: %s -> %s\n", what, msg);
   if (!strstr(msg, needle)) fail_msg("planted bug '%s' not named by its counter ('%s'): %s", what, needle, msg);
@@ -202,8 +98,6 @@ static void expect_named(const char *what, const char *msg, const char *needle) 
 
 static void test_planted_counts(void **st) {
   (void)st;
-  gap_key = hp_index(galore(), "update_proj_gap");
-  min8_key = hp_index(q8(), "min_8bit_size");
   static const dt_layout l = {2, 2, 2, 0};
   char msg[512];
   dt_case g = {"galore_adamw", "rank=4,update_proj_gap=2,lr=1e-2", NULL, GP, 2, 6, 1, 0.0, 0, 21, 0.5, 0, 1, 0, 0, 0, 0, 0};
@@ -212,24 +106,20 @@ static void test_planted_counts(void **st) {
   /* the correct side passes, with and without the counters: the check is not merely strict */
   if (run_vs(&g, &l, &ref, 1, msg, sizeof msg)) fail_msg("galore_adamw without a planted bug: %s", msg);
 
-  dopt_optim_impl twice = *galore(), skip = *galore(), plain = *galore();
-  twice.step = twice_step;
-  skip.step = skip_step;
-  plain.layout = flat_layout, plain.whole = flat_whole, plain.frame = flat_frame, plain.step = flat_step;
-
-  dt_dist_impl = &twice; /* the same bits at every step: only the counters see it */
+  for (int k = 0; k < DT_PLANT_COUNT; k++) assert_non_null(dt_planted(k));
+  dt_dist_impl = dt_planted(DT_PLANT_REFRESH_TWICE); /* the same bits at every step: only the counters see it */
   const int bits = run_vs(&g, &l, &ref, 0, msg, sizeof msg);
   if (bits) fail_msg("a repeated refresh was expected to keep the bits: %s", msg);
   assert_true(run_vs(&g, &l, &ref, 1, msg, sizeof msg));
-  expect_named("a refresh run twice", msg, "DIVERGED at step 1 (events: galore.refreshes of layers.0.w: reference 1, distributed 2");
+  expect_named(dt_planted_what(DT_PLANT_REFRESH_TWICE), msg, "DIVERGED at step 1 (events: galore.refreshes of layers.0.w: reference 1, distributed 2");
 
-  dt_dist_impl = &skip;
+  dt_dist_impl = dt_planted(DT_PLANT_REFRESH_SKIPPED);
   assert_true(run_vs(&g, &l, &ref, 1, msg, sizeof msg));
-  expect_named("a refresh skipped", msg, "DIVERGED at step 3 (events: galore.refreshes of layers.0.w: reference 1, distributed 0");
+  expect_named(dt_planted_what(DT_PLANT_REFRESH_SKIPPED), msg, "DIVERGED at step 3 (events: galore.refreshes of layers.0.w: reference 1, distributed 0");
 
-  dt_dist_impl = &plain;
+  dt_dist_impl = dt_planted(DT_PLANT_PLAIN_PATH);
   assert_true(run_vs(&g, &l, &ref, 1, msg, sizeof msg));
-  expect_named("a matrix on the plain path", msg, "DIVERGED at step 1 (events: galore.projected of layers.0.w: reference 1, distributed 0");
+  expect_named(dt_planted_what(DT_PLANT_PLAIN_PATH), msg, "DIVERGED at step 1 (events: galore.projected of layers.0.w: reference 1, distributed 0");
   dt_dist_impl = NULL;
   dt_result_free(&ref);
 
@@ -237,11 +127,9 @@ static void test_planted_counts(void **st) {
   dt_case q = {"adamw8bit", "lr=1e-2", NULL, QP, 1, 4, 1, 0.0, 0, 22, 0.5, 0, 1, 0, 0, 0, 0, 0};
   assert_ok(dt_run_reference(&q, l2.dp, &ref));
   if (run_vs(&q, &l2, &ref, 1, msg, sizeof msg)) fail_msg("adamw8bit without a planted bug: %s", msg);
-  dopt_optim_impl shard = *q8();
-  shard.layout = shard_layout, shard.frame = shard_frame, shard.step = shard_step;
-  dt_dist_impl = &shard;
+  dt_dist_impl = dt_planted(DT_PLANT_Q8_SHARD);
   assert_true(run_vs(&q, &l2, &ref, 1, msg, sizeof msg));
-  expect_named("an 8-bit decision on the shard's numel", msg, "DIVERGED at step 1 (events: q8.steps of w: reference 1, distributed 0 on rank 0)");
+  expect_named(dt_planted_what(DT_PLANT_Q8_SHARD), msg, "DIVERGED at step 1 (events: q8.steps of w: reference 1, distributed 0 on rank 0)");
   dt_dist_impl = NULL;
   dt_result_free(&ref);
 }
