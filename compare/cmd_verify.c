@@ -111,7 +111,7 @@ static const verify_tol *find_tol(const char *name) {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 2              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat */
+#define VR_JSON_SCHEMA 3              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows */
 
 typedef struct vstat {
   int rank, param;
@@ -124,6 +124,7 @@ typedef struct vstat {
   long first_beyond;        /* first step beyond tolerance (0: never) */
   int no_ref;               /* the reference has no state of this key: not compared */
   double tol_first;         /* the tolerance at first_beyond (a projector's sin theta bound varies per refresh) */
+  int64_t ev_ours, ev_rec;  /* an events(...) statistic at first_beyond: our count and the recording's */
   long npts, cappts;
   long *pt_step;
   double *pt_rel;
@@ -148,6 +149,7 @@ typedef struct vctx {
   vr_reader rd;         /* the recording: its index, source pieces and one open file per rank */
   vr_reader ref;          /* --reference's recording */
   int *proj_stat;         /* [nparams] the sin theta statistic of a GaLore parameter's projector (-1: none yet) */
+  int *ev_stat;           /* [nparams] its events(galore.refreshes) statistic (-1: none yet) */
   float *scratch;         /* the largest parameter's elements: a reference tensor of --reference, a state */
   unsigned char *mask;    /* as many flags: which elements the ranks' pieces covered */
   size_t scratch_n;
@@ -182,7 +184,7 @@ static void usage(FILE *f) {
         "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
         "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 2); --plot FILE.svg: error vs step per tensor.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 3); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -613,6 +615,61 @@ static double sin_theta(const float *Q, size_t ldq, const float *P, size_t rows,
   return sn;
 }
 
+/* ---- counters: the recorded refreshes against ours ---------------------------------------------
+ *
+ * A recording with projectors holds one at every refresh of the recorded run (proj/STEP/PARAM/...): after each
+ * replayed step, each parameter's galore.refreshes count (dopt_optim_counters) must equal the recording's
+ * (0 or 1). A statistic events(galore.refreshes) per parameter that ever refreshed on either side: the
+ * difference of the counts, bound 0. */
+
+/* Whether the recording holds a projector of parameter p at step t; *owner: the rank that does. */
+static int recorded_refresh(vctx *c, int p, long t, int *owner) {
+  const vr_index *ix = &c->rd.ix;
+  static const char *const keys[2] = {"projector", "projector_left"};
+  for (int k = 0; k < 2; k++) {
+    char key[VR_MAX_NAME + 128];
+    snprintf(key, sizeof key, "proj/%ld/%s/%s", t, ix->params[p].name, keys[k]);
+    for (int rk = 0; rk < ix->world_size; rk++) {
+      size_t numel = 0;
+      if (vr_rank_piece(ix, rk, p) && vr_reader_f32(&c->rd, rk, t, key, &numel)) {
+        *owner = rk;
+        return 1;
+      }
+    }
+  }
+  return 0;
+}
+
+static int check_refreshes(vctx *c, long t) {
+  const vr_index *ix = &c->rd.ix;
+  for (int p = 0; p < ix->nparams; p++) {
+    dopt_counters k = DOPT_COUNTERS_INIT;
+    dopt_status s = dopt_optim_counters(c->opt, p, &k);
+    if (s != DOPT_OK) return lib_error("the reference's counters", s);
+    int owner = -1;
+    const int64_t ours = k.last[DOPT_COUNTER_REFRESHES], rec = recorded_refresh(c, p, t, &owner);
+    if (ours == 0 && rec == 0 && c->ev_stat[p] < 0) continue; /* no refresh yet on either side */
+    if (c->ev_stat[p] < 0) { /* a row of the recording's rank (or the first holding a piece) */
+      for (int rk = 0; owner < 0 && rk < ix->world_size; rk++)
+        if (vr_rank_piece(ix, rk, p)) owner = rk;
+      const int pi = owner >= 0 ? piece_index(c, owner, p) : -1;
+      vpiece_keys *pk = pi >= 0 ? &c->rt[owner].keys[pi] : NULL;
+      const int si = pk && pk->nkeys < VR_MAX_KEYS ? new_stat(c, owner, &ix->ranks[owner].pieces[pi],
+                                                               "events(galore.refreshes)")
+                                                    : -1;
+      if (si < 0) return cli_errorf(CMD, "parameter '%s': no room for its counters' statistic", ix->params[p].name);
+      pk->stat[++pk->nkeys] = si; /* a row of the table, after its piece's states */
+      c->ev_stat[p] = si;
+    }
+    vstat *st = &c->st[c->ev_stat[p]];
+    const double d = (double)(ours > rec ? ours - rec : rec - ours);
+    if (d > 0 && !st->first_beyond) st->ev_ours = ours, st->ev_rec = rec;
+    if (d > st->max_abs) st->max_abs = d;
+    record_result(c, c->ev_stat[p], t, d, 0.0);
+  }
+  return CLI_OK;
+}
+
 /* The projector hook (dopt_projector_fn): the recorded projector of this refresh, checked and adopted. */
 static int proj_hook(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r,
                      float *left, float *right) {
@@ -771,9 +828,10 @@ static int setup(vctx *c) {
   c->gptr = calloc((size_t)np, sizeof *c->gptr);
   c->rt = calloc((size_t)ix->world_size, sizeof *c->rt);
   c->proj_stat = malloc((size_t)np * sizeof *c->proj_stat);
-  if (!c->data || !c->grad || !c->gptr || !c->rt || !c->proj_stat) return cli_errorf(CMD, "out of memory");
+  c->ev_stat = malloc((size_t)np * sizeof *c->ev_stat);
+  if (!c->data || !c->grad || !c->gptr || !c->rt || !c->proj_stat || !c->ev_stat) return cli_errorf(CMD, "out of memory");
   for (int p = 0; p < np; p++) {
-    c->proj_stat[p] = -1;
+    c->proj_stat[p] = -1, c->ev_stat[p] = -1;
     size_t n = (size_t)ix->params[p].numel;
     if (n > SIZE_MAX / sizeof(float) / 2) return cli_errorf(CMD, "parameter '%s': too large", ix->params[p].name);
     c->data[p] = malloc(n * sizeof(float));
@@ -1050,6 +1108,7 @@ static int replay(vctx *c) {
         snprintf(what, sizeof what, "step %ld: the reference step failed", t);
         return lib_error(what, s);
       }
+      if (ix->projectors && (rc = check_refreshes(c, t))) return rc;
     }
     long before = 0;
     for (int i = 0; i < c->nst; i++) before += c->st[i].compared;
@@ -1182,6 +1241,9 @@ static void print_table(const vctx *c) {
     else if (strncmp(s->key, "sin_theta(", 10) == 0)
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: the recorded projector's subspace is %.3g from ours, "
              "beyond the bound %.3g)\n", c->verdict_step, name, s->rank, c->verdict_value, s->tol_first);
+    else if (strncmp(s->key, "events(", 7) == 0)
+      printf("verdict: DIVERGED at step %ld (events: galore.refreshes of %s: reference %lld, recorded %lld)\n",
+             c->verdict_step, ix->params[s->param].name, (long long)s->ev_ours, (long long)s->ev_rec);
     else
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: normwise relative error %.3g > %g)\n", c->verdict_step,
              name, s->rank, c->verdict_value, s->key[0] ? c->tol_state : c->tol_param);
@@ -1271,6 +1333,7 @@ static int json_body(FILE *f, const void *ctx) {
     stat_name(c, s, name, sizeof name);
     cJSON_AddStringToObject(v, "kind", strcmp(s->key, "step") == 0                ? "step_counter"
                                        : strncmp(s->key, "sin_theta(", 10) == 0 ? "projector"
+                                       : strncmp(s->key, "events(", 7) == 0     ? "events"
                                                                                 : "diverged");
     cJSON_AddNumberToObject(v, "step", (double)c->verdict_step);
     cJSON_AddStringToObject(v, "tensor", name);
@@ -1414,6 +1477,7 @@ static void cleanup(vctx *c) {
   }
   free(c->st);
   free(c->proj_stat);
+  free(c->ev_stat);
   free(c->scratch);
   free(c->mask);
   dopt_optim_destroy(c->opt);

@@ -499,6 +499,22 @@ def case_upstream():
     v = rep["verdict"]
     H.check((v["kind"], v["step"]) == ("projector", 6) and v["tensor"].endswith("/sin_theta(projector)"),
             f"a projector out of the gradient's subspace is named at its refresh: {v}")
+    # the counters: a recording whose refreshes fall elsewhere than ours (its index says gap 4, the run used 5:
+    # ours refresh at steps 1, 5, 9, the recorded projectors are at 1, 6, 11) is named at the first such step
+    moved = os.path.join(d, "galore_gap.rec")
+    shutil.rmtree(moved, ignore_errors=True)
+    shutil.copytree(os.path.join(d, "galore.rec"), moved)
+    ip = os.path.join(moved, "index.json")
+    with open(ip) as f:
+        ix = json.load(f)
+    ix["groups"][1]["hparams"] = ix["groups"][1]["hparams"].replace("update_proj_gap=5.0", "update_proj_gap=4.0")
+    with open(ip, "w") as f:
+        json.dump(ix, f)
+    out, rep = H.run_verify(moved, "--rtol", "1e-5", expect=1)
+    v = rep["verdict"]
+    H.check((v["kind"], v["step"]) == ("events", 5) and v["tensor"].endswith("/events(galore.refreshes)")
+            and "(events: galore.refreshes of 0.weight: reference 1, recorded 0)" in out,
+            f"a refresh the recording does not have is named by the counters at its step: {v}")
 
 
 def upstream_python():
