@@ -131,10 +131,37 @@ static void test_planted_counts(void **st) {
   assert_true(run_vs(&q, &l2, &ref, 1, msg, sizeof msg));
   expect_named(dt_planted_what(DT_PLANT_Q8_SHARD), msg, "DIVERGED at step 1 (events: q8.steps of w: reference 1, distributed 0 on rank 0)");
   dt_dist_impl = NULL;
+  /* wasted work on one rank only (the tail shard's step run twice, the same bits): an each counter is checked
+   * on every rank, not only on rank 0 */
+  dt_dist_impl = dt_planted(DT_PLANT_Q8_TAIL_TWICE);
+  if (run_vs(&q, &l2, &ref, 0, msg, sizeof msg)) fail_msg("the tail stepped twice was expected to keep the bits: %s", msg);
+  assert_true(run_vs(&q, &l2, &ref, 1, msg, sizeof msg));
+  expect_named(dt_planted_what(DT_PLANT_Q8_TAIL_TWICE), msg, "DIVERGED at step 1 (events: q8.steps of w: reference 1, distributed 2 on rank 1)");
+  dt_dist_impl = NULL;
   dt_result_free(&ref);
 }
 
+/* Replicas counted once: a TP-replicated tensor's pieces repeat over tp, a piecewise one's at ZeRO 0 over dp;
+ * a sum counter (non-finite elements reset, applied) totals over the primary pieces only */
+static void test_replicas_counted_once(void **st) {
+  (void)st;
+  static const dt_param RP[] = {{"w", 2, {6, 1024}, DOPT_TP_REPLICATED, 0}, {"c", 2, {8, 96}, DOPT_TP_COLUMN, 0}};
+  dt_case q = {"adamw8bit", "lr=1e-2,min_8bit_size=512,block_size=256", NULL, RP, 2, 3, 1, 0.0, 0, 23, 0.5, 2, 1, 0, 0,
+               0, 1, 0};
+  static const dt_layout L[] = {{2, 2, 0, 0}, {2, 2, 2, 0}, {1, 3, 0, 0}, {3, 1, 0, 0}};
+  for (size_t k = 0; k < sizeof L / sizeof L[0]; k++) {
+    dt_result ref;
+    assert_ok(dt_run_reference(&q, L[k].dp, &ref));
+    assert_true(total(&q, &ref, 0, DOPT_COUNTER_NONFINITE_RESETS) >= 1); /* the NaN planted at step 2 */
+    char msg[512];
+    if (run_vs(&q, &L[k], &ref, 1, msg, sizeof msg))
+      fail_msg("tp%d dp%d zero%d: %s", L[k].tp, L[k].dp, L[k].zero, msg);
+    dt_result_free(&ref);
+  }
+}
+
 int main(void) {
-  const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_counts), cmocka_unit_test(test_planted_counts)};
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_counts), cmocka_unit_test(test_planted_counts),
+                                     cmocka_unit_test(test_replicas_counted_once)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -110,6 +110,41 @@ static dopt_status shard_step(const dopt_step_args *a) {
   return q8()->step(&b);
 }
 
+/* The tail piece's step run first on copies of its values and states (each state's bytes as the piece holds
+ * it: elementwise [len], blockwise its blocks, whole), alone (no reducer: its shared blocks' maxima local) */
+static dopt_status tail_step(const dopt_step_args *a) {
+  const dopt_piece *pc = a->piece;
+  if (a->stage != 0 || pc->len == 0 || !a->shape || pc->lo + pc->len != pc->b * pc->hl * pc->wl) return q8()->step(a);
+  dopt_state_spec sp[DOPT_MAX_STATES];
+  const int ns = q8()->layout(a->hp, a->ndim, a->shape, sp);
+  void *copy[DOPT_MAX_STATES] = {0};
+  float *w = malloc(pc->len * sizeof *w);
+  dopt_status s = w ? DOPT_OK : DOPT_ERR_NO_MEMORY;
+  for (int k = 0; s == DOPT_OK && k < ns; k++) {
+    const size_t es = dopt_dtype_size(sp[k].v.dtype);
+    const size_t bytes = sp[k].kind == DOPT_STATE_ELEMENTWISE ? pc->len * es
+                         : sp[k].kind == DOPT_STATE_BLOCKWISE ? dopt_piece_blocks(pc, sp[k].block, NULL) * es
+                                                               : sp[k].v.bytes;
+    copy[k] = malloc(bytes ? bytes : 1);
+    if (!copy[k]) s = DOPT_ERR_NO_MEMORY;
+    else memcpy(copy[k], a->state[k], bytes);
+  }
+  int more = 0;
+  if (s == DOPT_OK) {
+    memcpy(w, a->param, pc->len * sizeof *w);
+    dopt_step_args b = *a;
+    b.param = w, b.state = copy, b.red = NULL, b.more = &more;
+    for (int stage = 0; s == DOPT_OK; stage++) { /* its stages one after the other, as a single device runs them */
+      b.stage = stage, more = 0;
+      s = q8()->step(&b);
+      if (!more) break;
+    }
+  }
+  for (int k = 0; k < ns; k++) free(copy[k]);
+  free(w);
+  return s == DOPT_OK ? q8()->step(a) : s;
+}
+
 const dopt_optim_impl *dt_planted(int which) {
   static dopt_optim_impl im[DT_PLANT_COUNT];
   static int made;
@@ -126,6 +161,8 @@ const dopt_optim_impl *dt_planted(int which) {
     im[DT_PLANT_Q8_SHARD] = *q8();
     im[DT_PLANT_Q8_SHARD].layout = shard_layout, im[DT_PLANT_Q8_SHARD].frame = shard_frame;
     im[DT_PLANT_Q8_SHARD].step = shard_step;
+    im[DT_PLANT_Q8_TAIL_TWICE] = *q8();
+    im[DT_PLANT_Q8_TAIL_TWICE].step = tail_step;
     made = gap_key >= 0 && min8_key >= 0;
   }
   return made && which >= 0 && which < DT_PLANT_COUNT ? &im[which] : NULL;
@@ -133,6 +170,6 @@ const dopt_optim_impl *dt_planted(int which) {
 
 const char *dt_planted_what(int which) {
   static const char *const what[] = {"a refresh run twice", "a refresh skipped", "a matrix on the plain path",
-                                     "an 8-bit decision on the shard's numel"};
+                                     "an 8-bit decision on the shard's numel", "the tail piece stepped twice"};
   return which >= 0 && which < DT_PLANT_COUNT ? what[which] : "?";
 }

@@ -9,6 +9,8 @@ enum {
   DT_PLANT_REFRESH_SKIPPED, /* galore_adamw: no refresh after the first (a gap read as infinite) */
   DT_PLANT_PLAIN_PATH,      /* galore_adamw: matrices seen flattened (ZeRO-3 init), stepped unprojected */
   DT_PLANT_Q8_SHARD,        /* adamw8bit: min_8bit_size compared with numel / 2 (the shard's at dp 2) */
+  DT_PLANT_Q8_TAIL_TWICE,   /* adamw8bit: the piece holding the last element runs its step twice, once on copies
+                               (wasted work on one rank, the same bits) */
   DT_PLANT_COUNT
 };
 
