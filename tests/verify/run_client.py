@@ -29,6 +29,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as H  # noqa: E402
 
 
+def copy_with_hparams(src, dst, group, old, new):
+    """A copy of recording src at dst whose index says `new` where group `group`'s hyperparameters say `old`
+    (what the recorded run did stays as it was)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    ip = os.path.join(dst, "index.json")
+    with open(ip) as f:
+        index = json.load(f)
+    index["groups"][group]["hparams"] = index["groups"][group]["hparams"].replace(old, new)
+    with open(ip, "w") as f:
+        json.dump(index, f)
+    return dst
+
+
 def summary(report):
     worst = {}
     for t in report["tensors"]:
@@ -107,14 +121,7 @@ def case_adamw():
     H.check("interrupted" in out, "the table says the recording is a prefix")
 
     # the verifier is not blind: the same recording with a 1% larger lr in the index diverges at step 1
-    bad = os.path.join(d, "wrong_lr.rec")
-    shutil.copytree(trace, bad)
-    ip = os.path.join(bad, "index.json")
-    with open(ip) as f:
-        index = json.load(f)
-    index["groups"][0]["hparams"] = index["groups"][0]["hparams"].replace("lr=0.003", "lr=0.00303")
-    with open(ip, "w") as f:
-        json.dump(index, f)
+    bad = copy_with_hparams(trace, os.path.join(d, "wrong_lr.rec"), 0, "lr=0.003", "lr=0.00303")
     out, rep = H.run_verify(bad, expect=1)
     H.check(rep["verdict"]["step"] == 1 and rep["verdict"]["rank"] == 0, "a wrong lr diverges at step 1")
 
@@ -501,15 +508,8 @@ def case_upstream():
             f"a projector out of the gradient's subspace is named at its refresh: {v}")
     # the counters: a recording whose refreshes fall elsewhere than ours (its index says gap 4, the run used 5:
     # ours refresh at steps 1, 5, 9, the recorded projectors are at 1, 6, 11) is named at the first such step
-    moved = os.path.join(d, "galore_gap.rec")
-    shutil.rmtree(moved, ignore_errors=True)
-    shutil.copytree(os.path.join(d, "galore.rec"), moved)
-    ip = os.path.join(moved, "index.json")
-    with open(ip) as f:
-        ix = json.load(f)
-    ix["groups"][1]["hparams"] = ix["groups"][1]["hparams"].replace("update_proj_gap=5.0", "update_proj_gap=4.0")
-    with open(ip, "w") as f:
-        json.dump(ix, f)
+    moved = copy_with_hparams(os.path.join(d, "galore.rec"), os.path.join(d, "galore_gap.rec"), 1,
+                              "update_proj_gap=5.0", "update_proj_gap=4.0")
     out, rep = H.run_verify(moved, "--rtol", "1e-5", expect=1)
     v = rep["verdict"]
     H.check((v["kind"], v["step"]) == ("events", 5) and v["tensor"].endswith("/events(galore.refreshes)")
