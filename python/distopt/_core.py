@@ -246,6 +246,15 @@ class Handle:
         call(lib.dopt_optim_get_step, self._live(), param, ctypes.byref(v))
         return v.value
 
+    def counters(self, param):
+        """Parameter param's counters (docs/api.md "Counters"): ({name: count} of the last step,
+        {name: count} since creation)."""
+        c = _lib.Counters()
+        c.size, c.version = ctypes.sizeof(c), _lib.COUNTERS_VERSION
+        call(lib.dopt_optim_counters, self._live(), param, ctypes.byref(c))
+        names = [lib.dopt_counter_name(k).decode() for k in range(c.n)]
+        return ({n: c.last[k] for k, n in enumerate(names)}, {n: c.total[k] for k, n in enumerate(names)})
+
     def set_step(self, param, step):
         call(lib.dopt_optim_set_step, self._live(), self.param_index(param), _lib.count(step, "step"))
 

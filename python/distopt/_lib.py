@@ -71,6 +71,16 @@ class StateView(ctypes.Structure):  # dopt_state_view
                 ("shape", ctypes.c_int64 * MAX_DIMS), ("data", ctypes.c_void_p), ("bytes", ctypes.c_size_t)]
 
 
+COUNTERS_MAX = 32  # DOPT_COUNTERS_MAX (include/distopt/optim.h)
+COUNTERS_VERSION = 1
+
+
+class Counters(ctypes.Structure):  # dopt_counters
+    _fields_ = [("size", ctypes.c_size_t), ("version", ctypes.c_int), ("n", ctypes.c_int), ("held", ctypes.c_int),
+                ("primary", ctypes.c_int), ("last", ctypes.c_int64 * COUNTERS_MAX),
+                ("total", ctypes.c_int64 * COUNTERS_MAX)]
+
+
 class OptimInfo(ctypes.Structure):  # dopt_optim_info
     _fields_ = [("version", ctypes.c_int), ("name", ctypes.c_char_p), ("summary", ctypes.c_char_p),
                 ("distributable", ctypes.c_int), ("wrapper", ctypes.c_int), ("example", ctypes.c_char_p),
@@ -132,6 +142,8 @@ _PROTOTYPES = {
     "dopt_optim_set_gstep": (_I, [_P, ctypes.c_int64]),
     "dopt_optim_state_bytes": (_I, [_P, _I, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]),
     "dopt_layer_from_name": (_I, [_S]),
+    "dopt_optim_counters": (_I, [_P, _I, ctypes.POINTER(Counters)]),
+    "dopt_counter_name": (_S, [_I]),
 }
 for _name, (_res, _args) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)

@@ -118,6 +118,11 @@ class NumpyOptimizer:
     def get_step(self, param):
         return self._h.get_step(param)
 
+    def counters(self, param):
+        """What parameter param's steps did, {name: count} since creation (docs/api.md "Counters": steps,
+        galore.refreshes, muon.ns, q8.steps, ...)."""
+        return self._h.counters(param)[1]
+
     def state(self, param):
         """Copies of a parameter's states {name: ndarray} and its step count under "step" ({} before its first
         step). Names are upstream's state_dict keys (exp_avg, exp_avg_sq_row, RMS, ...)."""

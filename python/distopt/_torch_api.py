@@ -272,6 +272,28 @@ class Optimizer(torch.optim.Optimizer):
                 d.copy_(st)  # to bf16/fp16: round to nearest even (fp16 overflows to inf); fp32: exact
         return loss
 
+    def counters(self, param=None):
+        """What the steps did, {name: count} since creation (docs/api.md "Counters": steps,
+        galore.refreshes, muon.ns, q8.steps, ...): of one parameter (a tensor of the groups, or its index), or
+        summed over all of them (None)."""
+        with torch.no_grad():
+            self._sync()
+            if param is None:
+                out = {}
+                for i in range(len(self._params)):
+                    for k, v in self._h.counters(i)[1].items():
+                        out[k] = out.get(k, 0) + v
+                return out
+            if isinstance(param, int):
+                i = param
+            else:
+                i = next((k for k, q in enumerate(self._params) if q is param), None)
+                if i is None:
+                    raise ValueError("distopt: counters(param): the tensor is not a parameter of this optimizer")
+            if not 0 <= i < len(self._params):
+                raise IndexError(f"distopt: counters({i}): {len(self._params)} parameters")
+            return self._h.counters(i)[1]
+
     # ---- state_dict ------------------------------------------------------------------------------------
 
     def state_dict(self):

@@ -178,6 +178,7 @@ class TestNumpy(unittest.TestCase):
         opt = scope["opt"]
         self.assertEqual(opt.get_step(0), 1)
         self.assertEqual(opt.get_step(1), 0)  # b had no gradient
+        self.assertEqual((opt.counters(0)["steps"], opt.counters(1)["steps"]), (1, 0))  # the counters agree
         self.assertEqual(opt.gstep, 1)
         self.assertEqual(opt.param_names, ["param0", "fc.bias"])
         self.assertEqual(opt.hparams(1)["weight_decay"], 0.0)

@@ -361,6 +361,22 @@ class TestTorchStateDict(Base):
         for a, b in zip(model.parameters(), again.parameters()):
             self.assertTrue(torch.equal(a, b))
 
+    def test_counters(self):
+        """Counters through the binding: muon's Newton-Schulz calls per matrix and its aux Adam steps, per
+        parameter and summed (docs/api.md "Counters")."""
+        model = make_model()
+        mats = [p for p in model.parameters() if p.ndim == 2]
+        vecs = [p for p in model.parameters() if p.ndim == 1]
+        opt = distopt.Optimizer("muon", [dict(params=mats, use_muon=True), dict(params=vecs, use_muon=False)])
+        train(model, opt, 3)
+        c = opt.counters(mats[0])
+        self.assertEqual((c["steps"], c["muon.ns"], c["muon.ns_iterations"], c["muon.adam"]), (3, 3, 15, 0))
+        self.assertEqual(opt.counters(len(mats))["muon.adam"], 3)  # the first vector (groups in order)
+        total = opt.counters()
+        self.assertEqual((total["muon.ns"], total["muon.adam"]), (3 * len(mats), 3 * len(vecs)))
+        with self.assertRaises(ValueError):
+            opt.counters(torch.zeros(1))
+
 
 class TestMore(Base):
     def test_docs_example(self):
