@@ -150,6 +150,10 @@ typedef struct vctx {
   vr_reader ref;          /* --reference's recording */
   int *proj_stat;         /* [nparams] the sin theta statistic of a GaLore parameter's projector (-1: none yet) */
   int *ev_stat;           /* [nparams] its events(galore.refreshes) statistic (-1: none yet) */
+  /* record.grad_agree: the first step at which two ranks' gradients of a parameter differ (0: none), the
+   * parameter, the rank and the lowest rank it differs from; steps whose digests were compared */
+  long agree_step, agree_checked;
+  int agree_param, agree_rank, agree_base;
   float *scratch;         /* the largest parameter's elements: a reference tensor of --reference, a state */
   unsigned char *mask;    /* as many flags: which elements the ranks' pieces covered */
   size_t scratch_n;
@@ -1061,6 +1065,42 @@ static int compare_step(vctx *c, long t) {
   return CLI_OK;
 }
 
+/* record.grad_agree: every rank that has a gradient of parameter p at step t recorded the SHA-256 of it
+ * (grad_agree/<t>/<p>); ranks hold copies of the whole gradient (DDP replicas, ZeRO owners: the dp average),
+ * so every digest must equal the lowest rank's, and a rank without one must be alone in that (a gradient None
+ * on some ranks only). The first difference, by step, parameter and rank, is a divergence. */
+static void check_agreement(vctx *c, long t) {
+  const vr_index *ix = &c->rd.ix;
+  if (!ix->grad_agree || c->agree_step) return;
+  c->agree_checked++;
+  char key[VR_MAX_NAME + 64];
+  for (int p = 0; p < ix->nparams; p++) {
+    snprintf(key, sizeof key, "grad_agree/%ld/%s", t, ix->params[p].name);
+    const unsigned char *base = NULL;
+    int b = -1;
+    for (int r = 0; r < ix->world_size; r++) {
+      const unsigned char *d = vr_reader_digest(&c->rd, r, t, key);
+      if (r == 0) {
+        base = d, b = 0;
+        continue;
+      }
+      if ((d == NULL) != (base == NULL) || (d && memcmp(d, base, 32) != 0)) {
+        c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = b;
+        return;
+      }
+    }
+  }
+}
+
+/* Whether the gradients' disagreement is the verdict: the first finding (at its step it comes first: the values
+ * that follow from a wrong gradient are its consequence). */
+static int agree_verdict(const vctx *c) { return c->agree_step && (!c->verdict_step || c->agree_step <= c->verdict_step); }
+
+static void agree_text(const vctx *c, char *buf, size_t cap) {
+  snprintf(buf, cap, "DIVERGED at step %ld (gradient of %s: rank %d differs from rank %d)", c->agree_step,
+           c->rd.ix.params[c->agree_param].name, c->agree_rank, c->agree_base);
+}
+
 /* --stepwise: the state after step t was recorded (parameters and states), so step t+1 can start from it. */
 static int recorded_after(const vctx *c, long t) {
   return t == c->rd.ix.start_step || (c->rd.ix.record_params && c->rd.ix.record_states && t % c->rd.ix.every == 0);
@@ -1079,6 +1119,7 @@ static int replay(vctx *c) {
     }
     for (int r = 0; r < ix->world_size; r++)
       if ((rc = file_for_step(c, r, t))) return rc;
+    check_agreement(c, t);
     for (; !c->ref_path && ch < ix->nchanges && ix->changes[ch].step == t; ch++) {
       const vr_change *h = &ix->changes[ch];
       dopt_status s = dopt_optim_set_hparam(c->opt, h->group, h->key, h->value);
@@ -1224,7 +1265,14 @@ static void print_table(const vctx *c) {
     if (s->key[0]) ws = s->max_rel > ws ? s->max_rel : ws, ns++;
     else wp = s->max_rel > wp ? s->max_rel : wp, np++;
   }
-  if (!c->verdict_step) {
+  if (c->rd.ix.grad_agree)
+    printf("gradients: every rank's digest of each parameter's gradient compared at %ld step%s%s\n", c->agree_checked,
+           c->agree_checked == 1 ? "" : "s", c->agree_step ? " (until the first difference)" : ", all equal");
+  if (agree_verdict(c)) {
+    char text[VR_MAX_NAME + 128];
+    agree_text(c, text, sizeof text);
+    printf("verdict: %s\n", text);
+  } else if (!c->verdict_step) {
     char pw[64] = "none recorded", sw[64] = "none recorded";
     if (np) snprintf(pw, sizeof pw, "%.3g of %g", wp, c->tol_param);
     if (ns) snprintf(sw, sizeof sw, "%.3g of %g", ws, c->tol_state);
@@ -1323,7 +1371,13 @@ static int json_body(FILE *f, const void *ctx) {
   }
   free(order);
   cJSON *v = cJSON_AddObjectToObject(root, "verdict");
-  if (v && !c->verdict_step) {
+  cJSON_AddBoolToObject(root, "gradients_compared", c->rd.ix.grad_agree != 0);
+  if (v && agree_verdict(c)) {
+    cJSON_AddStringToObject(v, "kind", "gradients");
+    cJSON_AddNumberToObject(v, "step", (double)c->agree_step);
+    cJSON_AddStringToObject(v, "tensor", c->rd.ix.params[c->agree_param].name);
+    cJSON_AddNumberToObject(v, "rank", c->agree_rank);
+  } else if (v && !c->verdict_step) {
     cJSON_AddStringToObject(v, "kind", "within_tolerance");
     cJSON_AddNullToObject(v, "step");
     cJSON_AddNullToObject(v, "tensor");
@@ -1441,7 +1495,15 @@ static int svg_body(FILE *f, const void *ctx) {
     drawn++;
   }
   if (drawn > 24) fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">\xE2\x80\xA6 and %d more</text>\n", SV_R + 42, ly, drawn - 24);
-  if (c->verdict_step) {
+  if (agree_verdict(c)) {
+    char text[VR_MAX_NAME + 128];
+    agree_text(c, text, sizeof text);
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#b00000\"/>\n", SX(c->agree_step), SV_T,
+            SX(c->agree_step), SV_B);
+    fprintf(f, "<text x=\"%.0f\" y=\"%d\" font-weight=\"bold\" fill=\"#b00000\">verdict: ", SV_L, SV_H - 14);
+    cmp_xml_text(f, text, 0);
+    fputs("</text>\n", f);
+  } else if (c->verdict_step) {
     const vstat *s = &c->st[c->verdict_stat];
     stat_name(c, s, name, sizeof name);
     fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#b00000\"/>\n", SX(c->verdict_step), SV_T,
@@ -1497,7 +1559,11 @@ int cmd_verify(int argc, char **argv) {
   if (rc == CLI_OK && c.svg_path) rc = write_output(&c, c.svg_path, svg_body, "--plot");
   if (rc == CLI_OK && c.quiet) {
     /* the verdict line alone */
-    if (c.verdict_step) {
+    if (agree_verdict(&c)) {
+      char text[VR_MAX_NAME + 128];
+      agree_text(&c, text, sizeof text);
+      printf("verdict: %s\n", text);
+    } else if (c.verdict_step) {
       char name[VR_MAX_NAME + VR_MAX_KEY + 2];
       stat_name(&c, &c.st[c.verdict_stat], name, sizeof name);
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d)\n", c.verdict_step, name, c.st[c.verdict_stat].rank);
@@ -1505,7 +1571,7 @@ int cmd_verify(int argc, char **argv) {
       printf("verdict: WITHIN TOLERANCE\n");
     }
   }
-  if (rc == CLI_OK && c.verdict_step) rc = CLI_FAIL;
+  if (rc == CLI_OK && (c.verdict_step || c.agree_step)) rc = CLI_FAIL;
   fflush(stdout);
   cleanup(&c);
   return rc;

@@ -15,7 +15,7 @@
 #include "distopt/dtype.h"
 #include "distopt/safetensors.h"
 
-#define VR_SCHEMA_VERSION 2     /* the newest this distopt writes and reads */
+#define VR_SCHEMA_VERSION 3     /* the newest this distopt writes and reads */
 #define VR_SCHEMA_OLDEST 1      /* schema 1 (no window, F32 gradients, no projectors) still reads */
 #define VR_KIND "distopt-record"
 
@@ -104,6 +104,8 @@ typedef struct vr_index {
   int record_states;      /* record.states */
   int grads;              /* record.grads: VR_GRADS_F32 or VR_GRADS_BF16 */
   int projectors;         /* record.projectors: GaLore projectors as proj/<t>/<p>/<key> at refresh steps */
+  int grad_agree;         /* record.grad_agree (schema 3): every rank's whole gradient of every parameter it has one
+                             of, as grad_agree/<t>/<p> (SHA-256, 32 U8), whether or not it holds a piece */
   long nchanges;
   vr_change *changes;     /* by step */
   int *by_name;           /* [nparams] parameter indices sorted by name (vr_index_find_param) */
@@ -189,5 +191,7 @@ dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *presen
 /* The bytes of the recorded F32 tensor `name` (maybe unaligned: memcpy them) of rank r's file holding step t
  * (seeked), or NULL (absent, or another dtype). */
 const void *vr_reader_f32(vr_reader *rd, int r, long t, const char *name, size_t *numel);
+/* Rank r's 32-byte U8 tensor `name` of step t (a SHA-256 digest), or NULL when it has none. */
+const unsigned char *vr_reader_digest(vr_reader *rd, int r, long t, const char *name);
 
 #endif

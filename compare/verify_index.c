@@ -482,7 +482,8 @@ static int parse_changes(vctx *c, const cJSON *arr, vr_index *ix) {
 }
 
 static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
-  /* schema 1's keys; schema 2 adds start_step, record.grads and record.projectors, and lets optimizer.name be null */
+  /* schema 1's keys; schema 2 adds start_step, record.grads and record.projectors, and lets optimizer.name be null;
+   * schema 3 adds record.grad_agree */
   static const char *const keys1[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
                                       "world_size", "record", "ranks", "steps", "complete", "hparam_changes", NULL};
   static const char *const keys2[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
@@ -492,6 +493,8 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   static const char *const tkeys[] = {"version", "cpu_capability", "num_threads", NULL};
   static const char *const rkeys1[] = {"every", "params", "states", "flush_every", NULL};
   static const char *const rkeys2[] = {"every", "params", "states", "flush_every", "grads", "projectors", NULL};
+  static const char *const rkeys3[] = {"every", "params", "states", "flush_every", "grads", "projectors", "grad_agree",
+                                       NULL};
   char b[96];
   long long v;
   if (get_object(c, root, "(top level)")) return -1;
@@ -527,7 +530,9 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
     if (member(tj, "num_threads") && get_int(c, member(tj, "num_threads"), "torch.num_threads", 1, 1 << 20, &v)) return -1;
   }
   const cJSON *rj = member(root, "record");
-  if (get_object(c, rj, "record") || check_keys(c, rj, "record", v2 ? rkeys2 : rkeys1)) return -1;
+  if (get_object(c, rj, "record") ||
+      check_keys(c, rj, "record", ix->schema_version >= 3 ? rkeys3 : v2 ? rkeys2 : rkeys1))
+    return -1;
   if (get_int(c, member(rj, "every"), "record.every", 1, VR_MAX_STEPS, &v)) return -1;
   ix->every = (long)v;
   int flag = 0;
@@ -542,6 +547,7 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
     ix->grads = strcmp(gj->valuestring, "BF16") == 0 ? VR_GRADS_BF16 : VR_GRADS_F32;
   }
   if (member(rj, "projectors") && get_bool(c, member(rj, "projectors"), "record.projectors", &ix->projectors)) return -1;
+  if (member(rj, "grad_agree") && get_bool(c, member(rj, "grad_agree"), "record.grad_agree", &ix->grad_agree)) return -1;
   if (member(rj, "flush_every") && get_int(c, member(rj, "flush_every"), "record.flush_every", 1, VR_MAX_STEPS, &v)) return -1;
   if (member(root, "start_step") && get_int(c, member(root, "start_step"), "start_step", 0, VR_MAX_STEPS, &v)) return -1;
   ix->start_step = member(root, "start_step") ? (long)v : 0;

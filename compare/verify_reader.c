@@ -141,8 +141,9 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     const char *nm = t.name, *rest = NULL, *kind;
     long step = 0;
     char pname[VR_MAX_NAME + 1], key[VR_MAX_KEY + 1] = "";
-    /* kinds: init, init_state (a window's states at its start), grad, grad_digest, param, state, proj */
-    static const char *const stepped[] = {"grad_digest", "grad", "param", "state", "proj", NULL};
+    /* kinds: init, init_state (a window's states at its start), grad, grad_digest, param, state, proj,
+     * grad_agree (schema 3 with record.grad_agree: of any parameter, held or not) */
+    static const char *const stepped[] = {"grad_digest", "grad_agree", "grad", "param", "state", "proj", NULL};
     const int v2 = ix->schema_version >= 2;
     int keyed = 0; /* the name ends in /<key> */
     kind = NULL;
@@ -154,11 +155,13 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     } else {
       for (int j = 0; stepped[j] && !kind; j++) {
         size_t kl = strlen(stepped[j]);
-        if (strncmp(nm, stepped[j], kl) == 0 && nm[kl] == '/' && (v2 || j == 1 || j == 2 || j == 3)) kind = stepped[j];
+        if (strncmp(nm, stepped[j], kl) == 0 && nm[kl] == '/' &&
+            (j == 1 ? ix->grad_agree : v2 || j == 2 || j == 3 || j == 4))
+          kind = stepped[j];
       }
       if (!kind)
-        return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/%s", fpath, nm,
-                     v2 ? " (or init_state/, grad_digest/, proj/)" : "");
+        return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/%s%s", fpath, nm,
+                     v2 ? " (or init_state/, grad_digest/, proj/)" : "", ix->grad_agree ? " or grad_agree/" : "");
       keyed = strcmp(kind, "state") == 0 || strcmp(kind, "proj") == 0;
       rest = parse_step(nm + strlen(kind) + 1, &step);
       if (!rest)
@@ -181,6 +184,13 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     memcpy(pname, rest, rl);
     pname[rl] = '\0';
     int p = vr_index_find_param(ix, pname);
+    if (strcmp(kind, "grad_agree") == 0) { /* any parameter of the index: the rank's whole gradient's digest */
+      if (p < 0) return rfail(rd, E, "%s: tensor '%s': no parameter '%s' in the index", fpath, nm, pname);
+      if (t.numel != 32 || t.dtype != DOPT_U8)
+        return rfail(rd, E, "%s: tensor '%s': a gradient digest is 32 U8 (SHA-256; got %s, %zu elements)", fpath, nm,
+                     dopt_dtype_name(t.dtype), t.numel);
+      continue;
+    }
     int pi = p >= 0 ? piece_index(ix, r, p) : -1;
     if (pi < 0) return rfail(rd, E, "%s: tensor '%s': rank %d's layout has no parameter '%s'", fpath, nm, r, pname);
     const vr_piece *pc = &ix->ranks[r].pieces[pi];
@@ -297,6 +307,13 @@ dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *presen
                                       "(grad_digest/): this step cannot be replayed", t, ix->params[p].name);
   *present = seen < -1 ? 0 : seen;
   return DOPT_OK;
+}
+
+const unsigned char *vr_reader_digest(vr_reader *rd, int r, long t, const char *name) {
+  if (vr_reader_seek(rd, r, t) != DOPT_OK) return NULL;
+  dopt_st_tensor x;
+  if (dopt_st_find(rd->f[r], name, &x) != DOPT_OK || x.dtype != DOPT_U8 || x.numel != 32) return NULL;
+  return x.data;
 }
 
 const void *vr_reader_f32(vr_reader *rd, int r, long t, const char *name, size_t *numel) {

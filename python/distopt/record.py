@@ -43,7 +43,7 @@ from ._safetensors import write as _write_safetensors
 from ._safetensors import write_bytes as _write_bytes
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
-SCHEMA_VERSION = 2  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/ (docs/verify.md)
+SCHEMA_VERSION = 3  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/ (docs/verify.md)
 KIND = "distopt-record"
 
 __all__ = ["record", "Recorder", "verify"]
@@ -147,7 +147,8 @@ class Recorder:
     """What record() returns: a context manager; close() flushes, writes the final index and restores `step`."""
 
     def __init__(self, optimizer, path, every=1, params=True, states=True, *, flush_every=16, names=None,
-                 name=None, hparams=None, layout=None, start_step=None, grads="f32", grad_steps=None):
+                 name=None, hparams=None, layout=None, start_step=None, grads="f32", grad_steps=None,
+                 grad_agree=None):
         import torch
         import torch.distributed as dist
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -243,6 +244,15 @@ class Recorder:
             params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
         for p, gname, *_ in self.pieces:
             _f32(p, f"parameter {gname}")  # float32 only, checked before anything is written
+        # the tensors whose whole gradient every rank holds a copy of (DDP replicas, ZeRO's all-reduced
+        # gradients): each rank's digest of each of them at every step, compared by verify (grad_agree/)
+        if grad_agree is None:
+            grad_agree = self.world > 1
+        self.grad_agree = bool(grad_agree)
+        if layout is not None:
+            self.agree = [(p, n) for p, n, lo, ln, st, numel in self.pieces if lo == 0 and ln == numel]
+        else:
+            self.agree = [(p, naming[id(p)]) for p in all_params]
 
         # every rank's layout and parameters, at every rank (the same error everywhere)
         mine = {"rank": self.rank, "params": params_info,
@@ -350,15 +360,29 @@ class Recorder:
         opt.__dict__.pop("_distopt_recorder", None)
 
     def _grads(self):
+        """The pieces' gradients [(name, tensor)], and with grad_agree the digests of every whole gradient this
+        rank holds (grad_agree/<t>/<p>, filled in by _grad_tensors)."""
         out = []
         for p, n, *_ in self.pieces:
             if p.grad is not None:
                 out.append((n, _f32(p.grad, f"the gradient of {n}")))
-        return out
+        agree = []
+        for p, n in self.agree if self.grad_agree else ():
+            if p.grad is not None:
+                g = _f32(p.grad, f"the gradient of {n}")
+                agree.append((n, hashlib.sha256(g.contiguous().numpy().tobytes()).digest()))
+        return out, agree
 
-    def _grad_tensors(self, t, grads):
+    def _grad_tensors(self, t, both):
         """Step t's gradient tensors: F32, BF16 (grads="bf16": rounded to nearest even), or for a step outside
-        grad_steps only the SHA-256 of the piece's F32 bytes (grad_digest/<t>/<p>, 32 U8)."""
+        grad_steps only the SHA-256 of the piece's F32 bytes (grad_digest/<t>/<p>, 32 U8); then the digests of
+        the whole gradients (grad_agree/<t>/<p>, 32 U8)."""
+        import torch
+        grads, agree = both
+        return self._piece_grads(t, grads) + [(f"grad_agree/{t}/{n}", torch.tensor(list(d), dtype=torch.uint8))
+                                              for n, d in agree]
+
+    def _piece_grads(self, t, grads):
         import torch
         if self.grad_steps is not None and not self.grad_steps(t):
             out = []
@@ -400,7 +424,7 @@ class Recorder:
             else:
                 kwargs = dict(kwargs, closure=wrapped)
             out = self._orig_step(*args, **kwargs)
-            grads = box[0] if box else []
+            grads = box[0] if box else ([], [])
         self.t = t
         self.block.extend(self._grad_tensors(t, grads))
         if self.projectors:
@@ -491,7 +515,7 @@ class Recorder:
             "world_size": self.world,
             "record": {"every": self.every, "params": self.want_params, "states": self.want_states,
                        "flush_every": self.flush_every, "grads": "BF16" if self.grad_dtype == "bf16" else "F32",
-                       "projectors": self.projectors},
+                       "projectors": self.projectors, "grad_agree": self.grad_agree},
             "ranks": [{"rank": r, "pieces": self.layouts[r], "files": self.files[r]} for r in range(self.world)],
             "start_step": self.start,
             "steps": max((f["last_step"] for f in self.files[0]), default=self.start),
@@ -545,6 +569,10 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
     grads:        "f32" (default) or "bf16" (gradients rounded to bf16: half the size, lossy, docs/verify.md)
     grad_steps:   the steps whose gradients are kept (a container or a callable t -> bool); the others keep only
                   the SHA-256 of each gradient (verify --stepwise skips them); default: every step
+    grad_agree:   each rank also records the SHA-256 of every whole gradient it holds (grad_agree/<t>/<p>: DDP
+                  replicas, ZeRO's all-reduced gradients, whole tensors of layout=), and verify checks that every
+                  rank's equals the lowest rank's (a ZeRO run without gradient synchronisation is named);
+                  default: on when torch.distributed runs with more than one rank
     An optimizer class distopt does not implement (no mapping, no name=) is recorded as it is: its states under
     its own keys, its groups' numeric values as hyperparameter changes, for distopt.replay.
     """

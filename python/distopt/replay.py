@@ -57,7 +57,7 @@ class _Recording:
         with open(os.path.join(self.dir, "index.json")) as f:
             self.ix = json.load(f)
         ix = self.ix
-        if ix.get("kind") != KIND or ix.get("schema_version") not in (1, SCHEMA_VERSION):
+        if ix.get("kind") != KIND or ix.get("schema_version") not in range(1, SCHEMA_VERSION + 1):
             raise ValueError(f"distopt.replay: {self.dir}: not a distopt recording of schema 1..{SCHEMA_VERSION}")
         self.start, self.steps = int(ix.get("start_step", 0)), int(ix["steps"])
         self.every = int(ix["record"]["every"])

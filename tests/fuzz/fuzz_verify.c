@@ -4,7 +4,7 @@
  * their limits and found again by name, pieces inside their parameters, each parameter's source pieces
  * tiling it exactly, each rank's files contiguous from step start_step + 1 to `steps`, changes in step order
  * and inside the window, schema 1 without schema 2's fields (start_step, record.grads, record.projectors, a null
- * optimizer.name). */
+ * optimizer.name), schema 1 and 2 without schema 3's (record.grad_agree). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,6 +27,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* schema 1 has none of schema 2's fields; a window ends at or after its start */
   if (ix.schema_version == 1 && (ix.start_step || ix.grads != VR_GRADS_F32 || ix.projectors || !ix.optimizer[0]))
     abort();
+  if (ix.schema_version < 3 && ix.grad_agree) abort();
   if (ix.start_step < 0 || ix.steps < ix.start_step || (ix.grads != VR_GRADS_F32 && ix.grads != VR_GRADS_BF16)) abort();
   for (int p = 0; p < ix.nparams; p++) {
     const vr_param *vp = &ix.params[p];

@@ -122,8 +122,10 @@ def launch(fn, world, *args):
 
 # ---- ZeroRedundancyOptimizer(AdamW) under DDP ------------------------------------------------------------
 
-def zero_worker(rank, world, trace, steps, inner="torch"):
-    """inner: "torch" (torch.optim.AdamW) or "distopt" (distopt.Optimizer("adamw") as ZeRO's optimizer_class)."""
+def zero_worker(rank, world, trace, steps, inner="torch", sync=True, agree=None):
+    """inner: "torch" (torch.optim.AdamW) or "distopt" (distopt.Optimizer("adamw") as ZeRO's optimizer_class);
+    sync=False: no DDP, each rank steps its owned parameters on its own micro-batch's gradient (the bug);
+    agree: record's grad_agree (None: its default)."""
     import functools
     import distopt
     from distopt.record import record  # (not `import distopt.record as`: see docs/verify.md)
@@ -131,12 +133,12 @@ def zero_worker(rank, world, trace, steps, inner="torch"):
     from torch.nn.parallel import DistributedDataParallel as DDP
     seeded()  # the same initial model on every rank
     model = mlp()
-    ddp = DDP(model)
+    ddp = DDP(model) if sync else model
     cls = torch.optim.AdamW if inner == "torch" else functools.partial(distopt.Optimizer, "adamw")
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=3e-3, betas=(0.9, 0.99),
                                   weight_decay=0.05)
     seeded(rank)
-    with record(opt, trace, names=model, flush_every=6):
+    with record(opt, trace, names=model, flush_every=6, **({} if agree is None else {"grad_agree": agree})):
         for t in range(1, steps + 1):
             x, y = batch(t, rank)  # each rank its own micro-batch; DDP averages the gradients
             opt.zero_grad()

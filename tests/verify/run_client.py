@@ -179,6 +179,20 @@ def case_zero():
     H.check(all(any(t["state"] == "exp_avg" for t in by_rank.get(r, [])) for r in (0, 1)),
             "ZeRO(distopt.Optimizer): both ranks' inner states recorded and compared")
     summary(rep)
+    with open(os.path.join(trace, "index.json")) as f:
+        H.check(json.load(f)["record"]["grad_agree"] is True, "a distributed recording carries the gradients' digests")
+    # ZeRO without gradient synchronisation: each owner's arithmetic is right on its own gradient, so the
+    # values alone pass (shown with grad_agree=False); the ranks' gradients disagree, named at step 1
+    blind = os.path.join(d, "zero_nosync_values_only.rec")
+    H.launch(H.zero_worker, 2, blind, 6, "torch", False, False)
+    H.run_verify(blind, expect=0)
+    unsync = os.path.join(d, "zero_nosync.rec")
+    H.launch(H.zero_worker, 2, unsync, 6, "torch", False)
+    out, rep = H.run_verify(unsync, expect=1)
+    v = rep["verdict"]
+    H.check((v["kind"], v["step"], v["rank"]) == ("gradients", 1, 1)
+            and "verdict: DIVERGED at step 1 (gradient of 0.weight: rank 1 differs from rank 0)" in out,
+            f"unsynchronised ZeRO named by its gradients: {v}")
     # a plain AdamW under DDP: replicas, every rank's copy of every parameter compared
     ddp = os.path.join(d, "ddp.rec")
     H.launch(H.ddp_worker, 2, ddp, 10)
@@ -277,7 +291,7 @@ def case_replay():
     H.launch(H.normalized_worker, 2, bad, 12, 5)
     with open(os.path.join(good, "index.json")) as f:
         index = json.load(f)
-    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 2, "an unknown class is recorded as is")
+    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 3, "an unknown class is recorded as is")
     res = verify(good)
     H.check(res.returncode == 2 and "optimizer.name is null" in res.stderr, f"verify without a reference: {res!r}")
     for stepwise in (False, True):

@@ -352,8 +352,8 @@ static void test_bad_input(void **st) {
   expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
   write_index(root, "{\"schema_version\": 1,");
   expect_bad(root, "index.json: not valid JSON", NULL);
-  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 3",
-            "index.json: schema_version: 3 is not supported (this distopt reads 1 to 2)");
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 4",
+            "index.json: schema_version: 4 is not supported (this distopt reads 1 to 3)");
   bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
   bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
   bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
