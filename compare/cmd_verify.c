@@ -155,6 +155,7 @@ typedef struct vctx {
   long agree_step, agree_checked;
   int agree_param, agree_rank, agree_base;
   float *scratch;         /* the largest parameter's elements: a reference tensor of --reference, a state */
+  float *gath;            /* as many: a block piece's reference elements, gathered to compare */
   unsigned char *mask;    /* as many flags: which elements the ranks' pieces covered */
   size_t scratch_n;
   long not_replayed;      /* --stepwise: steps skipped (only a gradient digest, or no recorded state before) */
@@ -433,7 +434,8 @@ static double scalar_value(const dopt_st_tensor *x) {
   return v;
 }
 
-static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len);
+static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                       int *mapped);
 
 /* The recorded tensor names of the state before step t+1 (t = the window's start: init/, init_state/). */
 static void before_names(const vctx *c, long t, int p, const char *key, char *buf, size_t cap) {
@@ -469,7 +471,7 @@ static int force_states(vctx *c, long t, int strict) {
         if (dopt_st_find(rd->f[sr->rank], key, &x) != DOPT_OK)
           return cli_errorf(CMD, "%s: --stepwise: rank %d's file for step %ld has no '%s' (the state to start step %ld "
                                  "from)", rd->index_path, sr->rank, at, key, t + 1);
-        memcpy(c->data[p] + sr->pc->lo, x.data, (size_t)sr->pc->len * sizeof(float));
+        vr_piece_put(sr->pc, x.data, c->data[p]);
       }
     }
     /* the step count (any rank's piece), which also says whether the recorded run had states for p */
@@ -503,17 +505,20 @@ static int force_states(vctx *c, long t, int strict) {
         const vr_piece *pc = vr_rank_piece(ix, r, p);
         dopt_st_tensor x;
         int64_t lo, len;
+        int mapped;
         if (!pc || dopt_st_find(rd->f[r], key, &x) != DOPT_OK) continue;
         any = 1;
-        if (state_range(c, pc, v.name, n, &lo, &len) || lo + len > n || (int64_t)x.numel != len)
+        if (state_range(c, pc, v.name, n, &lo, &len, &mapped) || (!mapped && lo + len > n) || (int64_t)x.numel != len)
           return cli_errorf(CMD, "%s: rank %d: tensor '%s' (%zu elements) does not fit the reference's state of %lld "
                                  "elements", rd->index_path, r, key, x.numel, (long long)n);
-        for (int64_t i = 0; i < len; i++)
-          if (!c->mask[lo + i]) {
-            c->mask[lo + i] = 1;
-            memcpy(c->scratch + lo + i, (const unsigned char *)x.data + 4 * i, sizeof(float));
+        for (int64_t i = 0; i < len; i++) {
+          const int64_t e = mapped ? vr_piece_elem(pc, i) : lo + i;
+          if (!c->mask[e]) {
+            c->mask[e] = 1;
+            memcpy(c->scratch + e, (const unsigned char *)x.data + 4 * i, sizeof(float));
             covered++;
           }
+        }
       }
       if (!any && !strict) continue;
       if (covered != n) {
@@ -833,7 +838,9 @@ static int setup(vctx *c) {
   c->rt = calloc((size_t)ix->world_size, sizeof *c->rt);
   c->proj_stat = malloc((size_t)np * sizeof *c->proj_stat);
   c->ev_stat = malloc((size_t)np * sizeof *c->ev_stat);
-  if (!c->data || !c->grad || !c->gptr || !c->rt || !c->proj_stat || !c->ev_stat) return cli_errorf(CMD, "out of memory");
+  c->gath = malloc(maxn * sizeof *c->gath);
+  if (!c->data || !c->grad || !c->gptr || !c->rt || !c->proj_stat || !c->ev_stat || !c->gath)
+    return cli_errorf(CMD, "out of memory");
   for (int p = 0; p < np; p++) {
     c->proj_stat[p] = -1, c->ev_stat[p] = -1;
     size_t n = (size_t)ix->params[p].numel;
@@ -903,16 +910,19 @@ static int assemble_grads(vctx *c, long t, int *digest_only) {
   return CLI_OK;
 }
 
-/* The flat range of `key`'s reference state (n elements) rank r's piece records. */
-static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len) {
+/* The flat range of `key`'s reference state (n elements) rank r's piece records; *mapped: its elements are
+ * the piece's own (an elementwise state of a block piece: element i at vr_piece_elem(pc, i)), len of them. */
+static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                       int *mapped) {
   const vr_param *vp = &c->rd.ix.params[pc->param];
+  *mapped = 0;
   for (int i = 0; i < pc->nstates; i++)
     if (strcmp(pc->states[i].key, key) == 0) {
       *lo = pc->states[i].lo;
       *len = pc->states[i].len;
       return 0;
     }
-  if (pc->lo == 0 && pc->len == vp->numel) { /* the whole parameter: the whole state */
+  if (pc->bdim < 0 && pc->lo == 0 && pc->len == vp->numel) { /* the whole parameter: the whole state */
     *lo = 0;
     *len = n;
     return 0;
@@ -920,6 +930,7 @@ static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64
   if (n == vp->numel) { /* elementwise */
     *lo = pc->lo;
     *len = pc->len;
+    *mapped = pc->bdim >= 0;
     return 0;
   }
   return -1;
@@ -1033,11 +1044,19 @@ static int compare_step(vctx *c, long t) {
           record_result(c, pk->stat[j], t, INFINITY, c->tol_state);
           continue;
         }
-        if (state_range(c, pc, s->key, n, &lo, &len))
-          return cli_errorf(CMD, "%s: rank %d records state '%s' of '%s' for elements [%lld, %lld) of the parameter but "
+        int mapped;
+        if (state_range(c, pc, s->key, n, &lo, &len, &mapped)) {
+          char el[96];
+          vr_piece_text(pc, el, sizeof el);
+          return cli_errorf(CMD, "%s: rank %d records state '%s' of '%s' for elements %s of the parameter but "
                                  "declares no range of the state (ranks[%d].pieces[].states)",
-                            c->rd.index_path, r, s->key, vp->name, (long long)pc->lo, (long long)(pc->lo + pc->len), r);
-        if (lo + len > n)
+                            c->rd.index_path, r, s->key, vp->name, el, r);
+        }
+        if (mapped) { /* an elementwise state of a block: the piece's elements, gathered */
+          vr_piece_get(pc, data, c->gath);
+          data = c->gath, lo = 0;
+        }
+        if (lo + len > n && !mapped)
           return cli_errorf(CMD, "%s: rank %d, state '%s' of '%s': range [%lld, %lld) is outside the reference's %lld "
                                  "elements", c->rd.index_path, r, s->key, vp->name, (long long)lo, (long long)(lo + len),
                             (long long)n);
@@ -1053,7 +1072,11 @@ static int compare_step(vctx *c, long t) {
         const float *ref = ref_param(c, pc->param, t);
         if (!ref)
           return cli_errorf(CMD, "--reference %s: no '%s' (the recording compares it)", c->ref.index_path, key);
-        double rel = compare_f32(s, rec.data, ref + pc->lo, (size_t)pc->len);
+        if (pc->bdim >= 0) { /* a block: its elements gathered */
+          vr_piece_get(pc, ref, c->gath);
+          ref = c->gath;
+        }
+        double rel = compare_f32(s, rec.data, pc->bdim >= 0 ? ref : ref + pc->lo, (size_t)pc->len);
         record_result(c, pk->stat[0], t, rel, c->tol_param);
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
@@ -1175,8 +1198,12 @@ static void stat_name(const vctx *c, const vstat *s, char *buf, size_t cap) {
 
 static void piece_text(const vctx *c, const vstat *s, char *buf, size_t cap) {
   const vr_param *vp = &c->rd.ix.params[s->param];
-  if (s->pc->lo == 0 && s->pc->len == vp->numel) snprintf(buf, cap, "whole");
-  else snprintf(buf, cap, "[%lld,%lld)", (long long)s->pc->lo, (long long)(s->pc->lo + s->pc->len));
+  if (s->pc->bdim < 0 && s->pc->lo == 0 && s->pc->len == vp->numel) snprintf(buf, cap, "whole");
+  else if (s->pc->bdim < 0) snprintf(buf, cap, "[%lld,%lld)", (long long)s->pc->lo, (long long)(s->pc->lo + s->pc->len));
+  else if (s->pc->lo == 0 && s->pc->len == s->pc->outer * s->pc->blen * s->pc->inner)
+    snprintf(buf, cap, "d%d[%lld,%lld)", s->pc->bdim, (long long)s->pc->blo, (long long)(s->pc->blo + s->pc->blen));
+  else snprintf(buf, cap, "d%d[%lld,%lld)[%lld,%lld)", s->pc->bdim, (long long)s->pc->blo,
+                (long long)(s->pc->blo + s->pc->blen), (long long)s->pc->lo, (long long)(s->pc->lo + s->pc->len));
 }
 
 static int text_width(const char *s) {
@@ -1355,6 +1382,14 @@ static int json_body(FILE *f, const void *ctx) {
     cJSON_AddNumberToObject(o, "rank", s->rank);
     cJSON_AddNumberToObject(o, "lo", (double)s->pc->lo);
     cJSON_AddNumberToObject(o, "len", (double)s->pc->len);
+    if (s->pc->bdim >= 0) {
+      cJSON *bj = cJSON_AddObjectToObject(o, "block");
+      if (bj) {
+        cJSON_AddNumberToObject(bj, "dim", s->pc->bdim);
+        cJSON_AddNumberToObject(bj, "lo", (double)s->pc->blo);
+        cJSON_AddNumberToObject(bj, "len", (double)s->pc->blen);
+      }
+    }
     cJSON_AddBoolToObject(o, "compared", !s->no_ref);
     cJSON_AddNumberToObject(o, "max_abs", s->max_abs);
     cJSON_AddNumberToObject(o, "max_ulp", (double)s->max_ulp); /* above 2^53 rounded; UINT64_MAX: NaN vs number */
@@ -1541,6 +1576,7 @@ static void cleanup(vctx *c) {
   free(c->proj_stat);
   free(c->ev_stat);
   free(c->scratch);
+  free(c->gath);
   free(c->mask);
   dopt_optim_destroy(c->opt);
   vr_reader_close(&c->rd);

@@ -50,7 +50,26 @@ typedef struct vr_piece {
   int source;      /* 1: this piece supplies the initial value and gradient of its elements */
   int nstates;
   vr_state_range states[VR_MAX_PIECE_STATES];
+  /* schema 3: a tensor-parallel block, the indices [blo, blo + blen) of dimension bdim (-1: none, the flat
+   * range is the parameter's); lo, len are then a flat range of the block ([outer, blen, inner] row-major,
+   * the parameter seen as [outer, dimlen, inner]). vlo: the range's start in the block-major order of the
+   * parameter (the blocks one after the other by blo), where the pieces of one parameter tile [0, numel). */
+  int bdim;
+  int64_t blo, blen, outer, inner, dimlen, vlo;
 } vr_piece;
+
+/* The parameter's flat index of element j (0 <= j < len) of piece pc. */
+static inline int64_t vr_piece_elem(const vr_piece *pc, int64_t j) {
+  const int64_t e = pc->lo + j;
+  if (pc->bdim < 0) return e;
+  const int64_t span = pc->blen * pc->inner, o = e / span, rem = e % span;
+  return (o * pc->dimlen + pc->blo + rem / pc->inner) * pc->inner + rem % pc->inner;
+}
+/* Piece pc's len elements src[] to their places in the parameter's flat array (put), or from them (get). */
+void vr_piece_put(const vr_piece *pc, const void *src, float *param);
+void vr_piece_get(const vr_piece *pc, const float *param, float *dst);
+/* "[lo,hi)" or, for a block, "dim D [blo,bhi) [lo,hi)" (a flat range of the block), into buf. */
+void vr_piece_text(const vr_piece *pc, char *buf, size_t cap);
 
 typedef struct vr_file {
   char path[VR_MAX_PATH + 1];

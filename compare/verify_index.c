@@ -242,25 +242,53 @@ static int parse_groups(vctx *c, const cJSON *arr, vr_index *ix) {
   return 0;
 }
 
+/* A piece's tensor-parallel block (schema 3): {"dim", "lo", "len"}, the indices [lo, lo + len) of dimension
+ * dim; its geometry in pc. */
+static int parse_block(vctx *c, const cJSON *bj, const char *base, const vr_param *p, vr_piece *pc) {
+  static const char *const keys[] = {"dim", "lo", "len", NULL};
+  char path[200];
+  long long dim, lo, len;
+  snprintf(path, sizeof path, "%s.block", base);
+  if (get_object(c, bj, path) || check_keys(c, bj, path, keys)) return -1;
+  snprintf(path, sizeof path, "%s.block.dim", base);
+  if (get_int(c, member(bj, "dim"), path, 0, p->ndim > 0 ? p->ndim - 1 : 0, &dim)) return -1;
+  const int64_t dl = p->ndim > 0 ? p->shape[dim] : 1;
+  snprintf(path, sizeof path, "%s.block.lo", base);
+  if (get_int(c, member(bj, "lo"), path, 0, dl - 1, &lo)) return -1;
+  snprintf(path, sizeof path, "%s.block.len", base);
+  if (get_int(c, member(bj, "len"), path, 1, dl - lo, &len)) return -1;
+  pc->bdim = (int)dim, pc->blo = lo, pc->blen = len, pc->dimlen = dl, pc->outer = 1, pc->inner = 1;
+  for (int d = 0; d < p->ndim; d++) {
+    if (d < dim) pc->outer *= p->shape[d];
+    if (d > dim) pc->inner *= p->shape[d];
+  }
+  return 0;
+}
+
 static int parse_piece(vctx *c, const cJSON *it, const char *base, vr_index *ix, const vr_lookup *lk, vr_piece *pc) {
-  static const char *const keys[] = {"param", "lo", "len", "states", NULL};
+  static const char *const keys2[] = {"param", "lo", "len", "states", NULL};
+  static const char *const keys3[] = {"param", "block", "lo", "len", "states", NULL};
   char path[160], name[VR_MAX_NAME + 1], b[96];
-  if (get_object(c, it, base) || check_keys(c, it, base, keys)) return -1;
+  if (get_object(c, it, base) || check_keys(c, it, base, ix->schema_version >= 3 ? keys3 : keys2)) return -1;
   snprintf(path, sizeof path, "%s.param", base);
   if (get_str(c, member(it, "param"), path, VR_MAX_NAME, name)) return -1;
   pc->param = lookup(ix, lk, name);
   if (pc->param < 0) return fail(c, "%s: %s is not in params", path, shown(name, b, sizeof b));
   const vr_param *p = &ix->params[pc->param];
-  long long lo = 0, len = p->numel;
+  pc->bdim = -1;
+  if (member(it, "block") && parse_block(c, member(it, "block"), base, p, pc)) return -1;
+  const int64_t extent = pc->bdim >= 0 ? pc->outer * pc->blen * pc->inner : p->numel; /* the block's elements */
+  long long lo = 0, len = extent;
   const cJSON *jlo = member(it, "lo"), *jlen = member(it, "len");
   snprintf(path, sizeof path, "%s.lo", base);
-  if (jlo && get_int(c, jlo, path, 0, p->numel - 1, &lo)) return -1;
+  if (jlo && get_int(c, jlo, path, 0, extent - 1, &lo)) return -1;
   if (jlen || jlo) {
     snprintf(path, sizeof path, "%s.len", base);
-    if (get_int(c, jlen, path, 1, p->numel - lo, &len)) return -1;
+    if (get_int(c, jlen, path, 1, extent - lo, &len)) return -1;
   }
   pc->lo = lo;
   pc->len = len;
+  pc->vlo = pc->bdim >= 0 ? pc->outer * pc->blo * pc->inner + lo : lo;
   const cJSON *st = member(it, "states");
   if (!st) return 0;
   snprintf(path, sizeof path, "%s.states", base);
@@ -340,7 +368,8 @@ static int cmp_piece_ref(const void *a, const void *b) {
   return x->rank < y->rank ? -1 : x->rank > y->rank;
 }
 
-/* Every parameter's elements covered: distinct ranges tile [0, numel); identical ranges of
+/* Every parameter's elements covered: distinct ranges tile [0, numel) in block-major order (the blocks of one
+ * dimension, a parameter's pieces all blocks of the same one or whole-tensor ranges); identical ranges of
  * several ranks are replicas (the lowest rank's is the source); partial overlaps are rejected. */
 static int check_coverage(vctx *c, vr_index *ix, long npieces) {
   piece_ref *all = malloc((size_t)(npieces > 0 ? npieces : 1) * sizeof *all);
@@ -349,12 +378,31 @@ static int check_coverage(vctx *c, vr_index *ix, long npieces) {
   for (int r = 0; r < ix->world_size; r++)
     for (int i = 0; i < ix->ranks[r].npieces; i++) {
       vr_piece *pc = &ix->ranks[r].pieces[i];
-      all[k++] = (piece_ref){pc->param, r, pc->lo, pc->len, pc};
+      all[k++] = (piece_ref){pc->param, r, pc->vlo, pc->len, pc};
     }
   qsort(all, (size_t)k, sizeof *all, cmp_piece_ref);
   int rc = 0;
   long i = 0;
-  char b[96];
+  char b[96], da[96], db[96];
+  /* one block dimension per parameter; flat ranges of the whole tensor mix only with blocks of dimension 0
+   * (whose block-major order is the tensor's own) */
+  for (long j = 0, blk = -1, flat = -1; j < k && rc == 0; j++) {
+    if (j == 0 || all[j].param != all[j - 1].param) blk = flat = -1;
+    if (all[j].pc->bdim < 0) flat = flat < 0 ? j : flat;
+    else if (blk < 0) blk = j;
+    if (blk >= 0 && all[j].pc->bdim >= 0 && all[j].pc->bdim != all[blk].pc->bdim)
+      rc = fail(c, "ranks: parameter %s: rank %d's piece is a block of dimension %d, rank %d's of dimension %d (one "
+                   "dimension per parameter)", shown(ix->params[all[j].param].name, b, sizeof b), all[j].rank,
+                all[j].pc->bdim, all[blk].rank, all[blk].pc->bdim);
+    else if (blk >= 0 && flat >= 0 && all[blk].pc->bdim != 0)
+      rc = fail(c, "ranks: parameter %s: rank %d's piece is a block of dimension %d, rank %d's a flat range of the "
+                   "whole tensor (give it as a block too)", shown(ix->params[all[j].param].name, b, sizeof b),
+                all[blk].rank, all[blk].pc->bdim, all[flat].rank);
+  }
+  if (rc) {
+    free(all);
+    return rc;
+  }
   for (int p = 0; p < ix->nparams && rc == 0; p++) {
     int64_t end = 0;
     long prev = -1;
@@ -362,11 +410,11 @@ static int check_coverage(vctx *c, vr_index *ix, long npieces) {
       if (prev >= 0 && all[prev].lo == all[i].lo && all[prev].len == all[i].len) continue; /* a replica */
       if (all[i].lo != end) {
         if (all[i].lo > end) break; /* a gap: reported below */
-        rc = fail(c, "ranks: parameter %s: rank %d's elements [%lld, %lld) overlap rank %d's [%lld, %lld) partially "
+        vr_piece_text(all[i].pc, da, sizeof da);
+        vr_piece_text(all[prev].pc, db, sizeof db);
+        rc = fail(c, "ranks: parameter %s: rank %d's elements %s overlap rank %d's %s partially "
                      "(pieces of a parameter are disjoint or identical)",
-                  shown(ix->params[p].name, b, sizeof b), all[i].rank, (long long)all[i].lo,
-                  (long long)(all[i].lo + all[i].len), all[prev].rank, (long long)all[prev].lo,
-                  (long long)(all[prev].lo + all[prev].len));
+                  shown(ix->params[p].name, b, sizeof b), all[i].rank, da, all[prev].rank, db);
         break;
       }
       all[i].pc->source = 1;
@@ -374,9 +422,10 @@ static int check_coverage(vctx *c, vr_index *ix, long npieces) {
       prev = i;
     }
     if (rc == 0 && end != ix->params[p].numel)
-      rc = fail(c, "ranks: parameter %s: elements [%lld, %lld) are recorded by no rank", shown(ix->params[p].name, b, sizeof b),
-                (long long)end,
-                (long long)(i < k && all[i].param == p ? all[i].lo : ix->params[p].numel));
+      rc = fail(c, "ranks: parameter %s: elements [%lld, %lld)%s are recorded by no rank",
+                shown(ix->params[p].name, b, sizeof b), (long long)end,
+                (long long)(i < k && all[i].param == p ? all[i].lo : ix->params[p].numel),
+                prev >= 0 && all[prev].pc->bdim >= 0 ? " (in block-major order)" : "");
     while (i < k && all[i].param == p) i++;
   }
   free(all);
@@ -623,4 +672,37 @@ const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param) {
   for (int i = 0; i < ix->ranks[r].npieces; i++)
     if (ix->ranks[r].pieces[i].param == param) return &ix->ranks[r].pieces[i];
   return NULL;
+}
+
+void vr_piece_put(const vr_piece *pc, const void *src, float *param) {
+  const unsigned char *b = src; /* may be unaligned (a safetensors tensor's bytes) */
+  if (pc->bdim < 0) {
+    memcpy(param + pc->lo, b, (size_t)pc->len * sizeof(float));
+    return;
+  }
+  for (int64_t j = 0; j < pc->len;) { /* runs of the inner dimensions' elements, contiguous on both sides */
+    const int64_t at = vr_piece_elem(pc, j), run = pc->inner - (pc->lo + j) % pc->inner;
+    const int64_t n = run < pc->len - j ? run : pc->len - j;
+    memcpy(param + at, b + (size_t)j * sizeof(float), (size_t)n * sizeof(float));
+    j += n;
+  }
+}
+
+void vr_piece_get(const vr_piece *pc, const float *param, float *dst) {
+  if (pc->bdim < 0) {
+    memcpy(dst, param + pc->lo, (size_t)pc->len * sizeof *dst);
+    return;
+  }
+  for (int64_t j = 0; j < pc->len;) {
+    const int64_t at = vr_piece_elem(pc, j), run = pc->inner - (pc->lo + j) % pc->inner;
+    const int64_t n = run < pc->len - j ? run : pc->len - j;
+    memcpy(dst + j, param + at, (size_t)n * sizeof *dst);
+    j += n;
+  }
+}
+
+void vr_piece_text(const vr_piece *pc, char *buf, size_t cap) {
+  if (pc->bdim < 0) snprintf(buf, cap, "[%lld, %lld)", (long long)pc->lo, (long long)(pc->lo + pc->len));
+  else snprintf(buf, cap, "dim %d [%lld, %lld) [%lld, %lld)", pc->bdim, (long long)pc->blo,
+                (long long)(pc->blo + pc->blen), (long long)pc->lo, (long long)(pc->lo + pc->len));
 }

@@ -266,7 +266,7 @@ dopt_status vr_reader_init(vr_reader *rd, int p, float *out) {
     if (dopt_st_find(rd->f[sr->rank], key, &t) != DOPT_OK)
       return rfail(rd, DOPT_ERR_FORMAT, "%s/%s: tensor '%s' is missing (rank %d's first file holds its initial values)",
                    rd->dir, ix->ranks[sr->rank].files[0].path, key, sr->rank);
-    memcpy(out + sr->pc->lo, t.data, (size_t)sr->pc->len * sizeof(float));
+    vr_piece_put(sr->pc, t.data, out);
   }
   return DOPT_OK;
 }
@@ -296,10 +296,10 @@ dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *presen
       const unsigned char *b = g.data;
       for (size_t i = 0; i < n; i++) {
         uint32_t u = (uint32_t)((unsigned)b[2 * i] | (unsigned)b[2 * i + 1] << 8) << 16;
-        memcpy(out + sr->pc->lo + i, &u, sizeof u);
+        memcpy(out + vr_piece_elem(sr->pc, (int64_t)i), &u, sizeof u);
       }
     } else {
-      memcpy(out + sr->pc->lo, g.data, n * sizeof(float));
+      vr_piece_put(sr->pc, g.data, out);
     }
   }
   if (seen == -1 && !rd->allow_digest)

@@ -143,6 +143,55 @@ def _f32(t, what):
     return t.detach().to("cpu", copy=True).contiguous()
 
 
+def _check_cover(params, everyone):
+    """Every parameter's pieces over all ranks disjoint or identical and covering it, in block-major order
+    (the blocks of one dimension one after the other; verify checks the same): else one ValueError line naming
+    the parameter, the ranks and the range."""
+    pieces = {}
+    for part in everyone:
+        for pc in part["pieces"]:
+            pieces.setdefault(pc["param"], []).append((part["rank"], pc))
+    for prm in params:
+        name, shape = prm["name"], prm["shape"]
+        numel = _prod_dims(shape)
+        dims = {pc["block"]["dim"] for _, pc in pieces.get(name, []) if pc.get("block")}
+        flat = any(not pc.get("block") for _, pc in pieces.get(name, []))
+        if len(dims) > 1 or (dims and flat and dims != {0}):
+            raise ValueError(f"distopt.record: parameter {name}: its pieces are blocks of dimensions {sorted(dims)}"
+                             f"{' and flat ranges' if flat else ''} (one dimension per parameter, given as blocks)")
+        spans = []
+        for r, pc in pieces.get(name, []):
+            b = pc.get("block")
+            v = pc["lo"] + (_prod_dims(shape[:b["dim"]]) * b["lo"] * _prod_dims(shape[b["dim"] + 1:]) if b else 0)
+            spans.append((v, pc["len"], r, pc))
+        spans.sort(key=lambda q: (q[0], q[1], q[2]))
+        end, prev = 0, None
+        for v, ln, r, pc in spans:
+            if prev is not None and (v, ln) == (prev[0], prev[1]):
+                continue  # a replica
+            if v != end:
+                what = (f"rank {r}'s elements {_piece_text(pc)} overlap rank {prev[2]}'s {_piece_text(prev[3])} partially"
+                        if v < end else f"elements [{end}, {v}) are recorded by no rank")
+                raise ValueError(f"distopt.record: parameter {name}: {what} (pieces are disjoint or identical and cover "
+                                 f"the parameter)")
+            end, prev = v + ln, (v, ln, r, pc)
+        if end != numel:
+            raise ValueError(f"distopt.record: parameter {name}: elements [{end}, {numel}) are recorded by no rank")
+
+
+def _piece_text(pc):
+    b = pc.get("block")
+    flat = f"[{pc['lo']}, {pc['lo'] + pc['len']})"
+    return flat if not b else f"dim {b['dim']} [{b['lo']}, {b['lo'] + b['len']}) {flat}"
+
+
+def _prod_dims(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 class Recorder:
     """What record() returns: a context manager; close() flushes, writes the final index and restores `step`."""
 
@@ -216,7 +265,8 @@ class Recorder:
         all_params = [p for g in outer.param_groups for p in g["params"]]
         group_of = {id(p): g for g, grp in enumerate(outer.param_groups) for p in grp["params"]}
         naming = self._names(names, all_params)
-        self.pieces = []  # (local tensor, global name, lo, len, states dict)
+        self.pieces = []  # (local tensor, global name, lo, len, states dict, extent, block): a flat range of the
+        # parameter (block None), or of its tensor-parallel block; extent: the elements of either
         params_info = []  # (name, shape, group) of the parameters this rank knows
         if layout is not None:
             for p in all_params:
@@ -228,11 +278,20 @@ class Recorder:
                 numel = 1
                 for s in gshape:
                     numel *= s
-                if lo < 0 or lo + p.numel() > numel:
+                blk = spec.get("block")
+                extent = numel
+                if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
+                    blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
+                    if not (0 <= blk["dim"] < len(gshape) and 0 <= blk["lo"] and blk["len"] >= 1
+                            and blk["lo"] + blk["len"] <= gshape[blk["dim"]]):
+                        raise ValueError(f"distopt.record: layout of {gname}: block {blk} is outside its shape "
+                                         f"{gshape}")
+                    extent = numel // gshape[blk["dim"]] * blk["len"]
+                if lo < 0 or lo + p.numel() > extent:
                     raise ValueError(f"distopt.record: layout of {gname}: elements [{lo}, {lo + p.numel()}) are "
-                                     f"outside its {numel}")
+                                     f"outside its {extent}{' (the block)' if blk else ''}")
                 st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(spec.get("states", {})).items()}
-                self.pieces.append((p, gname, lo, p.numel(), st, numel))
+                self.pieces.append((p, gname, lo, p.numel(), st, extent, blk))
                 params_info.append((gname, gshape, group_of[id(p)]))
         else:
             owned = all_params
@@ -240,7 +299,7 @@ class Recorder:
                 mine = {id(p) for g in inner.param_groups for p in g["params"]}
                 owned = [p for p in all_params if id(p) in mine]
             for p in owned:
-                self.pieces.append((p, naming[id(p)], 0, p.numel(), {}, p.numel()))
+                self.pieces.append((p, naming[id(p)], 0, p.numel(), {}, p.numel(), None))
             params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
         for p, gname, *_ in self.pieces:
             _f32(p, f"parameter {gname}")  # float32 only, checked before anything is written
@@ -250,14 +309,14 @@ class Recorder:
             grad_agree = self.world > 1
         self.grad_agree = bool(grad_agree)
         if layout is not None:
-            self.agree = [(p, n) for p, n, lo, ln, st, numel in self.pieces if lo == 0 and ln == numel]
+            self.agree = [(p, n) for p, n, lo, ln, _, ext, blk in self.pieces if blk is None and lo == 0 and ln == ext]
         else:
             self.agree = [(p, naming[id(p)]) for p in all_params]
 
         # every rank's layout and parameters, at every rank (the same error everywhere)
         mine = {"rank": self.rank, "params": params_info,
-                "pieces": [{"param": n, "lo": lo, "len": ln, "states": st, "whole": lo == 0 and ln == numel}
-                           for _, n, lo, ln, st, numel in self.pieces]}
+                "pieces": [{"param": n, "lo": lo, "len": ln, "states": st, "block": blk, "whole": lo == 0 and ln == ext}
+                           for _, n, lo, ln, st, ext, blk in self.pieces]}
         everyone = self._gather(mine)
         self.params, seen = [], {}
         for part in everyone:
@@ -269,11 +328,14 @@ class Recorder:
                     continue
                 seen[n] = (shape, g)
                 self.params.append({"name": n, "shape": shape, "dtype": "F32", "group": g})
+        _check_cover(self.params, everyone)  # every rank the same verdict: one line naming the parameter
         self.layouts = []
         for part in sorted(everyone, key=lambda q: q["rank"]):
             pcs = []
             for pc in part["pieces"]:
                 e = {"param": pc["param"]}
+                if pc.get("block"):
+                    e["block"] = pc["block"]
                 if not pc["whole"]:
                     e.update(lo=pc["lo"], len=pc["len"])
                 if pc["states"]:
@@ -563,7 +625,11 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
     name, hparams: the distopt optimizer and its hyperparameters (a dict, or one per param group) for an
                   optimizer distopt does not know by class
     layout:       {local tensor: {"param": global name, "shape": global shape, "lo": first flat element,
-                  "states": {key: (lo, len)}}} for a hand-written sharded optimizer (docs/verify.md)
+                  "block": {"dim", "lo", "len"}, "states": {key: (lo, len)}}} for a hand-written sharded optimizer
+                  (docs/verify.md); "block": the local tensor is the tensor-parallel block of indices [lo, lo + len)
+                  of dimension dim (a column-parallel weight: dim 0, a row-parallel one: dim 1), "lo" then a flat
+                  offset in the block; the ranks' pieces must be disjoint or identical and cover each parameter
+                  (checked here, one line naming the parameter and the ranges)
     start_step:   record a window of a run under way: the steps taken so far; the parameters and states now are
                   recorded first (init/, init_state/) and the steps are numbered from start_step + 1
     grads:        "f32" (default) or "bf16" (gradients rounded to bf16: half the size, lossy, docs/verify.md)

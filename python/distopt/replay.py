@@ -63,17 +63,21 @@ class _Recording:
         self.every = int(ix["record"]["every"])
         self.params = ix["params"]
         self.numel = {p["name"]: _prod(p["shape"]) for p in self.params}
-        self.pieces = {}  # name -> [(rank, lo, len, states)] in rank order
+        self.shape = {p["name"]: [int(d) for d in p["shape"]] for p in self.params}
+        self.pieces = {}  # name -> [(rank, lo, len, states, block)] in rank order
         for r, rk in enumerate(ix["ranks"]):
             for pc in rk["pieces"]:
                 n = pc["param"]
-                lo, ln = int(pc.get("lo", 0)), int(pc.get("len", self.numel[n]))
-                self.pieces.setdefault(n, []).append((r, lo, ln, pc.get("states", {})))
+                blk = pc.get("block")
+                extent = self.numel[n] if blk is None else _block_numel(self.shape[n], blk)
+                lo, ln = int(pc.get("lo", 0)), int(pc.get("len", extent))
+                self.pieces.setdefault(n, []).append((r, lo, ln, pc.get("states", {}), blk))
         self.sources = {}  # the lowest rank of identical pieces supplies the values (as verify)
         for n, pcs in self.pieces.items():
             seen = set()
-            self.sources[n] = [pc for pc in sorted(pcs, key=lambda q: (q[1], q[2], q[0]))
-                               if not ((pc[1], pc[2]) in seen or seen.add((pc[1], pc[2])))]
+            key = lambda q: (_block_key(q[4]), q[1], q[2])  # noqa: E731
+            self.sources[n] = [pc for pc in sorted(pcs, key=lambda q: (key(q), q[0]))
+                               if not (key(pc) in seen or seen.add(key(pc)))]
         self.loaded = {}  # rank -> (file index, {name: tensor})
 
     def file(self, r, t):
@@ -91,14 +95,14 @@ class _Recording:
         import torch
         out = torch.empty(self.numel[name], dtype=torch.float32)
         found = 0
-        for r, lo, ln, _ in self.sources[name]:
+        for r, lo, ln, _, blk in self.sources[name]:
             f = self.file(r, t)
             x = f.get(key)
             if x is None:
                 if key.startswith("grad/") and f"grad_digest/{key[5:]}" in f:
                     return "digest"
                 continue
-            out[lo:lo + ln] = x.reshape(-1).to(torch.float32)
+            out[_piece_index(self.shape[name], lo, ln, blk)] = x.reshape(-1).to(torch.float32)
             found += 1
         return out if found else None
 
@@ -109,33 +113,35 @@ class _Recording:
         import torch
         tname = f"init_state/{name}/{key}" if t == self.start else f"state/{t}/{name}/{key}"
         got = []
-        for r, lo, ln, declared in self.pieces[name]:
+        for r, lo, ln, declared, blk in self.pieces[name]:
             x = self.file(r, self.start + 1 if t == self.start else t).get(tname)
             if x is None:
                 continue
-            whole = lo == 0 and ln == self.numel[name]
+            whole = blk is None and lo == 0 and ln == self.numel[name]
             if key in declared:
                 a, b = declared[key]
+                idx = torch.arange(a, a + b)
             elif whole:
                 a, b = 0, x.numel()
-            else:
-                a, b = lo, ln
-            got.append((a, b, x, whole))
+                idx = torch.arange(a, a + b)
+            else:  # elementwise: the piece's own elements
+                idx = _piece_index(self.shape[name], lo, ln, blk)
+            got.append((idx, x, whole))
         if not got:
             return None
         if n is None:
-            n = max(a + b for a, b, _, _ in got)
+            n = max(int(idx.max()) + 1 if idx.numel() else 0 for idx, _, _ in got)
         out, mask = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.bool)
-        for a, b, x, _ in got:
-            if a + b > n or x.numel() != b:
-                raise ValueError(f"distopt.replay: {tname}: elements [{a}, {a + b}) do not fit the state's {n}")
-            sel = ~mask[a:a + b]
-            out[a:a + b][sel] = x.reshape(-1).to(torch.float32)[sel] if x.dtype != torch.int64 else 0
-            mask[a:a + b] = True
+        for idx, x, _ in got:
+            if (idx.numel() and int(idx.max()) >= n) or x.numel() != idx.numel():
+                raise ValueError(f"distopt.replay: {tname}: its {x.numel()} elements do not fit the state's {n}")
+            sel = ~mask[idx]
+            out[idx[sel]] = x.reshape(-1).to(torch.float32)[sel] if x.dtype != torch.int64 else 0
+            mask[idx] = True
         if not bool(mask.all()):
             raise ValueError(f"distopt.replay: {tname}: element {int((~mask).nonzero()[0])} of {n} is recorded by "
                              f"no rank (the replay cannot start from it)")
-        whole_shape = tuple(got[0][2].shape) if len(got) == 1 and got[0][3] else None
+        whole_shape = tuple(got[0][1].shape) if len(got) == 1 and got[0][2] else None
         return out, whole_shape
 
     def step_count(self, name, t):
@@ -150,6 +156,27 @@ class _Recording:
     def recorded_after(self, t):
         rec = self.ix["record"]
         return t == self.start or (rec.get("params") and rec.get("states") and t % self.every == 0)
+
+
+def _block_numel(shape, blk):
+    """The elements of a tensor-parallel block {"dim", "lo", "len"} of a tensor of `shape`."""
+    return _prod(shape) // int(shape[int(blk["dim"])]) * int(blk["len"]) if shape else 1
+
+
+def _block_key(blk):
+    return (-1, 0, 0) if blk is None else (int(blk["dim"]), int(blk["lo"]), int(blk["len"]))
+
+
+def _piece_index(shape, lo, ln, blk):
+    """The parameter's flat indices of a piece's elements: [lo, lo + ln) of the tensor, or of the block
+    (the tensor seen as [outer, dim, inner], indices [blk.lo, blk.lo + blk.len) of the middle one)."""
+    import torch
+    if blk is None:
+        return torch.arange(lo, lo + ln)
+    d = int(blk["dim"])
+    outer, inner = _prod(shape[:d]), _prod(shape[d + 1:])
+    idx = torch.arange(_prod(shape)).reshape(outer, int(shape[d]), inner)
+    return idx[:, int(blk["lo"]):int(blk["lo"]) + int(blk["len"]), :].reshape(-1)[lo:lo + ln]
 
 
 def _prod(shape):

@@ -272,6 +272,121 @@ def sharded_worker(rank, world, trace, steps, local_stats):
         train_rows(opt, w, bias, lo, per, rank, steps)
 
 
+# ---- Megatron-style tensor parallelism: a column-parallel and a row-parallel Linear on 2 ranks ---------------
+
+H_TP, D_TP, O_TP = 8, 6, 5  # hidden, input, output
+
+
+class _ReduceOut(torch.autograd.Function):
+    """Megatron's g: the row-parallel layer's partial outputs summed over the TP group; the gradient passes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class TPAdafactor(ShardedAdafactor):
+    """ShardedAdafactor on tensor-parallel blocks: spec[p] = (dim, global shape), dim the split dimension (None:
+    replicated, every statistic local). A 2-D block split on dim 1 (a row-parallel weight's input columns) holds
+    part of every row: its row means go through an all_reduce; split on dim 0 its column means and the mean of
+    its row statistics do. local_stats=True takes the row means of a dim-1 block over the local columns (the
+    bug: the unsharded algorithm on a row-parallel shard)."""
+
+    def __init__(self, params, lr, spec, local_stats):
+        numel = {p: math.prod(shape) for p, (_, shape) in spec.items()}
+        super().__init__(params, lr, None, numel, local_stats)
+        self.spec = spec
+
+    def _rms(self, x, numel):
+        if self._split is None:
+            return ((x * x).sum() / numel).sqrt()
+        return super()._rms(x, numel)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                g, (dim, shape) = p.grad, self.spec[p]
+                self._split = dim
+                st = self.state[p]
+                if not st:
+                    st["step"], st["RMS"] = 0, 0
+                    if p.dim() >= 2:
+                        st["exp_avg_sq_row"], st["exp_avg_sq_col"] = torch.zeros(p.shape[0]), torch.zeros(p.shape[1])
+                    else:
+                        st["exp_avg_sq"] = torch.zeros_like(g)
+                st["step"] += 1
+                st["RMS"] = self._rms(p, self.global_numel[p])
+                lr = max(eps2, st["RMS"]) * group["lr"]
+                beta2t = 1.0 - math.pow(st["step"], group["decay_rate"])
+                update = g ** 2 + eps1
+                if p.dim() >= 2:
+                    rows, cols = shape
+                    row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
+                    if dim == 1 and not self.local_stats:
+                        row_mean_g = self._sum(update.sum(dim=-1)) / cols
+                    else:
+                        row_mean_g = update.mean(dim=-1)
+                    col_mean_g = self._sum(update.sum(dim=-2)) / rows if dim == 0 else update.mean(dim=-2)
+                    row.mul_(beta2t).add_(row_mean_g, alpha=1.0 - beta2t)
+                    col.mul_(beta2t).add_(col_mean_g, alpha=1.0 - beta2t)
+                    row_mean = self._sum(row.sum(dim=-1, keepdim=True)) / rows if dim == 0 else row.mean(dim=-1, keepdim=True)
+                    update = torch.mul((row / row_mean).rsqrt_().unsqueeze(-1), col.unsqueeze(-2).rsqrt())
+                else:
+                    st["exp_avg_sq"].mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+                    update = st["exp_avg_sq"].rsqrt()
+                update.mul_(g)
+                update.div_((self._rms(update, self.global_numel[p]) / group["clip_threshold"]).clamp_(min=1.0))
+                update.mul_(lr)
+                p.add_(-update)
+
+
+def tp_worker(rank, world, trace, steps, local_stats):
+    """A column-parallel Linear (w1 [H, D] and b1 split on dim 0: this rank's hidden units) and a row-parallel
+    one (w2 [O, H] split on dim 1: its input columns; b2 replicated, added after the all_reduce), trained on the
+    same batch on every rank; TPAdafactor on the blocks, recorded with block layouts."""
+    from distopt.record import record
+    seeded()
+    W1, B1, W2, B2 = (torch.randn(H_TP, D_TP) * 0.5, torch.randn(H_TP) * 0.5, torch.randn(O_TP, H_TP) * 0.5,
+                      torch.randn(O_TP) * 0.5)
+    per = H_TP // world
+    lo = rank * per
+    w1 = W1[lo:lo + per].clone().requires_grad_(True)
+    b1 = B1[lo:lo + per].clone().requires_grad_(True)
+    w2 = W2[:, lo:lo + per].clone().requires_grad_(True)
+    b2 = B2.clone().requires_grad_(True)
+    spec = {w1: (0, [H_TP, D_TP]), b1: (0, [H_TP]), w2: (1, [O_TP, H_TP]), b2: (None, [O_TP])}
+    opt = TPAdafactor([w1, b1, w2, b2], lr=1e-2, spec=spec, local_stats=local_stats)
+    blk = {"dim": 0, "lo": lo, "len": per}
+    layout = {
+        w1: {"param": "w1", "shape": [H_TP, D_TP], "block": blk,
+             "states": {"exp_avg_sq_row": (lo, per), "exp_avg_sq_col": (0, D_TP), "RMS": (0, 1)}},
+        b1: {"param": "b1", "shape": [H_TP], "block": blk, "states": {"RMS": (0, 1)}},
+        w2: {"param": "w2", "shape": [O_TP, H_TP], "block": {"dim": 1, "lo": lo, "len": per},
+             "states": {"exp_avg_sq_row": (0, O_TP), "exp_avg_sq_col": (lo, per), "RMS": (0, 1)}},
+        b2: {"param": "b2", "shape": [O_TP]},
+    }
+    hp = dict(lr=1e-2, relative_step=False, scale_parameter=True, warmup_init=False, eps1=1e-30, eps2=1e-3,
+              clip_threshold=1.0, decay_rate=-0.8, beta1=None, weight_decay=0.0)
+    with record(opt, trace, name="adafactor", hparams=hp, layout=layout, flush_every=5):
+        for t in range(1, steps + 1):
+            gen = torch.Generator().manual_seed(SEED + 17 * t)
+            x, target = torch.randn(10, D_TP, generator=gen), torch.randn(10, O_TP, generator=gen)
+            opt.zero_grad()
+            h = torch.relu(x @ w1.T + b1)
+            y = _ReduceOut.apply(h @ w2.T) + b2
+            ((y - target) ** 2).mean().backward()
+            opt.step()
+
+
 # ---- a custom optimizer distopt does not implement, sharded by hand (distopt.replay) -------------------------
 
 def with_grads(opt):

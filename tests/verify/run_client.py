@@ -8,6 +8,9 @@
     run_client.py sharded        a hand-written sharded Adafactor on 2 gloo ranks: with the column means over
                                  the local rows (the bug) exit 1 naming step 1, w/exp_avg_sq_col and rank 0;
                                  with global statistics (all_reduce) exit 0
+    run_client.py tp             a column- and a row-parallel Linear (Megatron-style) with a TP Adafactor on 2 gloo
+                                 ranks, block layouts: exit 0; row means over the local columns: exit 1 (step 1,
+                                 w2/exp_avg_sq_row, rank 0)
     run_client.py hf_adafactor   transformers' Adafactor: exit 0; needs transformers (this interpreter, else
                                  $DISTOPT_TRANSFORMERS_PYTHON, else the golden generator's venv
                                  .golden-venv/adafactor, else skipped with the reason: exit 77)
@@ -216,6 +219,42 @@ def case_sharded():
     out, rep = H.run_verify(good, expect=0)
     H.check(sorted(H.tensors_by_rank(rep)) == [0, 1], "both ranks' pieces compared")
     summary(rep)
+
+
+def case_tp():
+    """Megatron-style tensor parallelism recorded with block layouts: a column-parallel Linear (split on dim 0)
+    and a row-parallel one (split on dim 1, the layout a flat range cannot describe) under a TP Adafactor."""
+    d = H.work_dir("tp")
+    good = os.path.join(d, "tp.rec")
+    H.launch(H.tp_worker, 2, good, 10, False)
+    out, rep = H.run_verify(good, expect=0)
+    blocks = {(t["param"], t["rank"]): t.get("block") for t in rep["tensors"] if t["state"] is None}
+    H.check(blocks.get(("w2", 1)) == {"dim": 1, "lo": 4, "len": 4} and blocks.get(("w1", 0)) == {"dim": 0, "lo": 0, "len": 4},
+            f"both ranks' blocks compared ({blocks})")
+    summary(rep)
+    # distopt.replay assembles logical tensors from blocks as verify does: the initial w2 is the seeded one
+    from distopt.replay import _Recording
+    rec = _Recording(good)
+    H.seeded()
+    W1, B1, W2 = torch.randn(H.H_TP, H.D_TP) * 0.5, torch.randn(H.H_TP) * 0.5, torch.randn(H.O_TP, H.H_TP) * 0.5
+    H.check(torch.equal(rec.assemble("w2", 1, "init/w2"), W2.reshape(-1)), "replay assembles a dim-1 block layout")
+    # record refuses a layout whose pieces overlap, in one line naming the parameter and the ranges
+    from distopt.record import _check_cover
+    params = [{"name": "w2", "shape": [H.O_TP, H.H_TP]}]
+    piece = lambda lo, ln: {"param": "w2", "lo": 0, "len": H.O_TP * ln, "block": {"dim": 1, "lo": lo, "len": ln}}  # noqa: E731
+    try:
+        _check_cover(params, [{"rank": 0, "pieces": [piece(0, 4)]}, {"rank": 1, "pieces": [piece(3, 5)]}])
+        H.check(False, "overlapping blocks refused")
+    except ValueError as e:
+        H.check("parameter w2: rank 1's elements dim 1 [3, 8) [0, 25) overlap rank 0's dim 1 [0, 4) [0, 20) partially"
+                in str(e) and "\n" not in str(e), f"overlapping blocks refused in one line: {e}")
+    _check_cover(params, [{"rank": 0, "pieces": [piece(0, 4)]}, {"rank": 1, "pieces": [piece(4, 4)]}])
+    bad = os.path.join(d, "tp_local_rows.rec")
+    H.launch(H.tp_worker, 2, bad, 10, True)
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check((v["kind"], v["step"], v["tensor"], v["rank"]) == ("diverged", 1, "w2/exp_avg_sq_row", 0),
+            f"a row-parallel shard's local row means named at step 1: {v}")
 
 
 def transformers_python():
@@ -596,7 +635,7 @@ def case_upstream_real():
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "hf_adafactor": case_hf_adafactor,
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
          "upstream_real": case_upstream_real}
 

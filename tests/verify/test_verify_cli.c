@@ -220,6 +220,63 @@ static void test_faithful_recording_verifies(void **st) {
   assert_string_equal(out, "verdict: WITHIN TOLERANCE\n");
 }
 
+/* Schema 3's tensor-parallel blocks: the same recording with w's pieces given as blocks of dimension 0 (rows
+ * [0, 2) and [2, 4): the same elements as the flat ranges) verifies with error 0; bad blocks are refused in
+ * one line. */
+static void expect_bad(const char *root, const char *needle, const char *const *extra);
+
+static char *as_blocks(const char *rank1_block) {
+  char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 3");
+  char *b = replaced(a, "{\"param\": \"w\", \"lo\": 0, \"len\": 6}",
+                     "{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 0, \"len\": 2}}");
+  char *c = replaced(b, "{\"param\": \"w\", \"lo\": 6, \"len\": 6}", rank1_block);
+  free(a);
+  free(b);
+  return c;
+}
+
+static void test_block_layout(void **st) {
+  (void)st;
+  char root[400], out[16384];
+  snprintf(root, sizeof root, "%s/blocks", dir);
+  make_trace(root, 0);
+  char *ix = as_blocks("{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 2, \"len\": 2}}");
+  write_index(root, ix);
+  free(ix);
+  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
+  int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  printf("%s", out);
+  assert_int_equal(rc, 0);
+  assert_non_null(strstr(out, "parameters 0 of 1e-06, states 0 of 1e-05"));
+  assert_non_null(strstr(out, "d0[2,4)"));
+  char js[65536];
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, "\"block\":"));
+  /* a block of rows [1, 4) overlaps rank 0's [0, 2); a block of another dimension; a dimension w lacks; a
+   * block in schema 1 */
+  static const struct {
+    const char *rank1, *needle;
+  } bad[] = {
+      {"{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 1, \"len\": 3}}",
+       "rank 1's elements dim 0 [1, 4) [0, 9) overlap rank 0's dim 0 [0, 2) [0, 6) partially"},
+      {"{\"param\": \"w\", \"block\": {\"dim\": 1, \"lo\": 0, \"len\": 3}}", "one dimension per parameter"},
+      {"{\"param\": \"w\", \"block\": {\"dim\": 2, \"lo\": 0, \"len\": 3}}", "block.dim: 2 is outside [0, 1]"},
+      {"{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 2, \"len\": 1}}", "are recorded by no rank"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    char *b = as_blocks(bad[k].rank1);
+    write_index(root, b);
+    free(b);
+    expect_bad(root, bad[k].needle, NULL);
+  }
+  char *v1 = replaced(INDEX, "{\"param\": \"w\", \"lo\": 0, \"len\": 6}",
+                      "{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 0, \"len\": 2}}");
+  write_index(root, v1);
+  free(v1);
+  expect_bad(root, "unknown key 'block'", NULL);
+}
+
 static void test_perturbed_state_diverges(void **st) {
   (void)st;
   char root[400], out[16384], svg[600];
@@ -639,7 +696,7 @@ int main(int argc, char **argv) {
   }
   bin = argv[1];
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_faithful_recording_verifies),
+      cmocka_unit_test(test_faithful_recording_verifies), cmocka_unit_test(test_block_layout),
       cmocka_unit_test(test_perturbed_state_diverges),
       cmocka_unit_test(test_missing_param_refused),
       cmocka_unit_test(test_index_error_one_line),
