@@ -143,6 +143,12 @@ def _f32(t, what):
     return t.detach().to("cpu", copy=True).contiguous()
 
 
+def _local(pc, x):
+    """A piece's elements of x, a tensor shaped as its local tensor (the value, the gradient, an elementwise
+    state): x itself, or its flat elements [at, at + len) when the local tensor is a flat buffer."""
+    return x if pc[7] is None else x.reshape(-1)[pc[7]:pc[7] + pc[3]]
+
+
 def _check_cover(params, everyone):
     """Every parameter's pieces over all ranks disjoint or identical and covering it, in block-major order
     (the blocks of one dimension one after the other; verify checks the same): else one ValueError line naming
@@ -265,41 +271,49 @@ class Recorder:
         all_params = [p for g in outer.param_groups for p in g["params"]]
         group_of = {id(p): g for g, grp in enumerate(outer.param_groups) for p in grp["params"]}
         naming = self._names(names, all_params)
-        self.pieces = []  # (local tensor, global name, lo, len, states dict, extent, block): a flat range of the
-        # parameter (block None), or of its tensor-parallel block; extent: the elements of either
+        self.pieces = []  # (local tensor, global name, lo, len, states dict, extent, block, at): a flat range of the
+        # parameter (block None), or of its tensor-parallel block; extent: the elements of either; at: where the
+        # piece's len elements start in the local tensor (None: the local tensor is the piece)
         params_info = []  # (name, shape, group) of the parameters this rank knows
         if layout is not None:
             for p in all_params:
                 spec = layout.get(p) if isinstance(layout, dict) else None
                 if spec is None:
                     raise ValueError(f"distopt.record: layout= has no entry for a parameter of shape {list(p.shape)}")
-                gname, gshape = str(spec["param"]), [int(s) for s in spec["shape"]]
-                lo = int(spec.get("lo", 0))
-                numel = 1
-                for s in gshape:
-                    numel *= s
-                blk = spec.get("block")
-                extent = numel
-                if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
-                    blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
-                    if not (0 <= blk["dim"] < len(gshape) and 0 <= blk["lo"] and blk["len"] >= 1
-                            and blk["lo"] + blk["len"] <= gshape[blk["dim"]]):
-                        raise ValueError(f"distopt.record: layout of {gname}: block {blk} is outside its shape "
-                                         f"{gshape}")
-                    extent = numel // gshape[blk["dim"]] * blk["len"]
-                if lo < 0 or lo + p.numel() > extent:
-                    raise ValueError(f"distopt.record: layout of {gname}: elements [{lo}, {lo + p.numel()}) are "
-                                     f"outside its {extent}{' (the block)' if blk else ''}")
-                st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(spec.get("states", {})).items()}
-                self.pieces.append((p, gname, lo, p.numel(), st, extent, blk))
-                params_info.append((gname, gshape, group_of[id(p)]))
+                specs = spec if isinstance(spec, (list, tuple)) else [spec]
+                for sp in specs:  # a list: a flat buffer spanning several tensors, each piece at its offset "at"
+                    gname, gshape = str(sp["param"]), [int(s) for s in sp["shape"]]
+                    lo = int(sp.get("lo", 0))
+                    numel = 1
+                    for s in gshape:
+                        numel *= s
+                    blk = sp.get("block")
+                    extent = numel
+                    if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
+                        blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
+                        if not (0 <= blk["dim"] < len(gshape) and 0 <= blk["lo"] and blk["len"] >= 1
+                                and blk["lo"] + blk["len"] <= gshape[blk["dim"]]):
+                            raise ValueError(f"distopt.record: layout of {gname}: block {blk} is outside its shape "
+                                             f"{gshape}")
+                        extent = numel // gshape[blk["dim"]] * blk["len"]
+                    at = int(sp["at"]) if isinstance(spec, (list, tuple)) else None
+                    ln = int(sp["len"]) if at is not None else p.numel()
+                    if at is not None and (at < 0 or ln < 1 or at + ln > p.numel()):
+                        raise ValueError(f"distopt.record: layout of {gname}: local elements [{at}, {at + ln}) are "
+                                         f"outside the local tensor's {p.numel()}")
+                    if lo < 0 or lo + ln > extent:
+                        raise ValueError(f"distopt.record: layout of {gname}: elements [{lo}, {lo + ln}) are "
+                                         f"outside its {extent}{' (the block)' if blk else ''}")
+                    st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(sp.get("states", {})).items()}
+                    self.pieces.append((p, gname, lo, ln, st, extent, blk, at))
+                    params_info.append((gname, gshape, group_of[id(p)]))
         else:
             owned = all_params
             if zero is not None:
                 mine = {id(p) for g in inner.param_groups for p in g["params"]}
                 owned = [p for p in all_params if id(p) in mine]
             for p in owned:
-                self.pieces.append((p, naming[id(p)], 0, p.numel(), {}, p.numel(), None))
+                self.pieces.append((p, naming[id(p)], 0, p.numel(), {}, p.numel(), None, None))
             params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
         for p, gname, *_ in self.pieces:
             _f32(p, f"parameter {gname}")  # float32 only, checked before anything is written
@@ -309,14 +323,15 @@ class Recorder:
             grad_agree = self.world > 1
         self.grad_agree = bool(grad_agree)
         if layout is not None:
-            self.agree = [(p, n) for p, n, lo, ln, _, ext, blk in self.pieces if blk is None and lo == 0 and ln == ext]
+            self.agree = [(p, n) for p, n, lo, ln, _, ext, blk, at in self.pieces
+                          if blk is None and at is None and lo == 0 and ln == ext]
         else:
             self.agree = [(p, naming[id(p)]) for p in all_params]
 
         # every rank's layout and parameters, at every rank (the same error everywhere)
         mine = {"rank": self.rank, "params": params_info,
                 "pieces": [{"param": n, "lo": lo, "len": ln, "states": st, "block": blk, "whole": lo == 0 and ln == ext}
-                           for _, n, lo, ln, st, ext, blk in self.pieces]}
+                           for _, n, lo, ln, st, ext, blk, _ in self.pieces]}
         everyone = self._gather(mine)
         self.params, seen = [], {}
         for part in everyone:
@@ -357,7 +372,7 @@ class Recorder:
             _core.format_hparams(self.hp0[0])  # a value distopt cannot spell fails here, not at the first flush
         self.block = []  # (name, tensor) of the open block
         self.block_first = self.start + 1
-        self.block.extend((f"init/{n}", _f32(p, f"parameter {n}")) for p, n, *_ in self.pieces)
+        self.block.extend((f"init/{pc[1]}", _f32(_local(pc, pc[0]), f"parameter {pc[1]}")) for pc in self.pieces)
         if self.start:  # a window: the states at its start first
             self._snapshot(None)
         self._install()
@@ -425,9 +440,10 @@ class Recorder:
         """The pieces' gradients [(name, tensor)], and with grad_agree the digests of every whole gradient this
         rank holds (grad_agree/<t>/<p>, filled in by _grad_tensors)."""
         out = []
-        for p, n, *_ in self.pieces:
+        for pc in self.pieces:
+            p, n = pc[0], pc[1]
             if p.grad is not None:
-                out.append((n, _f32(p.grad, f"the gradient of {n}")))
+                out.append((n, _f32(_local(pc, p.grad), f"the gradient of {n}")))
         agree = []
         for p, n in self.agree if self.grad_agree else ():
             if p.grad is not None:
@@ -521,9 +537,10 @@ class Recorder:
         """Parameters and states after step t; t None: a window's start (init_state/<p>/<key>; the parameters
         are init/<p>)."""
         import torch
-        for p, n, *_ in self.pieces:
+        for pc in self.pieces:
+            p, n = pc[0], pc[1]
             if self.want_params and t is not None:
-                self.block.append((f"param/{t}/{n}", _f32(p, f"parameter {n}")))
+                self.block.append((f"param/{t}/{n}", _f32(_local(pc, p), f"parameter {n}")))
             if not self.want_states and t is not None:
                 continue
             base = f"state/{t}/{n}" if t is not None else f"init_state/{n}"
@@ -537,6 +554,8 @@ class Recorder:
                     else:
                         self.block.append((f"{base}/step", torch.tensor(int(v), dtype=torch.int64)))
                 elif torch.is_tensor(v) and v.dtype == torch.float32 and not v.is_sparse:
+                    if pc[7] is not None and v.numel() == p.numel():  # elementwise, of a flat buffer: the piece's
+                        v = _local(pc, v)
                     self.block.append((f"{base}/{k}", v.detach().to("cpu", copy=True).contiguous()))
             if t is None and self.projectors:
                 cur = self._projector_of(p)
@@ -628,8 +647,10 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
                   "block": {"dim", "lo", "len"}, "states": {key: (lo, len)}}} for a hand-written sharded optimizer
                   (docs/verify.md); "block": the local tensor is the tensor-parallel block of indices [lo, lo + len)
                   of dimension dim (a column-parallel weight: dim 0, a row-parallel one: dim 1), "lo" then a flat
-                  offset in the block; the ranks' pieces must be disjoint or identical and cover each parameter
-                  (checked here, one line naming the parameter and the ranges)
+                  offset in the block; a list of specs for one local tensor: a flat buffer spanning several
+                  tensors, each spec with "at" (its first element in the local tensor) and "len"; the ranks'
+                  pieces must be disjoint or identical and cover each parameter (checked here, one line naming the
+                  parameter and the ranges)
     start_step:   record a window of a run under way: the steps taken so far; the parameters and states now are
                   recorded first (init/, init_state/) and the steps are numbered from start_step + 1
     grads:        "f32" (default) or "bf16" (gradients rounded to bf16: half the size, lossy, docs/verify.md)

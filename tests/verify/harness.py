@@ -387,6 +387,89 @@ def tp_worker(rank, world, trace, steps, local_stats):
             opt.step()
 
 
+# ---- FSDP-style: every parameter in one flat buffer, padded, a contiguous shard per rank --------------------
+
+class FlatLamb(torch.optim.Optimizer):
+    """LAMB (ColossalAI's, distopt's lamb: moments not debiased, u = m/(sqrt(v)+eps) + wd*p, trust = |p|/|u|) on
+    a rank's shard of a flat buffer that spans several tensors: segs = [(at, len)] the shard's run of each tensor.
+    The trust ratio is per tensor: its two sums of squares over the tensor's runs on every rank (all_reduce, in
+    double). local_norms=True takes them over this rank's runs only (the bug: the norms of a flat shard)."""
+
+    def __init__(self, params, segs, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, local_norms=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.segs, self.local_norms = segs, local_norms
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                st["step"] += 1
+                g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
+                m.mul_(b1).add_(g * (1 - b1))
+                v.mul_(b2).add_(g * (1 - b2) * g)
+                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                sums = torch.zeros(2 * len(self.segs), dtype=torch.float64)
+                for k, (at, n) in enumerate(self.segs):
+                    if n:
+                        sums[2 * k] = (p[at:at + n].double() ** 2).sum()
+                        sums[2 * k + 1] = (u[at:at + n].double() ** 2).sum()
+                if not self.local_norms:
+                    dist.all_reduce(sums)
+                for k, (at, n) in enumerate(self.segs):
+                    wn, un = float(sums[2 * k].sqrt()), float(sums[2 * k + 1].sqrt())
+                    trust = wn / un if wn > 0 and un > 0 else 1.0
+                    p[at:at + n].add_(u[at:at + n], alpha=-group["lr"] * trust)
+
+
+def fsdp_worker(rank, world, trace, steps, local_norms):
+    """The MLP's parameters flattened into one buffer padded to a multiple of the ranks, each rank its contiguous
+    shard (a tensor may span two ranks); gradients averaged (all_reduce), FlatLamb on the shard, the shards
+    gathered back into the model; recorded with one piece per tensor run of the shard (its "at")."""
+    import torch.distributed as dist
+    from distopt.record import record
+    seeded()
+    model = mlp()
+    named = list(model.named_parameters())
+    offs, total = [], 0
+    for _, q in named:
+        offs.append(total)
+        total += q.numel()
+    per = -(-total // world)
+    r0, r1 = rank * per, (rank + 1) * per
+    flat = torch.zeros(per * world)
+    flat[:total] = torch.cat([q.detach().reshape(-1) for _, q in named])
+    shard = torch.nn.Parameter(flat[r0:r1].clone())
+    segs, pieces = [], []
+    for (name, q), off in zip(named, offs):
+        a, b = max(off, r0), min(off + q.numel(), r1)
+        segs.append((a - r0, b - a) if b > a else (0, 0))
+        if b > a:
+            pieces.append({"param": name, "shape": list(q.shape), "lo": a - off, "len": b - a, "at": a - r0})
+    opt = FlatLamb([shard], segs, local_norms=local_norms)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, adam=False, bias_correction=False)
+    with record(opt, trace, name="lamb", hparams=hp, layout={shard: pieces}, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = batch(t, rank)
+            model.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            g = torch.zeros(per * world)
+            g[:total] = torch.cat([q.grad.reshape(-1) for _, q in named])
+            dist.all_reduce(g)
+            shard.grad = g[r0:r1] / world
+            opt.step()
+            parts = [torch.zeros(per) for _ in range(world)]
+            dist.all_gather(parts, shard.detach().clone())
+            full = torch.cat(parts)
+            with torch.no_grad():
+                for (_, q), off in zip(named, offs):
+                    q.copy_(full[off:off + q.numel()].reshape(q.shape))
+
+
 # ---- a custom optimizer distopt does not implement, sharded by hand (distopt.replay) -------------------------
 
 def with_grads(opt):

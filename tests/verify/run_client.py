@@ -11,6 +11,8 @@
     run_client.py tp             a column- and a row-parallel Linear (Megatron-style) with a TP Adafactor on 2 gloo
                                  ranks, block layouts: exit 0; row means over the local columns: exit 1 (step 1,
                                  w2/exp_avg_sq_row, rank 0)
+    run_client.py fsdp           FSDP-style flat shards spanning tensors with a flat LAMB on 2 gloo ranks: exit 0;
+                                 its trust ratios from the local shard only: exit 1 at step 1
     run_client.py hf_adafactor   transformers' Adafactor: exit 0; needs transformers (this interpreter, else
                                  $DISTOPT_TRANSFORMERS_PYTHON, else the golden generator's venv
                                  .golden-venv/adafactor, else skipped with the reason: exit 77)
@@ -255,6 +257,25 @@ def case_tp():
     v = rep["verdict"]
     H.check((v["kind"], v["step"], v["tensor"], v["rank"]) == ("diverged", 1, "w2/exp_avg_sq_row", 0),
             f"a row-parallel shard's local row means named at step 1: {v}")
+
+
+def case_fsdp():
+    """FSDP-style flat parameters: one padded flat buffer, a contiguous shard per rank spanning tensors, a
+    hand-written LAMB with per-tensor trust ratios on 2 gloo ranks: exit 0; its norms over the local shard only
+    (the bug): exit 1 at step 1 naming a tensor the shards split."""
+    d = H.work_dir("fsdp")
+    good = os.path.join(d, "fsdp.rec")
+    H.launch(H.fsdp_worker, 2, good, 8, False)
+    out, rep = H.run_verify(good, expect=0)
+    ranks = {t["param"]: sorted({u["rank"] for u in rep["tensors"] if u["param"] == t["param"]}) for t in rep["tensors"]}
+    H.check(any(r == [0, 1] for r in ranks.values()), f"a tensor split over both ranks' shards ({ranks})")
+    summary(rep)
+    bad = os.path.join(d, "fsdp_local_norms.rec")
+    H.launch(H.fsdp_worker, 2, bad, 8, True)
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check(v["step"] == 1 and ranks.get(v["tensor"].split("/")[0]) == [0, 1],
+            f"the shard-local trust ratio named at step 1 on a split tensor: {v}")
 
 
 def transformers_python():
@@ -635,7 +656,7 @@ def case_upstream_real():
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "hf_adafactor": case_hf_adafactor,
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
          "upstream_real": case_upstream_real}
 
