@@ -1088,10 +1088,10 @@ static int compare_step(vctx *c, long t) {
   return CLI_OK;
 }
 
-/* record.grad_agree: every rank that has a gradient of parameter p at step t recorded the SHA-256 of it
- * (grad_agree/<t>/<p>); ranks hold copies of the whole gradient (DDP replicas, ZeRO owners: the dp average),
- * so every digest must equal the lowest rank's, and a rank without one must be alone in that (a gradient None
- * on some ranks only). The first difference, by step, parameter and rank, is a divergence. */
+/* record.grad_agree: every rank that has a whole gradient of parameter p at step t recorded the SHA-256 of it
+ * (grad_agree/<t>/<p>); those ranks hold copies of the same gradient (DDP replicas, ZeRO: the dp average), so
+ * every digest must equal the lowest such rank's (a rank without one, a pipeline stage that does not hold p,
+ * is not compared). The first difference, by step, parameter and rank, is a divergence. */
 static void check_agreement(vctx *c, long t) {
   const vr_index *ix = &c->rd.ix;
   if (!ix->grad_agree || c->agree_step) return;
@@ -1103,11 +1103,12 @@ static void check_agreement(vctx *c, long t) {
     int b = -1;
     for (int r = 0; r < ix->world_size; r++) {
       const unsigned char *d = vr_reader_digest(&c->rd, r, t, key);
-      if (r == 0) {
-        base = d, b = 0;
+      if (!d) continue; /* no whole gradient of p there (another pipeline stage's, or none this step) */
+      if (!base) {
+        base = d, b = r;
         continue;
       }
-      if ((d == NULL) != (base == NULL) || (d && memcmp(d, base, 32) != 0)) {
+      if (memcmp(d, base, 32) != 0) {
         c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = b;
         return;
       }
