@@ -22,10 +22,9 @@ static void galore_options(cmp_options *o) {
 }
 
 static cJSON *json_of(const cmp_options *o, const cmp_result *r) {
-  char path[] = "/tmp/dopt_events_XXXXXX";
-  int fd = mkstemp(path);
-  assert_true(fd >= 0);
-  close(fd);
+  char dir[512], path[600];
+  assert_int_equal(dt_make_tmpdir(dir, sizeof dir, "events"), 0);
+  snprintf(path, sizeof path, "%s/r.json", dir);
   assert_ok(cmp_write_json(path, o, r));
   FILE *f = fopen(path, "rb");
   assert_non_null(f);
@@ -33,6 +32,7 @@ static cJSON *json_of(const cmp_options *o, const cmp_result *r) {
   size_t n = fread(buf, 1, sizeof buf - 1, f);
   fclose(f);
   unlink(path);
+  dt_remove_tmpdir(dir);
   buf[n] = '\0';
   cJSON *root = cJSON_Parse(buf);
   assert_non_null(root);
