@@ -387,6 +387,43 @@ def tp_worker(rank, world, trace, steps, local_stats):
             opt.step()
 
 
+# ---- a 2-stage pipeline: each rank its stage's parameters and its own optimizer --------------------------------
+
+def pipeline_worker(rank, world, trace, steps, lagging):
+    """The MLP cut in two stages (Linear-Tanh | Linear-Tanh-Linear) over 2 gloo ranks: activations forward and
+    their gradients back by send/recv; each stage its own AdamW and lr schedule, every rank recording its own
+    stage under the model's names. lagging=True: stage 1 skips its scheduler's step after step 3 (its lr lags
+    from step 4 on: each stage steps its own scheduler, one of them off by one)."""
+    import torch.distributed as dist
+    from distopt.record import record
+    seeded()
+    model = mlp()
+    stage = model[0:2] if rank == 0 else model[2:5]
+    mine = {id(q) for q in stage.parameters()}
+    names = {n: q for n, q in model.named_parameters() if id(q) in mine}
+    opt = torch.optim.AdamW(list(stage.parameters()), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.1 * e))
+    with record(opt, trace, names=names, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = batch(t)
+            opt.zero_grad()
+            if rank == 0:
+                h = stage(x)
+                dist.send(h.detach().contiguous(), 1)
+                dh = torch.empty_like(h)
+                dist.recv(dh, 1)
+                h.backward(dh)
+            else:
+                h = torch.empty(x.shape[0], 32)
+                dist.recv(h, 0)
+                h.requires_grad_(True)
+                ((stage(h) - y) ** 2).mean().backward()
+                dist.send(h.grad.contiguous(), 0)
+            opt.step()
+            if not (lagging and rank == 1 and t == 3):
+                sched.step()
+
+
 # ---- FSDP-style: every parameter in one flat buffer, padded, a contiguous shard per rank --------------------
 
 class FlatLamb(torch.optim.Optimizer):

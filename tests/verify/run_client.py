@@ -11,6 +11,8 @@
     run_client.py tp             a column- and a row-parallel Linear (Megatron-style) with a TP Adafactor on 2 gloo
                                  ranks, block layouts: exit 0; row means over the local columns: exit 1 (step 1,
                                  w2/exp_avg_sq_row, rank 0)
+    run_client.py pipeline       a 2-stage pipeline (send/recv) on 2 gloo ranks, each stage its AdamW and lr
+                                 schedule: exit 0; stage 1's schedule one step behind: exit 1 at step 4, rank 1
     run_client.py fsdp           FSDP-style flat shards spanning tensors with a flat LAMB on 2 gloo ranks: exit 0;
                                  its trust ratios from the local shard only: exit 1 at step 1
     run_client.py hf_adafactor   transformers' Adafactor: exit 0; needs transformers (this interpreter, else
@@ -257,6 +259,26 @@ def case_tp():
     v = rep["verdict"]
     H.check((v["kind"], v["step"], v["tensor"], v["rank"]) == ("diverged", 1, "w2/exp_avg_sq_row", 0),
             f"a row-parallel shard's local row means named at step 1: {v}")
+
+
+def case_pipeline():
+    """A 2-stage pipeline on 2 gloo ranks, each stage its own AdamW and lr schedule, recorded per stage: exit 0,
+    each parameter on its stage's rank; stage 1's schedule one step behind from step 4: exit 1 at step 4 on rank
+    1 (the lr schedule replayed is the recording's, stage 0's)."""
+    d = H.work_dir("pipeline")
+    good = os.path.join(d, "pipeline.rec")
+    H.launch(H.pipeline_worker, 2, good, 8, False)
+    out, rep = H.run_verify(good, expect=0)
+    owner = {t["param"]: t["rank"] for t in rep["tensors"] if t["state"] is None}
+    H.check(owner == {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": 1, "4.weight": 1, "4.bias": 1},
+            f"each parameter recorded by its stage's rank ({owner})")
+    summary(rep)
+    bad = os.path.join(d, "pipeline_lagging.rec")
+    H.launch(H.pipeline_worker, 2, bad, 8, True)
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check((v["step"], v["rank"]) == (4, 1) and owner.get(v["tensor"].split("/")[0]) == 1,
+            f"stage 1's lagging schedule named at step 4 on rank 1: {v}")
 
 
 def case_fsdp():
@@ -656,7 +678,7 @@ def case_upstream_real():
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "hf_adafactor": case_hf_adafactor,
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
          "upstream_real": case_upstream_real}
 
