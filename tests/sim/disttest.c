@@ -531,6 +531,24 @@ int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, cha
   return 0;
 }
 
+void dt_expect(dt_result *got, const dt_result *ref) {
+  memcpy(got->state_name, ref->state_name, sizeof got->state_name);
+  memcpy(got->nstates, ref->nstates, sizeof got->nstates);
+  got->ref_counts = ref->counts;
+}
+
+int dt_diverges(const dt_case *c, const dt_layout *l, const dt_result *ref, int counters, char *msg, size_t cap) {
+  dt_result got;
+  dt_expect(&got, ref);
+  if (!counters) got.ref_counts = NULL;
+  char err[512] = "";
+  msg[0] = '\0';
+  dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
+  const int diverged = s != DOPT_OK ? (snprintf(msg, cap, "failed: %s", err), 1) : dt_compare(c, ref, &got, msg, cap);
+  dt_result_free(&got);
+  return diverged;
+}
+
 void dt_result_free(dt_result *r) {
   for (int k = 0; k < r->nck; k++)
     for (int i = 0; i < DT_MAXP; i++) {

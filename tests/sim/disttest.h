@@ -125,6 +125,12 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
 /* Compares two results bitwise; returns 0 if identical, else writes the first
  * difference (checkpoint, tensor, index, values, ULP) into msg. */
 int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, char *msg, size_t cap);
+/* Prepares got for a distributed run compared with ref: the reference's state names (the layout the gathers
+ * read) and its per-step counters (checked after every step). */
+void dt_expect(dt_result *got, const dt_result *ref);
+/* Runs the distributed side (dt_expect, dt_run_dist; counters 0: the counters not checked) and compares it
+ * with ref: 0 when identical, else 1 with the failure or the first difference in msg. */
+int dt_diverges(const dt_case *c, const dt_layout *l, const dt_result *ref, int counters, char *msg, size_t cap);
 void dt_result_free(dt_result *r);
 
 /* The deterministic micro-batch gradient of parameter p (logical, numel

@@ -26,21 +26,6 @@ static int64_t total(const dt_case *c, const dt_result *r, int param, dopt_count
   return n;
 }
 
-/* Runs the distributed side; with_counters 0: the counters are not checked (bits only). Returns dt_compare's
- * verdict, its message in msg. */
-static int run_vs(const dt_case *c, const dt_layout *l, const dt_result *ref, int with_counters, char *msg, size_t cap) {
-  dt_result got;
-  memcpy(got.state_name, ref->state_name, sizeof got.state_name);
-  got.ref_counts = with_counters ? ref->counts : NULL;
-  memcpy(got.nstates, ref->nstates, sizeof got.nstates);
-  char err[512] = "";
-  msg[0] = '\0';
-  dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
-  const int diverged = s != DOPT_OK ? (snprintf(msg, cap, "failed: %s", err), 1) : dt_compare(c, ref, &got, msg, cap);
-  dt_result_free(&got);
-  return diverged;
-}
-
 /* ---- the reference counts what it does ---- */
 
 static void test_reference_counts(void **st) {
@@ -104,21 +89,21 @@ static void test_planted_counts(void **st) {
   dt_result ref;
   assert_ok(dt_run_reference(&g, l.dp, &ref));
   /* the correct side passes, with and without the counters: the check is not merely strict */
-  if (run_vs(&g, &l, &ref, 1, msg, sizeof msg)) fail_msg("galore_adamw without a planted bug: %s", msg);
+  if (dt_diverges(&g, &l, &ref, 1, msg, sizeof msg)) fail_msg("galore_adamw without a planted bug: %s", msg);
 
   for (int k = 0; k < DT_PLANT_COUNT; k++) assert_non_null(dt_planted(k));
   dt_dist_impl = dt_planted(DT_PLANT_REFRESH_TWICE); /* the same bits at every step: only the counters see it */
-  const int bits = run_vs(&g, &l, &ref, 0, msg, sizeof msg);
+  const int bits = dt_diverges(&g, &l, &ref, 0, msg, sizeof msg);
   if (bits) fail_msg("a repeated refresh was expected to keep the bits: %s", msg);
-  assert_true(run_vs(&g, &l, &ref, 1, msg, sizeof msg));
+  assert_true(dt_diverges(&g, &l, &ref, 1, msg, sizeof msg));
   expect_named(dt_planted_what(DT_PLANT_REFRESH_TWICE), msg, "DIVERGED at step 1 (events: galore.refreshes of layers.0.w: reference 1, distributed 2");
 
   dt_dist_impl = dt_planted(DT_PLANT_REFRESH_SKIPPED);
-  assert_true(run_vs(&g, &l, &ref, 1, msg, sizeof msg));
+  assert_true(dt_diverges(&g, &l, &ref, 1, msg, sizeof msg));
   expect_named(dt_planted_what(DT_PLANT_REFRESH_SKIPPED), msg, "DIVERGED at step 3 (events: galore.refreshes of layers.0.w: reference 1, distributed 0");
 
   dt_dist_impl = dt_planted(DT_PLANT_PLAIN_PATH);
-  assert_true(run_vs(&g, &l, &ref, 1, msg, sizeof msg));
+  assert_true(dt_diverges(&g, &l, &ref, 1, msg, sizeof msg));
   expect_named(dt_planted_what(DT_PLANT_PLAIN_PATH), msg, "DIVERGED at step 1 (events: galore.projected of layers.0.w: reference 1, distributed 0");
   dt_dist_impl = NULL;
   dt_result_free(&ref);
@@ -126,16 +111,16 @@ static void test_planted_counts(void **st) {
   static const dt_layout l2 = {1, 2, 2, 0};
   dt_case q = {"adamw8bit", "lr=1e-2", NULL, QP, 1, 4, 1, 0.0, 0, 22, 0.5, 0, 1, 0, 0, 0, 0, 0};
   assert_ok(dt_run_reference(&q, l2.dp, &ref));
-  if (run_vs(&q, &l2, &ref, 1, msg, sizeof msg)) fail_msg("adamw8bit without a planted bug: %s", msg);
+  if (dt_diverges(&q, &l2, &ref, 1, msg, sizeof msg)) fail_msg("adamw8bit without a planted bug: %s", msg);
   dt_dist_impl = dt_planted(DT_PLANT_Q8_SHARD);
-  assert_true(run_vs(&q, &l2, &ref, 1, msg, sizeof msg));
+  assert_true(dt_diverges(&q, &l2, &ref, 1, msg, sizeof msg));
   expect_named(dt_planted_what(DT_PLANT_Q8_SHARD), msg, "DIVERGED at step 1 (events: q8.steps of w: reference 1, distributed 0 on rank 0)");
   dt_dist_impl = NULL;
   /* wasted work on one rank only (the tail shard's step run twice, the same bits): an each counter is checked
    * on every rank, not only on rank 0 */
   dt_dist_impl = dt_planted(DT_PLANT_Q8_TAIL_TWICE);
-  if (run_vs(&q, &l2, &ref, 0, msg, sizeof msg)) fail_msg("the tail stepped twice was expected to keep the bits: %s", msg);
-  assert_true(run_vs(&q, &l2, &ref, 1, msg, sizeof msg));
+  if (dt_diverges(&q, &l2, &ref, 0, msg, sizeof msg)) fail_msg("the tail stepped twice was expected to keep the bits: %s", msg);
+  assert_true(dt_diverges(&q, &l2, &ref, 1, msg, sizeof msg));
   expect_named(dt_planted_what(DT_PLANT_Q8_TAIL_TWICE), msg, "DIVERGED at step 1 (events: q8.steps of w: reference 1, distributed 2 on rank 1)");
   dt_dist_impl = NULL;
   dt_result_free(&ref);
@@ -154,7 +139,7 @@ static void test_replicas_counted_once(void **st) {
     assert_ok(dt_run_reference(&q, L[k].dp, &ref));
     assert_true(total(&q, &ref, 0, DOPT_COUNTER_NONFINITE_RESETS) >= 1); /* the NaN planted at step 2 */
     char msg[512];
-    if (run_vs(&q, &L[k], &ref, 1, msg, sizeof msg))
+    if (dt_diverges(&q, &L[k], &ref, 1, msg, sizeof msg))
       fail_msg("tp%d dp%d zero%d: %s", L[k].tp, L[k].dp, L[k].zero, msg);
     dt_result_free(&ref);
   }

@@ -31,9 +31,7 @@ static void check_case(dt_case *c) {
       have[l->dp] = 1;
     }
     dt_result got;
-    memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
-    got.ref_counts = ref[l->dp].counts;
-    memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
+    dt_expect(&got, &ref[l->dp]);
     char err[512] = "", msg[512] = "";
     if (dt_run_dist(c, l, &got, err, sizeof err) != DOPT_OK)
       fail_msg("%s tp%d dp%d zero%d: %s", c->optimizer, l->tp, l->dp, l->zero, err);
@@ -200,9 +198,7 @@ static void test_batched_reductions(void **st) {
           have[l->dp] = 1;
         }
         dt_result got;
-        memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
-        got.ref_counts = ref[l->dp].counts;
-        memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
+        dt_expect(&got, &ref[l->dp]);
         char err[512] = "", msg[512] = "";
         if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK)
           fail_msg("%s tp%d dp%d zero%d bucket %zu: %s", c.optimizer, l->tp, l->dp, l->zero, l->bucket_bytes, err);
@@ -254,9 +250,7 @@ static void test_batched_reductions(void **st) {
 
 /* Runs c on layout l and compares it bitwise with the reference at dp. */
 static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref, dt_result *got) {
-  memcpy(got->state_name, ref->state_name, sizeof got->state_name);
-  got->ref_counts = ref->counts;
-  memcpy(got->nstates, ref->nstates, sizeof got->nstates);
+  dt_expect(got, ref);
   char err[512] = "", msg[512] = "";
   if (dt_run_dist(c, l, got, err, sizeof err) != DOPT_OK)
     fail_msg("%s tp%d dp%d zero%d: %s", c->optimizer, l->tp, l->dp, l->zero, err);

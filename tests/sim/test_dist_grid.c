@@ -85,9 +85,7 @@ static int run_grid(const hp_setting *hps, int nhp, const dt_layout *lays, int n
         have_ref[l->dp] = 1;
       }
       dt_result got;
-      memcpy(got.state_name, ref[l->dp].state_name, sizeof got.state_name);
-      got.ref_counts = ref[l->dp].counts;
-      memcpy(got.nstates, ref[l->dp].nstates, sizeof got.nstates);
+      dt_expect(&got, &ref[l->dp]);
       char err[512] = "", msg[512] = "";
       dopt_status s = dt_run_dist(&c, l, &got, err, sizeof err);
       if (s != DOPT_OK) fail_msg("%s [%s] tp%d dp%d zero%d (%s): %s", c.optimizer, c.hparams ? c.hparams : "", l->tp, l->dp, l->zero, dt_plugin(l), err);
@@ -165,9 +163,7 @@ static void test_adversarial_ring_order(void **st) {
         if (nan && h == 1) continue; /* adafactor spreads the NaN over its rows: adamw keeps it local */
         dt_result ref, got;
         assert_ok(dt_run_reference(&c, l->dp, &ref));
-        memcpy(got.state_name, ref.state_name, sizeof got.state_name);
-        got.ref_counts = ref.counts;
-        memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+        dt_expect(&got, &ref);
         char err[512] = "", msg[512] = "";
         if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK) fail_msg("%s", err);
         if (dt_compare(&c, &ref, &got, msg, sizeof msg))
@@ -189,9 +185,7 @@ static void test_rank_order_sum_control(void **st) {
     dt_case c = {"adamw", "lr=1e-2,weight_decay=0.01", NULL, PARAMS, NPARAMS, 10, 1, 0.0, 0, 77, 0.05, 0, 5, -1, ring, 0, 0, 0};
     dt_result ref, got;
     assert_ok(dt_run_reference(&c, l.dp, &ref));
-    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
-    got.ref_counts = ref.counts;
-    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    dt_expect(&got, &ref);
     char err[512] = "", msg[512] = "";
     if (dt_run_dist(&c, &l, &got, err, sizeof err) != DOPT_OK) fail_msg("%s", err);
     int differs = dt_compare(&c, &ref, &got, msg, sizeof msg);

@@ -27,9 +27,7 @@ static const dt_param P[] = {
 
 static void expect_bitwise(const dt_case *c, const dt_layout *l, dt_result *ref) {
   dt_result got;
-  memcpy(got.state_name, ref->state_name, sizeof got.state_name);
-  got.ref_counts = ref->counts;
-  memcpy(got.nstates, ref->nstates, sizeof got.nstates);
+  dt_expect(&got, ref);
   char err[512] = "", msg[512] = "";
   if (dt_run_dist(c, l, &got, err, sizeof err) != DOPT_OK)
     fail_msg("%s [%s] tp%d dp%d zero%d: %s", c->optimizer, c->hparams, l->tp, l->dp, l->zero, err);
@@ -91,9 +89,7 @@ static void test_muon_expert_owners(void **st) {
     dt_result ref;
     assert_ok(dt_run_reference(&c, L[li].dp, &ref));
     dt_result got;
-    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
-    got.ref_counts = ref.counts;
-    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    dt_expect(&got, &ref);
     char err[512] = "", msg[512] = "";
     if (dt_run_dist(&c, &L[li], &got, err, sizeof err) != DOPT_OK) fail_msg("tp%d dp%d: %s", L[li].tp, L[li].dp, err);
     if (dt_compare(&c, &ref, &got, msg, sizeof msg)) fail_msg("tp%d dp%d zero%d: %s", L[li].tp, L[li].dp, L[li].zero, msg);
@@ -169,18 +165,6 @@ static dopt_status flat_step(const dopt_step_args *a) {
   return real()->step(&b);
 }
 
-static int caught(const dt_case *c, const dt_layout *l, dt_result *ref, char *msg, size_t cap) {
-  dt_result got;
-  memcpy(got.state_name, ref->state_name, sizeof got.state_name);
-  got.ref_counts = ref->counts;
-  memcpy(got.nstates, ref->nstates, sizeof got.nstates);
-  char err[512] = "";
-  dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
-  int diverged = s != DOPT_OK ? (snprintf(msg, cap, "failed: %s", err), 1) : dt_compare(c, ref, &got, msg, cap);
-  dt_result_free(&got);
-  return diverged;
-}
-
 static void test_muon_planted_bugs(void **st) {
   (void)st;
   dopt_optim_impl shard = dopt_impl_muon, plain = dopt_impl_muon, aux = dopt_impl_muon;
@@ -193,14 +177,14 @@ static void test_muon_planted_bugs(void **st) {
   assert_ok(dt_run_reference(&c, l.dp, &ref));
   char msg[512] = "";
   /* the correct distributed Muon first: the harness is not merely strict */
-  if (caught(&c, &l, &ref, msg, sizeof msg)) fail_msg("muon without a planted bug: %s", msg);
+  if (dt_diverges(&c, &l, &ref, 1, msg, sizeof msg)) fail_msg("muon without a planted bug: %s", msg);
   static const char *const what[] = {"Newton-Schulz on each rank's shard", "the expert stack on a plain path",
                                      "an optimizer step per micro-batch", "the matrices on the aux-Adam path"};
   for (int k = 0; k < 4; k++) {
     dt_dist_impl = k == 0 ? &shard : k == 1 ? &plain : k == 3 ? &aux : NULL;
     dt_step_per_micro = k == 2;
     msg[0] = '\0';
-    const int got = caught(&c, &l, &ref, msg, sizeof msg);
+    const int got = dt_diverges(&c, &l, &ref, 1, msg, sizeof msg);
     dt_dist_impl = NULL;
     dt_step_per_micro = 0;
     if (!got) fail_msg("planted bug not caught: %s", what[k]);

@@ -117,9 +117,7 @@ static float rms_from_ss(double ss, size_t count) { return (float)sqrt(ss) / (fl
 /* Runs layout l and requires bitwise equality with ref (the reference at l->dp). */
 static void expect_bitwise(const dt_case *c, const dt_layout *l, const dt_result *ref) {
   dt_result got;
-  memcpy(got.state_name, ref->state_name, sizeof got.state_name);
-  got.ref_counts = ref->counts;
-  memcpy(got.nstates, ref->nstates, sizeof got.nstates);
+  dt_expect(&got, ref);
   char err[512] = "", msg[512] = "";
   dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
   if (s != DOPT_OK) fail_msg("%s tp%d dp%d zero%d (%s): %s", c->optimizer, l->tp, l->dp, l->zero, dt_plugin(l), err);
@@ -636,9 +634,7 @@ static void test_came_states_not_aliased(void **st) {
           max_rel(want[1], want[3], b * (size_t)pp->shape[pp->ndim - 1]) < DISCRIM)
         fail_msg("came %s: residual and second-moment statistics too close at step 1", pp->name);
     }
-    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
-    got.ref_counts = ref.counts;
-    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    dt_expect(&got, &ref);
     char err[512] = "", msg[512] = "";
     dopt_status s = dt_run_dist(&c, &lays[i], &got, err, sizeof err);
     if (s != DOPT_OK) fail_msg("came tp%d dp%d zero%d: %s", lays[i].tp, lays[i].dp, lays[i].zero, err);

@@ -80,9 +80,7 @@ static void rmtree(const char *dir) {
 
 static void run_phase(const dt_case *c, const dt_layout *l, int first, int last, const char *load, const char *save,
                       dt_result *ref, dt_result *got) {
-  memcpy(got->state_name, ref->state_name, sizeof got->state_name);
-  got->ref_counts = ref->counts;
-  memcpy(got->nstates, ref->nstates, sizeof got->nstates);
+  dt_expect(got, ref);
   char err[1024] = "";
   if (dt_run_dist_steps(c, l, first, last, load, save, got, err, sizeof err) != DOPT_OK)
     fail_msg("%s tp%d dp%d zero%d steps %d..%d: %s", c->optimizer, l->tp, l->dp, l->zero, first, last, err);
@@ -251,9 +249,7 @@ static void test_resume_refused(void **st) {
     dt_case o = c;
     o.optimizer = other[k][0];
     o.hparams = other[k][1];
-    memcpy(got.state_name, ref.state_name, sizeof got.state_name);
-    got.ref_counts = ref.counts;
-    memcpy(got.nstates, ref.nstates, sizeof got.nstates);
+    dt_expect(&got, &ref);
     char err[1024] = "";
     dopt_status s = dt_run_dist_steps(&o, &l, K + 1, STEPS, dir, NULL, &got, err, sizeof err);
     if (s == DOPT_OK) fail_msg("%s [%s]: a checkpoint of adamw [%s] was accepted", o.optimizer, o.hparams, c.hparams);
