@@ -18,31 +18,49 @@ static const dopt_optim_impl *galore(void) { return &dopt_impl_galore_adamw; }
 static const dopt_optim_impl *q8(void) { return &dopt_impl_adamw8bit; }
 static int gap_key = -1, min8_key = -1;
 
-/* A refresh run twice: at every step the matrix's step is first run on copies of its values and states (so a
- * due refresh computes its SVD twice, on the same gradient: the same projector, the same bits) */
-static dopt_status twice_step(const dopt_step_args *a) {
-  if (a->ndim != 2 || a->piece->len != a->piece->numel || a->stage != 0) return galore()->step(a);
+/* Runs im's step of a on copies of its values and states (each state's bytes as the piece holds it:
+ * elementwise [len], blockwise its blocks, whole), its stages one after the other with no reducer (a shared
+ * block's maxima local), its counts into counts: wasted work, the real values and states untouched. */
+static dopt_status step_on_copies(const dopt_optim_impl *im, const dopt_step_args *a, int64_t *counts) {
+  const dopt_piece *pc = a->piece;
   dopt_state_spec sp[DOPT_MAX_STATES];
-  const int ns = galore()->layout(a->hp, a->ndim, a->shape, sp);
+  const int ns = im->layout(a->hp, a->ndim, a->shape, sp);
   void *copy[DOPT_MAX_STATES] = {0};
-  float *w = malloc(a->piece->len * sizeof *w);
+  float *w = malloc((pc->len ? pc->len : 1) * sizeof *w);
   dopt_status s = w ? DOPT_OK : DOPT_ERR_NO_MEMORY;
   for (int k = 0; s == DOPT_OK && k < ns; k++) {
-    copy[k] = malloc(sp[k].v.bytes ? sp[k].v.bytes : 1);
+    const size_t es = dopt_dtype_size(sp[k].v.dtype);
+    const size_t bytes = sp[k].kind == DOPT_STATE_ELEMENTWISE ? pc->len * es
+                         : sp[k].kind == DOPT_STATE_BLOCKWISE ? dopt_piece_blocks(pc, sp[k].block, NULL) * es
+                                                               : sp[k].v.bytes;
+    copy[k] = malloc(bytes ? bytes : 1);
     if (!copy[k]) s = DOPT_ERR_NO_MEMORY;
-    else memcpy(copy[k], a->state[k], sp[k].v.bytes);
+    else memcpy(copy[k], a->state[k], bytes);
   }
-  int64_t cnt[DOPT_NCOUNTERS] = {0};
   int more = 0;
   if (s == DOPT_OK) {
-    memcpy(w, a->param, a->piece->len * sizeof *w);
+    memcpy(w, a->param, pc->len * sizeof *w);
     dopt_step_args b = *a;
-    b.param = w, b.state = copy, b.counts = cnt, b.more = &more;
-    s = galore()->step(&b);
+    b.param = w, b.state = copy, b.red = NULL, b.counts = counts, b.more = &more;
+    for (int stage = 0; s == DOPT_OK; stage++) {
+      b.stage = stage, more = 0;
+      s = im->step(&b);
+      if (!more) break;
+    }
   }
-  if (a->counts) a->counts[DOPT_COUNTER_REFRESHES] += cnt[DOPT_COUNTER_REFRESHES];
   for (int k = 0; k < ns; k++) free(copy[k]);
   free(w);
+  return s;
+}
+
+/* A refresh run twice: at every step the matrix's step is first run on copies of its values and states (so a
+ * due refresh computes its SVD twice, on the same gradient: the same projector, the same bits); only that
+ * refresh is counted, the copies' other work is not the bug */
+static dopt_status twice_step(const dopt_step_args *a) {
+  if (a->ndim != 2 || a->piece->len != a->piece->numel || a->stage != 0) return galore()->step(a);
+  int64_t cnt[DOPT_NCOUNTERS] = {0};
+  dopt_status s = step_on_copies(galore(), a, cnt);
+  if (a->counts) a->counts[DOPT_COUNTER_REFRESHES] += cnt[DOPT_COUNTER_REFRESHES];
   return s == DOPT_OK ? galore()->step(a) : s;
 }
 
@@ -110,38 +128,11 @@ static dopt_status shard_step(const dopt_step_args *a) {
   return q8()->step(&b);
 }
 
-/* The tail piece's step run first on copies of its values and states (each state's bytes as the piece holds
- * it: elementwise [len], blockwise its blocks, whole), alone (no reducer: its shared blocks' maxima local) */
+/* The tail piece (the one holding the tensor's last element) steps twice: once on copies, counted */
 static dopt_status tail_step(const dopt_step_args *a) {
   const dopt_piece *pc = a->piece;
   if (a->stage != 0 || pc->len == 0 || !a->shape || pc->lo + pc->len != pc->b * pc->hl * pc->wl) return q8()->step(a);
-  dopt_state_spec sp[DOPT_MAX_STATES];
-  const int ns = q8()->layout(a->hp, a->ndim, a->shape, sp);
-  void *copy[DOPT_MAX_STATES] = {0};
-  float *w = malloc(pc->len * sizeof *w);
-  dopt_status s = w ? DOPT_OK : DOPT_ERR_NO_MEMORY;
-  for (int k = 0; s == DOPT_OK && k < ns; k++) {
-    const size_t es = dopt_dtype_size(sp[k].v.dtype);
-    const size_t bytes = sp[k].kind == DOPT_STATE_ELEMENTWISE ? pc->len * es
-                         : sp[k].kind == DOPT_STATE_BLOCKWISE ? dopt_piece_blocks(pc, sp[k].block, NULL) * es
-                                                               : sp[k].v.bytes;
-    copy[k] = malloc(bytes ? bytes : 1);
-    if (!copy[k]) s = DOPT_ERR_NO_MEMORY;
-    else memcpy(copy[k], a->state[k], bytes);
-  }
-  int more = 0;
-  if (s == DOPT_OK) {
-    memcpy(w, a->param, pc->len * sizeof *w);
-    dopt_step_args b = *a;
-    b.param = w, b.state = copy, b.red = NULL, b.more = &more;
-    for (int stage = 0; s == DOPT_OK; stage++) { /* its stages one after the other, as a single device runs them */
-      b.stage = stage, more = 0;
-      s = q8()->step(&b);
-      if (!more) break;
-    }
-  }
-  for (int k = 0; k < ns; k++) free(copy[k]);
-  free(w);
+  dopt_status s = step_on_copies(q8(), a, a->counts);
   return s == DOPT_OK ? q8()->step(a) : s;
 }
 
