@@ -24,18 +24,6 @@ dopt_status dopt_dist_counters(const dopt_dist_optim *d, int i, dopt_counters *o
   return dopt__counters_fill(out, d->p[i].cnt_last, d->p[i].cnt_total, held, primary);
 }
 
-/* h[n] (host) ← its reduction by op over the world (tp, then dp), through a device buffer. */
-static dopt_status world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op) {
-  void *buf = NULL;
-  DOPT_TRY(DEV(d)->alloc(DCTX(d), n * sizeof *h, &buf));
-  dopt_status s = DEV(d)->upload(DCTX(d), buf, h, n * sizeof *h);
-  if (s == DOPT_OK && d->tp.size > 1) s = d->tp.ops->all_reduce(d->tp.comm, buf, buf, n, DOPT_I64, op);
-  if (s == DOPT_OK && d->dp.size > 1) s = d->dp.ops->all_reduce(d->dp.comm, buf, buf, n, DOPT_I64, op);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, n * sizeof *h);
-  DEV(d)->free(DCTX(d), buf);
-  return s;
-}
-
 /* The counts since the previous check, per parameter and counter: [np · DOPT_NCOUNTERS], row-major.
  * Compared: EACH counters on every rank that holds a piece, SUM counters as their total over the primary
  * pieces. The first difference is the lowest (parameter, counter), then the lowest rank; one broadcast of the
@@ -71,14 +59,14 @@ dopt_status dopt_dist_check_counters(dopt_dist_optim *d, const int64_t *ref, dop
       if (each && held && mine[at] != all[at] && k < key) key = k;
     }
   }
-  if (s == DOPT_OK && n) s = world_reduce(d, sum, n, DOPT_SUM);
+  if (s == DOPT_OK && n) s = dd_world_reduce(d, sum, n, DOPT_SUM);
   for (size_t at = 0; s == DOPT_OK && at < n; at++)
     if (dopt_counter_scope((int)(at % (size_t)NC)) == DOPT_COUNT_SUM && sum[at] != all[at]) {
       const int64_t k = ((int64_t)at << 24) | 0xffffff;
       if (k < key) key = k;
       break;
     }
-  if (s == DOPT_OK) s = world_reduce(d, &key, 1, DOPT_MIN);
+  if (s == DOPT_OK) s = dd_world_reduce(d, &key, 1, DOPT_MIN);
   if (s == DOPT_OK && key != INT64_MAX) {
     const size_t at = (size_t)(key >> 24);
     const int r = (int)(key & 0xffffff);
@@ -88,7 +76,7 @@ dopt_status dopt_dist_check_counters(dopt_dist_optim *d, const int64_t *ref, dop
       out->rank = -1, out->distributed = sum[at];
     } else { /* the named rank's count reaches every rank */
       int64_t v = r == wr ? mine[at] : INT64_MIN;
-      s = world_reduce(d, &v, 1, DOPT_MAX);
+      s = dd_world_reduce(d, &v, 1, DOPT_MAX);
       out->rank = r, out->distributed = v;
     }
   }

@@ -205,6 +205,7 @@ dopt_status dd_post_sum(void *ctx, int64_t *x, size_t n);
 
 /* ---- step.c ------------------------------------------------------------------------------- */
 
+dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op);
 dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n);
 
 /* ---- dp_sum.c ----------------------------------------------------------------------------- */

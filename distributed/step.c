@@ -77,15 +77,22 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   return DOPT_OK;
 }
 
-/* h[n] (host) ← its MAX over the world (tp, then dp), through the device
- * buffer d->flags (np + 1 words): a transport reduces device memory (NCCL and
- * the device-buffer simulator cannot read a host pointer). */
-dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n) {
-  DOPT_TRY(DEV(d)->upload(DCTX(d), d->flags, h, n * sizeof *h));
-  DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX));
-  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, d->flags, d->flags, n, DOPT_I64, DOPT_MAX));
-  return DEV(d)->download(DCTX(d), h, d->flags, n * sizeof *h);
+/* h[n] (host) ← its reduction by op over the world (tp, then dp), through a
+ * device buffer: d->flags (np + 1 words) when it fits, else one of its own (a
+ * transport reduces device memory: NCCL and the device-buffer simulator cannot
+ * read a host pointer). */
+dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op) {
+  void *buf = d->flags;
+  if (n > (size_t)d->np + 1) DOPT_TRY(DEV(d)->alloc(DCTX(d), n * sizeof *h, &buf));
+  dopt_status s = DEV(d)->upload(DCTX(d), buf, h, n * sizeof *h);
+  if (s == DOPT_OK) s = d->tp.ops->all_reduce(d->tp.comm, buf, buf, n, DOPT_I64, op);
+  if (s == DOPT_OK) s = d->dp.ops->all_reduce(d->dp.comm, buf, buf, n, DOPT_I64, op);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, n * sizeof *h);
+  if (buf != (void *)d->flags) DEV(d)->free(DCTX(d), buf);
+  return s;
 }
+
+dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n) { return dd_world_reduce(d, h, n, DOPT_MAX); }
 
 /* One MAX over the world (tp, then dp) of {non-finite count, has[0..np)}:
  * whether any rank saw a non-finite averaged gradient, and which parameters
