@@ -674,32 +674,23 @@ const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param) {
   return NULL;
 }
 
-void vr_piece_put(const vr_piece *pc, const void *src, float *param) {
-  const unsigned char *b = src; /* may be unaligned (a safetensors tensor's bytes) */
-  if (pc->bdim < 0) {
-    memcpy(param + pc->lo, b, (size_t)pc->len * sizeof(float));
-    return;
-  }
-  for (int64_t j = 0; j < pc->len;) { /* runs of the inner dimensions' elements, contiguous on both sides */
-    const int64_t at = vr_piece_elem(pc, j), run = pc->inner - (pc->lo + j) % pc->inner;
+/* Copies piece pc's elements from src to dst, one of them the parameter's flat array (to_param: dst) and the
+ * other the piece's own (maybe unaligned: a safetensors tensor's bytes); in runs of the inner dimensions'
+ * elements, contiguous on both sides (one run: a flat range). */
+static void piece_copy(const vr_piece *pc, void *dst, const void *src, int to_param) {
+  unsigned char *d = dst;
+  const unsigned char *s = src;
+  for (int64_t j = 0; j < pc->len;) {
+    const int64_t run = pc->bdim < 0 ? pc->len - j : pc->inner - (pc->lo + j) % pc->inner;
     const int64_t n = run < pc->len - j ? run : pc->len - j;
-    memcpy(param + at, b + (size_t)j * sizeof(float), (size_t)n * sizeof(float));
+    const size_t at = (size_t)vr_piece_elem(pc, j) * sizeof(float), own = (size_t)j * sizeof(float);
+    memcpy(d + (to_param ? at : own), s + (to_param ? own : at), (size_t)n * sizeof(float));
     j += n;
   }
 }
 
-void vr_piece_get(const vr_piece *pc, const float *param, float *dst) {
-  if (pc->bdim < 0) {
-    memcpy(dst, param + pc->lo, (size_t)pc->len * sizeof *dst);
-    return;
-  }
-  for (int64_t j = 0; j < pc->len;) {
-    const int64_t at = vr_piece_elem(pc, j), run = pc->inner - (pc->lo + j) % pc->inner;
-    const int64_t n = run < pc->len - j ? run : pc->len - j;
-    memcpy(dst + j, param + at, (size_t)n * sizeof *dst);
-    j += n;
-  }
-}
+void vr_piece_put(const vr_piece *pc, const void *src, float *param) { piece_copy(pc, param, src, 1); }
+void vr_piece_get(const vr_piece *pc, const float *param, float *dst) { piece_copy(pc, dst, param, 0); }
 
 void vr_piece_text(const vr_piece *pc, char *buf, size_t cap) {
   if (pc->bdim < 0) snprintf(buf, cap, "[%lld, %lld)", (long long)pc->lo, (long long)(pc->lo + pc->len));
