@@ -198,6 +198,16 @@ def _prod_dims(shape):
     return n
 
 
+def _block_numel(shape, blk):
+    """The elements of a tensor-parallel block {"dim", "lo", "len"} of a tensor of `shape`."""
+    return _prod_dims(shape) // int(shape[int(blk["dim"])]) * int(blk["len"]) if shape else 1
+
+
+def _sha256(t):
+    """The SHA-256 of a contiguous CPU tensor's bytes (a gradient digest, 32 bytes)."""
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).digest()
+
+
 class Recorder:
     """What record() returns: a context manager; close() flushes, writes the final index and restores `step`."""
 
@@ -284,18 +294,15 @@ class Recorder:
                 for sp in specs:  # a list: a flat buffer spanning several tensors, each piece at its offset "at"
                     gname, gshape = str(sp["param"]), [int(s) for s in sp["shape"]]
                     lo = int(sp.get("lo", 0))
-                    numel = 1
-                    for s in gshape:
-                        numel *= s
                     blk = sp.get("block")
-                    extent = numel
+                    extent = _prod_dims(gshape)
                     if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
                         blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
                         if not (0 <= blk["dim"] < len(gshape) and 0 <= blk["lo"] and blk["len"] >= 1
                                 and blk["lo"] + blk["len"] <= gshape[blk["dim"]]):
                             raise ValueError(f"distopt.record: layout of {gname}: block {blk} is outside its shape "
                                              f"{gshape}")
-                        extent = numel // gshape[blk["dim"]] * blk["len"]
+                        extent = _block_numel(gshape, blk)
                     at = int(sp["at"]) if isinstance(spec, (list, tuple)) else None
                     ln = int(sp["len"]) if at is not None else p.numel()
                     if at is not None and (at < 0 or ln < 1 or at + ln > p.numel()):
@@ -439,16 +446,18 @@ class Recorder:
     def _grads(self):
         """The pieces' gradients [(name, tensor)], and with grad_agree the digests of every whole gradient this
         rank holds (grad_agree/<t>/<p>, filled in by _grad_tensors)."""
-        out = []
+        out, copied = [], {}  # copied: id(local tensor) -> its whole gradient's copy
         for pc in self.pieces:
             p, n = pc[0], pc[1]
             if p.grad is not None:
                 out.append((n, _f32(_local(pc, p.grad), f"the gradient of {n}")))
+                if pc[7] is None:
+                    copied[id(p)] = out[-1][1]
         agree = []
         for p, n in self.agree if self.grad_agree else ():
             if p.grad is not None:
-                g = _f32(p.grad, f"the gradient of {n}")
-                agree.append((n, hashlib.sha256(g.contiguous().numpy().tobytes()).digest()))
+                g = copied.get(id(p))
+                agree.append((n, _sha256(g if g is not None else _f32(p.grad, f"the gradient of {n}"))))
         return out, agree
 
     def _grad_tensors(self, t, both):
@@ -465,7 +474,7 @@ class Recorder:
         if self.grad_steps is not None and not self.grad_steps(t):
             out = []
             for n, g in grads:
-                d = hashlib.sha256(g.numpy().tobytes()).digest()
+                d = _sha256(g)
                 out.append((f"grad_digest/{t}/{n}", torch.tensor(list(d), dtype=torch.uint8)))
             return out
         if self.grad_dtype == "bf16":

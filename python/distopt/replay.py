@@ -26,7 +26,7 @@ import tempfile
 
 from . import _upstream
 from ._safetensors import read_torch
-from .record import KIND, SCHEMA_VERSION, _torch_info, _write_json_atomic
+from .record import KIND, SCHEMA_VERSION, _block_numel, _prod_dims, _torch_info, _write_json_atomic
 from ._safetensors import write as _write_safetensors
 from .verify import run_verify
 
@@ -62,7 +62,7 @@ class _Recording:
         self.start, self.steps = int(ix.get("start_step", 0)), int(ix["steps"])
         self.every = int(ix["record"]["every"])
         self.params = ix["params"]
-        self.numel = {p["name"]: _prod(p["shape"]) for p in self.params}
+        self.numel = {p["name"]: _prod_dims(p["shape"]) for p in self.params}
         self.shape = {p["name"]: [int(d) for d in p["shape"]] for p in self.params}
         self.pieces = {}  # name -> [(rank, lo, len, states, block)] in rank order
         for r, rk in enumerate(ix["ranks"]):
@@ -158,11 +158,6 @@ class _Recording:
         return t == self.start or (rec.get("params") and rec.get("states") and t % self.every == 0)
 
 
-def _block_numel(shape, blk):
-    """The elements of a tensor-parallel block {"dim", "lo", "len"} of a tensor of `shape`."""
-    return _prod(shape) // int(shape[int(blk["dim"])]) * int(blk["len"]) if shape else 1
-
-
 def _block_key(blk):
     return (-1, 0, 0) if blk is None else (int(blk["dim"]), int(blk["lo"]), int(blk["len"]))
 
@@ -174,16 +169,9 @@ def _piece_index(shape, lo, ln, blk):
     if blk is None:
         return torch.arange(lo, lo + ln)
     d = int(blk["dim"])
-    outer, inner = _prod(shape[:d]), _prod(shape[d + 1:])
-    idx = torch.arange(_prod(shape)).reshape(outer, int(shape[d]), inner)
+    outer, inner = _prod_dims(shape[:d]), _prod_dims(shape[d + 1:])
+    idx = torch.arange(_prod_dims(shape)).reshape(outer, int(shape[d]), inner)
     return idx[:, int(blk["lo"]):int(blk["lo"]) + int(blk["len"]), :].reshape(-1)[lo:lo + ln]
-
-
-def _prod(shape):
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _set_change(group, name, key, value):
