@@ -631,22 +631,28 @@ static double sin_theta(const float *Q, size_t ldq, const float *P, size_t rows,
  * (0 or 1). A statistic events(galore.refreshes) per parameter that ever refreshed on either side: the
  * difference of the counts, bound 0. */
 
-/* Whether the recording holds a projector of parameter p at step t; *owner: the rank that does. */
-static int recorded_refresh(vctx *c, int p, long t, int *owner) {
+/* The recorded projector `which` ("projector", "projector_left", ...) of parameter p at step t: its elements
+ * (*numel) on the first rank holding a piece of p that has it (*owner), or NULL. key[cap]: its tensor name. */
+static const void *recorded_projector(vctx *c, int p, long t, const char *which, int *owner, size_t *numel, char *key,
+                                      size_t cap) {
   const vr_index *ix = &c->rd.ix;
-  static const char *const keys[2] = {"projector", "projector_left"};
-  for (int k = 0; k < 2; k++) {
-    char key[VR_MAX_NAME + 128];
-    snprintf(key, sizeof key, "proj/%ld/%s/%s", t, ix->params[p].name, keys[k]);
-    for (int rk = 0; rk < ix->world_size; rk++) {
-      size_t numel = 0;
-      if (vr_rank_piece(ix, rk, p) && vr_reader_f32(&c->rd, rk, t, key, &numel)) {
-        *owner = rk;
-        return 1;
-      }
+  snprintf(key, cap, "proj/%ld/%s/%s", t, ix->params[p].name, which);
+  for (int rk = 0; rk < ix->world_size; rk++) {
+    const void *x = vr_rank_piece(ix, rk, p) ? vr_reader_f32(&c->rd, rk, t, key, numel) : NULL;
+    if (x) {
+      *owner = rk;
+      return x;
     }
   }
-  return 0;
+  return NULL;
+}
+
+/* Whether the recording holds a projector of parameter p at step t (its refresh); *owner: the rank that does. */
+static int recorded_refresh(vctx *c, int p, long t, int *owner) {
+  char key[VR_MAX_NAME + 128];
+  size_t numel;
+  return recorded_projector(c, p, t, "projector", owner, &numel, key, sizeof key) ||
+         recorded_projector(c, p, t, "projector_left", owner, &numel, key, sizeof key);
 }
 
 static int check_refreshes(vctx *c, long t) {
@@ -691,10 +697,8 @@ static int proj_hook(void *user, int param, int64_t step, const float *grad, int
   for (int side = 0; side < 2; side++) {
     if (!(side ? right : left)) continue;
     char key[VR_MAX_NAME + 128];
-    snprintf(key, sizeof key, "proj/%lld/%s/%s", (long long)step, pn, keys[side]);
     size_t numel = 0;
-    for (int rk = 0; rk < ix->world_size && !rec[side]; rk++)
-      if (vr_rank_piece(ix, rk, param) && (rec[side] = vr_reader_f32(&c->rd, rk, (long)step, key, &numel))) owner = rk;
+    rec[side] = recorded_projector(c, param, (long)step, keys[side], &owner, &numel, key, sizeof key);
     if (!rec[side]) {
       c->proj_none++;
       return 0; /* not recorded at this step: our own SVD */

@@ -960,8 +960,7 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   }
   free(todo);
   for (int k = 0; k < o->nitems; k++) dopt_counts_merge(o->params[o->items[k].param].cnt_last, o->items[k].counts);
-  for (int i = 0; i < o->nparams; i++)
-    for (int c = 0; c < DOPT_NCOUNTERS; c++) o->params[i].cnt_total[c] += o->params[i].cnt_last[c];
+  for (int i = 0; i < o->nparams; i++) dopt_counts_add(o->params[i].cnt_total, o->params[i].cnt_last);
   if (s == DOPT_OK) o->gstep++;
   return s;
 }

@@ -160,6 +160,11 @@ static inline void dopt_counts_merge(int64_t *into, const int64_t *piece) {
     into[c] = dopt_counter_scope(c) == DOPT_COUNT_SUM ? into[c] + piece[c] : (piece[c] > into[c] ? piece[c] : into[c]);
 }
 
+/* A step's counts into the totals. */
+static inline void dopt_counts_add(int64_t *total, const int64_t *step) {
+  for (int c = 0; c < DOPT_NCOUNTERS; c++) total[c] += step[c];
+}
+
 /* DOPT_EVENT_* flags of a step's counts; an out struct filled from a parameter's counts (checks size and
  * version). */
 unsigned dopt__counts_events(const int64_t *counts);

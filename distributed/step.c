@@ -290,8 +290,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) DOPT_TRY(gather_weights(d));
   /* owner mode: every rank receives its pieces' new values (no working-copy update, no all-gather) */
   if (d->nowned) DOPT_TRY(dd_owner_steps(d));
-  for (int i = 0; i < d->np; i++)
-    for (int c = 0; c < DOPT_NCOUNTERS; c++) d->p[i].cnt_total[c] += d->p[i].cnt_last[c];
+  for (int i = 0; i < d->np; i++) dopt_counts_add(d->p[i].cnt_total, d->p[i].cnt_last);
   if (info) *info = local;
   d->micro = 0; /* the next backward overwrites the accumulators */
   return DOPT_OK;
