@@ -111,7 +111,7 @@ static const verify_tol *find_tol(const char *name) {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 3              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows */
+#define VR_JSON_SCHEMA 4              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert */
 
 typedef struct vstat {
   int rank, param;
@@ -189,7 +189,7 @@ static void usage(FILE *f) {
         "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
         "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 3); --plot FILE.svg: error vs step per tensor.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 4); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -926,7 +926,7 @@ static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64
       *len = pc->states[i].len;
       return 0;
     }
-  if (pc->bdim < 0 && pc->lo == 0 && pc->len == vp->numel) { /* the whole parameter: the whole state */
+  if (pc->lp.block_dim < 0 && pc->lo == 0 && pc->len == vp->numel) { /* the whole parameter: the whole state */
     *lo = 0;
     *len = n;
     return 0;
@@ -934,7 +934,7 @@ static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64
   if (n == vp->numel) { /* elementwise */
     *lo = pc->lo;
     *len = pc->len;
-    *mapped = pc->bdim >= 0;
+    *mapped = pc->lp.block_dim >= 0;
     return 0;
   }
   return -1;
@@ -1051,7 +1051,7 @@ static int compare_step(vctx *c, long t) {
         int mapped;
         if (state_range(c, pc, s->key, n, &lo, &len, &mapped)) {
           char el[96];
-          vr_piece_text(pc, el, sizeof el);
+          dopt_layout_piece_text(&pc->lp, el, sizeof el);
           return cli_errorf(CMD, "%s: rank %d records state '%s' of '%s' for elements %s of the parameter but "
                                  "declares no range of the state (ranks[%d].pieces[].states)",
                             c->rd.index_path, r, s->key, vp->name, el, r);
@@ -1076,11 +1076,11 @@ static int compare_step(vctx *c, long t) {
         const float *ref = ref_param(c, pc->param, t);
         if (!ref)
           return cli_errorf(CMD, "--reference %s: no '%s' (the recording compares it)", c->ref.index_path, key);
-        if (pc->bdim >= 0) { /* a block: its elements gathered */
+        if (pc->lp.block_dim >= 0) { /* a block: its elements gathered */
           vr_piece_get(pc, ref, c->gath);
           ref = c->gath;
         }
-        double rel = compare_f32(s, rec.data, pc->bdim >= 0 ? ref : ref + pc->lo, (size_t)pc->len);
+        double rel = compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lo, (size_t)pc->len);
         record_result(c, pk->stat[0], t, rel, c->tol_param);
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
@@ -1203,12 +1203,16 @@ static void stat_name(const vctx *c, const vstat *s, char *buf, size_t cap) {
 
 static void piece_text(const vctx *c, const vstat *s, char *buf, size_t cap) {
   const vr_param *vp = &c->rd.ix.params[s->param];
-  if (s->pc->bdim < 0 && s->pc->lo == 0 && s->pc->len == vp->numel) snprintf(buf, cap, "whole");
-  else if (s->pc->bdim < 0) snprintf(buf, cap, "[%lld,%lld)", (long long)s->pc->lo, (long long)(s->pc->lo + s->pc->len));
-  else if (s->pc->lo == 0 && s->pc->len == s->pc->outer * s->pc->blen * s->pc->inner)
-    snprintf(buf, cap, "d%d[%lld,%lld)", s->pc->bdim, (long long)s->pc->blo, (long long)(s->pc->blo + s->pc->blen));
-  else snprintf(buf, cap, "d%d[%lld,%lld)[%lld,%lld)", s->pc->bdim, (long long)s->pc->blo,
-                (long long)(s->pc->blo + s->pc->blen), (long long)s->pc->lo, (long long)(s->pc->lo + s->pc->len));
+  const dopt_layout_piece *lp = &s->pc->lp;
+  int k;
+  if (lp->block_dim < 0 && lp->lo == 0 && lp->len == vp->numel) k = snprintf(buf, cap, "whole");
+  else if (lp->block_dim < 0) k = snprintf(buf, cap, "[%lld,%lld)", (long long)lp->lo, (long long)(lp->lo + lp->len));
+  else if (lp->lo == 0 && lp->len == dopt_layout_piece_extent(vp->ndim, vp->shape, lp))
+    k = snprintf(buf, cap, "d%d[%lld,%lld)", lp->block_dim, (long long)lp->block_lo, (long long)(lp->block_lo + lp->block_len));
+  else k = snprintf(buf, cap, "d%d[%lld,%lld)[%lld,%lld)", lp->block_dim, (long long)lp->block_lo,
+                    (long long)(lp->block_lo + lp->block_len), (long long)lp->lo, (long long)(lp->lo + lp->len));
+  if (k >= 0 && (size_t)k < cap && lp->stage >= 0) k += snprintf(buf + k, cap - (size_t)k, " s%d", lp->stage);
+  if (k >= 0 && (size_t)k < cap && lp->expert >= 0) snprintf(buf + k, cap - (size_t)k, " e%d", lp->expert);
 }
 
 static int text_width(const char *s) {
@@ -1259,7 +1263,7 @@ static void print_table(const vctx *c) {
          strncmp(c->tol_source, "declared", 8) == 0 ? ix->optimizer : "");
   int *order = row_order(c);
   int namew = 6;
-  char name[VR_MAX_NAME + VR_MAX_KEY + 2], piece[64];
+  char name[VR_MAX_NAME + VR_MAX_KEY + 2], piece[128];
   for (int i = 0; i < c->nst; i++) {
     stat_name(c, &c->st[i], name, sizeof name);
     int w = text_width(name) + (c->st[i].key[0] ? 2 : 0);
@@ -1387,14 +1391,16 @@ static int json_body(FILE *f, const void *ctx) {
     cJSON_AddNumberToObject(o, "rank", s->rank);
     cJSON_AddNumberToObject(o, "lo", (double)s->pc->lo);
     cJSON_AddNumberToObject(o, "len", (double)s->pc->len);
-    if (s->pc->bdim >= 0) {
+    if (s->pc->lp.block_dim >= 0) {
       cJSON *bj = cJSON_AddObjectToObject(o, "block");
       if (bj) {
-        cJSON_AddNumberToObject(bj, "dim", s->pc->bdim);
-        cJSON_AddNumberToObject(bj, "lo", (double)s->pc->blo);
-        cJSON_AddNumberToObject(bj, "len", (double)s->pc->blen);
+        cJSON_AddNumberToObject(bj, "dim", s->pc->lp.block_dim);
+        cJSON_AddNumberToObject(bj, "lo", (double)s->pc->lp.block_lo);
+        cJSON_AddNumberToObject(bj, "len", (double)s->pc->lp.block_len);
       }
     }
+    if (s->pc->lp.stage >= 0) cJSON_AddNumberToObject(o, "stage", s->pc->lp.stage);
+    if (s->pc->lp.expert >= 0) cJSON_AddNumberToObject(o, "expert", s->pc->lp.expert);
     cJSON_AddBoolToObject(o, "compared", !s->no_ref);
     cJSON_AddNumberToObject(o, "max_abs", s->max_abs);
     cJSON_AddNumberToObject(o, "max_ulp", (double)s->max_ulp); /* above 2^53 rounded; UINT64_MAX: NaN vs number */

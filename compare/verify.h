@@ -13,9 +13,10 @@
 #include <stdint.h>
 
 #include "distopt/dtype.h"
+#include "distopt/layout.h"
 #include "distopt/safetensors.h"
 
-#define VR_SCHEMA_VERSION 3     /* the newest this distopt writes and reads */
+#define VR_SCHEMA_VERSION 4     /* the newest this distopt writes and reads */
 #define VR_SCHEMA_OLDEST 1      /* schema 1 (no window, F32 gradients, no projectors) still reads */
 #define VR_KIND "distopt-record"
 
@@ -40,36 +41,28 @@ typedef struct vr_state_range {
   int64_t lo, len; /* flat range of the reference's state tensor */
 } vr_state_range;
 
-/* What one rank's recorded tensors of one parameter are: the flat elements
- * [lo, lo + len) of the parameter (and of its gradient); state ranges as
- * declared (elementwise states default to [lo, lo + len), others to the whole
- * state when the piece is the whole parameter). */
+/* What one rank's recorded tensors of one parameter are: the parameter's piece in the layout description
+ * (distopt/layout.h: schema 3 adds a tensor-parallel block, schema 4 the pipeline stage and expert id), whose
+ * flat range lo, len is copied here; state ranges as declared (elementwise states default to the piece's
+ * elements, others to the whole state when the piece is the whole parameter). */
 typedef struct vr_piece {
   int param;
-  int64_t lo, len;
-  int source;      /* 1: this piece supplies the initial value and gradient of its elements */
+  int64_t lo, len;  /* lp.lo, lp.len */
+  int source;       /* 1: this piece supplies the initial value and gradient of its elements */
   int nstates;
   vr_state_range states[VR_MAX_PIECE_STATES];
-  /* schema 3: a tensor-parallel block, the indices [blo, blo + blen) of dimension bdim (-1: none, the flat
-   * range is the parameter's); lo, len are then a flat range of the block ([outer, blen, inner] row-major,
-   * the parameter seen as [outer, dimlen, inner]). vlo: the range's start in the block-major order of the
-   * parameter (the blocks one after the other by blo), where the pieces of one parameter tile [0, numel). */
-  int bdim;
-  int64_t blo, blen, outer, inner, dimlen, vlo;
+  dopt_layout_piece lp;
+  int ndim;              /* the parameter's shape (ix->params[param]) */
+  const int64_t *shape;
 } vr_piece;
 
 /* The parameter's flat index of element j (0 <= j < len) of piece pc. */
 static inline int64_t vr_piece_elem(const vr_piece *pc, int64_t j) {
-  const int64_t e = pc->lo + j;
-  if (pc->bdim < 0) return e;
-  const int64_t span = pc->blen * pc->inner, o = e / span, rem = e % span;
-  return (o * pc->dimlen + pc->blo + rem / pc->inner) * pc->inner + rem % pc->inner;
+  return pc->lp.block_dim < 0 ? pc->lo + j : dopt_layout_piece_elem(pc->ndim, pc->shape, &pc->lp, j);
 }
 /* Piece pc's len elements src[] to their places in the parameter's flat array (put), or from them (get). */
 void vr_piece_put(const vr_piece *pc, const void *src, float *param);
 void vr_piece_get(const vr_piece *pc, const float *param, float *dst);
-/* "[lo,hi)" or, for a block, "dim D [blo,bhi) [lo,hi)" (a flat range of the block), into buf. */
-void vr_piece_text(const vr_piece *pc, char *buf, size_t cap);
 
 typedef struct vr_file {
   char path[VR_MAX_PATH + 1];
@@ -125,6 +118,8 @@ typedef struct vr_index {
   int projectors;         /* record.projectors: GaLore projectors as proj/<t>/<p>/<key> at refresh steps */
   int grad_agree;         /* record.grad_agree (schema 3): every rank's whole gradient of every parameter it has one
                              of, as grad_agree/<t>/<p> (SHA-256, 32 U8), whether or not it holds a piece */
+  int stages;             /* schema 4: pipeline stages (0: not pipelined); every piece then names its stage */
+  int experts;            /* schema 4: experts (0: none); a piece's expert id is below it */
   long nchanges;
   vr_change *changes;     /* by step */
   int *by_name;           /* [nparams] parameter indices sorted by name (vr_index_find_param) */

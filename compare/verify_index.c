@@ -243,7 +243,7 @@ static int parse_groups(vctx *c, const cJSON *arr, vr_index *ix) {
 }
 
 /* A piece's tensor-parallel block (schema 3): {"dim", "lo", "len"}, the indices [lo, lo + len) of dimension
- * dim; its geometry in pc. */
+ * dim, into pc->lp. */
 static int parse_block(vctx *c, const cJSON *bj, const char *base, const vr_param *p, vr_piece *pc) {
   static const char *const keys[] = {"dim", "lo", "len", NULL};
   char path[200];
@@ -257,27 +257,47 @@ static int parse_block(vctx *c, const cJSON *bj, const char *base, const vr_para
   if (get_int(c, member(bj, "lo"), path, 0, dl - 1, &lo)) return -1;
   snprintf(path, sizeof path, "%s.block.len", base);
   if (get_int(c, member(bj, "len"), path, 1, dl - lo, &len)) return -1;
-  pc->bdim = (int)dim, pc->blo = lo, pc->blen = len, pc->dimlen = dl, pc->outer = 1, pc->inner = 1;
-  for (int d = 0; d < p->ndim; d++) {
-    if (d < dim) pc->outer *= p->shape[d];
-    if (d > dim) pc->inner *= p->shape[d];
-  }
+  pc->lp.block_dim = (int)dim, pc->lp.block_lo = lo, pc->lp.block_len = len;
+  return 0;
+}
+
+/* A piece's stage (schema 4) below ix->stages, its expert below ix->experts. */
+static int parse_place(vctx *c, const cJSON *it, const char *base, const vr_index *ix, vr_piece *pc) {
+  char path[200];
+  long long v;
+  const cJSON *sj = member(it, "stage"), *ej = member(it, "expert");
+  snprintf(path, sizeof path, "%s.stage", base);
+  if (ix->stages && !sj) return fail(c, "%s: missing (stages is %d: every piece names its stage)", path, ix->stages);
+  if (sj && !ix->stages) return fail(c, "%s: given but the recording has no stages", path);
+  if (sj && get_int(c, sj, path, 0, ix->stages - 1, &v)) return -1;
+  pc->lp.stage = sj ? (int)v : -1;
+  snprintf(path, sizeof path, "%s.expert", base);
+  if (ej && !ix->experts) return fail(c, "%s: given but the recording has no experts", path);
+  if (ej && get_int(c, ej, path, 0, ix->experts - 1, &v)) return -1;
+  pc->lp.expert = ej ? (int)v : -1;
   return 0;
 }
 
 static int parse_piece(vctx *c, const cJSON *it, const char *base, vr_index *ix, const vr_lookup *lk, vr_piece *pc) {
   static const char *const keys2[] = {"param", "lo", "len", "states", NULL};
   static const char *const keys3[] = {"param", "block", "lo", "len", "states", NULL};
+  static const char *const keys4[] = {"param", "block", "lo", "len", "states", "stage", "expert", NULL};
   char path[160], name[VR_MAX_NAME + 1], b[96];
-  if (get_object(c, it, base) || check_keys(c, it, base, ix->schema_version >= 3 ? keys3 : keys2)) return -1;
+  if (get_object(c, it, base) ||
+      check_keys(c, it, base, ix->schema_version >= 4 ? keys4 : ix->schema_version >= 3 ? keys3 : keys2))
+    return -1;
   snprintf(path, sizeof path, "%s.param", base);
   if (get_str(c, member(it, "param"), path, VR_MAX_NAME, name)) return -1;
   pc->param = lookup(ix, lk, name);
   if (pc->param < 0) return fail(c, "%s: %s is not in params", path, shown(name, b, sizeof b));
   const vr_param *p = &ix->params[pc->param];
-  pc->bdim = -1;
+  const dopt_layout_piece init = DOPT_LAYOUT_PIECE_INIT;
+  pc->lp = init;
+  pc->ndim = p->ndim;
+  pc->shape = p->shape;
   if (member(it, "block") && parse_block(c, member(it, "block"), base, p, pc)) return -1;
-  const int64_t extent = pc->bdim >= 0 ? pc->outer * pc->blen * pc->inner : p->numel; /* the block's elements */
+  if (parse_place(c, it, base, ix, pc)) return -1;
+  const int64_t extent = dopt_layout_piece_extent(p->ndim, p->shape, &pc->lp); /* the block's elements */
   long long lo = 0, len = extent;
   const cJSON *jlo = member(it, "lo"), *jlen = member(it, "len");
   snprintf(path, sizeof path, "%s.lo", base);
@@ -286,9 +306,8 @@ static int parse_piece(vctx *c, const cJSON *it, const char *base, vr_index *ix,
     snprintf(path, sizeof path, "%s.len", base);
     if (get_int(c, jlen, path, 1, extent - lo, &len)) return -1;
   }
-  pc->lo = lo;
-  pc->len = len;
-  pc->vlo = pc->bdim >= 0 ? pc->outer * pc->blo * pc->inner + lo : lo;
+  pc->lo = pc->lp.lo = lo;
+  pc->len = pc->lp.len = len;
   const cJSON *st = member(it, "states");
   if (!st) return 0;
   snprintf(path, sizeof path, "%s.states", base);
@@ -354,81 +373,41 @@ static int parse_files(vctx *c, const cJSON *arr, const char *base, vr_rank *rk,
   return 0;
 }
 
-typedef struct piece_ref {
-  int param, rank;
-  int64_t lo, len;
-  vr_piece *pc;
-} piece_ref;
-
-static int cmp_piece_ref(const void *a, const void *b) {
-  const piece_ref *x = a, *y = b;
-  if (x->param != y->param) return x->param < y->param ? -1 : 1;
-  if (x->lo != y->lo) return x->lo < y->lo ? -1 : 1;
-  if (x->len != y->len) return x->len < y->len ? -1 : 1;
-  return x->rank < y->rank ? -1 : x->rank > y->rank;
-}
-
-/* Every parameter's elements covered: distinct ranges tile [0, numel) in block-major order (the blocks of one
- * dimension, a parameter's pieces all blocks of the same one or whole-tensor ranges); identical ranges of
- * several ranks are replicas (the lowest rank's is the source); partial overlaps are rejected. */
+/* Every parameter's pieces obey the layout rule (dopt_layout_cover: one block dimension, disjoint or identical,
+ * covering, one stage, one expert); the lowest rank's copy of each distinct range is its source. */
 static int check_coverage(vctx *c, vr_index *ix, long npieces) {
-  piece_ref *all = malloc((size_t)(npieces > 0 ? npieces : 1) * sizeof *all);
-  if (!all) return fail(c, "ranks: out of memory for %ld pieces", npieces);
-  long k = 0;
-  for (int r = 0; r < ix->world_size; r++)
+  dopt_layout_piece *lps = malloc((size_t)(npieces > 0 ? npieces : 1) * sizeof *lps);
+  int *ranks = malloc((size_t)(npieces > 0 ? npieces : 1) * sizeof *ranks);
+  int *src = malloc((size_t)(npieces > 0 ? npieces : 1) * sizeof *src);
+  vr_piece **at = malloc((size_t)(npieces > 0 ? npieces : 1) * sizeof *at);
+  long *first = calloc((size_t)ix->nparams + 1, sizeof *first);
+  int rc = 0;
+  if (!lps || !ranks || !src || !at || !first) rc = fail(c, "ranks: out of memory for %ld pieces", npieces);
+  /* the pieces grouped by parameter (a counting sort), each group by rank */
+  for (int r = 0; rc == 0 && r < ix->world_size; r++)
+    for (int i = 0; i < ix->ranks[r].npieces; i++) first[ix->ranks[r].pieces[i].param + 1]++;
+  for (int p = 0; rc == 0 && p < ix->nparams; p++) first[p + 1] += first[p];
+  for (int r = 0; rc == 0 && r < ix->world_size; r++)
     for (int i = 0; i < ix->ranks[r].npieces; i++) {
       vr_piece *pc = &ix->ranks[r].pieces[i];
-      all[k++] = (piece_ref){pc->param, r, pc->vlo, pc->len, pc};
+      const long k = first[pc->param]++;
+      lps[k] = pc->lp, ranks[k] = r, at[k] = pc;
     }
-  qsort(all, (size_t)k, sizeof *all, cmp_piece_ref);
-  int rc = 0;
-  long i = 0;
-  char b[96], da[96], db[96];
-  /* one block dimension per parameter; flat ranges of the whole tensor mix only with blocks of dimension 0
-   * (whose block-major order is the tensor's own) */
-  for (long j = 0, blk = -1, flat = -1; j < k && rc == 0; j++) {
-    if (j == 0 || all[j].param != all[j - 1].param) blk = flat = -1;
-    if (all[j].pc->bdim < 0) flat = flat < 0 ? j : flat;
-    else if (blk < 0) blk = j;
-    if (blk >= 0 && all[j].pc->bdim >= 0 && all[j].pc->bdim != all[blk].pc->bdim)
-      rc = fail(c, "ranks: parameter %s: rank %d's piece is a block of dimension %d, rank %d's of dimension %d (one "
-                   "dimension per parameter)", shown(ix->params[all[j].param].name, b, sizeof b), all[j].rank,
-                all[j].pc->bdim, all[blk].rank, all[blk].pc->bdim);
-    else if (blk >= 0 && flat >= 0 && all[blk].pc->bdim != 0)
-      rc = fail(c, "ranks: parameter %s: rank %d's piece is a block of dimension %d, rank %d's a flat range of the "
-                   "whole tensor (give it as a block too)", shown(ix->params[all[j].param].name, b, sizeof b),
-                all[blk].rank, all[blk].pc->bdim, all[flat].rank);
-  }
-  if (rc) {
-    free(all);
-    return rc;
-  }
-  for (int p = 0; p < ix->nparams && rc == 0; p++) {
-    int64_t end = 0;
-    long prev = -1;
-    for (; i < k && all[i].param == p; i++) {
-      if (prev >= 0 && all[prev].lo == all[i].lo && all[prev].len == all[i].len) continue; /* a replica */
-      if (all[i].lo != end) {
-        if (all[i].lo > end) break; /* a gap: reported below */
-        vr_piece_text(all[i].pc, da, sizeof da);
-        vr_piece_text(all[prev].pc, db, sizeof db);
-        rc = fail(c, "ranks: parameter %s: rank %d's elements %s overlap rank %d's %s partially "
-                     "(pieces of a parameter are disjoint or identical)",
-                  shown(ix->params[p].name, b, sizeof b), all[i].rank, da, all[prev].rank, db);
-        break;
-      }
-      all[i].pc->source = 1;
-      end = all[i].lo + all[i].len;
-      prev = i;
+  for (long p = 0, k0 = 0; rc == 0 && p < ix->nparams; p++) { /* first[p] is now the end of p's group */
+    const vr_param *vp = &ix->params[p];
+    const size_t n = (size_t)(first[p] - k0);
+    if (dopt_layout_cover(vp->name, vp->ndim, vp->shape, lps + k0, ranks + k0, n, src + k0) != DOPT_OK) {
+      const char *m = dopt_last_error(), *colon = strchr(m, ':');
+      rc = fail(c, "ranks: %s", colon ? colon + 2 : m); /* the line without its status name */
     }
-    if (rc == 0 && end != ix->params[p].numel)
-      rc = fail(c, "ranks: parameter %s: elements [%lld, %lld)%s are recorded by no rank",
-                shown(ix->params[p].name, b, sizeof b), (long long)end,
-                (long long)(i < k && all[i].param == p ? all[i].lo : ix->params[p].numel),
-                prev >= 0 && all[prev].pc->bdim >= 0 ? " (in block-major order)" : "");
-    while (i < k && all[i].param == p) i++;
+    for (size_t j = 0; rc == 0 && j < n; j++) at[(size_t)k0 + j]->source = src[(size_t)k0 + j];
+    k0 = first[p];
   }
-  free(all);
+  free(lps);
+  free(ranks);
+  free(src);
+  free(at);
+  free(first);
   return rc;
 }
 
@@ -532,12 +511,16 @@ static int parse_changes(vctx *c, const cJSON *arr, vr_index *ix) {
 
 static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   /* schema 1's keys; schema 2 adds start_step, record.grads and record.projectors, and lets optimizer.name be null;
-   * schema 3 adds record.grad_agree */
+   * schema 3 adds record.grad_agree (and pieces their block); schema 4 stages and experts (and pieces their stage
+   * and expert) */
   static const char *const keys1[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
                                       "world_size", "record", "ranks", "steps", "complete", "hparam_changes", NULL};
   static const char *const keys2[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
                                       "world_size", "record", "ranks", "steps", "complete", "hparam_changes",
                                       "start_step", NULL};
+  static const char *const keys4[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
+                                      "world_size", "record", "ranks", "steps", "complete", "hparam_changes",
+                                      "start_step", "stages", "experts", NULL};
   static const char *const okeys[] = {"name", "upstream", NULL};
   static const char *const tkeys[] = {"version", "cpu_capability", "num_threads", NULL};
   static const char *const rkeys1[] = {"every", "params", "states", "flush_every", NULL};
@@ -554,7 +537,7 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
                 VR_SCHEMA_VERSION);
   ix->schema_version = (int)v;
   const int v2 = ix->schema_version >= 2;
-  if (check_keys(c, root, "(top level)", v2 ? keys2 : keys1)) return -1;
+  if (check_keys(c, root, "(top level)", ix->schema_version >= 4 ? keys4 : v2 ? keys2 : keys1)) return -1;
   const cJSON *kind = member(root, "kind");
   if (!kind || !cJSON_IsString(kind) || strcmp(kind->valuestring, VR_KIND) != 0)
     return fail(c, "kind: %s, expected \"%s\"", value_text(kind, b, sizeof b), VR_KIND);
@@ -605,6 +588,10 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   if (get_bool(c, member(root, "complete"), "complete", &ix->complete)) return -1;
   if (get_int(c, member(root, "world_size"), "world_size", 1, VR_MAX_RANKS, &v)) return -1;
   ix->world_size = (int)v;
+  if (member(root, "stages") && get_int(c, member(root, "stages"), "stages", 1, VR_MAX_RANKS, &v)) return -1;
+  ix->stages = member(root, "stages") ? (int)v : 0;
+  if (member(root, "experts") && get_int(c, member(root, "experts"), "experts", 1, VR_MAX_PARAMS, &v)) return -1;
+  ix->experts = member(root, "experts") ? (int)v : 0;
   if (parse_groups(c, member(root, "groups"), ix)) return -1;
   if (parse_params(c, member(root, "params"), ix)) return -1;
   lk->order = ix->by_name = malloc((size_t)ix->nparams * sizeof *lk->order);
@@ -680,8 +667,10 @@ const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param) {
 static void piece_copy(const vr_piece *pc, void *dst, const void *src, int to_param) {
   unsigned char *d = dst;
   const unsigned char *s = src;
+  int64_t inner = 1; /* the elements of one index of the block dimension */
+  for (int k = pc->lp.block_dim + 1; pc->lp.block_dim >= 0 && k < pc->ndim; k++) inner *= pc->shape[k];
   for (int64_t j = 0; j < pc->len;) {
-    const int64_t run = pc->bdim < 0 ? pc->len - j : pc->inner - (pc->lo + j) % pc->inner;
+    const int64_t run = pc->lp.block_dim < 0 ? pc->len - j : inner - (pc->lo + j) % inner;
     const int64_t n = run < pc->len - j ? run : pc->len - j;
     const size_t at = (size_t)vr_piece_elem(pc, j) * sizeof(float), own = (size_t)j * sizeof(float);
     memcpy(d + (to_param ? at : own), s + (to_param ? own : at), (size_t)n * sizeof(float));
@@ -691,9 +680,3 @@ static void piece_copy(const vr_piece *pc, void *dst, const void *src, int to_pa
 
 void vr_piece_put(const vr_piece *pc, const void *src, float *param) { piece_copy(pc, param, src, 1); }
 void vr_piece_get(const vr_piece *pc, const float *param, float *dst) { piece_copy(pc, dst, param, 0); }
-
-void vr_piece_text(const vr_piece *pc, char *buf, size_t cap) {
-  if (pc->bdim < 0) snprintf(buf, cap, "[%lld, %lld)", (long long)pc->lo, (long long)(pc->lo + pc->len));
-  else snprintf(buf, cap, "dim %d [%lld, %lld) [%lld, %lld)", pc->bdim, (long long)pc->blo,
-                (long long)(pc->blo + pc->blen), (long long)pc->lo, (long long)(pc->lo + pc->len));
-}

@@ -87,6 +87,22 @@ class OptimInfo(ctypes.Structure):  # dopt_optim_info
                 ("grid", ctypes.POINTER(ctypes.c_char_p)), ("grid_count", ctypes.c_int), ("grid_ci", ctypes.c_int)]
 
 
+LAYOUT_PIECE_VERSION = 1  # DOPT_LAYOUT_PIECE_VERSION (include/distopt/layout.h)
+
+
+class LayoutPiece(ctypes.Structure):  # dopt_layout_piece: one rank's piece of a parameter (docs/layout.md)
+    _fields_ = [("struct_size", ctypes.c_uint32), ("version", ctypes.c_uint32), ("block_dim", ctypes.c_int),
+                ("block_lo", ctypes.c_int64), ("block_len", ctypes.c_int64), ("lo", ctypes.c_int64),
+                ("len", ctypes.c_int64), ("stage", ctypes.c_int), ("expert", ctypes.c_int)]
+
+    @classmethod
+    def new(cls, block=None, lo=0, len=-1, stage=-1, expert=-1):  # noqa: A002 (the C field's name)
+        """DOPT_LAYOUT_PIECE_INIT with the given fields; block: {"dim", "lo", "len"} or None."""
+        b = block or {}
+        return cls(ctypes.sizeof(cls), LAYOUT_PIECE_VERSION, int(b.get("dim", -1)), int(b.get("lo", 0)),
+                   int(b.get("len", 0)), int(lo), int(len), int(stage), int(expert))
+
+
 def _find():
     env = os.environ.get("DISTOPT_LIBRARY")
     if env:
@@ -144,6 +160,10 @@ _PROTOTYPES = {
     "dopt_layer_from_name": (_I, [_S]),
     "dopt_optim_counters": (_I, [_P, _I, ctypes.POINTER(Counters)]),
     "dopt_counter_name": (_S, [_I]),
+    "dopt_layout_piece_check": (_I, [_I, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(LayoutPiece)]),
+    "dopt_layout_piece_extent": (ctypes.c_int64, [_I, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(LayoutPiece)]),
+    "dopt_layout_cover": (_I, [_S, _I, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(LayoutPiece),
+                               ctypes.POINTER(_I), ctypes.c_size_t, ctypes.POINTER(_I)]),
 }
 for _name, (_res, _args) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)

@@ -34,16 +34,20 @@ optimizer. Any other class is recorded as it is (optimizer.name null: distopt.re
 own optimizer), or under `name=` with `hparams=` (distopt keys, `distopt list`). start_step= records a window
 of a run under way (its states at the start first); grads="bf16" and grad_steps= shrink the gradients.
 """
+import collections
+import ctypes
 import hashlib
 import json
 import os
+import warnings
 
 from . import _core, _upstream
 from ._safetensors import write as _write_safetensors
 from ._safetensors import write_bytes as _write_bytes
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
-SCHEMA_VERSION = 3  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/ (docs/verify.md)
+SCHEMA_VERSION = 4  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/, blocks;
+#                    4: stages, experts (docs/verify.md)
 KIND = "distopt-record"
 
 __all__ = ["record", "Recorder", "verify"]
@@ -143,52 +147,81 @@ def _f32(t, what):
     return t.detach().to("cpu", copy=True).contiguous()
 
 
+# One local tensor's piece of a parameter: a flat range [lo, lo + len) of the parameter (block None) or of its
+# tensor-parallel block; extent: the elements of either; at: where its len elements start in the local tensor (None:
+# the local tensor is the piece); stage, expert: -1 for none (docs/layout.md).
+_Piece = collections.namedtuple("_Piece", "tensor name lo len states extent block at stage expert")
+
+
 def _local(pc, x):
     """A piece's elements of x, a tensor shaped as its local tensor (the value, the gradient, an elementwise
     state): x itself, or its flat elements [at, at + len) when the local tensor is a flat buffer."""
-    return x if pc[7] is None else x.reshape(-1)[pc[7]:pc[7] + pc[3]]
+    return x if pc.at is None else x.reshape(-1)[pc.at:pc.at + pc.len]
+
+
+def _lib_message(e):
+    """A library error's line without its status name."""
+    return e.message.split(": ", 1)[1] if ": " in e.message else e.message
+
+
+def _layout_piece(shape, block=None, lo=0, length=-1, stage=-1, expert=-1):
+    """The checked dopt_layout_piece (distopt/layout.h) of a piece of a parameter of `shape` (length -1: to the
+    end of the block), or ValueError with the library's one line."""
+    from . import _lib
+    lp = _lib.LayoutPiece.new(block, lo, length, stage, expert)
+    dims = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    try:
+        _lib.call(_lib.lib.dopt_layout_piece_check, len(shape), dims, ctypes.byref(lp))
+    except _lib.Error as e:
+        raise ValueError(_lib_message(e)) from None
+    return lp
 
 
 def _check_cover(params, everyone):
-    """Every parameter's pieces over all ranks disjoint or identical and covering it, in block-major order
-    (the blocks of one dimension one after the other; verify checks the same): else one ValueError line naming
-    the parameter, the ranks and the range."""
+    """Every parameter's pieces over all ranks obey the layout rule (dopt_layout_cover, the one verify applies:
+    one block dimension, disjoint or identical, covering, one stage, one expert): else one ValueError line
+    naming the parameter, the ranks and the ranges."""
+    from . import _lib
     pieces = {}
     for part in everyone:
         for pc in part["pieces"]:
             pieces.setdefault(pc["param"], []).append((part["rank"], pc))
     for prm in params:
-        name, shape = prm["name"], prm["shape"]
-        numel = _prod_dims(shape)
-        dims = {pc["block"]["dim"] for _, pc in pieces.get(name, []) if pc.get("block")}
-        flat = any(not pc.get("block") for _, pc in pieces.get(name, []))
-        if len(dims) > 1 or (dims and flat and dims != {0}):
-            raise ValueError(f"distopt.record: parameter {name}: its pieces are blocks of dimensions {sorted(dims)}"
-                             f"{' and flat ranges' if flat else ''} (one dimension per parameter, given as blocks)")
-        spans = []
-        for r, pc in pieces.get(name, []):
-            b = pc.get("block")
-            v = pc["lo"] + (_prod_dims(shape[:b["dim"]]) * b["lo"] * _prod_dims(shape[b["dim"] + 1:]) if b else 0)
-            spans.append((v, pc["len"], r, pc))
-        spans.sort(key=lambda q: (q[0], q[1], q[2]))
-        end, prev = 0, None
-        for v, ln, r, pc in spans:
-            if prev is not None and (v, ln) == (prev[0], prev[1]):
-                continue  # a replica
-            if v != end:
-                what = (f"rank {r}'s elements {_piece_text(pc)} overlap rank {prev[2]}'s {_piece_text(prev[3])} partially"
-                        if v < end else f"elements [{end}, {v}) are recorded by no rank")
-                raise ValueError(f"distopt.record: parameter {name}: {what} (pieces are disjoint or identical and cover "
-                                 f"the parameter)")
-            end, prev = v + ln, (v, ln, r, pc)
-        if end != numel:
-            raise ValueError(f"distopt.record: parameter {name}: elements [{end}, {numel}) are recorded by no rank")
+        got = pieces.get(prm["name"], [])
+        shape = [int(d) for d in prm["shape"]]
+        arr = (_lib.LayoutPiece * max(1, len(got)))(*[
+            _lib.LayoutPiece.new(pc.get("block"), pc["lo"], pc["len"], pc.get("stage", -1), pc.get("expert", -1))
+            for _, pc in got])
+        ranks = (ctypes.c_int * max(1, len(got)))(*[r for r, _ in got])
+        dims = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+        try:
+            _lib.call(_lib.lib.dopt_layout_cover, prm["name"].encode(), len(shape), dims, arr, ranks, len(got), None)
+        except _lib.Error as e:
+            raise ValueError(f"distopt.record: {_lib_message(e)}") from None
 
 
-def _piece_text(pc):
-    b = pc.get("block")
-    flat = f"[{pc['lo']}, {pc['lo'] + pc['len']})"
-    return flat if not b else f"dim {b['dim']} [{b['lo']}, {b['lo'] + b['len']}) {flat}"
+def _total(everyone, key, total_key, given, every_piece):
+    """The number of pipeline stages (key "stage") or experts ("expert") of the layout: `given` (stages=,
+    experts=: every id below it) or one more than the largest id; 0 when no piece names one. Stages: a
+    pipelined recording names every piece's. One ValueError line naming the rank, the parameter and the id."""
+    ids = [(part["rank"], pc["param"], pc.get(key, -1)) for part in everyone for pc in part["pieces"]]
+    named = [q for q in ids if q[2] >= 0]
+    if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
+        raise ValueError(f"distopt.record: {total_key}={given!r} must be an integer >= 1")
+    if every_piece and named and len(named) != len(ids):
+        r, n, _ = next(q for q in ids if q[2] < 0)
+        r2, n2, s2 = named[0]
+        raise ValueError(f"distopt.record: rank {r}'s piece of {n} names no {key} but rank {r2}'s piece of {n2} is on "
+                         f"{key} {s2} (a pipelined recording names every piece's {key})")
+    if given is None:
+        return 1 + max(q[2] for q in named) if named else 0
+    for r, n, v in named:
+        if v >= given:
+            raise ValueError(f"distopt.record: layout of {n} on rank {r}: {key} {v} is outside [0, {given}) "
+                             f"({total_key}={given})")
+    if not named:
+        raise ValueError(f"distopt.record: {total_key}={given} but no piece of layout= names its {key}")
+    return given
 
 
 def _prod_dims(shape):
@@ -213,7 +246,7 @@ class Recorder:
 
     def __init__(self, optimizer, path, every=1, params=True, states=True, *, flush_every=16, names=None,
                  name=None, hparams=None, layout=None, start_step=None, grads="f32", grad_steps=None,
-                 grad_agree=None):
+                 grad_agree=None, stages=None, experts=None):
         import torch
         import torch.distributed as dist
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -281,9 +314,7 @@ class Recorder:
         all_params = [p for g in outer.param_groups for p in g["params"]]
         group_of = {id(p): g for g, grp in enumerate(outer.param_groups) for p in grp["params"]}
         naming = self._names(names, all_params)
-        self.pieces = []  # (local tensor, global name, lo, len, states dict, extent, block, at): a flat range of the
-        # parameter (block None), or of its tensor-parallel block; extent: the elements of either; at: where the
-        # piece's len elements start in the local tensor (None: the local tensor is the piece)
+        self.pieces = []  # _Piece: this rank's pieces, in the optimizer's parameter order
         params_info = []  # (name, shape, group) of the parameters this rank knows
         if layout is not None:
             for p in all_params:
@@ -293,26 +324,22 @@ class Recorder:
                 specs = spec if isinstance(spec, (list, tuple)) else [spec]
                 for sp in specs:  # a list: a flat buffer spanning several tensors, each piece at its offset "at"
                     gname, gshape = str(sp["param"]), [int(s) for s in sp["shape"]]
-                    lo = int(sp.get("lo", 0))
                     blk = sp.get("block")
-                    extent = _prod_dims(gshape)
                     if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
                         blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
-                        if not (0 <= blk["dim"] < len(gshape) and 0 <= blk["lo"] and blk["len"] >= 1
-                                and blk["lo"] + blk["len"] <= gshape[blk["dim"]]):
-                            raise ValueError(f"distopt.record: layout of {gname}: block {blk} is outside its shape "
-                                             f"{gshape}")
-                        extent = _block_numel(gshape, blk)
                     at = int(sp["at"]) if isinstance(spec, (list, tuple)) else None
                     ln = int(sp["len"]) if at is not None else p.numel()
                     if at is not None and (at < 0 or ln < 1 or at + ln > p.numel()):
                         raise ValueError(f"distopt.record: layout of {gname}: local elements [{at}, {at + ln}) are "
                                          f"outside the local tensor's {p.numel()}")
-                    if lo < 0 or lo + ln > extent:
-                        raise ValueError(f"distopt.record: layout of {gname}: elements [{lo}, {lo + ln}) are "
-                                         f"outside its {extent}{' (the block)' if blk else ''}")
+                    stage, expert = int(sp.get("stage", -1)), int(sp.get("expert", -1))
+                    try:
+                        lp = _layout_piece(gshape, blk, int(sp.get("lo", 0)), ln, stage, expert)
+                    except ValueError as e:
+                        raise ValueError(f"distopt.record: layout of {gname}: {e}") from None
+                    extent = _block_numel(gshape, blk) if blk else _prod_dims(gshape)
                     st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(sp.get("states", {})).items()}
-                    self.pieces.append((p, gname, lo, ln, st, extent, blk, at))
+                    self.pieces.append(_Piece(p, gname, lp.lo, lp.len, st, extent, blk, at, stage, expert))
                     params_info.append((gname, gshape, group_of[id(p)]))
         else:
             owned = all_params
@@ -320,8 +347,11 @@ class Recorder:
                 mine = {id(p) for g in inner.param_groups for p in g["params"]}
                 owned = [p for p in all_params if id(p) in mine]
             for p in owned:
-                self.pieces.append((p, naming[id(p)], 0, p.numel(), {}, p.numel(), None, None))
+                self.pieces.append(_Piece(p, naming[id(p)], 0, p.numel(), {}, p.numel(), None, None, -1, -1))
             params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
+        self.outer = outer
+        self.local_shapes = [tuple(pc.tensor.shape) for pc in self.pieces]  # the layout, checked at every step
+        self.all_ids = [id(p) for p in all_params]
         for p, gname, *_ in self.pieces:
             _f32(p, f"parameter {gname}")  # float32 only, checked before anything is written
         # the tensors whose whole gradient every rank holds a copy of (DDP replicas, ZeRO's all-reduced
@@ -330,15 +360,16 @@ class Recorder:
             grad_agree = self.world > 1
         self.grad_agree = bool(grad_agree)
         if layout is not None:
-            self.agree = [(p, n) for p, n, lo, ln, _, ext, blk, at in self.pieces
-                          if blk is None and at is None and lo == 0 and ln == ext]
+            self.agree = [(pc.tensor, pc.name) for pc in self.pieces
+                          if pc.block is None and pc.at is None and pc.lo == 0 and pc.len == pc.extent]
         else:
             self.agree = [(p, naming[id(p)]) for p in all_params]
 
         # every rank's layout and parameters, at every rank (the same error everywhere)
         mine = {"rank": self.rank, "params": params_info,
-                "pieces": [{"param": n, "lo": lo, "len": ln, "states": st, "block": blk, "whole": lo == 0 and ln == ext}
-                           for _, n, lo, ln, st, ext, blk, _ in self.pieces]}
+                "pieces": [{"param": pc.name, "lo": pc.lo, "len": pc.len, "states": pc.states, "block": pc.block,
+                            "whole": pc.lo == 0 and pc.len == pc.extent, "stage": pc.stage, "expert": pc.expert}
+                           for pc in self.pieces]}
         everyone = self._gather(mine)
         self.params, seen = [], {}
         for part in everyone:
@@ -350,6 +381,8 @@ class Recorder:
                     continue
                 seen[n] = (shape, g)
                 self.params.append({"name": n, "shape": shape, "dtype": "F32", "group": g})
+        self.stages = _total(everyone, "stage", "stages", stages, every_piece=True)
+        self.experts = _total(everyone, "expert", "experts", experts, every_piece=False)
         _check_cover(self.params, everyone)  # every rank the same verdict: one line naming the parameter
         self.layouts = []
         for part in sorted(everyone, key=lambda q: q["rank"]):
@@ -362,6 +395,9 @@ class Recorder:
                     e.update(lo=pc["lo"], len=pc["len"])
                 if pc["states"]:
                     e["states"] = pc["states"]
+                for k in ("stage", "expert"):
+                    if pc.get(k, -1) >= 0:
+                        e[k] = pc[k]
                 pcs.append(e)
             self.layouts.append(pcs)
         self.torch = _torch_info(torch)
@@ -373,6 +409,7 @@ class Recorder:
         os.makedirs(os.path.join(self.path, f"rank{self.rank}"), exist_ok=True)
         self.files = [[] for _ in range(self.world)]
         self.changes = []
+        self.hp_sent, self.hp_flushed, self.hp_warned = 0, False, False  # compared with the other ranks' so far
         self.last_hp = self._read_groups()
         self.hp0 = [dict(h) for h in self.last_hp]
         if self.name is not None:
@@ -481,10 +518,25 @@ class Recorder:
             return [(f"grad/{t}/{n}", g.to(torch.bfloat16)) for n, g in grads]
         return [(f"grad/{t}/{n}", g) for n, g in grads]
 
+    def _check_layout(self, t):
+        """The layout recorded at construction still holds at step t: the same parameters in the same order, each
+        local tensor its shape (a resharded or replaced parameter needs a new recording); one ValueError line."""
+        ids = [id(p) for g in self.outer.param_groups for p in g["params"]]
+        if ids != self.all_ids:
+            raise ValueError(f"distopt.record: step {t}: the optimizer's parameters changed since the recording began "
+                             f"({len(ids)} tensors, {len(self.all_ids)} then): a layout cannot change mid-recording "
+                             f"(close this recorder, start another)")
+        for pc, shape in zip(self.pieces, self.local_shapes):
+            if tuple(pc.tensor.shape) != shape:
+                raise ValueError(f"distopt.record: step {t}: the local tensor of {pc.name} has shape "
+                                 f"{list(pc.tensor.shape)}, {list(shape)} when the recording began: a layout cannot "
+                                 f"change mid-recording (close this recorder, start another)")
+
     def _step(self, args, kwargs):
         if self.closed:
             return self._orig_step(*args, **kwargs)
         t = self.t + 1
+        self._check_layout(t)
         hp = self._read_groups()
         for g, (old, new) in enumerate(zip(self.last_hp, hp)):
             for k in sorted(set(old) | set(new)):
@@ -583,15 +635,45 @@ class Recorder:
             entry = None
         self.block = []
         self.block_first = last + 1
-        parts = self._gather({"rank": self.rank, "file": entry, "t": last})
+        hp = {"first": self.hp0 if not self.hp_flushed else None, "changes": self.changes[self.hp_sent:]}
+        self.hp_sent, self.hp_flushed = len(self.changes), True
+        parts = self._gather({"rank": self.rank, "file": entry, "t": last, "hp": hp})
         if len({p["t"] for p in parts}) != 1:
             raise RuntimeError(f"distopt.record: the ranks are at different steps "
                                f"({', '.join(str(p['t']) for p in parts)}): every rank must step the optimizer")
+        self._check_hparams(parts)
         for p in parts:
             if p["file"] is not None:
                 self.files[p["rank"]].append(p["file"])
         if self.rank == 0:
             self._write_index(complete=final)
+
+    def _check_hparams(self, parts):
+        """Every rank's hyperparameters and changes agree with rank 0's, which the index keeps and verify
+        replays; the first difference is one warning line on every rank (once per recorder): a stage or rank
+        whose schedule or settings differ is then also named by verify at the step it shows."""
+        if self.hp_warned or len(parts) < 2:
+            return
+        ref = parts[0]["hp"]
+        for p in parts[1:]:
+            mine, diff = p["hp"], None
+            if mine["first"] != ref["first"]:
+                g = next(g for g, (a, b) in enumerate(zip(mine["first"] or [], ref["first"] or [])) if a != b)
+                k = sorted(k for k in set(mine["first"][g]) | set(ref["first"][g])
+                           if mine["first"][g].get(k) != ref["first"][g].get(k))[0]
+                diff = (f"group {g} {k}={mine['first'][g].get(k)!r} at the start, rank 0's "
+                        f"{ref['first'][g].get(k)!r}")
+            elif mine["changes"] != ref["changes"]:
+                a = {(c["step"], c["group"], c["key"]): c["value"] for c in mine["changes"]}
+                b = {(c["step"], c["group"], c["key"]): c["value"] for c in ref["changes"]}
+                step, g, k = min(q for q in set(a) | set(b) if a.get(q, "none") != b.get(q, "none"))
+                diff = (f"group {g} {k} changed to {a.get((step, g, k), 'nothing')!r} before step {step}, rank 0's to "
+                        f"{b.get((step, g, k), 'nothing')!r}")
+            if diff:
+                self.hp_warned = True
+                warnings.warn(f"distopt.record: rank {p['rank']}'s hyperparameters differ from rank 0's: {diff} "
+                              f"(the recording keeps rank 0's; verify replays them)", stacklevel=3)
+                return
 
     def _write_index(self, complete):
         index = {
@@ -607,6 +689,8 @@ class Recorder:
                        "flush_every": self.flush_every, "grads": "BF16" if self.grad_dtype == "bf16" else "F32",
                        "projectors": self.projectors, "grad_agree": self.grad_agree},
             "ranks": [{"rank": r, "pieces": self.layouts[r], "files": self.files[r]} for r in range(self.world)],
+            **({"stages": self.stages} if self.stages else {}),
+            **({"experts": self.experts} if self.experts else {}),
             "start_step": self.start,
             "steps": max((f["last_step"] for f in self.files[0]), default=self.start),
             "complete": bool(complete),

@@ -209,7 +209,7 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t3"));
+  assert_non_null(strstr(js, "\"schema_version\":\t4"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
   char ipath[500];
@@ -262,7 +262,7 @@ static void test_block_layout(void **st) {
        "rank 1's elements dim 0 [1, 4) [0, 9) overlap rank 0's dim 0 [0, 2) [0, 6) partially"},
       {"{\"param\": \"w\", \"block\": {\"dim\": 1, \"lo\": 0, \"len\": 3}}", "one dimension per parameter"},
       {"{\"param\": \"w\", \"block\": {\"dim\": 2, \"lo\": 0, \"len\": 3}}", "block.dim: 2 is outside [0, 1]"},
-      {"{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 2, \"len\": 1}}", "are recorded by no rank"},
+      {"{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 2, \"len\": 1}}", "are held by no rank"},
   };
   for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
     char *b = as_blocks(bad[k].rank1);
@@ -275,6 +275,77 @@ static void test_block_layout(void **st) {
   write_index(root, v1);
   free(v1);
   expect_bad(root, "unknown key 'block'", NULL);
+}
+
+/* Schema 4's pipeline stages and expert ids: the recording as a 2-stage pipeline (w's row halves on stage 0,
+ * b on stage 1 held by rank 0: a rank may hold pieces of several stages, as an interleaved schedule does) with
+ * b as expert 2 of 4 verifies with error 0 and reports each tensor's stage and expert; out-of-range ids, a
+ * missing stage, ids the recording has no room for, a split parameter on two stages and a parameter of two
+ * experts are one line each (exit 2). */
+static char *as_stages(const char *top, const char *w0, const char *w1, const char *b) {
+  char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 4");
+  char *t = replaced(a, "\"steps\": 6,", top);
+  char *x = replaced(t, "{\"param\": \"w\", \"lo\": 0, \"len\": 6}", w0);
+  char *y = replaced(x, "{\"param\": \"w\", \"lo\": 6, \"len\": 6}", w1);
+  char *z = replaced(y, "{\"param\": \"b\"}", b);
+  free(a);
+  free(t);
+  free(x);
+  free(y);
+  return z;
+}
+
+static void test_stage_expert_layout(void **st) {
+  (void)st;
+  char root[400], out[16384];
+  snprintf(root, sizeof root, "%s/stages", dir);
+  make_trace(root, 0);
+  const char *top = "\"steps\": 6, \"stages\": 2, \"experts\": 4,";
+  const char *w0 = "{\"param\": \"w\", \"lo\": 0, \"len\": 6, \"stage\": 0}";
+  const char *w1 = "{\"param\": \"w\", \"lo\": 6, \"len\": 6, \"stage\": 0}";
+  const char *b = "{\"param\": \"b\", \"stage\": 1, \"expert\": 2}";
+  char *ix = as_stages(top, w0, w1, b);
+  write_index(root, ix);
+  free(ix);
+  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
+  int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  printf("%s", out);
+  assert_int_equal(rc, 0);
+  assert_non_null(strstr(out, "parameters 0 of 1e-06, states 0 of 1e-05"));
+  assert_non_null(strstr(out, "whole s1 e2"));
+  char js[65536];
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, "\"stage\":\t1,\n\t\t\t\"expert\":\t2"));
+  static const struct {
+    const char *top, *w1, *b, *needle;
+  } bad[] = {
+      {NULL, NULL, "{\"param\": \"b\", \"stage\": 2}", "ranks[0].pieces[1].stage: 2 is outside [0, 1]"},
+      {NULL, NULL, "{\"param\": \"b\"}", "ranks[0].pieces[1].stage: missing (stages is 2: every piece names its stage)"},
+      {NULL, NULL, "{\"param\": \"b\", \"stage\": 1, \"expert\": 4}", "ranks[0].pieces[1].expert: 4 is outside [0, 3]"},
+      {"\"steps\": 6,", "{\"param\": \"w\", \"lo\": 6, \"len\": 6}", "{\"param\": \"b\", \"expert\": 0}",
+       "ranks[0].pieces[0].stage: given but the recording has no stages"},
+      {"\"steps\": 6, \"stages\": 2,", NULL, "{\"param\": \"b\", \"stage\": 1, \"expert\": 0}",
+       "ranks[0].pieces[1].expert: given but the recording has no experts"},
+      {NULL, "{\"param\": \"w\", \"lo\": 6, \"len\": 6, \"stage\": 1}", NULL,
+       "ranks: parameter w: rank 1's piece is on stage 1, rank 0's on stage 0 (a parameter lives on one stage"},
+      {NULL, "{\"param\": \"w\", \"lo\": 6, \"len\": 6, \"stage\": 0, \"expert\": 1}", NULL,
+       "ranks: parameter w: rank 1's piece is of expert 1, rank 0's of expert -1 (a parameter belongs to one expert"},
+      {"\"steps\": 6, \"stages\": 0,", NULL, NULL, "index.json: stages: 0 is outside [1, 4096]"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    char *x = as_stages(bad[k].top ? bad[k].top : top, w0, bad[k].w1 ? bad[k].w1 : w1, bad[k].b ? bad[k].b : b);
+    write_index(root, x);
+    free(x);
+    expect_bad(root, bad[k].needle, NULL);
+  }
+  /* schema 3 has no stage */
+  char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 3");
+  char *v3 = replaced(a, "{\"param\": \"b\"}", "{\"param\": \"b\", \"stage\": 0}");
+  write_index(root, v3);
+  free(a);
+  free(v3);
+  expect_bad(root, "unknown key 'stage'", NULL);
 }
 
 static void test_perturbed_state_diverges(void **st) {
@@ -409,8 +480,8 @@ static void test_bad_input(void **st) {
   expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
   write_index(root, "{\"schema_version\": 1,");
   expect_bad(root, "index.json: not valid JSON", NULL);
-  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 4",
-            "index.json: schema_version: 4 is not supported (this distopt reads 1 to 3)");
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 5",
+            "index.json: schema_version: 5 is not supported (this distopt reads 1 to 4)");
   bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
   bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
   bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
@@ -428,7 +499,7 @@ static void test_bad_input(void **st) {
   }
   bad_index(root, "\"rank0/b.safetensors\"", "\"../b.safetensors\"", "expected a relative path inside the recording");
   bad_index(root, "\"first_step\": 5", "\"first_step\": 6", "ranks[0].files[1].first_step: 6, expected 5");
-  bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 7, \"len\": 5", "parameter 'w': elements [6, 7) are recorded by no rank");
+  bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 7, \"len\": 5", "parameter w: elements [6, 7) are held by no rank");
   bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 4, \"len\": 8", "overlap rank 0's [0, 6) partially");
   bad_index(root, "\"lo\": 6, \"len\": 6", "\"lo\": 6, \"len\": 7", "ranks[1].pieces[0].len: 7 is outside [1, 6]");
   bad_index(root, "{\"param\": \"b\"}", "{\"param\": \"c\"}", "ranks[0].pieces[1].param: 'c' is not in params");
@@ -697,6 +768,7 @@ int main(int argc, char **argv) {
   bin = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_faithful_recording_verifies), cmocka_unit_test(test_block_layout),
+      cmocka_unit_test(test_stage_expert_layout),
       cmocka_unit_test(test_perturbed_state_diverges),
       cmocka_unit_test(test_missing_param_refused),
       cmocka_unit_test(test_index_error_one_line),
