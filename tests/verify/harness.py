@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import warnings
 import sys
 
 import torch
@@ -387,6 +388,122 @@ def tp_worker(rank, world, trace, steps, local_stats):
             opt.step()
 
 
+# ---- expert parallelism: a top-1 MoE block, experts split over 2 ranks (ep 2), dense layers data-parallel ----
+
+E_MOE, D_MOE, H_MOE, F_MOE, O_MOE, N_MOE = 4, 6, 8, 5, 4, 6  # experts, input, hidden, expert hidden, output, tokens
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every rank's tokens to every rank (the all-to-all dispatch, simplified to an all_gather); the backward
+    sums the gradients of all ranks' experts and keeps this rank's tokens' (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        g = g.clone()
+        dist.all_reduce(g)
+        return g[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+class EPAdafactor(ShardedAdafactor):
+    """Adafactor (as ShardedAdafactor) on an expert-parallel MoE: stack[p] True for the expert stack [E, O, F]
+    split over the ranks by experts (dim 0): its factored statistics are per expert (local), its parameter and
+    update RMS span the whole stack (an all_reduce); every other tensor is whole on its rank. local_rms=True
+    takes the stack's RMS over the local experts only (the bug: the unsharded algorithm on an expert shard)."""
+
+    def __init__(self, params, lr, stack, numel, local_rms):
+        super().__init__(params, lr, None, numel, False)
+        self.stack, self.local_rms = stack, local_rms
+
+    def _rms_of(self, p, x):
+        if self.stack.get(p) and not self.local_rms:
+            return self._rms(x, self.global_numel[p])
+        return ((x * x).sum() / x.numel()).sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                g, st = p.grad, self.state[p]
+                if not st:
+                    st["step"], st["RMS"] = 0, 0
+                    st["exp_avg_sq_row"] = torch.zeros(p.shape[:-1])
+                    st["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:])
+                st["step"] += 1
+                st["RMS"] = self._rms_of(p, p)
+                lr = max(eps2, st["RMS"]) * group["lr"]
+                beta2t = 1.0 - math.pow(st["step"], group["decay_rate"])
+                update = g ** 2 + eps1
+                row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
+                row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)  # per expert: local
+                col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
+                r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt())
+                update.mul_(g)
+                update.div_((self._rms_of(p, update) / group["clip_threshold"]).clamp_(min=1.0))
+                update.mul_(lr)
+                p.add_(-update)
+
+
+def moe_worker(rank, world, trace, steps, bug):
+    """A top-1 MoE block on 2 gloo ranks: dense w0 [H, D] and router [E, D] replicated, each rank its own tokens,
+    their gradients averaged over the ranks (data parallel); experts 2r, 2r + 1 on rank r: experts.<e>.w1
+    [F, H] as separate tensors and its block of the stack experts.w2 [E, O, F]; tokens gathered to every rank's
+    experts and the outputs summed back. EPAdafactor, recorded with expert ids and a dim-0 block of the stack.
+    bug: "local_rms" (the stack's RMS over the local experts), "unsynced" (dense gradients not averaged)."""
+    import torch.distributed as dist
+    from distopt.record import record
+    seeded()
+    W0, WR = torch.randn(H_MOE, D_MOE) * 0.5, torch.randn(E_MOE, D_MOE) * 0.5
+    W1 = [torch.randn(F_MOE, H_MOE) * 0.5 for _ in range(E_MOE)]
+    W2 = torch.randn(E_MOE, O_MOE, F_MOE) * 0.5
+    per = E_MOE // world
+    mine = range(rank * per, (rank + 1) * per)
+    w0, wr = W0.clone().requires_grad_(True), WR.clone().requires_grad_(True)
+    w1 = {e: W1[e].clone().requires_grad_(True) for e in mine}
+    w2 = W2[rank * per:(rank + 1) * per].clone().requires_grad_(True)
+    params = [w0, wr] + [w1[e] for e in mine] + [w2]
+    numel = {q: q.numel() for q in params}
+    numel[w2] = W2.numel()
+    opt = EPAdafactor(params, lr=1e-2, stack={w2: True}, numel=numel, local_rms=bug == "local_rms")
+    layout = {w0: {"param": "w0", "shape": [H_MOE, D_MOE]}, wr: {"param": "router", "shape": [E_MOE, D_MOE]},
+              w2: {"param": "experts.w2", "shape": [E_MOE, O_MOE, F_MOE], "block": {"dim": 0, "lo": rank * per, "len": per},
+                   "states": {"exp_avg_sq_row": (rank * per * O_MOE, per * O_MOE),
+                              "exp_avg_sq_col": (rank * per * F_MOE, per * F_MOE), "RMS": (0, 1)}}}
+    layout.update({w1[e]: {"param": f"experts.{e}.w1", "shape": [F_MOE, H_MOE], "expert": e} for e in mine})
+    hp = dict(lr=1e-2, relative_step=False, scale_parameter=True, warmup_init=False, eps1=1e-30, eps2=1e-3,
+              clip_threshold=1.0, decay_rate=-0.8, beta1=None, weight_decay=0.0)
+    with record(opt, trace, name="adafactor", hparams=hp, layout=layout, experts=E_MOE, flush_every=5):
+        for t in range(1, steps + 1):
+            gen = torch.Generator().manual_seed(SEED + 23 * t)
+            xs = [torch.randn(N_MOE, D_MOE, generator=gen) for _ in range(world)]
+            target = torch.randn(world * N_MOE, O_MOE, generator=gen)
+            opt.zero_grad()
+            h_all = _GatherTokens.apply(torch.tanh(xs[rank] @ w0.T))
+            gate_all = _GatherTokens.apply(torch.softmax(xs[rank] @ wr.T, dim=-1))
+            top = gate_all.argmax(dim=-1)
+            y = torch.zeros(world * N_MOE, O_MOE)
+            for e in mine:  # this rank's experts on every token routed to them
+                sel = (top == e).float().unsqueeze(-1) * gate_all[:, e:e + 1]
+                y = y + sel * (torch.tanh(h_all @ w1[e].T) @ w2[e - rank * per].T)
+            y = _ReduceOut.apply(y)
+            ((y - target) ** 2).mean().backward()
+            if bug != "unsynced":
+                for q in (w0, wr):  # data parallel: the dense gradients averaged over the ranks
+                    dist.all_reduce(q.grad)
+                    q.grad /= world
+            opt.step()
+
+
 # ---- a 2-stage pipeline: each rank its stage's parameters and its own optimizer --------------------------------
 
 def pipeline_worker(rank, world, trace, steps, lagging):
@@ -400,10 +517,12 @@ def pipeline_worker(rank, world, trace, steps, lagging):
     model = mlp()
     stage = model[0:2] if rank == 0 else model[2:5]
     mine = {id(q) for q in stage.parameters()}
-    names = {n: q for n, q in model.named_parameters() if id(q) in mine}
+    # each parameter whole on its stage's rank (the layout says which stage)
+    layout = {q: {"param": n, "shape": list(q.shape), "stage": rank} for n, q in model.named_parameters() if id(q) in mine}
     opt = torch.optim.AdamW(list(stage.parameters()), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.1 * e))
-    with record(opt, trace, names=names, flush_every=4):
+    with warnings.catch_warnings(record=True) as caught, record(opt, trace, layout=layout, stages=2, flush_every=4):
+        warnings.simplefilter("always")
         for t in range(1, steps + 1):
             x, y = batch(t)
             opt.zero_grad()
@@ -422,6 +541,8 @@ def pipeline_worker(rank, world, trace, steps, lagging):
             opt.step()
             if not (lagging and rank == 1 and t == 3):
                 sched.step()
+    with open(f"{trace}.warnings{rank}", "w") as f:  # what the recorder warned on this rank, for the test
+        f.writelines(str(w.message) + "\n" for w in caught)
 
 
 # ---- FSDP-style: every parameter in one flat buffer, padded, a contiguous shard per rank --------------------

@@ -262,23 +262,91 @@ def case_tp():
 
 
 def case_pipeline():
-    """A 2-stage pipeline on 2 gloo ranks, each stage its own AdamW and lr schedule, recorded per stage: exit 0,
-    each parameter on its stage's rank; stage 1's schedule one step behind from step 4: exit 1 at step 4 on rank
-    1 (the lr schedule replayed is the recording's, stage 0's)."""
+    """A 2-stage pipeline on 2 gloo ranks, each stage its own AdamW and lr schedule, each parameter recorded whole
+    on its stage's rank with its stage (schema 4): exit 0, every tensor reported with its stage; stage 1's
+    schedule one step behind from step 4: the recorder warns on every rank naming rank 1's lr before step 4,
+    and verify exits 1 at step 4 on rank 1 (the lr schedule replayed is the recording's, stage 0's)."""
     d = H.work_dir("pipeline")
     good = os.path.join(d, "pipeline.rec")
     H.launch(H.pipeline_worker, 2, good, 8, False)
+    with open(os.path.join(good, "index.json")) as f:
+        H.check(json.load(f)["stages"] == 2, "the index says 2 stages")
     out, rep = H.run_verify(good, expect=0)
     owner = {t["param"]: t["rank"] for t in rep["tensors"] if t["state"] is None}
     H.check(owner == {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": 1, "4.weight": 1, "4.bias": 1},
             f"each parameter recorded by its stage's rank ({owner})")
+    H.check(all(t.get("stage") == t["rank"] for t in rep["tensors"]), "every tensor reported with its stage")
+    for r in (0, 1):
+        with open(f"{good}.warnings{r}") as f:
+            H.check(f.read() == "", f"no hyperparameter warning on rank {r} when the stages agree")
     summary(rep)
     bad = os.path.join(d, "pipeline_lagging.rec")
     H.launch(H.pipeline_worker, 2, bad, 8, True)
+    for r in (0, 1):
+        with open(f"{bad}.warnings{r}") as f:
+            said = f.read()
+        H.check("distopt.record: rank 1's hyperparameters differ from rank 0's: group 0 lr before step 4: "
+                "unchanged, rank 0's changed to" in said and said.count("\n") == 1,
+                f"rank {r} warned once, naming rank 1's lr before step 4: {said!r}")
     out, rep = H.run_verify(bad, expect=1)
     v = rep["verdict"]
     H.check((v["step"], v["rank"]) == (4, 1) and owner.get(v["tensor"].split("/")[0]) == 1,
             f"stage 1's lagging schedule named at step 4 on rank 1: {v}")
+    # record refuses, in one line: a stage outside stages=, a pipelined layout with a piece that names no stage,
+    # and a layout that changes mid-recording (a parameter resharded after step 1)
+    from distopt.record import _total, record
+    one = lambda st: {"rank": 1, "pieces": [{"param": "b"} if st is None else {"param": "b", "stage": st}]}  # noqa: E731
+    first = {"rank": 0, "pieces": [{"param": "a", "stage": 0}]}
+    for parts, want in (([first, one(2)], "distopt.record: layout of b on rank 1: stage 2 is outside [0, 2) (stages=2)"),
+                        ([first, one(None)], "distopt.record: rank 1's piece of b names no stage but rank 0's piece "
+                                             "of a is on stage 0")):
+        try:
+            _total(parts, "stage", "stages", 2, every_piece=True)
+            H.check(False, f"refused: {want}")
+        except ValueError as e:
+            H.check(str(e).startswith(want) and "\n" not in str(e), f"one line: {e}")
+    w = torch.nn.Parameter(torch.ones(4, 3))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    try:
+        with record(opt, os.path.join(d, "resharded.rec"), names={"w": w}):
+            w.grad = torch.ones(4, 3)
+            opt.step()
+            w.data, w.grad = torch.ones(2, 3), torch.ones(2, 3)
+            opt.step()
+        H.check(False, "a resharded parameter refused")
+    except ValueError as e:
+        H.check(str(e).startswith("distopt.record: step 2: the local tensor of w has shape [2, 3], [4, 3] when the "
+                                  "recording began"), f"a layout change named at its step: {e}")
+
+
+def case_moe():
+    """Expert parallelism (a top-1 MoE block, 4 experts over 2 gloo ranks, dense layers data-parallel) with an
+    expert-parallel Adafactor, recorded with expert ids (separate expert tensors) and a dim-0 block of the expert
+    stack: exit 0, every expert tensor on its rank with its id. The stack's RMS over the local experts only:
+    exit 1 at step 1 naming experts.w2. Dense gradients not averaged over the ranks: the values verify (each
+    rank's arithmetic is right on its own gradient) but the gradient digests name router or w0 at step 1."""
+    d = H.work_dir("moe")
+    good = os.path.join(d, "moe.rec")
+    H.launch(H.moe_worker, 2, good, 8, None)
+    with open(os.path.join(good, "index.json")) as f:
+        H.check(json.load(f)["experts"] == 4, "the index says 4 experts")
+    out, rep = H.run_verify(good, expect=0)
+    experts = {(t["param"], t["rank"]): t.get("expert") for t in rep["tensors"] if t["state"] is None}
+    H.check(all(experts.get((f"experts.{e}.w1", e // 2)) == e for e in range(4)), f"each expert on its rank ({experts})")
+    H.check(experts.get(("router", 0)) is None and ("router", 1) in experts, "the dense router on both ranks, no expert")
+    H.check({r for (p, r) in experts if p == "experts.w2"} == {0, 1}, "the stack's blocks on both ranks")
+    summary(rep)
+    bad = os.path.join(d, "moe_local_rms.rec")
+    H.launch(H.moe_worker, 2, bad, 8, "local_rms")
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check(v["step"] == 1 and v["tensor"].split("/")[0] == "experts.w2", f"the stack's local RMS named at step 1: {v}")
+    bad = os.path.join(d, "moe_unsynced.rec")
+    H.launch(H.moe_worker, 2, bad, 4, "unsynced")
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check((v["kind"], v["step"], v["rank"]) == ("gradients", 1, 1) and v["tensor"] in ("w0", "router"),
+            f"dense gradients not averaged named at step 1 on rank 1: {v}")
 
 
 def case_fsdp():
@@ -678,7 +746,7 @@ def case_upstream_real():
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "moe": case_moe, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
          "upstream_real": case_upstream_real}
 
