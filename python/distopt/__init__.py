@@ -15,7 +15,7 @@ one-line message.
 from . import _core
 from ._lib import Error
 from ._lib import path as library_path
-from .record import record, verify  # noqa: F401 (torch is imported on first use; docs/verify.md)
+from .record import dtensor_layout, record, verify  # noqa: F401 (torch is imported on first use; docs/verify.md)
 from .replay import replay  # noqa: F401 (your own torch optimizer as the reference; docs/verify.md)
 
 __version__ = "0.2.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
@@ -56,4 +56,5 @@ def __getattr__(attr):
 
 
 __all__ = ["Error", "Optimizer", "NumpyOptimizer", "list", "describe", "hparams", "library_path", "record", "verify", "replay",
+           "dtensor_layout",
            "__version__"]

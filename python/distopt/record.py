@@ -50,7 +50,7 @@ SCHEMA_VERSION = 4  # 2: start_step, init_state/, record.grads (BF16), grad_dige
 #                    4: stages, experts (docs/verify.md)
 KIND = "distopt-record"
 
-__all__ = ["record", "Recorder", "verify"]
+__all__ = ["record", "Recorder", "verify", "dtensor_layout"]
 
 
 def _write_json_atomic(path, obj):
@@ -222,6 +222,78 @@ def _total(everyone, key, total_key, given, every_piece):
     if not named:
         raise ValueError(f"distopt.record: {total_key}={given} but no piece of layout= names its {key}")
     return given
+
+
+def _placement(pl):
+    """("R",), ("S", dim) or ("P",) of a DTensor placement: a torch placement object (Shard, Replicate, Partial)
+    or its text ("R", "S(1)", "Shard(1)", "P")."""
+    name = type(pl).__name__ if not isinstance(pl, str) else pl.strip()
+    if name.startswith("_Strided") or name.startswith("Strided"):
+        raise ValueError(f"distopt.record: placement {pl!r} (a strided shard, FSDP2 over a dimension tensor parallelism "
+                         f"already split) is not one block per rank: record it as a list of pieces")
+    if not isinstance(pl, str):
+        if name == "Shard":
+            return ("S", int(pl.dim))
+        if name == "Replicate":
+            return ("R",)
+        return ("P",)
+    if name in ("R", "Replicate()", "Replicate"):
+        return ("R",)
+    for pre in ("S(", "Shard(", "Shard(dim="):
+        if name.startswith(pre) and name.endswith(")") and name[len(pre):-1].strip().lstrip("-").isdigit():
+            return ("S", int(name[len(pre):-1]))
+    if name in ("P", "Partial", "Partial()"):
+        return ("P",)
+    raise ValueError(f"distopt.record: placement {pl!r}: expected Shard(d), Replicate() or Partial() (or S(d), R, P)")
+
+
+def dtensor_layout(name, shape, mesh_shape, placements, coordinate, **extra):
+    """The layout= entry of the local tensor of a torch >= 2 DTensor (FSDP2's fully_shard parameters and tensor
+    parallelism's are DTensors) from its metadata: the global `shape`, its device mesh's shape, its placements
+    (one per mesh dimension) and this rank's mesh coordinate; extra: "stage", "expert", "states". The local
+    tensor is what to_local() returns (unpadded). Shard(d) on mesh dimension i cuts dimension d as torch.chunk
+    does (chunks of ceil(n / k), the last ones shorter or empty), nested when several mesh dimensions shard the
+    same tensor dimension; Replicate() copies. Returns None when the rank holds no element (an empty chunk).
+    Refused in one line: Partial() (a pending sum is no layout), a strided shard, and shards of two dimensions
+    other than dimension 0 and one more (not one block and a flat range of it). docs/layout.md."""
+    shape = [int(d) for d in shape]
+    if len(mesh_shape) != len(placements) or len(coordinate) != len(placements):
+        raise ValueError(f"distopt.record: dtensor_layout of {name}: mesh {list(mesh_shape)}, {len(placements)} "
+                         f"placements and coordinate {list(coordinate)} must have one entry per mesh dimension")
+    box = [[0, n] for n in shape]  # [lo, hi) of every tensor dimension
+    for i, pl in enumerate(placements):
+        kind = _placement(pl)
+        if kind[0] == "P":
+            raise ValueError(f"distopt.record: dtensor_layout of {name}: placement {pl!r} on mesh dimension {i} is a "
+                             f"partial sum, not a layout (reduce it first)")
+        if kind[0] == "R":
+            continue
+        d = kind[1] + len(shape) if kind[1] < 0 else kind[1]
+        if not 0 <= d < len(shape):
+            raise ValueError(f"distopt.record: dtensor_layout of {name}: {pl!r} on a tensor of shape {shape}")
+        k, c = int(mesh_shape[i]), int(coordinate[i])
+        if not 0 <= c < k:
+            raise ValueError(f"distopt.record: dtensor_layout of {name}: coordinate {c} outside mesh dimension {i} "
+                             f"of size {k}")
+        size = box[d][1] - box[d][0]
+        chunk = -(-size // k)  # torch.chunk's
+        lo = min(size, chunk * c)
+        box[d] = [box[d][0] + lo, box[d][0] + min(size, lo + chunk)]
+    if any(hi <= lo for lo, hi in box):
+        return None
+    split = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
+    spec = {"param": name, "shape": shape, **extra}
+    if not split:
+        return spec
+    if len(split) > 2 or (len(split) == 2 and split[0] != 0):
+        raise ValueError(f"distopt.record: dtensor_layout of {name}: dimensions {split} are split: a piece is one "
+                         f"block and a flat range of it (dimension 0 and at most one other)")
+    d = split[-1]
+    spec["block"] = {"dim": d, "lo": box[d][0], "len": box[d][1] - box[d][0]}
+    if len(split) == 2:  # rows [a, b) of dimension 0: a flat range of the block [outer, len, inner]
+        per_row = _prod_dims(shape[1:d]) * spec["block"]["len"] * _prod_dims(shape[d + 1:])
+        spec["lo"] = box[0][0] * per_row
+    return spec
 
 
 def _prod_dims(shape):
@@ -667,8 +739,8 @@ class Recorder:
                 a = {(c["step"], c["group"], c["key"]): c["value"] for c in mine["changes"]}
                 b = {(c["step"], c["group"], c["key"]): c["value"] for c in ref["changes"]}
                 step, g, k = min(q for q in set(a) | set(b) if a.get(q, "none") != b.get(q, "none"))
-                diff = (f"group {g} {k} changed to {a.get((step, g, k), 'nothing')!r} before step {step}, rank 0's to "
-                        f"{b.get((step, g, k), 'nothing')!r}")
+                said = lambda m: f"changed to {m[(step, g, k)]!r}" if (step, g, k) in m else "unchanged"  # noqa: E731
+                diff = f"group {g} {k} before step {step}: {said(a)}, rank 0's {said(b)}"
             if diff:
                 self.hp_warned = True
                 warnings.warn(f"distopt.record: rank {p['rank']}'s hyperparameters differ from rank 0's: {diff} "

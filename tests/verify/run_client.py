@@ -21,6 +21,7 @@
 
 Exit 77 (skipped, with the reason) when this interpreter lacks torch."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -347,6 +348,59 @@ def case_moe():
     v = rep["verdict"]
     H.check((v["kind"], v["step"], v["rank"]) == ("gradients", 1, 1) and v["tensor"] in ("w0", "router"),
             f"dense gradients not averaged named at step 1 on rank 1: {v}")
+
+
+# What torch >= 2's compute_local_shape_and_global_offset reports for a DTensor, transcribed (torch 1.13 has no
+# DTensor: this table is the test's only contact with it). (global shape, mesh shape, placements, {coordinate:
+# (local shape, global offset)}). Shard(d) cuts as torch.chunk (chunks of ceil(n/k)); an empty chunk's offset is
+# the dimension's size.
+DTENSOR_CASES = [
+    ([10, 4], [4], ["S(0)"], {(0,): ([3, 4], [0, 0]), (1,): ([3, 4], [3, 0]), (2,): ([3, 4], [6, 0]),
+                              (3,): ([1, 4], [9, 0])}),
+    ([5, 3], [4], ["Shard(0)"], {(0,): ([2, 3], [0, 0]), (1,): ([2, 3], [2, 0]), (2,): ([1, 3], [4, 0]),
+                                 (3,): ([0, 3], [5, 0])}),
+    # FSDP2 over dp (dim 0) of a row-parallel weight (TP Shard(1)): a 2-D mesh (dp 2, tp 2)
+    ([6, 8], [2, 2], ["S(0)", "S(1)"], {(i, j): ([3, 4], [3 * i, 4 * j]) for i in range(2) for j in range(2)}),
+    # two mesh dimensions sharding dimension 0 (nested chunks)
+    ([8, 6], [2, 2], ["S(0)", "S(0)"], {(i, j): ([2, 6], [4 * i + 2 * j, 0]) for i in range(2) for j in range(2)}),
+    ([4, 6], [2, 3], ["R", "S(1)"], {(i, j): ([4, 2], [0, 2 * j]) for i in range(2) for j in range(3)}),
+    ([3, 4, 5], [2], ["S(2)"], {(0,): ([3, 4, 3], [0, 0, 0]), (1,): ([3, 4, 2], [0, 0, 3])}),
+    ([7, 2, 5], [3, 2], ["S(0)", "S(-1)"], {(i, j): ([3 if i < 2 else 1, 2, 3 if j == 0 else 2],
+                                                   [3 * i, 0, 3 * j]) for i in range(3) for j in range(2)}),
+]
+
+
+def case_dtensor():
+    """distopt.dtensor_layout against the transcribed DTensor metadata: for every case and coordinate the
+    piece's elements are exactly the box [offset, offset + local shape) of the global tensor, in the local
+    tensor's order; the pieces of all coordinates cover the tensor (record's rule); refusals are one line."""
+    from distopt import dtensor_layout
+    from distopt.record import _check_cover, _layout_piece
+    from distopt.replay import _piece_index
+    for shape, mesh, places, want in DTENSOR_CASES:
+        glob = torch.arange(math.prod(shape)).reshape(shape)
+        parts = []
+        for coord, (lshape, off) in want.items():
+            spec = dtensor_layout("w", shape, mesh, places, coord)
+            box = glob[tuple(slice(o, o + n) for o, n in zip(off, lshape))].reshape(-1)
+            if box.numel() == 0:
+                H.check(spec is None, f"{shape} {places} {coord}: an empty chunk holds no piece ({spec})")
+                continue
+            lp = _layout_piece(shape, spec.get("block"), spec.get("lo", 0), box.numel())
+            idx = _piece_index(shape, lp.lo, lp.len, spec.get("block"))
+            H.check(torch.equal(glob.reshape(-1)[idx], box), f"{shape} {places} {coord}: {spec} is the box {off} "
+                    f"{lshape}")
+            parts.append({"rank": len(parts), "pieces": [{"param": "w", "lo": lp.lo, "len": lp.len,
+                                                          "block": spec.get("block")}]})
+        _check_cover([{"name": "w", "shape": shape}], parts)
+    for places, shape, needle in ((["S(1)", "S(2)"], [2, 4, 6], "dimensions [1, 2] are split"),
+                                  (["P", "R"], [4, 4], "is a partial sum, not a layout"),
+                                  (["_StridedShard(0)", "R"], [4, 4], "is not one block per rank")):
+        try:
+            dtensor_layout("w", shape, [2, 2], places, (1, 1))
+            H.check(False, f"{places} refused")
+        except ValueError as e:
+            H.check(needle in str(e) and "\n" not in str(e), f"{places} refused in one line: {e}")
 
 
 def case_fsdp():
@@ -746,7 +800,7 @@ def case_upstream_real():
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "moe": case_moe, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "moe": case_moe, "dtensor": case_dtensor, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
          "upstream_real": case_upstream_real}
 
