@@ -350,10 +350,41 @@ class TPAdafactor(ShardedAdafactor):
                 p.add_(-update)
 
 
-def tp_worker(rank, world, trace, steps, local_stats):
+class TPLamb(torch.optim.Optimizer):
+    """LAMB as FlatLamb (distopt's lamb) on tensor-parallel blocks: spec[p] = (dim, global shape) as TPAdafactor's.
+    The trust ratio is per logical tensor: the two sums of squares of a split one go through an all_reduce (in
+    double). local_stats=True takes them over the local block (the bug: LAMB's norms on a TP shard)."""
+
+    def __init__(self, params, lr, spec, local_stats, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.spec, self.local_stats = spec, local_stats
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                st["step"] += 1
+                g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
+                m.mul_(b1).add_(g * (1 - b1))
+                v.mul_(b2).add_(g * (1 - b2) * g)
+                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                sums = torch.stack([(p.double() ** 2).sum(), (u.double() ** 2).sum()])
+                if self.spec[p][0] is not None and not self.local_stats:
+                    dist.all_reduce(sums)
+                wn, un = float(sums[0].sqrt()), float(sums[1].sqrt())
+                p.add_(u, alpha=-group["lr"] * (wn / un if wn > 0 and un > 0 else 1.0))
+
+
+def tp_worker(rank, world, trace, steps, local_stats, kind="adafactor"):
     """A column-parallel Linear (w1 [H, D] and b1 split on dim 0: this rank's hidden units) and a row-parallel
     one (w2 [O, H] split on dim 1: its input columns; b2 replicated, added after the all_reduce), trained on the
-    same batch on every rank; TPAdafactor on the blocks, recorded with block layouts."""
+    same batch on every rank; TPAdafactor (kind "adafactor") or TPLamb ("lamb") on the blocks, recorded with
+    block layouts."""
     from distopt.record import record
     seeded()
     W1, B1, W2, B2 = (torch.randn(H_TP, D_TP) * 0.5, torch.randn(H_TP) * 0.5, torch.randn(O_TP, H_TP) * 0.5,
@@ -365,7 +396,10 @@ def tp_worker(rank, world, trace, steps, local_stats):
     w2 = W2[:, lo:lo + per].clone().requires_grad_(True)
     b2 = B2.clone().requires_grad_(True)
     spec = {w1: (0, [H_TP, D_TP]), b1: (0, [H_TP]), w2: (1, [O_TP, H_TP]), b2: (None, [O_TP])}
-    opt = TPAdafactor([w1, b1, w2, b2], lr=1e-2, spec=spec, local_stats=local_stats)
+    if kind == "lamb":  # elementwise states: they follow the pieces
+        opt = TPLamb([w1, b1, w2, b2], lr=1e-2, spec=spec, local_stats=local_stats)
+    else:
+        opt = TPAdafactor([w1, b1, w2, b2], lr=1e-2, spec=spec, local_stats=local_stats)
     blk = {"dim": 0, "lo": lo, "len": per}
     layout = {
         w1: {"param": "w1", "shape": [H_TP, D_TP], "block": blk,
@@ -377,7 +411,11 @@ def tp_worker(rank, world, trace, steps, local_stats):
     }
     hp = dict(lr=1e-2, relative_step=False, scale_parameter=True, warmup_init=False, eps1=1e-30, eps2=1e-3,
               clip_threshold=1.0, decay_rate=-0.8, beta1=None, weight_decay=0.0)
-    with record(opt, trace, name="adafactor", hparams=hp, layout=layout, flush_every=5):
+    if kind == "lamb":
+        for q in layout.values():
+            q.pop("states", None)
+        hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, adam=False, bias_correction=False)
+    with record(opt, trace, name=kind, hparams=hp, layout=layout, flush_every=5):
         for t in range(1, steps + 1):
             gen = torch.Generator().manual_seed(SEED + 17 * t)
             x, target = torch.randn(10, D_TP, generator=gen), torch.randn(10, O_TP, generator=gen)

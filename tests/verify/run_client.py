@@ -260,6 +260,18 @@ def case_tp():
     v = rep["verdict"]
     H.check((v["kind"], v["step"], v["tensor"], v["rank"]) == ("diverged", 1, "w2/exp_avg_sq_row", 0),
             f"a row-parallel shard's local row means named at step 1: {v}")
+    # the same layers under a TP LAMB: the trust ratios of the split tensors from all_reduced norms verify; from
+    # the local block only they are named at step 1 on a split tensor
+    good = os.path.join(d, "tp_lamb.rec")
+    H.launch(H.tp_worker, 2, good, 8, False, "lamb")
+    out, rep = H.run_verify(good, expect=0)
+    summary(rep)
+    bad = os.path.join(d, "tp_lamb_local.rec")
+    H.launch(H.tp_worker, 2, bad, 8, True, "lamb")
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check(v["step"] == 1 and v["tensor"].split("/")[0] in ("w1", "b1", "w2"),
+            f"a TP LAMB's block-local trust ratio named at step 1 on a split tensor: {v}")
 
 
 def case_pipeline():
