@@ -363,16 +363,8 @@ class TPLamb(torch.optim.Optimizer):
     def step(self, closure=None):
         import torch.distributed as dist
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
-                st["step"] += 1
-                g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
-                m.mul_(b1).add_(g * (1 - b1))
-                v.mul_(b2).add_(g * (1 - b2) * g)
-                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                u = _lamb_direction(self.state[p], p, group)
                 sums = torch.stack([(p.double() ** 2).sum(), (u.double() ** 2).sum()])
                 if self.spec[p][0] is not None and not self.local_stats:
                     dist.all_reduce(sums)
@@ -585,6 +577,18 @@ def pipeline_worker(rank, world, trace, steps, lagging):
 
 # ---- FSDP-style: every parameter in one flat buffer, padded, a contiguous shard per rank --------------------
 
+def _lamb_direction(st, p, group):
+    """distopt's lamb's update direction of p (its moments in st advanced, not debiased): m/(sqrt(v)+eps) + wd*p."""
+    b1, b2 = group["betas"]
+    if not st:
+        st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+    st["step"] += 1
+    g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
+    m.mul_(b1).add_(g * (1 - b1))
+    v.mul_(b2).add_(g * (1 - b2) * g)
+    return m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+
+
 class FlatLamb(torch.optim.Optimizer):
     """LAMB (ColossalAI's, distopt's lamb: moments not debiased, u = m/(sqrt(v)+eps) + wd*p, trust = |p|/|u|) on
     a rank's shard of a flat buffer that spans several tensors: segs = [(at, len)] the shard's run of each tensor.
@@ -599,16 +603,8 @@ class FlatLamb(torch.optim.Optimizer):
     def step(self, closure=None):
         import torch.distributed as dist
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
-                st["step"] += 1
-                g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
-                m.mul_(b1).add_(g * (1 - b1))
-                v.mul_(b2).add_(g * (1 - b2) * g)
-                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                u = _lamb_direction(self.state[p], p, group)
                 sums = torch.zeros(2 * len(self.segs), dtype=torch.float64)
                 for k, (at, n) in enumerate(self.segs):
                     if n:

@@ -225,6 +225,23 @@ static void test_faithful_recording_verifies(void **st) {
  * one line. */
 static void expect_bad(const char *root, const char *needle, const char *const *extra);
 
+/* Writes index (and frees it) over the faithful recording at root: verify exits 0 with error 0, its table
+ * shows `row` and its JSON holds `json`. */
+static void verifies_exactly(const char *root, char *index, const char *row, const char *json) {
+  char out[16384], js[65536];
+  write_index(root, index);
+  free(index);
+  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
+  int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  printf("%s", out);
+  assert_int_equal(rc, 0);
+  assert_non_null(strstr(out, "parameters 0 of 1e-06, states 0 of 1e-05"));
+  assert_non_null(strstr(out, row));
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, json));
+}
+
 static char *as_blocks(const char *rank1_block) {
   char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 3");
   char *b = replaced(a, "{\"param\": \"w\", \"lo\": 0, \"len\": 6}",
@@ -237,22 +254,11 @@ static char *as_blocks(const char *rank1_block) {
 
 static void test_block_layout(void **st) {
   (void)st;
-  char root[400], out[16384];
+  char root[400];
   snprintf(root, sizeof root, "%s/blocks", dir);
   make_trace(root, 0);
   char *ix = as_blocks("{\"param\": \"w\", \"block\": {\"dim\": 0, \"lo\": 2, \"len\": 2}}");
-  write_index(root, ix);
-  free(ix);
-  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
-  int rc = run(args);
-  slurp(outfile, out, sizeof out);
-  printf("%s", out);
-  assert_int_equal(rc, 0);
-  assert_non_null(strstr(out, "parameters 0 of 1e-06, states 0 of 1e-05"));
-  assert_non_null(strstr(out, "d0[2,4)"));
-  char js[65536];
-  slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"block\":"));
+  verifies_exactly(root, ix, "d0[2,4)", "\"block\":");
   /* a block of rows [1, 4) overlaps rank 0's [0, 2); a block of another dimension; a dimension w lacks; a
    * block in schema 1 */
   static const struct {
@@ -297,26 +303,14 @@ static char *as_stages(const char *top, const char *w0, const char *w1, const ch
 
 static void test_stage_expert_layout(void **st) {
   (void)st;
-  char root[400], out[16384];
+  char root[400];
   snprintf(root, sizeof root, "%s/stages", dir);
   make_trace(root, 0);
   const char *top = "\"steps\": 6, \"stages\": 2, \"experts\": 4,";
   const char *w0 = "{\"param\": \"w\", \"lo\": 0, \"len\": 6, \"stage\": 0}";
   const char *w1 = "{\"param\": \"w\", \"lo\": 6, \"len\": 6, \"stage\": 0}";
   const char *b = "{\"param\": \"b\", \"stage\": 1, \"expert\": 2}";
-  char *ix = as_stages(top, w0, w1, b);
-  write_index(root, ix);
-  free(ix);
-  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
-  int rc = run(args);
-  slurp(outfile, out, sizeof out);
-  printf("%s", out);
-  assert_int_equal(rc, 0);
-  assert_non_null(strstr(out, "parameters 0 of 1e-06, states 0 of 1e-05"));
-  assert_non_null(strstr(out, "whole s1 e2"));
-  char js[65536];
-  slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"stage\":\t1,\n\t\t\t\"expert\":\t2"));
+  verifies_exactly(root, as_stages(top, w0, w1, b), "whole s1 e2", "\"stage\":\t1,\n\t\t\t\"expert\":\t2");
   static const struct {
     const char *top, *w1, *b, *needle;
   } bad[] = {
