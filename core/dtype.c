@@ -2,6 +2,8 @@
  * the leaf of core/, used by every other file and using none. */
 #include <string.h>
 
+#include "elem.h"
+
 #include "distopt/device.h"
 #include "distopt/dtype.h"
 
@@ -18,9 +20,7 @@ const char *dopt_dtype_name(dopt_dtype t) {
 uint16_t dopt_f32_to_bf16(float x) {
   uint32_t u;
   memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(u >> 16);
+  return dopt_bf16_of_bits(u); /* core/elem.h: the CUDA kernel's rounding too */
 }
 
 float dopt_bf16_to_f32(uint16_t x) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elem.h"
 #include "optim_impl.h"
 #include "xsum_fast.h"
 
@@ -213,7 +214,7 @@ static void make_sq_rows(void *ctx, size_t off, size_t len) {
   const sq_rows *c = ctx;
   const float *g = c->g + off;
   float *u = c->u + off;
-  for (size_t i = 0; i < len; i++) u[i] = g[i] * g[i] + c->eps1;
+  for (size_t i = 0; i < len; i++) u[i] = dopt_sq_eps_elem(g[i], c->eps1);
 }
 
 dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
@@ -231,10 +232,10 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
       sq_rows ctx = {g, u, eps1};
       return dopt_rc_begin_rows(&f->rc, u, pc, a->red, make_sq_rows, &ctx);
     }
-    for (size_t i = 0; i < n; i++) u[i] = g[i] * g[i] + eps1;
+    for (size_t i = 0; i < n; i++) u[i] = dopt_sq_eps_elem(g[i], eps1);
     for (size_t i = 0; i < n; i++) { /* 1-D: the unfactored second moment (row is v), then stage 2's ‖U‖² */
-      row[i] = row[i] * b + omb * u[i];
-      u[i] = (1.0f / sqrtf(row[i])) * g[i];
+      row[i] = dopt_ema_elem(row[i], b, omb, u[i]);
+      u[i] = dopt_unfactored_elem(row[i], g[i]);
     }
     return dopt_ss_begin(f->uss, u, n, a->red);
   case 1:
@@ -246,8 +247,8 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
       return dopt_ss_accum(f->uss, u, n, a->red);
     }
     dopt_rc_means(&f->rc, pc, f->rmean, f->cmean);
-    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = row[i] * b + omb * f->rmean[i];
-    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = col[i] * b + omb * f->cmean[i];
+    for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = dopt_ema_elem(row[i], b, omb, f->rmean[i]);
+    for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = dopt_ema_elem(col[i], b, omb, f->cmean[i]);
     float um = 0.0f; /* max |U| of the rows as they are written */
     DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u, &um));
     return dopt_ss_begin_absmax(f->uss, um, a->red);
@@ -279,12 +280,12 @@ dopt_status dopt_piece_factored_apply(const float *row, const float *col, const 
   size_t k = pc->lo;
   while (next_block(pc, &k, &blk)) {
     size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
-    for (size_t j = 0; j < blk.cols; j++) cf[j] = 1.0f / sqrtf(col[c0 + j]);
+    for (size_t j = 0; j < blk.cols; j++) cf[j] = dopt_rsqrt_elem(col[c0 + j]);
     for (size_t r = 0; r < blk.rows; r++) {
-      float rf = 1.0f / sqrtf(row[r0 + r] / rmean[blk.bi]);
+      const float rf = dopt_row_factor(row[r0 + r], rmean[blk.bi]);
       const float *xr = x + blk.off + r * blk.cols;
       float *orow = out + blk.off + r * blk.cols;
-      for (size_t j = 0; j < blk.cols; j++) orow[j] = (rf * cf[j]) * xr[j];
+      for (size_t j = 0; j < blk.cols; j++) orow[j] = dopt_factored_elem(rf, cf[j], xr[j]);
       if (absmax) *absmax = dopt_absmax_tile(*absmax, orow, blk.cols);
     }
   }

@@ -18,6 +18,7 @@
  * Every cross-element sum (means, RMS) is an exact xsum. */
 #include <math.h>
 
+#include "elem.h"
 #include "registry.h"
 
 enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP, NHP };
@@ -71,17 +72,7 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
 /* The step size α = ρ·max(eps2, RMS), in upstream's precision: the product is
  * an fp32 tensor op when RMS wins the max, a double product otherwise. */
 static float step_size(const double *hp, double t, float rms) {
-  double rho;
-  if (hp[REL_STEP] != 0.0) {
-    double min_step = hp[WARMUP] != 0.0 ? 1e-6 * t : 1e-2;
-    double inv = 1.0 / sqrt(t);
-    rho = min_step < inv ? min_step : inv;
-  } else {
-    rho = hp[LR];
-  }
-  if (hp[SCALE_P] == 0.0) return (float)rho;
-  if (rms > (float)hp[EPS2]) return (float)rho * rms;
-  return (float)(rho * hp[EPS2]);
+  return dopt_adafactor_step_size(hp[REL_STEP] != 0.0, hp[WARMUP] != 0.0, hp[LR], hp[SCALE_P] != 0.0, hp[EPS2], t, rms);
 }
 
 /* Stages (factored; a 1-D parameter has no row/column means and needs only
@@ -119,23 +110,15 @@ static dopt_status step(const dopt_step_args *a) {
   const float rms = dopt_rms_from_ss(dopt_ss_value(f.pss), dopt_wstat_numel(a));
   *rms_state = rms;
   const float alpha = step_size(hp, t, rms);
-  float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
-  float div = urms / (float)hp[CLIP];
-  if (!(div > 1.0f)) div = div != div ? div : 1.0f; /* clamp(min=1); NaN propagates */
+  const float div = dopt_clip_div(dopt_rms_from_ss(dopt_ss_value(f.uss), N), hp[CLIP]); /* clamp(min=1) */
   const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];
   const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
   const float decay = (float)(-hp[WD]) * alpha;
   const int use_wd = hp[WD] != 0.0;
-  for (size_t i = 0; i < n; i++) {
-    float ui = (u[i] / div) * alpha;
-    if (m) {
-      m[i] = m[i] * b1 + omb1 * ui;
-      ui = m[i];
-    }
-    float wi = w[i];
-    if (use_wd) wi = wi + decay * wi;
-    w[i] = wi - ui;
-  }
+  if (m)
+    for (size_t i = 0; i < n; i++) w[i] = dopt_adafactor_final(w[i], u[i], &m[i], div, alpha, b1, omb1, decay, use_wd);
+  else
+    for (size_t i = 0; i < n; i++) w[i] = dopt_adafactor_final(w[i], u[i], NULL, div, alpha, b1, omb1, decay, use_wd);
   return DOPT_OK;
 }
 

@@ -8,6 +8,7 @@
  * State: exp_avg, exp_avg_sq [param shape], max_exp_avg_sq with amsgrad. */
 #include <math.h>
 
+#include "elem.h"
 #include "registry.h"
 
 enum { LR, BETA1, BETA2, EPS, WD, AMSGRAD, NHP };
@@ -45,29 +46,14 @@ static dopt_status step(const dopt_step_args *a) {
   const float *g = a->grad;
   float *w = a->param, *m = a->state[0], *v = a->state[1];
   float *vmax = hp[AMSGRAD] != 0.0 ? a->state[2] : NULL;
-  /* step-dependent scalars: once, on the host, in double (as torch) */
-  double t = (double)a->step;
-  double bc1 = 1.0 - pow(hp[BETA1], t), bc2 = 1.0 - pow(hp[BETA2], t);
-  const float decay = (float)(1.0 - hp[LR] * hp[WD]);
-  const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-  const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
-  const float neg_step = (float)(-(hp[LR] / bc1));
-  const float bc2_sqrt = (float)sqrt(bc2);
-  const float eps = (float)hp[EPS];
-  for (size_t i = 0; i < a->piece->len; i++) {
-    float wi = w[i] * decay;
-    float mi = m[i] * b1 + omb1 * g[i];
-    float vi = v[i] * b2 + (omb2 * g[i]) * g[i];
-    float vd = vi;
-    if (vmax) {
-      vd = vmax[i] > vi ? vmax[i] : vi;
-      vmax[i] = vd;
-    }
-    float denom = sqrtf(vd) / bc2_sqrt + eps;
-    w[i] = wi + (neg_step * mi) / denom;
-    m[i] = mi;
-    v[i] = vi;
-  }
+  /* step-dependent scalars: once, on the host, in double (as torch); the element update is core/elem.h's,
+   * the CUDA kernel's too */
+  const dopt_adamw_q q = dopt_adamw_scalars(hp[LR], hp[BETA1], hp[BETA2], hp[EPS], hp[WD], a->step);
+  const size_t n = a->piece->len;
+  if (vmax)
+    for (size_t i = 0; i < n; i++) dopt_adamw_elem(&q, &w[i], g[i], &m[i], &v[i], &vmax[i]);
+  else
+    for (size_t i = 0; i < n; i++) dopt_adamw_elem(&q, &w[i], g[i], &m[i], &v[i], NULL);
   return DOPT_OK;
 }
 

@@ -17,6 +17,7 @@
  * second-moment and residual statistics (no aliasing). */
 #include <math.h>
 
+#include "elem.h"
 #include "registry.h"
 
 enum { LR, EPS1, EPS2, CLIP, BETA1, BETA2, BETA3, WD, NHP };
@@ -63,7 +64,7 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
 /* stat ← β·stat + (1−β)·mean (row or column statistic update) */
 static void ema(float *stat, const float *mean, size_t n, double beta) {
   const float b = (float)beta, omb = (float)(1.0 - beta);
-  for (size_t i = 0; i < n; i++) stat[i] = stat[i] * b + omb * mean[i];
+  for (size_t i = 0; i < n; i++) stat[i] = dopt_ema_elem(stat[i], b, omb, mean[i]);
 }
 
 /* Stages (factored; a 1-D parameter needs S0 = S0+S2, S1 = S1+S3, S2 = S4+S6
@@ -82,12 +83,7 @@ typedef struct residual_rows {
 static void make_residual(void *ctx, size_t off, size_t len) {
   const residual_rows *c = ctx;
   float *m = c->m + off, *u = c->u + off;
-  for (size_t i = 0; i < len; i++) {
-    float uh = u[i] / c->div;
-    m[i] = m[i] * c->b1 + c->omb1 * uh;
-    float r = uh - m[i];
-    u[i] = r * r + c->eps2;
-  }
+  for (size_t i = 0; i < len; i++) u[i] = dopt_came_residual(u[i], &m[i], c->div, c->b1, c->omb1, c->eps2);
 }
 
 static dopt_status step(const dopt_step_args *a) {
@@ -122,9 +118,7 @@ static dopt_status step(const dopt_step_args *a) {
   case 4: { /* 1-D: S2, the last stage */
     /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
     *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), dopt_wstat_numel(a));
-    float urms = dopt_rms_from_ss(dopt_ss_value(f.uss), N);
-    float div = urms / (float)hp[CLIP];
-    if (!(div > 1.0f)) div = div != div ? div : 1.0f;
+    const float div = dopt_clip_div(dopt_rms_from_ss(dopt_ss_value(f.uss), N), hp[CLIP]);
     /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after);
      * factored: row by row, the residual's maxima taken while in cache */
     residual_rows rr = {m, u, div, (float)hp[BETA1], (float)(1.0 - hp[BETA1]), eps2};
@@ -148,11 +142,7 @@ static dopt_status step(const dopt_step_args *a) {
   const float lr = (float)hp[LR];
   const float decay = (float)(-hp[WD] * hp[LR]);
   const int use_wd = hp[WD] != 0.0;
-  for (size_t i = 0; i < n; i++) {
-    float wi = w[i];
-    if (use_wd) wi = wi + decay * wi;
-    w[i] = wi - upd[i] * lr;
-  }
+  for (size_t i = 0; i < n; i++) w[i] = dopt_came_final(w[i], upd[i], lr, decay, use_wd);
   return DOPT_OK;
 }
 

@@ -8,6 +8,7 @@
  * State: exp_avg, exp_avg_sq [param shape]. */
 #include <math.h>
 
+#include "elem.h"
 #include "registry.h"
 
 enum { LR, BETA1, BETA2, EPS, WD, ADAM, BIASCORR, NHP };
@@ -51,22 +52,13 @@ static dopt_status step(const dopt_step_args *a) {
   dopt_update_frame_map(a->frame, a->piece, 0, &f);
   float *u = f.u;
   if (a->stage == 0) {
-    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-    const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
-    const float eps = (float)hp[EPS], wd = (float)hp[WD];
-    const int use_wd = hp[WD] != 0.0;
+    const dopt_lamb_q q = dopt_lamb_scalars(hp[BETA1], hp[BETA2], hp[EPS], hp[WD]);
     /* tiles of 4096: the maxima of |p| and |u| (for ‖p‖, ‖u‖ over the
      * logical tensor) are taken while the tile is in cache */
     float wm = 0.0f, um = 0.0f;
     for (size_t t0 = 0; t0 < n; t0 += 4096) {
       const size_t t1 = n - t0 < 4096 ? n : t0 + 4096;
-      for (size_t i = t0; i < t1; i++) {
-        m[i] = m[i] * b1 + omb1 * g[i];
-        v[i] = v[i] * b2 + (omb2 * g[i]) * g[i];
-        float ui = m[i] / (sqrtf(v[i]) + eps);
-        if (use_wd) ui = ui + wd * w[i];
-        u[i] = ui;
-      }
+      for (size_t i = t0; i < t1; i++) u[i] = dopt_lamb_dir(&q, w[i], g[i], &m[i], &v[i]); /* core/elem.h */
       if (!a->wstat) wm = dopt_absmax_tile(wm, w + t0, t1 - t0);
       um = dopt_absmax_tile(um, u + t0, t1 - t0);
     }
@@ -83,15 +75,9 @@ static dopt_status step(const dopt_step_args *a) {
     DOPT_TRY(dopt_ss_accum(f.pss, ws, nw, a->red));
     return dopt_ss_accum(f.uss, u, n, a->red);
   }
-  const double t = (double)a->step;
-  double lr = hp[LR];
-  if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
-  float wnorm = (float)sqrt(dopt_ss_value(f.pss));
-  float unorm = (float)sqrt(dopt_ss_value(f.uss));
-  float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
-  if (hp[ADAM] != 0.0) trust = 1.0f;
-  const float alpha = (float)(-lr) * trust;
-  for (size_t i = 0; i < n; i++) w[i] = w[i] + alpha * u[i];
+  const float alpha = dopt_lamb_alpha(hp[LR], hp[BETA1], hp[BETA2], hp[BIASCORR] != 0.0, hp[ADAM] != 0.0, a->step,
+                                      dopt_ss_value(f.pss), dopt_ss_value(f.uss));
+  for (size_t i = 0; i < n; i++) w[i] = dopt_axpy_elem(w[i], alpha, u[i]);
   return DOPT_OK;
 }
 
