@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elem.h"
 #include "grid.h"
 #include "optim_impl.h"
 
@@ -27,13 +28,13 @@ static dopt_status cpu_copy(void *ctx, void *dst, const void *src, size_t bytes)
 
 static dopt_status cpu_add(void *ctx, float *acc, const float *x, size_t n) {
   (void)ctx;
-  for (size_t i = 0; i < n; i++) acc[i] = acc[i] + x[i];
+  for (size_t i = 0; i < n; i++) acc[i] = dopt_add_elem(acc[i], x[i]);
   return DOPT_OK;
 }
 
 static dopt_status cpu_scale(void *ctx, float *x, float a, size_t n) {
   (void)ctx;
-  for (size_t i = 0; i < n; i++) x[i] = x[i] * a;
+  for (size_t i = 0; i < n; i++) x[i] = dopt_scale_elem(x[i], a);
   return DOPT_OK;
 }
 
@@ -41,7 +42,7 @@ static dopt_status cpu_average(void *ctx, float *x, float d, size_t n, int64_t *
   (void)ctx;
   int64_t c = 0;
   for (size_t i = 0; i < n; i++) {
-    x[i] = x[i] / d;
+    x[i] = dopt_average_elem(x[i], d);
     c += !isfinite(x[i]);
   }
   *nonfinite = c;

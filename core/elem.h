@@ -15,9 +15,8 @@
  * step size) are computed once per step on the host, in double, by the
  * dopt_*_scalars functions below, and passed to the kernels.
  *
- * tests/layering/check_kernels.cmake enforces the rule for the kernel files:
- * no rounding intrinsic, math function or float literal arithmetic outside
- * this header and core/grid.h. */
+ * tests/layering/check_kernels.cmake enforces the rule for the kernel files
+ * (docs/cuda.md "One source"). */
 #ifndef DOPT_ELEM_H
 #define DOPT_ELEM_H
 
@@ -36,13 +35,78 @@
 #define DOPT_FMUL(a, b) __fmul_rn((a), (b))
 #define DOPT_FDIV(a, b) __fdiv_rn((a), (b))
 #define DOPT_FSQRT(a) __fsqrt_rn(a)
+#define DOPT_DADD(a, b) __dadd_rn((a), (b))
+#define DOPT_DSUB(a, b) __dsub_rn((a), (b))
+#define DOPT_DMUL(a, b) __dmul_rn((a), (b))
+#define DOPT_DDIV(a, b) __ddiv_rn((a), (b))
+#define DOPT_I2D(a) __ll2double_rn((long long)(a))
+#define DOPT_D2F(a) __double2float_rn(a)
 #else
 #define DOPT_FADD(a, b) ((a) + (b))
 #define DOPT_FSUB(a, b) ((a) - (b))
 #define DOPT_FMUL(a, b) ((a) * (b))
 #define DOPT_FDIV(a, b) ((a) / (b))
 #define DOPT_FSQRT(a) sqrtf(a)
+#define DOPT_DADD(a, b) ((a) + (b))
+#define DOPT_DSUB(a, b) ((a) - (b))
+#define DOPT_DMUL(a, b) ((a) * (b))
+#define DOPT_DDIV(a, b) ((a) / (b))
+#define DOPT_I2D(a) ((double)(a))
+#define DOPT_D2F(a) ((float)(a))
 #endif
+
+/* ---- exact sums (distopt/xsum.h, core/xsum.c): the words of one value, the value of the words -------- */
+
+enum { DOPT_XW_HI = 0, DOPT_XW_LO = 1, DOPT_XW_NAN = 2, DOPT_XW_PINF = 3, DOPT_XW_NINF = 4 };
+
+/* 2^(62−e) for absmax < 2^e (|x|·scale < 2^62: rint cannot overflow int64, and the 32-bit halves leave
+ * headroom for 2^32 additions); 1 for 0 and non-finite. */
+DOPT_EL double dopt_xsum_scale_of(double absmax) {
+  if (!(absmax > 0.0) || !isfinite(absmax)) return 1.0;
+  int e;
+  (void)frexp(absmax, &e);
+  return ldexp(1.0, 62 - e);
+}
+
+/* The word a non-finite x counts in (DOPT_XW_NAN, _PINF, _NINF), or −1 for a finite one. */
+DOPT_EL int dopt_xsum_class(double x) {
+  if (isfinite(x)) return -1;
+  return isnan(x) ? DOPT_XW_NAN : (x > 0 ? DOPT_XW_PINF : DOPT_XW_NINF);
+}
+
+/* A finite x's two words: q = rint(x·scale) (exact: a power of two), its signed low 32 bits lo ∈ [−2^31, 2^31)
+ * and hi = (q − lo) / 2^32 (exact). */
+DOPT_EL void dopt_xsum_split(double scale, double x, int64_t *hi, int64_t *lo) {
+  const int64_t q = (int64_t)rint(DOPT_DMUL(x, scale));
+  int64_t l = (int64_t)((uint64_t)q & 0xffffffffu);
+  if (l >= 2147483648) l -= 4294967296;
+  *hi = (q - l) / 4294967296;
+  *lo = l;
+}
+
+/* The value of summed words w[5]: NaN, ±inf by the counts, else the integer total carry-normalised (so the
+ * double depends only on the total) times 2^32 plus the low word, divided by scale (a power of two). */
+DOPT_EL double dopt_xsum_value_of(const int64_t *w, double scale) {
+  if (w[DOPT_XW_NAN] > 0 || (w[DOPT_XW_PINF] > 0 && w[DOPT_XW_NINF] > 0)) return NAN;
+  if (w[DOPT_XW_PINF] > 0) return INFINITY;
+  if (w[DOPT_XW_NINF] > 0) return -INFINITY;
+  const int64_t lo = w[DOPT_XW_LO];
+  const int64_t lo_low = (int64_t)((uint64_t)lo & 0xffffffffu);
+  const int64_t hi = w[DOPT_XW_HI] + (lo - lo_low) / 4294967296;
+  return DOPT_DDIV(DOPT_DADD(DOPT_DMUL(DOPT_I2D(hi), 4294967296.0), DOPT_I2D(lo_low)), scale);
+}
+
+/* A mean: (float)(sum / count), one rounding to double then one to float (row and column means) */
+DOPT_EL float dopt_mean_elem(double sum, double count) { return DOPT_D2F(DOPT_DDIV(sum, count)); }
+
+/* x² in double (the sums of squares' terms) */
+DOPT_EL double dopt_square_d(double x) { return DOPT_DMUL(x, x); }
+
+/* ---- the device's vector kernels (distopt/device.h: add, scale, average) ----------------------------- */
+
+DOPT_EL float dopt_add_elem(float acc, float x) { return DOPT_FADD(acc, x); }
+DOPT_EL float dopt_scale_elem(float x, float a) { return DOPT_FMUL(x, a); }
+DOPT_EL float dopt_average_elem(float x, float d) { return DOPT_FDIV(x, d); }
 
 /* ---- AdamW (ref/adamw.c): torch.optim.AdamW's single-tensor order ---------------------------- */
 
@@ -164,6 +228,9 @@ static inline float dopt_adafactor_step_size(int relative_step, int warmup_init,
   if (rms > (float)eps2) return (float)rho * rms;
   return (float)(rho * eps2);
 }
+
+/* β2_t = 1 − t^decay_rate (the second moment's decay at step t). Host. */
+static inline double dopt_adafactor_beta2t(double t, double decay_rate) { return 1.0 - pow(t, decay_rate); }
 
 /* The update's clipping divisor max(1, RMS(U) / d), NaN propagating (torch's clamp_(min=1)). Host. */
 static inline float dopt_clip_div(float urms, double clip_threshold) {

@@ -14,6 +14,7 @@
 
 #include "distopt/device.h"
 #include "distopt/dpsum.h"
+#include "elem.h" /* DOPT_D*: explicit round-to-nearest on the device */
 
 #ifdef __CUDACC__
 #define DOPT_GRID_FN __host__ __device__ static inline
@@ -61,7 +62,7 @@ DOPT_GRID_FN double dopt_grid_pow2(int e) {
  * unchanged (2^52 below half of v's ulp). */
 DOPT_GRID_FN double dopt_grid_rint(double v) {
   const double c = copysign(0x1p52, v);
-  return (v + c) - c;
+  return DOPT_DSUB(DOPT_DADD(v, c), c);
 }
 
 /* The words of finite x in a block with code `code` (≥ x's own code): v =
@@ -74,14 +75,14 @@ DOPT_GRID_FN void dopt_grid_encode(float x, int32_t code, int words, int k, int6
     return;
   }
   /* exact: a power-of-two scaling of a 24-bit value, |.| < 2^(W·K) ≤ 2^124 */
-  double v = dopt_grid_rint((double)x * dopt_grid_pow2(words * k - dopt_grid_top(code)));
+  double v = dopt_grid_rint(DOPT_DMUL((double)x, dopt_grid_pow2(words * k - dopt_grid_top(code))));
   if (words == 1) {
     w[0] = (int64_t)v;
     return;
   }
-  int64_t hi = (int64_t)(v * dopt_grid_pow2(-k)); /* truncation toward zero; exact scaling, |.| < 2^K */
+  int64_t hi = (int64_t)DOPT_DMUL(v, dopt_grid_pow2(-k)); /* truncation toward zero; exact scaling, |.| < 2^K */
   w[0] = hi;
-  w[1] = (int64_t)(v - (double)hi * dopt_grid_pow2(k)); /* exact: the low bits of v's ≤ 24-bit significand */
+  w[1] = (int64_t)DOPT_DSUB(v, DOPT_DMUL((double)hi, dopt_grid_pow2(k))); /* exact: the low bits of v's ≤ 24-bit significand */
 }
 
 DOPT_GRID_FN int64_t dopt_grid_class(float x) {
@@ -144,7 +145,7 @@ DOPT_GRID_FN float dopt_grid_decode(const int64_t *w, int64_t cls, int32_t code,
     const int sh = mh ? 65 - dopt_grid_clz64(mh) : ml >> 63 ? 1 : 0;
     uint64_t m63 = ml;
     if (sh > 0) m63 = (ml >> sh) | (mh << (64 - sh)) | ((ml & ((UINT64_C(1) << sh) - 1u)) != 0 ? 1u : 0u);
-    const double v = (double)(float)(int64_t)m63 * dopt_grid_pow2(e + sh);
+    const double v = DOPT_DMUL((double)(float)(int64_t)m63, dopt_grid_pow2(e + sh));
     if (v > 0x1p-126) return (float)(neg ? -v : v);
   }
   /* subnormal results: rounded here, once, at 2^-149 */
@@ -164,7 +165,7 @@ DOPT_GRID_FN float dopt_grid_decode(const int64_t *w, int64_t cls, int32_t code,
     if (guard && (sticky || (m & 1u))) m++;
   }
   /* m ≤ 2^24 and m·2^(e+s) is an fp32 value (or beyond the range: ±inf, as rounding asks) */
-  float r = (float)((double)m * dopt_grid_pow2(e + (s > 0 ? s : 0)));
+  float r = (float)DOPT_DMUL((double)m, dopt_grid_pow2(e + (s > 0 ? s : 0)));
   return neg ? -r : r;
 }
 

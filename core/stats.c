@@ -260,9 +260,9 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
 /* Finalisation: the means over the logical extents (in the stage after the SUM). */
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
-  for (size_t i = 0; i < nr; i++) row_mean[i] = (float)(dopt_xacc_value(&s->acc[i], s->scale[i]) / (double)pc->w);
+  for (size_t i = 0; i < nr; i++) row_mean[i] = dopt_mean_elem(dopt_xacc_value(&s->acc[i], s->scale[i]), (double)pc->w);
   for (size_t i = 0; i < nc; i++)
-    col_mean[i] = (float)(dopt_xacc_value(&s->acc[nr + i], s->scale[nr + i]) / (double)pc->h);
+    col_mean[i] = dopt_mean_elem(dopt_xacc_value(&s->acc[nr + i], s->scale[nr + i]), (double)pc->h);
 }
 
 dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
@@ -275,7 +275,7 @@ dopt_status dopt_piece_factored_apply(const float *row, const float *col, const 
     return dopt__fail(DOPT_ERR_NO_MEMORY, "factored update: %zu column factors", pc->wl);
   }
   /* normaliser: mean of the (whole) row statistic over the h rows of each batch */
-  for (size_t bi = 0; bi < pc->b; bi++) rmean[bi] = (float)(dopt_xsum(row + bi * pc->h, pc->h) / (double)pc->h);
+  for (size_t bi = 0; bi < pc->b; bi++) rmean[bi] = dopt_mean_elem(dopt_xsum(row + bi * pc->h, pc->h), (double)pc->h);
   piece_block blk;
   size_t k = pc->lo;
   while (next_block(pc, &k, &blk)) {

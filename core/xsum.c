@@ -2,33 +2,25 @@
  * docs/exact-reductions.md. */
 #include "distopt/xsum.h"
 
+#include "elem.h"
 #include "xsum_fast.h"
 
 #include <math.h>
 
-enum { W_HI = 0, W_LO = 1, W_NAN = 2, W_PINF = 3, W_NINF = 4 };
+enum { W_HI = DOPT_XW_HI, W_LO = DOPT_XW_LO, W_NAN = DOPT_XW_NAN, W_PINF = DOPT_XW_PINF, W_NINF = DOPT_XW_NINF };
 
-double dopt_xsum_scale(double absmax) {
-  if (!(absmax > 0.0) || !isfinite(absmax)) return 1.0;
-  int e;
-  (void)frexp(absmax, &e); /* absmax < 2^e */
-  /* |x|·2^(62-e) < 2^62: rint cannot overflow int64, and the 32-bit halves
-   * leave headroom for 2^32 additions (see header). */
-  return ldexp(1.0, 62 - e);
-}
+/* The words of one value and the value of the words are core/elem.h's (the CUDA kernels' too). */
+double dopt_xsum_scale(double absmax) { return dopt_xsum_scale_of(absmax); }
 
 static inline void add_scaled(dopt_xacc *a, double scale, double x) {
-  if (!isfinite(x)) {
-    a->w[isnan(x) ? W_NAN : (x > 0 ? W_PINF : W_NINF)] += 1;
+  const int k = dopt_xsum_class(x);
+  if (k >= 0) {
+    a->w[k] += 1;
     return;
   }
-  /* x·scale is exact (power of two, no overflow for finite fp32-derived x). */
-  int64_t q = (int64_t)rint(x * scale);
-  uint64_t uq = (uint64_t)q;
-  /* signed low word in [-2^31, 2^31): 2^32 - 1 of them cannot overflow */
-  int64_t lo = (int64_t)(uq & 0xffffffffu);
-  if (lo >= 2147483648) lo -= 4294967296;
-  a->w[W_HI] += (q - lo) / 4294967296; /* exact: q - lo is a multiple of 2^32 */
+  int64_t hi, lo; /* lo ∈ [-2^31, 2^31): 2^32 - 1 of them cannot overflow */
+  dopt_xsum_split(scale, x, &hi, &lo);
+  a->w[W_HI] += hi;
   a->w[W_LO] += lo;
 }
 
@@ -56,7 +48,7 @@ static void add_run_scalar(dopt_xacc *acc, double scale, const float *x, size_t 
   dopt_xacc a = *acc; /* local copy: keeps the words in registers */
   for (size_t i = 0; i < n; i++) {
     double v = (double)x[i];
-    add_scaled(&a, scale, sq ? v * v : v);
+    add_scaled(&a, scale, sq ? dopt_square_d(v) : v);
   }
   *acc = a;
 }
@@ -319,19 +311,7 @@ void dopt_xacc_merge(dopt_xacc *acc, const dopt_xacc *other) {
   for (int i = 0; i < DOPT_XSUM_WORDS; i++) acc->w[i] += other->w[i];
 }
 
-double dopt_xacc_value(const dopt_xacc *acc, double scale) {
-  if (acc->w[W_NAN] > 0 || (acc->w[W_PINF] > 0 && acc->w[W_NINF] > 0)) return NAN;
-  if (acc->w[W_PINF] > 0) return INFINITY;
-  if (acc->w[W_NINF] > 0) return -INFINITY;
-  /* carry-normalise so that (hi, lo) is the unique representation with
-   * 0 <= lo < 2^32: the double conversion below then depends only on the
-   * integer total, never on how it was accumulated. */
-  int64_t lo = acc->w[W_LO];
-  int64_t lo_low = (int64_t)((uint64_t)lo & 0xffffffffu);
-  int64_t hi = acc->w[W_HI] + (lo - lo_low) / 4294967296;
-  double v = (double)hi * 4294967296.0 + (double)lo_low;
-  return v / scale; /* exact power-of-two scaling (barring subnormal results) */
-}
+double dopt_xacc_value(const dopt_xacc *acc, double scale) { return dopt_xsum_value_of(acc->w, scale); }
 
 double dopt_absmax(const float *x, size_t n, size_t stride) {
   if (stride == 1) return (double)dopt__absmax_run(x, n);

@@ -14,6 +14,7 @@ extern "C" {
 #include "optim_impl.h"
 }
 #include "distopt/cuda.h"
+#include "elem.h" /* the optimizers' element arithmetic and host scalars, shared with the CPU (one source) */
 #include "grid.h" /* the exact dp sum's element arithmetic, shared with the CPU */
 #include "kernels.cuh"
 
@@ -71,15 +72,15 @@ dopt_status sync(const char *what) {
 /* ---- vector kernels ------------------------------------------------------------------ */
 
 __global__ void k_add(float *acc, const float *x, size_t n) {
-  GRID_STRIDE(i, n) acc[i] = rn_fadd(acc[i], x[i]);
+  GRID_STRIDE(i, n) acc[i] = dopt_add_elem(acc[i], x[i]);
 }
 __global__ void k_scale(float *x, float a, size_t n) {
-  GRID_STRIDE(i, n) x[i] = rn_fmul(x[i], a);
+  GRID_STRIDE(i, n) x[i] = dopt_scale_elem(x[i], a);
 }
 __global__ void k_average(float *x, float d, size_t n, unsigned long long *bad) {
   unsigned long long c = 0;
   GRID_STRIDE(i, n) {
-    float v = rn_fdiv(x[i], d);
+    float v = dopt_average_elem(x[i], d);
     x[i] = v;
     c += !isfinite(v);
   }
@@ -87,11 +88,7 @@ __global__ void k_average(float *x, float d, size_t n, unsigned long long *bad) 
   if ((threadIdx.x & 31) == 0 && c) atomicAdd(bad, c);
 }
 __global__ void k_to_bf16(const float *x, uint16_t *y, size_t n) {
-  GRID_STRIDE(i, n) {
-    unsigned u = __float_as_uint(x[i]);
-    if ((u & 0x7fffffffu) > 0x7f800000u) y[i] = (uint16_t)((u >> 16) | 0x40u);
-    else y[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
+  GRID_STRIDE(i, n) y[i] = dopt_bf16_of_bits(__float_as_uint(x[i]));
 }
 
 /* ---- the exact dp sum (distopt/dpsum.h): core/grid.h's element functions per thread ------------ */
@@ -139,14 +136,13 @@ __global__ void k_absmax(const float *x, size_t n, unsigned *out) {
   if (threadIdx.x == 0 && m) atomicMax(out, m);
 }
 __global__ void k_square_max(const unsigned *mb, double *m) {
-  double v = (double)__uint_as_float(*mb);
-  *m = rn_dmul(v, v);
+  *m = dopt_square_d((double)__uint_as_float(*mb));
 }
 __global__ void k_xacc(const float *x, size_t n, double scale, int sq, unsigned long long *w) {
   xwords a = {{0, 0, 0, 0, 0}};
   GRID_STRIDE(i, n) {
     double v = (double)x[i];
-    xw_add(a, scale, sq ? rn_dmul(v, v) : v);
+    xw_add(a, scale, sq ? dopt_square_d(v) : v);
   }
   xw_block_flush(a, w);
 }
@@ -284,8 +280,8 @@ __global__ void k_rc_means(const long long *acc, const double *scale, size_t nr,
                            float *row_mean, float *col_mean) {
   GRID_STRIDE(i, nr + nc) {
     double v = xw_value(acc + 5 * i, scale[i]);
-    if (i < nr) row_mean[i] = __double2float_rn(rn_ddiv(v, w));
-    else col_mean[i - nr] = __double2float_rn(rn_ddiv(v, h));
+    if (i < nr) row_mean[i] = dopt_mean_elem(v, w);
+    else col_mean[i - nr] = dopt_mean_elem(v, h);
   }
 }
 
@@ -351,14 +347,14 @@ __global__ void k_batch_rmean(const float *row, size_t h, float *rmean) {
   for (int q = 0; q < 5; q++)
     if (a.w[q]) atomicAdd(&words[q], a.w[q]);
   __syncthreads();
-  if (threadIdx.x == 0) rmean[blockIdx.x] = __double2float_rn(rn_ddiv(xw_value((const long long *)words, scale), (double)h));
+  if (threadIdx.x == 0) rmean[blockIdx.x] = dopt_mean_elem(xw_value((const long long *)words, scale), (double)h);
 }
 /* cf[c] = 1/sqrt(col[c]); rf[r] = 1/sqrt(row[r]/rmean[batch]) for all rows and columns */
 __global__ void k_factors(const float *row, const float *col, const float *rmean, size_t nr, size_t nc, size_t h,
                           float *rf, float *cf) {
   GRID_STRIDE(i, nr + nc) {
-    if (i < nr) rf[i] = rn_fdiv(1.0f, rn_fsqrt(rn_fdiv(row[i], rmean[i / h])));
-    else cf[i - nr] = rn_fdiv(1.0f, rn_fsqrt(col[i - nr]));
+    if (i < nr) rf[i] = dopt_row_factor(row[i], rmean[i / h]);
+    else cf[i - nr] = dopt_rsqrt_elem(col[i - nr]);
   }
 }
 __global__ void k_apply(const float *rf, const float *cf, const float *x, dpiece p, size_t nrows, float *out) {
@@ -366,7 +362,7 @@ __global__ void k_apply(const float *rf, const float *cf, const float *x, dpiece
     rowinfo ri = row_of(p, r);
     const float f = rf[ri.lrow];
     for (size_t k = ri.kb + threadIdx.x; k < ri.ke; k += blockDim.x)
-      out[k - p.lo] = rn_fmul(rn_fmul(f, cf[ri.cbase + (k - ri.Rbase)]), x[k - p.lo]);
+      out[k - p.lo] = dopt_factored_elem(f, cf[ri.cbase + (k - ri.Rbase)], x[k - p.lo]);
   }
 }
 
@@ -388,88 +384,39 @@ dopt_status factored_apply(const cuda_dev *c, const float *row, const float *col
 
 /* ---- optimizer kernels ------------------------------------------------------------------- */
 
-struct adamw_k {
-  float decay, b1, omb1, b2, omb2, neg_step, bc2_sqrt, eps;
-};
-__global__ void k_adamw(adamw_k q, float *w, const float *g, float *m, float *v, float *vmax, size_t n) {
-  GRID_STRIDE(i, n) {
-    float gi = g[i];
-    float wi = rn_fmul(w[i], q.decay);
-    float mi = rn_fadd(rn_fmul(m[i], q.b1), rn_fmul(q.omb1, gi));
-    float vi = rn_fadd(rn_fmul(v[i], q.b2), rn_fmul(rn_fmul(q.omb2, gi), gi));
-    float vd = vi;
-    if (vmax) {
-      vd = vmax[i] > vi ? vmax[i] : vi;
-      vmax[i] = vd;
-    }
-    float denom = rn_fadd(rn_fdiv(rn_fsqrt(vd), q.bc2_sqrt), q.eps);
-    w[i] = rn_fadd(wi, rn_fdiv(rn_fmul(q.neg_step, mi), denom));
-    m[i] = mi;
-    v[i] = vi;
-  }
+/* Each kernel is a loop over core/elem.h's element function (one source with the CPU reference). */
+__global__ void k_adamw(dopt_adamw_q q, float *w, const float *g, float *m, float *v, float *vmax, size_t n) {
+  GRID_STRIDE(i, n) dopt_adamw_elem(&q, &w[i], g[i], &m[i], &v[i], vmax ? &vmax[i] : nullptr);
 }
-
-__global__ void k_lamb1(float b1, float omb1, float b2, float omb2, float eps, float wd, int use_wd, const float *w,
-                        const float *g, float *m, float *v, float *u, size_t n) {
-  GRID_STRIDE(i, n) {
-    float gi = g[i];
-    float mi = rn_fadd(rn_fmul(m[i], b1), rn_fmul(omb1, gi));
-    float vi = rn_fadd(rn_fmul(v[i], b2), rn_fmul(rn_fmul(omb2, gi), gi));
-    m[i] = mi;
-    v[i] = vi;
-    float ui = rn_fdiv(mi, rn_fadd(rn_fsqrt(vi), eps));
-    if (use_wd) ui = rn_fadd(ui, rn_fmul(wd, w[i]));
-    u[i] = ui;
-  }
+__global__ void k_lamb1(dopt_lamb_q q, const float *w, const float *g, float *m, float *v, float *u, size_t n) {
+  GRID_STRIDE(i, n) u[i] = dopt_lamb_dir(&q, w[i], g[i], &m[i], &v[i]);
 }
 __global__ void k_axpy(float *w, float alpha, const float *u, size_t n) {
-  GRID_STRIDE(i, n) w[i] = rn_fadd(w[i], rn_fmul(alpha, u[i]));
+  GRID_STRIDE(i, n) w[i] = dopt_axpy_elem(w[i], alpha, u[i]);
 }
-/* u = g·g + eps1 */
 __global__ void k_sq_eps(float *u, const float *g, float eps1, size_t n) {
-  GRID_STRIDE(i, n) u[i] = rn_fadd(rn_fmul(g[i], g[i]), eps1);
+  GRID_STRIDE(i, n) u[i] = dopt_sq_eps_elem(g[i], eps1);
 }
-/* stat = stat·b + omb·mean */
 __global__ void k_ema(float *stat, const float *mean, float b, float omb, size_t n) {
-  GRID_STRIDE(i, n) stat[i] = rn_fadd(rn_fmul(stat[i], b), rn_fmul(omb, mean[i]));
+  GRID_STRIDE(i, n) stat[i] = dopt_ema_elem(stat[i], b, omb, mean[i]);
 }
-/* 1-D second moment: v = v·b + omb·u; u = (1/sqrt(v))·g */
+/* 1-D second moment: v = EMA(v, u); u = (1/sqrt(v))·g */
 __global__ void k_vupd(float *v, float *u, const float *g, float b, float omb, size_t n) {
   GRID_STRIDE(i, n) {
-    float vi = rn_fadd(rn_fmul(v[i], b), rn_fmul(omb, u[i]));
+    const float vi = dopt_ema_elem(v[i], b, omb, u[i]);
     v[i] = vi;
-    u[i] = rn_fmul(rn_fdiv(1.0f, rn_fsqrt(vi)), g[i]);
+    u[i] = dopt_unfactored_elem(vi, g[i]);
   }
 }
 __global__ void k_ada_final(float *w, const float *u, float *m, float div, float alpha, float b1, float omb1,
                             float decay, int use_wd, size_t n) {
-  GRID_STRIDE(i, n) {
-    float ui = rn_fmul(rn_fdiv(u[i], div), alpha);
-    if (m) {
-      float mi = rn_fadd(rn_fmul(m[i], b1), rn_fmul(omb1, ui));
-      m[i] = mi;
-      ui = mi;
-    }
-    float wi = w[i];
-    if (use_wd) wi = rn_fadd(wi, rn_fmul(decay, wi));
-    w[i] = rn_fsub(wi, ui);
-  }
+  GRID_STRIDE(i, n) w[i] = dopt_adafactor_final(w[i], u[i], m ? &m[i] : nullptr, div, alpha, b1, omb1, decay, use_wd);
 }
 __global__ void k_came_res(float *u, float *m, float div, float b1, float omb1, float eps2, size_t n) {
-  GRID_STRIDE(i, n) {
-    float uh = rn_fdiv(u[i], div);
-    float mi = rn_fadd(rn_fmul(m[i], b1), rn_fmul(omb1, uh));
-    m[i] = mi;
-    float r = rn_fsub(uh, mi);
-    u[i] = rn_fadd(rn_fmul(r, r), eps2);
-  }
+  GRID_STRIDE(i, n) u[i] = dopt_came_residual(u[i], &m[i], div, b1, omb1, eps2);
 }
 __global__ void k_came_final(float *w, const float *upd, float lr, float decay, int use_wd, size_t n) {
-  GRID_STRIDE(i, n) {
-    float wi = w[i];
-    if (use_wd) wi = rn_fadd(wi, rn_fmul(decay, wi));
-    w[i] = rn_fsub(wi, rn_fmul(upd[i], lr));
-  }
+  GRID_STRIDE(i, n) w[i] = dopt_came_final(w[i], upd[i], lr, decay, use_wd);
 }
 
 /* ---- frames: what a step keeps between its stages (device memory) ------------------------------ */
@@ -504,15 +451,7 @@ size_t map_frame(void *base, const char *name, const dopt_piece *pc, frame *f) {
 dopt_status step_adamw(const cuda_dev *c, const dopt_step_args *a) {
   enum { LR, BETA1, BETA2, EPS, WD, AMSGRAD };
   const double *hp = a->hp;
-  double t = (double)a->step;
-  double bc1 = 1.0 - pow(hp[BETA1], t), bc2 = 1.0 - pow(hp[BETA2], t);
-  adamw_k q;
-  q.decay = (float)(1.0 - hp[LR] * hp[WD]);
-  q.b1 = (float)hp[BETA1], q.omb1 = (float)(1.0 - hp[BETA1]);
-  q.b2 = (float)hp[BETA2], q.omb2 = (float)(1.0 - hp[BETA2]);
-  q.neg_step = (float)(-(hp[LR] / bc1));
-  q.bc2_sqrt = (float)sqrt(bc2);
-  q.eps = (float)hp[EPS];
+  const dopt_adamw_q q = dopt_adamw_scalars(hp[LR], hp[BETA1], hp[BETA2], hp[EPS], hp[WD], a->step);
   size_t n = a->piece->len;
   float *vmax = hp[AMSGRAD] != 0.0 ? (float *)a->state[2] : nullptr;
   if (n)
@@ -540,13 +479,8 @@ dopt_status step_lamb(const cuda_dev *c, const dopt_step_args *a, frame &f) {
   const size_t n = a->piece->len;
   float *w = a->param, *u = f.u;
   if (a->stage == 0) {
-    const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
-    const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
-    const float eps = (float)hp[EPS], wd = (float)hp[WD];
-    const int use_wd = hp[WD] != 0.0;
-    if (n)
-      k_lamb1<<<grid_for(c, n), BS, 0, ST>>>(b1, omb1, b2, omb2, eps, wd, use_wd, w, a->grad, (float *)a->state[0],
-                                             (float *)a->state[1], u, n);
+    const dopt_lamb_q q = dopt_lamb_scalars(hp[BETA1], hp[BETA2], hp[EPS], hp[WD]);
+    if (n) k_lamb1<<<grid_for(c, n), BS, 0, ST>>>(q, w, a->grad, (float *)a->state[0], (float *)a->state[1], u, n);
     DOPT_TRY(sync("lamb moments"));
     *a->more = 1;
     DOPT_TRY(ss_begin(c, f.pss, w, n, a->red));
@@ -557,48 +491,18 @@ dopt_status step_lamb(const cuda_dev *c, const dopt_step_args *a, frame &f) {
     DOPT_TRY(ss_accum(c, f.pss, w, n, a->red));
     return ss_accum(c, f.uss, u, n, a->red);
   }
-  const double t = (double)a->step;
-  double lr = hp[LR];
-  if (hp[BIASCORR] != 0.0) lr *= sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
   double pss, uss;
   DOPT_TRY(ss_value(f.pss, &pss));
   DOPT_TRY(ss_value(f.uss, &uss));
-  float wnorm = (float)sqrt(pss);
-  float unorm = (float)sqrt(uss);
-  float trust = (wnorm == 0.0f || unorm == 0.0f) ? 1.0f : wnorm / unorm;
-  if (hp[ADAM] != 0.0) trust = 1.0f;
-  const float alpha = (float)(-lr) * trust;
+  const float alpha =
+      dopt_lamb_alpha(hp[LR], hp[BETA1], hp[BETA2], hp[BIASCORR] != 0.0, hp[ADAM] != 0.0, a->step, pss, uss);
   if (n) k_axpy<<<grid_for(c, n), BS, 0, ST>>>(w, alpha, u, n);
   return sync("lamb update");
-}
-
-/* ref/adafactor.c step_size() */
-float ada_step_size(const double *hp, double t, float rms) {
-  enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP };
-  double rho;
-  if (hp[REL_STEP] != 0.0) {
-    double min_step = hp[WARMUP] != 0.0 ? 1e-6 * t : 1e-2;
-    double inv = 1.0 / sqrt(t);
-    rho = min_step < inv ? min_step : inv;
-  } else {
-    rho = hp[LR];
-  }
-  if (hp[SCALE_P] == 0.0) return (float)rho;
-  if (rms > (float)hp[EPS2]) return (float)rho * rms;
-  return (float)(rho * hp[EPS2]);
 }
 
 dopt_status put_f32(float *dst, float v) {
   CU(cudaMemcpyAsync(dst, &v, sizeof v, cudaMemcpyHostToDevice, ST), "state upload");
   return sync("state upload");
-}
-
-/* urms / clip, clamped to >= 1 (NaN propagates) */
-float clip_div(double uss, size_t N, double clip) {
-  float urms = dopt_rms_from_ss(uss, N);
-  float div = urms / (float)clip;
-  if (!(div > 1.0f)) div = div != div ? div : 1.0f;
-  return div;
 }
 
 /* stages as ref/adafactor.c */
@@ -615,7 +519,7 @@ dopt_status step_adafactor(const cuda_dev *c, const dopt_step_args *a, frame &f)
   float *col = pc->factored ? (float *)a->state[s++] : nullptr;
   float *rms_state = (float *)a->state[s];
   const double t = (double)a->step;
-  const double beta2t = 1.0 - pow(t, hp[DECAY]);
+  const double beta2t = dopt_adafactor_beta2t(t, hp[DECAY]);
   const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
   const float eps1 = (float)hp[EPS1];
   const int last = pc->factored ? 4 : 2;
@@ -653,9 +557,10 @@ dopt_status step_adafactor(const cuda_dev *c, const dopt_step_args *a, frame &f)
   DOPT_TRY(ss_value(f.pss, &pss));
   const float rms = dopt_rms_from_ss(pss, N);
   DOPT_TRY(put_f32(rms_state, rms));
-  const float alpha = ada_step_size(hp, t, rms);
+  const float alpha =
+      dopt_adafactor_step_size(hp[REL_STEP] != 0.0, hp[WARMUP] != 0.0, hp[LR], hp[SCALE_P] != 0.0, hp[EPS2], t, rms);
   DOPT_TRY(ss_value(f.uss, &uss));
-  const float div = clip_div(uss, N, hp[CLIP]);
+  const float div = dopt_clip_div(dopt_rms_from_ss(uss, N), hp[CLIP]);
   const float b1 = isnan(hp[BETA1]) ? 0.0f : (float)hp[BETA1];
   const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
   const float decay = (float)(-hp[WD]) * alpha;
@@ -717,7 +622,7 @@ dopt_status step_came(const cuda_dev *c, const dopt_step_args *a, frame &f) {
     DOPT_TRY(ss_value(f.pss, &pss));
     DOPT_TRY(put_f32(rms_state, dopt_rms_from_ss(pss, N)));
     DOPT_TRY(ss_value(f.uss, &uss));
-    const float div = clip_div(uss, N, hp[CLIP]);
+    const float div = dopt_clip_div(dopt_rms_from_ss(uss, N), hp[CLIP]);
     const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
     if (n) k_came_res<<<grid_for(c, n), BS, 0, ST>>>(u, m, div, b1, omb1, eps2, n);
     DOPT_TRY(sync("came: residual"));

@@ -1,24 +1,18 @@
-/* Device arithmetic shared by the CUDA sources. Every fp32/fp64 operation
- * that must match the CPU reference is written with an explicit
- * round-to-nearest intrinsic, so no contraction (FMA) or approximate
- * division/sqrt can creep in whatever the compiler flags; the build also
- * passes --fmad=false -prec-div=true -prec-sqrt=true. */
+/* Device helpers shared by the CUDA sources: bit-level maxima, the exact sums'
+ * word accumulation and block reductions. The arithmetic itself is core/elem.h's
+ * (one source with the CPU: explicit round-to-nearest intrinsics on the device,
+ * so no contraction or approximate division/sqrt whatever the flags; the build
+ * also passes --fmad=false -prec-div=true -prec-sqrt=true), enforced by
+ * tests/layering/check_kernels.cmake on the PTX. */
 #ifndef DOPT_CUDA_KERNELS_CUH
 #define DOPT_CUDA_KERNELS_CUH
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#define DOPT_FLT_MAX_BITS 0x7f7fffffu
+#include "elem.h" /* the element arithmetic shared with the CPU (exact sums included) */
 
-__device__ __forceinline__ float rn_fmul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float rn_fadd(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ float rn_fsub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ float rn_fdiv(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ float rn_fsqrt(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double rn_dmul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ double rn_dadd(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ double rn_ddiv(double a, double b) { return __ddiv_rn(a, b); }
+#define DOPT_FLT_MAX_BITS 0x7f7fffffu
 
 /* |x| as its bit pattern when finite, else 0 (non-negative floats order as
  * unsigned integers, so atomicMax on the bits is a float max). */
@@ -33,38 +27,27 @@ struct xwords {
   unsigned long long w[5];
 };
 
-/* Adds one value with the definition of ref/xsum.c add_scaled(). */
+/* Adds one value: core/elem.h's words (core/xsum.c add_scaled() on the CPU), added as unsigned words. */
 __device__ __forceinline__ void xw_add(xwords &a, double scale, double x) {
-  if (!isfinite(x)) {
-    a.w[isnan(x) ? 2 : (x > 0 ? 3 : 4)] += 1ull;
+  const int k = dopt_xsum_class(x);
+  if (k >= 0) {
+    a.w[k] += 1ull;
     return;
   }
-  long long q = (long long)rint(rn_dmul(x, scale));
-  unsigned long long uq = (unsigned long long)q;
-  long long lo = (long long)(uq & 0xffffffffull);
-  if (lo >= 2147483648ll) lo -= 4294967296ll;
-  a.w[0] += (unsigned long long)((q - lo) / 4294967296ll);
-  a.w[1] += (unsigned long long)lo;
+  int64_t hi, lo;
+  dopt_xsum_split(scale, x, &hi, &lo);
+  a.w[DOPT_XW_HI] += (unsigned long long)hi;
+  a.w[DOPT_XW_LO] += (unsigned long long)lo;
 }
 
-/* dopt_xsum_scale(): 2^(62-e) with absmax < 2^e; 1 for 0 and non-finite. */
-__device__ __forceinline__ double xsum_scale(double absmax) {
-  if (!(absmax > 0.0) || !isfinite(absmax)) return 1.0;
-  int e;
-  (void)frexp(absmax, &e);
-  return ldexp(1.0, 62 - e);
-}
+/* dopt_xsum_scale() */
+__device__ __forceinline__ double xsum_scale(double absmax) { return dopt_xsum_scale_of(absmax); }
 
-/* dopt_xacc_value() */
+/* dopt_xacc_value(): words summed as unsigned, read as the int64 words they are mod 2^64 */
 __device__ __forceinline__ double xw_value(const long long *w, double scale) {
-  if (w[2] > 0 || (w[3] > 0 && w[4] > 0)) return __longlong_as_double(0x7ff8000000000000ll);
-  if (w[3] > 0) return __longlong_as_double(0x7ff0000000000000ll);
-  if (w[4] > 0) return __longlong_as_double((long long)0xfff0000000000000ull);
-  long long lo = w[1];
-  long long lo_low = (long long)((unsigned long long)lo & 0xffffffffull);
-  long long hi = w[0] + (lo - lo_low) / 4294967296ll;
-  double v = rn_dadd(rn_dmul(__ll2double_rn(hi), 4294967296.0), __ll2double_rn(lo_low));
-  return rn_ddiv(v, scale);
+  int64_t s[5];
+  for (int k = 0; k < 5; k++) s[k] = (int64_t)w[k];
+  return dopt_xsum_value_of(s, scale);
 }
 
 /* warp and block sums of the words; the block's thread 0 adds them to out. */

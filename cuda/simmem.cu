@@ -23,11 +23,7 @@ void check(cudaError_t e, const char *what) {
 }
 
 __device__ __forceinline__ float bf2f(uint16_t h) { return __uint_as_float((unsigned)h << 16); }
-__device__ __forceinline__ uint16_t f2bf(float f) {
-  unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+__device__ __forceinline__ uint16_t f2bf(float f) { return dopt_bf16_of_bits(__float_as_uint(f)); }
 
 /* element traits: load to accumulator, store, add, multiply, divide by n */
 struct tf32 {
@@ -35,27 +31,27 @@ struct tf32 {
   typedef float A;
   static __device__ A ld(T x) { return x; }
   static __device__ T st(A x) { return x; }
-  static __device__ A add(A a, A b) { return __fadd_rn(a, b); }
-  static __device__ A mul(A a, A b) { return __fmul_rn(a, b); }
-  static __device__ A div(A a, int n) { return __fdiv_rn(a, (float)n); }
+  static __device__ A add(A a, A b) { return DOPT_FADD(a, b); }
+  static __device__ A mul(A a, A b) { return DOPT_FMUL(a, b); }
+  static __device__ A div(A a, int n) { return DOPT_FDIV(a, (float)n); }
 };
 struct tf64 {
   typedef double T;
   typedef double A;
   static __device__ A ld(T x) { return x; }
   static __device__ T st(A x) { return x; }
-  static __device__ A add(A a, A b) { return __dadd_rn(a, b); }
-  static __device__ A mul(A a, A b) { return __dmul_rn(a, b); }
-  static __device__ A div(A a, int n) { return __ddiv_rn(a, (double)n); }
+  static __device__ A add(A a, A b) { return DOPT_DADD(a, b); }
+  static __device__ A mul(A a, A b) { return DOPT_DMUL(a, b); }
+  static __device__ A div(A a, int n) { return DOPT_DDIV(a, (double)n); }
 };
 struct tbf16 {
   typedef uint16_t T;
   typedef float A;
   static __device__ A ld(T x) { return bf2f(x); }
   static __device__ T st(A x) { return f2bf(x); }
-  static __device__ A add(A a, A b) { return __fadd_rn(a, b); }
-  static __device__ A mul(A a, A b) { return __fmul_rn(a, b); }
-  static __device__ A div(A a, int n) { return __fdiv_rn(a, (float)n); }
+  static __device__ A add(A a, A b) { return DOPT_FADD(a, b); }
+  static __device__ A mul(A a, A b) { return DOPT_FMUL(a, b); }
+  static __device__ A div(A a, int n) { return DOPT_FDIV(a, (float)n); }
 };
 struct ti32 {
   typedef int32_t T;

@@ -98,7 +98,7 @@ static dopt_status step(const dopt_step_args *a) {
   float *u = f.u;
 
   const double t = (double)a->step;
-  const double beta2t = 1.0 - pow(t, hp[DECAY]);
+  const double beta2t = dopt_adafactor_beta2t(t, hp[DECAY]);
   const float b2t = (float)beta2t, omb2t = (float)(1.0 - beta2t);
   const float eps1 = (float)hp[EPS1];
   const int last = pc->factored ? 4 : 2;
