@@ -148,6 +148,24 @@ typedef struct dopt_step_args {
   const int64_t *shape;
 } dopt_step_args;
 
+/* The device buffers a step receives, with their sizes: param and grad [len], every state in full (elementwise
+ * [len], blockwise the piece's blocks, whole its logical size), the frame (frame_bytes), wstat [wstat_len], the
+ * shared blocks' indices and maxima. out[DOPT_MAX_STATES + 6]; returns how many; `out` marks the ones the step may write. (The checking device
+ * checks these; dopt__step_on_host moves them.) */
+typedef struct dopt_step_buf {
+  const char *name;
+  void *dev;
+  size_t bytes;
+  int out;
+} dopt_step_buf;
+int dopt__step_buffers(const dopt_step_args *a, size_t frame_bytes, dopt_step_buf *out);
+
+/* Runs one stage of a's step on the host for a device without a kernel for it: downloads every buffer of
+ * dopt__step_buffers (frame_bytes: the impl's frame, impl->frame), runs impl->step on the host copies (what a
+ * stage posts to the reducer is mapped back to the device copies, which are what the caller reduces) and
+ * uploads what the step may write. Bitwise the CPU device's step; costs a copy of the buffers each way. */
+dopt_status dopt__step_on_host(const dopt_device *dev, const dopt_step_args *a, size_t frame_bytes);
+
 /* Adds n to counter c of this step (a piece counts a SUM counter for the work it did, an EACH counter once). */
 static inline void dopt_count(const dopt_step_args *a, dopt_counter c, int64_t n) {
   if (a->counts) a->counts[c] += n;

@@ -734,18 +734,21 @@ int has_step(const char *name) {
   return strcmp(name, "adamw") == 0 || strcmp(name, "adafactor") == 0 || strcmp(name, "came") == 0 ||
          strcmp(name, "lamb") == 0 || strcmp(name, "sumsq") == 0;
 }
+/* The frame of a step: a kernel step's own layout (map_frame), or for a step without a kernel the CPU
+ * reference's (impl->frame), which dopt__step_on_host moves to the host and back. */
 size_t op_frame_bytes(void *ctx, const dopt_step_args *a) {
   (void)ctx;
   frame f;
-  return has_step(a->impl->name) ? map_frame(nullptr, a->impl->name, a->piece, &f) : 0;
+  if (has_step(a->impl->name)) return map_frame(nullptr, a->impl->name, a->piece, &f);
+  return a->impl->frame ? a->impl->frame(a->hp, a->piece) : 0;
 }
+/* Kernels for adamw, adafactor, came, lamb and the Σx² step; every other optimizer (the 8-bit, GaLore, Q-GaLore,
+ * LISA and Muon steps) through the CPU reference on host copies of its buffers (core/hoststep.c): bitwise by
+ * construction, at the cost of copying the piece's parameter, gradient, states and frame each way per stage. */
 dopt_status op_step(void *ctx, const dopt_step_args *a) {
   ENTER(D(ctx));
   const char *name = a->impl->name;
-  if (!has_step(name))
-    return dopt__fail(DOPT_ERR_UNSUPPORTED,
-                      "cuda device: optimizer '%s' has no CUDA step (adamw, adafactor, came, lamb); use the cpu device",
-                      name);
+  if (!has_step(name)) return dopt__step_on_host(&D(ctx)->dev, a, op_frame_bytes(ctx, a));
   frame f;
   map_frame(a->frame, name, a->piece, &f);
   if (strcmp(name, "adamw") == 0) return step_adamw(D(ctx), a);

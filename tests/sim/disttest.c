@@ -16,6 +16,7 @@
 #include "optim_impl.h"
 
 int dt_basic_transport;
+int dt_host_steps;
 const dopt_optim_impl *dt_dist_impl;
 int dt_step_per_micro;
 
@@ -264,6 +265,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.device = dt_checkdev_device(chk);
   dopt_status ws = dt_checkdev_wrap(chk, &tpt, &cfg.tp);
   if (ws == DOPT_OK) ws = dt_checkdev_wrap(chk, &dpt, &cfg.dp);
+  dt_checkdev_host_steps(chk, dt_host_steps);
   if (ws == DOPT_OK && dt_basic_transport) {
     dt_checkdev_basic_ops(&cfg.tp);
     dt_checkdev_basic_ops(&cfg.dp);

@@ -49,6 +49,9 @@ typedef struct dt_case {
 /* Set by a test on its main thread before dt_run_dist (read only on the rank threads): the transports lack
  * reduce and all_to_allv, as an older or minimal backend (distributed/'s fallbacks). */
 extern int dt_basic_transport;
+/* Set likewise: every step runs through dopt__step_on_host (download, the CPU step on host copies, upload), as
+ * the CUDA device runs the steps it has no kernel for. */
+extern int dt_host_steps;
 
 /* Planted bugs, set by a test on its main thread before dt_run_dist: the distributed side runs this
  * implementation instead of the registry's (the reference keeps the registry's), or steps after every

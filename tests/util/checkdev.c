@@ -32,6 +32,7 @@ struct dt_checkdev {
   size_t violations;
   char first[512];
   wrapped *w[8]; /* the transports it wrapped (freed with it) */
+  int host_steps; /* steps through dopt__step_on_host (dt_checkdev_host_steps) */
   int nw;
 };
 
@@ -170,31 +171,16 @@ static size_t ck_frame_bytes(void *ctx, const dopt_step_args *a) {
   return cpu()->frame_bytes(NULL, a);
 }
 
-/* a step's buffers: param and grad [len], every state in full (elementwise:
- * [len]; blockwise: the piece's blocks; whole: its logical size), the frame */
+/* a step's buffers (dopt__step_buffers: param and grad [len], every state in full, the frame, wstat); with
+ * host steps on, the step itself runs through dopt__step_on_host (as the CUDA device's steps without a kernel) */
 static dopt_status ck_step(void *ctx, const dopt_step_args *a) {
   dt_checkdev *c = C(ctx);
   void *site = __builtin_return_address(0);
-  const size_t n = a->piece->len;
-  if (a->param) CHECK(c, "step", "param", a->param, n * 4, site);
-  if (a->grad) CHECK(c, "step", "grad", a->grad, n * 4, site);
-  if (a->state && a->impl->layout) { /* the states of a tensor of the piece's logical [b, h, w] */
-    const dopt_piece *pc = a->piece;
-    int64_t shape[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
-    int ndim = pc->factored ? 3 : 1;
-    if (!pc->factored) shape[0] = (int64_t)pc->numel;
-    dopt_state_spec spec[DOPT_MAX_STATES];
-    int ns = a->impl->layout(a->hp, ndim, shape, spec);
-    for (int k = 0; k < ns; k++) {
-      const size_t es = dopt_dtype_size(spec[k].v.dtype);
-      size_t bytes = spec[k].kind == DOPT_STATE_ELEMENTWISE ? n * es
-                     : spec[k].kind == DOPT_STATE_BLOCKWISE ? dopt_piece_blocks(pc, spec[k].block, NULL) * es
-                                                             : spec[k].v.bytes;
-      CHECK(c, "step", spec[k].v.name, a->state[k], bytes, site);
-    }
-  }
-  size_t fb = cpu()->frame_bytes(NULL, a);
-  if (fb) CHECK(c, "step", "frame", a->frame, fb, site);
+  const size_t fb = cpu()->frame_bytes(NULL, a);
+  dopt_step_buf b[DOPT_MAX_STATES + 6];
+  const int nb = dopt__step_buffers(a, fb, b);
+  for (int k = 0; k < nb; k++) CHECK(c, "step", b[k].name, b[k].dev, b[k].bytes, site);
+  if (c->host_steps) return dopt__step_on_host(&c->dev, a, fb);
   return cpu()->step(NULL, a);
 }
 
@@ -353,6 +339,8 @@ dopt_status dt_checkdev_wrap(dt_checkdev *c, const dopt_transport *in, dopt_tran
 void dt_checkdev_basic_ops(dopt_transport *t) {
   if (t->ops == &w_ops) t->ops = &w_ops_basic;
 }
+
+void dt_checkdev_host_steps(dt_checkdev *c, int on) { c->host_steps = on != 0; }
 
 size_t dt_checkdev_violations(const dt_checkdev *c, const char **first) {
   if (first) *first = c->first;

@@ -29,6 +29,9 @@ dopt_status dt_checkdev_wrap(dt_checkdev *c, const dopt_transport *in, dopt_tran
 /* A wrapped transport (dt_checkdev_wrap) then offers only the first four collectives: reduce and all_to_allv
  * NULL, as an older or minimal backend (distributed/ falls back to all_reduce and broadcasts). */
 void dt_checkdev_basic_ops(dopt_transport *t);
+/* on: every step runs through dopt__step_on_host (download, the CPU step on host copies, upload), as the CUDA
+ * device runs the steps it has no kernel for; results stay bitwise the CPU device's. */
+void dt_checkdev_host_steps(dt_checkdev *c, int on);
 /* Violations so far, and the first one's message ("" if none). */
 size_t dt_checkdev_violations(const dt_checkdev *c, const char **first);
 /* Live arena allocations (a leak check after destroying what used the device). */
