@@ -37,6 +37,17 @@ cmake --build build -j"$jobs" >/dev/null
 DOPT_GRID_FULL=$long ctest --test-dir build --output-on-failure -j"$jobs"
 [ $quick -eq 1 ] && exit 0
 
+# The device kit (docs/cuda.md): what a lent GPU runs is built and dry-run here whenever a CUDA compiler is
+# installed (~45 s); CI's bare Debian has none (the toolkit is not a Debian main package), so it says so.
+step "device kit: cuda/kit.sh and the dry run of cuda/check.sh"
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  PATH=$PATH:/usr/local/cuda/bin bash cuda/kit.sh
+  OUT=build/kit-dry-run bash cuda/check.sh >/dev/null
+  head -1 build/kit-dry-run/summary.txt
+else
+  echo "skipped: no CUDA compiler (nvcc) on this machine"
+fi
+
 # The `mpi` tests (mpirun; tests/mpi) run in the regular pass only: under
 # LeakSanitizer OpenMPI's own allocations, never freed at MPI_Finalize, fail
 # every mpi test at exit, so the sanitizer passes leave them out (-LE mpi here;

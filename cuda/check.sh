@@ -7,7 +7,9 @@
 #   2. gpu_cuda_kernels                    every kernel and the step of every
 #                                          optimizer with a CUDA step, CUDA vs CPU bitwise
 #   3. gpu_cuda_grid                       the equivalence grid on the device-buffer simulator
-#   4. compare --device cuda               adamw, adafactor, came, lamb (tp2 dp2 zero2) + adamw fsdp bf16
+#   4. compare --device cuda               adamw, adafactor, came, lamb (kernels) and adamw8bit, galore_adamw,
+#                                          galore_adamw8bit, q_galore, lisa, muon (their CPU step on host copies,
+#                                          core/hoststep.c) at tp2 dp2 zero2 + adamw fsdp bf16
 #   5. compare --device cuda --backend nccl, one rank (torchrun-style environment)
 #   6. compute-sanitizer memcheck          of gpu_cuda_kernels ("unavailable" when the runtime refuses it)
 #   7. dopt_cuda_bench                     bandwidth of every kernel vs a device-to-device copy
@@ -85,6 +87,10 @@ for opt in adamw adafactor came lamb; do
   [ "$opt" = came ] && hp=(--hparams lr=2e-4)
   run "compare --device cuda --optimizer $opt (hybrid tp2 dp2 zero2)" 90 \
     "$B/distopt" compare --device cuda --optimizer "$opt" "${hp[@]}" --steps 20 --quiet
+done
+for opt in adamw8bit galore_adamw galore_adamw8bit q_galore lisa muon; do
+  run "compare --device cuda --optimizer $opt (host step, hybrid tp2 dp2 zero2)" 60 \
+    "$B/distopt" compare --device cuda --optimizer "$opt" --steps 8 --quiet
 done
 run "compare --device cuda adamw fsdp zero3 bf16" 90 \
   "$B/distopt" compare --device cuda --optimizer adamw --plugin fsdp --zero 3 --bf16 --steps 20 --quiet

@@ -1,10 +1,10 @@
 /* The CUDA device (distopt/cuda.h): memory, the vector kernels and the step
- * of adamw, adafactor, came and lamb on a piece, performing the CPU
- * reference's IEEE operations in the reference's order (ref/adamw.c,
- * ref/adafactor.c, ref/came.c, ref/lamb.c, core/stats.c). Step-dependent
- * scalars are computed on the host by the same expressions as the CPU code;
- * exact sums use the fixed-point words of core/xsum.c with integer atomics
- * (any order gives the same words). Every entry point is synchronous for the
+ * of adamw, adafactor, came and lamb on a piece as loops over core/elem.h's
+ * element functions (one source with the CPU reference; core/stats.c's
+ * staging); every other optimizer through its CPU step on host copies
+ * (core/hoststep.c). Step-dependent scalars come from core/elem.h's host
+ * functions, as the CPU code's; exact sums use its fixed-point words with
+ * integer atomics (any order gives the same words). Every entry point is synchronous for the
  * calling thread and runs on that thread's stream (cudaStreamPerThread). */
 #include <math.h>
 #include <stdlib.h>

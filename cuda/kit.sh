@@ -38,4 +38,7 @@ done
 mkdir -p kit
 tar -C "$stage" -cJf kit/distopt-kit.tar.xz distopt-kit
 cat "$k/MANIFEST"
+# what travels to the GPU machine (carry) is at most 64 MiB
+size=$(stat -c %s kit/distopt-kit.tar.xz)
+[ "$size" -le $((64 * 1048576)) ] || { echo "kit.sh: the kit ($size bytes) is over the 64 MiB a device run carries" >&2; exit 1; }
 echo "kit/distopt-kit.tar.xz: $(du -h kit/distopt-kit.tar.xz | cut -f1) (uncompressed $(du -sh "$k" | cut -f1))"
