@@ -40,6 +40,7 @@
 #include <stdint.h>
 
 #include "distopt/device.h"
+#include "distopt/layout.h"
 #include "distopt/dpsum.h"
 #include "distopt/optim.h"
 #include "distopt/transport.h"
@@ -113,6 +114,14 @@ DOPT_API void dopt_dist_destroy(dopt_dist_optim *d);
  * [b, h, w] view. Gradients passed to dopt_dist_backward have this shape. */
 DOPT_API dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int param, int *ndim, int64_t *shape,
                                            size_t *numel);
+
+/* This rank's piece of parameter i in the layout description (distopt/layout.h, docs/layout.md): its TP block
+ * as a block of the logical tensor's split dimension (ndim−2 for COLUMN, ndim−1 for ROW, 0 for a 1-D COLUMN
+ * tensor; none when replicated) and the flat range of that block whose averaged gradient this rank keeps after
+ * the dp sum and steps (piecewise: its ZeRO shard, the whole block at zero 0; owner mode: the whole block on
+ * the owner's dp row). len 0: the rank holds none of it (an uneven split, a shard of padding, not the owner). Stage and expert are −1. Over all ranks the pieces obey the
+ * layout rule (dopt_layout_cover: TP-replicated and zero-0 pieces are replicas). */
+DOPT_API dopt_status dopt_dist_layout(const dopt_dist_optim *d, int param, dopt_layout_piece *out);
 
 /* Adds one micro-batch of this rank's TP-local gradients (host memory,
  * grads[i] per parameter) to the accumulators: the first gradient after a

@@ -392,6 +392,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   if (s == DOPT_OK && x->save_dir) s = dopt_dist_save(d, plain, x->save_dir, x->t_last);
   if (rank == 0 && d) x->r->skipped = dopt_dist_skipped_steps(d);
   if (d && rank < DT_MAXRANKS) { /* own slots */
+    for (int i = 0; i < c->nparams && s == DOPT_OK; i++) s = dopt_dist_layout(d, i, &x->r->layout[rank][i]);
     x->r->stat_collectives[rank] = dopt_dist_stat_collectives(d);
     dopt_dist_memory m;
     if (dopt_dist_memory_usage(d, &m) == DOPT_OK) x->r->state_mem[rank] = m.state_bytes;
@@ -444,6 +445,7 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
   x.load_dir = load_dir;
   x.save_dir = save_dir;
   x.ref_counts = ref_counts;
+  out->nlayout = cfg.nranks < DT_MAXRANKS ? cfg.nranks : DT_MAXRANKS;
   dopt_status st[64];
   dopt_status s = dopt_sim_launch(w, rank_body, &x, st);
   for (int r = 0; s == DOPT_OK && r < cfg.nranks; r++)
@@ -465,7 +467,30 @@ static int first_diff32(const float *a, const float *b, size_t n, size_t *at) {
   return 0;
 }
 
+/* The ranks' pieces of every parameter (dopt_dist_layout) tile it by the layout rule: 0, or 1 with msg. */
+static int layout_differs(const dt_case *c, const dt_result *got, char *msg, size_t cap) {
+  for (int i = 0; i < c->nparams; i++) {
+    dopt_layout_piece pcs[DT_MAXRANKS];
+    int ranks[DT_MAXRANKS];
+    size_t n = 0;
+    for (int r = 0; r < got->nlayout && r < DT_MAXRANKS; r++)
+      if (got->layout[r][i].len > 0) pcs[n] = got->layout[r][i], ranks[n++] = r;
+    const dt_param *pp = &c->params[i];
+    for (size_t k = 0; k < n; k++)
+      if (dopt_layout_piece_check(pp->ndim, pp->shape, &pcs[k]) != DOPT_OK) {
+        snprintf(msg, cap, "dopt_dist_layout of %s on rank %d: %s", pp->name, ranks[k], dopt_last_error());
+        return 1;
+      }
+    if (dopt_layout_cover(pp->name, pp->ndim, pp->shape, pcs, ranks, n, NULL) != DOPT_OK) {
+      snprintf(msg, cap, "dopt_dist_layout: %s", dopt_last_error());
+      return 1;
+    }
+  }
+  return 0;
+}
+
 int dt_compare(const dt_case *c, const dt_result *ref, const dt_result *got, char *msg, size_t cap) {
+  if (got->nlayout && layout_differs(c, got, msg, cap)) return 1;
   if (ref->nck != got->nck) {
     snprintf(msg, cap, "checkpoints: reference %d, distributed %d", ref->nck, got->nck);
     return 1;

@@ -94,6 +94,10 @@ typedef struct dt_result {
   uint64_t step_ops[DT_MAXRANKS][DOPT_SIM_KIND_COUNT];
   size_t state_mem[DT_MAXRANKS];         /* dopt_dist_memory_usage().state_bytes of each world rank */
   size_t ref_state_mem;                  /* the reference's allocated state bytes at the end */
+  /* Each world rank's piece of each parameter (dopt_dist_layout), distributed runs only (nlayout ranks; 0: the
+   * reference): dt_compare checks that they obey the layout rule (dopt_layout_cover) for every parameter. */
+  int nlayout;
+  dopt_layout_piece layout[DT_MAXRANKS][DT_MAXP];
   /* Every rank's own copy (distributed runs only): at each checkpoint every
    * rank digests what it gathered of each parameter (values, bf16 copy, step
    * counter, states) and dopt_dist_check_replicas compares the digests with
