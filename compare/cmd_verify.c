@@ -111,7 +111,7 @@ static const verify_tol *find_tol(const char *name) {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 4              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert */
+#define VR_JSON_SCHEMA 4              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict */
 
 typedef struct vstat {
   int rank, param;
@@ -1120,13 +1120,38 @@ static void check_agreement(vctx *c, long t) {
   }
 }
 
-/* Whether the gradients' disagreement is the verdict: the first finding (at its step it comes first: the values
- * that follow from a wrong gradient are its consequence). */
-static int agree_verdict(const vctx *c) { return c->agree_step && (!c->verdict_step || c->agree_step <= c->verdict_step); }
+/* A verdict found before the values: the recorder's hyperparameter disagreement (schema 4), or the gradients'
+ * digests; the first of them at or before the values' first divergence, at its step the hyperparameters
+ * first (a cause precedes its consequences: a wrong gradient, values). */
+typedef struct early {
+  const char *kind; /* "hparams", "gradients"; NULL: none */
+  long step;
+  int rank;
+  const char *tensor; /* the key or the parameter */
+  char text[VR_MAX_NAME + 160];
+} early;
 
-static void agree_text(const vctx *c, char *buf, size_t cap) {
-  snprintf(buf, cap, "DIVERGED at step %ld (gradient of %s: rank %d differs from rank %d)", c->agree_step,
-           c->rd.ix.params[c->agree_param].name, c->agree_rank, c->agree_base);
+static void hp_value_text(double v, char *buf, size_t cap) {
+  if (isnan(v)) snprintf(buf, cap, "unset");
+  else snprintf(buf, cap, "%.9g", v);
+}
+
+static int early_verdict(const vctx *c, early *e) {
+  const long hs = c->rd.ix.disagree.step, as = c->agree_step, vs = c->verdict_step;
+  memset(e, 0, sizeof *e);
+  if (hs && (!vs || hs <= vs) && (!as || hs <= as)) {
+    char a[40], b[40];
+    hp_value_text(c->rd.ix.disagree.value, a, sizeof a);
+    hp_value_text(c->rd.ix.disagree.rank0, b, sizeof b);
+    e->kind = "hparams", e->step = hs, e->rank = c->rd.ix.disagree.rank, e->tensor = c->rd.ix.disagree.key;
+    snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (hyperparameters: rank %d's %s of group %d is %s, rank "
+             "0's %s, which the replay uses)", hs, e->rank, e->tensor, c->rd.ix.disagree.group, a, b);
+  } else if (as && (!vs || as <= vs)) {
+    e->kind = "gradients", e->step = as, e->rank = c->agree_rank, e->tensor = c->rd.ix.params[c->agree_param].name;
+    snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (gradient of %s: rank %d differs from rank %d)", as,
+             e->tensor, c->agree_rank, c->agree_base);
+  }
+  return e->kind != NULL;
 }
 
 /* --stepwise: the state after step t was recorded (parameters and states), so step t+1 can start from it. */
@@ -1304,10 +1329,9 @@ static void print_table(const vctx *c) {
   if (c->rd.ix.grad_agree)
     printf("gradients: every rank's digest of each parameter's gradient compared at %ld step%s%s\n", c->agree_checked,
            c->agree_checked == 1 ? "" : "s", c->agree_step ? " (until the first difference)" : ", all equal");
-  if (agree_verdict(c)) {
-    char text[VR_MAX_NAME + 128];
-    agree_text(c, text, sizeof text);
-    printf("verdict: %s\n", text);
+  early e;
+  if (early_verdict(c, &e)) {
+    printf("verdict: %s\n", e.text);
   } else if (!c->verdict_step) {
     char pw[64] = "none recorded", sw[64] = "none recorded";
     if (np) snprintf(pw, sizeof pw, "%.3g of %g", wp, c->tol_param);
@@ -1418,11 +1442,12 @@ static int json_body(FILE *f, const void *ctx) {
   free(order);
   cJSON *v = cJSON_AddObjectToObject(root, "verdict");
   cJSON_AddBoolToObject(root, "gradients_compared", c->rd.ix.grad_agree != 0);
-  if (v && agree_verdict(c)) {
-    cJSON_AddStringToObject(v, "kind", "gradients");
-    cJSON_AddNumberToObject(v, "step", (double)c->agree_step);
-    cJSON_AddStringToObject(v, "tensor", c->rd.ix.params[c->agree_param].name);
-    cJSON_AddNumberToObject(v, "rank", c->agree_rank);
+  early e;
+  if (v && early_verdict(c, &e)) {
+    cJSON_AddStringToObject(v, "kind", e.kind);
+    cJSON_AddNumberToObject(v, "step", (double)e.step);
+    cJSON_AddStringToObject(v, "tensor", e.tensor);
+    cJSON_AddNumberToObject(v, "rank", e.rank);
   } else if (v && !c->verdict_step) {
     cJSON_AddStringToObject(v, "kind", "within_tolerance");
     cJSON_AddNullToObject(v, "step");
@@ -1541,13 +1566,12 @@ static int svg_body(FILE *f, const void *ctx) {
     drawn++;
   }
   if (drawn > 24) fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">\xE2\x80\xA6 and %d more</text>\n", SV_R + 42, ly, drawn - 24);
-  if (agree_verdict(c)) {
-    char text[VR_MAX_NAME + 128];
-    agree_text(c, text, sizeof text);
-    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#b00000\"/>\n", SX(c->agree_step), SV_T,
-            SX(c->agree_step), SV_B);
+  early e;
+  if (early_verdict(c, &e)) {
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#b00000\"/>\n", SX(e.step), SV_T,
+            SX(e.step), SV_B);
     fprintf(f, "<text x=\"%.0f\" y=\"%d\" font-weight=\"bold\" fill=\"#b00000\">verdict: ", SV_L, SV_H - 14);
-    cmp_xml_text(f, text, 0);
+    cmp_xml_text(f, e.text, 0);
     fputs("</text>\n", f);
   } else if (c->verdict_step) {
     const vstat *s = &c->st[c->verdict_stat];
@@ -1606,10 +1630,9 @@ int cmd_verify(int argc, char **argv) {
   if (rc == CLI_OK && c.svg_path) rc = write_output(&c, c.svg_path, svg_body, "--plot");
   if (rc == CLI_OK && c.quiet) {
     /* the verdict line alone */
-    if (agree_verdict(&c)) {
-      char text[VR_MAX_NAME + 128];
-      agree_text(&c, text, sizeof text);
-      printf("verdict: %s\n", text);
+    early e;
+    if (early_verdict(&c, &e)) {
+      printf("verdict: %s\n", e.text);
     } else if (c.verdict_step) {
       char name[VR_MAX_NAME + VR_MAX_KEY + 2];
       stat_name(&c, &c.st[c.verdict_stat], name, sizeof name);
@@ -1618,7 +1641,7 @@ int cmd_verify(int argc, char **argv) {
       printf("verdict: WITHIN TOLERANCE\n");
     }
   }
-  if (rc == CLI_OK && (c.verdict_step || c.agree_step)) rc = CLI_FAIL;
+  if (rc == CLI_OK && (c.verdict_step || c.agree_step || c.rd.ix.disagree.step)) rc = CLI_FAIL;
   fflush(stdout);
   cleanup(&c);
   return rc;

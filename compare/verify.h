@@ -122,6 +122,14 @@ typedef struct vr_index {
   int experts;            /* schema 4: experts (0: none); a piece's expert id is below it */
   long nchanges;
   vr_change *changes;     /* by step */
+  /* schema 4: the recorder found another rank's hyperparameters different from rank 0's (which the replay
+   * uses): the first difference (step 0: none); value, rank0 NaN for an unset key */
+  struct {
+    long step;
+    int rank, group;
+    char key[VR_MAX_KEY + 1];
+    double value, rank0;
+  } disagree;
   int *by_name;           /* [nparams] parameter indices sorted by name (vr_index_find_param) */
 } vr_index;
 

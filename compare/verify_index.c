@@ -509,6 +509,34 @@ static int parse_changes(vctx *c, const cJSON *arr, vr_index *ix) {
   return 0;
 }
 
+/* A hyperparameter's value in the index: a finite number, true/false (1/0), or null (NaN: unset). */
+static int get_hp_value(vctx *c, const cJSON *v, const char *path, double *out) {
+  char b[96];
+  if (v && cJSON_IsNull(v)) return *out = NAN, 0;
+  if (v && cJSON_IsBool(v)) return *out = cJSON_IsTrue(v) ? 1.0 : 0.0, 0;
+  if (v && cJSON_IsNumber(v) && isfinite(v->valuedouble)) return *out = v->valuedouble, 0;
+  return fail(c, "%s: %s, expected a finite number, true, false or null", path, value_text(v, b, sizeof b));
+}
+
+/* hparam_disagreement (schema 4): {"step", "rank", "group", "key", "value", "rank0_value"} */
+static int parse_disagreement(vctx *c, const cJSON *dj, vr_index *ix) {
+  static const char *const keys[] = {"step", "rank", "group", "key", "value", "rank0_value", NULL};
+  long long v;
+  if (!dj) return 0;
+  if (get_object(c, dj, "hparam_disagreement") || check_keys(c, dj, "hparam_disagreement", keys)) return -1;
+  if (get_int(c, member(dj, "step"), "hparam_disagreement.step", ix->start_step + 1,
+              ix->steps > ix->start_step ? ix->steps : ix->start_step + 1, &v))
+    return -1;
+  ix->disagree.step = (long)v;
+  if (get_int(c, member(dj, "rank"), "hparam_disagreement.rank", 1, ix->world_size - 1, &v)) return -1;
+  ix->disagree.rank = (int)v;
+  if (get_int(c, member(dj, "group"), "hparam_disagreement.group", 0, ix->ngroups - 1, &v)) return -1;
+  ix->disagree.group = (int)v;
+  if (get_str(c, member(dj, "key"), "hparam_disagreement.key", VR_MAX_KEY, ix->disagree.key)) return -1;
+  if (get_hp_value(c, member(dj, "value"), "hparam_disagreement.value", &ix->disagree.value)) return -1;
+  return get_hp_value(c, member(dj, "rank0_value"), "hparam_disagreement.rank0_value", &ix->disagree.rank0);
+}
+
 static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   /* schema 1's keys; schema 2 adds start_step, record.grads and record.projectors, and lets optimizer.name be null;
    * schema 3 adds record.grad_agree (and pieces their block); schema 4 stages and experts (and pieces their stage
@@ -520,7 +548,7 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
                                       "start_step", NULL};
   static const char *const keys4[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
                                       "world_size", "record", "ranks", "steps", "complete", "hparam_changes",
-                                      "start_step", "stages", "experts", NULL};
+                                      "start_step", "stages", "experts", "hparam_disagreement", NULL};
   static const char *const okeys[] = {"name", "upstream", NULL};
   static const char *const tkeys[] = {"version", "cpu_capability", "num_threads", NULL};
   static const char *const rkeys1[] = {"every", "params", "states", "flush_every", NULL};
@@ -605,7 +633,8 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
       return fail(c, "params[%d].name: %s appears twice", lk->order[i] > lk->order[i - 1] ? lk->order[i] : lk->order[i - 1],
                   shown(ix->params[lk->order[i]].name, b, sizeof b));
   if (parse_ranks(c, member(root, "ranks"), ix, lk)) return -1;
-  return parse_changes(c, member(root, "hparam_changes"), ix);
+  if (parse_changes(c, member(root, "hparam_changes"), ix)) return -1;
+  return parse_disagreement(c, member(root, "hparam_disagreement"), ix);
 }
 
 int vr_index_parse(const char *text, size_t len, const char *where, vr_index *out, char *err, size_t cap) {

@@ -481,7 +481,8 @@ class Recorder:
         os.makedirs(os.path.join(self.path, f"rank{self.rank}"), exist_ok=True)
         self.files = [[] for _ in range(self.world)]
         self.changes = []
-        self.hp_sent, self.hp_flushed, self.hp_warned = 0, False, False  # compared with the other ranks' so far
+        self.hp_sent, self.hp_flushed = 0, False  # changes sent to the other ranks so far
+        self.hp_hist, self.hp_disagree = {}, None  # every rank's hyperparameters and changes; the first difference
         self.last_hp = self._read_groups()
         self.hp0 = [dict(h) for h in self.last_hp]
         if self.name is not None:
@@ -722,30 +723,43 @@ class Recorder:
 
     def _check_hparams(self, parts):
         """Every rank's hyperparameters and changes agree with rank 0's, which the index keeps and verify
-        replays; the first difference is one warning line on every rank (once per recorder): a stage or rank
-        whose schedule or settings differ is then also named by verify at the step it shows."""
-        if self.hp_warned or len(parts) < 2:
+        replays. The first difference (the earliest step, then the lowest rank) goes into the index
+        (hparam_disagreement: verify's verdict `hparams` at that step) and is one warning line on every rank."""
+        for p in parts:
+            h = self.hp_hist.setdefault(p["rank"], {"first": None, "changes": []})
+            if p["hp"]["first"] is not None:
+                h["first"] = p["hp"]["first"]
+            h["changes"].extend(p["hp"]["changes"])
+        if self.hp_disagree is not None or len(parts) < 2:
             return
-        ref = parts[0]["hp"]
-        for p in parts[1:]:
-            mine, diff = p["hp"], None
-            if mine["first"] != ref["first"]:
-                g = next(g for g, (a, b) in enumerate(zip(mine["first"] or [], ref["first"] or [])) if a != b)
-                k = sorted(k for k in set(mine["first"][g]) | set(ref["first"][g])
-                           if mine["first"][g].get(k) != ref["first"][g].get(k))[0]
-                diff = (f"group {g} {k}={mine['first'][g].get(k)!r} at the start, rank 0's "
-                        f"{ref['first'][g].get(k)!r}")
-            elif mine["changes"] != ref["changes"]:
-                a = {(c["step"], c["group"], c["key"]): c["value"] for c in mine["changes"]}
-                b = {(c["step"], c["group"], c["key"]): c["value"] for c in ref["changes"]}
-                step, g, k = min(q for q in set(a) | set(b) if a.get(q, "none") != b.get(q, "none"))
-                said = lambda m: f"changed to {m[(step, g, k)]!r}" if (step, g, k) in m else "unchanged"  # noqa: E731
-                diff = f"group {g} {k} before step {step}: {said(a)}, rank 0's {said(b)}"
-            if diff:
-                self.hp_warned = True
-                warnings.warn(f"distopt.record: rank {p['rank']}'s hyperparameters differ from rank 0's: {diff} "
-                              f"(the recording keeps rank 0's; verify replays them)", stacklevel=3)
-                return
+        ref = self.hp_hist[0]
+
+        def value(h, step, g, k):  # the value in effect at step (its changes before it applied)
+            v = (h["first"][g] if g < len(h["first"]) else {}).get(k)
+            for c in h["changes"]:
+                if c["step"] <= step and c["group"] == g and c["key"] == k:
+                    v = c["value"]
+            return v
+
+        found = None
+        for r in sorted(self.hp_hist)[1:]:
+            h = self.hp_hist[r]
+            steps = sorted({self.start + 1} | {c["step"] for c in h["changes"] + ref["changes"]})
+            keys = sorted({(g, k) for hh in (h, ref) for g, grp in enumerate(hh["first"]) for k in grp}
+                          | {(c["group"], c["key"]) for c in h["changes"] + ref["changes"]})
+            for t in steps:
+                diff = [(g, k) for g, k in keys if value(h, t, g, k) != value(ref, t, g, k)]
+                if diff:
+                    g, k = diff[0]
+                    if found is None or t < found["step"]:
+                        found = {"step": t, "rank": r, "group": g, "key": k, "value": value(h, t, g, k),
+                                 "rank0_value": value(ref, t, g, k)}
+                    break
+        if found is not None:
+            self.hp_disagree = found
+            warnings.warn(f"distopt.record: rank {found['rank']}'s hyperparameters differ from rank 0's at step "
+                          f"{found['step']}: group {found['group']} {found['key']} = {found['value']!r}, rank 0's "
+                          f"{found['rank0_value']!r} (the recording keeps rank 0's; verify names it)", stacklevel=3)
 
     def _write_index(self, complete):
         index = {
@@ -763,6 +777,7 @@ class Recorder:
             "ranks": [{"rank": r, "pieces": self.layouts[r], "files": self.files[r]} for r in range(self.world)],
             **({"stages": self.stages} if self.stages else {}),
             **({"experts": self.experts} if self.experts else {}),
+            **({"hparam_disagreement": self.hp_disagree} if self.hp_disagree is not None else {}),
             "start_step": self.start,
             "steps": max((f["last_step"] for f in self.files[0]), default=self.start),
             "complete": bool(complete),

@@ -277,8 +277,9 @@ def case_tp():
 def case_pipeline():
     """A 2-stage pipeline on 2 gloo ranks, each stage its own AdamW and lr schedule, each parameter recorded whole
     on its stage's rank with its stage (schema 4): exit 0, every tensor reported with its stage; stage 1's
-    schedule one step behind from step 4: the recorder warns on every rank naming rank 1's lr before step 4,
-    and verify exits 1 at step 4 on rank 1 (the lr schedule replayed is the recording's, stage 0's)."""
+    schedule one step behind from step 4: the recorder warns on every rank and keeps the disagreement in the
+    index, and verify exits 1 at step 4 naming rank 1's lr (without that field: the values, at step 4 on rank 1,
+    the lr schedule replayed being the recording's, stage 0's)."""
     d = H.work_dir("pipeline")
     good = os.path.join(d, "pipeline.rec")
     H.launch(H.pipeline_worker, 2, good, 8, False)
@@ -298,13 +299,27 @@ def case_pipeline():
     for r in (0, 1):
         with open(f"{bad}.warnings{r}") as f:
             said = f.read()
-        H.check("distopt.record: rank 1's hyperparameters differ from rank 0's: group 0 lr before step 4: "
-                "unchanged, rank 0's changed to" in said and said.count("\n") == 1,
-                f"rank {r} warned once, naming rank 1's lr before step 4: {said!r}")
+        H.check("distopt.record: rank 1's hyperparameters differ from rank 0's at step 4: group 0 lr = "
+                in said and said.count("\n") == 1, f"rank {r} warned once, naming rank 1's lr at step 4: {said!r}")
+    with open(os.path.join(bad, "index.json")) as f:
+        dis = json.load(f)["hparam_disagreement"]
+    H.check((dis["step"], dis["rank"], dis["group"], dis["key"]) == (4, 1, 0, "lr") and dis["value"] > dis["rank0_value"],
+            f"the index keeps the first disagreement: {dis}")
     out, rep = H.run_verify(bad, expect=1)
     v = rep["verdict"]
-    H.check((v["step"], v["rank"]) == (4, 1) and owner.get(v["tensor"].split("/")[0]) == 1,
-            f"stage 1's lagging schedule named at step 4 on rank 1: {v}")
+    H.check((v["kind"], v["step"], v["rank"], v["tensor"]) == ("hparams", 4, 1, "lr"),
+            f"stage 1's lagging schedule named at step 4 on rank 1 by its lr: {v}")
+    H.check("verdict: DIVERGED at step 4 (hyperparameters: rank 1's lr of group 0 is " in out, out[-300:])
+    # without the disagreement in the index, the values name the same step and rank
+    with open(os.path.join(bad, "index.json")) as f:
+        ix = json.load(f)
+    del ix["hparam_disagreement"]
+    with open(os.path.join(bad, "index.json"), "w") as f:
+        json.dump(ix, f)
+    out, rep = H.run_verify(bad, expect=1)
+    v = rep["verdict"]
+    H.check((v["kind"], v["step"], v["rank"]) == ("diverged", 4, 1) and owner.get(v["tensor"].split("/")[0]) == 1,
+            f"the lagging schedule's values diverge at step 4 on rank 1: {v}")
     # record refuses, in one line: a stage outside stages=, a pipelined layout with a piece that names no stage,
     # and a layout that changes mid-recording (a parameter resharded after step 1)
     from distopt.record import _total, record

@@ -333,6 +333,41 @@ static void test_stage_expert_layout(void **st) {
     free(x);
     expect_bad(root, bad[k].needle, NULL);
   }
+  /* a recorder's hyperparameter disagreement (schema 4): exit 1 at its step, naming the rank and the key; before
+   * the values (which are the reference's own here); bad ones exit 2 */
+  char *hp = as_stages("\"steps\": 6, \"stages\": 2, \"experts\": 4, \"hparam_disagreement\": {\"step\": 3, "
+                       "\"rank\": 1, \"group\": 0, \"key\": \"lr\", \"value\": 0.02, \"rank0_value\": 0.01},",
+                       w0, w1, b);
+  write_index(root, hp);
+  free(hp);
+  {
+    const char *a2[] = {"verify", root, "--json", jsonfile, NULL};
+    assert_int_equal(run(a2), 1);
+    char out2[16384], js2[65536];
+    slurp(outfile, out2, sizeof out2);
+    assert_non_null(strstr(out2, "verdict: DIVERGED at step 3 (hyperparameters: rank 1's lr of group 0 is 0.02, rank 0's "
+                                 "0.01, which the replay uses)"));
+    slurp(jsonfile, js2, sizeof js2);
+    assert_non_null(strstr(js2, "\"kind\":\t\"hparams\""));
+  }
+  static const struct {
+    const char *field, *needle;
+  } badhp[] = {
+      {"\"hparam_disagreement\": {\"step\": 3, \"rank\": 0, \"group\": 0, \"key\": \"lr\", \"value\": 1, \"rank0_value\": 2},",
+       "hparam_disagreement.rank: 0 is outside [1, 1]"},
+      {"\"hparam_disagreement\": {\"step\": 9, \"rank\": 1, \"group\": 0, \"key\": \"lr\", \"value\": 1, \"rank0_value\": 2},",
+       "hparam_disagreement.step: 9 is outside [1, 6]"},
+      {"\"hparam_disagreement\": {\"step\": 3, \"rank\": 1, \"group\": 0, \"key\": \"lr\", \"value\": \"x\", \"rank0_value\": 2},",
+       "hparam_disagreement.value: 'x', expected a finite number, true, false or null"},
+  };
+  for (size_t k = 0; k < sizeof badhp / sizeof badhp[0]; k++) {
+    char t[512];
+    snprintf(t, sizeof t, "\"steps\": 6, \"stages\": 2, \"experts\": 4, %s", badhp[k].field);
+    char *x = as_stages(t, w0, w1, b);
+    write_index(root, x);
+    free(x);
+    expect_bad(root, badhp[k].needle, NULL);
+  }
   /* schema 3 has no stage */
   char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 3");
   char *v3 = replaced(a, "{\"param\": \"b\"}", "{\"param\": \"b\", \"stage\": 0}");
