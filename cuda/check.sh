@@ -89,7 +89,7 @@ for opt in adamw adafactor came lamb; do
     "$B/distopt" compare --device cuda --optimizer "$opt" "${hp[@]}" --steps 20 --quiet
 done
 for opt in adamw8bit galore_adamw galore_adamw8bit q_galore lisa muon; do
-  run "compare --device cuda --optimizer $opt (host step, hybrid tp2 dp2 zero2)" 60 \
+  run "compare --device cuda --optimizer $opt (hybrid tp2 dp2 zero2)" 60 \
     "$B/distopt" compare --device cuda --optimizer "$opt" --steps 8 --quiet
 done
 run "compare --device cuda adamw fsdp zero3 bf16" 90 \
