@@ -5,15 +5,18 @@
 # intrinsic keeps its `.rn`. So every f32/f64 add, sub, mul, div, sqrt, rcp, rsqrt and fma must carry `.rn`,
 # except a multiplication by an immediate power of two (exact: libdevice's frexp scales subnormals by 2^54),
 # and no approximate instruction (ex2, lg2, sin, cos, tanh, `.approx`) may appear.
-#   cmake -DNVCC=... -DROOT=<source dir> [-DFILES="a.cu;b.cu"] [-DARCH=90] -P check_kernels.cmake
+#   cmake -DNVCC=... -DROOT=<source dir> -DOUT=<dir for the PTX> [-DFILES="a.cu;b.cu"] [-DARCH=90] -P check_kernels.cmake
 if(NOT FILES)
   file(GLOB FILES ${ROOT}/cuda/*.cu)
 endif()
 if(NOT ARCH)
   set(ARCH 90)
 endif()
+if(NOT OUT)
+  message(FATAL_ERROR "check_kernels: OUT (the directory for the PTX files) is not set")
+endif()
 set(bad 0)
-set(out_dir ${CMAKE_CURRENT_BINARY_DIR}/check_kernels_ptx)
+set(out_dir ${OUT})
 file(MAKE_DIRECTORY ${out_dir})
 foreach(f ${FILES})
   get_filename_component(name ${f} NAME_WE)
