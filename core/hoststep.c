@@ -12,8 +12,8 @@
 int dopt__step_buffers(const dopt_step_args *a, size_t frame_bytes, dopt_step_buf *out) {
   const size_t n = a->piece->len;
   int k = 0;
-  if (a->param) out[k++] = (dopt_step_buf){"param", a->param, n * sizeof(float), 1};
-  if (a->grad) out[k++] = (dopt_step_buf){"grad", (void *)(uintptr_t)a->grad, n * sizeof(float), 0};
+  if (a->param) out[k++] = (dopt_step_buf){"param", a->param, n * sizeof(float), 1, DOPT_BUF_PARAM};
+  if (a->grad) out[k++] = (dopt_step_buf){"grad", (void *)(uintptr_t)a->grad, n * sizeof(float), 0, DOPT_BUF_GRAD};
   if (a->state && a->impl->layout) { /* the states of a tensor of the piece's logical [b, h, w] */
     const dopt_piece *pc = a->piece;
     int64_t shape[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
@@ -26,14 +26,17 @@ int dopt__step_buffers(const dopt_step_args *a, size_t frame_bytes, dopt_step_bu
       const size_t bytes = spec[s].kind == DOPT_STATE_ELEMENTWISE ? n * es
                            : spec[s].kind == DOPT_STATE_BLOCKWISE ? dopt_piece_blocks(pc, spec[s].block, NULL) * es
                                                                    : spec[s].v.bytes;
-      if (a->state[s]) out[k++] = (dopt_step_buf){spec[s].v.name, a->state[s], bytes, 1};
+      if (a->state[s]) out[k++] = (dopt_step_buf){spec[s].v.name, a->state[s], bytes, 1, DOPT_BUF_STATE + s};
     }
   }
-  if (frame_bytes && a->frame) out[k++] = (dopt_step_buf){"frame", a->frame, frame_bytes, 1};
-  if (a->wstat) out[k++] = (dopt_step_buf){"wstat", (void *)(uintptr_t)a->wstat, a->wstat_len * sizeof(float), 0};
+  if (frame_bytes && a->frame) out[k++] = (dopt_step_buf){"frame", a->frame, frame_bytes, 1, DOPT_BUF_FRAME};
+  if (a->wstat)
+    out[k++] = (dopt_step_buf){"wstat", (void *)(uintptr_t)a->wstat, a->wstat_len * sizeof(float), 0, DOPT_BUF_WSTAT};
   if (a->shared && a->shared->n) { /* the shared blocks' indices and the scratch their maxima are posted from */
-    out[k++] = (dopt_step_buf){"shared.idx", (void *)(uintptr_t)a->shared->idx, a->shared->n * sizeof(size_t), 0};
-    out[k++] = (dopt_step_buf){"shared.max", a->shared->max, 2 * a->shared->n * sizeof(double), 1};
+    out[k++] = (dopt_step_buf){"shared.idx", (void *)(uintptr_t)a->shared->idx, a->shared->n * sizeof(size_t), 0,
+                               DOPT_BUF_SHARED_IDX};
+    out[k++] = (dopt_step_buf){"shared.max", a->shared->max, 2 * a->shared->n * sizeof(double), 1,
+                               DOPT_BUF_SHARED_MAX};
   }
   return k;
 }
@@ -70,39 +73,29 @@ static dopt_status post_sum(void *ctx, int64_t *x, size_t n) {
 }
 
 dopt_status dopt__step_on_host(const dopt_device *dev, const dopt_step_args *a, size_t frame_bytes) {
-  dopt_step_buf b[DOPT_MAX_STATES + 6];
+  dopt_step_buf b[DOPT_STEP_BUFS_MAX];
   const int nb = dopt__step_buffers(a, frame_bytes, b);
-  unsigned char *host[DOPT_MAX_STATES + 6] = {NULL};
+  unsigned char *host[DOPT_STEP_BUFS_MAX] = {NULL};
   dopt_status s = DOPT_OK;
   for (int k = 0; k < nb && s == DOPT_OK; k++) {
     host[k] = malloc(b[k].bytes ? b[k].bytes : 1);
     if (!host[k]) s = dopt__fail(DOPT_ERR_NO_MEMORY, "host step: %zu bytes for %s", b[k].bytes, b[k].name);
     else if (b[k].bytes) s = dev->ops->download(dev->ctx, host[k], b[k].dev, b[k].bytes);
   }
-  if (s == DOPT_OK) {
+  if (s == DOPT_OK) { /* the same step on the host copies, each in the field it came from */
     dopt_step_args h = *a;
     void *state[DOPT_MAX_STATES] = {NULL};
-    int at = 0;
-    if (a->param) h.param = (float *)host[at++];
-    if (a->grad) h.grad = (const float *)host[at++];
-    if (a->state) { /* the states in the order dopt__step_buffers listed them (NULL ones stay NULL) */
-      const dopt_piece *pc = a->piece;
-      int64_t shape[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
-      if (!pc->factored) shape[0] = (int64_t)pc->numel;
-      dopt_state_spec spec[DOPT_MAX_STATES];
-      const int ns = a->impl->layout ? a->impl->layout(a->hp, pc->factored ? 3 : 1, shape, spec) : 0;
-      for (int k = 0; k < ns; k++) state[k] = a->state[k] ? host[at++] : NULL;
-      h.state = state;
-    }
-    if (frame_bytes && a->frame) h.frame = host[at++];
-    if (a->wstat) h.wstat = (const float *)host[at++];
-    dopt_block_share shared;
-    if (a->shared && a->shared->n) {
-      shared = *a->shared;
-      shared.idx = (const size_t *)host[at++];
-      shared.max = (double *)host[at++];
-      h.shared = &shared;
-    }
+    dopt_block_share shared = a->shared ? *a->shared : (dopt_block_share){0};
+    for (int k = 0; k < nb; k++) switch (b[k].slot) {
+      case DOPT_BUF_PARAM: h.param = (float *)host[k]; break;
+      case DOPT_BUF_GRAD: h.grad = (const float *)host[k]; break;
+      case DOPT_BUF_FRAME: h.frame = host[k]; break;
+      case DOPT_BUF_WSTAT: h.wstat = (const float *)host[k]; break;
+      case DOPT_BUF_SHARED_IDX: shared.idx = (const size_t *)host[k], h.shared = &shared; break;
+      case DOPT_BUF_SHARED_MAX: shared.max = (double *)host[k], h.shared = &shared; break;
+      default: state[b[k].slot - DOPT_BUF_STATE] = host[k]; break;
+      }
+    if (a->state) h.state = state; /* a NULL state stays NULL */
     host_red hr = {a->red, b, host, nb};
     dopt_reducer red = {&hr, post_max, post_sum};
     if (a->red) h.red = &red;

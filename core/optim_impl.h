@@ -150,13 +150,18 @@ typedef struct dopt_step_args {
 
 /* The device buffers a step receives, with their sizes: param and grad [len], every state in full (elementwise
  * [len], blockwise the piece's blocks, whole its logical size), the frame (frame_bytes), wstat [wstat_len], the
- * shared blocks' indices and maxima. out[DOPT_MAX_STATES + 6]; returns how many; `out` marks the ones the step may write. (The checking device
- * checks these; dopt__step_on_host moves them.) */
+ * shared blocks' indices and maxima. out[DOPT_STEP_BUFS_MAX]; returns how many. Each names the field of
+ * dopt_step_args it is (slot; state k: DOPT_BUF_STATE + k) and whether the step may write it (out). (The
+ * checking device checks these; dopt__step_on_host moves them.) */
+enum { DOPT_BUF_PARAM, DOPT_BUF_GRAD, DOPT_BUF_FRAME, DOPT_BUF_WSTAT, DOPT_BUF_SHARED_IDX, DOPT_BUF_SHARED_MAX,
+       DOPT_BUF_STATE };
+#define DOPT_STEP_BUFS_MAX (DOPT_BUF_STATE + DOPT_MAX_STATES)
 typedef struct dopt_step_buf {
   const char *name;
   void *dev;
   size_t bytes;
   int out;
+  int slot;
 } dopt_step_buf;
 int dopt__step_buffers(const dopt_step_args *a, size_t frame_bytes, dopt_step_buf *out);
 

@@ -177,7 +177,7 @@ static dopt_status ck_step(void *ctx, const dopt_step_args *a) {
   dt_checkdev *c = C(ctx);
   void *site = __builtin_return_address(0);
   const size_t fb = cpu()->frame_bytes(NULL, a);
-  dopt_step_buf b[DOPT_MAX_STATES + 6];
+  dopt_step_buf b[DOPT_STEP_BUFS_MAX];
   const int nb = dopt__step_buffers(a, fb, b);
   for (int k = 0; k < nb; k++) CHECK(c, "step", b[k].name, b[k].dev, b[k].bytes, site);
   if (c->host_steps) return dopt__step_on_host(&c->dev, a, fb);
