@@ -926,14 +926,14 @@ static int state_range(const vctx *c, const vr_piece *pc, const char *key, int64
       *len = pc->states[i].len;
       return 0;
     }
-  if (pc->lp.block_dim < 0 && pc->lo == 0 && pc->len == vp->numel) { /* the whole parameter: the whole state */
+  if (pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == vp->numel) { /* the whole parameter: the whole state */
     *lo = 0;
     *len = n;
     return 0;
   }
   if (n == vp->numel) { /* elementwise */
-    *lo = pc->lo;
-    *len = pc->len;
+    *lo = pc->lp.lo;
+    *len = pc->lp.len;
     *mapped = pc->lp.block_dim >= 0;
     return 0;
   }
@@ -1080,7 +1080,7 @@ static int compare_step(vctx *c, long t) {
           vr_piece_get(pc, ref, c->gath);
           ref = c->gath;
         }
-        double rel = compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lo, (size_t)pc->len);
+        double rel = compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo, (size_t)pc->lp.len);
         record_result(c, pk->stat[0], t, rel, c->tol_param);
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
@@ -1413,8 +1413,8 @@ static int json_body(FILE *f, const void *ctx) {
     if (s->key[0]) cJSON_AddStringToObject(o, "state", s->key);
     else cJSON_AddNullToObject(o, "state");
     cJSON_AddNumberToObject(o, "rank", s->rank);
-    cJSON_AddNumberToObject(o, "lo", (double)s->pc->lo);
-    cJSON_AddNumberToObject(o, "len", (double)s->pc->len);
+    cJSON_AddNumberToObject(o, "lo", (double)s->pc->lp.lo);
+    cJSON_AddNumberToObject(o, "len", (double)s->pc->lp.len);
     if (s->pc->lp.block_dim >= 0) {
       cJSON *bj = cJSON_AddObjectToObject(o, "block");
       if (bj) {

@@ -42,12 +42,11 @@ typedef struct vr_state_range {
 } vr_state_range;
 
 /* What one rank's recorded tensors of one parameter are: the parameter's piece in the layout description
- * (distopt/layout.h: schema 3 adds a tensor-parallel block, schema 4 the pipeline stage and expert id), whose
- * flat range lo, len is copied here; state ranges as declared (elementwise states default to the piece's
- * elements, others to the whole state when the piece is the whole parameter). */
+ * (distopt/layout.h: schema 3 adds a tensor-parallel block, schema 4 the pipeline stage and expert id); state
+ * ranges as declared (elementwise states default to the piece's elements, others to the whole state when the
+ * piece is the whole parameter). */
 typedef struct vr_piece {
   int param;
-  int64_t lo, len;  /* lp.lo, lp.len */
   int source;       /* 1: this piece supplies the initial value and gradient of its elements */
   int nstates;
   vr_state_range states[VR_MAX_PIECE_STATES];
@@ -58,7 +57,7 @@ typedef struct vr_piece {
 
 /* The parameter's flat index of element j (0 <= j < len) of piece pc. */
 static inline int64_t vr_piece_elem(const vr_piece *pc, int64_t j) {
-  return pc->lp.block_dim < 0 ? pc->lo + j : dopt_layout_piece_elem(pc->ndim, pc->shape, &pc->lp, j);
+  return pc->lp.block_dim < 0 ? pc->lp.lo + j : dopt_layout_piece_elem(pc->ndim, pc->shape, &pc->lp, j);
 }
 /* Piece pc's len elements src[] to their places in the parameter's flat array (put), or from them (get). */
 void vr_piece_put(const vr_piece *pc, const void *src, float *param);

@@ -306,8 +306,8 @@ static int parse_piece(vctx *c, const cJSON *it, const char *base, vr_index *ix,
     snprintf(path, sizeof path, "%s.len", base);
     if (get_int(c, jlen, path, 1, extent - lo, &len)) return -1;
   }
-  pc->lo = pc->lp.lo = lo;
-  pc->len = pc->lp.len = len;
+  pc->lp.lo = lo;
+  pc->lp.len = len;
   const cJSON *st = member(it, "states");
   if (!st) return 0;
   snprintf(path, sizeof path, "%s.states", base);
@@ -698,9 +698,9 @@ static void piece_copy(const vr_piece *pc, void *dst, const void *src, int to_pa
   const unsigned char *s = src;
   int64_t inner = 1; /* the elements of one index of the block dimension */
   for (int k = pc->lp.block_dim + 1; pc->lp.block_dim >= 0 && k < pc->ndim; k++) inner *= pc->shape[k];
-  for (int64_t j = 0; j < pc->len;) {
-    const int64_t run = pc->lp.block_dim < 0 ? pc->len - j : inner - (pc->lo + j) % inner;
-    const int64_t n = run < pc->len - j ? run : pc->len - j;
+  for (int64_t j = 0; j < pc->lp.len;) {
+    const int64_t run = pc->lp.block_dim < 0 ? pc->lp.len - j : inner - (pc->lp.lo + j) % inner;
+    const int64_t n = run < pc->lp.len - j ? run : pc->lp.len - j;
     const size_t at = (size_t)vr_piece_elem(pc, j) * sizeof(float), own = (size_t)j * sizeof(float);
     memcpy(d + (to_param ? at : own), s + (to_param ? own : at), (size_t)n * sizeof(float));
     j += n;

@@ -207,9 +207,9 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     } else if (t.dtype != (is_grad && ix->grads == VR_GRADS_BF16 ? DOPT_BF16 : DOPT_F32)) {
       return rfail(rd, E, "%s: tensor '%s' is %s, expected %s", fpath, nm, dopt_dtype_name(t.dtype),
                    is_grad && ix->grads == VR_GRADS_BF16 ? "BF16 (record.grads)" : "F32");
-    } else if (!keyed && (int64_t)t.numel != pc->len) {
+    } else if (!keyed && (int64_t)t.numel != pc->lp.len) {
       return rfail(rd, E, "%s: tensor '%s' has %zu elements but rank %d's piece of '%s' has %lld", fpath, nm, t.numel,
-                   r, pname, (long long)pc->len);
+                   r, pname, (long long)pc->lp.len);
     }
     if (strcmp(kind, "state") == 0 && rd->on_state &&
         rd->on_state(rd->user, r, pi, key, fpath, nm, rd->err, sizeof rd->err))
@@ -291,7 +291,7 @@ dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *presen
                    ix->params[p].name, sr->rank, what[has + 1], rd->src[p][0].rank, what[seen + 1]);
     seen = has;
     if (has != 1) continue;
-    size_t n = (size_t)sr->pc->len;
+    size_t n = (size_t)sr->pc->lp.len;
     if (g.dtype == DOPT_BF16) { /* widened exactly: the bf16 bits are the top half of the f32's */
       const unsigned char *b = g.data;
       for (size_t i = 0; i < n; i++) {

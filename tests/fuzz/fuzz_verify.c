@@ -40,8 +40,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const vr_piece *pc = &ix.ranks[r].pieces[i];
         if (pc->param < 0 || pc->param >= ix.nparams) abort();
         if (pc->param != p) continue;
-        if (pc->lo < 0 || pc->len < 1 || pc->lo + pc->len > vp->numel) abort();
-        if (pc->source) covered += pc->len;
+        if (pc->lp.lo < 0 || pc->lp.len < 1 || pc->lp.lo + pc->lp.len > vp->numel) abort();
+        if (pc->source) covered += pc->lp.len;
       }
     if (covered != vp->numel) abort(); /* sources are disjoint and cover: their lengths sum to numel */
   }
