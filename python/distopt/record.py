@@ -166,7 +166,8 @@ def _lib_message(e):
 
 def _layout_piece(shape, block=None, lo=0, length=-1, stage=-1, expert=-1):
     """The checked dopt_layout_piece (distopt/layout.h) of a piece of a parameter of `shape` (length -1: to the
-    end of the block), or ValueError with the library's one line."""
+    end of the block) and its block's element count (the tensor's without a block), or ValueError with the
+    library's one line."""
     from . import _lib
     lp = _lib.LayoutPiece.new(block, lo, length, stage, expert)
     dims = (ctypes.c_int64 * max(1, len(shape)))(*shape)
@@ -174,7 +175,7 @@ def _layout_piece(shape, block=None, lo=0, length=-1, stage=-1, expert=-1):
         _lib.call(_lib.lib.dopt_layout_piece_check, len(shape), dims, ctypes.byref(lp))
     except _lib.Error as e:
         raise ValueError(_lib_message(e)) from None
-    return lp
+    return lp, int(_lib.lib.dopt_layout_piece_extent(len(shape), dims, ctypes.byref(lp)))
 
 
 def _check_cover(params, everyone):
@@ -406,10 +407,9 @@ class Recorder:
                                          f"outside the local tensor's {p.numel()}")
                     stage, expert = int(sp.get("stage", -1)), int(sp.get("expert", -1))
                     try:
-                        lp = _layout_piece(gshape, blk, int(sp.get("lo", 0)), ln, stage, expert)
+                        lp, extent = _layout_piece(gshape, blk, int(sp.get("lo", 0)), ln, stage, expert)
                     except ValueError as e:
                         raise ValueError(f"distopt.record: layout of {gname}: {e}") from None
-                    extent = _block_numel(gshape, blk) if blk else _prod_dims(gshape)
                     st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(sp.get("states", {})).items()}
                     self.pieces.append(_Piece(p, gname, lp.lo, lp.len, st, extent, blk, at, stage, expert))
                     params_info.append((gname, gshape, group_of[id(p)]))

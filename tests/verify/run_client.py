@@ -413,7 +413,7 @@ def case_dtensor():
             if box.numel() == 0:
                 H.check(spec is None, f"{shape} {places} {coord}: an empty chunk holds no piece ({spec})")
                 continue
-            lp = _layout_piece(shape, spec.get("block"), spec.get("lo", 0), box.numel())
+            lp, _ = _layout_piece(shape, spec.get("block"), spec.get("lo", 0), box.numel())
             idx = _piece_index(shape, lp.lo, lp.len, spec.get("block"))
             H.check(torch.equal(glob.reshape(-1)[idx], box), f"{shape} {places} {coord}: {spec} is the box {off} "
                     f"{lshape}")
