@@ -59,6 +59,10 @@ typedef struct vr_piece {
 static inline int64_t vr_piece_elem(const vr_piece *pc, int64_t j) {
   return pc->lp.block_dim < 0 ? pc->lp.lo + j : dopt_layout_piece_elem(pc->ndim, pc->shape, &pc->lp, j);
 }
+/* The run of piece pc's elements from element j that lies contiguous in the parameter: its length (0 when j is
+ * the end) and *at, the parameter's flat index of element j. A flat range is one run; a block's runs are its
+ * rows of the dimensions after the block's own. */
+int64_t vr_piece_run(const vr_piece *pc, int64_t j, int64_t *at);
 /* Piece pc's len elements src[] to their places in the parameter's flat array (put), or from them (get). */
 void vr_piece_put(const vr_piece *pc, const void *src, float *param);
 void vr_piece_get(const vr_piece *pc, const float *param, float *dst);

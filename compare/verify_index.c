@@ -690,20 +690,25 @@ const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param) {
   return NULL;
 }
 
+int64_t vr_piece_run(const vr_piece *pc, int64_t j, int64_t *at) {
+  if (j >= pc->lp.len) return 0;
+  *at = vr_piece_elem(pc, j);
+  if (pc->lp.block_dim < 0) return pc->lp.len - j;
+  int64_t span = pc->lp.block_len; /* the block's elements of one index of the dimensions before its own */
+  for (int k = pc->lp.block_dim + 1; k < pc->ndim; k++) span *= pc->shape[k];
+  const int64_t run = span - (pc->lp.lo + j) % span;
+  return run < pc->lp.len - j ? run : pc->lp.len - j;
+}
+
 /* Copies piece pc's elements from src to dst, one of them the parameter's flat array (to_param: dst) and the
- * other the piece's own (maybe unaligned: a safetensors tensor's bytes); in runs of the inner dimensions'
- * elements, contiguous on both sides (one run: a flat range). */
+ * other the piece's own (maybe unaligned: a safetensors tensor's bytes), run by run (vr_piece_run). */
 static void piece_copy(const vr_piece *pc, void *dst, const void *src, int to_param) {
   unsigned char *d = dst;
   const unsigned char *s = src;
-  int64_t inner = 1; /* the elements of one index of the block dimension */
-  for (int k = pc->lp.block_dim + 1; pc->lp.block_dim >= 0 && k < pc->ndim; k++) inner *= pc->shape[k];
-  for (int64_t j = 0; j < pc->lp.len;) {
-    const int64_t run = pc->lp.block_dim < 0 ? pc->lp.len - j : inner - (pc->lp.lo + j) % inner;
-    const int64_t n = run < pc->lp.len - j ? run : pc->lp.len - j;
-    const size_t at = (size_t)vr_piece_elem(pc, j) * sizeof(float), own = (size_t)j * sizeof(float);
-    memcpy(d + (to_param ? at : own), s + (to_param ? own : at), (size_t)n * sizeof(float));
-    j += n;
+  int64_t at, n;
+  for (int64_t j = 0; (n = vr_piece_run(pc, j, &at)) > 0; j += n) {
+    const size_t p = (size_t)at * sizeof(float), own = (size_t)j * sizeof(float);
+    memcpy(d + (to_param ? p : own), s + (to_param ? own : p), (size_t)n * sizeof(float));
   }
 }
 

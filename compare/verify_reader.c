@@ -291,13 +291,14 @@ dopt_status vr_reader_grad(vr_reader *rd, int p, long t, float *out, int *presen
                    ix->params[p].name, sr->rank, what[has + 1], rd->src[p][0].rank, what[seen + 1]);
     seen = has;
     if (has != 1) continue;
-    size_t n = (size_t)sr->pc->lp.len;
     if (g.dtype == DOPT_BF16) { /* widened exactly: the bf16 bits are the top half of the f32's */
       const unsigned char *b = g.data;
-      for (size_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)((unsigned)b[2 * i] | (unsigned)b[2 * i + 1] << 8) << 16;
-        memcpy(out + vr_piece_elem(sr->pc, (int64_t)i), &u, sizeof u);
-      }
+      int64_t at, m;
+      for (int64_t j = 0; (m = vr_piece_run(sr->pc, j, &at)) > 0; j += m)
+        for (int64_t i = j; i < j + m; i++) {
+          uint32_t u = (uint32_t)((unsigned)b[2 * i] | (unsigned)b[2 * i + 1] << 8) << 16;
+          memcpy(out + at + (i - j), &u, sizeof u);
+        }
     } else {
       vr_piece_put(sr->pc, g.data, out);
     }

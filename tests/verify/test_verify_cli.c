@@ -377,6 +377,30 @@ static void test_stage_expert_layout(void **st) {
   expect_bad(root, "unknown key 'stage'", NULL);
 }
 
+/* vr_piece_run: the runs of a piece, concatenated, are its elements one by one (vr_piece_elem) and each run is
+ * contiguous in the parameter, for blocks of every dimension of a [3, 4, 5] parameter at any flat offset. */
+static void test_piece_runs(void **st) {
+  (void)st;
+  static const int64_t shape[3] = {3, 4, 5};
+  for (int dim = -1; dim < 3; dim++)
+    for (int64_t blo = 0; blo < (dim < 0 ? 1 : shape[dim]); blo++) {
+      vr_piece pc;
+      memset(&pc, 0, sizeof pc);
+      const dopt_layout_piece init = DOPT_LAYOUT_PIECE_INIT;
+      pc.lp = init;
+      pc.ndim = 3, pc.shape = shape;
+      pc.lp.block_dim = dim, pc.lp.block_lo = blo, pc.lp.block_len = dim < 0 ? 0 : shape[dim] - blo;
+      const int64_t extent = dopt_layout_piece_extent(3, shape, &pc.lp);
+      for (int64_t lo = 0; lo < extent; lo += 7) {
+        pc.lp.lo = lo, pc.lp.len = extent - lo - (extent - lo > 3 ? 2 : 0);
+        int64_t at, n, j = 0;
+        for (; (n = vr_piece_run(&pc, j, &at)) > 0; j += n)
+          for (int64_t i = 0; i < n; i++) assert_int_equal(vr_piece_elem(&pc, j + i), at + i);
+        assert_int_equal(j, pc.lp.len);
+      }
+    }
+}
+
 static void test_perturbed_state_diverges(void **st) {
   (void)st;
   char root[400], out[16384], svg[600];
@@ -797,7 +821,7 @@ int main(int argc, char **argv) {
   bin = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_faithful_recording_verifies), cmocka_unit_test(test_block_layout),
-      cmocka_unit_test(test_stage_expert_layout),
+      cmocka_unit_test(test_stage_expert_layout), cmocka_unit_test(test_piece_runs),
       cmocka_unit_test(test_perturbed_state_diverges),
       cmocka_unit_test(test_missing_param_refused),
       cmocka_unit_test(test_index_error_one_line),
