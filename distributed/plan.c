@@ -524,9 +524,8 @@ dopt_status dopt_dist_layout(const dopt_dist_optim *d, int i, dopt_layout_piece 
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_layout"));
   DOPT_CHECK_ARG(out != NULL, "dopt_dist_layout: out=NULL");
   const dist_param *p = &d->p[i];
-  DOPT_TRY(dopt_layout_from_piece(&p->gpc, p->ndim, out)); /* gpc: pc, or in owner mode the owner's whole block */
-  if (p->gpc.len == 0 || p->gpc.hl == 0 || p->gpc.wl == 0) out->len = 0; /* no element of it here */
-  return DOPT_OK;
+  /* gpc: pc, or in owner mode the owner's whole block; len 0 (an empty TP block or shard) stays 0 */
+  return dopt_layout_from_piece(&p->gpc, p->ndim, out);
 }
 
 /* Host zeros, at least `bytes`. */
