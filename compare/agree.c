@@ -124,6 +124,12 @@ int cmp_config_text(const cmp_options *o, char *buf, size_t cap) {
   line(&t, "--tp", "%d", o->tp);
   line(&t, "--dp", "%d", o->dp);
   line(&t, "--zero", "%d", o->zero);
+  line(&t, "--pp", "%d", o->pp);
+  for (int k = 0; k < o->nlps; k++) {
+    char key[40];
+    snprintf(key, sizeof key, "--layers-per-stage.%d", k);
+    line(&t, key, "%d", o->layers_per_stage[k]);
+  }
   line(&t, "--ranks", "%d", o->ranks);
   line(&t, "--steps", "%d", o->steps);
   line(&t, "--accumulation", "%d", o->micro);

@@ -28,9 +28,10 @@ static int lib_error(dopt_status s) {
 static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
         "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
+        "         [--pp N [--layers-per-stage N,N,...]]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
         "         [--trace FILE | [--seed N] [--model NAME|COUNT]] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
-        "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z]\n"
+        "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z] [--resume-pp N]\n"
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
         "       distopt compare --matrix [--steps N]\n"
@@ -43,6 +44,8 @@ static void compare_usage(FILE *f) {
         "  upstream defaults, or the optimizer's registry example when those are not a valid optimizer (CAME's lr).\n"
         "  --plugin sets what it implies unless given: ddp tp=1 zero=0; zero tp=1 zero=1 (or --zero 2);\n"
         "  hybrid zero=2 (0-2); fsdp zero=3. A given value the plugin does not allow is an error.\n"
+        "  --pp N (hybrid): N pipeline stages, the world pp x tp x dp; decoder layers ('layers.N.') split as\n"
+        "  ColossalAI's default (or --layers-per-stage), embeddings on the first stage, norm and head on the last.\n"
         "  --sweep: the optimizer in every layout tp 1..max-tp x dp 1..max-dp x zero 0..3 (default 4 x 4 x 4,\n"
         "  at most 8 x 8), a grid of verdicts and 'N of M layouts bitwise'.\n"
         "  --model: synthetic gradients of a LLaMA (9 x layers + 3 tensors): a preset llama-60m, llama-130m,\n"
@@ -300,10 +303,11 @@ static int mpi_begin(const cmp_options *o, dopt_mpi_comm **world, int *rank) {
   *rank = wt.rank;
   int rc = agree(o, &wt);
   if (rc != CLI_OK) return mpi_end(*world, rc);
-  if (wt.size == o->tp * o->dp) return CLI_OK;
+  const int nw = o->pp * o->tp * o->dp;
+  if (wt.size == nw) return CLI_OK;
   if (wt.rank == 0)
-    cli_errorf(CMD, "backend mpi: mpirun started %d processes but tp x dp = %d x %d = %d (run mpirun -np %d)", wt.size,
-               o->tp, o->dp, o->tp * o->dp, o->tp * o->dp);
+    cli_errorf(CMD, "backend mpi: mpirun started %d processes but pp x tp x dp = %d x %d x %d = %d (run mpirun -np %d)",
+               wt.size, o->pp, o->tp, o->dp, nw, nw);
   return mpi_end(*world, CLI_USAGE);
 }
 
@@ -348,6 +352,11 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     else if (strcmp(a, "--tp") == 0) { rc = parse_int(a, v, 1, 64, &o->tp); cli_given |= CMP_GIVEN_TP; }
     else if (strcmp(a, "--dp") == 0) { rc = parse_int(a, v, 1, 64, &o->dp); cli_given |= CMP_GIVEN_DP; }
     else if (strcmp(a, "--zero") == 0) { rc = parse_int(a, v, 0, 3, &o->zero); cli_given |= CMP_GIVEN_ZERO; }
+    else if (strcmp(a, "--pp") == 0) rc = parse_int(a, v, 1, CMP_PP_MAX, &o->pp);
+    else if (strcmp(a, "--resume-pp") == 0) rc = parse_int(a, v, 1, CMP_PP_MAX, &o->resume_pp);
+    else if (strcmp(a, "--layers-per-stage") == 0) {
+      if (cmp_parse_layers_per_stage(v, o) != DOPT_OK) return cli_errorf(CMD, "--layers-per-stage: %s", dopt_last_error());
+    }
     else if (strcmp(a, "--ranks") == 0) { rc = parse_int(a, v, 1, 64, &o->ranks); ranks_given = 1; }
     else if (strcmp(a, "--max-tp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_tp); max_given = 1; }
     else if (strcmp(a, "--max-dp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_dp); max_given = 1; }

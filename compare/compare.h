@@ -33,6 +33,9 @@ typedef struct cmp_group {
   char hp[CMP_GROUP_HP_MAX];
 } cmp_group;
 
+/* --pp at most this (a world is at most 64 ranks). */
+#define CMP_PP_MAX 64
+
 typedef struct cmp_options {
   char optimizer[32];
   char hparams[512];                      /* group 0: "k=v,..." */
@@ -41,7 +44,11 @@ typedef struct cmp_options {
                                              struct copy shares it (read only) */
   char plugin[16];                        /* ddp, zero, hybrid, fsdp */
   int tp, dp, zero;
-  int ranks;                              /* world size asked for (0: tp·dp); must equal tp·dp */
+  int pp;                                 /* pipeline stages (hybrid only; 1: none): the world is pp x tp x dp */
+  int layers_per_stage[CMP_PP_MAX];       /* --layers-per-stage (plugin.layers_per_stage): decoder layers per
+                                             stage; nlps 0: ColossalAI's default partition */
+  int nlps;
+  int ranks;                              /* world size asked for (0: pp·tp·dp); must equal pp·tp·dp */
   int steps;
   int micro;                              /* micro-batches per step (gradient accumulation) */
   double max_grad_norm;                   /* 0: no clipping */
@@ -64,6 +71,8 @@ typedef struct cmp_options {
   int checkpoint_at;                      /* > 0: save after this step and resume in the resume layout */
   char resume_plugin[16];                 /* "" / 0 / -1 (zero): the first layout's */
   int resume_tp, resume_dp, resume_zero;
+  int resume_pp;                          /* 0: the first layout's (the resume world's layer partition: ColossalAI's
+                                             default, or layers_per_stage when pp is unchanged) */
   char checkpoint_dir[512];               /* "" : a fresh directory under $TMPDIR */
   unsigned given;                         /* CMP_GIVEN_* bits: the layout values the user gave (CLI or YAML) */
   unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */
@@ -74,6 +83,9 @@ typedef struct cmp_options {
   const struct dopt_optim_impl *dist_impl; /* tests only (no option or key): the distributed side's optimizer,
                                              a planted bug; NULL: the registry's, as the reference */
 } cmp_options;
+
+/* "3,5,4": the decoder layers of each pipeline stage (--layers-per-stage, plugin.layers_per_stage) into o. */
+dopt_status cmp_parse_layers_per_stage(const char *v, cmp_options *o);
 
 /* The layout values a user can give; the ones not given follow from the
  * plugin (cmp_apply_plugin). */

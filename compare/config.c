@@ -348,8 +348,8 @@ static void given(cmp_options *o, unsigned bit) {
 }
 
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"type", "tp", "dp", "zero", "ranks", "dp_sum", "ring_order", "batch_invariant", "backend",
-                                     "device", NULL};
+  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "ranks", "dp_sum", "ring_order",
+                                     "batch_invariant", "backend", "device", NULL};
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "type"))) {
@@ -372,6 +372,21 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   if ((v = lookup(c, n, "zero"))) {
     DOPT_TRY(get_int(c, v, "plugin.zero", 0, 3, &o->zero));
     given(o, CMP_GIVEN_ZERO);
+  }
+  if ((v = lookup(c, n, "pp"))) DOPT_TRY(get_int(c, v, "plugin.pp", 1, CMP_PP_MAX, &o->pp));
+  if ((v = lookup(c, n, "layers_per_stage"))) {
+    if (v->type != YAML_SEQUENCE_NODE)
+      return cfg_fail(c, v, "plugin.layers_per_stage", "must be a sequence of layer counts, got %s", node_kind(v));
+    const int count = (int)(v->data.sequence.items.top - v->data.sequence.items.start);
+    if (count < 1 || count > CMP_PP_MAX)
+      return cfg_fail(c, v, "plugin.layers_per_stage", "%d stages (1 to %d)", count, CMP_PP_MAX);
+    for (int i = 0; i < count; i++) {
+      yaml_node_t *e = yaml_document_get_node(c->doc, v->data.sequence.items.start[i]);
+      char where[48];
+      snprintf(where, sizeof where, "plugin.layers_per_stage[%d]", i);
+      DOPT_TRY(get_int(c, e, where, 1, 1000000, &o->layers_per_stage[i]));
+    }
+    o->nlps = count;
   }
   if ((v = lookup(c, n, "ranks"))) DOPT_TRY(get_int(c, v, "plugin.ranks", 1, 1 << 20, &o->ranks));
   if ((v = lookup(c, n, "dp_sum"))) {
@@ -454,7 +469,7 @@ static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
 /* checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}} */
 static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   static const char *const keys[] = {"at", "dir", "resume", NULL};
-  static const char *const rkeys[] = {"type", "tp", "dp", "zero", NULL};
+  static const char *const rkeys[] = {"type", "tp", "dp", "zero", "pp", NULL};
   DOPT_TRY(check_mapping(c, n, "checkpoint", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "at"))) DOPT_TRY(get_int(c, v, "checkpoint.at", 1, 1000000, &o->checkpoint_at));
@@ -482,6 +497,7 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
       DOPT_TRY(get_int(c, w, "checkpoint.resume.zero", 0, 3, &o->resume_zero));
       given(o, CMP_GIVEN_RESUME_ZERO);
     }
+    if ((w = lookup(c, v, "pp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.pp", 1, CMP_PP_MAX, &o->resume_pp));
   }
   return DOPT_OK;
 }

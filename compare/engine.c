@@ -36,6 +36,7 @@ void cmp_options_default(cmp_options *o) {
   o->tp = 2;
   o->dp = 2;
   o->zero = 2;
+  o->pp = 1;
   o->steps = 100;
   o->micro = 1;
   snprintf(o->source, sizeof o->source, "synthetic");
@@ -46,6 +47,25 @@ void cmp_options_default(cmp_options *o) {
   o->resume_zero = -1;
   o->max_tp = 4;
   o->max_dp = 4;
+}
+
+dopt_status cmp_parse_layers_per_stage(const char *v, cmp_options *o) {
+  int n = 0;
+  const char *at = v;
+  while (1) {
+    char *end;
+    errno = 0;
+    const long x = strtol(at, &end, 10);
+    if (end == at || errno || x < 1 || x > 1000000)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "'%.64s': expected layer counts >= 1 separated by commas", v);
+    if (n == CMP_PP_MAX) return dopt__fail(DOPT_ERR_INVALID_ARG, "more than %d stages", CMP_PP_MAX);
+    o->layers_per_stage[n++] = (int)x;
+    if (*end == '\0') break;
+    if (*end != ',') return dopt__fail(DOPT_ERR_INVALID_ARG, "'%.64s': expected layer counts >= 1 separated by commas", v);
+    at = end + 1;
+  }
+  o->nlps = n;
+  return DOPT_OK;
 }
 
 dopt_status cmp_options_add_group(cmp_options *o, const char *glob, size_t glob_len, const char *hp) {
@@ -971,7 +991,59 @@ static dopt_status note_counts(cmp_result *r, int t, int np, const int64_t *step
   return DOPT_OK;
 }
 
-static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt) {
+/* The pipeline stage of every parameter (docs/distributed.md "Pipeline stages"): the decoder layers (names
+ * with "layers.N.", L = the largest N + 1) in pp contiguous runs, as ColossalAI's Policy.distribute_layers:
+ * L / pp each, and the L mod pp extra layers one each to the stages from pp/2 - (L mod pp)/2 on; or as
+ * layers_per_stage says. A parameter without a layer number goes to the first stage before the first
+ * layer's parameters (the embeddings), else to the last (the final norm, the head). */
+static long layer_of(const char *name) {
+  for (const char *at = strstr(name, "layers."); at; at = strstr(at + 1, "layers.")) {
+    if (at != name && at[-1] != '.') continue;
+    const char *q = at + 7;
+    long n = 0;
+    int digits = 0;
+    while (*q >= '0' && *q <= '9' && n < 100000000) n = n * 10 + (*q++ - '0'), digits++;
+    if (digits && (*q == '.' || *q == '\0')) return n;
+  }
+  return -1;
+}
+
+static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage) {
+  long L = 0;
+  int first = -1;
+  for (int i = 0; i < s->np; i++) {
+    const long n = layer_of(s->p[i].name);
+    if (n >= 0 && first < 0) first = i;
+    if (n + 1 > L) L = n + 1;
+  }
+  for (int i = 0; i < s->np; i++) stage[i] = 0;
+  if (o->pp == 1) return DOPT_OK;
+  if (L < o->pp)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "pp=%d: the model has %ld decoder layers (parameters named "
+                      "'layers.N.'); each stage needs one", o->pp, L);
+  long per[CMP_PP_MAX], sum = 0;
+  for (int k = 0; k < o->pp; k++) per[k] = o->nlps ? o->layers_per_stage[k] : L / o->pp;
+  if (!o->nlps)
+    for (long k = o->pp / 2 - (L % o->pp) / 2, e = k + L % o->pp; k < e; k++) per[k]++;
+  for (int k = 0; k < o->pp; k++) sum += per[k];
+  if (sum != L)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "layers_per_stage: %ld layers in all, the model has %ld", sum, L);
+  for (int i = 0; i < s->np; i++) {
+    const long n = layer_of(s->p[i].name);
+    if (n < 0) {
+      stage[i] = first < 0 || i < first ? 0 : o->pp - 1;
+      continue;
+    }
+    long at = 0;
+    int k = 0;
+    while (k < o->pp - 1 && n >= at + per[k]) at += per[k++];
+    stage[i] = k;
+  }
+  return DOPT_OK;
+}
+
+static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt,
+                            const dopt_transport *ppt) {
   const cmp_options *o = x->o;
   const source *s = x->s;
   cmp_result *r = x->r;
@@ -984,6 +1056,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   cfg.device = x->dev;
   cfg.tp = *tpt;
   cfg.dp = *dpt;
+  cfg.pp = *ppt;
   /* the lead steps the reference and measures: rank 0, or every rank with backend mpi */
   const int lead = rank == 0 || x->measure_world != NULL, np = s->np, micro = micro_of(o, s);
   /* per parameter: the reference's values, averaged gradient and bf16 copy (lead); this rank's TP block
@@ -992,6 +1065,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   float **rdata = calloc(npc, sizeof *rdata), **avg = calloc(npc, sizeof *avg), **loc = calloc(npc, sizeof *loc);
   uint16_t **work = calloc(npc, sizeof *work), **rwork = calloc(npc, sizeof *rwork);
   dopt_tp_role *roles = calloc(npc, sizeof *roles);
+  int *stage = calloc(npc, sizeof *stage);
+  const float **gp = calloc(npc, sizeof *gp); /* the gradients passed: this stage's parameters' blocks */
   const dopt_optim *plain = x->plain;
   dopt_optim *own = NULL, *ref = NULL;
   dopt_dist_optim *d = NULL;
@@ -1019,7 +1094,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   int64_t *cprev = lead ? calloc(2 * ncnt + 1, sizeof *cprev) : NULL, *cstep = cprev ? cprev + ncnt : NULL;
   void *sgot = NULL; /* the lead's gathered state */
   size_t sgot_cap = 0;
-  dopt_status st = rdata && avg && loc && work && rwork && roles && (full || !whole) && (acc || !lead) &&
+  dopt_status st = rdata && avg && loc && work && rwork && roles && stage && gp && (full || !whole) && (acc || !lead) &&
                            (got || !lead) && (wgot || !o->bf16 || !lead) && (wf || !o->bf16 || !lead) && rep &&
                            (cprev || !lead)
                        ? DOPT_OK
@@ -1029,7 +1104,9 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     st = build_plain(o, s, 1, NULL, work, &own);
     plain = own;
   }
-  for (int i = 0; i < np; i++) roles[i] = s->p[i].role;
+  for (int i = 0; st == DOPT_OK && i < np; i++) roles[i] = s->p[i].role;
+  if (st == DOPT_OK) st = plan_stages(o, s, stage);
+  cfg.stages = stage;
   if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
   if (st == DOPT_OK && to_lead) st = dopt_dist_set_gather(d, DOPT_DIST_GATHER_LEAD);
   if (st == DOPT_OK && lead) st = build_plain(o, s, 0, rdata, rwork, &ref);
@@ -1050,7 +1127,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     if (!loc[i] || (lead && !avg[i]))
       st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
   }
-  const float **lp = (const float **)loc;
+  for (int i = 0; st == DOPT_OK && i < np; i++) gp[i] = stage[i] == cfg.pp.rank || cfg.pp.size <= 1 ? loc[i] : NULL;
   /* resumed: the distributed optimizer loads the checkpoint; the reference
    * replays the steps before it in the saving layout (the uninterrupted run) */
   if (st == DOPT_OK && x->load_dir) st = dopt_dist_load(d, plain, x->load_dir);
@@ -1063,6 +1140,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     /* distributed: this rank's micro-batches, then the step */
     for (int m = 0; m < micro && st == DOPT_OK; m++) {
       for (int i = 0; i < np && st == DOPT_OK; i++) {
+        if (!gp[i]) continue; /* another stage's parameter */
         const int sh = shard_of(o, s, cfg.dp.rank, m);
         size_t h0, hl, w0, wl;
         tp_block(&s->p[i], o->tp, cfg.tp.rank, &h0, &hl, &w0, &wl);
@@ -1079,7 +1157,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
           (s->fast ? synth_fast : synth_block)(s, i, t, sh, h0, hl, w0, wl, loc[i]);
         }
       }
-      if (st == DOPT_OK) st = dopt_dist_backward(d, lp);
+      if (st == DOPT_OK) st = dopt_dist_backward(d, gp);
     }
     dopt_dist_step_info info;
     if (st == DOPT_OK) st = dopt_dist_step(d, &info);
@@ -1228,6 +1306,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   free(avg);
   free(loc);
   free(roles);
+  free(stage);
+  free(gp);
   free(full);
   free(acc);
   free(got);
@@ -1244,15 +1324,26 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   return st;
 }
 
+/* World rank r = (stage · dp + dp rank) · tp + tp rank: the colours of its tp, dp and pp groups. */
+static void group_colours(const cmp_options *o, int r, int *tpc, int *dpc, int *ppc) {
+  *tpc = r / o->tp;
+  *dpc = r / (o->tp * o->dp) * o->tp + r % o->tp;
+  *ppc = r % (o->tp * o->dp);
+}
+
 static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   run_ctx *x = user;
-  dopt_sim_comm *tpc, *dpc;
-  dopt_transport tpt, dpt;
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / x->o->tp, rank, "tp", &tpc));
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % x->o->tp, rank, "dp", &dpc));
+  dopt_sim_comm *tpc, *dpc, *ppc = NULL;
+  dopt_transport tpt, dpt, ppt = {NULL, NULL, 0, 1};
+  int ct, cd, cp;
+  group_colours(x->o, rank, &ct, &cd, &cp);
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, ct, rank, "tp", &tpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, cd, rank, "dp", &dpc));
+  if (x->o->pp > 1) DOPT_TRY(dopt_sim_comm_split_labeled(world, cp, rank, "pp", &ppc));
   DOPT_TRY(dopt_sim_transport(tpc, &tpt));
   DOPT_TRY(dopt_sim_transport(dpc, &dpt));
-  return rank_run(x, rank, &tpt, &dpt);
+  if (ppc) DOPT_TRY(dopt_sim_transport(ppc, &ppt));
+  return rank_run(x, rank, &tpt, &dpt, &ppt);
 }
 
 static void plan_layout(cmp_tensor_stat *t, dopt_dtype dt, int ndim, const int64_t *shape) {
@@ -1306,11 +1397,22 @@ static dopt_status plan_tensors(const cmp_options *o, const source *s, cmp_resul
   return st;
 }
 
+/* --pp with the plugin: only hybrid has a pipeline (ColossalAI's HybridParallelPlugin pp_size). */
+static dopt_status check_pp(const char *plugin, int pp, int tp, int dp, const char *what) {
+  DOPT_CHECK_ARG(pp >= 1 && pp <= CMP_PP_MAX && (long)pp * tp * dp <= 64,
+                 "%spp=%d tp=%d dp=%d: pp >= 1, pp*tp*dp <= 64", what, pp, tp, dp);
+  DOPT_CHECK_ARG(pp == 1 || strcmp(plugin, "hybrid") == 0,
+                 "%spp=%d needs plugin hybrid (ColossalAI's HybridParallelPlugin pp_size), not '%s'", what, pp, plugin);
+  return DOPT_OK;
+}
+
 static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->tp >= 1 && o->dp >= 1 && o->tp * o->dp <= 64, "tp=%d dp=%d: each >= 1, tp*dp <= 64", o->tp, o->dp);
-  if (o->ranks != 0 && o->ranks != o->tp * o->dp)
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "ranks=%d but tp x dp = %d x %d = %d", o->ranks, o->tp, o->dp,
-                      o->tp * o->dp);
+  DOPT_TRY(check_pp(o->plugin, o->pp, o->tp, o->dp, ""));
+  DOPT_CHECK_ARG(o->nlps == 0 || o->nlps == o->pp, "layers_per_stage: %d stages given, pp=%d", o->nlps, o->pp);
+  if (o->ranks != 0 && o->ranks != o->pp * o->tp * o->dp)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "ranks=%d but pp x tp x dp = %d x %d x %d = %d", o->ranks, o->pp, o->tp,
+                      o->dp, o->pp * o->tp * o->dp);
   DOPT_CHECK_ARG(o->steps >= 1 && o->steps <= 1000000, "steps=%d must be in [1, 1e6]", o->steps);
   DOPT_CHECK_ARG(o->micro >= 1 && o->micro <= 1024, "accumulation=%d must be in [1, 1024]", o->micro);
   DOPT_CHECK_ARG(o->max_grad_norm >= 0 && isfinite(o->max_grad_norm), "max_grad_norm=%g must be >= 0", o->max_grad_norm);
@@ -1321,9 +1423,11 @@ static dopt_status check_options(const cmp_options *o) {
     DOPT_CHECK_ARG(strcmp(o->backend, "sim") == 0, "checkpoint_at: backend '%s' (only sim resumes in another layout)",
                    o->backend);
     const int tp = o->resume_tp > 0 ? o->resume_tp : o->tp, dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
+    const int pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
+    const char *rpl = o->resume_plugin[0] ? o->resume_plugin : o->plugin;
     DOPT_CHECK_ARG(tp * dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", tp, dp);
-    DOPT_TRY(dopt_dist_check_layout(o->resume_plugin[0] ? o->resume_plugin : o->plugin, tp, dp,
-                                    o->resume_zero >= 0 ? o->resume_zero : o->zero));
+    DOPT_TRY(check_pp(rpl, pp, tp, dp, "resume: "));
+    DOPT_TRY(dopt_dist_check_layout(rpl, tp, dp, o->resume_zero >= 0 ? o->resume_zero : o->zero));
   }
   if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0 && strcmp(o->backend, "mpi") != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "backend '%s' (sim, nccl or mpi)", o->backend);
@@ -1353,26 +1457,32 @@ static dopt_status check_options(const cmp_options *o) {
  * (torchrun, mpirun, srun) of tp·dp processes, one GPU each (local rank). */
 static dopt_status run_nccl(run_ctx *x) {
   const cmp_options *o = x->o;
-  dopt_nccl_comm *world = NULL, *tpc = NULL, *dpc = NULL;
+  dopt_nccl_comm *world = NULL, *tpc = NULL, *dpc = NULL, *ppc = NULL;
   dopt_status st = dopt_nccl_init_env(120000, &world);
-  dopt_transport wt, tpt, dpt;
+  dopt_transport wt, tpt, dpt, ppt = {NULL, NULL, 0, 1};
   if (st == DOPT_OK) st = dopt_nccl_transport(world, &wt);
-  if (st == DOPT_OK && wt.size != o->tp * o->dp)
-    st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend nccl: the launcher started %d ranks but tp x dp = %d x %d = %d",
-                    wt.size, o->tp, o->dp, o->tp * o->dp);
-  if (st == DOPT_OK) st = dopt_nccl_split(world, wt.rank / o->tp, wt.rank, &tpc);
-  if (st == DOPT_OK) st = dopt_nccl_split(world, wt.rank % o->tp, wt.rank, &dpc);
+  if (st == DOPT_OK && wt.size != o->pp * o->tp * o->dp)
+    st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend nccl: the launcher started %d ranks but pp x tp x dp = %d x %d x %d = %d",
+                    wt.size, o->pp, o->tp, o->dp, o->pp * o->tp * o->dp);
+  int ct = 0, cd = 0, cp = 0;
+  if (st == DOPT_OK) group_colours(o, wt.rank, &ct, &cd, &cp);
+  if (st == DOPT_OK) st = dopt_nccl_split(world, ct, wt.rank, &tpc);
+  if (st == DOPT_OK) st = dopt_nccl_split(world, cd, wt.rank, &dpc);
+  if (st == DOPT_OK && o->pp > 1) st = dopt_nccl_split(world, cp, wt.rank, &ppc);
   if (st == DOPT_OK) st = dopt_nccl_transport(tpc, &tpt);
   if (st == DOPT_OK) st = dopt_nccl_transport(dpc, &dpt);
+  if (st == DOPT_OK && ppc) st = dopt_nccl_transport(ppc, &ppt);
   if (st == DOPT_OK) {
     x->r->rank = wt.rank;
-    st = rank_run(x, wt.rank, &tpt, &dpt);
+    st = rank_run(x, wt.rank, &tpt, &dpt, &ppt);
   }
   if (st != DOPT_OK) { /* peers fail instead of waiting; every communicator, so that none finalises for minutes */
+    if (ppc) dopt_nccl_abort(ppc);
     if (dpc) dopt_nccl_abort(dpc);
     if (tpc) dopt_nccl_abort(tpc);
     if (world) dopt_nccl_abort(world);
   }
+  dopt_nccl_destroy(ppc);
   dopt_nccl_destroy(dpc);
   dopt_nccl_destroy(tpc);
   dopt_nccl_destroy(world);
@@ -1387,23 +1497,28 @@ static dopt_status run_nccl(run_ctx *x) {
  * aborts the job (dopt_mpi_abort) so that no peer waits for its timeout. */
 static dopt_status run_mpi(run_ctx *x) {
   const cmp_options *o = x->o;
-  dopt_mpi_comm *world = NULL, *tpc = NULL, *dpc = NULL;
+  dopt_mpi_comm *world = NULL, *tpc = NULL, *dpc = NULL, *ppc = NULL;
   dopt_status st = dopt_mpi_init(120000, &world);
-  dopt_transport wt, tpt, dpt;
+  dopt_transport wt, tpt, dpt, ppt = {NULL, NULL, 0, 1};
   if (st == DOPT_OK) st = dopt_mpi_transport(world, &wt);
-  if (st == DOPT_OK && wt.size != o->tp * o->dp)
-    st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend mpi: mpirun started %d processes but tp x dp = %d x %d = %d",
-                    wt.size, o->tp, o->dp, o->tp * o->dp);
-  if (st == DOPT_OK) st = dopt_mpi_split(world, wt.rank / o->tp, wt.rank, &tpc);
-  if (st == DOPT_OK) st = dopt_mpi_split(world, wt.rank % o->tp, wt.rank, &dpc);
+  if (st == DOPT_OK && wt.size != o->pp * o->tp * o->dp)
+    st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend mpi: mpirun started %d processes but pp x tp x dp = %d x %d x %d = %d",
+                    wt.size, o->pp, o->tp, o->dp, o->pp * o->tp * o->dp);
+  int ct = 0, cd = 0, cp = 0;
+  if (st == DOPT_OK) group_colours(o, wt.rank, &ct, &cd, &cp);
+  if (st == DOPT_OK) st = dopt_mpi_split(world, ct, wt.rank, &tpc);
+  if (st == DOPT_OK) st = dopt_mpi_split(world, cd, wt.rank, &dpc);
+  if (st == DOPT_OK && o->pp > 1) st = dopt_mpi_split(world, cp, wt.rank, &ppc);
   if (st == DOPT_OK) st = dopt_mpi_transport(tpc, &tpt);
   if (st == DOPT_OK) st = dopt_mpi_transport(dpc, &dpt);
+  if (st == DOPT_OK && ppc) st = dopt_mpi_transport(ppc, &ppt);
   if (st == DOPT_OK) {
     x->r->rank = wt.rank;
     x->measure_world = &wt;
-    st = rank_run(x, wt.rank, &tpt, &dpt);
+    st = rank_run(x, wt.rank, &tpt, &dpt, &ppt);
     x->measure_world = NULL;
   }
+  dopt_mpi_destroy(ppc);
   dopt_mpi_destroy(dpc);
   dopt_mpi_destroy(tpc);
   dopt_mpi_destroy(world);
@@ -1414,7 +1529,7 @@ static dopt_status run_mpi(run_ctx *x) {
 static dopt_status run_sim(run_ctx *x) {
   const cmp_options *o = x->o;
   dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
-  sc.nranks = o->tp * o->dp;
+  sc.nranks = o->pp * o->tp * o->dp;
   sc.timeout_ms = 120000; /* rank 0 runs the reference between collectives */
   sc.mode = o->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
   sc.memops = x->dev ? dopt_cuda_sim_memops() : NULL; /* device buffers on one GPU */
@@ -1423,7 +1538,7 @@ static dopt_status run_sim(run_ctx *x) {
   if (st == DOPT_OK) {
     dopt_status rs[64];
     st = dopt_sim_launch(w, rank_body, x, rs);
-    for (int k = 0; st == DOPT_OK && k < o->tp * o->dp; k++)
+    for (int k = 0; st == DOPT_OK && k < sc.nranks; k++)
       if (rs[k] != DOPT_OK) st = dopt__fail(rs[k], "rank %d: %s", k, dopt_sim_world_rank_error(w, k));
   }
   dopt_sim_world_destroy(w);
@@ -1479,6 +1594,8 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     ob.tp = o->resume_tp > 0 ? o->resume_tp : o->tp;
     ob.dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
     ob.zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
+    ob.pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
+    if (ob.pp != o->pp) ob.nlps = 0; /* another stage count: the default partition */
     ob.ranks = 0;
     char dir[600];
     st = checkpoint_dir(o, dir, sizeof dir);

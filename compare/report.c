@@ -199,13 +199,18 @@ static void pad(FILE *f, int n) {
 static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
   fprintf(f, "compare: %s", o->optimizer);
   if (o->hparams[0]) fprintf(f, " %s", o->hparams);
-  fprintf(f, " | %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d | %d step%s", o->plugin, o->tp, o->dp, o->zero, r->steps,
-          plural(r->steps));
+  fprintf(f, " | %s ", o->plugin);
+  if (o->pp > 1) fprintf(f, "pp%d\xC3\x97", o->pp);
+  fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d | %d step%s", o->tp, o->dp, o->zero, r->steps, plural(r->steps));
   if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
   if (o->checkpoint_at > 0) /* the resume layout, as cmp_run completes it */
-    fprintf(f, " | resumed after step %d in %s tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->checkpoint_at,
-            o->resume_plugin[0] ? o->resume_plugin : o->plugin, o->resume_tp > 0 ? o->resume_tp : o->tp,
+  {
+    const int rpp = o->resume_pp > 0 ? o->resume_pp : o->pp;
+    fprintf(f, " | resumed after step %d in %s ", o->checkpoint_at, o->resume_plugin[0] ? o->resume_plugin : o->plugin);
+    if (rpp > 1) fprintf(f, "pp%d\xC3\x97", rpp);
+    fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->resume_tp > 0 ? o->resume_tp : o->tp,
             o->resume_dp > 0 ? o->resume_dp : o->dp, o->resume_zero >= 0 ? o->resume_zero : o->zero);
+  }
   print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
   if (o->bf16) fprintf(f, " | bf16");
@@ -347,10 +352,11 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, op, "tp", cJSON_CreateNumber(o->tp));
     jadd(b, op, "dp", cJSON_CreateNumber(o->dp));
     jadd(b, op, "zero", cJSON_CreateNumber(o->zero));
+    jadd(b, op, "pp", cJSON_CreateNumber(o->pp));
     jadd(b, op, "dp_sum", cJSON_CreateString(cmp_dp_sum_name(o->dp_sum_words)));
     jadd(b, op, "ring_order", cJSON_CreateBool(o->ring_order != 0));
     jadd(b, op, "batch_invariant", cJSON_CreateBool(o->batch_invariant != 0));
-    jadd(b, op, "ranks", cJSON_CreateNumber(o->ranks > 0 ? o->ranks : o->tp * o->dp));
+    jadd(b, op, "ranks", cJSON_CreateNumber(o->ranks > 0 ? o->ranks : o->pp * o->tp * o->dp));
     jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
     jadd(b, op, "accumulation", cJSON_CreateNumber(r->micro > 0 ? r->micro : o->micro));
     jadd(b, op, "max_grad_norm", cJSON_CreateNumber(o->max_grad_norm));

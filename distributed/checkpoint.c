@@ -50,6 +50,7 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
   char name[512];
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
+    if (!dd_present(d, p)) continue; /* its stage writes it */
     dopt_piece pc;
     dd_held_piece(p, p->master_sharded, &pc);
     if (writes_piece(d, p, p->master_sharded, &pc))
@@ -101,7 +102,7 @@ static dopt_status discard(int rank, const char *tmp, dopt_status s) {
 
 dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const char *ckpt_dir, int64_t global_step) {
   DOPT_CHECK_ARG(d && plain && ckpt_dir, "dopt_dist_save: NULL argument");
-  const int rank = d->dp.rank * d->tp.size + d->tp.rank, nranks = d->tp.size * d->dp.size;
+  const int rank = (int)dd_world_rank(d), nranks = d->pp.size * d->tp.size * d->dp.size;
   const int64_t gs = global_step >= 0 ? global_step : d->gstep + d->skipped;
   char tmp[4096];
   /* rank 0 creates the temporary generation; then every rank writes its pieces */

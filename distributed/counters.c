@@ -30,7 +30,7 @@ dopt_status dopt_dist_counters(const dopt_dist_optim *d, int i, dopt_counters *o
  * reference's counts, one SUM and one MIN over the world, and one more MAX only when something differs. */
 dopt_status dopt_dist_check_counters(dopt_dist_optim *d, const int64_t *ref, dopt_counter_diff *out) {
   DOPT_CHECK_ARG(d != NULL && out != NULL, "dopt_dist_check_counters: NULL argument");
-  const int wr = d->dp.rank * d->tp.size + d->tp.rank, NC = DOPT_NCOUNTERS;
+  const int wr = (int)dd_world_rank(d), NC = DOPT_NCOUNTERS;
   DOPT_CHECK_ARG(ref != NULL || wr != 0, "dopt_dist_check_counters: ref=NULL on world rank 0");
   *out = (dopt_counter_diff){-1, -1, -1, 0, 0};
   const size_t n = (size_t)d->np * (size_t)NC;
@@ -40,7 +40,7 @@ dopt_status dopt_dist_check_counters(dopt_dist_optim *d, const int64_t *ref, dop
   /* the reference's counts, from world rank 0 */
   dopt_status s = DEV(d)->alloc(DCTX(d), (n ? n : 1) * sizeof *all, &buf);
   if (s == DOPT_OK && wr == 0) s = DEV(d)->upload(DCTX(d), buf, ref, n * sizeof *all);
-  if (s == DOPT_OK && n) s = dd_from_rank(d, 0, 0, buf, n, DOPT_I64);
+  if (s == DOPT_OK && n) s = dd_from_world0(d, buf, n, DOPT_I64);
   if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), all, buf, n * sizeof *all);
   if (buf) DEV(d)->free(DCTX(d), buf);
   /* this rank's counts since the last check; the primaries' SUM counters */

@@ -58,6 +58,7 @@ typedef struct batch {
 struct dist_param {
   char *name;
   int group;
+  int stage; /* its pipeline stage: held, reduced and stepped only by the ranks of that stage (dd_present) */
   int ndim;
   int64_t shape[DOPT_MAX_DIMS]; /* logical */
   dopt_tp_role role;
@@ -116,6 +117,7 @@ struct dopt_dist_optim {
   dist_param *p;
   int np;
   dopt_transport tp, dp;
+  dopt_transport pp; /* the pipeline group (size 1, ops NULL: no pipeline) */
   const dopt_device *dev;
   int zero;
   double max_grad_norm;
@@ -152,8 +154,8 @@ struct dopt_dist_optim {
                      * checked that both transports have all_to_allv) */
   void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
   size_t gdev_cap[2];
-  unsigned char *ghost[2]; /* host scratch: gathers, loads and checkpoints (0, 1) */
-  size_t ghost_cap[2];
+  unsigned char *ghost[3]; /* host scratch: gathers, loads and checkpoints (0, 1); a stage lead's gather (2) */
+  size_t ghost_cap[3];
   size_t xfer_cap;  /* bytes */
   batch b;
   double *ss;       /* per-parameter Σg² (clipping) */
@@ -177,6 +179,14 @@ struct dopt_dist_optim {
 
 #define DEV(d) ((d)->dev->ops)
 #define DCTX(d) ((d)->dev->ctx)
+
+/* Whether this rank's stage holds p (a parameter of another stage has an empty TP block here). */
+static inline int dd_present(const dopt_dist_optim *d, const dist_param *p) { return p->stage == d->pp.rank; }
+
+/* This rank in the world: (stage · dp + dp rank) · tp + tp rank. */
+static inline int64_t dd_world_rank(const dopt_dist_optim *d) {
+  return ((int64_t)d->pp.rank * d->dp.size + d->dp.rank) * d->tp.size + d->tp.rank;
+}
 
 /* ---- plan.c ------------------------------------------------------------------------------- */
 
@@ -206,6 +216,12 @@ dopt_status dd_post_sum(void *ctx, int64_t *x, size_t n);
 /* ---- step.c ------------------------------------------------------------------------------- */
 
 dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op);
+/* Device x[count] of the ranks of stage `stage` to the other stages' ranks with the same tp and dp ranks (one
+ * broadcast over pp; nothing without a pipeline). */
+dopt_status dd_from_stage(dopt_dist_optim *d, int stage, void *x, size_t count, dopt_dtype dt);
+/* Device x[count] of world rank 0 to every rank: over pp among the stages' leads, then in each stage
+ * (dd_from_rank 0, 0). */
+dopt_status dd_from_world0(dopt_dist_optim *d, void *x, size_t count, dopt_dtype dt);
 dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n);
 
 /* ---- dp_sum.c ----------------------------------------------------------------------------- */

@@ -98,7 +98,7 @@ static int out_ok(const dopt_dist_optim *d, const void *out) {
   return out != NULL || (d->gather_lead && !dopt_dist_is_lead(d));
 }
 
-int dopt_dist_is_lead(const dopt_dist_optim *d) { return d && d->tp.rank == 0 && d->dp.rank == 0; }
+int dopt_dist_is_lead(const dopt_dist_optim *d) { return d && d->tp.rank == 0 && d->dp.rank == 0 && d->pp.rank == 0; }
 
 dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_set_gather: d=NULL");
@@ -111,23 +111,55 @@ dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode) {
   return DOPT_OK;
 }
 
+/* What a gather of parameter i assembles in its stage: 0 its values, 1 its bf16 copy, 2 state `key`. */
+enum { G_PARAM, G_WORK, G_STATE };
+static dopt_status gather_in_stage(dopt_dist_optim *d, int i, int what, const char *key, void *out);
+
+/* A gather of parameter i (what, key) of `bytes` logical bytes: assembled in its stage, then (pipeline) sent
+ * over pp from that stage to the same tp and dp ranks of the others: on every rank, or in lead mode along the
+ * stages' leads only. out: where it is delivered (NULL where nothing is: out_ok). */
+static dopt_status gather_any(dopt_dist_optim *d, int i, int what, const char *key, size_t bytes, void *out) {
+  if (d->pp.size == 1) return gather_in_stage(d, i, what, key, out);
+  const dist_param *p = &d->p[i];
+  const int here = dd_present(d, p), carry = !d->gather_lead || (d->tp.rank == 0 && d->dp.rank == 0);
+  unsigned char *tmp = out;
+  if (here && carry && !tmp) DOPT_TRY(dd_ghost(d, 2, bytes ? bytes : 1, &tmp)); /* a stage lead forwards it */
+  if (here) DOPT_TRY(gather_in_stage(d, i, what, key, tmp));
+  if (!carry || bytes == 0) return DOPT_OK;
+  void *buf = NULL;
+  DOPT_TRY(dd_gdev(d, 0, bytes, &buf));
+  if (here) DOPT_TRY(DEV(d)->upload(DCTX(d), buf, tmp, bytes));
+  DOPT_TRY(dd_from_stage(d, p->stage, buf, bytes, DOPT_U8));
+  return !here && out ? DEV(d)->download(DCTX(d), out, buf, bytes) : DOPT_OK;
+}
+
 dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int i, float *out) {
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_gather_param"));
   DOPT_CHECK_ARG(out_ok(d, out), "dopt_dist_gather_param: out=NULL");
-  return dd_gather(d, &d->p[i], d->p[i].master, d->p[i].master_sharded, sizeof(float), DOPT_F32, out);
+  const dist_param *p = &d->p[i];
+  return gather_any(d, i, G_PARAM, NULL, dopt_numel(p->ndim, p->shape) * sizeof(float), out);
 }
 
 dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int i, uint16_t *out) {
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_gather_work"));
   DOPT_CHECK_ARG(out_ok(d, out), "dopt_dist_gather_work: out=NULL");
   if (!d->p[i].bf16) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_gather_work: '%s' is not a bf16 parameter", d->p[i].name);
-  return dd_gather(d, &d->p[i], d->p[i].work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
+  const dist_param *p = &d->p[i];
+  return gather_any(d, i, G_WORK, NULL, dopt_numel(p->ndim, p->shape) * sizeof(uint16_t), out);
 }
 
 dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, void *out) {
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_gather_state"));
   DOPT_CHECK_ARG(key && out_ok(d, out), "dopt_dist_gather_state: key/out NULL");
+  size_t bytes = 0;
+  DOPT_TRY(dopt_dist_state_bytes(d, i, key, &bytes));
+  return gather_any(d, i, G_STATE, key, bytes, out);
+}
+
+static dopt_status gather_in_stage(dopt_dist_optim *d, int i, int what, const char *key, void *out) {
   dist_param *p = &d->p[i];
+  if (what == G_PARAM) return dd_gather(d, p, p->master, p->master_sharded, sizeof(float), DOPT_F32, out);
+  if (what == G_WORK) return dd_gather(d, p, p->work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
     if (p->owned) { /* on the owners: each one's units broadcast from it (one unit: the whole state) */
@@ -246,14 +278,14 @@ dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mine, size_
   if (bytes) memcpy(h, mine, bytes);
   dopt_status s = DEV(d)->alloc(DCTX(d), words * sizeof *h, &buf);
   if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, h, words * sizeof *h);
-  if (s == DOPT_OK) s = dd_from_rank(d, 0, 0, buf, words, DOPT_I64);
+  if (s == DOPT_OK) s = dd_from_world0(d, buf, words, DOPT_I64);
   if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, words * sizeof *h);
   int64_t key = INT64_MAX;
   if (s == DOPT_OK) {
     const unsigned char *a = (const unsigned char *)h, *b = mine;
     size_t j = 0;
     while (j < bytes && a[j] == b[j]) j++;
-    const int64_t wr = (int64_t)d->dp.rank * d->tp.size + d->tp.rank;
+    const int64_t wr = dd_world_rank(d);
     if (j < bytes) key = (wr << 32) | (int64_t)j;
   }
   int64_t neg = -key;
@@ -327,7 +359,7 @@ static dopt_status compare_over(dopt_dist_optim *d, const dopt_transport *t, con
   if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, mine, bytes);
   if (s == DOPT_OK) s = t->ops->broadcast(t->comm, buf, buf, bytes, DOPT_U8, 0);
   if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), theirs, buf, bytes);
-  const int64_t wr = (int64_t)d->dp.rank * d->tp.size + d->tp.rank;
+  const int64_t wr = dd_world_rank(d);
   for (size_t e = 0; s == DOPT_OK && e < n; e++)
     if (over[e] && memcmp(theirs + e * DOPT_DIGEST_BYTES, mine + e * DOPT_DIGEST_BYTES, DOPT_DIGEST_BYTES) != 0) {
       const int64_t key = (wr << 32) | (int64_t)e;
@@ -366,7 +398,7 @@ static dopt_status check_shared(dopt_dist_optim *d, const dist_param *p, int k, 
     prim[q] = at[q] >= 0 && holds_elem(&p->pc, idx[q] * B) ? (double)mine[at[q]] : -INFINITY;
   }
   if (s == DOPT_OK) s = world_max_f64(d, prim, n);
-  const int64_t wr = (int64_t)d->dp.rank * d->tp.size + d->tp.rank;
+  const int64_t wr = dd_world_rank(d);
   for (size_t q = 0; s == DOPT_OK && q < n; q++) {
     const float v = (float)prim[q];
     if (at[q] >= 0 && memcmp(&v, &mine[at[q]], sizeof v) != 0) {

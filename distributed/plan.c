@@ -55,7 +55,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   free(d->xord);
   for (int k = 0; k < 2; k++)
     if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
-  for (int k = 0; k < 2; k++) free(d->ghost[k]);
+  for (int k = 0; k < 3; k++) free(d->ghost[k]);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
@@ -82,9 +82,12 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   free(d);
 }
 
+static int pp_size_of(const dopt_dist_config *cfg) { return cfg->version >= 4 && cfg->pp.size > 1 ? cfg->pp.size : 1; }
+
 static dopt_status check_config(const dopt_dist_config *cfg) {
   DOPT_CHECK_ARG((cfg->version == 1 && cfg->struct_size >= DOPT_DIST_CONFIG_V1_SIZE) ||
                      (cfg->version == 2 && cfg->struct_size >= DOPT_DIST_CONFIG_V2_SIZE) ||
+                     (cfg->version == 3 && cfg->struct_size >= DOPT_DIST_CONFIG_V3_SIZE) ||
                      (cfg->version == DOPT_DIST_CONFIG_VERSION && cfg->struct_size >= sizeof(dopt_dist_config)),
                  "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
                  cfg->struct_size, cfg->version);
@@ -101,6 +104,12 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
                  cfg->dp_sum_words);
   DOPT_CHECK_ARG(cfg->dp.size <= DOPT_DP_SUM_MAX_PARTS, "dopt_dist_create: dp=%d above %d", cfg->dp.size,
                  DOPT_DP_SUM_MAX_PARTS);
+  if (cfg->version >= 4 && cfg->pp.size > 1) {
+    DOPT_CHECK_ARG(cfg->pp.ops && cfg->pp.ops->all_reduce && cfg->pp.ops->broadcast,
+                   "dopt_dist_create: pp=%d needs a pp transport with all_reduce and broadcast", cfg->pp.size);
+    DOPT_CHECK_ARG(cfg->pp.rank >= 0 && cfg->pp.rank < cfg->pp.size, "dopt_dist_create: pp rank %d of %d",
+                   cfg->pp.rank, cfg->pp.size);
+  }
   DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
                  "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
   return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
@@ -269,11 +278,14 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   dopt_piece *pc = &p->pc;
   dopt_piece_full(p->ndim, p->shape, pc);
   dd_tp_block(p, tpn, d->tp.rank, &pc->h0, &pc->hl, &pc->w0, &pc->wl);
+  const int here = dd_present(d, p);
+  if (!here) pc->hl = 0; /* another stage's parameter: an empty block (no gradient, no values, no states) */
   p->lnumel = pc->b * pc->hl * pc->wl;
   p->lndim = p->ndim;
   memcpy(p->lshape, p->shape, sizeof p->lshape);
   if (p->role == DOPT_TP_COLUMN) p->lshape[p->ndim >= 2 ? p->ndim - 2 : 0] = (int64_t)(p->ndim >= 2 ? pc->hl : pc->wl);
   if (p->role == DOPT_TP_ROW) p->lshape[p->ndim - 1] = (int64_t)pc->wl;
+  if (!here) p->lshape[0] = 0, p->lndim = p->ndim > 0 ? p->ndim : 1;
   /* ZeRO: flatten, pad to a multiple of dp, split evenly */
   if (d->zero >= 1) {
     p->chunk = (p->lnumel + (size_t)dpn - 1) / (size_t)dpn;
@@ -295,9 +307,9 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   if (p->bf16) DOPT_TRY(dd_dalloc(d, wext * sizeof(uint16_t), (void **)&p->work));
   DOPT_TRY(dd_load_values(d, p, src->data));
   /* states: elementwise ones are sharded like the parameter, blockwise ones by the blocks of its piece, the
-   * others whole */
+   * others whole; none for another stage's parameter */
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
-  DOPT_TRY(plan_blocks(d, p));
+  if (here) DOPT_TRY(plan_blocks(d, p));
   if (p->owned) { /* the states and the logical values of its units on each owner rank only */
     dd_units(d, p, d->dp.rank * tpn + d->tp.rank, &p->u0, &p->u1);
     if (p->u1 > p->u0) {
@@ -306,7 +318,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
       DOPT_TRY(DEV(d)->upload(DCTX(d), p->full, src->data + p->u0 * lu, cnt * sizeof(float)));
       for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(p, k), &p->state[k]));
     }
-  } else {
+  } else if (here) {
     for (int k = 0; k < p->nstates; k++) DOPT_TRY(dd_dalloc(d, dd_state_held_bytes(p, k), &p->state[k]));
   }
   p->step = src->step;
@@ -408,6 +420,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->gstep = dopt__optim_gstep(plain);
   d->tp = cfg->tp;
   d->dp = cfg->dp;
+  d->pp = cfg->version >= 4 && cfg->pp.size > 1 ? cfg->pp : (dopt_transport){NULL, NULL, 0, 1};
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
   d->zero = cfg->zero_stage;
   d->max_grad_norm = cfg->max_grad_norm;
@@ -443,9 +456,21 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   for (int g = 0; g < d->ngroups; g++) memcpy(d->hp[g], dopt__optim_group_hp(plain, g), sizeof d->hp[g]);
   /* owner mode per parameter: GaLore's projected matrices (the SVD), 8-bit blocks of the logical tensor; the
    * other parameters of those optimizers step piecewise */
+  const int *stages = cfg->version >= 4 ? cfg->stages : NULL;
+  for (int i = 0; i < d->np; i++) {
+    d->p[i].stage = stages ? stages[i] : 0;
+    if (d->p[i].stage < 0 || d->p[i].stage >= d->pp.size) {
+      const char *name = dopt__optim_param(po, i)->name;
+      const int st = d->p[i].stage;
+      dopt_dist_destroy(d);
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: stages[%d]=%d ('%s') outside [0, pp=%d)", i, st, name,
+                        pp_size_of(cfg));
+    }
+  }
   for (int i = 0; i < d->np; i++) {
     const dopt_param *q = dopt__optim_param(po, i);
-    d->p[i].owned = dopt__impl_whole(d->impl, d->hp[q->group], q->ndim, q->shape);
+    /* a parameter of another stage is held nowhere on this one: not owned here */
+    d->p[i].owned = dd_present(d, &d->p[i]) && dopt__impl_whole(d->impl, d->hp[q->group], q->ndim, q->shape);
     d->p[i].nunits = 1;
     d->nowned += d->p[i].owned;
   }
@@ -524,8 +549,11 @@ dopt_status dopt_dist_layout(const dopt_dist_optim *d, int i, dopt_layout_piece 
   DOPT_TRY(dd_check_param(d, i, "dopt_dist_layout"));
   DOPT_CHECK_ARG(out != NULL, "dopt_dist_layout: out=NULL");
   const dist_param *p = &d->p[i];
-  /* gpc: pc, or in owner mode the owner's whole block; len 0 (an empty TP block or shard) stays 0 */
-  return dopt_layout_from_piece(&p->gpc, p->ndim, out);
+  /* gpc: pc, or in owner mode the owner's whole block; len 0 (an empty TP block or shard, another stage's
+   * parameter) stays 0 */
+  DOPT_TRY(dopt_layout_from_piece(&p->gpc, p->ndim, out));
+  if (d->pp.size > 1) out->stage = p->stage;
+  return DOPT_OK;
 }
 
 /* Host zeros, at least `bytes`. */

@@ -12,7 +12,8 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   DOPT_CHECK_ARG(d && grads, "dopt_dist_backward: NULL argument");
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (!grads[i]) continue; /* no gradient in this micro-batch (torch: .grad untouched) */
+    if (!grads[i] || !dd_present(d, p)) continue; /* no gradient in this micro-batch (torch: .grad untouched), or
+                                                   * another stage's parameter (its gradient is that stage's) */
     d->has[i] = 1;
     if (p->lnumel == 0) continue;
     if (d->keep) { /* kept whole until the step (grown by doubling, copied over) */
@@ -77,33 +78,49 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   return DOPT_OK;
 }
 
-/* h[n] (host) ← its reduction by op over the world (tp, then dp), through a
- * device buffer: d->flags (np + 1 words) when it fits, else one of its own (a
- * transport reduces device memory: NCCL and the device-buffer simulator cannot
- * read a host pointer). */
-dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op) {
+/* h[n] (host) ← its reduction by op over one stage (tp, then dp; pp_too: then over pp, the whole world),
+ * through a device buffer: d->flags (np + 1 words) when it fits, else one of its own (a transport reduces
+ * device memory: NCCL and the device-buffer simulator cannot read a host pointer). */
+static dopt_status reduce_i64(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op, int pp_too) {
   void *buf = d->flags;
   if (n > (size_t)d->np + 1) DOPT_TRY(DEV(d)->alloc(DCTX(d), n * sizeof *h, &buf));
   dopt_status s = DEV(d)->upload(DCTX(d), buf, h, n * sizeof *h);
   if (s == DOPT_OK) s = d->tp.ops->all_reduce(d->tp.comm, buf, buf, n, DOPT_I64, op);
   if (s == DOPT_OK) s = d->dp.ops->all_reduce(d->dp.comm, buf, buf, n, DOPT_I64, op);
+  if (s == DOPT_OK && pp_too && d->pp.size > 1) s = d->pp.ops->all_reduce(d->pp.comm, buf, buf, n, DOPT_I64, op);
   if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, n * sizeof *h);
   if (buf != (void *)d->flags) DEV(d)->free(DCTX(d), buf);
   return s;
 }
 
+/* h[n] ← its reduction over the world: every stage's tp and dp groups, then pp. */
+dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op) {
+  return reduce_i64(d, h, n, op, 1);
+}
+
+dopt_status dd_from_stage(dopt_dist_optim *d, int stage, void *x, size_t count, dopt_dtype dt) {
+  return d->pp.size > 1 ? d->pp.ops->broadcast(d->pp.comm, x, x, count, dt, stage) : DOPT_OK;
+}
+
+dopt_status dd_from_world0(dopt_dist_optim *d, void *x, size_t count, dopt_dtype dt) {
+  if (d->tp.rank == 0 && d->dp.rank == 0) DOPT_TRY(dd_from_stage(d, 0, x, count, dt));
+  return dd_from_rank(d, 0, 0, x, count, dt);
+}
+
 dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n) { return dd_world_reduce(d, h, n, DOPT_MAX); }
 
-/* One MAX over the world (tp, then dp) of {non-finite count, has[0..np)}:
+/* One MAX over the stage (tp, then dp) of {non-finite count, has[0..np)}:
  * whether any rank saw a non-finite averaged gradient, and which parameters
- * received a gradient on some rank (a rank without one added zeros). */
+ * received a gradient on some rank (a rank without one added zeros); the
+ * non-finite count then over pp (the skip is the whole model's). */
 static dopt_status world_flags(dopt_dist_optim *d, int64_t *bad) {
   const size_t n = (size_t)d->np + 1;
   int64_t *h = malloc(n * sizeof *h);
   if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d flags", d->np);
   h[0] = *bad;
   for (int i = 0; i < d->np; i++) h[1 + i] = d->has[i];
-  dopt_status s = dd_world_max(d, h, n);
+  dopt_status s = reduce_i64(d, h, n, DOPT_MAX, 0);
+  if (s == DOPT_OK && d->pp.size > 1) s = reduce_i64(d, h, 1, DOPT_MAX, 1);
   if (s == DOPT_OK) {
     *bad = h[0];
     for (int i = 0; i < d->np; i++) d->skip[i] = h[1 + i] == 0;
@@ -121,8 +138,8 @@ static dopt_status apply_schedule(dopt_dist_optim *d) {
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     d->skip[i] |= d->frozen[i];
-    p->cnt_last[DOPT_COUNTER_FROZEN] = d->frozen[i] != 0;
-    if (!reset || d->layer[i] < 0) continue;
+    p->cnt_last[DOPT_COUNTER_FROZEN] = d->frozen[i] != 0 && dd_present(d, p);
+    if (!reset || d->layer[i] < 0 || !dd_present(d, p)) continue;
     p->cnt_last[DOPT_COUNTER_RESETS] = 1;
     p->step = 0;
     for (int k = 0; k < p->nstates; k++) {
@@ -241,6 +258,36 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
   return DOPT_OK;
 }
 
+/* Pipeline: every parameter's Σg² (clipping) from its stage to every stage. Each is nonzero on one stage
+ * only (another stage's parameter has an empty piece: +0), so the SUM over pp is that stage's value exactly,
+ * NaN and inf included. */
+static dopt_status stages_sumsq(dopt_dist_optim *d) {
+  if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
+  void *buf = NULL;
+  for (int i = 0; i < d->np; i++) d->ss[i] = dd_present(d, &d->p[i]) ? d->ss[i] : 0.0;
+  DOPT_TRY(dd_gdev(d, 0, (size_t)d->np * sizeof *d->ss, &buf));
+  DOPT_TRY(DEV(d)->upload(DCTX(d), buf, d->ss, (size_t)d->np * sizeof *d->ss));
+  DOPT_TRY(d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, DOPT_F64, DOPT_SUM));
+  return DEV(d)->download(DCTX(d), d->ss, buf, (size_t)d->np * sizeof *d->ss);
+}
+
+/* Pipeline: every parameter's step count from its stage (a SUM over pp where the other stages add 0), so
+ * that every rank reports, checks and saves the same counts (dopt_dist_get_step, checkpoints). */
+static dopt_status stages_steps(dopt_dist_optim *d) {
+  if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
+  int64_t *h = malloc((size_t)d->np * sizeof *h);
+  if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d step counts", d->np);
+  for (int i = 0; i < d->np; i++) h[i] = dd_present(d, &d->p[i]) ? d->p[i].step : 0;
+  void *buf = NULL;
+  dopt_status s = dd_gdev(d, 0, (size_t)d->np * sizeof *h, &buf);
+  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, h, (size_t)d->np * sizeof *h);
+  if (s == DOPT_OK) s = d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, DOPT_I64, DOPT_SUM);
+  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, (size_t)d->np * sizeof *h);
+  for (int i = 0; s == DOPT_OK && i < d->np; i++) d->p[i].step = h[i];
+  free(h);
+  return s;
+}
+
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
@@ -267,6 +314,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     }
     DOPT_TRY(map_frames(d, 0, d->np, 0));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
+    DOPT_TRY(stages_sumsq(d));
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
     for (int i = 0; i < d->np; i++)
       DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].gpc.lo, coef, d->p[i].gpc.len));
@@ -290,6 +338,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) DOPT_TRY(gather_weights(d));
   /* owner mode: every rank receives its pieces' new values (no working-copy update, no all-gather) */
   if (d->nowned) DOPT_TRY(dd_owner_steps(d));
+  DOPT_TRY(stages_steps(d));
   for (int i = 0; i < d->np; i++) dopt_counts_add(d->p[i].cnt_total, d->p[i].cnt_last);
   if (info) *info = local;
   d->micro = 0; /* the next backward overwrites the accumulators */

@@ -86,15 +86,25 @@ typedef struct dopt_dist_config {
    * on the shared grid itself, so the sum is over all dp·micro micro-batch
    * gradients exactly, whatever their grouping. Needs dp_sum_words ≥ 1. */
   int batch_invariant;
+  /* v4: pipeline stages (docs/distributed.md "Pipeline stages"). pp is this rank's pipeline group: the ranks
+   * of every stage with this rank's tp and dp ranks, ordered by stage (pp.rank is this rank's stage; size 0
+   * or 1: no pipeline, every parameter on this rank's stage). stages[i] is parameter i's stage in
+   * [0, pp.size) (NULL: all on stage 0; read during dopt_dist_create only). A rank holds, reduces and steps
+   * only its stage's parameters, each stage a tp × dp × ZeRO grid of its own; what spans the model is
+   * reduced over pp as well: the non-finite skip, the clipping norm, step counts, counters, the replica
+   * checks, gathers and checkpoints. */
+  dopt_transport pp;
+  const int *stages;
 } dopt_dist_config;
 
-#define DOPT_DIST_CONFIG_VERSION 3
+#define DOPT_DIST_CONFIG_VERSION 4
 #define DOPT_DIST_CONFIG_V1_SIZE ((uint32_t)offsetof(dopt_dist_config, bucket_bytes))
 #define DOPT_DIST_CONFIG_V2_SIZE ((uint32_t)offsetof(dopt_dist_config, dp_sum_words))
+#define DOPT_DIST_CONFIG_V3_SIZE ((uint32_t)offsetof(dopt_dist_config, pp))
 #define DOPT_DIST_BUCKET_BYTES_DEFAULT ((size_t)64 << 20)
 #define DOPT_DIST_CONFIG_INIT \
   { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1, \
-    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0 }
+    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0, {0}, NULL }
 
 /* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
  * message names the plugin and what it needs. */

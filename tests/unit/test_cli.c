@@ -1154,9 +1154,144 @@ static void test_compare_sweep(void **st) {
 #undef S
 }
 
+
+/* ---- pipeline stages (--pp; docs/distributed.md "Pipeline stages") ---- */
+
+/* Runs compare with args, expects exit 0 and a bitwise verdict whose digest equals the reference's; the
+ * digest into hex. */
+static void expect_bitwise(const char *const *args, const char *what, char hex[65]) {
+  char out[600];
+  snprintf(out, sizeof out, "%s/pp.txt", dir);
+  const int rc = run_out(args, out);
+  char *txt = slurp(out);
+  if (rc != 0 || !txt || !strstr(txt, "verdict: EQUIVALENT (bitwise") || !strstr(txt, "(reference: equal)")) {
+    char *err = slurp(errfile);
+    fail_msg("%s: exit %d\n%s\n%s", what, rc, txt ? txt : "", err ? err : "");
+  }
+  digest_of(txt, hex);
+  free(txt);
+}
+
+/* Every registered optimizer at pp 2 x tp 2 x dp 2 (zero 2), pp 3 x dp 2 (zero 1, 5 layers: 2 + 2 + 1 as
+ * ColossalAI splits them) and pp 4 x tp 2 x dp 2 (zero 0, 16 ranks; 5 layers: 1 + 1 + 2 + 1), with clipping
+ * that binds (the norm spans the stages), bf16 and accumulation in the last: bitwise the reference, and the
+ * digest of each pipelined run equals the same tp x dp x zero run without stages. */
+static void test_pp_every_optimizer(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adamw", "adafactor", "came", "lamb", "adamw8bit", "galore_adamw",
+                                     "galore_adamw8bit", "q_galore", "lisa", "galore", "muon"};
+  static const char *const L[][8] = {{"--pp", "2", "--tp", "2", "--dp", "2", "--zero", "2"},
+                                     {"--pp", "3", "--tp", "1", "--dp", "2", "--zero", "1"},
+                                     {"--pp", "4", "--tp", "2", "--dp", "2", "--zero", "0"}};
+  for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++)
+    for (int l = 0; l < 3; l++) {
+      const char *extra = l == 2 ? "--bf16" : "--quiet";
+      char what[160], hp[65], h1[65];
+      snprintf(what, sizeof what, "%s pp %s tp %s dp %s zero %s", opts[k], L[l][1], L[l][3], L[l][5], L[l][7]);
+      const char *pp[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "3", "--accumulation",
+                          l == 2 ? "2" : "1", "--max-grad-norm", "0.01", extra, "--quiet", L[l][0], L[l][1], L[l][2],
+                          L[l][3], L[l][4], L[l][5], L[l][6], L[l][7], NULL};
+      expect_bitwise(pp, what, hp);
+      const char *flat[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "3", "--accumulation",
+                            l == 2 ? "2" : "1", "--max-grad-norm", "0.01", extra, "--quiet", L[l][2], L[l][3],
+                            L[l][4], L[l][5], L[l][6], L[l][7], NULL};
+      expect_bitwise(flat, what, h1);
+      if (strcmp(hp, h1) != 0) fail_msg("%s: digest %s with stages, %s without", what, hp, h1);
+    }
+}
+
+/* Checkpoints resume across stage counts (pp 2 -> 1, 1 -> 4, 3 -> 2; the same dp: the uninterrupted run's
+ * digest), piecewise and owner-mode optimizers. */
+static void test_pp_resume(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adafactor", "galore_adamw8bit", "lisa"};
+  static const char *const R[][2] = {{"2", "1"}, {"1", "4"}, {"3", "2"}};
+  for (int k = 0; k < 3; k++) {
+    char want[65], hex[65], what[160], ck[600];
+    const char *plain[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet", NULL};
+    expect_bitwise(plain, opts[k], want);
+    for (int r = 0; r < 3; r++) {
+      snprintf(ck, sizeof ck, "%s/ppck%d_%d", dir, k, r);
+      snprintf(what, sizeof what, "%s resumed pp %s -> %s", opts[k], R[r][0], R[r][1]);
+      const char *args[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet",
+                            "--pp", R[r][0], "--checkpoint-at", "3", "--checkpoint-dir", ck, "--resume-pp", R[r][1],
+                            NULL};
+      expect_bitwise(args, what, hex);
+      if (strcmp(hex, want) != 0) fail_msg("%s: digest %s, uninterrupted %s", what, hex, want);
+    }
+  }
+}
+
+/* A non-finite gradient on one stage skips the step on every stage: layers.1.w (stage 1 of 2) is NaN at step
+ * 2; both sides skip it and stay bitwise (a skip decided per stage would step stage 0 and diverge). */
+static void test_pp_nonfinite_skip(void **st) {
+  (void)st;
+  char trace[600], out[600];
+  snprintf(trace, sizeof trace, "%s/pp_nan.safetensors", dir);
+  snprintf(out, sizeof out, "%s/pp_nan.txt", dir);
+  static const char *const names[4] = {"emb", "layers.0.w", "layers.1.w", "head"};
+  static const int64_t shape[2] = {6, 5};
+  float buf[30];
+  uint64_t z = 7;
+  dopt_st_writer *wr;
+  assert_ok(dopt_st_writer_create(&wr));
+  char key[64];
+  for (int t = 0; t <= 4; t++)
+    for (int r = 0; r < (t ? 2 : 1); r++)
+      for (int p = 0; p < 4; p++) {
+        for (int k = 0; k < 30; k++) buf[k] = (float)dt_rand_normal(&z);
+        if (t == 2 && p == 2 && r == 1) buf[7] = NAN;
+        if (t) snprintf(key, sizeof key, "grad/%d/%d/%s", t, r, names[p]);
+        else snprintf(key, sizeof key, "init/%s", names[p]);
+        assert_ok(dopt_st_writer_add(wr, key, DOPT_F32, 2, shape, buf));
+      }
+  assert_ok(dopt_st_writer_meta(wr, "params", "emb,layers.0.w,layers.1.w,head"));
+  assert_ok(dopt_st_writer_meta(wr, "steps", "4"));
+  assert_ok(dopt_st_writer_meta(wr, "shards", "2"));
+  assert_ok(dopt_st_writer_save(wr, trace));
+  dopt_st_writer_free(wr);
+  const char *args[] = {"compare", "--optimizer", "adamw", "--trace", trace, "--steps", "4", "--pp", "2", "--tp", "1",
+                        "--dp", "2", "--zero", "1", NULL};
+  const int rc = run_out(args, out);
+  char *txt = slurp(out);
+  if (rc != 0 || !txt || !strstr(txt, "verdict: EQUIVALENT (bitwise") || !strstr(txt, "skipped"))
+    fail_msg("NaN on stage 1 at step 2: exit %d\n%s", rc, txt ? txt : "");
+  free(txt);
+}
+
+/* Refusals, one line each: a pipeline outside hybrid, more stages than layers, a partition that does not add
+ * up or names another number of stages. */
+static void test_pp_bad_input(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/pp_bad.txt", dir);
+  static const struct {
+    const char *args[12];
+    const char *needle;
+  } bad[] = {
+      {{"compare", "--plugin", "fsdp", "--pp", "2", "--steps", "1", NULL}, "pp=2 needs plugin hybrid"},
+      {{"compare", "--model", "1mx5", "--pp", "6", "--tp", "1", "--dp", "1", "--steps", "1", NULL},
+       "the model has 5 decoder layers"},
+      {{"compare", "--model", "1mx5", "--pp", "2", "--layers-per-stage", "2,2", "--steps", "1", NULL},
+       "4 layers in all, the model has 5"},
+      {{"compare", "--model", "1mx5", "--pp", "2", "--layers-per-stage", "1,1,3", "--steps", "1", NULL},
+       "3 stages given, pp=2"},
+      {{"compare", "--pp", "2", "--layers-per-stage", "2,x", "--steps", "1", NULL}, "'2,x'"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    const int rc = run_out(bad[k].args, out);
+    char *err = slurp(errfile);
+    int lines = 0;
+    for (const char *c = err ? err : ""; *c; c++) lines += *c == '\n';
+    if (rc != 2 || lines != 1 || !strstr(err, bad[k].needle))
+      fail_msg("case %zu: exit %d, %d lines: %s (want '%s')", k, rc, lines, err ? err : "", bad[k].needle);
+    free(err);
+  }
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts]\n", argv[0]);
+    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts|pipeline]\n", argv[0]);
     return 2;
   }
   bin = argv[1];
@@ -1166,6 +1301,15 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_compare_sweep),
     };
     return cmocka_run_group_tests(layouts, setup, teardown);
+  }
+  if (argc > 2 && strcmp(argv[2], "pipeline") == 0) { /* registered as unit_test_cli_pipeline */
+    const struct CMUnitTest pipeline[] = {
+        cmocka_unit_test(test_pp_every_optimizer),
+        cmocka_unit_test(test_pp_resume),
+        cmocka_unit_test(test_pp_nonfinite_skip),
+        cmocka_unit_test(test_pp_bad_input),
+    };
+    return cmocka_run_group_tests(pipeline, setup, teardown);
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_good_run_equals_library),
