@@ -97,14 +97,19 @@ static void progress(int step, int steps, double elapsed, uint64_t worst, void *
 static int run_matrix(int steps) {
   static const struct {
     const char *plugin;
-    int tp, dp, zero;
-  } plugins[] = {{"ddp", 1, 2, 0}, {"zero", 1, 2, 1}, {"zero", 1, 3, 2}, {"hybrid", 2, 2, 2}, {"fsdp", 2, 2, 3}};
+    int tp, dp, zero, pp;
+  } plugins[] = {{"ddp", 1, 2, 0, 1},    {"zero", 1, 2, 1, 1}, {"zero", 1, 3, 2, 1},
+                 {"hybrid", 2, 2, 2, 1}, {"fsdp", 2, 2, 3, 1}, {"hybrid", 2, 2, 1, 3}};
   const int np = (int)(sizeof plugins / sizeof plugins[0]);
   printf("measured compatibility (synthetic gradients, %d steps, bitwise against the reference)\n%-17s", steps,
          "optimizer");
   for (int p = 0; p < np; p++) {
     char h[32];
-    snprintf(h, sizeof h, "%s z%d %dx%d", plugins[p].plugin, plugins[p].zero, plugins[p].tp, plugins[p].dp);
+    if (plugins[p].pp > 1)
+      snprintf(h, sizeof h, "%s z%d pp%dx%dx%d", plugins[p].plugin, plugins[p].zero, plugins[p].pp, plugins[p].tp,
+               plugins[p].dp);
+    else
+      snprintf(h, sizeof h, "%s z%d %dx%d", plugins[p].plugin, plugins[p].zero, plugins[p].tp, plugins[p].dp);
     printf(" %-18s", h);
   }
   printf("\n");
@@ -123,6 +128,7 @@ static int run_matrix(int steps) {
       o.tp = plugins[p].tp;
       o.dp = plugins[p].dp;
       o.zero = plugins[p].zero;
+      o.pp = plugins[p].pp; /* the built-in model's 3 layers: one per stage */
       o.steps = steps;
       cmp_result r;
       dopt_status s = cmp_run(&o, &r, NULL, NULL);

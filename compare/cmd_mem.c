@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "compare.h"
 #include "model.h"
 #include "registry.h"
 
@@ -20,11 +21,24 @@ typedef struct pclass {
   int split;     /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
 } pclass;
 
-static int classes(const cmp_model *m, pclass *c) {
+/* The tensors of pipeline stage `stage` of pp (docs/distributed.md "Pipeline stages"): its decoder layers
+ * (ColossalAI's default partition), the embedding on the first stage, the final norm and head on the last;
+ * pp 1: the whole model. */
+typedef struct stage_sel {
+  int stage, pp;
+} stage_sel;
+
+static int classes_of(const cmp_model *m, stage_sel ss, pclass *c) {
   int n = 0;
   int64_t h = m->hidden, f = m->inter, v = m->vocab;
   long L = m->layers;
-  c[n++] = (pclass){"embed + lm_head", 2, {v, h}, 2, 0, 1}; /* vocab-parallel */
+  const int first = ss.stage == 0, last = ss.stage == ss.pp - 1;
+  if (ss.pp > 1) {
+    long per[CMP_PP_MAX];
+    cmp_layers_per_stage(m->layers, ss.pp, per);
+    L = per[ss.stage];
+  }
+  c[n++] = (pclass){"embed + lm_head", 2, {v, h}, first + last, 0, 1}; /* vocab-parallel */
   c[n++] = (pclass){"attn q,k,v", 2, {h, h}, 3 * L, 1, 1};
   c[n++] = (pclass){"attn o", 2, {h, h}, L, 1, 2};
   if (m->experts > 0) { /* stacked experts [E, f, h] / [E, h, f] (TP within each expert) and the router */
@@ -36,9 +50,11 @@ static int classes(const cmp_model *m, pclass *c) {
     c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1, 1};
     c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1, 2};
   }
-  c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + 1, 0, 0};
+  c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + last, 0, 0};
   return n;
 }
+
+static int classes(const cmp_model *m, pclass *c) { return classes_of(m, (stage_sel){0, 1}, c); }
 
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
 static double model_state_bytes(const cmp_model *m, const char *opt, const char *hp, int rank, int *ok) {
@@ -97,9 +113,10 @@ static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size
   return dopt_piece_blocks(&pc, B, NULL);
 }
 
-static int per_rank(const cmp_model *m, const char *opt, const char *hp, int grank, int tp, int dp, int zero, rank_mem *out) {
+static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const char *hp, int grank, int tp, int dp,
+                    int zero, rank_mem *out) {
   pclass c[9];
-  int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
+  int n = classes_of(m, ss, c), galore = strstr(opt, "galore") != NULL;
   memset(out, 0, sizeof *out);
   const int world = tp * dp;
   double *load = calloc((size_t)world, sizeof *load), *copy = calloc((size_t)world, sizeof *copy);
@@ -185,25 +202,44 @@ static int per_rank(const cmp_model *m, const char *opt, const char *hp, int gra
   return ok;
 }
 
-static int print_per_rank(const cmp_model *m, int grank, int tp, int dp, int zero) {
+static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp, int zero) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
-  printf("\nper rank, tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout):\n", tp, dp,
-         zero);
-  printf("| optimizer | tensors piecewise / owner | params GiB | grads GiB | states GiB (max rank) | states GiB (min rank) "
+  if (pp > 1)
+    printf("\nper rank, pp=%d x tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout;\n"
+           "the stage whose ranks hold the most parameters and states; layers per stage as ColossalAI's default):\n",
+           pp, tp, dp, zero);
+  else
+    printf("\nper rank, tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout):\n", tp,
+           dp, zero);
+  printf("| optimizer |%s tensors piecewise / owner | params GiB | grads GiB | states GiB (max rank) | states GiB (min rank) "
          "| max / mean | states bytes (max) | states bytes (all ranks) | step cost max / mean |\n"
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+         "|---|%s---|---:|---:|---:|---:|---:|---:|---:|---:|\n", pp > 1 ? " stage |" : "", pp > 1 ? "---:|" : "");
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
     const char *h = cli_default_hparams(name);
-    rank_mem r;
-    if (!per_rank(m, name, h, grank, tp, dp, zero, &r)) {
-      printf("| %s | n/a | | | | | | | | |\n", name);
+    rank_mem r, best;
+    int bs = -1;
+    double all = 0; /* every rank's state bytes, every stage */
+    for (int s = 0; s < pp; s++) {
+      if (!per_rank(m, (stage_sel){s, pp}, name, h, grank, tp, dp, zero, &r)) {
+        bs = -1;
+        break;
+      }
+      all += r.states_sum;
+      if (bs < 0 || r.params + r.owner_copy_max + r.states_max > best.params + best.owner_copy_max + best.states_max)
+        best = r, bs = s;
+    }
+    if (bs < 0) {
+      printf("| %s |%s n/a | | | | | | | | |\n", name, pp > 1 ? " |" : "");
       continue;
     }
+    r = best;
+    char stage[16] = "";
+    if (pp > 1) snprintf(stage, sizeof stage, " %d |", bs);
     const double mean = r.states_sum / (double)(tp * dp), cmean = r.cost_sum / (double)(tp * dp);
-    printf("| %s | %ld / %ld | %.2f | %.2f | %.3f | %.3f | %.3f | %.0f | %.0f | %.3f |\n", name, r.piecewise, r.owned,
-           (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib,
-           mean > 0 ? r.states_max / mean : 1.0, r.states_max, r.states_sum, cmean > 0 ? r.cost_max / cmean : 1.0);
+    printf("| %s |%s %ld / %ld | %.2f | %.2f | %.3f | %.3f | %.3f | %.0f | %.0f | %.3f |\n", name, stage, r.piecewise,
+           r.owned, (r.params + r.owner_copy_max) / gib, r.grads / gib, r.states_max / gib, r.states_min / gib,
+           mean > 0 ? r.states_max / mean : 1.0, r.states_max, all, cmean > 0 ? r.cost_max / cmean : 1.0);
   }
   printf("owner mode (GaLore's projected matrices, Muon's matrices): every state of the tensor whole on one rank, an\n"
          "expert stack's per expert on its owners (params include the owner's fp32 copy, max rank); piecewise: elementwise states (8-bit codes too) sharded like\n"
@@ -214,16 +250,17 @@ static int print_per_rank(const cmp_model *m, int grank, int tp, int dp, int zer
 
 int cmd_mem(int argc, char **argv) {
   const char *which = "llama-7b";
-  int rank = 0, tp = 0, dp = 0, zero = -1;
+  int rank = 0, tp = 0, dp = 0, zero = -1, pp = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b|COUNT[k|m|b][xLAYERS][eEXPERTS]]\n"
-             "                  [--rank R] [--tp T --dp D --zero Z]\n"
+             "                  [--rank R] [--tp T --dp D --zero Z --pp P]\n"
              "  exact optimizer-state bytes of the model for every registered optimizer (GaLore on the\n"
              "  attention/MLP linears with rank R, default the paper's rank for the size), and the GaLore\n"
              "  paper's weights+states figures (BF16) next to the same accounting here. With --tp/--dp/--zero\n"
              "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
-             "  and states in distributed/'s layout (piecewise or owner mode). A COUNT (100m, 1.5b, 2mx32) is a\n"
+             "  and states in distributed/'s layout (piecewise or owner mode); --pp: per rank of the busiest\n"
+             "  pipeline stage (layers as ColossalAI's default). A COUNT (100m, 1.5b, 2mx32) is a\n"
              "  LLaMA of about that many parameters, eEXPERTS a MoE one (4mx2e8; docs/cli.md, \"Models\").\n");
       return CLI_OK;
     }
@@ -232,7 +269,8 @@ int cmd_mem(int argc, char **argv) {
     else if (strcmp(argv[i], "--rank") == 0) {
       rank = atoi(argv[++i]);
       if (rank <= 0) return cli_errorf(CMD, "--rank '%s': expected a positive integer", argv[i]);
-    } else if (strcmp(argv[i], "--tp") == 0 || strcmp(argv[i], "--dp") == 0 || strcmp(argv[i], "--zero") == 0) {
+    } else if (strcmp(argv[i], "--tp") == 0 || strcmp(argv[i], "--dp") == 0 || strcmp(argv[i], "--zero") == 0 ||
+               strcmp(argv[i], "--pp") == 0) {
       const char *opt = argv[i], *v = argv[++i];
       char *end;
       long x = strtol(v, &end, 10);
@@ -240,6 +278,7 @@ int cmd_mem(int argc, char **argv) {
       if (*v == '\0' || *end || x < (is_zero ? 0 : 1) || x > (is_zero ? 3 : 4096))
         return cli_errorf(CMD, "%s '%s': expected an integer in [%d, %d]", opt, v, is_zero ? 0 : 1, is_zero ? 3 : 4096);
       if (is_zero) zero = (int)x;
+      else if (strcmp(opt, "--pp") == 0) pp = (int)x;
       else if (strcmp(opt, "--tp") == 0) tp = (int)x;
       else dp = (int)x;
     } else return cli_errorf(CMD, "unknown option '%s' (see --help)", argv[i]);
@@ -294,6 +333,9 @@ int cmd_mem(int argc, char **argv) {
     if (ok2) printf("  GaLore:         paper %.2f G, here %.2f G\n", m->paper_galore_gb, (params * 2 + gal / 2) / 1e9);
     else printf("  GaLore:         paper %.2f G (galore_adamw not registered in this build)\n", m->paper_galore_gb);
   }
-  if (tp || dp || zero >= 0) return print_per_rank(m, rank, tp ? tp : 1, dp ? dp : 1, zero >= 0 ? zero : 0);
+  if (pp > CMP_PP_MAX || pp > m->layers)
+    return cli_errorf(CMD, "--pp %d: at most %d stages and the model's %d layers", pp, CMP_PP_MAX, m->layers);
+  if (tp || dp || zero >= 0 || pp)
+    return print_per_rank(m, rank, pp ? pp : 1, tp ? tp : 1, dp ? dp : 1, zero >= 0 ? zero : 0);
   return CLI_OK;
 }

@@ -84,6 +84,10 @@ typedef struct cmp_options {
                                              a planted bug; NULL: the registry's, as the reference */
 } cmp_options;
 
+/* ColossalAI's default layer partition (Policy.distribute_layers): per[k] = L div pp, and the L mod pp remaining
+ * layers one each to stages pp/2 - (L mod pp)/2 on. per[pp]. */
+void cmp_layers_per_stage(long L, int pp, long *per);
+
 /* "3,5,4": the decoder layers of each pipeline stage (--layers-per-stage, plugin.layers_per_stage) into o. */
 dopt_status cmp_parse_layers_per_stage(const char *v, cmp_options *o);
 

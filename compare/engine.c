@@ -1008,6 +1008,11 @@ static long layer_of(const char *name) {
   return -1;
 }
 
+void cmp_layers_per_stage(long L, int pp, long *per) {
+  for (int k = 0; k < pp; k++) per[k] = L / pp;
+  for (long k = pp / 2 - (L % pp) / 2, e = k + L % pp; k < e; k++) per[k]++;
+}
+
 static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage) {
   long L = 0;
   int first = -1;
@@ -1022,9 +1027,10 @@ static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage
     return dopt__fail(DOPT_ERR_INVALID_ARG, "pp=%d: the model has %ld decoder layers (parameters named "
                       "'layers.N.'); each stage needs one", o->pp, L);
   long per[CMP_PP_MAX], sum = 0;
-  for (int k = 0; k < o->pp; k++) per[k] = o->nlps ? o->layers_per_stage[k] : L / o->pp;
-  if (!o->nlps)
-    for (long k = o->pp / 2 - (L % o->pp) / 2, e = k + L % o->pp; k < e; k++) per[k]++;
+  if (o->nlps)
+    for (int k = 0; k < o->pp; k++) per[k] = o->layers_per_stage[k];
+  else
+    cmp_layers_per_stage(L, o->pp, per);
   for (int k = 0; k < o->pp; k++) sum += per[k];
   if (sum != L)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "layers_per_stage: %ld layers in all, the model has %ld", sum, L);

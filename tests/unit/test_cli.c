@@ -442,6 +442,7 @@ static void test_compare(void **st) {
   for (int k = 0; k < dopt_optim_registry_count(); k++)
     if (!strstr(txt, dopt_optim_registry_name(k))) fail_msg("matrix lacks %s: %s", dopt_optim_registry_name(k), txt);
   if (!strstr(txt, "\xe2\x9c\x94") || strstr(txt, "\xe2\x9c\x98")) fail_msg("matrix: %s", txt);
+  if (!strstr(txt, "hybrid z1 pp3x2x2")) fail_msg("matrix lacks the pipeline column: %s", txt);
   free(txt);
 }
 
@@ -651,9 +652,36 @@ static void test_mem_per_rank(void **st) {
     if (!(m4 <= a1 / 4 + biggest)) fail_msg("%s: max rank %.0f > 1/4 of %.0f + one tensor", opts[k], m4, a1);
   }
   free(t1);
+  /* --pp 5 (24 layers: 5 + 5 + 5 + 5 + 4 as ColossalAI splits them): the ranks of all stages hold what the
+   * ranks of one stage held (the "all ranks" column, piecewise), the busiest stage is the first or the last
+   * (the embedding, or the head and the final norm, beside its layers), and a rank of it holds well under a
+   * third of what a rank without stages holds (its stage: 5 of 24 layers and one of the two vocab matrices,
+   * about a quarter of the model, plus the owners' imbalance) */
+  const char *five[] = {"mem", "--model", "llama-1b", "--dp", "4", "--zero", "2", "--pp", "5", NULL};
+  assert_int_equal(run_out(five, out), 0);
+  char *t5 = slurp(out);
+  for (int k = 0; k < 5; k++) {
+    char key[64], name[64];
+    snprintf(key, sizeof key, "| %s | ", opts[k]);
+    const char *r = strstr(t5, key);
+    int stage = -1, np5 = 0, no5 = 0;
+    double v[7], m4, a4, r4;
+    int p4, o4;
+    if (!r || sscanf(r, "| %63s | %d | %d / %d | %lf | %lf | %lf | %lf | %lf | %lf | %lf |", name, &stage, &np5, &no5,
+                     &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6]) != 11)
+      fail_msg("mem --pp: no row for %s:\n%s", opts[k], t5);
+    mem_row(t4, opts[k], &p4, &o4, &r4, &m4, &a4);
+    if (stage != 0 && stage != 4) fail_msg("%s: busiest stage %d of 5", opts[k], stage);
+    if (strncmp(opts[k], "adamw", 5) == 0 && v[6] != a4)
+      fail_msg("%s: all stages' ranks hold %.0f state bytes, one stage's ranks %.0f", opts[k], v[6], a4);
+    if (!(v[5] < m4 / 3)) fail_msg("%s: a rank of 5 stages holds %.0f, of one %.0f", opts[k], v[5], m4);
+  }
+  free(t5);
   free(t4);
   const char *bad[] = {"mem", "--dp", "0", NULL};
   assert_int_equal(run_out(bad, out), 2);
+  const char *many[] = {"mem", "--model", "llama-1b", "--pp", "25", NULL};
+  assert_int_equal(run_out(many, out), 2);
 }
 
 static void test_lisa_layers_from_names(void **st) {
