@@ -35,7 +35,7 @@ static void compare_usage(FILE *f) {
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
         "       distopt compare --matrix [--steps N]\n"
-        "       distopt compare --sweep [--max-tp N] [--max-dp N] [--optimizer NAME] [--hparams k=v,...] [--steps N]\n"
+        "       distopt compare --sweep [--max-tp N] [--max-dp N] [--max-pp N] [--optimizer NAME] [--hparams k=v,...] [--steps N]\n"
         "         [gradient, accumulation, dp-sum and bf16 options as above] [--json FILE]\n"
         "  Runs the distributed optimizer on tp*dp simulated ranks beside the single-device reference on\n"
         "  the same gradients (a recorded trace, or seeded synthetic gradients) and prints, per parameter\n"
@@ -158,8 +158,8 @@ static int run_matrix(int steps) {
   return all ? CLI_OK : CLI_FAIL;
 }
 
-static void sweep_progress(int k, int n, int tp, int dp, int zero, double elapsed) {
-  if (k < n) printf("\rlayout %d/%d: tp %d x dp %d x zero %d  %.1f s   ", k + 1, n, tp, dp, zero, elapsed);
+static void sweep_progress(int k, int n, int pp, int tp, int dp, int zero, double elapsed) {
+  if (k < n) printf("\rlayout %d/%d: pp %d x tp %d x dp %d x zero %d  %.1f s   ", k + 1, n, pp, tp, dp, zero, elapsed);
   else printf("\r%60s\r", "");
   fflush(stdout);
 }
@@ -169,7 +169,7 @@ static void sweep_progress(int k, int n, int tp, int dp, int zero, double elapse
  * split (dp not dividing its shards per step) is skipped and said so. The first layout (1 x 1 x 0) failing
  * is bad input: its one-line error, exit 2. */
 static int run_sweep(const cmp_options *base) {
-  const int n = base->max_tp * base->max_dp * 4;
+  const int n = base->max_pp * base->max_tp * base->max_dp * 4;
   cmp_sweep_cell *cells = calloc((size_t)n, sizeof *cells);
   if (!cells) return cli_errorf(CMD, "--sweep: out of memory for %d layouts", n);
   int shards = 0; /* a trace's shards per step */
@@ -189,26 +189,33 @@ static int run_sweep(const cmp_options *base) {
   const int tty = !base->quiet && isatty(STDOUT_FILENO);
   const double t0 = cmp_now_s();
   int rc = CLI_OK, k = 0;
+  for (int pp = 1; pp <= base->max_pp; pp++)
   for (int tp = 1; tp <= base->max_tp; tp++)
     for (int dp = 1; dp <= base->max_dp; dp++)
       for (int zero = 0; zero <= 3; zero++, k++) {
         cmp_sweep_cell *c = &cells[k];
-        c->tp = tp, c->dp = dp, c->zero = zero;
-        snprintf(c->plugin, sizeof c->plugin, "%s", cmp_layout_plugin(tp, zero));
+        c->tp = tp, c->dp = dp, c->zero = zero, c->pp = pp;
+        /* stages: only hybrid pipelines (any tp, zero 0-2) */
+        snprintf(c->plugin, sizeof c->plugin, "%s", pp > 1 && zero < 3 ? "hybrid" : cmp_layout_plugin(tp, zero));
+        if (pp > 1 && zero == 3) {
+          c->kind = CMP_CELL_SKIPPED;
+          snprintf(c->message, sizeof c->message, "pp %d: stages need plugin hybrid (zero 0-2), zero 3 is fsdp", pp);
+          continue;
+        }
         if (shards > 0 && shards % dp != 0) {
           c->kind = CMP_CELL_SKIPPED;
           snprintf(c->message, sizeof c->message, "dp %d does not divide the %d shards per step of the trace", dp,
                    shards);
           continue;
         }
-        if (tty) sweep_progress(k, n, tp, dp, zero, cmp_now_s() - t0);
+        if (tty) sweep_progress(k, n, pp, tp, dp, zero, cmp_now_s() - t0);
         cmp_options o = *base;
         snprintf(o.plugin, sizeof o.plugin, "%s", c->plugin);
-        o.tp = tp, o.dp = dp, o.zero = zero, o.ranks = 0;
+        o.tp = tp, o.dp = dp, o.zero = zero, o.ranks = 0, o.pp = pp, o.nlps = 0;
         cmp_result r;
         dopt_status s = cmp_run(&o, &r, NULL, NULL);
         if (s != DOPT_OK && k == 0) {
-          if (tty) sweep_progress(n, n, 0, 0, 0, 0);
+          if (tty) sweep_progress(n, n, 0, 0, 0, 0, 0);
           free(cells);
           return lib_error(s);
         }
@@ -220,7 +227,7 @@ static int run_sweep(const cmp_options *base) {
         cmp_sweep_cell_set(c, &r);
         cmp_result_free(&r);
       }
-  if (tty) sweep_progress(n, n, 0, 0, 0, 0);
+  if (tty) sweep_progress(n, n, 0, 0, 0, 0, 0);
   cmp_print_sweep(stdout, base, cells, n);
   printf("time: %.1f s\n", cmp_now_s() - t0);
   dopt_status s;
@@ -242,6 +249,9 @@ static int sweep_conflicts(const cmp_options *o, unsigned cli_given, int ranks_g
       return cli_errorf(CMD, "--sweep runs every layout: %s is not used with it (bound the grid with --max-tp/--max-dp)",
                         L[k].opt);
   if (ranks_given) return cli_errorf(CMD, "--sweep runs every layout: --ranks is not used with it");
+  if (o->pp != 1 || o->nlps)
+    return cli_errorf(CMD, "--sweep runs every layout: --pp/--layers-per-stage (plugin.pp) is not used with it (bound "
+                      "the grid with --max-pp)");
   if (o->checkpoint_at > 0)
     return cli_errorf(CMD, "--sweep: --checkpoint-at/checkpoint.at %d is not supported with it (resume one layout "
                       "pair with compare --checkpoint-at)", o->checkpoint_at);
@@ -366,6 +376,7 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     else if (strcmp(a, "--ranks") == 0) { rc = parse_int(a, v, 1, 64, &o->ranks); ranks_given = 1; }
     else if (strcmp(a, "--max-tp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_tp); max_given = 1; }
     else if (strcmp(a, "--max-dp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_dp); max_given = 1; }
+    else if (strcmp(a, "--max-pp") == 0) { rc = parse_int(a, v, 1, CMP_SWEEP_MAX, &o->max_pp); max_given = 1; }
     else if (strcmp(a, "--threads") == 0) rc = parse_int(a, v, 0, 256, &o->threads);
     else if (strcmp(a, "--steps") == 0) { rc = parse_int(a, v, 1, 1000000, &o->steps); steps_given = 1; }
     else if (strcmp(a, "--accumulation") == 0) rc = parse_int(a, v, 1, 1024, &o->micro);
@@ -414,7 +425,7 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
   o->given |= cli_given;
   o->given_yaml &= ~cli_given;
   if (matrix && o->sweep) return cli_errorf(CMD, "--matrix and --sweep: choose one");
-  if (max_given && !o->sweep) return cli_errorf(CMD, "--max-tp/--max-dp only apply with --sweep");
+  if (max_given && !o->sweep) return cli_errorf(CMD, "--max-tp/--max-dp/--max-pp only apply with --sweep");
   if (matrix) return run_matrix(steps_given ? o->steps : 20);
   if ((rc = check_paths(o, config)) != CLI_OK) return rc;
   /* no hyperparameters given: upstream's defaults, or the registry's example where those are not an optimizer */

@@ -78,6 +78,7 @@ typedef struct cmp_options {
   unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */
   int sweep;                              /* --sweep: every tp in 1..max_tp x dp in 1..max_dp x zero 0..3 */
   int max_tp, max_dp;                     /* --max-tp, --max-dp (default 4, at most CMP_SWEEP_MAX) */
+  int max_pp;                             /* --max-pp (default 1: no stages; pp > 1 layouts are hybrid, zero 0-2) */
   int threads;                            /* --threads: the reference's step threads (0: the library's default
                                              with the simulator, 1 with a process per rank) */
   const struct dopt_optim_impl *dist_impl; /* tests only (no option or key): the distributed side's optimizer,
@@ -250,6 +251,7 @@ typedef enum {
 
 typedef struct cmp_sweep_cell {
   int tp, dp, zero;
+  int pp;                   /* pipeline stages (1: none) */
   char plugin[16];          /* the plugin that expresses the layout (cmp_layout_plugin) */
   cmp_cell_kind kind;
   int step;                 /* DIVERGED: the first step beyond the declared tolerance */

@@ -502,14 +502,15 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
   return DOPT_OK;
 }
 
-/* compare: {sweep: true, max_tp: 4, max_dp: 4}   (--sweep, --max-tp, --max-dp) */
+/* compare: {sweep: true, max_tp: 4, max_dp: 4, max_pp: 1}   (--sweep, --max-tp, --max-dp, --max-pp) */
 static dopt_status load_compare(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"sweep", "max_tp", "max_dp", "threads", NULL};
+  static const char *const keys[] = {"sweep", "max_tp", "max_dp", "max_pp", "threads", NULL};
   DOPT_TRY(check_mapping(c, n, "compare", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "sweep"))) DOPT_TRY(get_bool(c, v, "compare.sweep", &o->sweep));
   if ((v = lookup(c, n, "max_tp"))) DOPT_TRY(get_int(c, v, "compare.max_tp", 1, CMP_SWEEP_MAX, &o->max_tp));
   if ((v = lookup(c, n, "max_dp"))) DOPT_TRY(get_int(c, v, "compare.max_dp", 1, CMP_SWEEP_MAX, &o->max_dp));
+  if ((v = lookup(c, n, "max_pp"))) DOPT_TRY(get_int(c, v, "compare.max_pp", 1, CMP_SWEEP_MAX, &o->max_pp));
   if ((v = lookup(c, n, "threads"))) DOPT_TRY(get_int(c, v, "compare.threads", 0, 256, &o->threads));
   return DOPT_OK;
 }

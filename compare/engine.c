@@ -47,6 +47,7 @@ void cmp_options_default(cmp_options *o) {
   o->resume_zero = -1;
   o->max_tp = 4;
   o->max_dp = 4;
+  o->max_pp = 1;
 }
 
 dopt_status cmp_parse_layers_per_stage(const char *v, cmp_options *o) {

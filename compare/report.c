@@ -508,21 +508,24 @@ static void put_escaped(FILE *f, const char *s) {
 
 void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells, int ncells) {
   if (!f || !o || (!cells && ncells > 0)) return;
-  fprintf(f, "sweep: %s %s | tp 1-%d \xC3\x97 dp 1-%d \xC3\x97 zero 0-3 | %d step%s", o->optimizer,
-          o->hparams[0] ? o->hparams : "(upstream defaults)", o->max_tp, o->max_dp, o->steps, plural(o->steps));
+  const int stages = o->max_pp > 1;
+  fprintf(f, "sweep: %s %s | ", o->optimizer, o->hparams[0] ? o->hparams : "(upstream defaults)");
+  if (stages) fprintf(f, "pp 1-%d \xC3\x97 ", o->max_pp);
+  fprintf(f, "tp 1-%d \xC3\x97 dp 1-%d \xC3\x97 zero 0-3 | %d step%s", o->max_tp, o->max_dp, o->steps, plural(o->steps));
   if (o->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", o->micro);
   print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
   if (o->bf16) fprintf(f, " | bf16");
   fputs(" | against the single-device reference\n", f);
-  fputs("tp\xC3\x97" "dp   ", f); /* 8 columns */
+  fputs(stages ? "pp\xC3\x97tp\xC3\x97" "dp" : "tp\xC3\x97" "dp   ", f); /* 8 columns */
   for (int z = 0; z <= 3; z++) fprintf(f, z < 3 ? "  zero %d        " : "  zero %d\n", z);
   int nrun = 0, nbit = 0, nwithin = 0, nskip = 0, nbad = 0;
   for (int k = 0; k < ncells; k++) {
     const cmp_sweep_cell *c = &cells[k];
     if (c->zero == 0) {
       char row[16];
-      snprintf(row, sizeof row, "%d\xC3\x97%d", c->tp, c->dp);
+      if (stages) snprintf(row, sizeof row, "%d\xC3\x97%d\xC3\x97%d", c->pp, c->tp, c->dp);
+      else snprintf(row, sizeof row, "%d\xC3\x97%d", c->tp, c->dp);
       fprintf(f, "%s", row);
       pad(f, 8 - text_width(row));
     }
@@ -545,7 +548,9 @@ void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells,
     for (int k = 0; k < ncells; k++) {
       const cmp_sweep_cell *c = &cells[k];
       if (c->kind == CMP_CELL_BITWISE) continue;
-      fprintf(f, "  tp %d \xC3\x97 dp %d \xC3\x97 zero %d (%s): ", c->tp, c->dp, c->zero, c->plugin);
+      fputs("  ", f);
+      if (stages) fprintf(f, "pp %d \xC3\x97 ", c->pp);
+      fprintf(f, "tp %d \xC3\x97 dp %d \xC3\x97 zero %d (%s): ", c->tp, c->dp, c->zero, c->plugin);
       switch (c->kind) {
       case CMP_CELL_WITHIN:
         fprintf(f, "within the declared %llu ULP (worst %llu ULP)\n", (unsigned long long)c->declared_ulp,
@@ -587,6 +592,7 @@ static cJSON *build_sweep_json(const cmp_options *o, const cmp_sweep_cell *cells
     json_optimizer(b, op, o);
     jadd(b, op, "max_tp", cJSON_CreateNumber(o->max_tp));
     jadd(b, op, "max_dp", cJSON_CreateNumber(o->max_dp));
+    jadd(b, op, "max_pp", cJSON_CreateNumber(o->max_pp));
     jadd(b, op, "steps", cJSON_CreateNumber(o->steps));
     jadd(b, op, "accumulation", cJSON_CreateNumber(o->micro));
     jadd(b, op, "max_grad_norm", cJSON_CreateNumber(o->max_grad_norm));
@@ -602,6 +608,7 @@ static cJSON *build_sweep_json(const cmp_options *o, const cmp_sweep_cell *cells
     const cmp_sweep_cell *c = &cells[k];
     cJSON *li = jadd(b, ls, NULL, cJSON_CreateObject());
     if (!li) break;
+    jadd(b, li, "pp", cJSON_CreateNumber(c->pp));
     jadd(b, li, "tp", cJSON_CreateNumber(c->tp));
     jadd(b, li, "dp", cJSON_CreateNumber(c->dp));
     jadd(b, li, "zero", cJSON_CreateNumber(c->zero));

@@ -1128,6 +1128,18 @@ static void test_compare_sweep(void **st) {
     fail_msg("sweep JSON: %s", txt);
   }
   free(txt);
+  /* --max-pp 3: pipelined rows pp x tp x dp (hybrid at zero 0-2; zero 3 is fsdp, which has no stages: skipped,
+   * said so), every run bitwise; --pp itself is not a sweep option */
+  const char *pp[] = {"compare", "--sweep", "--optimizer", "muon", "--max-pp", "3", "--max-tp", "1", "--max-dp", "2",
+                      "--steps", "2", "--quiet", NULL};
+  assert_int_equal(run_out(pp, out), 0);
+  txt = slurp(out);
+  if (!strstr(txt, "\n3\xC3\x97" "1\xC3\x97" "2 ") || !strstr(txt, "\n20 of 20 layouts bitwise (4 skipped)\n") ||
+      !strstr(txt, "pp 3 \xC3\x97 tp 1 \xC3\x97 dp 2 \xC3\x97 zero 3 (fsdp): skipped"))
+    fail_msg("sweep --max-pp 3: %s", txt);
+  free(txt);
+  const char *ppx[] = {"compare", "--sweep", "--pp", "2", "--steps", "2", NULL};
+  assert_int_equal(run_out(ppx, out), 2);
   /* owner mode (GaLore: whole tensors on one rank) with its registry example, and CAME without --hparams */
   const char *owner[] = {"compare", "--sweep", "--optimizer", "galore_adamw", "--hparams", "rank=4,update_proj_gap=2",
                          "--max-tp", "2", "--max-dp", "2", "--steps", "3", "--quiet", NULL};
@@ -1173,7 +1185,7 @@ static void test_compare_sweep(void **st) {
 #define S(...) ((const char *const[]){"compare", __VA_ARGS__, "--json", json, NULL})
   expect_usage_error(S("--sweep", "--max-tp", "9"), "--max-tp '9': expected an integer in [1, 8]", json);
   expect_usage_error(S("--sweep", "--max-dp", "0"), "--max-dp '0': expected an integer in [1, 8]", json);
-  expect_usage_error(S("--max-tp", "2"), "--max-tp/--max-dp only apply with --sweep", json);
+  expect_usage_error(S("--max-tp", "2"), "--max-tp/--max-dp/--max-pp only apply with --sweep", json);
   expect_usage_error(S("--sweep", "--tp", "2"), "--tp is not used with it", json);
   expect_usage_error(S("--plugin", "ddp", "--sweep"), "--plugin is not used with it", json);
   expect_usage_error(S("--sweep", "--matrix"), "--matrix and --sweep", json);
