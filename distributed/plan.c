@@ -551,7 +551,14 @@ dopt_status dopt_dist_layout(const dopt_dist_optim *d, int i, dopt_layout_piece 
   const dist_param *p = &d->p[i];
   /* gpc: pc, or in owner mode the owner's whole block; len 0 (an empty TP block or shard, another stage's
    * parameter) stays 0 */
-  DOPT_TRY(dopt_layout_from_piece(&p->gpc, p->ndim, out));
+  dopt_piece none;
+  const dopt_piece *pc = &p->gpc;
+  if (!dd_present(d, p)) { /* another stage's parameter: nothing of it (its emptied block is no TP block) */
+    dopt_piece_full(p->ndim, p->shape, &none);
+    none.lo = none.len = 0;
+    pc = &none;
+  }
+  DOPT_TRY(dopt_layout_from_piece(pc, p->ndim, out));
   if (d->pp.size > 1) out->stage = p->stage;
   return DOPT_OK;
 }

@@ -239,14 +239,21 @@ typedef struct run_ctx {
   const int64_t *ref_counts;       /* the reference's counts per step (dt_result.counts), or NULL */
 } run_ctx;
 
+int dt_pp;
+
+int dt_stage(int i, int n, int pp) { return pp > 1 && n > 0 ? (int)((long)i * pp / n) : 0; }
+
 static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   run_ctx *x = user;
   const dt_case *c = x->c;
   const dt_layout *l = x->l;
-  dopt_sim_comm *tpc = NULL, *dpc = NULL;
-  /* Megatron: TP groups are contiguous ranks; DP groups stride by tp */
+  const int npp = dt_pp > 1 ? dt_pp : 1;
+  dopt_sim_comm *tpc = NULL, *dpc = NULL, *ppc = NULL;
+  /* Megatron: TP groups are contiguous ranks; DP groups stride by tp within a stage; the pipeline group holds
+   * the ranks of every stage with the same tp and dp ranks (world rank (stage · dp + dp rank) · tp + tp rank) */
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / l->tp, rank, "tp", &tpc));
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % l->tp, rank, "dp", &dpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / (l->tp * l->dp) * l->tp + rank % l->tp, rank, "dp", &dpc));
+  if (npp > 1) DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % (l->tp * l->dp), rank, "pp", &ppc));
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
   cfg.plugin = dt_plugin(l);
   cfg.zero_stage = l->zero;
@@ -257,14 +264,19 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.batch_invariant = c->batch_invariant;
   /* the checking device: every kernel argument and collective buffer must be
    * device memory (its arena), as on a GPU */
-  dopt_transport tpt, dpt;
+  dopt_transport tpt, dpt, ppt;
   DOPT_TRY(dopt_sim_transport(tpc, &tpt));
   DOPT_TRY(dopt_sim_transport(dpc, &dpt));
+  if (ppc) DOPT_TRY(dopt_sim_transport(ppc, &ppt));
+  int stages[DT_MAXP];
+  for (int i = 0; i < c->nparams; i++) stages[i] = dt_stage(i, c->nparams, npp);
+  cfg.stages = stages;
   dt_checkdev *chk = NULL;
   DOPT_TRY(dt_checkdev_create(&chk));
   cfg.device = dt_checkdev_device(chk);
   dopt_status ws = dt_checkdev_wrap(chk, &tpt, &cfg.tp);
   if (ws == DOPT_OK) ws = dt_checkdev_wrap(chk, &dpt, &cfg.dp);
+  if (ws == DOPT_OK && ppc) ws = dt_checkdev_wrap(chk, &ppt, &cfg.pp);
   dt_checkdev_host_steps(chk, dt_host_steps);
   if (ws == DOPT_OK && dt_basic_transport) {
     dt_checkdev_basic_ops(&cfg.tp);
@@ -290,11 +302,13 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     loc[i] = malloc(maxn * sizeof(float));
     lp[i] = loc[i];
   }
-  const int dprank = cfg.dp.rank, tprank = cfg.tp.rank;
+  const int dprank = cfg.dp.rank, tprank = cfg.tp.rank, stage = ppc ? cfg.pp.rank : 0;
+  for (int i = 0; i < c->nparams; i++) lp[i] = stages[i] == stage ? loc[i] : NULL; /* another stage's: none */
   if (s == DOPT_OK && x->load_dir) s = dopt_dist_load(d, plain, x->load_dir);
   for (int t = x->t_first; t <= x->t_last && s == DOPT_OK; t++) {
     for (int m = 0; m < c->micro && s == DOPT_OK; m++) {
       for (int i = 0; i < c->nparams; i++) {
+        if (!lp[i]) continue;
         /* this rank's TP block of the logical micro-batch gradient */
         const dt_param *pp = &c->params[i];
         dt_gradient(c, i, t, m, dprank, full);
@@ -430,7 +444,7 @@ dopt_status dt_run_dist_steps(const dt_case *c, const dt_layout *l, int t_first,
   memcpy(out->state_name, names, sizeof names);
   memcpy(out->nstates, nst, sizeof nst);
   dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-  cfg.nranks = l->tp * l->dp;
+  cfg.nranks = (dt_pp > 1 ? dt_pp : 1) * l->tp * l->dp;
   cfg.timeout_ms = 20000;
   cfg.mode = c->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
   dopt_sim_world *w;

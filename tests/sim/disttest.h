@@ -73,6 +73,14 @@ typedef struct dt_layout {
   size_t bucket_bytes; /* dopt_dist_config.bucket_bytes (0: one bucket) */
 } dt_layout;
 
+/* Set by a test on its main thread before dt_run_dist: pipeline stages (0 or 1: none), the world
+ * dt_pp × tp × dp, parameter i on stage dt_stage(i, nparams, dt_pp). */
+extern int dt_pp;
+
+/* The stage of parameter i of n under pp stages: contiguous runs of the parameter list, as balanced as n
+ * allows (the test's explicit map, dopt_dist_config.stages). */
+int dt_stage(int i, int n, int pp);
+
 #define DT_MAXRANKS 64
 
 /* Results of one run at the checkpoints: parameters, bf16 working copies,

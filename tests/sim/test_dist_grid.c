@@ -124,6 +124,50 @@ static void test_grid(void **st) {
          dopt_optim_registry_count(), runs, grid_candidates, dt_subset_desc(), NPARAMS);
 }
 
+/* Pipeline stages (docs/distributed.md "Pipeline stages"): the 11 parameters in 2, 3 or 4 contiguous runs
+ * (dt_stage: 6 + 5; 4 + 4 + 3; 3 + 3 + 3 + 2), each stage a tp x dp x ZeRO grid of its own, with clipping
+ * across the stages; every registered optimizer's CI settings, bitwise the reference on every rank, every
+ * rank's piece obeying the layout rule (a parameter on one stage, empty pieces elsewhere). */
+static const dt_layout PP_LAYOUTS[] = {{2, 2, 2, 0}, {1, 3, 1, 256}, {2, 1, 0, 1}, {2, 2, 3, 256}, {3, 1, 2, 0}};
+static const int PP_STAGES[] = {2, 3, 4, 2, 3};
+
+static int no_stages(void **st) { /* also after a failure: the next tests run without stages */
+  (void)st;
+  dt_pp = 0;
+  return 0;
+}
+
+static void test_grid_pipeline(void **st) {
+  (void)st;
+  hp_setting h[MAX_SETTINGS];
+  const int nh = registry_settings(h, 0, 0), nl = (int)(sizeof PP_LAYOUTS / sizeof PP_LAYOUTS[0]);
+  int runs = 0;
+  for (int k = 0; k < nh; k++)
+    for (int li = 0; li < nl; li++) {
+      const dt_layout *l = &PP_LAYOUTS[li];
+      dt_pp = PP_STAGES[li];
+      dt_case c = {h[k].opt, h[k].hp, NULL, PARAMS, NPARAMS, 20, 2, li % 2 ? 0.05 : 0.0, li == 4, 99 + (uint64_t)k,
+                   0.05, li == 2 ? 7 : 0, 5, 0, 0, 0, 0, 0};
+      dt_result ref, got;
+      assert_ok(dt_run_reference(&c, l->dp, &ref));
+      dt_expect(&got, &ref);
+      char err[512] = "", msg[512] = "";
+      if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK)
+        fail_msg("%s [%s] pp%d tp%d dp%d zero%d: %s", c.optimizer, c.hparams ? c.hparams : "", dt_pp, l->tp, l->dp,
+                 l->zero, err);
+      if (dt_compare(&c, &ref, &got, msg, sizeof msg))
+        fail_msg("%s [%s] pp%d tp%d dp%d zero%d: not bitwise equal: %s", c.optimizer, c.hparams ? c.hparams : "", dt_pp,
+                 l->tp, l->dp, l->zero, msg);
+      if (li == 2 && got.skipped != 1) fail_msg("%s pp4: a NaN on stage 0 skipped %lld steps, not 1", c.optimizer,
+                                               (long long)got.skipped);
+      dt_result_free(&ref);
+      dt_result_free(&got);
+      runs++;
+    }
+  printf("pipeline stages: %d runs (pp 2-4, clipping, bf16, a NaN on one stage) x 20 steps x 2 micro-batches, "
+         "bitwise equal\n", runs);
+}
+
 /* The simulator's ring order (chunks start at rank c+1 and accumulate around
  * the ring, as NCCL's ring all-reduce may) at dp 3..8, tp 1 and 2, every
  * ZeRO stage: with the exact dp sum, one and two words, every optimizer is
@@ -196,7 +240,8 @@ static void test_rank_order_sum_control(void **st) {
 }
 
 int main(void) {
-  const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid), cmocka_unit_test(test_grid_ring_order),
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid), cmocka_unit_test_teardown(test_grid_pipeline, no_stages),
+                                     cmocka_unit_test(test_grid_ring_order),
                                      cmocka_unit_test(test_adversarial_ring_order),
                                      cmocka_unit_test(test_rank_order_sum_control)};
   return cmocka_run_group_tests(tests, NULL, NULL);
