@@ -157,8 +157,8 @@ DOPT_API int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d);
 
 /* Whether every rank holds the same `bytes` bytes (e.g. digests of what each
  * rank gathered: its own replica of every tensor) as world rank 0. On return,
- * on every rank, *rank is the lowest world rank (dp rank · tp + tp rank) whose
- * bytes differ from rank 0's, with *offset the first differing byte, or -1
+ * on every rank, *rank is the lowest world rank ((stage · dp + dp rank) · tp +
+ * tp rank) whose bytes differ from rank 0's, with *offset the first differing byte, or -1
  * when all agree. bytes ≤ 2^31, the same on every rank. [C] */
 DOPT_API dopt_status dopt_dist_check_replicas(dopt_dist_optim *d, const void *mine, size_t bytes, int *rank,
                                               size_t *offset);
@@ -169,7 +169,9 @@ DOPT_API int64_t dopt_dist_stat_collectives(const dopt_dist_optim *d);
 
 /* The whole logical parameter / working bf16 copy / state tensor (by
  * upstream key) of parameter i, assembled in host memory on every rank, or
- * in DOPT_DIST_GATHER_LEAD mode on the lead only. [C] */
+ * in DOPT_DIST_GATHER_LEAD mode on the lead only. With pipeline stages it is
+ * assembled in its stage and broadcast over pp from there (lead mode: each
+ * stage's lead forwards it through a host buffer of its size). [C] */
 DOPT_API dopt_status dopt_dist_gather_param(dopt_dist_optim *d, int param, float *out);
 DOPT_API dopt_status dopt_dist_gather_work(dopt_dist_optim *d, int param, uint16_t *out);
 DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const char *key, void *out);
@@ -181,7 +183,7 @@ DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const
  * otherwise, the mode unchanged); owner-mode states still reach every rank. */
 enum { DOPT_DIST_GATHER_ALL = 0, DOPT_DIST_GATHER_LEAD = 1 };
 DOPT_API dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode);
-/* 1 on the lead (TP rank 0 and DP rank 0), else 0. */
+/* 1 on the lead (TP rank 0 and DP rank 0 of stage 0: world rank 0), else 0. */
 DOPT_API int dopt_dist_is_lead(const dopt_dist_optim *d);
 /* The replica check on what each rank holds: every piece that several ranks
  * hold (a parameter's fp32 values and bf16 copy below ZeRO-3 over dp, every
@@ -190,7 +192,7 @@ DOPT_API int dopt_dist_is_lead(const dopt_dist_optim *d);
  * piece on DP rank 0 and on TP rank 0, by SHA-256 of the held bytes: one
  * digest per held piece (the owner-mode states, held once, are not compared)
  * and two broadcasts of the digests, no logical-size buffer. On return, on
- * every rank: *rank the lowest world rank (dp rank · tp + tp rank) whose copy
+ * every rank: *rank the lowest world rank ((stage · dp + dp rank) · tp + tp rank) whose copy
  * differs (-1: none), *param its parameter and name (cap bytes) "p", "p/bf16"
  * or "p/<state key>". [C] */
 DOPT_API dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char *name, size_t cap);
