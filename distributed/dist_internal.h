@@ -118,6 +118,11 @@ struct dopt_dist_optim {
   int np;
   dopt_transport tp, dp;
   dopt_transport pp; /* the pipeline group (size 1, ops NULL: no pipeline) */
+  size_t chunk_elems; /* Gemini: the chunk (a multiple of dp); 0: per-tensor ZeRO */
+  struct gem_slot { size_t off, shard; } *gem; /* Gemini: [np] parameter i's offset in its chunk and the
+                                                * chunk's shard (chunk / dp), from TP rank 0's blocks (the
+                                                * largest of an uneven split): the same on every TP rank
+                                                * (NULL: per-tensor ZeRO) */
   const dopt_device *dev;
   int zero;
   double max_grad_norm;
@@ -199,6 +204,9 @@ void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out);
 dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full);
 size_t dd_state_held_bytes(const dist_param *p, int k);
 void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
+/* The ZeRO range [*lo, *lo + *len) of TP rank r's block of p that dp rank q holds: per tensor, q · S with
+ * S = ceil(n / dp); Gemini, the part of q's shard of the chunk the block lies in (docs/distributed.md). */
+void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len);
 dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 
 /* The bucket of the dp sum's exchange and the weights' gather that starts at parameter b0 (plan.c): the end

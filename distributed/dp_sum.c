@@ -29,14 +29,14 @@ dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t p
  * gradients, every rank d->micro of them (a micro-batch without a gradient: zeros). Collectives per bucket:
  * 1 all_to_allv + 1 MAX per transport (+ 1 all_gather at zero 0), whatever the number of parameters. */
 
-/* A piecewise parameter's segment size S = ceil(lnumel / dp): dp rank q sums [q·S, q·S + len) of the TP block
- * (the ZeRO shard at zero >= 1). */
+/* A piecewise parameter's segment size at zero 0 (bucket_regather): S = ceil(lnumel / dp); dp rank q sums
+ * [q·S, q·S + len) of the TP block. */
 static size_t seg_size(const dopt_dist_optim *d, const dist_param *p) {
   return (p->lnumel + (size_t)d->dp.size - 1) / (size_t)d->dp.size;
 }
 
-/* The elements of p's TP block that dp rank q sums: its segment; owner mode: the units of its row's owners
- * (one unit: the whole block on the owner's row). */
+/* The elements of p's TP block that dp rank q sums: its ZeRO range (dd_shard; Gemini: its part of the chunk's
+ * shard); owner mode: the units of its row's owners (one unit: the whole block on the owner's row). */
 static void seg_of(const dopt_dist_optim *d, const dist_param *p, size_t q, size_t *lo, size_t *len) {
   if (p->owned) {
     size_t u0, u1;
@@ -46,9 +46,7 @@ static void seg_of(const dopt_dist_optim *d, const dist_param *p, size_t q, size
     *len = (u1 - u0) * bu;
     return;
   }
-  const size_t S = seg_size(d, p);
-  *lo = q * S < p->lnumel ? q * S : p->lnumel;
-  *len = p->lnumel - *lo < S ? p->lnumel - *lo : S;
+  dd_shard(d, p, d->tp.rank, q, lo, len); /* zero 0: the same cut (regathered after the sum) */
 }
 
 static size_t nparts(const dopt_dist_optim *d) { return d->keep ? (size_t)d->micro : 1; }

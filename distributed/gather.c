@@ -31,6 +31,17 @@ static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, cons
                                    dopt_dtype dt, unsigned char *host) { /* host NULL: send only (lead mode) */
   if (!sharded || d->dp.size == 1) return host ? DEV(d)->download(DCTX(d), host, src, p->lnumel * elem) : DOPT_OK;
   void *buf = NULL;
+  if (d->gem) { /* Gemini: every rank's piece of its chunk shard (exact counts) to dp rank 0, or to every rank */
+    const size_t n = (size_t)d->dp.size;
+    size_t *c = d->xc, lo, len;
+    memset(c, 0, 4 * n * sizeof *c);
+    for (size_t q = 0; q < n; q++) c[q] = d->gather_lead && q != 0 ? 0 : p->pc.len;
+    const int here = !d->gather_lead || d->dp.rank == 0;
+    for (size_t q = 0; here && q < n; q++) dd_shard(d, p, d->tp.rank, q, &lo, &len), c[2 * n + q] = len, c[3 * n + q] = lo;
+    DOPT_TRY(dd_gdev(d, here ? 0 : 1, here ? (p->lnumel ? p->lnumel : 1) * elem : 8, &buf));
+    DOPT_TRY(d->dp.ops->all_to_allv(d->dp.comm, src, c, c + n, buf, c + 2 * n, c + 3 * n, dt));
+    return host && here ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
+  }
   if (d->gather_lead) { /* every dp rank's shard to dp rank 0: rank r's at r · chunk */
     if (d->dp.rank == 0) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
     DOPT_TRY(to_root(d, &d->dp, src, p->chunk, buf, p->chunk, p->chunk, dt));

@@ -341,9 +341,11 @@ static dopt_status values_over_tp(dopt_dist_optim *d, const int *ord, int m, flo
 }
 
 /* The part [*a, *b) of TP-block elements [lo, lo + len) of p in dp rank q's ZeRO shard (empty: *a >= *b). */
-static void shard_cut(const dist_param *p, size_t q, size_t lo, size_t len, size_t *a, size_t *b) {
-  const size_t s0 = q * p->chunk < p->lnumel ? q * p->chunk : p->lnumel;
-  const size_t s1 = s0 + p->chunk < p->lnumel ? s0 + p->chunk : p->lnumel;
+static void shard_cut(const dopt_dist_optim *d, const dist_param *p, size_t q, size_t lo, size_t len, size_t *a,
+                      size_t *b) {
+  size_t s0, sl;
+  dd_shard(d, p, d->tp.rank, q, &s0, &sl);
+  const size_t s1 = s0 + sl;
   *a = lo > s0 ? lo : s0, *b = lo + len < s1 ? lo + len : s1;
 }
 
@@ -410,7 +412,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     }
     return DOPT_OK;
   }
-  /* zero 3: each dp rank q of the column receives only the share of each piece in its shard [q·chunk, +len) */
+  /* zero 3: each dp rank q of the column receives only the share of each piece in its shard (dd_shard) */
   row_params(d, list, n, row, ord, &m);
   size_t spos = 0;
   for (int q = 0; q < D; q++) {
@@ -418,7 +420,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     it = (piece_it){0, 0, 0};
     while (next_piece(d, ord, m, row, me, &it, &i, &lo, &len, &at)) {
       size_t a, b;
-      shard_cut(&d->p[i], (size_t)q, lo, len, &a, &b);
+      shard_cut(d, &d->p[i], (size_t)q, lo, len, &a, &b);
       spos += a < b ? b - a : 0;
     }
   }
@@ -431,7 +433,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     it = (piece_it){0, 0, 0};
     while (next_piece(d, ord, m, row, me, &it, &i, &lo, &len, &at)) {
       size_t a, b;
-      shard_cut(&d->p[i], (size_t)q, lo, len, &a, &b);
+      shard_cut(d, &d->p[i], (size_t)q, lo, len, &a, &b);
       if (a >= b) continue;
       DOPT_TRY(DEV(d)->copy(DCTX(d), (float *)d->xs + off, vals + at + (a - lo), (b - a) * sizeof(float)));
       off += b - a;
@@ -448,7 +450,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     it = (piece_it){0, 0, 0};
     while (next_piece(d, ord, mo, o, me, &it, &i, &lo, &len, &at)) {
       size_t a, b;
-      shard_cut(&d->p[i], (size_t)row, lo, len, &a, &b);
+      shard_cut(d, &d->p[i], (size_t)row, lo, len, &a, &b);
       rc[o] += a < b ? b - a : 0;
     }
     rtot += rc[o];
@@ -464,7 +466,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     size_t got = rd[o];
     while (next_piece(d, ord, mo, o, me, &it, &i, &lo, &len, &at)) {
       size_t a, b;
-      shard_cut(&d->p[i], (size_t)row, lo, len, &a, &b);
+      shard_cut(d, &d->p[i], (size_t)row, lo, len, &a, &b);
       if (a >= b) continue;
       DOPT_TRY(load_range(d, &d->p[i], (const float *)rbuf + got, a, b - a));
       got += b - a;

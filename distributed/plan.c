@@ -26,6 +26,59 @@ void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, siz
   else if (p->role == DOPT_TP_COLUMN || p->role == DOPT_TP_ROW) split_range(full.w, tp, r, w0, wl);
 }
 
+/* Elements of TP rank r's block of p (another stage's parameter: none). */
+static size_t block_numel_of(const dopt_dist_optim *d, const dist_param *p, int r) {
+  if (!dd_present(d, p)) return 0;
+  size_t h0, hl, w0, wl;
+  dd_tp_block(p, d->tp.size, r, &h0, &hl, &w0, &wl);
+  dopt_piece full;
+  dopt_piece_full(p->ndim, p->shape, &full);
+  return full.b * hl * wl;
+}
+
+void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len) {
+  size_t off = 0, S;
+  const size_t n = block_numel_of(d, p, r);
+  if (d->gem) {
+    const struct gem_slot *g = &d->gem[p - d->p];
+    off = g->off, S = g->shard;
+  } else {
+    S = (n + (size_t)d->dp.size - 1) / (size_t)d->dp.size;
+  }
+  /* the shard [q·S, (q+1)·S) of the chunk, in the block's own coordinates (the block starts at off) */
+  const size_t a = q * S > off ? q * S - off : 0, b = (q + 1) * S > off ? (q + 1) * S - off : 0;
+  *lo = a < n ? a : n;
+  *len = (b < n ? b : n) - *lo;
+}
+
+/* Gemini: the blocks packed into chunks (dopt_dist_config.chunk_elems; docs/distributed.md), as ColossalAI's
+ * ChunkManager.register_tensor: in parameter order, a block joins the open chunk when it fits, else the next
+ * chunk opens; a block above the chunk size has a chunk of its own, its size rounded up to a multiple of dp,
+ * and closes it; an empty block (another stage's parameter) takes no room. Laid out by TP rank 0's blocks
+ * (the largest of an uneven split), so every TP rank has the same chunks (a TP-replicated tensor the same
+ * shards everywhere); a smaller block leaves the end of its room unused. Logical shapes only. */
+static dopt_status plan_chunks(dopt_dist_optim *d) {
+  const size_t D = (size_t)d->dp.size, C = (d->chunk_elems + D - 1) / D * D, np = (size_t)d->np;
+  d->gem = calloc(np ? np : 1, sizeof *d->gem);
+  if (!d->gem) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: gemini chunks of %zu parameters", np);
+  size_t fill = 0, open = 0;
+  for (size_t i = 0; i < np; i++) {
+    struct gem_slot *g = &d->gem[i];
+    const size_t n = block_numel_of(d, &d->p[i], 0);
+    if (n == 0) {
+      *g = (struct gem_slot){0, 1};
+    } else if (n > C) { /* a chunk of its own */
+      *g = (struct gem_slot){0, (n + D - 1) / D};
+      open = 0;
+    } else {
+      if (!open || fill + n > C) open = 1, fill = 0;
+      *g = (struct gem_slot){fill, C / D};
+      fill += n;
+    }
+  }
+  return DOPT_OK;
+}
+
 static void free_param(dopt_dist_optim *d, dist_param *p) {
   if (p->full) DEV(d)->free(DCTX(d), p->full);
   DEV(d)->free(DCTX(d), p->grad);
@@ -56,6 +109,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   for (int k = 0; k < 2; k++)
     if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
   for (int k = 0; k < 3; k++) free(d->ghost[k]);
+  free(d->gem);
   if (d->up) DEV(d)->free(DCTX(d), d->up);
   for (int op = 0; op < NOPS; op++)
     for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
@@ -88,6 +142,7 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
   DOPT_CHECK_ARG((cfg->version == 1 && cfg->struct_size >= DOPT_DIST_CONFIG_V1_SIZE) ||
                      (cfg->version == 2 && cfg->struct_size >= DOPT_DIST_CONFIG_V2_SIZE) ||
                      (cfg->version == 3 && cfg->struct_size >= DOPT_DIST_CONFIG_V3_SIZE) ||
+                     (cfg->version == 4 && cfg->struct_size >= DOPT_DIST_CONFIG_V4_SIZE) ||
                      (cfg->version == DOPT_DIST_CONFIG_VERSION && cfg->struct_size >= sizeof(dopt_dist_config)),
                  "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
                  cfg->struct_size, cfg->version);
@@ -110,6 +165,15 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
     DOPT_CHECK_ARG(cfg->pp.rank >= 0 && cfg->pp.rank < cfg->pp.size, "dopt_dist_create: pp rank %d of %d",
                    cfg->pp.rank, cfg->pp.size);
   }
+  const size_t chunk = cfg->version >= 5 ? cfg->chunk_elems : 0;
+  const int gemini = cfg->plugin && strcmp(cfg->plugin, "gemini") == 0;
+  DOPT_CHECK_ARG(!gemini || chunk >= 1, "dopt_dist_create: plugin gemini needs chunk_elems >= 1 (the chunk size)");
+  DOPT_CHECK_ARG(gemini || chunk == 0, "dopt_dist_create: chunk_elems=%zu is for plugin gemini, not '%s'", chunk,
+                 cfg->plugin ? cfg->plugin : "");
+  DOPT_CHECK_ARG(!gemini || cfg->dp.size == 1 || (cfg->dp_sum_words >= 1 && cfg->dp.ops->all_to_allv),
+                 "dopt_dist_create: plugin gemini at dp=%d needs the exact dp sum (dp_sum_words=%d) and the dp "
+                 "transport's all_to_allv (a chunk's shards cut through tensors: exact counts, no padding)",
+                 cfg->dp.size, cfg->dp_sum_words);
   DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
                  "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
   return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
@@ -128,8 +192,10 @@ dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero)
     DOPT_CHECK_ARG(zero <= 2, "plugin hybrid: zero=%d (0, 1 or 2; zero 3 is the fsdp plugin)", zero);
   } else if (strcmp(pl, "fsdp") == 0) {
     DOPT_CHECK_ARG(zero == 3, "plugin fsdp: needs zero=3 (got %d)", zero);
+  } else if (strcmp(pl, "gemini") == 0) {
+    DOPT_CHECK_ARG(zero == 3, "plugin gemini: needs zero=3 (its chunks are sharded; got %d)", zero);
   } else {
-    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp)", pl);
+    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp, gemini)", pl);
   }
   return DOPT_OK;
 }
@@ -215,10 +281,10 @@ static dopt_status share_blocks(dopt_dist_optim *d, dist_param *p, size_t B) {
   const int tpn = p->role == DOPT_TP_REPLICATED ? 1 : d->tp.size, dpn = d->zero >= 1 ? d->dp.size : 1;
   for (int r = 0; r < tpn; r++) {
     dd_tp_block(p, d->tp.size, r, &pc.h0, &pc.hl, &pc.w0, &pc.wl);
-    const size_t ln = pc.b * pc.hl * pc.wl, chunk = (ln + (size_t)dpn - 1) / (size_t)dpn;
+    const size_t ln = pc.b * pc.hl * pc.wl;
     for (int q = 0; q < dpn; q++) {
-      pc.lo = (size_t)q * chunk < ln ? (size_t)q * chunk : ln;
-      pc.len = ln - pc.lo < chunk ? ln - pc.lo : chunk;
+      if (dpn > 1) dd_shard(d, p, r, (size_t)q, &pc.lo, &pc.len);
+      else pc.lo = 0, pc.len = ln;
       size_t off = 0;
       dopt_run run;
       while (dopt_piece_next_run(&pc, &off, &run))
@@ -288,11 +354,14 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   if (!here) p->lshape[0] = 0, p->lndim = p->ndim > 0 ? p->ndim : 1;
   /* ZeRO: flatten, pad to a multiple of dp, split evenly */
   if (d->zero >= 1) {
-    p->chunk = (p->lnumel + (size_t)dpn - 1) / (size_t)dpn;
-    p->padded = p->chunk * (size_t)dpn;
-    pc->lo = (size_t)d->dp.rank * p->chunk;
-    pc->len = pc->lo < p->lnumel ? (p->lnumel - pc->lo < p->chunk ? p->lnumel - pc->lo : p->chunk) : 0;
-    if (pc->lo > p->lnumel) pc->lo = p->lnumel;
+    dd_shard(d, p, d->tp.rank, (size_t)d->dp.rank, &pc->lo, &pc->len);
+    if (d->gem) { /* this rank's piece alone: the collectives move exact counts (all_to_allv) */
+      p->chunk = pc->len;
+      p->padded = p->lnumel;
+    } else {
+      p->chunk = (p->lnumel + (size_t)dpn - 1) / (size_t)dpn;
+      p->padded = p->chunk * (size_t)dpn;
+    }
   } else {
     p->chunk = p->padded = p->lnumel;
     pc->lo = 0;
@@ -421,6 +490,8 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->tp = cfg->tp;
   d->dp = cfg->dp;
   d->pp = cfg->version >= 4 && cfg->pp.size > 1 ? cfg->pp : (dopt_transport){NULL, NULL, 0, 1};
+  if (cfg->version >= 5 && cfg->chunk_elems) /* a multiple of dp */
+    d->chunk_elems = (cfg->chunk_elems + (size_t)d->dp.size - 1) / (size_t)d->dp.size * (size_t)d->dp.size;
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
   d->zero = cfg->zero_stage;
   d->max_grad_norm = cfg->max_grad_norm;
@@ -465,6 +536,20 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
       dopt_dist_destroy(d);
       return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: stages[%d]=%d ('%s') outside [0, pp=%d)", i, st, name,
                         pp_size_of(cfg));
+    }
+  }
+  if (d->chunk_elems) { /* the chunks, from the logical shapes and roles (setup_param sets them again) */
+    for (int i = 0; i < d->np; i++) {
+      const dopt_param *q = dopt__optim_param(po, i);
+      dist_param *p = &d->p[i];
+      p->ndim = q->ndim;
+      memcpy(p->shape, q->shape, sizeof p->shape);
+      p->role = d->tp.size > 1 && roles && (unsigned)roles[i] <= DOPT_TP_ROW ? roles[i] : DOPT_TP_REPLICATED;
+    }
+    dopt_status s = plan_chunks(d);
+    if (s != DOPT_OK) {
+      dopt_dist_destroy(d);
+      return s;
     }
   }
   for (int i = 0; i < d->np; i++) {

@@ -60,7 +60,7 @@ typedef struct dopt_dist_optim dopt_dist_optim;
 typedef struct dopt_dist_config {
   uint32_t struct_size;
   uint32_t version;
-  const char *plugin;       /* "ddp", "zero", "hybrid", "fsdp" */
+  const char *plugin;       /* "ddp", "zero", "hybrid", "fsdp", "gemini" */
   int zero_stage;           /* 0..3 (see the plugin list) */
   dopt_transport tp;        /* this rank's tensor-parallel group */
   dopt_transport dp;        /* this rank's data-parallel (= ZeRO) group */
@@ -95,16 +95,24 @@ typedef struct dopt_dist_config {
    * checks, gathers and checkpoints. */
   dopt_transport pp;
   const int *stages;
+  /* v5: Gemini's chunks (plugin "gemini", zero_stage 3; docs/distributed.md "Gemini: chunked ZeRO"): each
+   * TP rank's blocks, in parameter order, packed into chunks of chunk_elems elements (rounded up to a
+   * multiple of dp) as ColossalAI's ChunkManager packs tensors: a block joins the open chunk when it fits,
+   * else opens the next one; a block larger than a chunk has a chunk of its own (its size rounded up to a
+   * multiple of dp). Every chunk is split evenly over dp, so a rank's shard starts and ends inside blocks
+   * and holds pieces of several; optimizer states are sharded the same way. 0 with every other plugin. */
+  size_t chunk_elems;
 } dopt_dist_config;
 
-#define DOPT_DIST_CONFIG_VERSION 4
+#define DOPT_DIST_CONFIG_VERSION 5
 #define DOPT_DIST_CONFIG_V1_SIZE ((uint32_t)offsetof(dopt_dist_config, bucket_bytes))
 #define DOPT_DIST_CONFIG_V2_SIZE ((uint32_t)offsetof(dopt_dist_config, dp_sum_words))
 #define DOPT_DIST_CONFIG_V3_SIZE ((uint32_t)offsetof(dopt_dist_config, pp))
+#define DOPT_DIST_CONFIG_V4_SIZE ((uint32_t)offsetof(dopt_dist_config, chunk_elems))
 #define DOPT_DIST_BUCKET_BYTES_DEFAULT ((size_t)64 << 20)
 #define DOPT_DIST_CONFIG_INIT \
   { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1, \
-    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0, {0}, NULL }
+    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0, {0}, NULL, 0 }
 
 /* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
  * message names the plugin and what it needs. */

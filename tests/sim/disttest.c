@@ -240,6 +240,7 @@ typedef struct run_ctx {
 } run_ctx;
 
 int dt_pp;
+size_t dt_chunk;
 
 int dt_stage(int i, int n, int pp) { return pp > 1 && n > 0 ? (int)((long)i * pp / n) : 0; }
 
@@ -255,7 +256,8 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / (l->tp * l->dp) * l->tp + rank % l->tp, rank, "dp", &dpc));
   if (npp > 1) DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % (l->tp * l->dp), rank, "pp", &ppc));
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
-  cfg.plugin = dt_plugin(l);
+  cfg.plugin = dt_chunk ? "gemini" : dt_plugin(l);
+  cfg.chunk_elems = dt_chunk;
   cfg.zero_stage = l->zero;
   cfg.max_grad_norm = c->max_grad_norm;
   cfg.bucket_bytes = l->bucket_bytes;

@@ -76,6 +76,8 @@ typedef struct dt_layout {
 /* Set by a test on its main thread before dt_run_dist: pipeline stages (0 or 1: none), the world
  * dt_pp × tp × dp, parameter i on stage dt_stage(i, nparams, dt_pp). */
 extern int dt_pp;
+/* Set likewise: Gemini's chunk size (0: per-tensor ZeRO); the layout's zero must be 3, the plugin is gemini. */
+extern size_t dt_chunk;
 
 /* The stage of parameter i of n under pp stages: contiguous runs of the parameter list, as balanced as n
  * allows (the test's explicit map, dopt_dist_config.stages). */
