@@ -4,6 +4,7 @@
  *   exit 0: equivalent within the optimizer's declared tolerance (bitwise for
  *           every current optimizer); 1: not; 2: bad usage or input. */
 #include <stdarg.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,10 +29,11 @@ static int lib_error(dopt_status s) {
 static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
         "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
-        "         [--pp N [--layers-per-stage N,N,...]]\n"
+        "         [--pp N [--layers-per-stage N,N,...]] [--chunk-size N]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
         "         [--trace FILE | [--seed N] [--model NAME|COUNT]] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
         "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z] [--resume-pp N]\n"
+        "          [--resume-chunk-size N]\n"
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
         "       distopt compare --matrix [--steps N]\n"
@@ -46,6 +48,8 @@ static void compare_usage(FILE *f) {
         "  hybrid zero=2 (0-2); fsdp zero=3. A given value the plugin does not allow is an error.\n"
         "  --pp N (hybrid): N pipeline stages, the world pp x tp x dp; decoder layers ('layers.N.') split as\n"
         "  ColossalAI's default (or --layers-per-stage), embeddings on the first stage, norm and head on the last.\n"
+        "  --plugin gemini --chunk-size N: ColossalAI's Gemini, ZeRO-3 over chunks of N elements (default 2^20)\n"
+        "  that pack consecutive tensors, so a rank's shard cuts through them.\n"
         "  --sweep: the optimizer in every layout tp 1..max-tp x dp 1..max-dp x zero 0..3 (default 4 x 4 x 4,\n"
         "  at most 8 x 8), a grid of verdicts and 'N of M layouts bitwise'.\n"
         "  --model: synthetic gradients of a LLaMA (9 x layers + 3 tensors): a preset llama-60m, llama-130m,\n"
@@ -78,6 +82,16 @@ static int parse_int(const char *opt, const char *v, int lo, int hi, int *out) {
   return CLI_OK;
 }
 
+static int parse_size(const char *opt, const char *v, size_t lo, size_t hi, size_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long x = strtoull(v, &end, 10);
+  if (*v < '0' || *v > '9' || *end || errno || x < lo || x > hi)
+    return cli_errorf(CMD, "%s '%s': expected an integer in [%zu, %zu]", opt, v, lo, hi);
+  *out = (size_t)x;
+  return CLI_OK;
+}
+
 static int copy_opt(const char *opt, const char *v, char *dst, size_t cap) {
   if (strlen(v) >= cap) return cli_errorf(CMD, "%s: value too long (%zu bytes, at most %zu)", opt, strlen(v), cap - 1);
   memcpy(dst, v, strlen(v) + 1);
@@ -99,7 +113,8 @@ static int run_matrix(int steps) {
     const char *plugin;
     int tp, dp, zero, pp;
   } plugins[] = {{"ddp", 1, 2, 0, 1},    {"zero", 1, 2, 1, 1}, {"zero", 1, 3, 2, 1},
-                 {"hybrid", 2, 2, 2, 1}, {"fsdp", 2, 2, 3, 1}, {"hybrid", 2, 2, 1, 3}};
+                 {"hybrid", 2, 2, 2, 1}, {"fsdp", 2, 2, 3, 1}, {"hybrid", 2, 2, 1, 3},
+                 {"gemini", 1, 3, 3, 1}};
   const int np = (int)(sizeof plugins / sizeof plugins[0]);
   printf("measured compatibility (synthetic gradients, %d steps, bitwise against the reference)\n%-17s", steps,
          "optimizer");
@@ -129,6 +144,9 @@ static int run_matrix(int steps) {
       o.dp = plugins[p].dp;
       o.zero = plugins[p].zero;
       o.pp = plugins[p].pp; /* the built-in model's 3 layers: one per stage */
+      /* Gemini: chunks of 64 elements over dp 3, so shards cut through the built-in model's tensors (32 x 32
+       * and larger ones alone in their chunks) */
+      o.chunk_size = strcmp(plugins[p].plugin, "gemini") == 0 ? 64 : 0;
       o.steps = steps;
       cmp_result r;
       dopt_status s = cmp_run(&o, &r, NULL, NULL);
@@ -369,6 +387,8 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     else if (strcmp(a, "--dp") == 0) { rc = parse_int(a, v, 1, 64, &o->dp); cli_given |= CMP_GIVEN_DP; }
     else if (strcmp(a, "--zero") == 0) { rc = parse_int(a, v, 0, 3, &o->zero); cli_given |= CMP_GIVEN_ZERO; }
     else if (strcmp(a, "--pp") == 0) rc = parse_int(a, v, 1, CMP_PP_MAX, &o->pp);
+    else if (strcmp(a, "--chunk-size") == 0) rc = parse_size(a, v, 1, CMP_CHUNK_MAX, &o->chunk_size);
+    else if (strcmp(a, "--resume-chunk-size") == 0) rc = parse_size(a, v, 1, CMP_CHUNK_MAX, &o->resume_chunk_size);
     else if (strcmp(a, "--resume-pp") == 0) rc = parse_int(a, v, 1, CMP_PP_MAX, &o->resume_pp);
     else if (strcmp(a, "--layers-per-stage") == 0) {
       if (cmp_parse_layers_per_stage(v, o) != DOPT_OK) return cli_errorf(CMD, "--layers-per-stage: %s", dopt_last_error());

@@ -33,6 +33,11 @@ typedef struct cmp_group {
   char hp[CMP_GROUP_HP_MAX];
 } cmp_group;
 
+/* Gemini's chunk when --chunk-size is not given: 2^20 elements (4 MiB of fp32). */
+#define CMP_GEMINI_CHUNK_DEFAULT ((size_t)1 << 20)
+/* --chunk-size at most this (2^40 elements). */
+#define CMP_CHUNK_MAX ((size_t)1 << 40)
+
 /* --pp at most this (a world is at most 64 ranks). */
 #define CMP_PP_MAX 64
 
@@ -48,6 +53,8 @@ typedef struct cmp_options {
   int layers_per_stage[CMP_PP_MAX];       /* --layers-per-stage (plugin.layers_per_stage): decoder layers per
                                              stage; nlps 0: ColossalAI's default partition */
   int nlps;
+  size_t chunk_size;                      /* --chunk-size (plugin.chunk_size): Gemini's chunk in elements (0: the
+                                             default CMP_GEMINI_CHUNK_DEFAULT with plugin gemini) */
   int ranks;                              /* world size asked for (0: pp·tp·dp); must equal pp·tp·dp */
   int steps;
   int micro;                              /* micro-batches per step (gradient accumulation) */
@@ -73,6 +80,7 @@ typedef struct cmp_options {
   int resume_tp, resume_dp, resume_zero;
   int resume_pp;                          /* 0: the first layout's (the resume world's layer partition: ColossalAI's
                                              default, or layers_per_stage when pp is unchanged) */
+  size_t resume_chunk_size;               /* 0: the first layout's (a gemini resume layout) */
   char checkpoint_dir[512];               /* "" : a fresh directory under $TMPDIR */
   unsigned given;                         /* CMP_GIVEN_* bits: the layout values the user gave (CLI or YAML) */
   unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */

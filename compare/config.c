@@ -174,6 +174,9 @@ static dopt_status get_int(const cfg_ctx *c, const yaml_node_t *v, const char *k
   return DOPT_OK;
 }
 
+/* A chunk size: an integer in [1, CMP_CHUNK_MAX]. */
+static dopt_status get_size(const cfg_ctx *c, const yaml_node_t *v, const char *key, size_t *out);
+
 static dopt_status get_u64(const cfg_ctx *c, const yaml_node_t *v, const char *key, uint64_t *out) {
   DOPT_TRY(need_scalar(c, v, key, "a non-negative integer"));
   DOPT_TRY(plain_integer(c, v, key, 0));
@@ -185,6 +188,15 @@ static dopt_status get_u64(const cfg_ctx *c, const yaml_node_t *v, const char *k
   if (end == s || *end != '\0') return cfg_fail(c, v, key, "must be a non-negative integer, got '%s'", s);
   if (errno == ERANGE) return cfg_fail(c, v, key, "%s does not fit in 64 bits", s);
   *out = (uint64_t)x;
+  return DOPT_OK;
+}
+
+static dopt_status get_size(const cfg_ctx *c, const yaml_node_t *v, const char *key, size_t *out) {
+  uint64_t x = 0;
+  DOPT_TRY(get_u64(c, v, key, &x));
+  if (x < 1 || x > CMP_CHUNK_MAX)
+    return cfg_fail(c, v, key, "must be in [1, %zu], got %llu", CMP_CHUNK_MAX, (unsigned long long)x);
+  *out = (size_t)x;
   return DOPT_OK;
 }
 
@@ -348,17 +360,18 @@ static void given(cmp_options *o, unsigned bit) {
 }
 
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "ranks", "dp_sum", "ring_order",
-                                     "batch_invariant", "backend", "device", NULL};
+  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "chunk_size", "ranks", "dp_sum",
+                                     "ring_order", "batch_invariant", "backend", "device", NULL};
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "type"))) {
-    static const char *const names[] = {"ddp", "zero", "hybrid", "fsdp"};
+    static const char *const names[] = {"ddp", "zero", "hybrid", "fsdp", "gemini"};
     DOPT_TRY(get_str(c, v, "plugin.type", o->plugin, sizeof o->plugin));
     int ok = 0;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) ok |= strcmp(names[i], o->plugin) == 0;
     if (!ok)
-      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid or fsdp)", o->plugin);
+      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp or gemini)",
+                      o->plugin);
     given(o, CMP_GIVEN_PLUGIN);
   }
   if ((v = lookup(c, n, "tp"))) {
@@ -374,6 +387,7 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
     given(o, CMP_GIVEN_ZERO);
   }
   if ((v = lookup(c, n, "pp"))) DOPT_TRY(get_int(c, v, "plugin.pp", 1, CMP_PP_MAX, &o->pp));
+  if ((v = lookup(c, n, "chunk_size"))) DOPT_TRY(get_size(c, v, "plugin.chunk_size", &o->chunk_size));
   if ((v = lookup(c, n, "layers_per_stage"))) {
     if (v->type != YAML_SEQUENCE_NODE)
       return cfg_fail(c, v, "plugin.layers_per_stage", "must be a sequence of layer counts, got %s", node_kind(v));
@@ -469,7 +483,7 @@ static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
 /* checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}} */
 static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   static const char *const keys[] = {"at", "dir", "resume", NULL};
-  static const char *const rkeys[] = {"type", "tp", "dp", "zero", "pp", NULL};
+  static const char *const rkeys[] = {"type", "tp", "dp", "zero", "pp", "chunk_size", NULL};
   DOPT_TRY(check_mapping(c, n, "checkpoint", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "at"))) DOPT_TRY(get_int(c, v, "checkpoint.at", 1, 1000000, &o->checkpoint_at));
@@ -480,7 +494,8 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
     if ((w = lookup(c, v, "type"))) {
       DOPT_TRY(get_str(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
       if (strcmp(o->resume_plugin, "ddp") != 0 && strcmp(o->resume_plugin, "zero") != 0 &&
-          strcmp(o->resume_plugin, "hybrid") != 0 && strcmp(o->resume_plugin, "fsdp") != 0)
+          strcmp(o->resume_plugin, "hybrid") != 0 && strcmp(o->resume_plugin, "fsdp") != 0 &&
+          strcmp(o->resume_plugin, "gemini") != 0)
         return cfg_fail(c, w, "checkpoint.resume.type", "unknown plugin '%s' (expected ddp, zero, hybrid or fsdp)",
                         o->resume_plugin);
       given(o, CMP_GIVEN_RESUME_PLUGIN);
@@ -498,6 +513,7 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
       given(o, CMP_GIVEN_RESUME_ZERO);
     }
     if ((w = lookup(c, v, "pp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.pp", 1, CMP_PP_MAX, &o->resume_pp));
+    if ((w = lookup(c, v, "chunk_size"))) DOPT_TRY(get_size(c, w, "checkpoint.resume.chunk_size", &o->resume_chunk_size));
   }
   return DOPT_OK;
 }

@@ -130,6 +130,7 @@ static const plugin_rule PLUGIN_RULES[] = {
     {"zero", 1, 1, 2, 1, "tensor parallelism is hybrid or fsdp, zero 0 ddp"},
     {"hybrid", 0, 0, 2, 2, "zero 3 is the fsdp plugin"},
     {"fsdp", 0, 3, 3, 3, "zero 0-2 is the hybrid plugin"},
+    {"gemini", 0, 3, 3, 3, "its chunks are sharded (ZeRO-3); zero 0-2 is the hybrid plugin"},
 };
 
 static const plugin_rule *plugin_rule_of(const char *name) {
@@ -177,7 +178,7 @@ static dopt_status contradiction(const cmp_options *o, unsigned pbit, const plug
 }
 
 static dopt_status unknown_plugin(const cmp_options *o, unsigned bit, const char *name) {
-  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected ddp, zero, hybrid or fsdp)",
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected ddp, zero, hybrid, fsdp or gemini)",
                     spelled(o, bit), name);
 }
 
@@ -1064,6 +1065,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   cfg.tp = *tpt;
   cfg.dp = *dpt;
   cfg.pp = *ppt;
+  cfg.chunk_elems = strcmp(o->plugin, "gemini") == 0 ? (o->chunk_size ? o->chunk_size : CMP_GEMINI_CHUNK_DEFAULT) : 0;
   /* the lead steps the reference and measures: rank 0, or every rank with backend mpi */
   const int lead = rank == 0 || x->measure_world != NULL, np = s->np, micro = micro_of(o, s);
   /* per parameter: the reference's values, averaged gradient and bf16 copy (lead); this rank's TP block
@@ -1417,6 +1419,13 @@ static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->tp >= 1 && o->dp >= 1 && o->tp * o->dp <= 64, "tp=%d dp=%d: each >= 1, tp*dp <= 64", o->tp, o->dp);
   DOPT_TRY(check_pp(o->plugin, o->pp, o->tp, o->dp, ""));
   DOPT_CHECK_ARG(o->nlps == 0 || o->nlps == o->pp, "layers_per_stage: %d stages given, pp=%d", o->nlps, o->pp);
+  DOPT_CHECK_ARG(o->chunk_size == 0 || strcmp(o->plugin, "gemini") == 0,
+                 "chunk_size=%zu is Gemini's chunk: it needs plugin gemini, not '%s'", o->chunk_size, o->plugin);
+  DOPT_CHECK_ARG(o->resume_chunk_size == 0 || o->checkpoint_at > 0,
+                 "resume chunk_size=%zu: there is no resume (checkpoint_at)", o->resume_chunk_size);
+  if (strcmp(o->plugin, "gemini") == 0 && o->dp > 1)
+    DOPT_CHECK_ARG(o->dp_sum_words >= 1, "plugin gemini: --dp-sum rank-order cannot reduce chunks whose shards cut "
+                   "through tensors (the exact sum exchanges exact counts)");
   if (o->ranks != 0 && o->ranks != o->pp * o->tp * o->dp)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "ranks=%d but pp x tp x dp = %d x %d x %d = %d", o->ranks, o->pp, o->tp,
                       o->dp, o->pp * o->tp * o->dp);
@@ -1434,6 +1443,8 @@ static dopt_status check_options(const cmp_options *o) {
     const char *rpl = o->resume_plugin[0] ? o->resume_plugin : o->plugin;
     DOPT_CHECK_ARG(tp * dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", tp, dp);
     DOPT_TRY(check_pp(rpl, pp, tp, dp, "resume: "));
+    DOPT_CHECK_ARG(o->resume_chunk_size == 0 || strcmp(rpl, "gemini") == 0,
+                   "resume: chunk_size=%zu needs the resume plugin gemini, not '%s'", o->resume_chunk_size, rpl);
     DOPT_TRY(dopt_dist_check_layout(rpl, tp, dp, o->resume_zero >= 0 ? o->resume_zero : o->zero));
   }
   if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0 && strcmp(o->backend, "mpi") != 0)
@@ -1602,6 +1613,8 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     ob.dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
     ob.zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
     ob.pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
+    ob.chunk_size = strcmp(ob.plugin, "gemini") != 0 ? 0 : o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
+    ob.resume_chunk_size = 0;
     if (ob.pp != o->pp) ob.nlps = 0; /* another stage count: the default partition */
     ob.ranks = 0;
     char dir[600];

@@ -201,7 +201,9 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (o->hparams[0]) fprintf(f, " %s", o->hparams);
   fprintf(f, " | %s ", o->plugin);
   if (o->pp > 1) fprintf(f, "pp%d\xC3\x97", o->pp);
-  fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d | %d step%s", o->tp, o->dp, o->zero, r->steps, plural(r->steps));
+  fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->tp, o->dp, o->zero);
+  if (strcmp(o->plugin, "gemini") == 0) fprintf(f, " chunk %zu", o->chunk_size ? o->chunk_size : CMP_GEMINI_CHUNK_DEFAULT);
+  fprintf(f, " | %d step%s", r->steps, plural(r->steps));
   if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
   if (o->checkpoint_at > 0) /* the resume layout, as cmp_run completes it */
   {
@@ -210,6 +212,10 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
     if (rpp > 1) fprintf(f, "pp%d\xC3\x97", rpp);
     fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->resume_tp > 0 ? o->resume_tp : o->tp,
             o->resume_dp > 0 ? o->resume_dp : o->dp, o->resume_zero >= 0 ? o->resume_zero : o->zero);
+    if (strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin, "gemini") == 0) {
+      const size_t rc = o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
+      fprintf(f, " chunk %zu", rc ? rc : CMP_GEMINI_CHUNK_DEFAULT);
+    }
   }
   print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
@@ -353,6 +359,9 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, op, "dp", cJSON_CreateNumber(o->dp));
     jadd(b, op, "zero", cJSON_CreateNumber(o->zero));
     jadd(b, op, "pp", cJSON_CreateNumber(o->pp));
+    jadd(b, op, "chunk_size", strcmp(o->plugin, "gemini") == 0
+                                  ? cJSON_CreateNumber((double)(o->chunk_size ? o->chunk_size : CMP_GEMINI_CHUNK_DEFAULT))
+                                  : cJSON_CreateNull());
     jadd(b, op, "dp_sum", cJSON_CreateString(cmp_dp_sum_name(o->dp_sum_words)));
     jadd(b, op, "ring_order", cJSON_CreateBool(o->ring_order != 0));
     jadd(b, op, "batch_invariant", cJSON_CreateBool(o->batch_invariant != 0));

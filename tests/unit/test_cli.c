@@ -443,6 +443,7 @@ static void test_compare(void **st) {
     if (!strstr(txt, dopt_optim_registry_name(k))) fail_msg("matrix lacks %s: %s", dopt_optim_registry_name(k), txt);
   if (!strstr(txt, "\xe2\x9c\x94") || strstr(txt, "\xe2\x9c\x98")) fail_msg("matrix: %s", txt);
   if (!strstr(txt, "hybrid z1 pp3x2x2")) fail_msg("matrix lacks the pipeline column: %s", txt);
+  if (!strstr(txt, "gemini z3 1x3")) fail_msg("matrix lacks the gemini column: %s", txt);
   free(txt);
 }
 
@@ -1329,9 +1330,86 @@ static void test_pp_bad_input(void **st) {
   }
 }
 
+
+/* ---- Gemini (--plugin gemini --chunk-size; docs/distributed.md "Gemini: chunked ZeRO") ---- */
+
+/* Every registered optimizer under Gemini with chunks that divide nothing (--model 1mx5: 64 x 64 attention
+ * blocks of 4096 elements, 64 x 192 MLP blocks, norms of 64): chunks of 5000 (each attention block alone with
+ * a few norms, the MLP blocks larger than a chunk: their own) and 20011 (several tensors per chunk) over dp
+ * 3 and 2 with tp 2, clipping; bitwise, with the digest of the same layout under fsdp (per-tensor ZeRO-3). */
+static void test_gemini_every_optimizer(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adamw", "adafactor", "came", "lamb", "adamw8bit", "galore_adamw",
+                                     "galore_adamw8bit", "q_galore", "lisa", "galore", "muon"};
+  static const char *const L[][5] = {{"1", "3", "5000", "--quiet", "1"}, {"2", "2", "20011", "--bf16", "2"}};
+  for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++)
+    for (int l = 0; l < 2; l++) {
+      char what[160], hg[65], hf[65];
+      snprintf(what, sizeof what, "%s gemini chunk %s tp %s dp %s", opts[k], L[l][2], L[l][0], L[l][1]);
+      const char *gem[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "3", "--max-grad-norm",
+                           "0.01", "--accumulation", L[l][4], L[l][3], "--quiet", "--plugin", "gemini", "--tp", L[l][0],
+                           "--dp", L[l][1], "--chunk-size", L[l][2], NULL};
+      expect_bitwise(gem, what, hg);
+      const char *fsdp[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "3", "--max-grad-norm",
+                            "0.01", "--accumulation", L[l][4], L[l][3], "--quiet", "--plugin", "fsdp", "--tp", L[l][0],
+                            "--dp", L[l][1], NULL};
+      expect_bitwise(fsdp, what, hf);
+      if (strcmp(hg, hf) != 0) fail_msg("%s: digest %s, per-tensor ZeRO-3 %s", what, hg, hf);
+    }
+}
+
+/* Checkpoints resume across chunk sizes and into and out of Gemini (the same dp: the uninterrupted run's
+ * digest). */
+static void test_gemini_resume(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adafactor", "adamw8bit", "galore_adamw"};
+  static const char *const R[][6] = {{"gemini", "5000", "gemini", "--resume-chunk-size", "20011", "3"},
+                                     {"gemini", "5000", "hybrid", "--resume-zero", "2", "2"},
+                                     {"fsdp", "", "gemini", "--resume-chunk-size", "777", "3"}};
+  for (int k = 0; k < 3; k++) {
+    char want[65], hex[65], what[200], ck[600];
+    const char *plain[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet", NULL};
+    expect_bitwise(plain, opts[k], want);
+    for (int r = 0; r < 3; r++) {
+      snprintf(ck, sizeof ck, "%s/gemck%d_%d", dir, k, r);
+      snprintf(what, sizeof what, "%s: %s %s -> %s %s %s", opts[k], R[r][0], R[r][1], R[r][2], R[r][3], R[r][4]);
+      const char *args[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet",
+                            "--plugin", R[r][0], "--checkpoint-at", "3", "--checkpoint-dir", ck, "--resume-plugin",
+                            R[r][2], R[r][3], R[r][4], R[r][1][0] ? "--chunk-size" : NULL, R[r][1], NULL};
+      expect_bitwise(args, what, hex);
+      if (strcmp(hex, want) != 0) fail_msg("%s: digest %s, uninterrupted %s", what, hex, want);
+    }
+  }
+}
+
+/* Refusals, one line each. */
+static void test_gemini_bad_input(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/gem_bad.txt", dir);
+  static const struct {
+    const char *args[12];
+    const char *needle;
+  } bad[] = {
+      {{"compare", "--plugin", "hybrid", "--chunk-size", "100", "--steps", "1", NULL}, "needs plugin gemini"},
+      {{"compare", "--plugin", "gemini", "--zero", "2", "--steps", "1", NULL}, "--plugin gemini contradicts --zero 2"},
+      {{"compare", "--plugin", "gemini", "--chunk-size", "0", "--steps", "1", NULL}, "--chunk-size '0'"},
+      {{"compare", "--plugin", "gemini", "--dp-sum", "rank-order", "--steps", "1", NULL}, "rank-order cannot"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    const int rc = run_out(bad[k].args, out);
+    char *err = slurp(errfile);
+    int lines = 0;
+    for (const char *c = err ? err : ""; *c; c++) lines += *c == '\n';
+    if (rc != 2 || lines != 1 || !strstr(err, bad[k].needle))
+      fail_msg("case %zu: exit %d, %d lines: %s (want '%s')", k, rc, lines, err ? err : "", bad[k].needle);
+    free(err);
+  }
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts|pipeline]\n", argv[0]);
+    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts|pipeline|gemini]\n", argv[0]);
     return 2;
   }
   bin = argv[1];
@@ -1341,6 +1419,14 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_compare_sweep),
     };
     return cmocka_run_group_tests(layouts, setup, teardown);
+  }
+  if (argc > 2 && strcmp(argv[2], "gemini") == 0) { /* registered as unit_test_cli_gemini */
+    const struct CMUnitTest gemini[] = {
+        cmocka_unit_test(test_gemini_every_optimizer),
+        cmocka_unit_test(test_gemini_resume),
+        cmocka_unit_test(test_gemini_bad_input),
+    };
+    return cmocka_run_group_tests(gemini, setup, teardown);
   }
   if (argc > 2 && strcmp(argv[2], "pipeline") == 0) { /* registered as unit_test_cli_pipeline */
     const struct CMUnitTest pipeline[] = {
