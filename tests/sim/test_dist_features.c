@@ -585,7 +585,7 @@ static void test_config_errors(void **st) {
       {"zero", 0, DOPT_TP_REPLICATED, "plugin zero", DOPT_ERR_INVALID_ARG, 0, ""},
       {"fsdp", 2, DOPT_TP_REPLICATED, "plugin fsdp", DOPT_ERR_INVALID_ARG, 0, ""},
       {"hybrid", 3, DOPT_TP_REPLICATED, "zero 3 is the fsdp plugin", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"gemini", 0, DOPT_TP_REPLICATED, "unknown plugin 'gemini'", DOPT_ERR_NOT_FOUND, 0, ""},
+      {"colossal", 0, DOPT_TP_REPLICATED, "unknown plugin 'colossal'", DOPT_ERR_NOT_FOUND, 0, ""},
       {"hybrid", 4, DOPT_TP_REPLICATED, "zero_stage=4", DOPT_ERR_INVALID_ARG, 0, ""},
       {"hybrid", 0, DOPT_TP_ROW, "'v' role ROW", DOPT_ERR_INVALID_ARG, 0, ""},
       {"hybrid", 0, DOPT_TP_REPLICATED, "no gradients", DOPT_ERR_STATE, 0, ""},

@@ -458,7 +458,7 @@ static void test_compare_bad_input(void **st) {
   fclose(f);
 #define ARGS(...) ((const char *const[]){"compare", __VA_ARGS__, "--json", json, NULL})
   expect_usage_error(ARGS("--optimizer", "adamx"), "'adamx'", json);
-  expect_usage_error(ARGS("--plugin", "gemini"), "'gemini'", json);
+  expect_usage_error(ARGS("--plugin", "moe"), "'moe'", json);
   expect_usage_error(ARGS("--optimizer", "came", "--hparams", "lr=1e-3,gamma=1"), "'gamma'", json);
   expect_usage_error(ARGS("--tp", "2", "--dp", "2", "--ranks", "3"), "ranks=3", json);
   expect_usage_error(ARGS("--trace", "/nonexistent/trace.safetensors"), "/nonexistent/trace.safetensors", json);

@@ -242,7 +242,7 @@ static void test_errors(void **st) {
       {"compare: {threads: -1}\n", DOPT_ERR_FORMAT, ":1:", "compare.threads"},
       {"compare: {sweeps: true}\n", DOPT_ERR_FORMAT, ":1:", "compare.sweeps"},
       {"compare: true\n", DOPT_ERR_FORMAT, ":1:", "compare"},
-      {"checkpoint: {resume: {type: gemini}}\n", DOPT_ERR_FORMAT, ":1:", "checkpoint.resume.type"},
+      {"checkpoint: {resume: {type: colossal}}\n", DOPT_ERR_FORMAT, ":1:", "checkpoint.resume.type"},
       {"# only a comment\n", DOPT_ERR_FORMAT, "", "empty"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -373,7 +373,7 @@ static void test_apply_plugin(void **st) {
       {"zero", -1, 3, 0, 0, NULL, "--plugin zero contradicts --zero 3: plugin zero implies zero 1"},
       {"fsdp", -1, 1, 0, 0, NULL, "--plugin fsdp contradicts --zero 1: plugin fsdp implies zero 3"},
       {"hybrid", -1, 3, 0, 0, NULL, "--plugin hybrid contradicts --zero 3: plugin hybrid implies zero 2"},
-      {"gemini", -1, -1, 0, 0, NULL, "--plugin 'gemini': unknown plugin"},
+      {"colossal", -1, -1, 0, 0, NULL, "--plugin 'colossal': unknown plugin"},
   };
   for (size_t i = 0; i < sizeof C / sizeof C[0]; i++) {
     cmp_options o, before;
