@@ -248,24 +248,147 @@ static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp,
   return CLI_OK;
 }
 
+/* ---- per rank under Gemini (--chunk-size): ZeRO-3 over chunks (docs/distributed.md "Gemini") -------------
+ * The model's tensors in order (cmp_model_tensor_at), TP rank 0's blocks packed into chunks of C = chunk
+ * rounded up to a multiple of dp (a block larger than C alone in a chunk of its size rounded up), rank q
+ * holding [q·S, (q+1)·S) of each chunk; as distributed/ lays it out (dd_shard). Per world rank: the fp32
+ * master shard, the TP block's gradient accumulator, elementwise states over its shard, blockwise ones over
+ * the blocks of its piece, the others whole; owner mode as per_rank (every state whole on its owner). */
+static size_t tp_len(const cmp_model_tensor *t, int tp, int r) {
+  int64_t n = 1;
+  for (int k = 0; k < t->ndim; k++) n *= t->shape[k];
+  if (tp == 1 || t->role == DOPT_TP_REPLICATED) return (size_t)n;
+  const int sd = t->role == DOPT_TP_COLUMN && t->ndim >= 2 ? t->ndim - 2 : t->ndim - 1;
+  const int64_t d = t->shape[sd], len = d / tp + (r < d % tp);
+  return (size_t)(n / d * len);
+}
+
+static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t chunk) {
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const int T = cmp_model_ntensors(m), world = tp * dp;
+  const size_t D = (size_t)dp, C = (chunk + D - 1) / D * D;
+  size_t *off = malloc((size_t)T * sizeof *off), *S = malloc((size_t)T * sizeof *S);
+  double *st = malloc((size_t)world * sizeof *st), *par = malloc((size_t)world * sizeof *par);
+  double *tb = malloc((size_t)T * sizeof *tb), *tc = malloc((size_t)T * sizeof *tc);
+  int *slot = malloc((size_t)T * sizeof *slot), *own = malloc((size_t)T * sizeof *own);
+  if (!off || !S || !st || !par || !tb || !tc || !slot || !own) {
+    free(off), free(S), free(st), free(par), free(tb), free(tc), free(slot), free(own);
+    return cli_errorf(CMD, "gemini: %d tensors", T);
+  }
+  size_t fill = 0, grads = 0;
+  int open = 0;
+  for (int i = 0; i < T; i++) {
+    cmp_model_tensor t;
+    cmp_model_tensor_at(m, i, &t);
+    const size_t n = tp_len(&t, tp, 0);
+    grads += n;
+    if (n > C) off[i] = 0, S[i] = (n + D - 1) / D, open = 0;
+    else {
+      if (!open || fill + n > C) open = 1, fill = 0;
+      off[i] = fill, S[i] = C / D, fill += n;
+    }
+  }
+  printf("\nper rank, gemini chunk %zu (%zu as a multiple of dp) x tp=%d x dp=%d (fp32 masters sharded by chunk; "
+         "distributed/'s layout):\n", chunk, C, tp, dp);
+  printf("| optimizer | params GiB (max rank) | grads GiB | states GiB (max rank) | states GiB (min rank) | max / mean "
+         "| states bytes (all ranks) |\n|---|---:|---:|---:|---:|---:|---:|\n");
+  for (int k = 0; k < dopt_optim_registry_count(); k++) {
+    const char *name = dopt_optim_registry_name(k), *hp = cli_default_hparams(name);
+    const int galore = strstr(name, "galore") != NULL;
+    int ok = 1, nown = 0;
+    for (int w = 0; w < world; w++) st[w] = par[w] = 0;
+    for (int i = 0; ok && i < T; i++) {
+      cmp_model_tensor t;
+      cmp_model_tensor_at(m, i, &t);
+      char h[256];
+      if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp, hp[0] ? "," : "", t.projected ? grank : 0);
+      else snprintf(h, sizeof h, "%s", hp);
+      dopt_optim *o;
+      if (dopt_optim_create(name, h, &o) != DOPT_OK) {
+        ok = 0;
+        break;
+      }
+      const dopt_optim_impl *im = dopt__optim_impl(o);
+      const double *ghp = dopt__optim_group_hp(o, 0);
+      dopt_state_spec sp[DOPT_MAX_STATES];
+      const int ns = im->layout(ghp, t.ndim, t.shape, sp);
+      const int owned = dopt__impl_whole(im, ghp, t.ndim, t.shape);
+      double whole = 0;
+      for (int q = 0; q < ns; q++) whole += (double)sp[q].v.bytes;
+      if (owned) { /* every state whole on one owner (a unit per tensor: the expert stacks are not split here) */
+        tb[nown] = whole, tc[nown] = dopt__impl_cost(im, ghp, t.ndim, t.shape), own[nown++] = i;
+      }
+      for (int w = 0; w < world; w++) {
+        const size_t r = (size_t)(w % tp), q = (size_t)(w / tp), n = tp_len(&t, tp, (int)r);
+        const size_t a = q * S[i] > off[i] ? q * S[i] - off[i] : 0, b = (q + 1) * S[i] > off[i] ? (q + 1) * S[i] - off[i] : 0;
+        const size_t lo = a < n ? a : n, len = (b < n ? b : n) - lo;
+        par[w] += (double)len * 4;
+        if (owned) continue;
+        for (int e = 0; e < ns; e++) {
+          const double es = (double)dopt_dtype_size(sp[e].v.dtype);
+          if (sp[e].kind == DOPT_STATE_ELEMENTWISE) st[w] += (double)len * es;
+          else if (sp[e].kind == DOPT_STATE_WHOLE) st[w] += (double)sp[e].v.bytes;
+          else if (len) st[w] += (double)((lo + len - 1) / sp[e].block - lo / sp[e].block + 1) * es; /* its blocks */
+        }
+      }
+      dopt_optim_destroy(o);
+    }
+    if (ok && nown && dopt__assign_owners(nown, tc, tb, world, slot) != 0) ok = 0;
+    for (int j = 0; ok && j < nown; j++) { /* the owner's states and its fp32 copy of the tensor */
+      cmp_model_tensor t;
+      cmp_model_tensor_at(m, own[j], &t);
+      int64_t n = 1;
+      for (int q = 0; q < t.ndim; q++) n *= t.shape[q];
+      st[slot[j]] += tb[j], par[slot[j]] += (double)n * 4;
+    }
+    if (!ok) {
+      printf("| %s | n/a | | | | | |\n", name);
+      continue;
+    }
+    double mx = 0, mn = 0, all = 0, pm = 0;
+    for (int w = 0; w < world; w++) {
+      all += st[w];
+      mx = w == 0 || st[w] > mx ? st[w] : mx;
+      mn = w == 0 || st[w] < mn ? st[w] : mn;
+      pm = par[w] > pm ? par[w] : pm;
+    }
+    printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.0f |\n", name, pm / gib, (double)grads * 4 / gib, mx / gib,
+           mn / gib, all > 0 ? mx / (all / world) : 1.0, all);
+  }
+  printf("Gemini shards chunks, so a rank's share of a chunk that is not full can be padding only: max / mean over\n"
+         "1 where chunks are large against the model (docs/distributed.md, \"Gemini\").\n");
+  free(off), free(S), free(st), free(par), free(tb), free(tc), free(slot), free(own);
+  return CLI_OK;
+}
+
 int cmd_mem(int argc, char **argv) {
   const char *which = "llama-7b";
   int rank = 0, tp = 0, dp = 0, zero = -1, pp = 0;
+  size_t chunk = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b|COUNT[k|m|b][xLAYERS][eEXPERTS]]\n"
-             "                  [--rank R] [--tp T --dp D --zero Z --pp P]\n"
+             "                  [--rank R] [--tp T --dp D --zero Z --pp P] [--chunk-size N]\n"
              "  exact optimizer-state bytes of the model for every registered optimizer (GaLore on the\n"
              "  attention/MLP linears with rank R, default the paper's rank for the size), and the GaLore\n"
              "  paper's weights+states figures (BF16) next to the same accounting here. With --tp/--dp/--zero\n"
              "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
              "  and states in distributed/'s layout (piecewise or owner mode); --pp: per rank of the busiest\n"
-             "  pipeline stage (layers as ColossalAI's default). A COUNT (100m, 1.5b, 2mx32) is a\n"
+             "  pipeline stage (layers as ColossalAI's default); --chunk-size: Gemini's chunked ZeRO-3 per rank.\n"
+             "  A COUNT (100m, 1.5b, 2mx32) is a\n"
              "  LLaMA of about that many parameters, eEXPERTS a MoE one (4mx2e8; docs/cli.md, \"Models\").\n");
       return CLI_OK;
     }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", argv[i]);
     if (strcmp(argv[i], "--model") == 0) which = argv[++i];
+    else if (strcmp(argv[i], "--chunk-size") == 0) {
+      const char *v = argv[++i];
+      char *end;
+      unsigned long long x = strtoull(v, &end, 10);
+      if (*v < '0' || *v > '9' || *end || x < 1 || x > CMP_CHUNK_MAX)
+        return cli_errorf(CMD, "--chunk-size '%s': expected an integer in [1, %zu]", v, CMP_CHUNK_MAX);
+      chunk = (size_t)x;
+    }
     else if (strcmp(argv[i], "--rank") == 0) {
       rank = atoi(argv[++i]);
       if (rank <= 0) return cli_errorf(CMD, "--rank '%s': expected a positive integer", argv[i]);
@@ -335,6 +458,11 @@ int cmd_mem(int argc, char **argv) {
   }
   if (pp > CMP_PP_MAX || pp > m->layers)
     return cli_errorf(CMD, "--pp %d: at most %d stages and the model's %d layers", pp, CMP_PP_MAX, m->layers);
+  if (chunk) {
+    if ((zero >= 0 && zero != 3) || pp > 1)
+      return cli_errorf(CMD, "--chunk-size (gemini) is ZeRO-3 without stages: not with --zero %d or --pp %d", zero, pp);
+    return print_gemini(m, rank, tp ? tp : 1, dp ? dp : 1, chunk);
+  }
   if (tp || dp || zero >= 0 || pp)
     return print_per_rank(m, rank, pp ? pp : 1, tp ? tp : 1, dp ? dp : 1, zero >= 0 ? zero : 0);
   return CLI_OK;

@@ -683,6 +683,33 @@ static void test_mem_per_rank(void **st) {
   assert_int_equal(run_out(bad, out), 2);
   const char *many[] = {"mem", "--model", "llama-1b", "--pp", "25", NULL};
   assert_int_equal(run_out(many, out), 2);
+  /* --chunk-size (Gemini): the ranks together hold exactly what per-tensor ZeRO-3's ranks hold (elementwise
+   * states over the shards; 8-bit blocks counted on every rank holding elements of them, as distributed/
+   * keeps them), one rank holding at least the mean; with --zero 2: refused */
+  const char *z3[] = {"mem", "--model", "llama-1b", "--dp", "8", "--zero", "3", NULL};
+  const char *gem[] = {"mem", "--model", "llama-1b", "--dp", "8", "--chunk-size", "33554432", NULL};
+  assert_int_equal(run_out(z3, out), 0);
+  char *tz = slurp(out);
+  assert_int_equal(run_out(gem, out), 0);
+  char *tg = slurp(out);
+  static const char *const gopts[] = {"adamw", "adamw8bit", "came"};
+  for (int k = 0; k < 3; k++) {
+    char key[64], name[64];
+    snprintf(key, sizeof key, "| %s | ", gopts[k]);
+    const char *r = strstr(tg, key);
+    double v[6], mz, az, rz;
+    int pz, oz;
+    if (!r || sscanf(r, "| %63s | %lf | %lf | %lf | %lf | %lf | %lf |", name, &v[0], &v[1], &v[2], &v[3], &v[4],
+                     &v[5]) != 7)
+      fail_msg("mem --chunk-size: no row for %s:\n%s", gopts[k], tg);
+    mem_row(tz, gopts[k], &pz, &oz, &rz, &mz, &az);
+    if (v[5] != az) fail_msg("%s: gemini's ranks hold %.0f state bytes, zero 3's %.0f", gopts[k], v[5], az);
+    if (!(v[4] >= 1.0)) fail_msg("%s: max / mean %.3f", gopts[k], v[4]);
+  }
+  free(tz);
+  free(tg);
+  const char *gz2[] = {"mem", "--model", "llama-1b", "--zero", "2", "--chunk-size", "1000", NULL};
+  assert_int_equal(run_out(gz2, out), 2);
 }
 
 static void test_lisa_layers_from_names(void **st) {
