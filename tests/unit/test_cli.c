@@ -1253,6 +1253,7 @@ static void test_pp_every_optimizer(void **st) {
                                      {"--pp", "4", "--tp", "2", "--dp", "2", "--zero", "0"}};
   for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++)
     for (int l = 0; l < 3; l++) {
+      if (!dt_subset_keep(0x7070 + k, l, 3)) continue; /* the sanitizer passes: a rotating subset */
       const char *extra = l == 2 ? "--bf16" : "--quiet";
       char what[160], hp[65], h1[65];
       snprintf(what, sizeof what, "%s pp %s tp %s dp %s zero %s", opts[k], L[l][1], L[l][3], L[l][5], L[l][7]);
@@ -1279,6 +1280,7 @@ static void test_pp_resume(void **st) {
     const char *plain[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet", NULL};
     expect_bitwise(plain, opts[k], want);
     for (int r = 0; r < 3; r++) {
+      if (!dt_subset_keep(0x7071 + (uint64_t)k, r, 3)) continue;
       snprintf(ck, sizeof ck, "%s/ppck%d_%d", dir, k, r);
       snprintf(what, sizeof what, "%s resumed pp %s -> %s", opts[k], R[r][0], R[r][1]);
       const char *args[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet",
@@ -1371,6 +1373,7 @@ static void test_gemini_every_optimizer(void **st) {
   static const char *const L[][5] = {{"1", "3", "5000", "--quiet", "1"}, {"2", "2", "20011", "--bf16", "2"}};
   for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++)
     for (int l = 0; l < 2; l++) {
+      if (!dt_subset_keep(0x6e6e + k, l, 2)) continue; /* the sanitizer passes: a rotating subset */
       char what[160], hg[65], hf[65];
       snprintf(what, sizeof what, "%s gemini chunk %s tp %s dp %s", opts[k], L[l][2], L[l][0], L[l][1]);
       const char *gem[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "3", "--max-grad-norm",
@@ -1398,6 +1401,7 @@ static void test_gemini_resume(void **st) {
     const char *plain[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet", NULL};
     expect_bitwise(plain, opts[k], want);
     for (int r = 0; r < 3; r++) {
+      if (!dt_subset_keep(0x6e6f + (uint64_t)k, r, 3)) continue;
       snprintf(ck, sizeof ck, "%s/gemck%d_%d", dir, k, r);
       snprintf(what, sizeof what, "%s: %s %s -> %s %s %s", opts[k], R[r][0], R[r][1], R[r][2], R[r][3], R[r][4]);
       const char *args[] = {"compare", "--optimizer", opts[k], "--model", "1mx5", "--steps", "6", "--quiet",
