@@ -998,18 +998,6 @@ static dopt_status note_counts(cmp_result *r, int t, int np, const int64_t *step
  * L / pp each, and the L mod pp extra layers one each to the stages from pp/2 - (L mod pp)/2 on; or as
  * layers_per_stage says. A parameter without a layer number goes to the first stage before the first
  * layer's parameters (the embeddings), else to the last (the final norm, the head). */
-static long layer_of(const char *name) {
-  for (const char *at = strstr(name, "layers."); at; at = strstr(at + 1, "layers.")) {
-    if (at != name && at[-1] != '.') continue;
-    const char *q = at + 7;
-    long n = 0;
-    int digits = 0;
-    while (*q >= '0' && *q <= '9' && n < 100000000) n = n * 10 + (*q++ - '0'), digits++;
-    if (digits && (*q == '.' || *q == '\0')) return n;
-  }
-  return -1;
-}
-
 void cmp_layers_per_stage(long L, int pp, long *per) {
   for (int k = 0; k < pp; k++) per[k] = L / pp;
   for (long k = pp / 2 - (L % pp) / 2, e = k + L % pp; k < e; k++) per[k]++;
@@ -1019,7 +1007,7 @@ static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage
   long L = 0;
   int first = -1;
   for (int i = 0; i < s->np; i++) {
-    const long n = layer_of(s->p[i].name);
+    const long n = dopt_layer_from_name(s->p[i].name); /* LISA's rule too */
     if (n >= 0 && first < 0) first = i;
     if (n + 1 > L) L = n + 1;
   }
@@ -1037,7 +1025,7 @@ static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage
   if (sum != L)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "layers_per_stage: %ld layers in all, the model has %ld", sum, L);
   for (int i = 0; i < s->np; i++) {
-    const long n = layer_of(s->p[i].name);
+    const long n = dopt_layer_from_name(s->p[i].name);
     if (n < 0) {
       stage[i] = first < 0 || i < first ? 0 : o->pp - 1;
       continue;
