@@ -1329,16 +1329,31 @@ static void test_pp_nonfinite_skip(void **st) {
   free(txt);
 }
 
+/* A command line compare refuses: exit 2, one line on stderr naming the problem. */
+typedef struct refusal {
+  const char *args[12];
+  const char *needle;
+} refusal;
+
+static void expect_refusals(const refusal *bad, size_t n, const char *tag) {
+  char out[600];
+  snprintf(out, sizeof out, "%s/%s_bad.txt", dir, tag);
+  for (size_t k = 0; k < n; k++) {
+    const int rc = run_out(bad[k].args, out);
+    char *err = slurp(errfile);
+    int lines = 0;
+    for (const char *c = err ? err : ""; *c; c++) lines += *c == '\n';
+    if (rc != 2 || lines != 1 || !strstr(err, bad[k].needle))
+      fail_msg("%s case %zu: exit %d, %d lines: %s (want '%s')", tag, k, rc, lines, err ? err : "", bad[k].needle);
+    free(err);
+  }
+}
+
 /* Refusals, one line each: a pipeline outside hybrid, more stages than layers, a partition that does not add
  * up or names another number of stages. */
 static void test_pp_bad_input(void **st) {
   (void)st;
-  char out[600];
-  snprintf(out, sizeof out, "%s/pp_bad.txt", dir);
-  static const struct {
-    const char *args[12];
-    const char *needle;
-  } bad[] = {
+  static const refusal bad[] = {
       {{"compare", "--plugin", "fsdp", "--pp", "2", "--steps", "1", NULL}, "pp=2 needs plugin hybrid"},
       {{"compare", "--model", "1mx5", "--pp", "6", "--tp", "1", "--dp", "1", "--steps", "1", NULL},
        "the model has 5 decoder layers"},
@@ -1348,15 +1363,7 @@ static void test_pp_bad_input(void **st) {
        "3 stages given, pp=2"},
       {{"compare", "--pp", "2", "--layers-per-stage", "2,x", "--steps", "1", NULL}, "'2,x'"},
   };
-  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-    const int rc = run_out(bad[k].args, out);
-    char *err = slurp(errfile);
-    int lines = 0;
-    for (const char *c = err ? err : ""; *c; c++) lines += *c == '\n';
-    if (rc != 2 || lines != 1 || !strstr(err, bad[k].needle))
-      fail_msg("case %zu: exit %d, %d lines: %s (want '%s')", k, rc, lines, err ? err : "", bad[k].needle);
-    free(err);
-  }
+  expect_refusals(bad, sizeof bad / sizeof bad[0], "pp");
 }
 
 
@@ -1413,29 +1420,17 @@ static void test_gemini_resume(void **st) {
   }
 }
 
-/* Refusals, one line each. */
+/* Refusals, one line each: a chunk size without gemini, gemini at another ZeRO stage, an empty chunk, the
+ * rank-order dp sum. */
 static void test_gemini_bad_input(void **st) {
   (void)st;
-  char out[600];
-  snprintf(out, sizeof out, "%s/gem_bad.txt", dir);
-  static const struct {
-    const char *args[12];
-    const char *needle;
-  } bad[] = {
+  static const refusal bad[] = {
       {{"compare", "--plugin", "hybrid", "--chunk-size", "100", "--steps", "1", NULL}, "needs plugin gemini"},
       {{"compare", "--plugin", "gemini", "--zero", "2", "--steps", "1", NULL}, "--plugin gemini contradicts --zero 2"},
       {{"compare", "--plugin", "gemini", "--chunk-size", "0", "--steps", "1", NULL}, "--chunk-size '0'"},
       {{"compare", "--plugin", "gemini", "--dp-sum", "rank-order", "--steps", "1", NULL}, "rank-order cannot"},
   };
-  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-    const int rc = run_out(bad[k].args, out);
-    char *err = slurp(errfile);
-    int lines = 0;
-    for (const char *c = err ? err : ""; *c; c++) lines += *c == '\n';
-    if (rc != 2 || lines != 1 || !strstr(err, bad[k].needle))
-      fail_msg("case %zu: exit %d, %d lines: %s (want '%s')", k, rc, lines, err ? err : "", bad[k].needle);
-    free(err);
-  }
+  expect_refusals(bad, sizeof bad / sizeof bad[0], "gemini");
 }
 
 int main(int argc, char **argv) {
