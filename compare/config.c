@@ -174,9 +174,6 @@ static dopt_status get_int(const cfg_ctx *c, const yaml_node_t *v, const char *k
   return DOPT_OK;
 }
 
-/* A chunk size: an integer in [1, CMP_CHUNK_MAX]. */
-static dopt_status get_size(const cfg_ctx *c, const yaml_node_t *v, const char *key, size_t *out);
-
 static dopt_status get_u64(const cfg_ctx *c, const yaml_node_t *v, const char *key, uint64_t *out) {
   DOPT_TRY(need_scalar(c, v, key, "a non-negative integer"));
   DOPT_TRY(plain_integer(c, v, key, 0));
@@ -191,6 +188,7 @@ static dopt_status get_u64(const cfg_ctx *c, const yaml_node_t *v, const char *k
   return DOPT_OK;
 }
 
+/* A chunk size: an integer in [1, CMP_CHUNK_MAX]. */
 static dopt_status get_size(const cfg_ctx *c, const yaml_node_t *v, const char *key, size_t *out) {
   uint64_t x = 0;
   DOPT_TRY(get_u64(c, v, key, &x));
@@ -496,8 +494,8 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
       if (strcmp(o->resume_plugin, "ddp") != 0 && strcmp(o->resume_plugin, "zero") != 0 &&
           strcmp(o->resume_plugin, "hybrid") != 0 && strcmp(o->resume_plugin, "fsdp") != 0 &&
           strcmp(o->resume_plugin, "gemini") != 0)
-        return cfg_fail(c, w, "checkpoint.resume.type", "unknown plugin '%s' (expected ddp, zero, hybrid or fsdp)",
-                        o->resume_plugin);
+        return cfg_fail(c, w, "checkpoint.resume.type",
+                        "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp or gemini)", o->resume_plugin);
       given(o, CMP_GIVEN_RESUME_PLUGIN);
     }
     if ((w = lookup(c, v, "tp"))) {
