@@ -1038,6 +1038,21 @@ static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage
   return DOPT_OK;
 }
 
+/* The stage rule applied to the first layout and the resume layout (another stage count: the default split). */
+static dopt_status check_stages(const cmp_options *o, const source *s) {
+  int *stage = calloc(s->np > 0 ? (size_t)s->np : 1, sizeof *stage);
+  if (!stage) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: stages of %d parameters", s->np);
+  dopt_status st = plan_stages(o, s, stage);
+  if (st == DOPT_OK && o->checkpoint_at > 0 && o->resume_pp > 0 && o->resume_pp != o->pp) {
+    cmp_options ob = *o;
+    ob.pp = o->resume_pp, ob.nlps = 0;
+    st = plan_stages(&ob, s, stage);
+    if (st != DOPT_OK) st = dopt__fail(st, "resume: %s", dopt_last_error());
+  }
+  free(stage);
+  return st;
+}
+
 static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt,
                             const dopt_transport *ppt) {
   const cmp_options *o = x->o;
@@ -1570,6 +1585,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   source s;
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
+  if (st == DOPT_OK) st = check_stages(o, &s);      /* before any rank starts: one line, no rank prefix */
   if (st == DOPT_OK) r->micro = micro_of(o, &s);
   dopt_device *dev = NULL;
   int devno = 0; /* backend nccl: the local rank's GPU, local rank mod devices (as dopt_nccl_init_env) */

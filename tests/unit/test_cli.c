@@ -1362,6 +1362,9 @@ static void test_pp_bad_input(void **st) {
       {{"compare", "--model", "1mx5", "--pp", "2", "--layers-per-stage", "1,1,3", "--steps", "1", NULL},
        "3 stages given, pp=2"},
       {{"compare", "--pp", "2", "--layers-per-stage", "2,x", "--steps", "1", NULL}, "'2,x'"},
+      /* said before any rank starts (no "rank 0:" prefix), for the resume layout too */
+      {{"compare", "--model", "1mx5", "--pp", "2", "--checkpoint-at", "1", "--resume-pp", "6", "--steps", "3", NULL},
+       "DOPT_ERR_INVALID_ARG: resume: pp=6: the model has 5 decoder layers"},
   };
   expect_refusals(bad, sizeof bad / sizeof bad[0], "pp");
 }
