@@ -94,22 +94,27 @@ typedef struct rank_mem {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* TP rank r's block of a tensor (split: 0 replicated, 1 COLUMN: dim -2, 2 ROW: dim -1; a 1-D tensor its only
+ * dim), as distributed/ cuts it (uneven splits: the first ranks one more): the whole block (lo 0). */
+static void tp_piece(int ndim, const int64_t *shape, int split, int tp, int r, dopt_piece *pc) {
+  dopt_piece_full(ndim, shape, pc);
+  size_t *off = split == 1 && ndim >= 2 ? &pc->h0 : &pc->w0, *len = split == 1 && ndim >= 2 ? &pc->hl : &pc->wl;
+  if (tp > 1 && split) {
+    const size_t n = *len, base = n / (size_t)tp, rem = n % (size_t)tp, ur = (size_t)r;
+    *len = base + (ur < rem);
+    *off = ur * base + (ur < rem ? ur : rem);
+  }
+  pc->lo = 0;
+  pc->len = pc->b * pc->hl * pc->wl;
+}
+
 /* The blocks of B elements that world rank w's piece of a tensor of class c falls in, as distributed/ lays it
- * out: the TP block of tp rank w mod tp (uneven splits: the first ranks one more), the ZeRO range of dp rank
- * w / tp. */
+ * out: the TP block of tp rank w mod tp, the ZeRO range of dp rank w / tp. */
 static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size_t B) {
   dopt_piece pc;
-  dopt_piece_full(c->ndim, c->shape, &pc);
-  const size_t r = (size_t)(w % tp), q = (size_t)(w / tp);
-  size_t *off = c->split == 1 && c->ndim >= 2 ? &pc.h0 : &pc.w0, *len = c->split == 1 && c->ndim >= 2 ? &pc.hl : &pc.wl;
-  if (tp > 1 && c->split) {
-    const size_t n = *len, base = n / (size_t)tp, rem = n % (size_t)tp;
-    *len = base + (r < rem);
-    *off = r * base + (r < rem ? r : rem);
-  }
-  const size_t ln = pc.b * pc.hl * pc.wl, chunk = zero >= 1 ? (ln + (size_t)dp - 1) / (size_t)dp : ln;
-  pc.lo = zero >= 1 ? (q * chunk < ln ? q * chunk : ln) : 0;
-  pc.len = ln - pc.lo < chunk ? ln - pc.lo : chunk;
+  tp_piece(c->ndim, c->shape, c->split, tp, w % tp, &pc);
+  const size_t ln = pc.len;
+  if (zero >= 1) dopt_chunk_range((dopt_chunk_slot){0, (ln + (size_t)dp - 1) / (size_t)dp}, ln, (size_t)(w / tp), &pc.lo, &pc.len);
   return dopt_piece_blocks(&pc, B, NULL);
 }
 
@@ -254,40 +259,32 @@ static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp,
  * holding [q·S, (q+1)·S) of each chunk; as distributed/ lays it out (dd_shard). Per world rank: the fp32
  * master shard, the TP block's gradient accumulator, elementwise states over its shard, blockwise ones over
  * the blocks of its piece, the others whole; owner mode as per_rank (every state whole on its owner). */
-static size_t tp_len(const cmp_model_tensor *t, int tp, int r) {
-  int64_t n = 1;
-  for (int k = 0; k < t->ndim; k++) n *= t->shape[k];
-  if (tp == 1 || t->role == DOPT_TP_REPLICATED) return (size_t)n;
-  const int sd = t->role == DOPT_TP_COLUMN && t->ndim >= 2 ? t->ndim - 2 : t->ndim - 1;
-  const int64_t d = t->shape[sd], len = d / tp + (r < d % tp);
-  return (size_t)(n / d * len);
+static void tensor_piece(const cmp_model_tensor *t, int tp, int r, dopt_piece *pc) {
+  tp_piece(t->ndim, t->shape, t->role == DOPT_TP_COLUMN ? 1 : t->role == DOPT_TP_ROW ? 2 : 0, tp, r, pc);
 }
 
 static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t chunk) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const int T = cmp_model_ntensors(m), world = tp * dp;
   const size_t D = (size_t)dp, C = (chunk + D - 1) / D * D;
-  size_t *off = malloc((size_t)T * sizeof *off), *S = malloc((size_t)T * sizeof *S);
+  size_t *n0 = malloc((size_t)T * sizeof *n0);
+  dopt_chunk_slot *cs = malloc((size_t)T * sizeof *cs);
   double *st = malloc((size_t)world * sizeof *st), *par = malloc((size_t)world * sizeof *par);
   double *tb = malloc((size_t)T * sizeof *tb), *tc = malloc((size_t)T * sizeof *tc);
   int *slot = malloc((size_t)T * sizeof *slot), *own = malloc((size_t)T * sizeof *own);
-  if (!off || !S || !st || !par || !tb || !tc || !slot || !own) {
-    free(off), free(S), free(st), free(par), free(tb), free(tc), free(slot), free(own);
+  if (!n0 || !cs || !st || !par || !tb || !tc || !slot || !own) {
+    free(n0), free(cs), free(st), free(par), free(tb), free(tc), free(slot), free(own);
     return cli_errorf(CMD, "gemini: %d tensors", T);
   }
-  size_t fill = 0, grads = 0;
-  int open = 0;
-  for (int i = 0; i < T; i++) {
+  size_t grads = 0;
+  for (int i = 0; i < T; i++) { /* TP rank 0's blocks (the largest) make the chunks, as in distributed/ */
     cmp_model_tensor t;
+    dopt_piece pc;
     cmp_model_tensor_at(m, i, &t);
-    const size_t n = tp_len(&t, tp, 0);
-    grads += n;
-    if (n > C) off[i] = 0, S[i] = (n + D - 1) / D, open = 0;
-    else {
-      if (!open || fill + n > C) open = 1, fill = 0;
-      off[i] = fill, S[i] = C / D, fill += n;
-    }
+    tensor_piece(&t, tp, 0, &pc);
+    grads += n0[i] = pc.len;
   }
+  dopt_chunk_pack(n0, (size_t)T, chunk, D, cs);
   printf("\nper rank, gemini chunk %zu (%zu as a multiple of dp) x tp=%d x dp=%d (fp32 masters sharded by chunk; "
          "distributed/'s layout):\n", chunk, C, tp, dp);
   printf("| optimizer | params GiB (max rank) | grads GiB | states GiB (max rank) | states GiB (min rank) | max / mean "
@@ -318,17 +315,17 @@ static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t ch
       if (owned) { /* every state whole on one owner (a unit per tensor: the expert stacks are not split here) */
         tb[nown] = whole, tc[nown] = dopt__impl_cost(im, ghp, t.ndim, t.shape), own[nown++] = i;
       }
-      for (int w = 0; w < world; w++) {
-        const size_t r = (size_t)(w % tp), q = (size_t)(w / tp), n = tp_len(&t, tp, (int)r);
-        const size_t a = q * S[i] > off[i] ? q * S[i] - off[i] : 0, b = (q + 1) * S[i] > off[i] ? (q + 1) * S[i] - off[i] : 0;
-        const size_t lo = a < n ? a : n, len = (b < n ? b : n) - lo;
-        par[w] += (double)len * 4;
+      for (int w = 0; w < world; w++) { /* world rank w: tp rank w mod tp, dp rank w / tp */
+        dopt_piece pc;
+        tensor_piece(&t, tp, w % tp, &pc);
+        dopt_chunk_range(cs[i], pc.len, (size_t)(w / tp), &pc.lo, &pc.len);
+        par[w] += (double)pc.len * 4;
         if (owned) continue;
         for (int e = 0; e < ns; e++) {
           const double es = (double)dopt_dtype_size(sp[e].v.dtype);
-          if (sp[e].kind == DOPT_STATE_ELEMENTWISE) st[w] += (double)len * es;
+          if (sp[e].kind == DOPT_STATE_ELEMENTWISE) st[w] += (double)pc.len * es;
           else if (sp[e].kind == DOPT_STATE_WHOLE) st[w] += (double)sp[e].v.bytes;
-          else if (len) st[w] += (double)((lo + len - 1) / sp[e].block - lo / sp[e].block + 1) * es; /* its blocks */
+          else st[w] += (double)dopt_piece_blocks(&pc, sp[e].block, NULL) * es; /* the logical blocks of its piece */
         }
       }
       dopt_optim_destroy(o);
@@ -357,7 +354,7 @@ static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t ch
   }
   printf("Gemini shards chunks, so a rank's share of a chunk that is not full can be padding only: max / mean over\n"
          "1 where chunks are large against the model (docs/distributed.md, \"Gemini\").\n");
-  free(off), free(S), free(st), free(par), free(tb), free(tc), free(slot), free(own);
+  free(n0), free(cs), free(st), free(par), free(tb), free(tc), free(slot), free(own);
   return CLI_OK;
 }
 

@@ -79,6 +79,32 @@ size_t dopt_piece_blocks(const dopt_piece *pc, size_t block, size_t *out) {
   return count;
 }
 
+void dopt_chunk_range(dopt_chunk_slot s, size_t n, size_t q, size_t *lo, size_t *len) {
+  /* the shard [q·S, (q+1)·S) of the chunk, in the block's own coordinates (the block starts at off) */
+  const size_t a = q * s.shard > s.off ? q * s.shard - s.off : 0;
+  const size_t b = (q + 1) * s.shard > s.off ? (q + 1) * s.shard - s.off : 0;
+  *lo = a < n ? a : n;
+  *len = (b < n ? b : n) - *lo;
+}
+
+void dopt_chunk_pack(const size_t *n, size_t np, size_t chunk, size_t dp, dopt_chunk_slot *out) {
+  const size_t C = (chunk + dp - 1) / dp * dp;
+  size_t fill = 0;
+  int open = 0;
+  for (size_t i = 0; i < np; i++) {
+    if (n[i] == 0) {
+      out[i] = (dopt_chunk_slot){0, 1};
+    } else if (n[i] > C) { /* a chunk of its own */
+      out[i] = (dopt_chunk_slot){0, (n[i] + dp - 1) / dp};
+      open = 0;
+    } else {
+      if (!open || fill + n[i] > C) open = 1, fill = 0;
+      out[i] = (dopt_chunk_slot){fill, C / dp};
+      fill += n[i];
+    }
+  }
+}
+
 void dopt_piece_full(int ndim, const int64_t *shape, dopt_piece *pc) {
   memset(pc, 0, sizeof *pc);
   pc->numel = dopt_numel(ndim, shape);

@@ -118,11 +118,9 @@ struct dopt_dist_optim {
   int np;
   dopt_transport tp, dp;
   dopt_transport pp; /* the pipeline group (size 1, ops NULL: no pipeline) */
-  size_t chunk_elems; /* Gemini: the chunk (a multiple of dp); 0: per-tensor ZeRO */
-  struct gem_slot { size_t off, shard; } *gem; /* Gemini: [np] parameter i's offset in its chunk and the
-                                                * chunk's shard (chunk / dp), from TP rank 0's blocks (the
-                                                * largest of an uneven split): the same on every TP rank
-                                                * (NULL: per-tensor ZeRO) */
+  size_t chunk_elems; /* Gemini: dopt_dist_config.chunk_elems; 0: per-tensor ZeRO */
+  dopt_chunk_slot *gem; /* Gemini: [np] parameter i's place in its chunk (dopt_chunk_pack of TP rank 0's blocks,
+                         * the largest of an uneven split: the same on every TP rank; NULL: per-tensor ZeRO) */
   const dopt_device *dev;
   int zero;
   double max_grad_norm;

@@ -37,45 +37,25 @@ static size_t block_numel_of(const dopt_dist_optim *d, const dist_param *p, int 
 }
 
 void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len) {
-  size_t off = 0, S;
-  const size_t n = block_numel_of(d, p, r);
-  if (d->gem) {
-    const struct gem_slot *g = &d->gem[p - d->p];
-    off = g->off, S = g->shard;
-  } else {
-    S = (n + (size_t)d->dp.size - 1) / (size_t)d->dp.size;
-  }
-  /* the shard [q·S, (q+1)·S) of the chunk, in the block's own coordinates (the block starts at off) */
-  const size_t a = q * S > off ? q * S - off : 0, b = (q + 1) * S > off ? (q + 1) * S - off : 0;
-  *lo = a < n ? a : n;
-  *len = (b < n ? b : n) - *lo;
+  const size_t n = block_numel_of(d, p, r), D = (size_t)d->dp.size;
+  dopt_chunk_range(d->gem ? d->gem[p - d->p] : (dopt_chunk_slot){0, (n + D - 1) / D}, n, q, lo, len);
 }
 
-/* Gemini: the blocks packed into chunks (dopt_dist_config.chunk_elems; docs/distributed.md), as ColossalAI's
- * ChunkManager.register_tensor: in parameter order, a block joins the open chunk when it fits, else the next
- * chunk opens; a block above the chunk size has a chunk of its own, its size rounded up to a multiple of dp,
- * and closes it; an empty block (another stage's parameter) takes no room. Laid out by TP rank 0's blocks
- * (the largest of an uneven split), so every TP rank has the same chunks (a TP-replicated tensor the same
- * shards everywhere); a smaller block leaves the end of its room unused. Logical shapes only. */
+/* Gemini: the blocks packed into chunks (dopt_dist_config.chunk_elems; dopt_chunk_pack), by TP rank 0's
+ * blocks (the largest of an uneven split), so every TP rank has the same chunks (a TP-replicated tensor the
+ * same shards everywhere); a smaller block leaves the end of its room unused; another stage's parameter is an
+ * empty block. Logical shapes only. */
 static dopt_status plan_chunks(dopt_dist_optim *d) {
-  const size_t D = (size_t)d->dp.size, C = (d->chunk_elems + D - 1) / D * D, np = (size_t)d->np;
-  d->gem = calloc(np ? np : 1, sizeof *d->gem);
-  if (!d->gem) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: gemini chunks of %zu parameters", np);
-  size_t fill = 0, open = 0;
-  for (size_t i = 0; i < np; i++) {
-    struct gem_slot *g = &d->gem[i];
-    const size_t n = block_numel_of(d, &d->p[i], 0);
-    if (n == 0) {
-      *g = (struct gem_slot){0, 1};
-    } else if (n > C) { /* a chunk of its own */
-      *g = (struct gem_slot){0, (n + D - 1) / D};
-      open = 0;
-    } else {
-      if (!open || fill + n > C) open = 1, fill = 0;
-      *g = (struct gem_slot){fill, C / D};
-      fill += n;
-    }
+  const size_t np = (size_t)d->np;
+  size_t *n = malloc((np ? np : 1) * sizeof *n);
+  d->gem = malloc((np ? np : 1) * sizeof *d->gem);
+  if (!n || !d->gem) {
+    free(n);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: gemini chunks of %zu parameters", np);
   }
+  for (size_t i = 0; i < np; i++) n[i] = block_numel_of(d, &d->p[i], 0);
+  dopt_chunk_pack(n, np, d->chunk_elems, (size_t)d->dp.size, d->gem);
+  free(n);
   return DOPT_OK;
 }
 
@@ -135,8 +115,6 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   free(d->ss);
   free(d);
 }
-
-static int pp_size_of(const dopt_dist_config *cfg) { return cfg->version >= 4 && cfg->pp.size > 1 ? cfg->pp.size : 1; }
 
 static dopt_status check_config(const dopt_dist_config *cfg) {
   DOPT_CHECK_ARG((cfg->version == 1 && cfg->struct_size >= DOPT_DIST_CONFIG_V1_SIZE) ||
@@ -325,16 +303,14 @@ static dopt_status plan_blocks(dopt_dist_optim *d, dist_param *p) {
   return share_blocks(d, p, p->qblock);
 }
 
-/* Sets up one parameter: geometry, buffers, the initial values of its piece. */
+/* Sets up one parameter whose stage, shape and role dopt_dist_create set: its geometry, buffers, the initial
+ * values of its piece. role: the one given (p->role: replicated without tensor parallelism). */
 static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
   const int tpn = d->tp.size, dpn = d->dp.size;
   p->name = malloc(strlen(src->name) + 1);
   if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
   strcpy(p->name, src->name);
   p->group = src->group;
-  p->ndim = src->ndim;
-  memcpy(p->shape, src->shape, sizeof p->shape);
-  p->role = tpn > 1 ? role : DOPT_TP_REPLICATED;
   p->bf16 = src->work != NULL;
   if (role == DOPT_TP_ROW && src->ndim < 2)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: '%s' role ROW needs a >= 2-D tensor (ndim=%d)", src->name,
@@ -490,8 +466,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->tp = cfg->tp;
   d->dp = cfg->dp;
   d->pp = cfg->version >= 4 && cfg->pp.size > 1 ? cfg->pp : (dopt_transport){NULL, NULL, 0, 1};
-  if (cfg->version >= 5 && cfg->chunk_elems) /* a multiple of dp */
-    d->chunk_elems = (cfg->chunk_elems + (size_t)d->dp.size - 1) / (size_t)d->dp.size * (size_t)d->dp.size;
+  d->chunk_elems = cfg->version >= 5 ? cfg->chunk_elems : 0;
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
   d->zero = cfg->zero_stage;
   d->max_grad_norm = cfg->max_grad_norm;
@@ -527,25 +502,28 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   for (int g = 0; g < d->ngroups; g++) memcpy(d->hp[g], dopt__optim_group_hp(plain, g), sizeof d->hp[g]);
   /* owner mode per parameter: GaLore's projected matrices (the SVD), 8-bit blocks of the logical tensor; the
    * other parameters of those optimizers step piecewise */
+  /* every parameter's stage, logical shape and role: what the owners, the chunks and the layout start from */
   const int *stages = cfg->version >= 4 ? cfg->stages : NULL;
   for (int i = 0; i < d->np; i++) {
-    d->p[i].stage = stages ? stages[i] : 0;
-    if (d->p[i].stage < 0 || d->p[i].stage >= d->pp.size) {
-      const char *name = dopt__optim_param(po, i)->name;
-      const int st = d->p[i].stage;
+    const dopt_param *q = dopt__optim_param(po, i);
+    dist_param *p = &d->p[i];
+    const dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
+    p->stage = stages ? stages[i] : 0;
+    p->ndim = q->ndim;
+    memcpy(p->shape, q->shape, sizeof p->shape);
+    p->role = d->tp.size > 1 ? role : DOPT_TP_REPLICATED;
+    dopt_status s = DOPT_OK;
+    if (p->stage < 0 || p->stage >= d->pp.size)
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: stages[%d]=%d ('%s') outside [0, pp=%d)", i, p->stage,
+                     q->name, d->pp.size);
+    else if ((unsigned)role > DOPT_TP_ROW)
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role);
+    if (s != DOPT_OK) {
       dopt_dist_destroy(d);
-      return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: stages[%d]=%d ('%s') outside [0, pp=%d)", i, st, name,
-                        pp_size_of(cfg));
+      return s;
     }
   }
-  if (d->chunk_elems) { /* the chunks, from the logical shapes and roles (setup_param sets them again) */
-    for (int i = 0; i < d->np; i++) {
-      const dopt_param *q = dopt__optim_param(po, i);
-      dist_param *p = &d->p[i];
-      p->ndim = q->ndim;
-      memcpy(p->shape, q->shape, sizeof p->shape);
-      p->role = d->tp.size > 1 && roles && (unsigned)roles[i] <= DOPT_TP_ROW ? roles[i] : DOPT_TP_REPLICATED;
-    }
+  if (d->chunk_elems) {
     dopt_status s = plan_chunks(d);
     if (s != DOPT_OK) {
       dopt_dist_destroy(d);
@@ -567,10 +545,7 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
     }
   }
   for (int i = 0; i < d->np; i++) {
-    dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
-    dopt_status s = (unsigned)role > DOPT_TP_ROW
-                        ? dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role)
-                        : setup_param(d, &d->p[i], dopt__optim_param(po, i), role);
+    dopt_status s = setup_param(d, &d->p[i], dopt__optim_param(po, i), roles ? roles[i] : DOPT_TP_REPLICATED);
     d->layer[i] = dopt__optim_param(po, i)->layer;
     if (s != DOPT_OK) {
       d->np = i + 1; /* free what was set up */
