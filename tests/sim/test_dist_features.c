@@ -123,6 +123,8 @@ typedef struct cfg_err {
   dopt_status code;
   dopt_status got;
   char msg[256];
+  int stage;    /* dopt_dist_config.stages[0] (no pipeline: only 0 is valid) */
+  size_t chunk; /* dopt_dist_config.chunk_elems */
 } cfg_err;
 
 /* AdamW over one parameter "v" [6] on v (the caller's storage). */
@@ -145,6 +147,8 @@ static dopt_status cfg_body(dopt_sim_comm *world, int rank, void *user) {
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
   cfg.plugin = e->plugin;
   cfg.zero_stage = e->zero;
+  cfg.stages = &e->stage;
+  cfg.chunk_elems = e->chunk;
   if (s == DOPT_OK) s = dopt_sim_transport(world, &cfg.tp);
   if (s == DOPT_OK) s = dopt_sim_transport(world, &cfg.dp);
   dopt_dist_optim *d = NULL;
@@ -581,14 +585,20 @@ static void test_galore_split_inner_dimension(void **st) {
 static void test_config_errors(void **st) {
   (void)st;
   cfg_err cases[] = {
-      {"ddp", 1, DOPT_TP_REPLICATED, "plugin ddp", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"zero", 0, DOPT_TP_REPLICATED, "plugin zero", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"fsdp", 2, DOPT_TP_REPLICATED, "plugin fsdp", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"hybrid", 3, DOPT_TP_REPLICATED, "zero 3 is the fsdp plugin", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"colossal", 0, DOPT_TP_REPLICATED, "unknown plugin 'colossal'", DOPT_ERR_NOT_FOUND, 0, ""},
-      {"hybrid", 4, DOPT_TP_REPLICATED, "zero_stage=4", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"hybrid", 0, DOPT_TP_ROW, "'v' role ROW", DOPT_ERR_INVALID_ARG, 0, ""},
-      {"hybrid", 0, DOPT_TP_REPLICATED, "no gradients", DOPT_ERR_STATE, 0, ""},
+      {"ddp", 1, DOPT_TP_REPLICATED, "plugin ddp", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"zero", 0, DOPT_TP_REPLICATED, "plugin zero", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"fsdp", 2, DOPT_TP_REPLICATED, "plugin fsdp", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"hybrid", 3, DOPT_TP_REPLICATED, "zero 3 is the fsdp plugin", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"colossal", 0, DOPT_TP_REPLICATED, "unknown plugin 'colossal'", DOPT_ERR_NOT_FOUND, 0, "", 0, 0},
+      {"hybrid", 4, DOPT_TP_REPLICATED, "zero_stage=4", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"hybrid", 0, DOPT_TP_ROW, "'v' role ROW", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"hybrid", 0, (dopt_tp_role)7, "roles[0]=7", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"hybrid", 0, DOPT_TP_REPLICATED, "stages[0]=1 ('v') outside [0, pp=1)", DOPT_ERR_INVALID_ARG, 0, "", 1, 0},
+      {"gemini", 3, DOPT_TP_REPLICATED, "plugin gemini needs chunk_elems >= 1", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"fsdp", 3, DOPT_TP_REPLICATED, "chunk_elems=64 is for plugin gemini, not 'fsdp'", DOPT_ERR_INVALID_ARG, 0, "",
+       0, 64},
+      {"gemini", 2, DOPT_TP_REPLICATED, "plugin gemini: needs zero=3", DOPT_ERR_INVALID_ARG, 0, "", 0, 64},
+      {"hybrid", 0, DOPT_TP_REPLICATED, "no gradients", DOPT_ERR_STATE, 0, "", 0, 0},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
