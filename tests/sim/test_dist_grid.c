@@ -125,6 +125,18 @@ static void test_grid(void **st) {
          dopt_optim_registry_count(), runs, grid_candidates, dt_subset_desc(), NPARAMS);
 }
 
+/* Runs case c in layout l beside its reference; fails naming `what` unless the run succeeds and every rank is
+ * bitwise the reference (dt_compare). *got keeps the distributed run (dt_result_free it). */
+static void run_bitwise(const dt_case *c, const dt_layout *l, const char *what, dt_result *got) {
+  dt_result ref;
+  assert_ok(dt_run_reference(c, l->dp, &ref));
+  dt_expect(got, &ref);
+  char err[512] = "", msg[512] = "";
+  if (dt_run_dist(c, l, got, err, sizeof err) != DOPT_OK) fail_msg("%s: %s", what, err);
+  if (dt_compare(c, &ref, got, msg, sizeof msg)) fail_msg("%s: not bitwise equal: %s", what, msg);
+  dt_result_free(&ref);
+}
+
 /* Pipeline stages (docs/distributed.md "Pipeline stages"): the 11 parameters in 2, 3 or 4 contiguous runs
  * (dt_stage: 6 + 5; 4 + 4 + 3; 3 + 3 + 3 + 2), each stage a tp x dp x ZeRO grid of its own, with clipping
  * across the stages; every registered optimizer's CI settings, bitwise the reference on every rank, every
@@ -152,19 +164,13 @@ static void test_grid_pipeline(void **st) {
       dt_pp = PP_STAGES[li];
       dt_case c = {h[k].opt, h[k].hp, NULL, PARAMS, NPARAMS, 20, 2, li % 2 ? 0.05 : 0.0, li == 4, 99 + (uint64_t)k,
                    0.05, li == 2 ? 7 : 0, 5, 0, 0, 0, 0, 0};
-      dt_result ref, got;
-      assert_ok(dt_run_reference(&c, l->dp, &ref));
-      dt_expect(&got, &ref);
-      char err[512] = "", msg[512] = "";
-      if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK)
-        fail_msg("%s [%s] pp%d tp%d dp%d zero%d: %s", c.optimizer, c.hparams ? c.hparams : "", dt_pp, l->tp, l->dp,
-                 l->zero, err);
-      if (dt_compare(&c, &ref, &got, msg, sizeof msg))
-        fail_msg("%s [%s] pp%d tp%d dp%d zero%d: not bitwise equal: %s", c.optimizer, c.hparams ? c.hparams : "", dt_pp,
-                 l->tp, l->dp, l->zero, msg);
+      char what[256];
+      snprintf(what, sizeof what, "%s [%s] pp%d tp%d dp%d zero%d", c.optimizer, c.hparams ? c.hparams : "", dt_pp,
+               l->tp, l->dp, l->zero);
+      dt_result got;
+      run_bitwise(&c, l, what, &got);
       if (li == 2 && got.skipped != 1) fail_msg("%s pp4: a NaN on stage 0 skipped %lld steps, not 1", c.optimizer,
                                                (long long)got.skipped);
-      dt_result_free(&ref);
       dt_result_free(&got);
       runs++;
     }
@@ -233,18 +239,12 @@ static void test_grid_gemini(void **st) {
       dt_pp = GEM_STAGES[li];
       dt_case c = {h[k].opt, h[k].hp, NULL, PARAMS, NPARAMS, 20, 2, li == 1 ? 0.05 : 0.0, li == 3, 55 + (uint64_t)k,
                    0.05, 0, 5, 0, 0, 0, 0, 0};
-      dt_result ref, got;
-      assert_ok(dt_run_reference(&c, l->dp, &ref));
-      dt_expect(&got, &ref);
-      char err[512] = "", msg[512] = "";
-      if (dt_run_dist(&c, l, &got, err, sizeof err) != DOPT_OK)
-        fail_msg("%s [%s] gemini chunk %zu tp%d dp%d pp%d: %s", c.optimizer, c.hparams ? c.hparams : "", dt_chunk,
-                 l->tp, l->dp, dt_pp, err);
-      if (dt_compare(&c, &ref, &got, msg, sizeof msg))
-        fail_msg("%s [%s] gemini chunk %zu tp%d dp%d pp%d: not bitwise equal: %s", c.optimizer,
-                 c.hparams ? c.hparams : "", dt_chunk, l->tp, l->dp, dt_pp, msg);
+      char what[256];
+      snprintf(what, sizeof what, "%s [%s] gemini chunk %zu tp%d dp%d pp%d", c.optimizer, c.hparams ? c.hparams : "",
+               dt_chunk, l->tp, l->dp, dt_pp);
+      dt_result got;
+      run_bitwise(&c, l, what, &got);
       if (l->tp == 1 && dt_pp == 1 && strcmp(c.optimizer, "adamw") == 0) expect_gemini_pieces(&got, dt_chunk, l->dp);
-      dt_result_free(&ref);
       dt_result_free(&got);
       runs++;
     }
