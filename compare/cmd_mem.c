@@ -56,16 +56,23 @@ static int classes_of(const cmp_model *m, stage_sel ss, pclass *c) {
 
 static int classes(const cmp_model *m, pclass *c) { return classes_of(m, (stage_sel){0, 1}, c); }
 
+/* The hyperparameters of optimizer opt for one tensor: hp, and for a GaLore optimizer its rank on the projected
+ * tensors (the attention and MLP linears, as the paper) and 0, no projection, on the others. */
+static void tensor_hparams(const char *opt, const char *hp, int projected, int rank, char *h, size_t cap) {
+  if (!hp) hp = "";
+  if (strstr(opt, "galore")) snprintf(h, cap, "%s%srank=%d", hp, hp[0] ? "," : "", projected ? rank : 0);
+  else snprintf(h, cap, "%s", hp);
+}
+
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
 static double model_state_bytes(const cmp_model *m, const char *opt, const char *hp, int rank, int *ok) {
   pclass c[9];
-  int n = classes(m, c), galore = strstr(opt, "galore") != NULL;
+  int n = classes(m, c);
   double total = 0;
   *ok = 1;
   for (int i = 0; i < n; i++) {
     char h[256];
-    if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp ? hp : "", hp && hp[0] ? "," : "", c[i].projected ? rank : 0);
-    else snprintf(h, sizeof h, "%s", hp ? hp : "");
+    tensor_hparams(opt, hp, c[i].projected, rank, h, sizeof h);
     size_t b;
     if (dopt_optim_state_bytes_for(opt, h, c[i].ndim, c[i].shape, &b) != DOPT_OK) {
       *ok = 0;
@@ -121,7 +128,7 @@ static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size
 static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const char *hp, int grank, int tp, int dp,
                     int zero, rank_mem *out) {
   pclass c[9];
-  int n = classes_of(m, ss, c), galore = strstr(opt, "galore") != NULL;
+  int n = classes_of(m, ss, c);
   memset(out, 0, sizeof *out);
   const int world = tp * dp;
   double *load = calloc((size_t)world, sizeof *load), *copy = calloc((size_t)world, sizeof *copy);
@@ -137,8 +144,7 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
   ok = ok && piecewise;
   for (int i = 0; ok && i < n; i++) {
     char h[256];
-    if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp, hp[0] ? "," : "", c[i].projected ? grank : 0);
-    else snprintf(h, sizeof h, "%s", hp);
+    tensor_hparams(opt, hp, c[i].projected, grank, h, sizeof h);
     dopt_optim *o;
     if (dopt_optim_create(opt, h, &o) != DOPT_OK) {
       ok = 0;
@@ -291,15 +297,13 @@ static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t ch
          "| states bytes (all ranks) |\n|---|---:|---:|---:|---:|---:|---:|\n");
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k), *hp = cli_default_hparams(name);
-    const int galore = strstr(name, "galore") != NULL;
     int ok = 1, nown = 0;
     for (int w = 0; w < world; w++) st[w] = par[w] = 0;
     for (int i = 0; ok && i < T; i++) {
       cmp_model_tensor t;
       cmp_model_tensor_at(m, i, &t);
       char h[256];
-      if (galore) snprintf(h, sizeof h, "%s%srank=%d", hp, hp[0] ? "," : "", t.projected ? grank : 0);
-      else snprintf(h, sizeof h, "%s", hp);
+      tensor_hparams(name, hp, t.projected, grank, h, sizeof h);
       dopt_optim *o;
       if (dopt_optim_create(name, h, &o) != DOPT_OK) {
         ok = 0;
