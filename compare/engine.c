@@ -787,6 +787,7 @@ typedef struct run_ctx {
   const cmp_options *replay;    /* the options of the steps before t_first: the lead's reference replays them */
   int save_failed;              /* rank 0: writing the checkpoint failed (a full disk): the run's failure */
   const dopt_optim *plain;      /* the template every rank thread reads (NULL: each process builds its own) */
+  const int *stages;            /* [np] every parameter's pipeline stage in this world's layout (plan_stages) */
 } run_ctx;
 
 /* Backend mpi: every rank stepped its own reference and measured its own
@@ -1038,21 +1039,6 @@ static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage
   return DOPT_OK;
 }
 
-/* The stage rule applied to the first layout and the resume layout (another stage count: the default split). */
-static dopt_status check_stages(const cmp_options *o, const source *s) {
-  int *stage = calloc(s->np > 0 ? (size_t)s->np : 1, sizeof *stage);
-  if (!stage) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: stages of %d parameters", s->np);
-  dopt_status st = plan_stages(o, s, stage);
-  if (st == DOPT_OK && o->checkpoint_at > 0 && o->resume_pp > 0 && o->resume_pp != o->pp) {
-    cmp_options ob = *o;
-    ob.pp = o->resume_pp, ob.nlps = 0;
-    st = plan_stages(&ob, s, stage);
-    if (st != DOPT_OK) st = dopt__fail(st, "resume: %s", dopt_last_error());
-  }
-  free(stage);
-  return st;
-}
-
 static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt,
                             const dopt_transport *ppt) {
   const cmp_options *o = x->o;
@@ -1077,7 +1063,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   float **rdata = calloc(npc, sizeof *rdata), **avg = calloc(npc, sizeof *avg), **loc = calloc(npc, sizeof *loc);
   uint16_t **work = calloc(npc, sizeof *work), **rwork = calloc(npc, sizeof *rwork);
   dopt_tp_role *roles = calloc(npc, sizeof *roles);
-  int *stage = calloc(npc, sizeof *stage);
+  const int *stage = x->stages;
   const float **gp = calloc(npc, sizeof *gp); /* the gradients passed: this stage's parameters' blocks */
   const dopt_optim *plain = x->plain;
   dopt_optim *own = NULL, *ref = NULL;
@@ -1106,7 +1092,7 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   int64_t *cprev = lead ? calloc(2 * ncnt + 1, sizeof *cprev) : NULL, *cstep = cprev ? cprev + ncnt : NULL;
   void *sgot = NULL; /* the lead's gathered state */
   size_t sgot_cap = 0;
-  dopt_status st = rdata && avg && loc && work && rwork && roles && stage && gp && (full || !whole) && (acc || !lead) &&
+  dopt_status st = rdata && avg && loc && work && rwork && roles && gp && (full || !whole) && (acc || !lead) &&
                            (got || !lead) && (wgot || !o->bf16 || !lead) && (wf || !o->bf16 || !lead) && rep &&
                            (cprev || !lead)
                        ? DOPT_OK
@@ -1117,7 +1103,6 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     plain = own;
   }
   for (int i = 0; st == DOPT_OK && i < np; i++) roles[i] = s->p[i].role;
-  if (st == DOPT_OK) st = plan_stages(o, s, stage);
   cfg.stages = stage;
   if (st == DOPT_OK) st = dopt_dist_create(plain, &cfg, roles, &d);
   if (st == DOPT_OK && to_lead) st = dopt_dist_set_gather(d, DOPT_DIST_GATHER_LEAD);
@@ -1318,7 +1303,6 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   free(avg);
   free(loc);
   free(roles);
-  free(stage);
   free(gp);
   free(full);
   free(acc);
@@ -1579,13 +1563,36 @@ static dopt_status checkpoint_dir(const cmp_options *o, char *dir, size_t cap) {
   return DOPT_OK;
 }
 
+/* The layout the steps after --checkpoint-at run in: each resume value given, else the first layout's (another
+ * stage count: the default layer split; a Gemini resume: its chunk, else the first layout's). */
+static void resume_options(const cmp_options *o, cmp_options *ob) {
+  *ob = *o;
+  snprintf(ob->plugin, sizeof ob->plugin, "%s", o->resume_plugin[0] ? o->resume_plugin : o->plugin);
+  ob->tp = o->resume_tp > 0 ? o->resume_tp : o->tp;
+  ob->dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
+  ob->zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
+  ob->pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
+  ob->chunk_size = strcmp(ob->plugin, "gemini") != 0 ? 0 : o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
+  ob->resume_chunk_size = 0;
+  if (ob->pp != o->pp) ob->nlps = 0;
+  ob->ranks = 0;
+}
+
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
   DOPT_TRY(check_options(o));
   source s;
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
-  if (st == DOPT_OK) st = check_stages(o, &s);      /* before any rank starts: one line, no rank prefix */
+  cmp_options ob; /* the resume layout (--checkpoint-at) */
+  resume_options(o, &ob);
+  /* every parameter's stage in both layouts, before any rank starts (a refusal is one line, no rank prefix) */
+  int *stages = st == DOPT_OK ? calloc(2 * (s.np > 0 ? (size_t)s.np : 1), sizeof *stages) : NULL;
+  if (st == DOPT_OK && !stages) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare: stages of %d parameters", s.np);
+  int *rstages = stages ? stages + (s.np > 0 ? s.np : 1) : NULL;
+  if (st == DOPT_OK) st = plan_stages(o, &s, stages);
+  if (st == DOPT_OK && o->checkpoint_at > 0 && plan_stages(&ob, &s, rstages) != DOPT_OK)
+    st = dopt__fail(DOPT_ERR_INVALID_ARG, "resume: %s", dopt_last_error());
   if (st == DOPT_OK) r->micro = micro_of(o, &s);
   dopt_device *dev = NULL;
   int devno = 0; /* backend nccl: the local rank's GPU, local rank mod devices (as dopt_nccl_init_env) */
@@ -1596,7 +1603,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     devno = ndev > 0 ? dopt_launch_device(env.local_rank, ndev) : env.local_rank; /* srun --gpus-per-task 1: 0 */
   }
   if (st == DOPT_OK && strcmp(o->device, "cuda") == 0) st = dopt_device_cuda(devno, &dev);
-  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL, 0, NULL};
+  run_ctx x = {o, dev, &s, r, progress, user, cmp_now_s(), NULL, 1, o->steps, NULL, NULL, NULL, 0, NULL, stages};
   /* the simulator's rank threads share one template on the source's values (with bf16: its copies) */
   dopt_optim *tmpl = NULL;
   uint16_t **twork = st == DOPT_OK ? calloc(s.np > 0 ? (size_t)s.np : 1, sizeof *twork) : NULL;
@@ -1610,17 +1617,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     st = run_mpi(&x);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && o->checkpoint_at > 0) {
-    /* steps 1..K in the layout of o, saved; K+1..steps in the resume layout, loaded */
-    cmp_options ob = *o;
-    snprintf(ob.plugin, sizeof ob.plugin, "%s", o->resume_plugin[0] ? o->resume_plugin : o->plugin);
-    ob.tp = o->resume_tp > 0 ? o->resume_tp : o->tp;
-    ob.dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
-    ob.zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
-    ob.pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
-    ob.chunk_size = strcmp(ob.plugin, "gemini") != 0 ? 0 : o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
-    ob.resume_chunk_size = 0;
-    if (ob.pp != o->pp) ob.nlps = 0; /* another stage count: the default partition */
-    ob.ranks = 0;
+    /* steps 1..K in the layout of o, saved; K+1..steps in the resume layout ob, loaded */
     char dir[600];
     st = checkpoint_dir(o, dir, sizeof dir);
     if (st == DOPT_OK) st = dopt__mkdir_p(dir); /* a folder that cannot be made: said before the steps run */
@@ -1634,6 +1631,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     y.save_dir = NULL;
     y.load_dir = dir;
     y.replay = o;
+    y.stages = rstages;
     if (st == DOPT_OK) st = run_sim(&y);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK) {
@@ -1641,6 +1639,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     r->seconds = cmp_now_s() - x.t0;
   }
   dopt_optim_destroy(tmpl);
+  free(stages);
   for (int i = 0; twork && i < s.np; i++) free(twork[i]);
   free(twork);
   dopt_device_cuda_destroy(dev);
