@@ -258,31 +258,33 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
   return DOPT_OK;
 }
 
-/* Pipeline: every parameter's Σg² (clipping) from its stage to every stage. Each is nonzero on one stage
- * only (another stage's parameter has an empty piece: +0), so the SUM over pp is that stage's value exactly,
+/* Pipeline: host x[np] (dt: F64 or I64) ← its SUM over pp, through device scratch. Each parameter's entry is
+ * its stage's value and 0 on the others (the callers zero another stage's), so the SUM is that value exactly,
  * NaN and inf included. */
-static dopt_status stages_sumsq(dopt_dist_optim *d) {
-  if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
+static dopt_status sum_over_stages(dopt_dist_optim *d, void *x, dopt_dtype dt) {
+  const size_t bytes = (size_t)d->np * dopt_dtype_size(dt);
   void *buf = NULL;
-  for (int i = 0; i < d->np; i++) d->ss[i] = dd_present(d, &d->p[i]) ? d->ss[i] : 0.0;
-  DOPT_TRY(dd_gdev(d, 0, (size_t)d->np * sizeof *d->ss, &buf));
-  DOPT_TRY(DEV(d)->upload(DCTX(d), buf, d->ss, (size_t)d->np * sizeof *d->ss));
-  DOPT_TRY(d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, DOPT_F64, DOPT_SUM));
-  return DEV(d)->download(DCTX(d), d->ss, buf, (size_t)d->np * sizeof *d->ss);
+  DOPT_TRY(dd_gdev(d, 0, bytes, &buf));
+  DOPT_TRY(DEV(d)->upload(DCTX(d), buf, x, bytes));
+  DOPT_TRY(d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, dt, DOPT_SUM));
+  return DEV(d)->download(DCTX(d), x, buf, bytes);
 }
 
-/* Pipeline: every parameter's step count from its stage (a SUM over pp where the other stages add 0), so
- * that every rank reports, checks and saves the same counts (dopt_dist_get_step, checkpoints). */
+/* Pipeline: every parameter's Σg² (clipping) from its stage to every stage. */
+static dopt_status stages_sumsq(dopt_dist_optim *d) {
+  if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
+  for (int i = 0; i < d->np; i++) d->ss[i] = dd_present(d, &d->p[i]) ? d->ss[i] : 0.0;
+  return sum_over_stages(d, d->ss, DOPT_F64);
+}
+
+/* Pipeline: every parameter's step count from its stage, so that every rank reports, checks and saves the same
+ * counts (dopt_dist_get_step, checkpoints). */
 static dopt_status stages_steps(dopt_dist_optim *d) {
   if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
   int64_t *h = malloc((size_t)d->np * sizeof *h);
   if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d step counts", d->np);
   for (int i = 0; i < d->np; i++) h[i] = dd_present(d, &d->p[i]) ? d->p[i].step : 0;
-  void *buf = NULL;
-  dopt_status s = dd_gdev(d, 0, (size_t)d->np * sizeof *h, &buf);
-  if (s == DOPT_OK) s = DEV(d)->upload(DCTX(d), buf, h, (size_t)d->np * sizeof *h);
-  if (s == DOPT_OK) s = d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, DOPT_I64, DOPT_SUM);
-  if (s == DOPT_OK) s = DEV(d)->download(DCTX(d), h, buf, (size_t)d->np * sizeof *h);
+  dopt_status s = sum_over_stages(d, h, DOPT_I64);
   for (int i = 0; s == DOPT_OK && i < d->np; i++) d->p[i].step = h[i];
   free(h);
   return s;
