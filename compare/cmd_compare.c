@@ -28,12 +28,12 @@ static int lib_error(dopt_status s) {
 
 static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
-        "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp] [--tp N] [--dp N] [--zero 0-3]\n"
-        "         [--pp N [--layers-per-stage N,N,...]] [--chunk-size N]\n"
+        "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp|gemini|moe_hybrid] [--tp N] [--dp N]\n"
+        "         [--zero 0-3] [--pp N [--layers-per-stage N,N,...]] [--chunk-size N] [--ep N]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
         "         [--trace FILE | [--seed N] [--model NAME|COUNT]] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
         "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z] [--resume-pp N]\n"
-        "          [--resume-chunk-size N]\n"
+        "          [--resume-chunk-size N] [--resume-ep N]\n"
         "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
         "       distopt compare --matrix [--steps N]\n"
@@ -50,11 +50,18 @@ static void compare_usage(FILE *f) {
         "  ColossalAI's default (or --layers-per-stage), embeddings on the first stage, norm and head on the last.\n"
         "  --plugin gemini --chunk-size N: ColossalAI's Gemini, ZeRO-3 over chunks of N elements (default 2^20)\n"
         "  that pack consecutive tensors, so a rank's shard cuts through them.\n"
+        ,
+        f);
+  fputs(
+        "  --plugin moe_hybrid --ep N: ColossalAI's MoE-Hybrid, dp = moe_dp x ep: the experts' tensors (named\n"
+        "  'experts.<e>.') each on one ep rank, replicated and ZeRO-sharded over its moe_dp ranks, their gradient\n"
+        "  summed over moe_dp only; the other tensors as hybrid (--model mixtral-mini).\n"
         "  --sweep: the optimizer in every layout tp 1..max-tp x dp 1..max-dp x zero 0..3 (default 4 x 4 x 4,\n"
         "  at most 8 x 8), a grid of verdicts and 'N of M layouts bitwise'.\n"
         "  --model: synthetic gradients of a LLaMA (9 x layers + 3 tensors): a preset llama-60m, llama-130m,\n"
-        "  llama-350m, llama-1b, llama-7b, or a parameter count COUNT[k|m|b][xLAYERS][eEXPERTS] (100m, 2mx32;\n"
-        "  eEXPERTS: each MLP E stacked experts [E, f, h] and a router, 4mx2e8; docs/cli.md, \"Models\");\n"
+        "  llama-350m, llama-1b, llama-7b, mixtral-mini, mixtral-8x7b, or a parameter count\n"
+        "  COUNT[k|m|b][xLAYERS][eEXPERTS[s]] (100m, 2mx32; eEXPERTS: each MLP E stacked experts [E, f, h] and a\n"
+        "  router, 4mx2e8; with s separate tensors per expert as Mixtral's, 4mx2e8s; docs/cli.md, \"Models\");\n"
         "  without it a small built-in transformer (9 tensors, 10 342 parameters).\n"
         "  --ring-order: the simulator sums like a ring all-reduce (as NCCL may) instead of in rank order.\n"
         "  --dp-sum: the data-parallel gradient sum: exact (default; fixed-point, one int64 word per element,\n"
@@ -390,6 +397,8 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     else if (strcmp(a, "--chunk-size") == 0) rc = parse_size(a, v, 1, CMP_CHUNK_MAX, &o->chunk_size);
     else if (strcmp(a, "--resume-chunk-size") == 0) rc = parse_size(a, v, 1, CMP_CHUNK_MAX, &o->resume_chunk_size);
     else if (strcmp(a, "--resume-pp") == 0) rc = parse_int(a, v, 1, CMP_PP_MAX, &o->resume_pp);
+    else if (strcmp(a, "--ep") == 0) rc = parse_int(a, v, 1, 64, &o->ep);
+    else if (strcmp(a, "--resume-ep") == 0) rc = parse_int(a, v, 1, 64, &o->resume_ep);
     else if (strcmp(a, "--layers-per-stage") == 0) {
       if (cmp_parse_layers_per_stage(v, o) != DOPT_OK) return cli_errorf(CMD, "--layers-per-stage: %s", dopt_last_error());
     }

@@ -47,7 +47,7 @@ typedef struct cmp_options {
   int ngroups;                            /* extra groups, first match wins */
   cmp_group *groups;                      /* [ngroups], heap; owned by the options (cmp_options_free): a
                                              struct copy shares it (read only) */
-  char plugin[16];                        /* ddp, zero, hybrid, fsdp */
+  char plugin[16];                        /* ddp, zero, hybrid, fsdp, gemini, moe_hybrid */
   int tp, dp, zero;
   int pp;                                 /* pipeline stages (hybrid only; 1: none): the world is pp x tp x dp */
   int layers_per_stage[CMP_PP_MAX];       /* --layers-per-stage (plugin.layers_per_stage): decoder layers per
@@ -55,6 +55,8 @@ typedef struct cmp_options {
   int nlps;
   size_t chunk_size;                      /* --chunk-size (plugin.chunk_size): Gemini's chunk in elements (0: the
                                              default CMP_GEMINI_CHUNK_DEFAULT with plugin gemini) */
+  int ep;                                 /* --ep (plugin.ep): moe_hybrid's expert parallelism, dividing dp
+                                             (moe_dp = dp / ep); 1: none */
   int ranks;                              /* world size asked for (0: pp·tp·dp); must equal pp·tp·dp */
   int steps;
   int micro;                              /* micro-batches per step (gradient accumulation) */
@@ -81,6 +83,7 @@ typedef struct cmp_options {
   int resume_pp;                          /* 0: the first layout's (the resume world's layer partition: ColossalAI's
                                              default, or layers_per_stage when pp is unchanged) */
   size_t resume_chunk_size;               /* 0: the first layout's (a gemini resume layout) */
+  int resume_ep;                          /* 0: the first layout's where the resume plugin is moe_hybrid, else 1 */
   char checkpoint_dir[512];               /* "" : a fresh directory under $TMPDIR */
   unsigned given;                         /* CMP_GIVEN_* bits: the layout values the user gave (CLI or YAML) */
   unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */
@@ -96,6 +99,10 @@ typedef struct cmp_options {
 /* ColossalAI's default layer partition (Policy.distribute_layers): per[k] = L div pp, and the L mod pp remaining
  * layers one each to stages pp/2 - (L mod pp)/2 on. per[pp]. */
 void cmp_layers_per_stage(long L, int pp, long *per);
+
+/* The expert id of a parameter named "...experts.<e>...." (a whole name component "experts" followed by a
+ * number of 1-5 digits and a dot: Hugging Face Mixtral's block_sparse_moe.experts.3.w1.weight), else -1. */
+int cmp_expert_of(const char *name);
 
 /* "3,5,4": the decoder layers of each pipeline stage (--layers-per-stage, plugin.layers_per_stage) into o. */
 dopt_status cmp_parse_layers_per_stage(const char *v, cmp_options *o);

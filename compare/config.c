@@ -358,17 +358,17 @@ static void given(cmp_options *o, unsigned bit) {
 }
 
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "chunk_size", "ranks", "dp_sum",
+  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "chunk_size", "ep", "ranks", "dp_sum",
                                      "ring_order", "batch_invariant", "backend", "device", NULL};
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "type"))) {
-    static const char *const names[] = {"ddp", "zero", "hybrid", "fsdp", "gemini"};
+    static const char *const names[] = {"ddp", "zero", "hybrid", "fsdp", "gemini", "moe_hybrid"};
     DOPT_TRY(get_str(c, v, "plugin.type", o->plugin, sizeof o->plugin));
     int ok = 0;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) ok |= strcmp(names[i], o->plugin) == 0;
     if (!ok)
-      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp or gemini)",
+      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp, gemini or moe_hybrid)",
                       o->plugin);
     given(o, CMP_GIVEN_PLUGIN);
   }
@@ -386,6 +386,7 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   }
   if ((v = lookup(c, n, "pp"))) DOPT_TRY(get_int(c, v, "plugin.pp", 1, CMP_PP_MAX, &o->pp));
   if ((v = lookup(c, n, "chunk_size"))) DOPT_TRY(get_size(c, v, "plugin.chunk_size", &o->chunk_size));
+  if ((v = lookup(c, n, "ep"))) DOPT_TRY(get_int(c, v, "plugin.ep", 1, 64, &o->ep));
   if ((v = lookup(c, n, "layers_per_stage"))) {
     if (v->type != YAML_SEQUENCE_NODE)
       return cfg_fail(c, v, "plugin.layers_per_stage", "must be a sequence of layer counts, got %s", node_kind(v));
@@ -481,7 +482,7 @@ static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
 /* checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}} */
 static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   static const char *const keys[] = {"at", "dir", "resume", NULL};
-  static const char *const rkeys[] = {"type", "tp", "dp", "zero", "pp", "chunk_size", NULL};
+  static const char *const rkeys[] = {"type", "tp", "dp", "zero", "pp", "chunk_size", "ep", NULL};
   DOPT_TRY(check_mapping(c, n, "checkpoint", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "at"))) DOPT_TRY(get_int(c, v, "checkpoint.at", 1, 1000000, &o->checkpoint_at));
@@ -493,9 +494,9 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
       DOPT_TRY(get_str(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
       if (strcmp(o->resume_plugin, "ddp") != 0 && strcmp(o->resume_plugin, "zero") != 0 &&
           strcmp(o->resume_plugin, "hybrid") != 0 && strcmp(o->resume_plugin, "fsdp") != 0 &&
-          strcmp(o->resume_plugin, "gemini") != 0)
+          strcmp(o->resume_plugin, "gemini") != 0 && strcmp(o->resume_plugin, "moe_hybrid") != 0)
         return cfg_fail(c, w, "checkpoint.resume.type",
-                        "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp or gemini)", o->resume_plugin);
+                        "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp, gemini or moe_hybrid)", o->resume_plugin);
       given(o, CMP_GIVEN_RESUME_PLUGIN);
     }
     if ((w = lookup(c, v, "tp"))) {
@@ -512,6 +513,7 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
     }
     if ((w = lookup(c, v, "pp"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.pp", 1, CMP_PP_MAX, &o->resume_pp));
     if ((w = lookup(c, v, "chunk_size"))) DOPT_TRY(get_size(c, w, "checkpoint.resume.chunk_size", &o->resume_chunk_size));
+    if ((w = lookup(c, v, "ep"))) DOPT_TRY(get_int(c, w, "checkpoint.resume.ep", 1, 64, &o->resume_ep));
   }
   return DOPT_OK;
 }

@@ -37,6 +37,7 @@ void cmp_options_default(cmp_options *o) {
   o->dp = 2;
   o->zero = 2;
   o->pp = 1;
+  o->ep = 1;
   o->steps = 100;
   o->micro = 1;
   snprintf(o->source, sizeof o->source, "synthetic");
@@ -131,11 +132,13 @@ static const plugin_rule PLUGIN_RULES[] = {
     {"hybrid", 0, 0, 2, 2, "zero 3 is the fsdp plugin"},
     {"fsdp", 0, 3, 3, 3, "zero 0-2 is the hybrid plugin"},
     {"gemini", 0, 3, 3, 3, "its chunks are sharded (ZeRO-3); zero 0-2 is the hybrid plugin"},
+    {"moe_hybrid", 0, 0, 2, 2, "zero 3 is the fsdp plugin; its experts go over --ep"},
 };
 
 static const plugin_rule *plugin_rule_of(const char *name) {
   for (size_t k = 0; k < sizeof PLUGIN_RULES / sizeof PLUGIN_RULES[0]; k++)
-    if (strcmp(PLUGIN_RULES[k].name, name) == 0) return &PLUGIN_RULES[k];
+    if (strlen(name) == strlen(PLUGIN_RULES[k].name) && memcmp(PLUGIN_RULES[k].name, name, strlen(name)) == 0)
+      return &PLUGIN_RULES[k]; /* (strcmp: gcc's -Wstring-compare on inlined short constants) */
   return NULL;
 }
 
@@ -178,7 +181,7 @@ static dopt_status contradiction(const cmp_options *o, unsigned pbit, const plug
 }
 
 static dopt_status unknown_plugin(const cmp_options *o, unsigned bit, const char *name) {
-  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected ddp, zero, hybrid, fsdp or gemini)",
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected ddp, zero, hybrid, fsdp, gemini or moe_hybrid)",
                     spelled(o, bit), name);
 }
 
@@ -262,6 +265,8 @@ typedef struct source {
   int shards;          /* trace or recording (1): shards per step; 0: synthetic */
   uint64_t seed;
   int fast;            /* --model: the vectorised generator (synth_fast) */
+  int *expert;         /* [np] the expert id of a parameter named "experts.<e>." (cmp_expert_of), else -1 */
+  int nexperts;        /* the largest id + 1 (0: a dense model) */
 } source;
 
 static uint64_t mix(uint64_t z) {
@@ -464,6 +469,7 @@ static dopt_status source_reserve(source *s, int n) {
 
 static void source_free(source *s) {
   for (int i = 0; s->init && i < s->np; i++) free(s->init[i]);
+  free(s->expert);
   free(s->p);
   free(s->numel);
   free(s->init);
@@ -653,6 +659,41 @@ static int shard_of(const cmp_options *o, const source *s, int d, int m) {
   return d * (s->shards > 0 ? s->shards / o->dp : o->micro) + m;
 }
 static int micro_of(const cmp_options *o, const source *s) { return s->shards > 0 ? s->shards / o->dp : o->micro; }
+
+int cmp_expert_of(const char *name) {
+  for (const char *at = strstr(name, "experts."); at; at = strstr(at + 1, "experts.")) {
+    if (at != name && at[-1] != '.') continue; /* a whole name component */
+    const char *q = at + 8;
+    long e = 0;
+    int nd = 0;
+    while (*q >= '0' && *q <= '9' && nd < 6) e = e * 10 + (*q++ - '0'), nd++;
+    if (nd > 0 && nd < 6 && *q == '.') return (int)e;
+  }
+  return -1;
+}
+
+/* Every parameter's expert id (cmp_expert_of) and the count of experts (the largest id + 1). */
+static dopt_status plan_experts(source *s) {
+  s->expert = malloc((s->np > 0 ? (size_t)s->np : 1) * sizeof *s->expert);
+  if (!s->expert) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: experts of %d parameters", s->np);
+  s->nexperts = 0;
+  for (int i = 0; i < s->np; i++) {
+    s->expert[i] = cmp_expert_of(s->p[i].name);
+    if (s->expert[i] >= s->nexperts) s->nexperts = s->expert[i] + 1;
+  }
+  return DOPT_OK;
+}
+
+/* Whether o's layout splits experts (plugin moe_hybrid), and parameter i's dp group there: the dp ranks that
+ * hold it and sum its gradient (dense: all; an expert's: those of its ep rank, d mod ep == its ep rank). */
+static int moe_of(const cmp_options *o, const source *s) {
+  return strcmp(o->plugin, "moe_hybrid") == 0 && s->nexperts > 0;
+}
+static int holds_param(const cmp_options *o, const source *s, int i, int d) {
+  if (!moe_of(o, s) || s->expert[i] < 0) return 1;
+  return d % o->ep == dopt_dist_expert_rank(s->expert[i], s->nexperts, o->ep);
+}
+
 
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
 
@@ -884,19 +925,22 @@ static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float
 /* The reference's gradient for step t: each DP rank's micro-batches summed
  * in order, the dp sum of those (exact, or fp32 in rank order:
  * dopt_dp_sum), one division by dp·micro; batch invariant: the exact sum of
- * all dp·micro micro-batch gradients. acc: [dp · micro · max numel]. */
+ * all dp·micro micro-batch gradients. moe_hybrid: an expert's over the dp
+ * ranks of its ep rank only (its moe_dp group), divided by moe_dp·micro.
+ * acc: [dp · micro · max numel]. */
 static dopt_status reference_grads(const cmp_options *o, const source *s, int t, float **avg, float *acc, float *g,
                                    int *nonfinite) {
   const int micro = micro_of(o, s);
-  const float denom = (float)((double)o->dp * (double)micro);
   const float **pv = malloc((size_t)o->dp * (size_t)micro * sizeof *pv);
   if (!pv) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d x %d gradient parts", o->dp, micro);
   dopt_status st = DOPT_OK;
   *nonfinite = 0;
   for (int i = 0; i < s->np; i++) {
     size_t n = s->numel[i];
-    int np = 0;
+    int np = 0, nd = 0; /* parts; the dp ranks that hold the parameter (moe_hybrid: an expert's moe_dp group) */
     for (int d = 0; d < o->dp; d++) {
+      if (!holds_param(o, s, i, d)) continue;
+      nd++;
       if (o->batch_invariant) { /* every micro-batch gradient is a part of its own */
         for (int m = 0; m < micro; m++) {
           float *a = acc + (size_t)np * n;
@@ -905,7 +949,7 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
         }
         continue;
       }
-      float *a = acc + (size_t)d * n;
+      float *a = acc + (size_t)np * n;
       for (int m = 0; m < micro; m++) {
         if ((st = shard_grad(s, i, t, shard_of(o, s, d, m), g)) != DOPT_OK) goto done;
         for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
@@ -913,6 +957,7 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
       pv[np++] = a;
     }
     if ((st = dopt_dp_sum(pv, np, o->dp_sum_words, n, avg[i])) != DOPT_OK) goto done;
+    const float denom = (float)((double)nd * (double)micro);
     for (size_t k = 0; k < n; k++) {
       avg[i][k] = avg[i][k] / denom;
       *nonfinite |= !isfinite(avg[i][k]);
@@ -1039,8 +1084,12 @@ static dopt_status plan_stages(const cmp_options *o, const source *s, int *stage
   return DOPT_OK;
 }
 
-static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, const dopt_transport *dpt,
-                            const dopt_transport *ppt) {
+/* One rank's groups (either backend): tp, dp, pp, and moe_hybrid's ep and moe_dp (size 1: none). */
+typedef struct rank_groups {
+  dopt_transport tp, dp, pp, ep, mdp;
+} rank_groups;
+
+static dopt_status rank_run(run_ctx *x, int rank, const rank_groups *rg) {
   const cmp_options *o = x->o;
   const source *s = x->s;
   cmp_result *r = x->r;
@@ -1051,9 +1100,15 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   cfg.dp_sum_words = o->dp_sum_words;
   cfg.batch_invariant = o->batch_invariant;
   cfg.device = x->dev;
-  cfg.tp = *tpt;
-  cfg.dp = *dpt;
-  cfg.pp = *ppt;
+  cfg.tp = rg->tp;
+  cfg.dp = rg->dp;
+  cfg.pp = rg->pp;
+  if (moe_of(o, s)) { /* the experts (named experts.<e>.) over ep */
+    cfg.ep = rg->ep;
+    cfg.moe_dp = rg->mdp;
+    cfg.experts = s->expert;
+    cfg.num_experts = s->nexperts;
+  }
   cfg.chunk_elems = strcmp(o->plugin, "gemini") == 0 ? (o->chunk_size ? o->chunk_size : CMP_GEMINI_CHUNK_DEFAULT) : 0;
   /* the lead steps the reference and measures: rank 0, or every rank with backend mpi */
   const int lead = rank == 0 || x->measure_world != NULL, np = s->np, micro = micro_of(o, s);
@@ -1124,7 +1179,9 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
     if (!loc[i] || (lead && !avg[i]))
       st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
   }
-  for (int i = 0; st == DOPT_OK && i < np; i++) gp[i] = stage[i] == cfg.pp.rank || cfg.pp.size <= 1 ? loc[i] : NULL;
+  /* this rank's parameters: its stage's, and with moe_hybrid of the experts its ep rank's only */
+  for (int i = 0; st == DOPT_OK && i < np; i++)
+    gp[i] = (stage[i] == cfg.pp.rank || cfg.pp.size <= 1) && holds_param(o, s, i, cfg.dp.rank) ? loc[i] : NULL;
   /* resumed: the distributed optimizer loads the checkpoint; the reference
    * replays the steps before it in the saving layout (the uninterrupted run) */
   if (st == DOPT_OK && x->load_dir) st = dopt_dist_load(d, plain, x->load_dir);
@@ -1320,26 +1377,42 @@ static dopt_status rank_run(run_ctx *x, int rank, const dopt_transport *tpt, con
   return st;
 }
 
-/* World rank r = (stage · dp + dp rank) · tp + tp rank: the colours of its tp, dp and pp groups. */
-static void group_colours(const cmp_options *o, int r, int *tpc, int *dpc, int *ppc) {
-  *tpc = r / o->tp;
-  *dpc = r / (o->tp * o->dp) * o->tp + r % o->tp;
-  *ppc = r % (o->tp * o->dp);
+/* World rank r = (stage · dp + dp rank) · tp + tp rank, dp rank = moe_dp rank · ep + ep rank (ep inside dp, as
+ * ColossalAI's MoeHybridParallelPlugin): the colours of its tp, dp, pp, ep and moe_dp groups (c[5]). */
+enum { G_TP, G_DP, G_PP, G_EP, G_MDP, NGROUPS };
+static void group_colours(const cmp_options *o, int r, int *c) {
+  const int t = r % o->tp, q = r / o->tp % o->dp, stage = r / (o->tp * o->dp), e = q % o->ep, m = q / o->ep;
+  c[G_TP] = r / o->tp;
+  c[G_DP] = stage * o->tp + t;
+  c[G_PP] = r % (o->tp * o->dp);
+  c[G_EP] = (stage * (o->dp / o->ep) + m) * o->tp + t;
+  c[G_MDP] = (stage * o->ep + e) * o->tp + t;
 }
+
+/* The groups split from the world (sim: labelled) that this layout has: tp and dp always, pp with stages, ep and
+ * moe_dp with expert parallelism. */
+static int has_group(const cmp_options *o, int g) {
+  return g == G_TP || g == G_DP || (g == G_PP && o->pp > 1) || ((g == G_EP || g == G_MDP) && o->ep > 1);
+}
+static const char *const GROUP_LABEL[NGROUPS] = {"tp", "dp", "pp", "ep", "moe_dp"};
+static dopt_transport *group_slot(rank_groups *rg, int g) {
+  return g == G_TP ? &rg->tp : g == G_DP ? &rg->dp : g == G_PP ? &rg->pp : g == G_EP ? &rg->ep : &rg->mdp;
+}
+static const rank_groups NO_GROUPS = {{NULL, NULL, 0, 1}, {NULL, NULL, 0, 1}, {NULL, NULL, 0, 1}, {NULL, NULL, 0, 1},
+                                      {NULL, NULL, 0, 1}};
 
 static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   run_ctx *x = user;
-  dopt_sim_comm *tpc, *dpc, *ppc = NULL;
-  dopt_transport tpt, dpt, ppt = {NULL, NULL, 0, 1};
-  int ct, cd, cp;
-  group_colours(x->o, rank, &ct, &cd, &cp);
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, ct, rank, "tp", &tpc));
-  DOPT_TRY(dopt_sim_comm_split_labeled(world, cd, rank, "dp", &dpc));
-  if (x->o->pp > 1) DOPT_TRY(dopt_sim_comm_split_labeled(world, cp, rank, "pp", &ppc));
-  DOPT_TRY(dopt_sim_transport(tpc, &tpt));
-  DOPT_TRY(dopt_sim_transport(dpc, &dpt));
-  if (ppc) DOPT_TRY(dopt_sim_transport(ppc, &ppt));
-  return rank_run(x, rank, &tpt, &dpt, &ppt);
+  rank_groups rg = NO_GROUPS;
+  int c[NGROUPS];
+  group_colours(x->o, rank, c);
+  for (int g = 0; g < NGROUPS; g++) {
+    if (!has_group(x->o, g)) continue;
+    dopt_sim_comm *sc;
+    DOPT_TRY(dopt_sim_comm_split_labeled(world, c[g], rank, GROUP_LABEL[g], &sc));
+    DOPT_TRY(dopt_sim_transport(sc, group_slot(&rg, g)));
+  }
+  return rank_run(x, rank, &rg);
 }
 
 static void plan_layout(cmp_tensor_stat *t, dopt_dtype dt, int ndim, const int64_t *shape) {
@@ -1402,9 +1475,20 @@ static dopt_status check_pp(const char *plugin, int pp, int tp, int dp, const ch
   return DOPT_OK;
 }
 
+/* --ep with the plugin: expert parallelism is moe_hybrid's, over ep ranks that divide dp. */
+static dopt_status check_ep(const char *plugin, int ep, int dp, const char *what) {
+  DOPT_CHECK_ARG(ep >= 1 && ep <= 64, "%sep=%d outside [1, 64]", what, ep);
+  DOPT_CHECK_ARG(ep == 1 || strcmp(plugin, "moe_hybrid") == 0,
+                 "%sep=%d needs plugin moe_hybrid (ColossalAI's MoeHybridParallelPlugin ep_size), not '%s'", what, ep,
+                 plugin);
+  DOPT_CHECK_ARG(dp % ep == 0, "%sep=%d must divide dp=%d (moe_dp = dp / ep)", what, ep, dp);
+  return DOPT_OK;
+}
+
 static dopt_status check_options(const cmp_options *o) {
   DOPT_CHECK_ARG(o->tp >= 1 && o->dp >= 1 && o->tp * o->dp <= 64, "tp=%d dp=%d: each >= 1, tp*dp <= 64", o->tp, o->dp);
   DOPT_TRY(check_pp(o->plugin, o->pp, o->tp, o->dp, ""));
+  DOPT_TRY(check_ep(o->plugin, o->ep, o->dp, ""));
   DOPT_CHECK_ARG(o->nlps == 0 || o->nlps == o->pp, "layers_per_stage: %d stages given, pp=%d", o->nlps, o->pp);
   DOPT_CHECK_ARG(o->chunk_size == 0 || strcmp(o->plugin, "gemini") == 0,
                  "chunk_size=%zu is Gemini's chunk: it needs plugin gemini, not '%s'", o->chunk_size, o->plugin);
@@ -1430,6 +1514,8 @@ static dopt_status check_options(const cmp_options *o) {
     const char *rpl = o->resume_plugin[0] ? o->resume_plugin : o->plugin;
     DOPT_CHECK_ARG(tp * dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", tp, dp);
     DOPT_TRY(check_pp(rpl, pp, tp, dp, "resume: "));
+    DOPT_TRY(check_ep(rpl, o->resume_ep > 0 ? o->resume_ep : strcmp(rpl, "moe_hybrid") == 0 ? o->ep : 1, dp,
+                      "resume: "));
     DOPT_CHECK_ARG(o->resume_chunk_size == 0 || strcmp(rpl, "gemini") == 0,
                    "resume: chunk_size=%zu needs the resume plugin gemini, not '%s'", o->resume_chunk_size, rpl);
     DOPT_TRY(dopt_dist_check_layout(rpl, tp, dp, o->resume_zero >= 0 ? o->resume_zero : o->zero));
@@ -1462,34 +1548,31 @@ static dopt_status check_options(const cmp_options *o) {
  * (torchrun, mpirun, srun) of tp·dp processes, one GPU each (local rank). */
 static dopt_status run_nccl(run_ctx *x) {
   const cmp_options *o = x->o;
-  dopt_nccl_comm *world = NULL, *tpc = NULL, *dpc = NULL, *ppc = NULL;
+  dopt_nccl_comm *world = NULL, *gc[NGROUPS] = {NULL};
   dopt_status st = dopt_nccl_init_env(120000, &world);
-  dopt_transport wt, tpt, dpt, ppt = {NULL, NULL, 0, 1};
+  dopt_transport wt;
+  rank_groups rg = NO_GROUPS;
   if (st == DOPT_OK) st = dopt_nccl_transport(world, &wt);
   if (st == DOPT_OK && wt.size != o->pp * o->tp * o->dp)
     st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend nccl: the launcher started %d ranks but pp x tp x dp = %d x %d x %d = %d",
                     wt.size, o->pp, o->tp, o->dp, o->pp * o->tp * o->dp);
-  int ct = 0, cd = 0, cp = 0;
-  if (st == DOPT_OK) group_colours(o, wt.rank, &ct, &cd, &cp);
-  if (st == DOPT_OK) st = dopt_nccl_split(world, ct, wt.rank, &tpc);
-  if (st == DOPT_OK) st = dopt_nccl_split(world, cd, wt.rank, &dpc);
-  if (st == DOPT_OK && o->pp > 1) st = dopt_nccl_split(world, cp, wt.rank, &ppc);
-  if (st == DOPT_OK) st = dopt_nccl_transport(tpc, &tpt);
-  if (st == DOPT_OK) st = dopt_nccl_transport(dpc, &dpt);
-  if (st == DOPT_OK && ppc) st = dopt_nccl_transport(ppc, &ppt);
+  int c[NGROUPS] = {0};
+  if (st == DOPT_OK) group_colours(o, wt.rank, c);
+  for (int g = 0; st == DOPT_OK && g < NGROUPS; g++)
+    if (has_group(o, g)) {
+      st = dopt_nccl_split(world, c[g], wt.rank, &gc[g]);
+      if (st == DOPT_OK) st = dopt_nccl_transport(gc[g], group_slot(&rg, g));
+    }
   if (st == DOPT_OK) {
     x->r->rank = wt.rank;
-    st = rank_run(x, wt.rank, &tpt, &dpt, &ppt);
+    st = rank_run(x, wt.rank, &rg);
   }
   if (st != DOPT_OK) { /* peers fail instead of waiting; every communicator, so that none finalises for minutes */
-    if (ppc) dopt_nccl_abort(ppc);
-    if (dpc) dopt_nccl_abort(dpc);
-    if (tpc) dopt_nccl_abort(tpc);
+    for (int g = NGROUPS - 1; g >= 0; g--)
+      if (gc[g]) dopt_nccl_abort(gc[g]);
     if (world) dopt_nccl_abort(world);
   }
-  dopt_nccl_destroy(ppc);
-  dopt_nccl_destroy(dpc);
-  dopt_nccl_destroy(tpc);
+  for (int g = NGROUPS - 1; g >= 0; g--) dopt_nccl_destroy(gc[g]);
   dopt_nccl_destroy(world);
   return st;
 }
@@ -1502,30 +1585,28 @@ static dopt_status run_nccl(run_ctx *x) {
  * aborts the job (dopt_mpi_abort) so that no peer waits for its timeout. */
 static dopt_status run_mpi(run_ctx *x) {
   const cmp_options *o = x->o;
-  dopt_mpi_comm *world = NULL, *tpc = NULL, *dpc = NULL, *ppc = NULL;
+  dopt_mpi_comm *world = NULL, *gc[NGROUPS] = {NULL};
   dopt_status st = dopt_mpi_init(120000, &world);
-  dopt_transport wt, tpt, dpt, ppt = {NULL, NULL, 0, 1};
+  dopt_transport wt;
+  rank_groups rg = NO_GROUPS;
   if (st == DOPT_OK) st = dopt_mpi_transport(world, &wt);
   if (st == DOPT_OK && wt.size != o->pp * o->tp * o->dp)
     st = dopt__fail(DOPT_ERR_INVALID_ARG, "backend mpi: mpirun started %d processes but pp x tp x dp = %d x %d x %d = %d",
                     wt.size, o->pp, o->tp, o->dp, o->pp * o->tp * o->dp);
-  int ct = 0, cd = 0, cp = 0;
-  if (st == DOPT_OK) group_colours(o, wt.rank, &ct, &cd, &cp);
-  if (st == DOPT_OK) st = dopt_mpi_split(world, ct, wt.rank, &tpc);
-  if (st == DOPT_OK) st = dopt_mpi_split(world, cd, wt.rank, &dpc);
-  if (st == DOPT_OK && o->pp > 1) st = dopt_mpi_split(world, cp, wt.rank, &ppc);
-  if (st == DOPT_OK) st = dopt_mpi_transport(tpc, &tpt);
-  if (st == DOPT_OK) st = dopt_mpi_transport(dpc, &dpt);
-  if (st == DOPT_OK && ppc) st = dopt_mpi_transport(ppc, &ppt);
+  int c[NGROUPS] = {0};
+  if (st == DOPT_OK) group_colours(o, wt.rank, c);
+  for (int g = 0; st == DOPT_OK && g < NGROUPS; g++)
+    if (has_group(o, g)) {
+      st = dopt_mpi_split(world, c[g], wt.rank, &gc[g]);
+      if (st == DOPT_OK) st = dopt_mpi_transport(gc[g], group_slot(&rg, g));
+    }
   if (st == DOPT_OK) {
     x->r->rank = wt.rank;
     x->measure_world = &wt;
-    st = rank_run(x, wt.rank, &tpt, &dpt, &ppt);
+    st = rank_run(x, wt.rank, &rg);
     x->measure_world = NULL;
   }
-  dopt_mpi_destroy(ppc);
-  dopt_mpi_destroy(dpc);
-  dopt_mpi_destroy(tpc);
+  for (int g = NGROUPS - 1; g >= 0; g--) dopt_mpi_destroy(gc[g]);
   dopt_mpi_destroy(world);
   return st;
 }
@@ -1572,6 +1653,8 @@ static void resume_options(const cmp_options *o, cmp_options *ob) {
   ob->dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
   ob->zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
   ob->pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
+  ob->ep = o->resume_ep > 0 ? o->resume_ep : strcmp(ob->plugin, "moe_hybrid") == 0 ? o->ep : 1;
+  ob->resume_ep = 0;
   ob->chunk_size = strcmp(ob->plugin, "gemini") != 0 ? 0 : o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
   ob->resume_chunk_size = 0;
   if (ob->pp != o->pp) ob->nlps = 0;
@@ -1583,6 +1666,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   DOPT_TRY(check_options(o));
   source s;
   dopt_status st = load_source(o, &s);
+  if (st == DOPT_OK) st = plan_experts(&s);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
   cmp_options ob; /* the resume layout (--checkpoint-at) */
   resume_options(o, &ob);

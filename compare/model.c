@@ -12,9 +12,14 @@
 
 /* LLaMA shapes as in the GaLore repository's configs; the paper's rank and Table 2. */
 static const cmp_model PRESETS[] = {
-    {"llama-60m", 512, 1376, 8, 32000, 128, 0.36, 0.24, 0},    {"llama-130m", 768, 2048, 12, 32000, 256, 0.76, 0.52, 0},
-    {"llama-350m", 1024, 2736, 24, 32000, 256, 2.06, 1.22, 0}, {"llama-1b", 2048, 5461, 24, 32000, 512, 7.80, 4.38, 0},
-    {"llama-7b", 4096, 11008, 32, 32000, 1024, 0, 0, 0},
+    {"llama-60m", 512, 1376, 8, 32000, 128, 0.36, 0.24, 0, 0, 0},
+    {"llama-130m", 768, 2048, 12, 32000, 256, 0.76, 0.52, 0, 0, 0},
+    {"llama-350m", 1024, 2736, 24, 32000, 256, 2.06, 1.22, 0, 0, 0},
+    {"llama-1b", 2048, 5461, 24, 32000, 512, 7.80, 4.38, 0, 0, 0},
+    {"llama-7b", 4096, 11008, 32, 32000, 1024, 0, 0, 0, 0, 0},
+    /* Mixtral-shaped (Hugging Face's MixtralForCausalLM layout: separate experts, grouped-query k and v) */
+    {"mixtral-mini", 64, 160, 2, 128, 16, 0, 0, 6, 1, 16},
+    {"mixtral-8x7b", 4096, 14336, 32, 32000, 1024, 0, 0, 8, 1, 1024},
 };
 #define NPRESETS ((int)(sizeof PRESETS / sizeof PRESETS[0]))
 
@@ -22,12 +27,12 @@ int cmp_model_npresets(void) { return NPRESETS; }
 const cmp_model *cmp_model_preset(int k) { return k >= 0 && k < NPRESETS ? &PRESETS[k] : NULL; }
 
 double cmp_model_params(const cmp_model *m) {
-  const double h = m->hidden, f = m->inter, v = m->vocab, L = m->layers, E = m->experts;
-  const double mlp = E > 0 ? E * (3 * h * f + h) : 3 * h * f; /* the stacks and the router, or one MLP */
-  return 2 * v * h + L * (4 * h * h + mlp) + (2 * L + 1) * h;
+  const double h = m->hidden, f = m->inter, v = m->vocab, L = m->layers, E = m->experts, kv = m->kv ? m->kv : h;
+  const double mlp = E > 0 ? E * (3 * h * f + h) : 3 * h * f; /* the experts and the router, or one MLP */
+  return 2 * v * h + L * (2 * h * h + 2 * kv * h + mlp) + (2 * L + 1) * h;
 }
 
-static int per_layer(const cmp_model *m) { return m->experts > 0 ? 10 : 9; }
+static int per_layer(const cmp_model *m) { return m->experts > 0 ? (m->separate ? 7 + 3 * m->experts : 10) : 9; }
 
 int cmp_model_ntensors(const cmp_model *m) { return per_layer(m) * m->layers + 3; }
 
@@ -41,8 +46,9 @@ void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
                 {"mlp.gate_proj.weight", 1, DOPT_TP_COLUMN},      {"mlp.up_proj.weight", 1, DOPT_TP_COLUMN},
                 {"mlp.down_proj.weight", 2, DOPT_TP_ROW},         {"input_layernorm.weight", 3, DOPT_TP_REPLICATED},
                 {"post_attention_layernorm.weight", 3, DOPT_TP_REPLICATED}};
-  const int64_t h = m->hidden, f = m->inter, v = m->vocab;
+  const int64_t h = m->hidden, f = m->inter, v = m->vocab, kv = m->kv ? m->kv : m->hidden;
   memset(t, 0, sizeof *t);
+  t->expert = -1;
   const int last = cmp_model_ntensors(m) - 1;
   if (i == 0 || i == last) { /* vocab-parallel: the rows of [vocab, hidden] */
     snprintf(t->name, sizeof t->name, "%s", i == 0 ? "model.embed_tokens.weight" : "lm_head.weight");
@@ -54,8 +60,21 @@ void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
     t->ndim = 1, t->shape[0] = h, t->role = DOPT_TP_REPLICATED;
     return;
   }
-  const int layer = (i - 1) / per_layer(m), k = (i - 1) % per_layer(m);
-  if (m->experts > 0 && k >= 4 && k <= 7) { /* the MoE block in the MLP's place: router, then the stacks */
+  const int layer = (i - 1) / per_layer(m), k = (i - 1) % per_layer(m), E3 = 3 * m->experts;
+  if (m->experts > 0 && m->separate && k >= 4 && k <= 4 + E3) { /* Mixtral's block_sparse_moe: router, experts */
+    if (k == 4) {
+      snprintf(t->name, sizeof t->name, "model.layers.%d.block_sparse_moe.gate.weight", layer);
+      t->ndim = 2, t->shape[0] = m->experts, t->shape[1] = h, t->role = DOPT_TP_REPLICATED;
+      return;
+    }
+    const int e = (k - 5) / 3, w = (k - 5) % 3; /* w1 [f, h], w2 [h, f], w3 [f, h] */
+    snprintf(t->name, sizeof t->name, "model.layers.%u.block_sparse_moe.experts.%u.w%u.weight", (unsigned short)layer,
+             (unsigned short)e, (unsigned char)(w + 1)); /* layers and experts <= 256 */
+    t->ndim = 2, t->shape[0] = w == 1 ? h : f, t->shape[1] = w == 1 ? f : h;
+    t->role = w == 1 ? DOPT_TP_ROW : DOPT_TP_COLUMN, t->projected = 1, t->expert = e;
+    return;
+  }
+  if (m->experts > 0 && !m->separate && k >= 4 && k <= 7) { /* the MoE block in the MLP's place: router, then the stacks */
     static const char *const WHAT[4] = {"mlp.router.weight", "mlp.experts.gate_proj", "mlp.experts.up_proj",
                                         "mlp.experts.down_proj"};
     const int64_t E = m->experts;
@@ -65,12 +84,12 @@ void cmp_model_tensor_at(const cmp_model *m, int i, cmp_model_tensor *t) {
     else t->ndim = 3, t->shape[0] = E, t->shape[1] = h, t->shape[2] = f, t->role = DOPT_TP_ROW;
     return; /* not projected: GaLore's projection is for matrices */
   }
-  const int kk = m->experts > 0 && k > 7 ? k - 1 : k; /* the norms after the MoE block */
+  const int kk = m->experts > 0 && k > 7 ? k - (m->separate ? E3 - 2 : 1) : k; /* the norms after the MoE block */
   snprintf(t->name, sizeof t->name, "model.layers.%d.%s", layer, LAYER[kk].what);
   t->role = LAYER[kk].role;
   t->projected = LAYER[kk].kind != 3;
   switch (LAYER[kk].kind) {
-  case 0: t->ndim = 2, t->shape[0] = h, t->shape[1] = h; break;
+  case 0: t->ndim = 2, t->shape[0] = kk == 1 || kk == 2 ? kv : h, t->shape[1] = h; break;
   case 1: t->ndim = 2, t->shape[0] = f, t->shape[1] = h; break;
   case 2: t->ndim = 2, t->shape[0] = h, t->shape[1] = f; break;
   default: t->ndim = 1, t->shape[0] = h; break;
@@ -113,8 +132,9 @@ dopt_status cmp_model_parse(const char *spec, cmp_model *out) {
       *out = PRESETS[k];
       return DOPT_OK;
     }
-  const char *why = "expected a preset (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b) or a parameter "
-                    "count COUNT[k|m|b][xLAYERS][eEXPERTS] from 10k to 100b, e.g. 100m, 1.5b, 2mx32, 4mx2e8";
+  const char *why = "expected a preset (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b, mixtral-mini, "
+                    "mixtral-8x7b) or a parameter count COUNT[k|m|b][xLAYERS][eEXPERTS[s]] from 10k to 100b, e.g. "
+                    "100m, 1.5b, 2mx32, 4mx2e8, 4mx2e8s (s: separate expert tensors)";
   /* COUNT: digits with at most one '.', read by strtod on that span only (no sign, space or exponent: an 'e'
    * after the count names experts) */
   size_t nd = 0, dots = 0;
@@ -140,6 +160,8 @@ dopt_status cmp_model_parse(const char *spec, cmp_model *out) {
     return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': layers after 'x' must be 1..256", spec);
   if (*end == 'e' && !small_int(&end, &experts))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': experts after 'e' must be 1..256", spec);
+  const int separate = experts > 0 && *end == 's';
+  end += separate;
   if (*end != '\0' || !(n >= 1e4 && n <= 1e11))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "--model '%.60s': %s", spec, why);
   cmp_model best;
@@ -149,6 +171,7 @@ dopt_status cmp_model_parse(const char *spec, cmp_model *out) {
     const double e = fabs(cmp_model_params(&m) - n);
     if (e < err) err = e, best = m;
   }
+  best.separate = separate;
   snprintf(best.name, sizeof best.name, "%s", spec);
   *out = best;
   return DOPT_OK;

@@ -203,6 +203,7 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (o->pp > 1) fprintf(f, "pp%d\xC3\x97", o->pp);
   fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->tp, o->dp, o->zero);
   if (strcmp(o->plugin, "gemini") == 0) fprintf(f, " chunk %zu", o->chunk_size ? o->chunk_size : CMP_GEMINI_CHUNK_DEFAULT);
+  if (o->ep > 1) fprintf(f, " ep %d (moe_dp %d)", o->ep, o->dp / o->ep);
   fprintf(f, " | %d step%s", r->steps, plural(r->steps));
   if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
   if (o->checkpoint_at > 0) /* the resume layout, as cmp_run completes it */
@@ -216,6 +217,9 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
       const size_t rc = o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
       fprintf(f, " chunk %zu", rc ? rc : CMP_GEMINI_CHUNK_DEFAULT);
     }
+    const int rep = o->resume_ep > 0 ? o->resume_ep
+                    : strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin, "moe_hybrid") == 0 ? o->ep : 1;
+    if (rep > 1) fprintf(f, " ep %d", rep);
   }
   print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);
@@ -359,6 +363,7 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
     jadd(b, op, "dp", cJSON_CreateNumber(o->dp));
     jadd(b, op, "zero", cJSON_CreateNumber(o->zero));
     jadd(b, op, "pp", cJSON_CreateNumber(o->pp));
+    jadd(b, op, "ep", cJSON_CreateNumber(o->ep));
     jadd(b, op, "chunk_size", strcmp(o->plugin, "gemini") == 0
                                   ? cJSON_CreateNumber((double)(o->chunk_size ? o->chunk_size : CMP_GEMINI_CHUNK_DEFAULT))
                                   : cJSON_CreateNull());

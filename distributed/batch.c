@@ -25,7 +25,7 @@ static dopt_status post_op(void *ctx, int op, void *x, size_t n) {
   red_ctx *r = ctx;
   if (n == 0) return DOPT_OK;
   if (r->over_tp) DOPT_TRY(push(&r->d->b, op, T_TP, x, n));
-  if (r->over_dp) DOPT_TRY(push(&r->d->b, op, T_DP, x, n));
+  if (r->over_dp) DOPT_TRY(push(&r->d->b, op, r->dpt, x, n));
   return DOPT_OK;
 }
 
@@ -43,7 +43,7 @@ dopt_status dd_flush(dopt_dist_optim *d) {
   for (int op = 0; op < NOPS; op++) {
     for (int t = 0; t < NTRANSPORTS; t++) {
       post_list *l = &b->l[op][t];
-      const dopt_transport *tr = t == T_TP ? &d->tp : &d->dp;
+      const dopt_transport *tr = t == T_TP ? &d->tp : t == T_DP ? &d->dp : &d->mdp;
       const dopt_dtype dt = op == OP_MAX ? DOPT_F64 : DOPT_I64;
       const dopt_redop rop = op == OP_MAX ? DOPT_MAX : DOPT_SUM;
       if (s == DOPT_OK && l->len == 1) {

@@ -23,9 +23,9 @@ static dopt_status agree(dopt_dist_optim *d, dopt_status mine, const char *phase
 }
 
 /* A replica writes nothing twice: a TP-replicated block is written by TP
- * rank 0, a block every dp rank holds whole by dp rank 0. */
+ * rank 0, a block every rank of its dp group holds whole by that group's rank 0. */
 static int writes_piece(const dopt_dist_optim *d, const dist_param *p, int sharded, const dopt_piece *pc) {
-  return pc->len > 0 && (d->tp.rank == 0 || p->role != DOPT_TP_REPLICATED) && (d->dp.rank == 0 || sharded);
+  return pc->len > 0 && (d->tp.rank == 0 || p->role != DOPT_TP_REPLICATED) && (dd_dpg(d, p)->rank == 0 || sharded);
 }
 
 /* An owned parameter's units on this rank as a piece of the logical tensor (or of an elementwise state of its
@@ -50,7 +50,8 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
   char name[512];
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (!dd_present(d, p)) continue; /* its stage writes it */
+    if (!dd_present(d, p)) continue; /* its stage (its ep rank) writes it */
+    const int lead = d->tp.rank == 0 && dd_dpg(d, p)->rank == 0; /* writes what every holder has whole */
     dopt_piece pc;
     dd_held_piece(p, p->master_sharded, &pc);
     if (writes_piece(d, p, p->master_sharded, &pc))
@@ -71,8 +72,8 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
         if (p->state[k]) DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, owned_piece(p, &whole), p->state[k]));
       } else if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) { /* gathered (collective), written whole by rank 0 */
         const size_t nb = (size_t)v->shape[0];
-        float *all = d->tp.rank == 0 && d->dp.rank == 0 ? malloc((nb ? nb : 1) * sizeof *all) : NULL;
-        if (d->tp.rank == 0 && d->dp.rank == 0 && !all)
+        float *all = lead ? malloc((nb ? nb : 1) * sizeof *all) : NULL;
+        if (lead && !all)
           return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_save: '%s': %zu blocks", name, nb);
         dopt_status s = dd_gather_blocks(d, p, k, all);
         if (s == DOPT_OK && all) s = dopt_ckpt_put(w, name, v->dtype, v->ndim, v->shape, &whole, all);
@@ -82,7 +83,7 @@ static dopt_status write_pieces(dopt_dist_optim *d, dopt_ckpt_writer *w) {
         dd_held_piece(p, d->zero >= 1, &pc);
         if (writes_piece(d, p, d->zero >= 1, &pc))
           DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, &pc, p->state[k]));
-      } else if (d->tp.rank == 0 && d->dp.rank == 0) { /* replicated whole on every rank */
+      } else if (lead) { /* replicated whole on every rank that holds it */
         DOPT_TRY(put_piece(d, w, name, v->dtype, v->ndim, v->shape, &whole, p->state[k]));
       }
     }
@@ -133,7 +134,7 @@ dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const ch
     }
     if (s == DOPT_OK) {
       m->optimizer_steps = d->gstep;
-      m->world.plugin = d->zero == 3 ? "fsdp" : "hybrid";
+      m->world.plugin = d->ep.size > 1 ? "moe_hybrid" : d->zero == 3 ? "fsdp" : "hybrid";
       m->world.tp = d->tp.size;
       m->world.dp = d->dp.size;
       m->world.zero = d->zero;

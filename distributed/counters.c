@@ -6,7 +6,7 @@
 #include "dist_internal.h"
 
 /* Whether this rank holds a piece of p that it steps, and whether that piece is its first copy: a
- * TP-replicated tensor's piece repeats on every tp rank, a piecewise one at ZeRO 0 on every dp rank; owner
+ * TP-replicated tensor's piece repeats on every tp rank, a piecewise one at ZeRO 0 on every rank of its dp group; owner
  * units are held once. */
 static void holding(const dopt_dist_optim *d, const dist_param *p, int *held, int *primary) {
   if (p->owned) {
@@ -14,7 +14,7 @@ static void holding(const dopt_dist_optim *d, const dist_param *p, int *held, in
     return;
   }
   *held = p->pc.len > 0;
-  *primary = *held && (p->role != DOPT_TP_REPLICATED || d->tp.rank == 0) && (d->zero >= 1 || d->dp.rank == 0);
+  *primary = *held && (p->role != DOPT_TP_REPLICATED || d->tp.rank == 0) && (d->zero >= 1 || dd_dpg(d, p)->rank == 0);
 }
 
 dopt_status dopt_dist_counters(const dopt_dist_optim *d, int i, dopt_counters *out) {

@@ -26,16 +26,17 @@ typedef struct dist_param dist_param;
 typedef struct red_ctx {
   dopt_dist_optim *d;
   int over_tp, over_dp;
+  int dpt; /* the list over_dp posts to: T_DP, or T_MDP for an expert parameter */
 } red_ctx;
 
 /* The reduction batch (batch.c): what the stages of one round posted, per
- * operation (MAX F64, SUM I64) and transport (tp, dp): a parameter split over
+ * operation (MAX F64, SUM I64) and transport (tp, dp, moe_dp): a parameter split over
  * both posts to both lists, and gets the TP reduction, then the DP one (MAX
  * and integer SUM compose exactly in any order). A list of one array is
  * reduced in place; longer lists are packed into a staging buffer of device
  * memory and unpacked after. */
 enum { OP_MAX, OP_SUM, NOPS };
-enum { T_TP, T_DP, NTRANSPORTS };
+enum { T_TP, T_DP, T_MDP, NTRANSPORTS };
 
 typedef struct post {
   void *x;
@@ -59,6 +60,8 @@ struct dist_param {
   char *name;
   int group;
   int stage; /* its pipeline stage: held, reduced and stepped only by the ranks of that stage (dd_present) */
+  int expert; /* MoE: its expert id, -1 dense */
+  int home;   /* MoE: the ep rank that holds the expert (dd_present), -1 dense (every ep rank) */
   int ndim;
   int64_t shape[DOPT_MAX_DIMS]; /* logical */
   dopt_tp_role role;
@@ -118,6 +121,8 @@ struct dopt_dist_optim {
   int np;
   dopt_transport tp, dp;
   dopt_transport pp; /* the pipeline group (size 1, ops NULL: no pipeline) */
+  dopt_transport ep; /* MoE: the expert-parallel group (size 1, ops NULL: none) */
+  dopt_transport mdp; /* MoE: the expert-data-parallel group, the experts' dp group (no MoE: dp) */
   size_t chunk_elems; /* Gemini: dopt_dist_config.chunk_elems; 0: per-tensor ZeRO */
   dopt_chunk_slot *gem; /* Gemini: [np] parameter i's place in its chunk (dopt_chunk_pack of TP rank 0's blocks,
                          * the largest of an uneven split: the same on every TP rank; NULL: per-tensor ZeRO) */
@@ -183,10 +188,25 @@ struct dopt_dist_optim {
 #define DEV(d) ((d)->dev->ops)
 #define DCTX(d) ((d)->dev->ctx)
 
-/* Whether this rank's stage holds p (a parameter of another stage has an empty TP block here). */
-static inline int dd_present(const dopt_dist_optim *d, const dist_param *p) { return p->stage == d->pp.rank; }
+/* Whether this rank holds p: its stage, and for an expert parameter its ep rank (the parameter of another stage
+ * or ep rank has an empty TP block here). */
+static inline int dd_present(const dopt_dist_optim *d, const dist_param *p) {
+  return p->stage == d->pp.rank && (p->home < 0 || p->home == d->ep.rank);
+}
 
-/* This rank in the world: (stage · dp + dp rank) · tp + tp rank. */
+/* The one rank of the ep group that counts p in what spans the model (SUMs over pp and ep): its holder, or for
+ * a dense parameter (held on every ep rank) ep rank 0. */
+static inline int dd_home(const dopt_dist_optim *d, const dist_param *p) {
+  return dd_present(d, p) && (p->home >= 0 || d->ep.rank == 0);
+}
+
+/* p's data-parallel group: dp, or for an expert parameter the expert-data-parallel group moe_dp. Its gradient
+ * is summed and its ZeRO shards cut over this group. */
+static inline const dopt_transport *dd_dpg(const dopt_dist_optim *d, const dist_param *p) {
+  return p->expert >= 0 ? &d->mdp : &d->dp;
+}
+
+/* This rank in the world: (stage · dp + dp rank) · tp + tp rank (MoE: dp rank = moe_dp rank · ep + ep rank). */
 static inline int64_t dd_world_rank(const dopt_dist_optim *d) {
   return ((int64_t)d->pp.rank * d->dp.size + d->dp.rank) * d->tp.size + d->tp.rank;
 }
@@ -210,7 +230,8 @@ dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 /* The bucket of the dp sum's exchange and the weights' gather that starts at parameter b0 (plan.c): the end
  * of the run of consecutive parameters (those `member` accepts; NULL: all) whose logical bytes / tp fit
  * d->bucket_bytes (0: no limit); a parameter of at least half the budget is a bucket of its own (sent and
- * gathered in place, no packing copy). The same cut on every rank. */
+ * gathered in place, no packing copy); dense and expert parameters never share one (each bucket moves over one
+ * data-parallel group, dd_dpg). The same cut on every rank. */
 int dd_bucket_end(const dopt_dist_optim *d, int b0, int (*member)(const dopt_dist_optim *d, int i));
 
 /* ---- batch.c ------------------------------------------------------------------------------ */
@@ -225,10 +246,16 @@ dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop
 /* Device x[count] of the ranks of stage `stage` to the other stages' ranks with the same tp and dp ranks (one
  * broadcast over pp; nothing without a pipeline). */
 dopt_status dd_from_stage(dopt_dist_optim *d, int stage, void *x, size_t count, dopt_dtype dt);
+/* Device x[count] of the ranks that hold p (its stage; an expert parameter: its ep rank) to every rank with the
+ * same tp rank and moe_dp rank (over ep from the holder, then over pp from its stage). */
+dopt_status dd_from_holder(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt);
 /* Device x[count] of world rank 0 to every rank: over pp among the stages' leads, then in each stage
  * (dd_from_rank 0, 0). */
 dopt_status dd_from_world0(dopt_dist_optim *d, void *x, size_t count, dopt_dtype dt);
 dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n);
+/* Host x[np] (dt: F64 or I64) ← its SUM over pp and ep, where each parameter's entry counts on its home
+ * (dd_home) only (the others' are zeroed first): every rank gets the value of the ranks that hold it. */
+dopt_status dd_sum_over_homes(dopt_dist_optim *d, void *x, dopt_dtype dt);
 
 /* ---- dp_sum.c ----------------------------------------------------------------------------- */
 
@@ -237,7 +264,8 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d);
 
 /* ---- owner.c ------------------------------------------------------------------------------ */
 
-dopt_status dd_from_rank(dopt_dist_optim *d, int owner, int owner_tp, void *x, size_t count, dopt_dtype dt);
+dopt_status dd_from_rank(dopt_dist_optim *d, const dopt_transport *g, int owner, int owner_tp, void *x, size_t count,
+                         dopt_dtype dt);
 dopt_status dd_owner_steps(dopt_dist_optim *d);
 /* Owner mode: the units [*u0, *u1) of world slot `slot` (dp rank · tp + tp rank), or of dp row `row`'s slots
  * (dd_row_units: the part of every TP block that row sums and steps). */

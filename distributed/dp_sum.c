@@ -9,14 +9,14 @@
  * x[lnumel·per] reduced to the owner's dp row (all-reduce with a transport
  * that has no reduce). */
 dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt) {
+  const dopt_transport *g = dd_dpg(d, p); /* dp, or an expert's moe_dp */
   if (p->owned) /* one unit: reduced to its owner's row; units over several rows: all-reduced */
-    return d->dp.ops->reduce && !p->ub
-               ? d->dp.ops->reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM, p->owner)
-               : d->dp.ops->all_reduce(d->dp.comm, x, x, p->lnumel * per, dt, DOPT_SUM);
+    return g->ops->reduce && !p->ub ? g->ops->reduce(g->comm, x, x, p->lnumel * per, dt, DOPT_SUM, p->owner)
+                                    : g->ops->all_reduce(g->comm, x, x, p->lnumel * per, dt, DOPT_SUM);
   if (d->zero >= 2)
-    return d->dp.ops->reduce_scatter(d->dp.comm, x, (char *)x + (size_t)d->dp.rank * p->chunk * per * dopt_dtype_size(dt),
-                                     p->chunk * per, dt, DOPT_SUM);
-  return d->dp.ops->all_reduce(d->dp.comm, x, x, p->padded * per, dt, DOPT_SUM);
+    return g->ops->reduce_scatter(g->comm, x, (char *)x + (size_t)g->rank * p->chunk * per * dopt_dtype_size(dt),
+                                  p->chunk * per, dt, DOPT_SUM);
+  return g->ops->all_reduce(g->comm, x, x, p->padded * per, dt, DOPT_SUM);
 }
 
 /* ---- the exact sum in buckets (a transport with all_to_allv, dp > 1) ---------------------------------------
@@ -27,12 +27,16 @@ dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t p
  * thousand elements at a time in cache, as dopt_dp_sum does; at zero 0 one all_gather gives every rank the
  * whole TP blocks again. The parts are one accumulated gradient per rank, or (batch invariant) its micro-batch
  * gradients, every rank d->micro of them (a micro-batch without a gradient: zeros). Collectives per bucket:
- * 1 all_to_allv + 1 MAX per transport (+ 1 all_gather at zero 0), whatever the number of parameters. */
+ * 1 all_to_allv + 1 MAX per transport (+ 1 all_gather at zero 0), whatever the number of parameters. A bucket
+ * holds dense or expert parameters (dd_bucket_end), and moves over their data-parallel group G (dp, or moe_dp:
+ * an ep rank's experts, the others' an empty block here); the codes' MAX is over the whole dp either way (each
+ * expert's from its own ranks, zeros elsewhere). */
 
-/* A piecewise parameter's segment size at zero 0 (bucket_regather): S = ceil(lnumel / dp); dp rank q sums
- * [q·S, q·S + len) of the TP block. */
+/* A piecewise parameter's segment size at zero 0 (bucket_regather): S = ceil(lnumel / G); rank q of its group
+ * sums [q·S, q·S + len) of the TP block. */
 static size_t seg_size(const dopt_dist_optim *d, const dist_param *p) {
-  return (p->lnumel + (size_t)d->dp.size - 1) / (size_t)d->dp.size;
+  const size_t D = (size_t)dd_dpg(d, p)->size;
+  return (p->lnumel + D - 1) / D;
 }
 
 /* The elements of p's TP block that dp rank q sums: its ZeRO range (dd_shard; Gemini: its part of the chunk's
@@ -60,7 +64,8 @@ static const float *local_part(const dopt_dist_optim *d, const dist_param *p, si
 /* The bucket [b0, b1)'s exchange: every rank's parts of what this rank sums arrive in d->parts, from source q
  * at q·R, parameter i's P parts at d->part_at[i] within it, each `len` long. */
 static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R) {
-  const size_t D = (size_t)d->dp.size, P = nparts(d), me = (size_t)d->dp.rank;
+  const dopt_transport *G = dd_dpg(d, &d->p[b0]);
+  const size_t D = (size_t)G->size, P = nparts(d), me = (size_t)G->rank;
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
   size_t stot = 0, lo, len;
   for (size_t q = 0; q < D; q++) {
@@ -75,7 +80,7 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   if (b1 == b0 + 1 && P == 1) { /* one parameter's gradient: each destination's segment sent from where it is */
     const dist_param *p = &d->p[b0];
     for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
-    return d->dp.ops->all_to_allv(d->dp.comm, p->grad, sc, sd, d->parts, rc, rd, DOPT_F32);
+    return G->ops->all_to_allv(G->comm, p->grad, sc, sd, d->parts, rc, rd, DOPT_F32);
   }
   DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
@@ -90,18 +95,19 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
       }
     }
   }
-  return d->dp.ops->all_to_allv(d->dp.comm, d->pack, sc, sd, d->parts, rc, rd, DOPT_F32);
+  return G->ops->all_to_allv(G->comm, d->pack, sc, sd, d->parts, rc, rd, DOPT_F32);
 }
 
 /* The codes of parameter i's blocks over the parts this rank received (MAX into its codes), its flag. */
 static dopt_status bucket_codes(dopt_dist_optim *d, int i, size_t R) {
   dist_param *p = &d->p[i];
+  const dopt_transport *G = dd_dpg(d, p);
   size_t lo, len;
-  seg_of(d, p, (size_t)d->dp.rank, &lo, &len);
+  seg_of(d, p, (size_t)G->rank, &lo, &len);
   dopt_piece g = p->pc;
   g.lo = lo, g.len = len;
   int64_t bad = 0;
-  for (size_t q = 0; q < (size_t)d->dp.size && len; q++)
+  for (size_t q = 0; q < (size_t)G->size && len; q++)
     for (size_t m = 0; m < nparts(d); m++) {
       int64_t b;
       DOPT_TRY(DEV(d)->grid_codes(DCTX(d), d->parts + q * R + d->part_at[i] + m * len, &g, d->codes + d->code_off[i],
@@ -115,8 +121,9 @@ static dopt_status bucket_codes(dopt_dist_optim *d, int i, size_t R) {
 /* The sum of parameter i's parts into p->grad at its segment (owner mode: the whole block, on the owner's row). */
 static dopt_status bucket_sum(dopt_dist_optim *d, int i, size_t R, int W, int k) {
   dist_param *p = &d->p[i];
+  const dopt_transport *G = dd_dpg(d, p);
   size_t lo, len;
-  seg_of(d, p, (size_t)d->dp.rank, &lo, &len);
+  seg_of(d, p, (size_t)G->rank, &lo, &len);
   const int flagged = d->hflags[i] != 0;
   /* a few thousand elements at a time on the CPU (the words stay in cache); one pass on other devices */
   const size_t sub = d->dev == dopt_device_cpu() ? 4096 : (len ? len : 1);
@@ -127,7 +134,7 @@ static dopt_status bucket_sum(dopt_dist_optim *d, int i, size_t R, int W, int k)
     dopt_piece sp = p->pc;
     sp.lo = lo + s0, sp.len = len - s0 < sub ? len - s0 : sub;
     int first = 1;
-    for (size_t q = 0; q < (size_t)d->dp.size; q++)
+    for (size_t q = 0; q < (size_t)G->size; q++)
       for (size_t m = 0; m < nparts(d); m++, first = 0)
         DOPT_TRY(DEV(d)->grid_encode(DCTX(d), d->parts + q * R + d->part_at[i] + m * len + s0, &sp, codes, W, k,
                                      !first, d->words, flagged ? d->cls : NULL));
@@ -151,7 +158,8 @@ static dopt_status max_codes(dopt_dist_optim *d, int b0, int b1) {
 /* zero 0: every rank's segments of the bucket's piecewise parameters to every rank (one all_gather: S_i
  * elements each, the last ones padded), then the whole TP blocks. */
 static dopt_status bucket_regather(dopt_dist_optim *d, int b0, int b1) {
-  const size_t D = (size_t)d->dp.size, me = (size_t)d->dp.rank;
+  const dopt_transport *G = dd_dpg(d, &d->p[b0]);
+  const size_t D = (size_t)G->size, me = (size_t)G->rank;
   size_t T = 0, lo, len;
   for (int i = b0; i < b1; i++)
     if (!d->p[i].owned) T += seg_size(d, &d->p[i]);
@@ -165,7 +173,7 @@ static dopt_status bucket_regather(dopt_dist_optim *d, int b0, int b1) {
     if (len) DOPT_TRY(DEV(d)->copy(DCTX(d), d->pack + at, p->grad + lo, len * sizeof(float)));
     at += seg_size(d, p);
   }
-  DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, d->pack, d->parts, T, DOPT_F32));
+  DOPT_TRY(G->ops->all_gather(G->comm, d->pack, d->parts, T, DOPT_F32));
   at = 0;
   for (int i = b0; i < b1; i++) {
     const dist_param *p = &d->p[i];
@@ -179,11 +187,11 @@ static dopt_status bucket_regather(dopt_dist_optim *d, int b0, int b1) {
   return DOPT_OK;
 }
 
-/* The exact dp sum without all_to_allv (or at dp 1, batch invariant: the micro-batches of this rank alone):
- * every parameter's codes in one MAX over the world, then per parameter its int64 words in one integer SUM
- * over dp (dd_dp_sum), decoded into this rank's piece. */
-static dopt_status words_dp_sum(dopt_dist_optim *d, int W, int k) {
-  for (int i = 0; i < d->np; i++) {
+/* The exact dp sum of the bucket [b0, b1) without all_to_allv (or over a group of 1, batch invariant: the
+ * micro-batches of this rank alone): the bucket's codes in one MAX over the world, then per parameter its int64
+ * words in one integer SUM over its group (dd_dp_sum), decoded into this rank's piece. */
+static dopt_status words_dp_sum(dopt_dist_optim *d, int b0, int b1, int W, int k) {
+  for (int i = b0; i < b1; i++) {
     dist_param *p = &d->p[i];
     if (p->lnumel == 0) continue;
     dopt_piece tb; /* the whole TP block */
@@ -199,8 +207,8 @@ static dopt_status words_dp_sum(dopt_dist_optim *d, int W, int k) {
     const int32_t one = 1;
     if (bad) DOPT_TRY(DEV(d)->upload(DCTX(d), d->codes + d->code_off[i] - 1, &one, sizeof one));
   }
-  DOPT_TRY(max_codes(d, 0, d->np));
-  for (int i = 0; i < d->np; i++) {
+  DOPT_TRY(max_codes(d, b0, b1));
+  for (int i = b0; i < b1; i++) {
     dist_param *p = &d->p[i];
     if (p->lnumel == 0) continue; /* the same on every rank of this dp group */
     const int32_t *codes = d->codes + d->code_off[i];
@@ -221,7 +229,7 @@ static dopt_status words_dp_sum(dopt_dist_optim *d, int W, int k) {
       const float *src = d->keep ? p->mb + (size_t)m * p->lnumel : p->grad;
       DOPT_TRY(DEV(d)->grid_encode(DCTX(d), src, &tb, codes, W, k, m > 0, d->words, flagged ? d->cls : NULL));
     }
-    if (d->dp.size > 1) {
+    if (dd_dpg(d, p)->size > 1) {
       DOPT_TRY(dd_dp_sum(d, p, d->words, (size_t)W, DOPT_I64));
       if (flagged) DOPT_TRY(dd_dp_sum(d, p, d->cls, 1, DOPT_I64));
     }
@@ -236,13 +244,25 @@ static dopt_status words_dp_sum(dopt_dist_optim *d, int W, int k) {
 /* The exact dp sum of every parameter's gradient (docs/dp-sum.md): in buckets through all_to_allv (above), or
  * through the transport's integer sums (words_dp_sum). */
 dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
-  /* the contributions: one accumulated gradient per rank, or (batch invariant) every micro-batch of every rank */
-  const int W = d->dp_words, n = d->keep ? d->dp.size * d->micro : d->dp.size;
-  const int k = 62 - dopt_grid_headroom(n);
+  const int W = d->dp_words;
   DOPT_TRY(dd_zero_dev(d, d->codes, d->ncodes * sizeof(int32_t)));
-  if (d->dp.size == 1 || !d->dp.ops->all_to_allv) return words_dp_sum(d, W, k);
   for (int b0 = 0; b0 < d->np;) {
     const int b1 = dd_bucket_end(d, b0, NULL);
+    /* the contributions: one accumulated gradient per rank of the group, or (batch invariant) every
+     * micro-batch of every rank; one contribution is the sum itself (dopt_dp_sum's rule) */
+    const dopt_transport *G = dd_dpg(d, &d->p[b0]);
+    const int n = d->keep ? G->size * d->micro : G->size, k = 62 - dopt_grid_headroom(n);
+    if (n == 1) {
+      for (int i = b0; i < b1; i++)
+        if (d->p[i].nmb) DOPT_TRY(DEV(d)->copy(DCTX(d), d->p[i].grad, d->p[i].mb, d->p[i].lnumel * sizeof(float)));
+      b0 = b1;
+      continue;
+    }
+    if (G->size == 1 || !G->ops->all_to_allv) {
+      DOPT_TRY(words_dp_sum(d, b0, b1, W, k));
+      b0 = b1;
+      continue;
+    }
     size_t R = 0;
     DOPT_TRY(bucket_exchange(d, b0, b1, &R));
     for (int i = b0; i < b1; i++) DOPT_TRY(bucket_codes(d, i, R));

@@ -29,26 +29,27 @@ static dopt_status to_root(dopt_dist_optim *d, const dopt_transport *t, const vo
  * shard (sharded != 0: [chunk] at src) or whole (src [lnumel]). elem: 4, 2 or 1. */
 static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                                    dopt_dtype dt, unsigned char *host) { /* host NULL: send only (lead mode) */
-  if (!sharded || d->dp.size == 1) return host ? DEV(d)->download(DCTX(d), host, src, p->lnumel * elem) : DOPT_OK;
+  const dopt_transport *g = dd_dpg(d, p); /* dp, or an expert's moe_dp */
+  if (!sharded || g->size == 1) return host ? DEV(d)->download(DCTX(d), host, src, p->lnumel * elem) : DOPT_OK;
   void *buf = NULL;
   if (d->gem) { /* Gemini: every rank's piece of its chunk shard (exact counts) to dp rank 0, or to every rank */
-    const size_t n = (size_t)d->dp.size;
+    const size_t n = (size_t)g->size;
     size_t *c = d->xc, lo, len;
     memset(c, 0, 4 * n * sizeof *c);
     for (size_t q = 0; q < n; q++) c[q] = d->gather_lead && q != 0 ? 0 : p->pc.len;
-    const int here = !d->gather_lead || d->dp.rank == 0;
+    const int here = !d->gather_lead || g->rank == 0;
     for (size_t q = 0; here && q < n; q++) dd_shard(d, p, d->tp.rank, q, &lo, &len), c[2 * n + q] = len, c[3 * n + q] = lo;
     DOPT_TRY(dd_gdev(d, here ? 0 : 1, here ? (p->lnumel ? p->lnumel : 1) * elem : 8, &buf));
-    DOPT_TRY(d->dp.ops->all_to_allv(d->dp.comm, src, c, c + n, buf, c + 2 * n, c + 3 * n, dt));
+    DOPT_TRY(g->ops->all_to_allv(g->comm, src, c, c + n, buf, c + 2 * n, c + 3 * n, dt));
     return host && here ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
   }
-  if (d->gather_lead) { /* every dp rank's shard to dp rank 0: rank r's at r · chunk */
-    if (d->dp.rank == 0) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
-    DOPT_TRY(to_root(d, &d->dp, src, p->chunk, buf, p->chunk, p->chunk, dt));
-    return host && d->dp.rank == 0 ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
+  if (d->gather_lead) { /* every rank's shard to rank 0 of the group: rank r's at r · chunk */
+    if (g->rank == 0) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
+    DOPT_TRY(to_root(d, g, src, p->chunk, buf, p->chunk, p->chunk, dt));
+    return host && g->rank == 0 ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
   }
   DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
-  DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, src, buf, p->chunk, dt));
+  DOPT_TRY(g->ops->all_gather(g->comm, src, buf, p->chunk, dt));
   return DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem);
 }
 
@@ -98,7 +99,7 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
 dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out) {
   unsigned char *mine = NULL;
-  if (d->gather_lead && d->dp.rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
+  if (d->gather_lead && dd_dpg(d, p)->rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
   DOPT_TRY(dd_ghost(d, 0, (p->lnumel ? p->lnumel : 1) * elem, &mine));
   DOPT_TRY(gather_tp_local(d, p, src, sharded, elem, dt, mine));
   return assemble_tp(d, p, mine, elem, dt, out);
@@ -115,9 +116,9 @@ dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_set_gather: d=NULL");
   DOPT_CHECK_ARG(mode == DOPT_DIST_GATHER_ALL || mode == DOPT_DIST_GATHER_LEAD,
                  "dopt_dist_set_gather: mode=%d (DOPT_DIST_GATHER_ALL 0 or DOPT_DIST_GATHER_LEAD 1)", mode);
-  if (mode == DOPT_DIST_GATHER_LEAD && (!d->tp.ops->all_to_allv || !d->dp.ops->all_to_allv))
+  if (mode == DOPT_DIST_GATHER_LEAD && (!d->tp.ops->all_to_allv || !d->dp.ops->all_to_allv || !d->mdp.ops->all_to_allv))
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_set_gather: DOPT_DIST_GATHER_LEAD needs the %s transport's "
-                      "all_to_allv", !d->tp.ops->all_to_allv ? "tp" : "dp");
+                      "all_to_allv", !d->tp.ops->all_to_allv ? "tp" : !d->dp.ops->all_to_allv ? "dp" : "moe_dp");
   d->gather_lead = mode == DOPT_DIST_GATHER_LEAD;
   return DOPT_OK;
 }
@@ -126,13 +127,15 @@ dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode) {
 enum { G_PARAM, G_WORK, G_STATE };
 static dopt_status gather_in_stage(dopt_dist_optim *d, int i, int what, const char *key, void *out);
 
-/* A gather of parameter i (what, key) of `bytes` logical bytes: assembled in its stage, then (pipeline) sent
- * over pp from that stage to the same tp and dp ranks of the others: on every rank, or in lead mode along the
- * stages' leads only. out: where it is delivered (NULL where nothing is: out_ok). */
+/* A gather of parameter i (what, key) of `bytes` logical bytes: assembled where it is held (its stage; an
+ * expert: its ep rank's tp x moe_dp grid), then sent over ep from that ep rank and over pp from that stage
+ * (dd_from_holder): on every rank, or in lead mode along the leads of the groups only (tp rank 0 and rank 0 of
+ * the parameter's dp group: the ranks it is assembled on, then world rank 0). out: where it is delivered (NULL
+ * where nothing is: out_ok). */
 static dopt_status gather_any(dopt_dist_optim *d, int i, int what, const char *key, size_t bytes, void *out) {
-  if (d->pp.size == 1) return gather_in_stage(d, i, what, key, out);
   const dist_param *p = &d->p[i];
-  const int here = dd_present(d, p), carry = !d->gather_lead || (d->tp.rank == 0 && d->dp.rank == 0);
+  if (d->pp.size == 1 && (d->ep.size == 1 || p->home < 0)) return gather_in_stage(d, i, what, key, out);
+  const int here = dd_present(d, p), carry = !d->gather_lead || (d->tp.rank == 0 && dd_dpg(d, p)->rank == 0);
   unsigned char *tmp = out;
   if (here && carry && !tmp) DOPT_TRY(dd_ghost(d, 2, bytes ? bytes : 1, &tmp)); /* a stage lead forwards it */
   if (here) DOPT_TRY(gather_in_stage(d, i, what, key, tmp));
@@ -140,7 +143,7 @@ static dopt_status gather_any(dopt_dist_optim *d, int i, int what, const char *k
   void *buf = NULL;
   DOPT_TRY(dd_gdev(d, 0, bytes, &buf));
   if (here) DOPT_TRY(DEV(d)->upload(DCTX(d), buf, tmp, bytes));
-  DOPT_TRY(dd_from_stage(d, p->stage, buf, bytes, DOPT_U8));
+  DOPT_TRY(dd_from_holder(d, p, buf, bytes, DOPT_U8));
   return !here && out ? DEV(d)->download(DCTX(d), out, buf, bytes) : DOPT_OK;
 }
 
@@ -180,14 +183,15 @@ static dopt_status gather_in_stage(dopt_dist_optim *d, int i, int what, const ch
         DOPT_TRY(dd_grow_dev(d, (void **)&d->xfer, &d->xfer_cap, bytes ? bytes : 1));
         buf = d->xfer;
       }
-      for (int w = 0; w < d->tp.size * d->dp.size; w++) {
+      const dopt_transport *g = dd_dpg(d, p);
+      for (int w = 0; w < d->tp.size * g->size; w++) {
         size_t u0, u1;
         dd_units(d, p, w, &u0, &u1);
         if (u1 == u0) continue;
         unsigned char *at = (unsigned char *)buf + u0 * ub;
         if (p->nunits > 1 && p->u1 > p->u0 && p->u0 == u0) /* mine: into place first */
           DOPT_TRY(DEV(d)->copy(DCTX(d), at, p->state[k], (u1 - u0) * ub));
-        DOPT_TRY(dd_from_rank(d, w / d->tp.size, w % d->tp.size, at, (u1 - u0) * ub, DOPT_U8));
+        DOPT_TRY(dd_from_rank(d, g, w / d->tp.size, w % d->tp.size, at, (u1 - u0) * ub, DOPT_U8));
       }
       return out ? DEV(d)->download(DCTX(d), out, buf, bytes) : DOPT_OK;
     }
@@ -215,14 +219,15 @@ static dopt_status blocks_of(dopt_dist_optim *d, const dist_param *p, int k, siz
   return s;
 }
 
-/* x[n] (host doubles) ← their MAX over the world (tp, then dp), through device scratch */
-static dopt_status world_max_f64(dopt_dist_optim *d, double *x, size_t n) {
+/* x[n] (host doubles) ← their MAX over the ranks that hold p (tp, then p's dp group), through device scratch */
+static dopt_status world_max_f64(dopt_dist_optim *d, const dist_param *p, double *x, size_t n) {
+  const dopt_transport *g = dd_dpg(d, p);
   void *buf = NULL;
   if (n == 0) return DOPT_OK;
   DOPT_TRY(dd_gdev(d, 0, n * sizeof *x, &buf));
   DOPT_TRY(DEV(d)->upload(DCTX(d), buf, x, n * sizeof *x));
   DOPT_TRY(d->tp.ops->all_reduce(d->tp.comm, buf, buf, n, DOPT_F64, DOPT_MAX));
-  DOPT_TRY(d->dp.ops->all_reduce(d->dp.comm, buf, buf, n, DOPT_F64, DOPT_MAX));
+  DOPT_TRY(g->ops->all_reduce(g->comm, buf, buf, n, DOPT_F64, DOPT_MAX));
   return DEV(d)->download(DCTX(d), x, buf, n * sizeof *x);
 }
 
@@ -233,7 +238,7 @@ dopt_status dd_gather_blocks(dopt_dist_optim *d, const dist_param *p, int k, flo
   const size_t nb = (size_t)p->spec[k].v.shape[0];
   double *v = NULL;
   DOPT_TRY(blocks_of(d, p, k, nb, &v));
-  dopt_status s = world_max_f64(d, v, nb);
+  dopt_status s = world_max_f64(d, p, v, nb);
   for (size_t b = 0; s == DOPT_OK && out && b < nb; b++) out[b] = (float)v[b];
   free(v);
   return s;
@@ -323,7 +328,7 @@ typedef struct held {
 
 static held held_of(const dopt_dist_optim *d, const dist_param *p, int e) {
   held h = {NULL, 0, 0, 0};
-  const int tprep = p->role == DOPT_TP_REPLICATED && d->tp.size > 1, dprep = d->dp.size > 1;
+  const int tprep = p->role == DOPT_TP_REPLICATED && d->tp.size > 1, dprep = dd_dpg(d, p)->size > 1;
   if (e == 0) {
     h.x = p->master;
     h.bytes = (p->master_sharded ? p->pc.len : p->lnumel) * sizeof(float);
@@ -392,7 +397,7 @@ static int holds_elem(const dopt_piece *pc, size_t L) {
 
 /* The shared blocks of blockwise state k (entry e of check_held): each rank holding elements of a block keeps
  * a copy of its value; every copy is compared with the copy of the ranks that hold the block's first element
- * (one MAX over the world), and *first becomes (world rank << 32 | e) when this rank's copy differs and that
+ * (one MAX over the ranks that hold p), and *first becomes (world rank << 32 | e) when this rank's copy differs and that
  * is below it. */
 static dopt_status check_shared(dopt_dist_optim *d, const dist_param *p, int k, size_t e, int64_t *first) {
   const size_t n = p->share.n, B = p->qblock;
@@ -408,7 +413,7 @@ static dopt_status check_shared(dopt_dist_optim *d, const dist_param *p, int k, 
     at[q] = t < p->nblk && p->blk[t] == idx[q] ? (long long)t : -1;
     prim[q] = at[q] >= 0 && holds_elem(&p->pc, idx[q] * B) ? (double)mine[at[q]] : -INFINITY;
   }
-  if (s == DOPT_OK) s = world_max_f64(d, prim, n);
+  if (s == DOPT_OK) s = world_max_f64(d, p, prim, n);
   const int64_t wr = dd_world_rank(d);
   for (size_t q = 0; s == DOPT_OK && q < n; q++) {
     const float v = (float)prim[q];
@@ -433,7 +438,9 @@ dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char
   if (cap) name[0] = '\0';
   size_t n = 0;
   for (int i = 0; i < d->np; i++) n += 1 + (size_t)d->p[i].bf16 + (size_t)d->p[i].nstates;
-  unsigned char *dg = calloc(n ? n : 1, DOPT_DIGEST_BYTES), *odp = calloc(n ? n : 1, 2), *otp = odp + (n ? n : 1);
+  /* per entry: compared over dp (a dense parameter's), over moe_dp (an expert's), over tp */
+  unsigned char *dg = calloc(n ? n : 1, DOPT_DIGEST_BYTES), *odp = calloc(n ? n : 1, 3), *omd = odp + (n ? n : 1),
+                *otp = omd + (n ? n : 1);
   if (!dg || !odp) {
     free(dg);
     free(odp);
@@ -445,7 +452,7 @@ dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char
     const dist_param *p = &d->p[i];
     for (int q = 0; s == DOPT_OK && q < 1 + p->bf16 + p->nstates; q++, e++) {
       const held h = held_of(d, p, q);
-      odp[e] = (unsigned char)h.over_dp, otp[e] = (unsigned char)h.over_tp;
+      (p->expert >= 0 && d->ep.size > 1 ? omd : odp)[e] = (unsigned char)h.over_dp, otp[e] = (unsigned char)h.over_tp;
       if (!h.over_dp && !h.over_tp) continue; /* held once: nothing to compare with */
       const void *bytes = h.x; /* the CPU device's buffers are host memory: digested where they are */
       if (d->dev != dopt_device_cpu()) {
@@ -459,6 +466,7 @@ dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char
   }
   int64_t first = INT64_MAX;
   if (s == DOPT_OK) s = compare_over(d, &d->dp, dg, n, odp, &first);
+  if (s == DOPT_OK && d->ep.size > 1) s = compare_over(d, &d->mdp, dg, n, omd, &first);
   if (s == DOPT_OK) s = compare_over(d, &d->tp, dg, n, otp, &first);
   e = 0;
   for (int i = 0; s == DOPT_OK && i < d->np; i++) { /* blocks whose elements several ranks hold */

@@ -32,14 +32,18 @@
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
-/* Sends the buffer x[count] (device) of the rank at dp rank `owner`, tp rank
- * `owner_tp` to every rank: over tp in the owner's dp row, then over dp in
- * every tp column. */
-dopt_status dd_from_rank(dopt_dist_optim *d, int owner, int owner_tp, void *x, size_t count, dopt_dtype dt) {
-  if (d->tp.size > 1 && d->dp.rank == owner) DOPT_TRY(d->tp.ops->broadcast(d->tp.comm, x, x, count, dt, owner_tp));
-  if (d->dp.size > 1) DOPT_TRY(d->dp.ops->broadcast(d->dp.comm, x, x, count, dt, owner));
+/* Sends the buffer x[count] (device) of the rank at rank `owner` of the data-parallel group g (dp, or an
+ * expert's moe_dp), tp rank `owner_tp`, to every rank of g's tp x g grid: over tp in the owner's row, then over
+ * g in every tp column. */
+dopt_status dd_from_rank(dopt_dist_optim *d, const dopt_transport *g, int owner, int owner_tp, void *x, size_t count,
+                         dopt_dtype dt) {
+  if (d->tp.size > 1 && g->rank == owner) DOPT_TRY(d->tp.ops->broadcast(d->tp.comm, x, x, count, dt, owner_tp));
+  if (g->size > 1) DOPT_TRY(g->ops->broadcast(g->comm, x, x, count, dt, owner));
   return DOPT_OK;
 }
+
+/* The rank of the data-parallel group of the batch ord[0, m) (one group per batch: dd_owner_steps). */
+static int group_row(const dopt_dist_optim *d, const int *ord) { return dd_dpg(d, &d->p[ord[0]])->rank; }
 
 /* The first unit of world slot s (ub[s]; one unit: 0 up to the owner's slot, 1 after it). */
 static size_t ub_at(const dopt_dist_optim *d, const dist_param *p, int s) {
@@ -195,14 +199,14 @@ static dopt_status step_units(dopt_dist_optim *d, int i, const float *g) {
  * when it owns units of one tensor whose blocks are runs of them. A replicated tensor needs nothing: every
  * rank's block is the whole gradient. */
 static dopt_status grads_to_owners(dopt_dist_optim *d, const int *ord, int m, const float **recv, int *whole) {
-  const int T = d->tp.size, me = d->tp.rank, base = d->dp.rank * T;
+  const int T = d->tp.size, me = d->tp.rank, row = group_row(d, ord), base = row * T;
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
   int nsend = 0, nrecv = 0, last_send = -1, last_recv = -1;
   size_t ssum = 0, rsum = 0, u0, u1;
   for (int k = 0; k < m; k++) {
     const dist_param *p = &d->p[ord[k]];
     if (p->role == DOPT_TP_REPLICATED) continue;
-    dd_row_units(d, p, d->dp.rank, &u0, &u1);
+    dd_row_units(d, p, row, &u0, &u1);
     nsend++, last_send = ord[k], ssum += (u1 - u0) * bunit(d, p, me);
     if (p->u1 > p->u0) nrecv++, last_recv = ord[k], rsum += (p->u1 - p->u0) * lunit(p);
   }
@@ -283,7 +287,7 @@ static int next_piece(const dopt_dist_optim *d, const int *ord, int m, int row, 
  * next_piece: the parameter's fp32 buffer itself when the row steps one tensor that is kept so
  * (values_direct), else a buffer from which every parameter is loaded. *vsum: the elements of *vals. */
 static dopt_status values_over_tp(dopt_dist_optim *d, const int *ord, int m, float **vals, size_t *vsum) {
-  const int T = d->tp.size, me = d->tp.rank, row = d->dp.rank;
+  const int T = d->tp.size, me = d->tp.rank, row = group_row(d, ord);
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
   int nmine = 0, mine = -1, i;
   size_t osum = 0, ru0, ru1, lo, len, at;
@@ -349,10 +353,11 @@ static void shard_cut(const dopt_dist_optim *d, const dist_param *p, size_t q, s
   *a = lo > s0 ? lo : s0, *b = lo + len < s1 ? lo + len : s1;
 }
 
-/* Steps the owned parameters list[0, n) (ascending index, none skipped):
- * gradients to their owners, the owners' steps, the new values back. */
+/* Steps the owned parameters list[0, n) (ascending index, none skipped, all of one data-parallel group G: dp,
+ * or the experts' moe_dp): gradients to their owners, the owners' steps, the new values back. */
 static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
-  const int T = d->tp.size, D = d->dp.size, me = d->tp.rank, row = d->dp.rank;
+  const dopt_transport *G = dd_dpg(d, &d->p[list[0]]);
+  const int T = d->tp.size, D = G->size, me = d->tp.rank, row = G->rank;
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn, *gpos = rd + d->xn;
   int *ord = d->xord, m = 0, i;
   row_params(d, list, n, row, ord, &m); /* my row's parameters */
@@ -401,7 +406,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     }
     void *rbuf = NULL;
     DOPT_TRY(dd_gdev(d, 0, (rtot ? rtot : 1) * sizeof(float), &rbuf));
-    DOPT_TRY(exchange(d, &d->dp, vsum ? (const void *)vals : rbuf, sc, sd, rbuf, rc, rd));
+    DOPT_TRY(exchange(d, G, vsum ? (const void *)vals : rbuf, sc, sd, rbuf, rc, rd));
     for (int o = 0; o < D; o++) {
       int mo = 0;
       if (o == row) continue; /* loaded in step 3 */
@@ -457,7 +462,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
   }
   void *rbuf = NULL;
   DOPT_TRY(dd_gdev(d, 0, (rtot ? rtot : 1) * sizeof(float), &rbuf));
-  DOPT_TRY(exchange(d, &d->dp, d->xs, sc, sd, rbuf, rc, rd));
+  DOPT_TRY(exchange(d, G, d->xs, sc, sd, rbuf, rc, rd));
   for (int o = 0; o < D; o++) {
     int mo = 0;
     if (o == row) continue;
@@ -476,21 +481,27 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
 }
 
 /* The owned parameters stepped this step, in batches of at most the bucket
- * budget of logical bytes (each parameter at least alone; 0: one batch). */
+ * budget of logical bytes (each parameter at least alone; 0: one batch): the
+ * dense ones (over dp), then the experts (over moe_dp; an ep rank owns only
+ * its own experts, so these batches differ between ep ranks but not within
+ * a moe_dp group). */
 dopt_status dd_owner_steps(dopt_dist_optim *d) {
-  int n = 0;
-  size_t bytes = 0;
-  for (int i = 0; i < d->np; i++) {
-    const dist_param *p = &d->p[i];
-    if (!p->owned || d->skip[i]) continue;
-    size_t b = dopt_numel(p->ndim, p->shape) * sizeof(float);
-    if (n > 0 && d->bucket_bytes && bytes + b > d->bucket_bytes) {
-      DOPT_TRY(owner_batch(d, d->xlist, n));
-      n = 0;
-      bytes = 0;
+  for (int experts = 0; experts < 2; experts++) {
+    int n = 0;
+    size_t bytes = 0;
+    for (int i = 0; i < d->np; i++) {
+      const dist_param *p = &d->p[i];
+      if (!p->owned || d->skip[i] || (p->expert >= 0) != experts) continue;
+      size_t b = dopt_numel(p->ndim, p->shape) * sizeof(float);
+      if (n > 0 && d->bucket_bytes && bytes + b > d->bucket_bytes) {
+        DOPT_TRY(owner_batch(d, d->xlist, n));
+        n = 0;
+        bytes = 0;
+      }
+      d->xlist[n++] = i;
+      bytes += b;
     }
-    d->xlist[n++] = i;
-    bytes += b;
+    if (n) DOPT_TRY(owner_batch(d, d->xlist, n));
   }
-  return n ? owner_batch(d, d->xlist, n) : DOPT_OK;
+  return DOPT_OK;
 }

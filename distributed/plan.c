@@ -37,7 +37,7 @@ static size_t block_numel_of(const dopt_dist_optim *d, const dist_param *p, int 
 }
 
 void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len) {
-  const size_t n = block_numel_of(d, p, r), D = (size_t)d->dp.size;
+  const size_t n = block_numel_of(d, p, r), D = (size_t)dd_dpg(d, p)->size;
   dopt_chunk_range(d->gem ? d->gem[p - d->p] : (dopt_chunk_slot){0, (n + D - 1) / D}, n, q, lo, len);
 }
 
@@ -121,6 +121,7 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
                      (cfg->version == 2 && cfg->struct_size >= DOPT_DIST_CONFIG_V2_SIZE) ||
                      (cfg->version == 3 && cfg->struct_size >= DOPT_DIST_CONFIG_V3_SIZE) ||
                      (cfg->version == 4 && cfg->struct_size >= DOPT_DIST_CONFIG_V4_SIZE) ||
+                     (cfg->version == 5 && cfg->struct_size >= DOPT_DIST_CONFIG_V5_SIZE) ||
                      (cfg->version == DOPT_DIST_CONFIG_VERSION && cfg->struct_size >= sizeof(dopt_dist_config)),
                  "dopt_dist_create: config struct_size=%u version=%u (initialise with DOPT_DIST_CONFIG_INIT)",
                  cfg->struct_size, cfg->version);
@@ -152,6 +153,26 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
                  "dopt_dist_create: plugin gemini at dp=%d needs the exact dp sum (dp_sum_words=%d) and the dp "
                  "transport's all_to_allv (a chunk's shards cut through tensors: exact counts, no padding)",
                  cfg->dp.size, cfg->dp_sum_words);
+  const int moe = cfg->plugin && strcmp(cfg->plugin, "moe_hybrid") == 0;
+  const int ep = cfg->version >= 6 && cfg->ep.size > 1 ? cfg->ep.size : 1;
+  DOPT_CHECK_ARG(moe || ep == 1, "dopt_dist_create: ep=%d is plugin moe_hybrid's expert parallelism, not '%s'", ep,
+                 cfg->plugin ? cfg->plugin : "");
+  if (ep > 1) {
+    DOPT_CHECK_ARG(cfg->ep.ops && cfg->ep.ops->all_reduce && cfg->ep.ops->broadcast && cfg->moe_dp.ops,
+                   "dopt_dist_create: ep=%d needs an ep transport with all_reduce and broadcast and a moe_dp transport",
+                   ep);
+    DOPT_CHECK_ARG(cfg->dp.size % ep == 0 && cfg->moe_dp.size == cfg->dp.size / ep,
+                   "dopt_dist_create: plugin moe_hybrid needs dp = moe_dp x ep (got dp=%d ep=%d moe_dp=%d)",
+                   cfg->dp.size, ep, cfg->moe_dp.size);
+    DOPT_CHECK_ARG(cfg->ep.rank >= 0 && cfg->ep.rank < ep && cfg->moe_dp.rank >= 0 &&
+                       cfg->moe_dp.rank < cfg->moe_dp.size && cfg->dp.rank == cfg->moe_dp.rank * ep + cfg->ep.rank,
+                   "dopt_dist_create: dp rank %d must be moe_dp rank %d x ep %d + ep rank %d (ep inside dp)",
+                   cfg->dp.rank, cfg->moe_dp.rank, ep, cfg->ep.rank);
+  }
+  DOPT_CHECK_ARG(cfg->version < 6 || !cfg->experts || (moe && cfg->num_experts >= 1),
+                 "dopt_dist_create: experts given with num_experts=%d (plugin '%s'): expert ids need plugin "
+                 "moe_hybrid and num_experts >= 1", cfg->version >= 6 ? cfg->num_experts : 0,
+                 cfg->plugin ? cfg->plugin : "");
   DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
                  "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
   return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
@@ -172,8 +193,10 @@ dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero)
     DOPT_CHECK_ARG(zero == 3, "plugin fsdp: needs zero=3 (got %d)", zero);
   } else if (strcmp(pl, "gemini") == 0) {
     DOPT_CHECK_ARG(zero == 3, "plugin gemini: needs zero=3 (its chunks are sharded; got %d)", zero);
+  } else if (strcmp(pl, "moe_hybrid") == 0) {
+    DOPT_CHECK_ARG(zero <= 2, "plugin moe_hybrid: zero=%d (0, 1 or 2, as ColossalAI's MoeHybridParallelPlugin)", zero);
   } else {
-    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp, gemini)", pl);
+    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp, gemini, moe_hybrid)", pl);
   }
   return DOPT_OK;
 }
@@ -256,7 +279,7 @@ static dopt_status share_blocks(dopt_dist_optim *d, dist_param *p, size_t B) {
   size_t *l = NULL, n = 0, cap = 0;
   dopt_piece pc;
   dopt_piece_full(p->ndim, p->shape, &pc);
-  const int tpn = p->role == DOPT_TP_REPLICATED ? 1 : d->tp.size, dpn = d->zero >= 1 ? d->dp.size : 1;
+  const int tpn = p->role == DOPT_TP_REPLICATED ? 1 : d->tp.size, dpn = d->zero >= 1 ? dd_dpg(d, p)->size : 1;
   for (int r = 0; r < tpn; r++) {
     dd_tp_block(p, d->tp.size, r, &pc.h0, &pc.hl, &pc.w0, &pc.wl);
     const size_t ln = pc.b * pc.hl * pc.wl;
@@ -306,7 +329,8 @@ static dopt_status plan_blocks(dopt_dist_optim *d, dist_param *p) {
 /* Sets up one parameter whose stage, shape and role dopt_dist_create set: its geometry, buffers, the initial
  * values of its piece. role: the one given (p->role: replicated without tensor parallelism). */
 static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_param *src, dopt_tp_role role) {
-  const int tpn = d->tp.size, dpn = d->dp.size;
+  const dopt_transport *g = dd_dpg(d, p); /* its data-parallel group: dp, or an expert's moe_dp */
+  const int tpn = d->tp.size, dpn = g->size;
   p->name = malloc(strlen(src->name) + 1);
   if (!p->name) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: '%s'", src->name);
   strcpy(p->name, src->name);
@@ -321,7 +345,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   dopt_piece_full(p->ndim, p->shape, pc);
   dd_tp_block(p, tpn, d->tp.rank, &pc->h0, &pc->hl, &pc->w0, &pc->wl);
   const int here = dd_present(d, p);
-  if (!here) pc->hl = 0; /* another stage's parameter: an empty block (no gradient, no values, no states) */
+  if (!here) pc->hl = 0; /* another stage's or ep rank's parameter: an empty block (no gradient, values, states) */
   p->lnumel = pc->b * pc->hl * pc->wl;
   p->lndim = p->ndim;
   memcpy(p->lshape, p->shape, sizeof p->lshape);
@@ -330,7 +354,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   if (!here) p->lshape[0] = 0, p->lndim = p->ndim > 0 ? p->ndim : 1;
   /* ZeRO: flatten, pad to a multiple of dp, split evenly */
   if (d->zero >= 1) {
-    dd_shard(d, p, d->tp.rank, (size_t)d->dp.rank, &pc->lo, &pc->len);
+    dd_shard(d, p, d->tp.rank, (size_t)g->rank, &pc->lo, &pc->len);
     if (d->gem) { /* this rank's piece alone: the collectives move exact counts (all_to_allv) */
       p->chunk = pc->len;
       p->padded = p->lnumel;
@@ -356,7 +380,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   p->nstates = d->impl->layout(d->hp[p->group], p->ndim, p->shape, p->spec);
   if (here) DOPT_TRY(plan_blocks(d, p));
   if (p->owned) { /* the states and the logical values of its units on each owner rank only */
-    dd_units(d, p, d->dp.rank * tpn + d->tp.rank, &p->u0, &p->u1);
+    dd_units(d, p, g->rank * tpn + d->tp.rank, &p->u0, &p->u1);
     if (p->u1 > p->u0) {
       const size_t lu = dopt_numel(p->ndim, p->shape) / (size_t)p->nunits, cnt = (p->u1 - p->u0) * lu;
       DOPT_TRY(dd_dalloc(d, cnt * sizeof(float), (void **)&p->full));
@@ -371,10 +395,11 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   p->rc.over_tp = p->role != DOPT_TP_REPLICATED;
   /* owner mode: the averaged gradient is on the owner's dp row only (gpc), so its statistics sum over dp */
   p->rc.over_dp = (d->zero >= 1 || p->owned) && dpn > 1;
+  p->rc.dpt = p->expert >= 0 ? T_MDP : T_DP;
   p->gpc = p->pc;
   if (p->owned) { /* its dp row's units of the TP block */
     size_t ru0, ru1;
-    dd_row_units(d, p, d->dp.rank, &ru0, &ru1);
+    dd_row_units(d, p, g->rank, &ru0, &ru1);
     dd_held_piece(p, 0, &p->gpc);
     const size_t bu = p->lnumel / (size_t)p->nunits;
     p->gpc.lo = ru1 > ru0 ? ru0 * bu : 0;
@@ -397,13 +422,16 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
  * tensor of several units (dopt__impl_units: an expert stack whose states are
  * all elementwise) is min(units, world) items of consecutive units, and each
  * slot owns as many of its units as its items hold, in slot order (ub).
- * Logical shapes only, so every rank agrees. */
-static dopt_status assign_owners(dopt_dist_optim *d, dopt_optim *po) {
-  const int world = d->tp.size * d->dp.size;
+ * Logical shapes only, so every rank agrees. MoE: the dense parameters over
+ * the world's tp x dp slots, an ep rank's experts (experts = 1) over the tp x
+ * moe_dp slots of its group (slot: moe_dp rank · tp + tp rank), separately,
+ * so that the dense owners are the same on every ep rank. */
+static dopt_status assign_owners(dopt_dist_optim *d, dopt_optim *po, int experts) {
+  const int world = d->tp.size * (experts ? d->mdp.size : d->dp.size);
   size_t n = 0;
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (!p->owned) continue;
+    if (!p->owned || (p->expert >= 0) != experts) continue;
     const dopt_param *q = dopt__optim_param(po, i);
     dopt_state_spec sp[DOPT_MAX_STATES];
     const int ns = d->impl->layout(d->hp[q->group], q->ndim, q->shape, sp);
@@ -420,7 +448,7 @@ static dopt_status assign_owners(dopt_dist_optim *d, dopt_optim *po) {
   n = 0;
   for (int i = 0; ok && i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (!p->owned) continue;
+    if (!p->owned || (p->expert >= 0) != experts) continue;
     const dopt_param *q = dopt__optim_param(po, i);
     const double *hp = d->hp[q->group];
     dopt_state_spec sp[DOPT_MAX_STATES];
@@ -446,7 +474,7 @@ static dopt_status assign_owners(dopt_dist_optim *d, dopt_optim *po) {
     else p->owner = slot[k] / d->tp.size, p->owner_tp = slot[k] % d->tp.size;
   }
   for (int i = 0; ok && i < d->np; i++)
-    for (int s = 0; d->p[i].ub && s < world; s++) d->p[i].ub[s + 1] += d->p[i].ub[s];
+    for (int s = 0; d->p[i].ub && (d->p[i].expert >= 0) == experts && s < world; s++) d->p[i].ub[s + 1] += d->p[i].ub[s];
   free(cost), free(bytes), free(idx), free(slot), free(g0), free(g1);
   return ok ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: owners of %zu owned units", n);
 }
@@ -466,6 +494,9 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->tp = cfg->tp;
   d->dp = cfg->dp;
   d->pp = cfg->version >= 4 && cfg->pp.size > 1 ? cfg->pp : (dopt_transport){NULL, NULL, 0, 1};
+  const int moe_ep = cfg->version >= 6 && cfg->ep.size > 1;
+  d->ep = moe_ep ? cfg->ep : (dopt_transport){NULL, NULL, 0, 1};
+  d->mdp = moe_ep ? cfg->moe_dp : cfg->dp;
   d->chunk_elems = cfg->version >= 5 ? cfg->chunk_elems : 0;
   d->dev = cfg->device ? cfg->device : dopt_device_cpu();
   d->zero = cfg->zero_stage;
@@ -504,11 +535,15 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
    * other parameters of those optimizers step piecewise */
   /* every parameter's stage, logical shape and role: what the owners, the chunks and the layout start from */
   const int *stages = cfg->version >= 4 ? cfg->stages : NULL;
+  const int *experts = cfg->version >= 6 ? cfg->experts : NULL, ne = experts ? cfg->num_experts : 0;
   for (int i = 0; i < d->np; i++) {
     const dopt_param *q = dopt__optim_param(po, i);
     dist_param *p = &d->p[i];
     const dopt_tp_role role = roles ? roles[i] : DOPT_TP_REPLICATED;
     p->stage = stages ? stages[i] : 0;
+    p->expert = experts ? experts[i] : -1;
+    p->home = -1;
+    if (p->expert >= 0 && p->expert < ne) p->home = dopt_dist_expert_rank(p->expert, ne, d->ep.size);
     p->ndim = q->ndim;
     memcpy(p->shape, q->shape, sizeof p->shape);
     p->role = d->tp.size > 1 ? role : DOPT_TP_REPLICATED;
@@ -518,6 +553,9 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
                      q->name, d->pp.size);
     else if ((unsigned)role > DOPT_TP_ROW)
       s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role);
+    else if (p->expert < -1 || (p->expert >= 0 && p->expert >= ne))
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: experts[%d]=%d ('%s') outside [-1, num_experts=%d)", i,
+                     p->expert, q->name, ne);
     if (s != DOPT_OK) {
       dopt_dist_destroy(d);
       return s;
@@ -532,13 +570,14 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   }
   for (int i = 0; i < d->np; i++) {
     const dopt_param *q = dopt__optim_param(po, i);
-    /* a parameter of another stage is held nowhere on this one: not owned here */
+    /* a parameter of another stage or ep rank is held nowhere on this one: not owned here */
     d->p[i].owned = dd_present(d, &d->p[i]) && dopt__impl_whole(d->impl, d->hp[q->group], q->ndim, q->shape);
     d->p[i].nunits = 1;
     d->nowned += d->p[i].owned;
   }
   if (d->nowned) {
-    dopt_status s = assign_owners(d, po);
+    dopt_status s = assign_owners(d, po, 0);
+    if (s == DOPT_OK) s = assign_owners(d, po, 1);
     if (s != DOPT_OK) {
       dopt_dist_destroy(d);
       return s;
@@ -574,10 +613,18 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   return DOPT_OK;
 }
 
+int dopt_dist_expert_rank(int e, int ne, int ep) {
+  if (e < 0 || ne < 1 || e >= ne || ep < 1) return -1;
+  const int base = ne / ep, rem = ne % ep; /* ranks [0, rem) hold base + 1 experts, the others base */
+  return e < rem * (base + 1) ? e / (base + 1) : rem + (e - rem * (base + 1)) / base;
+}
+
 int dd_bucket_end(const dopt_dist_optim *d, int b0, int (*member)(const dopt_dist_optim *d, int i)) {
   size_t est = 0;
   int n = 0, b1 = b0;
+  const int experts = b0 < d->np && d->p[b0].expert >= 0; /* one data-parallel group per bucket */
   for (; b1 < d->np; b1++) {
+    if ((d->p[b1].expert >= 0) != experts) break;
     if (member && !member(d, b1)) continue;
     const dist_param *p = &d->p[b1];
     const size_t e = dopt_numel(p->ndim, p->shape) * sizeof(float) / (size_t)d->tp.size;
@@ -620,6 +667,7 @@ dopt_status dopt_dist_layout(const dopt_dist_optim *d, int i, dopt_layout_piece 
   }
   DOPT_TRY(dopt_layout_from_piece(pc, p->ndim, out));
   if (d->pp.size > 1) out->stage = p->stage;
+  out->expert = p->expert;
   return DOPT_OK;
 }
 

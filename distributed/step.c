@@ -47,13 +47,13 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   return DOPT_OK;
 }
 
-/* The averaged gradient of each piece: the SUM over dp (exact, or fp32 in
- * the transport's order), then one division by dp·micro; *nonfinite counts
+/* The averaged gradient of each piece: the SUM over its dp group (dp; an
+ * expert's moe_dp: exact, or fp32 in the transport's order), then one
+ * division by that group's size · micro; *nonfinite counts
  * the non-finite averaged elements of this rank's pieces (p->gpc: owner
  * mode, the whole TP block on the owner's dp row). */
 static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   *nonfinite = 0;
-  const float denom = (float)((double)d->dp.size * (double)d->micro);
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     if (!p->acc) DOPT_TRY(dd_zero_dev(d, p->grad, p->lnumel * sizeof(float))); /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
@@ -70,8 +70,10 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   for (int i = 0; i < d->np; i++) d->p[i].nmb = 0;
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
-    if (d->dp.size > 1 && d->dp_words == 0) DOPT_TRY(dd_dp_sum(d, p, p->grad, 1, DOPT_F32));
+    const dopt_transport *g = dd_dpg(d, p);
+    if (g->size > 1 && d->dp_words == 0) DOPT_TRY(dd_dp_sum(d, p, p->grad, 1, DOPT_F32));
     int64_t bad;
+    const float denom = (float)((double)g->size * (double)d->micro);
     DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->gpc.lo, denom, p->gpc.len, &bad));
     *nonfinite += bad;
   }
@@ -104,15 +106,22 @@ dopt_status dd_from_stage(dopt_dist_optim *d, int stage, void *x, size_t count, 
 
 dopt_status dd_from_world0(dopt_dist_optim *d, void *x, size_t count, dopt_dtype dt) {
   if (d->tp.rank == 0 && d->dp.rank == 0) DOPT_TRY(dd_from_stage(d, 0, x, count, dt));
-  return dd_from_rank(d, 0, 0, x, count, dt);
+  return dd_from_rank(d, &d->dp, 0, 0, x, count, dt);
 }
 
 dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n) { return dd_world_reduce(d, h, n, DOPT_MAX); }
 
+dopt_status dd_from_holder(dopt_dist_optim *d, const dist_param *p, void *x, size_t count, dopt_dtype dt) {
+  if (d->ep.size > 1 && p->home >= 0 && p->stage == d->pp.rank) /* the holder's ep rank to its stage's others */
+    DOPT_TRY(d->ep.ops->broadcast(d->ep.comm, x, x, count, dt, p->home));
+  return dd_from_stage(d, p->stage, x, count, dt);
+}
+
 /* One MAX over the stage (tp, then dp) of {non-finite count, has[0..np)}:
  * whether any rank saw a non-finite averaged gradient, and which parameters
  * received a gradient on some rank (a rank without one added zeros); the
- * non-finite count then over pp (the skip is the whole model's). */
+ * non-finite count then over pp (the skip is the whole model's). A parameter
+ * another stage or ep rank holds is skipped here (its holders step it). */
 static dopt_status world_flags(dopt_dist_optim *d, int64_t *bad) {
   const size_t n = (size_t)d->np + 1;
   int64_t *h = malloc(n * sizeof *h);
@@ -123,7 +132,7 @@ static dopt_status world_flags(dopt_dist_optim *d, int64_t *bad) {
   if (s == DOPT_OK && d->pp.size > 1) s = reduce_i64(d, h, 1, DOPT_MAX, 1);
   if (s == DOPT_OK) {
     *bad = h[0];
-    for (int i = 0; i < d->np; i++) d->skip[i] = h[1 + i] == 0;
+    for (int i = 0; i < d->np; i++) d->skip[i] = h[1 + i] == 0 || !dd_present(d, &d->p[i]); /* held elsewhere */
   }
   free(h);
   return s;
@@ -213,22 +222,27 @@ static unsigned char *weights_of(const dist_param *p, size_t *es) {
   return p->bf16 ? (unsigned char *)p->work : (unsigned char *)p->master;
 }
 
-/* Zero 1/2: every dp rank gets the whole TP-local model weights of the parameters stepped piecewise back, in
- * buckets (dd_bucket_end): one all_gather of bytes per bucket, each rank's shards packed by parameter (a bucket
- * of one parameter: in place). */
+/* Zero 1/2: every rank of a parameter's dp group gets the whole TP-local model weights of the parameters
+ * stepped piecewise back, in buckets (dd_bucket_end: dense and expert parameters apart): one all_gather of bytes
+ * per bucket over its group, each rank's shards packed by parameter (a bucket of one parameter: in place). */
 static int gathers(const dopt_dist_optim *d, int i) { return !d->skip[i] && !d->p[i].owned; }
 
 static dopt_status gather_weights(dopt_dist_optim *d) {
-  const size_t D = (size_t)d->dp.size, me = (size_t)d->dp.rank;
   for (int b0 = 0; b0 < d->np;) {
     const int b1 = dd_bucket_end(d, b0, gathers);
+    const dopt_transport *g = dd_dpg(d, &d->p[b0]);
+    const size_t D = (size_t)g->size, me = (size_t)g->rank;
+    if (D == 1) {
+      b0 = b1;
+      continue;
+    }
     int n = 0, last = -1;
     size_t T = 0, es;
     for (int i = b0; i < b1; i++)
       if (gathers(d, i)) n++, last = i, (void)weights_of(&d->p[i], &es), T += d->p[i].chunk * es;
     if (n == 1) { /* in place */
       unsigned char *w = weights_of(&d->p[last], &es);
-      DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));
+      DOPT_TRY(g->ops->all_gather(g->comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));
     } else if (n > 1) {
       unsigned char *pack = NULL, *all = NULL;
       DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, T));
@@ -242,7 +256,7 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
         DOPT_TRY(DEV(d)->copy(DCTX(d), pack + at, w + me * p->chunk * es, p->chunk * es));
         at += p->chunk * es;
       }
-      DOPT_TRY(d->dp.ops->all_gather(d->dp.comm, pack, all, T, DOPT_U8));
+      DOPT_TRY(g->ops->all_gather(g->comm, pack, all, T, DOPT_U8));
       at = 0;
       for (int i = b0; i < b1; i++) {
         const dist_param *p = &d->p[i];
@@ -258,33 +272,29 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
   return DOPT_OK;
 }
 
-/* Pipeline: host x[np] (dt: F64 or I64) ← its SUM over pp, through device scratch. Each parameter's entry is
- * its stage's value and 0 on the others (the callers zero another stage's), so the SUM is that value exactly,
- * NaN and inf included. */
-static dopt_status sum_over_stages(dopt_dist_optim *d, void *x, dopt_dtype dt) {
+/* Each parameter's entry is its home's value and 0 on the other ranks of the ep and pp groups, so each SUM is
+ * that value exactly, NaN and inf included. Through device scratch. */
+dopt_status dd_sum_over_homes(dopt_dist_optim *d, void *x, dopt_dtype dt) {
+  if ((d->pp.size == 1 && d->ep.size == 1) || d->np == 0) return DOPT_OK;
   const size_t bytes = (size_t)d->np * dopt_dtype_size(dt);
+  for (int i = 0; i < d->np; i++)
+    if (!dd_home(d, &d->p[i])) memset((unsigned char *)x + (size_t)i * dopt_dtype_size(dt), 0, dopt_dtype_size(dt));
   void *buf = NULL;
   DOPT_TRY(dd_gdev(d, 0, bytes, &buf));
   DOPT_TRY(DEV(d)->upload(DCTX(d), buf, x, bytes));
-  DOPT_TRY(d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, dt, DOPT_SUM));
+  if (d->ep.size > 1) DOPT_TRY(d->ep.ops->all_reduce(d->ep.comm, buf, buf, (size_t)d->np, dt, DOPT_SUM));
+  if (d->pp.size > 1) DOPT_TRY(d->pp.ops->all_reduce(d->pp.comm, buf, buf, (size_t)d->np, dt, DOPT_SUM));
   return DEV(d)->download(DCTX(d), x, buf, bytes);
 }
 
-/* Pipeline: every parameter's Σg² (clipping) from its stage to every stage. */
-static dopt_status stages_sumsq(dopt_dist_optim *d) {
-  if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
-  for (int i = 0; i < d->np; i++) d->ss[i] = dd_present(d, &d->p[i]) ? d->ss[i] : 0.0;
-  return sum_over_stages(d, d->ss, DOPT_F64);
-}
-
-/* Pipeline: every parameter's step count from its stage, so that every rank reports, checks and saves the same
- * counts (dopt_dist_get_step, checkpoints). */
+/* Pipeline, MoE: every parameter's step count from its holders, so that every rank reports, checks and saves the
+ * same counts (dopt_dist_get_step, checkpoints). */
 static dopt_status stages_steps(dopt_dist_optim *d) {
-  if (d->pp.size == 1 || d->np == 0) return DOPT_OK;
+  if ((d->pp.size == 1 && d->ep.size == 1) || d->np == 0) return DOPT_OK;
   int64_t *h = malloc((size_t)d->np * sizeof *h);
   if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed step: %d step counts", d->np);
-  for (int i = 0; i < d->np; i++) h[i] = dd_present(d, &d->p[i]) ? d->p[i].step : 0;
-  dopt_status s = sum_over_stages(d, h, DOPT_I64);
+  for (int i = 0; i < d->np; i++) h[i] = d->p[i].step;
+  dopt_status s = dd_sum_over_homes(d, h, DOPT_I64);
   for (int i = 0; s == DOPT_OK && i < d->np; i++) d->p[i].step = h[i];
   free(h);
   return s;
@@ -316,7 +326,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     }
     DOPT_TRY(map_frames(d, 0, d->np, 0));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
-    DOPT_TRY(stages_sumsq(d));
+    DOPT_TRY(dd_sum_over_homes(d, d->ss, DOPT_F64)); /* every parameter's Σg² from its holders */
     float coef = dopt_clip_coef(d->ss, d->np, d->max_grad_norm, &local.grad_norm);
     for (int i = 0; i < d->np; i++)
       DOPT_TRY(DEV(d)->scale(DCTX(d), d->p[i].grad + d->p[i].gpc.lo, coef, d->p[i].gpc.len));
@@ -337,7 +347,7 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
   }
-  if ((d->zero == 1 || d->zero == 2) && d->dp.size > 1) DOPT_TRY(gather_weights(d));
+  if (d->zero == 1 || d->zero == 2) DOPT_TRY(gather_weights(d));
   /* owner mode: every rank receives its pieces' new values (no working-copy update, no all-gather) */
   if (d->nowned) DOPT_TRY(dd_owner_steps(d));
   DOPT_TRY(stages_steps(d));

@@ -8,6 +8,10 @@
  *           or 2 (reduce-scatter instead of all-reduce)
  *   hybrid  tp ≥ 1 × dp ≥ 1, zero 0, 1 or 2
  *   fsdp    zero 3: parameters stay sharded between steps (gathered on demand)
+ *   gemini  zero 3 over chunks of packed tensors (chunk_elems)
+ *   moe_hybrid  hybrid (zero 0-2) with expert parallelism: each expert's
+ *           parameters on one ep rank's expert-data-parallel group (ep, moe_dp,
+ *           experts; docs/distributed.md "MoE-Hybrid")
  *
  * Layout. Each parameter has a logical shape and a tensor-parallel role
  * (Megatron's names; ColossalAI's code inverts them):
@@ -102,17 +106,36 @@ typedef struct dopt_dist_config {
    * multiple of dp). Every chunk is split evenly over dp, so a rank's shard starts and ends inside blocks
    * and holds pieces of several; optimizer states are sharded the same way. 0 with every other plugin. */
   size_t chunk_elems;
+  /* v6: MoE-Hybrid (plugin "moe_hybrid"; docs/distributed.md "MoE-Hybrid"), as ColossalAI's
+   * MoeHybridParallelPlugin with ep inside dp: dp = moe_dp · ep, dp rank = moe_dp rank · ep + ep rank.
+   * experts[i] is parameter i's expert id in [0, num_experts) or -1 for a dense parameter (NULL: all dense;
+   * read during dopt_dist_create only). Expert e lives on ep rank r when e is in r's run of the experts: the
+   * first num_experts mod ep ranks hold one more (ep rank r holds [r·base + min(r, rem), …)). An expert
+   * parameter is held only by the ranks of its ep rank (the others see an empty block, as another stage's
+   * parameter), replicated over moe_dp and ZeRO-sharded within it; its gradient is summed exactly over moe_dp
+   * only and averaged over moe_dp · micro-batches. ep: this rank's expert-parallel group (the ranks with its
+   * stage, tp and moe_dp ranks, ordered by ep rank); moe_dp: its expert-data-parallel group (its stage, tp and
+   * ep ranks, ordered by moe_dp rank). ep size 0 or 1: no expert parallelism (moe_dp is dp). */
+  dopt_transport ep;
+  dopt_transport moe_dp;
+  const int *experts;
+  int num_experts;
 } dopt_dist_config;
 
-#define DOPT_DIST_CONFIG_VERSION 5
+#define DOPT_DIST_CONFIG_VERSION 6
 #define DOPT_DIST_CONFIG_V1_SIZE ((uint32_t)offsetof(dopt_dist_config, bucket_bytes))
 #define DOPT_DIST_CONFIG_V2_SIZE ((uint32_t)offsetof(dopt_dist_config, dp_sum_words))
 #define DOPT_DIST_CONFIG_V3_SIZE ((uint32_t)offsetof(dopt_dist_config, pp))
 #define DOPT_DIST_CONFIG_V4_SIZE ((uint32_t)offsetof(dopt_dist_config, chunk_elems))
+#define DOPT_DIST_CONFIG_V5_SIZE ((uint32_t)offsetof(dopt_dist_config, ep))
 #define DOPT_DIST_BUCKET_BYTES_DEFAULT ((size_t)64 << 20)
 #define DOPT_DIST_CONFIG_INIT \
   { sizeof(dopt_dist_config), DOPT_DIST_CONFIG_VERSION, "hybrid", 0, {0}, {0}, NULL, 0.0, 1, \
-    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0, {0}, NULL, 0 }
+    DOPT_DIST_BUCKET_BYTES_DEFAULT, DOPT_DP_SUM_DEFAULT_WORDS, 0, {0}, NULL, 0, {0}, {0}, NULL, 0 }
+
+/* MoE-Hybrid: the ep rank that holds expert e of num_experts over ep ranks (the first num_experts mod ep ranks
+ * hold one more; ep rank r holds a contiguous run of expert ids). -1 when an argument is out of range. */
+DOPT_API int dopt_dist_expert_rank(int expert, int num_experts, int ep);
 
 /* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
  * message names the plugin and what it needs. */
@@ -137,7 +160,8 @@ DOPT_API dopt_status dopt_dist_local_shape(const dopt_dist_optim *d, int param, 
  * as a block of the logical tensor's split dimension (ndim−2 for COLUMN, ndim−1 for ROW, 0 for a 1-D COLUMN
  * tensor; none when replicated) and the flat range of that block whose averaged gradient this rank keeps after
  * the dp sum and steps (piecewise: its ZeRO shard, the whole block at zero 0; owner mode: the whole block on
- * the owner's dp row). len 0: the rank holds none of it (an uneven split, a shard of padding, not the owner). Stage and expert are −1. Over all ranks the pieces obey the
+ * the owner's dp row). len 0: the rank holds none of it (an uneven split, a shard of padding, not the owner,
+ * another stage's or ep rank's parameter). Stage is −1 without a pipeline, expert −1 for a dense parameter. Over all ranks the pieces obey the
  * layout rule (dopt_layout_cover: TP-replicated and zero-0 pieces are replicas). */
 DOPT_API dopt_status dopt_dist_layout(const dopt_dist_optim *d, int param, dopt_layout_piece *out);
 

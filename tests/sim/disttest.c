@@ -30,7 +30,18 @@ int dt_dp_words(const dt_case *c) {
   return c->dp_sum < 0 ? DOPT_DP_SUM_RANK_ORDER : c->dp_sum == 0 ? DOPT_DP_SUM_DEFAULT_WORDS : c->dp_sum;
 }
 
+int dt_ep;
+const int *dt_experts;
+int dt_nexperts;
+
+/* Whether dp rank d holds (and gives a gradient of) parameter i: every rank, or an expert's ep rank's only. */
+static int dt_holds(int i, int d) {
+  if (dt_ep <= 1 || !dt_experts || dt_experts[i] < 0) return 1;
+  return d % dt_ep == dopt_dist_expert_rank(dt_experts[i], dt_nexperts, dt_ep);
+}
+
 const char *dt_plugin(const dt_layout *l) {
+  if (dt_ep > 1) return "moe_hybrid";
   if (l->zero == 3) return "fsdp";
   if (l->tp == 1 && l->zero == 0) return "ddp";
   if (l->tp == 1) return "zero";
@@ -144,15 +155,16 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
   const size_t nc = (size_t)c->nparams * DOPT_NCOUNTERS;
   r->counts = calloc((size_t)(c->steps + 1) * nc + 1, sizeof *r->counts);
   dopt_status s = r->counts ? DOPT_OK : DOPT_ERR_NO_MEMORY;
-  const float denom = (float)((double)dp * (double)c->micro);
   double ss[DT_MAXP];
   for (int t = 1; t <= c->steps && s == DOPT_OK; t++) {
     int bad = 0;
     for (int i = 0; i < c->nparams; i++) {
       size_t n = numel_of(&c->params[i]);
       const float *parts[DT_MAXRANKS * 8];
-      int np = 0;
+      int np = 0, nd = 0;
       for (int d = 0; d < dp; d++) {
+        if (!dt_holds(i, d)) continue; /* MoE: another ep rank's expert */
+        nd++;
         if (c->batch_invariant) { /* every micro-batch gradient is a part */
           for (int m = 0; m < c->micro; m++) {
             float *a = acc[i] + (size_t)np * n;
@@ -162,7 +174,7 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
           continue;
         }
         /* rank d's accumulator: g_0 + g_1 + ... (micro-batch order) */
-        float *a = acc[i] + (size_t)d * n;
+        float *a = acc[i] + (size_t)np * n;
         for (int m = 0; m < c->micro; m++) {
           dt_gradient(c, i, t, m, d, g);
           for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
@@ -170,6 +182,7 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
         parts[np++] = a;
       }
       if (s == DOPT_OK) s = dopt_dp_sum(parts, np, dt_dp_words(c), n, avg[i]);
+      const float denom = (float)((double)nd * (double)c->micro);
       for (size_t k = 0; k < n; k++) {
         avg[i][k] = avg[i][k] / denom;
         bad |= !isfinite(avg[i][k]);
@@ -249,12 +262,18 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   const dt_case *c = x->c;
   const dt_layout *l = x->l;
   const int npp = dt_pp > 1 ? dt_pp : 1;
-  dopt_sim_comm *tpc = NULL, *dpc = NULL, *ppc = NULL;
+  dopt_sim_comm *tpc = NULL, *dpc = NULL, *ppc = NULL, *epc = NULL, *mdc = NULL;
   /* Megatron: TP groups are contiguous ranks; DP groups stride by tp within a stage; the pipeline group holds
    * the ranks of every stage with the same tp and dp ranks (world rank (stage · dp + dp rank) · tp + tp rank) */
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / l->tp, rank, "tp", &tpc));
   DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / (l->tp * l->dp) * l->tp + rank % l->tp, rank, "dp", &dpc));
   if (npp > 1) DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % (l->tp * l->dp), rank, "pp", &ppc));
+  /* MoE: dp rank q = moe_dp rank · ep + ep rank; the ep group varies the ep rank, moe_dp the moe_dp rank */
+  const int q = rank / l->tp % l->dp, tr = rank % l->tp, stg = rank / (l->tp * l->dp);
+  if (dt_ep > 1) {
+    DOPT_TRY(dopt_sim_comm_split_labeled(world, (stg * (l->dp / dt_ep) + q / dt_ep) * l->tp + tr, rank, "ep", &epc));
+    DOPT_TRY(dopt_sim_comm_split_labeled(world, (stg * dt_ep + q % dt_ep) * l->tp + tr, rank, "moe_dp", &mdc));
+  }
   dopt_dist_config cfg = DOPT_DIST_CONFIG_INIT;
   cfg.plugin = dt_chunk ? "gemini" : dt_plugin(l);
   cfg.chunk_elems = dt_chunk;
@@ -270,6 +289,11 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   DOPT_TRY(dopt_sim_transport(tpc, &tpt));
   DOPT_TRY(dopt_sim_transport(dpc, &dpt));
   if (ppc) DOPT_TRY(dopt_sim_transport(ppc, &ppt));
+  dopt_transport ept, mdt;
+  if (epc) DOPT_TRY(dopt_sim_transport(epc, &ept));
+  if (mdc) DOPT_TRY(dopt_sim_transport(mdc, &mdt));
+  cfg.experts = dt_ep > 1 ? dt_experts : NULL;
+  cfg.num_experts = dt_ep > 1 ? dt_nexperts : 0;
   int stages[DT_MAXP];
   for (int i = 0; i < c->nparams; i++) stages[i] = dt_stage(i, c->nparams, npp);
   cfg.stages = stages;
@@ -279,10 +303,13 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   dopt_status ws = dt_checkdev_wrap(chk, &tpt, &cfg.tp);
   if (ws == DOPT_OK) ws = dt_checkdev_wrap(chk, &dpt, &cfg.dp);
   if (ws == DOPT_OK && ppc) ws = dt_checkdev_wrap(chk, &ppt, &cfg.pp);
+  if (ws == DOPT_OK && epc) ws = dt_checkdev_wrap(chk, &ept, &cfg.ep);
+  if (ws == DOPT_OK && mdc) ws = dt_checkdev_wrap(chk, &mdt, &cfg.moe_dp);
   dt_checkdev_host_steps(chk, dt_host_steps);
   if (ws == DOPT_OK && dt_basic_transport) {
     dt_checkdev_basic_ops(&cfg.tp);
     dt_checkdev_basic_ops(&cfg.dp);
+    if (mdc) dt_checkdev_basic_ops(&cfg.moe_dp);
   }
   if (ws != DOPT_OK) {
     dt_checkdev_destroy(chk);
@@ -305,7 +332,8 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     lp[i] = loc[i];
   }
   const int dprank = cfg.dp.rank, tprank = cfg.tp.rank, stage = ppc ? cfg.pp.rank : 0;
-  for (int i = 0; i < c->nparams; i++) lp[i] = stages[i] == stage ? loc[i] : NULL; /* another stage's: none */
+  for (int i = 0; i < c->nparams; i++) /* another stage's, another ep rank's expert: none */
+    lp[i] = stages[i] == stage && dt_holds(i, dprank) ? loc[i] : NULL;
   if (s == DOPT_OK && x->load_dir) s = dopt_dist_load(d, plain, x->load_dir);
   for (int t = x->t_first; t <= x->t_last && s == DOPT_OK; t++) {
     for (int m = 0; m < c->micro && s == DOPT_OK; m++) {

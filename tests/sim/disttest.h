@@ -78,6 +78,13 @@ typedef struct dt_layout {
 extern int dt_pp;
 /* Set likewise: Gemini's chunk size (0: per-tensor ZeRO); the layout's zero must be 3, the plugin is gemini. */
 extern size_t dt_chunk;
+/* Set likewise: MoE-Hybrid (plugin moe_hybrid, docs/distributed.md "MoE-Hybrid"): expert parallelism dt_ep
+ * (0 or 1: none; it must divide the layout's dp), dt_experts[i] parameter i's expert id (-1 dense) of
+ * dt_nexperts. Both the reference and the distributed run sum an expert's gradient over the dp ranks of its ep
+ * rank (dopt_dist_expert_rank; dp rank = moe_dp rank · ep + ep rank) and divide by moe_dp · micro. */
+extern int dt_ep;
+extern const int *dt_experts;
+extern int dt_nexperts;
 
 /* The stage of parameter i of n under pp stages: contiguous runs of the parameter list, as balanced as n
  * allows (the test's explicit map, dopt_dist_config.stages). */

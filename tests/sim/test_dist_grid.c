@@ -252,6 +252,77 @@ static void test_grid_gemini(void **st) {
          "bitwise equal\n", runs, grid_candidates, dt_subset_desc());
 }
 
+/* MoE-Hybrid (docs/distributed.md "MoE-Hybrid"): six of the parameters are experts 0-5 (square, tall, wide,
+ * H=1, 3-D and a 1-D bias: every kind of piece), the others dense; ep 2 and 4 (6 experts on ep 4: two ranks
+ * hold two experts, two hold one), moe_dp 1-2, with tp 1-3, every ZeRO stage of the plugin, clipping, bf16,
+ * two pipeline stages, a NaN in an expert's gradient; every registered optimizer's CI settings bitwise the
+ * reference (each expert summed over its moe_dp ranks only) on every rank, every piece under the layout rule;
+ * and the pieces themselves: an expert's on its ep rank's ranks only, with its expert id. */
+static const int MOE_EXPERTS[NPARAMS] = {0, 1, 2, -1, 3, -1, 4, -1, 5, -1, -1};
+static const dt_layout MOE_LAYOUTS[] = {{1, 4, 1, 0}, {2, 4, 2, 256}, {2, 2, 0, 1}, {1, 8, 2, 0}, {3, 4, 1, 256}};
+static const int MOE_EP[] = {4, 2, 2, 4, 2};
+static const int MOE_STAGES[] = {1, 1, 1, 1, 2};
+
+static int no_experts(void **st) { /* also after a failure */
+  (void)st;
+  dt_ep = 0;
+  dt_experts = NULL;
+  dt_nexperts = 0;
+  dt_pp = 0;
+  return 0;
+}
+
+/* Every rank's piece of every expert parameter: nothing off its ep rank, its expert id everywhere. */
+static void expect_moe_pieces(const dt_result *got, const dt_layout *l, int ep) {
+  for (int r = 0; r < got->nlayout; r++)
+    for (int i = 0; i < NPARAMS; i++) {
+      const dopt_layout_piece *pc = &got->layout[r][i];
+      const int q = r / l->tp % l->dp, e = MOE_EXPERTS[i];
+      if (pc->expert != e) fail_msg("ep %d: rank %d's piece of %s names expert %d, not %d", ep, r, PARAMS[i].name, pc->expert, e);
+      if (e >= 0 && q % ep != dopt_dist_expert_rank(e, 6, ep) && pc->len != 0)
+        fail_msg("ep %d: rank %d (ep rank %d) holds %lld elements of %s (expert %d, on ep rank %d)", ep, r, q % ep,
+                 (long long)pc->len, PARAMS[i].name, e, dopt_dist_expert_rank(e, 6, ep));
+    }
+}
+
+static void test_grid_moe(void **st) {
+  (void)st;
+  hp_setting h[MAX_SETTINGS];
+  const int nh = registry_settings(h, 0, 0), nl = (int)(sizeof MOE_LAYOUTS / sizeof MOE_LAYOUTS[0]);
+  int runs = 0;
+  grid_candidates = 0;
+  /* the placement rule itself: 6 experts on ep 4 -> ranks 0 0 1 1 2 3; 7 on 3 -> 0 0 0 1 1 2 2 */
+  const int want4[6] = {0, 0, 1, 1, 2, 3}, want3[7] = {0, 0, 0, 1, 1, 2, 2};
+  for (int e = 0; e < 6; e++) assert_int_equal(dopt_dist_expert_rank(e, 6, 4), want4[e]);
+  for (int e = 0; e < 7; e++) assert_int_equal(dopt_dist_expert_rank(e, 7, 3), want3[e]);
+  assert_int_equal(dopt_dist_expert_rank(6, 6, 4), -1);
+  dt_experts = MOE_EXPERTS;
+  dt_nexperts = 6;
+  for (int k = 0; k < nh; k++)
+    for (int li = 0; li < nl; li++) {
+      const dt_layout *l = &MOE_LAYOUTS[li];
+      grid_candidates++;
+      if (!dt_subset_keep(setting_key(&h[k], 20, 0, 0) ^ 0x6d6f, li, nl)) continue;
+      dt_ep = MOE_EP[li];
+      dt_pp = MOE_STAGES[li];
+      dt_case c = {h[k].opt, h[k].hp, NULL, PARAMS, NPARAMS, 20, 2, li % 2 ? 0.05 : 0.0, li == 2, 77 + (uint64_t)k,
+                   0.05, li == 3 ? 6 : 0, 5, 0, 0, 0, 0, 0};
+      char what[256];
+      snprintf(what, sizeof what, "%s [%s] moe_hybrid ep%d tp%d dp%d zero%d pp%d", c.optimizer,
+               c.hparams ? c.hparams : "", dt_ep, l->tp, l->dp, l->zero, dt_pp);
+      dt_result got;
+      run_bitwise(&c, l, what, &got);
+      if (li == 3 && got.skipped != 1) fail_msg("%s: a NaN in expert 0's gradient skipped %lld steps, not 1", what,
+                                               (long long)got.skipped);
+      expect_moe_pieces(&got, l, dt_ep);
+      dt_result_free(&got);
+      runs++;
+    }
+  printf("moe_hybrid: %d of %d runs (%s; 6 experts on ep 2 and 4, moe_dp 1-2, tp 1-3, zero 0-2, pp, clipping, "
+         "bf16, a NaN in an expert) x 20 steps x 2 micro-batches, bitwise equal\n", runs, grid_candidates,
+         dt_subset_desc());
+}
+
 /* The simulator's ring order (chunks start at rank c+1 and accumulate around
  * the ring, as NCCL's ring all-reduce may) at dp 3..8, tp 1 and 2, every
  * ZeRO stage: with the exact dp sum, one and two words, every optimizer is
@@ -326,6 +397,7 @@ static void test_rank_order_sum_control(void **st) {
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid), cmocka_unit_test_teardown(test_grid_pipeline, no_stages),
                                      cmocka_unit_test_teardown(test_grid_gemini, per_tensor),
+                                     cmocka_unit_test_teardown(test_grid_moe, no_experts),
                                      cmocka_unit_test(test_grid_ring_order),
                                      cmocka_unit_test(test_adversarial_ring_order),
                                      cmocka_unit_test(test_rank_order_sum_control)};

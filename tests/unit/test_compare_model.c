@@ -32,7 +32,64 @@ static void test_presets(void **st) {
   assert_int_equal(m.hidden, 768);
   assert_int_equal(m.inter, 2048);
   assert_int_equal(m.layers, 12);
-  assert_int_equal(cmp_model_npresets(), 5);
+  assert_int_equal(cmp_model_npresets(), 7);
+}
+
+static void expect_bad(const char *const *bad, size_t n);
+
+/* Mixtral-shaped models (Hugging Face's MixtralForCausalLM layout): separate experts w1, w2, w3 under
+ * block_sparse_moe, a router, grouped-query k and v; the 8x7B preset has Mixtral-8x7B's 46 702 792 704
+ * parameters (hidden 4096, intermediate 14336, 32 layers, 8 kv heads of 128, vocab 32000); every expert
+ * tensor carries its expert id, which is also what compare reads from its name. */
+static void test_mixtral(void **st) {
+  (void)st;
+  cmp_model m;
+  assert_ok(cmp_model_parse("mixtral-8x7b", &m));
+  assert_true(m.experts == 8 && m.separate && m.kv == 1024);
+  assert_true(cmp_model_params(&m) == 46702792704.0);
+  assert_int_equal(cmp_model_ntensors(&m), (7 + 3 * 8) * 32 + 3);
+  assert_ok(cmp_model_parse("mixtral-mini", &m));
+  const int n = cmp_model_ntensors(&m);
+  assert_int_equal(n, (7 + 3 * 6) * 2 + 3);
+  double sum = 0;
+  int per_expert[6] = {0}, dense = 0;
+  for (int i = 0; i < n; i++) {
+    cmp_model_tensor t;
+    cmp_model_tensor_at(&m, i, &t);
+    sum += (double)t.shape[0] * (double)(t.ndim == 2 ? t.shape[1] : 1);
+    assert_int_equal(cmp_expert_of(t.name), t.expert);
+    if (t.expert >= 0) per_expert[t.expert]++;
+    else dense++;
+  }
+  assert_true(sum == cmp_model_params(&m));
+  for (int e = 0; e < 6; e++) assert_int_equal(per_expert[e], 3 * 2);
+  assert_int_equal(dense, 7 * 2 + 3);
+  cmp_model_tensor t;
+  cmp_model_tensor_at(&m, 1 + 25 + 2, &t);
+  assert_string_equal(t.name, "model.layers.1.self_attn.v_proj.weight");
+  assert_true(t.shape[0] == m.kv && t.shape[1] == m.hidden && t.role == DOPT_TP_COLUMN);
+  cmp_model_tensor_at(&m, 1 + 25 + 4, &t);
+  assert_string_equal(t.name, "model.layers.1.block_sparse_moe.gate.weight");
+  assert_true(t.shape[0] == 6 && t.expert == -1 && t.role == DOPT_TP_REPLICATED);
+  cmp_model_tensor_at(&m, 1 + 25 + 5 + 3 * 5 + 1, &t);
+  assert_string_equal(t.name, "model.layers.1.block_sparse_moe.experts.5.w2.weight");
+  assert_true(t.shape[0] == m.hidden && t.shape[1] == m.inter && t.role == DOPT_TP_ROW && t.expert == 5 && t.projected);
+  cmp_model_tensor_at(&m, 1 + 25 + 5 + 18, &t);
+  assert_string_equal(t.name, "model.layers.1.input_layernorm.weight");
+  /* a count with separate experts: the same parameters as the stacked one, 3·E tensors per layer */
+  cmp_model s, k;
+  assert_ok(cmp_model_parse("4mx2e8s", &s));
+  assert_ok(cmp_model_parse("4mx2e8", &k));
+  assert_true(s.separate && !k.separate && cmp_model_params(&s) == cmp_model_params(&k));
+  assert_int_equal(cmp_model_ntensors(&s), (7 + 24) * 2 + 3);
+  /* names: a whole component "experts" and a number, nothing else */
+  assert_int_equal(cmp_expert_of("experts.12.w1.weight"), 12);
+  assert_int_equal(cmp_expert_of("model.layers.0.mlp.experts.gate_proj"), -1);
+  assert_int_equal(cmp_expert_of("model.shared_experts.3.w1"), -1);
+  assert_int_equal(cmp_expert_of("x.experts.3"), -1);
+  assert_int_equal(cmp_expert_of("x.experts.123456.w"), -1);
+  static const char *const bad[] = {"1mx2s", "1mx2e8ss", "1mx2e8t"};
+  expect_bad(bad, sizeof bad / sizeof bad[0]);
 }
 
 /* The tensors: names, shapes and roles of LlamaForCausalLM; their numels sum to the count. */
@@ -277,7 +334,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_presets),      cmocka_unit_test(test_tensors),        cmocka_unit_test(test_sizes),
       cmocka_unit_test(test_compare_291),  cmocka_unit_test(test_compare_blocks), cmocka_unit_test(test_experts),
-      cmocka_unit_test(test_compare_experts),
+      cmocka_unit_test(test_compare_experts), cmocka_unit_test(test_mixtral),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
