@@ -118,10 +118,10 @@ static void progress(int step, int steps, double elapsed, uint64_t worst, void *
 static int run_matrix(int steps) {
   static const struct {
     const char *plugin;
-    int tp, dp, zero, pp;
-  } plugins[] = {{"ddp", 1, 2, 0, 1},    {"zero", 1, 2, 1, 1}, {"zero", 1, 3, 2, 1},
-                 {"hybrid", 2, 2, 2, 1}, {"fsdp", 2, 2, 3, 1}, {"hybrid", 2, 2, 1, 3},
-                 {"gemini", 1, 3, 3, 1}};
+    int tp, dp, zero, pp, ep;
+  } plugins[] = {{"ddp", 1, 2, 0, 1, 1},    {"zero", 1, 2, 1, 1, 1}, {"zero", 1, 3, 2, 1, 1},
+                 {"hybrid", 2, 2, 2, 1, 1}, {"fsdp", 2, 2, 3, 1, 1}, {"hybrid", 2, 2, 1, 3, 1},
+                 {"gemini", 1, 3, 3, 1, 1}, {"moe_hybrid", 2, 4, 1, 1, 4}};
   const int np = (int)(sizeof plugins / sizeof plugins[0]);
   printf("measured compatibility (synthetic gradients, %d steps, bitwise against the reference)\n%-17s", steps,
          "optimizer");
@@ -130,6 +130,8 @@ static int run_matrix(int steps) {
     if (plugins[p].pp > 1)
       snprintf(h, sizeof h, "%s z%d pp%dx%dx%d", plugins[p].plugin, plugins[p].zero, plugins[p].pp, plugins[p].tp,
                plugins[p].dp);
+    else if (plugins[p].ep > 1)
+      snprintf(h, sizeof h, "moe z%d %dx%d ep%d", plugins[p].zero, plugins[p].tp, plugins[p].dp, plugins[p].ep);
     else
       snprintf(h, sizeof h, "%s z%d %dx%d", plugins[p].plugin, plugins[p].zero, plugins[p].tp, plugins[p].dp);
     printf(" %-18s", h);
@@ -154,6 +156,10 @@ static int run_matrix(int steps) {
       /* Gemini: chunks of 64 elements over dp 3, so shards cut through the built-in model's tensors (32 x 32
        * and larger ones alone in their chunks) */
       o.chunk_size = strcmp(plugins[p].plugin, "gemini") == 0 ? 64 : 0;
+      /* MoE-Hybrid: the Mixtral-shaped model (6 experts of w1, w2, w3 per layer) on ep 4, experts 0-1 and 2-3
+       * two per ep rank, 4 and 5 one: uneven, each summed over its ep rank's tp x 1 ranks only */
+      o.ep = plugins[p].ep;
+      if (o.ep > 1) snprintf(o.model, sizeof o.model, "mixtral-mini");
       o.steps = steps;
       cmp_result r;
       dopt_status s = cmp_run(&o, &r, NULL, NULL);

@@ -444,6 +444,7 @@ static void test_compare(void **st) {
   if (!strstr(txt, "\xe2\x9c\x94") || strstr(txt, "\xe2\x9c\x98")) fail_msg("matrix: %s", txt);
   if (!strstr(txt, "hybrid z1 pp3x2x2")) fail_msg("matrix lacks the pipeline column: %s", txt);
   if (!strstr(txt, "gemini z3 1x3")) fail_msg("matrix lacks the gemini column: %s", txt);
+  if (!strstr(txt, "moe z1 2x4 ep4")) fail_msg("matrix lacks the moe_hybrid column: %s", txt);
   free(txt);
 }
 
@@ -1331,7 +1332,7 @@ static void test_pp_nonfinite_skip(void **st) {
 
 /* A command line compare refuses: exit 2, one line on stderr naming the problem. */
 typedef struct refusal {
-  const char *args[12];
+  const char *args[16];
   const char *needle;
 } refusal;
 
@@ -1436,9 +1437,99 @@ static void test_gemini_bad_input(void **st) {
   expect_refusals(bad, sizeof bad / sizeof bad[0], "gemini");
 }
 
+/* ---- MoE-Hybrid (--plugin moe_hybrid --ep N; docs/distributed.md "MoE-Hybrid") ---- */
+
+/* Every registered optimizer on the Mixtral-shaped model (6 experts of w1, w2, w3 per layer, GQA k and v) at
+ * ep 2 (moe_dp 2, tp 1, zero 1) and ep 4 (6 experts on 4 ranks: two hold two, two hold one; moe_dp 1, tp 2,
+ * zero 2, bf16, two micro-batches), clipping that binds (its norm adds the experts of every ep rank once):
+ * bitwise the reference, whose expert gradients are the means over their ep rank's dp ranks only; and at ep 1
+ * the digest of the hybrid plugin (no expert parallelism: the same layout). */
+static void test_moe_every_optimizer(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adamw", "adafactor", "came", "lamb", "adamw8bit", "galore_adamw",
+                                     "galore_adamw8bit", "q_galore", "lisa", "galore", "muon"};
+  static const char *const L[][6] = {{"1", "4", "2", "1", "--quiet", "1"}, {"2", "4", "4", "2", "--bf16", "2"}};
+  for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++) {
+    for (int l = 0; l < 2; l++) {
+      if (!dt_subset_keep(0x6d6f + k, l, 2)) continue; /* the sanitizer passes: a rotating subset */
+      char what[160], hex[65];
+      snprintf(what, sizeof what, "%s moe_hybrid tp %s dp %s ep %s zero %s", opts[k], L[l][0], L[l][1], L[l][2], L[l][3]);
+      const char *moe[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "3",
+                           "--max-grad-norm", "0.01", "--accumulation", L[l][5], L[l][4], "--quiet", "--plugin",
+                           "moe_hybrid", "--tp", L[l][0], "--dp", L[l][1], "--ep", L[l][2], "--zero", L[l][3], NULL};
+      expect_bitwise(moe, what, hex);
+    }
+    if (!dt_subset_keep(0x6d70 + k, 0, 1)) continue;
+    char h1[65], hh[65];
+    const char *ep1[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "2", "--quiet",
+                         "--plugin", "moe_hybrid", "--tp", "1", "--dp", "2", "--zero", "1", NULL};
+    expect_bitwise(ep1, opts[k], h1);
+    const char *hyb[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "2", "--quiet",
+                         "--plugin", "hybrid", "--tp", "1", "--dp", "2", "--zero", "1", NULL};
+    expect_bitwise(hyb, opts[k], hh);
+    if (strcmp(h1, hh) != 0) fail_msg("%s: moe_hybrid ep 1 digest %s, hybrid %s", opts[k], h1, hh);
+  }
+}
+
+/* Checkpoints resume across ep (2 -> 4, 4 -> 2 at another dp), into and out of moe_hybrid (the experts then
+ * dense over dp, or split from it), bitwise with the reference that replays the first layout; and a resume in
+ * the same layout has the uninterrupted run's digest. */
+static void test_moe_resume(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adafactor", "adamw8bit", "galore_adamw"};
+  static const char *const R[][10] = {
+      {"moe_hybrid", "4", "2", "moe_hybrid", "--resume-ep", "4", "--resume-dp", "4", "", ""},
+      {"moe_hybrid", "4", "4", "moe_hybrid", "--resume-ep", "2", "--resume-dp", "2", "", ""},
+      {"moe_hybrid", "4", "2", "hybrid", "--resume-dp", "2", "", "", "", ""},
+      {"hybrid", "2", "1", "moe_hybrid", "--resume-dp", "4", "--resume-ep", "4", "", ""},
+  };
+  for (int k = 0; k < 3; k++) {
+    char hex[65], want[65], what[200], ck[600];
+    for (int r = 0; r < 4; r++) {
+      if (!dt_subset_keep(0x6d71 + (uint64_t)k, r, 4)) continue;
+      snprintf(ck, sizeof ck, "%s/moeck%d_%d", dir, k, r);
+      snprintf(what, sizeof what, "%s: %s dp %s ep %s -> %s %s %s %s %s", opts[k], R[r][0], R[r][1], R[r][2], R[r][3],
+               R[r][4], R[r][5], R[r][6], R[r][7]);
+      const char *args[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "5", "--quiet",
+                            "--tp", "1", "--zero", "1", "--plugin", R[r][0], "--dp", R[r][1],
+                            strcmp(R[r][0], "moe_hybrid") == 0 ? "--ep" : "--pp", R[r][2], "--checkpoint-at", "2",
+                            "--checkpoint-dir", ck, "--resume-plugin", R[r][3], R[r][4], R[r][5],
+                            R[r][6][0] ? R[r][6] : NULL, R[r][7], NULL};
+      expect_bitwise(args, what, hex);
+    }
+    if (!dt_subset_keep(0x6d72 + (uint64_t)k, 0, 1)) continue;
+    const char *plain[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "5", "--quiet",
+                           "--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2", "--plugin", "moe_hybrid", NULL};
+    expect_bitwise(plain, opts[k], want);
+    snprintf(ck, sizeof ck, "%s/moeck%d_same", dir, k);
+    const char *same[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "5", "--quiet",
+                          "--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2", "--plugin", "moe_hybrid",
+                          "--checkpoint-at", "3", "--checkpoint-dir", ck, NULL};
+    expect_bitwise(same, opts[k], hex);
+    if (strcmp(hex, want) != 0) fail_msg("%s: resumed in the same layout: digest %s, uninterrupted %s", opts[k], hex, want);
+  }
+}
+
+/* Refusals, one line each: ep without moe_hybrid, an ep that does not divide dp (first or resume layout),
+ * moe_hybrid at ZeRO 3, an unknown plugin names moe_hybrid among the expected. */
+static void test_moe_bad_input(void **st) {
+  (void)st;
+  static const refusal bad[] = {
+      {{"compare", "--plugin", "hybrid", "--ep", "2", "--steps", "1", NULL}, "ep=2 needs plugin moe_hybrid"},
+      {{"compare", "--plugin", "moe_hybrid", "--dp", "6", "--ep", "4", "--steps", "1", NULL},
+       "ep=4 must divide dp=6"},
+      {{"compare", "--plugin", "moe_hybrid", "--dp", "4", "--ep", "2", "--checkpoint-at", "1", "--resume-ep", "3",
+        "--steps", "2", NULL}, "resume: ep=3 must divide dp=4"},
+      {{"compare", "--plugin", "moe_hybrid", "--zero", "3", "--steps", "1", NULL},
+       "--plugin moe_hybrid contradicts --zero 3"},
+      {{"compare", "--plugin", "moe", "--steps", "1", NULL}, "moe_hybrid"},
+  };
+  expect_refusals(bad, sizeof bad / sizeof bad[0], "moe");
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts|pipeline|gemini]\n", argv[0]);
+    fprintf(stderr, "usage: %s PATH-TO-distopt [layouts|pipeline|gemini|moe]\n", argv[0]);
     return 2;
   }
   bin = argv[1];
@@ -1456,6 +1547,14 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_gemini_bad_input),
     };
     return cmocka_run_group_tests(gemini, setup, teardown);
+  }
+  if (argc > 2 && strcmp(argv[2], "moe") == 0) { /* registered as unit_test_cli_moe */
+    const struct CMUnitTest moe[] = {
+        cmocka_unit_test(test_moe_every_optimizer),
+        cmocka_unit_test(test_moe_resume),
+        cmocka_unit_test(test_moe_bad_input),
+    };
+    return cmocka_run_group_tests(moe, setup, teardown);
   }
   if (argc > 2 && strcmp(argv[2], "pipeline") == 0) { /* registered as unit_test_cli_pipeline */
     const struct CMUnitTest pipeline[] = {
