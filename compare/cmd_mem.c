@@ -19,6 +19,7 @@ typedef struct pclass {
   long count;
   int projected; /* GaLore applies (attention and MLP linears, as the paper) */
   int split;     /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
+  int expert;    /* 1: separate experts' tensors, count over all E experts (moe_hybrid splits them over ep) */
 } pclass;
 
 /* The tensors of pipeline stage `stage` of pp (docs/distributed.md "Pipeline stages"): its decoder layers
@@ -38,21 +39,33 @@ static int classes_of(const cmp_model *m, stage_sel ss, pclass *c) {
     cmp_layers_per_stage(m->layers, ss.pp, per);
     L = per[ss.stage];
   }
-  c[n++] = (pclass){"embed + lm_head", 2, {v, h}, first + last, 0, 1}; /* vocab-parallel */
-  c[n++] = (pclass){"attn q,k,v", 2, {h, h}, 3 * L, 1, 1};
-  c[n++] = (pclass){"attn o", 2, {h, h}, L, 1, 2};
-  if (m->experts > 0) { /* stacked experts [E, f, h] / [E, h, f] (TP within each expert) and the router */
-    const int64_t E = m->experts;
-    c[n++] = (pclass){"moe router", 2, {E, h}, L, 0, 0};
-    c[n++] = (pclass){"experts gate,up", 3, {E, f, h}, 2 * L, 0, 1};
-    c[n++] = (pclass){"experts down", 3, {E, h, f}, L, 0, 2};
-  } else {
-    c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1, 1};
-    c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1, 2};
+  const int64_t kv = m->kv ? m->kv : h;
+  c[n++] = (pclass){"embed + lm_head", 2, {v, h}, first + last, 0, 1, 0}; /* vocab-parallel */
+  if (kv == h) {
+    c[n++] = (pclass){"attn q,k,v", 2, {h, h}, 3 * L, 1, 1, 0};
+  } else { /* grouped-query k and v */
+    c[n++] = (pclass){"attn q", 2, {h, h}, L, 1, 1, 0};
+    c[n++] = (pclass){"attn k,v", 2, {kv, h}, 2 * L, 1, 1, 0};
   }
-  c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + last, 0, 0};
+  c[n++] = (pclass){"attn o", 2, {h, h}, L, 1, 2, 0};
+  if (m->experts > 0 && m->separate) { /* Mixtral's separate experts w1, w3 [f, h], w2 [h, f] and the router */
+    const int64_t E = m->experts;
+    c[n++] = (pclass){"moe router", 2, {E, h}, L, 0, 0, 0};
+    c[n++] = (pclass){"experts w1,w3", 2, {f, h}, 2 * L * E, 1, 1, 1};
+    c[n++] = (pclass){"experts w2", 2, {h, f}, L * E, 1, 2, 1};
+  } else if (m->experts > 0) { /* stacked experts [E, f, h] / [E, h, f] (TP within each expert) and the router */
+    const int64_t E = m->experts;
+    c[n++] = (pclass){"moe router", 2, {E, h}, L, 0, 0, 0};
+    c[n++] = (pclass){"experts gate,up", 3, {E, f, h}, 2 * L, 0, 1, 0};
+    c[n++] = (pclass){"experts down", 3, {E, h, f}, L, 0, 2, 0};
+  } else {
+    c[n++] = (pclass){"mlp gate,up", 2, {f, h}, 2 * L, 1, 1, 0};
+    c[n++] = (pclass){"mlp down", 2, {h, f}, L, 1, 2, 0};
+  }
+  c[n++] = (pclass){"norms", 1, {h, 0}, 2 * L + last, 0, 0, 0};
   return n;
 }
+#define MAX_CLASSES 10
 
 static int classes(const cmp_model *m, pclass *c) { return classes_of(m, (stage_sel){0, 1}, c); }
 
@@ -66,7 +79,7 @@ static void tensor_hparams(const char *opt, const char *hp, int projected, int r
 
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
 static double model_state_bytes(const cmp_model *m, const char *opt, const char *hp, int rank, int *ok) {
-  pclass c[9];
+  pclass c[MAX_CLASSES];
   int n = classes(m, c);
   double total = 0;
   *ok = 1;
@@ -125,24 +138,23 @@ static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size
   return dopt_piece_blocks(&pc, B, NULL);
 }
 
-static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const char *hp, int grank, int tp, int dp,
-                    int zero, rank_mem *out) {
-  pclass c[9];
-  int n = classes_of(m, ss, c);
-  memset(out, 0, sizeof *out);
-  const int world = tp * dp;
-  double *load = calloc((size_t)world, sizeof *load), *copy = calloc((size_t)world, sizeof *copy);
-  /* whole tensors for owner mode: (state bytes, numel) per tensor, largest numel first */
+/* One tp x D grid of ranks (a stage's tp x dp, or an ep rank's tp x moe_dp): classes c[0, n) with cnt[i] of
+ * each tensor on it (0: none), ZeRO over D. Per slot w (tp rank w mod tp, grid rank w / tp): st[w] state bytes,
+ * copy[w] the owners' fp32 copies, work[w] the step cost, each added to; the largest TP block's parameter and
+ * gradient bytes and the tensor counts added to out. */
+static int tally(const pclass *c, int n, const double *cnt, const char *opt, const char *hp, int grank, int tp, int D,
+                 int zero, double *st, double *copy, double *work, rank_mem *out) {
+  const int world = tp * D;
   long total = 0; /* owner items: a tensor, or (owner units) up to `world` runs of an expert stack's units */
-  for (int i = 0; i < n; i++) total += c[i].count * (c[i].ndim >= 3 && c[i].shape[0] > 1 ? (c[i].shape[0] < world ? c[i].shape[0] : world) : 1);
-  double *tb = malloc((size_t)total * sizeof *tb), *tn = malloc((size_t)total * sizeof *tn);
-  double *tc = malloc((size_t)total * sizeof *tc), *pcost = calloc((size_t)world, sizeof *pcost);
-  int *slot = malloc((size_t)total * sizeof *slot);
-  int ok = load && copy && tb && tn && tc && pcost && slot;
+  for (int i = 0; i < n; i++)
+    total += (long)cnt[i] * (c[i].ndim >= 3 && c[i].shape[0] > 1 ? (c[i].shape[0] < world ? c[i].shape[0] : world) : 1);
+  const size_t na = total > 0 ? (size_t)total : 1;
+  double *tb = malloc(na * sizeof *tb), *tn = malloc(na * sizeof *tn), *tc = malloc(na * sizeof *tc);
+  int *slot = malloc(na * sizeof *slot);
+  int ok = tb && tn && tc && slot;
   long nt = 0;
-  double *piecewise = calloc((size_t)world, sizeof *piecewise); /* each rank's state bytes of the piecewise tensors */
-  ok = ok && piecewise;
   for (int i = 0; ok && i < n; i++) {
+    if (cnt[i] <= 0) continue;
     char h[256];
     tensor_hparams(opt, hp, c[i].projected, grank, h, sizeof h);
     dopt_optim *o;
@@ -160,9 +172,9 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
     for (int k = 0; k < nd; k++) numel *= c[i].shape[k];
     int64_t lnumel = numel;
     if (tp > 1 && c[i].split) lnumel = numel / c[i].shape[sdim] * ceil_div(c[i].shape[sdim], tp);
-    int64_t chunk = zero >= 1 ? ceil_div(lnumel, dp) : lnumel, padded = zero >= 1 ? chunk * dp : lnumel;
-    out->params += (double)c[i].count * (double)(zero == 3 ? chunk : padded) * 4;
-    out->grads += (double)c[i].count * (double)padded * 4;
+    int64_t chunk = zero >= 1 ? ceil_div(lnumel, D) : lnumel, padded = zero >= 1 ? chunk * D : lnumel;
+    out->params += cnt[i] * (double)(zero == 3 ? chunk : padded) * 4;
+    out->grads += cnt[i] * (double)padded * 4;
     double whole = 0, piece = 0;
     for (int k = 0; k < ns; k++) {
       const double es = (double)dopt_dtype_size(sp[k].v.dtype);
@@ -171,7 +183,7 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
       else if (sp[k].kind == DOPT_STATE_WHOLE) piece += (double)sp[k].v.bytes;
       else if (!owned) /* blockwise: the blocks of each rank's own piece */
         for (int w = 0; w < world; w++)
-          piecewise[w] += (double)c[i].count * (double)rank_blocks(&c[i], tp, dp, zero, w, sp[k].block) * es;
+          st[w] += cnt[i] * (double)rank_blocks(&c[i], tp, D, zero, w, sp[k].block) * es;
     }
     const double cost = dopt__impl_cost(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
     if (owned) { /* as dopt_dist_create: min(units, world) items of consecutive units (every state elementwise) */
@@ -179,43 +191,95 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
       for (int k = 0; k < ns; k++)
         if (sp[k].kind != DOPT_STATE_ELEMENTWISE) nu = 1;
       const int64_t G = nu < world ? nu : world;
-      for (long k = 0; k < c[i].count; k++)
+      for (long k = 0; k < (long)cnt[i]; k++)
         for (int64_t g = 0; g < G; g++) {
           const double share = (double)((g + 1) * nu / G - g * nu / G) / (double)nu;
           tb[nt] = whole * share, tc[nt] = cost * share, tn[nt++] = (double)numel * share;
         }
-      out->owned += c[i].count;
     } else { /* the piece's share of the step (the largest TP block's ZeRO extent) */
-      for (int w = 0; w < world; w++) piecewise[w] += (double)c[i].count * piece;
-      for (int w = 0; w < world; w++) pcost[w] += (double)c[i].count * cost * (double)chunk / (double)numel;
-      out->piecewise += c[i].count;
+      for (int w = 0; w < world; w++) st[w] += cnt[i] * piece;
+      for (int w = 0; w < world; w++) work[w] += cnt[i] * cost * (double)chunk / (double)numel;
     }
     dopt_optim_destroy(o);
   }
-  double *st = ok ? calloc((size_t)world, sizeof *st) : NULL;
-  ok = ok && st && dopt__assign_owners((int)nt, tc, tb, world, slot) == 0; /* distributed/'s owners */
+  ok = ok && dopt__assign_owners((int)nt, tc, tb, world, slot) == 0; /* distributed/'s owners */
   for (long k = 0; ok && k < nt; k++) {
     const int r = slot[k];
-    load[r] += tc[k];
+    work[r] += tc[k];
     copy[r] += tn[k] * 4;
     st[r] += tb[k];
   }
-  for (int r = 0; ok && r < world; r++) {
-    const double mine = st[r] + piecewise[r], work = load[r] + pcost[r];
-    out->states_sum += mine;
-    out->states_max = r == 0 || mine > out->states_max ? mine : out->states_max;
-    out->states_min = r == 0 || mine < out->states_min ? mine : out->states_min;
-    out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
-    out->cost_sum += work;
-    out->cost_max = work > out->cost_max ? work : out->cost_max;
-  }
-  free(st), free(load), free(copy), free(tb), free(tn), free(tc), free(pcost), free(slot), free(piecewise);
+  free(tb), free(tn), free(tc), free(slot);
   return ok;
 }
 
-static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp, int zero) {
+/* Per world rank of stage ss under tp x dp x zero, and moe_hybrid's ep (dividing dp; 1: none): the dense
+ * tensors over the stage's tp x dp ranks, each ep rank's experts (the first E mod ep ranks one more, as
+ * dopt_dist_expert_rank) over its tp x moe_dp ranks, owners assigned apart as distributed/ does; world rank
+ * w = dp rank · tp + tp rank, dp rank = moe_dp rank · ep + ep rank. Parameters and gradients: the busiest ep
+ * rank's. */
+static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const char *hp, int grank, int tp, int dp,
+                    int ep, int zero, rank_mem *out) {
+  pclass c[MAX_CLASSES];
+  const int n = classes_of(m, ss, c), world = tp * dp, md = dp / ep, E = m->experts;
+  memset(out, 0, sizeof *out);
+  double dense[MAX_CLASSES], mine[MAX_CLASSES];
+  for (int i = 0; i < n; i++) {
+    dense[i] = ep > 1 && c[i].expert ? 0 : (double)c[i].count;
+  }
+  double *st = calloc((size_t)world * 3, sizeof *st), *copy = st ? st + world : NULL, *work = st ? st + 2 * world : NULL;
+  double *est = calloc((size_t)(tp * md) * 3, sizeof *est);
+  int ok = st && est && tally(c, n, dense, opt, hp, grank, tp, dp, zero, st, copy, work, out);
+  rank_mem busiest = {0};
+  for (int e = 0; ok && ep > 1 && e < ep; e++) { /* ep rank e's experts over its tp x moe_dp grid */
+    const int held = E / ep + (e < E % ep);
+    for (int i = 0; i < n; i++) mine[i] = c[i].expert ? (double)c[i].count / E * held : 0;
+    memset(est, 0, (size_t)(tp * md) * 3 * sizeof *est);
+    rank_mem em = {0};
+    ok = tally(c, n, mine, opt, hp, grank, tp, md, zero, est, est + tp * md, est + 2 * tp * md, &em);
+    if (em.params > busiest.params) busiest = em;
+    for (int w = 0; ok && w < world; w++) {
+      const int q = w / tp, t = w % tp;
+      if (q % ep != e) continue;
+      const int sl = q / ep * tp + t;
+      st[w] += est[sl], copy[w] += est[tp * md + sl], work[w] += est[2 * tp * md + sl];
+    }
+  }
+  out->params += busiest.params, out->grads += busiest.grads;
+  for (int r = 0; ok && r < world; r++) {
+    out->states_sum += st[r];
+    out->states_max = r == 0 || st[r] > out->states_max ? st[r] : out->states_max;
+    out->states_min = r == 0 || st[r] < out->states_min ? st[r] : out->states_min;
+    out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
+    out->cost_sum += work[r];
+    out->cost_max = work[r] > out->cost_max ? work[r] : out->cost_max;
+  }
+  /* tensors in each mode, model-wide */
+  for (int i = 0; ok && i < n; i++) {
+    char h[256];
+    tensor_hparams(opt, hp, c[i].projected, grank, h, sizeof h);
+    dopt_optim *o;
+    if (dopt_optim_create(opt, h, &o) != DOPT_OK) {
+      ok = 0;
+      break;
+    }
+    const int owned = dopt__impl_whole(dopt__optim_impl(o), dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
+    if (owned) out->owned += c[i].count;
+    else out->piecewise += c[i].count;
+    dopt_optim_destroy(o);
+  }
+  free(st), free(est);
+  return ok;
+}
+
+static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp, int ep, int zero) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
-  if (pp > 1)
+  if (ep > 1)
+    printf("\nper rank, tp=%d x dp=%d (moe_dp=%d x ep=%d) x zero=%d (fp32 parameters; the largest TP block; "
+           "distributed/'s moe_hybrid layout:\nthe dense tensors over dp, each ep rank's experts (%d of %d on the "
+           "busiest) over its moe_dp; params and grads of the busiest ep rank):\n", tp, dp, dp / ep, ep, zero,
+           m->experts / ep + (m->experts % ep != 0), m->experts);
+  else if (pp > 1)
     printf("\nper rank, pp=%d x tp=%d x dp=%d x zero=%d (fp32 parameters; the largest TP block; distributed/'s layout;\n"
            "the stage whose ranks hold the most parameters and states; layers per stage as ColossalAI's default):\n",
            pp, tp, dp, zero);
@@ -232,7 +296,7 @@ static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp,
     int bs = -1;
     double all = 0; /* every rank's state bytes, every stage */
     for (int s = 0; s < pp; s++) {
-      if (!per_rank(m, (stage_sel){s, pp}, name, h, grank, tp, dp, zero, &r)) {
+      if (!per_rank(m, (stage_sel){s, pp}, name, h, grank, tp, dp, ep, zero, &r)) {
         bs = -1;
         break;
       }
@@ -364,18 +428,19 @@ static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t ch
 
 int cmd_mem(int argc, char **argv) {
   const char *which = "llama-7b";
-  int rank = 0, tp = 0, dp = 0, zero = -1, pp = 0;
+  int rank = 0, tp = 0, dp = 0, zero = -1, pp = 0, ep = 0;
   size_t chunk = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       printf("usage: distopt mem [--model llama-60m|llama-130m|llama-350m|llama-1b|llama-7b|COUNT[k|m|b][xLAYERS][eEXPERTS]]\n"
-             "                  [--rank R] [--tp T --dp D --zero Z --pp P] [--chunk-size N]\n"
+             "                  [--rank R] [--tp T --dp D --zero Z --pp P] [--chunk-size N] [--ep E]\n"
              "  exact optimizer-state bytes of the model for every registered optimizer (GaLore on the\n"
              "  attention/MLP linears with rank R, default the paper's rank for the size), and the GaLore\n"
              "  paper's weights+states figures (BF16) next to the same accounting here. With --tp/--dp/--zero\n"
              "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
              "  and states in distributed/'s layout (piecewise or owner mode); --pp: per rank of the busiest\n"
-             "  pipeline stage (layers as ColossalAI's default); --chunk-size: Gemini's chunked ZeRO-3 per rank.\n"
+             "  pipeline stage (layers as ColossalAI's default); --chunk-size: Gemini's chunked ZeRO-3 per rank;\n"
+             "  --ep: moe_hybrid, each ep rank's experts over its moe_dp = dp / ep ranks (mixtral-8x7b --ep 8).\n"
              "  A COUNT (100m, 1.5b, 2mx32) is a\n"
              "  LLaMA of about that many parameters, eEXPERTS a MoE one (4mx2e8; docs/cli.md, \"Models\").\n");
       return CLI_OK;
@@ -394,7 +459,7 @@ int cmd_mem(int argc, char **argv) {
       rank = atoi(argv[++i]);
       if (rank <= 0) return cli_errorf(CMD, "--rank '%s': expected a positive integer", argv[i]);
     } else if (strcmp(argv[i], "--tp") == 0 || strcmp(argv[i], "--dp") == 0 || strcmp(argv[i], "--zero") == 0 ||
-               strcmp(argv[i], "--pp") == 0) {
+               strcmp(argv[i], "--pp") == 0 || strcmp(argv[i], "--ep") == 0) {
       const char *opt = argv[i], *v = argv[++i];
       char *end;
       long x = strtol(v, &end, 10);
@@ -403,6 +468,7 @@ int cmd_mem(int argc, char **argv) {
         return cli_errorf(CMD, "%s '%s': expected an integer in [%d, %d]", opt, v, is_zero ? 0 : 1, is_zero ? 3 : 4096);
       if (is_zero) zero = (int)x;
       else if (strcmp(opt, "--pp") == 0) pp = (int)x;
+      else if (strcmp(opt, "--ep") == 0) ep = (int)x;
       else if (strcmp(opt, "--tp") == 0) tp = (int)x;
       else dp = (int)x;
     } else return cli_errorf(CMD, "unknown option '%s' (see --help)", argv[i]);
@@ -459,12 +525,20 @@ int cmd_mem(int argc, char **argv) {
   }
   if (pp > CMP_PP_MAX || pp > m->layers)
     return cli_errorf(CMD, "--pp %d: at most %d stages and the model's %d layers", pp, CMP_PP_MAX, m->layers);
+  if (ep > 1) {
+    const int d = dp ? dp : 1;
+    if (m->experts < 1 || !m->separate)
+      return cli_errorf(CMD, "--ep %d: the model has no separate experts to split (a Mixtral preset, or COUNT...eEs)", ep);
+    if (d % ep != 0 || zero == 3 || chunk || pp > 1)
+      return cli_errorf(CMD, "--ep %d: moe_hybrid needs dp a multiple of ep (dp=%d), zero 0-2 and no --pp or "
+                        "--chunk-size", ep, d);
+  }
   if (chunk) {
     if ((zero >= 0 && zero != 3) || pp > 1)
       return cli_errorf(CMD, "--chunk-size (gemini) is ZeRO-3 without stages: not with --zero %d or --pp %d", zero, pp);
     return print_gemini(m, rank, tp ? tp : 1, dp ? dp : 1, chunk);
   }
-  if (tp || dp || zero >= 0 || pp)
-    return print_per_rank(m, rank, pp ? pp : 1, tp ? tp : 1, dp ? dp : 1, zero >= 0 ? zero : 0);
+  if (tp || dp || zero >= 0 || pp || ep)
+    return print_per_rank(m, rank, pp ? pp : 1, tp ? tp : 1, dp ? dp : 1, ep ? ep : 1, zero >= 0 ? zero : 0);
   return CLI_OK;
 }

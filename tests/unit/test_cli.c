@@ -659,6 +659,30 @@ static void test_mem_per_rank(void **st) {
    * (the embedding, or the head and the final norm, beside its layers), and a rank of it holds well under a
    * third of what a rank without stages holds (its stage: 5 of 24 layers and one of the two vocab matrices,
    * about a quarter of the model, plus the owners' imbalance) */
+  /* --ep 8 on Mixtral-8x7B (moe_dp 1, ZeRO 1): each rank holds its expert's 32 x 3 matrices whole and 1/8 of the
+   * dense tensors: AdamW's 8 bytes per element of that, 8 x (1 605 636 096 / 8 + 5 637 144 576) = 46 702 792 704
+   * on every rank (exactly the model's count: the same arithmetic), the 8 bytes per parameter once over the
+   * ranks; and a rank's fp32 parameters 26.98 GiB against 174 GiB with the experts dense over dp */
+  const char *moe[] = {"mem", "--model", "mixtral-8x7b", "--dp", "8", "--ep", "8", "--zero", "1", NULL};
+  const char *dense8[] = {"mem", "--model", "mixtral-8x7b", "--dp", "8", "--zero", "1", NULL};
+  assert_int_equal(run_out(moe, out), 0);
+  char *tm = slurp(out);
+  assert_int_equal(run_out(dense8, out), 0);
+  char *td = slurp(out);
+  {
+    double mm, am, rm, md, ad, rd, pm, pd;
+    int p1, o1, p2, o2;
+    mem_row(tm, "adamw", &p1, &o1, &rm, &mm, &am);
+    mem_row(td, "adamw", &p2, &o2, &rd, &md, &ad);
+    if (mm != 46702792704.0 || am != 8 * 46702792704.0 || ad != am || p1 != 995)
+      fail_msg("mem --ep 8: adamw max %.0f all %.0f (dense: all %.0f), %d tensors\n%s", mm, am, ad, p1, tm);
+    const char *r1 = strstr(tm, "| adamw | "), *r2 = strstr(td, "| adamw | ");
+    if (!r1 || !r2 || sscanf(r1, "| adamw | %*d / %*d | %lf", &pm) != 1 || sscanf(r2, "| adamw | %*d / %*d | %lf", &pd) != 1 ||
+        fabs(pm - 26.98) > 0.006 || pd < 170)
+      fail_msg("mem --ep 8: params per rank %.2f GiB, dense %.2f GiB", pm, pd);
+  }
+  free(tm);
+  free(td);
   const char *five[] = {"mem", "--model", "llama-1b", "--dp", "4", "--zero", "2", "--pp", "5", NULL};
   assert_int_equal(run_out(five, out), 0);
   char *t5 = slurp(out);
