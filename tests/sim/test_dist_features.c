@@ -125,6 +125,8 @@ typedef struct cfg_err {
   char msg[256];
   int stage;    /* dopt_dist_config.stages[0] (no pipeline: only 0 is valid) */
   size_t chunk; /* dopt_dist_config.chunk_elems */
+  int ep;       /* > 1: the ep transport claims this size (refused before any collective) */
+  int expert, nexperts; /* dopt_dist_config.experts[0] and num_experts (nexperts 0: no experts given) */
 } cfg_err;
 
 /* AdamW over one parameter "v" [6] on v (the caller's storage). */
@@ -149,8 +151,14 @@ static dopt_status cfg_body(dopt_sim_comm *world, int rank, void *user) {
   cfg.zero_stage = e->zero;
   cfg.stages = &e->stage;
   cfg.chunk_elems = e->chunk;
+  if (e->nexperts) cfg.experts = &e->expert, cfg.num_experts = e->nexperts;
   if (s == DOPT_OK) s = dopt_sim_transport(world, &cfg.tp);
   if (s == DOPT_OK) s = dopt_sim_transport(world, &cfg.dp);
+  if (s == DOPT_OK && e->ep > 1) {
+    s = dopt_sim_transport(world, &cfg.ep);
+    cfg.moe_dp = cfg.dp;
+    cfg.ep.size = e->ep;
+  }
   dopt_dist_optim *d = NULL;
   if (s == DOPT_OK) {
     e->got = dopt_dist_create(o, &cfg, &e->role, &d);
@@ -585,20 +593,31 @@ static void test_galore_split_inner_dimension(void **st) {
 static void test_config_errors(void **st) {
   (void)st;
   cfg_err cases[] = {
-      {"ddp", 1, DOPT_TP_REPLICATED, "plugin ddp", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"zero", 0, DOPT_TP_REPLICATED, "plugin zero", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"fsdp", 2, DOPT_TP_REPLICATED, "plugin fsdp", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"hybrid", 3, DOPT_TP_REPLICATED, "zero 3 is the fsdp plugin", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"colossal", 0, DOPT_TP_REPLICATED, "unknown plugin 'colossal'", DOPT_ERR_NOT_FOUND, 0, "", 0, 0},
-      {"hybrid", 4, DOPT_TP_REPLICATED, "zero_stage=4", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"hybrid", 0, DOPT_TP_ROW, "'v' role ROW", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"hybrid", 0, (dopt_tp_role)7, "roles[0]=7", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
-      {"hybrid", 0, DOPT_TP_REPLICATED, "stages[0]=1 ('v') outside [0, pp=1)", DOPT_ERR_INVALID_ARG, 0, "", 1, 0},
-      {"gemini", 3, DOPT_TP_REPLICATED, "plugin gemini needs chunk_elems >= 1", DOPT_ERR_INVALID_ARG, 0, "", 0, 0},
+      {"ddp", 1, DOPT_TP_REPLICATED, "plugin ddp", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"zero", 0, DOPT_TP_REPLICATED, "plugin zero", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"fsdp", 2, DOPT_TP_REPLICATED, "plugin fsdp", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"hybrid", 3, DOPT_TP_REPLICATED, "zero 3 is the fsdp plugin", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"colossal", 0, DOPT_TP_REPLICATED, "unknown plugin 'colossal'", DOPT_ERR_NOT_FOUND, 0, "", 0, 0, 0, 0, 0},
+      {"hybrid", 4, DOPT_TP_REPLICATED, "zero_stage=4", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"hybrid", 0, DOPT_TP_ROW, "'v' role ROW", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"hybrid", 0, (dopt_tp_role)7, "roles[0]=7", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"hybrid", 0, DOPT_TP_REPLICATED, "stages[0]=1 ('v') outside [0, pp=1)", DOPT_ERR_INVALID_ARG, 0, "", 1, 0, 0, 0, 0},
+      {"gemini", 3, DOPT_TP_REPLICATED, "plugin gemini needs chunk_elems >= 1", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
       {"fsdp", 3, DOPT_TP_REPLICATED, "chunk_elems=64 is for plugin gemini, not 'fsdp'", DOPT_ERR_INVALID_ARG, 0, "",
-       0, 64},
-      {"gemini", 2, DOPT_TP_REPLICATED, "plugin gemini: needs zero=3", DOPT_ERR_INVALID_ARG, 0, "", 0, 64},
-      {"hybrid", 0, DOPT_TP_REPLICATED, "no gradients", DOPT_ERR_STATE, 0, "", 0, 0},
+       0, 64, 0, 0, 0},
+      {"gemini", 2, DOPT_TP_REPLICATED, "plugin gemini: needs zero=3", DOPT_ERR_INVALID_ARG, 0, "", 0, 64, 0, 0, 0},
+      /* MoE-Hybrid: ep outside moe_hybrid, an ep that dp does not split into, ZeRO 3, expert ids without the
+       * plugin or out of range */
+      {"hybrid", 0, DOPT_TP_REPLICATED, "ep=2 is plugin moe_hybrid's expert parallelism, not 'hybrid'",
+       DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 2, 0, 0},
+      {"moe_hybrid", 1, DOPT_TP_REPLICATED, "needs dp = moe_dp x ep (got dp=1 ep=2 moe_dp=1)", DOPT_ERR_INVALID_ARG, 0,
+       "", 0, 0, 2, 0, 0},
+      {"moe_hybrid", 3, DOPT_TP_REPLICATED, "plugin moe_hybrid: zero=3", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"hybrid", 0, DOPT_TP_REPLICATED, "expert ids need plugin moe_hybrid", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 4},
+      {"moe_hybrid", 0, DOPT_TP_REPLICATED, "experts[0]=6 ('v') outside [-1, num_experts=6)", DOPT_ERR_INVALID_ARG, 0,
+       "", 0, 0, 0, 6, 6},
+      {"moe_hybrid", 0, DOPT_TP_REPLICATED, "experts[0]=-2 ('v')", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, -2, 6},
+      {"hybrid", 0, DOPT_TP_REPLICATED, "no gradients", DOPT_ERR_STATE, 0, "", 0, 0, 0, 0, 0},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
