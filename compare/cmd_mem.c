@@ -141,7 +141,7 @@ static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size
 /* One tp x D grid of ranks (a stage's tp x dp, or an ep rank's tp x moe_dp): classes c[0, n) with cnt[i] of
  * each tensor on it (0: none), ZeRO over D. Per slot w (tp rank w mod tp, grid rank w / tp): st[w] state bytes,
  * copy[w] the owners' fp32 copies, work[w] the step cost, each added to; the largest TP block's parameter and
- * gradient bytes and the tensor counts added to out. */
+ * gradient bytes and the tensors in each mode (piecewise, owner) added to out. */
 static int tally(const pclass *c, int n, const double *cnt, const char *opt, const char *hp, int grank, int tp, int D,
                  int zero, double *st, double *copy, double *work, rank_mem *out) {
   const int world = tp * D;
@@ -191,12 +191,14 @@ static int tally(const pclass *c, int n, const double *cnt, const char *opt, con
       for (int k = 0; k < ns; k++)
         if (sp[k].kind != DOPT_STATE_ELEMENTWISE) nu = 1;
       const int64_t G = nu < world ? nu : world;
+      out->owned += (long)cnt[i];
       for (long k = 0; k < (long)cnt[i]; k++)
         for (int64_t g = 0; g < G; g++) {
           const double share = (double)((g + 1) * nu / G - g * nu / G) / (double)nu;
           tb[nt] = whole * share, tc[nt] = cost * share, tn[nt++] = (double)numel * share;
         }
     } else { /* the piece's share of the step (the largest TP block's ZeRO extent) */
+      out->piecewise += (long)cnt[i];
       for (int w = 0; w < world; w++) st[w] += cnt[i] * piece;
       for (int w = 0; w < world; w++) work[w] += cnt[i] * cost * (double)chunk / (double)numel;
     }
@@ -238,6 +240,7 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
     rank_mem em = {0};
     ok = tally(c, n, mine, opt, hp, grank, tp, md, zero, est, est + tp * md, est + 2 * tp * md, &em);
     if (em.params > busiest.params) busiest = em;
+    out->owned += em.owned, out->piecewise += em.piecewise; /* every ep rank's experts: each expert's tensors once */
     for (int w = 0; ok && w < world; w++) {
       const int q = w / tp, t = w % tp;
       if (q % ep != e) continue;
@@ -253,20 +256,6 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
     out->owner_copy_max = copy[r] > out->owner_copy_max ? copy[r] : out->owner_copy_max;
     out->cost_sum += work[r];
     out->cost_max = work[r] > out->cost_max ? work[r] : out->cost_max;
-  }
-  /* tensors in each mode, model-wide */
-  for (int i = 0; ok && i < n; i++) {
-    char h[256];
-    tensor_hparams(opt, hp, c[i].projected, grank, h, sizeof h);
-    dopt_optim *o;
-    if (dopt_optim_create(opt, h, &o) != DOPT_OK) {
-      ok = 0;
-      break;
-    }
-    const int owned = dopt__impl_whole(dopt__optim_impl(o), dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
-    if (owned) out->owned += c[i].count;
-    else out->piecewise += c[i].count;
-    dopt_optim_destroy(o);
   }
   free(st), free(est);
   return ok;
