@@ -1532,6 +1532,24 @@ static void test_moe_resume(void **st) {
     expect_bitwise(same, opts[k], hex);
     if (strcmp(hex, want) != 0) fail_msg("%s: resumed in the same layout: digest %s, uninterrupted %s", opts[k], hex, want);
   }
+  /* the YAML keys plugin.ep and checkpoint.resume.ep, and the header that says both layouts */
+  char yaml[600], out[600];
+  snprintf(yaml, sizeof yaml, "%s/moe.yaml", dir);
+  snprintf(out, sizeof out, "%s/moe_yaml.txt", dir);
+  FILE *f = fopen(yaml, "w");
+  assert_non_null(f);
+  fputs("optimizer: {type: adamw8bit}\nplugin: {type: moe_hybrid, tp: 1, dp: 4, ep: 2, zero: 1}\n"
+        "gradients: {model: mixtral-mini}\ncheckpoint: {at: 2, resume: {type: moe_hybrid, ep: 4}}\nsteps: 4\n", f);
+  fclose(f);
+  const char *cfg[] = {"compare", "--config", yaml, "--quiet", NULL};
+  char hex[65];
+  expect_bitwise(cfg, "plugin.ep 2 -> checkpoint.resume.ep 4", hex);
+  assert_int_equal(run_out(cfg, out), 0);
+  char *txt = slurp(out);
+  if (!txt || !strstr(txt, "moe_hybrid tp1\xC3\x97" "dp4\xC3\x97zero1 ep 2 (moe_dp 2)") ||
+      !strstr(txt, "resumed after step 2 in moe_hybrid tp1\xC3\x97" "dp4\xC3\x97zero1 ep 4"))
+    fail_msg("YAML ep: header %s", txt ? txt : "");
+  free(txt);
 }
 
 /* Refusals, one line each: ep without moe_hybrid, an ep that does not divide dp (first or resume layout),
