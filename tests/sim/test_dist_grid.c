@@ -265,6 +265,7 @@ static const int MOE_STAGES[] = {1, 1, 1, 1, 2};
 
 static int no_experts(void **st) { /* also after a failure */
   (void)st;
+  dt_basic_transport = 0;
   dt_ep = 0;
   dt_experts = NULL;
   dt_nexperts = 0;
@@ -321,6 +322,40 @@ static void test_grid_moe(void **st) {
   printf("moe_hybrid: %d of %d runs (%s; 6 experts on ep 2 and 4, moe_dp 1-2, tp 1-3, zero 0-2, pp, clipping, "
          "bf16, a NaN in an expert) x 20 steps x 2 micro-batches, bitwise equal\n", runs, grid_candidates,
          dt_subset_desc());
+}
+
+/* MoE-Hybrid on the fallbacks: the rank-order fp32 dp sum (each expert over its moe_dp ranks in rank order), and
+ * transports without reduce and all_to_allv (the exact sum's integer words per tensor over moe_dp, the owners'
+ * exchanges as broadcasts); owner mode (GaLore), 8-bit blocks and factored statistics, ep 2 and 4. */
+static void test_grid_moe_fallbacks(void **st) {
+  (void)st;
+  static const struct {
+    const char *opt, *hp;
+  } O[] = {{"galore_adamw", "rank=2,update_proj_gap=3,lr=1e-2"},
+           {"adamw8bit", "min_8bit_size=16,block_size=64,lr=1e-2"},
+           {"adafactor", "beta1=0.9"}};
+  static const dt_layout L[] = {{2, 4, 2, 0}, {1, 4, 1, 256}};
+  static const int EP[] = {2, 4};
+  dt_experts = MOE_EXPERTS;
+  dt_nexperts = 6;
+  int runs = 0;
+  for (int k = 0; k < 3; k++)
+    for (int li = 0; li < 2; li++)
+      for (int basic = 0; basic < 2; basic++) {
+        dt_ep = EP[li];
+        dt_basic_transport = basic;
+        dt_case c = {O[k].opt, O[k].hp, NULL, PARAMS, NPARAMS, 8, 2, 0.05, 0, 31 + (uint64_t)k, 0.05, 0, 4,
+                     basic ? 0 : -1, 0, 0, 0, 0};
+        char what[256];
+        snprintf(what, sizeof what, "%s moe_hybrid ep%d tp%d dp%d zero%d %s", c.optimizer, dt_ep, L[li].tp, L[li].dp,
+                 L[li].zero, basic ? "basic transports" : "rank-order dp sum");
+        dt_result got;
+        run_bitwise(&c, &L[li], what, &got);
+        dt_result_free(&got);
+        runs++;
+      }
+  printf("moe_hybrid fallbacks: %d runs (rank-order dp sum; transports without reduce and all_to_allv) x 8 steps "
+         "x 2 micro-batches, bitwise equal\n", runs);
 }
 
 /* The simulator's ring order (chunks start at rank c+1 and accumulate around
@@ -398,6 +433,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_grid), cmocka_unit_test_teardown(test_grid_pipeline, no_stages),
                                      cmocka_unit_test_teardown(test_grid_gemini, per_tensor),
                                      cmocka_unit_test_teardown(test_grid_moe, no_experts),
+                                     cmocka_unit_test_teardown(test_grid_moe_fallbacks, no_experts),
                                      cmocka_unit_test(test_grid_ring_order),
                                      cmocka_unit_test(test_adversarial_ring_order),
                                      cmocka_unit_test(test_rank_order_sum_control)};
