@@ -1516,7 +1516,7 @@ static void test_moe_resume(void **st) {
                R[r][4], R[r][5], R[r][6], R[r][7]);
       const char *args[] = {"compare", "--optimizer", opts[k], "--model", "mixtral-mini", "--steps", "5", "--quiet",
                             "--tp", "1", "--zero", "1", "--plugin", R[r][0], "--dp", R[r][1],
-                            strcmp(R[r][0], "moe_hybrid") == 0 ? "--ep" : "--pp", R[r][2], "--checkpoint-at", "2",
+                            "--ep", R[r][2], "--checkpoint-at", "2",
                             "--checkpoint-dir", ck, "--resume-plugin", R[r][3], R[r][4], R[r][5],
                             R[r][6][0] ? R[r][6] : NULL, R[r][7], NULL};
       expect_bitwise(args, what, hex);
