@@ -694,7 +694,6 @@ static int holds_param(const cmp_options *o, const source *s, int i, int d) {
   return d % o->ep == dopt_dist_expert_rank(s->expert[i], s->nexperts, o->ep);
 }
 
-
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
 
 /* The plain optimizer of the source's parameters. data [np]: each parameter's own copy of its initial

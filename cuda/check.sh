@@ -94,6 +94,9 @@ for opt in adamw8bit galore_adamw galore_adamw8bit q_galore lisa muon; do
 done
 run "compare --device cuda adamw fsdp zero3 bf16" 90 \
   "$B/distopt" compare --device cuda --optimizer adamw --plugin fsdp --zero 3 --bf16 --steps 20 --quiet
+run "compare --device cuda moe_hybrid ep 2 (mixtral-mini, galore_adamw)" 60 \
+  "$B/distopt" compare --device cuda --optimizer galore_adamw --plugin moe_hybrid --model mixtral-mini --tp 1 \
+  --dp 4 --ep 2 --zero 1 --steps 4 --quiet
 run "compare --device cuda --backend nccl, 1 rank (adafactor)" 90 \
   env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
   "$B/distopt" compare --backend nccl --device cuda --plugin ddp --tp 1 --dp 1 --zero 0 --optimizer adafactor \
