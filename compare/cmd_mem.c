@@ -429,7 +429,8 @@ int cmd_mem(int argc, char **argv) {
              "  (any one given; the others default to 1, 1, 0): the bytes per rank of parameters, gradients\n"
              "  and states in distributed/'s layout (piecewise or owner mode); --pp: per rank of the busiest\n"
              "  pipeline stage (layers as ColossalAI's default); --chunk-size: Gemini's chunked ZeRO-3 per rank;\n"
-             "  --ep: moe_hybrid, each ep rank's experts over its moe_dp = dp / ep ranks (mixtral-8x7b --ep 8).\n"
+             "  --ep: moe_hybrid, each ep rank's experts over its moe_dp = dp / ep ranks (mixtral-8x7b --ep 8); a stack's\n"
+             "  states over dp in ranges of each ep rank's experts, counted as the dense layout's (within a padding).\n"
              "  A COUNT (100m, 1.5b, 2mx32) is a\n"
              "  LLaMA of about that many parameters, eEXPERTS a MoE one (4mx2e8; docs/cli.md, \"Models\").\n");
       return CLI_OK;
@@ -516,8 +517,8 @@ int cmd_mem(int argc, char **argv) {
     return cli_errorf(CMD, "--pp %d: at most %d stages and the model's %d layers", pp, CMP_PP_MAX, m->layers);
   if (ep > 1) {
     const int d = dp ? dp : 1;
-    if (m->experts < 1 || !m->separate)
-      return cli_errorf(CMD, "--ep %d: the model has no separate experts to split (a Mixtral preset, or COUNT...eEs)", ep);
+    if (m->experts < 1)
+      return cli_errorf(CMD, "--ep %d: the model has no experts to split (a Mixtral preset, COUNT...eE or eEs)", ep);
     if (d % ep != 0 || zero == 3 || chunk || pp > 1)
       return cli_errorf(CMD, "--ep %d: moe_hybrid needs dp a multiple of ep (dp=%d), zero 0-2 and no --pp or "
                         "--chunk-size", ep, d);

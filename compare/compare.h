@@ -103,6 +103,9 @@ void cmp_layers_per_stage(long L, int pp, long *per);
 /* The expert id of a parameter named "...experts.<e>...." (a whole name component "experts" followed by a
  * number of 1-5 digits and a dot: Hugging Face Mixtral's block_sparse_moe.experts.3.w1.weight), else -1. */
 int cmp_expert_of(const char *name);
+/* Whether a parameter is a stack of every expert along dimension 0: a whole name component "experts" followed by
+ * a component that is not a number (model.layers.0.mlp.experts.gate_proj), at least 3-D. */
+int cmp_stack_of(const char *name, int ndim);
 
 /* "3,5,4": the decoder layers of each pipeline stage (--layers-per-stage, plugin.layers_per_stage) into o. */
 dopt_status cmp_parse_layers_per_stage(const char *v, cmp_options *o);

@@ -672,15 +672,42 @@ int cmp_expert_of(const char *name) {
   return -1;
 }
 
-/* Every parameter's expert id (cmp_expert_of) and the count of experts (the largest id + 1). */
-static dopt_status plan_experts(source *s) {
+int cmp_stack_of(const char *name, int ndim) {
+  if (ndim < 3) return 0;
+  for (const char *at = strstr(name, "experts."); at; at = strstr(at + 1, "experts."))
+    if ((at == name || at[-1] == '.') && !(at[8] >= '0' && at[8] <= '9') && at[8] != '\0') return 1;
+  return 0;
+}
+
+/* Every parameter's expert id (cmp_expert_of; a stack: DOPT_DIST_EXPERT_STACK) and the count of experts (the
+ * largest id + 1, or the stacks' leading size); with moe (a layout of plugin moe_hybrid) a stack whose leading
+ * size is another count is one line (elsewhere the stacks stay dense tensors). */
+static dopt_status plan_experts(source *s, int moe) {
   s->expert = malloc((s->np > 0 ? (size_t)s->np : 1) * sizeof *s->expert);
   if (!s->expert) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: experts of %d parameters", s->np);
   s->nexperts = 0;
+  int first = -1; /* the first stack */
   for (int i = 0; i < s->np; i++) {
     s->expert[i] = cmp_expert_of(s->p[i].name);
     if (s->expert[i] >= s->nexperts) s->nexperts = s->expert[i] + 1;
+    if (s->expert[i] < 0 && cmp_stack_of(s->p[i].name, s->p[i].ndim)) {
+      s->expert[i] = DOPT_DIST_EXPERT_STACK;
+      if (first < 0) first = i;
+    }
   }
+  if (first < 0) return DOPT_OK;
+  const int64_t E = s->p[first].shape[0];
+  int bad = -1; /* a stack of another count than the first's or the separate experts' */
+  for (int i = 0; i < s->np && bad < 0; i++)
+    if (s->expert[i] == DOPT_DIST_EXPERT_STACK && (s->p[i].shape[0] != E || E > 65536 || (s->nexperts && s->nexperts != E)))
+      bad = i;
+  if (bad >= 0 && moe)
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "plugin moe_hybrid: expert stack '%s' has %lld experts (dimension 0), "
+                      "'%s' %lld, the separate experts %d: one count of experts (at most 65536)", s->p[bad].name,
+                      (long long)s->p[bad].shape[0], s->p[first].name, (long long)E, s->nexperts);
+  for (int i = 0; bad >= 0 && i < s->np; i++) /* not a moe layout: the stacks are dense tensors anyway */
+    if (s->expert[i] == DOPT_DIST_EXPERT_STACK) s->expert[i] = -1;
+  if (bad < 0) s->nexperts = (int)E;
   return DOPT_OK;
 }
 
@@ -690,8 +717,31 @@ static int moe_of(const cmp_options *o, const source *s) {
   return strcmp(o->plugin, "moe_hybrid") == 0 && s->nexperts > 0;
 }
 static int holds_param(const cmp_options *o, const source *s, int i, int d) {
-  if (!moe_of(o, s) || s->expert[i] < 0) return 1;
+  if (!moe_of(o, s) || s->expert[i] < 0) return 1; /* dense, or a stack: every rank has its TP block */
   return d % o->ep == dopt_dist_expert_rank(s->expert[i], s->nexperts, o->ep);
+}
+
+/* moe_hybrid, a stack split over ep: what dp rank d's gradient g (logical, [numel]) contributes: its own ep rank's
+ * experts' slices (the others zero, as the library takes them); the number of dp ranks each element's expert is
+ * on is moe_dp. */
+static int ep_stack(const cmp_options *o, const source *s, int i) {
+  return moe_of(o, s) && o->ep > 1 && s->expert[i] == DOPT_DIST_EXPERT_STACK;
+}
+static void own_experts_only(const cmp_options *o, const source *s, int i, int d, float *g) {
+  const size_t per = s->numel[i] / (size_t)s->nexperts;
+  for (int f = 0; f < s->nexperts; f++)
+    if (dopt_dist_expert_rank(f, s->nexperts, o->ep) != d % o->ep) memset(g + (size_t)f * per, 0, per * sizeof *g);
+}
+
+/* A layout that splits stacks over ep: zero 1 or 2 and the exact dp sum (their shards are exact ranges). */
+static dopt_status check_stacks(const cmp_options *o, const source *s, const char *what) {
+  int stacks = 0;
+  for (int i = 0; i < s->np; i++) stacks += ep_stack(o, s, i);
+  if (!stacks) return DOPT_OK;
+  DOPT_CHECK_ARG(o->zero >= 1 && o->dp_sum_words >= 1, "%s%d expert stacks split over ep=%d need zero 1 or 2 and the "
+                 "exact dp sum (got zero %d, dp sum %s): their shards are exact ranges of each ep rank's experts", what,
+                 stacks, o->ep, o->zero, cmp_dp_sum_name(o->dp_sum_words));
+  return DOPT_OK;
 }
 
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
@@ -944,6 +994,7 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
         for (int m = 0; m < micro; m++) {
           float *a = acc + (size_t)np * n;
           if ((st = shard_grad(s, i, t, shard_of(o, s, d, m), a)) != DOPT_OK) goto done;
+          if (ep_stack(o, s, i)) own_experts_only(o, s, i, d, a);
           pv[np++] = a;
         }
         continue;
@@ -953,10 +1004,11 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
         if ((st = shard_grad(s, i, t, shard_of(o, s, d, m), g)) != DOPT_OK) goto done;
         for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
       }
+      if (ep_stack(o, s, i)) own_experts_only(o, s, i, d, a);
       pv[np++] = a;
     }
     if ((st = dopt_dp_sum(pv, np, o->dp_sum_words, n, avg[i])) != DOPT_OK) goto done;
-    const float denom = (float)((double)nd * (double)micro);
+    const float denom = (float)((double)(ep_stack(o, s, i) ? o->dp / o->ep : nd) * (double)micro);
     for (size_t k = 0; k < n; k++) {
       avg[i][k] = avg[i][k] / denom;
       *nonfinite |= !isfinite(avg[i][k]);
@@ -1665,10 +1717,15 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   DOPT_TRY(check_options(o));
   source s;
   dopt_status st = load_source(o, &s);
-  if (st == DOPT_OK) st = plan_experts(&s);
+  if (st == DOPT_OK)
+    st = plan_experts(&s, strcmp(o->plugin, "moe_hybrid") == 0 ||
+                              (o->checkpoint_at > 0 && strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin,
+                                                              "moe_hybrid") == 0));
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
   cmp_options ob; /* the resume layout (--checkpoint-at) */
   resume_options(o, &ob);
+  if (st == DOPT_OK) st = check_stacks(o, &s, "");
+  if (st == DOPT_OK && o->checkpoint_at > 0) st = check_stacks(&ob, &s, "resume: ");
   /* every parameter's stage in both layouts, before any rank starts (a refusal is one line, no rank prefix) */
   int *stages = st == DOPT_OK ? calloc(2 * (s.np > 0 ? (size_t)s.np : 1), sizeof *stages) : NULL;
   if (st == DOPT_OK && !stages) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare: stages of %d parameters", s.np);

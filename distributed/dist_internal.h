@@ -200,8 +200,20 @@ static inline int dd_home(const dopt_dist_optim *d, const dist_param *p) {
   return dd_present(d, p) && (p->home >= 0 || d->ep.rank == 0);
 }
 
+/* MoE: a stack of every expert (DOPT_DIST_EXPERT_STACK) split over ep: each ep rank's experts' slices of the TP
+ * block are sharded over its moe_dp ranks (dd_shard: exact ranges of the block). */
+static inline int dd_ep_stack(const dopt_dist_optim *d, const dist_param *p) {
+  return p->expert == DOPT_DIST_EXPERT_STACK && d->ep.size > 1;
+}
+
+/* Shards that are exact ranges of the TP block rather than equal padded slots (Gemini's chunks, an ep-split
+ * stack): the collectives that move them use exact counts (all_to_allv). */
+static inline int dd_exact_shards(const dopt_dist_optim *d, const dist_param *p) {
+  return d->gem != NULL || dd_ep_stack(d, p);
+}
+
 /* p's data-parallel group: dp, or for an expert parameter the expert-data-parallel group moe_dp. Its gradient
- * is summed and its ZeRO shards cut over this group. */
+ * is summed and its ZeRO shards cut over this group (an ep-split stack: dp, its shards within each ep rank). */
 static inline const dopt_transport *dd_dpg(const dopt_dist_optim *d, const dist_param *p) {
   return p->expert >= 0 ? &d->mdp : &d->dp;
 }
@@ -225,6 +237,8 @@ void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, siz
 /* The ZeRO range [*lo, *lo + *len) of TP rank r's block of p that dp rank q holds: per tensor, q · S with
  * S = ceil(n / dp); Gemini, the part of q's shard of the chunk the block lies in (docs/distributed.md). */
 void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len);
+/* An ep-split stack: the elements [*x0, *x1) of TP rank r's block that ep rank e's experts occupy. */
+void dd_ep_range(const dopt_dist_optim *d, const dist_param *p, int r, int e, size_t *x0, size_t *x1);
 dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 
 /* The bucket of the dp sum's exchange and the weights' gather that starts at parameter b0 (plan.c): the end

@@ -32,7 +32,7 @@ static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, cons
   const dopt_transport *g = dd_dpg(d, p); /* dp, or an expert's moe_dp */
   if (!sharded || g->size == 1) return host ? DEV(d)->download(DCTX(d), host, src, p->lnumel * elem) : DOPT_OK;
   void *buf = NULL;
-  if (d->gem) { /* Gemini: every rank's piece of its chunk shard (exact counts) to dp rank 0, or to every rank */
+  if (dd_exact_shards(d, p)) { /* Gemini, an ep-split stack: every rank's exact range to rank 0, or to every rank */
     const size_t n = (size_t)g->size;
     size_t *c = d->xc, lo, len;
     memset(c, 0, 4 * n * sizeof *c);

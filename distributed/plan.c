@@ -36,7 +36,23 @@ static size_t block_numel_of(const dopt_dist_optim *d, const dist_param *p, int 
   return full.b * hl * wl;
 }
 
+void dd_ep_range(const dopt_dist_optim *d, const dist_param *p, int r, int e, size_t *x0, size_t *x1) {
+  const size_t n = block_numel_of(d, p, r), E = (size_t)p->shape[0], per = E ? n / E : 0; /* b-major: experts outermost */
+  size_t f0, fl;
+  split_range(E, d->ep.size, e, &f0, &fl);
+  *x0 = f0 * per, *x1 = (f0 + fl) * per;
+}
+
 void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len) {
+  if (dd_ep_stack(d, p)) { /* dp rank q = moe_dp rank m · ep + ep rank e: m's part of e's experts */
+    const size_t M = (size_t)d->mdp.size, m = q / (size_t)d->ep.size;
+    size_t x0, x1;
+    dd_ep_range(d, p, r, (int)(q % (size_t)d->ep.size), &x0, &x1);
+    const size_t S = (x1 - x0 + M - 1) / M, a = m * S < x1 - x0 ? m * S : x1 - x0;
+    *lo = x0 + a;
+    *len = (x1 - x0 - a) < S ? x1 - x0 - a : S;
+    return;
+  }
   const size_t n = block_numel_of(d, p, r), D = (size_t)dd_dpg(d, p)->size;
   dopt_chunk_range(d->gem ? d->gem[p - d->p] : (dopt_chunk_slot){0, (n + D - 1) / D}, n, q, lo, len);
 }
@@ -355,7 +371,7 @@ static dopt_status setup_param(dopt_dist_optim *d, dist_param *p, const dopt_par
   /* ZeRO: flatten, pad to a multiple of dp, split evenly */
   if (d->zero >= 1) {
     dd_shard(d, p, d->tp.rank, (size_t)g->rank, &pc->lo, &pc->len);
-    if (d->gem) { /* this rank's piece alone: the collectives move exact counts (all_to_allv) */
+    if (dd_exact_shards(d, p)) { /* this rank's piece alone: the collectives move exact counts (all_to_allv) */
       p->chunk = pc->len;
       p->padded = p->lnumel;
     } else {
@@ -553,9 +569,18 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
                      q->name, d->pp.size);
     else if ((unsigned)role > DOPT_TP_ROW)
       s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: roles[%d]=%d", i, (int)role);
-    else if (p->expert < -1 || (p->expert >= 0 && p->expert >= ne))
-      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: experts[%d]=%d ('%s') outside [-1, num_experts=%d)", i,
-                     p->expert, q->name, ne);
+    else if (p->expert < DOPT_DIST_EXPERT_STACK || (p->expert >= 0 && p->expert >= ne))
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: experts[%d]=%d ('%s') outside [-1, num_experts=%d) "
+                     "and not DOPT_DIST_EXPERT_STACK (-2)", i, p->expert, q->name, ne);
+    else if (p->expert == DOPT_DIST_EXPERT_STACK && (q->ndim < 3 || q->shape[0] != ne))
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: experts[%d]=-2 ('%s') is a stack of experts: it needs "
+                     "ndim >= 3 and shape[0] = num_experts=%d (ndim %d, shape[0] %lld)", i, q->name, ne, q->ndim,
+                     (long long)(q->ndim ? q->shape[0] : 0));
+    else if (dd_ep_stack(d, p) && d->dp.size > 1 &&
+             (d->zero == 0 || d->dp_words < 1 || !d->dp.ops->all_to_allv))
+      s = dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_dist_create: '%s', a stack of experts split over ep=%d, needs zero 1 "
+                     "or 2 (got %d), the exact dp sum (dp_sum_words=%d) and the dp transport's all_to_allv (its "
+                     "shards are exact ranges of each ep rank's experts)", q->name, d->ep.size, d->zero, d->dp_words);
     if (s != DOPT_OK) {
       dopt_dist_destroy(d);
       return s;
@@ -667,7 +692,7 @@ dopt_status dopt_dist_layout(const dopt_dist_optim *d, int i, dopt_layout_piece 
   }
   DOPT_TRY(dopt_layout_from_piece(pc, p->ndim, out));
   if (d->pp.size > 1) out->stage = p->stage;
-  out->expert = p->expert;
+  out->expert = p->expert >= 0 ? p->expert : -1; /* a stack's experts are the indices of its dimension 0 */
   return DOPT_OK;
 }
 

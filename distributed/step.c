@@ -47,6 +47,19 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
   return DOPT_OK;
 }
 
+/* An ep-split stack's gradient counts for this rank's own experts only: the other ep ranks' slices of the
+ * accumulator (and of each kept micro-batch) are zeroed before the dp sum (no tokens reached them here). */
+static dopt_status own_experts_only(dopt_dist_optim *d, dist_param *p) {
+  size_t x0, x1;
+  dd_ep_range(d, p, d->tp.rank, d->ep.rank, &x0, &x1);
+  for (int m = -1; m < p->nmb; m++) {
+    float *g = m < 0 ? p->grad : p->mb + (size_t)m * p->lnumel;
+    DOPT_TRY(dd_zero_dev(d, g, x0 * sizeof(float)));
+    DOPT_TRY(dd_zero_dev(d, g + x1, (p->lnumel - x1) * sizeof(float)));
+  }
+  return DOPT_OK;
+}
+
 /* The averaged gradient of each piece: the SUM over its dp group (dp; an
  * expert's moe_dp: exact, or fp32 in the transport's order), then one
  * division by that group's size · micro; *nonfinite counts
@@ -58,6 +71,7 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
     dist_param *p = &d->p[i];
     if (!p->acc) DOPT_TRY(dd_zero_dev(d, p->grad, p->lnumel * sizeof(float))); /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
     p->acc = 0;
+    if (dd_ep_stack(d, p)) DOPT_TRY(own_experts_only(d, p));
   }
   if (d->keep && d->dp.size * d->micro == 1) { /* one contribution: itself (dopt_dp_sum's rule) */
     for (int i = 0; i < d->np; i++) {
@@ -73,7 +87,9 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
     const dopt_transport *g = dd_dpg(d, p);
     if (g->size > 1 && d->dp_words == 0) DOPT_TRY(dd_dp_sum(d, p, p->grad, 1, DOPT_F32));
     int64_t bad;
-    const float denom = (float)((double)g->size * (double)d->micro);
+    /* an ep-split stack: each element is one expert's, summed over dp (zeros off its ep rank), averaged over the
+     * moe_dp ranks that gave it */
+    const float denom = (float)((double)(dd_ep_stack(d, p) ? d->mdp.size : g->size) * (double)d->micro);
     DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->gpc.lo, denom, p->gpc.len, &bad));
     *nonfinite += bad;
   }
@@ -225,9 +241,30 @@ static unsigned char *weights_of(const dist_param *p, size_t *es) {
 /* Zero 1/2: every rank of a parameter's dp group gets the whole TP-local model weights of the parameters
  * stepped piecewise back, in buckets (dd_bucket_end: dense and expert parameters apart): one all_gather of bytes
  * per bucket over its group, each rank's shards packed by parameter (a bucket of one parameter: in place). */
-static int gathers(const dopt_dist_optim *d, int i) { return !d->skip[i] && !d->p[i].owned; }
+static int gathers(const dopt_dist_optim *d, int i) {
+  return !d->skip[i] && !d->p[i].owned && !dd_ep_stack(d, &d->p[i]); /* a stack's exact ranges: gather_exact */
+}
+
+/* An ep-split stack's new weights from every dp rank's exact range (dd_shard) to every dp rank: one all_to_allv
+ * of bytes over dp (this rank's range sent from a copy: no transport sees one buffer as both ends). */
+static dopt_status gather_exact(dopt_dist_optim *d, dist_param *p) {
+  const size_t D = (size_t)d->dp.size, me = (size_t)d->dp.rank;
+  size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn, es, lo, len;
+  unsigned char *w = weights_of(p, &es);
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (p->pc.len ? p->pc.len : 1) * es));
+  if (p->pc.len) DOPT_TRY(DEV(d)->copy(DCTX(d), d->pack, w + p->pc.lo * es, p->pc.len * es));
+  for (size_t q = 0; q < D; q++) {
+    dd_shard(d, p, d->tp.rank, q, &lo, &len);
+    sc[q] = q == me ? 0 : p->pc.len * es, sd[q] = 0;
+    rc[q] = q == me ? 0 : len * es, rd[q] = lo * es;
+  }
+  return d->dp.ops->all_to_allv(d->dp.comm, d->pack, sc, sd, w, rc, rd, DOPT_U8);
+}
 
 static dopt_status gather_weights(dopt_dist_optim *d) {
+  for (int i = 0; i < d->np; i++)
+    if (dd_ep_stack(d, &d->p[i]) && !d->skip[i] && !d->p[i].owned && d->dp.size > 1)
+      DOPT_TRY(gather_exact(d, &d->p[i]));
   for (int b0 = 0; b0 < d->np;) {
     const int b1 = dd_bucket_end(d, b0, gathers);
     const dopt_transport *g = dd_dpg(d, &d->p[b0]);

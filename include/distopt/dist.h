@@ -115,7 +115,14 @@ typedef struct dopt_dist_config {
    * parameter), replicated over moe_dp and ZeRO-sharded within it; its gradient is summed exactly over moe_dp
    * only and averaged over moe_dp · micro-batches. ep: this rank's expert-parallel group (the ranks with its
    * stage, tp and moe_dp ranks, ordered by ep rank); moe_dp: its expert-data-parallel group (its stage, tp and
-   * ep ranks, ordered by moe_dp rank). ep size 0 or 1: no expert parallelism (moe_dp is dp). */
+   * ep ranks, ordered by moe_dp rank). ep size 0 or 1: no expert parallelism (moe_dp is dp).
+   * experts[i] = DOPT_DIST_EXPERT_STACK: parameter i is a stack of every expert along dimension 0 (ndim >= 3,
+   * shape[0] = num_experts, any TP role within the experts). Each ep rank steps and keeps the states of its
+   * experts' slices only, ZeRO-sharded over its moe_dp ranks (zero 1 or 2; the shards are exact ranges of the
+   * TP block, so the exact dp sum and the dp transport's all_to_allv are needed); its gradient (the whole TP
+   * block, as a dense parameter's) counts only for the rank's own experts (the others' slices are taken as
+   * zeros: no tokens reached them), summed exactly over dp and divided by moe_dp · micro-batches; its fp32
+   * values and gradient buffer stay whole TP blocks on every rank, as a dense parameter's up to ZeRO-2. */
   dopt_transport ep;
   dopt_transport moe_dp;
   const int *experts;
@@ -123,6 +130,7 @@ typedef struct dopt_dist_config {
 } dopt_dist_config;
 
 #define DOPT_DIST_CONFIG_VERSION 6
+#define DOPT_DIST_EXPERT_STACK (-2)
 #define DOPT_DIST_CONFIG_V1_SIZE ((uint32_t)offsetof(dopt_dist_config, bucket_bytes))
 #define DOPT_DIST_CONFIG_V2_SIZE ((uint32_t)offsetof(dopt_dist_config, dp_sum_words))
 #define DOPT_DIST_CONFIG_V3_SIZE ((uint32_t)offsetof(dopt_dist_config, pp))

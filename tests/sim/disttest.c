@@ -34,10 +34,20 @@ int dt_ep;
 const int *dt_experts;
 int dt_nexperts;
 
-/* Whether dp rank d holds (and gives a gradient of) parameter i: every rank, or an expert's ep rank's only. */
+/* Whether dp rank d holds (and gives a gradient of) parameter i: every rank, or an expert's ep rank's only (a
+ * stack: every rank, its TP block). */
 static int dt_holds(int i, int d) {
   if (dt_ep <= 1 || !dt_experts || dt_experts[i] < 0) return 1;
   return d % dt_ep == dopt_dist_expert_rank(dt_experts[i], dt_nexperts, dt_ep);
+}
+
+/* A stack split over ep (DOPT_DIST_EXPERT_STACK): dp rank d's gradient g [n] counts for its ep rank's experts
+ * only (the other slices zero, as the library takes them). */
+static int dt_ep_stack(int i) { return dt_ep > 1 && dt_experts && dt_experts[i] == DOPT_DIST_EXPERT_STACK; }
+static void dt_own_experts(int d, size_t n, float *g) {
+  const size_t per = n / (size_t)dt_nexperts;
+  for (int f = 0; f < dt_nexperts; f++)
+    if (dopt_dist_expert_rank(f, dt_nexperts, dt_ep) != d % dt_ep) memset(g + (size_t)f * per, 0, per * sizeof *g);
 }
 
 const char *dt_plugin(const dt_layout *l) {
@@ -169,6 +179,7 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
           for (int m = 0; m < c->micro; m++) {
             float *a = acc[i] + (size_t)np * n;
             dt_gradient(c, i, t, m, d, a);
+            if (dt_ep_stack(i)) dt_own_experts(d, n, a);
             parts[np++] = a;
           }
           continue;
@@ -179,10 +190,11 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
           dt_gradient(c, i, t, m, d, g);
           for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
         }
+        if (dt_ep_stack(i)) dt_own_experts(d, n, a);
         parts[np++] = a;
       }
       if (s == DOPT_OK) s = dopt_dp_sum(parts, np, dt_dp_words(c), n, avg[i]);
-      const float denom = (float)((double)nd * (double)c->micro);
+      const float denom = (float)((double)(dt_ep_stack(i) ? dp / dt_ep : nd) * (double)c->micro);
       for (size_t k = 0; k < n; k++) {
         avg[i][k] = avg[i][k] / denom;
         bad |= !isfinite(avg[i][k]);

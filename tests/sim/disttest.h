@@ -79,8 +79,9 @@ extern int dt_pp;
 /* Set likewise: Gemini's chunk size (0: per-tensor ZeRO); the layout's zero must be 3, the plugin is gemini. */
 extern size_t dt_chunk;
 /* Set likewise: MoE-Hybrid (plugin moe_hybrid, docs/distributed.md "MoE-Hybrid"): expert parallelism dt_ep
- * (0 or 1: none; it must divide the layout's dp), dt_experts[i] parameter i's expert id (-1 dense) of
- * dt_nexperts. Both the reference and the distributed run sum an expert's gradient over the dp ranks of its ep
+ * (0 or 1: none; it must divide the layout's dp), dt_experts[i] parameter i's expert id (-1 dense,
+ * DOPT_DIST_EXPERT_STACK a stack of all dt_nexperts along dimension 0: each rank's gradient counts for its ep
+ * rank's experts only, summed over dp, divided by moe_dp · micro) of dt_nexperts. Both the reference and the distributed run sum an expert's gradient over the dp ranks of its ep
  * rank (dopt_dist_expert_rank; dp rank = moe_dp rank · ep + ep rank) and divide by moe_dp · micro. */
 extern int dt_ep;
 extern const int *dt_experts;

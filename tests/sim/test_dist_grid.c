@@ -324,6 +324,73 @@ static void test_grid_moe(void **st) {
          dt_subset_desc());
 }
 
+/* MoE-Hybrid with expert stacks (DOPT_DIST_EXPERT_STACK): three stacks of 6 experts (column-, row-split and
+ * replicated within each expert, sizes that divide nothing) beside dense tensors, ep 2, 3, 4 and 6 (6 experts on
+ * 4 ranks: 2, 2, 1, 1), moe_dp 1-2, tp 1-3, zero 1-2, clipping, bf16, a pipeline; every registered optimizer's CI
+ * settings bitwise the reference (each element's expert summed over dp with zeros off its ep rank, divided by
+ * moe_dp · micro), and every rank's piece of a stack inside its ep rank's experts (but Muon's: owner mode). */
+static const dt_param STACK_PARAMS[] = {
+    {"layers.0.experts.w1", 3, {6, 5, 7}, DOPT_TP_COLUMN, 0}, {"layers.0.experts.w2", 3, {6, 7, 5}, DOPT_TP_ROW, 0},
+    {"layers.1.experts.g", 3, {6, 3, 4}, DOPT_TP_REPLICATED, 0}, {"emb", 2, {11, 6}, DOPT_TP_COLUMN, 0},
+    {"layers.1.sq", 2, {12, 12}, DOPT_TP_COLUMN, 0}, {"bias", 1, {9}, DOPT_TP_REPLICATED, 1},
+};
+#define NSTACK ((int)(sizeof STACK_PARAMS / sizeof STACK_PARAMS[0]))
+static const int STACK_EXPERTS[NSTACK] = {DOPT_DIST_EXPERT_STACK, DOPT_DIST_EXPERT_STACK, DOPT_DIST_EXPERT_STACK,
+                                          -1, -1, -1};
+static const dt_layout STK_LAYOUTS[] = {{1, 4, 1, 0}, {2, 4, 2, 256}, {3, 6, 1, 1}, {1, 4, 2, 0}, {2, 6, 2, 0}};
+static const int STK_EP[] = {2, 4, 3, 2, 6};
+static const int STK_STAGES[] = {1, 1, 1, 2, 1};
+
+/* Every rank's piece of a stack: its first and last element in an expert of its own ep rank, no expert id. */
+static void expect_stack_pieces(const dt_result *got, const dt_layout *l, int ep) {
+  for (int r = 0; r < got->nlayout; r++)
+    for (int i = 0; i < 3; i++) {
+      const dopt_layout_piece *pc = &got->layout[r][i];
+      const int q = r / l->tp % l->dp;
+      const int64_t per = STACK_PARAMS[i].shape[1] * STACK_PARAMS[i].shape[2];
+      for (int end = 0; end < 2 && pc->len > 0; end++) {
+        const int64_t at = dopt_layout_piece_elem(3, STACK_PARAMS[i].shape, pc, end ? pc->len - 1 : 0);
+        if (dopt_dist_expert_rank((int)(at / per), 6, ep) != q % ep)
+          fail_msg("ep %d: rank %d (ep rank %d) holds element %lld of %s (piece [%lld, +%lld)): expert %lld's", ep,
+                   r, q % ep, (long long)at, STACK_PARAMS[i].name, (long long)pc->lo, (long long)pc->len,
+                   (long long)(at / per));
+      }
+      if (pc->expert != -1) fail_msg("ep %d: rank %d's piece of stack %s names expert %d", ep, r, STACK_PARAMS[i].name, pc->expert);
+    }
+}
+
+static void test_grid_moe_stacks(void **st) {
+  (void)st;
+  hp_setting h[MAX_SETTINGS];
+  const int nh = registry_settings(h, 0, 0), nl = (int)(sizeof STK_LAYOUTS / sizeof STK_LAYOUTS[0]);
+  int runs = 0;
+  grid_candidates = 0;
+  dt_experts = STACK_EXPERTS;
+  dt_nexperts = 6;
+  for (int k = 0; k < nh; k++)
+    for (int li = 0; li < nl; li++) {
+      const dt_layout *l = &STK_LAYOUTS[li];
+      grid_candidates++;
+      if (!dt_subset_keep(setting_key(&h[k], 12, 0, 0) ^ 0x7374, li, nl)) continue;
+      dt_ep = STK_EP[li];
+      dt_pp = STK_STAGES[li];
+      dt_case c = {h[k].opt, h[k].hp, NULL, STACK_PARAMS, NSTACK, 12, 2, li % 2 ? 0.05 : 0.0, li == 2, 91 + (uint64_t)k,
+                   0.05, 0, 4, 0, 0, 0, 0, 0};
+      char what[256];
+      snprintf(what, sizeof what, "%s [%s] moe_hybrid stacks ep%d tp%d dp%d zero%d pp%d", c.optimizer,
+               c.hparams ? c.hparams : "", dt_ep, l->tp, l->dp, l->zero, dt_pp);
+      dt_result got;
+      run_bitwise(&c, l, what, &got);
+      /* Muon steps a stack's experts whole in owner mode: its owners are spread over the world, not its ep rank */
+      if (dt_pp == 1 && !strstr(c.optimizer, "muon") && !(c.hparams && strstr(c.hparams, "muon")))
+        expect_stack_pieces(&got, l, dt_ep);
+      dt_result_free(&got);
+      runs++;
+    }
+  printf("moe_hybrid expert stacks: %d of %d runs (%s; 3 stacks of 6 experts on ep 2-6, tp 1-3, zero 1-2, pp, "
+         "clipping, bf16) x 12 steps x 2 micro-batches, bitwise equal\n", runs, grid_candidates, dt_subset_desc());
+}
+
 /* MoE-Hybrid on the fallbacks: the rank-order fp32 dp sum (each expert over its moe_dp ranks in rank order), and
  * transports without reduce and all_to_allv (the exact sum's integer words per tensor over moe_dp, the owners'
  * exchanges as broadcasts); owner mode (GaLore), 8-bit blocks and factored statistics, ep 2 and 4. */
@@ -434,6 +501,7 @@ int main(void) {
                                      cmocka_unit_test_teardown(test_grid_gemini, per_tensor),
                                      cmocka_unit_test_teardown(test_grid_moe, no_experts),
                                      cmocka_unit_test_teardown(test_grid_moe_fallbacks, no_experts),
+                                     cmocka_unit_test_teardown(test_grid_moe_stacks, no_experts),
                                      cmocka_unit_test(test_grid_ring_order),
                                      cmocka_unit_test(test_adversarial_ring_order),
                                      cmocka_unit_test(test_rank_order_sum_control)};

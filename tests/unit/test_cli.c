@@ -1495,6 +1495,40 @@ static void test_moe_every_optimizer(void **st) {
   }
 }
 
+/* Expert stacks (--model 300kx2e4: per layer stacks [4, f, h] and [4, h, f], named mlp.experts.*): every
+ * registered optimizer at ep 2 (tp 1 x dp 4, zero 1) and ep 4 (tp 2 x dp 4, zero 2, bf16, accumulation 2), clipping
+ * that binds: bitwise the reference, whose stack gradients count each rank's own experts only; a resume ep 2 -> 4;
+ * zero 0 and the rank-order sum refused in one line (a stack's shards are exact ranges of its ep rank's experts). */
+static void test_moe_stacks(void **st) {
+  (void)st;
+  static const char *const opts[] = {"adamw", "adafactor", "came", "lamb", "adamw8bit", "galore_adamw",
+                                     "galore_adamw8bit", "q_galore", "lisa", "galore", "muon"};
+  static const char *const L[][6] = {{"1", "4", "2", "1", "--quiet", "1"}, {"2", "4", "4", "2", "--bf16", "2"}};
+  for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++)
+    for (int l = 0; l < 2; l++) {
+      if (!dt_subset_keep(0x7374 + k, l, 2)) continue;
+      char what[160], hex[65];
+      snprintf(what, sizeof what, "%s stacks tp %s dp %s ep %s zero %s", opts[k], L[l][0], L[l][1], L[l][2], L[l][3]);
+      const char *args[] = {"compare", "--optimizer", opts[k], "--model", "300kx2e4", "--steps", "3",
+                            "--max-grad-norm", "0.01", "--accumulation", L[l][5], L[l][4], "--quiet", "--plugin",
+                            "moe_hybrid", "--tp", L[l][0], "--dp", L[l][1], "--ep", L[l][2], "--zero", L[l][3], NULL};
+      expect_bitwise(args, what, hex);
+    }
+  char ck[600], hex[65];
+  snprintf(ck, sizeof ck, "%s/stackck", dir);
+  const char *resume[] = {"compare", "--optimizer", "adamw8bit", "--model", "300kx2e4", "--steps", "4", "--quiet",
+                          "--plugin", "moe_hybrid", "--tp", "1", "--dp", "4", "--ep", "2", "--zero", "1",
+                          "--checkpoint-at", "2", "--checkpoint-dir", ck, "--resume-ep", "4", NULL};
+  expect_bitwise(resume, "stacks ep 2 -> 4", hex);
+  static const refusal bad[] = {
+      {{"compare", "--model", "300kx2e4", "--plugin", "moe_hybrid", "--dp", "2", "--ep", "2", "--zero", "0",
+        "--steps", "1", NULL}, "expert stacks split over ep=2 need zero 1 or 2"},
+      {{"compare", "--model", "300kx2e4", "--plugin", "moe_hybrid", "--dp", "2", "--ep", "2", "--zero", "1",
+        "--dp-sum", "rank-order", "--steps", "1", NULL}, "and the exact dp sum"},
+  };
+  expect_refusals(bad, sizeof bad / sizeof bad[0], "stacks");
+}
+
 /* Checkpoints resume across ep (2 -> 4, 4 -> 2 at another dp), into and out of moe_hybrid (the experts then
  * dense over dp, or split from it), bitwise with the reference that replays the first layout; and a resume in
  * the same layout has the uninterrupted run's digest. */
@@ -1594,6 +1628,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest moe[] = {
         cmocka_unit_test(test_moe_every_optimizer),
         cmocka_unit_test(test_moe_resume),
+        cmocka_unit_test(test_moe_stacks),
         cmocka_unit_test(test_moe_bad_input),
     };
     return cmocka_run_group_tests(moe, setup, teardown);
