@@ -126,6 +126,7 @@ int cmp_config_text(const cmp_options *o, char *buf, size_t cap) {
   line(&t, "--zero", "%d", o->zero);
   line(&t, "--pp", "%d", o->pp);
   line(&t, "--ep", "%d", o->ep);
+  line(&t, "--expert-stacks", "%s", o->expert_stacks);
   line(&t, "--chunk-size", "%zu", o->chunk_size);
   for (int k = 0; k < o->nlps; k++) {
     char key[40];

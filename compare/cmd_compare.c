@@ -29,7 +29,7 @@ static int lib_error(dopt_status s) {
 static void compare_usage(FILE *f) {
   fputs("usage: distopt compare [--config run.yaml] [--optimizer NAME] [--hparams k=v,...]\n"
         "         [--group 'GLOB:k=v,...']... [--plugin ddp|zero|hybrid|fsdp|gemini|moe_hybrid] [--tp N] [--dp N]\n"
-        "         [--zero 0-3] [--pp N [--layers-per-stage N,N,...]] [--chunk-size N] [--ep N]\n"
+        "         [--zero 0-3] [--pp N [--layers-per-stage N,N,...]] [--chunk-size N] [--ep N] [--expert-stacks GLOB]\n"
         "         [--ranks N] [--steps N] [--accumulation N] [--max-grad-norm X] [--bf16]\n"
         "         [--trace FILE | [--seed N] [--model NAME|COUNT]] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
         "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z] [--resume-pp N]\n"
@@ -55,7 +55,8 @@ static void compare_usage(FILE *f) {
   fputs(
         "  --plugin moe_hybrid --ep N: ColossalAI's MoE-Hybrid, dp = moe_dp x ep: the experts' tensors (named\n"
         "  'experts.<e>.') each on one ep rank, replicated and ZeRO-sharded over its moe_dp ranks, their gradient\n"
-        "  summed over moe_dp only; the other tensors as hybrid (--model mixtral-mini).\n"
+        "  summed over moe_dp only; the other tensors as hybrid (--model mixtral-mini). Stacks of every expert\n"
+        "  (>= 3-D, named '...experts.gate_proj', or matching --expert-stacks GLOB) are split over ep by dimension 0.\n"
         "  --sweep: the optimizer in every layout tp 1..max-tp x dp 1..max-dp x zero 0..3 (default 4 x 4 x 4,\n"
         "  at most 8 x 8), a grid of verdicts and 'N of M layouts bitwise'.\n"
         "  --model: synthetic gradients of a LLaMA (9 x layers + 3 tensors): a preset llama-60m, llama-130m,\n"
@@ -405,6 +406,11 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     else if (strcmp(a, "--resume-pp") == 0) rc = parse_int(a, v, 1, CMP_PP_MAX, &o->resume_pp);
     else if (strcmp(a, "--ep") == 0) rc = parse_int(a, v, 1, 64, &o->ep);
     else if (strcmp(a, "--resume-ep") == 0) rc = parse_int(a, v, 1, 64, &o->resume_ep);
+    else if (strcmp(a, "--expert-stacks") == 0) {
+      if (strlen(v) >= sizeof o->expert_stacks)
+        return cli_errorf(CMD, "--expert-stacks: %zu bytes, at most %zu", strlen(v), sizeof o->expert_stacks - 1);
+      snprintf(o->expert_stacks, sizeof o->expert_stacks, "%s", v);
+    }
     else if (strcmp(a, "--layers-per-stage") == 0) {
       if (cmp_parse_layers_per_stage(v, o) != DOPT_OK) return cli_errorf(CMD, "--layers-per-stage: %s", dopt_last_error());
     }

@@ -57,6 +57,9 @@ typedef struct cmp_options {
                                              default CMP_GEMINI_CHUNK_DEFAULT with plugin gemini) */
   int ep;                                 /* --ep (plugin.ep): moe_hybrid's expert parallelism, dividing dp
                                              (moe_dp = dp / ep); 1: none */
+  char expert_stacks[CMP_GLOB_MAX];       /* --expert-stacks GLOB (plugin.expert_stacks): the >= 3-D parameters that
+                                             are stacks of every expert along dim 0 (fnmatch); "": by name
+                                             (cmp_stack_of) */
   int ranks;                              /* world size asked for (0: pp·tp·dp); must equal pp·tp·dp */
   int steps;
   int micro;                              /* micro-batches per step (gradient accumulation) */

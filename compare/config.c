@@ -358,7 +358,8 @@ static void given(cmp_options *o, unsigned bit) {
 }
 
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "chunk_size", "ep", "ranks", "dp_sum",
+  static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "chunk_size", "ep",
+                                     "expert_stacks", "ranks", "dp_sum",
                                      "ring_order", "batch_invariant", "backend", "device", NULL};
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
@@ -387,6 +388,8 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   if ((v = lookup(c, n, "pp"))) DOPT_TRY(get_int(c, v, "plugin.pp", 1, CMP_PP_MAX, &o->pp));
   if ((v = lookup(c, n, "chunk_size"))) DOPT_TRY(get_size(c, v, "plugin.chunk_size", &o->chunk_size));
   if ((v = lookup(c, n, "ep"))) DOPT_TRY(get_int(c, v, "plugin.ep", 1, 64, &o->ep));
+  if ((v = lookup(c, n, "expert_stacks")))
+    DOPT_TRY(get_str(c, v, "plugin.expert_stacks", o->expert_stacks, sizeof o->expert_stacks));
   if ((v = lookup(c, n, "layers_per_stage"))) {
     if (v->type != YAML_SEQUENCE_NODE)
       return cfg_fail(c, v, "plugin.layers_per_stage", "must be a sequence of layer counts, got %s", node_kind(v));

@@ -682,7 +682,7 @@ int cmp_stack_of(const char *name, int ndim) {
 /* Every parameter's expert id (cmp_expert_of; a stack: DOPT_DIST_EXPERT_STACK) and the count of experts (the
  * largest id + 1, or the stacks' leading size); with moe (a layout of plugin moe_hybrid) a stack whose leading
  * size is another count is one line (elsewhere the stacks stay dense tensors). */
-static dopt_status plan_experts(source *s, int moe) {
+static dopt_status plan_experts(source *s, int moe, const char *stacks) {
   s->expert = malloc((s->np > 0 ? (size_t)s->np : 1) * sizeof *s->expert);
   if (!s->expert) return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: experts of %d parameters", s->np);
   s->nexperts = 0;
@@ -690,7 +690,9 @@ static dopt_status plan_experts(source *s, int moe) {
   for (int i = 0; i < s->np; i++) {
     s->expert[i] = cmp_expert_of(s->p[i].name);
     if (s->expert[i] >= s->nexperts) s->nexperts = s->expert[i] + 1;
-    if (s->expert[i] < 0 && cmp_stack_of(s->p[i].name, s->p[i].ndim)) {
+    const int stack = stacks[0] ? s->p[i].ndim >= 3 && fnmatch(stacks, s->p[i].name, 0) == 0
+                                : cmp_stack_of(s->p[i].name, s->p[i].ndim);
+    if (s->expert[i] < 0 && stack) {
       s->expert[i] = DOPT_DIST_EXPERT_STACK;
       if (first < 0) first = i;
     }
@@ -1718,9 +1720,11 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   source s;
   dopt_status st = load_source(o, &s);
   if (st == DOPT_OK)
-    st = plan_experts(&s, strcmp(o->plugin, "moe_hybrid") == 0 ||
-                              (o->checkpoint_at > 0 && strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin,
-                                                              "moe_hybrid") == 0));
+    st = plan_experts(&s,
+                      strcmp(o->plugin, "moe_hybrid") == 0 ||
+                          (o->checkpoint_at > 0 &&
+                           strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin, "moe_hybrid") == 0),
+                      o->expert_stacks);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
   cmp_options ob; /* the resume layout (--checkpoint-at) */
   resume_options(o, &ob);

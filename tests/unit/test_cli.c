@@ -1520,6 +1520,22 @@ static void test_moe_stacks(void **st) {
                           "--plugin", "moe_hybrid", "--tp", "1", "--dp", "4", "--ep", "2", "--zero", "1",
                           "--checkpoint-at", "2", "--checkpoint-dir", ck, "--resume-ep", "4", NULL};
   expect_bitwise(resume, "stacks ep 2 -> 4", hex);
+  /* --expert-stacks GLOB (YAML plugin.expert_stacks) marks the stacks instead of their names: the same stacks by
+   * a glob give the same digest; only the down projections marked: bitwise too, another digest */
+  char h1[65], h2[65], h3[65];
+  const char *byname[] = {"compare", "--optimizer", "lamb", "--model", "300kx2e4", "--steps", "2", "--quiet",
+                          "--plugin", "moe_hybrid", "--tp", "1", "--dp", "4", "--ep", "2", "--zero", "1", NULL};
+  expect_bitwise(byname, "stacks by name", h1);
+  const char *byglob[] = {"compare", "--optimizer", "lamb", "--model", "300kx2e4", "--steps", "2", "--quiet",
+                          "--plugin", "moe_hybrid", "--tp", "1", "--dp", "4", "--ep", "2", "--zero", "1",
+                          "--expert-stacks", "model.layers.*.mlp.experts.*", NULL};
+  expect_bitwise(byglob, "stacks by glob", h2);
+  const char *down[] = {"compare", "--optimizer", "lamb", "--model", "300kx2e4", "--steps", "2", "--quiet",
+                        "--plugin", "moe_hybrid", "--tp", "1", "--dp", "4", "--ep", "2", "--zero", "1",
+                        "--expert-stacks", "*.down_proj", NULL};
+  expect_bitwise(down, "only the down projections as stacks", h3);
+  if (strcmp(h1, h2) != 0 || strcmp(h1, h3) == 0)
+    fail_msg("stacks by name %s, by the same glob %s, only down_proj %s", h1, h2, h3);
   static const refusal bad[] = {
       {{"compare", "--model", "300kx2e4", "--plugin", "moe_hybrid", "--dp", "2", "--ep", "2", "--zero", "0",
         "--steps", "1", NULL}, "expert stacks split over ep=2 need zero 1 or 2"},
