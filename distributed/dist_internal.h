@@ -234,8 +234,9 @@ void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out);
 dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full);
 size_t dd_state_held_bytes(const dist_param *p, int k);
 void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
-/* The ZeRO range [*lo, *lo + *len) of TP rank r's block of p that dp rank q holds: per tensor, q · S with
- * S = ceil(n / dp); Gemini, the part of q's shard of the chunk the block lies in (docs/distributed.md). */
+/* The ZeRO range [*lo, *lo + *len) of TP rank r's block of p that rank q of its dp group holds: per tensor,
+ * q · S with S = ceil(n / group size); Gemini, the part of q's shard of the chunk the block lies in; an ep-split
+ * stack, part m of ep rank e's experts' run (q = m · ep + e, dd_ep_range) (docs/distributed.md). */
 void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len);
 /* An ep-split stack: the elements [*x0, *x1) of TP rank r's block that ep rank e's experts occupy. */
 void dd_ep_range(const dopt_dist_optim *d, const dist_param *p, int r, int e, size_t *x0, size_t *x1);
