@@ -42,9 +42,6 @@ dopt_status dd_from_rank(dopt_dist_optim *d, const dopt_transport *g, int owner,
   return DOPT_OK;
 }
 
-/* The rank of the data-parallel group of the batch ord[0, m) (one group per batch: dd_owner_steps). */
-static int group_row(const dopt_dist_optim *d, const int *ord) { return dd_dpg(d, &d->p[ord[0]])->rank; }
-
 /* The first unit of world slot s (ub[s]; one unit: 0 up to the owner's slot, 1 after it). */
 static size_t ub_at(const dopt_dist_optim *d, const dist_param *p, int s) {
   if (p->ub) return p->ub[s];
@@ -193,13 +190,14 @@ static dopt_status step_units(dopt_dist_optim *d, int i, const float *g) {
   return dopt__run_stages(d->dev, &a);
 }
 
-/* 1. my row's averaged gradients (dp_sum.c left this row's units of each TP block here) to their owners over
- * tp: each tp rank sends owner t its block's part of t's units of each parameter ord[0, m); *recv: where this
+/* 1. my row's averaged gradients (row: this rank's rank in the batch's data-parallel group, dp or moe_dp;
+ * dp_sum.c left this row's units of each TP block here) to their owners over tp: each tp rank sends owner t its block's part of t's units of each parameter ord[0, m); *recv: where this
  * rank, as an owner, received them (by source, then parameter), or its units' logical gradient itself (*whole)
  * when it owns units of one tensor whose blocks are runs of them. A replicated tensor needs nothing: every
  * rank's block is the whole gradient. */
-static dopt_status grads_to_owners(dopt_dist_optim *d, const int *ord, int m, const float **recv, int *whole) {
-  const int T = d->tp.size, me = d->tp.rank, row = group_row(d, ord), base = row * T;
+static dopt_status grads_to_owners(dopt_dist_optim *d, int row, const int *ord, int m, const float **recv,
+                                   int *whole) {
+  const int T = d->tp.size, me = d->tp.rank, base = row * T;
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
   int nsend = 0, nrecv = 0, last_send = -1, last_recv = -1;
   size_t ssum = 0, rsum = 0, u0, u1;
@@ -286,8 +284,8 @@ static int next_piece(const dopt_dist_optim *d, const int *ord, int m, int row, 
  * of each of the row's parameters ord[0, m) (replicated: the units themselves), into *vals in the order of
  * next_piece: the parameter's fp32 buffer itself when the row steps one tensor that is kept so
  * (values_direct), else a buffer from which every parameter is loaded. *vsum: the elements of *vals. */
-static dopt_status values_over_tp(dopt_dist_optim *d, const int *ord, int m, float **vals, size_t *vsum) {
-  const int T = d->tp.size, me = d->tp.rank, row = group_row(d, ord);
+static dopt_status values_over_tp(dopt_dist_optim *d, int row, const int *ord, int m, float **vals, size_t *vsum) {
+  const int T = d->tp.size, me = d->tp.rank;
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
   int nmine = 0, mine = -1, i;
   size_t osum = 0, ru0, ru1, lo, len, at;
@@ -367,7 +365,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
   if (m > 0) {
     const float *recv = NULL;
     int whole = 0;
-    DOPT_TRY(grads_to_owners(d, ord, m, &recv, &whole));
+    DOPT_TRY(grads_to_owners(d, row, ord, m, &recv, &whole));
     /* 2. the owners' steps: their units' gradient assembled from the blocks (by source, then parameter) */
     for (int s = 0; s < T; s++) gpos[s] = recv && !whole ? rd[s] : 0;
     for (int k = 0; k < m; k++) {
@@ -385,7 +383,7 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
       }
       DOPT_TRY(step_units(d, ord[k], g));
     }
-    DOPT_TRY(values_over_tp(d, ord, m, &vals, &vsum));
+    DOPT_TRY(values_over_tp(d, row, ord, m, &vals, &vsum));
   }
   if (D == 1) return DOPT_OK;
 

@@ -73,14 +73,9 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
     p->acc = 0;
     if (dd_ep_stack(d, p)) DOPT_TRY(own_experts_only(d, p));
   }
-  if (d->keep && d->dp.size * d->micro == 1) { /* one contribution: itself (dopt_dp_sum's rule) */
-    for (int i = 0; i < d->np; i++) {
-      dist_param *p = &d->p[i];
-      if (p->nmb) DOPT_TRY(DEV(d)->copy(DCTX(d), p->grad, p->mb, p->lnumel * sizeof(float)));
-    }
-  } else if ((d->dp.size > 1 || d->keep) && d->dp_words > 0) {
-    DOPT_TRY(dd_exact_dp_sum(d));
-  }
+  /* a bucket of one contribution (dp 1 batch invariant with one micro-batch, an expert alone in its moe_dp) is
+   * that contribution itself (dd_exact_dp_sum, dopt_dp_sum's rule) */
+  if ((d->dp.size > 1 || d->keep) && d->dp_words > 0) DOPT_TRY(dd_exact_dp_sum(d));
   for (int i = 0; i < d->np; i++) d->p[i].nmb = 0;
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
