@@ -255,13 +255,21 @@ DOPT_EL float dopt_adafactor_final(float w, float u, float *m, float div, float 
 
 /* ---- CAME (ref/came.c, came_pytorch's) --------------------------------------------------------- */
 
+/* the clipped update Û = U / div */
+DOPT_EL float dopt_came_uhat(float u, float div) { return DOPT_FDIV(u, div); }
+
+/* the residual (Û − m)² + eps2 of Û and the updated m */
+DOPT_EL float dopt_came_res(float uh, float m, float eps2) {
+  const float r = DOPT_FSUB(uh, m);
+  return DOPT_FADD(DOPT_FMUL(r, r), eps2);
+}
+
 /* Û = U / div; m ← m·β1 + (1−β1)·Û; returns the residual (Û − m)² + eps2. */
 DOPT_EL float dopt_came_residual(float u, float *m, float div, float b1, float omb1, float eps2) {
-  const float uh = DOPT_FDIV(u, div);
+  const float uh = dopt_came_uhat(u, div);
   const float mi = DOPT_FADD(DOPT_FMUL(*m, b1), DOPT_FMUL(omb1, uh));
   *m = mi;
-  const float r = DOPT_FSUB(uh, mi);
-  return DOPT_FADD(DOPT_FMUL(r, r), eps2);
+  return dopt_came_res(uh, mi, eps2);
 }
 
 /* w ← w + (−wd·lr)·w (use_wd); w − upd·lr */

@@ -420,30 +420,56 @@ float dopt_absmax_tile(float m, const float *x, size_t n);
 dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
 double dopt_ss_value(const dopt_ss_stat *s);
 
+/* ---- generated runs ----
+ * A statistic's values produced run by run instead of read from a piece-sized
+ * buffer: gen writes the values of the local elements [off, off+len) (one run
+ * inside one local row: logical row r of the b·h rows, logical column c of
+ * the b·w columns at its first element; len <= DOPT_RUN) into buf and returns
+ * buf, or returns where they already lie. use consumes one run. */
+#define DOPT_RUN 2048
+typedef const float *(*dopt_gen_fn)(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
+typedef void (*dopt_use_fn)(void *ctx, const float *x, size_t off, size_t r, size_t c, size_t len);
+/* every run of the piece, in order: use(gen(run)) */
+void dopt_piece_gen_each(const dopt_piece *pc, dopt_gen_fn gen, void *gctx, dopt_use_fn use, void *uctx);
+/* gen of a materialised array: ctx is the piece's const float[len] */
+const float *dopt_gen_array(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
+/* gen of the factored update (HF _approx_sq_grad) times x: (rf[r]·cf[c])·x */
+typedef struct dopt_fact_gen {
+  const float *rf, *cf, *x; /* [b·h], [b·w] (dopt_factors), the piece's [len] */
+} dopt_fact_gen;
+const float *dopt_gen_factored(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
+/* the largest finite |value| generated */
+float dopt_gen_absmax(const dopt_piece *pc, dopt_gen_fn gen, void *gctx);
+/* dopt_ss_accum of the generated values */
+dopt_status dopt_ss_accum_gen(dopt_ss_stat *s, const dopt_piece *pc, dopt_gen_fn gen, void *gctx,
+                              const dopt_reducer *red);
+
 /* Row and column means of U over the logical [b, h, w], U given as the
- * piece's local elements: row_mean[b·h] = Σ_w U / w, col_mean[b·w] = Σ_h U / h
- * (fp32), identical on every rank. */
+ * piece's local elements (or generated): row_mean[b·h] = Σ_w U / w,
+ * col_mean[b·w] = Σ_h U / h (fp32), identical on every rank. Each phase reads
+ * U once (rows and columns together). */
 typedef struct dopt_rc_stat {
   double *scale;  /* [b·h + b·w]: maxima, then scales */
   dopt_xacc *acc; /* [b·h + b·w] */
 } dopt_rc_stat;
 void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out);
 dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
-/* _begin with each local row segment u[off, off+len) written by make(ctx,
- * off, len) (through its own pointer in ctx) just before its maxima are taken
- * (one pass over U, not two) */
-dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red,
-                               void (*make)(void *ctx, size_t off, size_t len), void *ctx);
+dopt_status dopt_rc_begin_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_reducer *red, dopt_gen_fn gen,
+                              void *gctx);
 dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
+dopt_status dopt_rc_accum_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_reducer *red, dopt_gen_fn gen,
+                              void *gctx);
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);
 
-/* The frame of the update-norm steps (Adafactor, CAME, LAMB): Σw² and Σu²,
- * the update u [len], and with row/column statistics (factored pieces of
- * Adafactor and CAME) their means and reduction. */
+/* The frame of the update-norm steps (Adafactor, CAME, LAMB): Σw² and Σu²;
+ * with row/column statistics on a factored piece (Adafactor and CAME) their
+ * means, reduction and factors, the update being generated from them (no
+ * piece-sized buffer); otherwise the update u [len]. */
 typedef struct dopt_update_frame {
   dopt_ss_stat *pss, *uss;
-  float *u;             /* [len] */
+  float *u;             /* [len] (not rowcol, or not factored) */
   float *rmean, *cmean; /* [b·h], [b·w] (rowcol and factored) */
+  float *rf, *cf;       /* [b·h], [b·w]: the factors of dopt_factors (rowcol and factored) */
   dopt_rc_stat rc;      /* (rowcol and factored) */
 } dopt_update_frame;
 /* Maps the frame at base (NULL: only sizes it); returns its bytes. */
@@ -455,21 +481,22 @@ size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc);
 /* Stages 0-3 of the steps that precondition with a (factored) second moment,
  * Adafactor's and CAME's: stage 0 posts the maxima of ‖w‖² and of the row and
  * column sums of U = G² + eps1, stage 1 their words, stage 2 updates
- * row/col ← b·stat + omb·mean and sets U = factored(row, col) ⊙ G and posts
- * the maximum of ‖U‖², stage 3 its words; after stage 3, f->pss and f->uss
- * hold ‖w‖² and ‖U‖² and f->u the preconditioned gradient. A 1-D piece keeps
- * the unfactored v in row (col NULL) and runs stages 0 and 2 only, as the
- * callers number them (their 1-D stage k is stage 2k here). */
+ * row/col ← b·stat + omb·mean, sets the factors f->rf, f->cf of
+ * U = factored(row, col) ⊙ G and posts the maximum of ‖U‖², stage 3 its
+ * words; after stage 3, f->pss and f->uss hold ‖w‖² and ‖U‖², and U is
+ * generated by dopt_gen_factored from {f->rf, f->cf, G}. U = G² + eps1 and
+ * the update are generated where a stage reads them: the gradient is read
+ * once per stage, nothing piece-sized is written. A 1-D piece keeps the
+ * unfactored v in row (col NULL) and U in f->u, and runs stages 0 and 2 only,
+ * as the callers number them (their 1-D stage k is stage 2k here). */
 dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
                                      float *col, float b, float omb, float eps1);
 
-/* Factored second-moment approximation times x on the piece (HF
- * _approx_sq_grad): out[k] = (rsqrt(row[r]/rmean[b]) · rsqrt(col[c])) · x[k]
- * for the local element k at logical row r and column c; rmean[b] is the mean
- * of the whole row statistic of batch b (exact sum / h). row, col: whole.
- * absmax (may be NULL): max(*absmax, largest finite |out|), taken row by row. */
-dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
-                                      float *out, float *absmax);
+/* The factors of the factored second-moment approximation (HF
+ * _approx_sq_grad) of the whole row [b·h] and column [b·w] statistics:
+ * rf = rsqrt(row / rmean[b]) with rmean[b] the mean of batch b's rows (exact
+ * sum / h), cf = rsqrt(col). */
+void dopt_factors(const float *row, const float *col, const dopt_piece *pc, float *rf, float *cf);
 
 /* Runs every stage of one step back to back on dev (NULL: impl->step on the
  * host) with a->red = NULL (the single device); a->stage and a->more are

@@ -10,6 +10,7 @@
 
 #include "elem.h"
 #include "optim_impl.h"
+#include "twice.h"
 #include "xsum_fast.h"
 
 float dopt_rms_from_ss(double ss, size_t n) {
@@ -128,55 +129,142 @@ void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out) {
   out->acc = dopt_frame_take(f, nacc * sizeof *out->acc);
 }
 
-/* Phase 1: row and column maxima of |U| (float maxima are exact; the
- * conversion to double is monotone), posted for MAX. */
-dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
-  return dopt_rc_begin_rows(s, u, pc, red, NULL, NULL);
+/* ---- generated runs -------------------------------------------------------------------
+ * The statistics below read their values run by run from a generator (a few
+ * KiB in cache) rather than from a piece-sized buffer: the optimizers produce
+ * U from the gradient each time a stage needs it, so a stage reads the
+ * gradient instead of writing U and reading it back. */
+
+const float *dopt_gen_array(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf) {
+  (void)r, (void)c, (void)len, (void)buf;
+  return (const float *)ctx + off;
 }
 
-/* The same, each local row segment produced by make (when given) just before
- * its maxima are taken, while it is still in cache. */
-dopt_status dopt_rc_begin_rows(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red,
-                               void (*make)(void *ctx, size_t off, size_t len), void *ctx) {
+DOPT_BODY const float *dopt_gen_factored_body(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf) {
+  const dopt_fact_gen *g = ctx;
+  const float rf = g->rf[r], *cf = g->cf + c, *x = g->x + off;
+  for (size_t j = 0; j < len; j++) buf[j] = dopt_factored_elem(rf, cf[j], x[j]);
+  return buf;
+}
+DOPT_TWICE(, const float *, dopt_gen_factored, (void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf),
+           (ctx, off, r, c, len, buf))
+
+void dopt_piece_gen_each(const dopt_piece *pc, dopt_gen_fn gen, void *gctx, dopt_use_fn use, void *uctx) {
+  float buf[DOPT_RUN];
+  piece_block blk;
+  size_t k = pc->lo;
+  while (next_block(pc, &k, &blk)) {
+    const size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
+    for (size_t r = 0; r < blk.rows; r++)
+      for (size_t j = 0; j < blk.cols; j += DOPT_RUN) {
+        const size_t len = blk.cols - j < DOPT_RUN ? blk.cols - j : DOPT_RUN, off = blk.off + r * blk.cols + j;
+        use(uctx, gen(gctx, off, r0 + r, c0 + j, len, buf), off, r0 + r, c0 + j, len);
+      }
+  }
+}
+
+static void use_absmax(void *ctx, const float *x, size_t off, size_t r, size_t c, size_t len) {
+  (void)off, (void)r, (void)c;
+  float *m = ctx;
+  *m = dopt_absmax_tile(*m, x, len);
+}
+
+float dopt_gen_absmax(const dopt_piece *pc, dopt_gen_fn gen, void *gctx) {
+  float m = 0.0f;
+  dopt_piece_gen_each(pc, gen, gctx, use_absmax, &m);
+  return m;
+}
+
+typedef struct ss_use {
+  dopt_xacc *acc;
+  double scale;
+} ss_use;
+static void use_sumsq(void *ctx, const float *x, size_t off, size_t r, size_t c, size_t len) {
+  (void)off, (void)r, (void)c;
+  const ss_use *u = ctx;
+  dopt_xacc_add_sq_n(u->acc, u->scale, x, len);
+}
+
+dopt_status dopt_ss_accum_gen(dopt_ss_stat *s, const dopt_piece *pc, dopt_gen_fn gen, void *gctx,
+                              const dopt_reducer *red) {
+  memset(&s->acc, 0, sizeof s->acc);
+  ss_use u = {&s->acc, dopt_xsum_scale(s->m)};
+  dopt_piece_gen_each(pc, gen, gctx, use_sumsq, &u);
+  return red ? red->post_sum_i64(red->ctx, s->acc.w, DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+/* Phase 1: row and column maxima of |U| (float maxima are exact; the
+ * conversion to double is monotone), posted for MAX. */
+typedef struct rc_max_use {
+  double *rmax;
+  float *cmax;
+} rc_max_use;
+static void use_rc_max(void *ctx, const float *x, size_t off, size_t r, size_t c, size_t len) {
+  (void)off;
+  const rc_max_use *u = ctx;
+  const double m = (double)dopt__absmax_row_cols(x, len, u->cmax + c);
+  u->rmax[r] = m > u->rmax[r] ? m : u->rmax[r];
+}
+
+dopt_status dopt_rc_begin_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_reducer *red, dopt_gen_fn gen,
+                              void *gctx) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
   float *cmax = calloc(nc ? nc : 1, sizeof *cmax);
   if (!cmax) return dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu column maxima", nc);
   double *scale = s->scale;
   for (size_t r = 0; r < nr; r++) scale[r] = 0.0;
-  piece_block blk;
-  size_t k = pc->lo;
-  while (next_block(pc, &k, &blk)) {
-    for (size_t r = 0; r < blk.rows; r++) {
-      if (make) make(ctx, blk.off + r * blk.cols, blk.cols);
-      double m = (double)dopt__absmax_row_cols(u + blk.off + r * blk.cols, blk.cols, cmax + blk_col(pc, &blk));
-      double *rm = &scale[blk_row(pc, &blk) + r];
-      *rm = m > *rm ? m : *rm;
-    }
-  }
+  rc_max_use u = {scale, cmax};
+  dopt_piece_gen_each(pc, gen, gctx, use_rc_max, &u);
   for (size_t c = 0; c < nc; c++) scale[nr + c] = (double)cmax[c];
   free(cmax);
   return red ? red->post_max_f64(red->ctx, scale, nr + nc) : DOPT_OK;
 }
 
-/* Phase 2: the shared scales and the fixed-point row and column sums, posted for SUM. */
-dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+  return dopt_rc_begin_gen(s, pc, red, dopt_gen_array, (void *)u);
+}
+
+/* Phase 2: the shared scales and the fixed-point row and column sums, posted
+ * for SUM. One pass: each run adds to its row's words and to its columns'
+ * double scratch (dopt__colsum_row), flushed into the columns' words at the
+ * end of each block of rows (and every DOPT__COLSUM_ROWS rows). */
+dopt_status dopt_rc_accum_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_reducer *red, dopt_gen_fn gen,
+                              void *gctx) {
   const size_t nr = pc->b * pc->h, nacc = nr + pc->b * pc->w;
-  double *ws = malloc((pc->wl ? 2 * pc->wl : 1) * sizeof *ws); /* column-sum scratch */
+  double *ws = calloc(pc->wl ? 2 * pc->wl : 1, sizeof *ws); /* column scratch: hi, lo words */
   if (!ws) return dopt__fail(DOPT_ERR_NO_MEMORY, "row/column statistics: %zu columns", pc->wl);
+  double *sh = ws, *sl = ws + pc->wl;
   double *scale = s->scale;
   dopt_xacc *acc = s->acc;
   for (size_t i = 0; i < nacc; i++) scale[i] = dopt_xsum_scale(scale[i]);
   memset(acc, 0, nacc * sizeof *acc);
+  float buf[DOPT_RUN];
   piece_block blk;
   size_t k = pc->lo;
-  while (next_block(pc, &k, &blk)) {
-    const float *p = u + blk.off;
-    size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
-    for (size_t r = 0; r < blk.rows; r++) dopt__xacc_add_run(&acc[r0 + r], scale[r0 + r], p + r * blk.cols, blk.cols, 0);
-    dopt__xacc_add_cols_block(acc + nr + c0, scale + nr + c0, p, blk.rows, blk.cols, ws);
+  int bad = 0;
+  while (!bad && next_block(pc, &k, &blk)) {
+    const size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
+    for (size_t r = 0; r < blk.rows && !bad; r++) {
+      for (size_t j = 0; j < blk.cols; j += DOPT_RUN) {
+        const size_t len = blk.cols - j < DOPT_RUN ? blk.cols - j : DOPT_RUN, c = c0 + j;
+        const float *x = gen(gctx, blk.off + r * blk.cols + j, r0 + r, c, len, buf);
+        dopt__xacc_add_run(&acc[r0 + r], scale[r0 + r], x, len, 0);
+        const int st = dopt__colsum_row(sh + j, sl + j, scale + nr + c, x, len);
+        if (st < 0) bad = 1;
+        for (size_t t = 0; st > 0 && t < len; t++) dopt_xacc_add(&acc[nr + c + t], scale[nr + c + t], (double)x[t]);
+      }
+      if ((r + 1) % DOPT__COLSUM_ROWS == 0 || r + 1 == blk.rows) dopt__colsum_flush(acc + nr + c0, sh, sl, blk.cols);
+    }
   }
   free(ws);
+  if (bad)
+    return dopt__fail(DOPT_ERR_STATE, "row/column statistics: a column's scale is below its own maximum (the MAX "
+                      "reduction before the sums lost a value)");
   return red ? red->post_sum_i64(red->ctx, &acc[0].w[0], nacc * DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red) {
+  return dopt_rc_accum_gen(s, pc, red, dopt_gen_array, (void *)u);
 }
 
 size_t dopt_update_frame_map(void *base, const dopt_piece *pc, int rowcol, dopt_update_frame *f) {
@@ -184,11 +272,14 @@ size_t dopt_update_frame_map(void *base, const dopt_piece *pc, int rowcol, dopt_
   memset(f, 0, sizeof *f);
   f->pss = dopt_frame_take(&fr, sizeof *f->pss);
   f->uss = dopt_frame_take(&fr, sizeof *f->uss);
-  f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
-  if (rowcol && pc->factored) {
+  if (rowcol && pc->factored) { /* U is generated from the gradient run by run: no [len] buffer */
     f->rmean = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rmean);
     f->cmean = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cmean);
+    f->rf = dopt_frame_take(&fr, pc->b * pc->h * sizeof *f->rf);
+    f->cf = dopt_frame_take(&fr, pc->b * pc->w * sizeof *f->cf);
     dopt_rc_take(&fr, pc, &f->rc);
+  } else {
+    f->u = dopt_frame_take(&fr, pc->len * sizeof *f->u);
   }
   return fr.off;
 }
@@ -205,17 +296,19 @@ size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc) {
   return dopt_update_frame_map(NULL, pc, 0, &f);
 }
 
-typedef struct sq_rows {
+typedef struct sq_gen {
   const float *g;
-  float *u;
   float eps1;
-} sq_rows;
-static void make_sq_rows(void *ctx, size_t off, size_t len) {
-  const sq_rows *c = ctx;
-  const float *g = c->g + off;
-  float *u = c->u + off;
-  for (size_t i = 0; i < len; i++) u[i] = dopt_sq_eps_elem(g[i], c->eps1);
+} sq_gen;
+DOPT_BODY const float *gen_sq_body(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf) {
+  (void)r, (void)c;
+  const sq_gen *q = ctx;
+  const float *g = q->g + off;
+  for (size_t i = 0; i < len; i++) buf[i] = dopt_sq_eps_elem(g[i], q->eps1);
+  return buf;
 }
+DOPT_TWICE(static, const float *, gen_sq, (void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf),
+           (ctx, off, r, c, len, buf))
 
 dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
                                      float *col, float b, float omb, float eps1) {
@@ -225,13 +318,12 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
   size_t nw, numel_w;
   dopt_wstat(a, &w, &nw, &numel_w); /* ‖w‖²: of the piece, or of a projection wrapper's full weight */
   float *u = f->u;
+  sq_gen sq = {g, eps1};
+  dopt_fact_gen fg = {f->rf, f->cf, g};
   switch (stage) {
   case 0:
     DOPT_TRY(dopt_ss_begin(f->pss, w, nw, a->red));
-    if (pc->factored) { /* U = G² + eps1 row by row, its maxima taken while in cache */
-      sq_rows ctx = {g, u, eps1};
-      return dopt_rc_begin_rows(&f->rc, u, pc, a->red, make_sq_rows, &ctx);
-    }
+    if (pc->factored) return dopt_rc_begin_gen(&f->rc, pc, a->red, gen_sq, &sq); /* U = G² + eps1 */
     for (size_t i = 0; i < n; i++) u[i] = dopt_sq_eps_elem(g[i], eps1);
     for (size_t i = 0; i < n; i++) { /* 1-D: the unfactored second moment (row is v), then stage 2's ‖U‖² */
       row[i] = dopt_ema_elem(row[i], b, omb, u[i]);
@@ -240,7 +332,7 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
     return dopt_ss_begin(f->uss, u, n, a->red);
   case 1:
     DOPT_TRY(dopt_ss_accum(f->pss, w, nw, a->red));
-    return dopt_rc_accum(&f->rc, u, pc, a->red);
+    return dopt_rc_accum_gen(&f->rc, pc, a->red, gen_sq, &sq);
   case 2:
     if (!pc->factored) { /* 1-D: stage 1's words and stage 3's together */
       DOPT_TRY(dopt_ss_accum(f->pss, w, nw, a->red));
@@ -249,11 +341,10 @@ dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_up
     dopt_rc_means(&f->rc, pc, f->rmean, f->cmean);
     for (size_t i = 0; i < pc->b * pc->h; i++) row[i] = dopt_ema_elem(row[i], b, omb, f->rmean[i]);
     for (size_t i = 0; i < pc->b * pc->w; i++) col[i] = dopt_ema_elem(col[i], b, omb, f->cmean[i]);
-    float um = 0.0f; /* max |U| of the rows as they are written */
-    DOPT_TRY(dopt_piece_factored_apply(row, col, g, pc, u, &um));
-    return dopt_ss_begin_absmax(f->uss, um, a->red);
+    dopt_factors(row, col, pc, f->rf, f->cf);
+    return dopt_ss_begin_absmax(f->uss, dopt_gen_absmax(pc, dopt_gen_factored, &fg), a->red);
   default: /* 3 */
-    return dopt_ss_accum(f->uss, u, n, a->red);
+    return dopt_ss_accum_gen(f->uss, pc, dopt_gen_factored, &fg, a->red);
   }
 }
 
@@ -265,31 +356,11 @@ void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean,
     col_mean[i] = dopt_mean_elem(dopt_xacc_value(&s->acc[nr + i], s->scale[nr + i]), (double)pc->h);
 }
 
-dopt_status dopt_piece_factored_apply(const float *row, const float *col, const float *x, const dopt_piece *pc,
-                                      float *out, float *absmax) {
-  float *rmean = malloc(pc->b * sizeof *rmean);
-  float *cf = malloc((pc->wl ? pc->wl : 1) * sizeof *cf);
-  if (!rmean || !cf) {
-    free(rmean);
-    free(cf);
-    return dopt__fail(DOPT_ERR_NO_MEMORY, "factored update: %zu column factors", pc->wl);
+void dopt_factors(const float *row, const float *col, const dopt_piece *pc, float *rf, float *cf) {
+  for (size_t bi = 0; bi < pc->b; bi++) {
+    /* normaliser: mean of the (whole) row statistic over the h rows of each batch */
+    const float rmean = dopt_mean_elem(dopt_xsum(row + bi * pc->h, pc->h), (double)pc->h);
+    for (size_t i = 0; i < pc->h; i++) rf[bi * pc->h + i] = dopt_row_factor(row[bi * pc->h + i], rmean);
   }
-  /* normaliser: mean of the (whole) row statistic over the h rows of each batch */
-  for (size_t bi = 0; bi < pc->b; bi++) rmean[bi] = dopt_mean_elem(dopt_xsum(row + bi * pc->h, pc->h), (double)pc->h);
-  piece_block blk;
-  size_t k = pc->lo;
-  while (next_block(pc, &k, &blk)) {
-    size_t r0 = blk_row(pc, &blk), c0 = blk_col(pc, &blk);
-    for (size_t j = 0; j < blk.cols; j++) cf[j] = dopt_rsqrt_elem(col[c0 + j]);
-    for (size_t r = 0; r < blk.rows; r++) {
-      const float rf = dopt_row_factor(row[r0 + r], rmean[blk.bi]);
-      const float *xr = x + blk.off + r * blk.cols;
-      float *orow = out + blk.off + r * blk.cols;
-      for (size_t j = 0; j < blk.cols; j++) orow[j] = dopt_factored_elem(rf, cf[j], xr[j]);
-      if (absmax) *absmax = dopt_absmax_tile(*absmax, orow, blk.cols);
-    }
-  }
-  free(rmean);
-  free(cf);
-  return DOPT_OK;
+  for (size_t c = 0; c < pc->b * pc->w; c++) cf[c] = dopt_rsqrt_elem(col[c]);
 }

@@ -31,17 +31,18 @@ void dopt_xacc_add(dopt_xacc *acc, double scale, double x) { add_scaled(acc, sca
  * vector unit executes without integer conversions: for finite v = x·scale
  * with |v| < 2^63,
  *   q = rint(v)                 (exact integer, |q| < 2^63)
- *   h = floor(q·2^-32)          (exact: power-of-two scaling of an integer)
- *   l = q − h·2^32 ∈ [0, 2^32)  (exact: an integer below 2^32)
- *   if l ≥ 2^31: l −= 2^32, h += 1   (signed low word in [−2^31, 2^31))
- * and h, l are exactly the words of add_scaled(). Sums of h
- * (|h| ≤ 2^31) and of l over at most XBLOCK elements stay below 2^53 in
- * magnitude, so every double addition is exact and the lane sums are the
- * integer sums in any order; they are converted to int64 per block. A block
- * with a non-finite value (its sums become inf/NaN) or with |q| ≥ 2^63 (only
+ *   h = (q + C) − C             (C = 1.5·2^84: q rounded to a multiple of 2^32, exact)
+ *   l = q − h                   (exact: an integer with |l| <= 2^31)
+ * so q = h + l. This splits q as the definition does except at a tie
+ * (q ≡ 2^31 mod 2^32, where h may round down and l be +2^31): the words
+ * differ there, their total (hi·2^32 + lo, what dopt_xacc_value reads after
+ * carry normalisation) never does, nor do the words' bounds. Sums of h
+ * (multiples of 2^32, |h| <= 2^63) and of l over at most XBLOCK elements stay
+ * exact in double (below 2^85, resp. 2^50), so the lane sums are the integer
+ * sums in any order; they are converted to int64 words per block. A block
+ * with a non-finite value (its sums become inf/NaN) or with |q| >= 2^63 (only
  * possible with a scale smaller than dopt_xsum_scale(absmax) asks for) is
- * redone with the per-element definition, so every input gives the very words
- * of the definition. */
+ * redone with the per-element definition. */
 #define XBLOCK ((size_t)1 << 18)
 
 static void add_run_scalar(dopt_xacc *acc, double scale, const float *x, size_t n, int sq) {
@@ -63,20 +64,18 @@ static int have_avx(void) { return __builtin_cpu_supports("avx") != 0; }
 
 #define ROUND_CUR (_MM_FROUND_CUR_DIRECTION)
 
-/* l ∈ [0, 2^32) → [−2^31, 2^31) with the carry into h (exact double ops) */
-__attribute__((target("avx"))) static inline void signed_words(__m256d *h, __m256d *l) {
-  const __m256d half = _mm256_set1_pd(0x1p31), kk = _mm256_set1_pd(0x1p32), one = _mm256_set1_pd(1.0);
-  __m256d m = _mm256_cmp_pd(*l, half, _CMP_GE_OQ);
-  *l = _mm256_sub_pd(*l, _mm256_and_pd(m, kk));
-  *h = _mm256_add_pd(*h, _mm256_and_pd(m, one));
+/* q = h + l: h a multiple of 2^32 (round to nearest), |l| <= 2^31 (exact double ops) */
+__attribute__((target("avx"))) static inline void split_words(__m256d q, __m256d *h, __m256d *l) {
+  const __m256d c = _mm256_set1_pd(0x1.8p84);
+  *h = _mm256_sub_pd(_mm256_add_pd(q, c), c);
+  *l = _mm256_sub_pd(q, *h);
 }
 
 /* h, l sums of one contiguous block (n ≤ XBLOCK); returns 0 and the words,
  * or 1 if the block must be redone per element. */
 __attribute__((target("avx"))) static int run_block_avx(double scale, const float *x, size_t n, int sq,
                                                         int64_t *hi, int64_t *lo) {
-  const __m256d s = _mm256_set1_pd(scale), k = _mm256_set1_pd(0x1p-32), kk = _mm256_set1_pd(0x1p32);
-  const __m256d sign = _mm256_set1_pd(-0.0);
+  const __m256d s = _mm256_set1_pd(scale), sign = _mm256_set1_pd(-0.0);
   __m256d sh0 = _mm256_setzero_pd(), sl0 = sh0, sh1 = sh0, sl1 = sh0, mx = sh0;
   size_t i = 0;
   float tail[8];
@@ -95,10 +94,9 @@ __attribute__((target("avx"))) static int run_block_avx(double scale, const floa
     }
     __m256d q0 = _mm256_round_pd(_mm256_mul_pd(v0, s), ROUND_CUR);
     __m256d q1 = _mm256_round_pd(_mm256_mul_pd(v1, s), ROUND_CUR);
-    __m256d h0 = _mm256_floor_pd(_mm256_mul_pd(q0, k)), h1 = _mm256_floor_pd(_mm256_mul_pd(q1, k));
-    __m256d l0 = _mm256_sub_pd(q0, _mm256_mul_pd(h0, kk)), l1 = _mm256_sub_pd(q1, _mm256_mul_pd(h1, kk));
-    signed_words(&h0, &l0);
-    signed_words(&h1, &l1);
+    __m256d h0, h1, l0, l1;
+    split_words(q0, &h0, &l0);
+    split_words(q1, &h1, &l1);
     sl0 = _mm256_add_pd(sl0, l0);
     sl1 = _mm256_add_pd(sl1, l1);
     sh0 = _mm256_add_pd(sh0, h0);
@@ -117,7 +115,7 @@ __attribute__((target("avx"))) static int run_block_avx(double scale, const floa
     /* non-finite input: inf/NaN sums; out of range: |q| ≥ 2^63 */
     if (!(a[j] - a[j] == 0.0 && b[j] - b[j] == 0.0 && c[j] - c[j] == 0.0 && d[j] - d[j] == 0.0)) return 1;
     if (!(m[j] < 0x1p63)) return 1;
-    h += (int64_t)a[j] + (int64_t)b[j];
+    h += (int64_t)(a[j] * 0x1p-32) + (int64_t)(b[j] * 0x1p-32); /* exact: multiples of 2^32 below 2^85 */
     l += (int64_t)c[j] + (int64_t)d[j];
   }
   *hi = h;
@@ -125,46 +123,31 @@ __attribute__((target("avx"))) static int run_block_avx(double scale, const floa
   return 0;
 }
 
-/* Column sums of rows r[0..rows) (row stride w) into sh/sl (double, exact
- * while rows ≤ XBLOCK); returns the max |q| seen (≥ 2^63 or NaN/inf: redo). */
-__attribute__((target("avx"))) static double cols_block_avx(const float *u, size_t rows, size_t w,
-                                                            const double *cs, double *sh, double *sl) {
-  const __m256d k = _mm256_set1_pd(0x1p-32), kk = _mm256_set1_pd(0x1p32), sign = _mm256_set1_pd(-0.0);
+/* One row x[0..n) into the column scratch: sh[j], sl[j] += the words of x[j]
+ * at scale cs[j]. The caller checked that every x[j] is finite; returns the
+ * max |q| (>= 2^63: the scale was too small for the data). */
+__attribute__((target("avx"))) static double colsum_row_avx(double *sh, double *sl, const double *cs, const float *x,
+                                                            size_t n) {
+  const __m256d sign = _mm256_set1_pd(-0.0);
   __m256d mx = _mm256_setzero_pd();
-  const size_t w4 = w & ~(size_t)3;
-  for (size_t i = 0; i < rows; i++) {
-    const float *r = u + i * w;
-    for (size_t j = 0; j < w4; j += 4) {
-      __m256d v = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + j)), _mm256_loadu_pd(cs + j));
-      __m256d q = _mm256_round_pd(v, ROUND_CUR);
-      __m256d h = _mm256_floor_pd(_mm256_mul_pd(q, k));
-      __m256d l = _mm256_sub_pd(q, _mm256_mul_pd(h, kk));
-      signed_words(&h, &l);
-      _mm256_storeu_pd(sl + j, _mm256_add_pd(_mm256_loadu_pd(sl + j), l));
-      _mm256_storeu_pd(sh + j, _mm256_add_pd(_mm256_loadu_pd(sh + j), h));
-      mx = _mm256_max_pd(mx, _mm256_andnot_pd(sign, q));
-    }
-    for (size_t j = w4; j < w; j++) {
-      __m128d v = _mm_set_sd((double)r[j] * cs[j]);
-      __m128d q = _mm_round_sd(v, v, ROUND_CUR);
-      __m128d hq = _mm_mul_sd(q, _mm_set_sd(0x1p-32));
-      __m128d h = _mm_floor_sd(hq, hq);
-      double qd = _mm_cvtsd_f64(q), hd = _mm_cvtsd_f64(h), ld = qd - hd * 0x1p32;
-      if (ld >= 0x1p31) {
-        ld -= 0x1p32;
-        hd += 1.0;
-      }
-      sl[j] += ld;
-      sh[j] += hd;
-      if (!(fabs(qd) < 0x1p63)) return INFINITY; /* non-finite or out of range: redo the block */
-    }
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256d q = _mm256_round_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + j)), _mm256_loadu_pd(cs + j)),
+                                ROUND_CUR), h, l;
+    split_words(q, &h, &l);
+    _mm256_storeu_pd(sl + j, _mm256_add_pd(_mm256_loadu_pd(sl + j), l));
+    _mm256_storeu_pd(sh + j, _mm256_add_pd(_mm256_loadu_pd(sh + j), h));
+    mx = _mm256_max_pd(mx, _mm256_andnot_pd(sign, q));
   }
-  double m[4];
+  double m[4], r = 0.0;
   _mm256_storeu_pd(m, mx);
-  double r = 0;
-  for (int j = 0; j < 4; j++) {
-    if (!(m[j] < 0x1p63)) return INFINITY;
-    if (m[j] > r) r = m[j];
+  for (int t = 0; t < 4; t++) r = m[t] > r ? m[t] : r;
+  for (; j < n; j++) {
+    double q = rint((double)x[j] * cs[j]), h = floor(q * 0x1p-32), l = q - h * 0x1p32;
+    if (l >= 0x1p31) l -= 0x1p32, h += 1.0;
+    sh[j] += h * 0x1p32;
+    sl[j] += l;
+    r = fabs(q) > r ? fabs(q) : r;
   }
   return r;
 }
@@ -190,31 +173,57 @@ void dopt__xacc_add_run(dopt_xacc *acc, double scale, const float *x, size_t n, 
   add_run_scalar(acc, scale, x, n, sq);
 }
 
-void dopt__xacc_add_cols_block(dopt_xacc *cacc, const double *cs, const float *u, size_t rows, size_t w,
-                               double *ws) {
 #ifdef DOPT_HAVE_AVX_PATH
-  if (have_avx() && ws) {
-    double *sh = ws, *sl = ws + w;
-    for (size_t i0 = 0; i0 < rows; i0 += XBLOCK) {
-      size_t m = rows - i0 < XBLOCK ? rows - i0 : XBLOCK;
-      for (size_t j = 0; j < 2 * w; j++) ws[j] = 0.0;
-      double mx = cols_block_avx(u + i0 * w, m, w, cs, sh, sl);
-      int all_ok = mx < 0x1p63;
-      for (size_t j = 0; j < w; j++) {
-        if (all_ok && sh[j] - sh[j] == 0.0 && sl[j] - sl[j] == 0.0) {
-          cacc[j].w[W_HI] = (int64_t)((uint64_t)cacc[j].w[W_HI] + (uint64_t)(int64_t)sh[j]);
-          cacc[j].w[W_LO] = (int64_t)((uint64_t)cacc[j].w[W_LO] + (uint64_t)(int64_t)sl[j]);
-        } else {
-          for (size_t i = 0; i < m; i++) add_scaled(&cacc[j], cs[j], (double)u[(i0 + i) * w + j]);
-        }
-      }
-    }
-    return;
+__attribute__((target("avx"))) static int all_finite_avx(const float *x, size_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4028234664e38f);
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) /* |x| <= FLT_MAX: false for ±inf and NaN */
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), big, _CMP_LE_OQ));
+  if (_mm256_movemask_ps(ok) != 0xff) return 0;
+  for (; i < n; i++)
+    if (!isfinite(x[i])) return 0;
+  return 1;
+}
+#endif
+
+static int all_finite(const float *x, size_t n) {
+#ifdef DOPT_HAVE_AVX_PATH
+  if (have_avx()) return all_finite_avx(x, n);
+#endif
+  for (size_t i = 0; i < n; i++)
+    if (!isfinite(x[i])) return 0;
+  return 1;
+}
+
+/* The column scratch (the same double formulation as the vector kernels,
+ * portable where there is no AVX): a row is added only when all of it is
+ * finite, so a row that is not leaves the scratch untouched. */
+int dopt__colsum_row(double *sh, double *sl, const double *cs, const float *x, size_t n) {
+  if (!all_finite(x, n)) return 1;
+  double r = 0.0;
+#ifdef DOPT_HAVE_AVX_PATH
+  if (have_avx()) {
+    r = colsum_row_avx(sh, sl, cs, x, n);
+    return r < 0x1p63 ? 0 : -1;
   }
 #endif
-  (void)ws;
-  for (size_t i = 0; i < rows; i++)
-    for (size_t j = 0; j < w; j++) add_scaled(&cacc[j], cs[j], (double)u[i * w + j]);
+  for (size_t j = 0; j < n; j++) {
+    double q = rint((double)x[j] * cs[j]), h = floor(q * 0x1p-32), l = q - h * 0x1p32;
+    if (l >= 0x1p31) l -= 0x1p32, h += 1.0;
+    sh[j] += h * 0x1p32;
+    sl[j] += l;
+    r = fabs(q) > r ? fabs(q) : r;
+  }
+  return r < 0x1p63 ? 0 : -1;
+}
+
+void dopt__colsum_flush(dopt_xacc *cacc, double *sh, double *sl, size_t n) {
+  for (size_t j = 0; j < n; j++) {
+    cacc[j].w[W_HI] = (int64_t)((uint64_t)cacc[j].w[W_HI] + (uint64_t)(int64_t)(sh[j] * 0x1p-32));
+    cacc[j].w[W_LO] = (int64_t)((uint64_t)cacc[j].w[W_LO] + (uint64_t)(int64_t)sl[j]);
+    sh[j] = sl[j] = 0.0;
+  }
 }
 
 void dopt_xacc_add_n(dopt_xacc *acc, double scale, const float *x, size_t n, size_t stride) {

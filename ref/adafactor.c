@@ -20,6 +20,7 @@
 
 #include "elem.h"
 #include "registry.h"
+#include "twice.h"
 
 enum { LR, EPS1, EPS2, CLIP, DECAY, BETA1, WD, SCALE_P, REL_STEP, WARMUP, NHP };
 
@@ -75,13 +76,35 @@ static float step_size(const double *hp, double t, float rms) {
   return dopt_adafactor_step_size(hp[REL_STEP] != 0.0, hp[WARMUP] != 0.0, hp[LR], hp[SCALE_P] != 0.0, hp[EPS2], t, rms);
 }
 
+/* The last pass over one run of U: momentum, decay, update. */
+typedef struct final_run {
+  float *w, *m;
+  float div, alpha, b1, omb1, decay;
+  int use_wd;
+} final_run;
+DOPT_BODY void use_final_body(void *ctx, const float *u, size_t off, size_t r, size_t c, size_t len) {
+  (void)r, (void)c;
+  const final_run *f = ctx;
+  float *w = f->w + off, *m = f->m ? f->m + off : NULL;
+  if (m)
+    for (size_t i = 0; i < len; i++)
+      w[i] = dopt_adafactor_final(w[i], u[i], &m[i], f->div, f->alpha, f->b1, f->omb1, f->decay, f->use_wd);
+  else
+    for (size_t i = 0; i < len; i++)
+      w[i] = dopt_adafactor_final(w[i], u[i], NULL, f->div, f->alpha, f->b1, f->omb1, f->decay, f->use_wd);
+}
+DOPT_TWICE_VOID(static, use_final, (void *ctx, const float *u, size_t off, size_t r, size_t c, size_t len),
+                (ctx, u, off, r, c, len))
+
 /* Stages (factored; a 1-D parameter has no row/column means and needs only
  * S0 = S0+S2, S1 = S1+S3, S2 = S4):
  *   S0  MAX   ‖w‖² and the row/column maxima of U = G² + eps1
  *   S1  SUM   their words
- *   S2  MAX   row/col ← EMA of the means; U ← factored(row, col) ⊙ G; ‖U‖²
+ *   S2  MAX   row/col ← EMA of the means; U = factored(row, col) ⊙ G; ‖U‖²
  *   S3  SUM   its words
- *   S4        RMS(w) → α; clip U by RMS(U); momentum, decay, update */
+ *   S4        RMS(w) → α; clip U by RMS(U); momentum, decay, update
+ * U is generated from G where a stage reads it (core/stats.c): each stage
+ * reads G once and writes nothing piece-sized. */
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
@@ -95,7 +118,6 @@ static dopt_status step(const dopt_step_args *a) {
   float *rms_state = a->state[s];
   dopt_update_frame f;
   dopt_update_frame_map(a->frame, pc, 1, &f);
-  float *u = f.u;
 
   const double t = (double)a->step;
   const double beta2t = dopt_adafactor_beta2t(t, hp[DECAY]);
@@ -115,10 +137,13 @@ static dopt_status step(const dopt_step_args *a) {
   const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
   const float decay = (float)(-hp[WD]) * alpha;
   const int use_wd = hp[WD] != 0.0;
-  if (m)
-    for (size_t i = 0; i < n; i++) w[i] = dopt_adafactor_final(w[i], u[i], &m[i], div, alpha, b1, omb1, decay, use_wd);
-  else
-    for (size_t i = 0; i < n; i++) w[i] = dopt_adafactor_final(w[i], u[i], NULL, div, alpha, b1, omb1, decay, use_wd);
+  final_run fr = {w, m, div, alpha, b1, omb1, decay, use_wd};
+  if (pc->factored) { /* U generated from the gradient run by run */
+    dopt_fact_gen fg = {f.rf, f.cf, a->grad};
+    dopt_piece_gen_each(pc, dopt_gen_factored, &fg, use_final, &fr);
+  } else {
+    use_final(&fr, f.u, 0, 0, 0, n);
+  }
   return DOPT_OK;
 }
 

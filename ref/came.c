@@ -19,6 +19,7 @@
 
 #include "elem.h"
 #include "registry.h"
+#include "twice.h"
 
 enum { LR, EPS1, EPS2, CLIP, BETA1, BETA2, BETA3, WD, NHP };
 
@@ -75,7 +76,9 @@ static void ema(float *stat, const float *mean, size_t n, double beta) {
  *   S3  SUM   its words
  *   S4  MAX   Û = U / max(1, RMS(U)/d); m ← β1·m + (1−β1)·Û; Res = (Û − m)² + eps2, row/column maxima
  *   S5  SUM   their words
- *   S6        res_row/col ← EMA; upd = factored(res) ⊙ m; decay, update */
+ *   S6        res_row/col ← EMA; upd = factored(res) ⊙ m; decay, update
+ * U, the residual and upd are generated where a stage reads them
+ * (core/stats.c): nothing piece-sized is written but m and w. */
 typedef struct residual_rows {
   float *m, *u;
   float div, b1, omb1, eps2;
@@ -85,6 +88,48 @@ static void make_residual(void *ctx, size_t off, size_t len) {
   float *m = c->m + off, *u = c->u + off;
   for (size_t i = 0; i < len; i++) u[i] = dopt_came_residual(u[i], &m[i], c->div, c->b1, c->omb1, c->eps2);
 }
+
+/* Factored: the residual generated from G run by run (core/stats.c), U =
+ * factored(sq) ⊙ G recomputed; S4 updates m as it goes (each element is
+ * generated once there), S5 reads the updated m. */
+typedef struct residual_gen {
+  dopt_fact_gen u; /* U = factored(sq) ⊙ G */
+  float *m;
+  float div, b1, omb1, eps2;
+} residual_gen;
+DOPT_BODY const float *gen_residual_first_body(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf) {
+  const residual_gen *g = ctx;
+  const float *u = dopt_gen_factored((void *)&g->u, off, r, c, len, buf);
+  float *m = g->m + off;
+  for (size_t i = 0; i < len; i++) buf[i] = dopt_came_residual(u[i], &m[i], g->div, g->b1, g->omb1, g->eps2);
+  return buf;
+}
+DOPT_TWICE(static, const float *, gen_residual_first,
+           (void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf), (ctx, off, r, c, len, buf))
+DOPT_BODY const float *gen_residual_again_body(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf) {
+  const residual_gen *g = ctx;
+  const float *u = dopt_gen_factored((void *)&g->u, off, r, c, len, buf);
+  const float *m = g->m + off;
+  for (size_t i = 0; i < len; i++) buf[i] = dopt_came_res(dopt_came_uhat(u[i], g->div), m[i], g->eps2);
+  return buf;
+}
+DOPT_TWICE(static, const float *, gen_residual_again,
+           (void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf), (ctx, off, r, c, len, buf))
+
+/* The last pass over one run of the update: decay, update. */
+typedef struct final_run {
+  float *w;
+  float lr, decay;
+  int use_wd;
+} final_run;
+DOPT_BODY void use_final_body(void *ctx, const float *upd, size_t off, size_t r, size_t c, size_t len) {
+  (void)r, (void)c;
+  const final_run *f = ctx;
+  float *w = f->w + off;
+  for (size_t i = 0; i < len; i++) w[i] = dopt_came_final(w[i], upd[i], f->lr, f->decay, f->use_wd);
+}
+DOPT_TWICE_VOID(static, use_final, (void *ctx, const float *upd, size_t off, size_t r, size_t c, size_t len),
+                (ctx, upd, off, r, c, len))
 
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
@@ -114,35 +159,33 @@ static dopt_status step(const dopt_step_args *a) {
 
   if (stage < 4)
     return dopt_second_moment_stage(a, stage, &f, sq_row, sq_col, (float)hp[BETA2], (float)(1.0 - hp[BETA2]), eps1);
+  /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
+  if (stage == 4) *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), dopt_wstat_numel(a));
+  const float div = dopt_clip_div(dopt_rms_from_ss(dopt_ss_value(f.uss), N), hp[CLIP]);
+  residual_gen rg = {{f.rf, f.cf, a->grad}, m, div, (float)hp[BETA1], (float)(1.0 - hp[BETA1]), eps2};
   switch (stage) {
-  case 4: { /* 1-D: S2, the last stage */
-    /* RMS(w): of the logical parameter, or of a projection wrapper's full weight */
-    *rms_state = dopt_rms_from_ss(dopt_ss_value(f.pss), dopt_wstat_numel(a));
-    const float div = dopt_clip_div(dopt_rms_from_ss(dopt_ss_value(f.uss), N), hp[CLIP]);
-    /* m ← β1·m + (1−β1)·Û, then the residual into u (Û is not needed after);
-     * factored: row by row, the residual's maxima taken while in cache */
-    residual_rows rr = {m, u, div, (float)hp[BETA1], (float)(1.0 - hp[BETA1]), eps2};
-    if (factored) return dopt_rc_begin_rows(&f.rc, u, pc, a->red, make_residual, &rr);
-    make_residual(&rr, 0, n);
+  case 4: /* 1-D: S2, the last stage */
+    /* m ← β1·m + (1−β1)·Û, then the residual (factored: its row/column maxima) */
+    if (factored) return dopt_rc_begin_gen(&f.rc, pc, a->red, gen_residual_first, &rg);
+    make_residual(&(residual_rows){m, u, div, rg.b1, rg.omb1, eps2}, 0, n);
     break;
-  }
   case 5:
-    return dopt_rc_accum(&f.rc, u, pc, a->red);
+    return dopt_rc_accum_gen(&f.rc, pc, a->red, gen_residual_again, &rg);
   default:
     break;
   }
-  const float *upd = m; /* 1-D: a copy of m (no confidence term) */
-  if (factored) {
-    dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
-    ema(res_row, f.rmean, nr, hp[BETA3]);
-    ema(res_col, f.cmean, nc, hp[BETA3]);
-    DOPT_TRY(dopt_piece_factored_apply(res_row, res_col, m, pc, u, NULL));
-    upd = u;
-  }
   const float lr = (float)hp[LR];
-  const float decay = (float)(-hp[WD] * hp[LR]);
-  const int use_wd = hp[WD] != 0.0;
-  for (size_t i = 0; i < n; i++) w[i] = dopt_came_final(w[i], upd[i], lr, decay, use_wd);
+  final_run fr = {w, lr, (float)(-hp[WD] * hp[LR]), hp[WD] != 0.0};
+  if (!factored) { /* 1-D: the update is a copy of m (no confidence term) */
+    use_final(&fr, m, 0, 0, 0, n);
+    return DOPT_OK;
+  }
+  dopt_rc_means(&f.rc, pc, f.rmean, f.cmean);
+  ema(res_row, f.rmean, nr, hp[BETA3]);
+  ema(res_col, f.cmean, nc, hp[BETA3]);
+  dopt_factors(res_row, res_col, pc, f.rf, f.cf); /* the second moment's factors are not needed after S5 */
+  dopt_fact_gen upd = {f.rf, f.cf, m};           /* upd = factored(res) ⊙ m */
+  dopt_piece_gen_each(pc, dopt_gen_factored, &upd, use_final, &fr);
   return DOPT_OK;
 }
 
