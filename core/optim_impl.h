@@ -429,7 +429,7 @@ double dopt_ss_value(const dopt_ss_stat *s);
 #define DOPT_RUN 2048
 typedef const float *(*dopt_gen_fn)(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
 typedef void (*dopt_use_fn)(void *ctx, const float *x, size_t off, size_t r, size_t c, size_t len);
-/* every run of the piece, in order: use(gen(run)) */
+/* every run of the piece, in order: use(gen(run)), or use(NULL) without gen */
 void dopt_piece_gen_each(const dopt_piece *pc, dopt_gen_fn gen, void *gctx, dopt_use_fn use, void *uctx);
 /* gen of a materialised array: ctx is the piece's const float[len] */
 const float *dopt_gen_array(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);

@@ -158,7 +158,7 @@ void dopt_piece_gen_each(const dopt_piece *pc, dopt_gen_fn gen, void *gctx, dopt
     for (size_t r = 0; r < blk.rows; r++)
       for (size_t j = 0; j < blk.cols; j += DOPT_RUN) {
         const size_t len = blk.cols - j < DOPT_RUN ? blk.cols - j : DOPT_RUN, off = blk.off + r * blk.cols + j;
-        use(uctx, gen(gctx, off, r0 + r, c0 + j, len, buf), off, r0 + r, c0 + j, len);
+        use(uctx, gen ? gen(gctx, off, r0 + r, c0 + j, len, buf) : NULL, off, r0 + r, c0 + j, len);
       }
   }
 }

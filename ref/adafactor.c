@@ -76,22 +76,33 @@ static float step_size(const double *hp, double t, float rms) {
   return dopt_adafactor_step_size(hp[REL_STEP] != 0.0, hp[WARMUP] != 0.0, hp[LR], hp[SCALE_P] != 0.0, hp[EPS2], t, rms);
 }
 
-/* The last pass over one run of U: momentum, decay, update. */
+/* The last pass over one run: momentum, decay, update; U given (1-D: f.u),
+ * or (u NULL, factored) formed here from the gradient element by element, so
+ * the gradient's loads overlap the arithmetic. */
 typedef struct final_run {
   float *w, *m;
   float div, alpha, b1, omb1, decay;
   int use_wd;
+  const dopt_fact_gen *fg; /* factored: U = factored(row, col) ⊙ G */
 } final_run;
 DOPT_BODY void use_final_body(void *ctx, const float *u, size_t off, size_t r, size_t c, size_t len) {
-  (void)r, (void)c;
   const final_run *f = ctx;
   float *w = f->w + off, *m = f->m ? f->m + off : NULL;
+  if (u) {
+    for (size_t i = 0; i < len; i++)
+      w[i] = dopt_adafactor_final(w[i], u[i], m ? &m[i] : NULL, f->div, f->alpha, f->b1, f->omb1, f->decay,
+                                  f->use_wd);
+    return;
+  }
+  const float rf = f->fg->rf[r], *cf = f->fg->cf + c, *g = f->fg->x + off;
   if (m)
     for (size_t i = 0; i < len; i++)
-      w[i] = dopt_adafactor_final(w[i], u[i], &m[i], f->div, f->alpha, f->b1, f->omb1, f->decay, f->use_wd);
+      w[i] = dopt_adafactor_final(w[i], dopt_factored_elem(rf, cf[i], g[i]), &m[i], f->div, f->alpha, f->b1, f->omb1,
+                                  f->decay, f->use_wd);
   else
     for (size_t i = 0; i < len; i++)
-      w[i] = dopt_adafactor_final(w[i], u[i], NULL, f->div, f->alpha, f->b1, f->omb1, f->decay, f->use_wd);
+      w[i] = dopt_adafactor_final(w[i], dopt_factored_elem(rf, cf[i], g[i]), NULL, f->div, f->alpha, f->b1, f->omb1,
+                                  f->decay, f->use_wd);
 }
 DOPT_TWICE_VOID(static, use_final, (void *ctx, const float *u, size_t off, size_t r, size_t c, size_t len),
                 (ctx, u, off, r, c, len))
@@ -137,10 +148,10 @@ static dopt_status step(const dopt_step_args *a) {
   const float omb1 = isnan(hp[BETA1]) ? 0.0f : (float)(1.0 - hp[BETA1]);
   const float decay = (float)(-hp[WD]) * alpha;
   const int use_wd = hp[WD] != 0.0;
-  final_run fr = {w, m, div, alpha, b1, omb1, decay, use_wd};
-  if (pc->factored) { /* U generated from the gradient run by run */
-    dopt_fact_gen fg = {f.rf, f.cf, a->grad};
-    dopt_piece_gen_each(pc, dopt_gen_factored, &fg, use_final, &fr);
+  dopt_fact_gen fg = {f.rf, f.cf, a->grad};
+  final_run fr = {w, m, div, alpha, b1, omb1, decay, use_wd, &fg};
+  if (pc->factored) {
+    dopt_piece_gen_each(pc, NULL, NULL, use_final, &fr);
   } else {
     use_final(&fr, f.u, 0, 0, 0, n);
   }

@@ -116,17 +116,24 @@ DOPT_BODY const float *gen_residual_again_body(void *ctx, size_t off, size_t r, 
 DOPT_TWICE(static, const float *, gen_residual_again,
            (void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf), (ctx, off, r, c, len, buf))
 
-/* The last pass over one run of the update: decay, update. */
+/* The last pass over one run: decay, update; the update given (1-D: m), or
+ * (upd NULL, factored) formed here as factored(res) ⊙ m element by element. */
 typedef struct final_run {
   float *w;
   float lr, decay;
   int use_wd;
+  const dopt_fact_gen *fg; /* factored: upd = factored(res_row, res_col) ⊙ m */
 } final_run;
 DOPT_BODY void use_final_body(void *ctx, const float *upd, size_t off, size_t r, size_t c, size_t len) {
-  (void)r, (void)c;
   const final_run *f = ctx;
   float *w = f->w + off;
-  for (size_t i = 0; i < len; i++) w[i] = dopt_came_final(w[i], upd[i], f->lr, f->decay, f->use_wd);
+  if (upd) {
+    for (size_t i = 0; i < len; i++) w[i] = dopt_came_final(w[i], upd[i], f->lr, f->decay, f->use_wd);
+    return;
+  }
+  const float rf = f->fg->rf[r], *cf = f->fg->cf + c, *m = f->fg->x + off;
+  for (size_t i = 0; i < len; i++)
+    w[i] = dopt_came_final(w[i], dopt_factored_elem(rf, cf[i], m[i]), f->lr, f->decay, f->use_wd);
 }
 DOPT_TWICE_VOID(static, use_final, (void *ctx, const float *upd, size_t off, size_t r, size_t c, size_t len),
                 (ctx, upd, off, r, c, len))
@@ -175,7 +182,8 @@ static dopt_status step(const dopt_step_args *a) {
     break;
   }
   const float lr = (float)hp[LR];
-  final_run fr = {w, lr, (float)(-hp[WD] * hp[LR]), hp[WD] != 0.0};
+  dopt_fact_gen upd = {f.rf, f.cf, m}; /* factored: upd = factored(res) ⊙ m */
+  final_run fr = {w, lr, (float)(-hp[WD] * hp[LR]), hp[WD] != 0.0, &upd};
   if (!factored) { /* 1-D: the update is a copy of m (no confidence term) */
     use_final(&fr, m, 0, 0, 0, n);
     return DOPT_OK;
@@ -184,8 +192,7 @@ static dopt_status step(const dopt_step_args *a) {
   ema(res_row, f.rmean, nr, hp[BETA3]);
   ema(res_col, f.cmean, nc, hp[BETA3]);
   dopt_factors(res_row, res_col, pc, f.rf, f.cf); /* the second moment's factors are not needed after S5 */
-  dopt_fact_gen upd = {f.rf, f.cf, m};           /* upd = factored(res) ⊙ m */
-  dopt_piece_gen_each(pc, dopt_gen_factored, &upd, use_final, &fr);
+  dopt_piece_gen_each(pc, NULL, NULL, use_final, &fr);
   return DOPT_OK;
 }
 
