@@ -366,7 +366,7 @@ __global__ void k_apply(const float *rf, const float *cf, const float *x, dpiece
   }
 }
 
-/* dopt_piece_factored_apply */
+/* the factored update of core/stats.c (dopt_factors, dopt_gen_factored), materialised on the device */
 dopt_status factored_apply(const cuda_dev *c, const float *row, const float *col, const float *x, const dopt_piece *pc,
                            float *out) {
   const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
