@@ -54,6 +54,21 @@ static void add_run_scalar(dopt_xacc *acc, double scale, const float *x, size_t 
   *acc = a;
 }
 
+/* The column scratch over x[j0, n), portably: sh[j] += hi·2^32 (as the vector
+ * lanes keep it), sl[j] += lo, the words of x[j]·cs[j] as the definition
+ * splits them; returns max(r, the largest |q|). */
+static double colsum_portable(double *sh, double *sl, const double *cs, const float *x, size_t j0, size_t n,
+                              double r) {
+  for (size_t j = j0; j < n; j++) {
+    double q = rint((double)x[j] * cs[j]), h = floor(q * 0x1p-32), l = q - h * 0x1p32;
+    if (l >= 0x1p31) l -= 0x1p32, h += 1.0;
+    sh[j] += h * 0x1p32;
+    sl[j] += l;
+    r = fabs(q) > r ? fabs(q) : r;
+  }
+  return r;
+}
+
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #include <immintrin.h>
 #define DOPT_HAVE_AVX_PATH 1
@@ -142,14 +157,7 @@ __attribute__((target("avx"))) static double colsum_row_avx(double *sh, double *
   double m[4], r = 0.0;
   _mm256_storeu_pd(m, mx);
   for (int t = 0; t < 4; t++) r = m[t] > r ? m[t] : r;
-  for (; j < n; j++) {
-    double q = rint((double)x[j] * cs[j]), h = floor(q * 0x1p-32), l = q - h * 0x1p32;
-    if (l >= 0x1p31) l -= 0x1p32, h += 1.0;
-    sh[j] += h * 0x1p32;
-    sl[j] += l;
-    r = fabs(q) > r ? fabs(q) : r;
-  }
-  return r;
+  return colsum_portable(sh, sl, cs, x, j, n, r); /* the tail */
 }
 #endif
 
@@ -208,13 +216,7 @@ int dopt__colsum_row(double *sh, double *sl, const double *cs, const float *x, s
     return r < 0x1p63 ? 0 : -1;
   }
 #endif
-  for (size_t j = 0; j < n; j++) {
-    double q = rint((double)x[j] * cs[j]), h = floor(q * 0x1p-32), l = q - h * 0x1p32;
-    if (l >= 0x1p31) l -= 0x1p32, h += 1.0;
-    sh[j] += h * 0x1p32;
-    sl[j] += l;
-    r = fabs(q) > r ? fabs(q) : r;
-  }
+  r = colsum_portable(sh, sl, cs, x, 0, n, r);
   return r < 0x1p63 ? 0 : -1;
 }
 
