@@ -79,16 +79,6 @@ static void ema(float *stat, const float *mean, size_t n, double beta) {
  *   S6        res_row/col ← EMA; upd = factored(res) ⊙ m; decay, update
  * U, the residual and upd are generated where a stage reads them
  * (core/stats.c): nothing piece-sized is written but m and w. */
-typedef struct residual_rows {
-  float *m, *u;
-  float div, b1, omb1, eps2;
-} residual_rows;
-static void make_residual(void *ctx, size_t off, size_t len) {
-  const residual_rows *c = ctx;
-  float *m = c->m + off, *u = c->u + off;
-  for (size_t i = 0; i < len; i++) u[i] = dopt_came_residual(u[i], &m[i], c->div, c->b1, c->omb1, c->eps2);
-}
-
 /* Factored: the residual generated from G run by run (core/stats.c), U =
  * factored(sq) ⊙ G recomputed; S4 updates m as it goes (each element is
  * generated once there), S5 reads the updated m. */
@@ -174,7 +164,7 @@ static dopt_status step(const dopt_step_args *a) {
   case 4: /* 1-D: S2, the last stage */
     /* m ← β1·m + (1−β1)·Û, then the residual (factored: its row/column maxima) */
     if (factored) return dopt_rc_begin_gen(&f.rc, pc, a->red, gen_residual_first, &rg);
-    make_residual(&(residual_rows){m, u, div, rg.b1, rg.omb1, eps2}, 0, n);
+    for (size_t i = 0; i < n; i++) u[i] = dopt_came_residual(u[i], &m[i], div, rg.b1, rg.omb1, eps2);
     break;
   case 5:
     return dopt_rc_accum_gen(&f.rc, pc, a->red, gen_residual_again, &rg);
