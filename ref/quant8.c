@@ -211,8 +211,16 @@ static int build_lut(const float *code, int kneg, uint32_t *t) {
   return 1;
 }
 
+/* the maps as four byte planes, g_planes[s][k][i] = byte k (little-endian) of
+ * g_maps[s][i]: the AVX-512 kernel dequantises 64 bytes with byte permutes */
+static _Alignas(64) uint8_t g_planes[2][4][DOPT_Q8_CODES];
+
 static void build_luts(void) {
-  for (int s = 0; s < 2; s++) g_lut_ok[s] = build_lut(g_maps[s], LUT_KNEG(s), g_lut[s]);
+  for (int s = 0; s < 2; s++) {
+    g_lut_ok[s] = build_lut(g_maps[s], LUT_KNEG(s), g_lut[s]);
+    for (int i = 0; i < DOPT_Q8_CODES; i++)
+      for (int k = 0; k < 4; k++) g_planes[s][k][i] = (uint8_t)(bits_of(g_maps[s][i]) >> (8 * k));
+  }
   /* the update's sign fix tests signbit(code1[q]) as q < 127 */
   for (int q = 0; q < DOPT_Q8_CODES; q++)
     if ((signbit(g_maps[1][q]) != 0) != (q < 127)) g_lut_ok[1] = 0;
@@ -277,18 +285,80 @@ AVX2_FN static void search_n_avx2(const uint32_t *t, int kneg, const float *x, s
   for (; i + 8 <= n; i += 8) store_u8x8(q + i, lut_search8(t, kneg, _mm256_loadu_ps(x + i)));
   for (; i < n; i++) q[i] = lut_search(t, kneg, x[i]);
 }
+
+/* ---- AVX-512 (F, BW, DQ, VL, VBMI) ------------------------------------------------
+ * The same operations again on 16 lanes, with mask registers where the AVX2
+ * code blends, and the dequantisation without scalar loads: 64 bytes at a
+ * time, each of the code's four byte planes looked up by two byte permutes
+ * of 128 entries (vpermi2b) and a blend on the index's top bit, the planes
+ * interleaved back into floats. */
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma")))
+
+int dopt__q8_have_avx512(void) {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("fma") && dopt__q8_have_avx2();
+}
+
+/* lut_search on 16 lanes: bytes as int32 */
+AVX512_FN static inline __m512i lut_search16(const uint32_t *t, int kneg, __m512 x) {
+  const __m512i b = _mm512_castps_si512(x), u = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
+  const __m512i c = _mm512_min_epu32(_mm512_max_epu32(u, _mm512_set1_epi32((int)LUT_LO)),
+                                     _mm512_set1_epi32((int)LUT_HI));
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsign-conversion" /* GCC's gather macro (unoptimised builds) casts its mask */
+  const __m512i e =
+      _mm512_i32gather_epi32(_mm512_srli_epi32(_mm512_sub_epi32(c, _mm512_set1_epi32((int)LUT_LO)), 16), t, 4);
+#pragma GCC diagnostic pop
+  const __mmask16 up =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(e, 16));
+  const __m512i rp = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
+  __m512i r = _mm512_mask_add_epi32(rp, up, rp, _mm512_set1_epi32(1));
+  const __mmask16 neg = _mm512_movepi32_mask(b);
+  if (kneg)
+    r = _mm512_mask_mov_epi32(r, neg,
+                              _mm512_max_epi32(_mm512_sub_epi32(_mm512_set1_epi32(kneg), r), _mm512_setzero_si512()));
+  else
+    r = _mm512_maskz_mov_epi32((__mmask16)~neg, r);
+  return _mm512_maskz_mov_epi32((__mmask16)~nan, r);
+}
+
+AVX512_FN static void search_n_avx512(const uint32_t *t, int kneg, const float *x, size_t n, uint8_t *q) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i *)(void *)(q + i),
+                     _mm512_cvtepi32_epi8(lut_search16(t, kneg, _mm512_loadu_ps(x + i))));
+  for (; i < n; i++) q[i] = lut_search(t, kneg, x[i]);
+}
+
 #else
 int dopt__q8_have_avx2(void) { return 0; }
+int dopt__q8_have_avx512(void) { return 0; }
 #endif
+
+/* DOPT_ERR_UNSUPPORTED for an implementation this CPU (or build) cannot run */
+static dopt_status impl_ok(dopt_q8_impl impl, const char *fn) {
+  DOPT_CHECK_ARG(impl >= DOPT_Q8_IMPL_AUTO && impl <= DOPT_Q8_IMPL_AVX512, "%s: impl=%d is not a dopt_q8_impl", fn,
+                 (int)impl);
+  if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: AVX2 is not available", fn);
+  if (impl == DOPT_Q8_IMPL_AVX512 && !dopt__q8_have_avx512())
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: AVX-512 (F, BW, DQ, VL, VBMI) is not available", fn);
+  return DOPT_OK;
+}
 
 dopt_status dopt__q8_search_n(int is_signed, const float *x, size_t n, uint8_t *q, dopt_q8_impl impl) {
   DOPT_CHECK_ARG(n == 0 || (x && q), "dopt__q8_search_n: NULL array");
   const int kneg = LUT_KNEG(is_signed);
   const uint32_t *t = dopt__q8_lut(is_signed);
   const float *code = dopt_q8_map(is_signed);
-  if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt__q8_search_n: AVX2 is not available");
+  DOPT_TRY(impl_ok(impl, "dopt__q8_search_n"));
 #ifdef Q8_AVX2
+  if (t && (impl == DOPT_Q8_IMPL_AVX512 || (impl == DOPT_Q8_IMPL_AUTO && dopt__q8_have_avx512()))) {
+    search_n_avx512(t, kneg, x, n, q);
+    return DOPT_OK;
+  }
   if (t && impl != DOPT_Q8_IMPL_SCALAR && dopt__q8_have_avx2()) {
     search_n_avx2(t, kneg, x, n, q);
     return DOPT_OK;
@@ -587,6 +657,158 @@ AVX2_FN static size_t block_avx2(const q8ctx *c, float *p, const float *g, uint8
   }
   return bad;
 }
+
+/* F() on 16 lanes: a subnormal becomes a zero of its sign */
+AVX512_FN static inline __m512 F16(__m512 x) {
+  return _mm512_mask_and_ps(x, _mm512_fpclass_ps_mask(x, 0x20), x, _mm512_set1_ps(-0.0f));
+}
+
+/* The byte order deq64 reads: after the two interleaving steps (within
+ * 128-bit lanes) output c, lane L, slot j holds input byte 16L + 4c + j, so
+ * that byte must be element 16c + 4L + j of the 64. */
+static _Alignas(64) const uint8_t g_deq_order[64] = {
+#define O4(L, c) 16 * (c) + 4 * (L), 16 * (c) + 4 * (L) + 1, 16 * (c) + 4 * (L) + 2, 16 * (c) + 4 * (L) + 3
+#define O16(L) O4(L, 0), O4(L, 1), O4(L, 2), O4(L, 3)
+    O16(0), O16(1), O16(2), O16(3)
+#undef O16
+#undef O4
+};
+
+/* code[q[0..63]] into out[0..3] (16 floats each, in order); pl: the code's
+ * byte planes [4][256] */
+AVX512_FN static inline __attribute__((always_inline)) void deq64(const uint8_t *pl, const uint8_t *q,
+                                                                  __m512 out[4]) {
+  const __m512i idx =
+      _mm512_permutexvar_epi8(_mm512_load_si512((const void *)g_deq_order), _mm512_loadu_si512((const void *)q));
+  const __mmask64 hi = _mm512_movepi8_mask(idx); /* code index >= 128 */
+  __m512i P[4];
+  for (int k = 0; k < 4; k++) {
+    const uint8_t *t = pl + DOPT_Q8_CODES * k;
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512((const void *)t), idx,
+                                                _mm512_load_si512((const void *)(t + 64)));
+    const __m512i up = _mm512_permutex2var_epi8(_mm512_load_si512((const void *)(t + 128)), idx,
+                                                _mm512_load_si512((const void *)(t + 192)));
+    P[k] = _mm512_mask_blend_epi8(hi, lo, up);
+  }
+  const __m512i w01l = _mm512_unpacklo_epi8(P[0], P[1]), w01h = _mm512_unpackhi_epi8(P[0], P[1]);
+  const __m512i w23l = _mm512_unpacklo_epi8(P[2], P[3]), w23h = _mm512_unpackhi_epi8(P[2], P[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h));
+}
+
+#define FX16(x) (exact ? F16(x) : (x))
+#define NONFINITE 0x99 /* fpclass: QNaN, SNaN, +inf, -inf */
+
+/* pass1_avx2 on 16 lanes, 64 slots at a time */
+AVX512_FN static inline __attribute__((always_inline)) size_t pass1_avx512(const q8ctx *c, const float *g,
+                                                                           const uint8_t *state1,
+                                                                           const uint8_t *state2, float a1s, float a2s,
+                                                                           size_t B, float *s1b, float *s2b, float *m1,
+                                                                           float *m2, int exact) {
+  const scalars k = c->k;
+  const __m512 gscale = _mm512_set1_ps(k.gscale), beta1 = _mm512_set1_ps(k.beta1), beta2 = _mm512_set1_ps(k.beta2);
+  const __m512 omb1 = _mm512_set1_ps(k.omb1), omb2 = _mm512_set1_ps(k.omb2);
+  const __m512 a1 = _mm512_set1_ps(a1s), a2 = _mm512_set1_ps(a2s);
+  __m512 mx1 = _mm512_set1_ps(-FLT_MAX), mx2 = mx1;
+  size_t bad = 0;
+  for (size_t j = 0; j < B; j += 64) {
+    __m512 d1[4], d2[4];
+    deq64(g_planes[1][0], state1 + j, d1);
+    deq64(g_planes[0][0], state2 + j, d2);
+    for (int u = 0; u < 4; u++) {
+      const size_t o = j + 16 * (size_t)u;
+      const __m512 gj = FX16(_mm512_loadu_ps(g + o));
+      const __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask(gj, NONFINITE);
+      bad += (size_t)__builtin_popcount(~(unsigned)fin & 0xffffu);
+      const __m512 gs = FX16(_mm512_mul_ps(gj, gscale));
+      __m512 s2 = FX16(_mm512_mul_ps(d2[u], a2));
+      s2 = FX16(_mm512_add_ps(FX16(_mm512_mul_ps(s2, beta2)), FX16(_mm512_mul_ps(FX16(_mm512_mul_ps(omb2, gs)), gs))));
+      __m512 s1 = FX16(_mm512_mul_ps(d1[u], a1));
+      s1 = FX16(_mm512_add_ps(FX16(_mm512_mul_ps(s1, beta1)), FX16(_mm512_mul_ps(omb1, gs))));
+      s1 = _mm512_maskz_mov_ps(fin, s1); /* non-finite g: +0 */
+      s2 = _mm512_maskz_mov_ps(fin, s2);
+      mx1 = _mm512_max_ps(_mm512_abs_ps(s1), mx1);
+      mx2 = _mm512_max_ps(_mm512_abs_ps(s2), mx2);
+      _mm512_store_ps(s1b + o, s1);
+      _mm512_store_ps(s2b + o, s2);
+    }
+  }
+  *m1 = _mm512_reduce_max_ps(mx1); /* never NaN: any order */
+  *m2 = _mm512_reduce_max_ps(mx2);
+  return bad;
+}
+
+/* RN(s/m) for m in [2^-100, 2^100] from y = RN(1/m) (Markstein: q within an
+ * ulp, the remainder s − m·q exact, one correction). A subnormal anywhere on
+ * the way raises UE or DE, and the pass reruns with divisions. */
+AVX512_FN static inline __m512 quot16(__m512 s, __m512 m, __m512 y) {
+  const __m512 q = _mm512_mul_ps(s, y);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(m, q, s), y, q);
+}
+
+/* pass2_avx2 on 16 lanes; the fast pass forms the two quotients by quot16 */
+AVX512_FN static inline __attribute__((always_inline)) void pass2_avx512(const q8ctx *c, float *p, const float *psrc,
+                                                                         float *psave, const float *g,
+                                                                         uint8_t *state1, uint8_t *state2, size_t B,
+                                                                         const float *s1b, const float *s2b, float m1,
+                                                                         float m2, int exact) {
+  const scalars k = c->k;
+  const __m512 m1v = _mm512_set1_ps(m1), m2v = _mm512_set1_ps(m2);
+  const int recip = !exact && m1 >= 0x1p-100f && m1 <= 0x1p100f && m2 >= 0x1p-100f && m2 <= 0x1p100f;
+  const __m512 y1v = _mm512_set1_ps(recip ? 1.0f / m1 : 0.0f), y2v = _mm512_set1_ps(recip ? 1.0f / m2 : 0.0f);
+  const __m512 step_size = _mm512_set1_ps(k.step_size), c2eps = _mm512_set1_ps(k.c2eps),
+               decay = _mm512_set1_ps(k.decay), zero = _mm512_setzero_ps();
+  const __m512i k127 = _mm512_set1_epi32(127), one = _mm512_set1_epi32(1);
+  for (size_t j = 0; j < B; j += 16) {
+    const __m512 s1 = _mm512_load_ps(s1b + j), s2 = _mm512_load_ps(s2b + j);
+    const __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask(_mm512_loadu_ps(g + j), NONFINITE);
+    const __m512 p0 = _mm512_loadu_ps(psrc + j);
+    if (!exact) _mm512_store_ps(psave + j, p0);
+    __m512 pj = FX16(p0);
+    const __m512 den = FX16(_mm512_add_ps(FX16(_mm512_sqrt_ps(s2)), c2eps));
+    pj = FX16(_mm512_add_ps(pj, FX16(_mm512_mul_ps(step_size, FX16(_mm512_div_ps(s1, den))))));
+    if (k.decay_on) pj = FX16(_mm512_mul_ps(pj, decay));
+    _mm512_storeu_ps(p + j, _mm512_mask_mov_ps(p0, fin, F16(pj))); /* F16 again: the flags' blind spot */
+    const __m512 x1 = recip ? quot16(s1, m1v, y1v) : _mm512_div_ps(s1, m1v);
+    const __m512 x2 = recip ? quot16(s2, m2v, y2v) : _mm512_div_ps(s2, m2v);
+    __m512i q1 = lut_search16(c->lut1, LUT_KNEG(1), x1);
+    /* sign fix: code1[q] is negative exactly for q < 127; ±1 by the sign of s1 (mod 256 at the store) */
+    const __mmask16 differ = _mm512_cmplt_epi32_mask(q1, k127) ^ _mm512_movepi32_mask(_mm512_castps_si512(s1));
+    const __mmask16 pos = _mm512_cmp_ps_mask(s1, zero, _CMP_GT_OQ);
+    q1 = _mm512_mask_add_epi32(q1, differ & pos, q1, one);
+    q1 = _mm512_mask_sub_epi32(q1, differ & (__mmask16)~pos, q1, one);
+    _mm_storeu_si128((__m128i *)(void *)(state1 + j), _mm512_cvtepi32_epi8(q1));
+    _mm_storeu_si128((__m128i *)(void *)(state2 + j), _mm512_cvtepi32_epi8(lut_search16(c->lut2, LUT_KNEG(0), x2)));
+  }
+}
+#undef FX16
+#undef NONFINITE
+
+AVX512_FN static size_t block_avx512(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2,
+                                     float *absmax1, float *absmax2, size_t B, float *s1b, float *s2b, float *psave,
+                                     int fast) {
+  float m1, m2;
+  size_t bad;
+  int redo = 1;
+  if (fast) {
+    flags_clear();
+    bad = pass1_avx512(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 0);
+    redo = flags_raised();
+  }
+  if (redo) bad = pass1_avx512(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 1);
+  *absmax1 = m1;
+  *absmax2 = m2;
+  if (fast) {
+    flags_clear();
+    pass2_avx512(c, p, p, psave, g, state1, state2, B, s1b, s2b, m1, m2, 0);
+    if (flags_raised()) pass2_avx512(c, p, psave, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
+  } else {
+    pass2_avx512(c, p, p, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
+  }
+  return bad;
+}
 #endif
 
 static dopt_status ctx_of(const dopt_q8_adam_hp *hp, const char *fn, q8ctx *c) {
@@ -606,19 +828,24 @@ dopt_status dopt__q8_adam_update_impl(float *p, const float *g, uint8_t *state1,
   q8ctx c;
   DOPT_TRY(ctx_of(hp, "dopt_q8_adam_update", &c));
   DOPT_CHECK_ARG(n == 0 || (p && g && state1 && state2 && absmax1 && absmax2), "dopt_q8_adam_update: NULL array");
-  if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
-    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_q8_adam_update: AVX2 is not available");
+  DOPT_TRY(impl_ok(impl, "dopt_q8_adam_update"));
   const size_t B = hp->block;
   size_t bad = 0;
 #ifdef Q8_AVX2
   const int wide = c.lut1 && c.lut2 && impl != DOPT_Q8_IMPL_SCALAR && dopt__q8_have_avx2();
-  _Alignas(32) float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX], psave[DOPT_Q8_BLOCK_MAX];
+  const int w512 = wide && (impl == DOPT_Q8_IMPL_AVX512 || (impl == DOPT_Q8_IMPL_AUTO && dopt__q8_have_avx512()));
+  _Alignas(64) float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX], psave[DOPT_Q8_BLOCK_MAX];
   const unsigned csr0 = wide ? _mm_getcsr() : 0;
   const int fast = wide && (csr0 & ~0x3fu) == CSR_DEFAULT; /* the six flags aside */
 #endif
   for (size_t b0 = 0, blk = 0; b0 < n; b0 += B, blk++) {
     const size_t valid = n - b0 < B ? n - b0 : B;
 #ifdef Q8_AVX2
+    if (w512 && valid == B) {
+      bad += block_avx512(&c, p + b0, g + b0, state1 + b0, state2 + b0, absmax1 + blk, absmax2 + blk, B, s1b, s2b,
+                          psave, fast);
+      continue;
+    }
     if (wide && valid == B) {
       bad += block_avx2(&c, p + b0, g + b0, state1 + b0, state2 + b0, absmax1 + blk, absmax2 + blk, B, s1b, s2b,
                         psave, fast);

@@ -17,10 +17,13 @@ typedef enum dopt_q8_impl {
   DOPT_Q8_IMPL_AUTO = 0,
   DOPT_Q8_IMPL_SCALAR = 1, /* portable C with the lookup table */
   DOPT_Q8_IMPL_AVX2 = 2,   /* x86 AVX2 (8 lanes, gathers); only where dopt__q8_have_avx2() */
+  DOPT_Q8_IMPL_AVX512 = 3, /* x86 AVX-512 F/BW/DQ/VL/VBMI (16 lanes, byte-permute dequantisation);
+                              only where dopt__q8_have_avx512() */
 } dopt_q8_impl;
 
-/* 1 if DOPT_Q8_IMPL_AVX2 is built and this CPU runs it. */
+/* 1 if DOPT_Q8_IMPL_AVX2 (AVX512) is built and this CPU runs it. */
 int dopt__q8_have_avx2(void);
+int dopt__q8_have_avx512(void);
 
 /* The lookup table of a built-in map (dopt_q8_map(is_signed)): entries for
  * |x| in [2^-23, 1] by the top 16 bits of the float, each
@@ -32,7 +35,7 @@ const uint32_t *dopt__q8_lut(int is_signed);
 uint8_t dopt__q8_search_lut(int is_signed, float x);
 
 /* q[i] = dopt_q8_search(dopt_q8_map(is_signed), x[i]) for i < n, with the
- * given implementation (AVX2 where unavailable: DOPT_ERR_UNSUPPORTED). */
+ * given implementation (AVX2 or AVX512 where unavailable: DOPT_ERR_UNSUPPORTED). */
 dopt_status dopt__q8_search_n(int is_signed, const float *x, size_t n, uint8_t *q, dopt_q8_impl impl);
 
 /* dopt_q8_adam_update with the given implementation (AUTO: what

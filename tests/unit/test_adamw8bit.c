@@ -600,15 +600,19 @@ static float odd_value(uint64_t *r, double scale) {
   }
 }
 
-/* Every implementation of the 8-bit kernel (portable, AVX2, AUTO) gives the
+/* Every implementation of the 8-bit kernel (portable, AVX2, AVX-512, AUTO) gives the
  * same parameters, bytes, absmax and non-finite count as ref_update, bit for
  * bit, over chained steps: every block size, partial last blocks, clipping
  * scales, no decay, and inputs that exercise the exact (flush) fallback of the
- * fast AVX2 passes: subnormal gradients and parameters, zeros, NaN/inf,
+ * fast vector passes: subnormal gradients and parameters, zeros, NaN/inf,
  * gradients whose square overflows, all-zero blocks and arbitrary absmax
  * states (0, negative, subnormal, inf, NaN), as a loaded checkpoint may hold. */
 static void test_fast_kernel_bitwise(void **st) {
   (void)st;
+  enum { NV = 5 }; /* the reference, then each implementation */
+  const dopt_q8_impl impls[NV] = {DOPT_Q8_IMPL_AUTO, DOPT_Q8_IMPL_SCALAR, DOPT_Q8_IMPL_AVX2, DOPT_Q8_IMPL_AVX512,
+                                  DOPT_Q8_IMPL_AUTO};
+  const int have[NV] = {1, 1, dopt__q8_have_avx2(), dopt__q8_have_avx512(), 1};
   const size_t sizes[] = {64, 100, 4096, 4096 + 300, 20000};
   const size_t blocks[] = {64, 128, 256, 512, 1024, 2048, 4096};
   uint64_t rng = 77;
@@ -617,9 +621,9 @@ static void test_fast_kernel_bitwise(void **st) {
     for (size_t bi = 0; bi < sizeof blocks / sizeof *blocks; bi++)
       for (int mode = 0; mode < 4; mode++) { /* 0 plain, 1 odd inputs, 2 odd states, 3 clipped, no decay */
         const size_t n = sizes[si], B = blocks[bi], nb = dopt_q8_num_blocks(n, B);
-        float *p[4], *a1[4], *a2[4], *g = malloc(n * sizeof *g);
-        uint8_t *q1[4], *q2[4];
-        for (int v = 0; v < 4; v++) {
+        float *p[NV], *a1[NV], *a2[NV], *g = malloc(n * sizeof *g);
+        uint8_t *q1[NV], *q2[NV];
+        for (int v = 0; v < NV; v++) {
           p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
           q1[v] = malloc(n), q2[v] = malloc(n);
         }
@@ -635,7 +639,7 @@ static void test_fast_kernel_bitwise(void **st) {
           }
         }
         if (mode == 0) memset(q1[0], 0, n < 64 ? n : 64), memset(q2[0], 0, n < 64 ? n : 64);
-        for (int v = 1; v < 4; v++) {
+        for (int v = 1; v < NV; v++) {
           memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
           memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
         }
@@ -648,13 +652,13 @@ static void test_fast_kernel_bitwise(void **st) {
             g[i] = mode == 1 || mode == 2 ? odd_value(&rng, 1e-2) : (float)(dt_rand_normal(&rng) * 1e-2);
           if (n > 2 * B)
             for (size_t i = B; i < 2 * B; i++) g[i] = 0.0f; /* an all-zero block */
-          size_t bad[4] = {0, 0, 0, 0};
+          size_t bad[NV] = {0};
           ref_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]);
-          for (int v = 1; v < 4; v++) {
-            const dopt_q8_impl impl = v == 1 ? DOPT_Q8_IMPL_SCALAR : v == 2 ? DOPT_Q8_IMPL_AVX2 : DOPT_Q8_IMPL_AUTO;
-            if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2()) {
+          for (int v = 1; v < NV; v++) {
+            const dopt_q8_impl impl = impls[v];
+            if (!have[v]) {
               assert_status(dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v], impl),
-                            DOPT_ERR_UNSUPPORTED, "AVX2");
+                            DOPT_ERR_UNSUPPORTED, "not available");
               memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
               memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4), bad[v] = bad[0];
               continue;
@@ -673,11 +677,11 @@ static void test_fast_kernel_bitwise(void **st) {
             compared += n;
           }
         }
-        for (int v = 0; v < 4; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+        for (int v = 0; v < NV; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
         free(g);
       }
-  printf("fast kernels: %zu element updates bitwise equal to the reference (AVX2 %s)\n", compared,
-         dopt__q8_have_avx2() ? "tested" : "unavailable");
+  printf("fast kernels: %zu element updates bitwise equal to the reference (AVX2 %s, AVX-512 %s)\n", compared,
+         have[2] ? "tested" : "unavailable", have[3] ? "tested" : "unavailable");
 }
 
 /* dopt_q8_adam_update through the two-phase API, as pieces on several ranks run it: every block cut at up

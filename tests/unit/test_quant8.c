@@ -209,7 +209,7 @@ static void test_fast_search_equivalence(void **st) {
   float *x = malloc(cap * sizeof *x);
   uint8_t *q = malloc(cap), *want = malloc(cap);
   assert_non_null(v), assert_non_null(x), assert_non_null(q), assert_non_null(want);
-  const int avx2 = dopt__q8_have_avx2();
+  const int avx2 = dopt__q8_have_avx2(), avx512 = dopt__q8_have_avx512();
   const int exhaustive = getenv("DOPT_Q8_EXHAUSTIVE") && atoi(getenv("DOPT_Q8_EXHAUSTIVE")) > 0;
   for (int s = 0; s < 2; s++) {
     const float *c = dopt_q8_map(s);
@@ -234,9 +234,9 @@ static void test_fast_search_equivalence(void **st) {
     }
     for (size_t i = 0; i < k; i++) x[i] = float_of(v[i]);
     for (size_t i = 0; i < k; i++) want[i] = dopt_q8_search(c, x[i]);
-    for (int impl = DOPT_Q8_IMPL_SCALAR; impl <= DOPT_Q8_IMPL_AVX2; impl++) {
-      if (impl == DOPT_Q8_IMPL_AVX2 && !avx2) {
-        assert_status(dopt__q8_search_n(s, x, k, q, DOPT_Q8_IMPL_AVX2), DOPT_ERR_UNSUPPORTED, "AVX2");
+    for (int impl = DOPT_Q8_IMPL_SCALAR; impl <= DOPT_Q8_IMPL_AVX512; impl++) {
+      if ((impl == DOPT_Q8_IMPL_AVX2 && !avx2) || (impl == DOPT_Q8_IMPL_AVX512 && !avx512)) {
+        assert_status(dopt__q8_search_n(s, x, k, q, (dopt_q8_impl)impl), DOPT_ERR_UNSUPPORTED, "not available");
         continue;
       }
       memset(q, 0xaa, k);
@@ -247,7 +247,8 @@ static void test_fast_search_equivalence(void **st) {
                    want[i]);
     }
     for (size_t i = 0; i < 1000; i++) assert_int_equal(dopt__q8_search_lut(s, x[i]), want[i]);
-    printf("map %d: %zu patterns equal (AVX2 %s)\n", s, k, avx2 ? "and portable" : "unavailable; portable");
+    printf("map %d: %zu patterns equal (portable; AVX2 %s; AVX-512 %s)\n", s, k, avx2 ? "tested" : "unavailable",
+           avx512 ? "tested" : "unavailable");
     if (exhaustive) {
       const size_t chunk = cap;
       size_t diff = 0;
