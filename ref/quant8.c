@@ -633,30 +633,35 @@ AVX2_FN static inline __attribute__((always_inline)) void pass2_avx2(const q8ctx
 }
 #undef FX
 
-AVX2_FN static size_t block_avx2(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2,
-                                 float *absmax1, float *absmax2, size_t B, float *s1b, float *s2b, float *psave,
-                                 int fast) {
-  float m1, m2;
-  size_t bad;
-  int redo = 1;
-  if (fast) {
-    flags_clear();
-    bad = pass1_avx2(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 0);
-    redo = flags_raised();
+/* One block with a kernel's two passes: each fast pass, then the flags,
+ * then the flushed pass where a flag was raised (see above). Written once,
+ * compiled for each instruction set's passes. */
+#define Q8_BLOCK_FN(ATTR, name, pass1, pass2)                                                                         \
+  ATTR static size_t name(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2, float *absmax1, \
+                          float *absmax2, size_t B, float *s1b, float *s2b, float *psave, int fast) {                 \
+    float m1, m2;                                                                                                     \
+    size_t bad;                                                                                                       \
+    int redo = 1;                                                                                                     \
+    if (fast) {                                                                                                       \
+      flags_clear();                                                                                                  \
+      bad = pass1(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 0);                                \
+      redo = flags_raised();                                                                                          \
+    }                                                                                                                 \
+    if (redo) bad = pass1(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 1);                        \
+    /* 2. absmax of the new, unquantised states */                                                                    \
+    *absmax1 = m1;                                                                                                    \
+    *absmax2 = m2;                                                                                                    \
+    if (fast) {                                                                                                       \
+      flags_clear();                                                                                                  \
+      pass2(c, p, p, psave, g, state1, state2, B, s1b, s2b, m1, m2, 0);                                               \
+      if (flags_raised()) pass2(c, p, psave, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);                        \
+    } else {                                                                                                          \
+      pass2(c, p, p, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);                                                \
+    }                                                                                                                 \
+    return bad;                                                                                                       \
   }
-  if (redo) bad = pass1_avx2(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 1);
-  /* 2. absmax of the new, unquantised states */
-  *absmax1 = m1;
-  *absmax2 = m2;
-  if (fast) {
-    flags_clear();
-    pass2_avx2(c, p, p, psave, g, state1, state2, B, s1b, s2b, m1, m2, 0);
-    if (flags_raised()) pass2_avx2(c, p, psave, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
-  } else {
-    pass2_avx2(c, p, p, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
-  }
-  return bad;
-}
+
+Q8_BLOCK_FN(AVX2_FN, block_avx2, pass1_avx2, pass2_avx2)
 
 /* F() on 16 lanes: a subnormal becomes a zero of its sign */
 AVX512_FN static inline __m512 F16(__m512 x) {
@@ -786,29 +791,7 @@ AVX512_FN static inline __attribute__((always_inline)) void pass2_avx512(const q
 #undef FX16
 #undef NONFINITE
 
-AVX512_FN static size_t block_avx512(const q8ctx *c, float *p, const float *g, uint8_t *state1, uint8_t *state2,
-                                     float *absmax1, float *absmax2, size_t B, float *s1b, float *s2b, float *psave,
-                                     int fast) {
-  float m1, m2;
-  size_t bad;
-  int redo = 1;
-  if (fast) {
-    flags_clear();
-    bad = pass1_avx512(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 0);
-    redo = flags_raised();
-  }
-  if (redo) bad = pass1_avx512(c, g, state1, state2, *absmax1, *absmax2, B, s1b, s2b, &m1, &m2, 1);
-  *absmax1 = m1;
-  *absmax2 = m2;
-  if (fast) {
-    flags_clear();
-    pass2_avx512(c, p, p, psave, g, state1, state2, B, s1b, s2b, m1, m2, 0);
-    if (flags_raised()) pass2_avx512(c, p, psave, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
-  } else {
-    pass2_avx512(c, p, p, NULL, g, state1, state2, B, s1b, s2b, m1, m2, 1);
-  }
-  return bad;
-}
+Q8_BLOCK_FN(AVX512_FN, block_avx512, pass1_avx512, pass2_avx512)
 #endif
 
 static dopt_status ctx_of(const dopt_q8_adam_hp *hp, const char *fn, q8ctx *c) {
