@@ -684,6 +684,87 @@ static void test_fast_kernel_bitwise(void **st) {
          have[2] ? "tested" : "unavailable", have[3] ? "tested" : "unavailable");
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+/* The kernels under a caller's non-default MXCSR (PyTorch's set_flush_denormal
+ * sets FTZ and DAZ; a library may change the rounding): the vector kernels then
+ * run only their flushed passes. With FTZ|DAZ every implementation still gives
+ * the default-mode reference's bits (the flush is ours anyway); with
+ * round-toward-zero every implementation gives the portable one's bits under
+ * the same mode. The caller's control bits are left as they were. */
+static void test_fast_kernel_mxcsr(void **st) {
+  (void)st;
+  enum { NV = 4 };
+  const dopt_q8_impl impls[NV] = {DOPT_Q8_IMPL_SCALAR, DOPT_Q8_IMPL_AVX2, DOPT_Q8_IMPL_AVX512, DOPT_Q8_IMPL_AUTO};
+  const int have[NV] = {1, dopt__q8_have_avx2(), dopt__q8_have_avx512(), 1};
+  const unsigned csr0 = _mm_getcsr();
+  const unsigned modes[2] = {(csr0 & ~0x3fu) | 0x8040u /* FTZ | DAZ */, (csr0 & ~0x6000u & ~0x3fu) | 0x6000u /* RZ */};
+  const size_t n = 4096 + 300, B = 256, nb = dopt_q8_num_blocks(n, B);
+  uint64_t rng = 4242;
+  size_t compared = 0;
+  for (int md = 0; md < 2; md++) {
+    float *p[NV + 1], *a1[NV + 1], *a2[NV + 1], *g = malloc(n * sizeof *g);
+    uint8_t *q1[NV + 1], *q2[NV + 1];
+    for (int v = 0; v <= NV; v++) {
+      p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
+      q1[v] = malloc(n), q2[v] = malloc(n);
+    }
+    for (size_t i = 0; i < n; i++) {
+      p[0][i] = odd_value(&rng, 0.5);
+      q1[0][i] = (uint8_t)dt_rand_u64(&rng), q2[0][i] = (uint8_t)dt_rand_u64(&rng);
+    }
+    for (size_t b = 0; b < nb; b++)
+      a1[0][b] = (float)fabs(dt_rand_normal(&rng) * 0.1), a2[0][b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
+    for (int v = 1; v <= NV; v++) {
+      memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
+      memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
+    }
+    dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
+                          .gnorm_scale = 1.0f, .step = 1, .block = B};
+    for (int t = 1; t <= 3; t++) {
+      hp.step = t;
+      for (size_t i = 0; i < n; i++) g[i] = t == 2 ? (float)(dt_rand_normal(&rng) * 1e-2) : odd_value(&rng, 1e-2);
+      size_t bad[NV + 1] = {0};
+      /* [0]: FTZ|DAZ: the reference in the default mode; RZ: the portable kernel under RZ (below) */
+      if (md == 0) ref_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]);
+      for (int v = 1; v <= NV; v++) {
+        if (!have[v - 1]) {
+          memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
+          memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
+          continue;
+        }
+        _mm_setcsr(modes[md]);
+        const dopt_status s = dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v],
+                                                         impls[v - 1]);
+        const unsigned after = _mm_getcsr();
+        _mm_setcsr(csr0);
+        assert_ok(s);
+        assert_int_equal(after & ~0x3fu, modes[md] & ~0x3fu); /* the control bits as the caller set them */
+        if (md == 1 && v == 1) { /* RZ: the portable result is what the others must give */
+          memcpy(p[0], p[1], n * 4), memcpy(q1[0], q1[1], n), memcpy(q2[0], q2[1], n);
+          memcpy(a1[0], a1[1], nb * 4), memcpy(a2[0], a2[1], nb * 4), bad[0] = bad[1];
+        }
+      }
+      for (int v = 1; v <= NV; v++) {
+        if (!have[v - 1]) continue;
+        for (size_t i = 0; i < n; i++)
+          if (!same_param(p[v][i], p[0][i]) || q1[v][i] != q1[0][i] || q2[v][i] != q2[0][i])
+            fail_msg("mxcsr %#x t=%d impl %d: element %zu: p %a/%a bytes %d,%d / %d,%d", modes[md], t,
+                     (int)impls[v - 1], i, (double)p[v][i], (double)p[0][i], q1[v][i], q2[v][i], q1[0][i], q2[0][i]);
+        assert_memory_equal(a1[v], a1[0], nb * 4);
+        assert_memory_equal(a2[v], a2[0], nb * 4);
+        assert_true(bad[v] == bad[0]);
+        compared += n;
+      }
+    }
+    for (int v = 0; v <= NV; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+    free(g);
+  }
+  printf("non-default MXCSR (FTZ|DAZ, round toward zero): %zu element updates equal (AVX2 %s, AVX-512 %s)\n",
+         compared, have[1] ? "tested" : "unavailable", have[2] ? "tested" : "unavailable");
+}
+#endif
+
 /* dopt_q8_adam_update through the two-phase API, as pieces on several ranks run it: every block cut at up
  * to three random points into sub-runs (the pieces holding its elements), the maxima of each sub-run taken
  * alone (dopt_q8_adam_absmax) and combined by MAX (the padding slots counted by one or two of them: MAX is
@@ -910,6 +991,9 @@ int main(void) {
       cmocka_unit_test(test_percentile_clipping), cmocka_unit_test(test_memory),
       cmocka_unit_test(test_hparams),             cmocka_unit_test(test_fast_kernel_bitwise),
       cmocka_unit_test(test_two_phase_bitwise),
+#if defined(__x86_64__) || defined(__i386__)
+      cmocka_unit_test(test_fast_kernel_mxcsr),
+#endif
       cmocka_unit_test(test_piecewise_step_shared_blocks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
