@@ -337,14 +337,19 @@ int dopt__q8_have_avx2(void) { return 0; }
 int dopt__q8_have_avx512(void) { return 0; }
 #endif
 
-/* DOPT_ERR_UNSUPPORTED for an implementation this CPU (or build) cannot run */
-static dopt_status impl_ok(dopt_q8_impl impl, const char *fn) {
+/* The implementation a call runs (*use: AUTO resolved to the widest this CPU
+ * runs); DOPT_ERR_UNSUPPORTED for one this CPU (or build) cannot run */
+static dopt_status impl_pick(dopt_q8_impl impl, const char *fn, dopt_q8_impl *use) {
   DOPT_CHECK_ARG(impl >= DOPT_Q8_IMPL_AUTO && impl <= DOPT_Q8_IMPL_AVX512, "%s: impl=%d is not a dopt_q8_impl", fn,
                  (int)impl);
   if (impl == DOPT_Q8_IMPL_AVX2 && !dopt__q8_have_avx2())
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: AVX2 is not available", fn);
   if (impl == DOPT_Q8_IMPL_AVX512 && !dopt__q8_have_avx512())
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "%s: AVX-512 (F, BW, DQ, VL, VBMI) is not available", fn);
+  *use = impl != DOPT_Q8_IMPL_AUTO ? impl
+         : dopt__q8_have_avx512()  ? DOPT_Q8_IMPL_AVX512
+         : dopt__q8_have_avx2()    ? DOPT_Q8_IMPL_AVX2
+                                   : DOPT_Q8_IMPL_SCALAR;
   return DOPT_OK;
 }
 
@@ -353,13 +358,14 @@ dopt_status dopt__q8_search_n(int is_signed, const float *x, size_t n, uint8_t *
   const int kneg = LUT_KNEG(is_signed);
   const uint32_t *t = dopt__q8_lut(is_signed);
   const float *code = dopt_q8_map(is_signed);
-  DOPT_TRY(impl_ok(impl, "dopt__q8_search_n"));
+  dopt_q8_impl use;
+  DOPT_TRY(impl_pick(impl, "dopt__q8_search_n", &use));
 #ifdef Q8_AVX2
-  if (t && (impl == DOPT_Q8_IMPL_AVX512 || (impl == DOPT_Q8_IMPL_AUTO && dopt__q8_have_avx512()))) {
+  if (t && use == DOPT_Q8_IMPL_AVX512) {
     search_n_avx512(t, kneg, x, n, q);
     return DOPT_OK;
   }
-  if (t && impl != DOPT_Q8_IMPL_SCALAR && dopt__q8_have_avx2()) {
+  if (t && use == DOPT_Q8_IMPL_AVX2) {
     search_n_avx2(t, kneg, x, n, q);
     return DOPT_OK;
   }
@@ -811,12 +817,13 @@ dopt_status dopt__q8_adam_update_impl(float *p, const float *g, uint8_t *state1,
   q8ctx c;
   DOPT_TRY(ctx_of(hp, "dopt_q8_adam_update", &c));
   DOPT_CHECK_ARG(n == 0 || (p && g && state1 && state2 && absmax1 && absmax2), "dopt_q8_adam_update: NULL array");
-  DOPT_TRY(impl_ok(impl, "dopt_q8_adam_update"));
+  dopt_q8_impl use;
+  DOPT_TRY(impl_pick(impl, "dopt_q8_adam_update", &use));
   const size_t B = hp->block;
   size_t bad = 0;
 #ifdef Q8_AVX2
-  const int wide = c.lut1 && c.lut2 && impl != DOPT_Q8_IMPL_SCALAR && dopt__q8_have_avx2();
-  const int w512 = wide && (impl == DOPT_Q8_IMPL_AVX512 || (impl == DOPT_Q8_IMPL_AUTO && dopt__q8_have_avx512()));
+  const int wide = c.lut1 && c.lut2 && use != DOPT_Q8_IMPL_SCALAR;
+  const int w512 = wide && use == DOPT_Q8_IMPL_AVX512;
   _Alignas(64) float s1b[DOPT_Q8_BLOCK_MAX], s2b[DOPT_Q8_BLOCK_MAX], psave[DOPT_Q8_BLOCK_MAX];
   const unsigned csr0 = wide ? _mm_getcsr() : 0;
   const int fast = wide && (csr0 & ~0x3fu) == CSR_DEFAULT; /* the six flags aside */
