@@ -600,6 +600,43 @@ static float odd_value(uint64_t *r, double scale) {
   }
 }
 
+/* One copy of what an 8-bit step reads and writes: parameters and bytes [n],
+ * absmax [nb], and the last step's non-finite count. */
+typedef struct q8copy {
+  float *p, *a1, *a2;
+  uint8_t *q1, *q2;
+  size_t n, nb, bad;
+} q8copy;
+
+static q8copy q8copy_new(size_t n, size_t nb) {
+  q8copy c = {malloc(n * sizeof(float)), malloc(nb * sizeof(float)), malloc(nb * sizeof(float)), malloc(n),
+              malloc(n), n, nb, 0};
+  assert_non_null(c.p), assert_non_null(c.a1), assert_non_null(c.a2), assert_non_null(c.q1), assert_non_null(c.q2);
+  return c;
+}
+
+static void q8copy_free(q8copy *c) { free(c->p), free(c->a1), free(c->a2), free(c->q1), free(c->q2); }
+
+static void q8copy_set(q8copy *d, const q8copy *s) {
+  memcpy(d->p, s->p, s->n * sizeof(float)), memcpy(d->q1, s->q1, s->n), memcpy(d->q2, s->q2, s->n);
+  memcpy(d->a1, s->a1, s->nb * sizeof(float)), memcpy(d->a2, s->a2, s->nb * sizeof(float)), d->bad = s->bad;
+}
+
+static dopt_status q8copy_update(q8copy *c, const float *g, const dopt_q8_adam_hp *hp, dopt_q8_impl impl) {
+  return dopt__q8_adam_update_impl(c->p, g, c->q1, c->q2, c->a1, c->a2, c->n, hp, &c->bad, impl);
+}
+
+/* got has want's parameters (same_param), bytes, absmax and non-finite count, bit for bit; ctx names the case */
+static void q8copy_expect(const q8copy *got, const q8copy *want, const char *ctx) {
+  for (size_t i = 0; i < got->n; i++)
+    if (!same_param(got->p[i], want->p[i]) || got->q1[i] != want->q1[i] || got->q2[i] != want->q2[i])
+      fail_msg("%s: element %zu: p %a/%a bytes %d,%d / %d,%d", ctx, i, (double)got->p[i], (double)want->p[i],
+               got->q1[i], got->q2[i], want->q1[i], want->q2[i]);
+  if (memcmp(got->a1, want->a1, got->nb * sizeof(float)) || memcmp(got->a2, want->a2, got->nb * sizeof(float)) ||
+      got->bad != want->bad)
+    fail_msg("%s: absmax or non-finite count differ", ctx);
+}
+
 /* Every implementation of the 8-bit kernel (portable, AVX2, AVX-512, AUTO) gives the
  * same parameters, bytes, absmax and non-finite count as ref_update, bit for
  * bit, over chained steps: every block size, partial last blocks, clipping
@@ -621,28 +658,22 @@ static void test_fast_kernel_bitwise(void **st) {
     for (size_t bi = 0; bi < sizeof blocks / sizeof *blocks; bi++)
       for (int mode = 0; mode < 4; mode++) { /* 0 plain, 1 odd inputs, 2 odd states, 3 clipped, no decay */
         const size_t n = sizes[si], B = blocks[bi], nb = dopt_q8_num_blocks(n, B);
-        float *p[NV], *a1[NV], *a2[NV], *g = malloc(n * sizeof *g);
-        uint8_t *q1[NV], *q2[NV];
-        for (int v = 0; v < NV; v++) {
-          p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
-          q1[v] = malloc(n), q2[v] = malloc(n);
-        }
+        float *g = malloc(n * sizeof *g);
+        q8copy c[NV];
+        for (int v = 0; v < NV; v++) c[v] = q8copy_new(n, nb);
         for (size_t i = 0; i < n; i++) {
-          p[0][i] = mode == 1 ? odd_value(&rng, 0.5) : (float)(dt_rand_normal(&rng) * 0.5);
-          q1[0][i] = (uint8_t)dt_rand_u64(&rng), q2[0][i] = (uint8_t)dt_rand_u64(&rng);
+          c[0].p[i] = mode == 1 ? odd_value(&rng, 0.5) : (float)(dt_rand_normal(&rng) * 0.5);
+          c[0].q1[i] = (uint8_t)dt_rand_u64(&rng), c[0].q2[i] = (uint8_t)dt_rand_u64(&rng);
         }
         for (size_t b = 0; b < nb; b++) {
-          a1[0][b] = (float)fabs(dt_rand_normal(&rng) * 0.1), a2[0][b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
+          c[0].a1[b] = (float)fabs(dt_rand_normal(&rng) * 0.1), c[0].a2[b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
           if (mode == 2) {
             const float odd[] = {0.0f, -0.0f, -1.0f, 1e-40f, 1e-39f, INFINITY, NAN, 3e38f, 1e-30f};
-            a1[0][b] = odd[dt_rand_u64(&rng) % 9], a2[0][b] = odd[dt_rand_u64(&rng) % 9];
+            c[0].a1[b] = odd[dt_rand_u64(&rng) % 9], c[0].a2[b] = odd[dt_rand_u64(&rng) % 9];
           }
         }
-        if (mode == 0) memset(q1[0], 0, n < 64 ? n : 64), memset(q2[0], 0, n < 64 ? n : 64);
-        for (int v = 1; v < NV; v++) {
-          memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
-          memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
-        }
+        if (mode == 0) memset(c[0].q1, 0, n < 64 ? n : 64), memset(c[0].q2, 0, n < 64 ? n : 64);
+        for (int v = 1; v < NV; v++) q8copy_set(&c[v], &c[0]);
         dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
                               .gnorm_scale = 1.0f, .step = 1, .block = B};
         if (mode == 3) hp.gnorm_scale = 0.37f, hp.weight_decay = 0.0f, hp.lr = 3e-2f, hp.beta2 = 0.99f;
@@ -652,32 +683,21 @@ static void test_fast_kernel_bitwise(void **st) {
             g[i] = mode == 1 || mode == 2 ? odd_value(&rng, 1e-2) : (float)(dt_rand_normal(&rng) * 1e-2);
           if (n > 2 * B)
             for (size_t i = B; i < 2 * B; i++) g[i] = 0.0f; /* an all-zero block */
-          size_t bad[NV] = {0};
-          ref_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]);
+          ref_update(c[0].p, g, c[0].q1, c[0].q2, c[0].a1, c[0].a2, n, &hp, &c[0].bad);
           for (int v = 1; v < NV; v++) {
-            const dopt_q8_impl impl = impls[v];
             if (!have[v]) {
-              assert_status(dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v], impl),
-                            DOPT_ERR_UNSUPPORTED, "not available");
-              memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
-              memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4), bad[v] = bad[0];
+              assert_status(q8copy_update(&c[v], g, &hp, impls[v]), DOPT_ERR_UNSUPPORTED, "not available");
+              q8copy_set(&c[v], &c[0]);
               continue;
             }
-            assert_ok(dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v], impl));
-            size_t pdiff = 0;
-            for (size_t i = 0; i < n; i++) pdiff += !same_param(p[v][i], p[0][i]);
-            if (pdiff || memcmp(q1[v], q1[0], n) || memcmp(q2[v], q2[0], n) || memcmp(a1[v], a1[0], nb * 4) ||
-                memcmp(a2[v], a2[0], nb * 4) || bad[v] != bad[0]) {
-              for (size_t i = 0; i < n; i++)
-                if (!same_param(p[v][i], p[0][i]) || q1[v][i] != q1[0][i] || q2[v][i] != q2[0][i])
-                  fail_msg("n=%zu B=%zu mode %d t=%d impl %d: element %zu: p %a/%a bytes %d,%d / %d,%d", n, B, mode, t,
-                           (int)impl, i, (double)p[v][i], (double)p[0][i], q1[v][i], q2[v][i], q1[0][i], q2[0][i]);
-              fail_msg("n=%zu B=%zu mode %d t=%d impl %d: absmax or non-finite count differ", n, B, mode, t, (int)impl);
-            }
+            assert_ok(q8copy_update(&c[v], g, &hp, impls[v]));
+            char ctx[96];
+            snprintf(ctx, sizeof ctx, "n=%zu B=%zu mode %d t=%d impl %d", n, B, mode, t, (int)impls[v]);
+            q8copy_expect(&c[v], &c[0], ctx);
             compared += n;
           }
         }
-        for (int v = 0; v < NV; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+        for (int v = 0; v < NV; v++) q8copy_free(&c[v]);
         free(g);
       }
   printf("fast kernels: %zu element updates bitwise equal to the reference (AVX2 %s, AVX-512 %s)\n", compared,
@@ -705,61 +725,46 @@ static void test_fast_kernel_mxcsr(void **st) {
   uint64_t rng = 4242;
   size_t compared = 0;
   for (int md = 0; md < 2; md++) {
-    float *p[NV + 1], *a1[NV + 1], *a2[NV + 1], *g = malloc(n * sizeof *g);
-    uint8_t *q1[NV + 1], *q2[NV + 1];
-    for (int v = 0; v <= NV; v++) {
-      p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
-      q1[v] = malloc(n), q2[v] = malloc(n);
-    }
+    float *g = malloc(n * sizeof *g);
+    q8copy want = q8copy_new(n, nb), c[NV];
+    for (int v = 0; v < NV; v++) c[v] = q8copy_new(n, nb);
     for (size_t i = 0; i < n; i++) {
-      p[0][i] = odd_value(&rng, 0.5);
-      q1[0][i] = (uint8_t)dt_rand_u64(&rng), q2[0][i] = (uint8_t)dt_rand_u64(&rng);
+      want.p[i] = odd_value(&rng, 0.5);
+      want.q1[i] = (uint8_t)dt_rand_u64(&rng), want.q2[i] = (uint8_t)dt_rand_u64(&rng);
     }
     for (size_t b = 0; b < nb; b++)
-      a1[0][b] = (float)fabs(dt_rand_normal(&rng) * 0.1), a2[0][b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
-    for (int v = 1; v <= NV; v++) {
-      memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
-      memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
-    }
+      want.a1[b] = (float)fabs(dt_rand_normal(&rng) * 0.1), want.a2[b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
+    for (int v = 0; v < NV; v++) q8copy_set(&c[v], &want);
     dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
                           .gnorm_scale = 1.0f, .step = 1, .block = B};
     for (int t = 1; t <= 3; t++) {
       hp.step = t;
       for (size_t i = 0; i < n; i++) g[i] = t == 2 ? (float)(dt_rand_normal(&rng) * 1e-2) : odd_value(&rng, 1e-2);
-      size_t bad[NV + 1] = {0};
-      /* [0]: FTZ|DAZ: the reference in the default mode; RZ: the portable kernel under RZ (below) */
-      if (md == 0) ref_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]);
-      for (int v = 1; v <= NV; v++) {
-        if (!have[v - 1]) {
-          memcpy(p[v], p[0], n * 4), memcpy(q1[v], q1[0], n), memcpy(q2[v], q2[0], n);
-          memcpy(a1[v], a1[0], nb * 4), memcpy(a2[v], a2[0], nb * 4);
+      /* want: FTZ|DAZ: the reference in the default mode; RZ: the portable kernel under RZ (below) */
+      if (md == 0) ref_update(want.p, g, want.q1, want.q2, want.a1, want.a2, n, &hp, &want.bad);
+      for (int v = 0; v < NV; v++) {
+        if (!have[v]) {
+          q8copy_set(&c[v], &want);
           continue;
         }
         _mm_setcsr(modes[md]);
-        const dopt_status s = dopt__q8_adam_update_impl(p[v], g, q1[v], q2[v], a1[v], a2[v], n, &hp, &bad[v],
-                                                         impls[v - 1]);
+        const dopt_status s = q8copy_update(&c[v], g, &hp, impls[v]);
         const unsigned after = _mm_getcsr();
         _mm_setcsr(csr0);
         assert_ok(s);
         assert_int_equal(after & ~0x3fu, modes[md] & ~0x3fu); /* the control bits as the caller set them */
-        if (md == 1 && v == 1) { /* RZ: the portable result is what the others must give */
-          memcpy(p[0], p[1], n * 4), memcpy(q1[0], q1[1], n), memcpy(q2[0], q2[1], n);
-          memcpy(a1[0], a1[1], nb * 4), memcpy(a2[0], a2[1], nb * 4), bad[0] = bad[1];
-        }
+        if (md == 1 && v == 0) q8copy_set(&want, &c[0]); /* RZ: the portable result is what the others must give */
       }
-      for (int v = 1; v <= NV; v++) {
-        if (!have[v - 1]) continue;
-        for (size_t i = 0; i < n; i++)
-          if (!same_param(p[v][i], p[0][i]) || q1[v][i] != q1[0][i] || q2[v][i] != q2[0][i])
-            fail_msg("mxcsr %#x t=%d impl %d: element %zu: p %a/%a bytes %d,%d / %d,%d", modes[md], t,
-                     (int)impls[v - 1], i, (double)p[v][i], (double)p[0][i], q1[v][i], q2[v][i], q1[0][i], q2[0][i]);
-        assert_memory_equal(a1[v], a1[0], nb * 4);
-        assert_memory_equal(a2[v], a2[0], nb * 4);
-        assert_true(bad[v] == bad[0]);
+      for (int v = 0; v < NV; v++) {
+        if (!have[v]) continue;
+        char ctx[64];
+        snprintf(ctx, sizeof ctx, "mxcsr %#x t=%d impl %d", modes[md], t, (int)impls[v]);
+        q8copy_expect(&c[v], &want, ctx);
         compared += n;
       }
     }
-    for (int v = 0; v <= NV; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+    for (int v = 0; v < NV; v++) q8copy_free(&c[v]);
+    q8copy_free(&want);
     free(g);
   }
   printf("non-default MXCSR (FTZ|DAZ, round toward zero): %zu element updates equal (AVX2 %s, AVX-512 %s)\n",
