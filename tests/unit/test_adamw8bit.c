@@ -626,6 +626,23 @@ static dopt_status q8copy_update(q8copy *c, const float *g, const dopt_q8_adam_h
   return dopt__q8_adam_update_impl(c->p, g, c->q1, c->q2, c->a1, c->a2, c->n, hp, &c->bad, impl);
 }
 
+/* random states for the kernel tests' modes (0 plain, 1 odd parameters, 2 odd absmax, 3 plain): parameters
+ * N(0, 0.25) or odd_value, random bytes, absmax |N(0, 0.1²)| and |N(0, 1e-6)| or odd values a loaded
+ * checkpoint may hold */
+static void q8copy_fill(q8copy *c, int mode, uint64_t *rng) {
+  for (size_t i = 0; i < c->n; i++) {
+    c->p[i] = mode == 1 ? odd_value(rng, 0.5) : (float)(dt_rand_normal(rng) * 0.5);
+    c->q1[i] = (uint8_t)dt_rand_u64(rng), c->q2[i] = (uint8_t)dt_rand_u64(rng);
+  }
+  for (size_t b = 0; b < c->nb; b++) {
+    c->a1[b] = (float)fabs(dt_rand_normal(rng) * 0.1), c->a2[b] = (float)fabs(dt_rand_normal(rng) * 1e-3);
+    if (mode == 2) {
+      const float odd[] = {0.0f, -0.0f, -1.0f, 1e-40f, 1e-39f, INFINITY, NAN, 3e38f, 1e-30f};
+      c->a1[b] = odd[dt_rand_u64(rng) % 9], c->a2[b] = odd[dt_rand_u64(rng) % 9];
+    }
+  }
+}
+
 /* got has want's parameters (same_param), bytes, absmax and non-finite count, bit for bit; ctx names the case */
 static void q8copy_expect(const q8copy *got, const q8copy *want, const char *ctx) {
   for (size_t i = 0; i < got->n; i++)
@@ -634,7 +651,7 @@ static void q8copy_expect(const q8copy *got, const q8copy *want, const char *ctx
                got->q1[i], got->q2[i], want->q1[i], want->q2[i]);
   if (memcmp(got->a1, want->a1, got->nb * sizeof(float)) || memcmp(got->a2, want->a2, got->nb * sizeof(float)) ||
       got->bad != want->bad)
-    fail_msg("%s: absmax or non-finite count differ", ctx);
+    fail_msg("%s: absmax or non-finite count (%zu, %zu) differ", ctx, got->bad, want->bad);
 }
 
 /* Every implementation of the 8-bit kernel (portable, AVX2, AVX-512, AUTO) gives the
@@ -661,17 +678,7 @@ static void test_fast_kernel_bitwise(void **st) {
         float *g = malloc(n * sizeof *g);
         q8copy c[NV];
         for (int v = 0; v < NV; v++) c[v] = q8copy_new(n, nb);
-        for (size_t i = 0; i < n; i++) {
-          c[0].p[i] = mode == 1 ? odd_value(&rng, 0.5) : (float)(dt_rand_normal(&rng) * 0.5);
-          c[0].q1[i] = (uint8_t)dt_rand_u64(&rng), c[0].q2[i] = (uint8_t)dt_rand_u64(&rng);
-        }
-        for (size_t b = 0; b < nb; b++) {
-          c[0].a1[b] = (float)fabs(dt_rand_normal(&rng) * 0.1), c[0].a2[b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
-          if (mode == 2) {
-            const float odd[] = {0.0f, -0.0f, -1.0f, 1e-40f, 1e-39f, INFINITY, NAN, 3e38f, 1e-30f};
-            c[0].a1[b] = odd[dt_rand_u64(&rng) % 9], c[0].a2[b] = odd[dt_rand_u64(&rng) % 9];
-          }
-        }
+        q8copy_fill(&c[0], mode, &rng);
         if (mode == 0) memset(c[0].q1, 0, n < 64 ? n : 64), memset(c[0].q2, 0, n < 64 ? n : 64);
         for (int v = 1; v < NV; v++) q8copy_set(&c[v], &c[0]);
         dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
@@ -818,25 +825,10 @@ static void test_two_phase_bitwise(void **st) {
     for (size_t bi = 0; bi < sizeof blocks / sizeof *blocks; bi++)
       for (int mode = 0; mode < 4; mode++) { /* 0 plain, 1 odd inputs, 2 odd states, 3 clipped, no decay */
         const size_t n = sizes[si], B = blocks[bi], nb = dopt_q8_num_blocks(n, B);
-        float *p[2], *a1[2], *a2[2], *g = malloc(n * sizeof *g);
-        uint8_t *q1[2], *q2[2];
-        for (int v = 0; v < 2; v++) {
-          p[v] = malloc(n * sizeof(float)), a1[v] = malloc(nb * sizeof(float)), a2[v] = malloc(nb * sizeof(float));
-          q1[v] = malloc(n), q2[v] = malloc(n);
-        }
-        for (size_t i = 0; i < n; i++) {
-          p[0][i] = mode == 1 ? odd_value(&rng, 0.5) : (float)(dt_rand_normal(&rng) * 0.5);
-          q1[0][i] = (uint8_t)dt_rand_u64(&rng), q2[0][i] = (uint8_t)dt_rand_u64(&rng);
-        }
-        for (size_t b = 0; b < nb; b++) {
-          a1[0][b] = (float)fabs(dt_rand_normal(&rng) * 0.1), a2[0][b] = (float)fabs(dt_rand_normal(&rng) * 1e-3);
-          if (mode == 2) {
-            const float odd[] = {0.0f, -0.0f, -1.0f, 1e-40f, 1e-39f, INFINITY, NAN, 3e38f, 1e-30f};
-            a1[0][b] = odd[dt_rand_u64(&rng) % 9], a2[0][b] = odd[dt_rand_u64(&rng) % 9];
-          }
-        }
-        memcpy(p[1], p[0], n * 4), memcpy(q1[1], q1[0], n), memcpy(q2[1], q2[0], n);
-        memcpy(a1[1], a1[0], nb * 4), memcpy(a2[1], a2[0], nb * 4);
+        float *g = malloc(n * sizeof *g);
+        q8copy c[2] = {q8copy_new(n, nb), q8copy_new(n, nb)};
+        q8copy_fill(&c[0], mode, &rng);
+        q8copy_set(&c[1], &c[0]);
         dopt_q8_adam_hp hp = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 1e-2f,
                               .gnorm_scale = 1.0f, .step = 1, .block = B};
         if (mode == 3) hp.gnorm_scale = 0.37f, hp.weight_decay = 0.0f, hp.lr = 3e-2f, hp.beta2 = 0.99f;
@@ -844,19 +836,15 @@ static void test_two_phase_bitwise(void **st) {
           hp.step = t;
           for (size_t i = 0; i < n; i++)
             g[i] = mode == 1 || mode == 2 ? odd_value(&rng, 1e-2) : (float)(dt_rand_normal(&rng) * 1e-2);
-          size_t bad[2] = {0, 0};
-          assert_ok(dopt_q8_adam_update(p[0], g, q1[0], q2[0], a1[0], a2[0], n, &hp, &bad[0]));
-          two_phase_update(p[1], g, q1[1], q2[1], a1[1], a2[1], n, &hp, &bad[1], &rng);
-          for (size_t i = 0; i < n; i++)
-            if (!same_param(p[1][i], p[0][i]) || q1[1][i] != q1[0][i] || q2[1][i] != q2[0][i])
-              fail_msg("n=%zu B=%zu mode %d t=%d: element %zu: p %a/%a bytes %d,%d / %d,%d", n, B, mode, t, i,
-                       (double)p[1][i], (double)p[0][i], q1[1][i], q2[1][i], q1[0][i], q2[0][i]);
-          if (memcmp(a1[1], a1[0], nb * 4) || memcmp(a2[1], a2[0], nb * 4) || bad[1] != bad[0])
-            fail_msg("n=%zu B=%zu mode %d t=%d: absmax or non-finite count (%zu, %zu) differ", n, B, mode, t, bad[1],
-                     bad[0]);
+          assert_ok(dopt_q8_adam_update(c[0].p, g, c[0].q1, c[0].q2, c[0].a1, c[0].a2, n, &hp, &c[0].bad));
+          c[1].bad = 0; /* two_phase_update adds to it */
+          two_phase_update(c[1].p, g, c[1].q1, c[1].q2, c[1].a1, c[1].a2, n, &hp, &c[1].bad, &rng);
+          char ctx[64];
+          snprintf(ctx, sizeof ctx, "n=%zu B=%zu mode %d t=%d", n, B, mode, t);
+          q8copy_expect(&c[1], &c[0], ctx);
           compared += n;
         }
-        for (int v = 0; v < 2; v++) free(p[v]), free(a1[v]), free(a2[v]), free(q1[v]), free(q2[v]);
+        q8copy_free(&c[0]), q8copy_free(&c[1]);
         free(g);
       }
   /* the arguments: more slots than a block, a bad block, NULL arrays */
