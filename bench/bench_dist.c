@@ -244,30 +244,37 @@ static const cluster_desc CLUSTERS[] = {
 /* ---- the reference's dp sum ------------------------------------------------------------ */
 
 /* CPU time of dopt_dp_sum over the DP rank partials of both gradients (every
- * dp rank gets the same, so DP copies of gw and gb), in the run's dp-sum mode:
- * what the reference would add to its step to start from the rank partials
- * instead of the averaged gradient (item 2 of the dp-sum issue: dist ≤ 1.5 ×
- * (ref + this)). Median of warmup + steps runs after the warm-up ones. */
+ * dp rank gets the same values, each in its own buffer as on the ranks: DP
+ * copies of gw and gb, so every part is read from memory), in the run's dp-sum
+ * mode: what the reference would add to its step to start from the rank
+ * partials instead of the averaged gradient (item 2 of the dp-sum issue:
+ * dist ≤ 1.5 × (ref + this)). Median of `steps` runs after the warm-up ones. */
 static double dpsum_cpu(const opts *op, const float *gw, const float *gb) {
-  const size_t n = op->n;
-  float *out = malloc(n * n * sizeof *out);
-  if (!out) return -1;
+  const size_t n = op->n, nw = n * n;
+  float *out = malloc(nw * sizeof *out), *cw = malloc(DP * nw * sizeof *cw), *cb = malloc(DP * n * sizeof *cb);
+  double r = -1;
+  if (!out || !cw || !cb) goto done;
   const float *pw[DP], *pb[DP];
-  for (int d = 0; d < DP; d++) pw[d] = gw, pb[d] = gb;
+  for (int d = 0; d < DP; d++) {
+    memcpy(cw + (size_t)d * nw, gw, nw * sizeof *cw);
+    memcpy(cb + (size_t)d * n, gb, n * sizeof *cb);
+    pw[d] = cw + (size_t)d * nw, pb[d] = cb + (size_t)d * n;
+  }
   double cpu[MAXSTEPS];
   for (int it = 0; it < op->warmup + op->steps; it++) {
     double c0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
-    dopt_status s = dopt_dp_sum(pw, DP, op->dp_words, n * n, out);
+    dopt_status s = dopt_dp_sum(pw, DP, op->dp_words, nw, out);
     if (s == DOPT_OK) s = dopt_dp_sum(pb, DP, op->dp_words, n, out);
     double c1 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
-    if (s != DOPT_OK) {
-      free(out);
-      return -1;
-    }
+    if (s != DOPT_OK) goto done;
     if (it >= op->warmup) cpu[it - op->warmup] = c1 - c0;
   }
+  r = median(cpu, op->steps);
+done:
   free(out);
-  return median(cpu, op->steps);
+  free(cw);
+  free(cb);
+  return r;
 }
 
 /* ---- one optimizer ----------------------------------------------------------------------- */

@@ -90,6 +90,8 @@ struct dist_param {
   dopt_block_share share;
   int64_t step;
   int acc;        /* the accumulator holds a gradient since the last step */
+  int avgd;       /* the exact dp sum averaged this rank's piece as it decoded it (its non-finite count: avg_bad) */
+  int64_t avg_bad;
   float *mb;      /* batch-invariant mode: device [mb_cap · lnumel], this step's micro-batch gradients */
   int nmb, mb_cap;
   red_ctx rc;
@@ -276,6 +278,7 @@ dopt_status dd_sum_over_homes(dopt_dist_optim *d, void *x, dopt_dtype dt);
 
 dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt);
 dopt_status dd_exact_dp_sum(dopt_dist_optim *d);
+float dd_avg_denom(const dopt_dist_optim *d, const dist_param *p);
 
 /* ---- owner.c ------------------------------------------------------------------------------ */
 

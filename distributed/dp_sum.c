@@ -61,22 +61,39 @@ static const float *local_part(const dopt_dist_optim *d, const dist_param *p, si
   return m < (size_t)p->nmb ? p->mb + m * p->lnumel : NULL;
 }
 
-/* The bucket [b0, b1)'s exchange: every rank's parts of what this rank sums arrive in d->parts, from source q
- * at q·R, parameter i's P parts at d->part_at[i] within it, each `len` long. */
+/* This rank's own part of what it sums is read where it is, in its accumulator (not sent to itself), unless the
+ * parts are micro-batches (batch invariant: a missing one is zeros). */
+static int self_direct(const dopt_dist_optim *d) { return !d->keep; }
+
+/* Where source q's parts sit in d->parts: slot q, or q − 1 past this rank's own when that one is not sent. */
+static size_t slot_of(const dopt_dist_optim *d, size_t q, size_t me) { return self_direct(d) && q > me ? q - 1 : q; }
+
+/* Part (q, m) of parameter i's segment [lo, lo + len): this rank's own in its accumulator, the others' in d->parts. */
+static const float *part_ptr(const dopt_dist_optim *d, int i, size_t q, size_t m, size_t R, size_t lo, size_t len) {
+  const dist_param *p = &d->p[i];
+  const size_t me = (size_t)dd_dpg(d, p)->rank;
+  if (self_direct(d) && q == me) return p->grad + lo;
+  return d->parts + slot_of(d, q, me) * R + d->part_at[i] + m * len;
+}
+
+/* The bucket [b0, b1)'s exchange: every other rank's parts of what this rank sums arrive in d->parts, from source
+ * q at slot_of(q)·R, parameter i's P parts at d->part_at[i] within it, each `len` long. */
 static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R) {
   const dopt_transport *G = dd_dpg(d, &d->p[b0]);
   const size_t D = (size_t)G->size, P = nparts(d), me = (size_t)G->rank;
+  const int self = self_direct(d);
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
   size_t stot = 0, lo, len;
   for (size_t q = 0; q < D; q++) {
     sd[q] = stot, sc[q] = 0;
-    for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], q, &lo, &len), sc[q] += P * len;
+    for (int i = b0; i < b1 && !(self && q == me); i++) seg_of(d, &d->p[i], q, &lo, &len), sc[q] += P * len;
     stot += sc[q];
   }
   *R = 0;
   for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], me, &lo, &len), d->part_at[i] = *R, *R += P * len;
-  for (size_t q = 0; q < D; q++) rc[q] = *R, rd[q] = q * *R;
-  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (D * *R > 0 ? D * *R : 1) * sizeof(float)));
+  for (size_t q = 0; q < D; q++) rc[q] = self && q == me ? 0 : *R, rd[q] = slot_of(d, q, me) * *R;
+  const size_t slots = self ? D - 1 : D;
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (slots * *R > 0 ? slots * *R : 1) * sizeof(float)));
   if (b1 == b0 + 1 && P == 1) { /* one parameter's gradient: each destination's segment sent from where it is */
     const dist_param *p = &d->p[b0];
     for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
@@ -85,7 +102,7 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
     size_t at = sd[q];
-    for (int i = b0; i < b1; i++) {
+    for (int i = b0; i < b1 && sc[q]; i++) {
       const dist_param *p = &d->p[i];
       seg_of(d, p, q, &lo, &len);
       for (size_t m = 0; m < P && len; m++, at += len) {
@@ -98,48 +115,156 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   return G->ops->all_to_allv(G->comm, d->pack, sc, sd, d->parts, rc, rd, DOPT_F32);
 }
 
-/* The codes of parameter i's blocks over the parts this rank received (MAX into its codes), its flag. */
-static dopt_status bucket_codes(dopt_dist_optim *d, int i, size_t R) {
+/* ---- spans: what can be summed before the codes' MAX -------------------------------------------------------
+ * A logical block all of whose elements lie in one run of this rank's segment is held by no other rank (the TP
+ * blocks partition the tensor, the segments each TP block), so its code is the MAX over this rank's parts alone:
+ * such blocks are summed, decoded (and averaged) at once, while their parts are in cache, and only the rest — the
+ * shared blocks at a segment's or a TP row's cut — waits for the MAX. Not where another rank holds the same
+ * blocks (a TP-replicated tensor, an expert's moe_dp group) nor on a device without a host_chunk (a GPU: one pass
+ * per kernel there). */
+static int fusable(const dopt_dist_optim *d, const dist_param *p) {
+  if (!DEV(d)->host_chunk || dd_dpg(d, p) != &d->dp) return 0;
+  return d->tp.size == 1 || p->pc.hl != p->pc.h || p->pc.wl != p->pc.w;
+}
+
+typedef struct spans {
+  dopt_piece g; /* the segment */
+  int fuse;     /* 0: the whole segment is one shared span */
+  size_t off;   /* dopt_piece_next_run's cursor */
+  dopt_run r;   /* the current run, `in` of its elements taken */
+  size_t in;
+  int have, done;
+  size_t no, nn; /* one span of look-ahead (merging) */
+  int npriv, ahead;
+} spans;
+
+static void spans_init(spans *s, const dist_param *p, int fuse, size_t lo, size_t len) {
+  memset(s, 0, sizeof *s);
+  s->g = p->pc;
+  s->g.lo = lo, s->g.len = len;
+  s->fuse = fuse;
+}
+
+/* The next span of one run (offsets into the segment): its private blocks [pb, pe), or shared elements. */
+static int span_raw(spans *s, size_t *o, size_t *n, int *priv) {
+  if (!s->fuse) {
+    if (s->done || s->g.len == 0) return 0;
+    s->done = 1, *o = 0, *n = s->g.len, *priv = 0;
+    return 1;
+  }
+  if (!s->have || s->in >= s->r.len) {
+    if (!dopt_piece_next_run(&s->g, &s->off, &s->r)) return 0;
+    s->have = 1, s->in = 0;
+  }
+  const size_t B = DOPT_GRID_BLOCK, x = s->r.at + s->in, e = s->r.at + s->r.len;
+  const size_t pb = (s->r.at + B - 1) / B * B, pe = e == s->g.numel ? e : e / B * B; /* a short last block is whole */
+  size_t end;
+  if (pb < pe && x >= pb && x < pe) *priv = 1, end = pe;
+  else *priv = 0, end = pb < pe && x < pb ? pb : e;
+  *o = s->r.off + s->in, *n = end - x;
+  s->in += *n;
+  return 1;
+}
+
+/* The next span, adjacent spans of a kind merged (the piece kernels take any range of the segment). */
+static int span_next(spans *s, size_t *o, size_t *n, int *priv) {
+  if (!s->ahead && !span_raw(s, &s->no, &s->nn, &s->npriv)) return 0;
+  *o = s->no, *n = s->nn, *priv = s->npriv, s->ahead = 0;
+  while (span_raw(s, &s->no, &s->nn, &s->npriv)) {
+    if (s->npriv != *priv || s->no != *o + *n) {
+      s->ahead = 1;
+      break;
+    }
+    *n += s->nn;
+  }
+  return 1;
+}
+
+/* Elements [o, o + n) of parameter i's segment [lo, lo + len): every part encoded and added, decoded into p->grad
+ * (and divided by `denom` there when not 0: the average, fused), the device's host_chunk elements at a time (whole
+ * blocks: a private block's code is taken in one chunk; the words stay in cache), in one pass on a GPU. priv: whole private blocks, whose codes and classes each chunk
+ * takes first from its own parts; else the codes after the MAX and the parameter's world flag. */
+static dopt_status sum_span(dopt_dist_optim *d, int i, size_t R, int W, int k, size_t lo, size_t len, size_t o,
+                            size_t n, int priv, float denom) {
+  dist_param *p = &d->p[i];
+  const size_t D = (size_t)dd_dpg(d, p)->size, P = nparts(d);
+  const size_t B = DOPT_GRID_BLOCK, c = DEV(d)->host_chunk, sub = c ? (c + B - 1) / B * B : (n ? n : 1);
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->words, &d->words_cap, sub * (size_t)W * sizeof(int64_t)));
+  int32_t *codes = d->codes + d->code_off[i];
+  for (size_t s0 = 0; s0 < n; s0 += sub) {
+    dopt_piece sp = p->pc;
+    sp.lo = lo + o + s0, sp.len = n - s0 < sub ? n - s0 : sub;
+    int flagged = d->hflags[i] != 0;
+    if (priv) {
+      int64_t bad = 0, b;
+      for (size_t q = 0; q < D; q++)
+        for (size_t m = 0; m < P; m++) {
+          DOPT_TRY(DEV(d)->grid_codes(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, &b));
+          bad += b;
+        }
+      flagged = bad != 0;
+    }
+    if (flagged) DOPT_TRY(dd_grow_dev(d, (void **)&d->cls, &d->cls_cap, sub * sizeof(int64_t)));
+    int first = 1;
+    for (size_t q = 0; q < D; q++)
+      for (size_t m = 0; m < P; m++, first = 0)
+        DOPT_TRY(DEV(d)->grid_encode(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, W, k, !first,
+                                     d->words, flagged ? d->cls : NULL));
+    DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words, flagged ? d->cls : NULL, &sp, codes, W, k, p->grad + sp.lo));
+    if (denom != 0.0f) {
+      int64_t b;
+      DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + sp.lo, denom, sp.len, &b));
+      p->avg_bad += b;
+    }
+  }
+  return DOPT_OK;
+}
+
+/* Before the MAX, parameter i: its private spans summed (and averaged: when this rank's sum is exactly its piece of
+ * the averaged gradient, at zero ≥ 1 on a host device), its shared spans' codes taken over every part (MAX into its
+ * codes), its flag set when one of those holds a non-finite value. */
+static dopt_status bucket_first(dopt_dist_optim *d, int i, size_t R, int W, int k) {
   dist_param *p = &d->p[i];
   const dopt_transport *G = dd_dpg(d, p);
-  size_t lo, len;
+  size_t lo, len, o, n;
+  int priv;
   seg_of(d, p, (size_t)G->rank, &lo, &len);
-  dopt_piece g = p->pc;
-  g.lo = lo, g.len = len;
+  p->avg_bad = 0;
+  p->avgd = DEV(d)->host_chunk && d->zero != 0 && lo == p->gpc.lo && len == p->gpc.len;
+  const float denom = p->avgd ? dd_avg_denom(d, p) : 0.0f;
   int64_t bad = 0;
-  for (size_t q = 0; q < (size_t)G->size && len; q++)
-    for (size_t m = 0; m < nparts(d); m++) {
-      int64_t b;
-      DOPT_TRY(DEV(d)->grid_codes(DCTX(d), d->parts + q * R + d->part_at[i] + m * len, &g, d->codes + d->code_off[i],
-                                  &b));
-      bad += b;
+  spans s;
+  spans_init(&s, p, fusable(d, p), lo, len);
+  while (span_next(&s, &o, &n, &priv)) {
+    if (priv) {
+      DOPT_TRY(sum_span(d, i, R, W, k, lo, len, o, n, 1, denom));
+      continue;
     }
+    dopt_piece g = p->pc;
+    g.lo = lo + o, g.len = n;
+    for (size_t q = 0; q < (size_t)G->size; q++)
+      for (size_t m = 0; m < nparts(d); m++) {
+        int64_t b;
+        DOPT_TRY(DEV(d)->grid_codes(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o, &g, d->codes + d->code_off[i], &b));
+        bad += b;
+      }
+  }
   const int32_t one = 1;
   return bad ? DEV(d)->upload(DCTX(d), d->codes + d->code_off[i] - 1, &one, sizeof one) : DOPT_OK;
 }
 
-/* The sum of parameter i's parts into p->grad at its segment (owner mode: the whole block, on the owner's row). */
-static dopt_status bucket_sum(dopt_dist_optim *d, int i, size_t R, int W, int k) {
+/* After the MAX, parameter i: its shared spans summed into p->grad (owner mode: the whole block, on the owner's
+ * row), averaged as bucket_first decided. */
+static dopt_status bucket_rest(dopt_dist_optim *d, int i, size_t R, int W, int k) {
   dist_param *p = &d->p[i];
-  const dopt_transport *G = dd_dpg(d, p);
-  size_t lo, len;
-  seg_of(d, p, (size_t)G->rank, &lo, &len);
-  const int flagged = d->hflags[i] != 0;
-  /* a few thousand elements at a time on the CPU (the words stay in cache); one pass on other devices */
-  const size_t sub = d->dev == dopt_device_cpu() ? 4096 : (len ? len : 1);
-  DOPT_TRY(dd_grow_dev(d, (void **)&d->words, &d->words_cap, sub * (size_t)W * sizeof(int64_t)));
-  if (flagged) DOPT_TRY(dd_grow_dev(d, (void **)&d->cls, &d->cls_cap, sub * sizeof(int64_t)));
-  const int32_t *codes = d->codes + d->code_off[i];
-  for (size_t s0 = 0; s0 < len; s0 += sub) {
-    dopt_piece sp = p->pc;
-    sp.lo = lo + s0, sp.len = len - s0 < sub ? len - s0 : sub;
-    int first = 1;
-    for (size_t q = 0; q < (size_t)G->size; q++)
-      for (size_t m = 0; m < nparts(d); m++, first = 0)
-        DOPT_TRY(DEV(d)->grid_encode(DCTX(d), d->parts + q * R + d->part_at[i] + m * len + s0, &sp, codes, W, k,
-                                     !first, d->words, flagged ? d->cls : NULL));
-    DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words, flagged ? d->cls : NULL, &sp, codes, W, k, p->grad + sp.lo));
-  }
+  size_t lo, len, o, n;
+  int priv;
+  seg_of(d, p, (size_t)dd_dpg(d, p)->rank, &lo, &len);
+  const float denom = p->avgd ? dd_avg_denom(d, p) : 0.0f;
+  spans s;
+  spans_init(&s, p, fusable(d, p), lo, len);
+  while (span_next(&s, &o, &n, &priv))
+    if (!priv) DOPT_TRY(sum_span(d, i, R, W, k, lo, len, o, n, 0, denom));
   return DOPT_OK;
 }
 
@@ -265,9 +390,9 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
     }
     size_t R = 0;
     DOPT_TRY(bucket_exchange(d, b0, b1, &R));
-    for (int i = b0; i < b1; i++) DOPT_TRY(bucket_codes(d, i, R));
+    for (int i = b0; i < b1; i++) DOPT_TRY(bucket_first(d, i, R, W, k));
     DOPT_TRY(max_codes(d, b0, b1));
-    for (int i = b0; i < b1; i++) DOPT_TRY(bucket_sum(d, i, R, W, k));
+    for (int i = b0; i < b1; i++) DOPT_TRY(bucket_rest(d, i, R, W, k));
     if (d->zero == 0) DOPT_TRY(bucket_regather(d, b0, b1));
     b0 = b1;
   }

@@ -70,7 +70,7 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
   for (int i = 0; i < d->np; i++) {
     dist_param *p = &d->p[i];
     if (!p->acc) DOPT_TRY(dd_zero_dev(d, p->grad, p->lnumel * sizeof(float))); /* no gradient on this rank: it adds zeros (DDP's unused parameters) */
-    p->acc = 0;
+    p->acc = 0, p->avgd = 0, p->avg_bad = 0;
     if (dd_ep_stack(d, p)) DOPT_TRY(own_experts_only(d, p));
   }
   /* a bucket of one contribution (dp 1 batch invariant with one micro-batch, an expert alone in its moe_dp) is
@@ -81,14 +81,17 @@ static dopt_status reduce_grads(dopt_dist_optim *d, int64_t *nonfinite) {
     dist_param *p = &d->p[i];
     const dopt_transport *g = dd_dpg(d, p);
     if (g->size > 1 && d->dp_words == 0) DOPT_TRY(dd_dp_sum(d, p, p->grad, 1, DOPT_F32));
-    int64_t bad;
-    /* an ep-split stack: each element is one expert's, summed over dp (zeros off its ep rank), averaged over the
-     * moe_dp ranks that gave it */
-    const float denom = (float)((double)(dd_ep_stack(d, p) ? d->mdp.size : g->size) * (double)d->micro);
-    DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->gpc.lo, denom, p->gpc.len, &bad));
+    int64_t bad = p->avg_bad;
+    if (!p->avgd) DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + p->gpc.lo, dd_avg_denom(d, p), p->gpc.len, &bad));
     *nonfinite += bad;
   }
   return DOPT_OK;
+}
+
+/* The divisor of p's averaged gradient: its dp group's size · micro-batches (an ep-split stack: each element is
+ * one expert's, summed over dp with zeros off its ep rank, averaged over the moe_dp ranks that gave it). */
+float dd_avg_denom(const dopt_dist_optim *d, const dist_param *p) {
+  return (float)((double)(dd_ep_stack(d, p) ? d->mdp.size : dd_dpg(d, p)->size) * (double)d->micro);
 }
 
 /* h[n] (host) ← its reduction by op over one stage (tp, then dp; pp_too: then over pp, the whole world),

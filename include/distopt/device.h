@@ -97,6 +97,12 @@ typedef struct dopt_device_ops {
                              int add, int64_t *w, int64_t *cls);
   dopt_status (*grid_decode)(void *ctx, const int64_t *w, const int64_t *cls, const dopt_piece *pc,
                              const int32_t *codes, int words, int k, float *x);
+  /* A device whose kernels run on host memory in program order (the CPU):
+   * the elements the distributed dp sum takes at a time so that its words
+   * stay in cache, fusing its passes (codes, sum, decode, average) chunk by
+   * chunk, rounded up to whole blocks (DOPT_GRID_BLOCK); results are the same
+   * bits for any value. 0 (a GPU): one pass per kernel over a whole range. */
+  size_t host_chunk;
 } dopt_device_ops;
 
 typedef struct dopt_device {

@@ -444,22 +444,18 @@ static void test_grid_ring_order(void **st) {
          dt_subset_desc());
 }
 
-/* Adversarial gradients, ring order: values over 2^±48 in every row (one
- * word rounds the small ones on the block grid, so a rank that used another
- * grid — e.g. its own TP block's maxima — would differ), and NaN/inf
- * gradients applied (the class counts' path). Row- and column-parallel
- * splits with logical blocks straddling TP blocks. */
-static void test_adversarial_ring_order(void **st) {
-  (void)st;
-  static const dt_layout L[] = {{2, 3, 2, 0}, {3, 4, 1, 256}, {2, 5, 3, 1}, {1, 3, 0, 0}};
+/* Adversarial gradients, ring order, on params[np] in layouts L[nl]: values over 2^±48 in every row (one word
+ * rounds the small ones on the block grid, so a rank that used another grid — e.g. its own TP block's maxima —
+ * would differ), and NaN/inf gradients applied (the class counts' path); returns the runs. */
+static int adversarial(const dt_param *params, int np, const dt_layout *L, int nl) {
   static const hp_setting H[] = {{"adamw", "lr=1e-2,weight_decay=0.01"}, {"adafactor", "beta1=0.9,weight_decay=0.01"}};
   int runs = 0;
   for (int mode = 0; mode < 5; mode++) /* wide one word, two words, NaN applied; batch invariant: wide, NaN */
     for (int h = 0; h < 2; h++)
-      for (int li = 0; li < 4; li++) {
+      for (int li = 0; li < nl; li++) {
         const dt_layout *l = &L[li];
         const int nan = mode == 2 || mode == 4;
-        dt_case c = {H[h].opt, H[h].hp, NULL, PARAMS, NPARAMS, 8, 3, 0.0, 0, 4321 + (uint64_t)h, 0.05, nan ? 3 : 0,
+        dt_case c = {H[h].opt, H[h].hp, NULL, params, np, 8, 3, 0.0, 0, 4321 + (uint64_t)h, 0.05, nan ? 3 : 0,
                      4, mode == 1 ? 2 : 1, 1, !nan, nan, mode >= 3};
         if (nan && h == 1) continue; /* adafactor spreads the NaN over its rows: adamw keeps it local */
         dt_result ref, got;
@@ -473,7 +469,30 @@ static void test_adversarial_ring_order(void **st) {
         dt_result_free(&got);
         runs++;
       }
-  printf("adversarial gradients, ring order: %d runs bitwise equal\n", runs);
+  return runs;
+}
+
+/* Row- and column-parallel splits of one-block tensors: every logical block straddles TP blocks or ZeRO
+ * segments. */
+static void test_adversarial_ring_order(void **st) {
+  (void)st;
+  static const dt_layout L[] = {{2, 3, 2, 0}, {3, 4, 1, 256}, {2, 5, 3, 1}, {1, 3, 0, 0}};
+  printf("adversarial gradients, ring order: %d runs bitwise equal\n", adversarial(PARAMS, NPARAMS, L, 4));
+}
+
+/* Tensors of many blocks (DOPT_GRID_BLOCK 256): whole blocks inside one rank's segment are summed before the
+ * codes' MAX (distributed/dp_sum.c, spans), the blocks cut by a segment, a TP row or a TP block after it; the
+ * NaN (element n/2 of the first tensor) falls in a private block in some layouts (tp 1, 2) and in a shared one in
+ * others; the checking device sums one block per chunk, so private spans cross chunk seams. */
+static void test_adversarial_blocks(void **st) {
+  (void)st;
+  static const dt_param P[] = {
+      {"layers.0.big", 2, {64, 40}, DOPT_TP_COLUMN, 0}, {"layers.1.rows", 2, {6, 700}, DOPT_TP_ROW, 0},
+      {"layers.2.t3", 3, {3, 5, 200}, DOPT_TP_COLUMN, 0}, {"odd", 2, {37, 45}, DOPT_TP_COLUMN, 0},
+      {"vec", 1, {1000}, DOPT_TP_COLUMN, 1},             {"bias", 1, {600}, DOPT_TP_REPLICATED, 1},
+  };
+  static const dt_layout L[] = {{2, 2, 2, 0}, {3, 2, 1, 0}, {1, 3, 2, 4096}, {2, 3, 3, 1}, {1, 2, 0, 0}};
+  printf("adversarial gradients, many blocks: %d runs bitwise equal\n", adversarial(P, 6, L, 5));
 }
 
 /* The control: the fp32 dp sum in the transport's order is bitwise in rank
@@ -504,6 +523,7 @@ int main(void) {
                                      cmocka_unit_test_teardown(test_grid_moe_stacks, no_experts),
                                      cmocka_unit_test(test_grid_ring_order),
                                      cmocka_unit_test(test_adversarial_ring_order),
+                                     cmocka_unit_test(test_adversarial_blocks),
                                      cmocka_unit_test(test_rank_order_sum_control)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -228,6 +228,7 @@ static const dopt_device_ops ck_ops = {
     .grid_codes = ck_grid_codes,
     .grid_encode = ck_grid_encode,
     .grid_decode = ck_grid_decode,
+    .host_chunk = DOPT_GRID_BLOCK, /* one block at a time (the CPU's 4096 or more): the tests' tensors cross chunk seams */
 };
 
 /* ---- the transport wrapper --------------------------------------------------------------- */
