@@ -5,9 +5,10 @@
  * gradients of N fp32 elements — fp32 in rank order vs the exact sum with 1
  * and 2 int64 words (block codes, encode, integer add, decode: what the
  * ranks and the reduction do together, on one core), with the portable
- * kernels and with the AVX2 ones (core/grid_avx2.c; "-" where the CPU lacks
- * AVX2), interleaved run by run — median of REPS runs, ns per element and
- * the ratio to the fp32 sum of the same run.
+ * kernels and with the AVX2 and AVX-512 ones (core/grid_avx2.c,
+ * core/grid_avx512.c; "-" where the CPU lacks them), interleaved run by run —
+ * median of REPS runs, ns per element and the ratio to the fp32 sum of the
+ * same run.
  *
  * Table 2 (α–β model): bytes each rank sends per gradient element for an
  * all-reduce over n ranks (ring: 2(n−1)/n · bytes per element) and the
@@ -49,13 +50,17 @@ static double uniform(void) {
   return (double)(rng >> 11) * 0x1p-53;
 }
 
+enum { NSETS = 3 }; /* portable, AVX2, AVX-512 */
+
 /* the medians of REPS interleaved runs of the fp32 sum and the exact sums
- * with each kernel set (t[0] fp32, then words 1 and 2 for each of nk kernels) */
+ * with each kernel set (med[0] fp32, med[1 + 2s + w − 1] set s with w words;
+ * a set that is NULL is not run) */
 static void median_sums(const float *const *parts, int p, size_t n, float *out, const dopt__grid_kern *const *kn,
-                        int nk, double *med) {
-  double t[1 + 4][REPS];
+                        double *med) {
+  double t[1 + 2 * NSETS][REPS];
   for (int r = 0; r < REPS; r++) {
-    for (int c = 0; c < 1 + 2 * nk; c++) {
+    for (int c = 0; c < 1 + 2 * NSETS; c++) {
+      if (c > 0 && !kn[(c - 1) / 2]) continue;
       double t0 = now_s();
       dopt_status st = c == 0 ? dopt_dp_sum(parts, p, DOPT_DP_SUM_RANK_ORDER, n, out)
                               : dopt__dp_sum_k(kn[(c - 1) / 2], parts, p, 1 + (c - 1) % 2, n, out);
@@ -66,7 +71,8 @@ static void median_sums(const float *const *parts, int p, size_t n, float *out, 
       t[c][r] = now_s() - t0;
     }
   }
-  for (int c = 0; c < 1 + 2 * nk; c++) {
+  for (int c = 0; c < 1 + 2 * NSETS; c++) {
+    if (c > 0 && !kn[(c - 1) / 2]) continue;
     qsort(t[c], REPS, sizeof t[c][0], cmp_d);
     med[c] = t[c][REPS / 2];
   }
@@ -89,21 +95,25 @@ int main(int argc, char **argv) {
   const float *parts[PMAX];
   for (int d = 0; d < PMAX; d++) parts[d] = x + (size_t)d * n;
 
-  const dopt__grid_kern *kn[2] = {dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE), dopt__grid_kernels(DOPT_GRID_IMPL_AVX2)};
-  const int nk = kn[1] ? 2 : 1;
+  const dopt__grid_kern *kn[NSETS] = {dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE),
+                                      dopt__grid_kernels(DOPT_GRID_IMPL_AVX2), dopt__grid_kernels(DOPT_GRID_IMPL_AVX512)};
+  static const char *const names[NSETS] = {"portable", "avx2", "avx512"};
   printf("Table 1: sum of P gradients of N = %zu fp32 elements, one thread, median of %d (interleaved runs)\n", n, REPS);
-  printf("%3s | %8s | %16s | %16s | %16s | %16s\n", "P", "fp32 ns", "exact1 portable", "exact1 avx2", "exact2 portable",
-         "exact2 avx2");
+  printf("%3s | %8s", "P", "fp32 ns");
+  for (int w = 1; w <= 2; w++)
+    for (int k = 0; k < NSETS; k++) printf(" | exact%d %-9s", w, names[k]);
+  printf("\n");
   for (int p = 2; p <= PMAX; p *= 2) {
-    double med[5];
-    median_sums(parts, p, n, out, kn, nk, med);
+    double med[1 + 2 * NSETS];
+    median_sums(parts, p, n, out, kn, med);
     const double k = 1e9 / (double)n;
     printf("%3d | %8.2f", p, med[0] * k);
-    static const int col[4] = {1, 3, 2, 4}; /* words 1 then 2; portable then avx2 */
-    for (int c = 0; c < 4; c++) {
-      if (col[c] > 2 * nk) printf(" | %16s", "-");
-      else printf(" | %8.2f %6.2fx", med[col[c]] * k, med[col[c]] / med[0]);
-    }
+    for (int w = 1; w <= 2; w++) /* words 1 then 2; each kernel set */
+      for (int ks = 0; ks < NSETS; ks++) {
+        const int c = 1 + 2 * ks + w - 1;
+        if (!kn[ks]) printf(" | %16s", "-");
+        else printf(" | %8.2f %6.2fx", med[c] * k, med[c] / med[0]);
+      }
     printf("\n");
   }
 

@@ -39,13 +39,28 @@ static void decode_portable(const int64_t *w, size_t n, int32_t code, int words,
   for (size_t i = 0; i < n; i++) x[i] = dopt_grid_decode(w + i * (size_t)words, 0, code, words, k);
 }
 
-static const dopt__grid_kern kern_portable = {code_portable, encode_portable, decode_portable};
+int32_t dopt__grid_code_min(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin) {
+  int32_t m = *cmin;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, &x[i], sizeof u);
+    const int32_t e = (int32_t)((u >> 23) & 0xffu);
+    if ((u & 0x7fffffffu) != 0 && e != 0xff && e < m) m = e;
+  }
+  *cmin = m;
+  return code_portable(x, n, nonfinite);
+}
+
+/* no sum_double: the portable set is the words path the tests compare the vector sets' double path with */
+static const dopt__grid_kern kern_portable = {code_portable, encode_portable, decode_portable, dopt__grid_code_min,
+                                              NULL};
 
 const dopt__grid_kern *dopt__grid_kernels(int impl) {
   if (impl == DOPT_GRID_IMPL_PORTABLE) return &kern_portable;
-  const dopt__grid_kern *v = dopt__grid_kern_avx2();
-  if (impl == DOPT_GRID_IMPL_AVX2) return v;
-  return v ? v : &kern_portable;
+  const dopt__grid_kern *v2 = dopt__grid_kern_avx2(), *v5 = dopt__grid_kern_avx512();
+  if (impl == DOPT_GRID_IMPL_AVX2) return v2;
+  if (impl == DOPT_GRID_IMPL_AVX512) return v5;
+  return v5 ? v5 : v2 ? v2 : &kern_portable;
 }
 
 /* ---- the piece kernels ---- */
@@ -150,15 +165,25 @@ dopt_status dopt__dp_sum_k(const dopt__grid_kern *kn, const float *const *parts,
       for (size_t i = 0; i < numel; i++) out[i] = out[i] + parts[d][i];
     return DOPT_OK;
   }
-  const int k = 62 - dopt_grid_headroom(nparts);
+  const int h = dopt_grid_headroom(nparts), k = 62 - h;
   int64_t acc[DOPT_GRID_BLOCK * DOPT_DP_SUM_WORDS_MAX], cls[DOPT_GRID_BLOCK];
   for (size_t lo = 0; lo < numel; lo += DOPT_GRID_BLOCK) {
     const size_t n = numel - lo < DOPT_GRID_BLOCK ? numel - lo : DOPT_GRID_BLOCK;
-    int32_t code = 0;
+    int32_t code = 0, cmin = 0xff;
     int64_t bad = 0;
     for (int d = 0; d < nparts; d++) {
-      const int32_t c = kn->code(parts[d] + lo, n, &bad);
+      const int32_t c = kn->sum_double ? kn->code_min(parts[d] + lo, n, &bad, &cmin) : kn->code(parts[d] + lo, n, &bad);
       code = c > code ? c : code;
+    }
+    /* The exact double path: every element of the block is below 2^top (top = max(code, 1) − 126), so every
+     * partial sum of the parts is below 2^(top + h), and a multiple of the smallest nonzero element's unit
+     * 2^(cmin − 150); at most 53 bits apart when cmin ≥ max(code, 1) + h − 29, so each double addition is exact
+     * and the one conversion to fp32 rounds the exact sum once — as decode does, whose words then hold the same
+     * exact sum (each element's unit, ≥ 2^(top + h − 53), is above the grid's 2^(top + h − 62)). Not with a
+     * non-finite value, nor a subnormal one (cmin 0: a caller's DAZ would read it as zero in the conversion). */
+    if (kn->sum_double && !bad && cmin >= 1 && cmin >= (code > 1 ? code : 1) + h - 29) {
+      kn->sum_double(parts, nparts, lo, n, out + lo);
+      continue;
     }
     for (int d = 0; d < nparts; d++) {
       kn->encode(parts[d] + lo, n, code, words, k, d > 0, acc);

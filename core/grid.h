@@ -195,9 +195,10 @@ DOPT_GRID_FN int32_t dopt_grid_code_of_abs(uint32_t a) {
 
 /* The kernels on a segment: n contiguous elements of one logical block (code
  * `code` for encode and decode). Two implementations (docs/dp-sum.md, "Fast
- * paths"): the portable one calls the element functions above; the AVX2 one
- * (core/grid_avx2.c, x86-64 with runtime dispatch) computes the same bytes
- * with integer shifts, tested bit for bit against it (tests/unit/test_dpsum.c).
+ * paths"): the portable one calls the element functions above; the AVX2 and
+ * AVX-512 ones (core/grid_avx2.c, core/grid_avx512.c, x86-64 with runtime
+ * dispatch) compute the same bytes with integer shifts, tested bit for bit
+ * against it (tests/unit/test_dpsum.c).
  * Non-finite elements: encode writes (adds) zero words and leaves the class
  * counts to the caller; decode decodes the words only (the caller
  * overwrites the elements whose class count is not 0). */
@@ -205,13 +206,22 @@ typedef struct dopt__grid_kern {
   int32_t (*code)(const float *x, size_t n, int64_t *nonfinite); /* max dopt_grid_code; nonfinite += count */
   void (*encode)(const float *x, size_t n, int32_t code, int words, int k, int add, int64_t *w);
   void (*decode)(const int64_t *w, size_t n, int32_t code, int words, int k, float *x);
+  /* dopt_dp_sum's exact double path (dopt__dp_sum_k; NULL: none, the portable set, so that the tests compare
+   * it with the words): code as above, and *cmin = min(*cmin, the smallest exponent field of a nonzero finite
+   * element, 0 for a subnormal); out[i] = (float)(+0.0 + Σ_d (double)parts[d][i]), an exact zero as +0 */
+  int32_t (*code_min)(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin);
+  void (*sum_double)(const float *const *parts, int nparts, size_t lo, size_t n, float *out);
 } dopt__grid_kern;
 
-enum { DOPT_GRID_IMPL_AUTO = 0, DOPT_GRID_IMPL_PORTABLE = 1, DOPT_GRID_IMPL_AVX2 = 2 };
-/* The kernels of an implementation (AUTO: AVX2 where the CPU has it, else
- * portable); NULL for AVX2 where the CPU or the compiler lacks it. */
+/* The portable code_min (the vector kernels' tails). */
+int32_t dopt__grid_code_min(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin);
+
+enum { DOPT_GRID_IMPL_AUTO = 0, DOPT_GRID_IMPL_PORTABLE = 1, DOPT_GRID_IMPL_AVX2 = 2, DOPT_GRID_IMPL_AVX512 = 3 };
+/* The kernels of an implementation (AUTO: AVX-512 where the CPU has it, else
+ * AVX2, else portable); NULL for a vector set the CPU or the compiler lacks. */
 const dopt__grid_kern *dopt__grid_kernels(int impl);
-const dopt__grid_kern *dopt__grid_kern_avx2(void); /* core/grid_avx2.c: NULL when unavailable */
+const dopt__grid_kern *dopt__grid_kern_avx2(void);   /* core/grid_avx2.c: NULL when unavailable */
+const dopt__grid_kern *dopt__grid_kern_avx512(void); /* core/grid_avx512.c: NULL when unavailable */
 
 /* The piece kernels and the whole-tensor sum (dopt_dp_sum) with the given kernels. */
 void dopt__grid_codes_k(const dopt__grid_kern *kn, const float *x, const dopt_piece *pc, int32_t *codes,

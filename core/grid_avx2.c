@@ -233,7 +233,61 @@ AVX2_FN static void decode_avx2(const int64_t *w, size_t n, int32_t code, int wo
   else decode2_avx2(w, n, code, k, x);
 }
 
-static const dopt__grid_kern kern_avx2 = {code_avx2, encode_avx2, decode_avx2};
+/* code_avx2 and the smallest exponent field of a nonzero finite element (dopt__grid_kern.code_min) */
+AVX2_FN static int32_t code_min_avx2(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin) {
+  const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000), zero = _mm256_setzero_si256();
+  __m256i mx = zero, mn = _mm256_set1_epi32(-1), nb = zero;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)(x + i)), absm);
+    const __m256i fin = _mm256_cmpgt_epi32(inf, a); /* a ≤ 0x7fffffff: signed compare is fine */
+    mx = _mm256_max_epu32(mx, _mm256_and_si256(a, fin));
+    /* non-finite and zero lanes: all ones, no minimum */
+    mn = _mm256_min_epu32(mn, _mm256_or_si256(a, _mm256_or_si256(_mm256_xor_si256(fin, _mm256_set1_epi32(-1)),
+                                                                _mm256_cmpeq_epi32(a, zero))));
+    nb = _mm256_sub_epi32(nb, _mm256_xor_si256(fin, _mm256_set1_epi32(-1)));
+  }
+  uint32_t m[8], c[8], l[8], amax = 0, amin = UINT32_MAX;
+  int64_t bad = 0;
+  _mm256_storeu_si256((__m256i *)(void *)m, mx);
+  _mm256_storeu_si256((__m256i *)(void *)c, nb);
+  _mm256_storeu_si256((__m256i *)(void *)l, mn);
+  for (int t = 0; t < 8; t++) {
+    amax = m[t] > amax ? m[t] : amax;
+    amin = l[t] < amin ? l[t] : amin;
+    bad += c[t];
+  }
+  *nonfinite += bad;
+  const int32_t e = (int32_t)(amin >> 23); /* none: 0x1ff */
+  if (e < *cmin) *cmin = e;
+  const int32_t cv = dopt_grid_code_of_abs(amax), ct = dopt__grid_code_min(x + i, n - i, nonfinite, cmin);
+  return cv > ct ? cv : ct;
+}
+
+/* out[i] = (float)(+0.0 + Σ_d parts[d][lo + i]) in double, an exact zero as +0 (the caller checked that every
+ * addition is exact) */
+AVX2_FN static void sum_double_avx2(const float *const *parts, int np, size_t lo, size_t n, float *out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    for (int d = 0; d < np; d++) {
+      const __m256 v = _mm256_loadu_ps(parts[d] + lo + i);
+      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    const __m256 r = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(a0)), _mm256_cvtpd_ps(a1), 1);
+    /* −0 (an exact zero in a directed rounding mode) → +0 */
+    const __m256 z = _mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_EQ_OQ);
+    _mm256_storeu_ps(out + i, _mm256_andnot_ps(z, r));
+  }
+  for (; i < n; i++) {
+    double a = 0.0;
+    for (int d = 0; d < np; d++) a = DOPT_DADD(a, (double)parts[d][lo + i]);
+    out[i] = a == 0.0 ? 0.0f : (float)a;
+  }
+}
+
+static const dopt__grid_kern kern_avx2 = {code_avx2, encode_avx2, decode_avx2, code_min_avx2, sum_double_avx2};
 
 /* Read-only after libgcc's constructor ran: safe from any thread. */
 const dopt__grid_kern *dopt__grid_kern_avx2(void) { return __builtin_cpu_supports("avx2") ? &kern_avx2 : NULL; }

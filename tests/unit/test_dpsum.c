@@ -5,6 +5,7 @@
  * call them on TP blocks and ZeRO ranges) equal to the whole-tensor sum. */
 #include "testutil.h"
 
+#include <fenv.h>
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -294,13 +295,14 @@ static void test_pieces(void **state) {
   free(x);
 }
 
-/* ---- the AVX2 kernels against the portable ones, byte for byte ---- */
+/* ---- the vector kernels (AVX2, AVX-512) against the portable ones, byte for byte ---- */
 
 /* a float of the given kind: 0 wide random (every exponent, subnormals
  * included), 1 subnormal, 2 random with NaN (payloads, both signs) and ±inf
  * mixed in, 3 a block's worth of near-ties: odd multiples of a half unit of
  * a grid far below the block's top (rounding of small elements), 4 zeros and
- * ±0 with a few large values */
+ * ±0 with a few large values, 5 and 6 random signs and significands within 24 and 28 binades (blocks on
+ * dopt_dp_sum's exact double path, or, with more parts, just off it) */
 static float vec_value(int kind, uint64_t *rng) {
   const uint64_t r = dt_rand_u64(rng);
   uint32_t u = (uint32_t)r;
@@ -318,6 +320,8 @@ static float vec_value(int kind, uint64_t *rng) {
     f = (float)ldexp((double)(2 * ((r >> 8) & 0xffff) + 1), e - 17);
     return (r & 1) ? -f : f;
   }
+  case 5:
+  case 6: u = (u & 0x807fffffu) | (uint32_t)(120 - (int)((r >> 40) % (kind == 5 ? 25u : 29u))) << 23; break;
   default:
     if (r % 13 == 0) u = (u & 0x80000000u) | 0x4f000000u | (u & 0x7fffffu);
     else u &= 0x80000000u;
@@ -327,25 +331,37 @@ static float vec_value(int kind, uint64_t *rng) {
   return f;
 }
 
-static void skip_without_avx2(void) {
-  if (!dopt__grid_kernels(DOPT_GRID_IMPL_AVX2)) {
-    print_message("no AVX2 kernels on this CPU/compiler: nothing to compare\n");
-    skip();
+/* Runs body against the portable kernels for each vector set this CPU and compiler have (AVX2, AVX-512); a set
+ * that is missing is said; none at all: skipped. */
+typedef void vec_body(const dopt__grid_kern *vk, const char *name);
+static void each_vector_set(vec_body *body) {
+  static const struct {
+    int impl;
+    const char *name;
+  } sets[] = {{DOPT_GRID_IMPL_AVX2, "avx2"}, {DOPT_GRID_IMPL_AVX512, "avx512"}};
+  int ran = 0;
+  for (size_t i = 0; i < sizeof sets / sizeof sets[0]; i++) {
+    const dopt__grid_kern *vk = dopt__grid_kernels(sets[i].impl);
+    if (!vk) {
+      print_message("no %s kernels on this CPU/compiler: not compared\n", sets[i].name);
+      continue;
+    }
+    body(vk, sets[i].name);
+    ran++;
   }
+  if (!ran) skip();
 }
 
 /* The whole-tensor sum: same bytes from both kernels for every kind of
  * data, 1..9 parts, both word counts, lengths around block and vector edges. */
-static void test_avx2_sum_bitwise(void **state) {
-  (void)state;
-  skip_without_avx2();
-  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE), *vk = dopt__grid_kernels(DOPT_GRID_IMPL_AVX2);
+static void sum_bitwise(const dopt__grid_kern *vk, const char *name) {
+  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE);
   static const size_t lens[] = {1, 3, 4, 7, 8, 9, 255, 256, 257, 1023, 1024 + 5, 3 * 256 + 13};
   uint64_t rng = 21;
   enum { NMAX = 3 * 256 + 13 + 1024 };
   float *x = malloc(9 * NMAX * sizeof *x), a[NMAX], b[NMAX];
   size_t checked = 0;
-  for (int kind = 0; kind < 5; kind++)
+  for (int kind = 0; kind < 7; kind++)
     for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
       for (int np = 1; np <= 9; np += (np < 3 ? 1 : 3)) {
         const size_t n = lens[li];
@@ -361,8 +377,8 @@ static void test_avx2_sum_bitwise(void **state) {
           assert_int_equal(dopt__dp_sum_k(vk, parts, np, words, n, b), DOPT_OK);
           for (size_t i = 0; i < n; i++)
             if (bits(a[i]) != bits(b[i]))
-              fail_msg("kind %d n=%zu parts=%d words=%d element %zu: portable %08x, avx2 %08x", kind, n, np, words,
-                       i, bits(a[i]), bits(b[i]));
+              fail_msg("kind %d n=%zu parts=%d words=%d element %zu: portable %08x, %s %08x", kind, n, np, words,
+                       i, bits(a[i]), name, bits(b[i]));
           checked += n;
         }
       }
@@ -376,16 +392,14 @@ static void test_avx2_sum_bitwise(void **state) {
  * decode of arbitrary summed words in the kernels' domain (one word |Q| <
  * 2^62; two words |hi| < 2^61, |lo| < 2^62) for every block code, so
  * results cover subnormals, zeros, ties and overflow to inf. */
-static void test_avx2_kernels_bitwise(void **state) {
-  (void)state;
-  skip_without_avx2();
-  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE), *vk = dopt__grid_kernels(DOPT_GRID_IMPL_AVX2);
+static void kernels_bitwise(const dopt__grid_kern *vk, const char *name) {
+  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE);
   enum { N = 256 };
   uint64_t rng = 22;
   float x[N], fa[N], fb[N];
   int64_t wa[2 * N], wb[2 * N];
   for (int rep = 0; rep < 400; rep++) {
-    const int kind = rep % 5;
+    const int kind = rep % 7;
     const size_t n = 1 + (size_t)(dt_rand_u64(&rng) % N);
     for (size_t i = 0; i < n; i++) x[i] = vec_value(kind, &rng);
     int64_t ba = 0, bb = 0;
@@ -401,7 +415,7 @@ static void test_avx2_kernels_bitwise(void **state) {
         pk->encode(x, n, code, words, k, add, wa);
         vk->encode(x, n, code, words, k, add, wb);
         if (memcmp(wa, wb, (size_t)words * n * sizeof wa[0]) != 0)
-          fail_msg("encode kind %d n=%zu code %d k=%d words=%d add=%d differs", kind, n, code, k, words, add);
+          fail_msg("%s encode kind %d n=%zu code %d k=%d words=%d add=%d differs", name, kind, n, code, k, words, add);
       }
       for (size_t i = 0; i < n; i++) {
         const int sh = (int)(dt_rand_u64(&rng) % 64);
@@ -418,10 +432,65 @@ static void test_avx2_kernels_bitwise(void **state) {
       vk->decode(wa, n, dcode, words, k, fb);
       for (size_t i = 0; i < n; i++)
         if (bits(fa[i]) != bits(fb[i]))
-          fail_msg("decode code %d k=%d words=%d element %zu: portable %08x, avx2 %08x", dcode, k, words, i,
-                   bits(fa[i]), bits(fb[i]));
+          fail_msg("decode code %d k=%d words=%d element %zu: portable %08x, %s %08x", dcode, k, words, i,
+                   bits(fa[i]), name, bits(fb[i]));
     }
   }
+}
+
+/* dopt_dp_sum's double path at its limits, against the words (the portable set) and the exact value: a block
+ * whose sum is a tie at fp32's precision plus a tail 2^-54 below its top (the double sum is then inexact and
+ * would round the tie to even: the words must be taken), the same tail within range (exact: the double path),
+ * and exact zeros, which are +0 in every rounding mode (x + (−x) is −0 rounding downward in double). */
+static void double_path(const dopt__grid_kern *vk, const char *name) {
+  const dopt__grid_kern *pk = dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE);
+  enum { N = 2 * DOPT_GRID_BLOCK + 16 };
+  static float p[3][N];
+  const float *parts[3] = {p[0], p[1], p[2]};
+  float a[N], b[N];
+  for (int far = 0; far <= 1; far++)
+    for (int words = 1; words <= 2; words++) {
+      memset(p, 0, sizeof p);
+      for (size_t i = 0; i < N; i += 37) { /* 1 + 2^-24 + tail: above the tie, rounds up to 1 + 2^-23 */
+        p[0][i] = 1.0f, p[1][i] = 0x1p-24f, p[2][i] = far ? 0x1p-54f : 0x1p-27f;
+      }
+      assert_int_equal(dopt__dp_sum_k(pk, parts, 3, words, N, a), DOPT_OK);
+      assert_int_equal(dopt__dp_sum_k(vk, parts, 3, words, N, b), DOPT_OK);
+      for (size_t i = 0; i < N; i++) {
+        const float want = i % 37 ? 0.0f : 0x1.000002p0f;
+        if (bits(a[i]) != bits(want) || bits(b[i]) != bits(want))
+          fail_msg("%s tail 2^%d words=%d element %zu: portable %08x, %s %08x, want %08x", name, far ? -54 : -27,
+                   words, i, bits(a[i]), name, bits(b[i]), bits(want));
+      }
+    }
+  for (int mode = 0; mode < 2; mode++) {
+    for (size_t i = 0; i < N; i++) p[0][i] = (i % 3 == 0) ? -0.0f : 0.75f, p[1][i] = (i % 3 == 0) ? -0.0f : -0.75f;
+    const int old = fegetround();
+    fesetround(mode ? FE_DOWNWARD : FE_TONEAREST);
+    dopt_status s1 = dopt__dp_sum_k(pk, parts, 2, 1, N, a), s2 = dopt__dp_sum_k(vk, parts, 2, 1, N, b);
+    fesetround(old);
+    assert_int_equal(s1, DOPT_OK);
+    assert_int_equal(s2, DOPT_OK);
+    for (size_t i = 0; i < N; i++)
+      if (bits(a[i]) != 0 || bits(b[i]) != 0)
+        fail_msg("%s exact zero, rounding %s, element %zu: portable %08x, %s %08x", name, mode ? "down" : "nearest", i,
+                 bits(a[i]), name, bits(b[i]));
+  }
+}
+
+static void test_double_path(void **state) {
+  (void)state;
+  each_vector_set(double_path);
+}
+
+static void test_vector_sum_bitwise(void **state) {
+  (void)state;
+  each_vector_set(sum_bitwise);
+}
+
+static void test_vector_kernels_bitwise(void **state) {
+  (void)state;
+  each_vector_set(kernels_bitwise);
 }
 
 int main(void) {
@@ -431,7 +500,8 @@ int main(void) {
       cmocka_unit_test(test_blocks_independent), cmocka_unit_test(test_rounding),
       cmocka_unit_test(test_nonfinite),       cmocka_unit_test(test_single_part),
       cmocka_unit_test(test_errors),          cmocka_unit_test(test_pieces),
-      cmocka_unit_test(test_avx2_sum_bitwise), cmocka_unit_test(test_avx2_kernels_bitwise),
+      cmocka_unit_test(test_vector_sum_bitwise), cmocka_unit_test(test_vector_kernels_bitwise),
+      cmocka_unit_test(test_double_path),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
