@@ -91,6 +91,12 @@ static dopt_status cpu_grid_decode(void *ctx, const int64_t *w, const int64_t *c
   return DOPT_OK;
 }
 
+/* dopt__dp_sum_k goes block by block, reading every part's block before writing out's: out may be a part. */
+static dopt_status cpu_grid_sum(void *ctx, const float *const *parts, int nparts, int words, size_t n, float *out) {
+  (void)ctx;
+  return dopt__dp_sum_k(dopt__grid_kernels(DOPT_GRID_IMPL_AUTO), parts, nparts, words, n, out);
+}
+
 static const dopt_device_ops cpu_ops = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -109,6 +115,7 @@ static const dopt_device_ops cpu_ops = {
     .grid_encode = cpu_grid_encode,
     .grid_decode = cpu_grid_decode,
     .host_chunk = 4096, /* 2 parts of fp32 and one int64 word: 64 KiB, in L2 */
+    .grid_sum = cpu_grid_sum,
 };
 
 static const dopt_device cpu_device = {&cpu_ops, NULL};

@@ -760,7 +760,7 @@ dopt_status op_step(void *ctx, const dopt_step_args *a) {
 
 const dopt_device_ops cuda_ops = {
     "cuda", op_alloc, op_free, op_memcpy, op_memcpy, op_memcpy, op_add, op_scale, op_average, op_sumsq, op_to_bf16,
-    op_frame_bytes, op_step, op_grid_codes, op_grid_encode, op_grid_decode, 0 /* host_chunk: one pass per kernel */,
+    op_frame_bytes, op_step, op_grid_codes, op_grid_encode, op_grid_decode, 0 /* host_chunk: one pass per kernel */, nullptr /* grid_sum */,
 };
 
 } // namespace

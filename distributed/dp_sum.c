@@ -194,23 +194,30 @@ static dopt_status sum_span(dopt_dist_optim *d, int i, size_t R, int W, int k, s
   for (size_t s0 = 0; s0 < n; s0 += sub) {
     dopt_piece sp = p->pc;
     sp.lo = lo + o + s0, sp.len = n - s0 < sub ? n - s0 : sub;
-    int flagged = d->hflags[i] != 0;
-    if (priv) {
-      int64_t bad = 0, b;
+    const float *pp[64]; /* private blocks, few parts: the device's fused sum (dopt_dp_sum's) */
+    if (priv && DEV(d)->grid_sum && D * P <= sizeof pp / sizeof pp[0]) {
       for (size_t q = 0; q < D; q++)
-        for (size_t m = 0; m < P; m++) {
-          DOPT_TRY(DEV(d)->grid_codes(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, &b));
-          bad += b;
-        }
-      flagged = bad != 0;
+        for (size_t m = 0; m < P; m++) pp[q * P + m] = part_ptr(d, i, q, m, R, lo, len) + o + s0;
+      DOPT_TRY(DEV(d)->grid_sum(DCTX(d), pp, (int)(D * P), W, sp.len, p->grad + sp.lo));
+    } else {
+      int flagged = d->hflags[i] != 0;
+      if (priv) {
+        int64_t bad = 0, b;
+        for (size_t q = 0; q < D; q++)
+          for (size_t m = 0; m < P; m++) {
+            DOPT_TRY(DEV(d)->grid_codes(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, &b));
+            bad += b;
+          }
+        flagged = bad != 0;
+      }
+      if (flagged) DOPT_TRY(dd_grow_dev(d, (void **)&d->cls, &d->cls_cap, sub * sizeof(int64_t)));
+      int first = 1;
+      for (size_t q = 0; q < D; q++)
+        for (size_t m = 0; m < P; m++, first = 0)
+          DOPT_TRY(DEV(d)->grid_encode(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, W, k, !first,
+                                       d->words, flagged ? d->cls : NULL));
+      DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words, flagged ? d->cls : NULL, &sp, codes, W, k, p->grad + sp.lo));
     }
-    if (flagged) DOPT_TRY(dd_grow_dev(d, (void **)&d->cls, &d->cls_cap, sub * sizeof(int64_t)));
-    int first = 1;
-    for (size_t q = 0; q < D; q++)
-      for (size_t m = 0; m < P; m++, first = 0)
-        DOPT_TRY(DEV(d)->grid_encode(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, W, k, !first,
-                                     d->words, flagged ? d->cls : NULL));
-    DOPT_TRY(DEV(d)->grid_decode(DCTX(d), d->words, flagged ? d->cls : NULL, &sp, codes, W, k, p->grad + sp.lo));
     if (denom != 0.0f) {
       int64_t b;
       DOPT_TRY(DEV(d)->average(DCTX(d), p->grad + sp.lo, denom, sp.len, &b));

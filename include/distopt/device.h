@@ -103,6 +103,12 @@ typedef struct dopt_device_ops {
    * chunk, rounded up to whole blocks (DOPT_GRID_BLOCK); results are the same
    * bits for any value. 0 (a GPU): one pass per kernel over a whole range. */
   size_t host_chunk;
+  /* Optional, a host device's (NULL: the three grid kernels above): the
+   * exact sum of nparts parts of n elements that are whole logical blocks in
+   * order (the first one starting a block), as dopt_dp_sum computes it with
+   * `words`; parts is a host array of device pointers, and out may be one of
+   * them (in place). */
+  dopt_status (*grid_sum)(void *ctx, const float *const *parts, int nparts, int words, size_t n, float *out);
 } dopt_device_ops;
 
 typedef struct dopt_device {

@@ -211,6 +211,13 @@ static dopt_status ck_grid_decode(void *ctx, const int64_t *w, const int64_t *cl
   return cpu()->grid_decode(NULL, w, cls, pc, codes, words, k, x);
 }
 
+static dopt_status ck_grid_sum(void *ctx, const float *const *parts, int nparts, int words, size_t n, float *out) {
+  void *site = __builtin_return_address(0);
+  for (int d = 0; d < nparts; d++) CHECK(C(ctx), "grid_sum", "parts[d]", parts[d], n * 4, site);
+  CHECK(C(ctx), "grid_sum", "out", out, n * 4, site);
+  return cpu()->grid_sum(NULL, parts, nparts, words, n, out);
+}
+
 static const dopt_device_ops ck_ops = {
     .name = "checking",
     .alloc = ck_alloc,
@@ -229,6 +236,7 @@ static const dopt_device_ops ck_ops = {
     .grid_encode = ck_grid_encode,
     .grid_decode = ck_grid_decode,
     .host_chunk = DOPT_GRID_BLOCK, /* one block at a time (the CPU's 4096 or more): the tests' tensors cross chunk seams */
+    .grid_sum = ck_grid_sum,
 };
 
 /* ---- the transport wrapper --------------------------------------------------------------- */
