@@ -51,6 +51,14 @@ int32_t dopt__grid_code_min(const float *x, size_t n, int64_t *nonfinite, int32_
   return code_portable(x, n, nonfinite);
 }
 
+void dopt__grid_sum_double(const float *const *parts, int nparts, size_t lo, size_t n, float *out) {
+  for (size_t i = 0; i < n; i++) {
+    double a = 0.0;
+    for (int d = 0; d < nparts; d++) a = DOPT_DADD(a, (double)parts[d][lo + i]);
+    out[i] = a == 0.0 ? 0.0f : (float)a;
+  }
+}
+
 /* no sum_double: the portable set is the words path the tests compare the vector sets' double path with */
 static const dopt__grid_kern kern_portable = {code_portable, encode_portable, decode_portable, dopt__grid_code_min,
                                               NULL};

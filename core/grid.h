@@ -213,8 +213,9 @@ typedef struct dopt__grid_kern {
   void (*sum_double)(const float *const *parts, int nparts, size_t lo, size_t n, float *out);
 } dopt__grid_kern;
 
-/* The portable code_min (the vector kernels' tails). */
+/* The portable code_min and sum_double (the vector kernels' tails). */
 int32_t dopt__grid_code_min(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin);
+void dopt__grid_sum_double(const float *const *parts, int nparts, size_t lo, size_t n, float *out);
 
 enum { DOPT_GRID_IMPL_AUTO = 0, DOPT_GRID_IMPL_PORTABLE = 1, DOPT_GRID_IMPL_AVX2 = 2, DOPT_GRID_IMPL_AVX512 = 3 };
 /* The kernels of an implementation (AUTO: AVX-512 where the CPU has it, else

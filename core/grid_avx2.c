@@ -280,11 +280,7 @@ AVX2_FN static void sum_double_avx2(const float *const *parts, int np, size_t lo
     const __m256 z = _mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_EQ_OQ);
     _mm256_storeu_ps(out + i, _mm256_andnot_ps(z, r));
   }
-  for (; i < n; i++) {
-    double a = 0.0;
-    for (int d = 0; d < np; d++) a = DOPT_DADD(a, (double)parts[d][lo + i]);
-    out[i] = a == 0.0 ? 0.0f : (float)a;
-  }
+  dopt__grid_sum_double(parts, np, lo + i, n - i, out + i);
 }
 
 static const dopt__grid_kern kern_avx2 = {code_avx2, encode_avx2, decode_avx2, code_min_avx2, sum_double_avx2};

@@ -211,11 +211,7 @@ AVX512_FN static void sum_double_avx512(const float *const *parts, int np, size_
     const __m512i b = _mm512_castps_si512(r);
     _mm512_storeu_si512((void *)(out + i), _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(b, _mm512_set1_epi32(0x7fffffff)), b));
   }
-  for (; i < n; i++) {
-    double a = 0.0;
-    for (int d = 0; d < np; d++) a = DOPT_DADD(a, (double)parts[d][lo + i]);
-    out[i] = a == 0.0 ? 0.0f : (float)a;
-  }
+  dopt__grid_sum_double(parts, np, lo + i, n - i, out + i);
 }
 
 static const dopt__grid_kern kern_avx512 = {code_avx512, encode_avx512, decode_avx512, code_min_avx512,
