@@ -65,19 +65,18 @@ static const float *local_part(const dopt_dist_optim *d, const dist_param *p, si
  * parts are micro-batches (batch invariant: a missing one is zeros). */
 static int self_direct(const dopt_dist_optim *d) { return !d->keep; }
 
-/* Where source q's parts sit in d->parts: slot q, or q − 1 past this rank's own when that one is not sent. */
-static size_t slot_of(const dopt_dist_optim *d, size_t q, size_t me) { return self_direct(d) && q > me ? q - 1 : q; }
-
 /* Part (q, m) of parameter i's segment [lo, lo + len): this rank's own in its accumulator, the others' in d->parts. */
 static const float *part_ptr(const dopt_dist_optim *d, int i, size_t q, size_t m, size_t R, size_t lo, size_t len) {
   const dist_param *p = &d->p[i];
   const size_t me = (size_t)dd_dpg(d, p)->rank;
   if (self_direct(d) && q == me) return p->grad + lo;
-  return d->parts + slot_of(d, q, me) * R + d->part_at[i] + m * len;
+  return d->parts + q * R + d->part_at[i] + m * len;
 }
 
 /* The bucket [b0, b1)'s exchange: every other rank's parts of what this rank sums arrive in d->parts, from source
- * q at slot_of(q)·R, parameter i's P parts at d->part_at[i] within it, each `len` long. */
+ * q at q·R, parameter i's P parts at d->part_at[i] within it, each `len` long (this rank's own slot unused when
+ * its part is read in place: the buffer keeps the size the parameters' all-gather reuses, so it is not grown
+ * twice a step). */
 static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R) {
   const dopt_transport *G = dd_dpg(d, &d->p[b0]);
   const size_t D = (size_t)G->size, P = nparts(d), me = (size_t)G->rank;
@@ -91,9 +90,8 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   }
   *R = 0;
   for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], me, &lo, &len), d->part_at[i] = *R, *R += P * len;
-  for (size_t q = 0; q < D; q++) rc[q] = self && q == me ? 0 : *R, rd[q] = slot_of(d, q, me) * *R;
-  const size_t slots = self ? D - 1 : D;
-  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (slots * *R > 0 ? slots * *R : 1) * sizeof(float)));
+  for (size_t q = 0; q < D; q++) rc[q] = self && q == me ? 0 : *R, rd[q] = q * *R;
+  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (D * *R > 0 ? D * *R : 1) * sizeof(float)));
   if (b1 == b0 + 1 && P == 1) { /* one parameter's gradient: each destination's segment sent from where it is */
     const dist_param *p = &d->p[b0];
     for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
