@@ -148,7 +148,8 @@ AVX512_FN static void decode2_avx512(const int64_t *w, size_t n, int32_t code, i
   const __m512i ea = _mm512_set1_epi64(e), eb = _mm512_set1_epi64(e + k - 26), ec = _mm512_set1_epi64(e + k - 1);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m512i p0 = _mm512_loadu_si512((const void *)(w + 2 * i)), p1 = _mm512_loadu_si512((const void *)(w + 2 * i + 8));
+    const __m512i p0 = _mm512_loadu_si512((const void *)(w + 2 * i));
+    const __m512i p1 = _mm512_loadu_si512((const void *)(w + 2 * i + 8));
     __m512i hi = _mm512_permutex2var_epi64(p0, ih, p1), lo = _mm512_permutex2var_epi64(p0, il, p1);
     /* carry: lo = c·2^K + lo' with 0 ≤ lo' < 2^K */
     hi = _mm512_add_epi64(hi, _mm512_srai_epi64(lo, (unsigned)k));
@@ -158,12 +159,11 @@ AVX512_FN static void decode2_avx512(const int64_t *w, size_t n, int32_t code, i
     const __m512i mh = _mm512_mask_sub_epi64(_mm512_abs_epi64(hi), neg & lnz, _mm512_abs_epi64(hi), one);
     const __m512i ml = _mm512_mask_and_epi64(lo, neg, _mm512_sub_epi64(zero, lo), kmask);
     /* mh = 0: ml itself; mh < 2^25: bits from K−25 up, sticky at K−26; else 2·mh with ml's sticky */
-    const __m512i mb = _mm512_mask_or_epi64(
-        _mm512_or_si512(_mm512_slli_epi64(mh, 26), _mm512_srli_epi64(ml, (unsigned)(k - 26))),
-        _mm512_test_epi64_mask(ml, low), _mm512_or_si512(_mm512_slli_epi64(mh, 26), _mm512_srli_epi64(ml, (unsigned)(k - 26))),
-        one);
+    const __m512i top = _mm512_or_si512(_mm512_slli_epi64(mh, 26), _mm512_srli_epi64(ml, (unsigned)(k - 26)));
+    const __m512i mb = _mm512_mask_or_epi64(top, _mm512_test_epi64_mask(ml, low), top, one);
     const __m512i mc = _mm512_mask_or_epi64(_mm512_slli_epi64(mh, 1), lnz, _mm512_slli_epi64(mh, 1), one);
-    const __mmask8 ca = _mm512_testn_epi64_mask(mh, mh), cc = _mm512_cmpgt_epi64_mask(mh, _mm512_set1_epi64((1 << 25) - 1));
+    const __mmask8 ca = _mm512_testn_epi64_mask(mh, mh);
+    const __mmask8 cc = _mm512_cmpgt_epi64_mask(mh, _mm512_set1_epi64((1 << 25) - 1));
     const __m512i mag = _mm512_mask_mov_epi64(_mm512_mask_mov_epi64(mb, ca, ml), cc, mc);
     const __m512i esh = _mm512_mask_mov_epi64(_mm512_mask_mov_epi64(eb, ca, ea), cc, ec);
     finish8(mag, neg, esh, x + i);
@@ -209,7 +209,8 @@ AVX512_FN static void sum_double_avx512(const float *const *parts, int np, size_
     }
     const __m512 r = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(a0)), _mm512_cvtpd_ps(a1), 1);
     const __m512i b = _mm512_castps_si512(r);
-    _mm512_storeu_si512((void *)(out + i), _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(b, _mm512_set1_epi32(0x7fffffff)), b));
+    const __mmask16 nz = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x7fffffff)); /* −0 → +0 */
+    _mm512_storeu_si512((void *)(out + i), _mm512_maskz_mov_epi32(nz, b));
   }
   dopt__grid_sum_double(parts, np, lo + i, n - i, out + i);
 }

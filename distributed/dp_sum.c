@@ -178,10 +178,11 @@ static int span_next(spans *s, size_t *o, size_t *n, int *priv) {
   return 1;
 }
 
-/* Elements [o, o + n) of parameter i's segment [lo, lo + len): every part encoded and added, decoded into p->grad
- * (and divided by `denom` there when not 0: the average, fused), the device's host_chunk elements at a time (whole
- * blocks: a private block's code is taken in one chunk; the words stay in cache), in one pass on a GPU. priv: whole private blocks, whose codes and classes each chunk
- * takes first from its own parts; else the codes after the MAX and the parameter's world flag. */
+/* Elements [o, o + n) of parameter i's segment [lo, lo + len) summed into p->grad (and divided by `denom` there when
+ * not 0: the average, fused), the device's host_chunk elements at a time (whole blocks; the parts and the words
+ * stay in cache), in one pass on a GPU. priv: whole private blocks, through the device's grid_sum (dopt_dp_sum's
+ * code) where it has one, else codes and classes taken per chunk from the parts, then the words; shared blocks:
+ * the words on the codes after the MAX and the parameter's world flag. */
 static dopt_status sum_span(dopt_dist_optim *d, int i, size_t R, int W, int k, size_t lo, size_t len, size_t o,
                             size_t n, int priv, float denom) {
   dist_param *p = &d->p[i];

@@ -235,7 +235,8 @@ static const dopt_device_ops ck_ops = {
     .grid_codes = ck_grid_codes,
     .grid_encode = ck_grid_encode,
     .grid_decode = ck_grid_decode,
-    .host_chunk = DOPT_GRID_BLOCK, /* one block at a time (the CPU's 4096 or more): the tests' tensors cross chunk seams */
+    /* one block at a time (the CPU: 4096): the tests' tensors cross chunk seams */
+    .host_chunk = DOPT_GRID_BLOCK,
     .grid_sum = ck_grid_sum,
 };
 
