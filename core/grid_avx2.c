@@ -34,29 +34,6 @@
 /* the tails (fewer than a vector's elements) go through the portable kernels */
 #define PORTABLE dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE)
 
-AVX2_FN static int32_t code_avx2(const float *x, size_t n, int64_t *nonfinite) {
-  const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-  __m256i mx = _mm256_setzero_si256(), nb = _mm256_setzero_si256();
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)(x + i)), absm);
-    const __m256i fin = _mm256_cmpgt_epi32(inf, a); /* a ≤ 0x7fffffff: signed compare is fine */
-    mx = _mm256_max_epu32(mx, _mm256_and_si256(a, fin));
-    nb = _mm256_add_epi32(nb, _mm256_andnot_si256(fin, _mm256_set1_epi32(1)));
-  }
-  uint32_t m[8], c[8], amax = 0;
-  int64_t bad = 0;
-  _mm256_storeu_si256((__m256i *)(void *)m, mx);
-  _mm256_storeu_si256((__m256i *)(void *)c, nb);
-  for (int t = 0; t < 8; t++) {
-    amax = m[t] > amax ? m[t] : amax;
-    bad += c[t];
-  }
-  *nonfinite += bad;
-  const int32_t cv = dopt_grid_code_of_abs(amax), ct = PORTABLE->code(x + i, n - i, nonfinite);
-  return cv > ct ? cv : ct;
-}
-
 /* rint(|x|·2^(W·K − top)) of 8 elements (fp32 bits u) before the final
  * left shift: returns q (int32 lanes, ≤ 2^24, 0 for non-finite x) and *l,
  * the left shift (l ≤ W·K − 24; any value where q = 0), so |v| = q·2^l. s0 = W·K − 24 −
@@ -233,7 +210,8 @@ AVX2_FN static void decode_avx2(const int64_t *w, size_t n, int32_t code, int wo
   else decode2_avx2(w, n, code, k, x);
 }
 
-/* code_avx2 and the smallest exponent field of a nonzero finite element (dopt__grid_kern.code_min) */
+/* The block code (the largest finite abs bits' code), the non-finite count, and the smallest exponent field
+ * of a nonzero finite element (dopt__grid_kern.code_min) */
 AVX2_FN static int32_t code_min_avx2(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin) {
   const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000), zero = _mm256_setzero_si256();
   __m256i mx = zero, mn = _mm256_set1_epi32(-1), nb = zero;
@@ -262,6 +240,12 @@ AVX2_FN static int32_t code_min_avx2(const float *x, size_t n, int64_t *nonfinit
   if (e < *cmin) *cmin = e;
   const int32_t cv = dopt_grid_code_of_abs(amax), ct = dopt__grid_code_min(x + i, n - i, nonfinite, cmin);
   return cv > ct ? cv : ct;
+}
+
+/* the block code alone (dopt__grid_kern.code): code_min's loop, its minimum unused */
+AVX2_FN static int32_t code_avx2(const float *x, size_t n, int64_t *nonfinite) {
+  int32_t cmin = 0xff;
+  return code_min_avx2(x, n, nonfinite, &cmin);
 }
 
 /* out[i] = (float)(+0.0 + Σ_d parts[d][lo + i]) in double, an exact zero as +0 (the caller checked that every

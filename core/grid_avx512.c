@@ -13,22 +13,6 @@
 #define AVX512_FN __attribute__((target("avx512f,avx512dq")))
 #define PORTABLE dopt__grid_kernels(DOPT_GRID_IMPL_PORTABLE)
 
-AVX512_FN static int32_t code_avx512(const float *x, size_t n, int64_t *nonfinite) {
-  const __m512i absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000), one = _mm512_set1_epi32(1);
-  __m512i mx = _mm512_setzero_si512(), nb = _mm512_setzero_si512();
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i a = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), absm);
-    const __mmask16 fin = _mm512_cmplt_epu32_mask(a, inf);
-    mx = _mm512_mask_max_epu32(mx, fin, mx, a);
-    nb = _mm512_mask_add_epi32(nb, (__mmask16)~fin, nb, one);
-  }
-  *nonfinite += (int64_t)(uint32_t)_mm512_reduce_add_epi32(nb);
-  const int32_t cv = dopt_grid_code_of_abs((uint32_t)_mm512_reduce_max_epu32(mx));
-  const int32_t ct = PORTABLE->code(x + i, n - i, nonfinite);
-  return cv > ct ? cv : ct;
-}
-
 /* rint(|x|·2^(W·K − top)) of 16 elements (fp32 bits u) before the final left
  * shift, as enc_q8 in core/grid_avx2.c: q (≤ 2^24, 0 for non-finite x) and
  * the left shift *l, so |v| = q·2^l. s0 = W·K − 24 − max(code,1). */
@@ -176,7 +160,8 @@ AVX512_FN static void decode_avx512(const int64_t *w, size_t n, int32_t code, in
   else decode2_avx512(w, n, code, k, x);
 }
 
-/* code_avx512 and the smallest exponent field of a nonzero finite element (dopt__grid_kern.code_min) */
+/* The block code (the largest finite abs bits' code), the non-finite count, and the smallest exponent field
+ * of a nonzero finite element (dopt__grid_kern.code_min) */
 AVX512_FN static int32_t code_min_avx512(const float *x, size_t n, int64_t *nonfinite, int32_t *cmin) {
   const __m512i absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000), one = _mm512_set1_epi32(1);
   __m512i mx = _mm512_setzero_si512(), mn = _mm512_set1_epi32(-1), nb = _mm512_setzero_si512();
@@ -194,6 +179,12 @@ AVX512_FN static int32_t code_min_avx512(const float *x, size_t n, int64_t *nonf
   const int32_t cv = dopt_grid_code_of_abs((uint32_t)_mm512_reduce_max_epu32(mx));
   const int32_t ct = dopt__grid_code_min(x + i, n - i, nonfinite, cmin);
   return cv > ct ? cv : ct;
+}
+
+/* the block code alone (dopt__grid_kern.code): code_min's loop, its minimum unused */
+AVX512_FN static int32_t code_avx512(const float *x, size_t n, int64_t *nonfinite) {
+  int32_t cmin = 0xff;
+  return code_min_avx512(x, n, nonfinite, &cmin);
 }
 
 /* out[i] = (float)(+0.0 + Σ_d parts[d][lo + i]) in double, an exact zero as +0 (the caller checked that every
