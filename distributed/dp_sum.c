@@ -118,10 +118,13 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
  * blocks partition the tensor, the segments each TP block), so its code is the MAX over this rank's parts alone:
  * such blocks are summed, decoded (and averaged) at once, while their parts are in cache, and only the rest — the
  * shared blocks at a segment's or a TP row's cut — waits for the MAX. Not where another rank holds the same
- * blocks (a TP-replicated tensor, an expert's moe_dp group) nor on a device without a host_chunk (a GPU: one pass
- * per kernel there). */
+ * blocks (a TP-replicated tensor, an expert's moe_dp group), nor on a device without a host_chunk and a grid_sum
+ * (a GPU: one pass per kernel there), nor with more than FUSE_MAX_PARTS parts (dp · micro-batches). */
+enum { FUSE_MAX_PARTS = 64 }; /* parts of a private chunk: their pointers on the stack (grid_sum) */
+
 static int fusable(const dopt_dist_optim *d, const dist_param *p) {
-  if (!DEV(d)->host_chunk || dd_dpg(d, p) != &d->dp) return 0;
+  if (!DEV(d)->host_chunk || !DEV(d)->grid_sum || dd_dpg(d, p) != &d->dp) return 0;
+  if ((size_t)d->dp.size * nparts(d) > FUSE_MAX_PARTS) return 0;
   return d->tp.size == 1 || p->pc.hl != p->pc.h || p->pc.wl != p->pc.w;
 }
 
@@ -181,35 +184,26 @@ static int span_next(spans *s, size_t *o, size_t *n, int *priv) {
 /* Elements [o, o + n) of parameter i's segment [lo, lo + len) summed into p->grad (and divided by `denom` there when
  * not 0: the average, fused), the device's host_chunk elements at a time (whole blocks; the parts and the words
  * stay in cache), in one pass on a GPU. priv: whole private blocks, through the device's grid_sum (dopt_dp_sum's
- * code) where it has one, else codes and classes taken per chunk from the parts, then the words; shared blocks:
- * the words on the codes after the MAX and the parameter's world flag. */
+ * code: each block's code and classes from its own parts); shared blocks: the words on the codes after the MAX and
+ * the parameter's world flag. */
 static dopt_status sum_span(dopt_dist_optim *d, int i, size_t R, int W, int k, size_t lo, size_t len, size_t o,
                             size_t n, int priv, float denom) {
   dist_param *p = &d->p[i];
   const size_t D = (size_t)dd_dpg(d, p)->size, P = nparts(d);
   const size_t B = DOPT_GRID_BLOCK, c = DEV(d)->host_chunk, sub = c ? (c + B - 1) / B * B : (n ? n : 1);
-  DOPT_TRY(dd_grow_dev(d, (void **)&d->words, &d->words_cap, sub * (size_t)W * sizeof(int64_t)));
-  int32_t *codes = d->codes + d->code_off[i];
+  const int flagged = d->hflags[i] != 0;
+  const int32_t *codes = d->codes + d->code_off[i];
+  if (!priv) DOPT_TRY(dd_grow_dev(d, (void **)&d->words, &d->words_cap, sub * (size_t)W * sizeof(int64_t)));
+  if (!priv && flagged) DOPT_TRY(dd_grow_dev(d, (void **)&d->cls, &d->cls_cap, sub * sizeof(int64_t)));
   for (size_t s0 = 0; s0 < n; s0 += sub) {
     dopt_piece sp = p->pc;
     sp.lo = lo + o + s0, sp.len = n - s0 < sub ? n - s0 : sub;
-    const float *pp[64]; /* private blocks, few parts: the device's fused sum (dopt_dp_sum's) */
-    if (priv && DEV(d)->grid_sum && D * P <= sizeof pp / sizeof pp[0]) {
+    if (priv) { /* fusable: D · P ≤ FUSE_MAX_PARTS */
+      const float *pp[FUSE_MAX_PARTS];
       for (size_t q = 0; q < D; q++)
         for (size_t m = 0; m < P; m++) pp[q * P + m] = part_ptr(d, i, q, m, R, lo, len) + o + s0;
       DOPT_TRY(DEV(d)->grid_sum(DCTX(d), pp, (int)(D * P), W, sp.len, p->grad + sp.lo));
     } else {
-      int flagged = d->hflags[i] != 0;
-      if (priv) {
-        int64_t bad = 0, b;
-        for (size_t q = 0; q < D; q++)
-          for (size_t m = 0; m < P; m++) {
-            DOPT_TRY(DEV(d)->grid_codes(DCTX(d), part_ptr(d, i, q, m, R, lo, len) + o + s0, &sp, codes, &b));
-            bad += b;
-          }
-        flagged = bad != 0;
-      }
-      if (flagged) DOPT_TRY(dd_grow_dev(d, (void **)&d->cls, &d->cls_cap, sub * sizeof(int64_t)));
       int first = 1;
       for (size_t q = 0; q < D; q++)
         for (size_t m = 0; m < P; m++, first = 0)
@@ -235,7 +229,6 @@ static dopt_status bucket_first(dopt_dist_optim *d, int i, size_t R, int W, int 
   size_t lo, len, o, n;
   int priv;
   seg_of(d, p, (size_t)G->rank, &lo, &len);
-  p->avg_bad = 0;
   p->avgd = DEV(d)->host_chunk && d->zero != 0 && lo == p->gpc.lo && len == p->gpc.len;
   const float denom = p->avgd ? dd_avg_denom(d, p) : 0.0f;
   int64_t bad = 0;
