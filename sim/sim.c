@@ -819,9 +819,15 @@ static const void *const *deposited_sends(sim_call *k) {
  * No rank blocks inside the phase once the world is poisoned. */
 static dopt_status leave_data(sim_call *k, dopt_status s) {
   pthread_mutex_lock(&k->w->mu);
-  k->g->in_data--;
-  pthread_cond_broadcast(&k->g->cond);
-  while (s != DOPT_OK && k->g->in_data > 0) pthread_cond_wait(&k->g->cond, &k->w->mu);
+  sim_group *g = k->g;
+  /* only the last rank out wakes, and only when an aborted rank waits: a wake per leaving rank would
+   * wake every rank already waiting in the group's next collective, n times per collective */
+  if (--g->in_data == 0 && g->data_waiters > 0) pthread_cond_broadcast(&g->cond);
+  if (s != DOPT_OK) {
+    g->data_waiters++;
+    while (g->in_data > 0) pthread_cond_wait(&g->cond, &k->w->mu);
+    g->data_waiters--;
+  }
   pthread_mutex_unlock(&k->w->mu);
   return s;
 }

@@ -67,6 +67,7 @@ typedef struct sim_group {
   int bar_count;               /* generation barrier */
   int in_data;                 /* ranks inside the current collective's data phase (they may read
                                   each other's buffers): an aborted rank waits for 0 before it leaves */
+  int data_waiters;            /* aborted ranks waiting for in_data to reach 0 */
   uint64_t bar_gen;
   sim_arrival *arr;            /* [n] current collective */
   dopt_status op_err;          /* verdict of the last validation */
