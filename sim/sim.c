@@ -818,21 +818,23 @@ static const void *const *deposited_sends(sim_call *k) {
  * wait until every rank has left the phase, so the caller may free them.
  * No rank blocks inside the phase once the world is poisoned. */
 static dopt_status leave_data(sim_call *k, dopt_status s) {
+  if (s == DOPT_OK) return s; /* the phase's final barrier completed: every rank has left it (data_done) */
   pthread_mutex_lock(&k->w->mu);
   sim_group *g = k->g;
   /* only the last rank out wakes, and only when an aborted rank waits: a wake per leaving rank would
    * wake every rank already waiting in the group's next collective, n times per collective */
   if (--g->in_data == 0 && g->data_waiters > 0) pthread_cond_broadcast(&g->cond);
-  if (s != DOPT_OK) {
-    g->data_waiters++;
-    while (g->in_data > 0) pthread_cond_wait(&g->cond, &k->w->mu);
-    g->data_waiters--;
-  }
+  g->data_waiters++;
+  while (g->in_data > 0) pthread_cond_wait(&g->cond, &k->w->mu);
+  g->data_waiters--;
   pthread_mutex_unlock(&k->w->mu);
   return s;
 }
 
 static dopt_status run_data(sim_call *k, const sim_arrival *a);
+
+/* Last arriver of a data phase's final barrier: every rank is done with the others' buffers. */
+static void data_done_locked(sim_group *g) { g->in_data = 0; }
 
 /* Runs arrival, the kind's data phase and the final barrier. */
 static dopt_status run_collective(sim_call *k, const sim_arrival *a) {
@@ -901,7 +903,10 @@ static dopt_status run_data(sim_call *k, const sim_arrival *a) {
   default:
     break;
   }
-  DOPT_TRY(barrier(k));
+  pthread_mutex_lock(&k->w->mu);
+  dopt_status fin = barrier_locked(k, data_done_locked);
+  pthread_mutex_unlock(&k->w->mu);
+  DOPT_TRY(fin);
   size_t rcount = a->sig.kind == DOPT_SIM_KIND_ALL_GATHER || a->sig.kind == DOPT_SIM_KIND_ALL_TO_ALL
                       ? cnt * (size_t)n
                       : cnt;
