@@ -10,6 +10,9 @@
 #include "dist_internal.h"
 #include "distopt/digest.h"
 
+/* The device's buffers are host memory (the CPU device): gathers receive and send where the data is. */
+#define HOST_MEM(d) ((d)->dev == dopt_device_cpu())
+
 /* Every rank of t sends count elements at send to rank 0, which receives rank r's rcount elements at
  * recv + r · stride (elements; recv only on rank 0; the same rcount and stride on every rank). */
 static dopt_status to_root(dopt_dist_optim *d, const dopt_transport *t, const void *send, size_t count, void *recv,
@@ -44,13 +47,26 @@ static dopt_status gather_tp_local(dopt_dist_optim *d, const dist_param *p, cons
     return host && here ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
   }
   if (d->gather_lead) { /* every rank's shard to rank 0 of the group: rank r's at r · chunk */
-    if (g->rank == 0) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
-    DOPT_TRY(to_root(d, g, src, p->chunk, buf, p->chunk, p->chunk, dt));
-    return host && g->rank == 0 ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
+    /* the CPU device's memory is the host's: received where it is wanted (host holds [padded]: dd_gather) */
+    const int direct = host && HOST_MEM(d);
+    if (g->rank == 0 && !direct) DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
+    DOPT_TRY(to_root(d, g, src, p->chunk, direct ? (void *)host : buf, p->chunk, p->chunk, dt));
+    return host && g->rank == 0 && !direct ? DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem) : DOPT_OK;
   }
   DOPT_TRY(dd_gdev(d, 0, p->padded * elem, &buf));
   DOPT_TRY(g->ops->all_gather(g->comm, src, buf, p->chunk, dt));
   return DEV(d)->download(DCTX(d), host, buf, p->lnumel * elem);
+}
+
+/* The most elements of a TP rank's block of p. */
+static size_t max_tp_block(const dopt_dist_optim *d, const dist_param *p) {
+  size_t maxblk = 0;
+  for (int r = 0; r < d->tp.size; r++) {
+    size_t h0, hl, w0, wl;
+    dd_tp_block(p, d->tp.size, r, &h0, &hl, &w0, &wl);
+    maxblk = p->pc.b * hl * wl > maxblk ? p->pc.b * hl * wl : maxblk;
+  }
+  return maxblk;
 }
 
 /* Assembles the logical tensor from every TP rank's block (host in, host out). */
@@ -62,27 +78,26 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
     return DOPT_OK;
   }
   const int tpn = d->tp.size;
-  size_t maxblk = 0;
-  for (int r = 0; r < tpn; r++) {
-    size_t h0, hl, w0, wl;
-    dd_tp_block(p, tpn, r, &h0, &hl, &w0, &wl);
-    maxblk = pc->b * hl * wl > maxblk ? pc->b * hl * wl : maxblk;
-  }
+  const size_t maxblk = max_tp_block(d, p);
   const size_t blk_bytes = (maxblk ? maxblk : 1) * elem;
   void *send = NULL, *recv = NULL;
   unsigned char *all = NULL;
   const int lead = d->gather_lead, here = !lead || d->tp.rank == 0; /* lead mode: every block to tp rank 0 only */
-  DOPT_TRY(dd_gdev(d, 0, blk_bytes, &send));
+  /* host memory (the CPU device): sent from mine (dd_gather sized it to a whole block) and assembled from
+   * where it is received; a device's goes up and comes down */
+  const int direct = HOST_MEM(d);
+  if (!direct) DOPT_TRY(dd_gdev(d, 0, blk_bytes, &send));
   if (here) {
     DOPT_TRY(dd_gdev(d, 1, blk_bytes * (size_t)tpn, &recv));
-    DOPT_TRY(dd_ghost(d, 1, blk_bytes * (size_t)tpn, &all));
+    if (!direct) DOPT_TRY(dd_ghost(d, 1, blk_bytes * (size_t)tpn, &all));
   }
-  DOPT_TRY(DEV(d)->upload(DCTX(d), send, mine, p->lnumel * elem));
+  if (direct) send = (void *)mine, all = recv;
+  else DOPT_TRY(DEV(d)->upload(DCTX(d), send, mine, p->lnumel * elem));
   if (maxblk)
     DOPT_TRY(lead ? to_root(d, &d->tp, send, maxblk, recv, maxblk, maxblk, dt)
                   : d->tp.ops->all_gather(d->tp.comm, send, recv, maxblk, dt));
   if (!out || !here) return DOPT_OK;
-  DOPT_TRY(DEV(d)->download(DCTX(d), all, recv, maxblk * elem * (size_t)tpn));
+  if (!direct) DOPT_TRY(DEV(d)->download(DCTX(d), all, recv, maxblk * elem * (size_t)tpn));
   for (int r = 0; r < tpn; r++) {
     size_t h0, hl, w0, wl;
     dd_tp_block(p, tpn, r, &h0, &hl, &w0, &wl);
@@ -100,7 +115,11 @@ dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, 
                       dopt_dtype dt, void *out) {
   unsigned char *mine = NULL;
   if (d->gather_lead && dd_dpg(d, p)->rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
-  DOPT_TRY(dd_ghost(d, 0, (p->lnumel ? p->lnumel : 1) * elem, &mine));
+  /* [lnumel]; in host memory also what is received into it and sent from it: [padded] shards, the largest
+   * TP block */
+  size_t cap = p->lnumel;
+  if (HOST_MEM(d)) cap = max_tp_block(d, p) > p->padded ? max_tp_block(d, p) : p->padded > cap ? p->padded : cap;
+  DOPT_TRY(dd_ghost(d, 0, (cap ? cap : 1) * elem, &mine));
   DOPT_TRY(gather_tp_local(d, p, src, sharded, elem, dt, mine));
   return assemble_tp(d, p, mine, elem, dt, out);
 }
@@ -455,7 +474,7 @@ dopt_status dopt_dist_check_held(dopt_dist_optim *d, int *rank, int *param, char
       (p->expert >= 0 && d->ep.size > 1 ? omd : odp)[e] = (unsigned char)h.over_dp, otp[e] = (unsigned char)h.over_tp;
       if (!h.over_dp && !h.over_tp) continue; /* held once: nothing to compare with */
       const void *bytes = h.x; /* the CPU device's buffers are host memory: digested where they are */
-      if (d->dev != dopt_device_cpu()) {
+      if (!HOST_MEM(d)) {
         unsigned char *host = NULL;
         s = dd_ghost(d, 0, h.bytes ? h.bytes : 1, &host);
         if (s == DOPT_OK && h.bytes) s = DEV(d)->download(DCTX(d), host, h.x, h.bytes);
