@@ -265,6 +265,8 @@ typedef struct source {
   int shards;          /* trace or recording (1): shards per step; 0: synthetic */
   uint64_t seed;
   int fast;            /* --model: the vectorised generator (synth_fast) */
+  float **trig;        /* fast: [np], per parameter its [rows] sin(0.7 r + 0.3), [rows] sin(0.45 r + 1.1),
+                          [w] cos(0.4 c), [w] cos(1.3 c + 0.5) as floats (rows = b · h, dopt_piece_full) */
   int *expert;         /* [np] the expert id of a parameter named "experts.<e>." (cmp_expert_of), else -1 */
   int nexperts;        /* the largest id + 1 (0: a dense model) */
 } source;
@@ -342,32 +344,46 @@ static inline __attribute__((always_inline)) void synth_fast_body(const source *
   const uint32_t k32 = (uint32_t)key;
   const float a = (float)((double)(mix(key + 1) >> 11) * 0x1.0p-53 - 0.5),
               b = (float)((double)(mix(key + 2) >> 11) * 0x1.0p-53 - 0.5);
-  enum { CHUNK = 256 };
-  float ca[CHUNK], cb[CHUNK];
-  for (size_t j0 = 0; j0 < wl; j0 += CHUNK) {
-    const size_t jn = wl - j0 < CHUNK ? wl - j0 : CHUNK;
-    for (size_t j = 0; j < jn; j++) {
-      const double col = (double)(w0 + j0 + j);
-      ca[j] = (float)cos(0.4 * col), cb[j] = (float)cos(1.3 * col + 0.5);
-    }
-    for (size_t bi = 0; bi < pc.b; bi++)
-      for (size_t r = 0; r < hl; r++) {
-        const size_t row = bi * pc.h + h0 + r;
-        const float ra = a * (float)sin(0.7 * (double)row + 0.3), rb = b * (float)sin(0.45 * (double)row + 1.1);
-        const float scale = (row % 5 == 1) ? 0.4f : 0.05f;
+  const size_t rows = pc.b * pc.h;
+  const float *sa = s->trig[i], *sb = sa + rows, *ca = sb + rows + w0, *cb = sa + 2 * rows + pc.w + w0;
+  enum { CHUNK = 256 }; /* the hash's base is taken per 256 columns, as it always was (the same values) */
+  for (size_t bi = 0; bi < pc.b; bi++)
+    for (size_t r = 0; r < hl; r++) {
+      const size_t row = bi * pc.h + h0 + r;
+      const float ra = a * sa[row], rb = b * sb[row];
+      const float scale = (row % 5 == 1) ? 0.4f : 0.05f;
+      for (size_t j0 = 0; j0 < wl; j0 += CHUNK) {
+        const size_t jn = wl - j0 < CHUNK ? wl - j0 : CHUNK;
         const uint32_t base = (uint32_t)(row * pc.w + w0 + j0) ^ (uint32_t)((row * pc.w) >> 32) * 0x9e3779b9u;
         float *o = out + (bi * hl + r) * wl + j0;
+        const float *ka = ca + j0, *kb = cb + j0;
         for (size_t j = 0; j < jn; j++) {
           const uint32_t h = hash32((base + (uint32_t)j) ^ k32);
           const float u = (float)(int32_t)((h & 0xffffu) + ((h >> 12) & 0xffffu)) * 0x1.0p-16f; /* [0, 2) */
-          const float v = scale * (ra * ca[j] + rb * cb[j] + 0.5f * (u - 1.0f));
+          const float v = scale * (ra * ka[j] + rb * kb[j] + 0.5f * (u - 1.0f));
           uint32_t vb;
           memcpy(&vb, &v, sizeof vb);
           vb &= 0u - (uint32_t)((h >> 28) != 0); /* +0 for 1 in 16 (a select without a branch) */
           memcpy(&o[j], &vb, sizeof vb);
         }
       }
-  }
+    }
+}
+
+/* The fast generator's per-row and per-column factors of parameter i (s->trig[i]): O(rows + w), taken once
+ * instead of per block, shard and step (they were 2 sines per row and 2 cosines per column of every block). */
+static dopt_status synth_trig(source *s, int i) {
+  dopt_piece pc;
+  dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
+  const size_t rows = pc.b * pc.h;
+  float *t = malloc((2 * rows + 2 * pc.w + 1) * sizeof *t);
+  if (!t) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameter '%s': %zu x %zu factors", s->p[i].name, rows, pc.w);
+  for (size_t r = 0; r < rows; r++)
+    t[r] = (float)sin(0.7 * (double)r + 0.3), t[rows + r] = (float)sin(0.45 * (double)r + 1.1);
+  for (size_t c = 0; c < pc.w; c++)
+    t[2 * rows + c] = (float)cos(0.4 * (double)c), t[2 * rows + pc.w + c] = (float)cos(1.3 * (double)c + 0.5);
+  s->trig[i] = t;
+  return DOPT_OK;
 }
 
 /* 32-bit lane multiplies need SSE4.1 or AVX2: the body compiled for AVX2 too, chosen at run time (the same
@@ -469,6 +485,8 @@ static dopt_status source_reserve(source *s, int n) {
 
 static void source_free(source *s) {
   for (int i = 0; s->init && i < s->np; i++) free(s->init[i]);
+  for (int i = 0; s->trig && i < s->np; i++) free(s->trig[i]);
+  free(s->trig);
   free(s->expert);
   free(s->p);
   free(s->numel);
@@ -583,6 +601,8 @@ static dopt_status load_source(const cmp_options *o, source *s) {
     const int n = o->model[0] ? cmp_model_ntensors(&m) : (int)(sizeof SYNTH / sizeof SYNTH[0]);
     DOPT_TRY(source_reserve(s, n));
     s->fast = o->model[0] != 0;
+    if (s->fast && !(s->trig = calloc((size_t)n, sizeof *s->trig)))
+      return dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", n);
     for (int i = 0; i < n; i++) {
       if (o->model[0]) {
         cmp_model_tensor t;
@@ -598,6 +618,7 @@ static dopt_status load_source(const cmp_options *o, source *s) {
       s->numel[i] = dopt_numel(s->p[i].ndim, s->p[i].shape);
       s->init[i] = malloc(s->numel[i] * sizeof(float));
       s->np = i + 1;
+      if (s->fast) DOPT_TRY(synth_trig(s, i));
       if (!s->init[i]) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
       for (size_t k = 0; k < s->numel[i]; k++)
         s->init[i][k] = (float)(((double)(mix(o->seed * 7919 + (uint64_t)i * 1000003 + k) >> 11) * 0x1.0p-53 - 0.5) * 0.2);
