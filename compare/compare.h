@@ -225,6 +225,11 @@ typedef void (*cmp_progress_fn)(int step, int steps, double elapsed, uint64_t wo
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user);
 void cmp_result_free(cmp_result *r);
 
+/* For tests: the --model generator's vector variants this CPU runs (their names, space-separated, into ran)
+ * against the portable one on every tensor of `model` (a --model spec), whole and as 3 x 3 blocks. Returns how
+ * many blocks differ in any byte (0: the same values on every machine), or -1 (a bad spec, no memory). */
+int cmp_synth_variants_differ(const char *model, char *ran, size_t cap);
+
 /* The declared tolerance of an optimizer, in ULP (0 = bitwise). */
 uint64_t cmp_declared_ulp(const char *optimizer);
 

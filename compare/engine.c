@@ -386,25 +386,55 @@ static dopt_status synth_trig(source *s, int i) {
   return DOPT_OK;
 }
 
-/* 32-bit lane multiplies need SSE4.1 or AVX2: the body compiled for AVX2 too, chosen at run time (the same
- * bits: elementwise IEEE fp32, no contraction); no ifunc, which sanitizers cannot run before they start */
+typedef void (*synth_fn)(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
+                         float *out);
+
+static void synth_fast_portable(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0,
+                                size_t wl, float *out) {
+  synth_fast_body(s, i, step, shard, h0, hl, w0, wl, out);
+}
+
+/* 32-bit lane multiplies need SSE4.1 or AVX2: the body compiled for AVX2 and for AVX-512 at its full width (GCC
+ * keeps 256-bit vectors unless told otherwise) too, chosen at run time (the same bits: elementwise IEEE fp32, no
+ * contraction; cmp_synth_variants_differ); no ifunc, which sanitizers cannot run before they start */
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 __attribute__((target("avx2"))) static void synth_fast_avx2(const source *s, int i, int step, int shard, size_t h0,
                                                             size_t hl, size_t w0, size_t wl, float *out) {
   synth_fast_body(s, i, step, shard, h0, hl, w0, wl, out);
 }
-#define HAVE_SYNTH_AVX2 1
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,prefer-vector-width=512"))) static void
+synth_fast_avx512(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl, float *out) {
+  synth_fast_body(s, i, step, shard, h0, hl, w0, wl, out);
+}
+static int has_avx512(void) {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+static int has_avx2(void) { return __builtin_cpu_supports("avx2"); }
+/* the vector variants, the preferred first */
+static const struct {
+  const char *name;
+  synth_fn fn;
+  int (*has)(void);
+} SYNTH_VECTOR[] = {{"avx512", synth_fast_avx512, has_avx512}, {"avx2", synth_fast_avx2, has_avx2}};
+enum { NSYNTH_VECTOR = 2 };
+#else
+static const struct {
+  const char *name;
+  synth_fn fn;
+  int (*has)(void);
+} SYNTH_VECTOR[1] = {{NULL, NULL, NULL}};
+enum { NSYNTH_VECTOR = 0 };
 #endif
 
 static void synth_fast(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
                        float *out) {
-#ifdef HAVE_SYNTH_AVX2
-  if (__builtin_cpu_supports("avx2")) {
-    synth_fast_avx2(s, i, step, shard, h0, hl, w0, wl, out);
-    return;
-  }
-#endif
-  synth_fast_body(s, i, step, shard, h0, hl, w0, wl, out);
+  for (int v = 0; v < NSYNTH_VECTOR; v++)
+    if (SYNTH_VECTOR[v].has()) {
+      SYNTH_VECTOR[v].fn(s, i, step, shard, h0, hl, w0, wl, out);
+      return;
+    }
+  synth_fast_portable(s, i, step, shard, h0, hl, w0, wl, out);
 }
 
 /* The whole tensor's synthetic gradient. */
@@ -672,6 +702,44 @@ static dopt_status load_source(const cmp_options *o, source *s) {
   DOPT_TRY(st);
   DOPT_TRY(trace_has_grads(o, s));
   return parse_roles(s, dopt_st_meta(s->trace, "tp_roles"));
+}
+
+int cmp_synth_variants_differ(const char *model, char *ran, size_t cap) {
+  if (cap) ran[0] = '\0';
+  cmp_options o;
+  cmp_options_default(&o);
+  if (snprintf(o.model, sizeof o.model, "%s", model) >= (int)sizeof o.model) return -1;
+  source s;
+  if (load_source(&o, &s) != DOPT_OK) {
+    source_free(&s);
+    return -1;
+  }
+  size_t maxn = 1;
+  for (int i = 0; i < s.np; i++) maxn = s.numel[i] > maxn ? s.numel[i] : maxn;
+  float *a = malloc(maxn * sizeof *a), *b = malloc(maxn * sizeof *b);
+  int differ = a && b ? 0 : -1;
+  for (int v = 0; differ >= 0 && v < NSYNTH_VECTOR; v++) {
+    if (!SYNTH_VECTOR[v].has()) continue;
+    size_t len = strlen(ran);
+    if (cap > len) snprintf(ran + len, cap - len, "%s%s", len ? " " : "", SYNTH_VECTOR[v].name);
+    for (int i = 0; i < s.np; i++) {
+      dopt_piece pc;
+      dopt_piece_full(s.p[i].ndim, s.p[i].shape, &pc);
+      for (int q = 0; q < 10; q++) { /* the whole tensor, then 3 x 3 blocks (TP blocks of either split) */
+        const size_t r = q == 0 ? 0 : (size_t)(q - 1) / 3, c = q == 0 ? 0 : (size_t)(q - 1) % 3, n = q == 0 ? 1 : 3;
+        const size_t h0 = pc.h * r / n, hl = pc.h * (r + 1) / n - h0, w0 = pc.w * c / n, wl = pc.w * (c + 1) / n - w0;
+        const size_t bytes = pc.b * hl * wl * sizeof(float);
+        memset(a, 0xa5, bytes ? bytes : 1), memset(b, 0x5a, bytes ? bytes : 1);
+        SYNTH_VECTOR[v].fn(&s, i, 3 + q, 2 * q + 1, h0, hl, w0, wl, a);
+        synth_fast_portable(&s, i, 3 + q, 2 * q + 1, h0, hl, w0, wl, b);
+        differ += memcmp(a, b, bytes) != 0;
+      }
+    }
+  }
+  free(a);
+  free(b);
+  source_free(&s);
+  return differ;
 }
 
 /* Micro-batch m of DP rank d: synthetic shard index d·micro + m; a trace's
