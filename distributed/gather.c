@@ -118,7 +118,11 @@ dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, 
   /* [lnumel]; in host memory also what is received into it and sent from it: [padded] shards, the largest
    * TP block */
   size_t cap = p->lnumel;
-  if (HOST_MEM(d)) cap = max_tp_block(d, p) > p->padded ? max_tp_block(d, p) : p->padded > cap ? p->padded : cap;
+  if (HOST_MEM(d)) {
+    const size_t blk = max_tp_block(d, p);
+    cap = blk > cap ? blk : cap;
+    cap = p->padded > cap ? p->padded : cap;
+  }
   DOPT_TRY(dd_ghost(d, 0, (cap ? cap : 1) * elem, &mine));
   DOPT_TRY(gather_tp_local(d, p, src, sharded, elem, dt, mine));
   return assemble_tp(d, p, mine, elem, dt, out);
