@@ -388,6 +388,11 @@ static dopt_status synth_trig(source *s, int i) {
 
 typedef void (*synth_fn)(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0, size_t wl,
                          float *out);
+typedef struct synth_variant {
+  const char *name;
+  synth_fn fn;
+  int (*has)(void); /* whether this CPU runs it */
+} synth_variant;
 
 static void synth_fast_portable(const source *s, int i, int step, int shard, size_t h0, size_t hl, size_t w0,
                                 size_t wl, float *out) {
@@ -412,18 +417,11 @@ static int has_avx512(void) {
 }
 static int has_avx2(void) { return __builtin_cpu_supports("avx2"); }
 /* the vector variants, the preferred first */
-static const struct {
-  const char *name;
-  synth_fn fn;
-  int (*has)(void);
-} SYNTH_VECTOR[] = {{"avx512", synth_fast_avx512, has_avx512}, {"avx2", synth_fast_avx2, has_avx2}};
+static const synth_variant SYNTH_VECTOR[] = {{"avx512", synth_fast_avx512, has_avx512},
+                                             {"avx2", synth_fast_avx2, has_avx2}};
 enum { NSYNTH_VECTOR = 2 };
 #else
-static const struct {
-  const char *name;
-  synth_fn fn;
-  int (*has)(void);
-} SYNTH_VECTOR[1] = {{NULL, NULL, NULL}};
+static const synth_variant SYNTH_VECTOR[1] = {{NULL, NULL, NULL}};
 enum { NSYNTH_VECTOR = 0 };
 #endif
 
@@ -648,8 +646,8 @@ static dopt_status load_source(const cmp_options *o, source *s) {
       s->numel[i] = dopt_numel(s->p[i].ndim, s->p[i].shape);
       s->init[i] = malloc(s->numel[i] * sizeof(float));
       s->np = i + 1;
-      if (s->fast) DOPT_TRY(synth_trig(s, i));
       if (!s->init[i]) return dopt__fail(DOPT_ERR_NO_MEMORY, "synthetic parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
+      if (s->fast) DOPT_TRY(synth_trig(s, i));
       for (size_t k = 0; k < s->numel[i]; k++)
         s->init[i][k] = (float)(((double)(mix(o->seed * 7919 + (uint64_t)i * 1000003 + k) >> 11) * 0x1.0p-53 - 0.5) * 0.2);
     }
@@ -910,27 +908,26 @@ static void measure(cmp_tensor_stat *ts, int t, const float *ref, const float *g
   double mabs = 0;
   uint64_t mulp = 0, nans = 0;
   enum { RUN = 1024 };
-  for (size_t k = 0; k < n; k++) {
-    if (k % RUN == 0) { /* a run of equal bytes (the usual case): its NaNs counted, nothing else to measure */
-      const size_t m = n - k < RUN ? n - k : RUN;
-      if (memcmp(ref + k, got + k, m * sizeof(float)) == 0) {
-        unsigned c = 0;
-        for (size_t j = 0; j < m; j++) c += ref[k + j] != ref[k + j];
-        nans += c;
-        k += m - 1;
-        continue;
-      }
-    }
-    if (ref[k] != ref[k] && got[k] != got[k]) { /* NaN = NaN, counted apart (docs/nan-policy.md) */
-      nans++;
+  for (size_t k0 = 0; k0 < n; k0 += RUN) {
+    const size_t k1 = n - k0 < RUN ? n : k0 + RUN;
+    if (memcmp(ref + k0, got + k0, (k1 - k0) * sizeof(float)) == 0) { /* equal bytes (the usual case) */
+      unsigned c = 0;
+      for (size_t k = k0; k < k1; k++) c += ref[k] != ref[k]; /* its NaN pairs */
+      nans += c;
       continue;
     }
-    if (memcmp(&ref[k], &got[k], sizeof(float)) == 0) continue;
-    double d = fabs((double)ref[k] - (double)got[k]);
-    if (!(d <= mabs)) mabs = d; /* NaN: kept as NaN */
-    uint64_t u = ulp_distance(ref[k], got[k]);
-    if (u == 0) u = 1; /* +0 vs -0 */
-    mulp = u > mulp ? u : mulp;
+    for (size_t k = k0; k < k1; k++) {
+      if (ref[k] != ref[k] && got[k] != got[k]) { /* NaN = NaN, counted apart (docs/nan-policy.md) */
+        nans++;
+        continue;
+      }
+      if (memcmp(&ref[k], &got[k], sizeof(float)) == 0) continue;
+      double d = fabs((double)ref[k] - (double)got[k]);
+      if (!(d <= mabs)) mabs = d; /* NaN: kept as NaN */
+      uint64_t u = ulp_distance(ref[k], got[k]);
+      if (u == 0) u = 1; /* +0 vs -0 */
+      mulp = u > mulp ? u : mulp;
+    }
   }
   ts->abs_per_step[t - 1] = mabs;
   ts->ulp_per_step[t - 1] = mulp;
