@@ -8,6 +8,7 @@
 #include "elem.h"
 #include "grid.h"
 #include "optim_impl.h"
+#include "twice.h"
 
 static dopt_status cpu_alloc(void *ctx, size_t bytes, void **out) {
   (void)ctx;
@@ -38,14 +39,41 @@ static dopt_status cpu_scale(void *ctx, float *x, float a, size_t n) {
   return DOPT_OK;
 }
 
+/* x[i] ← x[i] / d for i < n; returns how many results are not finite. r: d's reciprocal where d is a power of
+ * two, else 0. Multiplying by 2^-k gives the division's bits: x · 2^-k and x / 2^k are the same real number,
+ * rounded once either way (zeros, subnormals, infinities and NaN included, and a caller's FTZ/DAZ acts on both
+ * alike), and the multiply costs a fraction of the division (dp and the micro-batches are usually powers of two). */
+DOPT_BODY int64_t average_loop_body(float *x, float d, float r, size_t n) {
+  int64_t c = 0;
+  for (size_t i0 = 0; i0 < n; i0 += (size_t)1 << 30) { /* the count in 32-bit lanes, summed per 2^30 elements */
+    const size_t e = n - i0 < (size_t)1 << 30 ? n : i0 + ((size_t)1 << 30);
+    int32_t ci = 0;
+    if (r != 0.0f)
+      for (size_t i = i0; i < e; i++) {
+        x[i] = x[i] * r;
+        ci += !isfinite(x[i]);
+      }
+    else
+      for (size_t i = i0; i < e; i++) {
+        x[i] = dopt_average_elem(x[i], d);
+        ci += !isfinite(x[i]);
+      }
+    c += ci;
+  }
+  return c;
+}
+DOPT_TWICE(static, int64_t, average_loop, (float *x, float d, float r, size_t n), (x, d, r, n))
+
+/* 2^-k for d = 2^k with 2^-k a normal float (|k| ≤ 126), else 0. */
+static float pow2_reciprocal(float d) {
+  int e;
+  const float m = frexpf(d, &e); /* d = m · 2^e, m ∈ [0.5, 1) */
+  return isfinite(d) && m == 0.5f && e - 1 >= -126 && e - 1 <= 126 ? ldexpf(1.0f, 1 - e) : 0.0f;
+}
+
 static dopt_status cpu_average(void *ctx, float *x, float d, size_t n, int64_t *nonfinite) {
   (void)ctx;
-  int64_t c = 0;
-  for (size_t i = 0; i < n; i++) {
-    x[i] = dopt_average_elem(x[i], d);
-    c += !isfinite(x[i]);
-  }
-  *nonfinite = c;
+  *nonfinite = average_loop(x, d, pow2_reciprocal(d), n);
   return DOPT_OK;
 }
 

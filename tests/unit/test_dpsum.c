@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "distopt/device.h"
 #include "distopt/dpsum.h"
 #include "grid.h"
 
@@ -493,6 +494,64 @@ static void test_vector_kernels_bitwise(void **state) {
   each_vector_set(kernels_bitwise);
 }
 
+/* The CPU device's dp average (x / d, and the count of non-finite results), which multiplies by 2^-k where d is a
+ * power of two: the division's bits and count for every float class (random bit patterns: NaN payloads,
+ * infinities, subnormals, zeros, every exponent), for powers of two whose reciprocal is normal and for other
+ * divisors, under round-to-nearest, round-toward-zero and (x86) FTZ|DAZ, each divided here one element at a time. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define HAVE_CSR 1
+#endif
+static void test_cpu_average(void **state) {
+  (void)state;
+  enum { N = 50000 };
+  const dopt_device *dev = dopt_device_cpu();
+  float *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y);
+  assert_non_null(x);
+  assert_non_null(y);
+  uint64_t rng = 0xA5E1;
+  const float ds[] = {1.0f, 2.0f, 4.0f, 8.0f, 64.0f, 0x1p20f, 0.5f, 0x1p126f, 0x1p127f, 3.0f, 6.0f, 12.0f};
+  for (int mode = 0; mode < 3; mode++) {
+#ifndef HAVE_CSR
+    if (mode == 2) break;
+#else
+    const unsigned csr0 = _mm_getcsr();
+#endif
+    for (size_t di = 0; di < sizeof ds / sizeof ds[0]; di++) {
+      for (size_t i = 0; i < N; i++) { /* odd lengths below: the vector loops' tails */
+        const uint32_t u = (uint32_t)dt_rand_u64(&rng);
+        memcpy(&x[i], &u, sizeof u);
+      }
+      x[0] = 0x1p-149f, x[1] = -0x1p-126f, x[2] = FLT_MAX, x[3] = -0.0f, x[4] = INFINITY;
+      const size_t n = N - di;
+      const int old = fegetround();
+      if (mode == 1) fesetround(FE_TOWARDZERO);
+#ifdef HAVE_CSR
+      if (mode == 2) _mm_setcsr(csr0 | 0x8040u); /* FTZ | DAZ (PyTorch's set_flush_denormal) */
+#endif
+      int64_t want_bad = 0, bad = -1;
+      for (size_t i = 0; i < n; i++) {
+        volatile float xi = x[i], di_ = ds[di];
+        y[i] = xi / di_;
+        want_bad += !isfinite(y[i]);
+      }
+      const dopt_status st = dev->ops->average(dev->ctx, x, ds[di], n, &bad);
+#ifdef HAVE_CSR
+      _mm_setcsr(csr0);
+#endif
+      fesetround(old);
+      assert_int_equal(st, DOPT_OK);
+      for (size_t i = 0; i < n; i++)
+        if (bits(x[i]) != bits(y[i]))
+          fail_msg("average by %a, mode %d, element %zu: %08x, the division gives %08x", (double)ds[di], mode, i,
+                   bits(x[i]), bits(y[i]));
+      assert_int_equal(bad, want_bad);
+    }
+  }
+  free(x);
+  free(y);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_oracle_one_word), cmocka_unit_test(test_oracle_two_words),
@@ -501,7 +560,7 @@ int main(void) {
       cmocka_unit_test(test_nonfinite),       cmocka_unit_test(test_single_part),
       cmocka_unit_test(test_errors),          cmocka_unit_test(test_pieces),
       cmocka_unit_test(test_vector_sum_bitwise), cmocka_unit_test(test_vector_kernels_bitwise),
-      cmocka_unit_test(test_double_path),
+      cmocka_unit_test(test_double_path),     cmocka_unit_test(test_cpu_average),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
