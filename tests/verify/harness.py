@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import warnings
 import sys
@@ -97,17 +96,11 @@ def tensors_by_rank(report):
 
 # ---- torch.distributed on the CPU (gloo), N processes ----------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, fn, args):
+def _entry(rank, world, store, fn, args):
     import torch.distributed as dist
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file rendezvous, private to this launch: a TCP port picked free and closed before the ranks bind it could
+    # be taken in between by another test's group (ctest runs the gloo tests side by side)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -117,8 +110,13 @@ def _entry(rank, world, port, fn, args):
 
 def launch(fn, world, *args):
     """Runs fn(rank, world, *args) in `world` spawned processes joined in a gloo group; raises if one fails."""
+    import tempfile
     import torch.multiprocessing as mp
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    d = tempfile.mkdtemp(prefix="distopt-gloo-")
+    try:
+        mp.spawn(_entry, args=(world, os.path.join(d, "store"), fn, args), nprocs=world, join=True)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- ZeroRedundancyOptimizer(AdamW) under DDP ------------------------------------------------------------
