@@ -4,6 +4,7 @@
  *
  *   dopt_dist_bench [--optimizer NAME|all] [--size N] [--steps K] [--warmup W]
  *                   [--zero Z] [--clip X] [--dp-sum exact|rank-order]
+ *                   [--exchanges in-place|copied]
  *
  * Parameter set: one N×N weight (TP role COLUMN: rows split over tp) and one
  * N-element bias (REPLICATED); N = 4096 by default. Per optimizer:
@@ -71,6 +72,7 @@ typedef struct opts {
   int steps, warmup, zero;
   double clip;
   int dp_words; /* the dp sum: DOPT_DP_SUM_DEFAULT_WORDS (exact) or 0 (fp32 in rank order) */
+  int copy;     /* the simulator copies every exchange (dopt_sim_config.copy_exchanges) */
 } opts;
 
 /* ---- timing helpers ------------------------------------------------------------------- */
@@ -332,6 +334,7 @@ static dopt_status run_case(const opt_case *oc, const opts *op, const float *w0,
   dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
   cfg.nranks = NRANKS;
   cfg.timeout_ms = 600000; /* 4 threads on 2 shared cores, large steps */
+  cfg.copy_exchanges = op->copy;
   dopt_status s = x ? dopt_sim_world_create(&cfg, &world) : DOPT_ERR_NO_MEMORY;
   if (s == DOPT_OK) {
     x->op = op;
@@ -416,13 +419,16 @@ static dopt_status run_case(const opt_case *oc, const opts *op, const float *w0,
 static int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--optimizer NAME|all] [--size N] [--steps K] [--warmup W] [--zero Z] [--clip X]\n"
+          "          [--dp-sum exact|rank-order] [--exchanges in-place|copied]\n"
           "  --optimizer  a registry name (GaLore ones with rank=128; came lr=2e-4), or all (default)\n"
           "  --size N     weight N x N (TP COLUMN) + bias N (replicated); default 4096\n"
           "  --steps K    timed steps, median reported (default 5, 1..%d)\n"
           "  --warmup W   untimed steps first (default 2)\n"
           "  --zero Z     ZeRO stage of the distributed run, 0..3 (default 2)\n"
           "  --clip X     global gradient-norm clipping in the distributed run (default 0: off)\n"
-          "  --dp-sum S   the distributed run's dp gradient sum: exact (default) or rank-order (fp32)\n",
+          "  --dp-sum S   the distributed run's dp gradient sum: exact (default) or rank-order (fp32)\n"
+          "  --exchanges E  in-place (default: the dp sum reads the other ranks' parts where they are, as the\n"
+          "               simulator's threads share memory) or copied (every exchange copies, as over a network)\n",
           argv0, MAXSTEPS - 1);
   return 2;
 }
@@ -437,7 +443,7 @@ static const char *kind_short(int k) {
 }
 
 int main(int argc, char **argv) {
-  opts op = {NULL, 4096, 5, 2, 2, 0.0, DOPT_DP_SUM_DEFAULT_WORDS};
+  opts op = {NULL, 4096, 5, 2, 2, 0.0, DOPT_DP_SUM_DEFAULT_WORDS, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     char *end = NULL;
@@ -467,6 +473,10 @@ int main(int argc, char **argv) {
     } else if (strcmp(a, "--dp-sum") == 0) {
       if (strcmp(v, "exact") == 0) op.dp_words = DOPT_DP_SUM_DEFAULT_WORDS;
       else if (strcmp(v, "rank-order") == 0) op.dp_words = 0;
+      else return usage(argv[0]);
+    } else if (strcmp(a, "--exchanges") == 0) {
+      if (strcmp(v, "in-place") == 0) op.copy = 0;
+      else if (strcmp(v, "copied") == 0) op.copy = 1;
       else return usage(argv[0]);
     } else if (strcmp(a, "--clip") == 0) {
       double nv = strtod(v, &end);
@@ -498,10 +508,10 @@ int main(int argc, char **argv) {
   fill(gb, n, 4, 1e-3);
 
   printf("distributed step vs reference: weight [%zu, %zu] (TP COLUMN) + bias [%zu] (replicated), fp32\n", n, n, n);
-  printf("dist: tp=%d x dp=%d x zero=%d (%s) on %d simulator rank threads; clip %s; dp sum %s; median of %d steps "
-         "after %d warm-up\n\n",
+  printf("dist: tp=%d x dp=%d x zero=%d (%s) on %d simulator rank threads; clip %s; dp sum %s; exchanges %s; median "
+         "of %d steps after %d warm-up\n\n",
          TP, DP, op.zero, op.zero == 3 ? "fsdp" : "hybrid", NRANKS, op.clip > 0 ? "on" : "off",
-         op.dp_words ? "exact" : "rank-order (fp32)", op.steps, op.warmup);
+         op.dp_words ? "exact" : "rank-order (fp32)", op.copy ? "copied" : "in place", op.steps, op.warmup);
   const double sum_cpu = dpsum_cpu(&op, gw, gb);
   if (sum_cpu < 0) {
     fprintf(stderr, "dopt_dp_sum: %s\n", dopt_last_error());

@@ -97,6 +97,8 @@ typedef struct cmp_options {
                                              with the simulator, 1 with a process per rank) */
   const struct dopt_optim_impl *dist_impl; /* tests only (no option or key): the distributed side's optimizer,
                                              a planted bug; NULL: the registry's, as the reference */
+  int copy_exchanges;                     /* tests only (no option or key): the simulator copies every exchange
+                                             (dopt_sim_config.copy_exchanges) instead of offering reads in place */
 } cmp_options;
 
 /* ColossalAI's default layer partition (Policy.distribute_layers): per[k] = L div pp, and the L mod pp remaining

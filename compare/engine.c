@@ -1769,6 +1769,7 @@ static dopt_status run_sim(run_ctx *x) {
   sc.timeout_ms = 120000; /* rank 0 runs the reference between collectives */
   sc.mode = o->ring_order ? DOPT_SIM_ORDER_RING : DOPT_SIM_ORDER_RANK;
   sc.memops = x->dev ? dopt_cuda_sim_memops() : NULL; /* device buffers on one GPU */
+  sc.copy_exchanges = o->copy_exchanges;
   dopt_sim_world *w = NULL;
   dopt_status st = dopt_sim_world_create(&sc, &w);
   if (st == DOPT_OK) {

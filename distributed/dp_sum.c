@@ -65,18 +65,36 @@ static const float *local_part(const dopt_dist_optim *d, const dist_param *p, si
  * parts are micro-batches (batch invariant: a missing one is zeros). */
 static int self_direct(const dopt_dist_optim *d) { return !d->keep; }
 
-/* Part (q, m) of parameter i's segment [lo, lo + len): this rank's own in its accumulator, the others' in d->parts. */
+/* Part (q, m) of parameter i's segment [lo, lo + len): this rank's own in its accumulator, the others' in d->parts
+ * (or, read in place, in rank q's accumulator: d->views). */
 static const float *part_ptr(const dopt_dist_optim *d, int i, size_t q, size_t m, size_t R, size_t lo, size_t len) {
   const dist_param *p = &d->p[i];
   const size_t me = (size_t)dd_dpg(d, p)->rank;
   if (self_direct(d) && q == me) return p->grad + lo;
+  if (d->viewing) return (const float *)d->views[q] + d->part_at[i] + m * len;
   return d->parts + q * R + d->part_at[i] + m * len;
+}
+
+/* A bucket's exchange is read in place where the group's ranks share memory (the transport's all_to_allv_view and
+ * a device whose buffers are host memory): the parts stay where their senders put them (a one-parameter bucket: in
+ * their accumulators, which nobody writes outside its own segment; else their pack buffers) until the bucket's
+ * view_release, and the copy of the dp − 1 parts each rank receives is saved. */
+static int can_view(const dopt_dist_optim *d, const dopt_transport *G) {
+  return G->ops->all_to_allv_view && G->ops->view_release && DEV(d)->host_chunk;
+}
+
+/* The exchange of what d->xc describes, from send: copied into d->parts, or read in place (d->views). */
+static dopt_status exchange(dopt_dist_optim *d, const dopt_transport *G, const float *send) {
+  size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
+  if (!can_view(d, G)) return G->ops->all_to_allv(G->comm, send, sc, sd, d->parts, rc, rd, DOPT_F32);
+  d->viewing = 1;
+  return G->ops->all_to_allv_view(G->comm, send, sc, sd, d->views, rc, DOPT_F32);
 }
 
 /* The bucket [b0, b1)'s exchange: every other rank's parts of what this rank sums arrive in d->parts, from source
  * q at q·R, parameter i's P parts at d->part_at[i] within it, each `len` long (this rank's own slot unused when
  * its part is read in place: the buffer keeps the size the parameters' all-gather reuses, so it is not grown
- * twice a step). */
+ * twice a step); or read in place (can_view), the same layout at d->views[q]. */
 static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R) {
   const dopt_transport *G = dd_dpg(d, &d->p[b0]);
   const size_t D = (size_t)G->size, P = nparts(d), me = (size_t)G->rank;
@@ -95,7 +113,7 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   if (b1 == b0 + 1 && P == 1) { /* one parameter's gradient: each destination's segment sent from where it is */
     const dist_param *p = &d->p[b0];
     for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
-    return G->ops->all_to_allv(G->comm, p->grad, sc, sd, d->parts, rc, rd, DOPT_F32);
+    return exchange(d, G, p->grad);
   }
   DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
@@ -110,7 +128,7 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
       }
     }
   }
-  return G->ops->all_to_allv(G->comm, d->pack, sc, sd, d->parts, rc, rd, DOPT_F32);
+  return exchange(d, G, d->pack);
 }
 
 /* ---- spans: what can be summed before the codes' MAX -------------------------------------------------------
@@ -369,6 +387,7 @@ static dopt_status words_dp_sum(dopt_dist_optim *d, int b0, int b1, int W, int k
  * through the transport's integer sums (words_dp_sum). */
 dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
   const int W = d->dp_words;
+  d->viewing = 0;
   DOPT_TRY(dd_zero_dev(d, d->codes, d->ncodes * sizeof(int32_t)));
   for (int b0 = 0; b0 < d->np;) {
     const int b1 = dd_bucket_end(d, b0, NULL);
@@ -392,6 +411,10 @@ dopt_status dd_exact_dp_sum(dopt_dist_optim *d) {
     for (int i = b0; i < b1; i++) DOPT_TRY(bucket_first(d, i, R, W, k));
     DOPT_TRY(max_codes(d, b0, b1));
     for (int i = b0; i < b1; i++) DOPT_TRY(bucket_rest(d, i, R, W, k));
+    if (d->viewing) { /* every rank has read the others' segments: they may write their accumulators again */
+      d->viewing = 0;
+      DOPT_TRY(G->ops->view_release(G->comm));
+    }
     if (d->zero == 0) DOPT_TRY(bucket_regather(d, b0, b1));
     b0 = b1;
   }

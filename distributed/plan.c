@@ -99,6 +99,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->xs) DEV(d)->free(DCTX(d), d->xs);
   if (d->xr) DEV(d)->free(DCTX(d), d->xr);
   free(d->xc);
+  free(d->views);
   free(d->xoff);
   free(d->xlist);
   free(d->xord);
@@ -536,13 +537,14 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
   d->skip = calloc(npa, 1);
   d->xn = (size_t)(d->tp.size > d->dp.size ? d->tp.size : d->dp.size);
   d->xc = calloc(5 * d->xn, sizeof *d->xc);
+  d->views = calloc(d->xn, sizeof *d->views);
   d->xoff = calloc(npa, sizeof *d->xoff);
   d->xlist = calloc(npa, sizeof *d->xlist);
   d->xord = calloc(npa, sizeof *d->xord);
   dopt_status cs = DEV(d)->alloc(DCTX(d), (npa + 1) * sizeof(int64_t), (void **)&d->flags);
   if (cs != DOPT_OK) d->flags = NULL;
   if (!d->hp || !d->p || !d->ss || !d->args || !d->frame_off || !d->more || !d->layer || !d->has || !d->frozen ||
-      !d->skip || !d->flags || !d->xc || !d->xoff || !d->xlist || !d->xord) {
+      !d->skip || !d->flags || !d->xc || !d->views || !d->xoff || !d->xlist || !d->xord) {
     dopt_dist_destroy(d);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: %d parameters", d->np);
   }

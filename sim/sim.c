@@ -68,6 +68,9 @@ static void sig_format(const sim_sig *s, char *buf, size_t len) {
   case DOPT_SIM_KIND_SPLIT:
     snprintf(buf, len, "%s(label=%s)", k, s->label);
     break;
+  case DOPT_SIM_KIND_ALL_TO_ALLV:
+    snprintf(buf, len, "%s(%s,%s)", k, s->view ? "by reference" : "copied", dt);
+    break;
   default:
     snprintf(buf, len, "%s(count=%zu,%s)", k, s->count, dt);
     break;
@@ -76,7 +79,7 @@ static void sig_format(const sim_sig *s, char *buf, size_t len) {
 
 static int sig_equal(const sim_sig *a, const sim_sig *b) {
   return a->kind == b->kind && a->count == b->count && a->dtype == b->dtype && a->op == b->op &&
-         a->root == b->root && strcmp(a->label, b->label) == 0;
+         a->root == b->root && a->view == b->view && strcmp(a->label, b->label) == 0;
 }
 
 static int ranges_overlap(const void *a, size_t alen, const void *b, size_t blen) {
@@ -546,8 +549,9 @@ dopt_status dopt_sim_world_create(const dopt_sim_config *cfg, dopt_sim_world **o
   DOPT_CHECK_ARG(out != NULL, "sim_world_create: out=NULL");
   *out = NULL;
   DOPT_CHECK_ARG(cfg != NULL, "sim_world_create: cfg=NULL");
-  /* the size before memops was appended is accepted too (host buffers) */
-  DOPT_CHECK_ARG((cfg->struct_size == sizeof *cfg || cfg->struct_size == offsetof(dopt_sim_config, memops)) &&
+  /* the sizes before memops and before copy_exchanges were appended are accepted too (their defaults) */
+  DOPT_CHECK_ARG((cfg->struct_size == sizeof *cfg || cfg->struct_size == offsetof(dopt_sim_config, memops) ||
+                  cfg->struct_size == offsetof(dopt_sim_config, copy_exchanges)) &&
                      cfg->version == DOPT_SIM_CONFIG_VERSION,
                  "sim_world_create: cfg struct_size=%u version=%u (want %zu, %u; use DOPT_SIM_CONFIG_INIT)",
                  cfg->struct_size, cfg->version, sizeof *cfg, DOPT_SIM_CONFIG_VERSION);
@@ -563,7 +567,9 @@ dopt_status dopt_sim_world_create(const dopt_sim_config *cfg, dopt_sim_world **o
   w->n = cfg->nranks;
   w->mode = cfg->mode;
   w->timeout_ms = cfg->timeout_ms;
-  w->mem = cfg->struct_size == sizeof *cfg ? cfg->memops : NULL;
+  w->mem = cfg->struct_size > offsetof(dopt_sim_config, memops) ? cfg->memops : NULL;
+  const int copying = cfg->struct_size == sizeof *cfg && cfg->copy_exchanges != 0;
+  w->views_ok = !copying && w->mem == NULL && cfg->nfaults == 0;
   if (pthread_mutex_init(&w->mu, NULL) != 0) {
     free(w);
     return dopt__fail(DOPT_ERR_BACKEND, "sim_world_create: pthread_mutex_init failed");
@@ -891,6 +897,11 @@ static dopt_status run_data(sim_call *k, const sim_arrival *a) {
     break;
   case DOPT_SIM_KIND_ALL_TO_ALLV: /* from rank j's send at its sdispls[i] into this rank's recv at rdispls[j] */
     cnt = 0;
+    if (a->views) { /* by reference: where rank j's elements for this rank are */
+      for (int j = 0; j < n; j++)
+        a->views[j] = a->rcounts[j] ? (const char *)arr[j].send + arr[j].sdispls[i] * esz : NULL;
+      break;
+    }
     for (int j = 0; j < n; j++) {
       size_t c = a->rcounts[j];
       if (c)
@@ -1001,35 +1012,56 @@ static size_t extent(const size_t *counts, const size_t *displs, int n, size_t e
   return hi;
 }
 
-dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
-                                 const size_t *rcounts, const size_t *rdispls, dopt_dtype dt,
-                                 dopt_sim_comm *comm) {
+/* all_to_allv, copied into recv at rdispls, or (by_ref) by reference into views. */
+static dopt_status all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                               const size_t *rcounts, const size_t *rdispls, const void **views, int by_ref,
+                               dopt_dtype dt, dopt_sim_comm *comm) {
   sim_call k;
   DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_TO_ALLV));
   sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_TO_ALLV, send, recv, 0, dt, -1, -1);
+  a.sig.view = by_ref;
   a.scounts = scounts;
   a.sdispls = sdispls;
   a.rcounts = rcounts;
-  a.rdispls = rdispls;
+  a.rdispls = by_ref ? rcounts : rdispls; /* by reference: no receive buffer, rdispls unused */
+  a.views = by_ref ? views : NULL;
   check_common(&a, comm, 0, 0);
   const int n = comm->g->n;
-  if (!scounts || !sdispls || !rcounts || !rdispls) /* reported to every rank before any count is read */
+  if (by_ref && !comm->g->w->views_ok)
+    arg_fail(&a, DOPT_ERR_UNSUPPORTED,
+             "all_to_allv by reference: not in a world with a fault plan, memops or copy_exchanges");
+  if (by_ref && !views) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv by reference: views=NULL");
+  if (!scounts || !sdispls || !rcounts || !a.rdispls) /* reported to every rank before any count is read */
     arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: scounts=%p sdispls=%p rcounts=%p rdispls=%p must not be NULL",
-             (const void *)scounts, (const void *)sdispls, (const void *)rcounts, (const void *)rdispls);
+             (const void *)scounts, (const void *)sdispls, (const void *)rcounts, (const void *)a.rdispls);
   if (a.status == DOPT_OK) {
     int bad = 0;
     size_t esz = dopt_dtype_size(dt);
-    size_t sn = extent(scounts, sdispls, n, esz, &bad), rn = extent(rcounts, rdispls, n, esz, &bad);
+    size_t sn = extent(scounts, sdispls, n, esz, &bad), rn = by_ref ? 0 : extent(rcounts, rdispls, n, esz, &bad);
     if (bad)
       arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: a displacement plus its count overflows");
     else if ((sn && !send) || (rn && !recv))
       arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: send=%p (%zu elements) recv=%p (%zu elements): NULL with data",
                send, sn, recv, rn);
-    else
+    else if (!by_ref)
       check_overlap(&a, sn * esz, rn * esz, 0);
   }
   return run_collective(&k, &a);
 }
+
+dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                                 const size_t *rcounts, const size_t *rdispls, dopt_dtype dt,
+                                 dopt_sim_comm *comm) {
+  return all_to_allv(send, scounts, sdispls, recv, rcounts, rdispls, NULL, 0, dt, comm);
+}
+
+dopt_status dopt_sim_all_to_allv_view(const void *send, const size_t *scounts, const size_t *sdispls,
+                                      const void **views, const size_t *rcounts, dopt_dtype dt,
+                                      dopt_sim_comm *comm) {
+  return all_to_allv(send, scounts, sdispls, NULL, rcounts, NULL, views, 1, dt, comm);
+}
+
+int dopt__sim_views_ok(const dopt_sim_comm *comm) { return comm && comm->g && comm->g->w->views_ok; }
 
 dopt_status dopt_sim_barrier(dopt_sim_comm *comm) {
   sim_call k;

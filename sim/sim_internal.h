@@ -34,6 +34,7 @@ typedef struct sim_sig {
   int op;   /* -1 when not a reduction */
   int root; /* broadcast/reduce root; send/recv peer; else -1 */
   char label[DOPT_SIM_LABEL_MAX]; /* split only */
+  int view; /* all_to_allv by reference (dopt_sim_all_to_allv_view) */
 } sim_sig;
 
 /* One rank's deposit at the rendezvous of the current collective. */
@@ -46,6 +47,7 @@ typedef struct sim_arrival {
   char msg[192];
   struct dopt_sim_comm *result; /* split: this rank's new handle */
   const size_t *scounts, *sdispls, *rcounts, *rdispls; /* all_to_allv: [n] each */
+  const void **views;                                  /* all_to_allv by reference: [n], filled */
 } sim_arrival;
 
 /* An eager point-to-point message (data follows the header). */
@@ -109,7 +111,11 @@ struct dopt_sim_world {
   int log_truncated;      /* an append failed for lack of memory */
   int launched;
   const dopt_sim_memops *mem; /* NULL: host buffers */
+  int views_ok;               /* all_to_allv by reference allowed: host buffers, no fault plan, not copy_exchanges */
 };
+
+/* The world of comm allows all_to_allv by reference (dopt_sim_transport offers it then). */
+int dopt__sim_views_ok(const dopt_sim_comm *comm);
 
 /* One logged operation; the group and sender identify whose timeline it is on. */
 typedef struct sim_logent {

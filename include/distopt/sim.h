@@ -135,11 +135,13 @@ typedef struct dopt_sim_config {
   uint64_t seed;                /* resolves the "ANY" fields of the fault plan */
   /* appended (struct_size tells whether a caller has it): */
   const dopt_sim_memops *memops; /* NULL: host buffers */
+  int copy_exchanges;            /* 1: dopt_sim_transport offers no all_to_allv_view, every exchange copies (as
+                                    over a network); 0 (default): host-buffer worlds without faults offer it */
 } dopt_sim_config;
 
 #define DOPT_SIM_CONFIG_VERSION 1u
 #define DOPT_SIM_CONFIG_INIT \
-  {(uint32_t)sizeof(dopt_sim_config), DOPT_SIM_CONFIG_VERSION, 1, 10000u, DOPT_SIM_ORDER_RANK, NULL, 0, 0, NULL}
+  {(uint32_t)sizeof(dopt_sim_config), DOPT_SIM_CONFIG_VERSION, 1, 10000u, DOPT_SIM_ORDER_RANK, NULL, 0, 0, NULL, 0}
 
 DOPT_API dopt_status dopt_sim_world_create(const dopt_sim_config *cfg, dopt_sim_world **out);
 /* Frees the world and every communicator split from it. Not while launched. */
@@ -226,6 +228,19 @@ DOPT_API dopt_status dopt_sim_all_to_all(const void *send, void *recv, size_t co
 DOPT_API dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls,
                                           void *recv, const size_t *rcounts, const size_t *rdispls,
                                           dopt_dtype dt, dopt_sim_comm *comm);
+/* all_to_allv by reference (the transport's all_to_allv_view): the same
+ * arguments, checks, accounting and log entry as dopt_sim_all_to_allv, but
+ * nothing is copied: views[j] (an array of the group's size) receives the
+ * address of the rcounts[j] elements rank j sends this rank, inside rank j's
+ * send buffer (NULL where rcounts[j] is 0). The ranks read the views and leave
+ * their sent regions unchanged until they have all called dopt_sim_barrier on
+ * the communicator (the transport's view_release). A rank calling the copying
+ * all_to_allv against this one is a mismatch. Refused (DOPT_ERR_UNSUPPORTED) in
+ * a world with a fault plan or memops (nothing would be delivered to flip, and
+ * device buffers cannot be read in place). */
+DOPT_API dopt_status dopt_sim_all_to_allv_view(const void *send, const size_t *scounts, const size_t *sdispls,
+                                               const void **views, const size_t *rcounts, dopt_dtype dt,
+                                               dopt_sim_comm *comm);
 /* Point to point, matched by (peer, order). send is eager: it copies the data
  * and returns; recv blocks (bounded by the timeout). A count/dtype mismatch
  * is reported by recv (DOPT_ERR_MISMATCH). */

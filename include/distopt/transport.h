@@ -62,6 +62,18 @@ typedef struct dopt_transport_ops {
    * distributed/ uses broadcasts instead. */
   dopt_status (*all_to_allv)(void *comm, const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
                              const size_t *rcounts, const size_t *rdispls, dopt_dtype dt);
+  /* Optional, appended in 0.3.0, for ranks that share one address space (the simulator's threads; an MPI
+   * shared-memory window could offer it): all_to_allv by reference. The arguments of all_to_allv, with `views`
+   * (a host array of the group's size) in place of recv and rdispls: nothing is copied, views[r] receives the
+   * address, inside rank r's send buffer, of the rcounts[r] elements rank r sends to this rank (NULL where
+   * rcounts[r] is 0). Accounted as the all_to_allv it replaces. The views may be read, and every rank's sent
+   * regions must stay unchanged, until the group's view_release (a barrier), which every rank calls once it has
+   * finished reading. Only for buffers the caller can read directly (host memory). A rank that fails between
+   * the two (a timeout) returns at once while a peer may still be reading its regions: free them only after
+   * every rank has returned (the simulator's launch). NULL: distributed/ uses all_to_allv. */
+  dopt_status (*all_to_allv_view)(void *comm, const void *send, const size_t *scounts, const size_t *sdispls,
+                                  const void **views, const size_t *rcounts, dopt_dtype dt);
+  dopt_status (*view_release)(void *comm);
 } dopt_transport_ops;
 
 typedef struct dopt_transport {

@@ -356,7 +356,11 @@ static void test_send_recv(void **st) {
  * untouched; the accounting counts the busiest sender's off-rank bytes; a
  * count that does not match its peer's fails every rank with the pair named;
  * a bit-flip fault lands in the received data; a stopped rank fails its peers
- * instead of hanging. */
+ * instead of hanging. By reference (dopt_sim_all_to_allv_view): the views are
+ * the senders' regions (the same values, NULL for empty ones), accounted as
+ * the copy; a rank copying against ranks viewing is a mismatch on every rank;
+ * refused in worlds with a fault plan or copy_exchanges, and then not offered
+ * by dopt_sim_transport. */
 enum { AV_GAP = 2, AV_CAP = 256 };
 
 static size_t av_count(int i, int j, int mismatch) {
@@ -368,6 +372,7 @@ static float av_value(int from, int to, size_t e) { return (float)(from * 1000 +
 
 typedef struct av_res {
   int mismatch;
+  int view; /* 1: every rank by reference; 2: rank 1 by reference, the others copy */
   float got[MAX_RANKS][AV_CAP];
   char msg[MAX_RANKS][256];
 } av_res;
@@ -393,16 +398,33 @@ static dopt_status av_body(dopt_sim_comm *c, int rank, void *user) {
   for (int j = 0; j < n; j++)
     for (size_t e = 0; e < sc[j]; e++) send[sd[j] + e] = av_value(rank, j, e);
   for (int e = 0; e < AV_CAP; e++) res->got[rank][e] = -7.0f;
-  dopt_status s = dopt_sim_all_to_allv(send, sc, sd, res->got[rank], rc, rd, DOPT_F32, c);
-  if (s != DOPT_OK) snprintf(res->msg[rank], sizeof res->msg[rank], "%s", dopt_last_error());
+  dopt_status s;
+  if (res->view == 1 || (res->view == 2 && rank == 1)) {
+    const void *views[MAX_RANKS];
+    for (int j = 0; j < n; j++) views[j] = &views; /* must be overwritten */
+    s = dopt_sim_all_to_allv_view(send, sc, sd, views, rc, DOPT_F32, c);
+    for (int j = 0; j < n && s == DOPT_OK; j++) {
+      if ((rc[j] == 0) != (views[j] == NULL) || (j == rank && rc[j] && views[j] != send + sd[j])) {
+        snprintf(res->msg[rank], sizeof res->msg[rank], "view %d of %zu elements at %p", j, rc[j], views[j]);
+        s = DOPT_ERR_STATE;
+      } else if (rc[j]) {
+        memcpy(res->got[rank] + rd[j], views[j], rc[j] * sizeof(float));
+      }
+    }
+    if (s == DOPT_OK) s = dopt_sim_barrier(c); /* the release: send stays alive until every rank has read it */
+  } else {
+    s = dopt_sim_all_to_allv(send, sc, sd, res->got[rank], rc, rd, DOPT_F32, c);
+  }
+  if (s != DOPT_OK && !res->msg[rank][0]) snprintf(res->msg[rank], sizeof res->msg[rank], "%s", dopt_last_error());
   return s;
 }
 
 static void test_all_to_allv(void **st) {
   (void)st;
-  for (int n = 1; n <= MAX_RANKS; n++) {
+  for (int n = 1, view = 0; n <= MAX_RANKS; n += view, view = !view) {
     av_res *res = calloc(1, sizeof *res);
     assert_non_null(res);
+    res->view = view;
     dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
     cfg.nranks = n;
     dopt_status s[MAX_RANKS];
@@ -410,7 +432,7 @@ static void test_all_to_allv(void **st) {
     st_run(&cfg, av_body, res, s, NULL, &w);
     size_t most = 0;
     for (int r = 0; r < n; r++) {
-      assert_int_equal(s[r], DOPT_OK);
+      if (s[r] != DOPT_OK) fail_msg("all_to_allv n=%d view=%d rank %d: %s", n, view, r, res->msg[r]);
       size_t rc[MAX_RANKS], rd[MAX_RANKS], sent = 0;
       av_layout(n, r, 1, 0, rc, rd);
       float want[AV_CAP];
@@ -419,7 +441,7 @@ static void test_all_to_allv(void **st) {
         for (size_t e = 0; e < rc[j]; e++) want[rd[j] + e] = av_value(j, r, e);
         sent += j != r ? av_count(r, j, 0) : 0;
       }
-      if (memcmp(want, res->got[r], sizeof want) != 0) fail_msg("all_to_allv n=%d: rank %d differs", n, r);
+      if (memcmp(want, res->got[r], sizeof want) != 0) fail_msg("all_to_allv n=%d view=%d: rank %d differs", n, view, r);
       most = sent > most ? sent : most;
     }
     dopt_sim_comm *c0;
@@ -428,6 +450,7 @@ static void test_all_to_allv(void **st) {
     assert_ok(dopt_sim_comm_stats(c0, &stats));
     assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_TO_ALLV], 1);
     assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_TO_ALLV], most * sizeof(float));
+    assert_int_equal(stats.ops[DOPT_SIM_KIND_BARRIER], view); /* the release */
     assert_true(dopt_sim_busbw_factor(DOPT_SIM_KIND_ALL_TO_ALLV, n) == 1.0);
     dopt_sim_world_destroy(w);
     free(res);
@@ -488,10 +511,53 @@ static void test_all_to_allv_faults(void **st) {
   free(res);
 }
 
+/* By reference: one rank copying against viewing ranks; worlds that refuse it (fault plan, copy_exchanges), where
+ * dopt_sim_transport does not offer it, while a plain world's transport does. */
+static void test_all_to_allv_view_rules(void **st) {
+  (void)st;
+  av_res *res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  res->view = 2;
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 3;
+  dopt_status s[MAX_RANKS];
+  st_run(&cfg, av_body, res, s, NULL, NULL);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(s[r], DOPT_ERR_MISMATCH);
+    if (!strstr(res->msg[r], "by reference") || !strstr(res->msg[r], "copied"))
+      fail_msg("rank %d: '%s' does not name both kinds", r, res->msg[r]);
+  }
+  dopt_sim_fault flip = {DOPT_SIM_FAULT_BITFLIP, 1, 0, 0, 2, 3};
+  for (int k = 0; k < 3; k++) { /* a fault plan, copy_exchanges: refused on every rank; then a plain world */
+    memset(res, 0, sizeof *res);
+    res->view = 1;
+    cfg = (dopt_sim_config)DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = 3;
+    cfg.faults = k == 0 ? &flip : NULL;
+    cfg.nfaults = k == 0;
+    cfg.copy_exchanges = k == 1;
+    dopt_sim_world *w;
+    st_run(&cfg, av_body, res, s, NULL, &w);
+    for (int r = 0; r < 3; r++) {
+      assert_int_equal(s[r], k < 2 ? DOPT_ERR_UNSUPPORTED : DOPT_OK);
+      if (k < 2 && !strstr(res->msg[r], "copy_exchanges")) fail_msg("world %d rank %d: '%s'", k, r, res->msg[r]);
+    }
+    dopt_sim_comm *c0;
+    dopt_transport t;
+    assert_ok(dopt_sim_world_comm(w, 0, &c0));
+    assert_ok(dopt_sim_transport(c0, &t));
+    assert_true((t.ops->all_to_allv_view != NULL) == (k == 2));
+    assert_true((t.ops->view_release != NULL) == (k == 2));
+    assert_non_null(t.ops->all_to_allv);
+    dopt_sim_world_destroy(w);
+  }
+  free(res);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_all_to_allv), cmocka_unit_test(test_all_to_allv_mismatch),
-      cmocka_unit_test(test_all_to_allv_faults),
+      cmocka_unit_test(test_all_to_allv_faults), cmocka_unit_test(test_all_to_allv_view_rules),
       cmocka_unit_test(test_collectives_n1), cmocka_unit_test(test_collectives_n2),
       cmocka_unit_test(test_collectives_n3), cmocka_unit_test(test_collectives_n4),
       cmocka_unit_test(test_collectives_n5), cmocka_unit_test(test_collectives_n8),

@@ -2,8 +2,10 @@
  * names the final logical tensors, not the layout:
  *  - on a gradient trace whose shard sums are exact (small multiples of 2^-14,
  *    6 shards per step), every layout sees the same averaged gradient, so
- *    tp1 dp1 zero0 (ddp), tp2 dp2 zero2 (hybrid) and tp1 dp3 zero3 (fsdp)
- *    must give one digest, for adamw and adafactor (and with --bf16), equal
+ *    tp1 dp1 zero0 (ddp), tp2 dp2 zero2 (hybrid) and tp1 dp3 zero3 (fsdp),
+ *    the last two also with the simulator copying every exchange (its
+ *    default: the dp sum reads the others' parts in place), must give one
+ *    digest, for adamw and adafactor (and with --bf16), equal
  *    to the reference's;
  *  - that digest is the one this file computes itself from a plain optimizer
  *    stepped on the same gradients, with the documented record order (each
@@ -169,8 +171,9 @@ static void expected_digest(const char *optimizer, const char *hparams, int step
 
 static const struct {
   const char *plugin;
-  int tp, dp, zero;
-} LAYOUTS[] = {{"ddp", 1, 1, 0}, {"hybrid", 2, 2, 2}, {"fsdp", 1, 3, 3}};
+  int tp, dp, zero, copy;
+} LAYOUTS[] = {{"ddp", 1, 1, 0, 0}, {"hybrid", 2, 2, 2, 0}, {"fsdp", 1, 3, 3, 0}, {"hybrid", 2, 2, 2, 1},
+               {"fsdp", 1, 3, 3, 1}};
 #define NL ((int)(sizeof LAYOUTS / sizeof LAYOUTS[0]))
 
 static void layouts_agree(const char *optimizer, int bf16, char first[DOPT_DIGEST_HEX]) {
@@ -178,12 +181,14 @@ static void layouts_agree(const char *optimizer, int bf16, char first[DOPT_DIGES
     cmp_options o;
     opts(&o, optimizer, LAYOUTS[l].plugin, LAYOUTS[l].tp, LAYOUTS[l].dp, LAYOUTS[l].zero);
     o.bf16 = bf16;
+    o.copy_exchanges = LAYOUTS[l].copy;
     char hex[DOPT_DIGEST_HEX];
     run_digest(&o, hex);
     if (l == 0) snprintf(first, DOPT_DIGEST_HEX, "%s", hex);
     else if (strcmp(hex, first) != 0)
-      fail_msg("%s%s: %s tp%d dp%d zero%d digests %s, %s tp1 dp1 zero0 %s", optimizer, bf16 ? " bf16" : "",
-               LAYOUTS[l].plugin, LAYOUTS[l].tp, LAYOUTS[l].dp, LAYOUTS[l].zero, hex, LAYOUTS[0].plugin, first);
+      fail_msg("%s%s: %s tp%d dp%d zero%d%s digests %s, %s tp1 dp1 zero0 %s", optimizer, bf16 ? " bf16" : "",
+               LAYOUTS[l].plugin, LAYOUTS[l].tp, LAYOUTS[l].dp, LAYOUTS[l].zero, LAYOUTS[l].copy ? " copied" : "",
+               hex, LAYOUTS[0].plugin, first);
   }
 }
 
