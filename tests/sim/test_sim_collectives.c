@@ -457,23 +457,30 @@ static void test_all_to_allv(void **st) {
   }
 }
 
+/* Counts that do not match their peer's; a rank copying (by reference: res->view 2) against ranks viewing. */
 static void test_all_to_allv_mismatch(void **st) {
   (void)st;
-  av_res *res = calloc(1, sizeof *res);
-  assert_non_null(res);
-  res->mismatch = 1;
-  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-  cfg.nranks = 3;
-  dopt_status s[MAX_RANKS];
-  st_run(&cfg, av_body, res, s, NULL, NULL);
-  char want[128];
-  snprintf(want, sizeof want, "rank 0 sends %zu elements to rank 1, which expects %zu", av_count(0, 1, 0),
-           av_count(0, 1, 1));
-  for (int r = 0; r < 3; r++) {
-    assert_int_equal(s[r], DOPT_ERR_MISMATCH);
-    if (!strstr(res->msg[r], want)) fail_msg("rank %d: '%s' lacks '%s'", r, res->msg[r], want);
+  for (int kind = 0; kind < 2; kind++) {
+    av_res *res = calloc(1, sizeof *res);
+    assert_non_null(res);
+    res->mismatch = kind == 0;
+    res->view = kind == 1 ? 2 : 0;
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = 3;
+    dopt_status s[MAX_RANKS];
+    st_run(&cfg, av_body, res, s, NULL, NULL);
+    char want[128];
+    if (kind == 0)
+      snprintf(want, sizeof want, "rank 0 sends %zu elements to rank 1, which expects %zu", av_count(0, 1, 0),
+               av_count(0, 1, 1));
+    else
+      snprintf(want, sizeof want, "all_to_allv(copied,F32) vs rank 1 all_to_allv(by reference,F32)");
+    for (int r = 0; r < 3; r++) {
+      assert_int_equal(s[r], DOPT_ERR_MISMATCH);
+      if (!strstr(res->msg[r], want)) fail_msg("rank %d: '%s' lacks '%s'", r, res->msg[r], want);
+    }
+    free(res);
   }
-  free(res);
 }
 
 static void test_all_to_allv_faults(void **st) {
@@ -511,22 +518,14 @@ static void test_all_to_allv_faults(void **st) {
   free(res);
 }
 
-/* By reference: one rank copying against viewing ranks; worlds that refuse it (fault plan, copy_exchanges), where
- * dopt_sim_transport does not offer it, while a plain world's transport does. */
+/* By reference: worlds that refuse it (fault plan, copy_exchanges), where dopt_sim_transport does not offer it,
+ * while a plain world's transport does. */
 static void test_all_to_allv_view_rules(void **st) {
   (void)st;
   av_res *res = calloc(1, sizeof *res);
   assert_non_null(res);
-  res->view = 2;
-  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-  cfg.nranks = 3;
+  dopt_sim_config cfg;
   dopt_status s[MAX_RANKS];
-  st_run(&cfg, av_body, res, s, NULL, NULL);
-  for (int r = 0; r < 3; r++) {
-    assert_int_equal(s[r], DOPT_ERR_MISMATCH);
-    if (!strstr(res->msg[r], "by reference") || !strstr(res->msg[r], "copied"))
-      fail_msg("rank %d: '%s' does not name both kinds", r, res->msg[r]);
-  }
   dopt_sim_fault flip = {DOPT_SIM_FAULT_BITFLIP, 1, 0, 0, 2, 3};
   for (int k = 0; k < 3; k++) { /* a fault plan, copy_exchanges: refused on every rank; then a plain world */
     memset(res, 0, sizeof *res);
