@@ -1023,7 +1023,7 @@ static dopt_status all_to_allv(const void *send, const size_t *scounts, const si
   a.scounts = scounts;
   a.sdispls = sdispls;
   a.rcounts = rcounts;
-  a.rdispls = by_ref ? rcounts : rdispls; /* by reference: no receive buffer, rdispls unused */
+  a.rdispls = rdispls; /* by reference: NULL (no receive buffer) */
   a.views = by_ref ? views : NULL;
   check_common(&a, comm, 0, 0);
   const int n = comm->g->n;
@@ -1031,9 +1031,10 @@ static dopt_status all_to_allv(const void *send, const size_t *scounts, const si
     arg_fail(&a, DOPT_ERR_UNSUPPORTED,
              "all_to_allv by reference: not in a world with a fault plan, memops or copy_exchanges");
   if (by_ref && !views) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv by reference: views=NULL");
-  if (!scounts || !sdispls || !rcounts || !a.rdispls) /* reported to every rank before any count is read */
+  /* reported to every rank before any count is read */
+  if (!scounts || !sdispls || !rcounts || (!by_ref && !rdispls))
     arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: scounts=%p sdispls=%p rcounts=%p rdispls=%p must not be NULL",
-             (const void *)scounts, (const void *)sdispls, (const void *)rcounts, (const void *)a.rdispls);
+             (const void *)scounts, (const void *)sdispls, (const void *)rcounts, (const void *)rdispls);
   if (a.status == DOPT_OK) {
     int bad = 0;
     size_t esz = dopt_dtype_size(dt);

@@ -7,20 +7,11 @@
  * (several parts per rank, its own among them), at ZeRO 0 to 3 on tp 2 × dp 3
  * and tp 1 × dp 4; each dp communicator issued one release (a barrier) per
  * exchange when reading in place, none when copying, and the same exchanges. */
-#include "testutil.h"
+#include "simtest.h"
 
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "distopt/dist.h"
-#include "distopt/sim.h"
-
-#define TRY(expr)                \
-  do {                           \
-    dopt_status t_s_ = (expr);   \
-    if (t_s_ != DOPT_OK) return t_s_; \
-  } while (0)
 
 enum { NP = 4, MAXN = 128, MAXR = 6, MAXS = 2, STEPS = 3 };
 
@@ -51,12 +42,12 @@ static float grad_value(uint64_t seed) {
 static dopt_status body(dopt_sim_comm *world, int rank, void *user) {
   run *x = user;
   dopt_sim_comm *tpc, *dpc;
-  TRY(dopt_sim_comm_split_labeled(world, rank / x->tp, rank, "tp", &tpc));
-  TRY(dopt_sim_comm_split_labeled(world, rank % x->tp, rank, "dp", &dpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank / x->tp, rank, "tp", &tpc));
+  DOPT_TRY(dopt_sim_comm_split_labeled(world, rank % x->tp, rank, "dp", &dpc));
   const int tr = rank % x->tp, dr = rank / x->tp;
   float w[NP][MAXN];
   dopt_optim *o = NULL;
-  TRY(dopt_optim_create("adamw", "lr=1e-2,weight_decay=0.1", &o));
+  DOPT_TRY(dopt_optim_create("adamw", "lr=1e-2,weight_decay=0.1", &o));
   dopt_status s = DOPT_OK;
   for (int i = 0; i < NP && s == DOPT_OK; i++) {
     for (int k = 0; k < MAXN; k++) w[i][k] = 0.01f * (float)((k * 7 + i) % 13) - 0.05f;
@@ -125,11 +116,8 @@ static void launch(run *x) {
   sc.nranks = x->tp * x->dp;
   sc.timeout_ms = 60000;
   sc.copy_exchanges = x->copy;
-  dopt_sim_world *w;
-  assert_ok(dopt_sim_world_create(&sc, &w));
   dopt_status rs[MAXR];
-  (void)dopt_sim_launch(w, body, x, rs);
-  dopt_sim_world_destroy(w);
+  st_run(&sc, body, x, rs, NULL, NULL);
   for (int r = 0; r < sc.nranks; r++)
     if (rs[r] != DOPT_OK)
       fail_msg("tp%d dp%d zero%d bucket_one %d micro %d copy %d rank %d: %s: %s", x->tp, x->dp, x->zero,
