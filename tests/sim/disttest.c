@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "distopt/checkpoint.h"
 #include "distopt/device.h"
 #include "distopt/digest.h"
 #include "distopt/dist.h"
@@ -146,7 +147,9 @@ static float *dup_f32(const float *x, size_t n) {
   return y;
 }
 
-dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
+dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) { return dt_run_reference_from(c, dp, NULL, 1, r); }
+
+dopt_status dt_run_reference_from(const dt_case *c, int dp, const char *load_dir, int t_first, dt_result *r) {
   memset(r, 0, sizeof *r);
   float *data[DT_MAXP], *master[DT_MAXP], *avg[DT_MAXP], *acc[DT_MAXP], *g = NULL;
   uint16_t *work[DT_MAXP];
@@ -165,8 +168,14 @@ dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *r) {
   const size_t nc = (size_t)c->nparams * DOPT_NCOUNTERS;
   r->counts = calloc((size_t)(c->steps + 1) * nc + 1, sizeof *r->counts);
   dopt_status s = r->counts ? DOPT_OK : DOPT_ERR_NO_MEMORY;
+  if (s == DOPT_OK && load_dir) s = dopt_optim_load(o, load_dir);
+  for (int i = 0; s == DOPT_OK && load_dir && i < c->nparams; i++) { /* the loaded totals: row 0, the base */
+    dopt_counters k = DOPT_COUNTERS_INIT;
+    s = dopt_optim_counters(o, i, &k);
+    for (int q = 0; s == DOPT_OK && q < DOPT_NCOUNTERS; q++) r->counts[(size_t)i * DOPT_NCOUNTERS + (size_t)q] = k.total[q];
+  }
   double ss[DT_MAXP];
-  for (int t = 1; t <= c->steps && s == DOPT_OK; t++) {
+  for (int t = t_first; t <= c->steps && s == DOPT_OK; t++) {
     int bad = 0;
     for (int i = 0; i < c->nparams; i++) {
       size_t n = numel_of(&c->params[i]);

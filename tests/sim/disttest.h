@@ -141,6 +141,8 @@ const char *dt_plugin(const dt_layout *l);
 /* Runs the reference on the dp-average of the micro-batch gradients of dp
  * data-parallel ranks (their dp sum as dopt_dp_sum computes it). */
 dopt_status dt_run_reference(const dt_case *c, int dp, dt_result *out);
+/* The same, resumed: steps t_first..c->steps after dopt_optim_load(load_dir) (NULL, 1: dt_run_reference). */
+dopt_status dt_run_reference_from(const dt_case *c, int dp, const char *load_dir, int t_first, dt_result *out);
 /* Runs the distributed optimizer on tp·dp simulated ranks. */
 dopt_status dt_run_dist(const dt_case *c, const dt_layout *l, dt_result *out, char *err, size_t errcap);
 /* Steps t_first..t_last only, after loading a checkpoint (load_dir, or NULL)
