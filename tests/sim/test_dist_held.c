@@ -3,7 +3,9 @@
  * the all-gather's bytes; a bit flipped in one rank's copy of a replicated
  * piece (white box: the rank's own buffer) is found by every rank, at the
  * right rank, by name; a flipped bit in an unreplicated shard is not a
- * replica difference. */
+ * replica difference. Each case runs twice: with the simulator's exchanges by
+ * reference (the CPU device's copies compared in place with rank 0's) and
+ * copied (no views: compared by digest). */
 #include "testutil.h"
 
 #include <stdio.h>
@@ -19,6 +21,7 @@ typedef struct held_case {
   int zero;
   int bad_rank;      /* world rank whose copy is flipped (-1: none) */
   int param, entry;  /* the flipped piece: 0 fp32 values, 1 + k state k */
+  int last;          /* flip the held values' last byte (entry 0), not the first */
   int want_rank;     /* the answer (-1: none) */
   const char *want;  /* its name */
   /* per world rank: what it got */
@@ -90,7 +93,8 @@ static dopt_status body(dopt_sim_comm *world, int rank, void *user) {
   if (s == DOPT_OK && rank == x->bad_rank) {
     dist_param *p = &d->p[x->param];
     unsigned char *at = x->entry == 0 ? (unsigned char *)p->master : (unsigned char *)p->state[x->entry - 1];
-    at[0] ^= 0x01;
+    const size_t held = (p->master_sharded ? p->pc.len : p->lnumel) * sizeof(float); /* entry 0's bytes */
+    at[x->last ? held - 1 : 0] ^= 0x01;
   }
   if (s == DOPT_OK) s = dopt_dist_check_held(d, &x->rank[rank], &x->pidx[rank], x->name[rank], sizeof x->name[rank]);
   dopt_dist_destroy(d);
@@ -107,37 +111,44 @@ static void test_held(void **st) {
   const char *q8 = "adamw8bit", *q8hp = "lr=1e-2,min_8bit_size=16,block_size=64";
   held_case cases[] = {
       /* a shared block's absmax copy on rank 4 (not the rank of the block's first element, rank 0) */
-      {q8, q8hp, 1, 4, 0, 3, 4, "w/absmax1", {0}, {0}, {{0}}, 0},
-      {q8, q8hp, 3, 5, 0, 4, 5, "w/absmax2", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 1, 4, 0, 3, 0, 4, "w/absmax1", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 3, 5, 0, 4, 0, 5, "w/absmax2", {0}, {0}, {{0}}, 0},
       /* the first element's holder itself: every other holder differs from it, the lowest is named */
-      {q8, q8hp, 2, 0, 0, 3, 1, "w/absmax1", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 2, 0, 0, 3, 0, 1, "w/absmax1", {0}, {0}, {{0}}, 0},
       /* ZeRO 0: replicated over dp, and shared over tp */
-      {q8, q8hp, 0, 3, 0, 3, 3, "w/absmax1", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 0, 3, 0, 3, 0, 3, "w/absmax1", {0}, {0}, {{0}}, 0},
       /* the codes are a shard held once at ZeRO 2: not a replica difference */
-      {q8, q8hp, 2, 3, 0, 1, -1, "", {0}, {0}, {{0}}, 0},
-      {q8, q8hp, 2, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
-      {NULL, NULL, 1, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
-      {NULL, NULL, 0, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
-      {NULL, NULL, 3, -1, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 2, 3, 0, 1, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {q8, q8hp, 2, -1, 0, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, -1, 0, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 0, -1, 0, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, -1, 0, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
       /* ln's values (TP-replicated) on rank 3: differs from rank 2 (tp) and rank 1 (dp) */
-      {NULL, NULL, 1, 3, 1, 0, 3, "ln", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, 3, 1, 0, 0, 3, "ln", {0}, {0}, {{0}}, 0},
       /* w's values (replicated over dp below ZeRO-3) on rank 4 */
-      {NULL, NULL, 1, 4, 0, 0, 4, "w", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, 4, 0, 0, 0, 4, "w", {0}, {0}, {{0}}, 0},
       /* a factored statistic, the logical state on every rank, on rank 5 */
-      {NULL, NULL, 2, 5, 0, 1, 5, "w/exp_avg_sq_row", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 2, 5, 0, 1, 0, 5, "w/exp_avg_sq_row", {0}, {0}, {{0}}, 0},
       /* an elementwise state at ZeRO 0 (replicated over dp) on rank 2 */
-      {NULL, NULL, 0, 2, 1, 1, 2, "ln/exp_avg_sq", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 0, 2, 1, 1, 0, 2, "ln/exp_avg_sq", {0}, {0}, {{0}}, 0},
       /* ZeRO 3: w's values are a shard held once: not a replica difference */
-      {NULL, NULL, 3, 4, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, 4, 0, 0, 0, -1, "", {0}, {0}, {{0}}, 0},
       /* ZeRO 3: ln's shard is held by both TP ranks of its dp rank */
-      {NULL, NULL, 3, 3, 1, 0, 3, "ln", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, 3, 1, 0, 0, 3, "ln", {0}, {0}, {{0}}, 0},
       /* dp rank 0 itself (rank 0): the others of its dp group differ from it, the lowest is named */
-      {NULL, NULL, 1, 0, 0, 0, 2, "w", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 1, 0, 0, 0, 0, 2, "w", {0}, {0}, {{0}}, 0},
+      /* the last byte of a replicated copy: compared to the end (ZeRO 1: w's values whole; ZeRO 3: ln's shard) */
+      {NULL, NULL, 1, 4, 0, 0, 1, 4, "w", {0}, {0}, {{0}}, 0},
+      {NULL, NULL, 3, 3, 1, 0, 1, 3, "ln", {0}, {0}, {{0}}, 0},
   };
-  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-    held_case *x = &cases[c];
+  for (size_t c = 0; c < 2 * (sizeof cases / sizeof cases[0]); c++) {
+    held_case *x = &cases[c / 2];
+    memset(x->rank, 0, sizeof x->rank);
+    memset(x->name, 0, sizeof x->name);
+    x->gathers_equal = 0;
     dopt_sim_config sc = DOPT_SIM_CONFIG_INIT;
     sc.nranks = NR;
+    sc.copy_exchanges = (int)(c % 2); /* no views: digests */
     sc.timeout_ms = 20000;
     dopt_sim_world *w;
     assert_ok(dopt_sim_world_create(&sc, &w));
@@ -146,8 +157,9 @@ static void test_held(void **st) {
     for (int r = 0; r < NR; r++) {
       if (rs[r] != DOPT_OK) fail_msg("case %zu rank %d: %s", c, r, dopt_sim_world_rank_error(w, r));
       if (x->rank[r] != x->want_rank || (x->want_rank >= 0 && strcmp(x->name[r], x->want) != 0))
-        fail_msg("case %zu (zero %d, rank %d's %s): rank %d got rank %d '%s', want %d '%s'", c, x->zero, x->bad_rank,
-                 x->want, r, x->rank[r], x->name[r], x->want_rank, x->want);
+        fail_msg("case %zu (zero %d, rank %d's %s, %s): rank %d got rank %d '%s', want %d '%s'", c / 2, x->zero,
+                 x->bad_rank, x->want, c % 2 ? "copied: digests" : "in place", r, x->rank[r], x->name[r],
+                 x->want_rank, x->want);
       if (x->want_rank >= 0 && x->pidx[r] != x->param) fail_msg("case %zu rank %d: param %d", c, r, x->pidx[r]);
     }
     if (!x->gathers_equal) fail_msg("case %zu (zero %d): the lead's gathers differ from the all-gathers", c, x->zero);
