@@ -231,7 +231,10 @@ DOPT_API int dopt_dist_is_lead(const dopt_dist_optim *d);
  * elementwise everywhere, elementwise ones at ZeRO 0 over dp) against the same
  * piece on DP rank 0 and on TP rank 0, by SHA-256 of the held bytes: one
  * digest per held piece (the owner-mode states, held once, are not compared)
- * and two broadcasts of the digests, no logical-size buffer. On return, on
+ * and two broadcasts of the digests, no logical-size buffer. Where a group's
+ * transport reads by reference (all_to_allv_view: one address space) and the
+ * device is the CPU, that group compares the held bytes themselves with
+ * memcmp against its rank 0's, digesting nothing. On return, on
  * every rank: *rank the lowest world rank ((stage · dp + dp rank) · tp + tp rank) whose copy
  * differs (-1: none), *param its parameter and name (cap bytes) "p", "p/bf16"
  * or "p/<state key>". [C] */
