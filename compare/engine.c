@@ -1387,6 +1387,8 @@ static dopt_status rank_run(run_ctx *x, int rank, const rank_groups *rg) {
     if (st == DOPT_OK && last) st = dopt_digest_create(&dg);
     if (st == DOPT_OK && last) st = dopt_digest_create(&rdg);
     int ti = 0;
+    /* lead mode on the simulator: the lead reads every rank's pieces in place, no collective per tensor */
+    if (st == DOPT_OK) st = dopt_dist_gather_begin(d);
     for (int i = 0; i < np && st == DOPT_OK; i++) {
       st = dopt_dist_gather_param(d, i, got);
       if (st == DOPT_OK && lead) measure(&r->t[ti], t, rdata[i], got, s->numel[i]);
@@ -1465,6 +1467,10 @@ static dopt_status rank_run(run_ctx *x, int rank, const rank_groups *rg) {
         r->counter_dist = ds;
       }
       if (st == DOPT_OK && last) st = digest_steps(ds, rs, s->p[i].name, dg, rdg);
+    }
+    { /* after a failure too: the other ranks wait in its releases */
+      const dopt_status se = dopt_dist_gather_end(d);
+      if (st == DOPT_OK) st = se;
     }
     /* every rank's copies against the other holders' (the lead compared its gathered ones with the
      * reference): each held piece by digest, then the step counters against rank 0's */

@@ -223,6 +223,7 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
 
 dopt_status dopt_dist_load(dopt_dist_optim *d, const dopt_optim *plain, const char *path) {
   DOPT_CHECK_ARG(d && plain && path, "dopt_dist_load: NULL argument");
+  if (d->batch) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_load: inside dopt_dist_gather_begin/end (call end first)");
   dopt_ckpt_reader *r = NULL;
   dopt_ckpt_meta *live = NULL;
   const dopt_ckpt_meta *saved = NULL;

@@ -164,6 +164,12 @@ struct dopt_dist_optim {
   int *xlist, *xord; /* [np] a batch of owned parameters; one owner row's of them in exchange order */
   int gather_lead;  /* DOPT_DIST_GATHER_LEAD: gathers deliver to the lead only (gather.c; set_gather
                      * checked that both transports have all_to_allv) */
+  int batch;        /* between dopt_dist_gather_begin and _end, read in place: the lead's gathers copy from
+                     * the ranks' pieces where they lie (gather.c) */
+  int bstride;      /* entries per parameter in bmine: 0 values, 1 bf16 copy, 2 + k state k */
+  uint64_t *bmine;  /* host [np · bstride]: where this rank holds each entry (its shard, or the whole block) */
+  uint64_t *bpeer;  /* host [dp]: on dp rank 0, where each dp rank's bmine lies */
+  uint64_t *btp;    /* host [tp]: on the lead, where each tp rank's bpeer lies */
   void *gdev[2];    /* device scratch of gathers (kept: no allocation, no page faults per call) */
   size_t gdev_cap[2];
   unsigned char *ghost[3]; /* host scratch: gathers, loads and checkpoints (0, 1); a stage lead's gather (2) */
@@ -294,8 +300,9 @@ void dd_row_units(const dopt_dist_optim *d, const dist_param *p, int row, size_t
 
 /* ---- gather.c ----------------------------------------------------------------------------- */
 
-dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
+dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, int entry, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out);
+void dd_gather_batch_free(dopt_dist_optim *d);
 dopt_status dd_gather_blocks(dopt_dist_optim *d, const dist_param *p, int k, float *out);
 
 #endif

@@ -110,11 +110,122 @@ static dopt_status assemble_tp(dopt_dist_optim *d, const dist_param *p, const un
   return DOPT_OK;
 }
 
+/* ---- lead-mode gathers read in place (dopt_dist_gather_begin / _end) ---- */
+
+static int in_place(const dopt_dist_optim *d, const dopt_transport *t);
+
+/* Elements [lo, lo + len) of TP rank r's block of p (flat in its [b, hl, wl]; a TP-replicated tensor's: the
+ * whole [b, h, w]), read at x, into their places in the logical out [b, h, w], row run by row run. */
+static void place_run(const dopt_dist_optim *d, const dist_param *p, int r, const unsigned char *x, size_t lo,
+                      size_t len, size_t elem, unsigned char *out) {
+  const dopt_piece *pc = &p->pc;
+  size_t h0 = 0, hl = pc->h, w0 = 0, wl = pc->w;
+  if (p->role != DOPT_TP_REPLICATED) dd_tp_block(p, d->tp.size, r, &h0, &hl, &w0, &wl);
+  for (size_t j = lo, left = wl ? len : 0; left;) { /* element j: batch j / (hl · wl), row j / wl % hl, column j % wl */
+    const size_t col = j % wl, run = wl - col < left ? wl - col : left, bi = j / (hl * wl), row = j / wl % hl;
+    memcpy(out + ((bi * pc->h + h0 + row) * pc->w + w0 + col) * elem, x, run * elem);
+    x += run * elem, j += run, left -= run;
+  }
+}
+
+/* Inside the bracket: the lead copies entry `entry` of p from every rank that holds a part of it (sharded: the
+ * shard of each (tp rank, dp rank), dd_shard; else each tp rank's dp rank 0's whole block) into out; a
+ * TP-replicated tensor from tp rank 0's only. The other ranks do nothing. */
+static dopt_status gather_batched(dopt_dist_optim *d, const dist_param *p, int entry, int sharded, size_t elem,
+                                  unsigned char *out) {
+  if (!dopt_dist_is_lead(d) || !out) return DOPT_OK;
+  const int T = p->role == DOPT_TP_REPLICATED ? 1 : d->tp.size, D = sharded ? d->dp.size : 1;
+  for (int r = 0; r < T; r++) {
+    const uint64_t *peer = (const uint64_t *)(uintptr_t)d->btp[r];
+    for (int q = 0; q < D; q++) {
+      const uint64_t *tab = (const uint64_t *)(uintptr_t)peer[q];
+      const unsigned char *x = (const unsigned char *)(uintptr_t)tab[(size_t)(p - d->p) * (size_t)d->bstride + (size_t)entry];
+      size_t lo = 0, len, h0, hl, w0, wl;
+      if (sharded) dd_shard(d, p, r, (size_t)q, &lo, &len);
+      else if (p->role == DOPT_TP_REPLICATED) len = p->lnumel;
+      else dd_tp_block(p, d->tp.size, r, &h0, &hl, &w0, &wl), len = p->pc.b * hl * wl;
+      if (len) place_run(d, p, r, x, lo, len, elem, out);
+    }
+  }
+  return DOPT_OK;
+}
+
+void dd_gather_batch_free(dopt_dist_optim *d) {
+  free(d->bmine), free(d->bpeer), free(d->btp);
+  d->bmine = d->bpeer = d->btp = NULL;
+  d->batch = 0;
+}
+
+/* Every rank's table of where it holds each entry (bmine) to dp rank 0 by reference (bpeer: their addresses),
+ * every dp rank 0's bpeer to the lead by reference (btp). The tables and the pieces stay unchanged until end. */
+dopt_status dopt_dist_gather_begin(dopt_dist_optim *d) {
+  DOPT_CHECK_ARG(d != NULL, "dopt_dist_gather_begin: d=NULL");
+  if (d->batch) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_gather_begin: already inside a begin/end bracket");
+  const int on = d->gather_lead && HOST_MEM(d) && d->pp.size == 1 && d->ep.size == 1 &&
+                 (d->dp.size == 1 || in_place(d, &d->dp)) && (d->tp.size == 1 || in_place(d, &d->tp));
+  if (!on) return DOPT_OK;
+  int S = 2;
+  for (int i = 0; i < d->np; i++) S = 2 + d->p[i].nstates > S ? 2 + d->p[i].nstates : S;
+  const size_t n = (size_t)d->np * (size_t)S, D = (size_t)d->dp.size, T = (size_t)d->tp.size;
+  d->bstride = S;
+  d->bmine = calloc(n ? n : 1, sizeof *d->bmine);
+  d->bpeer = calloc(D, sizeof *d->bpeer);
+  d->btp = calloc(T, sizeof *d->btp);
+  if (!d->bmine || !d->bpeer || !d->btp) {
+    dd_gather_batch_free(d);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_gather_begin: %zu entries", n);
+  }
+  for (int i = 0; i < d->np; i++) {
+    const dist_param *p = &d->p[i];
+    uint64_t *e = d->bmine + (size_t)i * (size_t)S;
+    e[0] = (uint64_t)(uintptr_t)p->master, e[1] = (uint64_t)(uintptr_t)p->work;
+    for (int k = 0; k < p->nstates; k++) e[2 + k] = (uint64_t)(uintptr_t)p->state[k];
+  }
+  size_t *c = d->xc;
+  dopt_status s = DOPT_OK;
+  if (D > 1) { /* every dp rank's table address to dp rank 0 */
+    memset(c, 0, 3 * D * sizeof *c);
+    c[0] = n;
+    for (size_t q = 0; d->dp.rank == 0 && q < D; q++) c[2 * D + q] = n;
+    s = d->dp.ops->all_to_allv_view(d->dp.comm, d->bmine, c, c + D, d->views, c + 2 * D, DOPT_I64);
+    for (size_t q = 0; s == DOPT_OK && d->dp.rank == 0 && q < D; q++) d->bpeer[q] = (uint64_t)(uintptr_t)d->views[q];
+  } else {
+    d->bpeer[0] = (uint64_t)(uintptr_t)d->bmine;
+  }
+  if (s == DOPT_OK && d->dp.rank == 0 && T > 1) { /* every dp rank 0's bpeer to the lead */
+    memset(c, 0, 3 * T * sizeof *c);
+    c[0] = D;
+    for (size_t r = 0; d->tp.rank == 0 && r < T; r++) c[2 * T + r] = D;
+    s = d->tp.ops->all_to_allv_view(d->tp.comm, d->bpeer, c, c + T, d->views, c + 2 * T, DOPT_I64);
+    for (size_t r = 0; s == DOPT_OK && d->tp.rank == 0 && r < T; r++) d->btp[r] = (uint64_t)(uintptr_t)d->views[r];
+  } else if (s == DOPT_OK && d->dp.rank == 0) {
+    d->btp[0] = (uint64_t)(uintptr_t)d->bpeer;
+  }
+  if (s != DOPT_OK) {
+    dd_gather_batch_free(d);
+    return s;
+  }
+  d->batch = 1;
+  return DOPT_OK;
+}
+
+/* The releases in the order of the exchanges' nesting: tp among the dp ranks 0 (the lead has copied), then dp. */
+dopt_status dopt_dist_gather_end(dopt_dist_optim *d) {
+  DOPT_CHECK_ARG(d != NULL, "dopt_dist_gather_end: d=NULL");
+  if (!d->batch) return DOPT_OK;
+  dopt_status s = DOPT_OK;
+  if (d->dp.rank == 0 && d->tp.size > 1) s = d->tp.ops->view_release(d->tp.comm);
+  if (s == DOPT_OK && d->dp.size > 1) s = d->dp.ops->view_release(d->dp.comm);
+  dd_gather_batch_free(d);
+  return s;
+}
+
 /* The logical tensor on every rank (collective); out NULL: this rank only
  * takes part. */
-dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, const void *src, int sharded, size_t elem,
+dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, int entry, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out) {
   unsigned char *mine = NULL;
+  if (d->batch) return gather_batched(d, p, entry, sharded, elem, out);
   if (d->gather_lead && dd_dpg(d, p)->rank != 0) return gather_tp_local(d, p, src, sharded, elem, dt, NULL); /* sends only */
   /* [lnumel]; in host memory also what is received into it and sent from it: [padded] shards, the largest
    * TP block */
@@ -196,8 +307,8 @@ dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int i, const char *key, v
 
 static dopt_status gather_in_stage(dopt_dist_optim *d, int i, int what, const char *key, void *out) {
   dist_param *p = &d->p[i];
-  if (what == G_PARAM) return dd_gather(d, p, p->master, p->master_sharded, sizeof(float), DOPT_F32, out);
-  if (what == G_WORK) return dd_gather(d, p, p->work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
+  if (what == G_PARAM) return dd_gather(d, p, 0, p->master, p->master_sharded, sizeof(float), DOPT_F32, out);
+  if (what == G_WORK) return dd_gather(d, p, 1, p->work, d->zero == 3, sizeof(uint16_t), DOPT_BF16, out);
   for (int k = 0; k < p->nstates; k++) {
     if (strcmp(p->spec[k].v.name, key) != 0) continue;
     if (p->owned) { /* on the owners: each one's units broadcast from it (one unit: the whole state) */
@@ -223,7 +334,7 @@ static dopt_status gather_in_stage(dopt_dist_optim *d, int i, int what, const ch
     if (p->spec[k].kind == DOPT_STATE_BLOCKWISE) return dd_gather_blocks(d, p, k, out);
     if (p->spec[k].kind == DOPT_STATE_WHOLE)
       return out ? DEV(d)->download(DCTX(d), out, p->state[k], p->spec[k].v.bytes) : DOPT_OK;
-    return dd_gather(d, p, p->state[k], d->zero >= 1, dopt_dtype_size(dt), dt, out);
+    return dd_gather(d, p, 2 + k, p->state[k], d->zero >= 1, dopt_dtype_size(dt), dt, out);
   }
   return dopt__fail(DOPT_ERR_NOT_FOUND, "dopt_dist_gather_state: '%s' has no state '%s'", p->name, key);
 }

@@ -100,6 +100,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->xr) DEV(d)->free(DCTX(d), d->xr);
   free(d->xc);
   free(d->views);
+  dd_gather_batch_free(d);
   free(d->xoff);
   free(d->xlist);
   free(d->xord);

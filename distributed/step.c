@@ -338,6 +338,7 @@ static dopt_status stages_steps(dopt_dist_optim *d) {
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
+  if (d->batch) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: inside dopt_dist_gather_begin/end (call end first)");
   dopt_dist_step_info local = {0, -1.0, d->micro};
   int64_t bad;
   for (int i = 0; i < d->np; i++) memset(d->p[i].cnt_last, 0, sizeof d->p[i].cnt_last);

@@ -223,6 +223,20 @@ DOPT_API dopt_status dopt_dist_gather_state(dopt_dist_optim *d, int param, const
  * otherwise, the mode unchanged); owner-mode states still reach every rank. */
 enum { DOPT_DIST_GATHER_ALL = 0, DOPT_DIST_GATHER_LEAD = 1 };
 DOPT_API dopt_status dopt_dist_set_gather(dopt_dist_optim *d, int mode);
+/* A run of lead-mode gathers read in place (called on every rank: collective).
+ * Where the device is the CPU and the TP and DP transports read by reference
+ * (all_to_allv_view: the simulator), without pipeline stages or expert
+ * parallelism, begin hands the lead a table of where every rank holds each
+ * parameter's fp32 values, bf16 copy and elementwise states (one exchange of
+ * addresses over dp, then over tp); the gathers until end then copy each
+ * piece once, from where it lies, into the lead's out and are no collective
+ * (the other ranks return at once; blockwise and owner-mode states stay
+ * collective); end releases the pieces (one barrier per group). In between
+ * nothing may change what the ranks hold (dopt_dist_step and dopt_dist_load
+ * fail with DOPT_ERR_STATE). Elsewhere, and in DOPT_DIST_GATHER_ALL mode, both
+ * return at once and every gather stays its own collective. [C] */
+DOPT_API dopt_status dopt_dist_gather_begin(dopt_dist_optim *d);
+DOPT_API dopt_status dopt_dist_gather_end(dopt_dist_optim *d);
 /* 1 on the lead (TP rank 0 and DP rank 0 of stage 0: world rank 0), else 0. */
 DOPT_API int dopt_dist_is_lead(const dopt_dist_optim *d);
 /* The replica check on what each rank holds: every piece that several ranks

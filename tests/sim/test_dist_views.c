@@ -6,7 +6,12 @@
  * of all tensors (from their pack buffers) and batch-invariant micro-batches
  * (several parts per rank, its own among them), at ZeRO 0 to 3 on tp 2 × dp 3
  * and tp 1 × dp 4; each dp communicator issued one release (a barrier) per
- * exchange when reading in place, none when copying, and the same exchanges. */
+ * exchange when reading in place, none when copying, and the same exchanges.
+ * Then the same tensors gathered to the lead inside dopt_dist_gather_begin/end:
+ * read in place, one exchange and one release per dp communicator for the
+ * whole run of gathers (none per tensor) and a step refused inside; copied,
+ * the bracket does nothing and each gather is a collective; either way the
+ * lead's tensors byte-equal rank 0's gathered to every rank. */
 #include "simtest.h"
 
 #include <string.h>
@@ -14,6 +19,7 @@
 #include "distopt/dist.h"
 
 enum { NP = 4, MAXN = 128, MAXR = 6, MAXS = 2, STEPS = 3 };
+static const char *const KEYS[] = {"exp_avg", "exp_avg_sq"}; /* AdamW's states (MAXS) */
 
 static const struct {
   const char *name;
@@ -29,7 +35,10 @@ typedef struct run {
   int tp, dp, zero, bucket_one, micro, copy; /* bucket_one: a bucket per tensor; micro > 1: batch invariant */
   /* per world rank */
   float param[MAXR][NP][MAXN], state[MAXR][NP][MAXS][MAXN];
+  float lparam[NP][MAXN], lstate[NP][MAXS][MAXN]; /* gathered to the lead inside the bracket */
   uint64_t a2a[MAXR], barriers[MAXR];
+  uint64_t la2a[MAXR], lbarriers[MAXR]; /* the dp communicator's during the bracket */
+  int refused[MAXR];                    /* a step inside the bracket: its status */
   int held_rank[MAXR];
   char msg[MAXR][256];
 } run;
@@ -95,16 +104,36 @@ static dopt_status body(dopt_sim_comm *world, int rank, void *user) {
   x->a2a[rank] = st.ops[DOPT_SIM_KIND_ALL_TO_ALLV], x->barriers[rank] = st.ops[DOPT_SIM_KIND_BARRIER];
   for (int i = 0; i < NP && s == DOPT_OK; i++) {
     s = dopt_dist_gather_param(d, i, x->param[rank][i]);
-    for (int k = 0; k < dopt_optim_num_states(o, i) && k < MAXS && s == DOPT_OK; k++) {
-      dopt_state_view v;
-      s = dopt_optim_state(o, i, k, &v);
-      if (s == DOPT_OK && v.bytes > sizeof x->state[rank][i][k]) s = DOPT_ERR_SHAPE;
-      if (s == DOPT_OK) s = dopt_dist_gather_state(d, i, v.name, x->state[rank][i][k]);
+    for (int k = 0; k < MAXS && s == DOPT_OK; k++) {
+      size_t bytes = 0;
+      s = dopt_dist_state_bytes(d, i, KEYS[k], &bytes);
+      if (s == DOPT_OK && bytes > sizeof x->state[rank][i][k]) s = DOPT_ERR_SHAPE;
+      if (s == DOPT_OK) s = dopt_dist_gather_state(d, i, KEYS[k], x->state[rank][i][k]);
     }
   }
   int pidx;
   char name[64];
   if (s == DOPT_OK) s = dopt_dist_check_held(d, &x->held_rank[rank], &pidx, name, sizeof name);
+  /* the lead's gathers inside the bracket (the others pass NULL) */
+  const int lead = dopt_dist_is_lead(d);
+  dopt_sim_stats s0 = DOPT_SIM_STATS_INIT, s1 = DOPT_SIM_STATS_INIT;
+  if (s == DOPT_OK) s = dopt_dist_set_gather(d, DOPT_DIST_GATHER_LEAD);
+  if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &s0);
+  /* in place: a gradient pending, so that only the bracket stops the step inside it */
+  static const float zeros[MAXN];
+  const float *zp[NP] = {zeros, zeros, zeros, zeros};
+  if (s == DOPT_OK && !x->copy) s = dopt_dist_backward(d, zp);
+  if (s == DOPT_OK) s = dopt_dist_gather_begin(d);
+  if (s == DOPT_OK && !x->copy) x->refused[rank] = dopt_dist_step(d, NULL);
+  for (int i = 0; i < NP && s == DOPT_OK; i++) {
+    s = dopt_dist_gather_param(d, i, lead ? x->lparam[i] : NULL);
+    for (int k = 0; k < MAXS && s == DOPT_OK; k++)
+      s = dopt_dist_gather_state(d, i, KEYS[k], lead ? x->lstate[i][k] : NULL);
+  }
+  if (s == DOPT_OK) s = dopt_dist_gather_end(d);
+  if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &s1);
+  x->la2a[rank] = s1.ops[DOPT_SIM_KIND_ALL_TO_ALLV] - s0.ops[DOPT_SIM_KIND_ALL_TO_ALLV];
+  x->lbarriers[rank] = s1.ops[DOPT_SIM_KIND_BARRIER] - s0.ops[DOPT_SIM_KIND_BARRIER];
   if (s != DOPT_OK) snprintf(x->msg[rank], sizeof x->msg[rank], "%s", dopt_last_error());
   dopt_dist_destroy(d);
   dopt_optim_destroy(o);
@@ -156,7 +185,28 @@ static void test_views_equal_copies(void **st) {
                      v->tp, v->dp, zero, shape, r, (unsigned long long)v->a2a[r], (unsigned long long)c->a2a[r],
                      (unsigned long long)v->barriers[r], (unsigned long long)c->barriers[r]);
         }
+        /* the lead's bracketed gathers: rank 0's tensors, both ways */
+        if (memcmp(v->lparam, v->param[0], sizeof v->lparam) != 0 || memcmp(v->lstate, v->state[0], sizeof v->lstate) != 0 ||
+            memcmp(c->lparam, c->param[0], sizeof c->lparam) != 0 || memcmp(c->lstate, c->state[0], sizeof c->lstate) != 0)
+          fail_msg("tp%d dp%d zero%d shape %d: the lead's gathers in a bracket differ from rank 0's gathered to all "
+                   "(in place %d, copied %d)",
+                   v->tp, v->dp, zero, shape,
+                   memcmp(v->lparam, v->param[0], sizeof v->lparam) || memcmp(v->lstate, v->state[0], sizeof v->lstate),
+                   memcmp(c->lparam, c->param[0], sizeof c->lparam) || memcmp(c->lstate, c->state[0], sizeof c->lstate));
+        for (int r = 0; r < nr; r++) {
+          /* in place: one exchange of tables and one release per dp communicator, a step refused; copied: at
+           * least one exchange (a sharded tensor's gather), no release */
+          const uint64_t one = v->dp > 1;
+          if (v->la2a[r] != one || v->lbarriers[r] != one || v->refused[r] != DOPT_ERR_STATE || c->lbarriers[r] != 0 ||
+              (zero >= 1 && c->la2a[r] == 0))
+            fail_msg("tp%d dp%d zero%d shape %d: rank %d in the bracket: dp exchanges %llu, releases %llu, step %s "
+                     "(copied: %llu, %llu)",
+                     v->tp, v->dp, zero, shape, r, (unsigned long long)v->la2a[r], (unsigned long long)v->lbarriers[r],
+                     dopt_status_name((dopt_status)v->refused[r]), (unsigned long long)c->la2a[r],
+                     (unsigned long long)c->lbarriers[r]);
+        }
         assert_true(v->param[0][0][0] != -0.05f); /* w1[0] moved from its initial value */
+        assert_true(v->state[0][0][1][0] > 0.0f); /* w1[0]'s exp_avg_sq gathered (g != 0) */
         cases++;
       }
   assert_int_equal(cases, 24);
