@@ -259,6 +259,12 @@ static dopt_status gather_exact(dopt_dist_optim *d, dist_param *p) {
   return d->dp.ops->all_to_allv(d->dp.comm, d->pack, sc, sd, w, rc, rd, DOPT_U8);
 }
 
+/* The all-gather reads the other ranks' shards where they lie (all_gather_view, the simulator's threads) where the
+ * device's buffers are host memory; views [xn] hold a group's size. */
+static int by_ref(const dopt_dist_optim *d, const dopt_transport *g) {
+  return g->ops->all_gather_view && g->ops->view_release && DEV(d)->host_chunk && (size_t)g->size <= d->xn;
+}
+
 static dopt_status gather_weights(dopt_dist_optim *d) {
   for (int i = 0; i < d->np; i++)
     if (dd_ep_stack(d, &d->p[i]) && !d->skip[i] && !d->p[i].owned && d->dp.size > 1)
@@ -275,13 +281,21 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
     size_t T = 0, es;
     for (int i = b0; i < b1; i++)
       if (gathers(d, i)) n++, last = i, (void)weights_of(&d->p[i], &es), T += d->p[i].chunk * es;
-    if (n == 1) { /* in place */
+    if (n == 1 && by_ref(d, g)) { /* each other rank's shard read where it lies, in its weights */
+      unsigned char *w = weights_of(&d->p[last], &es);
+      const size_t cb = d->p[last].chunk * es;
+      DOPT_TRY(g->ops->all_gather_view(g->comm, w + me * cb, d->views, cb, DOPT_U8));
+      for (size_t q = 0; q < D; q++)
+        if (q != me && cb) memcpy(w + q * cb, d->views[q], cb);
+      DOPT_TRY(g->ops->view_release(g->comm));
+    } else if (n == 1) { /* in place */
       unsigned char *w = weights_of(&d->p[last], &es);
       DOPT_TRY(g->ops->all_gather(g->comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));
     } else if (n > 1) {
       unsigned char *pack = NULL, *all = NULL;
+      const int view = by_ref(d, g); /* the other ranks' packs read where they lie: no copy into parts */
       DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, T));
-      DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, D * T));
+      if (!view) DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, D * T));
       pack = (unsigned char *)d->pack, all = (unsigned char *)d->parts;
       size_t at = 0;
       for (int i = b0; i < b1; i++) {
@@ -291,16 +305,20 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
         DOPT_TRY(DEV(d)->copy(DCTX(d), pack + at, w + me * p->chunk * es, p->chunk * es));
         at += p->chunk * es;
       }
-      DOPT_TRY(g->ops->all_gather(g->comm, pack, all, T, DOPT_U8));
+      if (view) DOPT_TRY(g->ops->all_gather_view(g->comm, pack, d->views, T, DOPT_U8));
+      else DOPT_TRY(g->ops->all_gather(g->comm, pack, all, T, DOPT_U8));
       at = 0;
       for (int i = b0; i < b1; i++) {
         const dist_param *p = &d->p[i];
         if (!gathers(d, i)) continue;
         unsigned char *w = weights_of(p, &es);
         for (size_t q = 0; q < D; q++)
-          if (q != me) DOPT_TRY(DEV(d)->copy(DCTX(d), w + q * p->chunk * es, all + q * T + at, p->chunk * es));
+          if (q != me)
+            DOPT_TRY(DEV(d)->copy(DCTX(d), w + q * p->chunk * es,
+                                  view ? (const unsigned char *)d->views[q] + at : all + q * T + at, p->chunk * es));
         at += p->chunk * es;
       }
+      if (view) DOPT_TRY(g->ops->view_release(g->comm));
     }
     b0 = b1;
   }

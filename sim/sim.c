@@ -71,6 +71,9 @@ static void sig_format(const sim_sig *s, char *buf, size_t len) {
   case DOPT_SIM_KIND_ALL_TO_ALLV:
     snprintf(buf, len, "%s(%s,%s)", k, s->view ? "by reference" : "copied", dt);
     break;
+  case DOPT_SIM_KIND_ALL_GATHER:
+    snprintf(buf, len, "%s(count=%zu,%s%s)", k, s->count, dt, s->view ? ",by reference" : "");
+    break;
   default:
     snprintf(buf, len, "%s(count=%zu,%s)", k, s->count, dt);
     break;
@@ -875,6 +878,10 @@ static dopt_status run_data(sim_call *k, const sim_arrival *a) {
     dopt__sim_reduce(k->w->mem, dt, op, recv, deposited_sends(k), n, order_start(k, i), (size_t)i * cnt, cnt);
     break;
   case DOPT_SIM_KIND_ALL_GATHER:
+    if (a->views) { /* by reference: where rank j's elements are */
+      for (int j = 0; j < n; j++) a->views[j] = cnt ? arr[j].send : NULL;
+      break;
+    }
     for (int j = 0; j < n; j++)
       dopt__sim_copy(k->w->mem, recv + (size_t)j * blk, arr[j].send, blk);
     break;
@@ -980,6 +987,21 @@ dopt_status dopt_sim_reduce_scatter(const void *send, void *recv, size_t recvcou
 dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount, dopt_dtype dt,
                                 dopt_sim_comm *comm) {
   return collective(comm, DOPT_SIM_KIND_ALL_GATHER, send, recv, sendcount, dt, -1, -1);
+}
+
+dopt_status dopt_sim_all_gather_view(const void *send, const void **views, size_t sendcount, dopt_dtype dt,
+                                     dopt_sim_comm *comm) {
+  sim_call k;
+  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_GATHER));
+  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_GATHER, send, NULL, sendcount, dt, -1, -1);
+  a.sig.view = 1;
+  a.views = views;
+  check_common(&a, comm, 1, 0);
+  if (!comm->g->w->views_ok)
+    arg_fail(&a, DOPT_ERR_UNSUPPORTED, "all_gather by reference: not in a world with a fault plan, memops or copy_exchanges");
+  if (!views) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather by reference: views=NULL");
+  check_ptr(&a, send, "send");
+  return run_collective(&k, &a);
 }
 
 dopt_status dopt_sim_broadcast(const void *send, void *recv, size_t count, dopt_dtype dt,

@@ -241,6 +241,14 @@ DOPT_API dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scount
 DOPT_API dopt_status dopt_sim_all_to_allv_view(const void *send, const size_t *scounts, const size_t *sdispls,
                                                const void **views, const size_t *rcounts, dopt_dtype dt,
                                                dopt_sim_comm *comm);
+/* all_gather by reference (the transport's all_gather_view): the checks,
+ * accounting and log entry of dopt_sim_all_gather, but nothing is copied:
+ * views[j] (an array of the group's size) receives rank j's send (NULL where
+ * sendcount is 0). The same release rule and refusals as
+ * dopt_sim_all_to_allv_view; a rank calling the copying all_gather against
+ * this one is a mismatch. */
+DOPT_API dopt_status dopt_sim_all_gather_view(const void *send, const void **views, size_t sendcount, dopt_dtype dt,
+                                              dopt_sim_comm *comm);
 /* Point to point, matched by (peer, order). send is eager: it copies the data
  * and returns; recv blocks (bounded by the timeout). A count/dtype mismatch
  * is reported by recv (DOPT_ERR_MISMATCH). */

@@ -74,6 +74,12 @@ typedef struct dopt_transport_ops {
   dopt_status (*all_to_allv_view)(void *comm, const void *send, const size_t *scounts, const size_t *sdispls,
                                   const void **views, const size_t *rcounts, dopt_dtype dt);
   dopt_status (*view_release)(void *comm);
+  /* Optional, appended in 0.4.0, under the same conditions: all_gather by reference. views (a host array of the
+   * group's size) receives, for every rank r, the address of rank r's send buffer (sendcount elements; NULL
+   * where sendcount is 0); nothing is copied. Accounted as the all_gather it replaces; the views are read, and
+   * every rank's send buffer stays unchanged, until the group's view_release. NULL: distributed/ uses
+   * all_gather. */
+  dopt_status (*all_gather_view)(void *comm, const void *send, const void **views, size_t sendcount, dopt_dtype dt);
 } dopt_transport_ops;
 
 typedef struct dopt_transport {

@@ -1,12 +1,14 @@
-/* The exact dp sum's exchange read in place (the transport's all_to_allv_view,
- * which the simulator offers on host buffers) against the same runs with every
+/* The exact dp sum's exchange and the parameters' all-gather read in place (the
+ * transport's all_to_allv_view and all_gather_view, which the simulator offers
+ * on host buffers) against the same runs with every
  * exchange copied (dopt_sim_config.copy_exchanges): every rank's gathered
  * parameters and states byte-equal, its replicas equal (dopt_dist_check_held),
  * for buckets of one tensor (the parts read from the senders' accumulators),
  * of all tensors (from their pack buffers) and batch-invariant micro-batches
  * (several parts per rank, its own among them), at ZeRO 0 to 3 on tp 2 × dp 3
  * and tp 1 × dp 4; each dp communicator issued one release (a barrier) per
- * exchange when reading in place, none when copying, and the same exchanges.
+ * exchange and per all-gather when reading in place, none when copying, and
+ * the same exchanges and all-gathers.
  * Then the same tensors gathered to the lead inside dopt_dist_gather_begin/end:
  * read in place, one exchange and one release per dp communicator for the
  * whole run of gathers (none per tensor) and a step refused inside; copied,
@@ -36,7 +38,7 @@ typedef struct run {
   /* per world rank */
   float param[MAXR][NP][MAXN], state[MAXR][NP][MAXS][MAXN];
   float lparam[NP][MAXN], lstate[NP][MAXS][MAXN]; /* gathered to the lead inside the bracket */
-  uint64_t a2a[MAXR], barriers[MAXR];
+  uint64_t a2a[MAXR], ag[MAXR], barriers[MAXR];
   uint64_t la2a[MAXR], lbarriers[MAXR]; /* the dp communicator's during the bracket */
   int refused[MAXR];                    /* a step inside the bracket: its status */
   int held_rank[MAXR];
@@ -102,6 +104,7 @@ static dopt_status body(dopt_sim_comm *world, int rank, void *user) {
   dopt_sim_stats st = DOPT_SIM_STATS_INIT;
   if (s == DOPT_OK) s = dopt_sim_comm_stats(dpc, &st);
   x->a2a[rank] = st.ops[DOPT_SIM_KIND_ALL_TO_ALLV], x->barriers[rank] = st.ops[DOPT_SIM_KIND_BARRIER];
+  x->ag[rank] = st.ops[DOPT_SIM_KIND_ALL_GATHER];
   for (int i = 0; i < NP && s == DOPT_OK; i++) {
     s = dopt_dist_gather_param(d, i, x->param[rank][i]);
     for (int k = 0; k < MAXS && s == DOPT_OK; k++) {
@@ -178,12 +181,17 @@ static void test_views_equal_copies(void **st) {
           if (v->held_rank[r] != -1 || c->held_rank[r] != -1)
             fail_msg("tp%d dp%d zero%d shape %d: rank %d: replicas differ on rank %d (in place) / %d (copied)", v->tp,
                      v->dp, zero, shape, r, v->held_rank[r], c->held_rank[r]);
-          /* the exchanges: the same count both ways, a release per exchange in place, none copied */
-          if (v->a2a[r] != c->a2a[r] || v->a2a[r] == 0 || v->barriers[r] != v->a2a[r] || c->barriers[r] != 0)
-            fail_msg("tp%d dp%d zero%d shape %d: rank %d's dp exchanges %llu (copied %llu), releases %llu (copied "
-                     "%llu)",
+          /* the exchanges and the all-gathers: the same counts both ways; in place a release per exchange and per
+           * all-gather of the parameters (zero 1, 2; zero 0's all-gathers regather the summed gradient, copied),
+           * none copied */
+          const uint64_t weights = zero == 1 || zero == 2 ? v->ag[r] : 0;
+          if (v->a2a[r] != c->a2a[r] || v->a2a[r] == 0 || v->ag[r] != c->ag[r] || (weights == 0) != (zero % 3 == 0) ||
+              v->barriers[r] != v->a2a[r] + weights || c->barriers[r] != 0)
+            fail_msg("tp%d dp%d zero%d shape %d: rank %d's dp exchanges %llu (copied %llu), all-gathers %llu (copied "
+                     "%llu), releases %llu (copied %llu)",
                      v->tp, v->dp, zero, shape, r, (unsigned long long)v->a2a[r], (unsigned long long)c->a2a[r],
-                     (unsigned long long)v->barriers[r], (unsigned long long)c->barriers[r]);
+                     (unsigned long long)v->ag[r], (unsigned long long)c->ag[r], (unsigned long long)v->barriers[r],
+                     (unsigned long long)c->barriers[r]);
         }
         /* the lead's bracketed gathers: rank 0's tensors, both ways */
         if (memcmp(v->lparam, v->param[0], sizeof v->lparam) != 0 || memcmp(v->lstate, v->state[0], sizeof v->lstate) != 0 ||

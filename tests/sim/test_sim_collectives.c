@@ -553,8 +553,109 @@ static void test_all_to_allv_view_rules(void **st) {
   free(res);
 }
 
+/* all_gather by reference (dopt_sim_all_gather_view): views[j] holds rank j's values (its own: its send), NULL
+ * for an empty send; accounted as the copying all_gather (one op, count · size · n bytes), with the release
+ * counted as a barrier; a rank copying against ranks viewing is a mismatch on every rank; refused under
+ * copy_exchanges, where dopt_sim_transport does not offer it. */
+enum { AGV_N = 5 };
+typedef struct agv_res {
+  int mode;    /* 0 every rank by reference, 1 rank 1 copies, 2 empty sends */
+  float got[MAX_RANKS][MAX_RANKS * AGV_N];
+  char msg[MAX_RANKS][256];
+} agv_res;
+
+static dopt_status agv_body(dopt_sim_comm *c, int rank, void *user) {
+  agv_res *res = user;
+  int n;
+  DOPT_TRY(dopt_sim_comm_size(c, &n));
+  const size_t cnt = res->mode == 2 ? 0 : AGV_N;
+  float send[AGV_N];
+  for (int e = 0; e < AGV_N; e++) send[e] = (float)(rank * 100 + e);
+  dopt_status s;
+  if (res->mode == 1 && rank == 1) {
+    s = dopt_sim_all_gather(send, res->got[rank], cnt, DOPT_F32, c);
+  } else {
+    const void *views[MAX_RANKS];
+    for (int j = 0; j < n; j++) views[j] = &views; /* must be overwritten */
+    s = dopt_sim_all_gather_view(send, views, cnt, DOPT_F32, c);
+    for (int j = 0; j < n && s == DOPT_OK; j++) {
+      if ((cnt == 0) != (views[j] == NULL) || (j == rank && cnt && views[j] != send)) {
+        snprintf(res->msg[rank], sizeof res->msg[rank], "view %d at %p", j, views[j]);
+        s = DOPT_ERR_STATE;
+      } else if (cnt) {
+        memcpy(res->got[rank] + (size_t)j * cnt, views[j], cnt * sizeof(float));
+      }
+    }
+    if (s == DOPT_OK) s = dopt_sim_barrier(c); /* the release */
+  }
+  if (s != DOPT_OK && !res->msg[rank][0]) snprintf(res->msg[rank], sizeof res->msg[rank], "%s", dopt_last_error());
+  return s;
+}
+
+static void test_all_gather_view(void **st) {
+  (void)st;
+  agv_res *res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  dopt_status s[MAX_RANKS];
+  for (int n = 1; n <= MAX_RANKS; n++)
+    for (int mode = 0; mode <= 2; mode += 2) {
+      memset(res, 0, sizeof *res);
+      res->mode = mode;
+      dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+      cfg.nranks = n;
+      dopt_sim_world *w;
+      st_run(&cfg, agv_body, res, s, NULL, &w);
+      for (int r = 0; r < n; r++) {
+        if (s[r] != DOPT_OK) fail_msg("all_gather_view n=%d mode %d rank %d: %s", n, mode, r, res->msg[r]);
+        for (int j = 0; j < n && mode == 0; j++)
+          for (int e = 0; e < AGV_N; e++)
+            if (res->got[r][j * AGV_N + e] != (float)(j * 100 + e)) fail_msg("n=%d rank %d: view %d element %d", n, r, j, e);
+      }
+      dopt_sim_comm *c0;
+      dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
+      assert_ok(dopt_sim_world_comm(w, 0, &c0));
+      assert_ok(dopt_sim_comm_stats(c0, &stats));
+      assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_GATHER], 1);
+      assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_GATHER], (mode == 0 ? AGV_N : 0) * sizeof(float) * (size_t)n);
+      assert_int_equal(stats.ops[DOPT_SIM_KIND_BARRIER], 1);
+      {
+        dopt_transport t;
+        assert_ok(dopt_sim_transport(c0, &t));
+        assert_non_null(t.ops->all_gather_view);
+      }
+      dopt_sim_world_destroy(w);
+    }
+  /* rank 1 copies against viewing ranks: a mismatch everywhere */
+  memset(res, 0, sizeof *res);
+  res->mode = 1;
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 3;
+  st_run(&cfg, agv_body, res, s, NULL, NULL);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(s[r], DOPT_ERR_MISMATCH);
+    if (!strstr(res->msg[r], "all_gather(count=5,F32,by reference) vs rank 1 all_gather(count=5,F32)")) fail_msg("rank %d: '%s'", r, res->msg[r]);
+  }
+  /* copy_exchanges: refused on every rank, and not offered by the transport */
+  memset(res, 0, sizeof *res);
+  cfg.copy_exchanges = 1;
+  dopt_sim_world *w;
+  st_run(&cfg, agv_body, res, s, NULL, &w);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(s[r], DOPT_ERR_UNSUPPORTED);
+    if (!strstr(res->msg[r], "copy_exchanges")) fail_msg("rank %d: '%s'", r, res->msg[r]);
+  }
+  dopt_sim_comm *c0;
+  dopt_transport t;
+  assert_ok(dopt_sim_world_comm(w, 0, &c0));
+  assert_ok(dopt_sim_transport(c0, &t));
+  assert_null(t.ops->all_gather_view);
+  dopt_sim_world_destroy(w);
+  free(res);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_all_gather_view),
       cmocka_unit_test(test_all_to_allv), cmocka_unit_test(test_all_to_allv_mismatch),
       cmocka_unit_test(test_all_to_allv_faults), cmocka_unit_test(test_all_to_allv_view_rules),
       cmocka_unit_test(test_collectives_n1), cmocka_unit_test(test_collectives_n2),
