@@ -10,6 +10,6 @@
 #include "distopt/checkpoint.h"
 #include "distopt/files.h"
 #define DOPT_VERSION_MAJOR 0
-#define DOPT_VERSION_MINOR 3
+#define DOPT_VERSION_MINOR 4
 #define DOPT_VERSION_PATCH 0
 #endif
