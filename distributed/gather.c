@@ -156,6 +156,24 @@ void dd_gather_batch_free(dopt_dist_optim *d) {
   d->batch = 0;
 }
 
+/* Over t (in_place, or of size 1): rank 0's at[r] becomes the address of rank r's tab [n] (I64), read by reference;
+ * the release comes at dopt_dist_gather_end. */
+static dopt_status tables_to_root(dopt_dist_optim *d, const dopt_transport *t, const uint64_t *tab, size_t n,
+                                  uint64_t *at) {
+  const size_t g = (size_t)t->size;
+  if (g == 1) {
+    at[0] = (uint64_t)(uintptr_t)tab;
+    return DOPT_OK;
+  }
+  size_t *c = d->xc; /* [5 · xn]: send counts, send offsets, receive counts */
+  memset(c, 0, 3 * g * sizeof *c);
+  c[0] = n;
+  for (size_t r = 0; t->rank == 0 && r < g; r++) c[2 * g + r] = n;
+  DOPT_TRY(t->ops->all_to_allv_view(t->comm, tab, c, c + g, d->views, c + 2 * g, DOPT_I64));
+  for (size_t r = 0; t->rank == 0 && r < g; r++) at[r] = (uint64_t)(uintptr_t)d->views[r];
+  return DOPT_OK;
+}
+
 /* Every rank's table of where it holds each entry (bmine) to dp rank 0 by reference (bpeer: their addresses),
  * every dp rank 0's bpeer to the lead by reference (btp). The tables and the pieces stay unchanged until end. */
 dopt_status dopt_dist_gather_begin(dopt_dist_optim *d) {
@@ -181,26 +199,8 @@ dopt_status dopt_dist_gather_begin(dopt_dist_optim *d) {
     e[0] = (uint64_t)(uintptr_t)p->master, e[1] = (uint64_t)(uintptr_t)p->work;
     for (int k = 0; k < p->nstates; k++) e[2 + k] = (uint64_t)(uintptr_t)p->state[k];
   }
-  size_t *c = d->xc;
-  dopt_status s = DOPT_OK;
-  if (D > 1) { /* every dp rank's table address to dp rank 0 */
-    memset(c, 0, 3 * D * sizeof *c);
-    c[0] = n;
-    for (size_t q = 0; d->dp.rank == 0 && q < D; q++) c[2 * D + q] = n;
-    s = d->dp.ops->all_to_allv_view(d->dp.comm, d->bmine, c, c + D, d->views, c + 2 * D, DOPT_I64);
-    for (size_t q = 0; s == DOPT_OK && d->dp.rank == 0 && q < D; q++) d->bpeer[q] = (uint64_t)(uintptr_t)d->views[q];
-  } else {
-    d->bpeer[0] = (uint64_t)(uintptr_t)d->bmine;
-  }
-  if (s == DOPT_OK && d->dp.rank == 0 && T > 1) { /* every dp rank 0's bpeer to the lead */
-    memset(c, 0, 3 * T * sizeof *c);
-    c[0] = D;
-    for (size_t r = 0; d->tp.rank == 0 && r < T; r++) c[2 * T + r] = D;
-    s = d->tp.ops->all_to_allv_view(d->tp.comm, d->bpeer, c, c + T, d->views, c + 2 * T, DOPT_I64);
-    for (size_t r = 0; s == DOPT_OK && d->tp.rank == 0 && r < T; r++) d->btp[r] = (uint64_t)(uintptr_t)d->views[r];
-  } else if (s == DOPT_OK && d->dp.rank == 0) {
-    d->btp[0] = (uint64_t)(uintptr_t)d->bpeer;
-  }
+  dopt_status s = tables_to_root(d, &d->dp, d->bmine, n, d->bpeer); /* every dp rank's table to dp rank 0 */
+  if (s == DOPT_OK && d->dp.rank == 0) s = tables_to_root(d, &d->tp, d->bpeer, D, d->btp); /* those to the lead */
   if (s != DOPT_OK) {
     dd_gather_batch_free(d);
     return s;

@@ -281,39 +281,41 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
     size_t T = 0, es;
     for (int i = b0; i < b1; i++)
       if (gathers(d, i)) n++, last = i, (void)weights_of(&d->p[i], &es), T += d->p[i].chunk * es;
-    if (n == 1 && by_ref(d, g)) { /* each other rank's shard read where it lies, in its weights */
-      unsigned char *w = weights_of(&d->p[last], &es);
-      const size_t cb = d->p[last].chunk * es;
-      DOPT_TRY(g->ops->all_gather_view(g->comm, w + me * cb, d->views, cb, DOPT_U8));
-      for (size_t q = 0; q < D; q++)
-        if (q != me && cb) memcpy(w + q * cb, d->views[q], cb);
-      DOPT_TRY(g->ops->view_release(g->comm));
-    } else if (n == 1) { /* in place */
+    const int view = by_ref(d, g); /* the other ranks' shards read where they lie: no receive buffer */
+    if (n == 1 && !view) { /* in place */
       unsigned char *w = weights_of(&d->p[last], &es);
       DOPT_TRY(g->ops->all_gather(g->comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));
-    } else if (n > 1) {
-      unsigned char *pack = NULL, *all = NULL;
-      const int view = by_ref(d, g); /* the other ranks' packs read where they lie: no copy into parts */
-      DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, T));
-      if (!view) DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, D * T));
-      pack = (unsigned char *)d->pack, all = (unsigned char *)d->parts;
+    } else if (n >= 1) {
+      /* sent: one parameter's shard where it lies in its weights (read by reference), else the shards packed */
+      unsigned char *send = NULL, *all = NULL;
       size_t at = 0;
-      for (int i = b0; i < b1; i++) {
-        const dist_param *p = &d->p[i];
-        if (!gathers(d, i)) continue;
-        unsigned char *w = weights_of(p, &es);
-        DOPT_TRY(DEV(d)->copy(DCTX(d), pack + at, w + me * p->chunk * es, p->chunk * es));
-        at += p->chunk * es;
+      if (n == 1) {
+        send = weights_of(&d->p[last], &es) + me * d->p[last].chunk * es;
+      } else {
+        DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, T));
+        send = (unsigned char *)d->pack;
+        for (int i = b0; i < b1; i++) {
+          const dist_param *p = &d->p[i];
+          if (!gathers(d, i)) continue;
+          unsigned char *w = weights_of(p, &es);
+          DOPT_TRY(DEV(d)->copy(DCTX(d), send + at, w + me * p->chunk * es, p->chunk * es));
+          at += p->chunk * es;
+        }
       }
-      if (view) DOPT_TRY(g->ops->all_gather_view(g->comm, pack, d->views, T, DOPT_U8));
-      else DOPT_TRY(g->ops->all_gather(g->comm, pack, all, T, DOPT_U8));
+      if (view) {
+        DOPT_TRY(g->ops->all_gather_view(g->comm, send, d->views, T, DOPT_U8));
+      } else {
+        DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, D * T));
+        all = (unsigned char *)d->parts;
+        DOPT_TRY(g->ops->all_gather(g->comm, send, all, T, DOPT_U8));
+      }
       at = 0;
-      for (int i = b0; i < b1; i++) {
+      for (int i = b0; i < b1; i++) { /* rank q's shards into place: at q · chunk of each parameter's weights */
         const dist_param *p = &d->p[i];
         if (!gathers(d, i)) continue;
         unsigned char *w = weights_of(p, &es);
         for (size_t q = 0; q < D; q++)
-          if (q != me)
+          if (q != me && p->chunk)
             DOPT_TRY(DEV(d)->copy(DCTX(d), w + q * p->chunk * es,
                                   view ? (const unsigned char *)d->views[q] + at : all + q * T + at, p->chunk * es));
         at += p->chunk * es;

@@ -19,7 +19,7 @@ CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDOPT_FUZZ=
   -DDOPT_CUDA=OFF -DDOPT_MPI=OFF >/dev/null
 cmake --build build-fuzz -j"$(nproc)" --target $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
 mkdir -p build-fuzz/findings
-# one target: fuzz it, then write its table line (and 1 on a finding) to build-fuzz/result-<target>
+# one target: fuzz it, then write its table line (result "FOUND ..." on a finding) to build-fuzz/result-<target>
 fuzz_one() {
   local t=$1 work=build-fuzz/corpus-$1 log=build-fuzz/fuzz-$1.log out=build-fuzz/result-$1 rc
   rm -rf "$work" && mkdir -p "$work" && cp tests/fuzz/corpus/$t/* "$work"/
