@@ -11,5 +11,5 @@ cd "$(dirname "$0")"
 bash cmake/deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$(nproc)" --target distopt_cli >/dev/null
-exec ./build/compare/distopt compare --trace datasets/trace/digits_mlp.safetensors \
+exec ./build/cli/distopt compare --trace datasets/trace/digits_mlp.safetensors \
   --json build/compare.json --plot build/compare.svg "$@"

@@ -3,7 +3,7 @@
 # = 2x2, 4x4 and 8x8 (ZeRO 2), against the reference step on the same number of elements.
 #
 # usage: bench/compare_scale.sh [DISTOPT] [MODEL_ARGS]
-#   DISTOPT     the CLI (default build/compare/distopt)
+#   DISTOPT     the CLI (default build/cli/distopt)
 #   MODEL_ARGS  the model (default "--model 20m"); "" runs the built-in model
 # Environment: OPT (default adamw), LAYOUTS (default "2x2 4x4 8x8"), PARAMS (the model's parameter count,
 # when MODEL_ARGS is not a --model the CLI's `mem` can size).
@@ -12,7 +12,7 @@
 # of 6 steps - of 2 steps) / 4, so that setup cancels; the reference step: `distopt bench` (one thread)
 # on one square fp32 parameter of the same element count. Medians of REPS (default 3) runs.
 set -eu
-BIN=${1:-build/compare/distopt}
+BIN=${1:-build/cli/distopt}
 MODEL=${2---model 20m}
 OPT=${OPT:-adamw}
 LAYOUTS=${LAYOUTS:-"2x2 4x4 8x8"}

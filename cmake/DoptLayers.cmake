@@ -1,5 +1,5 @@
 # The library is built in layers, one OBJECT library per folder
-# (docs/architecture.md):  core  <-  ref, distributed, sim  <-  cuda  <-  compare
+# (docs/architecture.md):  core  <-  ref, distributed, sim  <-  cuda  <-  the tools (verify, compare, cli)
 # Each layer sees the public headers, core/'s internal headers and its own
 # folder. The `distopt` library (and `distopt_shared`) is the union of their objects. Link probes
 # (dopt_link_probe) link each layer with only the layers below it into an

@@ -247,7 +247,7 @@ void cmp_xml_text(FILE *f, const char *s, int maxw);
 /* Seconds on the monotonic clock (the wall-clock timer of compare, --sweep and bench). */
 double cmp_now_s(void);
 
-/* YAML configuration (compare/config.c, libyaml), in the shape of ms-swift's
+/* YAML configuration (cli/config.c, libyaml), in the shape of ms-swift's
  * optimizer configs:
  *   optimizer: {type: came, lr: 2e-4, weight_decay: 0.01}
  *   groups: [{params: "*bias", weight_decay: 0}]          # optional
@@ -319,7 +319,7 @@ dopt_status cmp_config_agree(const dopt_transport *world, const char *mine, size
                              size_t cap);
 dopt_status cmp_config_agree_tcp(const char *mine, size_t nm, int *first, char *msg, size_t cap);
 
-/* Reports (compare/report.c). */
+/* Reports (cli/report.c). */
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r);
 dopt_status cmp_write_json(const char *path, const cmp_options *o, const cmp_result *r);
 dopt_status cmp_write_svg(const char *path, const cmp_options *o, const cmp_result *r);

@@ -20,7 +20,7 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 k=$stage/distopt-kit
 mkdir -p "$k/bin" "$k/lib"
-cp "$build/tests/gpu/gpu_cuda_kernels" "$build/tests/gpu/gpu_cuda_grid" "$build/compare/distopt" \
+cp "$build/tests/gpu/gpu_cuda_kernels" "$build/tests/gpu/gpu_cuda_grid" "$build/cli/distopt" \
   "$build/cuda/dopt_cuda_bench" "$k/bin/"
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libstdc\+\+|libgcc_s|libcuda\.so|libnccl)'
 for b in "$k"/bin/*; do

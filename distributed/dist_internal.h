@@ -1,8 +1,10 @@
 /* Internal to the distributed optimizers (the files of distributed/; include/distopt/dist.h,
  * docs/distributed.md): the optimizer and parameter structs every file works
  * on, and the functions the files share. Who owns what:
- *   plan.c        creation: the layout of each parameter (TP block, ZeRO range, buffers), owners, destruction;
- *                 the device buffers and host scratch everything else uses
+ *   buffers.c     the device buffers and host scratch everything else uses, and destruction (the ground floor)
+ *   comm.c        the world collectives the files share: reductions of host words, broadcasts from a stage,
+ *                 a holder, a dp rank or world rank 0
+ *   plan.c        creation: the layout of each parameter (TP block, ZeRO range, owner-mode units), owners
  *   batch.c       the reduction batch: statistics posted by the stages, reduced per transport and operation
  *   step.c        gradients in, the staged step: averaging, the non-finite skip, clipping, the wrapper's schedule,
  *                 rounds and buckets, the parameters back to every rank
@@ -233,40 +235,19 @@ static inline int64_t dd_world_rank(const dopt_dist_optim *d) {
   return ((int64_t)d->pp.rank * d->dp.size + d->dp.rank) * d->tp.size + d->tp.rank;
 }
 
-/* ---- plan.c ------------------------------------------------------------------------------- */
+/* ---- buffers.c ---------------------------------------------------------------------------- */
 
-dopt_status dd_check_param(const dopt_dist_optim *d, int i, const char *fn);
 dopt_status dd_dalloc(dopt_dist_optim *d, size_t bytes, void **out);
+dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes);
+dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 dopt_status dd_gdev(dopt_dist_optim *d, int k, size_t bytes, void **out);
 dopt_status dd_ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out);
-dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes);
-void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out);
-dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full);
-size_t dd_state_held_bytes(const dist_param *p, int k);
-void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
-/* The ZeRO range [*lo, *lo + *len) of TP rank r's block of p that rank q of its dp group holds: per tensor,
- * q · S with S = ceil(n / group size); Gemini, the part of q's shard of the chunk the block lies in; an ep-split
- * stack, part m of ep rank e's experts' run (q = m · ep + e, dd_ep_range) (docs/distributed.md). */
-void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len);
-/* An ep-split stack: the elements [*x0, *x1) of TP rank r's block that ep rank e's experts occupy. */
-void dd_ep_range(const dopt_dist_optim *d, const dist_param *p, int r, int e, size_t *x0, size_t *x1);
-dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
+void dd_gather_batch_free(dopt_dist_optim *d);
 
-/* The bucket of the dp sum's exchange and the weights' gather that starts at parameter b0 (plan.c): the end
- * of the run of consecutive parameters (those `member` accepts; NULL: all) whose logical bytes / tp fit
- * d->bucket_bytes (0: no limit); a parameter of at least half the budget is a bucket of its own (sent and
- * gathered in place, no packing copy); dense and expert parameters never share one (each bucket moves over one
- * data-parallel group, dd_dpg). The same cut on every rank. */
-int dd_bucket_end(const dopt_dist_optim *d, int b0, int (*member)(const dopt_dist_optim *d, int i));
+/* ---- comm.c ------------------------------------------------------------------------------- */
 
-/* ---- batch.c ------------------------------------------------------------------------------ */
-
-dopt_status dd_flush(dopt_dist_optim *d);
-dopt_status dd_post_max(void *ctx, double *x, size_t n);
-dopt_status dd_post_sum(void *ctx, int64_t *x, size_t n);
-
-/* ---- step.c ------------------------------------------------------------------------------- */
-
+/* h[n] (host) ← its reduction by op over one stage (tp, then dp; pp_too: then over pp, the whole world). */
+dopt_status dd_reduce_i64(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op, int pp_too);
 dopt_status dd_world_reduce(dopt_dist_optim *d, int64_t *h, size_t n, dopt_redop op);
 /* Device x[count] of the ranks of stage `stage` to the other stages' ranks with the same tp and dp ranks (one
  * broadcast over pp; nothing without a pipeline). */
@@ -281,28 +262,56 @@ dopt_status dd_world_max(dopt_dist_optim *d, int64_t *h, size_t n);
 /* Host x[np] (dt: F64 or I64) ← its SUM over pp and ep, where each parameter's entry counts on its home
  * (dd_home) only (the others' are zeroed first): every rank gets the value of the ranks that hold it. */
 dopt_status dd_sum_over_homes(dopt_dist_optim *d, void *x, dopt_dtype dt);
+/* Sends device x[count] of the rank `owner` of group g (dp or moe_dp), tp rank `owner_tp`, to every rank of g's
+ * tp x g grid. */
+dopt_status dd_from_rank(dopt_dist_optim *d, const dopt_transport *g, int owner, int owner_tp, void *x, size_t count,
+                         dopt_dtype dt);
+
+/* ---- plan.c ------------------------------------------------------------------------------- */
+
+dopt_status dd_check_param(const dopt_dist_optim *d, int i, const char *fn);
+void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out);
+dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full);
+size_t dd_state_held_bytes(const dist_param *p, int k);
+void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl);
+/* The ZeRO range [*lo, *lo + *len) of TP rank r's block of p that rank q of its dp group holds: per tensor,
+ * q · S with S = ceil(n / group size); Gemini, the part of q's shard of the chunk the block lies in; an ep-split
+ * stack, part m of ep rank e's experts' run (q = m · ep + e, dd_ep_range) (docs/distributed.md). */
+void dd_shard(const dopt_dist_optim *d, const dist_param *p, int r, size_t q, size_t *lo, size_t *len);
+/* An ep-split stack: the elements [*x0, *x1) of TP rank r's block that ep rank e's experts occupy. */
+void dd_ep_range(const dopt_dist_optim *d, const dist_param *p, int r, int e, size_t *x0, size_t *x1);
+/* Owner mode: the units [*u0, *u1) of world slot `slot` (dp rank · tp + tp rank), or of dp row `row`'s slots
+ * (dd_row_units: the part of every TP block that row sums and steps). */
+void dd_units(const dopt_dist_optim *d, const dist_param *p, int slot, size_t *u0, size_t *u1);
+void dd_row_units(const dopt_dist_optim *d, const dist_param *p, int row, size_t *u0, size_t *u1);
+float dd_avg_denom(const dopt_dist_optim *d, const dist_param *p);
+
+/* The bucket of the dp sum's exchange and the weights' gather that starts at parameter b0 (plan.c): the end
+ * of the run of consecutive parameters (those `member` accepts; NULL: all) whose logical bytes / tp fit
+ * d->bucket_bytes (0: no limit); a parameter of at least half the budget is a bucket of its own (sent and
+ * gathered in place, no packing copy); dense and expert parameters never share one (each bucket moves over one
+ * data-parallel group, dd_dpg). The same cut on every rank. */
+int dd_bucket_end(const dopt_dist_optim *d, int b0, int (*member)(const dopt_dist_optim *d, int i));
+
+/* ---- batch.c ------------------------------------------------------------------------------ */
+
+dopt_status dd_flush(dopt_dist_optim *d);
+dopt_status dd_post_max(void *ctx, double *x, size_t n);
+dopt_status dd_post_sum(void *ctx, int64_t *x, size_t n);
 
 /* ---- dp_sum.c ----------------------------------------------------------------------------- */
 
 dopt_status dd_dp_sum(dopt_dist_optim *d, const dist_param *p, void *x, size_t per, dopt_dtype dt);
 dopt_status dd_exact_dp_sum(dopt_dist_optim *d);
-float dd_avg_denom(const dopt_dist_optim *d, const dist_param *p);
 
 /* ---- owner.c ------------------------------------------------------------------------------ */
 
-dopt_status dd_from_rank(dopt_dist_optim *d, const dopt_transport *g, int owner, int owner_tp, void *x, size_t count,
-                         dopt_dtype dt);
 dopt_status dd_owner_steps(dopt_dist_optim *d);
-/* Owner mode: the units [*u0, *u1) of world slot `slot` (dp rank · tp + tp rank), or of dp row `row`'s slots
- * (dd_row_units: the part of every TP block that row sums and steps). */
-void dd_units(const dopt_dist_optim *d, const dist_param *p, int slot, size_t *u0, size_t *u1);
-void dd_row_units(const dopt_dist_optim *d, const dist_param *p, int row, size_t *u0, size_t *u1);
 
 /* ---- gather.c ----------------------------------------------------------------------------- */
 
 dopt_status dd_gather(dopt_dist_optim *d, const dist_param *p, int entry, const void *src, int sharded, size_t elem,
                       dopt_dtype dt, void *out);
-void dd_gather_batch_free(dopt_dist_optim *d);
 dopt_status dd_gather_blocks(dopt_dist_optim *d, const dist_param *p, int k, float *out);
 
 #endif

@@ -150,12 +150,6 @@ static dopt_status gather_batched(dopt_dist_optim *d, const dist_param *p, int e
   return DOPT_OK;
 }
 
-void dd_gather_batch_free(dopt_dist_optim *d) {
-  free(d->bmine), free(d->bpeer), free(d->btp);
-  d->bmine = d->bpeer = d->btp = NULL;
-  d->batch = 0;
-}
-
 /* Over t (in_place, or of size 1): rank 0's at[r] becomes the address of rank r's tab [n] (I64), read by reference;
  * the release comes at dopt_dist_gather_end. */
 static dopt_status tables_to_root(dopt_dist_optim *d, const dopt_transport *t, const uint64_t *tab, size_t n,

@@ -32,30 +32,6 @@
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
-/* Sends the buffer x[count] (device) of the rank at rank `owner` of the data-parallel group g (dp, or an
- * expert's moe_dp), tp rank `owner_tp`, to every rank of g's tp x g grid: over tp in the owner's row, then over
- * g in every tp column. */
-dopt_status dd_from_rank(dopt_dist_optim *d, const dopt_transport *g, int owner, int owner_tp, void *x, size_t count,
-                         dopt_dtype dt) {
-  if (d->tp.size > 1 && g->rank == owner) DOPT_TRY(d->tp.ops->broadcast(d->tp.comm, x, x, count, dt, owner_tp));
-  if (g->size > 1) DOPT_TRY(g->ops->broadcast(g->comm, x, x, count, dt, owner));
-  return DOPT_OK;
-}
-
-/* The first unit of world slot s (ub[s]; one unit: 0 up to the owner's slot, 1 after it). */
-static size_t ub_at(const dopt_dist_optim *d, const dist_param *p, int s) {
-  if (p->ub) return p->ub[s];
-  return s <= p->owner * d->tp.size + p->owner_tp ? 0 : 1;
-}
-
-void dd_units(const dopt_dist_optim *d, const dist_param *p, int slot, size_t *u0, size_t *u1) {
-  *u0 = ub_at(d, p, slot), *u1 = ub_at(d, p, slot + 1);
-}
-
-void dd_row_units(const dopt_dist_optim *d, const dist_param *p, int row, size_t *u0, size_t *u1) {
-  *u0 = ub_at(d, p, row * d->tp.size), *u1 = ub_at(d, p, (row + 1) * d->tp.size);
-}
-
 /* Elements of TP rank r's block of p (the whole tensor when replicated). */
 static size_t block_numel(const dopt_dist_optim *d, const dist_param *p, int r) {
   size_t h0, hl, w0, wl;

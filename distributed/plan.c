@@ -1,7 +1,7 @@
 /* The plan of a distributed optimizer (docs/distributed.md): each parameter's
  * TP block and ZeRO range, its buffers and first values, the owners of owner
- * mode; creation, destruction, and the device buffers and host scratch the
- * other files share. */
+ * mode and their units; creation (destruction and the shared buffers:
+ * buffers.c). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -73,65 +73,6 @@ static dopt_status plan_chunks(dopt_dist_optim *d) {
   dopt_chunk_pack(n, np, d->chunk_elems, (size_t)d->dp.size, d->gem);
   free(n);
   return DOPT_OK;
-}
-
-static void free_param(dopt_dist_optim *d, dist_param *p) {
-  if (p->full) DEV(d)->free(DCTX(d), p->full);
-  DEV(d)->free(DCTX(d), p->grad);
-  if (p->mb) DEV(d)->free(DCTX(d), p->mb);
-  DEV(d)->free(DCTX(d), p->master);
-  if (p->work) DEV(d)->free(DCTX(d), p->work);
-  for (int k = 0; k < p->nstates; k++)
-    if (p->state[k]) DEV(d)->free(DCTX(d), p->state[k]);
-  if (p->share.idx) DEV(d)->free(DCTX(d), (void *)(uintptr_t)p->share.idx);
-  if (p->share.max) DEV(d)->free(DCTX(d), p->share.max);
-  free(p->blk);
-  free(p->ub);
-  free(p->name);
-}
-
-void dopt_dist_destroy(dopt_dist_optim *d) {
-  if (!d) return;
-  for (int i = 0; i < d->np; i++) free_param(d, &d->p[i]);
-  if (d->frames) DEV(d)->free(DCTX(d), d->frames);
-  if (d->b.stage_buf) DEV(d)->free(DCTX(d), d->b.stage_buf);
-  if (d->xfer) DEV(d)->free(DCTX(d), d->xfer);
-  if (d->xs) DEV(d)->free(DCTX(d), d->xs);
-  if (d->xr) DEV(d)->free(DCTX(d), d->xr);
-  free(d->xc);
-  free(d->views);
-  dd_gather_batch_free(d);
-  free(d->xoff);
-  free(d->xlist);
-  free(d->xord);
-  for (int k = 0; k < 2; k++)
-    if (d->gdev[k]) DEV(d)->free(DCTX(d), d->gdev[k]);
-  for (int k = 0; k < 3; k++) free(d->ghost[k]);
-  free(d->gem);
-  if (d->up) DEV(d)->free(DCTX(d), d->up);
-  for (int op = 0; op < NOPS; op++)
-    for (int t = 0; t < NTRANSPORTS; t++) free(d->b.l[op][t].v);
-  if (d->flags) DEV(d)->free(DCTX(d), d->flags);
-  if (d->codes) DEV(d)->free(DCTX(d), d->codes);
-  if (d->words) DEV(d)->free(DCTX(d), d->words);
-  if (d->cls) DEV(d)->free(DCTX(d), d->cls);
-  if (d->parts) DEV(d)->free(DCTX(d), d->parts);
-  if (d->pack) DEV(d)->free(DCTX(d), d->pack);
-  free(d->part_at);
-  free(d->code_off);
-  free(d->hflags);
-  free(d->args);
-  free(d->frame_off);
-  free(d->more);
-  free(d->layer);
-  free(d->has);
-  free(d->frozen);
-  free(d->skip);
-  free(d->zeros);
-  free(d->p);
-  free(d->hp);
-  free(d->ss);
-  free(d);
 }
 
 static dopt_status check_config(const dopt_dist_config *cfg) {
@@ -216,22 +157,6 @@ dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero)
   } else {
     return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp, gemini, moe_hybrid)", pl);
   }
-  return DOPT_OK;
-}
-
-dopt_status dd_dalloc(dopt_dist_optim *d, size_t bytes, void **out) {
-  return DEV(d)->alloc(DCTX(d), bytes ? bytes : 1, out);
-}
-
-/* A device buffer kept across calls: grown (freed and allocated again, zero
- * filled) to at least `bytes`, never shrunk. *cap is in bytes. */
-dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes) {
-  if (bytes <= *cap) return DOPT_OK;
-  if (*buf) DEV(d)->free(DCTX(d), *buf);
-  *buf = NULL;
-  *cap = 0;
-  DOPT_TRY(dd_dalloc(d, bytes, buf));
-  *cap = bytes;
   return DOPT_OK;
 }
 
@@ -699,18 +624,6 @@ dopt_status dopt_dist_layout(const dopt_dist_optim *d, int i, dopt_layout_piece 
   return DOPT_OK;
 }
 
-/* Host zeros, at least `bytes`. */
-static dopt_status zeros_of(dopt_dist_optim *d, size_t bytes, const float **out) {
-  if (bytes > d->zeros_cap) {
-    free(d->zeros);
-    d->zeros = calloc(1, bytes);
-    d->zeros_cap = d->zeros ? bytes : 0;
-    if (!d->zeros) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: %zu bytes of zeros", bytes);
-  }
-  *out = d->zeros;
-  return DOPT_OK;
-}
-
 /* The piece this rank holds of parameter p's tensors: its ZeRO range of the
  * TP block (`sharded`), or the whole TP block. */
 void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out) {
@@ -721,28 +634,22 @@ void dd_held_piece(const dist_param *p, int sharded, dopt_piece *out) {
   }
 }
 
-/* Device x[bytes] ← zeros. */
-dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes) {
-  const float *z = NULL;
-  if (bytes == 0) return DOPT_OK;
-  DOPT_TRY(zeros_of(d, bytes, &z));
-  return DEV(d)->upload(DCTX(d), x, z, bytes);
+/* The first unit of world slot s (ub[s]; one unit: 0 up to the owner's slot, 1 after it). */
+static size_t ub_at(const dopt_dist_optim *d, const dist_param *p, int s) {
+  if (p->ub) return p->ub[s];
+  return s <= p->owner * d->tp.size + p->owner_tp ? 0 : 1;
 }
 
-/* Gather scratch k (device or host), grown to at least `bytes` and kept. */
-dopt_status dd_gdev(dopt_dist_optim *d, int k, size_t bytes, void **out) {
-  DOPT_TRY(dd_grow_dev(d, &d->gdev[k], &d->gdev_cap[k], bytes));
-  *out = d->gdev[k];
-  return DOPT_OK;
+void dd_units(const dopt_dist_optim *d, const dist_param *p, int slot, size_t *u0, size_t *u1) {
+  *u0 = ub_at(d, p, slot), *u1 = ub_at(d, p, slot + 1);
 }
 
-dopt_status dd_ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out) {
-  if (bytes > d->ghost_cap[k]) {
-    unsigned char *h = realloc(d->ghost[k], bytes ? bytes : 1);
-    if (!h) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed dd_gather: %zu bytes", bytes);
-    d->ghost[k] = h;
-    d->ghost_cap[k] = bytes;
-  }
-  *out = d->ghost[k];
-  return DOPT_OK;
+void dd_row_units(const dopt_dist_optim *d, const dist_param *p, int row, size_t *u0, size_t *u1) {
+  *u0 = ub_at(d, p, row * d->tp.size), *u1 = ub_at(d, p, (row + 1) * d->tp.size);
+}
+
+/* The divisor of p's averaged gradient: its dp group's size · micro-batches (an ep-split stack: each element is
+ * one expert's, summed over dp with zeros off its ep rank, averaged over the moe_dp ranks that gave it). */
+float dd_avg_denom(const dopt_dist_optim *d, const dist_param *p) {
+  return (float)((double)(dd_ep_stack(d, p) ? d->mdp.size : dd_dpg(d, p)->size) * (double)d->micro);
 }

@@ -14,5 +14,5 @@ def main():
     exe = packaged_cli()
     if exe is None:
         sys.exit("distopt: this installation has no command-line tool (distopt/bin/distopt); reinstall with "
-                 "pip install ./python, or build it: cmake --build build (build/compare/distopt)")
+                 "pip install ./python, or build it: cmake --build build (build/cli/distopt)")
     os.execv(exe, [exe] + sys.argv[1:])

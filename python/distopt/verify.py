@@ -62,7 +62,7 @@ def find_cli(cli=None):
     if not found:
         raise FileNotFoundError("distopt.verify: the `distopt` command-line tool was not found: pass cli=, set "
                                 "DISTOPT_CLI, install the package (pip install ./python ships it), or put it on "
-                                "PATH (cmake --build build: build/compare/distopt)")
+                                "PATH (cmake --build build: build/cli/distopt)")
     return found
 
 

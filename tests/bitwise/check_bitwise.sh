@@ -12,18 +12,19 @@
 #
 # usage: tests/bitwise/check_bitwise.sh [BASE_REV] [NEW_DISTOPT]
 #   BASE_REV     git revision to compare against (default: HEAD)
-#   NEW_DISTOPT  the distopt binary under test (default: build/compare/distopt)
+#   NEW_DISTOPT  the distopt binary under test (default: build/cli/distopt)
 set -eu
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BASE=${1:-HEAD}
-NEW=${2:-$SRC/build/compare/distopt}
+NEW=${2:-$SRC/build/cli/distopt}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$TMP/src"
 git -C "$SRC" archive "$BASE" | tar -x -C "$TMP/src"
 cmake -S "$TMP/src" -B "$TMP/build" -DCMAKE_BUILD_TYPE=Release -DDOPT_BUILD_TESTS=OFF >/dev/null
 cmake --build "$TMP/build" -j2 --target distopt_cli >/dev/null
-OLD=$TMP/build/compare/distopt
+OLD=$TMP/build/cli/distopt
+[ -x "$OLD" ] || OLD=$TMP/build/compare/distopt # a baseline from before the CLI moved to cli/
 python3 "$SRC/tests/bitwise/gen_input.py" "$TMP/in.safetensors" 5
 fail=0
 n=0

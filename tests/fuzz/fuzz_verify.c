@@ -1,4 +1,4 @@
-/* Fuzz target: the index of a recorded run (vr_index_parse, compare/verify_index.c; `distopt verify`,
+/* Fuzz target: the index of a recorded run (vr_index_parse, verify/verify_index.c; `distopt verify`,
  * docs/verify.md). Beyond "no crash, no leak, no UB": a rejected index leaves the result empty and one
  * NUL-terminated line of message; an accepted one keeps every promise the replay relies on — names within
  * their limits and found again by name, pieces inside their parameters, each parameter's source pieces

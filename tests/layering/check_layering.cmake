@@ -2,26 +2,28 @@
 #   cmake -DROOT=<source tree> -P check_layering.cmake
 # Reads every #include of the library folders and fails, one line per
 # offence naming the file, line and include, when a rule breaks:
-#   core/         nothing of ref/, distributed/, sim/, cuda/, mpi/, compare/
-#   ref/          nothing of distributed/, sim/, cuda/, mpi/, compare/
-#   distributed/  no pthread, CUDA, NCCL or MPI header; nothing of sim/, cuda/, mpi/, compare/
-#   sim/          nothing of ref/, distributed/, cuda/, mpi/, compare/
-#   cuda/         nothing of mpi/, compare/
-#   mpi/          nothing of ref/, distributed/, sim/, cuda/, compare/ (the MPI transport stands on core/)
+#   core/         nothing of ref/, distributed/, sim/, cuda/, mpi/ or the tools
+#   ref/          nothing of distributed/, sim/, cuda/, mpi/ or the tools
+#   distributed/  no pthread, CUDA, NCCL or MPI header; nothing of sim/, cuda/, mpi/ or the tools
+#   sim/          nothing of ref/, distributed/, cuda/, mpi/ or the tools
+#   cuda/         nothing of mpi/ or the tools
+#   mpi/          nothing of ref/, distributed/, sim/, cuda/ or the tools (the MPI transport stands on core/)
+# The tools: verify/ (the recording verifier), compare/ (the equivalence engine), cli/ (the distopt command).
 # A quoted include belongs to the folder that holds the file (its own folder
-# first, then core/, ref/, distributed/, sim/, cuda/, mpi/, compare/); a public
+# first, then core/, ref/, distributed/, sim/, cuda/, mpi/, the tools); a public
 # header distopt/X.h belongs to the layer that implements it (table below).
 cmake_minimum_required(VERSION 3.25)
 if(NOT ROOT)
   message(FATAL_ERROR "layering: ROOT is not set (cmake -DROOT=<source tree> -P check_layering.cmake)")
 endif()
-set(LAYERS core ref distributed sim cuda mpi compare)
-set(FORBID_core ref distributed sim cuda mpi compare)
-set(FORBID_ref distributed sim cuda mpi compare)
-set(FORBID_distributed sim cuda mpi compare)
-set(FORBID_sim ref distributed cuda mpi compare)
-set(FORBID_cuda mpi compare)
-set(FORBID_mpi ref distributed sim cuda compare)
+set(TOOLS verify compare cli)
+set(LAYERS core ref distributed sim cuda mpi ${TOOLS})
+set(FORBID_core ref distributed sim cuda mpi ${TOOLS})
+set(FORBID_ref distributed sim cuda mpi ${TOOLS})
+set(FORBID_distributed sim cuda mpi ${TOOLS})
+set(FORBID_sim ref distributed cuda mpi ${TOOLS})
+set(FORBID_cuda mpi ${TOOLS})
+set(FORBID_mpi ref distributed sim cuda ${TOOLS})
 # system headers distributed/ must not include (regular expressions on the name)
 set(SYSTEM_FORBID_distributed "^pthread\\.h$" "^threads\\.h$" "^cuda" "^nccl" "^mpi" "^cublas" "^omp\\.h$")
 # public headers that belong to a layer above core/ (the others are core/'s interfaces)
@@ -37,7 +39,7 @@ set(PUBLIC_mpi.h mpi)
 set(offences 0)
 set(files 0)
 foreach(layer ${LAYERS})
-  if(layer STREQUAL "compare" OR NOT IS_DIRECTORY "${ROOT}/${layer}")
+  if(layer IN_LIST TOOLS OR NOT IS_DIRECTORY "${ROOT}/${layer}")
     continue()
   endif()
   file(GLOB srcs "${ROOT}/${layer}/*.c" "${ROOT}/${layer}/*.h" "${ROOT}/${layer}/*.cu" "${ROOT}/${layer}/*.cuh")
@@ -90,4 +92,4 @@ endif()
 if(offences GREATER 0)
   message(FATAL_ERROR "layering: ${offences} include(s) break the layering (docs/architecture.md)")
 endif()
-message("layering: ${files} files, every include respects core <- ref <- distributed; sim; cuda; mpi <- compare")
+message("layering: ${files} files, every include respects core <- ref <- distributed; sim; cuda; mpi <- verify, compare, cli")

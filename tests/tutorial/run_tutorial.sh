@@ -117,7 +117,7 @@ sed -i 's/dopt_ss_value(ss), a->piece->numel)/dopt_ss_value(ss), n)/' "$TREE/ref
 grep -q 'dopt_ss_value(ss), n)' "$TREE/ref/signsgd.c" || { echo "mutation not applied"; exit 1; }
 cmake --build "$TREE/build" -j2 >"$WORK/mutant-build.log" 2>&1 || { cat "$WORK/mutant-build.log"; exit 1; }
 set +e
-"$TREE/build/compare/distopt" compare --optimizer signsgd --hparams lr=1e-2 --sweep --max-tp 2 --max-dp 2 \
+"$TREE/build/cli/distopt" compare --optimizer signsgd --hparams lr=1e-2 --sweep --max-tp 2 --max-dp 2 \
   >"$WORK/mutant.txt" 2>&1
 rc=$?
 set -e

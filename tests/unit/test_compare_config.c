@@ -1,4 +1,4 @@
-/* compare/config.c: a full configuration maps onto cmp_options; every error
+/* cli/config.c: a full configuration maps onto cmp_options; every error
  * class (malformed YAML, unknown or duplicate key, wrong type, bad count,
  * too-long string) is DOPT_ERR_FORMAT with the file, line and key in the
  * message and leaves the options untouched; relative trace paths resolve

@@ -1,4 +1,4 @@
-/* compare/report.c on a synthetic result (a bitwise-equal parameter and its
+/* cli/report.c on a synthetic result (a bitwise-equal parameter and its
  * state diverging at step 3): the table's marks, rows and verdict; the JSON
  * parses with cJSON, has schema_version 5 and carries per-step arrays of the
  * right length; the digest is the table's last line and the JSON's "digest"

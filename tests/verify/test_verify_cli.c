@@ -608,7 +608,7 @@ static void test_index_error_one_line(void **st) {
   assert_non_null(strstr(err, "states.exp_rat\\x0aor"));
 }
 
-/* ---- the recording's reader (compare/verify_reader.c) and `distopt compare --trace` on a recording ---- */
+/* ---- the recording's reader (verify/verify_reader.c) and `distopt compare --trace` on a recording ---- */
 
 /* The parameters before step 1 as make_trace draws them. */
 static void initial_values(float w[12], float b[5]) {

@@ -24,7 +24,7 @@
  * the recorded states at its start; GaLore recordings with projectors have
  * each recorded projector checked against ours (sin theta) and adopted.
  *
- * The recording is read through compare/verify_reader.c (verify.h; shared with
+ * The recording is read through verify/verify_reader.c (verify.h; shared with
  * `distopt compare --trace` on a recording): one loaded block per rank.
  *
  * Exit 0: every compared tensor within tolerance at every recorded step;

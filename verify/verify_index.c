@@ -1,4 +1,4 @@
-/* The index of a recorded run (compare/verify.h, docs/verify.md): parsing and
+/* The index of a recorded run (verify/verify.h, docs/verify.md): parsing and
  * every check that needs no tensor file. Errors are one line naming the file,
  * the key path and the value (echoed strings cut to 60 bytes; control
  * characters are escaped by the CLI's error printer). Unknown keys are

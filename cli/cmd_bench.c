@@ -13,7 +13,7 @@
  * s*c[i] over arrays of the parameter's size (3*4*n bytes counted, median
  * over N runs), on one thread and split over the threads, and a memcpy
  * (2*4*n bytes counted). Times are wall clock (CLOCK_MONOTONIC). --torch
- * PYTHON runs compare/bench_torch.py with that interpreter at the same thread
+ * PYTHON runs cli/bench_torch.py with that interpreter at the same thread
  * count and adds PyTorch CPU eager ms/step and our speed-up. --galore RANK
  * prints instead the projection wrapper around each inner (bench_galore).
  */
@@ -222,7 +222,7 @@ static int bench_one(const char *name, const char *hp, int64_t h, int64_t w, int
 
 /* ---- PyTorch comparison (optional) ---------------------------------------------------- */
 
-/* Runs compare/bench_torch.py; fills torch_ms of the results it reports
+/* Runs cli/bench_torch.py; fills torch_ms of the results it reports
  * ("name ms" lines). Returns 0 if it ran, -1 (after a message) if not. */
 /* --torch's interpreter: a path to an executable regular file, or a name found on PATH. */
 static int executable(const char *prog) {
@@ -243,7 +243,7 @@ static int executable(const char *prog) {
 
 static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int iters, int threads, opt_result *res,
                      int nres) {
-  /* the script: $DOPT_BENCH_TORCH_SCRIPT, else next to this source file, else ./compare/ */
+  /* the script: $DOPT_BENCH_TORCH_SCRIPT, else next to this source file, else ./cli/ */
   const char *script = NULL;
   const char *env = getenv("DOPT_BENCH_TORCH_SCRIPT");
   char here[4096];
@@ -254,7 +254,7 @@ static int run_torch(const char *python, int64_t h, int64_t w, int warmup, int i
   char cand[3][4200];
   snprintf(cand[0], sizeof cand[0], "%s", env ? env : "");
   snprintf(cand[1], sizeof cand[1], "%sbench_torch.py", here);
-  snprintf(cand[2], sizeof cand[2], "compare/bench_torch.py");
+  snprintf(cand[2], sizeof cand[2], "cli/bench_torch.py");
   for (int i = 0; i < 3 && !script; i++) {
     struct stat st; /* a regular, readable file (never opened here: a FIFO would block) */
     if (cand[i][0] && stat(cand[i], &st) == 0 && S_ISREG(st.st_mode) && access(cand[i], R_OK) == 0) script = cand[i];
@@ -346,7 +346,7 @@ static void bench_usage(FILE *f) {
         "  compares the bytes a step must move (gradient, parameter and states once) with a triad\n"
         "  bandwidth floor measured in the same run on one thread and on N threads.\n"
         "  --threads N: threads of the step and of the floor (default: DOPT_NUM_THREADS, else the cores)\n"
-        "  --torch PYTHON: also time PyTorch CPU eager steps at the same thread count (compare/bench_torch.py)\n"
+        "  --torch PYTHON: also time PyTorch CPU eager steps at the same thread count (cli/bench_torch.py)\n"
         "  --galore RANK: instead, each optimizer galore can wrap: alone, galore(inner=X) at rank 0 and at RANK\n",
         f);
 }

@@ -149,7 +149,7 @@ int vr_index_find_param(const vr_index *ix, const char *name);
 /* The piece of `param` that rank r records, or NULL. */
 const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param);
 
-/* ---- reading a recording (compare/verify_reader.c) ----------------------------------------
+/* ---- reading a recording (verify/verify_reader.c) ----------------------------------------
  *
  * Used by `distopt verify` and by `distopt compare --trace` on a recording. The
  * reader keeps at most one open tensor file per rank: the block holding the
