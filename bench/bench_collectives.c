@@ -137,23 +137,13 @@ static double now(void) {
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* TP block of a logical gradient (rows of COLUMN 2-D, columns of ROW, a range of COLUMN 1-D) */
+/* TP rank r's block of a logical gradient (dopt_tp_block: the library's rule) */
 static void tp_block(const tensor *t, const float *g, int r, float *out) {
-  size_t h = (size_t)t->shape[0], w = t->ndim == 2 ? (size_t)t->shape[1] : 1;
-  if (t->role == DOPT_TP_REPLICATED) {
-    memcpy(out, g, numel(t) * sizeof *g);
-    return;
-  }
-  size_t n = t->role == DOPT_TP_ROW || t->ndim == 1 ? (t->ndim == 1 ? h : w) : h;
-  size_t base = n / TP, rem = n % TP, ur = (size_t)r;
-  size_t off = ur * base + (ur < rem ? ur : rem), len = base + (ur < rem);
-  if (t->ndim == 1) {
-    memcpy(out, g + off, len * sizeof *g);
-  } else if (t->role == DOPT_TP_COLUMN) {
-    memcpy(out, g + off * w, len * w * sizeof *g);
-  } else {
-    for (size_t i = 0; i < h; i++) memcpy(out + i * len, g + i * w + off, len * sizeof *g);
-  }
+  dopt_piece pc;
+  dopt_tp_block(t->ndim, t->shape, t->role, TP, r, &pc);
+  for (size_t bi = 0; bi < pc.b; bi++)
+    for (size_t i = 0; i < pc.hl; i++)
+      memcpy(out + (bi * pc.hl + i) * pc.wl, g + (bi * pc.h + pc.h0 + i) * pc.w + pc.w0, pc.wl * sizeof *g);
 }
 
 static dopt_status body(dopt_sim_comm *world, int rank, void *user) {

@@ -18,7 +18,7 @@ typedef struct pclass {
   int64_t shape[3];
   long count;
   int projected; /* GaLore applies (attention and MLP linears, as the paper) */
-  int split;     /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
+  dopt_tp_role role; /* tensor-parallel: 0 replicated, 1 COLUMN (dim -2), 2 ROW (dim -1) */
   int expert;    /* 1: separate experts' tensors, count over all E experts (moe_hybrid splits them over ep) */
 } pclass;
 
@@ -114,25 +114,12 @@ typedef struct rank_mem {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* TP rank r's block of a tensor (split: 0 replicated, 1 COLUMN: dim -2, 2 ROW: dim -1; a 1-D tensor its only
- * dim), as distributed/ cuts it (uneven splits: the first ranks one more): the whole block (lo 0). */
-static void tp_piece(int ndim, const int64_t *shape, int split, int tp, int r, dopt_piece *pc) {
-  dopt_piece_full(ndim, shape, pc);
-  size_t *off = split == 1 && ndim >= 2 ? &pc->h0 : &pc->w0, *len = split == 1 && ndim >= 2 ? &pc->hl : &pc->wl;
-  if (tp > 1 && split) {
-    const size_t n = *len, base = n / (size_t)tp, rem = n % (size_t)tp, ur = (size_t)r;
-    *len = base + (ur < rem);
-    *off = ur * base + (ur < rem ? ur : rem);
-  }
-  pc->lo = 0;
-  pc->len = pc->b * pc->hl * pc->wl;
-}
 
 /* The blocks of B elements that world rank w's piece of a tensor of class c falls in, as distributed/ lays it
  * out: the TP block of tp rank w mod tp, the ZeRO range of dp rank w / tp. */
 static size_t rank_blocks(const pclass *c, int tp, int dp, int zero, int w, size_t B) {
   dopt_piece pc;
-  tp_piece(c->ndim, c->shape, c->split, tp, w % tp, &pc);
+  dopt_tp_block(c->ndim, c->shape, c->role, tp, w % tp, &pc); /* as distributed/ cuts it */
   const size_t ln = pc.len;
   if (zero >= 1) dopt_chunk_range((dopt_chunk_slot){0, (ln + (size_t)dp - 1) / (size_t)dp}, ln, (size_t)(w / tp), &pc.lo, &pc.len);
   return dopt_piece_blocks(&pc, B, NULL);
@@ -166,12 +153,10 @@ static int tally(const pclass *c, int n, const double *cnt, const char *opt, con
     const int owned = dopt__impl_whole(im, dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape);
     dopt_state_spec sp[DOPT_MAX_STATES];
     int ns = im->layout(dopt__optim_group_hp(o, 0), c[i].ndim, c[i].shape, sp);
-    /* the largest TP block: the split dim (-2 for COLUMN, -1 for ROW; a 1-D tensor's only dim) rounded up */
-    const int nd = c[i].ndim, sdim = c[i].split == 1 && nd >= 2 ? nd - 2 : nd - 1;
-    int64_t numel = 1;
-    for (int k = 0; k < nd; k++) numel *= c[i].shape[k];
-    int64_t lnumel = numel;
-    if (tp > 1 && c[i].split) lnumel = numel / c[i].shape[sdim] * ceil_div(c[i].shape[sdim], tp);
+    /* the largest TP block: TP rank 0's (dopt_tp_block: the first ranks hold one more) */
+    dopt_piece blk0;
+    dopt_tp_block(c[i].ndim, c[i].shape, c[i].role, tp, 0, &blk0);
+    const int64_t lnumel = (int64_t)blk0.len, numel = (int64_t)blk0.numel;
     int64_t chunk = zero >= 1 ? ceil_div(lnumel, D) : lnumel, padded = zero >= 1 ? chunk * D : lnumel;
     out->params += cnt[i] * (double)(zero == 3 ? chunk : padded) * 4;
     out->grads += cnt[i] * (double)padded * 4;
@@ -234,17 +219,18 @@ static int per_rank(const cmp_model *m, stage_sel ss, const char *opt, const cha
   int ok = st && est && tally(c, n, dense, opt, hp, grank, tp, dp, zero, st, copy, work, out);
   rank_mem busiest = {0};
   for (int e = 0; ok && ep > 1 && e < ep; e++) { /* ep rank e's experts over its tp x moe_dp grid */
-    const int held = E / ep + (e < E % ep);
-    for (int i = 0; i < n; i++) mine[i] = c[i].expert ? (double)c[i].count / E * held : 0;
+    size_t e0, held; /* ep rank e's experts: dopt_split_range, as distributed/ splits an expert stack */
+    dopt_split_range((size_t)E, ep, e, &e0, &held);
+    for (int i = 0; i < n; i++) mine[i] = c[i].expert ? (double)c[i].count / E * (double)held : 0;
     memset(est, 0, (size_t)(tp * md) * 3 * sizeof *est);
     rank_mem em = {0};
     ok = tally(c, n, mine, opt, hp, grank, tp, md, zero, est, est + tp * md, est + 2 * tp * md, &em);
     if (em.params > busiest.params) busiest = em;
     out->owned += em.owned, out->piecewise += em.piecewise; /* every ep rank's experts: each expert's tensors once */
     for (int w = 0; ok && w < world; w++) {
-      const int q = w / tp, t = w % tp;
-      if (q % ep != e) continue;
-      const int sl = q / ep * tp + t;
+      const dopt_rank_coords x = dopt_rank_coords_of(w, tp, dp, ep);
+      if (x.ep != e) continue;
+      const int sl = x.moe_dp * tp + x.tp; /* its slot in ep rank e's tp x moe_dp grid */
       st[w] += est[sl], copy[w] += est[tp * md + sl], work[w] += est[2 * tp * md + sl];
     }
   }
@@ -319,7 +305,7 @@ static int print_per_rank(const cmp_model *m, int grank, int pp, int tp, int dp,
  * master shard, the TP block's gradient accumulator, elementwise states over its shard, blockwise ones over
  * the blocks of its piece, the others whole; owner mode as per_rank (every state whole on its owner). */
 static void tensor_piece(const cmp_model_tensor *t, int tp, int r, dopt_piece *pc) {
-  tp_piece(t->ndim, t->shape, t->role == DOPT_TP_COLUMN ? 1 : t->role == DOPT_TP_ROW ? 2 : 0, tp, r, pc);
+  dopt_tp_block(t->ndim, t->shape, t->role, tp, r, pc);
 }
 
 static int print_gemini(const cmp_model *m, int grank, int tp, int dp, size_t chunk) {

@@ -364,13 +364,12 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "type"))) {
-    static const char *const names[] = {"ddp", "zero", "hybrid", "fsdp", "gemini", "moe_hybrid"};
     DOPT_TRY(get_str(c, v, "plugin.type", o->plugin, sizeof o->plugin));
-    int ok = 0;
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) ok |= strcmp(names[i], o->plugin) == 0;
-    if (!ok)
-      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp, gemini or moe_hybrid)",
-                      o->plugin);
+    if (!dopt_dist_plugin_find(o->plugin)) {
+      char names[128];
+      cmp_plugin_names(names, sizeof names);
+      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected %s)", o->plugin, names);
+    }
     given(o, CMP_GIVEN_PLUGIN);
   }
   if ((v = lookup(c, n, "tp"))) {
@@ -495,11 +494,11 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
     yaml_node_t *w;
     if ((w = lookup(c, v, "type"))) {
       DOPT_TRY(get_str(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
-      if (strcmp(o->resume_plugin, "ddp") != 0 && strcmp(o->resume_plugin, "zero") != 0 &&
-          strcmp(o->resume_plugin, "hybrid") != 0 && strcmp(o->resume_plugin, "fsdp") != 0 &&
-          strcmp(o->resume_plugin, "gemini") != 0 && strcmp(o->resume_plugin, "moe_hybrid") != 0)
-        return cfg_fail(c, w, "checkpoint.resume.type",
-                        "unknown plugin '%s' (expected ddp, zero, hybrid, fsdp, gemini or moe_hybrid)", o->resume_plugin);
+      if (!dopt_dist_plugin_find(o->resume_plugin)) {
+        char names[128];
+        cmp_plugin_names(names, sizeof names);
+        return cfg_fail(c, w, "checkpoint.resume.type", "unknown plugin '%s' (expected %s)", o->resume_plugin, names);
+      }
       given(o, CMP_GIVEN_RESUME_PLUGIN);
     }
     if ((w = lookup(c, v, "tp"))) {

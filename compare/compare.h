@@ -149,6 +149,8 @@ dopt_status cmp_apply_plugin(cmp_options *o);
 /* The plugin that expresses tp x zero directly: zero 3 fsdp; tp 1: ddp
  * (zero 0) or zero (zero 1, 2); otherwise hybrid. */
 const char *cmp_layout_plugin(int tp, int zero);
+/* The plugins' names from the library's table, "ddp, zero, ... or moe_hybrid", into buf (cut to cap). */
+void cmp_plugin_names(char *buf, size_t cap);
 
 /* --dp-sum / plugin.dp_sum names: "exact" (1 word), "exact2" (2 words),
  * "rank-order" (0); -1 for anything else. */

@@ -117,33 +117,16 @@ uint64_t cmp_declared_ulp(const char *optimizer) {
 
 /* ---- plugins and the layouts they imply ---------------------------------------------- */
 
-/* What each plugin allows and implies (dopt_dist_check_layout is the authority on what is allowed;
- * tests/unit/test_cli.c checks the two agree through the CLI). */
-typedef struct plugin_rule {
-  const char *name;
-  int tp_only;                  /* 1: tp must be 1; 0: any tp (implied: the default 2, or the first layout's) */
-  int zero_lo, zero_hi, zero_implied;
-  const char *hint;             /* where the other layouts are */
-} plugin_rule;
-
-static const plugin_rule PLUGIN_RULES[] = {
-    {"ddp", 1, 0, 0, 0, "tensor parallelism is hybrid or fsdp, ZeRO 1-2 the zero plugin"},
-    {"zero", 1, 1, 2, 1, "tensor parallelism is hybrid or fsdp, zero 0 ddp"},
-    {"hybrid", 0, 0, 2, 2, "zero 3 is the fsdp plugin"},
-    {"fsdp", 0, 3, 3, 3, "zero 0-2 is the hybrid plugin"},
-    {"gemini", 0, 3, 3, 3, "its chunks are sharded (ZeRO-3); zero 0-2 is the hybrid plugin"},
-    {"moe_hybrid", 0, 0, 2, 2, "zero 3 is the fsdp plugin; its experts go over --ep"},
-};
-
-static const plugin_rule *plugin_rule_of(const char *name) {
-  for (size_t k = 0; k < sizeof PLUGIN_RULES / sizeof PLUGIN_RULES[0]; k++)
-    if (strlen(name) == strlen(PLUGIN_RULES[k].name) && memcmp(PLUGIN_RULES[k].name, name, strlen(name)) == 0)
-      return &PLUGIN_RULES[k]; /* (strcmp: gcc's -Wstring-compare on inlined short constants) */
-  return NULL;
-}
-
-static int rule_allows(const plugin_rule *r, int tp, int zero) {
-  return (!r->tp_only || tp == 1) && zero >= r->zero_lo && zero <= r->zero_hi;
+/* What each plugin allows and implies: the library's table (dopt_dist_plugin_find, the one dopt_dist_check_layout
+ * judges by). */
+void cmp_plugin_names(char *buf, size_t cap) {
+  size_t at = 0;
+  buf[0] = '\0';
+  for (int i = 0; dopt_dist_plugin_at(i) && at < cap; i++) {
+    const char *sep = i == 0 ? "" : dopt_dist_plugin_at(i + 1) ? ", " : " or ";
+    int k = snprintf(buf + at, cap - at, "%s%s", sep, dopt_dist_plugin_at(i)->name);
+    at += k > 0 ? (size_t)k : 0;
+  }
 }
 
 const char *cmp_layout_plugin(int tp, int zero) {
@@ -169,7 +152,7 @@ static const char *spelled(const cmp_options *o, unsigned bit) {
 }
 
 /* One line: "--plugin ddp contradicts --zero 2: plugin ddp implies zero 0 (allowed: zero 0; hint)". */
-static dopt_status contradiction(const cmp_options *o, unsigned pbit, const plugin_rule *r, unsigned vbit, int value,
+static dopt_status contradiction(const cmp_options *o, unsigned pbit, const dopt_dist_plugin *r, unsigned vbit, int value,
                                  int is_tp) {
   char allowed[32];
   if (is_tp) snprintf(allowed, sizeof allowed, "tp 1");
@@ -181,8 +164,9 @@ static dopt_status contradiction(const cmp_options *o, unsigned pbit, const plug
 }
 
 static dopt_status unknown_plugin(const cmp_options *o, unsigned bit, const char *name) {
-  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected ddp, zero, hybrid, fsdp, gemini or moe_hybrid)",
-                    spelled(o, bit), name);
+  char names[128];
+  cmp_plugin_names(names, sizeof names);
+  return dopt__fail(DOPT_ERR_NOT_FOUND, "%s '%s': unknown plugin (expected %s)", spelled(o, bit), name, names);
 }
 
 dopt_status cmp_apply_plugin(cmp_options *o) {
@@ -190,40 +174,40 @@ dopt_status cmp_apply_plugin(cmp_options *o) {
   cmp_options x = *o;
   const unsigned g = x.given;
   /* the first layout */
-  const plugin_rule *r = plugin_rule_of(x.plugin);
+  const dopt_dist_plugin *r = dopt_dist_plugin_find(x.plugin);
   if (!r) return unknown_plugin(o, CMP_GIVEN_PLUGIN, x.plugin);
   if (g & CMP_GIVEN_PLUGIN) {
-    if ((g & CMP_GIVEN_TP) && r->tp_only && x.tp != 1)
+    if ((g & CMP_GIVEN_TP) && r->tp_one && x.tp != 1)
       return contradiction(o, CMP_GIVEN_PLUGIN, r, CMP_GIVEN_TP, x.tp, 1);
     if ((g & CMP_GIVEN_ZERO) && (x.zero < r->zero_lo || x.zero > r->zero_hi))
       return contradiction(o, CMP_GIVEN_PLUGIN, r, CMP_GIVEN_ZERO, x.zero, 0);
-  } else if (!rule_allows(r, (g & CMP_GIVEN_TP) ? x.tp : 1, (g & CMP_GIVEN_ZERO) ? x.zero : r->zero_implied)) {
+  } else if (!dopt_dist_plugin_allows(r, (g & CMP_GIVEN_TP) ? x.tp : 1, (g & CMP_GIVEN_ZERO) ? x.zero : r->zero_implied)) {
     /* no plugin given: the default (hybrid) unless the values given need another */
     const int ztp = (g & CMP_GIVEN_TP) ? x.tp : 2, zz = (g & CMP_GIVEN_ZERO) ? x.zero : r->zero_implied;
-    r = plugin_rule_of(cmp_layout_plugin(ztp, zz));
+    r = dopt_dist_plugin_find(cmp_layout_plugin(ztp, zz));
     snprintf(x.plugin, sizeof x.plugin, "%s", r->name);
   }
-  if (!(g & CMP_GIVEN_TP) && r->tp_only) x.tp = 1;
+  if (!(g & CMP_GIVEN_TP) && r->tp_one) x.tp = 1;
   if (!(g & CMP_GIVEN_ZERO)) x.zero = r->zero_implied;
   /* the resume layout: given values, else the first layout's where its plugin allows them */
   const int rp_given = (g & CMP_GIVEN_RESUME_PLUGIN) || x.resume_plugin[0];
   const int rtp_given = (g & CMP_GIVEN_RESUME_TP) || x.resume_tp > 0;
   const int rz_given = (g & CMP_GIVEN_RESUME_ZERO) || x.resume_zero >= 0;
   const int rtp = rtp_given ? x.resume_tp : x.tp, rz = rz_given ? x.resume_zero : x.zero;
-  const plugin_rule *rr = r;
+  const dopt_dist_plugin *rr = r;
   if (rp_given) {
-    rr = plugin_rule_of(x.resume_plugin);
+    rr = dopt_dist_plugin_find(x.resume_plugin);
     if (!rr) return unknown_plugin(o, CMP_GIVEN_RESUME_PLUGIN, x.resume_plugin);
-    if (rtp_given && rr->tp_only && rtp != 1)
+    if (rtp_given && rr->tp_one && rtp != 1)
       return contradiction(o, CMP_GIVEN_RESUME_PLUGIN, rr, CMP_GIVEN_RESUME_TP, rtp, 1);
     if (rz_given && (rz < rr->zero_lo || rz > rr->zero_hi))
       return contradiction(o, CMP_GIVEN_RESUME_PLUGIN, rr, CMP_GIVEN_RESUME_ZERO, rz, 0);
-  } else if (!rule_allows(rr, rtp, rz)) {
+  } else if (!dopt_dist_plugin_allows(rr, rtp, rz)) {
     /* no resume plugin given: the first layout's, unless the resume values given need another */
-    rr = plugin_rule_of(cmp_layout_plugin(rtp, rz));
+    rr = dopt_dist_plugin_find(cmp_layout_plugin(rtp, rz));
     snprintf(x.resume_plugin, sizeof x.resume_plugin, "%s", rr->name);
   }
-  if (!rtp_given && rr->tp_only && x.tp != 1) x.resume_tp = 1;
+  if (!rtp_given && rr->tp_one && x.tp != 1) x.resume_tp = 1;
   if (!rz_given && (x.zero < rr->zero_lo || x.zero > rr->zero_hi)) x.resume_zero = rr->zero_implied;
   *o = x;
   return DOPT_OK;
@@ -1044,30 +1028,13 @@ double cmp_now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* TP rank r's block of a logical tensor [b, h, w]: rows [h0, h0 + hl) x columns [w0, w0 + wl) of every
- * leading index (uneven splits: the first n mod tp ranks one more). */
-static void tp_block(const cmp_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl) {
-  dopt_piece pc;
-  dopt_piece_full(p->ndim, p->shape, &pc);
-  *h0 = 0, *hl = pc.h, *w0 = 0, *wl = pc.w;
-  if (tp > 1 && p->role != DOPT_TP_REPLICATED) {
-    int rowsplit = p->role == DOPT_TP_COLUMN && p->ndim >= 2;
-    size_t n = rowsplit ? pc.h : pc.w, base = n / (size_t)tp, rem = n % (size_t)tp, ur = (size_t)r;
-    size_t len = base + (ur < rem), off = ur * base + (ur < rem ? ur : rem);
-    if (rowsplit) *h0 = off, *hl = len;
-    else *w0 = off, *wl = len;
-  }
-}
-
-/* This rank's TP block of a logical tensor [b, h, w] into blk. */
+/* This rank's TP block (dopt_tp_block, the library's rule) of a logical tensor [b, h, w] into blk. */
 static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float *blk) {
   dopt_piece pc;
-  dopt_piece_full(p->ndim, p->shape, &pc);
-  size_t h0, hl, w0, wl;
-  tp_block(p, tp, r, &h0, &hl, &w0, &wl);
+  dopt_tp_block(p->ndim, p->shape, p->role, tp, r, &pc);
   for (size_t bi = 0; bi < pc.b; bi++)
-    for (size_t i = 0; i < hl; i++)
-      memcpy(blk + (bi * hl + i) * wl, full + (bi * pc.h + h0 + i) * pc.w + w0, wl * sizeof(float));
+    for (size_t i = 0; i < pc.hl; i++)
+      memcpy(blk + (bi * pc.hl + i) * pc.wl, full + (bi * pc.h + pc.h0 + i) * pc.w + pc.w0, pc.wl * sizeof(float));
 }
 
 /* The reference's gradient for step t: each DP rank's micro-batches summed
@@ -1346,19 +1313,17 @@ static dopt_status rank_run(run_ctx *x, int rank, const rank_groups *rg) {
       for (int i = 0; i < np && st == DOPT_OK; i++) {
         if (!gp[i]) continue; /* another stage's parameter */
         const int sh = shard_of(o, s, cfg.dp.rank, m);
-        size_t h0, hl, w0, wl;
-        tp_block(&s->p[i], o->tp, cfg.tp.rank, &h0, &hl, &w0, &wl);
+        dopt_piece pc;
+        dopt_tp_block(s->p[i].ndim, s->p[i].shape, s->p[i].role, o->tp, cfg.tp.rank, &pc);
         if (sliced) { /* a recording: read whole, then sliced */
           st = shard_grad(s, i, t, sh, full);
           tp_slice(&s->p[i], o->tp, cfg.tp.rank, full, loc[i]);
         } else if (s->trace) { /* a trace: this rank's block alone, from the file */
-          dopt_piece pc;
-          dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
           char key[200];
           grad_key(key, sizeof key, t, sh, s->p[i].name);
-          st = dopt_st_read_f32_block(s->trace, key, pc.b, pc.h, pc.w, h0, hl, w0, wl, loc[i]);
+          st = dopt_st_read_f32_block(s->trace, key, pc.b, pc.h, pc.w, pc.h0, pc.hl, pc.w0, pc.wl, loc[i]);
         } else { /* synthetic: only this rank's block */
-          (s->fast ? synth_fast : synth_block)(s, i, t, sh, h0, hl, w0, wl, loc[i]);
+          (s->fast ? synth_fast : synth_block)(s, i, t, sh, pc.h0, pc.hl, pc.w0, pc.wl, loc[i]);
         }
       }
       if (st == DOPT_OK) st = dopt_dist_backward(d, gp);
@@ -1533,16 +1498,17 @@ static dopt_status rank_run(run_ctx *x, int rank, const rank_groups *rg) {
   return st;
 }
 
-/* World rank r = (stage · dp + dp rank) · tp + tp rank, dp rank = moe_dp rank · ep + ep rank (ep inside dp, as
- * ColossalAI's MoeHybridParallelPlugin): the colours of its tp, dp, pp, ep and moe_dp groups (c[5]). */
+/* World rank r's coordinates (dopt_rank_coords_of: the library's rule, ep inside dp as ColossalAI's
+ * MoeHybridParallelPlugin): the colours of its tp, dp, pp, ep and moe_dp groups (c[5]), each the index of the
+ * group among the world's groups of that kind. */
 enum { G_TP, G_DP, G_PP, G_EP, G_MDP, NGROUPS };
 static void group_colours(const cmp_options *o, int r, int *c) {
-  const int t = r % o->tp, q = r / o->tp % o->dp, stage = r / (o->tp * o->dp), e = q % o->ep, m = q / o->ep;
-  c[G_TP] = r / o->tp;
-  c[G_DP] = stage * o->tp + t;
-  c[G_PP] = r % (o->tp * o->dp);
-  c[G_EP] = (stage * (o->dp / o->ep) + m) * o->tp + t;
-  c[G_MDP] = (stage * o->ep + e) * o->tp + t;
+  const dopt_rank_coords x = dopt_rank_coords_of(r, o->tp, o->dp, o->ep);
+  c[G_TP] = x.stage * o->dp + x.dp;
+  c[G_DP] = x.stage * o->tp + x.tp;
+  c[G_PP] = x.dp * o->tp + x.tp;
+  c[G_EP] = (x.stage * (o->dp / o->ep) + x.moe_dp) * o->tp + x.tp;
+  c[G_MDP] = (x.stage * o->ep + x.ep) * o->tp + x.tp;
 }
 
 /* The groups split from the world (sim: labelled) that this layout has: tp and dp always, pp with stages, ep and

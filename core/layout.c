@@ -186,3 +186,33 @@ dopt_status dopt_layout_from_piece(const dopt_piece *dp, int ndim, dopt_layout_p
   out->len = (int64_t)dp->len;
   return DOPT_OK;
 }
+
+/* ---- distopt's own layout rules ------------------------------------------------------------------------ */
+
+void dopt_split_range(size_t n, int parts, int r, size_t *off, size_t *len) {
+  size_t base = n / (size_t)parts, rem = n % (size_t)parts, ur = (size_t)r;
+  *len = base + (ur < rem);
+  *off = ur * base + (ur < rem ? ur : rem);
+}
+
+void dopt_tp_block(int ndim, const int64_t *shape, dopt_tp_role role, int tp, int r, dopt_piece *out) {
+  dopt_piece_full(ndim, shape, out);
+  if (tp > 1 && role == DOPT_TP_COLUMN && ndim >= 2) dopt_split_range(out->h, tp, r, &out->h0, &out->hl);
+  else if (tp > 1 && (role == DOPT_TP_COLUMN || role == DOPT_TP_ROW)) dopt_split_range(out->w, tp, r, &out->w0, &out->wl);
+  out->lo = 0;
+  out->len = out->b * out->hl * out->wl;
+}
+
+dopt_rank_coords dopt_rank_coords_of(int64_t w, int tp, int dp, int ep) {
+  dopt_rank_coords c;
+  c.tp = (int)(w % tp);
+  c.dp = (int)(w / tp % dp);
+  c.stage = (int)(w / ((int64_t)tp * dp));
+  c.ep = c.dp % ep;
+  c.moe_dp = c.dp / ep;
+  return c;
+}
+
+int64_t dopt_world_rank_of(const dopt_rank_coords *c, int tp, int dp) {
+  return ((int64_t)c->stage * dp + c->dp) * tp + c->tp;
+}

@@ -230,9 +230,10 @@ static inline const dopt_transport *dd_dpg(const dopt_dist_optim *d, const dist_
   return p->expert >= 0 ? &d->mdp : &d->dp;
 }
 
-/* This rank in the world: (stage · dp + dp rank) · tp + tp rank (MoE: dp rank = moe_dp rank · ep + ep rank). */
+/* This rank in the world (dopt_world_rank_of: (stage · dp + dp rank) · tp + tp rank). */
 static inline int64_t dd_world_rank(const dopt_dist_optim *d) {
-  return ((int64_t)d->pp.rank * d->dp.size + d->dp.rank) * d->tp.size + d->tp.rank;
+  const dopt_rank_coords c = {d->pp.rank, d->dp.rank, d->tp.rank, 0, 0};
+  return dopt_world_rank_of(&c, d->tp.size, d->dp.size);
 }
 
 /* ---- buffers.c ---------------------------------------------------------------------------- */

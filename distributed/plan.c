@@ -10,20 +10,11 @@
 
 #include "dist_internal.h"
 
-/* Uneven split of n items over `parts`: part r gets base + (r < rem). */
-static void split_range(size_t n, int parts, int r, size_t *off, size_t *len) {
-  size_t base = n / (size_t)parts, rem = n % (size_t)parts, ur = (size_t)r;
-  *len = base + (ur < rem);
-  *off = ur * base + (ur < rem ? ur : rem);
-}
-
-/* The TP block of a parameter for TP rank r: rows/cols of the [b, h, w] view. */
+/* The TP block of a parameter for TP rank r: rows/cols of the [b, h, w] view (dopt_tp_block, the one rule). */
 void dd_tp_block(const dist_param *p, int tp, int r, size_t *h0, size_t *hl, size_t *w0, size_t *wl) {
-  dopt_piece full;
-  dopt_piece_full(p->ndim, p->shape, &full);
-  *h0 = 0, *hl = full.h, *w0 = 0, *wl = full.w;
-  if (p->role == DOPT_TP_COLUMN && p->ndim >= 2) split_range(full.h, tp, r, h0, hl);
-  else if (p->role == DOPT_TP_COLUMN || p->role == DOPT_TP_ROW) split_range(full.w, tp, r, w0, wl);
+  dopt_piece blk;
+  dopt_tp_block(p->ndim, p->shape, p->role, tp, r, &blk);
+  *h0 = blk.h0, *hl = blk.hl, *w0 = blk.w0, *wl = blk.wl;
 }
 
 /* Elements of TP rank r's block of p (another stage's parameter: none). */
@@ -39,7 +30,7 @@ static size_t block_numel_of(const dopt_dist_optim *d, const dist_param *p, int 
 void dd_ep_range(const dopt_dist_optim *d, const dist_param *p, int r, int e, size_t *x0, size_t *x1) {
   const size_t n = block_numel_of(d, p, r), E = (size_t)p->shape[0], per = E ? n / E : 0; /* b-major: experts outermost */
   size_t f0, fl;
-  split_range(E, d->ep.size, e, &f0, &fl);
+  dopt_split_range(E, d->ep.size, e, &f0, &fl);
   *x0 = f0 * per, *x1 = (f0 + fl) * per;
 }
 
@@ -135,29 +126,6 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
   DOPT_CHECK_ARG(cfg->max_grad_norm >= 0 && isfinite(cfg->max_grad_norm),
                  "dopt_dist_create: max_grad_norm=%g must be finite and >= 0", cfg->max_grad_norm);
   return dopt_dist_check_layout(cfg->plugin, cfg->tp.size, cfg->dp.size, cfg->zero_stage);
-}
-
-dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero) {
-  const char *pl = plugin ? plugin : "";
-  DOPT_CHECK_ARG(tp >= 1 && dp >= 1, "layout: tp=%d dp=%d must be >= 1", tp, dp);
-  DOPT_CHECK_ARG(zero >= 0 && zero <= 3, "layout: zero_stage=%d outside [0, 3]", zero);
-  if (strcmp(pl, "ddp") == 0) {
-    DOPT_CHECK_ARG(tp == 1 && zero == 0, "plugin ddp: needs tp=1 and zero=0 (got tp=%d zero=%d)", tp, zero);
-  } else if (strcmp(pl, "zero") == 0) {
-    DOPT_CHECK_ARG(tp == 1 && (zero == 1 || zero == 2), "plugin zero: needs tp=1 and zero 1 or 2 (got tp=%d zero=%d)",
-                   tp, zero);
-  } else if (strcmp(pl, "hybrid") == 0) {
-    DOPT_CHECK_ARG(zero <= 2, "plugin hybrid: zero=%d (0, 1 or 2; zero 3 is the fsdp plugin)", zero);
-  } else if (strcmp(pl, "fsdp") == 0) {
-    DOPT_CHECK_ARG(zero == 3, "plugin fsdp: needs zero=3 (got %d)", zero);
-  } else if (strcmp(pl, "gemini") == 0) {
-    DOPT_CHECK_ARG(zero == 3, "plugin gemini: needs zero=3 (its chunks are sharded; got %d)", zero);
-  } else if (strcmp(pl, "moe_hybrid") == 0) {
-    DOPT_CHECK_ARG(zero <= 2, "plugin moe_hybrid: zero=%d (0, 1 or 2, as ColossalAI's MoeHybridParallelPlugin)", zero);
-  } else {
-    return dopt__fail(DOPT_ERR_NOT_FOUND, "unknown plugin '%s' (ddp, zero, hybrid, fsdp, gemini, moe_hybrid)", pl);
-  }
-  return DOPT_OK;
 }
 
 /* Sets this rank's values of parameter p from the logical fp32 tensor `full`

@@ -53,18 +53,12 @@
 extern "C" {
 #endif
 
-typedef enum dopt_tp_role {
-  DOPT_TP_REPLICATED = 0,
-  DOPT_TP_COLUMN = 1,
-  DOPT_TP_ROW = 2,
-} dopt_tp_role;
-
 typedef struct dopt_dist_optim dopt_dist_optim;
 
 typedef struct dopt_dist_config {
   uint32_t struct_size;
   uint32_t version;
-  const char *plugin;       /* "ddp", "zero", "hybrid", "fsdp", "gemini" */
+  const char *plugin;       /* "ddp", "zero", "hybrid", "fsdp", "gemini", "moe_hybrid" (dopt_dist_plugin_at) */
   int zero_stage;           /* 0..3 (see the plugin list) */
   dopt_transport tp;        /* this rank's tensor-parallel group */
   dopt_transport dp;        /* this rank's data-parallel (= ZeRO) group */
@@ -145,8 +139,23 @@ typedef struct dopt_dist_config {
  * hold one more; ep rank r holds a contiguous run of expert ids). -1 when an argument is out of range. */
 DOPT_API int dopt_dist_expert_rank(int expert, int num_experts, int ep);
 
-/* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts; the
- * message names the plugin and what it needs. */
+/* One plugin (ColossalAI's booster names: ddp, zero, hybrid, fsdp, gemini, moe_hybrid) and the layouts it
+ * allows: the one table the library's check and the CLI read. */
+typedef struct dopt_dist_plugin {
+  const char *name;
+  int tp_one;                         /* 1: tp must be 1 */
+  int zero_lo, zero_hi, zero_implied; /* the ZeRO stages it allows; the one a tool implies when none is given */
+  const char *hint;                   /* where the layouts it refuses are */
+} dopt_dist_plugin;
+
+/* The i-th plugin (0 ≤ i; NULL past the last), and the plugin of that name (NULL: unknown). */
+DOPT_API const dopt_dist_plugin *dopt_dist_plugin_at(int i);
+DOPT_API const dopt_dist_plugin *dopt_dist_plugin_find(const char *name);
+/* 1 when plugin p allows tp and zero (p NULL: 0). */
+DOPT_API int dopt_dist_plugin_allows(const dopt_dist_plugin *p, int tp, int zero);
+
+/* Checks that (plugin, tp, dp, zero) is one of the plugins' layouts (the table above); the message names the
+ * plugin, what it needs and where the refused layout is. */
 DOPT_API dopt_status dopt_dist_check_layout(const char *plugin, int tp, int dp, int zero);
 
 /* Converts a plain registry optimizer (its groups, hyperparameters and

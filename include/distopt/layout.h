@@ -80,6 +80,46 @@ DOPT_API void dopt_layout_piece_text(const dopt_layout_piece *pc, char *buf, siz
 DOPT_API dopt_status dopt_layout_cover(const char *name, int ndim, const int64_t *shape, const dopt_layout_piece *pieces,
                                        const int *ranks, size_t n, int *source);
 
+/* ---- distopt's own layout rules: one author for the library, compare, mem and the benches ---- */
+
+/* A parameter's tensor-parallel role (Megatron-LM's): column-parallel weights are cut by rows, row-parallel
+ * ones by columns, the rest are whole on every TP rank. */
+typedef enum dopt_tp_role {
+  DOPT_TP_REPLICATED = 0,
+  DOPT_TP_COLUMN = 1,
+  DOPT_TP_ROW = 2,
+} dopt_tp_role;
+
+/* The uneven split of n items over `parts` (≥ 1): part r (0 ≤ r < parts) gets [*off, *off + *len) with
+ * len = n / parts + (r < n mod parts) — the first n mod parts parts one more. TP blocks and the experts of an
+ * ep-split stack are cut this way. */
+DOPT_API void dopt_split_range(size_t n, int parts, int r, size_t *off, size_t *len);
+
+/* TP rank r of tp's block of a parameter of shape[ndim] seen as [b, h, w] (dopt_piece_full): rows
+ * [h0, h0 + hl) for DOPT_TP_COLUMN with ndim ≥ 2, columns [w0, w0 + wl) for DOPT_TP_ROW and for a 1-D
+ * DOPT_TP_COLUMN (its only dimension), cut by dopt_split_range; the whole tensor when replicated or tp = 1.
+ * *out: that block with lo = 0 and len = b · hl · wl (the whole block).
+ *
+ * This is distopt's TP split, not torch's DTensor rule. Shard(d) over k ranks gives rank r the
+ * ceil(n / k) indices from r · ceil(n / k), the last ranks short or empty (python's dtensor_layout describes a
+ * recording with that rule, because the pieces are torch's); distopt's own split keeps every block within one
+ * index of the others and is what its layouts, checkpoints and digests were defined with. The two agree when
+ * k divides n; they are different rules on purpose, and neither is used for the other's pieces. */
+DOPT_API void dopt_tp_block(int ndim, const int64_t *shape, dopt_tp_role role, int tp, int r, dopt_piece *out);
+
+/* Where a world rank stands in a layout of pipeline stages × dp × tp, with expert parallelism inside dp
+ * (ColossalAI's MoeHybridParallelPlugin: dp = moe_dp · ep): world rank = (stage · dp + dp rank) · tp + tp rank,
+ * dp rank = moe_dp rank · ep + ep rank. Without experts ep = 1 (ep rank 0, moe_dp rank = dp rank). */
+typedef struct dopt_rank_coords {
+  int stage, dp, tp; /* pipeline stage, data-parallel rank, tensor-parallel rank */
+  int ep, moe_dp;    /* expert-parallel rank, expert-data-parallel rank (dp = moe_dp · ep + ep) */
+} dopt_rank_coords;
+
+/* The coordinates of world rank w (tp, dp, ep ≥ 1, ep dividing dp). */
+DOPT_API dopt_rank_coords dopt_rank_coords_of(int64_t w, int tp, int dp, int ep);
+/* The world rank at coordinates c (c->stage, c->dp, c->tp; ep and moe_dp are inside c->dp). */
+DOPT_API int64_t dopt_world_rank_of(const dopt_rank_coords *c, int tp, int dp);
+
 /* The layout description of a distributed piece (distopt/device.h) of a
  * parameter of ndim dimensions: its TP block as a block of dimension ndim-2
  * (split rows) or ndim-1 (split columns; dimension 0 of a 1-D tensor), its

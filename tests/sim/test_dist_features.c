@@ -612,7 +612,7 @@ static void test_config_errors(void **st) {
        DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 2, 0, 0},
       {"moe_hybrid", 1, DOPT_TP_REPLICATED, "needs dp = moe_dp x ep (got dp=1 ep=2 moe_dp=1)", DOPT_ERR_INVALID_ARG, 0,
        "", 0, 0, 2, 0, 0},
-      {"moe_hybrid", 3, DOPT_TP_REPLICATED, "plugin moe_hybrid: zero=3", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
+      {"moe_hybrid", 3, DOPT_TP_REPLICATED, "plugin moe_hybrid: needs zero 0-2 (got tp=1 zero=3", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 0},
       {"hybrid", 0, DOPT_TP_REPLICATED, "expert ids need plugin moe_hybrid", DOPT_ERR_INVALID_ARG, 0, "", 0, 0, 0, 0, 4},
       {"moe_hybrid", 0, DOPT_TP_REPLICATED, "experts[0]=6 ('v') outside [-1, num_experts=6)", DOPT_ERR_INVALID_ARG, 0,
        "", 0, 0, 0, 6, 6},

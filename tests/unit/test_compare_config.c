@@ -345,7 +345,7 @@ static void test_compare_section_and_given(void **st) {
 }
 
 /* cmp_apply_plugin: what each plugin implies, what it keeps, what contradicts it (one message naming both
- * values), o unchanged on error; its table agrees with dopt_dist_check_layout for every explicit layout. */
+ * values), o unchanged on error; every explicit layout accepted exactly where ColossalAI's plugin allows it. */
 static void test_apply_plugin(void **st) {
   (void)st;
   static const struct {
@@ -404,17 +404,20 @@ static void test_apply_plugin(void **st) {
   o.zero = 1;
   o.given = o.given_yaml = CMP_GIVEN_PLUGIN | CMP_GIVEN_ZERO;
   assert_status(cmp_apply_plugin(&o), DOPT_ERR_INVALID_ARG, "plugin.type ddp contradicts plugin.zero 1");
-  /* every explicit layout: accepted exactly when the distributed layer accepts it */
-  static const char *const P[] = {"ddp", "zero", "hybrid", "fsdp"};
-  for (int p = 0; p < 4; p++)
+  /* every explicit layout: accepted exactly where the plugin allows it, written out here (ddp: tp 1, zero 0;
+   * zero: tp 1, zero 1-2; hybrid and moe_hybrid: zero 0-2; fsdp and gemini: zero 3), by the CLI and the library */
+  static const char *const P[] = {"ddp", "zero", "hybrid", "fsdp", "gemini", "moe_hybrid"};
+  for (int p = 0; p < 6; p++)
     for (int tp = 1; tp <= 3; tp++)
       for (int z = 0; z <= 3; z++) {
         base_options(&o);
         o.resume_zero = -1;
         snprintf(o.plugin, sizeof o.plugin, "%s", P[p]);
         o.tp = tp, o.zero = z, o.given = CMP_GIVEN_PLUGIN | CMP_GIVEN_TP | CMP_GIVEN_ZERO;
+        const int want = p == 0 ? tp == 1 && z == 0 : p == 1 ? tp == 1 && z >= 1 && z <= 2 : p == 2 || p == 5 ? z <= 2 : z == 3;
         int mine = cmp_apply_plugin(&o) == DOPT_OK, dist = dopt_dist_check_layout(P[p], tp, 2, z) == DOPT_OK;
-        if (mine != dist) fail_msg("%s tp %d zero %d: cmp_apply_plugin %d, dopt_dist_check_layout %d", P[p], tp, z, mine, dist);
+        if (mine != want || dist != want)
+          fail_msg("%s tp %d zero %d: cmp_apply_plugin %d, dopt_dist_check_layout %d, want %d", P[p], tp, z, mine, dist, want);
         /* and the sweep's plugin for the layout is one the layer accepts */
         assert_ok(dopt_dist_check_layout(cmp_layout_plugin(tp, z), tp, 2, z));
       }

@@ -208,11 +208,88 @@ static void test_cover_refuses(void **st) {
                 "parameter a\\x0ab: elements [5, 6) are held by no rank");
 }
 
+/* distopt's TP split (dopt_tp_block): every rank's block against the split written out by hand — the first
+ * n mod tp ranks one more, rows of a column-parallel matrix, columns of a row-parallel one and of a 1-D
+ * column-parallel vector, the whole tensor when replicated or tp 1 — and the blocks tile the split dimension.
+ * The worked cases below are not torch's chunk rule (10 rows over 4 ranks: torch 3, 3, 3, 1; distopt 3, 3, 2, 2). */
+static void test_tp_block_rule(void **st) {
+  (void)st;
+  const int64_t m10x6[2] = {10, 6}, s3[3] = {2, 7, 5}, v9[1] = {9};
+  const size_t rows[4][2] = {{0, 3}, {3, 3}, {6, 2}, {8, 2}};
+  for (int r = 0; r < 4; r++) {
+    dopt_piece pc;
+    dopt_tp_block(2, m10x6, DOPT_TP_COLUMN, 4, r, &pc);
+    assert_int_equal(pc.h0, rows[r][0]), assert_int_equal(pc.hl, rows[r][1]);
+    assert_int_equal(pc.w0, 0), assert_int_equal(pc.wl, 6);
+    assert_int_equal(pc.lo, 0), assert_int_equal(pc.len, rows[r][1] * 6);
+  }
+  const size_t cols[4][2] = {{0, 2}, {2, 2}, {4, 1}, {5, 1}}; /* 6 columns over 4 */
+  for (int r = 0; r < 4; r++) {
+    dopt_piece pc;
+    dopt_tp_block(2, m10x6, DOPT_TP_ROW, 4, r, &pc);
+    assert_int_equal(pc.w0, cols[r][0]), assert_int_equal(pc.wl, cols[r][1]);
+    assert_int_equal(pc.h0, 0), assert_int_equal(pc.hl, 10), assert_int_equal(pc.len, 10 * cols[r][1]);
+  }
+  const size_t v[2][2] = {{0, 5}, {5, 4}}; /* a 1-D column-parallel vector: its only dimension */
+  for (int r = 0; r < 2; r++) {
+    dopt_piece pc;
+    dopt_tp_block(1, v9, DOPT_TP_COLUMN, 2, r, &pc);
+    assert_int_equal(pc.w0, v[r][0]), assert_int_equal(pc.wl, v[r][1]), assert_int_equal(pc.len, v[r][1]);
+  }
+  for (int r = 0; r < 3; r++) { /* a 3-D stack [2, 7, 5], column-parallel: rows of every leading index */
+    dopt_piece pc;
+    dopt_tp_block(3, s3, DOPT_TP_COLUMN, 3, r, &pc);
+    assert_int_equal(pc.b, 2), assert_int_equal(pc.h0, r == 0 ? 0 : r == 1 ? 3 : 5), assert_int_equal(pc.hl, r == 0 ? 3 : 2);
+    assert_int_equal(pc.len, 2 * pc.hl * 5);
+  }
+  dopt_piece rep, one;
+  dopt_tp_block(2, m10x6, DOPT_TP_REPLICATED, 4, 3, &rep);
+  dopt_tp_block(2, m10x6, DOPT_TP_COLUMN, 1, 0, &one);
+  assert_int_equal(rep.len, 60), assert_int_equal(one.len, 60), assert_int_equal(one.hl, 10);
+  for (size_t n = 0; n < 40; n++) /* the split tiles [0, n) in order, sizes within one of each other */
+    for (int parts = 1; parts <= 9; parts++) {
+      size_t at = 0, lo_len = n, hi_len = 0;
+      for (int r = 0; r < parts; r++) {
+        size_t off, len;
+        dopt_split_range(n, parts, r, &off, &len);
+        assert_int_equal(off, at);
+        at += len;
+        if (len < lo_len) lo_len = len;
+        if (len > hi_len) hi_len = len;
+      }
+      assert_int_equal(at, n);
+      assert_true(hi_len - lo_len <= 1);
+    }
+}
+
+/* World-rank coordinates: every rank of every pp x dp x tp (ep dividing dp) layout maps to distinct coordinates
+ * in range, back to itself, with tp fastest, then ep inside dp, then moe_dp, then the stage. */
+static void test_rank_coords(void **st) {
+  (void)st;
+  for (int pp = 1; pp <= 3; pp++)
+    for (int tp = 1; tp <= 4; tp++)
+      for (int dp = 1; dp <= 6; dp++)
+        for (int ep = 1; ep <= dp; ep++) {
+          if (dp % ep) continue;
+          int64_t w = 0;
+          for (int s = 0; s < pp; s++)
+            for (int m = 0; m < dp / ep; m++)
+              for (int e = 0; e < ep; e++)
+                for (int t = 0; t < tp; t++, w++) {
+                  const dopt_rank_coords c = dopt_rank_coords_of(w, tp, dp, ep);
+                  if (c.stage != s || c.moe_dp != m || c.ep != e || c.tp != t || c.dp != m * ep + e)
+                    fail_msg("pp %d tp %d dp %d ep %d: rank %lld -> stage %d dp %d tp %d ep %d moe_dp %d", pp, tp, dp,
+                             ep, (long long)w, c.stage, c.dp, c.tp, c.ep, c.moe_dp);
+                  assert_int_equal(dopt_world_rank_of(&c, tp, dp), w);
+                }
+        }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_elem_matches_enumeration), cmocka_unit_test(test_from_distributed_piece),
       cmocka_unit_test(test_check_refuses), cmocka_unit_test(test_cover_random_tilings),
-      cmocka_unit_test(test_cover_refuses),
+      cmocka_unit_test(test_cover_refuses), cmocka_unit_test(test_tp_block_rule), cmocka_unit_test(test_rank_coords),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
