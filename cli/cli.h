@@ -47,6 +47,6 @@ int cmd_list(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_compare(int argc, char **argv);
 int cmd_mem(int argc, char **argv);
-int cmd_verify(int argc, char **argv); /* verify/cmd_verify.c: a recorded PyTorch run against the reference */
+int cmd_verify(int argc, char **argv); /* cmd_verify.c over verify/: a recorded PyTorch run against the reference */
 
 #endif

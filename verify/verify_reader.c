@@ -1,7 +1,7 @@
 /* Reading a recording (verify/verify.h, docs/verify.md): the index, each
  * parameter's source pieces, and the tensor files one block per rank at a
  * time, checked against the index when loaded. Shared by `distopt verify`
- * (cmd_verify.c) and `distopt compare --trace` on a recording (engine.c). */
+ * (verify/, the verifier) and `distopt compare --trace` on a recording (compare/source.c). */
 #include "verify.h"
 
 #include "files.h"

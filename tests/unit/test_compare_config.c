@@ -25,7 +25,7 @@ static int teardown(void **st) {
   return dt_remove_tmpdir(dir);
 }
 
-/* Independent of cmp_options_default (compare/engine.c). */
+/* Independent of cmp_options_default (compare/options.c). */
 static void base_options(cmp_options *o) {
   memset(o, 0, sizeof *o);
   snprintf(o->optimizer, sizeof o->optimizer, "adafactor");

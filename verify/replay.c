@@ -1,0 +1,452 @@
+/* distopt verify, the replay and the verdict (verifier.h): the declared tolerances, the statistics of every
+ * recorded tensor, the reference stepped with the recorded gradients and compared after every step, and the
+ * first divergence or an earlier cause (hyperparameters, gradient digests). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "files.h"
+#include "verifier.h"
+
+/* --stepwise tolerances (docs/verify.md, "Per-step tolerances"): one step from the same parameters, states and
+ * gradient differs only by the roundings of that step's operations. Elementwise optimizers (adamw): each
+ * output element is a chain of at most k = 8 fp32 operations (mul, add, addcmul, sqrt, add eps, div, the
+ * update and the weight decay), each rounded once on either side (torch fuses add_(alpha=): one rounding
+ * where distopt has two), so |rec - ref| <= 2k·u·(the magnitudes in the chain), u = 2^-24; normwise
+ * relative 2·8·2^-24 = 9.5e-7 -> 1e-6 for states; parameters p - lr·update: the p term's roundings dominate,
+ * <= 4u = 2.4e-7 of max|p| plus lr·(the update's error) -> 1e-6 too, and at the declared accumulated
+ * bounds the two modes agree. Factored and norm-based optimizers (adafactor, came, lamb) add torch's fp32
+ * reductions over a row, column or tensor of n elements: torch sums in fp32 with a cascade of vector
+ * lanes, error <= (log2 n + 8)·u relative for sums of squares; through rsqrt and the update's RMS clipping
+ * it enters every element, so states 2·(log2 n + 16)·u: n <= 2^24 -> 80u = 4.8e-6 -> 1e-5, parameters
+ * (damped by lr) 1e-6. Measured (tests/verify, torch 1.13 AVX2): AdamW 3 000 steps stepwise <= 1.0e-7
+ * (params) and 1.2e-7 (states), margins >= 8 (docs/verify.md). A bug that changes one step by more than the bound is
+ * named at that step however long the run. */
+static const verify_tol verify_tolerances[] = {
+    {"adamw", 1e-6, 1e-5, 1e-6, 1e-6},
+    {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5},
+    {"came", 1e-6, 1e-5, 1e-6, 1e-5},
+    {"lamb", 1e-6, 1e-5, 1e-6, 1e-5},
+};
+
+const verify_tol *vf_find_tol(const char *name) {
+  for (size_t i = 0; i < sizeof verify_tolerances / sizeof verify_tolerances[0]; i++)
+    if (strcmp(verify_tolerances[i].optimizer, name) == 0) return &verify_tolerances[i];
+  return NULL;
+}
+
+/* ---- statistics --------------------------------------------------------------------- */
+
+int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key) {
+  if (c->nst == c->capst) {
+    int cap = c->capst ? 2 * c->capst : 64;
+    vstat *s = realloc(c->st, (size_t)cap * sizeof *s);
+    if (!s) return -1;
+    c->st = s;
+    c->capst = cap;
+  }
+  vstat *s = &c->st[c->nst];
+  memset(s, 0, sizeof *s);
+  s->rank = rank;
+  s->param = pc->param;
+  s->pc = pc;
+  snprintf(s->key, sizeof s->key, "%s", key);
+  return c->nst++;
+}
+
+static void add_point(vctx *c, vstat *s, long step, double rel) {
+  if (c->truncated) return;
+  if (c->points >= VR_MAX_POINTS) {
+    c->truncated = 1;
+    return;
+  }
+  if (s->npts == s->cappts) {
+    long cap = s->cappts ? 2 * s->cappts : 16;
+    long *ps = realloc(s->pt_step, (size_t)cap * sizeof *ps);
+    if (!ps) {
+      c->truncated = 1;
+      return;
+    }
+    s->pt_step = ps;
+    double *pr = realloc(s->pt_rel, (size_t)cap * sizeof *pr);
+    if (!pr) {
+      c->truncated = 1;
+      return;
+    }
+    s->pt_rel = pr;
+    s->cappts = cap;
+  }
+  s->pt_step[s->npts] = step;
+  s->pt_rel[s->npts++] = rel;
+  c->points++;
+}
+
+/* Ordered integer of a float: adjacent floats differ by 1, -0 and +0 by 1. */
+static int64_t ordered(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (u & 0x80000000u) ? -(int64_t)(u & 0x7fffffffu) - 1 : (int64_t)u;
+}
+
+/* Compares rec (recorded, n elements, possibly unaligned) with ref; updates s; returns the
+ * normwise relative error max|rec - ref| / max|ref| of this step. */
+static double compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n) {
+  double maxdiff = 0.0, maxref = 0.0;
+  uint64_t maxulp = 0, nanpairs = 0;
+  const unsigned char *rb = rec_bytes;
+  for (size_t i = 0; i < n; i++) {
+    float a, b = ref[i];
+    memcpy(&a, rb + 4 * i, sizeof a);
+    double ab = fabs((double)b);
+    if (ab > maxref && !isnan(b)) maxref = ab;
+    if (isnan(a) || isnan(b)) {
+      if (isnan(a) && isnan(b)) nanpairs++;
+      else {
+        maxdiff = INFINITY;
+        maxulp = UINT64_MAX;
+      }
+      continue;
+    }
+    if (a == b && signbit(a) == signbit(b)) continue;
+    double d = a == b ? 0.0 : fabs((double)a - (double)b); /* +0 / -0: 0 apart, 1 ULP */
+    if (isnan(d)) d = INFINITY;                          /* inf against -inf */
+    if (d > maxdiff) maxdiff = d;
+    int64_t oa = ordered(a), ob = ordered(b);
+    uint64_t u = oa > ob ? (uint64_t)(oa - ob) : (uint64_t)(ob - oa);
+    if (u > maxulp) maxulp = u;
+  }
+  double rel = maxdiff == 0.0 ? 0.0 : maxref > 0.0 ? maxdiff / maxref : INFINITY;
+  if (isnan(rel)) rel = INFINITY; /* an infinite reference element against a different value */
+  if (maxdiff > s->max_abs || isnan(s->max_abs)) s->max_abs = maxdiff;
+  if (maxulp > s->max_ulp) s->max_ulp = maxulp;
+  if (nanpairs > s->nan_pairs) s->nan_pairs = nanpairs;
+  return rel;
+}
+
+void vf_record_result(vctx *c, int si, long t, double rel, double tol) {
+  vstat *s = &c->st[si];
+  s->compared++;
+  if (rel > s->max_rel || isnan(rel)) s->max_rel = rel;
+  add_point(c, s, t, rel);
+  int beyond = !(rel <= tol);
+  if (beyond && !s->first_beyond) s->first_beyond = t, s->tol_first = tol;
+  if (beyond && !c->verdict_step) {
+    c->verdict_step = t;
+    c->verdict_stat = si;
+    c->verdict_value = rel;
+  }
+}
+
+/* ---- the replay ---------------------------------------------------------------------- */
+
+/* Step t's gradients; 1 when some parameter has only a digest (the step cannot be replayed). */
+static int assemble_grads(vctx *c, long t, int *digest_only) {
+  *digest_only = 0;
+  for (int p = 0; p < c->rd.ix.nparams; p++) {
+    int present = 0;
+    if (vr_reader_grad(&c->rd, p, t, c->grad[p], &present) != DOPT_OK) return cli_errorf(CMD, "%s", c->rd.err);
+    if (present < 0) *digest_only = 1;
+    c->gptr[p] = present > 0 ? c->grad[p] : NULL;
+  }
+  return CLI_OK;
+}
+
+/* The flat range of `key`'s reference state (n elements) rank r's piece records; *mapped: its elements are
+ * the piece's own (an elementwise state of a block piece: element i at vr_piece_elem(pc, i)), len of them. */
+int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                       int *mapped) {
+  const vr_param *vp = &c->rd.ix.params[pc->param];
+  *mapped = 0;
+  for (int i = 0; i < pc->nstates; i++)
+    if (strcmp(pc->states[i].key, key) == 0) {
+      *lo = pc->states[i].lo;
+      *len = pc->states[i].len;
+      return 0;
+    }
+  if (pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == vp->numel) { /* the whole parameter: the whole state */
+    *lo = 0;
+    *len = n;
+    return 0;
+  }
+  if (n == vp->numel) { /* elementwise */
+    *lo = pc->lp.lo;
+    *len = pc->lp.len;
+    *mapped = pc->lp.block_dim >= 0;
+    return 0;
+  }
+  return -1;
+}
+
+/* The reference's state `key` of parameter p after step t: its elements (*n) and 1; 0 when the reference keeps
+ * no such F32 state (*none: it keeps no state at all for p: it never stepped). */
+static int ref_state(vctx *c, int p, long t, const char *key, const float **data, int64_t *n, int *none) {
+  *none = 0;
+  if (c->ref_path) {
+    char name[VR_MAX_NAME + VR_MAX_KEY + 64];
+    size_t numel = 0;
+    snprintf(name, sizeof name, "state/%ld/%s/%s", t, c->rd.ix.params[p].name, key);
+    const void *b = vr_reader_f32(&c->ref, 0, t, name, &numel);
+    if (!b) return 0;
+    if (numel > c->scratch_n) { /* a reference state larger than the largest parameter: its own buffer */
+      float *s = realloc(c->scratch, numel * sizeof *s);
+      unsigned char *m = realloc(c->mask, numel);
+      if (s) c->scratch = s;
+      if (m) c->mask = m;
+      if (!s || !m) return 0;
+      c->scratch_n = numel;
+    }
+    memcpy(c->scratch, b, numel * sizeof(float));
+    *data = c->scratch;
+    *n = (int64_t)numel;
+    return 1;
+  }
+  int nst = dopt_optim_num_states(c->opt, p);
+  *none = nst == 0;
+  for (int k = 0; k < nst; k++) {
+    dopt_state_view v;
+    if (dopt_optim_state(c->opt, p, k, &v) == DOPT_OK && strcmp(v.name, key) == 0) {
+      if (v.dtype != DOPT_F32) return 0;
+      *n = 1;
+      for (int d = 0; d < v.ndim; d++) *n *= v.shape[d];
+      *data = v.data;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* The reference's step count of parameter p after step t; 0 when it has none to compare (--reference: REF
+ * records none). */
+static int ref_step(vctx *c, int p, long t, double *out) {
+  if (!c->ref_path) {
+    int64_t v = 0;
+    dopt_optim_get_step(c->opt, p, &v);
+    *out = (double)v;
+    return 1;
+  }
+  char name[VR_MAX_NAME + 64];
+  snprintf(name, sizeof name, "state/%ld/%s/step", t, c->rd.ix.params[p].name);
+  dopt_st_tensor x;
+  if (vr_reader_seek(&c->ref, 0, t) != DOPT_OK || dopt_st_find(c->ref.f[0], name, &x) != DOPT_OK) return 0;
+  *out = vf_scalar_value(&x);
+  return 1;
+}
+
+static int compare_step(vctx *c, long t) {
+  char key[VR_MAX_NAME + 128];
+  if (c->ref_path && vr_reader_seek(&c->ref, 0, t) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
+  for (int r = 0; r < c->rd.ix.world_size; r++) {
+    const vr_rank *rk = &c->rd.ix.ranks[r];
+    const dopt_st_file *f = c->rd.f[r];
+    for (int i = 0; i < rk->npieces; i++) {
+      const vr_piece *pc = &rk->pieces[i];
+      const vr_param *vp = &c->rd.ix.params[pc->param];
+      const vpiece_keys *pk = &c->rt[r].keys[i];
+      dopt_st_tensor rec;
+      /* states first: they feed the parameter's update, so at the first divergent step the verdict
+       * names the state where the computations parted (a wrong statistic), not its consequence */
+      for (int j = 1; j <= pk->nkeys; j++) {
+        vstat *s = &c->st[pk->stat[j]];
+        snprintf(key, sizeof key, "state/%ld/%s/%s", t, vp->name, s->key);
+        if (dopt_st_find(f, key, &rec) != DOPT_OK) continue;
+        if (strcmp(s->key, "step") == 0) {
+          double ref = 0, got = vf_scalar_value(&rec);
+          if (!ref_step(c, pc->param, t, &ref)) {
+            s->no_ref = 1;
+            continue;
+          }
+          double d = fabs(got - ref);
+          if (!(d <= s->max_abs)) s->max_abs = d;
+          s->compared++;
+          double rel = d == 0.0 ? 0.0 : (ref != 0.0 ? d / fabs(ref) : INFINITY);
+          if (rel > s->max_rel) s->max_rel = rel;
+          add_point(c, s, t, rel);
+          if (d != 0.0) {
+            if (!s->first_beyond) s->first_beyond = t;
+            if (!c->verdict_step) {
+              c->verdict_step = t;
+              c->verdict_stat = (int)(s - c->st);
+              c->verdict_value = rel;
+            }
+          }
+          continue;
+        }
+        const float *data = NULL;
+        int64_t n = 0, lo, len;
+        int none = 0;
+        if (!ref_state(c, pc->param, t, s->key, &data, &n, &none)) {
+          if (!none) { /* a key the reference does not keep: listed, not compared */
+            s->no_ref = 1;
+            continue;
+          }
+          /* torch has state, the reference none: the parameter never stepped here */
+          s->compared++;
+          s->max_abs = INFINITY;
+          vf_record_result(c, pk->stat[j], t, INFINITY, c->tol_state);
+          continue;
+        }
+        int mapped;
+        if (vf_state_range(c, pc, s->key, n, &lo, &len, &mapped)) {
+          char el[96];
+          dopt_layout_piece_text(&pc->lp, el, sizeof el);
+          return cli_errorf(CMD, "%s: rank %d records state '%s' of '%s' for elements %s of the parameter but "
+                                 "declares no range of the state (ranks[%d].pieces[].states)",
+                            c->rd.index_path, r, s->key, vp->name, el, r);
+        }
+        if (mapped) { /* an elementwise state of a block: the piece's elements, gathered */
+          vr_piece_get(pc, data, c->gath);
+          data = c->gath, lo = 0;
+        }
+        if (lo + len > n && !mapped)
+          return cli_errorf(CMD, "%s: rank %d, state '%s' of '%s': range [%lld, %lld) is outside the reference's %lld "
+                                 "elements", c->rd.index_path, r, s->key, vp->name, (long long)lo, (long long)(lo + len),
+                            (long long)n);
+        if ((int64_t)rec.numel != len)
+          return cli_errorf(CMD, "rank %d: tensor '%s' has %zu elements, expected %lld (the state range [%lld, %lld))",
+                            r, key, rec.numel, (long long)len, (long long)lo, (long long)(lo + len));
+        double rel = compare_f32(s, rec.data, data + lo, (size_t)len);
+        vf_record_result(c, pk->stat[j], t, rel, c->tol_state);
+      }
+      snprintf(key, sizeof key, "param/%ld/%s", t, vp->name);
+      if (dopt_st_find(f, key, &rec) == DOPT_OK) {
+        vstat *s = &c->st[pk->stat[0]];
+        const float *ref = vf_ref_param(c, pc->param, t);
+        if (!ref)
+          return cli_errorf(CMD, "--reference %s: no '%s' (the recording compares it)", c->ref.index_path, key);
+        if (pc->lp.block_dim >= 0) { /* a block: its elements gathered */
+          vr_piece_get(pc, ref, c->gath);
+          ref = c->gath;
+        }
+        double rel = compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo, (size_t)pc->lp.len);
+        vf_record_result(c, pk->stat[0], t, rel, c->tol_param);
+      } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
+        /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
+        return cli_errorf(CMD, "%s: rank %d's file for step %ld has no '%s' (record.params is true and every=%ld)",
+                          c->rd.index_path, r, t, key, c->rd.ix.every);
+      }
+    }
+  }
+  return CLI_OK;
+}
+
+/* record.grad_agree: every rank that has a whole gradient of parameter p at step t recorded the SHA-256 of it
+ * (grad_agree/<t>/<p>); those ranks hold copies of the same gradient (DDP replicas, ZeRO: the dp average), so
+ * every digest must equal the lowest such rank's (a rank without one, a pipeline stage that does not hold p,
+ * is not compared). The first difference, by step, parameter and rank, is a divergence. */
+static void check_agreement(vctx *c, long t) {
+  const vr_index *ix = &c->rd.ix;
+  if (!ix->grad_agree || c->agree_step) return;
+  c->agree_checked++;
+  char key[VR_MAX_NAME + 64];
+  for (int p = 0; p < ix->nparams; p++) {
+    snprintf(key, sizeof key, "grad_agree/%ld/%s", t, ix->params[p].name);
+    const unsigned char *base = NULL;
+    int b = -1;
+    for (int r = 0; r < ix->world_size; r++) {
+      const unsigned char *d = vr_reader_digest(&c->rd, r, t, key);
+      if (!d) continue; /* no whole gradient of p there (another pipeline stage's, or none this step) */
+      if (!base) {
+        base = d, b = r;
+        continue;
+      }
+      if (memcmp(d, base, 32) != 0) {
+        c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = b;
+        return;
+      }
+    }
+  }
+}
+
+
+static void hp_value_text(double v, char *buf, size_t cap) {
+  if (isnan(v)) snprintf(buf, cap, "unset");
+  else snprintf(buf, cap, "%.9g", v);
+}
+
+int vf_early_verdict(const vctx *c, early *e) {
+  const long hs = c->rd.ix.disagree.step, as = c->agree_step, vs = c->verdict_step;
+  memset(e, 0, sizeof *e);
+  if (hs && (!vs || hs <= vs) && (!as || hs <= as)) {
+    char a[40], b[40];
+    hp_value_text(c->rd.ix.disagree.value, a, sizeof a);
+    hp_value_text(c->rd.ix.disagree.rank0, b, sizeof b);
+    e->kind = "hparams", e->step = hs, e->rank = c->rd.ix.disagree.rank, e->tensor = c->rd.ix.disagree.key;
+    snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (hyperparameters: rank %d's %s of group %d is %s, rank "
+             "0's %s, which the replay uses)", hs, e->rank, e->tensor, c->rd.ix.disagree.group, a, b);
+  } else if (as && (!vs || as <= vs)) {
+    e->kind = "gradients", e->step = as, e->rank = c->agree_rank, e->tensor = c->rd.ix.params[c->agree_param].name;
+    snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (gradient of %s: rank %d differs from rank %d)", as,
+             e->tensor, c->agree_rank, c->agree_base);
+  }
+  return e->kind != NULL;
+}
+
+/* --stepwise: the state after step t was recorded (parameters and states), so step t+1 can start from it. */
+static int recorded_after(const vctx *c, long t) {
+  return t == c->rd.ix.start_step || (c->rd.ix.record_params && c->rd.ix.record_states && t % c->rd.ix.every == 0);
+}
+
+int vf_replay(vctx *c) {
+  const vr_index *ix = &c->rd.ix;
+  long ch = 0;
+  int synced = 1; /* --stepwise: the reference's state is the recorded run's (0 after a skipped step) */
+  for (long t = ix->start_step + 1; t <= ix->steps; t++) {
+    int rc;
+    /* --stepwise: from the state recorded after step t-1 (read before moving to step t's block) */
+    if (c->stepwise && !c->ref_path && t - 1 > ix->start_step && recorded_after(c, t - 1)) {
+      if ((rc = vf_force_states(c, t - 1, 0))) return rc;
+      synced = 1;
+    }
+    for (int r = 0; r < ix->world_size; r++)
+      if ((rc = vf_file_for_step(c, r, t))) return rc;
+    check_agreement(c, t);
+    for (; !c->ref_path && ch < ix->nchanges && ix->changes[ch].step == t; ch++) {
+      const vr_change *h = &ix->changes[ch];
+      dopt_status s = dopt_optim_set_hparam(c->opt, h->group, h->key, h->value);
+      if (s != DOPT_OK) {
+        char what[4400];
+        snprintf(what, sizeof what, "%s: hparam_changes[%ld] (step %ld)", c->rd.index_path, ch, t);
+        return vf_lib_error(what, s);
+      }
+    }
+    if (!c->ref_path) {
+      int digest_only = 0;
+      if ((rc = assemble_grads(c, t, &digest_only))) return rc;
+      if (digest_only && !c->stepwise)
+        return cli_errorf(CMD, "%s: step %ld keeps only gradient digests: the accumulated replay needs every step's "
+                               "gradient (--stepwise replays the steps whose gradients are kept)", c->rd.index_path, t);
+      if (c->stepwise) {
+        if (digest_only || !synced) { /* not replayed: the next step starts from its recorded state again */
+          c->not_replayed++;
+          synced = 0;
+          continue;
+        }
+      }
+      dopt_status s = dopt_optim_step(c->opt, c->gptr);
+      if (c->hook_err[0]) return cli_errorf(CMD, "%s", c->hook_err);
+      if (s != DOPT_OK) {
+        char what[64];
+        snprintf(what, sizeof what, "step %ld: the reference step failed", t);
+        return vf_lib_error(what, s);
+      }
+      if (ix->projectors && (rc = vf_check_refreshes(c, t))) return rc;
+    }
+    long before = 0;
+    for (int i = 0; i < c->nst; i++) before += c->st[i].compared;
+    if ((rc = compare_step(c, t))) return rc;
+    long after = 0;
+    for (int i = 0; i < c->nst; i++) after += c->st[i].compared;
+    if (after > before) c->compared_steps++;
+  }
+  long compared = 0;
+  for (int i = 0; i < c->nst; i++) compared += c->st[i].compared;
+  if (compared == 0)
+    return cli_errorf(CMD, "%s: no recorded parameter or state (param/<t>/..., state/<t>/...) to compare", c->rd.index_path);
+  return CLI_OK;
+}
