@@ -2,6 +2,8 @@
 #ifndef DOPT_CLI_H
 #define DOPT_CLI_H
 
+#include <stdio.h>
+
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
 
@@ -36,6 +38,11 @@ int cli_check_paths(const char *cmd, const cli_path *outs, int nout, const cli_p
  * --save): no two outputs are the same file, no file output takes a name a checkpoint-folder
  * output writes (latest, step-<N>, .tmp-step-<N>). */
 int cli_check_outputs(const char *cmd, const cli_path *outs, int nout);
+
+/* Writes s escaped for XML text and attributes (the SVG plots of compare and verify; cli/report.c); at most
+ * maxw code points (0: all), "…" appended when cut; control characters
+ * become '?'. */
+void cmp_xml_text(FILE *f, const char *s, int maxw);
 
 /* Upstream's defaults ("") when they make a valid optimizer, else the
  * optimizer's registry example (CAME has no default lr): what bench and mem

@@ -23,6 +23,7 @@
  *    on failure the temporary file is removed and PATH is untouched.
  *    Non-finite errors appear as null in JSON (cJSON's rendering).
  */
+#include "cli.h"
 #include "compare.h"
 #include "files.h"
 

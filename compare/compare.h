@@ -241,10 +241,6 @@ uint64_t cmp_declared_ulp(const char *optimizer);
  * docs/verify.md: one shard per step) rather than a single-file gradient trace. */
 int cmp_trace_is_recording(const char *path);
 
-/* Writes s escaped for XML text and attributes (the SVG plots); at most
- * maxw code points (0: all), "…" appended when cut; control characters
- * become '?'. */
-void cmp_xml_text(FILE *f, const char *s, int maxw);
 
 /* Seconds on the monotonic clock (the wall-clock timer of compare, --sweep and bench). */
 double cmp_now_s(void);

@@ -9,7 +9,6 @@
 
 #include <cjson/cJSON.h>
 
-#include "compare.h" /* cmp_xml_text */
 #include "files.h"
 #include "verifier.h"
 
