@@ -24,7 +24,6 @@ static const cmp_model PRESETS[] = {
 #define NPRESETS ((int)(sizeof PRESETS / sizeof PRESETS[0]))
 
 int cmp_model_npresets(void) { return NPRESETS; }
-const cmp_model *cmp_model_preset(int k) { return k >= 0 && k < NPRESETS ? &PRESETS[k] : NULL; }
 
 double cmp_model_params(const cmp_model *m) {
   const double h = m->hidden, f = m->inter, v = m->vocab, L = m->layers, E = m->experts, kv = m->kv ? m->kv : h;

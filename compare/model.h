@@ -23,7 +23,6 @@ typedef struct cmp_model {
 } cmp_model;
 
 int cmp_model_npresets(void);
-const cmp_model *cmp_model_preset(int k);
 
 /* A preset name (llama-60m, llama-130m, llama-350m, llama-1b, llama-7b, mixtral-mini, mixtral-8x7b) or a size
  * COUNT[k|m|b][xLAYERS][eEXPERTS[s]]

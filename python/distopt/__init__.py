@@ -18,7 +18,7 @@ from ._lib import path as library_path
 from .record import dtensor_layout, record, verify  # noqa: F401 (torch is imported on first use; docs/verify.md)
 from .replay import replay  # noqa: F401 (your own torch optimizer as the reference; docs/verify.md)
 
-__version__ = "0.4.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
+__version__ = "0.5.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
 
 
 def list(details=False):  # noqa: A001 (distopt.list, as the CLI's `distopt list`)
