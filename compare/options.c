@@ -149,10 +149,11 @@ static const char *spelled(const cmp_options *o, unsigned bit) {
 /* One line: "--plugin ddp contradicts --zero 2: plugin ddp implies zero 0 (allowed: zero 0; hint)". */
 static dopt_status contradiction(const cmp_options *o, unsigned pbit, const dopt_dist_plugin *r, unsigned vbit, int value,
                                  int is_tp) {
-  char allowed[32];
-  if (is_tp) snprintf(allowed, sizeof allowed, "tp 1");
-  else if (r->zero_lo == r->zero_hi) snprintf(allowed, sizeof allowed, "zero %d", r->zero_lo);
-  else snprintf(allowed, sizeof allowed, "zero %d or %d", r->zero_lo, r->zero_hi);
+  char allowed[32] = "tp 1"; /* else every zero stage the plugin allows: "zero 0, 1 or 2" */
+  for (int z = r->zero_lo, at = 0; !is_tp && z <= r->zero_hi; z++) {
+    const char *sep = z == r->zero_lo ? "zero " : z == r->zero_hi ? " or " : ", ";
+    at += snprintf(allowed + at, sizeof allowed - (size_t)at, "%s%d", sep, z);
+  }
   return dopt__fail(DOPT_ERR_INVALID_ARG, "%s %s contradicts %s %d: plugin %s implies %s %d (allowed: %s; %s)",
                     spelled(o, pbit), r->name, spelled(o, vbit), value, r->name, is_tp ? "tp" : "zero",
                     is_tp ? 1 : r->zero_implied, allowed, r->hint);
