@@ -380,7 +380,14 @@ static dopt_status owner_batch(dopt_dist_optim *d, const int *list, int n) {
     }
     void *rbuf = NULL;
     DOPT_TRY(dd_gdev(d, 0, (rtot ? rtot : 1) * sizeof(float), &rbuf));
-    DOPT_TRY(exchange(d, G, vsum ? (const void *)vals : rbuf, sc, sd, rbuf, rc, rd));
+    /* send and receive never overlap (MPI forbids it even with nothing to send; Open MPI's non-blocking
+     * all_to_allv mishandles it): a row that stepped nothing sends from its own scratch */
+    const void *sbuf = vals;
+    if (!vsum) {
+      DOPT_TRY(dd_grow_dev(d, &d->xs, &d->xs_cap, sizeof(float)));
+      sbuf = d->xs;
+    }
+    DOPT_TRY(exchange(d, G, sbuf, sc, sd, rbuf, rc, rd));
     for (int o = 0; o < D; o++) {
       int mo = 0;
       if (o == row) continue; /* loaded in step 3 */
