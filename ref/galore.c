@@ -26,7 +26,7 @@
 #include <string.h>
 
 #include "galore_proj.h"
-#include "qgalore.h"
+#include "q_galore_quant.h"
 #include "registry.h"
 
 const char *const dopt_galore_proj_types[] = {"std", "reverse_std", "left", "right", "full", NULL};

@@ -16,8 +16,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "lisa_sample.h"
 #include "registry.h"
-#include "qgalore.h"
 
 enum { INNER, N_LAYERS, INTERVAL, SEED, RESET_STATES, NHP };
 

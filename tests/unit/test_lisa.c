@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "distopt/distopt.h"
-#include "qgalore.h"
+#include "lisa_sample.h"
 
 #define MAXP 80
 

@@ -13,7 +13,7 @@
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
 #include "galore_proj.h"
-#include "qgalore.h"
+#include "q_galore_quant.h"
 
 static float *randn(size_t n, uint64_t seed, double scale) {
   float *x = malloc(n * sizeof *x);

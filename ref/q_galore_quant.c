@@ -1,24 +1,13 @@
-/* Q-GaLore building blocks: quantiser, int4 packing, stochastic rounding,
- * lazy-refresh rule, LISA's sampler. Semantics in ref/qgalore.h. */
-#include "qgalore.h"
+/* Q-GaLore's building blocks: quantiser, int4 packing, stochastic rounding,
+ * lazy-refresh rule (used by the GaLore engine, ref/galore.c, for q_galore and
+ * galore's proj_quant / lazy_refresh / int8_weights keys). Semantics in
+ * ref/q_galore_quant.h. */
+#include "q_galore_quant.h"
 
 #include <math.h>
 #include <string.h>
 
-static uint64_t mix64(uint64_t z) { /* splitmix64 finaliser */
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-uint64_t dopt_ctr_u64(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
-  return mix64(mix64(mix64(mix64(seed) ^ a) ^ b) ^ c);
-}
-
-float dopt_ctr_uniform(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
-  return (float)(dopt_ctr_u64(seed, a, b, c) >> 40) * 0x1p-24f;
-}
+#include "ctr_rng.h"
 
 size_t dopt_qg_code_bytes(size_t n, int bits, int packed) { return bits == 4 && packed ? (n + 1) / 2 : n; }
 
@@ -109,18 +98,4 @@ double dopt_qg_lazy_push(double *queue, int *count, int queue_size, float cos, d
   if (sum / queue_size < threshold) return gap;
   double g = floor(gap * gamma);
   return g < 1.0 ? 1.0 : g > 9007199254740992.0 ? 9007199254740992.0 : g;
-}
-
-void dopt_lisa_sample(uint64_t seed, int64_t interval, int n, int k, int *ws, int *out) {
-  for (int i = 0; i < n; i++) ws[i] = i;
-  for (int j = 0; j < k; j++) {
-    uint64_t range = (uint64_t)(n - j), reject = (0 - range) % range, x; /* reject x < 2^64 mod range */
-    uint64_t attempt = 0;
-    do x = dopt_ctr_u64(seed, (uint64_t)interval, (uint64_t)j, attempt++);
-    while (x < reject);
-    int r = j + (int)(x % range), t = ws[j];
-    ws[j] = ws[r];
-    ws[r] = t;
-    out[j] = ws[j];
-  }
 }

@@ -1,20 +1,13 @@
-/* Q-GaLore building blocks (internal; semantics in docs/q_galore.md): q_galore_torch's asymmetric min-max quantiser (int4 /
- * int8, groups), int4 packing, stochastic rounding with a counter-based
- * generator, the lazy subspace-refresh rule, and LISA's layer sampler (which
- * uses the same generator). */
-#ifndef DISTOPT_QGALORE_H
-#define DISTOPT_QGALORE_H
+/* Q-GaLore's building blocks (internal; semantics in docs/q_galore.md): q_galore_torch's asymmetric min-max
+ * quantiser (int4 / int8, groups), int4 packing, stochastic rounding with the
+ * counter-based generator of ref/ctr_rng.h, and the lazy subspace-refresh
+ * rule. The q_galore optimizer itself is ref/q_galore.c; the GaLore engine
+ * that calls these is ref/galore.c. */
+#ifndef DISTOPT_Q_GALORE_QUANT_H
+#define DISTOPT_Q_GALORE_QUANT_H
 
 #include <stddef.h>
 #include <stdint.h>
-
-/* ---- counter-based generator ------------------------------------------------------
- * Pure functions of their keys: reproducible, and independent of thread
- * count, call order and sharding (an element's draw depends only on its
- * logical index). */
-uint64_t dopt_ctr_u64(uint64_t seed, uint64_t a, uint64_t b, uint64_t c);
-/* U[0, 1) as fp32 with 24 random bits: (h >> 40)·2^−24. */
-float dopt_ctr_uniform(uint64_t seed, uint64_t a, uint64_t b, uint64_t c);
 
 /* ---- quantiser (q_galore_torch `_quantize`) ---------------------------------------
  * Elements of the row-major flattened tensor in consecutive groups of gsize
@@ -47,11 +40,5 @@ float dopt_qg_cosine(const float *a, size_t stride_a, const float *b, size_t str
  * 1, at most 2^53), else gap. The queue is never cleared. */
 double dopt_qg_lazy_push(double *queue, int *count, int queue_size, float cos, double threshold, double gamma,
                          double gap);
-
-/* ---- LISA ---------------------------------------------------------------------------
- * k of n indices sampled uniformly without replacement (partial Fisher–Yates
- * with unbiased rejection draws keyed (seed, interval, draw)): out[k] in
- * sampling order. k <= n; ws: n ints. */
-void dopt_lisa_sample(uint64_t seed, int64_t interval, int n, int k, int *ws, int *out);
 
 #endif
