@@ -817,10 +817,23 @@ static void item_task(void *ctx, size_t t) {
   dopt_param *p = &o->params[it->param];
   const size_t lo = it->pc.lo;
   it->red = (dopt_reducer){it, post_max, post_sum}; /* here: the items array moves while it grows */
-  dopt_step_args a = {o->impl,  o->groups[p->group].hp, p->step,     &it->pc,
-                      p->data + lo, r->grads[it->param] + lo, it->state, it->frame,
-                      it->parts > 1 ? &it->red : NULL, it->counts, (uint64_t)it->param, it->stage, &it->more, NULL,
-                      it->solo ? &r->par : NULL, NULL, 0, o->hook.fn ? &o->hook : NULL, NULL, p->ndim, p->shape};
+  dopt_step_args a = {.impl = o->impl,
+                      .hp = o->groups[p->group].hp,
+                      .step = p->step,
+                      .piece = &it->pc,
+                      .param = p->data + lo,
+                      .grad = r->grads[it->param] + lo,
+                      .state = it->state,
+                      .frame = it->frame,
+                      .red = it->parts > 1 ? &it->red : NULL,
+                      .counts = it->counts,
+                      .tensor = (uint64_t)it->param,
+                      .stage = it->stage,
+                      .more = &it->more,
+                      .par = it->solo ? &r->par : NULL,
+                      .proj_hook = o->hook.fn ? &o->hook : NULL,
+                      .ndim = p->ndim,
+                      .shape = p->shape};
   dopt_status s;
   if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */

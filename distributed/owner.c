@@ -159,8 +159,17 @@ static dopt_status step_units(dopt_dist_optim *d, int i, const float *g) {
   dopt_piece_full(p->ndim, p->shape, &piece);
   piece.lo = p->u0 * lunit(p), piece.len = (p->u1 - p->u0) * lunit(p); /* one unit: the whole tensor */
   p->cnt_last[DOPT_COUNTER_STEPS] = 1;
-  dopt_step_args a = {d->impl, d->hp[p->group], p->step, &piece, p->full, g, p->state, NULL, NULL, p->cnt_last,
-                      (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, p->ndim, p->shape};
+  dopt_step_args a = {.impl = d->impl,
+                      .hp = d->hp[p->group],
+                      .step = p->step,
+                      .piece = &piece,
+                      .param = p->full,
+                      .grad = g,
+                      .state = p->state,
+                      .counts = p->cnt_last,
+                      .tensor = (uint64_t)i,
+                      .ndim = p->ndim,
+                      .shape = p->shape};
   DOPT_TRY(dd_grow_dev(d, &d->frames, &d->frames_cap, DEV(d)->frame_bytes(DCTX(d), &a)));
   a.frame = d->frames;
   return dopt__run_stages(d->dev, &a);

@@ -319,8 +319,12 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   if (d->max_grad_norm > 0) { /* every gradient piece's Σg² as a staged step, one bucket */
     for (int i = 0; i < d->np; i++) {
       dist_param *p = &d->p[i];
-      d->args[i] = (dopt_step_args){&dopt__impl_sumsq, NULL, 0, &p->gpc, NULL, p->grad + p->gpc.lo, NULL, NULL,
-                                    &p->red, NULL, (uint64_t)i, 0, NULL, &d->ss[i], NULL, NULL, 0, NULL, NULL, 0, NULL};
+      d->args[i] = (dopt_step_args){.impl = &dopt__impl_sumsq,
+                                    .piece = &p->gpc,
+                                    .grad = p->grad + p->gpc.lo,
+                                    .red = &p->red,
+                                    .tensor = (uint64_t)i,
+                                    .host_out = &d->ss[i]};
     }
     DOPT_TRY(map_frames(d, 0, d->np, 0));
     DOPT_TRY(run_rounds(d, 0, d->np, 0)); /* every gradient: an absent one is zeros */
@@ -334,9 +338,19 @@ dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
     if (p->owned) continue;
     if (!d->skip[i]) p->step++, p->cnt_last[DOPT_COUNTER_STEPS] = 1;
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
-    d->args[i] = (dopt_step_args){d->impl, d->hp[p->group], p->step, &p->pc, param, p->grad + p->pc.lo, p->state,
-                                  NULL, &p->red, p->cnt_last, (uint64_t)i, 0, NULL, NULL, NULL, NULL, 0, NULL,
-                                  p->qblock ? &p->share : NULL, p->ndim, p->shape};
+    d->args[i] = (dopt_step_args){.impl = d->impl,
+                                  .hp = d->hp[p->group],
+                                  .step = p->step,
+                                  .piece = &p->pc,
+                                  .param = param,
+                                  .grad = p->grad + p->pc.lo,
+                                  .state = p->state,
+                                  .red = &p->red,
+                                  .counts = p->cnt_last,
+                                  .tensor = (uint64_t)i,
+                                  .shared = p->qblock ? &p->share : NULL,
+                                  .ndim = p->ndim,
+                                  .shape = p->shape};
   }
   DOPT_TRY(run_buckets(d));
   for (int i = 0; i < d->np; i++) {

@@ -262,8 +262,23 @@ dopt_status dopt_galore_update(const dopt_galore_spec *sp, const dopt_step_args 
     }
     int more = 0;
     const int64_t low[2] = {(int64_t)pl->rows, (int64_t)pl->cols};
-    dopt_step_args in = {sp->inner, hp, a->step, &lp, U, R, a->state, frame, NULL, a->counts, a->tensor, 0, &more,
-                         NULL, a->par, w, numel, a->proj_hook, NULL, 2, low};
+    dopt_step_args in = {.impl = sp->inner,
+                         .hp = hp,
+                         .step = a->step,
+                         .piece = &lp,
+                         .param = U,
+                         .grad = R,
+                         .state = a->state,
+                         .frame = frame,
+                         .counts = a->counts,
+                         .tensor = a->tensor,
+                         .more = &more,
+                         .par = a->par,
+                         .wstat = w,
+                         .wstat_len = numel,
+                         .proj_hook = a->proj_hook,
+                         .ndim = 2,
+                         .shape = low};
     if ((st = dopt__run_stages(NULL, &in)) != DOPT_OK) goto done;
   }
   float c;

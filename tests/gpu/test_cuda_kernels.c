@@ -94,7 +94,7 @@ static void run_piece(const char *name, const char *hps, int ndim, const int64_t
   dopt_state_spec spec[DOPT_MAX_STATES];
   int ns = im->layout(hp, ndim, shape, spec);
   size_t n = pc->len;
-  dopt_step_args fa = {im, hp, 1, pc, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
+  dopt_step_args fa = {.impl = im, .hp = hp, .step = 1, .piece = pc};
   size_t cfb = C->ops->frame_bytes(NULL, &fa), gfb = G->ops->frame_bytes(G->ctx, &fa);
   float *w = malloc((n ? n : 1) * 4), *g = malloc((n ? n : 1) * 4);
   void *ws = calloc(cfb ? cfb : 1, 1), *zeros = calloc(gfb ? gfb : 1, 1);
@@ -115,8 +115,9 @@ static void run_piece(const char *name, const char *hps, int ndim, const int64_t
   for (int t = 1; t <= 4; t++) {
     fill(g, n, 100 + (uint64_t)t, 1);
     assert_int_equal(G->ops->upload(G->ctx, dg, g, n * 4), DOPT_OK);
-    dopt_step_args ca = {im, hp, t, pc, w, g, cs, ws, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
-    dopt_step_args ga = {im, hp, t, pc, dw, dg, gs, dws, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
+    dopt_step_args ca = {.impl = im, .hp = hp, .step = t, .piece = pc, .param = w, .grad = g, .state = cs, .frame = ws};
+    dopt_step_args ga = {.impl = im, .hp = hp, .step = t, .piece = pc, .param = dw, .grad = dg, .state = gs,
+                         .frame = dws};
     assert_int_equal(dopt__run_stages(C, &ca), DOPT_OK);
     assert_int_equal(dopt__run_stages(G, &ga), DOPT_OK);
     char what[160];

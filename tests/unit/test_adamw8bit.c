@@ -918,7 +918,8 @@ static void test_piecewise_step_shared_blocks(void **st) {
     assert_true(im->frame(hp, &whole) <= sizeof fw);
     void *sw[4] = {q1, q2, a1, a2};
     int more = 0;
-    dopt_step_args a = {im, hp, 1, &whole, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
+    dopt_step_args a = {.impl = im, .hp = hp, .step = 1, .piece = &whole, .param = p, .grad = g, .state = sw,
+                        .frame = fw, .more = &more};
     assert_ok(dopt__run_stages(NULL, &a));
     /* the pieces */
     dopt_piece pc[NPC];
@@ -933,8 +934,9 @@ static void test_piecewise_step_shared_blocks(void **st) {
       pc[k] = whole, pc[k].lo = lo[k], pc[k].len = lo[k + 1] - lo[k];
       sh[k] = (dopt_block_share){B, 3, idx, mx[k]};
       stp[k][0] = pq1 + lo[k], stp[k][1] = pq2 + lo[k], stp[k][2] = pa1[k], stp[k][3] = pa2[k];
-      pa[k] = (dopt_step_args){im, hp, 1, &pc[k], pp + lo[k], g + lo[k], stp[k], fp[k], &red, NULL, 0, 0, &pmore[k],
-                               NULL, NULL, NULL, 0, NULL, &sh[k], 0, NULL};
+      pa[k] = (dopt_step_args){.impl = im, .hp = hp, .step = 1, .piece = &pc[k], .param = pp + lo[k],
+                               .grad = g + lo[k], .state = stp[k], .frame = fp[k], .red = &red, .more = &pmore[k],
+                               .shared = &sh[k]};
       pmore[k] = 0;
       assert_ok(im->step(&pa[k]));
       assert_int_equal(pmore[k], 1);
@@ -974,7 +976,8 @@ static void test_piecewise_step_shared_blocks(void **st) {
   void *sw[4] = {q1, q2, a1, a2};
   unsigned char fw[64];
   int more = 0;
-  dopt_step_args a = {im, hp, 1, &half, p, g, sw, fw, NULL, NULL, 0, 0, &more, NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
+  dopt_step_args a = {.impl = im, .hp = hp, .step = 1, .piece = &half, .param = p, .grad = g, .state = sw,
+                      .frame = fw, .more = &more};
   assert_status(im->step(&a), DOPT_ERR_STATE, "part of block 0");
   dopt_optim_destroy(o);
 }

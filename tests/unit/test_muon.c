@@ -183,8 +183,8 @@ static dopt_status step_piece(const dopt_optim_impl *im, const double *hp, int n
   dopt_piece_full(ndim, shape, &pc);
   pc.lo = lo, pc.len = len;
   void *state[1] = {m};
-  dopt_step_args a = {im, hp, 1, &pc, p, g, state, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, ndim,
-                      shape};
+  dopt_step_args a = {.impl = im, .hp = hp, .step = 1, .piece = &pc, .param = p, .grad = g, .state = state,
+                      .ndim = ndim, .shape = shape};
   return dopt__run_stages(dopt_device_cpu(), &a);
 }
 
