@@ -1,11 +1,17 @@
 /* Internal optimizer interface: each reference optimizer (ref/adamw.c, ...)
  * fills one dopt_optim_impl; core/optim.c does hyperparameters, groups,
- * parameters, state storage and the step loop; ref/registry.c names them. The step of every
- * optimizer is written once, on a *piece* of the logical tensor with a
- * reducer for its cross-element statistics (distopt/device.h): the
+ * parameters, state storage and the step loop; ref/registry.c names them. The
+ * step of every optimizer is written once, on a *piece* of the logical tensor
+ * with a reducer for its cross-element statistics (distopt/device.h): the
  * single-device reference calls it with the whole tensor and no reducer,
- * distributed/ with its shard and a reducer over the ranks sharing the tensor, so
- * the two are the same computation. */
+ * distributed/ with its shard and a reducer over the ranks sharing the
+ * tensor, so the two are the same computation. This header owns that
+ * interface: hyperparameter and state descriptions, the step's arguments and
+ * buffers, the counters, the impl table, the optimizer object's internal
+ * calls and the state specs. It includes what a step is written with, each in
+ * a header of its own: pieces and their runs (piece.h), ZeRO ranges and
+ * Gemini's chunks (zero_range.h), the exact statistics of a piece
+ * (piece_stats.h). */
 #ifndef DISTOPT_OPTIM_IMPL_H
 #define DISTOPT_OPTIM_IMPL_H
 
@@ -13,6 +19,9 @@
 #include "distopt/optim.h"
 #include "distopt/xsum.h"
 #include "internal.h"
+#include "piece.h"
+#include "piece_stats.h"
+#include "zero_range.h"
 
 #define DOPT_MAX_STATES 16
 #define DOPT_MAX_HPARAMS 64
@@ -341,10 +350,7 @@ int dopt__optim_last_parts(const dopt_optim *o);
 /* Frees parameter i's states: it restarts from zeros and step 0 at its next step. */
 void dopt__optim_free_states(dopt_optim *o, int i);
 
-/* Shape helpers. */
-size_t dopt_numel(int ndim, const int64_t *shape);
-/* Splits a >=2-D shape into batch x rows x cols (leading dims are batch). */
-void dopt_split_bhw(int ndim, const int64_t *shape, size_t *b, size_t *h, size_t *w);
+/* State specs (core/shape.c). */
 /* Fills a state spec's name/dtype/shape (F32; _dtype: any dtype); elementwise: DOPT_STATE_ELEMENTWISE,
  * else DOPT_STATE_WHOLE. */
 void dopt_state_def(dopt_state_spec *s, const char *name, int ndim, const int64_t *shape, int elementwise);
@@ -354,162 +360,15 @@ void dopt_state_def_dtype(dopt_state_spec *s, const char *name, dopt_dtype dtype
 void dopt_state_def_blocks(dopt_state_spec *s, const char *name, dopt_dtype dtype, size_t numel, size_t block);
 /* The block of a layout's blockwise states (0: none); -1 when two of them have different blocks. */
 long long dopt_layout_block(const dopt_state_spec *spec, int n);
-
-/* ---- a piece in logical order ----------------------------------------------------------
- * A piece's local elements, in order, are its logical elements in increasing
- * order, cut into runs that are contiguous in the logical flattened tensor:
- * local [off, off+len) is logical [at, at+len). Runs are maximal (whole TP
- * rows join when the block has every column, whole batches when it has
- * every row), so the logical element just before a run and the one just
- * after it belong to other pieces (or lie outside the tensor). */
-typedef struct dopt_run {
-  size_t off, at, len;
-} dopt_run;
-/* The run starting at local offset *off (0 at first); returns 0 at the end (*off advances). */
-int dopt_piece_next_run(const dopt_piece *pc, size_t *off, dopt_run *r);
-/* The blocks of `block` logical elements a piece's elements fall in: returns how many, and writes their
- * indices (ascending) to out[] when out != NULL. */
-size_t dopt_piece_blocks(const dopt_piece *pc, size_t block, size_t *out);
-
-/* ---- ZeRO ranges: per tensor, or Gemini's chunks (docs/distributed.md "Gemini: chunked ZeRO") ----------
- * A block of n elements lies at offset `off` of a chunk whose dp shards hold `shard` elements each; dp rank q
- * holds [q·shard, (q+1)·shard) of the chunk. Per-tensor ZeRO is the chunk of the block alone: off 0,
- * shard ceil(n / dp). */
-typedef struct dopt_chunk_slot {
-  size_t off, shard;
-} dopt_chunk_slot;
-/* dp rank q's range [*lo, *lo + *len) of the block (len 0: none of it). */
-void dopt_chunk_range(dopt_chunk_slot s, size_t n, size_t q, size_t *lo, size_t *len);
-/* Gemini's packing of blocks of n[0, np) elements, in order, into chunks of `chunk` elements rounded up to a
- * multiple of dp, as ColossalAI's ChunkManager.register_tensor: a block joins the open chunk when it fits, else
- * the next chunk opens; a block larger than a chunk has a chunk of its own (its size rounded up to a multiple
- * of dp) and closes it; an empty block takes no room. out[np]. */
-void dopt_chunk_pack(const size_t *n, size_t np, size_t chunk, size_t dp, dopt_chunk_slot *out);
-
-/* ---- exact statistics of a piece (core/stats.c) --------------------------------------
- * Each statistic is reduced in two phases, each a stage boundary of the step:
- * _begin computes the local maxima and posts them (MAX), _accum turns them
- * into the shared scales, accumulates the local fixed-point words and posts
- * them (SUM), and the value is read in the next stage. The state lives in the
- * step's frame (dopt_frame_take); with red = NULL the three calls may follow
- * each other directly. */
-
-/* A bump allocator over a step's frame: the same sequence of takes sizes the
- * frame (base NULL: only counts, returns NULL) and maps it. 16-byte aligned. */
-typedef struct dopt_frame {
-  unsigned char *base;
-  size_t off;
-} dopt_frame;
-void *dopt_frame_take(dopt_frame *f, size_t bytes);
-
-/* RMS as upstream computes it from a sum of squares ss over n elements:
- * fp32 norm, then divided by fp32 sqrt(n). */
-float dopt_rms_from_ss(double ss, size_t n);
-
-/* Σx² over a piece's n local elements. */
-typedef struct dopt_ss_stat {
-  double m;       /* max of the squares (after _begin's MAX: over all ranks) */
-  dopt_xacc acc;  /* fixed-point words (after _accum's SUM: over all ranks) */
-} dopt_ss_stat;
-dopt_status dopt_ss_begin(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
-/* _begin from the largest finite |x| of the piece, when a loop that wrote x
- * took it tile by tile (dopt_absmax_tile) instead of reading x again */
-dopt_status dopt_ss_begin_absmax(dopt_ss_stat *s, float absmax, const dopt_reducer *red);
-/* max(m, largest finite |x[i]| of n): the maxima of tiles combine exactly */
-float dopt_absmax_tile(float m, const float *x, size_t n);
-dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_reducer *red);
-double dopt_ss_value(const dopt_ss_stat *s);
-
-/* ---- generated runs ----
- * A statistic's values produced run by run instead of read from a piece-sized
- * buffer: gen writes the values of the local elements [off, off+len) (one run
- * inside one local row: logical row r of the b·h rows, logical column c of
- * the b·w columns at its first element; len <= DOPT_RUN) into buf and returns
- * buf, or returns where they already lie. use consumes one run. */
-#define DOPT_RUN 2048
-typedef const float *(*dopt_gen_fn)(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
-typedef void (*dopt_use_fn)(void *ctx, const float *x, size_t off, size_t r, size_t c, size_t len);
-/* every run of the piece, in order: use(gen(run)), or use(NULL) without gen */
-void dopt_piece_gen_each(const dopt_piece *pc, dopt_gen_fn gen, void *gctx, dopt_use_fn use, void *uctx);
-/* gen of a materialised array: ctx is the piece's const float[len] */
-const float *dopt_gen_array(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
-/* gen of the factored update (HF _approx_sq_grad) times x: (rf[r]·cf[c])·x */
-typedef struct dopt_fact_gen {
-  const float *rf, *cf, *x; /* [b·h], [b·w] (dopt_factors), the piece's [len] */
-} dopt_fact_gen;
-const float *dopt_gen_factored(void *ctx, size_t off, size_t r, size_t c, size_t len, float *buf);
-/* the largest finite |value| generated */
-float dopt_gen_absmax(const dopt_piece *pc, dopt_gen_fn gen, void *gctx);
-/* dopt_ss_accum of the generated values */
-dopt_status dopt_ss_accum_gen(dopt_ss_stat *s, const dopt_piece *pc, dopt_gen_fn gen, void *gctx,
-                              const dopt_reducer *red);
-
-/* Row and column means of U over the logical [b, h, w], U given as the
- * piece's local elements (or generated): row_mean[b·h] = Σ_w U / w,
- * col_mean[b·w] = Σ_h U / h (fp32), identical on every rank. Each phase reads
- * U once (rows and columns together). */
-typedef struct dopt_rc_stat {
-  double *scale;  /* [b·h + b·w]: maxima, then scales */
-  dopt_xacc *acc; /* [b·h + b·w] */
-} dopt_rc_stat;
-void dopt_rc_take(dopt_frame *f, const dopt_piece *pc, dopt_rc_stat *out);
-dopt_status dopt_rc_begin(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
-dopt_status dopt_rc_begin_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_reducer *red, dopt_gen_fn gen,
-                              void *gctx);
-dopt_status dopt_rc_accum(dopt_rc_stat *s, const float *u, const dopt_piece *pc, const dopt_reducer *red);
-dopt_status dopt_rc_accum_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_reducer *red, dopt_gen_fn gen,
-                              void *gctx);
-void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);
-
-/* The frame of the update-norm steps (Adafactor, CAME, LAMB): Σw² and Σu²;
- * with row/column statistics on a factored piece (Adafactor and CAME) their
- * means, reduction and factors, the update being generated from them (no
- * piece-sized buffer); otherwise the update u [len]. */
-typedef struct dopt_update_frame {
-  dopt_ss_stat *pss, *uss;
-  float *u;             /* [len] (not rowcol, or not factored) */
-  float *rmean, *cmean; /* [b·h], [b·w] (rowcol and factored) */
-  float *rf, *cf;       /* [b·h], [b·w]: the factors of dopt_factors (rowcol and factored) */
-  dopt_rc_stat rc;      /* (rowcol and factored) */
-} dopt_update_frame;
-/* Maps the frame at base (NULL: only sizes it); returns its bytes. */
-size_t dopt_update_frame_map(void *base, const dopt_piece *pc, int rowcol, dopt_update_frame *f);
-/* impl->frame of the steps with / without row-column statistics */
-size_t dopt_update_frame_rowcol(const double *hp, const dopt_piece *pc);
-size_t dopt_update_frame_norms(const double *hp, const dopt_piece *pc);
-
-/* Stages 0-3 of the steps that precondition with a (factored) second moment,
- * Adafactor's and CAME's: stage 0 posts the maxima of ‖w‖² and of the row and
- * column sums of U = G² + eps1, stage 1 their words, stage 2 updates
- * row/col ← b·stat + omb·mean, sets the factors f->rf, f->cf of
- * U = factored(row, col) ⊙ G and posts the maximum of ‖U‖², stage 3 its
- * words; after stage 3, f->pss and f->uss hold ‖w‖² and ‖U‖², and U is
- * generated by dopt_gen_factored from {f->rf, f->cf, G}. U = G² + eps1 and
- * the update are generated where a stage reads them: the gradient is read
- * once per stage, nothing piece-sized is written. A 1-D piece keeps the
- * unfactored v in row (col NULL) and U in f->u, and runs stages 0 and 2 only,
- * as the callers number them (their 1-D stage k is stage 2k here). */
-dopt_status dopt_second_moment_stage(const dopt_step_args *a, int stage, dopt_update_frame *f, float *row,
-                                     float *col, float b, float omb, float eps1);
-
-/* The factors of the factored second-moment approximation (HF
- * _approx_sq_grad) of the whole row [b·h] and column [b·w] statistics:
- * rf = rsqrt(row / rmean[b]) with rmean[b] the mean of batch b's rows (exact
- * sum / h), cf = rsqrt(col). */
-void dopt_factors(const float *row, const float *col, const dopt_piece *pc, float *rf, float *cf);
+/* (core/stats.c) Appends the factored statistics (row [..., h], column [..., w]) of a >=2-D
+ * parameter to out[*n]. */
+void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
+                              dopt_state_spec *out, int *n);
 
 /* Runs every stage of one step back to back on dev (NULL: impl->step on the
  * host) with a->red = NULL (the single device); a->stage and a->more are
  * ignored; a->frame must hold the frame the device asks for. */
 dopt_status dopt__run_stages(const dopt_device *dev, const dopt_step_args *a);
-
-/* Appends the factored statistics (row [..., h], column [..., w]) of a >=2-D
- * parameter to out[*n]. */
-void dopt_factored_state_defs(const char *row_name, const char *col_name, int ndim, const int64_t *shape,
-                              dopt_state_spec *out, int *n);
-
-/* Exact sum of squares of a local array x[n] (double). */
-double dopt_sumsq(const float *x, size_t n);
 
 /* Σx² of a piece as a step of its own (not registered): stage 0 posts the
  * maximum, stage 1 the words, stage 2 writes the total to *a->host_out. The

@@ -1,11 +1,15 @@
 /* Shapes and pieces: element counts, the [b, h, w] view, state descriptions,
  * the piece of a whole tensor (distopt/device.h). Below both the optimizer
- * framework (core/optim.c) and the piece statistics (core/stats.c). */
+ * framework (core/optim.c) and the piece statistics (core/stats.c). Declared
+ * in core/piece.h (pieces), core/zero_range.h (ZeRO ranges, Gemini's chunks)
+ * and core/optim_impl.h (state specs). */
 #include <stdint.h>
 #include <string.h>
 
 #include "grid.h"
 #include "optim_impl.h"
+#include "piece.h"
+#include "zero_range.h"
 
 size_t dopt_numel(int ndim, const int64_t *shape) {
   size_t n = 1;

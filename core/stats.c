@@ -1,15 +1,16 @@
 /* Exact statistics of a piece of a logical [b, h, w] tensor (see
  * distopt/device.h): the sums of squares, row/column means and factored
  * update shared by Adafactor, CAME and LAMB, each in the two reduction phases
- * of a staged step (core/optim_impl.h). The whole tensor is the piece with
- * h0 = w0 = lo = 0; a distributed rank passes its shard and a reducer, and
- * gets bitwise the same statistics. */
+ * of a staged step (core/optim_impl.h); declared in core/piece_stats.h. The
+ * whole tensor is the piece with h0 = w0 = lo = 0; a distributed rank passes
+ * its shard and a reducer, and gets bitwise the same statistics. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "elem.h"
 #include "optim_impl.h"
+#include "piece_stats.h"
 #include "twice.h"
 #include "xsum_fast.h"
 
