@@ -1,17 +1,17 @@
 /* Internal optimizer interface: each reference optimizer (ref/adamw.c, ...)
  * fills one dopt_optim_impl; core/optim.c does hyperparameters, groups,
- * parameters, state storage and the step loop; ref/registry.c names them. The
- * step of every optimizer is written once, on a *piece* of the logical tensor
- * with a reducer for its cross-element statistics (distopt/device.h): the
- * single-device reference calls it with the whole tensor and no reducer,
- * distributed/ with its shard and a reducer over the ranks sharing the
- * tensor, so the two are the same computation. This header owns that
- * interface: hyperparameter and state descriptions, the step's arguments and
- * buffers, the counters, the impl table, the optimizer object's internal
- * calls and the state specs. It includes what a step is written with, each in
- * a header of its own: pieces and their runs (piece.h), ZeRO ranges and
- * Gemini's chunks (zero_range.h), the exact statistics of a piece
- * (piece_stats.h). */
+ * parameters and state storage, core/optim_step.c the step loop;
+ * ref/registry.c names them. The step of every optimizer is written once, on
+ * a *piece* of the logical tensor with a reducer for its cross-element
+ * statistics (distopt/device.h): the single-device reference calls it with
+ * the whole tensor and no reducer, distributed/ with its shard and a reducer
+ * over the ranks sharing the tensor, so the two are the same computation.
+ * This header owns that interface: hyperparameter and state descriptions, the
+ * step's arguments and buffers, the counters, the impl table, the optimizer
+ * object's internal calls and the state specs. It includes what a step is
+ * written with, each in a header of its own: pieces and their runs (piece.h),
+ * ZeRO ranges and Gemini's chunks (zero_range.h), the exact statistics of a
+ * piece (piece_stats.h). */
 #ifndef DISTOPT_OPTIM_IMPL_H
 #define DISTOPT_OPTIM_IMPL_H
 
@@ -100,7 +100,7 @@ typedef struct dopt_param {
  *                 ‖w‖²,rows,cols     ‖u‖²                   update
  */
 /* Parallel loops inside one step on a whole tensor (the reference with
- * threads: core/optim.c): run(ctx, n, task, arg) calls task(arg, i) once for
+ * threads: core/optim_step.c): run(ctx, n, task, arg) calls task(arg, i) once for
  * every i in [0, n) on up to `threads` threads and returns when all are done.
  * A step may split work whose results do not depend on the split (8-bit
  * blocks) this way; NULL: one thread. */
@@ -312,7 +312,7 @@ int dopt__impl_whole(const dopt_optim_impl *im, const double *hp, int ndim, cons
 /* A wrapper optimizer around an inner registry optimizer. The optimizer
  * object then runs the inner impl (groups hold the inner hyperparameters)
  * and asks the schedule once per step, before the parameter loop, which
- * parameters are frozen; the single-device loop (core/optim.c) and
+ * parameters are frozen; the single-device loop (core/optim_step.c) and
  * distributed/ apply the same answer. */
 typedef struct dopt_wrap_ops {
   /* The inner optimizer chosen by the wrapper's hyperparameters whp. */

@@ -3,7 +3,7 @@
  * flattened tensor and as the quantisation blocks they fall in. The piece
  * itself (dopt_piece: the block of the [b, h, w] view a step sees) is public,
  * in distopt/device.h; this header owns what is computed from it. Every layer
- * that cuts or walks pieces (core/optim.c's threads, the statistics of
+ * that cuts or walks pieces (core/optim_step.c's threads, the statistics of
  * core/stats.c, distributed/'s plan and gathers, the 8-bit states) reads it,
  * through core/optim_impl.h or directly. */
 #ifndef DISTOPT_PIECE_H

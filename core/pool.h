@@ -1,4 +1,4 @@
-/* A fork-join thread pool for the reference step (core/optim.c): the caller
+/* A fork-join thread pool for the reference step (core/optim_step.c): the caller
  * and nthreads-1 workers run the tasks 0..n-1 of one dopt__pool_run call, each
  * task exactly once, in any order on any thread. Results must not depend on
  * which thread runs which task: the reference splits a parameter into pieces
