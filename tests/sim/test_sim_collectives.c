@@ -204,6 +204,7 @@ static void test_collectives_n8(void **st) { (void)st; check_all_collectives(8);
 typedef struct grid {
   int tp, dp;
   int tp_rank[MAX_RANKS], dp_rank[MAX_RANKS], tp_size[MAX_RANKS], dp_size[MAX_RANKS];
+  int tp_wrank[MAX_RANKS], dp_wrank[MAX_RANKS]; /* dopt_sim_comm_world_rank of the sub-communicators */
   int64_t tp_sum[MAX_RANKS];
   int64_t zero[MAX_RANKS][4 * MAX_RANKS];
   char tp_label[MAX_RANKS][DOPT_SIM_LABEL_MAX];
@@ -221,6 +222,8 @@ static dopt_status grid_body(dopt_sim_comm *world, int rank, void *user) {
   DOPT_TRY(dopt_sim_comm_rank(dp, &g->dp_rank[rank]));
   DOPT_TRY(dopt_sim_comm_size(tp, &g->tp_size[rank]));
   DOPT_TRY(dopt_sim_comm_size(dp, &g->dp_size[rank]));
+  DOPT_TRY(dopt_sim_comm_world_rank(tp, &g->tp_wrank[rank]));
+  DOPT_TRY(dopt_sim_comm_world_rank(dp, &g->dp_wrank[rank]));
   snprintf(g->tp_label[rank], DOPT_SIM_LABEL_MAX, "%s", dopt_sim_comm_label(tp));
   int64_t mine = rank;
   DOPT_TRY(dopt_sim_all_reduce(&mine, &g->tp_sum[rank], 1, DOPT_I64, DOPT_SUM, tp));
@@ -245,6 +248,7 @@ static void check_grid(int tp, int dp) {
   dopt_status st[MAX_RANKS];
   dopt_sim_world *w;
   st_run(&cfg, grid_body, g, st, NULL, &w);
+  assert_int_equal(dopt_sim_world_size(w), n);
   for (int r = 0; r < n; r++) {
     if (st[r] != DOPT_OK)
       fail_msg("tp=%d dp=%d rank %d: %s", tp, dp, r, dopt_sim_world_rank_error(w, r));
@@ -253,6 +257,8 @@ static void check_grid(int tp, int dp) {
     assert_int_equal(g->dp_size[r], dp);
     assert_int_equal(g->tp_rank[r], r % tp);
     assert_int_equal(g->dp_rank[r], r / tp);
+    assert_int_equal(g->tp_wrank[r], r); /* a sub-communicator's member keeps its world rank */
+    assert_int_equal(g->dp_wrank[r], r);
     assert_string_equal(g->tp_label[r], "tp");
     int base = (r / tp) * tp;
     int64_t want = 0;
@@ -277,6 +283,20 @@ static void test_grids(void **st) {
   check_grid(4, 2);
   check_grid(1, 3);
   check_grid(5, 1);
+  /* the queries' refusals */
+  assert_int_equal(dopt_sim_world_size(NULL), 0);
+  int wr = -1;
+  assert_status(dopt_sim_comm_world_rank(NULL, &wr), DOPT_ERR_INVALID_ARG, "comm=NULL");
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = 3;
+  dopt_sim_world *w = NULL;
+  assert_ok(dopt_sim_world_create(&cfg, &w));
+  dopt_sim_comm *c = NULL;
+  assert_ok(dopt_sim_world_comm(w, 2, &c));
+  assert_ok(dopt_sim_comm_world_rank(c, &wr));
+  assert_int_equal(wr, 2);
+  assert_status(dopt_sim_comm_world_rank(c, NULL), DOPT_ERR_INVALID_ARG, "world_rank=NULL");
+  dopt_sim_world_destroy(w);
 }
 
 /* Split ordering: by key, then by parent rank. */

@@ -196,6 +196,38 @@ static void test_timeout(void **st) {
   check_timeout(2, 2);
 }
 
+/* dopt_sim_comm_set_timeout: rank 0 shortens its own timeout to 100 ms (the
+ * world's is 10 s), then both ranks split; rank 1 leaves, and rank 0's barrier
+ * on the child (which inherits the 100 ms) times out after it, not after 10 s. */
+static dopt_status set_timeout_body(dopt_sim_comm *c, int rank, void *user) {
+  (void)user;
+  if (rank == 0) DOPT_TRY(dopt_sim_comm_set_timeout(c, 100));
+  dopt_sim_comm *child;
+  DOPT_TRY(dopt_sim_comm_split_labeled(c, 0, rank, "child", &child));
+  if (rank == 1) return DOPT_OK; /* never arrives at the barrier */
+  return dopt_sim_barrier(child);
+}
+
+static void test_set_timeout(void **st) {
+  (void)st;
+  dopt_sim_config cfg = cfg_n(2, 10000);
+  dopt_status s[2];
+  double el;
+  dopt_sim_world *w;
+  st_run(&cfg, set_timeout_body, NULL, s, &el, &w);
+  assert_int_equal(s[0], DOPT_ERR_TIMEOUT);
+  assert_non_null(strstr(dopt_sim_world_rank_error(w, 0), "timed out after 100 ms"));
+  assert_non_null(strstr(dopt_sim_world_rank_error(w, 0), "'child'"));
+  assert_int_equal(s[1], DOPT_OK);
+  assert_true(el < 2.0); /* the comm's 100 ms, not the world's 10 s */
+  /* refusals */
+  dopt_sim_comm *c = NULL;
+  assert_ok(dopt_sim_world_comm(w, 0, &c));
+  assert_status(dopt_sim_comm_set_timeout(c, 0), DOPT_ERR_INVALID_ARG, "timeout_ms=0 must be >= 1");
+  assert_status(dopt_sim_comm_set_timeout(NULL, 5), DOPT_ERR_INVALID_ARG, "comm=NULL");
+  dopt_sim_world_destroy(w);
+}
+
 static dopt_status abort_body(dopt_sim_comm *c, int rank, void *user) {
   fault_ctx *f = user;
   dopt_sim_comm *tp;
@@ -447,6 +479,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_mismatch),      cmocka_unit_test(test_overlap),
       cmocka_unit_test(test_invalid_args),  cmocka_unit_test(test_timeout),
+      cmocka_unit_test(test_set_timeout),
       cmocka_unit_test(test_abort_and_failing_rank), cmocka_unit_test(test_abort_in_data_phase),
       cmocka_unit_test(test_fault_stop),    cmocka_unit_test(test_fault_delay),
       cmocka_unit_test(test_fault_bitflip), cmocka_unit_test(test_fault_backend),
