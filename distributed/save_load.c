@@ -1,7 +1,9 @@
-/* Distributed checkpoints (docs/checkpoints.md): every rank writes the
- * pieces it holds into one generation, rank 0 commits it; a load serves
- * each rank its pieces of whatever layout saved them. Every phase ends with
- * an agreement, so that a failure on one rank fails all of them. */
+/* dopt_dist_save and dopt_dist_load, distributed checkpoints
+ * (docs/checkpoints.md): every rank writes the pieces it holds into one
+ * generation, rank 0 commits it; a load serves each rank its pieces of
+ * whatever layout saved them. Every phase ends with an agreement, so that a
+ * failure on one rank fails all of them. The checkpoint format itself, and
+ * distopt/checkpoint.h, are core/ckpt_*.c's. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
