@@ -11,7 +11,8 @@
  *   dp_sum.c      the data-parallel gradient sum: exact (block codes, words) or fp32 in the transport's order
  *   owner.c       owner mode: an optimizer whose step needs the whole tensor steps it on one rank
  *   gather.c      logical tensors gathered from the pieces, state sizes, memory, the replica check
- *   checkpoint.c  dopt_dist_save / dopt_dist_load: each rank's pieces, the agreement between ranks
+ *   plugins.c     the plugins' table (dopt_dist_plugin_*) and dopt_dist_check_layout
+ *   save_load.c   dopt_dist_save / dopt_dist_load: each rank's pieces, the agreement between ranks
  * None of them includes pthread, CUDA, NCCL or MPI headers: collectives go
  * through dopt_transport, memory and kernels through dopt_device. */
 #ifndef DISTOPT_DIST_INTERNAL_H
