@@ -63,11 +63,6 @@ static void usage(FILE *f) {
         f);
 }
 
-int vf_lib_error(const char *what, dopt_status s) {
-  const char *msg = dopt_last_error();
-  return cli_errorf(CMD, "%s%s%s", what ? what : "", what ? ": " : "", *msg ? msg : dopt_status_str(s));
-}
-
 static int parse_args(vctx *c, int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];

@@ -1,4 +1,4 @@
-/* The equivalence engine (docs/cli.md, engine.h): the plan of the tensors and stages, and the launch of a
+/* The equivalence engine (docs/cli.md, harness.h): the plan of the tensors and stages, and the launch of a
  * comparison on the simulator, MPI or NCCL, with its checkpoint and resume. */
 #include <errno.h>
 #include <fnmatch.h>
@@ -22,13 +22,7 @@
 #include "model.h"
 #include "registry.h"
 #include "verify.h"
-#include "engine.h"
-
-double cmp_now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "harness.h"
 
 
 /* The pipeline stage of every parameter (docs/distributed.md "Pipeline stages"): the decoder layers (names

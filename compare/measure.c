@@ -1,4 +1,4 @@
-/* The measurement of a gathered tensor against the reference's (engine.h): max abs error, max ULP distance,
+/* The measurement of a gathered tensor against the reference's (harness.h): max abs error, max ULP distance,
  * the first divergent step; and its merge over every rank (backend mpi). */
 #include <errno.h>
 #include <fnmatch.h>
@@ -22,7 +22,7 @@
 #include "model.h"
 #include "registry.h"
 #include "verify.h"
-#include "engine.h"
+#include "harness.h"
 
 static uint64_t ulp_distance(float a, float b) {
   if (a != a || b != b) return UINT64_MAX; /* one NaN: as far apart as it gets (two: measure's NaN = NaN) */
@@ -149,4 +149,10 @@ dopt_status ce_merge_measurements(const dopt_transport *w, cmp_result *r, int st
   if (st == DOPT_OK) r->skipped_ref = sk[0], r->skipped_dist = sk[2];
   free(v);
   return st;
+}
+
+double cmp_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }

@@ -1,5 +1,5 @@
 /* The options of a comparison (compare.h): defaults, parameter groups, the dp-sum names, what each plugin
- * allows and implies (the library's table), and the checks of a whole set before a run (engine.h). */
+ * allows and implies (the library's table), and the checks of a whole set before a run (harness.h). */
 #include <errno.h>
 #include <fnmatch.h>
 #include <limits.h>
@@ -22,7 +22,7 @@
 #include "model.h"
 #include "registry.h"
 #include "verify.h"
-#include "engine.h"
+#include "harness.h"
 
 void cmp_options_default(cmp_options *o) {
   memset(o, 0, sizeof *o);

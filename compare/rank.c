@@ -1,4 +1,4 @@
-/* One rank of a comparison (engine.h): the distributed optimizer and, on the lead, the reference side by side
+/* One rank of a comparison (harness.h): the distributed optimizer and, on the lead, the reference side by side
  * for the steps of its world; each step measured, checked and (after the last) digested. */
 #include <errno.h>
 #include <fnmatch.h>
@@ -22,7 +22,7 @@
 #include "model.h"
 #include "registry.h"
 #include "verify.h"
-#include "engine.h"
+#include "harness.h"
 
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
 

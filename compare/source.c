@@ -1,4 +1,4 @@
-/* The gradient sources of a comparison (engine.h): the synthetic model and its generators, a trace, a
+/* The gradient sources of a comparison (harness.h): the synthetic model and its generators, a trace, a
  * recording; the shards and micro-batches each data-parallel rank takes, the experts and expert stacks. */
 #include <errno.h>
 #include <fnmatch.h>
@@ -22,7 +22,7 @@
 #include "model.h"
 #include "registry.h"
 #include "verify.h"
-#include "engine.h"
+#include "harness.h"
 
 /* ---- gradient sources -------------------------------------------------------------- */
 

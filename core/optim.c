@@ -252,6 +252,16 @@ dopt_status dopt__optim_create_impl(const dopt_optim_impl *im, const char *hpara
   return DOPT_OK;
 }
 
+/* Frees the last step's work items and their frames. */
+static void free_items(dopt_optim *o) {
+  for (int i = 0; i < o->items_cap; i++) {
+    free(o->items[i].frame);
+    free(o->items[i].whole);
+    free(o->items[i].posts);
+  }
+  free(o->items);
+}
+
 static void free_states(dopt_param *p) {
   for (int i = 0; i < p->nstates; i++) free(p->st[i].data);
   p->nstates = 0;
@@ -266,7 +276,7 @@ void dopt_optim_destroy(dopt_optim *o) {
   free(o->params);
   dopt__index_free(&o->by_data);
   free(o->groups);
-  dopt__optim_free_items(o);
+  free_items(o);
   dopt__pool_destroy(o->pool);
   dopt__impl_release(o->impl);
   free(o);

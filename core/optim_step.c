@@ -64,38 +64,6 @@ static dopt_status apply_schedule(dopt_optim *o) {
  * scalar RMS) are whole in every piece, which computes the same values: piece
  * 0 works on the parameter's own copy, the others on private copies. */
 
-typedef struct post {
-  int sum;  /* 0: MAX over F64, 1: SUM over I64 */
-  void *x;  /* in the piece's frame */
-  size_t n;
-} post;
-
-typedef struct item {
-  int param;       /* index in o->params */
-  int part, parts; /* piece `part` of the parameter's `parts` */
-  int stage, more;
-  dopt_piece pc;
-  void *frame, *whole; /* the step's frame; part > 0: private copies of the whole states */
-  size_t frame_cap, whole_cap;
-  void *state[DOPT_MAX_STATES];
-  dopt_reducer red;
-  post *posts;
-  int nposts, posts_cap;
-  int64_t counts[DOPT_NCOUNTERS]; /* this piece's counts of the step */
-  int solo; /* a whole tensor of an optimizer that takes no pieces, large: run alone, with dopt_par */
-  dopt_status st;
-  char msg[512]; /* the failing stage's message (it ran on another thread) */
-} item;
-
-void dopt__optim_free_items(dopt_optim *o) {
-  for (int i = 0; i < o->items_cap; i++) {
-    free(o->items[i].frame);
-    free(o->items[i].whole);
-    free(o->items[i].posts);
-  }
-  free(o->items);
-}
-
 dopt_status dopt_optim_set_projector_hook(dopt_optim *o, dopt_projector_fn fn, void *user) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_set_projector_hook: optimizer=NULL");
   if (!o->impl->projector_hook)

@@ -131,6 +131,7 @@ void dopt__sim_account(sim_group *g, const sim_sig *s, int rank);
 /* ---- world and protocol (sim_world.c, sim.c), world mutex held ----------------------------- */
 /* A new group registered in the world (lock held, or before any thread runs); sim_world.c. */
 sim_group *dopt__sim_group_new_locked(dopt_sim_world *w, int n, const char *label);
+void dopt__sim_group_free(sim_group *g);
 /* Poisons the world with the first cause and wakes every waiting rank; sim.c. */
 void dopt__sim_poison_locked(dopt_sim_world *w, const char *fmt, ...) DOPT_PRINTF(2, 3);
 

@@ -2,8 +2,9 @@
  * and its groups (the fault plan resolved at creation), the launcher that
  * runs one thread per rank and poisons the world when one fails, and the
  * communicator queries, timeout, abort and destroy. The rendezvous protocol,
- * the split and the collectives are sim/sim.c's; this file calls into them
- * only through dopt__sim_poison_locked (sim_internal.h). */
+ * the split, the collectives and the groups they make are sim/sim.c's; this
+ * file calls into them through dopt__sim_group_new_locked (the world's group)
+ * and dopt__sim_poison_locked (sim_internal.h), and nothing there calls here. */
 #include "sim_internal.h"
 
 #include <stddef.h>
@@ -12,77 +13,6 @@
 #include <string.h>
 
 /* ---- world and communicators ------------------------------------------------------ */
-
-static void group_free(sim_group *g) {
-  if (g == NULL)
-    return;
-  if (g->mq_head != NULL) {
-    for (size_t i = 0; i < (size_t)g->n * (size_t)g->n; i++) {
-      for (sim_msg *m = g->mq_head[i]; m != NULL;) {
-        sim_msg *next = m->next;
-        free(m);
-        m = next;
-      }
-    }
-  }
-  if (g->handles != NULL)
-    for (int i = 0; i < g->n; i++)
-      free((void *)g->handles[i].srcs);
-  pthread_cond_destroy(&g->cond);
-  free(g->wranks);
-  free(g->handles);
-  free(g->arr);
-  free(g->mq_head);
-  free(g->mq_tail);
-  free(g);
-}
-
-/* A new group registered in the world (lock held, or before any thread runs). */
-sim_group *dopt__sim_group_new_locked(dopt_sim_world *w, int n, const char *label) {
-  sim_group *g = calloc(1, sizeof *g);
-  if (g == NULL)
-    return NULL;
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  int rc = pthread_cond_init(&g->cond, &ca);
-  pthread_condattr_destroy(&ca);
-  if (rc != 0) {
-    free(g);
-    return NULL;
-  }
-  size_t nn = (size_t)n * (size_t)n;
-  g->w = w;
-  g->n = n;
-  snprintf(g->label, sizeof g->label, "%s", label);
-  g->wranks = calloc((size_t)n, sizeof *g->wranks);
-  g->handles = calloc((size_t)n, sizeof *g->handles);
-  g->arr = calloc((size_t)n, sizeof *g->arr);
-  g->mq_head = calloc(nn, sizeof *g->mq_head);
-  g->mq_tail = calloc(nn, sizeof *g->mq_tail);
-  int ok = g->wranks && g->handles && g->arr && g->mq_head && g->mq_tail;
-  for (int i = 0; ok && i < n; i++) {
-    g->handles[i].g = g;
-    g->handles[i].rank = i;
-    g->handles[i].srcs = calloc((size_t)n, sizeof(void *));
-    ok = g->handles[i].srcs != NULL;
-  }
-  if (!ok) {
-    group_free(g);
-    return NULL;
-  }
-  g->stats.struct_size = (uint32_t)sizeof g->stats;
-  g->stats.version = 1;
-  g->stats.nranks = n;
-  snprintf(g->stats.label, sizeof g->stats.label, "%s", label);
-  g->id = w->next_id++;
-  /* append: the world group stays first */
-  sim_group **tail = &w->groups;
-  while (*tail != NULL)
-    tail = &(*tail)->next;
-  *tail = g;
-  return g;
-}
 
 /* splitmix64: resolves the ANY fields of the fault plan from the seed. */
 static uint64_t splitmix64(uint64_t *s) {
@@ -170,7 +100,7 @@ void dopt_sim_world_destroy(dopt_sim_world *w) {
     return;
   for (sim_group *g = w->groups; g != NULL;) {
     sim_group *next = g->next;
-    group_free(g);
+    dopt__sim_group_free(g);
     g = next;
   }
   pthread_mutex_destroy(&w->mu);

@@ -1,6 +1,6 @@
-/* distopt verify, the replay and the verdict (verifier.h): the declared tolerances, the statistics of every
- * recorded tensor, the reference stepped with the recorded gradients and compared after every step, and the
- * first divergence or an earlier cause (hyperparameters, gradient digests). */
+/* distopt verify, the replay and the verdict (verifier.h): the reference stepped with the recorded gradients
+ * and compared after every step, and the first divergence or an earlier cause (hyperparameters, gradient
+ * digests). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -14,135 +14,6 @@
 #include "files.h"
 #include "verifier.h"
 
-/* --stepwise tolerances (docs/verify.md, "Per-step tolerances"): one step from the same parameters, states and
- * gradient differs only by the roundings of that step's operations. Elementwise optimizers (adamw): each
- * output element is a chain of at most k = 8 fp32 operations (mul, add, addcmul, sqrt, add eps, div, the
- * update and the weight decay), each rounded once on either side (torch fuses add_(alpha=): one rounding
- * where distopt has two), so |rec - ref| <= 2k·u·(the magnitudes in the chain), u = 2^-24; normwise
- * relative 2·8·2^-24 = 9.5e-7 -> 1e-6 for states; parameters p - lr·update: the p term's roundings dominate,
- * <= 4u = 2.4e-7 of max|p| plus lr·(the update's error) -> 1e-6 too, and at the declared accumulated
- * bounds the two modes agree. Factored and norm-based optimizers (adafactor, came, lamb) add torch's fp32
- * reductions over a row, column or tensor of n elements: torch sums in fp32 with a cascade of vector
- * lanes, error <= (log2 n + 8)·u relative for sums of squares; through rsqrt and the update's RMS clipping
- * it enters every element, so states 2·(log2 n + 16)·u: n <= 2^24 -> 80u = 4.8e-6 -> 1e-5, parameters
- * (damped by lr) 1e-6. Measured (tests/verify, torch 1.13 AVX2): AdamW 3 000 steps stepwise <= 1.0e-7
- * (params) and 1.2e-7 (states), margins >= 8 (docs/verify.md). A bug that changes one step by more than the bound is
- * named at that step however long the run. */
-static const verify_tol verify_tolerances[] = {
-    {"adamw", 1e-6, 1e-5, 1e-6, 1e-6},
-    {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5},
-    {"came", 1e-6, 1e-5, 1e-6, 1e-5},
-    {"lamb", 1e-6, 1e-5, 1e-6, 1e-5},
-};
-
-const verify_tol *vf_find_tol(const char *name) {
-  for (size_t i = 0; i < sizeof verify_tolerances / sizeof verify_tolerances[0]; i++)
-    if (strcmp(verify_tolerances[i].optimizer, name) == 0) return &verify_tolerances[i];
-  return NULL;
-}
-
-/* ---- statistics --------------------------------------------------------------------- */
-
-int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key) {
-  if (c->nst == c->capst) {
-    int cap = c->capst ? 2 * c->capst : 64;
-    vstat *s = realloc(c->st, (size_t)cap * sizeof *s);
-    if (!s) return -1;
-    c->st = s;
-    c->capst = cap;
-  }
-  vstat *s = &c->st[c->nst];
-  memset(s, 0, sizeof *s);
-  s->rank = rank;
-  s->param = pc->param;
-  s->pc = pc;
-  snprintf(s->key, sizeof s->key, "%s", key);
-  return c->nst++;
-}
-
-static void add_point(vctx *c, vstat *s, long step, double rel) {
-  if (c->truncated) return;
-  if (c->points >= VR_MAX_POINTS) {
-    c->truncated = 1;
-    return;
-  }
-  if (s->npts == s->cappts) {
-    long cap = s->cappts ? 2 * s->cappts : 16;
-    long *ps = realloc(s->pt_step, (size_t)cap * sizeof *ps);
-    if (!ps) {
-      c->truncated = 1;
-      return;
-    }
-    s->pt_step = ps;
-    double *pr = realloc(s->pt_rel, (size_t)cap * sizeof *pr);
-    if (!pr) {
-      c->truncated = 1;
-      return;
-    }
-    s->pt_rel = pr;
-    s->cappts = cap;
-  }
-  s->pt_step[s->npts] = step;
-  s->pt_rel[s->npts++] = rel;
-  c->points++;
-}
-
-/* Ordered integer of a float: adjacent floats differ by 1, -0 and +0 by 1. */
-static int64_t ordered(float x) {
-  uint32_t u;
-  memcpy(&u, &x, sizeof u);
-  return (u & 0x80000000u) ? -(int64_t)(u & 0x7fffffffu) - 1 : (int64_t)u;
-}
-
-/* Compares rec (recorded, n elements, possibly unaligned) with ref; updates s; returns the
- * normwise relative error max|rec - ref| / max|ref| of this step. */
-static double compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n) {
-  double maxdiff = 0.0, maxref = 0.0;
-  uint64_t maxulp = 0, nanpairs = 0;
-  const unsigned char *rb = rec_bytes;
-  for (size_t i = 0; i < n; i++) {
-    float a, b = ref[i];
-    memcpy(&a, rb + 4 * i, sizeof a);
-    double ab = fabs((double)b);
-    if (ab > maxref && !isnan(b)) maxref = ab;
-    if (isnan(a) || isnan(b)) {
-      if (isnan(a) && isnan(b)) nanpairs++;
-      else {
-        maxdiff = INFINITY;
-        maxulp = UINT64_MAX;
-      }
-      continue;
-    }
-    if (a == b && signbit(a) == signbit(b)) continue;
-    double d = a == b ? 0.0 : fabs((double)a - (double)b); /* +0 / -0: 0 apart, 1 ULP */
-    if (isnan(d)) d = INFINITY;                          /* inf against -inf */
-    if (d > maxdiff) maxdiff = d;
-    int64_t oa = ordered(a), ob = ordered(b);
-    uint64_t u = oa > ob ? (uint64_t)(oa - ob) : (uint64_t)(ob - oa);
-    if (u > maxulp) maxulp = u;
-  }
-  double rel = maxdiff == 0.0 ? 0.0 : maxref > 0.0 ? maxdiff / maxref : INFINITY;
-  if (isnan(rel)) rel = INFINITY; /* an infinite reference element against a different value */
-  if (maxdiff > s->max_abs || isnan(s->max_abs)) s->max_abs = maxdiff;
-  if (maxulp > s->max_ulp) s->max_ulp = maxulp;
-  if (nanpairs > s->nan_pairs) s->nan_pairs = nanpairs;
-  return rel;
-}
-
-void vf_record_result(vctx *c, int si, long t, double rel, double tol) {
-  vstat *s = &c->st[si];
-  s->compared++;
-  if (rel > s->max_rel || isnan(rel)) s->max_rel = rel;
-  add_point(c, s, t, rel);
-  int beyond = !(rel <= tol);
-  if (beyond && !s->first_beyond) s->first_beyond = t, s->tol_first = tol;
-  if (beyond && !c->verdict_step) {
-    c->verdict_step = t;
-    c->verdict_stat = si;
-    c->verdict_value = rel;
-  }
-}
-
 /* ---- the replay ---------------------------------------------------------------------- */
 
 /* Step t's gradients; 1 when some parameter has only a digest (the step cannot be replayed). */
@@ -155,32 +26,6 @@ static int assemble_grads(vctx *c, long t, int *digest_only) {
     c->gptr[p] = present > 0 ? c->grad[p] : NULL;
   }
   return CLI_OK;
-}
-
-/* The flat range of `key`'s reference state (n elements) rank r's piece records; *mapped: its elements are
- * the piece's own (an elementwise state of a block piece: element i at vr_piece_elem(pc, i)), len of them. */
-int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
-                       int *mapped) {
-  const vr_param *vp = &c->rd.ix.params[pc->param];
-  *mapped = 0;
-  for (int i = 0; i < pc->nstates; i++)
-    if (strcmp(pc->states[i].key, key) == 0) {
-      *lo = pc->states[i].lo;
-      *len = pc->states[i].len;
-      return 0;
-    }
-  if (pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == vp->numel) { /* the whole parameter: the whole state */
-    *lo = 0;
-    *len = n;
-    return 0;
-  }
-  if (n == vp->numel) { /* elementwise */
-    *lo = pc->lp.lo;
-    *len = pc->lp.len;
-    *mapped = pc->lp.block_dim >= 0;
-    return 0;
-  }
-  return -1;
 }
 
 /* The reference's state `key` of parameter p after step t: its elements (*n) and 1; 0 when the reference keeps
@@ -266,7 +111,7 @@ static int compare_step(vctx *c, long t) {
           s->compared++;
           double rel = d == 0.0 ? 0.0 : (ref != 0.0 ? d / fabs(ref) : INFINITY);
           if (rel > s->max_rel) s->max_rel = rel;
-          add_point(c, s, t, rel);
+          vf_add_point(c, s, t, rel);
           if (d != 0.0) {
             if (!s->first_beyond) s->first_beyond = t;
             if (!c->verdict_step) {
@@ -310,7 +155,7 @@ static int compare_step(vctx *c, long t) {
         if ((int64_t)rec.numel != len)
           return cli_errorf(CMD, "rank %d: tensor '%s' has %zu elements, expected %lld (the state range [%lld, %lld))",
                             r, key, rec.numel, (long long)len, (long long)lo, (long long)(lo + len));
-        double rel = compare_f32(s, rec.data, data + lo, (size_t)len);
+        double rel = vf_compare_f32(s, rec.data, data + lo, (size_t)len);
         vf_record_result(c, pk->stat[j], t, rel, c->tol_state);
       }
       snprintf(key, sizeof key, "param/%ld/%s", t, vp->name);
@@ -323,7 +168,7 @@ static int compare_step(vctx *c, long t) {
           vr_piece_get(pc, ref, c->gath);
           ref = c->gath;
         }
-        double rel = compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo, (size_t)pc->lp.len);
+        double rel = vf_compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo, (size_t)pc->lp.len);
         vf_record_result(c, pk->stat[0], t, rel, c->tol_param);
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */

@@ -325,3 +325,29 @@ int vf_setup(vctx *c) {
   if (ix->start_step > 0) return vf_force_states(c, ix->start_step, 1); /* a window: its recorded start */
   return CLI_OK;
 }
+
+/* The flat range of `key`'s reference state (n elements) rank r's piece records; *mapped: its elements are
+ * the piece's own (an elementwise state of a block piece: element i at vr_piece_elem(pc, i)), len of them. */
+int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                       int *mapped) {
+  const vr_param *vp = &c->rd.ix.params[pc->param];
+  *mapped = 0;
+  for (int i = 0; i < pc->nstates; i++)
+    if (strcmp(pc->states[i].key, key) == 0) {
+      *lo = pc->states[i].lo;
+      *len = pc->states[i].len;
+      return 0;
+    }
+  if (pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == vp->numel) { /* the whole parameter: the whole state */
+    *lo = 0;
+    *len = n;
+    return 0;
+  }
+  if (n == vp->numel) { /* elementwise */
+    *lo = pc->lp.lo;
+    *len = pc->lp.len;
+    *mapped = pc->lp.block_dim >= 0;
+    return 0;
+  }
+  return -1;
+}

@@ -1,8 +1,9 @@
 /* The recording verifier's run (distopt verify; docs/verify.md): the state of one verification and what its
  * files share. Who does what:
+ *   stats.c       the declared tolerances and each recorded tensor's statistics (the floor of the verifier)
  *   setup.c       the recording's index, its tensor files, the reference optimizer created and started from it
  *   projectors.c  GaLore: each recorded projector checked against ours (sin theta) and adopted; the refreshes
- *   replay.c      the declared tolerances, the statistics, the replay step by step, the verdict
+ *   replay.c      the replay step by step, the verdict
  *   report.c      the table, --json and --plot
  * The command (arguments, exit codes) is cli/cmd_verify.c; the recording's reader is verify.h. */
 #ifndef DOPT_VERIFY_VERIFIER_H
@@ -127,9 +128,14 @@ typedef struct early {
   char text[VR_MAX_NAME + 160];
 } early;
 
-/* ---- cli/cmd_verify.c ---- */
+/* ---- stats.c ---- */
 /* One line "distopt verify: WHAT: <the library's last error>", CLI_USAGE. */
 int vf_lib_error(const char *what, dopt_status s);
+const verify_tol *vf_find_tol(const char *name);
+int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key);
+void vf_add_point(vctx *c, vstat *s, long step, double rel);
+double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n);
+void vf_record_result(vctx *c, int si, long t, double rel, double tol);
 
 /* ---- setup.c ---- */
 int vf_file_for_step(vctx *c, int r, long t);
@@ -139,6 +145,7 @@ int vf_piece_index(const vctx *c, int r, int param);
 const float *vf_ref_param(vctx *c, int p, long t);
 double vf_scalar_value(const dopt_st_tensor *x);
 int vf_setup(vctx *c);
+int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len, int *mapped);
 
 /* ---- projectors.c ---- */
 int vf_check_refreshes(vctx *c, long t);
@@ -150,11 +157,7 @@ int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t
 
 /* ---- replay.c ---- */
 int vf_early_verdict(const vctx *c, early *e);
-const verify_tol *vf_find_tol(const char *name);
-int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key);
-void vf_record_result(vctx *c, int si, long t, double rel, double tol);
 int vf_replay(vctx *c);
-int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len, int *mapped);
 
 /* ---- report.c ---- */
 void vf_print_table(const vctx *c);

@@ -4,12 +4,12 @@
  *              the data-parallel shards and micro-batches they give, the experts and expert stacks
  *   rank.c     one rank's run: the distributed optimizer and (on the lead) the reference side by side, each
  *              step measured, checked and (at the end) digested
- *   measure.c  the measurement of one tensor against the reference's (max abs, ULPs, first divergent step),
- *              and its merge over the ranks (backend mpi)
+ *   measure.c  the measurement of one tensor against the reference's (max abs, ULPs, first divergent step)
+ *              and its merge over the ranks (backend mpi); the clock (cmp_now_s)
  *   engine.c   the plan (tensors, stages) and the launch: the simulator, MPI or NCCL world, checkpoints, cmp_run
  * The CLI (cli/) uses compare.h only. */
-#ifndef DOPT_COMPARE_ENGINE_H
-#define DOPT_COMPARE_ENGINE_H
+#ifndef DOPT_COMPARE_HARNESS_H
+#define DOPT_COMPARE_HARNESS_H
 
 #include <pthread.h>
 

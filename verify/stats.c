@@ -1,0 +1,149 @@
+/* distopt verify, the tolerances and the statistics (verifier.h): the declared tolerance of each optimizer,
+ * accumulated and per step, and each recorded tensor's statistics against the reference (max abs error, ULPs,
+ * normwise relative error, the first step beyond its tolerance). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "files.h"
+#include "verifier.h"
+
+/* --stepwise tolerances (docs/verify.md, "Per-step tolerances"): one step from the same parameters, states and
+ * gradient differs only by the roundings of that step's operations. Elementwise optimizers (adamw): each
+ * output element is a chain of at most k = 8 fp32 operations (mul, add, addcmul, sqrt, add eps, div, the
+ * update and the weight decay), each rounded once on either side (torch fuses add_(alpha=): one rounding
+ * where distopt has two), so |rec - ref| <= 2k·u·(the magnitudes in the chain), u = 2^-24; normwise
+ * relative 2·8·2^-24 = 9.5e-7 -> 1e-6 for states; parameters p - lr·update: the p term's roundings dominate,
+ * <= 4u = 2.4e-7 of max|p| plus lr·(the update's error) -> 1e-6 too, and at the declared accumulated
+ * bounds the two modes agree. Factored and norm-based optimizers (adafactor, came, lamb) add torch's fp32
+ * reductions over a row, column or tensor of n elements: torch sums in fp32 with a cascade of vector
+ * lanes, error <= (log2 n + 8)·u relative for sums of squares; through rsqrt and the update's RMS clipping
+ * it enters every element, so states 2·(log2 n + 16)·u: n <= 2^24 -> 80u = 4.8e-6 -> 1e-5, parameters
+ * (damped by lr) 1e-6. Measured (tests/verify, torch 1.13 AVX2): AdamW 3 000 steps stepwise <= 1.0e-7
+ * (params) and 1.2e-7 (states), margins >= 8 (docs/verify.md). A bug that changes one step by more than the bound is
+ * named at that step however long the run. */
+static const verify_tol verify_tolerances[] = {
+    {"adamw", 1e-6, 1e-5, 1e-6, 1e-6},
+    {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5},
+    {"came", 1e-6, 1e-5, 1e-6, 1e-5},
+    {"lamb", 1e-6, 1e-5, 1e-6, 1e-5},
+};
+
+const verify_tol *vf_find_tol(const char *name) {
+  for (size_t i = 0; i < sizeof verify_tolerances / sizeof verify_tolerances[0]; i++)
+    if (strcmp(verify_tolerances[i].optimizer, name) == 0) return &verify_tolerances[i];
+  return NULL;
+}
+
+/* ---- statistics --------------------------------------------------------------------- */
+
+int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key) {
+  if (c->nst == c->capst) {
+    int cap = c->capst ? 2 * c->capst : 64;
+    vstat *s = realloc(c->st, (size_t)cap * sizeof *s);
+    if (!s) return -1;
+    c->st = s;
+    c->capst = cap;
+  }
+  vstat *s = &c->st[c->nst];
+  memset(s, 0, sizeof *s);
+  s->rank = rank;
+  s->param = pc->param;
+  s->pc = pc;
+  snprintf(s->key, sizeof s->key, "%s", key);
+  return c->nst++;
+}
+
+void vf_add_point(vctx *c, vstat *s, long step, double rel) {
+  if (c->truncated) return;
+  if (c->points >= VR_MAX_POINTS) {
+    c->truncated = 1;
+    return;
+  }
+  if (s->npts == s->cappts) {
+    long cap = s->cappts ? 2 * s->cappts : 16;
+    long *ps = realloc(s->pt_step, (size_t)cap * sizeof *ps);
+    if (!ps) {
+      c->truncated = 1;
+      return;
+    }
+    s->pt_step = ps;
+    double *pr = realloc(s->pt_rel, (size_t)cap * sizeof *pr);
+    if (!pr) {
+      c->truncated = 1;
+      return;
+    }
+    s->pt_rel = pr;
+    s->cappts = cap;
+  }
+  s->pt_step[s->npts] = step;
+  s->pt_rel[s->npts++] = rel;
+  c->points++;
+}
+
+/* Ordered integer of a float: adjacent floats differ by 1, -0 and +0 by 1. */
+static int64_t ordered(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (u & 0x80000000u) ? -(int64_t)(u & 0x7fffffffu) - 1 : (int64_t)u;
+}
+
+/* Compares rec (recorded, n elements, possibly unaligned) with ref; updates s; returns the
+ * normwise relative error max|rec - ref| / max|ref| of this step. */
+double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n) {
+  double maxdiff = 0.0, maxref = 0.0;
+  uint64_t maxulp = 0, nanpairs = 0;
+  const unsigned char *rb = rec_bytes;
+  for (size_t i = 0; i < n; i++) {
+    float a, b = ref[i];
+    memcpy(&a, rb + 4 * i, sizeof a);
+    double ab = fabs((double)b);
+    if (ab > maxref && !isnan(b)) maxref = ab;
+    if (isnan(a) || isnan(b)) {
+      if (isnan(a) && isnan(b)) nanpairs++;
+      else {
+        maxdiff = INFINITY;
+        maxulp = UINT64_MAX;
+      }
+      continue;
+    }
+    if (a == b && signbit(a) == signbit(b)) continue;
+    double d = a == b ? 0.0 : fabs((double)a - (double)b); /* +0 / -0: 0 apart, 1 ULP */
+    if (isnan(d)) d = INFINITY;                          /* inf against -inf */
+    if (d > maxdiff) maxdiff = d;
+    int64_t oa = ordered(a), ob = ordered(b);
+    uint64_t u = oa > ob ? (uint64_t)(oa - ob) : (uint64_t)(ob - oa);
+    if (u > maxulp) maxulp = u;
+  }
+  double rel = maxdiff == 0.0 ? 0.0 : maxref > 0.0 ? maxdiff / maxref : INFINITY;
+  if (isnan(rel)) rel = INFINITY; /* an infinite reference element against a different value */
+  if (maxdiff > s->max_abs || isnan(s->max_abs)) s->max_abs = maxdiff;
+  if (maxulp > s->max_ulp) s->max_ulp = maxulp;
+  if (nanpairs > s->nan_pairs) s->nan_pairs = nanpairs;
+  return rel;
+}
+
+void vf_record_result(vctx *c, int si, long t, double rel, double tol) {
+  vstat *s = &c->st[si];
+  s->compared++;
+  if (rel > s->max_rel || isnan(rel)) s->max_rel = rel;
+  vf_add_point(c, s, t, rel);
+  int beyond = !(rel <= tol);
+  if (beyond && !s->first_beyond) s->first_beyond = t, s->tol_first = tol;
+  if (beyond && !c->verdict_step) {
+    c->verdict_step = t;
+    c->verdict_stat = si;
+    c->verdict_value = rel;
+  }
+}
+
+int vf_lib_error(const char *what, dopt_status s) {
+  const char *msg = dopt_last_error();
+  return cli_errorf(CMD, "%s%s%s", what ? what : "", what ? ": " : "", *msg ? msg : dopt_status_str(s));
+}
