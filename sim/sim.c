@@ -633,7 +633,10 @@ static dopt_status collective(dopt_sim_comm *comm, dopt_sim_kind kind, const voi
     case DOPT_SIM_KIND_ALL_GATHER: /* in place: send == recv + rank*count */
       check_overlap(&a, b, b * n, (uintptr_t)recv + (uintptr_t)(r * b));
       break;
-    case DOPT_SIM_KIND_ALL_TO_ALL: /* never in place */
+    case DOPT_SIM_KIND_ALL_TO_ALL: /* never in place, one buffer as both not even when empty */
+      if (send == recv)
+        arg_fail(&a, DOPT_ERR_OVERLAP, "all_to_all: rank %d passes send=recv=%p: overlap and are not in place "
+                 "(never allowed, even empty)", comm->rank, send);
       check_overlap(&a, b * n, b * n, 0);
       break;
     default: /* in place: send == recv */
@@ -736,6 +739,11 @@ static dopt_status all_to_allv(const void *send, const size_t *scounts, const si
     else if ((sn && !send) || (rn && !recv))
       arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: send=%p (%zu elements) recv=%p (%zu elements): NULL with data",
                send, sn, recv, rn);
+    else if (!by_ref && send && (const void *)send == (const void *)recv)
+      /* MPI and NCCL have no in-place all_to_allv here: one buffer as both is refused even with nothing to send
+       * (Open MPI's non-blocking path hangs on it), not only when the ranges meet */
+      arg_fail(&a, DOPT_ERR_OVERLAP, "all_to_allv: rank %d passes send=recv=%p (%zu and %zu elements): overlap and "
+               "are not in place (never allowed, even empty)", comm->rank, send, sn, rn);
     else if (!by_ref)
       check_overlap(&a, sn * esz, rn * esz, 0);
   }

@@ -83,8 +83,19 @@ static dopt_status overlap_body(dopt_sim_comm *c, int rank, void *user) {
     return dopt_sim_reduce_scatter(b, b + ((rank + 1) % N) * 2, 2, DOPT_I32, DOPT_SUM, c);
   case 2: /* all_gather: send inside recv but not at rank*count */
     return dopt_sim_all_gather(b + 1, b, 2, DOPT_I32, c);
-  default: /* all_to_all never in place */
+  case 3: /* all_to_all never in place */
     return dopt_sim_all_to_all(b, b, 2, DOPT_I32, c);
+  case 4: { /* all_to_allv: rank 1 sends nothing from its receive buffer (MPI forbids it even empty) */
+    size_t sc[N], sd[N], rc[N], rd[N];
+    for (int q = 0; q < N; q++) sc[q] = rank == 1 ? 0 : 1, sd[q] = (size_t)q, rc[q] = q == 1 ? 0 : 1, rd[q] = (size_t)q;
+    int32_t *out = b + N;
+    return dopt_sim_all_to_allv(rank == 1 ? (const int32_t *)out : b, sc, sd, out, rc, rd, DOPT_I32, c);
+  }
+  default: { /* all_to_allv: rank 2's receive range starts inside its send range */
+    size_t sc[N], sd[N], rc[N], rd[N];
+    for (int q = 0; q < N; q++) sc[q] = 1, sd[q] = (size_t)q, rc[q] = 1, rd[q] = (size_t)q;
+    return dopt_sim_all_to_allv(b, sc, sd, rank == 2 ? b + 1 : b + N, rc, rd, DOPT_I32, c);
+  }
   }
 }
 
@@ -92,8 +103,10 @@ static void test_overlap(void **st) {
   (void)st;
   fault_ctx f = {0};
   dopt_sim_config cfg = cfg_n(N, 5000);
-  for (f.variant = 0; f.variant < 4; f.variant++)
+  for (f.variant = 0; f.variant < 6; f.variant++)
     expect_all(&cfg, overlap_body, &f, DOPT_ERR_OVERLAP, 0, "overlap and are not in place");
+  f.variant = 4; /* the aliased buffer of a rank that sends nothing is named with its rank */
+  expect_all(&cfg, overlap_body, &f, DOPT_ERR_OVERLAP, 0, "all_to_allv: rank 1 passes send=recv=");
 }
 
 static dopt_status invalid_body(dopt_sim_comm *c, int rank, void *user) {
