@@ -7,8 +7,9 @@
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
 
-/* Exit codes: 0 success, 1 failure of the computation (or a comparison),
- * 2 bad usage or bad input (nothing is written). */
+/* Exit codes, one rule for every command and backend (docs/cli.md "Exit codes"): 0 success or equivalent;
+ * 1 only a measured divergence (commands that compare nothing never exit 1); 2 usage, input, I/O (standard
+ * output included) or a runtime failure (out of memory, a transport's timeout, a rank that failed). */
 enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2 };
 
 /* Prints "distopt <cmd>: <detail of the last error>" and returns CLI_USAGE. */

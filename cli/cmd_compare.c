@@ -138,7 +138,7 @@ static int run_matrix(int steps) {
     printf(" %-18s", h);
   }
   printf("\n");
-  int all = 1;
+  int all = 1, failed = 0; /* a diverged cell: 1; a cell that failed to run: 2 */
   char reasons[4096] = "";
   for (int k = 0; k < dopt_optim_registry_count(); k++) {
     const char *name = dopt_optim_registry_name(k);
@@ -166,7 +166,7 @@ static int run_matrix(int steps) {
       dopt_status s = cmp_run(&o, &r, NULL, NULL);
       const char *cell = "\xe2\x9c\x94 bitwise"; /* ✔ */
       char why[256] = "";
-      if (s != DOPT_OK) snprintf(why, sizeof why, "%s", dopt_last_error());
+      if (s != DOPT_OK) snprintf(why, sizeof why, "%s", dopt_last_error()), failed = 1;
       else if (!r.equivalent) {
         int worst = 0;
         for (int t = 0; t < r.ntensors; t++)
@@ -187,7 +187,7 @@ static int run_matrix(int steps) {
     printf("\n");
   }
   if (reasons[0]) printf("reasons:\n%s", reasons);
-  return all ? CLI_OK : CLI_FAIL;
+  return failed ? CLI_USAGE : all ? CLI_OK : CLI_FAIL;
 }
 
 static void sweep_progress(int k, int n, int pp, int tp, int dp, int zero, double elapsed) {
@@ -264,10 +264,10 @@ static int run_sweep(const cmp_options *base) {
   printf("time: %.1f s\n", cmp_now_s() - t0);
   dopt_status s;
   if (base->json_path[0] && (s = cmp_write_sweep_json(base->json_path, base, cells, n)) != DOPT_OK) rc = lib_error(s);
-  int all = 1;
-  for (k = 0; k < n; k++) all &= cells[k].kind != CMP_CELL_DIVERGED && cells[k].kind != CMP_CELL_ERROR;
+  int all = 1, failed = 0; /* a layout that diverged: 1; one that failed to run, or the JSON's write: 2 */
+  for (k = 0; k < n; k++) all &= cells[k].kind != CMP_CELL_DIVERGED, failed |= cells[k].kind == CMP_CELL_ERROR;
   free(cells);
-  return rc != CLI_OK || !all ? CLI_FAIL : CLI_OK;
+  return rc != CLI_OK || failed ? CLI_USAGE : all ? CLI_OK : CLI_FAIL;
 }
 
 /* What --sweep replaces or cannot run, from the command line (cli_given) or anywhere (o): one line, or CLI_OK. */
@@ -485,8 +485,7 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
   int tty = !o->quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
   dopt_status s = cmp_run(o, &r, tty ? progress : NULL, NULL);
   if (s != DOPT_OK) {
-    rc = cli_error(CMD, s);
-    if (r.run_failed) rc = CLI_FAIL; /* the run failed (a rank, a checkpoint's write), not its input */
+    rc = cli_error(CMD, s); /* bad input, or the run failed (a rank, a checkpoint's write): 2 either way */
     if (mpi_world) dopt_mpi_abort(mpi_world); /* the whole job stops: no peer waits for its timeout */
     return rc;
   }
@@ -499,7 +498,7 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
   if (rc == CLI_OK && o->svg_path[0] && (s = cmp_write_svg(o->svg_path, o, &r)) != DOPT_OK) rc = cli_error(CMD, s);
   int eq = r.equivalent;
   cmp_result_free(&r);
-  rc = rc != CLI_OK || !eq ? CLI_FAIL : CLI_OK;
+  if (rc == CLI_OK && !eq) rc = CLI_FAIL; /* a failed --json or --plot write stays 2: the result was not delivered */
   return mpi_world ? mpi_end(mpi_world, rc) : rc;
 }
 

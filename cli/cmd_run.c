@@ -352,8 +352,7 @@ static int save_ckpt(run_ctx *c, long t) {
   info.skipped_steps = c->skipped;
   dopt_status s = dopt_optim_save(c->opt, c->save_path, &info);
   if (s == DOPT_OK) return CLI_OK;
-  cli_error(CMD, s);
-  return CLI_FAIL; /* the computation ran; writing its result failed */
+  return cli_error(CMD, s); /* the computation ran; writing its result failed: an I/O failure, 2 */
 }
 
 /* --save into the resumed checkpoint's folder: no save of this run may land on the generation being read
@@ -437,7 +436,7 @@ static int run_steps(run_ctx *c) {
     dopt_status s = dopt_optim_step(c->opt, grads);
     if (s != DOPT_OK) {
       fprintf(stderr, "distopt run: step %ld: %s\n", t, dopt_last_error());
-      rc = CLI_FAIL;
+      rc = CLI_USAGE; /* run compares nothing: a failing step is a runtime failure, 2 */
     }
     /* finite gradients that give a non-finite parameter: the update overflowed (an lr, or gradients whose
      * squares overflow fp32) */
@@ -495,8 +494,7 @@ static int write_output(run_ctx *c) {
   if (s == DOPT_OK) s = dopt_st_writer_save(w, c->out_path);
   dopt_st_writer_free(w);
   if (s == DOPT_OK) return CLI_OK;
-  cli_error(CMD, s);
-  return CLI_FAIL; /* the computation ran; writing its result failed */
+  return cli_error(CMD, s); /* the computation ran; writing its result failed: an I/O failure, 2 */
 }
 
 /* One line per parameter: shape, group, steps taken, RMS before/after, state bytes. */

@@ -1,4 +1,5 @@
 /* distopt — command-line entry point. */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -69,6 +70,19 @@ static void usage(FILE *f) {
         f);
 }
 
+/* Standard output is an output like any other: what a command printed must have reached it, else the result
+ * was not delivered and the exit is 2 (an I/O failure), whatever the command concluded. A closed pipe
+ * (`distopt ... | head`) ends the process by SIGPIPE first, as other tools do; with SIGPIPE ignored, the EPIPE
+ * lands here: 2. */
+static int delivered(const char *cmd, int rc) {
+  errno = 0;
+  const int flushed = fflush(stdout) == 0;
+  if (flushed && !ferror(stdout)) return rc;
+  const int e = !flushed && errno ? errno : EIO;
+  cli_errorf(cmd, "standard output: %s (what was printed is incomplete)", strerror(e));
+  return CLI_USAGE;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     usage(stderr);
@@ -86,11 +100,11 @@ int main(int argc, char **argv) {
     int threads;
     dopt_status s = dopt__default_threads(&threads);
     if (s != DOPT_OK) return cli_error(c, s);
-    return cmds[k].fn(argc - 1, argv + 1);
+    return delivered(c, cmds[k].fn(argc - 1, argv + 1));
   }
   if (strcmp(c, "--help") == 0 || strcmp(c, "-h") == 0 || strcmp(c, "help") == 0) {
     usage(stdout);
-    return CLI_OK;
+    return delivered("", CLI_OK);
   }
   cli_errorf("", "unknown command '%s' (see distopt --help)", c);
   return CLI_USAGE;

@@ -157,8 +157,7 @@ void vf_print_table(const vctx *c) {
 static int write_output(const vctx *c, const char *path, int (*body)(FILE *f, const void *ctx), const char *what) {
   dopt_status s = dopt__write_stream(path, DOPT_W_OUTPUT, body, c);
   if (s == DOPT_OK) return CLI_OK;
-  vf_lib_error(what, s);
-  return CLI_FAIL;
+  return vf_lib_error(what, s); /* an I/O failure: 2, never the divergence's 1 */
 }
 
 static int json_body(FILE *f, const void *ctx) {

@@ -162,7 +162,7 @@ int vf_replay(vctx *c);
 /* ---- report.c ---- */
 void vf_print_table(const vctx *c);
 void vf_stat_name(const vctx *c, const vstat *s, char *buf, size_t cap);
-/* --json FILE, --plot FILE.svg: CLI_OK, or CLI_FAIL after one line. */
+/* --json FILE, --plot FILE.svg: CLI_OK, or CLI_USAGE (2) after one line. */
 int vf_write_json(const vctx *c, const char *path);
 int vf_write_svg(const vctx *c, const char *path);
 

@@ -1,6 +1,7 @@
 """The `distopt` console command of an installed package: runs the command-line tool built into the wheel
 (distopt/bin/distopt) with the same arguments, exit status and streams."""
 import os
+import signal
 import sys
 
 
@@ -15,4 +16,7 @@ def main():
     if exe is None:
         sys.exit("distopt: this installation has no command-line tool (distopt/bin/distopt); reinstall with "
                  "pip install ./python, or build it: cmake --build build (build/cli/distopt)")
+    # Python ignores SIGPIPE and an exec keeps that: restore the default, so that `distopt list | head -1` ends
+    # the tool as it ends any command (a closed pipe is otherwise an I/O failure, exit 2: docs/cli.md)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     os.execv(exe, [exe] + sys.argv[1:])

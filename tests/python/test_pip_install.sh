@@ -77,7 +77,9 @@ if torch is not None:  # docs/python.md, "Five minutes to a verdict on your own 
 print(f"installed: {distopt.__file__}, library {distopt.library_path}, {len(names)} optimizers"
       + ("" if np is None else ", numpy step ok") + f", verify with the packaged CLI: {verdict}")
 PY
-"$work/venv/bin/distopt" list | grep -q '^adamw' || fail "the distopt console command: $("$work/venv/bin/distopt" list 2>&1 | head -3)"
+# (the whole output first: a reader that stops early, grep -q, would end the tool by SIGPIPE under pipefail)
+listing=$("$work/venv/bin/distopt" list 2>&1) || fail "the distopt console command: exit $?: $(echo "$listing" | head -3)"
+grep -q '^adamw' <<<"$listing" || fail "the distopt console command: $(echo "$listing" | head -3)"
 t3=$(date +%s)
 echo "times: venv + PyPI probe $((t1 - t0)) s, pip install ./python $((t2 - t1)) s, checks $((t3 - t2)) s"
 [ "$before" = "$(files)" ] || fail "pip install left files in the source tree: $(diff <(echo "$before") <(files) | head -5)"

@@ -587,11 +587,12 @@ static void test_save_into_resumed(void **st) {
   expect(b, a, 2, "would rewrite the generation being read", NULL, NULL);
   a[8] = at(b, "K/step-000000002"); /* from step 2 to 4 replaces step 4, which is not the one read */
   expect(b, a, 0, NULL, o, NULL);
-  /* a full disk during the save: exit 1, latest and every generation as they were, no temporary left */
+  /* a full disk during the save: exit 2 (an I/O failure), latest and every generation as they were, no temporary
+   * left */
   a[6] = "6";
   a[8] = at(b, "K");
   dt_run_opts full = {30, 4096, NULL, 0};
-  expect(b, a, 1, "step-000000006", NULL, &full);
+  expect(b, a, 2, "step-000000006", NULL, &full);
 }
 
 /* ---- commands: readers never block -------------------------------------------------------------- */
@@ -663,11 +664,33 @@ static void test_exit_codes(void **st) {
   }
   const char *t[] = {"bench", "--size", "8x8", "--iters", "1", "--torch", "/nonexistent", NULL};
   expect(b, t, 2, "--torch '/nonexistent': no such executable", NULL, NULL);
-  /* a full disk while compare writes its checkpoint: exit 1, its temporary generation removed */
+  /* a full disk while compare writes its checkpoint: exit 2 (1 is only a measured divergence), its temporary
+   * generation removed */
   dt_run_opts full = {60, 4096, NULL, 0};
   const char *c[] = {"compare", "--steps", "4", "--checkpoint-at", "2", "--checkpoint-dir", at(b, "C"), "--quiet", NULL};
   assert_int_equal(mkdir(at(b, "C"), 0755), 0);
-  expect(b, c, 1, "C/.tmp-step-000000002", NULL, &full);
+  expect(b, c, 2, "C/.tmp-step-000000002", NULL, &full);
+  /* --json and --plot on a full device after an equivalent run: 2, the result was not delivered */
+  const char *cj[] = {"compare", "--steps", "2", "--quiet", "--json", "/dev/full", NULL};
+  expect(b, cj, 2, "/dev/full", NULL, NULL);
+  const char *cp[] = {"compare", "--steps", "2", "--quiet", "--plot", "/dev/full", NULL};
+  expect(b, cp, 2, "/dev/full", NULL, NULL);
+  /* standard output on a full device: 2 in one line, for every command that prints (it printed 0 before) */
+  const char *r[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "1", "--out", at(b, "o.st"), NULL};
+  const char *cs[] = {"compare", "--steps", "2", NULL};
+  const char *m[] = {"mem", "--model", "llama-60m", NULL};
+  const char *l[] = {"list", NULL};
+  const char *h[] = {"--help", NULL};
+  const char *const *prints[] = {r, cs, m, l, h};
+  for (int k = 0; k < 5; k++) {
+    dt_run_opts o = {60, 0, NULL, 0};
+    const int rc = dt_run_with(bin, prints[k], "/dev/full", errfile, &o);
+    char *err = slurp(errfile);
+    if (rc != 2 || !strstr(err, "standard output: No space left on device") || strchr(err, '\n') != strrchr(err, '\n'))
+      fail_msg("distopt %s > /dev/full: exit %d, want 2 and one line naming standard output: %s", prints[k][0], rc, err);
+    free(err);
+  }
+  unlink(at(b, "o.st"));
 }
 
 int main(int argc, char **argv) {
