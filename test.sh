@@ -14,7 +14,11 @@
 # Installs missing Debian packages when run as root.
 set -euo pipefail
 cd "$(dirname "$0")"
-bash cmake/deps.sh --python # python3, numpy, venv, torch: tests/python, the verify clients
+bash cmake/deps.sh --python # python3, numpy, venv, torch 1.13, and the torch 2 venv where it runs
+# The interpreter of tests/python, tests/verify and the interop tests (DOPT_TEST_PYTHON): the pinned torch 2
+# venv (cmake/torch2.sh, outside the clone) where it installed, else Debian's python3 with torch 1.13.
+py=$(bash cmake/torch2.sh --path)
+if [ -n "$py" ]; then pyarg=("-DDOPT_TEST_PYTHON=$py"); else pyarg=(-UDOPT_TEST_PYTHON); fi
 jobs=$(nproc)
 quick=0 long=0
 case "${1:-}" in
@@ -32,7 +36,8 @@ step() { printf '\n=== %s\n' "$*"; }
 
 step "build (Release, -Werror) and all tests"
 # --long: the full grid takes ~12 min of dist_grid alone, so its timeouts stretch (a cache value: reset here)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DDOPT_WERROR=ON -DDOPT_TIMEOUT_SCALE=$([ $long -eq 1 ] && echo 4 || echo 1) >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DDOPT_WERROR=ON -DDOPT_TIMEOUT_SCALE=$([ $long -eq 1 ] && echo 4 || echo 1) \
+  "${pyarg[@]}" >/dev/null
 cmake --build build -j"$jobs" >/dev/null
 DOPT_GRID_FULL=$long ctest --test-dir build --output-on-failure -j"$jobs"
 [ $quick -eq 1 ] && exit 0

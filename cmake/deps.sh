@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Installs distopt's build and test dependencies (Debian packages) when run as
 # root; otherwise prints the exact apt-get line and fails. --fuzz adds the
-# fuzzing toolchain (tests/fuzz/run.sh), --python the Python test interpreter.
+# fuzzing toolchain (tests/fuzz/run.sh), --python the Python test interpreters.
 set -euo pipefail
+here=$(dirname "$0")
 pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev libssl-dev
   libopenmpi-dev openmpi-bin) # OpenMPI: the MPI transport and its mpirun tests (docs/mpi.md)
 # --fuzz: also clang and its libFuzzer/sanitizer runtime (only a Recommends of clang on bookworm)
-# --python: Debian's python3 with numpy, venv and torch (1.13) for tests/python, the verify clients
-#           (tests/verify) and the interop tests: CI runs the torch tests on every stop
+# --python: Debian's python3 with numpy, venv and torch (1.13), and then the pinned torch 2 venv
+#           (cmake/torch2.sh: outside the clone, where the CUDA 13 runtime its wheel links to exists; one
+#           line says which); tests/python, the verify clients (tests/verify) and the interop tests run on
+#           torch 2 where it installed, else on Debian's torch 1.13 (docs/python.md)
+python=0
 for arg in "$@"; do
   case "$arg" in
     --fuzz) pkgs+=(clang libclang-rt-14-dev) ;;
-    --python) pkgs+=(python3 python3-numpy python3-venv python3-torch) ;;
+    --python) pkgs+=(python3 python3-numpy python3-venv python3-torch) python=1 ;;
     *) echo "deps: unknown option '$arg' (--fuzz, --python)" >&2; exit 2 ;;
   esac
 done
@@ -19,12 +23,14 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+torch2() { [ $python -eq 0 ] || bash "$here/torch2.sh" >/dev/null; }
+[ ${#missing[@]} -eq 0 ] && { torch2; exit 0; }
 if [ "$(id -u)" -eq 0 ]; then
   echo "deps: installing ${missing[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  torch2
 else
   echo "deps: missing Debian packages; run:" >&2
   echo "  sudo apt-get install -y ${missing[*]}" >&2
