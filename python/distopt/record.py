@@ -48,6 +48,11 @@ from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are 
 
 SCHEMA_VERSION = 4  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/, blocks;
 #                    4: stages, experts (docs/verify.md)
+# schema 5 (written once `distopt verify` reads it): grad_agree/<t>/<p> is the digest of the rank's pieces of p
+# (in its pieces' order), for every piece form, compared among the ranks whose pieces of p are the same; a
+# rank without a piece of p records its whole gradient's (ZeRO). Schema 4's verifier compares every rank's
+# digest of p with the lowest rank's, so a 4 recording holds only whole gradients' digests.
+_AGREE_PIECES = SCHEMA_VERSION >= 5
 KIND = "distopt-record"
 
 __all__ = ["record", "Recorder", "verify", "dtensor_layout"]
@@ -155,8 +160,56 @@ _Piece = collections.namedtuple("_Piece", "tensor name lo len states extent bloc
 
 def _local(pc, x):
     """A piece's elements of x, a tensor shaped as its local tensor (the value, the gradient, an elementwise
-    state): x itself, or its flat elements [at, at + len) when the local tensor is a flat buffer."""
+    state): x itself, or its flat elements [at, at + len) when the local tensor is a flat buffer. A DTensor
+    parameter's value: its local tensor (gradients and states are made local before, _plain)."""
+    if _is_dtensor(x):
+        x = x.to_local()
     return x if pc.at is None else x.reshape(-1)[pc.at:pc.at + pc.len]
+
+
+_DTENSOR = []  # [class or None], found on first use (torch 1.13 has none)
+
+
+def _is_dtensor(x):
+    if not _DTENSOR:
+        cls = None
+        for mod in ("torch.distributed.tensor", "torch.distributed._tensor"):
+            try:
+                cls = getattr(__import__(mod, fromlist=["DTensor"]), "DTensor", None)
+            except Exception:  # noqa: BLE001 (no DTensor in this torch, or torch.distributed unusable)
+                cls = None
+            if cls is not None:
+                break
+        _DTENSOR.append(cls)
+    return _DTENSOR[0] is not None and isinstance(x, _DTENSOR[0])
+
+
+def _local_shape(t):
+    """The shape of the tensor this rank holds of t (a DTensor's local tensor)."""
+    return tuple(t.to_local().shape) if _is_dtensor(t) else tuple(t.shape)
+
+
+def _placements_text(pls):
+    return "(" + ", ".join(str(pl) for pl in pls) + ")"
+
+
+def _plain(x, p, what):
+    """x, a DTensor's gradient or state, as the tensor this rank holds in the parameter p's layout: placed as p
+    (to_local), placed otherwise but of p's global shape redistributed to p's placements first (a Partial
+    gradient summed, a replicated state cut: a collective, which every rank holding p reaches, the placements
+    being the same on all of them), else one ValueError line. A plain tensor stays as it is."""
+    if not _is_dtensor(x):
+        return x
+    if not _is_dtensor(p):
+        raise ValueError(f"distopt.record: {what} is a DTensor {_placements_text(x.placements)} but its parameter is "
+                         f"a plain tensor")
+    if tuple(x.placements) != tuple(p.placements) or x.device_mesh != p.device_mesh:
+        if tuple(x.shape) != tuple(p.shape):
+            raise ValueError(f"distopt.record: {what} is placed {_placements_text(x.placements)} with shape "
+                             f"{list(x.shape)}, its parameter {_placements_text(p.placements)} with shape "
+                             f"{list(p.shape)}: record it with layout= and its states= ranges (docs/verify.md)")
+        x = x.redistribute(p.device_mesh, p.placements)
+    return x.to_local()
 
 
 def _lib_message(e):
@@ -226,42 +279,51 @@ def _total(everyone, key, total_key, given, every_piece):
 
 
 def _placement(pl):
-    """("R",), ("S", dim) or ("P",) of a DTensor placement: a torch placement object (Shard, Replicate, Partial)
-    or its text ("R", "S(1)", "Shard(1)", "P")."""
-    name = type(pl).__name__ if not isinstance(pl, str) else pl.strip()
-    if name.startswith("_Strided") or name.startswith("Strided"):
-        raise ValueError(f"distopt.record: placement {pl!r} (a strided shard, FSDP2 over a dimension tensor parallelism "
-                         f"already split) is not one block per rank: record it as a list of pieces")
+    """("R",), ("S", dim), ("SS", dim, split_factor) or ("P",) of a DTensor placement: a torch placement object
+    (Shard, _StridedShard, Replicate, Partial) or its text ("R", "S(1)", "Shard(1)", "_S(0, 2)",
+    "_StridedShard(dim=0, sf=2)", "P")."""
     if not isinstance(pl, str):
+        name = type(pl).__name__
+        if name == "_StridedShard" or name == "StridedShard":
+            return ("SS", int(pl.dim), int(pl.split_factor))
         if name == "Shard":
             return ("S", int(pl.dim))
         if name == "Replicate":
             return ("R",)
-        return ("P",)
+        if "Partial" in name:
+            return ("P",)
+        raise ValueError(f"distopt.record: placement {pl!r}: expected Shard, _StridedShard, Replicate or Partial")
+    name = pl.strip().replace(" ", "")
     if name in ("R", "Replicate()", "Replicate"):
         return ("R",)
-    for pre in ("S(", "Shard(", "Shard(dim="):
-        if name.startswith(pre) and name.endswith(")") and name[len(pre):-1].strip().lstrip("-").isdigit():
-            return ("S", int(name[len(pre):-1]))
-    if name in ("P", "Partial", "Partial()"):
+    if name.startswith("P") and name.rstrip(")").split("(")[0] in ("P", "Partial"):
         return ("P",)
-    raise ValueError(f"distopt.record: placement {pl!r}: expected Shard(d), Replicate() or Partial() (or S(d), R, P)")
+    for pre in ("_StridedShard(", "_S("):  # dim and split factor: "_S(0,2)", "_StridedShard(dim=0,sf=2)"
+        if name.startswith(pre) and name.endswith(")"):
+            args = [x.split("=")[-1] for x in name[len(pre):-1].split(",")]
+            if len(args) == 2 and all(x.lstrip("-").isdigit() for x in args):
+                return ("SS", int(args[0]), int(args[1]))
+    for pre in ("S(", "Shard(dim=", "Shard("):
+        if name.startswith(pre) and name.endswith(")") and name[len(pre):-1].lstrip("-").isdigit():
+            return ("S", int(name[len(pre):-1]))
+    raise ValueError(f"distopt.record: placement {pl!r}: expected Shard(d), _StridedShard(d, sf), Replicate() or "
+                     f"Partial() (or S(d), _S(d, sf), R, P)")
 
 
-def dtensor_layout(name, shape, mesh_shape, placements, coordinate, **extra):
-    """The layout= entry of the local tensor of a torch >= 2 DTensor (FSDP2's fully_shard parameters and tensor
-    parallelism's are DTensors) from its metadata: the global `shape`, its device mesh's shape, its placements
-    (one per mesh dimension) and this rank's mesh coordinate; extra: "stage", "expert", "states". The local
-    tensor is what to_local() returns (unpadded). Shard(d) on mesh dimension i cuts dimension d as torch.chunk
-    does (chunks of ceil(n / k), the last ones shorter or empty), nested when several mesh dimensions shard the
-    same tensor dimension; Replicate() copies. Returns None when the rank holds no element (an empty chunk).
-    Refused in one line: Partial() (a pending sum is no layout), a strided shard, and shards of two dimensions
-    other than dimension 0 and one more (not one block and a flat range of it). docs/layout.md."""
-    shape = [int(d) for d in shape]
-    if len(mesh_shape) != len(placements) or len(coordinate) != len(placements):
-        raise ValueError(f"distopt.record: dtensor_layout of {name}: mesh {list(mesh_shape)}, {len(placements)} "
-                         f"placements and coordinate {list(coordinate)} must have one entry per mesh dimension")
-    box = [[0, n] for n in shape]  # [lo, hi) of every tensor dimension
+def _chunk(n, k, c):
+    """[lo, hi) of chunk c when n items are cut into k as torch.chunk does: chunks of ceil(n / k), the last
+    ones shorter or empty."""
+    size = -(-n // k)
+    return min(n, size * c), min(n, size * (c + 1))
+
+
+def _dtensor_indices(shape, mesh_shape, placements, coordinate, name):
+    """The global indices this rank holds along every tensor dimension, in the local tensor's order: the
+    placements applied left to right (mesh dimension 0 first), each cutting the indices the rank holds so far.
+    Shard(d): chunk c of k (torch.chunk's rule). _StridedShard(d, sf) (FSDP2 over a dimension TP already split,
+    torch's right-to-left sharding written left to right): the indices cut into sf chunks, each of those into k,
+    and the rank's chunk c of every one of them, concatenated (the later Shard(d) picks one of them)."""
+    idx = [list(range(n)) for n in shape]
     for i, pl in enumerate(placements):
         kind = _placement(pl)
         if kind[0] == "P":
@@ -276,12 +338,50 @@ def dtensor_layout(name, shape, mesh_shape, placements, coordinate, **extra):
         if not 0 <= c < k:
             raise ValueError(f"distopt.record: dtensor_layout of {name}: coordinate {c} outside mesh dimension {i} "
                              f"of size {k}")
-        size = box[d][1] - box[d][0]
-        chunk = -(-size // k)  # torch.chunk's
-        lo = min(size, chunk * c)
-        box[d] = [box[d][0] + lo, box[d][0] + min(size, lo + chunk)]
-    if any(hi <= lo for lo, hi in box):
+        cur = idx[d]
+        if kind[0] == "S":
+            lo, hi = _chunk(len(cur), k, c)
+            idx[d] = cur[lo:hi]
+        else:
+            sf = kind[2]
+            if sf < 1:
+                raise ValueError(f"distopt.record: dtensor_layout of {name}: {pl!r} has split factor {sf} (>= 1)")
+            out = []
+            for j in range(sf):
+                plo, phi = _chunk(len(cur), sf, j)
+                lo, hi = _chunk(phi - plo, k, c)
+                out.extend(cur[plo + lo:plo + hi])
+            idx[d] = out
+    return idx
+
+
+def dtensor_layout(name, shape, mesh_shape, placements, coordinate, **extra):
+    """The layout= entry of the local tensor of a torch >= 2 DTensor (FSDP2's fully_shard parameters and tensor
+    parallelism's are DTensors) from its metadata: the global `shape`, its device mesh's shape, its placements
+    (one per mesh dimension) and this rank's mesh coordinate; extra: "stage", "expert", "states". The local
+    tensor is what to_local() returns (unpadded). Shard(d) on mesh dimension i cuts dimension d as torch.chunk
+    does (chunks of ceil(n / k), the last ones shorter or empty), nested when several mesh dimensions shard the
+    same tensor dimension; _StridedShard(d, sf) as torch defines it (FSDP2 after TP on one dimension: with the
+    TP Shard(d) after it, one contiguous block per rank); Replicate() copies. Returns None when the rank holds
+    no element (an empty chunk). Refused in one line: Partial() (a pending sum is no layout), a rank's indices
+    that are not one contiguous range along a dimension (a _StridedShard without the shard that completes it),
+    and shards of two dimensions other than dimension 0 and one more (not one block and a flat range of it).
+    docs/layout.md."""
+    shape = [int(d) for d in shape]
+    if coordinate is None:  # torch: a rank outside the mesh holds nothing
         return None
+    if len(mesh_shape) != len(placements) or len(coordinate) != len(placements):
+        raise ValueError(f"distopt.record: dtensor_layout of {name}: mesh {list(mesh_shape)}, {len(placements)} "
+                         f"placements and coordinate {list(coordinate)} must have one entry per mesh dimension")
+    idx = _dtensor_indices(shape, mesh_shape, placements, coordinate, name)
+    if any(not ix for ix in idx):
+        return None
+    for d, ix in enumerate(idx):
+        if ix != list(range(ix[0], ix[0] + len(ix))):
+            raise ValueError(f"distopt.record: dtensor_layout of {name}: placements {list(placements)} at coordinate "
+                             f"{list(coordinate)} give this rank indices {_ranges_text(ix)} of dimension {d}, not one "
+                             f"contiguous range (no piece describes them)")
+    box = [[ix[0], ix[0] + len(ix)] for ix in idx]
     split = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
     spec = {"param": name, "shape": shape, **extra}
     if not split:
@@ -294,7 +394,33 @@ def dtensor_layout(name, shape, mesh_shape, placements, coordinate, **extra):
     if len(split) == 2:  # rows [a, b) of dimension 0: a flat range of the block [outer, len, inner]
         per_row = _prod_dims(shape[1:d]) * spec["block"]["len"] * _prod_dims(shape[d + 1:])
         spec["lo"] = box[0][0] * per_row
+        spec["len"] = (box[0][1] - box[0][0]) * per_row
     return spec
+
+
+def _ranges_text(ix):
+    """Sorted-order runs of an index list, "[0, 2) [4, 6)"."""
+    runs, start = [], 0
+    for j in range(1, len(ix) + 1):
+        if j == len(ix) or ix[j] != ix[j - 1] + 1:
+            runs.append(f"[{ix[start]}, {ix[j - 1] + 1})")
+            start = j
+    return " ".join(runs)
+
+
+def _agree_forms(part):
+    """The (parameter, form) of every gradient digest a rank's gathered construction record says it writes:
+    the digests of one parameter are compared among the ranks of one form ("whole", or schema 5 the list of
+    the rank's pieces of it)."""
+    if not _AGREE_PIECES:
+        return {(n, "whole") for n in part["agree"]}
+    forms = {}
+    for pc in part["pieces"]:
+        whole = pc["whole"] and not pc.get("block")
+        forms.setdefault(pc["param"], []).append("whole" if whole else
+                                                 (pc["lo"], pc["len"], json.dumps(pc.get("block"), sort_keys=True)))
+    out = {(n, tuple(f) if f != ["whole"] else "whole") for n, f in forms.items()}
+    return out | {(n, "whole") for n in part["agree"] if n not in forms}
 
 
 def _prod_dims(shape):
@@ -312,6 +438,14 @@ def _block_numel(shape, blk):
 def _sha256(t):
     """The SHA-256 of a contiguous CPU tensor's bytes (a gradient digest, 32 bytes)."""
     return hashlib.sha256(t.contiguous().numpy().tobytes()).digest()
+
+
+def _sha256_all(ts):
+    """The SHA-256 of several tensors' bytes one after the other."""
+    h = hashlib.sha256()
+    for t in ts:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.digest()
 
 
 class Recorder:
@@ -387,62 +521,52 @@ class Recorder:
         all_params = [p for g in outer.param_groups for p in g["params"]]
         group_of = {id(p): g for g, grp in enumerate(outer.param_groups) for p in grp["params"]}
         naming = self._names(names, all_params)
-        self.pieces = []  # _Piece: this rank's pieces, in the optimizer's parameter order
-        params_info = []  # (name, shape, group) of the parameters this rank knows
-        if layout is not None:
-            for p in all_params:
-                spec = layout.get(p) if isinstance(layout, dict) else None
-                if spec is None:
-                    raise ValueError(f"distopt.record: layout= has no entry for a parameter of shape {list(p.shape)}")
-                specs = spec if isinstance(spec, (list, tuple)) else [spec]
-                for sp in specs:  # a list: a flat buffer spanning several tensors, each piece at its offset "at"
-                    gname, gshape = str(sp["param"]), [int(s) for s in sp["shape"]]
-                    blk = sp.get("block")
-                    if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
-                        blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
-                    at = int(sp["at"]) if isinstance(spec, (list, tuple)) else None
-                    ln = int(sp["len"]) if at is not None else p.numel()
-                    if at is not None and (at < 0 or ln < 1 or at + ln > p.numel()):
-                        raise ValueError(f"distopt.record: layout of {gname}: local elements [{at}, {at + ln}) are "
-                                         f"outside the local tensor's {p.numel()}")
-                    stage, expert = int(sp.get("stage", -1)), int(sp.get("expert", -1))
-                    try:
-                        lp, extent = _layout_piece(gshape, blk, int(sp.get("lo", 0)), ln, stage, expert)
-                    except ValueError as e:
-                        raise ValueError(f"distopt.record: layout of {gname}: {e}") from None
-                    st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(sp.get("states", {})).items()}
-                    self.pieces.append(_Piece(p, gname, lp.lo, lp.len, st, extent, blk, at, stage, expert))
-                    params_info.append((gname, gshape, group_of[id(p)]))
-        else:
-            owned = all_params
-            if zero is not None:
-                mine = {id(p) for g in inner.param_groups for p in g["params"]}
-                owned = [p for p in all_params if id(p) in mine]
-            for p in owned:
-                self.pieces.append(_Piece(p, naming[id(p)], 0, p.numel(), {}, p.numel(), None, None, -1, -1))
-            params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
         self.outer = outer
-        self.local_shapes = [tuple(pc.tensor.shape) for pc in self.pieces]  # the layout, checked at every step
         self.all_ids = [id(p) for p in all_params]
-        for p, gname, *_ in self.pieces:
-            _f32(p, f"parameter {gname}")  # float32 only, checked before anything is written
-        # the tensors whose whole gradient every rank holds a copy of (DDP replicas, ZeRO's all-reduced
-        # gradients): each rank's digest of each of them at every step, compared by verify (grad_agree/)
+        self.dt_params = [p for p in all_params if _is_dtensor(p)]  # the same list on every rank of their mesh
         if grad_agree is None:
             grad_agree = self.world > 1
-        self.grad_agree = bool(grad_agree)
-        if layout is not None:
-            self.agree = [(pc.tensor, pc.name) for pc in self.pieces
+        # this rank's pieces; an error here is gathered, so that every rank raises the same line (none is left
+        # waiting in the collective below while another has raised)
+        err = None
+        try:
+            self.pieces, params_info = self._local_layout(layout, all_params, naming, group_of, zero, inner)
+            self.local_shapes = [_local_shape(pc.tensor) for pc in self.pieces]  # the layout, checked every step
+            for pc in self.pieces:
+                _f32(_local(pc, pc.tensor), f"parameter {pc.name}")  # float32 only, before anything is written
+        except (ValueError, TypeError) as e:
+            self.pieces, params_info, self.local_shapes = [], [], []
+            err = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # the gradients whose digests every rank records (grad_agree/<t>/<p>, compared by verify): schema 4, the
+        # whole gradients this rank holds (DDP replicas, ZeRO's all-reduced gradients, whole pieces of layout= or
+        # of a replicated DTensor); schema 5 (_AGREE_PIECES), every piece's, compared among the ranks holding the
+        # same piece (HSDP replicas, TP-replicated biases and norms)
+        if _AGREE_PIECES:
+            self.agree = [(pc, pc.name) for pc in self.pieces]
+        elif layout is not None or self.dt_params:
+            self.agree = [(pc, pc.name) for pc in self.pieces
                           if pc.block is None and pc.at is None and pc.lo == 0 and pc.len == pc.extent]
+            if layout is None:  # plain parameters beside DTensors: whole on every rank, held as a piece or not
+                held = {id(pc.tensor) for pc, _ in self.agree}
+                self.agree += [(p, naming[id(p)]) for p in all_params if not _is_dtensor(p) and id(p) not in held]
         else:
             self.agree = [(p, naming[id(p)]) for p in all_params]
 
         # every rank's layout and parameters, at every rank (the same error everywhere)
-        mine = {"rank": self.rank, "params": params_info,
+        mine = {"rank": self.rank, "params": params_info, "error": err, "agree": [n for _, n in self.agree],
                 "pieces": [{"param": pc.name, "lo": pc.lo, "len": pc.len, "states": pc.states, "block": pc.block,
                             "whole": pc.lo == 0 and pc.len == pc.extent, "stage": pc.stage, "expert": pc.expert}
                            for pc in self.pieces]}
         everyone = self._gather(mine)
+        bad = [part for part in everyone if part["error"]]
+        if bad:
+            first = min(bad, key=lambda q: q["rank"])
+            raise ValueError(first["error"] + (f" (rank {first['rank']}; {len(bad)} of {self.world} ranks refused)"
+                                               if self.world > 1 else ""))
+        # a digest compared with no other (no parameter whose digest two ranks record): none is recorded, and the
+        # index says so (grad_agree false), rather than verify reporting a comparison that cannot happen
+        holders = collections.Counter(f for part in everyone for f in _agree_forms(part))
+        self.grad_agree = bool(grad_agree) and any(c >= 2 for c in holders.values())
         self.params, seen = [], {}
         for part in everyone:
             for n, shape, g in part["params"]:
@@ -496,6 +620,64 @@ class Recorder:
 
     def _read_groups(self):
         return self.groups.read() if self.name is not None else self.groups.read_raw()
+
+    def _local_layout(self, layout, all_params, naming, group_of, zero, inner):
+        """This rank's pieces (_Piece, in the optimizer's parameter order) and the (name, global shape, group)
+        of every parameter it knows; ValueError with one line."""
+        pieces, params_info = [], []
+
+        def add(p, spec, specs_is_list, group):
+            gname, gshape = str(spec["param"]), [int(x) for x in spec["shape"]]
+            blk = spec.get("block")
+            if blk is not None:  # a tensor-parallel block: indices [lo, lo + len) of dimension dim
+                blk = {"dim": int(blk["dim"]), "lo": int(blk["lo"]), "len": int(blk["len"])}
+            n_local = _prod_dims(_local_shape(p))
+            at = int(spec["at"]) if specs_is_list else None
+            if at is not None:
+                ln = int(spec["len"])
+                if at < 0 or ln < 1 or at + ln > n_local:
+                    raise ValueError(f"distopt.record: layout of {gname}: local elements [{at}, {at + ln}) are "
+                                     f"outside the local tensor's {n_local}")
+            else:  # the local tensor is the piece: its element count (a DTensor's local tensor's, not p.numel())
+                ln = n_local
+                if "len" in spec and int(spec["len"]) != n_local:
+                    raise ValueError(f"distopt.record: layout of {gname}: len {int(spec['len'])} but the local "
+                                     f"tensor has {n_local} elements")
+            stage, expert = int(spec.get("stage", -1)), int(spec.get("expert", -1))
+            try:
+                lp, extent = _layout_piece(gshape, blk, int(spec.get("lo", 0)), ln, stage, expert)
+            except ValueError as e:
+                raise ValueError(f"distopt.record: layout of {gname}: {e}") from None
+            st = {str(k): [int(v[0]), int(v[1])] for k, v in dict(spec.get("states", {})).items()}
+            pieces.append(_Piece(p, gname, lp.lo, lp.len, st, extent, blk, at, stage, expert))
+            params_info.append((gname, gshape, group))
+
+        if layout is not None:
+            for p in all_params:
+                if not isinstance(layout, dict) or p not in layout:
+                    raise ValueError(f"distopt.record: layout= has no entry for a parameter of shape {list(p.shape)}")
+                spec = layout[p]
+                if spec is None:  # this rank holds none of it (an empty shard: dtensor_layout's None)
+                    continue
+                specs = spec if isinstance(spec, (list, tuple)) else [spec]
+                for sp in specs:  # a list: a flat buffer spanning several tensors, each piece at its offset "at"
+                    add(p, sp, isinstance(spec, (list, tuple)), group_of[id(p)])
+            return pieces, params_info
+        owned = all_params
+        if zero is not None:
+            mine = {id(p) for g in inner.param_groups for p in g["params"]}
+            owned = [p for p in all_params if id(p) in mine]
+        for p in owned:
+            if _is_dtensor(p):  # its layout from its mesh, placements and this rank's coordinate
+                mesh = p.device_mesh
+                spec = dtensor_layout(naming[id(p)], list(p.shape), tuple(mesh.mesh.shape), tuple(p.placements),
+                                      mesh.get_coordinate())
+                if spec is not None:
+                    add(p, spec, False, group_of[id(p)])
+            else:
+                pieces.append(_Piece(p, naming[id(p)], 0, p.numel(), {}, p.numel(), None, None, -1, -1))
+        params_info = [(naming[id(p)], list(p.shape), group_of[id(p)]) for p in all_params]
+        return pieces, params_info
 
     # -- names --
     @staticmethod
@@ -553,21 +735,34 @@ class Recorder:
             opt.__dict__.pop("step", None)
         opt.__dict__.pop("_distopt_recorder", None)
 
+    def _local_grads(self):
+        """id(DTensor parameter) -> its gradient as this rank holds it in the parameter's layout (_plain), for
+        every DTensor parameter in the optimizer's order: a gradient placed otherwise is redistributed, a
+        collective every rank of the mesh reaches, holding a piece or not (an empty shard)."""
+        return {id(p): _plain(p.grad, p, f"the gradient of {p.__class__.__name__} {list(p.shape)}")
+                for p in self.dt_params if p.grad is not None}
+
     def _grads(self):
-        """The pieces' gradients [(name, tensor)], and with grad_agree the digests of every whole gradient this
-        rank holds (grad_agree/<t>/<p>, filled in by _grad_tensors)."""
-        out, copied = [], {}  # copied: id(local tensor) -> its whole gradient's copy
+        """The pieces' gradients [(name, tensor)], and with grad_agree the digests of the gradients this rank
+        records them of (grad_agree/<t>/<p>, filled in by _grad_tensors; self.agree: pieces, or parameters
+        held whole without a piece)."""
+        dt = self._local_grads()
+        out, by_piece = [], {}  # by_piece: id(piece) -> its gradient's copy
         for pc in self.pieces:
             p, n = pc[0], pc[1]
             if p.grad is not None:
-                out.append((n, _f32(_local(pc, p.grad), f"the gradient of {n}")))
-                if pc[7] is None:
-                    copied[id(p)] = out[-1][1]
-        agree = []
-        for p, n in self.agree if self.grad_agree else ():
-            if p.grad is not None:
-                g = copied.get(id(p))
-                agree.append((n, _sha256(g if g is not None else _f32(p.grad, f"the gradient of {n}"))))
+                out.append((n, _f32(_local(pc, dt.get(id(p), p.grad)), f"the gradient of {n}")))
+                by_piece[id(pc)] = out[-1][1]
+        agree, digests = [], {}
+        for x, n in self.agree if self.grad_agree else ():
+            if isinstance(x, _Piece):
+                g = by_piece.get(id(x))
+            else:  # a parameter held whole, as a piece or not (ZeRO: every rank's all-reduced gradient)
+                g = None if x.grad is None else _f32(dt.get(id(x), x.grad), f"the gradient of {n}")
+            if g is not None:
+                digests.setdefault(n, []).append(g)
+        for n, gs in digests.items():  # a rank's pieces of one parameter: one digest of them in order
+            agree.append((n, _sha256(gs[0]) if len(gs) == 1 else _sha256_all(gs)))
         return out, agree
 
     def _grad_tensors(self, t, both):
@@ -600,9 +795,9 @@ class Recorder:
                              f"({len(ids)} tensors, {len(self.all_ids)} then): a layout cannot change mid-recording "
                              f"(close this recorder, start another)")
         for pc, shape in zip(self.pieces, self.local_shapes):
-            if tuple(pc.tensor.shape) != shape:
+            if _local_shape(pc.tensor) != shape:
                 raise ValueError(f"distopt.record: step {t}: the local tensor of {pc.name} has shape "
-                                 f"{list(pc.tensor.shape)}, {list(shape)} when the recording began: a layout cannot "
+                                 f"{list(_local_shape(pc.tensor))}, {list(shape)} when the recording began: a layout cannot "
                                  f"change mid-recording (close this recorder, start another)")
 
     def _step(self, args, kwargs):
@@ -671,6 +866,15 @@ class Recorder:
         """Parameters and states after step t; t None: a window's start (init_state/<p>/<key>; the parameters
         are init/<p>)."""
         import torch
+        # the DTensor parameters' states as this rank holds them in the parameter's layout, for every DTensor
+        # parameter (a state placed otherwise is redistributed: a collective, reached by every rank of the mesh)
+        dt_states = {}
+        if self.want_states or t is None:
+            for p in self.dt_params:
+                for key, v in self.inner.state.get(p, {}).items():
+                    if _is_dtensor(v) and str(key) != "step":
+                        dt_states[(id(p), str(key))] = _plain(v, p, f"state {key} of a parameter of shape "
+                                                                    f"{list(p.shape)}")
         for pc in self.pieces:
             p, n = pc[0], pc[1]
             if self.want_params and t is not None:
@@ -682,13 +886,17 @@ class Recorder:
                 k = str(key)
                 if not k or "/" in k or len(k) > 63 or k in self.drop:
                     continue
+                v = dt_states.get((id(p), k), v)
                 if k == "step":  # upstream's type kept: a tensor (torch AdamW) as F32, an int as I64
+                    if _is_dtensor(v):
+                        v = v.to_local()
                     if torch.is_tensor(v):
                         self.block.append((f"{base}/step", torch.tensor(float(v.item()), dtype=torch.float32)))
                     else:
                         self.block.append((f"{base}/step", torch.tensor(int(v), dtype=torch.int64)))
                 elif torch.is_tensor(v) and v.dtype == torch.float32 and not v.is_sparse:
-                    if pc[7] is not None and v.numel() == p.numel():  # elementwise, of a flat buffer: the piece's
+                    if pc[7] is not None and v.numel() == _prod_dims(_local_shape(p)):  # elementwise, of a flat
+                        # buffer: the piece's
                         v = _local(pc, v)
                     self.block.append((f"{base}/{k}", v.detach().to("cpu", copy=True).contiguous()))
             if t is None and self.projectors:

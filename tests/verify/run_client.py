@@ -394,6 +394,10 @@ DTENSOR_CASES = [
     ([3, 4, 5], [2], ["S(2)"], {(0,): ([3, 4, 3], [0, 0, 0]), (1,): ([3, 4, 2], [0, 0, 3])}),
     ([7, 2, 5], [3, 2], ["S(0)", "S(-1)"], {(i, j): ([3 if i < 2 else 1, 2, 3 if j == 0 else 2],
                                                    [3 * i, 0, 3 * j]) for i in range(3) for j in range(2)}),
+    # the 2-D recipe (ColwiseParallel over tp, then fully_shard over dp): the tp chunk, then its dp sub-chunk
+    ([8, 8], [2, 2], ["_S(0, 2)", "S(0)"], {(i, j): ([2, 8], [4 * j + 2 * i, 0]) for i in range(2) for j in range(2)}),
+    ([7, 3], [2, 2], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+     {(0, 0): ([2, 3], [0, 0]), (0, 1): ([2, 3], [4, 0]), (1, 0): ([2, 3], [2, 0]), (1, 1): ([1, 3], [6, 0])}),
 ]
 
 
@@ -422,12 +426,55 @@ def case_dtensor():
         _check_cover([{"name": "w", "shape": shape}], parts)
     for places, shape, needle in ((["S(1)", "S(2)"], [2, 4, 6], "dimensions [1, 2] are split"),
                                   (["P", "R"], [4, 4], "is a partial sum, not a layout"),
-                                  (["_StridedShard(0)", "R"], [4, 4], "is not one block per rank")):
+                                  (["_S(0, 2)", "R"], [8, 4], "not one contiguous range")):
         try:
             dtensor_layout("w", shape, [2, 2], places, (1, 1))
             H.check(False, f"{places} refused")
         except ValueError as e:
             H.check(needle in str(e) and "\n" not in str(e), f"{places} refused in one line: {e}")
+
+
+def case_dtensor_torch2():
+    """torch >= 2 (skipped, 77, with the reason on torch 1.13): one job of 4 gloo ranks (tests/verify/torch2.py):
+    dtensor_layout held against the local tensors torch places for every mesh, shape and placements of the sweep
+    (uneven and empty shards, _StridedShard) and against compute_local_shape_and_global_offset; FSDP2 + AdamW
+    (default, foreach, fused; a layer with 3 rows: an empty shard on rank 3) and the 2-D recipe (ColwiseParallel,
+    RowwiseParallel, then fully_shard over dp) recorded with distopt.record unchanged: each verifies (exit 0)."""
+    try:
+        import torch.distributed.tensor  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        print(f"skipped: torch {torch.__version__} at {sys.executable} has no DTensor/FSDP2 ({type(e).__name__}: {e});"
+              f" cmake/torch2.sh installs torch 2 where the CUDA 13 runtime is (docs/python.md)")
+        sys.exit(77)
+    import torch2
+    d = H.work_dir("dtensor_torch2")
+    H.launch(torch2.worker, 4, d)
+    results = []
+    for r in range(4):
+        with open(os.path.join(d, f"result{r}.json")) as f:
+            results.append(json.load(f))
+    for r, res in enumerate(results):
+        for line in res["fails"][:5]:
+            print(f"rank {r}: {line}")
+    H.check(not any(res["fails"] for res in results), "every rank's layouts and recordings as expected")
+    H.check(all(res["layout_cases"] >= 400 for res in results), f"cases per rank {[r['layout_cases'] for r in results]}")
+    H.check(all(res["strided_cases"] >= 60 for res in results), f"strided cases {[r['strided_cases'] for r in results]}")
+    print(f"layouts: {results[0]['layout_cases']} (mesh, shape, placements) cases per rank ({results[0]['strided_cases']} "
+          f"with _StridedShard), each rank's local tensor the piece's elements")
+    strided = results[0]["placements_2d"]["up.weight"]
+    H.check(strided[0].startswith("_S(0"), f"the 2-D recipe's column-parallel weight is strided: {strided}")
+    H.check([r["empty_entries"] for r in results] == [0, 0, 0, 4], f"rank 3's empty shards (b.weight, b.bias, "
+            f"c.weight, c.bias) are None entries ({[r['empty_entries'] for r in results]})")
+    msgs = {r["refusal"] for r in results}
+    H.check(len(msgs) == 1 and "layout= has no entry" in next(iter(msgs)) and "(rank 3;" in next(iter(msgs)),
+            f"a layout= refused on rank 3 only: every rank raises the same line ({msgs})")
+    print(f"refused on every rank alike: {next(iter(msgs))}")
+    for tag in ("fsdp2_default", "fsdp2_foreach", "fsdp2_fused", "tp_fsdp2", "fsdp2_layout"):
+        out, rep = H.run_verify(os.path.join(d, f"{tag}.rec"), expect=0)
+        ranks = {t["rank"] for t in rep["tensors"]}
+        H.check(ranks == {0, 1, 2, 3}, f"{tag}: every rank's pieces compared ({sorted(ranks)})")
+        summary(rep)
 
 
 def case_fsdp():
@@ -827,7 +874,7 @@ def case_upstream_real():
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
 
-CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "moe": case_moe, "dtensor": case_dtensor, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
+CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "moe": case_moe, "dtensor": case_dtensor, "dtensor_torch2": case_dtensor_torch2, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
          "upstream_real": case_upstream_real}
 

@@ -1,0 +1,238 @@
+"""The torch >= 2 clients of tests/verify (run_client.py dtensor_torch2): DTensor layouts held against the data
+torch places on each rank, and FSDP2 / tensor-parallel runs recorded with distopt.record unchanged. One spawned
+job of 4 gloo ranks runs every setup in sequence (torch is imported once per rank). Each rank collects its
+failures instead of raising (a rank that raised would leave the others waiting in a collective); the parent
+reads them from the ranks' result files and fails with the first."""
+import itertools
+import json
+import os
+
+import torch
+
+import harness as H
+
+# tensor shapes of the sweep: uneven, fewer rows than ranks (empty shards), 1-D, 3-D
+SHAPES = [[1, 3], [2, 5], [3, 4], [5, 3], [7, 2], [8, 6], [10, 4], [6], [3], [7, 2, 5], [4, 5, 3]]
+MESHES = [(4,), (2, 2), (1, 4), (4, 1)]
+
+
+def _placements(mesh_shape, ndim):
+    """Every combination of Replicate, Shard(d) (each d) per mesh dimension; on a 2-D mesh also FSDP2 over a
+    TP-split dimension 0 (_StridedShard(0, sf=tp), Shard(0)) and its uneven forms."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    one = [Replicate()] + [Shard(d) for d in range(ndim)]
+    out = [list(c) for c in itertools.product(one, repeat=len(mesh_shape))]
+    if len(mesh_shape) == 2:
+        for sf in (mesh_shape[1], 3):
+            out.append([_StridedShard(0, split_factor=sf), Shard(0)])
+        out.append([_StridedShard(0, split_factor=mesh_shape[1]), Replicate()])  # not one block: refused
+    return out
+
+
+def layout_sweep(rank, world, fails):
+    """For every mesh, shape and placements: the global tensor arange(n) distributed by torch; the rank's local
+    tensor must hold exactly the global elements dtensor_layout's piece names, in order (an empty shard: no
+    piece), and torch's compute_local_shape_and_global_offset must give the piece's box. Returns the number of
+    (mesh, shape, placements) cases checked on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from distopt import dtensor_layout
+    from distopt.record import _layout_piece
+    from distopt.replay import _piece_index
+    n_cases = strided = 0
+    for mesh_shape in MESHES:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        coord = mesh.get_coordinate()
+        for shape in SHAPES:
+            glob = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+            for pls in _placements(mesh_shape, len(shape)):
+                what = f"mesh {list(mesh_shape)} shape {shape} {pls} coordinate {coord}"
+                # every rank holds the same global tensor: torch splits it locally (src_data_rank=None), which
+                # also takes the uneven _StridedShard its padded scatter asserts against
+                local = distribute_tensor(glob, mesh, pls, src_data_rank=None).to_local()
+                n_cases += 1
+                strided += "_S" in str(pls)
+                try:
+                    spec = dtensor_layout("w", shape, mesh_shape, pls, coord)
+                except ValueError as e:
+                    idx_local = local.reshape(-1).long().tolist()
+                    # refused: right only when the rank's elements are no block and flat range of one
+                    if "not one contiguous range" not in str(e) and "are split" not in str(e):
+                        fails.append(f"{what}: refused: {e}")
+                    elif _is_piece(shape, idx_local):
+                        fails.append(f"{what}: refused ({e}) but the local tensor is one piece")
+                    continue
+                if spec is None:
+                    if local.numel() != 0:
+                        fails.append(f"{what}: no piece, but the local tensor has {local.numel()} elements")
+                    continue
+                lp, _ = _layout_piece(shape, spec.get("block"), spec.get("lo", 0), local.numel())
+                idx = _piece_index(shape, lp.lo, lp.len, spec.get("block"))
+                if not torch.equal(glob.reshape(-1)[idx], local.reshape(-1)):
+                    fails.append(f"{what}: the piece {spec} is not the local tensor's elements")
+                    continue
+                lshape, off = compute_local_shape_and_global_offset(shape, mesh, pls)
+                if list(lshape) != list(local.shape):
+                    fails.append(f"{what}: torch's local shape {list(lshape)}, the local tensor's {list(local.shape)}")
+                box_lo = [0] * len(shape)
+                if spec.get("block"):
+                    box_lo[spec["block"]["dim"]] = spec["block"]["lo"]
+                if "lo" in spec:  # rows of dimension 0 as a flat range of the block
+                    per_row = lp.len // max(1, local.shape[0])
+                    box_lo[0] = spec["lo"] // per_row
+                if list(off) != box_lo and local.numel():
+                    fails.append(f"{what}: torch's global offset {list(off)}, the piece's {box_lo}")
+    return n_cases, strided
+
+
+def _is_piece(shape, idx):
+    """Whether flat global indices, in local order, are one block of one dimension and a flat range of it."""
+    import math
+    for d in range(len(shape)):
+        for lo in range(shape[d]):
+            for ln in range(1, shape[d] - lo + 1):
+                inner = math.prod(shape[d + 1:])
+                blk = [o * shape[d] * inner + (lo + r) * inner + i for o in range(math.prod(shape[:d]))
+                       for r in range(ln) for i in range(inner)]
+                for a in range(len(blk)):
+                    if blk[a:a + len(idx)] == idx:
+                        return True
+    return False
+
+
+class Two(torch.nn.Module):
+    """A small MLP whose middle layer has 3 output rows: FSDP2 over 4 ranks leaves rank 3 an empty shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 10)
+        self.b = torch.nn.Linear(10, 3)
+        self.c = torch.nn.Linear(3, 5)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def fsdp2_adamw(rank, world, out, variant, steps=6):
+    """FSDP2 (fully_shard over all ranks) + torch AdamW (variant: default, foreach, fused), recorded as it is."""
+    from torch.distributed.fsdp import fully_shard
+    from distopt.record import record
+    H.seeded()
+    model = Two()
+    for m in (model.a, model.b, model.c):
+        fully_shard(m)
+    fully_shard(model)
+    kw = {"foreach": True} if variant == "foreach" else {"fused": True} if variant == "fused" else {"foreach": False}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.05, **kw)
+    with record(opt, out, names=model, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, rank)
+            opt.zero_grad()
+            ((model(x) - y[:, :5]) ** 2).mean().backward()
+            opt.step()
+
+
+def _fsdp2_model():
+    from torch.distributed.fsdp import fully_shard
+    H.seeded()
+    model = Two()
+    for m in (model.a, model.b, model.c):
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _layout_of(model):
+    """The documented layout= of a DTensor model: dtensor_layout of each parameter (None: an empty shard)."""
+    from distopt import dtensor_layout
+    return {p: dtensor_layout(n, list(p.shape), tuple(p.device_mesh.mesh.shape), tuple(p.placements),
+                              p.device_mesh.get_coordinate()) for n, p in model.named_parameters()}
+
+
+def fsdp2_layout_arg(rank, world, out, steps=4):
+    """FSDP2 + AdamW recorded with layout= from dtensor_layout, as docs/verify.md shows (rank 3's entries of b.weight,
+    b.bias, c.weight and c.bias are None: empty shards, 3 and 5 rows over 4 ranks)."""
+    from distopt.record import record
+    model = _fsdp2_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+    lay = _layout_of(model)
+    with record(opt, out, layout=lay, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, rank)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    return sum(v is None for v in lay.values())
+
+
+def refusal_everywhere(rank, world, out):
+    """A layout= that lacks an entry on rank 3 only: every rank raises the same line (none waits)."""
+    from distopt.record import record
+    model = _fsdp2_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    lay = _layout_of(model)
+    if rank == 3:
+        del lay[model.a.weight]
+    try:
+        record(opt, out, layout=lay)
+    except ValueError as e:
+        return str(e)
+    return "no refusal"
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(12, 16)
+        self.down = torch.nn.Linear(16, 5)
+        self.norm = torch.nn.LayerNorm(5)
+
+    def forward(self, x):
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def tp_fsdp2_adamw(rank, world, out, steps=6):
+    """The 2-D recipe on a (dp 2, tp 2) mesh: ColwiseParallel / RowwiseParallel over tp, then fully_shard over
+    dp (the column-parallel weight becomes (_StridedShard(0, sf=2), Shard(0))); torch AdamW, recorded as it is.
+    The data of a dp rank is its own, the same over its tp pair."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from distopt.record import record
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    H.seeded()
+    model = Block()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.05, foreach=False)
+    placed = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
+    dp = mesh.get_coordinate()[0]
+    with record(opt, out, names=model, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, dp)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    return placed
+
+
+def worker(rank, world, work):
+    fails, info = [], {}
+    info["layout_cases"], info["strided_cases"] = layout_sweep(rank, world, fails)
+    for variant in ("default", "foreach", "fused"):
+        try:
+            fsdp2_adamw(rank, world, os.path.join(work, f"fsdp2_{variant}.rec"), variant)
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"fsdp2 {variant}: {type(e).__name__}: {e}")
+            break  # the ranks may now disagree on where they are: stop meeting
+    else:
+        try:
+            info["placements_2d"] = tp_fsdp2_adamw(rank, world, os.path.join(work, "tp_fsdp2.rec"))
+            info["empty_entries"] = fsdp2_layout_arg(rank, world, os.path.join(work, "fsdp2_layout.rec"))
+            info["refusal"] = refusal_everywhere(rank, world, os.path.join(work, "refused.rec"))
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
+    with open(os.path.join(work, f"result{rank}.json"), "w") as f:
+        json.dump({"fails": fails, **info}, f)
