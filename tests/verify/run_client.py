@@ -440,9 +440,10 @@ def case_dtensor_torch2():
     (uneven and empty shards, _StridedShard) and against compute_local_shape_and_global_offset; FSDP2 + AdamW
     (default, foreach, fused; a layer with 3 rows: an empty shard on rank 3) and the 2-D recipe (ColwiseParallel,
     RowwiseParallel, then fully_shard over dp) recorded with distopt.record unchanged: each verifies (exit 0)."""
+    import importlib
     try:
-        import torch.distributed.tensor  # noqa: F401
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        importlib.import_module("torch.distributed.tensor")
+        getattr(importlib.import_module("torch.distributed.fsdp"), "fully_shard")
     except Exception as e:  # noqa: BLE001
         print(f"skipped: torch {torch.__version__} at {sys.executable} has no DTensor/FSDP2 ({type(e).__name__}: {e});"
               f" cmake/torch2.sh installs torch 2 where the CUDA 13 runtime is (docs/python.md)")
