@@ -471,7 +471,9 @@ def case_dtensor_torch2():
     H.check(len(msgs) == 1 and "layout= has no entry" in next(iter(msgs)) and "(rank 3;" in next(iter(msgs)),
             f"a layout= refused on rank 3 only: every rank raises the same line ({msgs})")
     print(f"refused on every rank alike: {next(iter(msgs))}")
-    for tag in ("fsdp2_default", "fsdp2_foreach", "fsdp2_fused", "tp_fsdp2", "fsdp2_layout"):
+    H.check(results[0]["mixed"] == ["DTensor"] * 4 + ["Parameter"] * 2, f"DTensors and plain: {results[0]['mixed']}")
+    H.check("Partial" in results[0]["partial"], f"the gradient given was Partial: {results[0]['partial']}")
+    for tag in ("fsdp2_default", "fsdp2_foreach", "fsdp2_fused", "tp_fsdp2", "fsdp2_layout", "fsdp2_mixed", "partial"):
         out, rep = H.run_verify(os.path.join(d, f"{tag}.rec"), expect=0)
         ranks = {t["rank"] for t in rep["tensors"]}
         H.check(ranks == {0, 1, 2, 3}, f"{tag}: every rank's pieces compared ({sorted(ranks)})")

@@ -182,6 +182,49 @@ def refusal_everywhere(rank, world, out):
     return "no refusal"
 
 
+def fsdp2_mixed(rank, world, out, steps=4):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on a and b, c left a plain tensor
+    (DTensor and plain parameters in one optimizer, the same data on every rank so that c's replicas agree):
+    the optimizer holds fp32 shards and fp32 sharded gradients, recorded as they are."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from distopt.record import record
+    H.seeded()
+    model = Two()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    for m in (model.a, model.b):
+        fully_shard(m, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+    with record(opt, out, names=model, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, 0)
+            opt.zero_grad()
+            ((model(x).float() - y) ** 2).mean().backward()
+            for p in model.c.parameters():  # c is plain: its gradient averaged by hand, as DDP would
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+    return sorted(type(p).__name__ for p in model.parameters())
+
+
+def partial_grad(rank, world, out, steps=3):
+    """A replicated DTensor parameter given a Partial gradient (each rank's term of a sum, as during
+    accumulation): the recorder redistributes it to the parameter's placements (the sum, what the step's
+    DTensor ops use)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from distopt.record import record
+    mesh = init_device_mesh("cpu", (world,))
+    H.seeded()
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Replicate()]))
+    opt = torch.optim.AdamW([w], lr=1e-2, foreach=False)
+    with record(opt, out, names={"w": w}):
+        for t in range(1, steps + 1):
+            g = torch.Generator().manual_seed(1000 * t + rank)
+            w.grad = DTensor.from_local(torch.randn(4, 3, generator=g), mesh, [Partial()])
+            opt.step()
+    return str(w.grad.placements)
+
+
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -232,6 +275,8 @@ def worker(rank, world, work):
             info["placements_2d"] = tp_fsdp2_adamw(rank, world, os.path.join(work, "tp_fsdp2.rec"))
             info["empty_entries"] = fsdp2_layout_arg(rank, world, os.path.join(work, "fsdp2_layout.rec"))
             info["refusal"] = refusal_everywhere(rank, world, os.path.join(work, "refused.rec"))
+            info["mixed"] = fsdp2_mixed(rank, world, os.path.join(work, "fsdp2_mixed.rec"))
+            info["partial"] = partial_grad(rank, world, os.path.join(work, "partial.rec"))
         except Exception as e:  # noqa: BLE001
             fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
     with open(os.path.join(work, f"result{rank}.json"), "w") as f:
