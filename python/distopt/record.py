@@ -546,11 +546,11 @@ class Recorder:
         elif layout is not None or self.dt_params:
             self.agree = [(pc, pc.name) for pc in self.pieces
                           if pc.block is None and pc.at is None and pc.lo == 0 and pc.len == pc.extent]
-            if layout is None:  # plain parameters beside DTensors: whole on every rank, held as a piece or not
-                held = {id(pc.tensor) for pc, _ in self.agree}
-                self.agree += [(p, naming[id(p)]) for p in all_params if not _is_dtensor(p) and id(p) not in held]
         else:
-            self.agree = [(p, naming[id(p)]) for p in all_params]
+            self.agree = []
+        if layout is None:  # plain parameters: whole on every rank, held as a piece or not (ZeRO, DDP)
+            held = {id(pc.tensor) for pc, _ in self.agree}
+            self.agree += [(p, naming[id(p)]) for p in all_params if not _is_dtensor(p) and id(p) not in held]
 
         # every rank's layout and parameters, at every rank (the same error everywhere)
         mine = {"rank": self.rank, "params": params_info, "error": err, "agree": [n for _, n in self.agree],

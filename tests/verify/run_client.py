@@ -473,6 +473,27 @@ def case_dtensor_torch2():
     print(f"refused on every rank alike: {next(iter(msgs))}")
     H.check(results[0]["mixed"] == ["DTensor"] * 4 + ["Parameter"] * 2, f"DTensors and plain: {results[0]['mixed']}")
     H.check("Partial" in results[0]["partial"], f"the gradient given was Partial: {results[0]['partial']}")
+    # schema 5's digests (written once verify reads them): every piece digested; ranks holding the same piece
+    # (the tp pair of one dp rank: norm, down.bias) equal, different pieces (the strided up.weight) not
+    ag = [r["agree"] for r in results]
+    H.check(all(a["grad_agree"] for a in ag), "grad_agree on with piece digests")
+    same = diff = 0
+    for name in ag[0]["pieces"]:
+        for r1 in range(4):
+            for r2 in range(r1 + 1, 4):
+                a, b = ag[r1]["pieces"].get(name), ag[r2]["pieces"].get(name)
+                if a is None or b is None:
+                    continue
+                H.check(a[3] is not None and b[3] is not None, f"{name}: every piece digested ({a}, {b})")
+                if a[:3] == b[:3]:
+                    same += 1
+                    H.check(a[3] == b[3], f"{name}: ranks {r1} and {r2} hold the same piece, equal digests")
+                else:
+                    diff += 1
+                    H.check(a[3] != b[3], f"{name}: ranks {r1} and {r2} hold different pieces, different digests")
+    H.check(same >= 4 and diff >= 4, f"replica pairs {same}, distinct pairs {diff}")
+    print(f"schema 5 piece digests: {same} rank pairs holding the same piece agree, {diff} holding different ones "
+          f"differ")
     for tag in ("fsdp2_default", "fsdp2_foreach", "fsdp2_fused", "tp_fsdp2", "fsdp2_layout", "fsdp2_mixed", "partial"):
         out, rep = H.run_verify(os.path.join(d, f"{tag}.rec"), expect=0)
         ranks = {t["rank"] for t in rep["tensors"]}

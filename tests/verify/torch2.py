@@ -261,6 +261,34 @@ def tp_fsdp2_adamw(rank, world, out, steps=6):
     return placed
 
 
+def agree_pieces(rank, world, out):
+    """Schema 5's gradient digests (distopt.record's _AGREE_PIECES, on here only: the verifier of this tree reads
+    schema 4): the 2-D recipe recorded with a digest of every piece. Returns {param: [lo, len, block, digest
+    hex]} of this rank at step 1, for the parent to compare over ranks."""
+    import sys
+    from distopt._safetensors import read_torch
+    rec = sys.modules["distopt.record"]
+    saved = rec._AGREE_PIECES
+    rec._AGREE_PIECES = True
+    try:
+        tp_fsdp2_adamw(rank, world, out, steps=2)
+    finally:
+        rec._AGREE_PIECES = saved
+    torch.distributed.barrier()  # rank 0 writes the index after the last collective: read it after rank 0 did
+    with open(os.path.join(out, "index.json")) as f:
+        index = json.load(f)
+    files = [os.path.join(out, e["path"]) for e in index["ranks"][rank]["files"]]
+    tensors = {}
+    for fp in files:
+        tensors.update(read_torch(fp))
+    got = {}
+    for pc in index["ranks"][rank]["pieces"]:
+        d = tensors.get(f"grad_agree/1/{pc['param']}")
+        got[pc["param"]] = [pc.get("lo", 0), pc.get("len", -1), pc.get("block"),
+                            None if d is None else bytes(d.tolist()).hex()]
+    return {"grad_agree": index["record"]["grad_agree"], "pieces": got}
+
+
 def worker(rank, world, work):
     fails, info = [], {}
     info["layout_cases"], info["strided_cases"] = layout_sweep(rank, world, fails)
@@ -277,6 +305,7 @@ def worker(rank, world, work):
             info["refusal"] = refusal_everywhere(rank, world, os.path.join(work, "refused.rec"))
             info["mixed"] = fsdp2_mixed(rank, world, os.path.join(work, "fsdp2_mixed.rec"))
             info["partial"] = partial_grad(rank, world, os.path.join(work, "partial.rec"))
+            info["agree"] = agree_pieces(rank, world, os.path.join(work, "agree_v5.rec"))
         except Exception as e:  # noqa: BLE001
             fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
     with open(os.path.join(work, f"result{rank}.json"), "w") as f:
