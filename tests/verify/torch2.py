@@ -206,6 +206,29 @@ def fsdp2_mixed(rank, world, out, steps=4):
     return sorted(type(p).__name__ for p in model.parameters())
 
 
+def hsdp_adamw(rank, world, out, steps=4):
+    """HSDP: fully_shard over a (replicate 2, shard 2) mesh, placements (Replicate(), Shard(0)); each replica
+    group its own data. The replicas' pieces are identical: the lowest rank's gradient drives the replay, every
+    rank's values are compared."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from distopt.record import record
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    H.seeded()
+    model = Two()
+    for m in (model.a, model.b, model.c):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
+    with record(opt, out, names=model, flush_every=4):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, rank)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    return [str(pl) for pl in model.a.weight.placements]
+
+
 def partial_grad(rank, world, out, steps=3):
     """A replicated DTensor parameter given a Partial gradient (each rank's term of a sum, as during
     accumulation): the recorder redistributes it to the parameter's placements (the sum, what the step's
@@ -306,6 +329,7 @@ def worker(rank, world, work):
             info["mixed"] = fsdp2_mixed(rank, world, os.path.join(work, "fsdp2_mixed.rec"))
             info["partial"] = partial_grad(rank, world, os.path.join(work, "partial.rec"))
             info["agree"] = agree_pieces(rank, world, os.path.join(work, "agree_v5.rec"))
+            info["hsdp"] = hsdp_adamw(rank, world, os.path.join(work, "hsdp.rec"))
         except Exception as e:  # noqa: BLE001
             fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
     with open(os.path.join(work, f"result{rank}.json"), "w") as f:
