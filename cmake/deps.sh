@@ -23,7 +23,10 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
 done
-torch2() { [ $python -eq 0 ] || bash "$here/torch2.sh" >/dev/null; }
+torch2() {  # never fatal: without it the Python tests run on Debian's torch 1.13
+  [ $python -eq 0 ] || bash "$here/torch2.sh" >/dev/null ||
+    echo "deps: torch 2: cmake/torch2.sh failed (exit $?): the Python tests run on Debian's torch 1.13" >&2
+}
 [ ${#missing[@]} -eq 0 ] && { torch2; exit 0; }
 if [ "$(id -u)" -eq 0 ]; then
   echo "deps: installing ${missing[*]}" >&2

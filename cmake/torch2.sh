@@ -38,7 +38,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   exit 0
 fi
 
-root=${XDG_CACHE_HOME:-$HOME/.cache}/distopt
+home=${HOME:-$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f6)}  # CI's environment may lack HOME
+root=${XDG_CACHE_HOME:-${home:-/var/tmp}/.cache}/distopt
 key=$( (cat "$pins"; echo "python $ver") | sha256sum | cut -c1-16)
 venv=$root/torch2-$key
 probe='import torch, numpy, torch.distributed.tensor, torch.distributed.fsdp, came_pytorch, torch_optimizer, pytorch_ranger, transformers.optimization
@@ -69,11 +70,11 @@ trap 'rm -rf "$tmp"' EXIT
 "$py" -m venv "$tmp" >/dev/null
 pip=("$tmp/bin/python" -m pip --disable-pip-version-check --no-input)
 install() {
-  PIP_FIND_LINKS= "${pip[@]}" install -q --no-deps --no-compile --no-index --find-links "$root/wheels" \
+  PIP_FIND_LINKS='' "${pip[@]}" install -q --no-deps --no-compile --no-index --find-links "$root/wheels" \
     --require-hashes -r "$pins" >"$tmp/install.log" 2>&1
 }
 fetch() {
-  PIP_FIND_LINKS= timeout 900 "${pip[@]}" download -q --no-deps --require-hashes -r "$pins" -d "$root/wheels" \
+  PIP_FIND_LINKS='' timeout 900 "${pip[@]}" download -q --no-deps --require-hashes -r "$pins" -d "$root/wheels" \
     >"$tmp/download.log" 2>&1
 }
 if ! install; then
@@ -97,7 +98,7 @@ if ! (cd / && OMP_NUM_THREADS=1 "$tmp/bin/python" -W ignore -c "$probe") >"$tmp/
   exit 0
 fi
 echo "$key" >"$tmp/distopt-stamp"  # last: only a finished venv has it
-rm -rf "$venv" "$venv.old"
+rm -rf "$venv"
 mv -T "$tmp" "$venv"  # scripts in bin/ keep the temporary path in their #! line; the tests run python -m
 trap - EXIT
 # older keys' venvs (changed pins) are removed: one torch 2 venv per machine
