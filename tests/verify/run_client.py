@@ -501,6 +501,10 @@ def case_dtensor_torch2():
         ranks = {t["rank"] for t in rep["tensors"]}
         H.check(ranks == {0, 1, 2, 3}, f"{tag}: every rank's pieces compared ({sorted(ranks)})")
         summary(rep)
+    # planted: rank 3's gradients from step 2 not those of its replica (rank 1, the same shard): named at step 2
+    out, rep = H.run_verify(os.path.join(d, "hsdp_planted.rec"), expect=1)
+    v = rep["verdict"]
+    H.check(v["step"] == 2 and v["rank"] == 3, f"HSDP replica rank 3's unreduced gradient named at step 2: {v}")
 
 
 def case_fsdp():

@@ -206,7 +206,7 @@ def fsdp2_mixed(rank, world, out, steps=4):
     return sorted(type(p).__name__ for p in model.parameters())
 
 
-def hsdp_adamw(rank, world, out, steps=4):
+def hsdp_adamw(rank, world, out, steps=4, skip_reduce_rank=None):
     """HSDP: fully_shard over a (replicate 2, shard 2) mesh, placements (Replicate(), Shard(0)); each replica
     group its own data. The replicas' pieces are identical: the lowest rank's gradient drives the replay, every
     rank's values are compared."""
@@ -225,6 +225,9 @@ def hsdp_adamw(rank, world, out, steps=4):
             x, y = H.batch(t, rank)
             opt.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
+            if rank == skip_reduce_rank and t >= 2:  # as if its replicate all-reduce was skipped from step 2:
+                for p in model.parameters():         # the gradient of its own replica group only (x 2 after AVG)
+                    p.grad.to_local().mul_(2.0)
             opt.step()
     return [str(pl) for pl in model.a.weight.placements]
 
@@ -330,6 +333,7 @@ def worker(rank, world, work):
             info["partial"] = partial_grad(rank, world, os.path.join(work, "partial.rec"))
             info["agree"] = agree_pieces(rank, world, os.path.join(work, "agree_v5.rec"))
             info["hsdp"] = hsdp_adamw(rank, world, os.path.join(work, "hsdp.rec"))
+            hsdp_adamw(rank, world, os.path.join(work, "hsdp_planted.rec"), skip_reduce_rank=3)
         except Exception as e:  # noqa: BLE001
             fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
     with open(os.path.join(work, f"result{rank}.json"), "w") as f:
