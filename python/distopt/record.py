@@ -190,7 +190,7 @@ def _local_shape(t):
 
 
 def _placements_text(pls):
-    return "(" + ", ".join(str(pl) for pl in pls) + ")"
+    return "(" + ", ".join(repr(pl) for pl in pls) + ")"
 
 
 def _plain(x, p, what):

@@ -87,6 +87,29 @@ def layout_sweep(rank, world, fails):
     return n_cases, strided
 
 
+def states_placed_otherwise(rank, world, fails):
+    """The recorder's rule for a DTensor state placed otherwise than its parameter (record._plain): of the
+    parameter's shape, redistributed to the parameter's placements (a replicated state of a Shard(0) parameter:
+    the rank's rows); of another shape (a factored statistic), one ValueError line naming the placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from distopt.record import _plain
+    mesh = init_device_mesh("cpu", (world,))
+    H.seeded()
+    full, row = torch.randn(7, 6), torch.randn(7, 1)
+    p = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    st = distribute_tensor(full * 2, mesh, [Replicate()], src_data_rank=None)
+    got = _plain(st, p, "state exp_avg of w")
+    if not torch.equal(got, (full * 2).chunk(world)[rank] if rank < len(full.chunk(world)) else full[:0]):
+        fails.append(f"a replicated state of a Shard(0) parameter: rank {rank} got rows {list(got.shape)}")
+    try:
+        _plain(distribute_tensor(row, mesh, [Replicate()], src_data_rank=None), p, "state row_var of w")
+        fails.append("a factored DTensor state of another shape was not refused")
+    except ValueError as e:
+        if "\n" in str(e) or "(Replicate())" not in str(e) or "(Shard(dim=0))" not in str(e) or "[7, 1]" not in str(e):
+            fails.append(f"the factored state's refusal: {e}")
+
+
 def _is_piece(shape, idx):
     """Whether flat global indices, in local order, are one block of one dimension and a flat range of it."""
     import math
@@ -318,6 +341,7 @@ def agree_pieces(rank, world, out):
 def worker(rank, world, work):
     fails, info = [], {}
     info["layout_cases"], info["strided_cases"] = layout_sweep(rank, world, fails)
+    states_placed_otherwise(rank, world, fails)
     for variant in ("default", "foreach", "fused"):
         try:
             fsdp2_adamw(rank, world, os.path.join(work, f"fsdp2_{variant}.rec"), variant)
