@@ -495,8 +495,9 @@ def case_dtensor_torch2():
     print(f"schema 5 piece digests: {same} rank pairs holding the same piece agree, {diff} holding different ones "
           f"differ")
     H.check(results[0]["hsdp"] == ["R", "S(0)"], f"HSDP's placements: {results[0]['hsdp']}")
+    H.check("Partial" in results[0]["experts"][1], f"the router's gradient came Partial: {results[0]['experts']}")
     for tag in ("fsdp2_default", "fsdp2_foreach", "fsdp2_fused", "tp_fsdp2", "fsdp2_layout", "fsdp2_mixed", "partial",
-                "hsdp"):
+                "hsdp", "experts"):
         out, rep = H.run_verify(os.path.join(d, f"{tag}.rec"), expect=0)
         ranks = {t["rank"] for t in rep["tensors"]}
         H.check(ranks == {0, 1, 2, 3}, f"{tag}: every rank's pieces compared ({sorted(ranks)})")

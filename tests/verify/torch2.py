@@ -255,6 +255,36 @@ def hsdp_adamw(rank, world, out, steps=4, skip_reduce_rank=None):
     return [str(pl) for pl in model.a.weight.placements]
 
 
+def experts_ep(rank, world, out, steps=3):
+    """Experts over an ep mesh dimension: a stack of 4 experts [4, 12, 5] placed (Shard(0), Shard(1)) on a
+    (ep 2, dp 2) mesh (each ep rank its 2 experts, their input rows split over dp) and a replicated router, a
+    soft mixture computed by DTensor's own operations (they gather what they need; the gradients come back
+    placed otherwise: Replicate for the stack, Partial over dp for the router, which the recorder
+    redistributes to the parameters' placements). The same data on every rank. Returns the gradients'
+    placements at step 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from distopt.record import record
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+    H.seeded()
+    rep = [Replicate(), Replicate()]
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 12, 5) * 0.3, mesh, [Shard(0), Shard(1)]))
+    gate = torch.nn.Parameter(distribute_tensor(torch.randn(12, 4) * 0.3, mesh, rep))
+    opt = torch.optim.AdamW([w, gate], lr=3e-3, foreach=False)
+    seen = None
+    with record(opt, out, names={"experts.w": w, "router": gate}):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, 0)
+            x, y = distribute_tensor(x, mesh, rep), distribute_tensor(y, mesh, rep)
+            mix = torch.softmax(x @ gate, dim=-1)
+            o = (torch.einsum("bi,eio->beo", x, w) * mix.unsqueeze(-1)).sum(1)
+            opt.zero_grad()
+            ((o - y) ** 2).mean().backward()
+            seen = seen or [repr(w.grad.placements), repr(gate.grad.placements)]
+            opt.step()
+    return seen
+
+
 def partial_grad(rank, world, out, steps=3):
     """A replicated DTensor parameter given a Partial gradient (each rank's term of a sum, as during
     accumulation): the recorder redistributes it to the parameter's placements (the sum, what the step's
@@ -358,6 +388,9 @@ def worker(rank, world, work):
             info["agree"] = agree_pieces(rank, world, os.path.join(work, "agree_v5.rec"))
             info["hsdp"] = hsdp_adamw(rank, world, os.path.join(work, "hsdp.rec"))
             hsdp_adamw(rank, world, os.path.join(work, "hsdp_planted.rec"), skip_reduce_rank=3)
+            import logging  # DTensor's note on two sequential all_reduces over (ep, dp), once per rank
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+            info["experts"] = experts_ep(rank, world, os.path.join(work, "experts.rec"))
         except Exception as e:  # noqa: BLE001
             fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
     with open(os.path.join(work, f"result{rank}.json"), "w") as f:
