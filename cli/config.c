@@ -357,6 +357,15 @@ static void given(cmp_options *o, unsigned bit) {
   o->given_yaml |= bit;
 }
 
+/* A plugin's name (the library's table, dopt_dist_plugin_find) at `key`. */
+static dopt_status get_plugin(const cfg_ctx *c, yaml_node_t *v, const char *key, char *out, size_t cap) {
+  DOPT_TRY(get_str(c, v, key, out, cap));
+  if (dopt_dist_plugin_find(out)) return DOPT_OK;
+  char names[128];
+  cmp_plugin_names(names, sizeof names);
+  return cfg_fail(c, v, key, "unknown plugin '%s' (expected %s)", out, names);
+}
+
 static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   static const char *const keys[] = {"type", "tp", "dp", "zero", "pp", "layers_per_stage", "chunk_size", "ep",
                                      "expert_stacks", "ranks", "dp_sum",
@@ -364,12 +373,7 @@ static dopt_status load_plugin(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   DOPT_TRY(check_mapping(c, n, "plugin", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "type"))) {
-    DOPT_TRY(get_str(c, v, "plugin.type", o->plugin, sizeof o->plugin));
-    if (!dopt_dist_plugin_find(o->plugin)) {
-      char names[128];
-      cmp_plugin_names(names, sizeof names);
-      return cfg_fail(c, v, "plugin.type", "unknown plugin '%s' (expected %s)", o->plugin, names);
-    }
+    DOPT_TRY(get_plugin(c, v, "plugin.type", o->plugin, sizeof o->plugin));
     given(o, CMP_GIVEN_PLUGIN);
   }
   if ((v = lookup(c, n, "tp"))) {
@@ -493,12 +497,7 @@ static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options
     DOPT_TRY(check_mapping(c, v, "checkpoint.resume", rkeys));
     yaml_node_t *w;
     if ((w = lookup(c, v, "type"))) {
-      DOPT_TRY(get_str(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
-      if (!dopt_dist_plugin_find(o->resume_plugin)) {
-        char names[128];
-        cmp_plugin_names(names, sizeof names);
-        return cfg_fail(c, w, "checkpoint.resume.type", "unknown plugin '%s' (expected %s)", o->resume_plugin, names);
-      }
+      DOPT_TRY(get_plugin(c, w, "checkpoint.resume.type", o->resume_plugin, sizeof o->resume_plugin));
       given(o, CMP_GIVEN_RESUME_PLUGIN);
     }
     if ((w = lookup(c, v, "tp"))) {
