@@ -184,6 +184,34 @@ static int compare_step(vctx *c, long t) {
  * (grad_agree/<t>/<p>); those ranks hold copies of the same gradient (DDP replicas, ZeRO: the dp average), so
  * every digest must equal the lowest such rank's (a rank without one, a pipeline stage that does not hold p,
  * is not compared). The first difference, by step, parameter and rank, is a divergence. */
+/* Rank r's and rank q's grad_agree digests of parameter p are of the same elements: schema <= 4, always (each
+ * is of the whole gradient); schema 5, when both hold the same pieces of p in the same order, or neither holds
+ * a piece of p other than the whole tensor (their digests are of the whole gradient). */
+static int whole_piece(const vr_piece *pc) {
+  int64_t n = 1;
+  for (int k = 0; k < pc->ndim; k++) n *= pc->shape[k];
+  return pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == n;
+}
+static int same_form(const vr_index *ix, int p, int r, int q) {
+  if (ix->schema_version < 5) return 1;
+  const vr_rank *a = &ix->ranks[r], *b = &ix->ranks[q];
+  int i = 0, j = 0, na = 0, nb = 0;
+  for (int k = 0; k < a->npieces; k++) na += a->pieces[k].param == p && !whole_piece(&a->pieces[k]);
+  for (int k = 0; k < b->npieces; k++) nb += b->pieces[k].param == p && !whole_piece(&b->pieces[k]);
+  if (na != nb) return 0;
+  for (int m = 0; m < na; m++, i++, j++) { /* the m-th non-whole piece of p on each side */
+    while (a->pieces[i].param != p || whole_piece(&a->pieces[i])) i++;
+    while (b->pieces[j].param != p || whole_piece(&b->pieces[j])) j++;
+    const dopt_layout_piece *x = &a->pieces[i].lp, *y = &b->pieces[j].lp;
+    if (x->block_dim != y->block_dim || x->block_lo != y->block_lo || x->block_len != y->block_len || x->lo != y->lo ||
+        x->len != y->len)
+      return 0;
+  }
+  return 1;
+}
+
+/* Step t's gradient digests: each rank's against the lowest rank of its form (same_form); the first
+ * difference is the verdict's cause (vf_early_verdict). */
 static void check_agreement(vctx *c, long t) {
   const vr_index *ix = &c->rd.ix;
   if (!ix->grad_agree || c->agree_step) return;
@@ -191,18 +219,18 @@ static void check_agreement(vctx *c, long t) {
   char key[VR_MAX_NAME + 64];
   for (int p = 0; p < ix->nparams; p++) {
     snprintf(key, sizeof key, "grad_agree/%ld/%s", t, ix->params[p].name);
-    const unsigned char *base = NULL;
-    int b = -1;
     for (int r = 0; r < ix->world_size; r++) {
       const unsigned char *d = vr_reader_digest(&c->rd, r, t, key);
-      if (!d) continue; /* no whole gradient of p there (another pipeline stage's, or none this step) */
-      if (!base) {
-        base = d, b = r;
-        continue;
-      }
-      if (memcmp(d, base, 32) != 0) {
-        c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = b;
-        return;
+      if (!d) continue; /* no digest of p there (another pipeline stage's, or none this step) */
+      for (int b = 0; b < r; b++) { /* the lowest rank before r with a digest of the same elements */
+        const unsigned char *base = same_form(ix, p, r, b) ? vr_reader_digest(&c->rd, b, t, key) : NULL;
+        if (!base) continue;
+        c->agree_compared++;
+        if (memcmp(d, base, 32) != 0) {
+          c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = b;
+          return;
+        }
+        break;
       }
     }
   }

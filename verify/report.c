@@ -120,9 +120,13 @@ void vf_print_table(const vctx *c) {
     if (s->key[0]) ws = s->max_rel > ws ? s->max_rel : ws, ns++;
     else wp = s->max_rel > wp ? s->max_rel : wp, np++;
   }
-  if (c->rd.ix.grad_agree)
-    printf("gradients: every rank's digest of each parameter's gradient compared at %ld step%s%s\n", c->agree_checked,
-           c->agree_checked == 1 ? "" : "s", c->agree_step ? " (until the first difference)" : ", all equal");
+  if (c->rd.ix.grad_agree && c->agree_compared == 0) /* never "equal" for a comparison that did not happen */
+    printf("gradients: no digest compared at %ld step%s (no two ranks hold the same piece of any parameter)\n",
+           c->agree_checked, c->agree_checked == 1 ? "" : "s");
+  else if (c->rd.ix.grad_agree)
+    printf("gradients: %ld digest%s compared with another rank's at %ld step%s%s\n", c->agree_compared,
+           c->agree_compared == 1 ? "" : "s", c->agree_checked, c->agree_checked == 1 ? "" : "s",
+           c->agree_step ? " (until the first difference)" : ", all equal");
   early e;
   if (vf_early_verdict(c, &e)) {
     printf("verdict: %s\n", e.text);
@@ -234,7 +238,7 @@ static int json_body(FILE *f, const void *ctx) {
   }
   free(order);
   cJSON *v = cJSON_AddObjectToObject(root, "verdict");
-  cJSON_AddBoolToObject(root, "gradients_compared", c->rd.ix.grad_agree != 0);
+  cJSON_AddNumberToObject(root, "gradients_compared", (double)c->agree_compared); /* digests compared (schema 5) */
   early e;
   if (v && vf_early_verdict(c, &e)) {
     cJSON_AddStringToObject(v, "kind", e.kind);

@@ -51,7 +51,7 @@ typedef struct verify_tol {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 4              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict */
+#define VR_JSON_SCHEMA 5              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count */
 
 typedef struct vstat {
   int rank, param;
@@ -91,8 +91,9 @@ typedef struct vctx {
   int *proj_stat;         /* [nparams] the sin theta statistic of a GaLore parameter's projector (-1: none yet) */
   int *ev_stat;           /* [nparams] its events(galore.refreshes) statistic (-1: none yet) */
   /* record.grad_agree: the first step at which two ranks' gradients of a parameter differ (0: none), the
-   * parameter, the rank and the lowest rank it differs from; steps whose digests were compared */
-  long agree_step, agree_checked;
+   * parameter, the rank and the lowest rank it differs from; steps whose digests were looked at, and the
+   * digests compared with another rank's (schema 5: only ranks holding the same pieces compare) */
+  long agree_step, agree_checked, agree_compared;
   int agree_param, agree_rank, agree_base;
   float *scratch;         /* the largest parameter's elements: a reference tensor of --reference, a state */
   float *gath;            /* as many: a block piece's reference elements, gathered to compare */

@@ -16,7 +16,7 @@
 #include "distopt/layout.h"
 #include "distopt/safetensors.h"
 
-#define VR_SCHEMA_VERSION 4     /* the newest this distopt writes and reads */
+#define VR_SCHEMA_VERSION 5     /* the newest this distopt writes and reads */
 #define VR_SCHEMA_OLDEST 1      /* schema 1 (no window, F32 gradients, no projectors) still reads */
 #define VR_KIND "distopt-record"
 
@@ -120,7 +120,9 @@ typedef struct vr_index {
   int grads;              /* record.grads: VR_GRADS_F32 or VR_GRADS_BF16 */
   int projectors;         /* record.projectors: GaLore projectors as proj/<t>/<p>/<key> at refresh steps */
   int grad_agree;         /* record.grad_agree (schema 3): every rank's whole gradient of every parameter it has one
-                             of, as grad_agree/<t>/<p> (SHA-256, 32 U8), whether or not it holds a piece */
+                             of, as grad_agree/<t>/<p> (SHA-256, 32 U8), whether or not it holds a piece; schema
+                             5: the digest of the rank's pieces of p in its pieces' order (of the whole gradient
+                             where it holds no piece of p), compared among the ranks holding the same pieces */
   int stages;             /* schema 4: pipeline stages (0: not pipelined); every piece then names its stage */
   int experts;            /* schema 4: experts (0: none); a piece's expert id is below it */
   long nchanges;

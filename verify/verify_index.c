@@ -540,7 +540,7 @@ static int parse_disagreement(vctx *c, const cJSON *dj, vr_index *ix) {
 static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   /* schema 1's keys; schema 2 adds start_step, record.grads and record.projectors, and lets optimizer.name be null;
    * schema 3 adds record.grad_agree (and pieces their block); schema 4 stages and experts (and pieces their stage
-   * and expert) */
+   * and expert); schema 5 has schema 4's keys, its grad_agree digests being of each rank's pieces */
   static const char *const keys1[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
                                       "world_size", "record", "ranks", "steps", "complete", "hparam_changes", NULL};
   static const char *const keys2[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",

@@ -46,12 +46,12 @@ from ._safetensors import write as _write_safetensors
 from ._safetensors import write_bytes as _write_bytes
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
-SCHEMA_VERSION = 4  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/, blocks;
+SCHEMA_VERSION = 5  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/, blocks;
 #                    4: stages, experts (docs/verify.md)
-# schema 5 (written once `distopt verify` reads it): grad_agree/<t>/<p> is the digest of the rank's pieces of p
-# (in its pieces' order), for every piece form, compared among the ranks whose pieces of p are the same; a
-# rank without a piece of p records its whole gradient's (ZeRO). Schema 4's verifier compares every rank's
-# digest of p with the lowest rank's, so a 4 recording holds only whole gradients' digests.
+# schema 5: grad_agree/<t>/<p> is the digest of the rank's pieces of p (in its pieces' order), for every piece
+# form, compared among the ranks whose pieces of p are the same; a rank without a piece of p records its whole
+# gradient's (ZeRO). Schema 4's verifier compared every rank's digest of p with the lowest rank's, so a 4
+# recording holds only whole gradients' digests (and still reads).
 _AGREE_PIECES = SCHEMA_VERSION >= 5
 KIND = "distopt-record"
 

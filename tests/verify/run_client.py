@@ -600,7 +600,7 @@ def case_replay():
     H.launch(H.normalized_worker, 2, bad, 12, 5)
     with open(os.path.join(good, "index.json")) as f:
         index = json.load(f)
-    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 4, "an unknown class is recorded as is")
+    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 5, "an unknown class is recorded as is")
     res = verify(good)
     H.check(res.returncode == 2 and "optimizer.name is null" in res.stderr, f"verify without a reference: {res!r}")
     for stepwise in (False, True):

@@ -209,7 +209,7 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t4"));
+  assert_non_null(strstr(js, "\"schema_version\":\t5"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
   char ipath[500];
@@ -250,6 +250,30 @@ static char *as_blocks(const char *rank1_block) {
   free(a);
   free(b);
   return c;
+}
+
+/* Schema 5's gradient agreement says how many digests it compared, and plainly that it compared none where no
+ * two ranks hold a digest of the same pieces (here: record.grad_agree on, no digest recorded): never "equal". */
+static void test_agreement_compared_none(void **st) {
+  (void)st;
+  char root[400], out[16384], js[65536];
+  snprintf(root, sizeof root, "%s/agree_none", dir);
+  make_trace(root, 0);
+  char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 5");
+  char *b = replaced(a, "\"flush_every\": 4}", "\"flush_every\": 4, \"grads\": \"F32\", \"projectors\": false, "
+                        "\"grad_agree\": true}");
+  free(a);
+  write_index(root, b);
+  free(b);
+  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
+  const int rc = run(args);
+  slurp(outfile, out, sizeof out);
+  printf("%s", out);
+  assert_int_equal(rc, 0);
+  assert_non_null(strstr(out, "gradients: no digest compared at 6 steps (no two ranks hold the same piece"));
+  assert_null(strstr(out, "all equal"));
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, "\"gradients_compared\":\t0"));
 }
 
 static void test_block_layout(void **st) {
@@ -533,8 +557,8 @@ static void test_bad_input(void **st) {
   expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
   write_index(root, "{\"schema_version\": 1,");
   expect_bad(root, "index.json: not valid JSON", NULL);
-  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 5",
-            "index.json: schema_version: 5 is not supported (this distopt reads 1 to 4)");
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 6",
+            "index.json: schema_version: 6 is not supported (this distopt reads 1 to 5)");
   bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
   bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
   bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
@@ -820,7 +844,8 @@ int main(int argc, char **argv) {
   }
   bin = argv[1];
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_faithful_recording_verifies), cmocka_unit_test(test_block_layout),
+      cmocka_unit_test(test_faithful_recording_verifies), cmocka_unit_test(test_agreement_compared_none),
+      cmocka_unit_test(test_block_layout),
       cmocka_unit_test(test_stage_expert_layout), cmocka_unit_test(test_piece_runs),
       cmocka_unit_test(test_perturbed_state_diverges),
       cmocka_unit_test(test_missing_param_refused),

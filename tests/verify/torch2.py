@@ -341,18 +341,10 @@ def tp_fsdp2_adamw(rank, world, out, steps=6):
 
 
 def agree_pieces(rank, world, out):
-    """Schema 5's gradient digests (distopt.record's _AGREE_PIECES, on here only: the verifier of this tree reads
-    schema 4): the 2-D recipe recorded with a digest of every piece. Returns {param: [lo, len, block, digest
-    hex]} of this rank at step 1, for the parent to compare over ranks."""
-    import sys
+    """Schema 5's gradient digests: the 2-D recipe recorded with a digest of every piece. Returns {param: [lo,
+    len, block, digest hex]} of this rank at step 1, for the parent to compare over ranks."""
     from distopt._safetensors import read_torch
-    rec = sys.modules["distopt.record"]
-    saved = rec._AGREE_PIECES
-    rec._AGREE_PIECES = True
-    try:
-        tp_fsdp2_adamw(rank, world, out, steps=2)
-    finally:
-        rec._AGREE_PIECES = saved
+    tp_fsdp2_adamw(rank, world, out, steps=2)
     torch.distributed.barrier()  # rank 0 writes the index after the last collective: read it after rank 0 did
     with open(os.path.join(out, "index.json")) as f:
         index = json.load(f)
