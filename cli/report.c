@@ -207,20 +207,14 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (o->ep > 1) fprintf(f, " ep %d (moe_dp %d)", o->ep, o->dp / o->ep);
   fprintf(f, " | %d step%s", r->steps, plural(r->steps));
   if (r->micro > 1) fprintf(f, " \xC3\x97 %d micro-batches", r->micro);
-  if (o->checkpoint_at > 0) /* the resume layout, as cmp_run completes it */
-  {
-    const int rpp = o->resume_pp > 0 ? o->resume_pp : o->pp;
-    fprintf(f, " | resumed after step %d in %s ", o->checkpoint_at, o->resume_plugin[0] ? o->resume_plugin : o->plugin);
-    if (rpp > 1) fprintf(f, "pp%d\xC3\x97", rpp);
-    fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d", o->resume_tp > 0 ? o->resume_tp : o->tp,
-            o->resume_dp > 0 ? o->resume_dp : o->dp, o->resume_zero >= 0 ? o->resume_zero : o->zero);
-    if (strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin, "gemini") == 0) {
-      const size_t rc = o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
-      fprintf(f, " chunk %zu", rc ? rc : CMP_GEMINI_CHUNK_DEFAULT);
-    }
-    const int rep = o->resume_ep > 0 ? o->resume_ep
-                    : strcmp(o->resume_plugin[0] ? o->resume_plugin : o->plugin, "moe_hybrid") == 0 ? o->ep : 1;
-    if (rep > 1) fprintf(f, " ep %d", rep);
+  if (o->checkpoint_at > 0) { /* the resume layout, as cmp_run completes it */
+    cmp_options ob;
+    cmp_resume_options(o, &ob);
+    fprintf(f, " | resumed after step %d in %s ", o->checkpoint_at, ob.plugin);
+    if (ob.pp > 1) fprintf(f, "pp%d\xC3\x97", ob.pp);
+    fprintf(f, "tp%d\xC3\x97" "dp%d\xC3\x97zero%d", ob.tp, ob.dp, ob.zero);
+    if (strcmp(ob.plugin, "gemini") == 0) fprintf(f, " chunk %zu", ob.chunk_size ? ob.chunk_size : CMP_GEMINI_CHUNK_DEFAULT);
+    if (ob.ep > 1) fprintf(f, " ep %d", ob.ep);
   }
   print_gradients(f, o);
   if (o->max_grad_norm > 0.0) fprintf(f, " | max_grad_norm %g", o->max_grad_norm);

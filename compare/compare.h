@@ -145,6 +145,10 @@ enum {
  * values and what the plugin implies; an unknown plugin DOPT_ERR_NOT_FOUND.
  * o is unchanged on error. */
 dopt_status cmp_apply_plugin(cmp_options *o);
+/* The layout a --checkpoint-at run resumes in (*ob: o with the resume values completed): each --resume-* value
+ * where given, else the first layout's where the resume plugin has it; a plugin without stages (all but hybrid)
+ * resumes with pp 1 and one without experts (all but moe_hybrid) with ep 1; Gemini's chunk its own. */
+void cmp_resume_options(const cmp_options *o, cmp_options *ob);
 
 /* The plugin that expresses tp x zero directly: zero 3 fsdp; tp 1: ddp
  * (zero 0) or zero (zero 1, 2); otherwise hybrid. */

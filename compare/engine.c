@@ -261,22 +261,6 @@ static dopt_status checkpoint_dir(const cmp_options *o, char *dir, size_t cap) {
   return DOPT_OK;
 }
 
-/* The layout the steps after --checkpoint-at run in: each resume value given, else the first layout's (another
- * stage count: the default layer split; a Gemini resume: its chunk, else the first layout's). */
-static void resume_options(const cmp_options *o, cmp_options *ob) {
-  *ob = *o;
-  snprintf(ob->plugin, sizeof ob->plugin, "%s", o->resume_plugin[0] ? o->resume_plugin : o->plugin);
-  ob->tp = o->resume_tp > 0 ? o->resume_tp : o->tp;
-  ob->dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
-  ob->zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
-  ob->pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
-  ob->ep = o->resume_ep > 0 ? o->resume_ep : strcmp(ob->plugin, "moe_hybrid") == 0 ? o->ep : 1;
-  ob->resume_ep = 0;
-  ob->chunk_size = strcmp(ob->plugin, "gemini") != 0 ? 0 : o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
-  ob->resume_chunk_size = 0;
-  if (ob->pp != o->pp) ob->nlps = 0;
-  ob->ranks = 0;
-}
 
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
@@ -291,7 +275,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
                       o->expert_stacks);
   if (st == DOPT_OK) st = plan_tensors(o, &s, r); /* also validates hyperparameters and groups */
   cmp_options ob; /* the resume layout (--checkpoint-at) */
-  resume_options(o, &ob);
+  cmp_resume_options(o, &ob);
   if (st == DOPT_OK) st = ce_check_stacks(o, &s, "");
   if (st == DOPT_OK && o->checkpoint_at > 0) st = ce_check_stacks(&ob, &s, "resume: ");
   /* every parameter's stage in both layouts, before any rank starts (a refusal is one line, no rank prefix) */

@@ -253,16 +253,15 @@ dopt_status ce_check_options(const cmp_options *o) {
                    "checkpoint_at=%d must be in [1, steps=%d)", o->checkpoint_at, o->steps);
     DOPT_CHECK_ARG(strcmp(o->backend, "sim") == 0, "checkpoint_at: backend '%s' (only sim resumes in another layout)",
                    o->backend);
-    const int tp = o->resume_tp > 0 ? o->resume_tp : o->tp, dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
-    const int pp = o->resume_pp > 0 ? o->resume_pp : o->pp;
-    const char *rpl = o->resume_plugin[0] ? o->resume_plugin : o->plugin;
-    DOPT_CHECK_ARG(tp * dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", tp, dp);
-    DOPT_TRY(check_pp(rpl, pp, tp, dp, "resume: "));
-    DOPT_TRY(check_ep(rpl, o->resume_ep > 0 ? o->resume_ep : strcmp(rpl, "moe_hybrid") == 0 ? o->ep : 1, dp,
-                      "resume: "));
+    cmp_options ob; /* the resume layout, as cmp_run completes it */
+    cmp_resume_options(o, &ob);
+    const char *rpl = ob.plugin;
+    DOPT_CHECK_ARG(ob.tp * ob.dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", ob.tp, ob.dp);
+    DOPT_TRY(check_pp(rpl, ob.pp, ob.tp, ob.dp, "resume: "));
+    DOPT_TRY(check_ep(rpl, ob.ep, ob.dp, "resume: "));
     DOPT_CHECK_ARG(o->resume_chunk_size == 0 || strcmp(rpl, "gemini") == 0,
                    "resume: chunk_size=%zu needs the resume plugin gemini, not '%s'", o->resume_chunk_size, rpl);
-    DOPT_TRY(dopt_dist_check_layout(rpl, tp, dp, o->resume_zero >= 0 ? o->resume_zero : o->zero));
+    DOPT_TRY(dopt_dist_check_layout(rpl, ob.tp, ob.dp, ob.zero));
   }
   if (strcmp(o->backend, "sim") != 0 && strcmp(o->backend, "nccl") != 0 && strcmp(o->backend, "mpi") != 0)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "backend '%s' (sim, nccl or mpi)", o->backend);
@@ -286,4 +285,20 @@ dopt_status ce_check_options(const cmp_options *o) {
   }
   (void)im; /* every optimizer is distributed: piecewise, or whole on an owner rank */
   return DOPT_OK;
+}
+
+/* (compare.h) Another stage count: the default layer split; a Gemini resume: its chunk, else the first layout's. */
+void cmp_resume_options(const cmp_options *o, cmp_options *ob) {
+  *ob = *o;
+  snprintf(ob->plugin, sizeof ob->plugin, "%s", o->resume_plugin[0] ? o->resume_plugin : o->plugin);
+  ob->tp = o->resume_tp > 0 ? o->resume_tp : o->tp;
+  ob->dp = o->resume_dp > 0 ? o->resume_dp : o->dp;
+  ob->zero = o->resume_zero >= 0 ? o->resume_zero : o->zero;
+  ob->pp = o->resume_pp > 0 ? o->resume_pp : strcmp(ob->plugin, "hybrid") == 0 ? o->pp : 1; /* no stages: pp 1 */
+  ob->ep = o->resume_ep > 0 ? o->resume_ep : strcmp(ob->plugin, "moe_hybrid") == 0 ? o->ep : 1;
+  ob->resume_ep = 0;
+  ob->chunk_size = strcmp(ob->plugin, "gemini") != 0 ? 0 : o->resume_chunk_size ? o->resume_chunk_size : o->chunk_size;
+  ob->resume_chunk_size = 0;
+  if (ob->pp != o->pp) ob->nlps = 0;
+  ob->ranks = 0;
 }

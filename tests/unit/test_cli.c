@@ -1112,6 +1112,10 @@ static void test_compare_plugin_implies(void **st) {
                 "resumed after step 2 in fsdp tp2\xC3\x97" "dp2\xC3\x97zero3 |");
   expect_layout(C("--steps", "4", "--resume-plugin", "zero", "--checkpoint-at", "2", "--resume-dp", "1"), "| hybrid",
                 "resumed after step 2 in zero tp1\xC3\x97" "dp1\xC3\x97zero2 |"); /* the first's zero 2: allowed */
+  /* a plugin without stages resumes with pp 1 (as one without experts with ep 1), not 'pp=3 needs plugin hybrid' */
+  expect_layout(C("--steps", "4", "--plugin", "hybrid", "--pp", "3", "--tp", "1", "--zero", "1", "--checkpoint-at", "2",
+                  "--resume-plugin", "gemini"),
+                "| hybrid pp3", "resumed after step 2 in gemini tp1\xC3\x97" "dp2\xC3\x97zero3");
   expect_usage_error(C("--steps", "4", "--checkpoint-at", "2", "--resume-zero", "1", "--resume-plugin", "fsdp", "--json",
                        json),
                      "--resume-plugin fsdp contradicts --resume-zero 1: plugin fsdp implies zero 3", json);
