@@ -122,6 +122,8 @@ static void cleanup(vctx *c) {
   }
   free(c->data);
   free(c->grad);
+  free(c->agree_rep); /* agree_first lies in it */
+  free((void *)c->agree_dig);
   free(c->gptr);
   for (int r = 0; c->rt && r < c->rd.ix.world_size; r++) free(c->rt[r].keys);
   free(c->rt);

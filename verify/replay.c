@@ -210,30 +210,55 @@ static int same_form(const vr_index *ix, int p, int r, int q) {
   return 1;
 }
 
-/* Step t's gradient digests: each rank's against the lowest rank of its form (same_form); the first
- * difference is the verdict's cause (vf_early_verdict). */
-static void check_agreement(vctx *c, long t) {
+/* Each rank's form class of each parameter, once for the run (the layout does not change between steps):
+ * c->agree_rep[p · world + r] is the lowest rank whose pieces of p are rank r's (same_form). */
+static int agreement_forms(vctx *c) {
   const vr_index *ix = &c->rd.ix;
-  if (!ix->grad_agree || c->agree_step) return;
+  const size_t W = (size_t)ix->world_size, n = (size_t)(ix->nparams > 0 ? ix->nparams : 1) * W;
+  c->agree_rep = malloc((n + W) * sizeof *c->agree_rep);
+  c->agree_dig = malloc(W * sizeof *c->agree_dig);
+  if (!c->agree_rep || !c->agree_dig)
+    return vf_lib_error(NULL, dopt__fail(DOPT_ERR_NO_MEMORY, "%s: gradient agreement of %d parameters x %zu ranks",
+                                         c->rd.index_path, ix->nparams, W));
+  c->agree_first = c->agree_rep + n;
+  for (int p = 0; p < ix->nparams; p++)
+    for (int r = 0; r < ix->world_size; r++) {
+      int b = 0;
+      while (b < r && !same_form(ix, p, r, b)) b++;
+      c->agree_rep[(size_t)p * W + (size_t)r] = b;
+    }
+  return CLI_OK;
+}
+
+/* Step t's gradient digests: each rank's against the lowest rank of its form class that recorded one; the
+ * first difference is the verdict's cause (vf_early_verdict). */
+static int check_agreement(vctx *c, long t) {
+  const vr_index *ix = &c->rd.ix;
+  if (!ix->grad_agree || c->agree_step) return CLI_OK;
+  if (!c->agree_rep && agreement_forms(c) != CLI_OK) return CLI_USAGE;
   c->agree_checked++;
   char key[VR_MAX_NAME + 64];
+  const size_t W = (size_t)ix->world_size;
   for (int p = 0; p < ix->nparams; p++) {
     snprintf(key, sizeof key, "grad_agree/%ld/%s", t, ix->params[p].name);
+    const int *rep = c->agree_rep + (size_t)p * W;
+    for (size_t k = 0; k < W; k++) c->agree_dig[k] = NULL; /* by class: the first digest of the step, its rank */
     for (int r = 0; r < ix->world_size; r++) {
       const unsigned char *d = vr_reader_digest(&c->rd, r, t, key);
       if (!d) continue; /* no digest of p there (another pipeline stage's, or none this step) */
-      for (int b = 0; b < r; b++) { /* the lowest rank before r with a digest of the same elements */
-        const unsigned char *base = same_form(ix, p, r, b) ? vr_reader_digest(&c->rd, b, t, key) : NULL;
-        if (!base) continue;
-        c->agree_compared++;
-        if (memcmp(d, base, 32) != 0) {
-          c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = b;
-          return;
-        }
-        break;
+      const int k = rep[r];
+      if (!c->agree_dig[k]) {
+        c->agree_dig[k] = d, c->agree_first[k] = r;
+        continue;
+      }
+      c->agree_compared++;
+      if (memcmp(d, c->agree_dig[k], 32) != 0) {
+        c->agree_step = t, c->agree_param = p, c->agree_rank = r, c->agree_base = c->agree_first[k];
+        return CLI_OK;
       }
     }
   }
+  return CLI_OK;
 }
 
 
@@ -278,7 +303,7 @@ int vf_replay(vctx *c) {
     }
     for (int r = 0; r < ix->world_size; r++)
       if ((rc = vf_file_for_step(c, r, t))) return rc;
-    check_agreement(c, t);
+    if ((rc = check_agreement(c, t))) return rc;
     for (; !c->ref_path && ch < ix->nchanges && ix->changes[ch].step == t; ch++) {
       const vr_change *h = &ix->changes[ch];
       dopt_status s = dopt_optim_set_hparam(c->opt, h->group, h->key, h->value);

@@ -95,6 +95,8 @@ typedef struct vctx {
    * digests compared with another rank's (schema 5: only ranks holding the same pieces compare) */
   long agree_step, agree_checked, agree_compared;
   int agree_param, agree_rank, agree_base;
+  int *agree_rep, *agree_first;     /* [nparams · world] each rank's form class (its lowest rank); [world] scratch */
+  const unsigned char **agree_dig;  /* [world] scratch: each class's first digest of a step */
   float *scratch;         /* the largest parameter's elements: a reference tensor of --reference, a state */
   float *gath;            /* as many: a block piece's reference elements, gathered to compare */
   unsigned char *mask;    /* as many flags: which elements the ranks' pieces covered */
