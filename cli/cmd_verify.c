@@ -1,7 +1,8 @@
 /* distopt verify: replay a recorded PyTorch run (distopt.record, docs/verify.md)
  * through the reference optimizer and compare.
  *
- *   distopt verify TRACE [--stepwise] [--reference REF] [--rtol X] [--json FILE] [--plot FILE.svg] [--quiet]
+ *   distopt verify TRACE [--stepwise] [--reference REF] [--continues PREV] [--rtol X] [--json FILE]
+ *                  [--plot FILE.svg] [--quiet]
  *
  * TRACE is the recording's directory (or its index.json). The reference
  * optimizer is created with the recorded name, hyperparameters and groups;
@@ -22,7 +23,9 @@
  * writes it from the user's own single-device torch optimizer); the same
  * comparison and report. A window (start_step > 0) starts the reference from
  * the recorded states at its start; GaLore recordings with projectors have
- * each recorded projector checked against ours (sin theta) and adopted.
+ * each recorded projector checked against ours (sin theta) and adopted. --continues PREV: the window's start
+ * must be, bit for bit, what PREV (the recording of the run up to it, any world size and layout) recorded
+ * after that step (a resume that carried a state over wrongly is named at the window's start).
  *
  * The verifier is verify/ (verifier.h: setup, projectors, replay and verdict, reports); the recording is
  * read through verify/verify_reader.c (verify.h; shared with `distopt compare --trace` on a recording): one
@@ -47,8 +50,8 @@
 
 
 static void usage(FILE *f) {
-  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--rtol X] [--json FILE] [--plot FILE.svg] "
-        "[--quiet]\n"
+  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--continues PREV] [--rtol X] [--json FILE] "
+        "[--plot FILE.svg] [--quiet]\n"
         "  Replays a run recorded by distopt.record (TRACE: its directory, or its index.json; docs/verify.md)\n"
         "  through the reference optimizer: the recorded initial parameters and gradients, step by step, and\n"
         "  compares every recorded parameter and state (per rank for sharded recordings) with the reference:\n"
@@ -58,7 +61,9 @@ static void usage(FILE *f) {
         "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
         "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 4); --plot FILE.svg: error vs step per tensor.\n"
+        "  --continues PREV: TRACE is a window (a resumed run) of the run PREV recorded up to its start: every value\n"
+        "  it starts from must be PREV's after that step, bit for bit, whatever each side's layout.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 6); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -84,6 +89,7 @@ static int parse_args(vctx *c, int argc, char **argv) {
       if (strcmp(a, "--json") == 0) c->json_path = v;
       else if (strcmp(a, "--plot") == 0) c->svg_path = v;
       else if (strcmp(a, "--reference") == 0) c->ref_path = v;
+      else if (strcmp(a, "--continues") == 0) c->cont_path = v;
       else if (strcmp(a, "--rtol") == 0) {
         char *end;
         errno = 0;
@@ -100,6 +106,7 @@ static int parse_args(vctx *c, int argc, char **argv) {
   if (c->json_path && !c->json_path[0]) return cli_errorf(CMD, "--json: empty path");
   if (c->svg_path && !c->svg_path[0]) return cli_errorf(CMD, "--plot: empty path");
   if (c->ref_path && !c->ref_path[0]) return cli_errorf(CMD, "--reference: empty path");
+  if (c->cont_path && !c->cont_path[0]) return cli_errorf(CMD, "--continues: empty path");
   /* the one rule for outputs; neither may be, or lie inside, the recording (its folder) */
   char rec[4096];
   struct stat st;
@@ -108,9 +115,13 @@ static int parse_args(vctx *c, int argc, char **argv) {
   char refdir[4096];
   if (c->ref_path && stat(c->ref_path, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->ref_path, refdir);
   else snprintf(refdir, sizeof refdir, "%s", c->ref_path ? c->ref_path : "");
+  char contdir[4096];
+  if (c->cont_path && stat(c->cont_path, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->cont_path, contdir);
+  else snprintf(contdir, sizeof contdir, "%s", c->cont_path ? c->cont_path : "");
   const cli_path outs[] = {{"--json", c->json_path, 0}, {"--plot", c->svg_path, 0}};
-  const cli_path ins[] = {{"TRACE", rec, 1}, {"--reference", c->ref_path ? refdir : NULL, 1}};
-  return cli_check_paths(CMD, outs, 2, ins, 2);
+  const cli_path ins[] = {{"TRACE", rec, 1}, {"--reference", c->ref_path ? refdir : NULL, 1},
+                          {"--continues", c->cont_path ? contdir : NULL, 1}};
+  return cli_check_paths(CMD, outs, 2, ins, 3);
 }
 
 /* ---- entry --------------------------------------------------------------------------- */
@@ -140,6 +151,7 @@ static void cleanup(vctx *c) {
   dopt_optim_destroy(c->opt);
   vr_reader_close(&c->rd);
   if (c->ref_path) vr_reader_close(&c->ref);
+  if (c->cont_path) vr_reader_close(&c->cont);
 }
 
 int cmd_verify(int argc, char **argv) {
@@ -148,6 +160,7 @@ int cmd_verify(int argc, char **argv) {
   int rc = parse_args(&c, argc, argv);
   if (rc == CLI_OK) rc = vf_load_index(&c);
   if (rc == CLI_OK) rc = vf_setup(&c);
+  if (rc == CLI_OK && c.cont_path) rc = vf_check_continues(&c);
   if (rc == CLI_OK) rc = vf_replay(&c);
   if (rc == CLI_OK && !c.quiet) vf_print_table(&c);
   if (rc == CLI_OK && c.json_path) rc = vf_write_json(&c, c.json_path);
@@ -165,7 +178,7 @@ int cmd_verify(int argc, char **argv) {
       printf("verdict: WITHIN TOLERANCE\n");
     }
   }
-  if (rc == CLI_OK && (c.verdict_step || c.agree_step || c.rd.ix.disagree.step)) rc = CLI_FAIL;
+  if (rc == CLI_OK && (c.verdict_step || c.agree_step || c.rd.ix.disagree.step || c.cont_step)) rc = CLI_FAIL;
   fflush(stdout);
   cleanup(&c);
   return rc;

@@ -270,7 +270,11 @@ static void hp_value_text(double v, char *buf, size_t cap) {
 int vf_early_verdict(const vctx *c, early *e) {
   const long hs = c->rd.ix.disagree.step, as = c->agree_step, vs = c->verdict_step;
   memset(e, 0, sizeof *e);
-  if (hs && (!vs || hs <= vs) && (!as || hs <= as)) {
+  if (c->cont_step) { /* the window's start: before any step it replays */
+    e->kind = "resume", e->step = c->cont_step, e->rank = c->cont_rank, e->tensor = c->cont_tensor;
+    snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (the window's start, tensor %s, rank %d: %s)", e->step,
+             e->tensor, e->rank, c->cont_why);
+  } else if (hs && (!vs || hs <= vs) && (!as || hs <= as)) {
     char a[40], b[40];
     hp_value_text(c->rd.ix.disagree.value, a, sizeof a);
     hp_value_text(c->rd.ix.disagree.rank0, b, sizeof b);

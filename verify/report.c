@@ -127,6 +127,10 @@ void vf_print_table(const vctx *c) {
     printf("gradients: %ld digest%s compared with another rank's at %ld step%s%s\n", c->agree_compared,
            c->agree_compared == 1 ? "" : "s", c->agree_checked, c->agree_checked == 1 ? "" : "s",
            c->agree_step ? " (until the first difference)" : ", all equal");
+  if (c->cont_path)
+    printf("continues %s: %lld values the window starts from compared with the values it recorded after step %ld, %s\n",
+           c->cont.index_path, (long long)c->cont_compared, ix->start_step,
+           c->cont_step ? "not all equal" : "all equal, bit for bit");
   early e;
   if (vf_early_verdict(c, &e)) {
     printf("verdict: %s\n", e.text);
@@ -239,6 +243,17 @@ static int json_body(FILE *f, const void *ctx) {
   free(order);
   cJSON *v = cJSON_AddObjectToObject(root, "verdict");
   cJSON_AddNumberToObject(root, "gradients_compared", (double)c->agree_compared); /* digests compared (schema 5) */
+  if (c->cont_path) { /* schema 6: --continues PREV */
+    cJSON *o = cJSON_AddObjectToObject(root, "continues");
+    if (o) {
+      cJSON_AddStringToObject(o, "recording", c->cont.index_path);
+      cJSON_AddNumberToObject(o, "step", (double)c->rd.ix.start_step);
+      cJSON_AddNumberToObject(o, "compared", (double)c->cont_compared);
+      cJSON_AddBoolToObject(o, "equal", !c->cont_step);
+    }
+  } else {
+    cJSON_AddNullToObject(root, "continues");
+  }
   early e;
   if (v && vf_early_verdict(c, &e)) {
     cJSON_AddStringToObject(v, "kind", e.kind);

@@ -4,6 +4,7 @@
  *   setup.c       the recording's index, its tensor files, the reference optimizer created and started from it
  *   projectors.c  GaLore: each recorded projector checked against ours (sin theta) and adopted; the refreshes
  *   replay.c      the replay step by step, the verdict
+ *   continues.c   --continues PREV: a window's start against the recording it continues
  *   report.c      the table, --json and --plot
  * The command (arguments, exit codes) is cli/cmd_verify.c; the recording's reader is verify.h. */
 #ifndef DOPT_VERIFY_VERIFIER_H
@@ -51,7 +52,7 @@ typedef struct verify_tol {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 5              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count */
+#define VR_JSON_SCHEMA 6              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count; 6: continues, the resume verdict */
 
 typedef struct vstat {
   int rank, param;
@@ -88,6 +89,13 @@ typedef struct vctx {
   int stepwise;           /* --stepwise: teacher-forced */
   vr_reader rd;         /* the recording: its index, source pieces and one open file per rank */
   vr_reader ref;          /* --reference's recording */
+  const char *cont_path;  /* --continues: the recording this window continues */
+  vr_reader cont;
+  long cont_step;         /* the window's start when its recorded values are not PREV's (0: they are, or unchecked) */
+  int cont_rank;
+  char cont_tensor[VR_MAX_NAME + VR_MAX_KEY + 2];
+  char cont_why[VR_MAX_KEY + 320];
+  int64_t cont_compared;  /* elements (and step counts) compared */
   int *proj_stat;         /* [nparams] the sin theta statistic of a GaLore parameter's projector (-1: none yet) */
   int *ev_stat;           /* [nparams] its events(galore.refreshes) statistic (-1: none yet) */
   /* record.grad_agree: the first step at which two ranks' gradients of a parameter differ (0: none), the
@@ -124,11 +132,11 @@ typedef struct vctx {
  * digests; the first of them at or before the values' first divergence, at its step the hyperparameters
  * first (a cause precedes its consequences: a wrong gradient, values). */
 typedef struct early {
-  const char *kind; /* "hparams", "gradients"; NULL: none */
+  const char *kind; /* "resume", "hparams", "gradients"; NULL: none */
   long step;
   int rank;
   const char *tensor; /* the key or the parameter */
-  char text[VR_MAX_NAME + 160];
+  char text[2 * VR_MAX_NAME + VR_MAX_KEY + 480];
 } early;
 
 /* ---- stats.c ---- */
@@ -157,6 +165,11 @@ double vf_sin_theta(const float *Q, size_t ldq, const float *P, size_t rows, siz
 /* The projector hook (dopt_projector_fn): the recorded projector of this refresh, checked and adopted. */
 int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r, float *left,
                  float *right);
+
+/* ---- continues.c ---- */
+/* --continues: every element of the window's start (init/, init_state/) against PREV's after step start_step,
+ * bitwise, matched by global index; a difference sets cont_step (the verdict); CLI_USAGE after one line. */
+int vf_check_continues(vctx *c);
 
 /* ---- replay.c ---- */
 int vf_early_verdict(const vctx *c, early *e);

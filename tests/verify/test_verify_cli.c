@@ -209,7 +209,8 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t5"));
+  assert_non_null(strstr(js, "\"schema_version\":\t6"));
+  assert_non_null(strstr(js, "\"continues\":\tnull"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
   char ipath[500];
@@ -609,6 +610,10 @@ static void test_bad_input(void **st) {
   }
   write_index(root, INDEX);
   expect_bad(root, "--plot '/nonexistent-dir/x.svg': the folder", (const char *const[]){"--plot", "/nonexistent-dir/x.svg", NULL});
+  /* --continues: a recording from step 0 continues nothing; a missing PREV */
+  expect_bad(root, "is no window (start_step 0)", (const char *const[]){"--continues", root, NULL});
+  expect_bad(root, "--continues: empty path", (const char *const[]){"--continues", "", NULL});
+  expect_bad(root, "nope", (const char *const[]){"--continues", missing, NULL});
   /* and the untouched recording still verifies */
   const char *args[] = {"verify", root, NULL};
   assert_int_equal(run(args), 0);
