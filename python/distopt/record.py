@@ -453,7 +453,7 @@ class Recorder:
 
     def __init__(self, optimizer, path, every=1, params=True, states=True, *, flush_every=16, names=None,
                  name=None, hparams=None, layout=None, start_step=None, grads="f32", grad_steps=None,
-                 grad_agree=None, stages=None, experts=None):
+                 grad_agree=None, stages=None, experts=None, stage=None):
         import torch
         import torch.distributed as dist
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -531,6 +531,14 @@ class Recorder:
         err = None
         try:
             self.pieces, params_info = self._local_layout(layout, all_params, naming, group_of, zero, inner)
+            if stage is not None:  # this rank's pipeline stage: every piece of it is on that stage
+                if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+                    raise ValueError(f"distopt.record: stage={stage!r} must be an integer >= 0")
+                for pc in self.pieces:
+                    if pc.stage not in (-1, stage):
+                        raise ValueError(f"distopt.record: layout of {pc.name} names stage {pc.stage} but stage="
+                                         f"{stage}")
+                self.pieces = [pc._replace(stage=stage) for pc in self.pieces]
             self.local_shapes = [_local_shape(pc.tensor) for pc in self.pieces]  # the layout, checked every step
             for pc in self.pieces:
                 _f32(_local(pc, pc.tensor), f"parameter {pc.name}")  # float32 only, before anything is written
@@ -1048,6 +1056,9 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
                   replicas, ZeRO's all-reduced gradients, whole tensors of layout=), and verify checks that every
                   rank's equals the lowest rank's (a ZeRO run without gradient synchronisation is named);
                   default: on when torch.distributed runs with more than one rank
+    stage, stages: a pipeline: this rank's stage (every piece it records is on it; or "stage" in layout=
+                  entries) and the number of stages (default: one more than the largest stage named)
+    experts:      the number of experts when layout= entries name an "expert" id
     An optimizer class distopt does not implement (no mapping, no name=) is recorded as it is: its states under
     its own keys, its groups' numeric values as hyperparameter changes, for distopt.replay.
     """

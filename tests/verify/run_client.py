@@ -133,6 +133,47 @@ def case_adamw():
     out, rep = H.run_verify(bad, expect=1)
     H.check(rep["verdict"]["step"] == 1 and rep["verdict"]["rank"] == 0, "a wrong lr diverges at step 1")
 
+    # a run resumed from a checkpoint and recorded as a window: `verify --continues` holds the values it starts
+    # from against the recording it continues, bit for bit. A resume that zeroed the moments or reset the step
+    # counter is consistent on its own (the window alone verifies: it replays from what it recorded) and is
+    # named at the window's start
+    import copy
+    H.seeded()
+    model = H.mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    first = os.path.join(d, "resume_first.rec")
+    with record(opt, first, names=model, flush_every=5):
+        for t in range(1, 6):
+            H.train_step(model, opt, t)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    for how in ("exact", "moments_zeroed", "step_reset"):
+        H.seeded()
+        m2 = H.mlp()
+        m2.load_state_dict(ckpt["model"])
+        o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, weight_decay=0.01)
+        o2.load_state_dict(copy.deepcopy(ckpt["opt"]))
+        for st in o2.state.values():
+            if how == "moments_zeroed":
+                st["exp_avg"].zero_()
+                st["exp_avg_sq"].zero_()
+            elif how == "step_reset":
+                st["step"] = torch.zeros_like(st["step"]) if torch.is_tensor(st["step"]) else 0
+        second = os.path.join(d, f"resume_{how}.rec")
+        with record(o2, second, names=m2, start_step=5):
+            for t in range(6, 11):
+                H.train_step(m2, o2, t)
+        H.run_verify(second, expect=0)
+        out, rep = H.run_verify(second, "--continues", first, expect=0 if how == "exact" else 1)
+        cont, v = rep["continues"], rep["verdict"]
+        # the MLP's 1333 elements x 3 (the parameter, exp_avg, exp_avg_sq) and its 6 step counts
+        H.check(cont["step"] == 5 and cont["compared"] == 1333 * 3 + 6 and cont["equal"] == (how == "exact"),
+                f"{how}: --continues compared every value the window starts from: {cont}")
+        want = {"exact": None, "moments_zeroed": ("0.weight/exp_avg", "0.weight/exp_avg_sq"),
+                "step_reset": ("0.weight/step",)}[how]
+        H.check(want is None or (v["kind"] == "resume" and v["step"] == 5 and v["tensor"] in want),
+                f"{how}: named at the window's start: {v}")
+    H.run_verify(first, "--continues", first, expect=2)  # a recording from step 0 continues nothing
+
     # distopt.verify's result object, and what record() refuses
     res = verify(trace)
     H.check(res.ok and res.returncode == 0 and res.verdict["kind"] == "within_tolerance", f"verify(): {res!r}")
@@ -506,6 +547,50 @@ def case_dtensor_torch2():
     out, rep = H.run_verify(os.path.join(d, "hsdp_planted.rec"), expect=1)
     v = rep["verdict"]
     H.check(v["step"] == 2 and v["rank"] == 3, f"HSDP replica rank 3's unreduced gradient named at step 2: {v}")
+    # a 2-stage pipeline (torch.distributed.pipelining) x FSDP2 over dp
+    out, rep = H.run_verify(os.path.join(d, "pipeline.rec"), expect=0)
+    H.check({t["rank"] for t in rep["tensors"]} == {0, 1, 2, 3} and {t.get("stage") for t in rep["tensors"]} == {0, 1},
+            "pipeline: every rank's pieces compared, both stages")
+    summary(rep)
+    # Muon by hand on FSDP2 shards against torch.optim.Muon itself (distopt.replay): the same torch operations on
+    # the same values, so bitwise (rtol=1e-30: any difference is beyond it; every tensor's max ULP must be 0);
+    # the rows taken at rank x local rows are wrong where a short shard precedes nothing but ends the tensor:
+    # rank 3's row of 0.weight ([10, 12]: 3, 3, 3, 1) and rank 2's of 4.weight ([5, 6]: 2, 2, 1, 0), at step 1
+    from distopt.replay import replay
+    for stepwise in (False, True):
+        res = replay(os.path.join(d, "muon_0.rec"), torch2.make_muon, stepwise=stepwise, rtol=1e-30)
+        H.check(res.ok, f"Muon on FSDP2 shards replays as torch.optim.Muon (stepwise={stepwise}): {res!r} {res.stderr}")
+        ulp = max(t["max_ulp"] for t in res.report["tensors"])
+        H.check(ulp == 0 and {t["rank"] for t in res.report["tensors"]} == {0, 1, 2, 3},
+                f"bitwise, every rank (max ULP {ulp})")
+        H.check({t["state"] for t in res.report["tensors"]} == {None, "momentum_buffer"}, "parameters and momentum")
+        bad = replay(os.path.join(d, "muon_1.rec"), torch2.make_muon, stepwise=stepwise, rtol=1e-30)
+        at1 = sorted((t["param"], t["rank"]) for t in bad.report["tensors"] if t["first_beyond"] == 1)
+        H.check(bad.diverged and bad.verdict["step"] == 1 and at1 == [("0.weight", 3), ("4.weight", 2)],
+                f"Muon rows at the wrong offset named at step 1 on the short shards' ranks: {bad!r}, at step 1 {at1}")
+    print(f"Muon on FSDP2 shards: bitwise with torch.optim.Muon over 20 steps (both modes); wrong offset: "
+          f"{bad.verdict}")
+    # LAMB by hand on FSDP2 shards: trust ratios over the whole parameter; over the local shard named at step 1
+    out, rep = H.run_verify(os.path.join(d, "lamb_0.rec"), expect=0)
+    summary(rep)
+    out, rep = H.run_verify(os.path.join(d, "lamb_1.rec"), expect=1)
+    H.check(rep["verdict"]["step"] == 1, f"LAMB's shard-local trust ratio named at step 1: {rep['verdict']}")
+    # resumed on another layout (FSDP2 over 4 -> HSDP 2 x 2): the window alone is consistent either way; against
+    # the recording it continues, every value it starts from must be bitwise that one's
+    for bad in (0, 1):
+        a, b = os.path.join(d, f"reshard_{bad}_a.rec"), os.path.join(d, f"reshard_{bad}_b.rec")
+        H.run_verify(a, expect=0)
+        H.run_verify(b, expect=0)
+        out, rep = H.run_verify(b, "--continues", a, expect=bad)
+        cont, v = rep["continues"], rep["verdict"]
+        # Two's 183 elements x 3 values (the parameter, exp_avg, exp_avg_sq) x 2 replicas, and the 4 ranks' step
+        # counts of their 6 pieces: every value the window starts from
+        H.check(cont["step"] == 3 and cont["compared"] == 183 * 3 * 2 + 4 * 6 and cont["equal"] == (not bad),
+                f"--continues compared the window's start: {cont}")
+        if bad:
+            H.check(v["kind"] == "resume" and v["step"] == 3 and v["tensor"].endswith("/exp_avg_sq"),
+                    f"the state resharded in the wrong order named at the window's start: {v}")
+            print(f"resharded wrongly: {v}")
 
 
 def case_fsdp():

@@ -360,6 +360,191 @@ def agree_pieces(rank, world, out):
     return {"grad_agree": index["record"]["grad_agree"], "pieces": got}
 
 
+def pipeline_fsdp2(rank, world, out, steps=4):
+    """A 2-stage pipeline (torch.distributed.pipelining, GPipe, 2 micro-batches) on a (dp 2, pp 2) mesh, each
+    stage fully_shard over dp; torch AdamW per stage, recorded with stage= (the one addition a pipeline needs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from distopt.record import record
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh.get_coordinate()
+    H.seeded()
+    model = H.mlp()
+    part = model[0:2] if pp == 0 else model[2:5]
+    fully_shard(part, mesh=mesh["dp"])
+    stage = PipelineStage(part, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, y: ((o - y) ** 2).mean())
+    opt = torch.optim.AdamW(part.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
+    with record(opt, out, names=model, stage=pp, stages=2):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, dp)
+            opt.zero_grad()
+            if pp == 0:
+                sched.step(x)
+            else:
+                sched.step(target=y, losses=[])
+            opt.step()
+
+
+class FSDP2Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's step by hand on FSDP2 shards (Shard(0) over all ranks): the momentum on the local rows
+    (elementwise: torch's operations), the Nesterov update gathered whole (DTensor.full_tensor), torch's own
+    Newton-Schulz on it, and the rank's rows of the result (torch's chunk rule: ceil(rows / ranks) per rank).
+    bad_offset=True takes them at rank x local rows, right except after a short shard (the planted bug)."""
+
+    def __init__(self, params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, bad_offset=False):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov))
+        self.bad_offset = bad_offset
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor
+        from torch.optim import _muon
+        coeffs = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, w = p.grad.to_local(), p.to_local()
+                st = self.state[p]
+                if not st:
+                    st["momentum_buffer"] = torch.zeros_like(g)
+                buf = st["momentum_buffer"]
+                buf.lerp_(g, 1 - mu)
+                upd = g.lerp(buf, mu) if group["nesterov"] else buf
+                full = DTensor.from_local(upd, p.device_mesh, p.placements, shape=p.shape,
+                                          stride=p.stride()).full_tensor()
+                o = _muon._zeropower_via_newtonschulz(full, coeffs, _muon.DEFAULT_NS_STEPS, _muon.EPS)
+                r, k = p.device_mesh.get_local_rank(), p.device_mesh.size()
+                lo = r * w.shape[0] if self.bad_offset else min(r * -(-p.shape[0] // k), p.shape[0])
+                w.mul_(1 - group["lr"] * group["weight_decay"])
+                w.add_(o[lo:lo + w.shape[0]].to(w.dtype), alpha=-_muon._adjust_lr(group["lr"], None, p.shape))
+
+
+def muon_model():
+    """Matrices only (Muon's): [10, 12] in rows 3, 3, 3, 1 over 4 ranks; [6, 10] in 2, 2, 2, 0; [5, 6] in 2, 2, 1, 0."""
+    L = torch.nn.Linear
+    return torch.nn.Sequential(L(12, 10, bias=False), torch.nn.Tanh(), L(10, 6, bias=False), torch.nn.Tanh(),
+                               L(6, 5, bias=False))
+
+
+def make_muon(params):
+    """The single-device reference of muon_fsdp2's recordings (distopt.replay): torch.optim.Muon itself."""
+    return torch.optim.Muon(params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+
+
+def muon_fsdp2(rank, world, out, bad_offset, steps=20):
+    from torch.distributed.fsdp import fully_shard
+    from distopt.record import record
+    H.seeded()
+    model = muon_model()
+    for i in (0, 2, 4):
+        fully_shard(model[i])
+    fully_shard(model)
+    opt = FSDP2Muon(model.parameters(), bad_offset=bad_offset)
+    with record(opt, out, names=model, flush_every=10):  # no distopt name: recorded as it is, for distopt.replay
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, rank)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+
+class FSDP2Lamb(torch.optim.Optimizer):
+    """distopt's lamb (ColossalAI's: moments not debiased, u = m/(sqrt(v)+eps) + wd*p, trust = |p|/|u|) by hand on
+    FSDP2 shards: the moments on the local tensors, the two norms of each parameter summed over its mesh
+    (all_reduce of the local sums of squares, in double). local_norms=True: over the local shard only."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, local_norms=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.local_norms = local_norms
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                w, g = p.to_local(), p.grad.to_local()
+                st = self.state[p]
+                if not st:
+                    st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(w), torch.zeros_like(w)
+                st["step"] += 1
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                m.mul_(b1).add_(g * (1 - b1))
+                v.mul_(b2).add_(g * (1 - b2) * g)
+                u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * w
+                sums = torch.stack([(w.double() ** 2).sum(), (u.double() ** 2).sum()])
+                if not self.local_norms:
+                    dist.all_reduce(sums, group=p.device_mesh.get_group())
+                wn, un = float(sums[0].sqrt()), float(sums[1].sqrt())
+                w.add_(u, alpha=-group["lr"] * (wn / un if wn > 0 and un > 0 else 1.0))
+
+
+def lamb_fsdp2(rank, world, out, local_norms, steps=4):
+    from distopt.record import record
+    model = _fsdp2_model()
+    opt = FSDP2Lamb(model.parameters(), local_norms=local_norms)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, adam=False, bias_correction=False)
+    with record(opt, out, names=model, name="lamb", hparams=hp):
+        for t in range(1, steps + 1):
+            x, y = H.batch(t, rank)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+
+def reshard(rank, world, first, second, bad):
+    """A run resumed on another layout: FSDP2 over 4 ranks for 3 steps (recorded: `first`), its parameters and
+    AdamW states gathered whole, then HSDP on a (replicate 2, shard 2) mesh from them (a window from step 3:
+    `second`) for 3 more. bad=True: exp_avg_sq rebuilt from the old shards in the mesh-transposed rank order
+    (0, 2, 1, 3), the same wrong tensor on every rank (the planted bug: the second recording alone is
+    consistent; verify --continues names it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from distopt.record import record
+    model = _fsdp2_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, foreach=False)
+    with record(opt, first, names=model):
+        for t in range(1, 4):
+            x, y = H.batch(t, rank)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    saved = {}
+    for n, p in model.named_parameters():
+        st = opt.state[p]
+        sq = st["exp_avg_sq"].full_tensor()
+        if bad:
+            parts = [None] * world
+            dist.all_gather_object(parts, st["exp_avg_sq"].to_local())
+            sq = torch.cat([parts[r] for r in (0, 2, 1, 3)])
+        saved[n] = (p.detach().full_tensor(), st["exp_avg"].full_tensor(), sq, st["step"].clone())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    H.seeded()
+    model2 = Two()
+    for m in (model2.a, model2.b, model2.c):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model2, mesh=mesh)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-3, weight_decay=0.05, foreach=False)
+    with torch.no_grad():
+        for n, p in model2.named_parameters():
+            w, m1, m2, step = saved[n]
+            place = lambda full: distribute_tensor(full, mesh, p.placements, src_data_rank=None)  # noqa: E731
+            p.to_local().copy_(place(w).to_local())
+            opt2.state[p] = {"step": step, "exp_avg": place(m1), "exp_avg_sq": place(m2)}
+    with record(opt2, second, names=model2, start_step=3):
+        for t in range(4, 7):
+            x, y = H.batch(t, rank)
+            opt2.zero_grad()
+            ((model2(x) - y) ** 2).mean().backward()
+            opt2.step()
+
+
 def worker(rank, world, work):
     fails, info = [], {}
     info["layout_cases"], info["strided_cases"] = layout_sweep(rank, world, fails)
@@ -383,6 +568,12 @@ def worker(rank, world, work):
             import logging  # DTensor's note on two sequential all_reduces over (ep, dp), once per rank
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
             info["experts"] = experts_ep(rank, world, os.path.join(work, "experts.rec"))
+            pipeline_fsdp2(rank, world, os.path.join(work, "pipeline.rec"))
+            for bad in (False, True):
+                muon_fsdp2(rank, world, os.path.join(work, f"muon_{int(bad)}.rec"), bad)
+                lamb_fsdp2(rank, world, os.path.join(work, f"lamb_{int(bad)}.rec"), bad)
+                reshard(rank, world, os.path.join(work, f"reshard_{int(bad)}_a.rec"),
+                        os.path.join(work, f"reshard_{int(bad)}_b.rec"), bad)
         except Exception as e:  # noqa: BLE001
             fails.append(f"2-D, layout=, refusal: {type(e).__name__}: {e}")
     with open(os.path.join(work, f"result{rank}.json"), "w") as f:
