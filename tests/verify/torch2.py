@@ -257,11 +257,11 @@ def hsdp_adamw(rank, world, out, steps=4, skip_reduce_rank=None):
 
 def experts_ep(rank, world, out, steps=3):
     """Experts over an ep mesh dimension: a stack of 4 experts [4, 12, 5] placed (Shard(0), Shard(1)) on a
-    (ep 2, dp 2) mesh (each ep rank its 2 experts, their input rows split over dp) and a replicated router, a
-    soft mixture computed by DTensor's own operations (they gather what they need; the gradients come back
-    placed otherwise: Replicate for the stack, Partial over dp for the router, which the recorder
-    redistributes to the parameters' placements). The same data on every rank. Returns the gradients'
-    placements at step 1."""
+    (ep 2, dp 2) mesh (each ep rank its 2 experts, their input rows split over dp) and the router sharded over
+    dp as FSDP2 shards the dense rest (Replicate(), Shard(0)), a soft mixture computed by DTensor's own
+    operations (they gather what they need; the gradients come back placed otherwise: Replicate for the stack,
+    Partial over dp for the router, which the recorder redistributes to the parameters' placements). The same
+    data on every rank. Returns the gradients' placements at step 1."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from distopt.record import record
@@ -269,7 +269,7 @@ def experts_ep(rank, world, out, steps=3):
     H.seeded()
     rep = [Replicate(), Replicate()]
     w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 12, 5) * 0.3, mesh, [Shard(0), Shard(1)]))
-    gate = torch.nn.Parameter(distribute_tensor(torch.randn(12, 4) * 0.3, mesh, rep))
+    gate = torch.nn.Parameter(distribute_tensor(torch.randn(12, 4) * 0.3, mesh, [Replicate(), Shard(0)]))
     opt = torch.optim.AdamW([w, gate], lr=3e-3, foreach=False)
     seen = None
     with record(opt, out, names={"experts.w": w, "router": gate}):
