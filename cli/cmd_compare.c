@@ -34,7 +34,7 @@ static void compare_usage(FILE *f) {
         "         [--trace FILE | [--seed N] [--model NAME|COUNT]] [--ring-order] [--dp-sum exact|exact2|rank-order] [--batch-invariant]\n"
         "         [--checkpoint-at K [--resume-plugin P] [--resume-tp T] [--resume-dp D] [--resume-zero Z] [--resume-pp N]\n"
         "          [--resume-chunk-size N] [--resume-ep N]\n"
-        "          [--checkpoint-dir DIR]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
+        "          [--checkpoint-dir DIR [--start-over]]] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "         [--backend sim|nccl|mpi] [--device cpu|cuda] [--threads N]\n"
         "       distopt compare --matrix [--steps N]\n"
         "       distopt compare --sweep [--max-tp N] [--max-dp N] [--max-pp N] [--optimizer NAME] [--hparams k=v,...] [--steps N]\n"
@@ -70,7 +70,9 @@ static void compare_usage(FILE *f) {
         "  or rank-order (fp32 in the transport's order; bitwise only while it sums in rank order).\n"
         "  --checkpoint-at K: save after step K (docs/checkpoints.md) and continue from the checkpoint in the\n"
         "  resume layout (default: the same); the reference runs uninterrupted. Bitwise across dp changes needs\n"
-        "  --batch-invariant (otherwise the dp sum groups micro-batches by rank).\n"
+        "  --batch-invariant (otherwise the dp sum groups micro-batches by rank). --checkpoint-dir DIR holds only\n"
+        "  this run's generations, each save after its latest (refused before any step: another run's folder, or a\n"
+        "  generation it would replace); --start-over removes DIR's generations first.\n"
         "  --batch-invariant: every micro-batch gradient is summed on the grid itself (kept until the step), so\n"
         "  the bits do not depend on how the global batch is split into dp x accumulation.\n"
         "  --device cuda: the distributed optimizer runs on the GPU (CUDA device, device-buffer simulator);\n"
@@ -383,6 +385,7 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     if (strcmp(a, "--quiet") == 0) { o->quiet = 1; continue; }
     if (strcmp(a, "--ring-order") == 0) { o->ring_order = 1; continue; }
     if (strcmp(a, "--batch-invariant") == 0) { o->batch_invariant = 1; continue; }
+    if (strcmp(a, "--start-over") == 0) { o->start_over = 1; continue; }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown; see --help)", a);
     const char *v = argv[++i];
     if (!*v && (strcmp(a, "--config") == 0 || strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 ||

@@ -3,7 +3,7 @@
  *
  *   distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors
  *               [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N]
- *               [--save CKPT [--save-every K]] [--resume CKPT]
+ *               [--save CKPT [--save-every K] [--start-over]] [--resume CKPT]
  *
  * Parameters: the F32 tensors of P named "init/<name>" if any, otherwise every
  * tensor whose name does not start with grad/, param/ or state/. Gradients:
@@ -62,6 +62,7 @@ typedef struct run_ctx {
   long start;                          /* the step the resumed checkpoint was saved after (0: none) */
   char resume_gen[4096], resume_dir[4096]; /* the generation --resume names and its checkpoint folder */
   int save_into_resumed;               /* --save is that folder: generations are added to it */
+  int start_over;                      /* --start-over: the --save folder's generations are removed first */
   run_param *p;
   int np;
   run_param **by_name; /* [np] sorted by name: lookups in O(log n) (80 000-tensor files) */
@@ -73,12 +74,15 @@ static const char *const CMD = "run";
 static void run_usage(FILE *f) {
   fputs("usage: distopt run --params P.safetensors [--grads G.safetensors] --out OUT.safetensors\n"
         "                   [--optimizer NAME] [--hparams k=v,...] [--group 'GLOB:k=v,...']... [--steps N] [--quiet]\n"
-        "                   [--nonfinite skip|apply] [--save CKPT [--save-every K]] [--resume CKPT] [--threads N]\n"
+        "                   [--nonfinite skip|apply] [--save CKPT [--save-every K] [--start-over]] [--resume CKPT]\n"
+        "                   [--threads N]\n"
         "  parameters: tensors init/<name> of P (or every tensor not under grad/, param/, state/)\n"
         "  gradients:  tensors grad/<t>/<name> of G (default P), t = 1..N; missing = no gradient\n"
         "  optimizer, hparams and groups default to P's metadata; see 'distopt list' for keys\n"
         "  layer index (lisa): N of a 'layers.N.' in the parameter name, else -1 (always trained)\n"
-        "  --save CKPT: a checkpoint generation after the last step (and every K steps); --out is then optional\n"
+        "  --save CKPT: a checkpoint generation after the last step (and every K steps); --out is then optional.\n"
+        "  CKPT holds only this run's generations (its latest: the same optimizer, hyperparameters and parameters),\n"
+        "  each save after its latest; --start-over removes CKPT's generations first\n"
         "  --resume CKPT: load a checkpoint (CKPT or CKPT/step-N) and run its steps + 1 .. N\n"
         "  --threads N: threads of the step, 1..256 (default: DOPT_NUM_THREADS, else the cores); the same bits\n",
         f);
@@ -95,6 +99,10 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
     }
     if (strcmp(a, "--quiet") == 0) {
       c->quiet = 1;
+      continue;
+    }
+    if (strcmp(a, "--start-over") == 0) {
+      c->start_over = 1;
       continue;
     }
     if (i + 1 >= argc) return cli_errorf(CMD, "option '%s' needs a value (or is unknown)", a);
@@ -138,6 +146,7 @@ static int parse_args(run_ctx *c, int argc, char **argv) {
   if (!c->params_path) return cli_errorf(CMD, "--params is required (see --help)");
   if (!c->out_path && !c->save_path) return cli_errorf(CMD, "--out is required (see --help)");
   if (c->save_every && !c->save_path) return cli_errorf(CMD, "--save-every needs --save");
+  if (c->start_over && !c->save_path) return cli_errorf(CMD, "--start-over needs --save");
   if (c->hparams && !c->optimizer) return cli_errorf(CMD, "--hparams needs --optimizer");
   return CLI_OK;
 }
@@ -403,6 +412,34 @@ static int resume(run_ctx *c) {
   return CLI_OK;
 }
 
+/* --save: the folder holds only this run's generations, each save after its latest (dopt_ckpt_claim); with
+ * --start-over its generations are removed first. After the resume, before the steps. */
+static int claim_save(run_ctx *c) {
+  long first = c->steps; /* the first save: the first multiple of --save-every after the start, else the last step */
+  if (c->save_every) {
+    const long k = (c->start / c->save_every + 1) * c->save_every;
+    if (k < c->steps) first = k;
+  }
+  dopt_status s;
+  if (c->start_over) {
+    if (c->save_into_resumed)
+      return cli_errorf(CMD, "--start-over with --save '%s': it would remove the generation --resume reads (%s)",
+                        c->save_path, c->resume_gen);
+    return (s = dopt_ckpt_clear(c->save_path)) == DOPT_OK ? CLI_OK : cli_error(CMD, s);
+  }
+  dopt_ckpt_meta *m;
+  if ((s = dopt_ckpt_meta_from_optim(c->opt, NULL, &m)) != DOPT_OK) return cli_error(CMD, s);
+  s = dopt_ckpt_claim(c->save_path, m, first);
+  dopt_ckpt_meta_free(m);
+  if (s != DOPT_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", dopt_last_error());
+    return cli_error(CMD, dopt__fail(s, "--save: %s (save elsewhere, or --start-over to remove its generations first)",
+                                     why));
+  }
+  return CLI_OK;
+}
+
 static int run_steps(run_ctx *c) {
   const float **grads = calloc(c->np > 0 ? (size_t)c->np : 1, sizeof *grads);
   if (!grads) return cli_errorf(CMD, "out of memory");
@@ -614,6 +651,7 @@ int cmd_run(int argc, char **argv) {
     rc = cli_error(CMD, s); /* the last save's slots, before the steps run */
   if (rc == CLI_OK) rc = build_optimizer(&c);
   if (rc == CLI_OK && c.resume_path) rc = resume(&c);
+  if (rc == CLI_OK && c.save_path) rc = claim_save(&c);
   if (rc == CLI_OK) rc = run_steps(&c);
   if (rc == CLI_OK && c.save_path) rc = save_ckpt(&c, c.steps);
   if (rc == CLI_OK && c.out_path) rc = write_output(&c);

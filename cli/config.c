@@ -485,14 +485,15 @@ static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o)
   return DOPT_OK;
 }
 
-/* checkpoint: {at: K, dir: DIR, resume: {type: P, tp: T, dp: D, zero: Z}} */
+/* checkpoint: {at: K, dir: DIR, start_over: BOOL, resume: {type: P, tp: T, dp: D, zero: Z}} */
 static dopt_status load_checkpoint(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"at", "dir", "resume", NULL};
+  static const char *const keys[] = {"at", "dir", "start_over", "resume", NULL};
   static const char *const rkeys[] = {"type", "tp", "dp", "zero", "pp", "chunk_size", "ep", NULL};
   DOPT_TRY(check_mapping(c, n, "checkpoint", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "at"))) DOPT_TRY(get_int(c, v, "checkpoint.at", 1, 1000000, &o->checkpoint_at));
   if ((v = lookup(c, n, "dir"))) DOPT_TRY(get_str(c, v, "checkpoint.dir", o->checkpoint_dir, sizeof o->checkpoint_dir));
+  if ((v = lookup(c, n, "start_over"))) DOPT_TRY(get_bool(c, v, "checkpoint.start_over", &o->start_over));
   if ((v = lookup(c, n, "resume"))) {
     DOPT_TRY(check_mapping(c, v, "checkpoint.resume", rkeys));
     yaml_node_t *w;

@@ -153,6 +153,7 @@ int cmp_config_text(const cmp_options *o, char *buf, size_t cap) {
   line(&t, "--resume-dp", "%d", o->resume_dp);
   line(&t, "--resume-zero", "%d", o->resume_zero);
   line(&t, "--checkpoint-dir", "%s", o->checkpoint_dir);
+  line(&t, "--start-over", "%d", o->start_over);
   line(&t, "--json", "%s", o->json_path);
   line(&t, "--plot", "%s", o->svg_path);
   line(&t, "--quiet", "%d", o->quiet);

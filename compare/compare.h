@@ -88,6 +88,7 @@ typedef struct cmp_options {
   size_t resume_chunk_size;               /* 0: the first layout's (a gemini resume layout) */
   int resume_ep;                          /* 0: the first layout's where the resume plugin is moe_hybrid, else 1 */
   char checkpoint_dir[512];               /* "" : a fresh directory under $TMPDIR */
+  int start_over;                         /* --start-over: checkpoint_dir's generations are removed first */
   unsigned given;                         /* CMP_GIVEN_* bits: the layout values the user gave (CLI or YAML) */
   unsigned given_yaml;                    /* those of them the YAML file gave (spelling of a contradiction) */
   int sweep;                              /* --sweep: every tp in 1..max_tp x dp in 1..max_dp x zero 0..3 */

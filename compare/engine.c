@@ -248,10 +248,23 @@ static dopt_status run_sim(run_ctx *x) {
   return st;
 }
 
-/* --checkpoint-dir, or a fresh directory under $TMPDIR (left for inspection). */
-static dopt_status checkpoint_dir(const cmp_options *o, char *dir, size_t cap) {
+/* --checkpoint-dir, or a fresh directory under $TMPDIR (left for inspection). A given folder holds only this
+ * run's generations, each save after its latest (dopt_ckpt_claim, on the template optimizer: the model,
+ * optimizer and hyperparameters the save records), or is emptied first (--start-over). */
+static dopt_status checkpoint_dir(const cmp_options *o, const dopt_optim *plain, char *dir, size_t cap) {
   if (o->checkpoint_dir[0]) {
     snprintf(dir, cap, "%s", o->checkpoint_dir);
+    if (o->start_over) return dopt_ckpt_clear(dir);
+    dopt_ckpt_meta *m;
+    DOPT_TRY(dopt_ckpt_meta_from_optim(plain, NULL, &m));
+    dopt_status st = dopt_ckpt_claim(dir, m, o->checkpoint_at);
+    dopt_ckpt_meta_free(m);
+    if (st != DOPT_OK) {
+      char why[1200];
+      snprintf(why, sizeof why, "%s", dopt_last_error());
+      return dopt__fail(st, "--checkpoint-dir: %s (another folder, or --start-over to remove its generations first)",
+                        why);
+    }
     return DOPT_OK;
   }
   const char *tmp = getenv("TMPDIR");
@@ -311,7 +324,7 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   } else if (st == DOPT_OK && o->checkpoint_at > 0) {
     /* steps 1..K in the layout of o, saved; K+1..steps in the resume layout ob, loaded */
     char dir[600];
-    st = checkpoint_dir(o, dir, sizeof dir);
+    st = checkpoint_dir(o, tmpl, dir, sizeof dir);
     if (st == DOPT_OK) st = dopt__mkdir_p(dir); /* a folder that cannot be made: said before the steps run */
     x.t_last = o->checkpoint_at;
     x.save_dir = dir;

@@ -238,6 +238,8 @@ dopt_status ce_check_options(const cmp_options *o) {
                  "chunk_size=%zu is Gemini's chunk: it needs plugin gemini, not '%s'", o->chunk_size, o->plugin);
   DOPT_CHECK_ARG(o->resume_chunk_size == 0 || o->checkpoint_at > 0,
                  "resume chunk_size=%zu: there is no resume (checkpoint_at)", o->resume_chunk_size);
+  DOPT_CHECK_ARG(!o->start_over || (o->checkpoint_at > 0 && o->checkpoint_dir[0]),
+                 "start_over: it empties a checkpoint_dir that checkpoint_at saves into (none given)");
   if (strcmp(o->plugin, "gemini") == 0 && o->dp > 1)
     DOPT_CHECK_ARG(o->dp_sum_words >= 1, "plugin gemini: --dp-sum rank-order cannot reduce chunks whose shards cut "
                    "through tensors (the exact sum exchanges exact counts)");

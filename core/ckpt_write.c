@@ -3,6 +3,7 @@
  * temporary folder, committed by rank 0 with the index and an atomic rename,
  * then `latest`. */
 #define _GNU_SOURCE /* renameat2(RENAME_EXCHANGE): replace an existing generation atomically */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -335,6 +336,102 @@ dopt_status dopt_ckpt_begin(const char *ckpt_dir, int64_t step, char *out, size_
   DOPT_TRY(dopt__remove_flat_dir(out)); /* a crashed save of the same step; a link there goes as a link */
   if (mkdir(out, 0755) != 0) return dopt__fail(DOPT_ERR_IO, "%s: cannot create: %s", out, strerror(errno));
   return dopt__sync_dir(ckpt_dir);
+}
+
+/* 1 when name is a generation's (step-<digits>) or a temporary's (.tmp-step-<digits>); *step its number. */
+static int gen_name(const char *name, int tmp_too, long long *step) {
+  const char *d = strncmp(name, "step-", 5) == 0                  ? name + 5
+                  : tmp_too && strncmp(name, ".tmp-step-", 10) == 0 ? name + 10
+                                                                    : NULL;
+  if (!d || !*d) return 0;
+  for (const char *c = d; *c; c++)
+    if (*c < '0' || *c > '9' || c - d > 17) return 0;
+  *step = strtoll(d, NULL, 10);
+  return 1;
+}
+
+/* The first generation's name in ckpt_dir ("" when none); DOPT_OK when the folder is missing. */
+static dopt_status first_generation(const char *ckpt_dir, int tmp_too, char *name, size_t cap) {
+  name[0] = '\0';
+  DIR *d = opendir(ckpt_dir);
+  if (!d) {
+    if (errno == ENOENT) return DOPT_OK;
+    return dopt__fail(DOPT_ERR_IO, "checkpoint folder '%s': %s", ckpt_dir, strerror(errno));
+  }
+  long long step;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    if (gen_name(e->d_name, tmp_too, &step)) {
+      snprintf(name, cap, "%s", e->d_name);
+      break;
+    }
+  closedir(d);
+  return DOPT_OK;
+}
+
+/* A callee's message without its "DOPT_ERR_X: " (it is wrapped in another status's message). */
+static const char *detail(const char *msg) {
+  const char *c = strncmp(msg, "DOPT_", 5) == 0 ? strstr(msg, ": ") : NULL;
+  return c ? c + 2 : msg;
+}
+
+dopt_status dopt_ckpt_claim(const char *ckpt_dir, const dopt_ckpt_meta *live, int64_t first_step) {
+  DOPT_CHECK_ARG(ckpt_dir && *ckpt_dir && live, "dopt_ckpt_claim: NULL argument");
+  char latest[CK_PATH], gen[256];
+  DOPT_TRY(dopt__path_join(latest, ckpt_dir, "latest"));
+  struct stat st;
+  if (lstat(latest, &st) != 0) {
+    if (errno != ENOENT) return dopt__fail(DOPT_ERR_IO, "%s: %s", latest, strerror(errno));
+    DOPT_TRY(first_generation(ckpt_dir, 0, gen, sizeof gen));
+    if (gen[0])
+      return dopt__fail(DOPT_ERR_STATE, "checkpoint folder '%s' holds generation '%s' but no 'latest': it cannot say "
+                        "which run wrote it, so nothing is written into it", ckpt_dir, gen);
+    return DOPT_OK;
+  }
+  dopt_ckpt_reader *r;
+  dopt_status s = dopt_ckpt_open(ckpt_dir, &r);
+  if (s != DOPT_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", detail(dopt_last_error()));
+    return dopt__fail(DOPT_ERR_STATE, "checkpoint folder '%s': its latest generation cannot be read, so it cannot say "
+                      "which run wrote it (%s)", ckpt_dir, why);
+  }
+  const dopt_ckpt_meta *m;
+  dopt_ckpt_read_meta(r, &m);
+  const int64_t last = m->global_step;
+  s = dopt_ckpt_meta_check(m, live, dopt_ckpt_path(r));
+  if (s != DOPT_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", detail(dopt_last_error()));
+    dopt_ckpt_close(r);
+    return dopt__fail(DOPT_ERR_STATE, "checkpoint folder '%s' holds another run's generations: %s", ckpt_dir, why);
+  }
+  dopt_ckpt_close(r);
+  if (first_step <= last)
+    return dopt__fail(DOPT_ERR_STATE, "checkpoint folder '%s': its latest generation is step %lld of this run; a save "
+                      "after step %lld would %s", ckpt_dir, (long long)last, (long long)first_step,
+                      first_step == last ? "replace it" : "move 'latest' back");
+  return DOPT_OK;
+}
+
+dopt_status dopt_ckpt_clear(const char *ckpt_dir) {
+  DOPT_CHECK_ARG(ckpt_dir && *ckpt_dir, "dopt_ckpt_clear: ckpt_dir is NULL or empty");
+  char latest[CK_PATH], gen[256], path[CK_PATH];
+  DOPT_TRY(dopt__path_join(latest, ckpt_dir, "latest"));
+  struct stat st;
+  if (lstat(latest, &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      return dopt__fail(DOPT_ERR_IO, "%s is a folder where the checkpoint's file 'latest' belongs (remove it or "
+                        "choose another checkpoint folder)", latest);
+    if (unlink(latest) != 0) return dopt__fail(DOPT_ERR_IO, "%s: cannot remove: %s", latest, strerror(errno));
+  }
+  for (;;) { /* one at a time: the listing is read again after each removal */
+    DOPT_TRY(first_generation(ckpt_dir, 1, gen, sizeof gen));
+    if (!gen[0]) break;
+    DOPT_TRY(dopt__path_join(path, ckpt_dir, gen));
+    DOPT_TRY(dopt__remove_flat_dir(path));
+  }
+  struct stat ds;
+  return stat(ckpt_dir, &ds) == 0 ? dopt__sync_dir(ckpt_dir) : DOPT_OK;
 }
 
 dopt_status dopt_ckpt_discard(const char *tmp_dir) {

@@ -150,6 +150,19 @@ DOPT_API dopt_status dopt_ckpt_begin(const char *ckpt_dir, int64_t global_step, 
  * generation of global_step or its temporary belongs, nor a folder where
  * `latest` does. For a tool to refuse a save before its work begins. */
 DOPT_API dopt_status dopt_ckpt_check_dir(const char *ckpt_dir, int64_t global_step);
+/* A folder knows what wrote it (docs/checkpoints.md, "Whose folder"): whether a command that will save the
+ * run `live` describes after steps first_step.. (and no earlier) may write into ckpt_dir. Yes when it holds no
+ * generation (missing, empty, or only other files); else its `latest` must be a generation of the same run —
+ * dopt_ckpt_meta_check: optimizer, wrapper, every hyperparameter, the parameters' names, dtypes, shapes and
+ * groups; not the layout, which may change on resume — and every save must come after it (first_step >
+ * its global step): no generation it did not write is replaced and `latest` never moves back. A folder with
+ * generations but no `latest` cannot say whose it is: refused. DOPT_ERR_STATE with one line naming the folder,
+ * the difference or the steps; nothing is written. */
+DOPT_API dopt_status dopt_ckpt_claim(const char *ckpt_dir, const dopt_ckpt_meta *live, int64_t first_step);
+/* Starting over in a folder (a tool's explicit option): removes its `latest`, every generation step-<N> and
+ * every temporary .tmp-step-<N> (links as links, never followed; a generation holding a folder is not
+ * distopt's: an error, nothing of it removed); other files stay. */
+DOPT_API dopt_status dopt_ckpt_clear(const char *ckpt_dir);
 /* Rank 0, after a failed save (every writer closed or aborted): removes the
  * temporary generation directory, so that nothing of the save is left. */
 DOPT_API dopt_status dopt_ckpt_discard(const char *tmp_dir);

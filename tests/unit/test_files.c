@@ -434,12 +434,16 @@ static void test_save_never_follows_links(void **st) {
   expect(b, s1, 0, NULL, o1, NULL);
   assert_int_equal(kind_of(at(b, "D/step-000000002")), S_IFDIR);
   assert_int_equal(kind_of(at(b, "D/.tmp-step-000000002")), 0);
-  /* an existing generation that is a link into d: replaced, the link removed as a link */
+  /* an existing generation that is a link into d, no `latest`: the folder cannot say whose it is (refused,
+   * nothing touched); --start-over removes the link as a link and saves */
   assert_int_equal(mkdir(at(b, "D2"), 0755), 0);
   assert_int_equal(symlink("../d", at(b, "D2/step-000000002")), 0);
   s1[8] = at(b, "D2");
+  expect(b, s1, 2, "holds generation 'step-000000002' but no 'latest'", NULL, NULL);
+  const char *s2[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "2", "--save", at(b, "D2"),
+                      "--start-over", "--out", ost, "--quiet", NULL};
   const char *o2[] = {"D2", "o.st", NULL};
-  expect(b, s1, 0, NULL, o2, NULL);
+  expect(b, s2, 0, NULL, o2, NULL);
   assert_int_equal(kind_of(at(b, "D2/step-000000002")), S_IFDIR);
   /* a regular file where the generation belongs: exit 2 before any step, naming it, nothing written */
   assert_int_equal(mkdir(at(b, "D3"), 0755), 0);
@@ -456,8 +460,11 @@ static void test_save_never_follows_links(void **st) {
   assert_int_equal(symlink("../d", at(b, "C/.tmp-step-000000003")), 0);
   assert_int_equal(symlink("../d", at(b, "C/step-000000003")), 0);
   const char *c1[] = {"compare", "--steps", "6", "--checkpoint-at", "3", "--checkpoint-dir", at(b, "C"), "--quiet", NULL};
+  expect(b, c1, 2, "holds generation 'step-000000003' but no 'latest'", NULL, NULL);
+  const char *c2[] = {"compare", "--steps", "6", "--checkpoint-at", "3", "--checkpoint-dir", at(b, "C"), "--start-over",
+                      "--quiet", NULL};
   const char *oc[] = {"C", NULL};
-  expect(b, c1, 0, NULL, oc, NULL);
+  expect(b, c2, 0, NULL, oc, NULL);
   assert_int_equal(kind_of(at(b, "C/step-000000003")), S_IFDIR);
 }
 
@@ -585,14 +592,56 @@ static void test_save_into_resumed(void **st) {
   /* the same step again: it would rewrite the generation being read */
   a[6] = "4";
   expect(b, a, 2, "would rewrite the generation being read", NULL, NULL);
-  a[8] = at(b, "K/step-000000002"); /* from step 2 to 4 replaces step 4, which is not the one read */
-  expect(b, a, 0, NULL, o, NULL);
+  a[8] = at(b, "K/step-000000002"); /* from step 2 to 4 would replace step 4, a generation it did not write */
+  expect(b, a, 2, "its latest generation is step 4 of this run; a save after step 4 would replace it", NULL, NULL);
+  a[6] = "3"; /* and a save after step 3 would move `latest` back */
+  expect(b, a, 2, "a save after step 3 would move 'latest' back", NULL, NULL);
   /* a full disk during the save: exit 2 (an I/O failure), latest and every generation as they were, no temporary
    * left */
   a[6] = "6";
   a[8] = at(b, "K");
   dt_run_opts full = {30, 4096, NULL, 0};
   expect(b, a, 2, "step-000000006", NULL, &full);
+}
+
+/* A checkpoint folder knows what wrote it: a run or a compare of another model or optimizer is refused before
+ * any step, the folder untouched (run's data was lost to compare --checkpoint-dir before); the same run again
+ * would replace its generations: refused; --start-over removes them first, other files stay. */
+static void test_whose_folder(void **st) {
+  (void)st;
+  char b[400];
+  box("whose", b, sizeof b);
+  make_ckpt(at(b, "K"), "4");
+  put(at(b, "K/notes.txt"), "mine");
+  char k[700];
+  snprintf(k, sizeof k, "%s", at(b, "K"));
+  const char *other[] = {"run", "--params", inputs, "--optimizer", "lamb", "--steps", "6", "--save", k, "--quiet", NULL};
+  expect(b, other, 2, "holds another run's generations: ", NULL, NULL);
+  const char *hp[] = {"run", "--params", inputs, "--optimizer", "adamw", "--hparams", "lr=0.002", "--steps", "6",
+                      "--save", k, "--quiet", NULL};
+  expect(b, hp, 2, "hyperparameter lr", NULL, NULL);
+  const char *cmp[] = {"compare", "--steps", "6", "--checkpoint-at", "3", "--checkpoint-dir", k, "--quiet", NULL};
+  expect(b, cmp, 2, "holds another run's generations: ", NULL, NULL);
+  const char *again[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "4", "--save", k, "--quiet", NULL};
+  expect(b, again, 2, "a save after step 4 would replace it", NULL, NULL);
+  /* the same run, later steps: added after latest */
+  const char *later[] = {"run", "--params", inputs, "--optimizer", "adamw", "--steps", "6", "--save", k, "--quiet", NULL};
+  const char *ol[] = {"K/step-000000006", "K/latest", NULL};
+  expect(b, later, 0, NULL, ol, NULL);
+  /* --start-over: every generation and latest removed, this run's saved; notes.txt stays */
+  const char *over[] = {"run", "--params", inputs, "--optimizer", "lamb", "--steps", "3", "--save", k, "--start-over",
+                        "--quiet", NULL};
+  const char *oo[] = {"K/step-000000004", "K/step-000000006", "K/step-000000003", "K/latest", NULL};
+  expect(b, over, 0, NULL, oo, NULL);
+  assert_int_equal(kind_of(at(b, "K/step-000000004")), 0);
+  assert_int_equal(kind_of(at(b, "K/step-000000006")), 0);
+  assert_int_equal(kind_of(at(b, "K/step-000000003")), S_IFDIR);
+  assert_int_equal(kind_of(at(b, "K/notes.txt")), S_IFREG);
+  char *l = slurp(at(b, "K/latest"));
+  assert_string_equal(l, "step-000000003\n");
+  free(l);
+  const char *alone[] = {"run", "--params", inputs, "--optimizer", "adamw", "--start-over", "--out", at(b, "o.st"), NULL};
+  expect(b, alone, 2, "--start-over needs --save", NULL, NULL);
 }
 
 /* ---- commands: readers never block -------------------------------------------------------------- */
@@ -716,7 +765,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_remove_flat_dir),    cmocka_unit_test(test_atomic_write),
       cmocka_unit_test(test_open_read),          cmocka_unit_test(test_save_never_follows_links),
       cmocka_unit_test(test_outputs_one_rule),   cmocka_unit_test(test_outputs_never_inputs),
-      cmocka_unit_test(test_save_into_resumed),  cmocka_unit_test(test_readers_never_block),
+      cmocka_unit_test(test_save_into_resumed), cmocka_unit_test(test_whose_folder),
+      cmocka_unit_test(test_readers_never_block),
       cmocka_unit_test(test_exit_codes),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
