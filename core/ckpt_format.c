@@ -446,6 +446,12 @@ dopt_status ck_read_json(const char *path, cJSON **out) {
   char *text;
   size_t n;
   DOPT_TRY(dopt__read_all(path, CK_MAX_JSON, &text, &n));
+  const long nul = dopt__json_nul(text, n);
+  if (nul >= 0) {
+    free(text);
+    *out = NULL;
+    return dopt__fail(DOPT_ERR_FORMAT, "%s: a NUL character at byte %ld (a string would be cut short there)", path, nul);
+  }
   const char *end = NULL;
   *out = cJSON_ParseWithLengthOpts(text, n, &end, 0);
   int trailing = 0;

@@ -133,6 +133,25 @@ dopt_status dopt__fopen_read(const char *path, FILE **out, uint64_t *size) {
   return DOPT_OK;
 }
 
+long dopt__json_nul(const char *text, size_t n) {
+  int in = 0; /* inside a string */
+  for (size_t i = 0; i < n; i++) {
+    const char ch = text[i];
+    if (ch == '\0') return (long)i;
+    if (!in) {
+      in = ch == '"';
+      continue;
+    }
+    if (ch == '"') {
+      in = 0;
+    } else if (ch == '\\' && i + 1 < n) {
+      if (text[i + 1] == 'u' && i + 5 < n && memcmp(text + i + 2, "0000", 4) == 0) return (long)i;
+      i++; /* the escaped character */
+    }
+  }
+  return -1;
+}
+
 dopt_status dopt__pread_all(int fd, void *buf, size_t n, uint64_t off, const char *path) {
   unsigned char *p = buf;
   while (n > 0) {

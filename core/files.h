@@ -33,6 +33,10 @@ dopt_status dopt__open_read(const char *path, int *fd, uint64_t *size);
 dopt_status dopt__fopen_read(const char *path, FILE **f, uint64_t *size);
 /* The whole file, NUL-terminated, at most max bytes (DOPT_ERR_FORMAT beyond). */
 dopt_status dopt__read_all(const char *path, size_t max, char **text, size_t *len);
+/* The offset of the first NUL a JSON text would carry into a C string — a raw NUL byte, or the escape \u0000
+ * in a string, where a parser cuts the string short (a name or a path that ends early) — or -1. Every JSON
+ * reader (checkpoint index and rank headers, safetensors headers, recordings' index.json) refuses such a text. */
+long dopt__json_nul(const char *text, size_t n);
 /* Exactly n bytes at offset off (path: for messages); a short file is DOPT_ERR_FORMAT. */
 dopt_status dopt__pread_all(int fd, void *buf, size_t n, uint64_t off, const char *path);
 dopt_status dopt__pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path);

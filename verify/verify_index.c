@@ -4,6 +4,7 @@
  * characters are escaped by the CLI's error printer). Unknown keys are
  * rejected: a recorder that writes more bumps schema_version. */
 #include "verify.h"
+#include "files.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -643,6 +644,8 @@ int vr_index_parse(const char *text, size_t len, const char *where, vr_index *ou
   if (cap) err[0] = '\0';
   if (len > (size_t)VR_MAX_INDEX_BYTES)
     return fail(&c, "%zu bytes, larger than the limit of %ld", len, VR_MAX_INDEX_BYTES);
+  const long nul = dopt__json_nul(text, len);
+  if (nul >= 0) return fail(&c, "a NUL character at byte %ld (a string would be cut short there)", nul);
   cJSON *root = cJSON_ParseWithLength(text, len);
   if (!root) {
     const char *at = cJSON_GetErrorPtr();

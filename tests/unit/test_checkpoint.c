@@ -434,6 +434,24 @@ static void edit_index(const char *gen, void (*fn)(cJSON *)) {
   cJSON_Delete(j);
 }
 
+/* Replaces the first `from` in gen's index.json text with `to` (raw text: what cJSON cannot print). */
+static void edit_index_text(const char *gen, const char *from, const char *to) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/index.json", gen);
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  static char text[1 << 20], out[(1 << 20) + 256];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  char *at = strstr(text, from);
+  assert_non_null(at);
+  snprintf(out, sizeof out, "%.*s%s%s", (int)(at - text), text, to, at + strlen(from));
+  f = fopen(path, "wb");
+  fputs(out, f);
+  fclose(f);
+}
+
 static cJSON *first_piece(cJSON *j, const char *tensor) {
   cJSON *t;
   cJSON_ArrayForEach(t, cJSON_GetObjectItem(j, "tensors")) if (strcmp(cJSON_GetObjectItem(t, "name")->valuestring,
@@ -609,6 +627,11 @@ static void test_corruption(void **st) {
   copy_good(path);
   edit_index(path, ed_format);
   expect_refused(ob, &b, path, DOPT_ERR_FORMAT, "something-else", "index.json");
+  /* a NUL escaped into a string: the parser would cut the format name there and accept it */
+  snprintf(path, sizeof path, "%s/c_nul", dir);
+  copy_good(path);
+  edit_index_text(path, "\"distopt-checkpoint\"", "\"distopt-checkpoint\\u0000/../x\"");
+  expect_refused(ob, &b, path, DOPT_ERR_FORMAT, "a NUL character at byte", "index.json");
   /* counters that disagree with each other */
   static const struct {
     const char *name;

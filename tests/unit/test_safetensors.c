@@ -100,6 +100,9 @@ static void test_malformed(void **st) {
        16, -1, DOPT_ERR_FORMAT, "twice"},
       {"{\"__metadata__\":{\"k\":1}}", 0, -1, DOPT_ERR_FORMAT, "__metadata__['k']"},
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, -1, DOPT_ERR_FORMAT, "reversed"},
+      /* a tensor name with an escaped NUL: parsed, it would be the name "a" */
+      {"{\"a\\u0000b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, -1, DOPT_ERR_FORMAT,
+       "a NUL character at byte 11"},
       /* numel = 2^62, bytes = 2^64 ≡ 0: accepted (and crashing later) before the byte count was overflow-checked */
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],\"data_offsets\":[0,0]}}", 0, -1,
        DOPT_ERR_FORMAT, "overflow the byte count"},
@@ -113,6 +116,13 @@ static void test_malformed(void **st) {
       fail_msg("case %zu: %s '%s'", i, dopt_status_name(s), dopt_last_error());
     assert_null(f);
   }
+  /* an escaped backslash before u0000 is no NUL: the name 'a\u0000' (six characters) loads in full */
+  const char *bs = write_raw("bs.safetensors", "{\"a\\\\u0000\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+                             8, -1);
+  assert_int_equal(dopt_st_load(bs, &f), DOPT_OK);
+  dopt_st_tensor x;
+  assert_int_equal(dopt_st_find(f, "a\\u0000", &x), DOPT_OK);
+  dopt_st_free(f);
   /* truncated: fewer than 8 bytes */
   char path[512];
   snprintf(path, sizeof path, "%s/short.safetensors", dir);
