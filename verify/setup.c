@@ -196,6 +196,12 @@ int vf_force_states(vctx *c, long t, int strict) {
   return CLI_OK;
 }
 
+static void shape_text(int ndim, const int64_t *shape, char *buf, size_t cap) {
+  size_t o = (size_t)snprintf(buf, cap, "[");
+  for (int d = 0; d < ndim && o < cap; d++) o += (size_t)snprintf(buf + o, cap - o, "%s%lld", d ? ", " : "", (long long)shape[d]);
+  if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
 static int open_reference(vctx *c) {
   const vr_index *ix = &c->rd.ix;
   if (vr_reader_open(&c->ref, c->ref_path) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
@@ -206,13 +212,34 @@ static int open_reference(vctx *c) {
   if (rx->nparams != ix->nparams)
     return cli_errorf(CMD, "--reference %s: %d parameters, the recording has %d", c->ref.index_path, rx->nparams,
                       ix->nparams);
+  /* the same computation: optimizer, hyperparameters of every group, every parameter's shape and group; what a
+   * single-device twin legitimately differs in passes (its world size, a longer window, its gradients' dtype) */
+  if (strcmp(rx->optimizer, ix->optimizer) != 0)
+    return cli_errorf(CMD, "--reference %s: optimizer '%s', the recording's is '%s'", c->ref.index_path,
+                      rx->optimizer[0] ? rx->optimizer : "null", ix->optimizer[0] ? ix->optimizer : "null");
+  if (rx->ngroups != ix->ngroups)
+    return cli_errorf(CMD, "--reference %s: %d parameter groups, the recording has %d", c->ref.index_path, rx->ngroups,
+                      ix->ngroups);
+  for (int g = 0; g < ix->ngroups; g++)
+    if (strcmp(rx->group_hparams[g], ix->group_hparams[g]) != 0)
+      return cli_errorf(CMD, "--reference %s: group %d's hyperparameters '%.200s', the recording's '%.200s'",
+                        c->ref.index_path, g, rx->group_hparams[g], ix->group_hparams[g]);
   for (int p = 0; p < ix->nparams; p++) {
-    int q = vr_index_find_param(rx, ix->params[p].name);
-    if (q < 0 || rx->params[q].numel != ix->params[p].numel)
-      return cli_errorf(CMD, "--reference %s: parameter '%s' is %s", c->ref.index_path, ix->params[p].name,
-                        q < 0 ? "missing" : "of another size");
+    const vr_param *a = &ix->params[p];
+    int q = vr_index_find_param(rx, a->name);
+    if (q < 0) return cli_errorf(CMD, "--reference %s: parameter '%s' is missing", c->ref.index_path, a->name);
+    const vr_param *b = &rx->params[q];
+    int same = b->ndim == a->ndim && b->group == a->group;
+    for (int d = 0; same && d < a->ndim; d++) same = b->shape[d] == a->shape[d];
+    if (!same) {
+      char sa[160], sb[160];
+      shape_text(a->ndim, a->shape, sa, sizeof sa);
+      shape_text(b->ndim, b->shape, sb, sizeof sb);
+      return cli_errorf(CMD, "--reference %s: parameter '%s' is %s in group %d, the recording's %s in group %d",
+                        c->ref.index_path, a->name, sb, b->group, sa, a->group);
+    }
   }
-  if (rx->start_step != ix->start_step || rx->steps < ix->steps)
+  if (rx->start_step > ix->start_step || rx->steps < ix->steps)
     return cli_errorf(CMD, "--reference %s: steps %ld..%ld, the recording's are %ld..%ld", c->ref.index_path,
                       rx->start_step + 1, rx->steps, ix->start_step + 1, ix->steps);
   return CLI_OK;

@@ -704,6 +704,42 @@ def case_replay():
         v = res.verdict
         H.check(res.diverged and (v["step"], v["tensor"]) == (5, "w/rms"),
                 f"the shard-local statistic planted at step 5 is named at step 5 (stepwise={stepwise}): {v}")
+    # a reference that is not of the same computation is refused (exit 2, one line): another optimizer, other
+    # hyperparameters, a transposed shape (the same element count: values alone would be compared)
+    import shutil
+    wref = os.path.join(d, "ref_work")
+    os.makedirs(wref)
+    res = replay(good, H.make_normalized, rtol=1e-5, work=wref)
+    H.check(res.ok, f"the reference kept in work=: {res!r}")
+    src = os.path.join(wref, "reference.rec")
+
+    def tampered(tag, fn):
+        dst = os.path.join(d, f"ref_{tag}.rec")
+        shutil.copytree(src, dst)
+        with open(os.path.join(dst, "index.json")) as f:
+            ix = json.load(f)
+        fn(ix)
+        with open(os.path.join(dst, "index.json"), "w") as f:
+            json.dump(ix, f)
+        return dst
+
+    def set_name(ix):
+        ix["optimizer"]["name"] = "adamw"
+
+    def set_hp(ix):
+        ix["groups"][0]["hparams"] = "lr=0.5"
+
+    def transpose(ix):
+        ix["params"][0]["shape"] = ix["params"][0]["shape"][::-1]
+
+    for tag, fn, needle in (("name", set_name, "optimizer 'adamw', the recording's is 'null'"),
+                            ("hparams", set_hp, "group 0's hyperparameters 'lr=0.5'"),
+                            ("shape", transpose, f"parameter 'w' is [{H.COLS}, {H.ROWS}] in group 0, the recording's "
+                                                 f"[{H.ROWS}, {H.COLS}]")):
+        p = subprocess.run([H.cli(), "verify", good, "--rtol", "1e-5", "--reference", tampered(tag, fn)],
+                           capture_output=True, text=True)
+        H.check(p.returncode == 2 and needle in p.stderr and p.stderr.count("\n") == 1,
+                f"a reference with another {tag} refused: {p.returncode} {p.stderr}")
     # the command-line form (Python: python3 -m distopt.replay)
     p = subprocess.run([sys.executable, "-m", "distopt.replay", bad, "harness:make_normalized", "--stepwise",
                         "--rtol", "1e-5"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
