@@ -148,9 +148,21 @@ dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const ch
   return agree(d, s, "commit");
 }
 
+/* The checkpoint's `tensor` holds elements of dtype dt (an I32 tensor where an F32 state belongs has the same
+ * bytes: read as floats, it would load silently). */
+static dopt_status check_dtype(dopt_ckpt_reader *r, const char *tensor, dopt_dtype dt) {
+  dopt_ckpt_tensor_info x;
+  DOPT_TRY(dopt_ckpt_find(r, tensor, &x));
+  if (x.dtype != dt)
+    return dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s': expected %s, the checkpoint has %s", dopt_ckpt_path(r), tensor,
+                      dopt_dtype_name(dt), dopt_dtype_name(x.dtype));
+  return DOPT_OK;
+}
+
 /* Reads the piece pc of `tensor` into device x (dtype dt), through host scratch. */
 static dopt_status get_piece(dopt_dist_optim *d, dopt_ckpt_reader *r, const char *tensor, dopt_dtype dt,
                              const dopt_piece *pc, void *x) {
+  DOPT_TRY(check_dtype(r, tensor, dt));
   const size_t bytes = pc->len * dopt_dtype_size(dt);
   if (bytes == 0) return DOPT_OK;
   unsigned char *h = NULL;
@@ -163,6 +175,7 @@ static dopt_status get_piece(dopt_dist_optim *d, dopt_ckpt_reader *r, const char
  * logical [nb] from its first block to its last, read at once, then picked. */
 static dopt_status get_blocks(dopt_dist_optim *d, dopt_ckpt_reader *r, const char *tensor, const dist_param *p,
                               void *x) {
+  DOPT_TRY(check_dtype(r, tensor, DOPT_F32));
   if (p->nblk == 0) return DOPT_OK;
   const size_t b0 = p->blk[0], span = p->blk[p->nblk - 1] - b0 + 1;
   const int64_t nb = (int64_t)((dopt_numel(p->ndim, p->shape) + p->qblock - 1) / p->qblock);

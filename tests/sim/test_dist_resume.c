@@ -10,6 +10,7 @@
  * generation loadable. */
 #include "testutil.h"
 
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -260,6 +261,76 @@ static void test_resume_refused(void **st) {
   rmtree(dir);
 }
 
+/* In `file`, the first "F32" after each occurrence of `after` becomes "I32" (the same length: a safetensors
+ * header keeps its size); the number of changes. */
+static int retype_in(const char *file, const char *after) {
+  FILE *f = fopen(file, "rb");
+  if (!f) return 0;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *b = malloc((size_t)n + 1);
+  assert_non_null(b);
+  assert_int_equal(fread(b, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  b[n] = '\0';
+  int changed = 0;
+  const size_t al = strlen(after);
+  for (long i = 0; i + (long)al < n; i++) {
+    if (memcmp(b + i, after, al) != 0) continue;
+    for (long j = i + (long)al; j + 5 <= n; j++)
+      if (memcmp(b + j, "\"F32\"", 5) == 0) {
+        b[j + 1] = 'I';
+        changed++;
+        break;
+      }
+  }
+  f = fopen(file, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(b, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  free(b);
+  return changed;
+}
+
+/* A state stored with another dtype of the same size (I32 where the F32 exp_avg belongs; the index and the rank
+ * files agree, the bytes and digests unchanged) is refused by the distributed load on every rank, naming the
+ * tensor and both dtypes: read as floats it would load silently. */
+static void test_resume_dtype_refused(void **st) {
+  (void)st;
+  char dir[512], path[700];
+  tmpdir(dir, sizeof dir);
+  dt_case c = make_case(0, 2);
+  dt_result ref, got;
+  assert_ok(dt_run_reference(&c, 2, &ref));
+  const dt_layout l = {2, 2, 2, 0};
+  run_phase(&c, &l, 1, K, NULL, dir, &ref, &got);
+  dt_result_free(&got);
+  int changed = 0;
+  snprintf(path, sizeof path, "%s/step-%09d/index.json", dir, K);
+  changed += retype_in(path, "\"emb/exp_avg\"");
+  snprintf(path, sizeof path, "%s/step-%09d", dir, K);
+  DIR *g = opendir(path);
+  assert_non_null(g);
+  for (struct dirent *e; (e = readdir(g)) != NULL;) {
+    const size_t n = strlen(e->d_name);
+    if (n < 12 || strcmp(e->d_name + n - 12, ".safetensors") != 0) continue;
+    char file[1000];
+    snprintf(file, sizeof file, "%s/%s", path, e->d_name);
+    changed += retype_in(file, "\"emb/exp_avg@");
+  }
+  closedir(g);
+  if (changed < 2) fail_msg("test bug: emb/exp_avg retyped in %d places", changed);
+  dt_expect(&got, &ref);
+  char err[1024] = "";
+  dopt_status s = dt_run_dist_steps(&c, &l, K + 1, STEPS, dir, NULL, &got, err, sizeof err);
+  if (s == DOPT_OK) fail_msg("an I32 emb/exp_avg was loaded as the F32 state");
+  if (!strstr(err, "tensor 'emb/exp_avg': expected F32, the checkpoint has I32")) fail_msg("refusal: %s", err);
+  dt_result_free(&got);
+  dt_result_free(&ref);
+  rmtree(dir);
+}
+
 /* 8-bit absmax of ROW-split tensors whose rows are wider than a block: a rank's blocks are strided (rows 0,
  * 1, ... of its columns touch blocks with gaps between them), so a load must pick its blocks out of the
  * saved range, not take the first ones. Bitwise the uninterrupted run across tp and dp changes. */
@@ -369,6 +440,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_resume_grid), cmocka_unit_test(test_resume_real_runs),
                                      cmocka_unit_test(test_resume_through_reference),
                                      cmocka_unit_test(test_resume_refused),
+                                     cmocka_unit_test(test_resume_dtype_refused),
                                      cmocka_unit_test(test_resume_owner_mode_checkpoint),
                                      cmocka_unit_test(test_resume_8bit_strided_blocks)};
   return cmocka_run_group_tests(tests, NULL, NULL);
