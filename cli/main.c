@@ -16,20 +16,15 @@ int cli_error(const char *cmd, dopt_status s) {
   return CLI_USAGE;
 }
 
-/* One line on stderr: control characters of the message (echoed input) are written as \xNN. */
+/* One line on stderr: the message (echoed input) escaped by the one rule (dopt__escape). */
 int cli_errorf(const char *cmd, const char *fmt, ...) {
-  char msg[1024];
+  char msg[1024], line[4 * sizeof msg];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  fprintf(stderr, "distopt%s%s: ", *cmd ? " " : "", cmd);
-  for (const char *p = msg; *p; p++) {
-    unsigned char c = (unsigned char)*p;
-    if (c < 0x20 || c == 0x7f) fprintf(stderr, "\\x%02x", c);
-    else fputc(c, stderr);
-  }
-  fputc('\n', stderr);
+  dopt__escape(msg, strlen(msg), line, sizeof line);
+  fprintf(stderr, "distopt%s%s: %s\n", *cmd ? " " : "", cmd, line);
   return CLI_USAGE;
 }
 

@@ -507,12 +507,11 @@ static void cell_text(const cmp_sweep_cell *c, char *buf, size_t cap) {
   }
 }
 
-/* s with control characters as \xNN (messages echo input). */
+/* s escaped by the one rule (dopt__escape; messages echo input). */
 static void put_escaped(FILE *f, const char *s) {
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if (*p < 0x20 || *p == 0x7f) fprintf(f, "\\x%02x", *p);
-    else fputc(*p, f);
-  }
+  char line[4096];
+  dopt__escape(s, strlen(s), line, sizeof line);
+  fputs(line, f);
 }
 
 void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells, int ncells) {

@@ -5,7 +5,7 @@
 set -euo pipefail
 here=$(dirname "$0")
 pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmocka-dev libcjson-dev libyaml-dev libssl-dev
-  libopenmpi-dev openmpi-bin) # OpenMPI: the MPI transport and its mpirun tests (docs/mpi.md)
+  libunistring-dev libopenmpi-dev openmpi-bin) # OpenMPI: the MPI transport and its mpirun tests (docs/mpi.md)
 # --fuzz: also clang and its libFuzzer/sanitizer runtime (only a Recommends of clang on bookworm)
 # --python: Debian's python3 with numpy, venv and torch (1.13), and then the pinned torch 2 venv
 #           (cmake/torch2.sh: outside the clone, where the CUDA 13 runtime its wheel links to exists; one

@@ -17,6 +17,11 @@
  * name the argument and the value that failed, e.g.
  *   return dopt__fail(DOPT_ERR_INVALID_ARG, "adafactor: clip_threshold=%g must be > 0", v); */
 dopt_status dopt__fail(dopt_status s, const char *fmt, ...) DOPT_PRINTF(2, 3);
+/* The one escaping rule for what is echoed (core/escape.c): s[0..n) into out (cap bytes, NUL-terminated) with
+ * C0 controls and DEL as \xNN, C1 controls, format characters (bidi controls, zero-width characters, the BOM)
+ * and line/paragraph separators as \uXXXX, each byte of invalid UTF-8 as \xNN; other text, non-ASCII included,
+ * as it is. Never splits an escape or a character; returns the bytes written. */
+size_t dopt__escape(const char *s, size_t n, char *out, size_t cap);
 
 /* Propagate a failing status (the callee already wrote the message). */
 #define DOPT_TRY(expr)                 \

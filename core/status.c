@@ -46,17 +46,17 @@ dopt_status dopt__fail(dopt_status s, const char *fmt, ...) {
   vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
   const char *name = dopt_status_name(s);
-  int n = snprintf(tls_msg, sizeof tls_msg, "%s: ", name);
-  size_t o = n < 0 || (size_t)n >= sizeof tls_msg ? 0 : (size_t)n, nl = strlen(name);
-  for (const char *p = raw; *p && o + 5 < sizeof tls_msg; p++) {
+  char text[sizeof raw]; /* raw without a repeat of "NAME: " */
+  size_t t = 0, nl = strlen(name);
+  for (const char *p = raw; *p; p++) {
     if (strncmp(p, name, nl) == 0 && p[nl] == ':' && p[nl + 1] == ' ') {
       p += nl + 1; /* the loop's p++ skips the space */
       continue;
     }
-    unsigned char c = (unsigned char)*p;
-    if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(tls_msg + o, sizeof tls_msg - o, "\\x%02x", c);
-    else tls_msg[o++] = (char)c;
+    text[t++] = *p;
   }
-  tls_msg[o] = '\0';
+  int n = snprintf(tls_msg, sizeof tls_msg, "%s: ", name);
+  size_t o = n < 0 || (size_t)n >= sizeof tls_msg ? 0 : (size_t)n;
+  dopt__escape(text, t, tls_msg + o, sizeof tls_msg - o);
   return s;
 }

@@ -33,31 +33,18 @@ static int fail(vctx *c, const char *fmt, ...) {
   va_end(ap);
   /* one line whatever the index holds: a key path echoes JSON keys, which may hold any character */
   char line[sizeof msg * 4];
-  size_t k = 0;
-  for (const unsigned char *p = (const unsigned char *)msg; *p && k + 5 < sizeof line; p++) {
-    if (*p < 0x20 || *p == 0x7f) k += (size_t)snprintf(line + k, sizeof line - k, "\\x%02x", *p);
-    else line[k++] = (char)*p;
-  }
-  line[k] = '\0';
+  dopt__escape(msg, strlen(msg), line, sizeof line);
   snprintf(c->err, c->cap, "%s: %s", c->where, line);
   return -1;
 }
 
-/* A string for a message: quoted, at most 60 bytes, control characters as \xNN. */
+/* A string for a message: quoted, its first 60 bytes escaped (dopt__escape), "..." when cut. */
 static const char *shown(const char *s, char *buf, size_t cap) {
-  size_t k = 0;
   if (cap < 16) return "";
-  buf[k++] = '\'';
-  for (size_t i = 0; s[i] && k + 8 < cap; i++) {
-    unsigned char ch = (unsigned char)s[i];
-    if (i == 60) {
-      memcpy(buf + k, "...", 3);
-      k += 3;
-      break;
-    }
-    if (ch < 0x20 || ch == 0x7f) k += (size_t)snprintf(buf + k, cap - k, "\\x%02x", ch);
-    else buf[k++] = (char)ch;
-  }
+  const size_t n = strnlen(s, 61);
+  buf[0] = '\'';
+  size_t k = 1 + dopt__escape(s, n > 60 ? 60 : n, buf + 1, cap - 5);
+  if (n > 60) memcpy(buf + k, "...", 3), k += 3;
   buf[k++] = '\'';
   buf[k] = '\0';
   return buf;

@@ -644,6 +644,23 @@ static void test_whose_folder(void **st) {
   expect(b, alone, 2, "--start-over needs --save", NULL, NULL);
 }
 
+/* What a command echoes is escaped by the one rule: a path holding a bidi override, a C1 control and a byte
+ * that is not UTF-8 comes back as \u202e, \u0085 and \xff on one line (they reached the terminal raw). */
+static void test_echo_escaped(void **st) {
+  (void)st;
+  char b[400];
+  box("echo", b, sizeof b);
+  char bad[700];
+  snprintf(bad, sizeof bad, "%s/p\xe2\x80\xae\xc2\x85\xff.st", b);
+  const char *a[] = {"run", "--params", bad, "--optimizer", "adamw", "--out", at(b, "o.st"), NULL};
+  expect(b, a, 2, "/p\\u202e\\u0085\\xff.st", NULL, NULL);
+  char *err = slurp(errfile);
+  if (strstr(err, "\xe2\x80\xae") || strstr(err, "\xc2\x85") || strchr(err, '\xff')) fail_msg("raw bytes echoed: %s", err);
+  free(err);
+  const char *v[] = {"verify", bad, NULL};
+  expect(b, v, 2, "p\\u202e\\u0085\\xff.st", NULL, NULL);
+}
+
 /* ---- commands: readers never block -------------------------------------------------------------- */
 
 static void test_readers_never_block(void **st) {
@@ -765,7 +782,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_remove_flat_dir),    cmocka_unit_test(test_atomic_write),
       cmocka_unit_test(test_open_read),          cmocka_unit_test(test_save_never_follows_links),
       cmocka_unit_test(test_outputs_one_rule),   cmocka_unit_test(test_outputs_never_inputs),
-      cmocka_unit_test(test_save_into_resumed), cmocka_unit_test(test_whose_folder),
+      cmocka_unit_test(test_save_into_resumed), cmocka_unit_test(test_whose_folder), cmocka_unit_test(test_echo_escaped),
       cmocka_unit_test(test_readers_never_block),
       cmocka_unit_test(test_exit_codes),
   };
