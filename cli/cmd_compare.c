@@ -373,8 +373,12 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
     if (s != DOPT_OK) return cli_error(CMD, s);
   }
   int steps_given = 0;
+  const char *other = config ? "--config" : NULL; /* the first option --matrix would ignore */
   for (int i = 1; i < argc && rc == CLI_OK; i++) {
     const char *a = argv[i];
+    if (!other && strcmp(a, "--matrix") != 0 && strcmp(a, "--steps") != 0 && strcmp(a, "--help") != 0 &&
+        strcmp(a, "-h") != 0)
+      other = a;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       compare_usage(stdout);
       return CLI_OK;
@@ -470,6 +474,9 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
   o->given_yaml &= ~cli_given;
   if (matrix && o->sweep) return cli_errorf(CMD, "--matrix and --sweep: choose one");
   if (max_given && !o->sweep) return cli_errorf(CMD, "--max-tp/--max-dp/--max-pp only apply with --sweep");
+  if (matrix && other)
+    return cli_errorf(CMD, "--matrix runs its own grid (every optimizer in every layout; only --steps applies): "
+                      "'%s' would be ignored", other);
   if (matrix) return run_matrix(steps_given ? o->steps : 20);
   if ((rc = check_paths(o, config)) != CLI_OK) return rc;
   /* no hyperparameters given: upstream's defaults, or the registry's example where those are not an optimizer */

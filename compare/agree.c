@@ -152,6 +152,9 @@ int cmp_config_text(const cmp_options *o, char *buf, size_t cap) {
   line(&t, "--resume-tp", "%d", o->resume_tp);
   line(&t, "--resume-dp", "%d", o->resume_dp);
   line(&t, "--resume-zero", "%d", o->resume_zero);
+  line(&t, "--resume-pp", "%d", o->resume_pp);
+  line(&t, "--resume-chunk-size", "%zu", o->resume_chunk_size);
+  line(&t, "--resume-ep", "%d", o->resume_ep);
   line(&t, "--checkpoint-dir", "%s", o->checkpoint_dir);
   line(&t, "--start-over", "%d", o->start_over);
   line(&t, "--json", "%s", o->json_path);

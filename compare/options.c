@@ -238,6 +238,11 @@ dopt_status ce_check_options(const cmp_options *o) {
                  "chunk_size=%zu is Gemini's chunk: it needs plugin gemini, not '%s'", o->chunk_size, o->plugin);
   DOPT_CHECK_ARG(o->resume_chunk_size == 0 || o->checkpoint_at > 0,
                  "resume chunk_size=%zu: there is no resume (checkpoint_at)", o->resume_chunk_size);
+  DOPT_CHECK_ARG(o->checkpoint_at > 0 || (!(o->given & (CMP_GIVEN_RESUME_PLUGIN | CMP_GIVEN_RESUME_TP |
+                                                         CMP_GIVEN_RESUME_DP | CMP_GIVEN_RESUME_ZERO)) &&
+                                          o->resume_pp == 0 && o->resume_ep == 0),
+                 "a resume layout (resume-plugin/-tp/-dp/-zero/-pp/-ep) is given but there is no resume "
+                 "(checkpoint_at)");
   DOPT_CHECK_ARG(!o->start_over || (o->checkpoint_at > 0 && o->checkpoint_dir[0]),
                  "start_over: it empties a checkpoint_dir that checkpoint_at saves into (none given)");
   if (strcmp(o->plugin, "gemini") == 0 && o->dp > 1)

@@ -39,6 +39,13 @@ dopt_status ce_build_plain(const cmp_options *o, const source *s, int dist, floa
   int *gid = calloc((size_t)o->ngroups + 1, sizeof *gid);
   dopt_status st = gid ? DOPT_OK : dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d groups", o->ngroups);
   for (int g = 0; g < o->ngroups && st == DOPT_OK; g++) st = dopt_optim_add_group(opt, o->groups[g].hp, &gid[g]);
+  for (int g = 0; g < o->ngroups && st == DOPT_OK; g++) { /* as run: a pattern that matches nothing is refused */
+    int hit = 0;
+    for (int i = 0; i < s->np && !hit; i++) hit = fnmatch(o->groups[g].glob, s->p[i].name, 0) == 0;
+    if (!hit)
+      st = dopt__fail(DOPT_ERR_INVALID_ARG, "group '%s': the pattern matches none of the %d parameters (the first: "
+                      "'%s')", o->groups[g].glob, s->np, s->np ? s->p[0].name : "");
+  }
   for (int i = 0; i < s->np && st == DOPT_OK; i++) {
     int group = 0;
     for (int g = 0; g < o->ngroups; g++)

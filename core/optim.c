@@ -21,8 +21,11 @@ static int find_key(const dopt_optim_impl *im, const char *key, size_t len) {
   for (int i = 0; i < im->nhp; i++)
     if (strlen(im->hp[i].key) == len && strncmp(im->hp[i].key, key, len) == 0) return i;
   /* a projection wrapper's composite: inner.KEY names the inner's KEY (its table says inner.KEY only where the
-   * wrapper has a KEY of its own) */
-  if (im->composed && len > 6 && strncmp(key, "inner.", 6) == 0) return find_key(im, key + 6, len - 6);
+   * wrapper has a KEY of its own): one prefix, and only a key of the inner (inner.rank is not the projector's
+   * rank, inner.inner.lr no key at all; a LISA group refuses both alike) */
+  if (im->composed && len > 6 && strncmp(key, "inner.", 6) == 0)
+    for (int i = im->nown; i < im->nhp; i++)
+      if (strlen(im->hp[i].key) == len - 6 && strncmp(im->hp[i].key, key + 6, len - 6) == 0) return i;
   return -1;
 }
 

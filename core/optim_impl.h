@@ -274,6 +274,7 @@ typedef struct dopt_optim_impl {
    * dopt__impl_release), or it fails when that inner cannot be wrapped. */
   dopt_status (*compose)(const struct dopt_optim_impl *self, const double *whp, const struct dopt_optim_impl **out);
   int composed;   /* 1: built by compose (heap; hp[0] is `inner` and fixed for the optimizer's life) */
+  int nown;       /* a composite: hp[0, nown) are the wrapper's own keys, the inner's follow */
   int projection; /* 1: GaLore or one of its fixed-inner aliases (not an inner for a projection wrapper) */
   int projector_hook; /* 1: its refreshes call dopt_step_args.proj_hook (dopt_galore_step) */
   /* A projection wrapper around this optimizer decays the full weight

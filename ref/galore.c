@@ -505,6 +505,7 @@ static dopt_status compose(const dopt_optim_impl *self, const double *whp, const
   im->nhp = nhp;
   im->compose = NULL;
   im->composed = 1;
+  im->nown = NOWN;
   *out = im;
   return DOPT_OK;
 }

@@ -340,6 +340,33 @@ static void test_batch_invariant(void **st) {
  * tp3 x dp2 x zero3 (fsdp) and in 1 x 1 x 0: bitwise every step, and the final
  * digest is the uninterrupted run's; a checkpoint directory that cannot be
  * created fails with one line. */
+/* Every option used or refused: a resume layout without --checkpoint-at, --matrix beside an option it would
+ * ignore, a group pattern that matches no parameter (run refused it; compare ignored all three). */
+static void test_compare_unused_options(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/unused.txt", dir);
+  static const struct {
+    const char *args[12];
+    const char *needle;
+  } cases[] = {
+      {{"compare", "--steps", "2", "--resume-tp", "2", NULL}, "there is no resume (checkpoint_at)"},
+      {{"compare", "--steps", "2", "--resume-pp", "2", NULL}, "there is no resume (checkpoint_at)"},
+      {{"compare", "--steps", "2", "--resume-plugin", "fsdp", NULL}, "there is no resume (checkpoint_at)"},
+      {{"compare", "--matrix", "--steps", "2", "--tp", "3", NULL}, "'--tp' would be ignored"},
+      {{"compare", "--optimizer", "adamw", "--matrix", NULL}, "'--optimizer' would be ignored"},
+      {{"compare", "--optimizer", "adamw", "--steps", "2", "--group", "nomatch*:lr=0.1", NULL},
+       "group 'nomatch*': the pattern matches none of the"},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    assert_int_equal(run_out(cases[k].args, out), 2);
+    char *err = slurp(errfile);
+    if (!strstr(err, cases[k].needle) || strchr(err, '\n') != strrchr(err, '\n'))
+      fail_msg("case %zu: want one line naming '%s': %s", k, cases[k].needle, err);
+    free(err);
+  }
+}
+
 static void test_compare_checkpoint(void **st) {
   (void)st;
   char out[600], ck[600], hex[65], want[65];
@@ -1668,7 +1695,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_compare),
       cmocka_unit_test(test_batch_invariant),
-      cmocka_unit_test(test_compare_checkpoint),
+      cmocka_unit_test(test_compare_unused_options), cmocka_unit_test(test_compare_checkpoint),
       cmocka_unit_test(test_compare_bad_input),
       cmocka_unit_test(test_lisa_layers_from_names),
       cmocka_unit_test(test_mem_per_rank),

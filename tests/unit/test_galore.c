@@ -342,6 +342,17 @@ static void test_registry_hparams(void **st) {
   assert_ok(dopt_optim_get_hparam(o, 0, "proj_type", &v));
   assert_true(v == DOPT_PROJ_FULL);
   dopt_optim_destroy(o);
+  /* the composite galore: inner.KEY names a key of the inner only, under one prefix (inner.rank went to the
+   * projector's rank and inner.inner.lr to lr; LISA refuses both alike) */
+  assert_ok(dopt_optim_create("galore", "inner=adamw,inner.lr=0.01,rank=2", &o));
+  assert_ok(dopt_optim_get_hparam(o, 0, "inner.lr", &v));
+  assert_true(v == 0.01);
+  assert_ok(dopt_optim_get_hparam(o, 0, "rank", &v));
+  assert_true(v == 2);
+  dopt_optim_destroy(o);
+  assert_status(dopt_optim_create("galore", "inner=adamw,inner.rank=3", &o), DOPT_ERR_NOT_FOUND, "'inner.rank'");
+  assert_status(dopt_optim_create("galore", "inner=adamw,inner.inner.lr=0.1", &o), DOPT_ERR_NOT_FOUND,
+                "'inner.inner.lr'");
 }
 
 /* galore_torch's projector rule (docs/galore.md): projected side and low-rank shape. */
