@@ -4,9 +4,11 @@
 #include <fnmatch.h>
 #include <limits.h>
 #include <math.h>
+#include <stdio.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -275,9 +277,78 @@ static dopt_status checkpoint_dir(const cmp_options *o, const dopt_optim *plain,
 }
 
 
+/* The memory this process may use: the least of MemAvailable (/proc/meminfo), the cgroup's room (v2:
+ * memory.max less memory.current) and RLIMIT_AS; $DOPT_MEM_AVAILABLE (bytes) replaces all three (tests).
+ * *which names the measure that decided; INFINITY when none is known. */
+static double mem_available(const char **which) {
+  const char *env = getenv("DOPT_MEM_AVAILABLE");
+  if (env && *env) {
+    char *end;
+    const double v = strtod(env, &end);
+    if (!*end && v >= 0) {
+      *which = "DOPT_MEM_AVAILABLE";
+      return v;
+    }
+  }
+  double best = INFINITY;
+  *which = "unknown";
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[256];
+  while (f && fgets(line, sizeof line, f)) {
+    unsigned long long kb;
+    if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1 && (double)kb * 1024.0 < best)
+      best = (double)kb * 1024.0, *which = "MemAvailable in /proc/meminfo";
+  }
+  if (f) fclose(f);
+  unsigned long long max = 0, cur = 0;
+  FILE *m = fopen("/sys/fs/cgroup/memory.max", "r"), *c = fopen("/sys/fs/cgroup/memory.current", "r");
+  if (m && c && fscanf(m, "%llu", &max) == 1 && fscanf(c, "%llu", &cur) == 1 && max >= cur &&
+      (double)(max - cur) < best)
+    best = (double)(max - cur), *which = "the cgroup's memory.max less memory.current";
+  if (m) fclose(m);
+  if (c) fclose(c);
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && (double)rl.rlim_cur < best)
+    best = (double)rl.rlim_cur, *which = "RLIMIT_AS (ulimit -v)";
+  return best;
+}
+
+/* --model: the least a run holds, in fp32 model copies, against the memory it may use, before anything is
+ * allocated (a 7b model at dp 8 would otherwise fail minutes later, or be killed). A lower bound: the
+ * reference's parameters and gradient sum, the shared template and the optimizer's states
+ * (dopt_optim_state_bytes_for, exact), and the distributed side's parameters (dp copies below ZeRO-3, one at
+ * ZeRO-3), every rank's gradients (dp copies: each generates its own) and the states once more. Measured
+ * peaks are higher (docs/cli.md "Scale": 13 to 52 copies). */
+static dopt_status check_model_memory(const cmp_options *o) {
+  if (!o->model[0]) return DOPT_OK;
+  cmp_model m;
+  DOPT_TRY(cmp_model_parse(o->model, &m));
+  double params = 0, states = 0;
+  for (int i = 0; i < cmp_model_ntensors(&m); i++) {
+    cmp_model_tensor t;
+    cmp_model_tensor_at(&m, i, &t);
+    double n = 1;
+    for (int d = 0; d < t.ndim; d++) n *= (double)t.shape[d];
+    params += n;
+    size_t b = 0;
+    if (dopt_optim_state_bytes_for(o->optimizer, o->hparams, t.ndim, t.shape, &b) == DOPT_OK) states += (double)b;
+  }
+  const double dp = o->dp > 0 ? o->dp : 1, copies = 3.0 + (o->zero == 3 ? 1.0 : dp) + dp + (o->bf16 ? 1.5 : 0.0);
+  const double need = 4.0 * params * copies + 2.0 * states;
+  const char *which;
+  const double have = mem_available(&which);
+  if (need <= have) return DOPT_OK;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  return dopt__fail(DOPT_ERR_NO_MEMORY, "--model %s (%.4g M parameters) at dp %d zero %d holds at least %.2f GiB "
+                    "(%.4g fp32 copies of %.3g GiB and %.3g GiB of %s states, twice), more than the %.2f GiB "
+                    "available (%s): a smaller model or fewer dp ranks", o->model, params / 1e6, o->dp, o->zero,
+                    need / gib, copies, 4.0 * params / gib, states / gib, o->optimizer, have / gib, which);
+}
+
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
   DOPT_TRY(ce_check_options(o));
+  DOPT_TRY(check_model_memory(o));
   source s;
   dopt_status st = ce_load_source(o, &s);
   if (st == DOPT_OK)

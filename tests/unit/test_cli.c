@@ -367,6 +367,30 @@ static void test_compare_unused_options(void **st) {
   }
 }
 
+/* --model: the least the run holds, against the memory it may use, before anything is allocated: refused in
+ * one line naming the measure (DOPT_MEM_AVAILABLE here; RLIMIT_AS through ulimit -v), run when it fits. */
+static void test_compare_model_memory(void **st) {
+  (void)st;
+  char out[600];
+  snprintf(out, sizeof out, "%s/mem.txt", dir);
+  const char *args[] = {"compare", "--model", "2mx4", "--steps", "1", "--quiet", NULL};
+  const char *tight[] = {"DOPT_MEM_AVAILABLE=1000000", NULL}, *roomy[] = {"DOPT_MEM_AVAILABLE=1e12", NULL};
+  dt_run_opts o = {120, 0, tight, 0};
+  assert_int_equal(dt_run_with(bin, args, out, errfile, &o), 2);
+  char *err = slurp(errfile);
+  if (!strstr(err, "--model 2mx4 (") || !strstr(err, "more than the 0.00 GiB available (DOPT_MEM_AVAILABLE)"))
+    fail_msg("the refusal: %s", err);
+  free(err);
+  o.env = roomy;
+  assert_int_equal(dt_run_with(bin, args, out, errfile, &o), 0);
+  const char *big[] = {"compare", "--model", "llama-130m", "--steps", "1", NULL};
+  dt_run_opts lim = {120, 0, NULL, 2000000000ul};
+  assert_int_equal(dt_run_with(bin, big, out, errfile, &lim), 2);
+  err = slurp(errfile);
+  if (!strstr(err, "available (RLIMIT_AS (ulimit -v))")) fail_msg("the refusal under RLIMIT_AS: %s", err);
+  free(err);
+}
+
 static void test_compare_checkpoint(void **st) {
   (void)st;
   char out[600], ck[600], hex[65], want[65];
@@ -1695,7 +1719,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_compare),
       cmocka_unit_test(test_batch_invariant),
-      cmocka_unit_test(test_compare_unused_options), cmocka_unit_test(test_compare_checkpoint),
+      cmocka_unit_test(test_compare_unused_options), cmocka_unit_test(test_compare_model_memory), cmocka_unit_test(test_compare_checkpoint),
       cmocka_unit_test(test_compare_bad_input),
       cmocka_unit_test(test_lisa_layers_from_names),
       cmocka_unit_test(test_mem_per_rank),
