@@ -495,6 +495,10 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
   int tty = !o->quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
   dopt_status s = cmp_run(o, &r, tty ? progress : NULL, NULL);
   if (s != DOPT_OK) {
+    if (mpi_world && r.before_work) { /* refused by its checks on some rank, agreed by all: one line, exit 2 */
+      rc = r.said_elsewhere ? CLI_USAGE : cli_error(CMD, s);
+      return mpi_end(mpi_world, rc);
+    }
     rc = cli_error(CMD, s); /* bad input, or the run failed (a rank, a checkpoint's write): 2 either way */
     if (mpi_world) dopt_mpi_abort(mpi_world); /* the whole job stops: no peer waits for its timeout */
     return rc;

@@ -199,7 +199,10 @@ typedef struct cmp_result {
                               measures; mpi: every rank measures, merged onto every rank) */
   int micro;               /* micro-batches per step actually used (with a trace: its shards / dp) */
   int run_failed;          /* cmp_run failed in what the run wrote (a checkpoint: a full disk), not on its
-                              options or input: `compare` exits 1, not 2; set on failure only */
+                              options or input (both exit 2); set on failure only */
+  int before_work;         /* set on failure: refused by its checks before any rank started work; with a process
+                              per rank (backend mpi) every rank then fails alike, none waits in a collective */
+  int said_elsewhere;      /* with before_work under mpi: the lowest refusing rank prints the line, not this one */
   /* SHA-256 (docs/digest.md) of the final logical tensors, per parameter in r->t order: the
    * parameter, its bf16 copy, its states, then its step count ("<p>/step", I64 scalar); of the
    * distributed run (gathered) and of the reference. "" when not measured (backend nccl, rank > 0). */

@@ -229,6 +229,30 @@ static dopt_status run_mpi(run_ctx *x) {
   return st;
 }
 
+/* Backend mpi, before any collective of the run: every rank's checks (options, input, memory: a rank's own
+ * memory or files may differ) agree. mine: this rank's verdict. All pass, or every rank fails: the lowest
+ * refusing rank with its own error (*said_elsewhere 0), the others with a status naming it (1). */
+static dopt_status mpi_checks_agree(dopt_status mine, int *said_elsewhere) {
+  char why[600];
+  snprintf(why, sizeof why, "%s", mine != DOPT_OK ? dopt_last_error() : "");
+  *said_elsewhere = 0;
+  dopt_mpi_comm *world = NULL;
+  dopt_status st = dopt_mpi_init(120000, &world);
+  dopt_transport wt;
+  if (st == DOPT_OK) st = dopt_mpi_transport(world, &wt);
+  int32_t me = mine != DOPT_OK ? (int32_t)wt.rank : INT32_MAX, lowest = INT32_MAX;
+  if (st == DOPT_OK) st = wt.ops->all_reduce(wt.comm, &me, &lowest, 1, DOPT_I32, DOPT_MIN);
+  dopt_mpi_destroy(world);
+  if (st != DOPT_OK) return st;
+  if (lowest == INT32_MAX) return DOPT_OK;
+  if (mine != DOPT_OK) {
+    *said_elsewhere = me != lowest;
+    return dopt__fail(mine, "%s", why);
+  }
+  *said_elsewhere = 1;
+  return dopt__fail(DOPT_ERR_INVALID_ARG, "rank %d refused the run before it started", (int)lowest);
+}
+
 /* The simulator backend: x->o's tp·dp rank threads in one world. */
 static dopt_status run_sim(run_ctx *x) {
   const cmp_options *o = x->o;
@@ -347,10 +371,12 @@ static dopt_status check_model_memory(const cmp_options *o) {
 
 dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progress, void *user) {
   memset(r, 0, sizeof *r);
-  DOPT_TRY(ce_check_options(o));
-  DOPT_TRY(check_model_memory(o));
+  /* the checks (each rank of backend mpi makes them, then all agree before the run: mpi_checks_agree) */
+  dopt_status st = ce_check_options(o);
+  if (st == DOPT_OK) st = check_model_memory(o);
   source s;
-  dopt_status st = ce_load_source(o, &s);
+  memset(&s, 0, sizeof s);
+  if (st == DOPT_OK) st = ce_load_source(o, &s);
   if (st == DOPT_OK)
     st = ce_plan_experts(&s,
                       strcmp(o->plugin, "moe_hybrid") == 0 ||
@@ -386,6 +412,9 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   if (st == DOPT_OK && !twork) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", s.np);
   if (st == DOPT_OK && strcmp(o->backend, "sim") == 0) st = ce_build_plain(o, &s, 1, NULL, twork, &tmpl);
   x.plain = tmpl;
+  int said_elsewhere = 0;
+  if (strcmp(o->backend, "mpi") == 0) st = mpi_checks_agree(st, &said_elsewhere); /* every rank, even refusing */
+  const int before_work = st != DOPT_OK;
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
     r->seconds = cmp_now_s() - x.t0;
@@ -423,6 +452,8 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   if (st != DOPT_OK) {
     cmp_result_free(r);
     r->run_failed = x.save_failed;
+    r->before_work = before_work;
+    r->said_elsewhere = said_elsewhere;
     return st;
   }
   r->declared_ulp = cmp_declared_ulp(o->optimizer);

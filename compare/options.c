@@ -258,8 +258,8 @@ dopt_status ce_check_options(const cmp_options *o) {
   if (o->checkpoint_at != 0) {
     DOPT_CHECK_ARG(o->checkpoint_at >= 1 && o->checkpoint_at < o->steps,
                    "checkpoint_at=%d must be in [1, steps=%d)", o->checkpoint_at, o->steps);
-    DOPT_CHECK_ARG(strcmp(o->backend, "sim") == 0, "checkpoint_at: backend '%s' (only sim resumes in another layout)",
-                   o->backend);
+    DOPT_CHECK_ARG(strcmp(o->backend, "sim") == 0, "checkpoint_at: backend '%s': a save and resume inside one compare "
+                   "runs on the simulator only (--backend sim), in the same layout or another", o->backend);
     cmp_options ob; /* the resume layout, as cmp_run completes it */
     cmp_resume_options(o, &ob);
     const char *rpl = ob.plugin;
