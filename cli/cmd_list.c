@@ -4,19 +4,6 @@
 
 #include "cli.h"
 
-const char *cli_default_hparams(const char *name) {
-  dopt_optim *o = NULL;
-  if (dopt_optim_create(name, "", &o) == DOPT_OK) {
-    dopt_optim_destroy(o);
-    return "";
-  }
-  for (int i = 0; i < dopt_optim_registry_count(); i++) {
-    dopt_optim_info in;
-    if (dopt_optim_registry_info(i, &in) == DOPT_OK && strcmp(in.name, name) == 0) return in.example;
-  }
-  return "";
-}
-
 int cmd_list(int argc, char **argv) {
   (void)argc;
   (void)argv;

@@ -25,6 +25,7 @@
  *    completes the rest from the plugin, and names a contradiction by its key.
  *  - o is only written when the whole file is valid: on error it is unchanged.
  */
+#include "cli.h"
 #include "compare.h"
 #include "model.h"
 
@@ -314,12 +315,29 @@ static dopt_status check_hparams(const cfg_ctx *c, yaml_node_t *n, const char *w
   return cfg_fail(c, at, kb, "%s", why);
 }
 
+/* cli.h: the hyperparameters an optimizer given alone gets (its upstream defaults, or the registry's example). */
+const char *cli_default_hparams(const char *name) {
+  dopt_optim *o = NULL;
+  if (dopt_optim_create(name, "", &o) == DOPT_OK) {
+    dopt_optim_destroy(o);
+    return "";
+  }
+  for (int i = 0; i < dopt_optim_registry_count(); i++) {
+    dopt_optim_info in;
+    if (dopt_optim_registry_info(i, &in) == DOPT_OK && strcmp(in.name, name) == 0) return in.example;
+  }
+  return "";
+}
+
 static dopt_status load_optimizer(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
   DOPT_TRY(check_mapping(c, n, "optimizer", NULL));
   yaml_node_t *t = lookup(c, n, "type");
   if (!t) return cfg_fail(c, n, "optimizer.type", "missing (the optimizer's registry name)");
   DOPT_TRY(get_str(c, t, "optimizer.type", o->optimizer, sizeof o->optimizer));
   DOPT_TRY(collect_hparams(c, n, "optimizer", "type", o->hparams, sizeof o->hparams));
+  /* no key given: the defaults the command line's --optimizer alone gets (upstream's, or the registry's example
+   * where those are no optimizer: CAME's lr) */
+  if (!o->hparams[0]) snprintf(o->hparams, sizeof o->hparams, "%s", cli_default_hparams(o->optimizer));
   return check_hparams(c, n, "optimizer", "type", o->optimizer, o->hparams, NULL);
 }
 
@@ -477,11 +495,12 @@ static dopt_status load_gradients(const cfg_ctx *c, yaml_node_t *n, cmp_options 
 }
 
 static dopt_status load_output(const cfg_ctx *c, yaml_node_t *n, cmp_options *o) {
-  static const char *const keys[] = {"json", "plot", NULL};
+  static const char *const keys[] = {"json", "plot", "quiet", NULL};
   DOPT_TRY(check_mapping(c, n, "output", keys));
   yaml_node_t *v;
   if ((v = lookup(c, n, "json"))) DOPT_TRY(get_str(c, v, "output.json", o->json_path, sizeof o->json_path));
   if ((v = lookup(c, n, "plot"))) DOPT_TRY(get_str(c, v, "output.plot", o->svg_path, sizeof o->svg_path));
+  if ((v = lookup(c, n, "quiet"))) DOPT_TRY(get_bool(c, v, "output.quiet", &o->quiet));
   return DOPT_OK;
 }
 
