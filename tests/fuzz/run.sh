@@ -7,13 +7,13 @@
 # behaviour (the reproducer is left in build-fuzz/findings/). The targets run
 # side by side, as many at a time as there are cores (DOPT_FUZZ_JOBS
 # overrides; libFuzzer's run is one thread): each still fuzzes SECONDS.
-#   tests/fuzz/run.sh [SECONDS] [TARGET...]      TARGET: safetensors yaml hparams trace ckpt verify agree paths
+#   tests/fuzz/run.sh [SECONDS] [TARGET...]      TARGET: safetensors yaml hparams trace ckpt verify agree paths escape
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 secs=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(safetensors yaml hparams trace ckpt verify agree paths)
+[ ${#targets[@]} -eq 0 ] && targets=(safetensors yaml hparams trace ckpt verify agree paths escape)
 command -v clang >/dev/null || { echo "fuzz: clang is not installed (cmake/deps.sh --fuzz)" >&2; exit 1; }
 CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDOPT_FUZZ=ON -DDOPT_BUILD_TESTS=OFF \
   -DDOPT_CUDA=OFF -DDOPT_MPI=OFF >/dev/null
