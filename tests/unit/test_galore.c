@@ -36,6 +36,8 @@
 #include "distopt/galore.h"
 #include "distopt/safetensors.h"
 #include "galore_proj.h"
+#include "optim_impl.h"
+#include "registry.h"
 
 #define TOL_PARAM 1e-6
 #define TOL_PROJ 1e-5
@@ -353,6 +355,83 @@ static void test_registry_hparams(void **st) {
   assert_status(dopt_optim_create("galore", "inner=adamw,inner.rank=3", &o), DOPT_ERR_NOT_FOUND, "'inner.rank'");
   assert_status(dopt_optim_create("galore", "inner=adamw,inner.inner.lr=0.1", &o), DOPT_ERR_NOT_FOUND,
                 "'inner.inner.lr'");
+}
+
+/* Under a wrapper (galore, lisa) every key of the inner optimizer has the inner's default, in group 0 and in a
+ * group added with no overrides, for every inner the wrapper takes (a default read from another optimizer's table
+ * — Muon's lr for a group of another inner — changed results and no test saw it). The inner created alone with
+ * the same keys is the reference. */
+static void test_wrapped_defaults(void **st) {
+  (void)st;
+  static const char *const wrappers[] = {"galore", "lisa"};
+  int checked = 0;
+  for (int w = 0; w < 2; w++)
+    for (int i = 0; i < dopt_optim_registry_count(); i++) {
+      const char *name = dopt_optim_registry_name(i);
+      const dopt_optim_impl *im = dopt_find_impl(name);
+      dopt_optim_info info;
+      assert_ok(dopt_optim_registry_info(i, &info));
+      dopt_optim *x = NULL, *o = NULL;
+      const char *ex = dopt_optim_create(name, "", &x) == DOPT_OK ? "" : info.example;
+      dopt_optim_destroy(x);
+      x = NULL;
+      char hp[512];
+      int n = snprintf(hp, sizeof hp, "inner=%s", name);
+      for (const char *e = ex; *e;) {
+        const char *c = strchr(e, ',');
+        const int len = c ? (int)(c - e) : (int)strlen(e);
+        if (strncmp(e, "inner=", 6) != 0) n += snprintf(hp + n, sizeof hp - (size_t)n, ",inner.%.*s", len, e);
+        e += len + (c ? 1 : 0);
+      }
+      if (dopt_optim_create(wrappers[w], hp, &o) != DOPT_OK) continue; /* an inner this wrapper refuses */
+      assert_ok(dopt_optim_create(name, ex, &x));
+      int go, gx;
+      assert_ok(dopt_optim_add_group(o, "", &go));
+      assert_ok(dopt_optim_add_group(x, "", &gx));
+      for (int k = 0; k < im->nhp; k++) {
+        char key[96];
+        snprintf(key, sizeof key, "inner.%s", im->hp[k].key);
+        for (int g = 0; g < 2; g++) {
+          double a, b;
+          assert_ok(dopt_optim_get_hparam(x, g ? gx : 0, im->hp[k].key, &a));
+          if (dopt_optim_get_hparam(o, g ? go : 0, key, &b) != DOPT_OK)
+            fail_msg("%s(%s): no %s: %s", wrappers[w], hp, key, dopt_last_error());
+          if (!(a == b || (isnan(a) && isnan(b))))
+            fail_msg("%s(%s) group %d: %s is %g, %s alone has %g", wrappers[w], hp, g ? go : 0, key, b, name, a);
+          checked++;
+        }
+      }
+      dopt_optim_destroy(o);
+      dopt_optim_destroy(x);
+    }
+  printf("wrapped defaults: %d (wrapper, inner, group, key) checked\n", checked);
+  assert_true(checked > 100);
+}
+
+/* Muon's lr none under galore: 0.02 in a Muon group, aux Adam's 3e-4 in a use_muon=false group, as Muon alone
+ * resolves it — the run with lr none is bitwise the run with that lr given (the low-rank decay factor took
+ * Muon's 0.02 in every group once: the digest changed and no test saw it). */
+static void test_wrapped_muon_lr_default(void **st) {
+  (void)st;
+  static const struct {
+    const char *group, *lr;
+  } c[] = {{"use_muon=auto", "0.02"}, {"use_muon=true", "0.02"}, {"use_muon=false", "3e-4"}};
+  for (size_t k = 0; k < sizeof c / sizeof c[0]; k++) {
+    char a[256], b[300];
+    snprintf(a, sizeof a, "inner=muon,rank=2,update_proj_gap=2,inner.weight_decay=0.1,%s", c[k].group);
+    snprintf(b, sizeof b, "%s,inner.lr=%s", a, c[k].lr);
+    run1 x, y;
+    run1_init_opt(&x, "galore", a, 9, 6);
+    run1_init_opt(&y, "galore", b, 9, 6);
+    for (uint64_t t = 1; t <= 3; t++) {
+      assert_ok(run1_step(&x, t));
+      assert_ok(run1_step(&y, t));
+    }
+    if (memcmp(x.w, y.w, 9 * 6 * sizeof(float)) != 0)
+      fail_msg("galore(%s): lr none is not lr=%s after 3 steps", a, c[k].lr);
+    run1_free(&x);
+    run1_free(&y);
+  }
 }
 
 /* galore_torch's projector rule (docs/galore.md): projected side and low-rank shape. */
@@ -691,7 +770,7 @@ static void test_cost_model(void **st) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cost_model),
-      cmocka_unit_test(test_registry_hparams),   cmocka_unit_test(test_plan_table),
+      cmocka_unit_test(test_registry_hparams), cmocka_unit_test(test_wrapped_defaults), cmocka_unit_test(test_wrapped_muon_lr_default),   cmocka_unit_test(test_plan_table),
       cmocka_unit_test(test_projector_hook),
       cmocka_unit_test(test_rank_clamp_and_memory), cmocka_unit_test(test_refresh_schedule),
       cmocka_unit_test(test_moments_kept),       cmocka_unit_test(test_svd_fallback_and_failure),
