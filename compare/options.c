@@ -214,8 +214,8 @@ dopt_status cmp_apply_plugin(cmp_options *o) {
 static dopt_status check_pp(const char *plugin, int pp, int tp, int dp, const char *what) {
   DOPT_CHECK_ARG(pp >= 1 && pp <= CMP_PP_MAX && (long)pp * tp * dp <= 64,
                  "%spp=%d tp=%d dp=%d: pp >= 1, pp*tp*dp <= 64", what, pp, tp, dp);
-  DOPT_CHECK_ARG(pp == 1 || strcmp(plugin, "hybrid") == 0,
-                 "%spp=%d needs plugin hybrid (ColossalAI's HybridParallelPlugin pp_size), not '%s'", what, pp, plugin);
+  (void)plugin; /* stages are a layer partition under any plugin: hybrid and moe_hybrid have ColossalAI's pp_size,
+                   fsdp with stages is torchtitan's PP + FSDP, and the library steps gemini and ddp/zero with them */
   return DOPT_OK;
 }
 

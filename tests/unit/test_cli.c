@@ -1392,6 +1392,48 @@ static void test_pp_every_optimizer(void **st) {
     }
 }
 
+/* Stages under every plugin the library steps them with (compare allowed pp only with hybrid): fsdp (ZeRO 3, as
+ * torchtitan's PP + FSDP), gemini (prime chunks), moe_hybrid (experts over ep, ColossalAI's pp_size), zero and
+ * ddp; piecewise and owner-mode optimizers: each bitwise, with the digest of the same layout without stages; and a
+ * resume from moe_hybrid with stages into fsdp with others, bitwise. */
+static void test_pp_every_plugin(void **st) {
+  (void)st;
+  static const char *const L[][12] = {
+      {"adamw", "--plugin", "fsdp", "--pp", "3", "--tp", "2", "--dp", "2", NULL},
+      {"muon", "--plugin", "fsdp", "--pp", "2", "--tp", "1", "--dp", "2", NULL},
+      {"galore_adamw", "--plugin", "gemini", "--pp", "3", "--tp", "1", "--dp", "2", "--chunk-size", "37", NULL},
+      {"adafactor", "--plugin", "moe_hybrid", "--pp", "2", "--tp", "1", "--dp", "4", "--ep", "2", NULL},
+      {"lamb", "--plugin", "zero", "--pp", "2", "--tp", "1", "--dp", "2", "--zero", "1", NULL},
+      {"came", "--plugin", "ddp", "--pp", "3", "--tp", "1", "--dp", "2", NULL},
+  };
+  for (size_t l = 0; l < sizeof L / sizeof L[0]; l++) {
+    if (!dt_subset_keep(0x7072, (int)l, (int)(sizeof L / sizeof L[0]))) continue;
+    const char *args[32] = {"compare", "--optimizer", L[l][0], "--model", strcmp(L[l][2], "moe_hybrid") ? "1mx5" : "1mx5e4",
+                            "--steps", "3", "--quiet"};
+    int n = 8, m = 8;
+    for (int i = 1; L[l][i]; i++) args[n++] = L[l][i];
+    const char *flat[32];
+    memcpy(flat, args, sizeof flat);
+    for (int i = 1; L[l][i]; i++) /* the same layout without its stages */
+      if (strcmp(L[l][i], "--pp") == 0) i++;
+      else flat[m++] = L[l][i];
+    flat[m] = NULL;
+    args[n] = NULL;
+    char what[200], hp[65], h1[65];
+    snprintf(what, sizeof what, "%s %s pp %s", L[l][0], L[l][2], L[l][4]);
+    expect_bitwise(args, what, hp);
+    expect_bitwise(flat, what, h1);
+    if (strcmp(hp, h1) != 0) fail_msg("%s: digest %s with stages, %s without", what, hp, h1);
+  }
+  char ck[600], a[65];
+  snprintf(ck, sizeof ck, "%s/ppck_moe_fsdp", dir);
+  const char *res[] = {"compare", "--optimizer", "adamw", "--model", "1mx5e4", "--steps", "4", "--quiet", "--plugin",
+                       "moe_hybrid", "--pp", "2", "--tp", "1", "--dp", "2", "--ep", "2", "--zero", "1",
+                       "--checkpoint-at", "2", "--checkpoint-dir", ck, "--resume-plugin", "fsdp", "--resume-pp", "3",
+                       "--resume-ep", "1", NULL};
+  expect_bitwise(res, "moe_hybrid pp 2 resumed in fsdp pp 3", a); /* ep 2 -> 1 regroups the experts' data */
+}
+
 /* Checkpoints resume across stage counts (pp 2 -> 1, 1 -> 4, 3 -> 2; the same dp: the uninterrupted run's
  * digest), piecewise and owner-mode optimizers. */
 static void test_pp_resume(void **st) {
@@ -1472,12 +1514,11 @@ static void expect_refusals(const refusal *bad, size_t n, const char *tag) {
   }
 }
 
-/* Refusals, one line each: a pipeline outside hybrid, more stages than layers, a partition that does not add
+/* Refusals, one line each: more stages than layers, a partition that does not add
  * up or names another number of stages. */
 static void test_pp_bad_input(void **st) {
   (void)st;
   static const refusal bad[] = {
-      {{"compare", "--plugin", "fsdp", "--pp", "2", "--steps", "1", NULL}, "pp=2 needs plugin hybrid"},
       {{"compare", "--model", "1mx5", "--pp", "6", "--tp", "1", "--dp", "1", "--steps", "1", NULL},
        "the model has 5 decoder layers"},
       {{"compare", "--model", "1mx5", "--pp", "2", "--layers-per-stage", "2,2", "--steps", "1", NULL},
@@ -1749,7 +1790,7 @@ int main(int argc, char **argv) {
   }
   if (argc > 2 && strcmp(argv[2], "pipeline") == 0) { /* registered as unit_test_cli_pipeline */
     const struct CMUnitTest pipeline[] = {
-        cmocka_unit_test(test_pp_every_optimizer),
+        cmocka_unit_test(test_pp_every_optimizer), cmocka_unit_test(test_pp_every_plugin),
         cmocka_unit_test(test_pp_resume),
         cmocka_unit_test(test_pp_nonfinite_skip),
         cmocka_unit_test(test_pp_bad_input),
