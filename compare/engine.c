@@ -412,11 +412,34 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
   if (st == DOPT_OK && !twork) st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare: %d parameters", s.np);
   if (st == DOPT_OK && strcmp(o->backend, "sim") == 0) st = ce_build_plain(o, &s, 1, NULL, twork, &tmpl);
   x.plain = tmpl;
+  char mpi_dir[600] = ""; /* backend mpi with a resume: the folder, claimed among the checks every process makes */
+  if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0 && o->checkpoint_at > 0) {
+    dopt_optim *whose = NULL; /* the folder's identity check needs the run's optimizer: built for it alone */
+    st = ce_build_plain(o, &s, 1, NULL, twork, &whose);
+    if (st == DOPT_OK) st = checkpoint_dir(o, whose, mpi_dir, sizeof mpi_dir);
+    dopt_optim_destroy(whose);
+  }
   int said_elsewhere = 0;
   if (strcmp(o->backend, "mpi") == 0) st = mpi_checks_agree(st, &said_elsewhere); /* every rank, even refusing */
   const int before_work = st != DOPT_OK;
   if (st == DOPT_OK && strcmp(o->backend, "nccl") == 0) {
     st = run_nccl(&x);
+    r->seconds = cmp_now_s() - x.t0;
+  } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0 && o->checkpoint_at > 0) {
+    /* the same processes: steps 1..K saved into --checkpoint-dir (every process sees it), K+1.. loaded from it in
+     * the resume layout (as many ranks) */
+    x.t_last = o->checkpoint_at;
+    x.save_dir = mpi_dir;
+    if (st == DOPT_OK) st = run_mpi(&x);
+    run_ctx y = x;
+    y.o = &ob;
+    y.t_first = o->checkpoint_at + 1;
+    y.t_last = o->steps;
+    y.save_dir = NULL;
+    y.load_dir = mpi_dir;
+    y.replay = o;
+    y.stages = rstages;
+    if (st == DOPT_OK) st = run_mpi(&y);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0) {
     st = run_mpi(&x);

@@ -258,10 +258,19 @@ dopt_status ce_check_options(const cmp_options *o) {
   if (o->checkpoint_at != 0) {
     DOPT_CHECK_ARG(o->checkpoint_at >= 1 && o->checkpoint_at < o->steps,
                    "checkpoint_at=%d must be in [1, steps=%d)", o->checkpoint_at, o->steps);
-    DOPT_CHECK_ARG(strcmp(o->backend, "sim") == 0, "checkpoint_at: backend '%s': a save and resume inside one compare "
-                   "runs on the simulator only (--backend sim), in the same layout or another", o->backend);
+    DOPT_CHECK_ARG(strcmp(o->backend, "nccl") != 0, "checkpoint_at: backend nccl: a save and resume inside one "
+                   "compare runs on the simulator or under MPI");
     cmp_options ob; /* the resume layout, as cmp_run completes it */
     cmp_resume_options(o, &ob);
+    if (strcmp(o->backend, "mpi") == 0) { /* the same processes save and resume, into a folder they all see */
+      DOPT_CHECK_ARG(ob.pp * ob.tp * ob.dp == o->pp * o->tp * o->dp,
+                     "checkpoint_at: backend mpi resumes in the processes mpirun started: the resume layout pp x tp x "
+                     "dp = %d x %d x %d must be as many as %d x %d x %d", ob.pp, ob.tp, ob.dp, o->pp, o->tp, o->dp);
+      DOPT_CHECK_ARG(o->checkpoint_dir[0], "checkpoint_at: backend mpi needs checkpoint_dir (--checkpoint-dir): a "
+                     "folder every process sees");
+      DOPT_CHECK_ARG(!o->start_over, "start_over: backend mpi: every process would empty the folder (empty it before "
+                     "mpirun, or use the simulator)");
+    }
     const char *rpl = ob.plugin;
     DOPT_CHECK_ARG(ob.tp * ob.dp <= 64, "resume: tp=%d dp=%d: tp*dp <= 64", ob.tp, ob.dp);
     DOPT_TRY(check_pp(rpl, ob.pp, ob.tp, ob.dp, "resume: "));

@@ -78,4 +78,7 @@ refuse pp-deeper-than-layers "--plugin hybrid --pp 2 --tp 1 --dp 1 --model 2mx1"
 refuse chunk-size-elsewhere "$zero --chunk-size 64" "chunk_size=64 is Gemini's chunk" ""
 refuse ep-not-dividing-dp "--plugin moe_hybrid --tp 1 --dp 2 --zero 1 --ep 4 --model mixtral-mini" "ep" ""
 refuse rank1-memory "$zero --model 2mx2" "more than the 0.00 GiB available (DOPT_MEM_AVAILABLE)" DOPT_MEM_AVAILABLE=1000
+refuse resume-fewer-ranks "$zero --checkpoint-at 2 --checkpoint-dir $work/ck --resume-dp 1" \
+  "backend mpi resumes in the processes mpirun started" ""
+refuse resume-no-folder "$zero --checkpoint-at 2" "backend mpi needs checkpoint_dir" ""
 exit $fail
