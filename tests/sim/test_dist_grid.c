@@ -303,11 +303,14 @@ static void test_grid_moe(void **st) {
     for (int li = 0; li < nl; li++) {
       const dt_layout *l = &MOE_LAYOUTS[li];
       grid_candidates++;
-      if (!dt_subset_keep(setting_key(&h[k], 20, 0, 0) ^ 0x6d6f, li, nl)) continue;
+      /* wide magnitudes inside each block (layouts 1 and 4: moe_dp 2, ep 2): a sum sized for dp instead of the
+       * expert's moe_dp group grids them otherwise; the first setting's always run (the rotating subset aside) */
+      const int wide = li == 1 || li == 4;
+      if (!dt_subset_keep(setting_key(&h[k], 20, 0, 0) ^ 0x6d6f, li, nl) && !(wide && k == 0)) continue;
       dt_ep = MOE_EP[li];
       dt_pp = MOE_STAGES[li];
       dt_case c = {h[k].opt, h[k].hp, NULL, PARAMS, NPARAMS, 20, 2, li % 2 ? 0.05 : 0.0, li == 2, 77 + (uint64_t)k,
-                   0.05, li == 3 ? 6 : 0, 5, 0, 0, 0, 0, 0};
+                   0.05, li == 3 ? 6 : 0, 5, 0, 0, wide, 0, 0};
       char what[256];
       snprintf(what, sizeof what, "%s [%s] moe_hybrid ep%d tp%d dp%d zero%d pp%d", c.optimizer,
                c.hparams ? c.hparams : "", dt_ep, l->tp, l->dp, l->zero, dt_pp);
@@ -371,11 +374,12 @@ static void test_grid_moe_stacks(void **st) {
     for (int li = 0; li < nl; li++) {
       const dt_layout *l = &STK_LAYOUTS[li];
       grid_candidates++;
-      if (!dt_subset_keep(setting_key(&h[k], 12, 0, 0) ^ 0x7374, li, nl)) continue;
+      const int wide = li == 0; /* wide magnitudes inside each block, moe_dp 2 (see test_grid_moe); always the first */
+      if (!dt_subset_keep(setting_key(&h[k], 12, 0, 0) ^ 0x7374, li, nl) && !(wide && k == 0)) continue;
       dt_ep = STK_EP[li];
       dt_pp = STK_STAGES[li];
       dt_case c = {h[k].opt, h[k].hp, NULL, STACK_PARAMS, NSTACK, 12, 2, li % 2 ? 0.05 : 0.0, li == 2, 91 + (uint64_t)k,
-                   0.05, 0, 4, 0, 0, 0, 0, 0};
+                   0.05, 0, 4, 0, 0, wide, 0, 0};
       char what[256];
       snprintf(what, sizeof what, "%s [%s] moe_hybrid stacks ep%d tp%d dp%d zero%d pp%d", c.optimizer,
                c.hparams ? c.hparams : "", dt_ep, l->tp, l->dp, l->zero, dt_pp);
