@@ -16,7 +16,13 @@ from . import _core
 from ._lib import Error
 from ._lib import path as library_path
 from .record import dtensor_layout, record, verify  # noqa: F401 (torch is imported on first use; docs/verify.md)
-from .replay import replay  # noqa: F401 (your own torch optimizer as the reference; docs/verify.md)
+# `python3 -m distopt.replay` runs replay.py as __main__ after this package imported it as distopt.replay (for
+# distopt.replay, the function): runpy's warning about the module being in sys.modules already is about
+# modules that rely on their own identity, which replay.py does not (its main() uses its own namespace)
+import warnings as _warnings
+_warnings.filterwarnings("ignore", message=r"'distopt\.replay' found in sys\.modules after import of package",
+                         category=RuntimeWarning)
+from .replay import replay  # noqa: F401,E402 (your own torch optimizer as the reference; docs/verify.md)
 
 __version__ = "0.5.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
 

@@ -1,5 +1,7 @@
 """distopt.Optimizer: a torch.optim.Optimizer whose step is the C reference (imported only with torch)."""
+import collections
 import collections.abc
+import types
 import ctypes
 
 import torch
@@ -80,7 +82,7 @@ class Optimizer(torch.optim.Optimizer):
             raise _lib.invalid(f"distopt.Optimizer({name!r}): params is "
                                f"{'None' if params is None else type(params).__name__}; pass an iterable of "
                                f"tensors or of param-group dicts (model.parameters(), [{{'params': ...}}])")
-        values, _ = _upstream.to_distopt(name, hparams)
+        values, kept = _upstream.to_distopt(name, hparams)  # kept: upstream keys with no effect (foreach=...)
         self._h = Handle(name, values)  # validates the defaults (distopt.Error)
         self._dname = name
         self._create = dict(values)
@@ -89,6 +91,7 @@ class Optimizer(torch.optim.Optimizer):
         self._cgroups, self._applied = [], []
         self._group0 = self._h.read_group(0, values)
         defaults = _upstream.to_upstream(name, self._group0)
+        defaults.update(kept)
         super().__init__(params, defaults)
 
     def _overrides(self, values):
@@ -101,9 +104,9 @@ class Optimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
-        """{parameter: {"step": ..., upstream state key: tensor}} as torch optimizers keep it, for the
-        parameters that have stepped: copies of the library's states taken now (writes to them change
-        nothing; load_state_dict() writes states)."""
+        """{parameter: {"step": ..., upstream state key: tensor}} as torch optimizers keep it: read-only copies of
+        the library's states taken now (an assignment or an in-place write raises one line; load_state_dict()
+        writes states); {} for a parameter before its first step."""
         return _States(self)
 
     @state.setter
@@ -130,10 +133,12 @@ class Optimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict):
             raise TypeError("distopt: a param group must be a dict")
-        given, _ = _upstream.to_distopt(self._dname, param_group)
-        values, _ = _upstream.to_distopt(self._dname, self.defaults)
+        given, kept_given = _upstream.to_distopt(self._dname, param_group)
+        values, kept = _upstream.to_distopt(self._dname, self.defaults)
         values.update(given)
+        kept.update(kept_given)  # upstream keys with no effect (foreach=...): in the group as given
         group = _upstream.to_upstream(self._dname, values)
+        group.update(kept)
         group["params"] = param_group["params"]
         n_before = len(self.param_groups)
         super().add_param_group(group)  # torch's checks: tensors, leaves, no parameter in two groups
@@ -163,7 +168,9 @@ class Optimizer(torch.optim.Optimizer):
             self._keep.append(d)  # keeps this storage alive while the library holds its address
         self._cgroups.append(cg)
         self._applied.append(applied)
-        group.update(_upstream.to_upstream(self._dname, applied))
+        for k, v in _upstream.to_upstream(self._dname, applied).items():
+            if k not in kept:
+                group[k] = v
 
     def _group_values(self, group):
         values, _ = _upstream.to_distopt(self._dname, group, self._known)
@@ -391,8 +398,34 @@ class Optimizer(torch.optim.Optimizer):
         return self._h.state_bytes(-1)
 
 
+_READ_ONLY = ("distopt.Optimizer.state holds read-only copies of the library's states (a write would change "
+              "nothing): write states with load_state_dict()")
+
+
+def _in_place(func):
+    """Whether a torch function writes into its first argument (add_, copy_, __setitem__, __iadd__, ...)."""
+    name = getattr(func, "__name__", "") or ""
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        (name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__", "__invert__"))
+
+
+class _ReadOnlyState(torch.Tensor):
+    """A state tensor of Optimizer.state: a copy of the library's, readable as any tensor (its operations give
+    plain tensors); an in-place write raises RuntimeError with one line instead of being lost."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _in_place(func):
+            raise RuntimeError(_READ_ONLY)
+        disable = getattr(torch._C, "DisableTorchFunctionSubclass", None) or torch._C.DisableTorchFunction
+        with disable():
+            return func(*args, **(kwargs or {}))
+
+
 class _States(collections.abc.Mapping):
-    """Optimizer.state: parameter -> its states, copied when looked up (only that parameter's)."""
+    """Optimizer.state: parameter -> its states, copied when looked up (only that parameter's), read-only (a
+    mapping that takes no assignment; tensors whose in-place writes raise); {} for a parameter before its first
+    step, as torch's defaultdict gives."""
 
     def __init__(self, opt):
         self._o = opt
@@ -402,8 +435,9 @@ class _States(collections.abc.Mapping):
         i = self._index.get(id(p))
         st = None if i is None else self._o._param_state(i)
         if st is None:
-            raise KeyError(p)
-        return st
+            return types.MappingProxyType({})
+        return types.MappingProxyType({k: v.as_subclass(_ReadOnlyState) if torch.is_tensor(v) else v
+                                       for k, v in st.items()})
 
     def __iter__(self):
         for i, p in enumerate(getattr(self._o, "_params", ())):

@@ -12,6 +12,8 @@ One table per optimizer:
   step:    how upstream stores a parameter's step count: "tensor" (a float32 0-d tensor, torch.optim.AdamW since
            torch 1.12) or "int"; step_optional: upstream leaves it out for some parameters (read as 0).
   bools:   distopt enum keys whose "true"/"false" upstream spells as a Python bool (muon's use_muon).
+  defaults: the upstream class's group keys that do not change the computation (torch.optim.AdamW's foreach,
+           maximize, capturable, differentiable, fused), in every param_groups entry at upstream's defaults
   drop:    per-parameter state keys upstream writes as diagnostics of the last step (not read by its next
            step): ignored on load (torch_optimizer.Lamb's and ColossalAI's weight_norm, adam_norm, trust_ratio).
 Optimizers without an entry use distopt's names and an int step.
@@ -22,7 +24,9 @@ TABLE = {
         "group": [("lr", "lr", None), ("beta1", "betas", 0), ("beta2", "betas", 1), ("eps", "eps", None),
                   ("weight_decay", "weight_decay", None), ("amsgrad", "amsgrad", None)],
         "ignore": ("foreach", "capturable", "differentiable", "fused"),
-        "fixed": {"maximize": False},
+        "fixed": {"maximize": False, "decoupled_weight_decay": True},  # (the latter: torch >= 2.6's AdamW key)
+        "defaults": {"foreach": None, "maximize": False, "capturable": False, "differentiable": False,
+                     "fused": None, "decoupled_weight_decay": True},
         "states": {},
         "step": "tensor",
     },
@@ -110,8 +114,8 @@ def to_distopt(name, group, known=None):
                 put(key, items[pos], f"{k}={v!r}")
         elif k in renamed:
             put(renamed[k], v, f"{k}={v!r}")
-        elif k in e["ignore"]:
-            continue
+        elif k in e["ignore"]:  # no effect on the computation: kept in param_groups as given
+            rest[k] = v
         elif k in e["fixed"]:
             if v != e["fixed"][k]:
                 raise ValueError(f"distopt {name}: {k}={v!r} is not supported (only {e['fixed'][k]!r})")
@@ -139,6 +143,8 @@ def to_upstream(name, values):
         else:
             tuples.setdefault(up, {})[pos] = v
             out.setdefault(up, None)  # keeps the upstream key order
+    for k, v in e.get("defaults", {}).items():  # the upstream class's other group keys, at its defaults
+        out.setdefault(k, v)
     for up, parts in tuples.items():
         if len(parts) == 1 + max(parts):
             out[up] = tuple(parts[i] for i in range(len(parts)))

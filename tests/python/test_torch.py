@@ -422,8 +422,48 @@ class TestMore(Base):
         hp = distopt.hparams("adamw", lr=0.5)
         self.assertEqual(hp["lr"], 0.5)
         self.assertIs(hp["amsgrad"], False)
-        self.assertEqual(sorted(hp), sorted(distopt.Optimizer("adamw", [torch.zeros(1, requires_grad=True)])
-                                            .param_groups[0].keys() - {"params", "betas"} | {"beta1", "beta2"}))
+        inert = set(distopt._upstream.TABLE["adamw"]["defaults"])  # upstream keys with no effect on the step
+        group = distopt.Optimizer("adamw", [torch.zeros(1, requires_grad=True)]).param_groups[0]
+        self.assertEqual(sorted(hp), sorted(group.keys() - {"params", "betas"} - inert | {"beta1", "beta2"}))
+        # the drop-in: every key torch.optim.AdamW's groups carry, at its defaults unless given (foreach=True
+        # kept as given, no effect); maximize=True refused in one line
+        w = [torch.zeros(2, requires_grad=True)]
+        want = torch.optim.AdamW(w).param_groups[0]
+        got = distopt.Optimizer("adamw", w).param_groups[0]
+        self.assertEqual(sorted(want.keys() - got.keys()), [], "torch.optim.AdamW's group keys")
+        for k in want.keys() & inert:
+            self.assertEqual(got[k], want[k], k)
+        self.assertIs(distopt.Optimizer("adamw", w, foreach=True).param_groups[0]["foreach"], True)
+        two = distopt.Optimizer("adamw", w)
+        two.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "fused": False})
+        self.assertIs(two.param_groups[1]["fused"], False)
+        with self.assertRaises(ValueError) as cm:
+            distopt.Optimizer("adamw", w, maximize=True)
+        self.assertIn("maximize=True is not supported", str(cm.exception))
+
+    def test_state_before_step_and_read_only(self):
+        """opt.state[p] is {} before p's first step (torch's defaultdict gives {}); afterwards read-only copies:
+        an assignment to the mapping, an in-place write to a tensor (zero_, copy_, +=, item assignment) raise
+        one line rather than being lost; reading and out-of-place operations give plain tensors."""
+        model = make_model()
+        opt = distopt.Optimizer("adamw", model.parameters(), lr=1e-2)
+        p = next(model.parameters())
+        self.assertEqual(dict(opt.state[p]), {})
+        self.assertNotIn(p, opt.state)
+        train(model, opt, 1)
+        st = opt.state[p]
+        self.assertIs(type(st["exp_avg"] * 2), torch.Tensor)
+        self.assertTrue(torch.equal(st["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]))
+        writes = [lambda: st["exp_avg"].zero_(), lambda: st["exp_avg"].copy_(torch.zeros_like(st["exp_avg"])),
+                  lambda: st["exp_avg"].__setitem__(0, 1.0), lambda: st["exp_avg"].__iadd__(1.0)]
+        for w in writes:
+            with self.assertRaises(RuntimeError) as cm:
+                w()
+            self.assertIn("read-only copies", str(cm.exception))
+            self.assertNotIn("\n", str(cm.exception))
+        with self.assertRaises(TypeError):
+            st["exp_avg"] = torch.zeros(1)
+        self.assertTrue(torch.equal(opt.state[p]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]))
 
 
 class TestErrors(Base):

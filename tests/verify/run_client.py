@@ -745,6 +745,7 @@ def case_replay():
                         "--rtol", "1e-5"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     print(p.stdout[-400:], p.stderr[-400:])
     H.check(p.returncode == 1 and "DIVERGED at step 5 (tensor w/rms, rank 0" in p.stdout, "python3 -m distopt.replay")
+    H.check("Warning" not in p.stderr, f"python3 -m distopt.replay warns: {p.stderr[-300:]}")  # runpy's, once
 
 
 def _adamw_bug_at(params, bug_at, **kw):
