@@ -1,6 +1,8 @@
 """A dopt_optim handle and the registry, independent of torch and numpy (data travels as addresses)."""
 import ctypes
+import functools
 import math
+import threading
 
 from . import _lib
 from ._lib import Error, call, lib
@@ -27,7 +29,7 @@ def describe(name):
     cap = 8192
     while True:
         buf = ctypes.create_string_buffer(cap)
-        call(lib.dopt_optim_describe, name.encode(), buf, cap)
+        call(lib.dopt_optim_describe, _text(name, "optimizer name"), buf, cap)
         text = buf.value.decode("utf-8", "replace")
         if len(buf.value) < cap - 1:
             return text
@@ -84,9 +86,28 @@ def _number(v, key):
         raise _lib.invalid(f"hyperparameter {key}={v!r} is a {type(v).__name__}, not a number (a tuple where "
                            f"one value belongs: another optimizer's settings?)")
     try:
-        return float(v)
+        x = float(v)
     except OverflowError:
         raise _lib.invalid(f"hyperparameter {key}={v!r} does not fit a double") from None
+    if x != x:  # the library reads NaN as "unset" (an optional key's default): say None for that, as the CLI does
+        raise _lib.invalid(f"hyperparameter {key}=nan is NaN (None unsets an optional key)")
+    return x
+
+
+def _text(s, what):
+    """s as the library's C string: refused with one line when it holds a NUL (C would read the prefix)."""
+    if not isinstance(s, str):
+        raise _lib.invalid(f"{what} is a {type(s).__name__}, not a string")
+    if "\0" in s:
+        raise _lib.invalid(f"{what} {s.split(chr(0))[0]!r}... holds a NUL character")
+    return s.encode()
+
+
+def _c_int(v, what):
+    """v as a C int index (a group): refused with one line outside [0, 2^31) (ctypes would wrap it)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+        raise _lib.invalid(f"{what} {v!r} is not an index in [0, 2^31)")
+    return v
 
 
 def format_value(key, v):
@@ -96,7 +117,7 @@ def format_value(key, v):
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        if any(c in v for c in ",=") or not v.strip():
+        if any(c in v for c in ",=\0") or not v.strip():
             raise ValueError(f"distopt: hyperparameter {key}={v!r}: not a valid value")
         return v.strip()
     return repr(_number(v, key))
@@ -105,7 +126,7 @@ def format_value(key, v):
 def format_hparams(values):
     out = []
     for k, v in values.items():
-        if not isinstance(k, str) or not k or any(c in k for c in ",= \t"):
+        if not isinstance(k, str) or not k or any(c in k for c in ",= \t\0"):
             raise ValueError(f"distopt: {k!r} is not a hyperparameter name")
         out.append(f"{k}={format_value(k, v)}")
     return ",".join(out)
@@ -120,8 +141,11 @@ class Handle:
     def __init__(self, name, values):
         self.name = name
         self.ptr = None
+        # one library call at a time per handle: steps from several threads are serialised, close() waits for a
+        # step under way (the library's handle is not thread-safe; ctypes releases the GIL during each call)
+        self.lock = threading.RLock()
         ptr = ctypes.c_void_p()
-        call(lib.dopt_optim_create, name.encode(), format_hparams(values).encode(), ctypes.byref(ptr))
+        call(lib.dopt_optim_create, _text(name, "optimizer name"), format_hparams(values).encode(), ctypes.byref(ptr))
         self.ptr = ptr
         self.spec = Spec(name)
         self.enum_names = {}  # (group, key) -> an enum's choice as given
@@ -130,9 +154,13 @@ class Handle:
                 self.enum_names[(0, k)] = v.strip() if isinstance(v, str) else v
 
     def close(self):
-        ptr, self.ptr = getattr(self, "ptr", None), None
-        if ptr:
-            lib.dopt_optim_destroy(ptr)
+        lock = getattr(self, "lock", None)
+        if lock is None:
+            return
+        with lock:
+            ptr, self.ptr = getattr(self, "ptr", None), None
+            if ptr:
+                lib.dopt_optim_destroy(ptr)
 
     def __del__(self):
         try:
@@ -166,7 +194,8 @@ class Handle:
         choice by name (as given, or the default), int for an integer key (rank, seed, block_size, ...),
         else a float."""
         v = ctypes.c_double()
-        call(lib.dopt_optim_get_hparam, self._live(), group, key.encode(), ctypes.byref(v))
+        call(lib.dopt_optim_get_hparam, self._live(), _c_int(group, "group"), _text(key, "hyperparameter name"),
+             ctypes.byref(v))
         kind = self.spec.kinds.get(key, "real")
         x = v.value
         if kind == "bool":
@@ -204,7 +233,7 @@ class Handle:
             x = math.nan
         else:
             x = _number(value, key)
-        call(lib.dopt_optim_set_hparam, self._live(), group, key.encode(), x)
+        call(lib.dopt_optim_set_hparam, self._live(), _c_int(group, "group"), _text(key, "hyperparameter name"), x)
         if self.spec.kinds.get(key) == "enum":
             self.enum_names[(group, key)] = value.strip() if isinstance(value, str) else value
 
@@ -216,7 +245,7 @@ class Handle:
         pc = _lib.ParamConfig()
         pc.struct_size = ctypes.sizeof(_lib.ParamConfig)
         pc.version = _lib.PARAM_CONFIG_VERSION
-        bname = name.encode()
+        bname = _text(name, "parameter name")
         pc.name = bname
         pc.ndim = len(shape)
         for i, d in enumerate(shape):
@@ -226,7 +255,7 @@ class Handle:
         pc.master = None
         pc.layer = lib.dopt_layer_from_name(bname)
         pid = ctypes.c_int()
-        call(lib.dopt_optim_add_param, self._live(), group, ctypes.byref(pc), ctypes.byref(pid))
+        call(lib.dopt_optim_add_param, self._live(), _c_int(group, "group"), ctypes.byref(pc), ctypes.byref(pid))
         return pid.value
 
     def num_params(self):
@@ -308,5 +337,18 @@ class Handle:
             ctypes.memmove(a, data, b)
         self.set_step(param, step)
 
+
+def _locked(fn):
+    @functools.wraps(fn)
+    def under_lock(self, *args, **kwargs):
+        with self.lock:
+            return fn(self, *args, **kwargs)
+    return under_lock
+
+
+for _m in ("add_group", "num_groups", "get", "set", "add_param", "num_params", "step", "get_step", "counters",
+           "set_step", "get_gstep", "set_gstep", "param_index", "init_state", "views", "state_bytes", "export_state",
+           "import_state"):
+    setattr(Handle, _m, _locked(getattr(Handle, _m)))
 
 __all__ = ["Error", "Handle", "Spec", "names", "info", "describe"]

@@ -3,6 +3,7 @@ import ctypes
 
 import numpy as np
 
+from . import _lib
 from ._core import Handle
 
 # dopt_dtype code -> numpy dtype (bf16 has none: its bits as uint16)
@@ -40,6 +41,7 @@ class NumpyOptimizer:
         self._h = Handle(name, hparams)
         self._arrays = []
         self._names = []
+        self._where = []  # (address, bytes) of each parameter when added
 
     @property
     def name(self):
@@ -82,6 +84,7 @@ class NumpyOptimizer:
         name = f"param{pid}" if name is None else str(name)
         _check_array(array, f"parameter '{name}'", True)
         got = self._h.add_param(group, array.ctypes.data, array.shape, name)
+        self._where.append((array.ctypes.data, array.nbytes))  # where the library writes: checked every step
         self._arrays.append(array)
         self._names.append(name)
         return got
@@ -99,6 +102,11 @@ class NumpyOptimizer:
         grads = list(grads)
         if len(grads) != len(self._arrays):
             raise ValueError(f"distopt {self.name}: {len(grads)} gradients for {len(self._arrays)} parameters")
+        for i, (p, (addr, nbytes)) in enumerate(zip(self._arrays, self._where)):
+            if p.ctypes.data != addr or p.nbytes != nbytes:  # resized or reallocated (ndarray.resize, refcheck off)
+                raise _lib.invalid(f"distopt {self.name}: parameter '{self._names[i]}' moved or was resized since "
+                                   f"add_param ({nbytes} bytes at {addr:#x}, now {p.nbytes} at {p.ctypes.data:#x}): "
+                                   f"the library would write freed memory; create the optimizer again")
         keep, addrs = [], []
         for i, (g, p) in enumerate(zip(grads, self._arrays)):
             if g is None:
@@ -113,7 +121,7 @@ class NumpyOptimizer:
             g = np.ascontiguousarray(g)
             keep.append(g)
             addrs.append(g.ctypes.data)
-        self._h.step(addrs)
+        self._h.step(addrs)  # under the handle's lock (one step at a time, close() waits for it)
 
     def get_step(self, param):
         return self._h.get_step(param)

@@ -247,7 +247,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        with torch.no_grad(), self._h.lock:  # one step at a time on this optimizer (threads serialised)
             self._sync()
             keep, addrs, back = [], [], []
             for i, p in enumerate(self._params):

@@ -24,6 +24,7 @@ import common  # noqa: E402
 common.require("numpy")
 import numpy as np  # noqa: E402
 
+os.environ.setdefault("DOPT_NUM_THREADS", "2")  # the library's step pool (TestMisuse: threads sharing it)
 import distopt  # noqa: E402
 
 F = np.float32
@@ -226,6 +227,84 @@ class TestNumpy(unittest.TestCase):
                 opt.load_state(0, dict(good, step=bad))
             self.assertIn("step", str(cm.exception))
         self.assertEqual(opt.state(0)["step"], 1)
+
+
+class TestMisuse(unittest.TestCase):
+    """Misuse never crashes, hangs or loses an update (each case failed before: a deadlock or a lost update from
+    threads, a segfault on close() during step(), heap corruption from a resized parameter, C ints wrapped, a
+    name cut at a NUL, NaN read as "the default")."""
+
+    def test_threads_serialised(self):
+        """4 threads x 50 steps of a 200 000-element parameter (the library's pool of 2 threads splits it):
+        without the handle's lock 2 of 3 runs hung; with it every step counts once, bitwise one thread's 200."""
+        import threading
+        w = np.zeros(200_000, np.float32)
+        o = distopt.NumpyOptimizer("adamw", lr=1e-3, weight_decay=0.0)
+        o.add_param(w)
+        g = np.ones(200_000, np.float32)
+        ts = [threading.Thread(target=lambda: [o.step([g]) for _ in range(50)]) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        self.assertFalse(any(t.is_alive() for t in ts), "a thread is still stepping after 60 s (a deadlock)")
+        self.assertEqual(o.get_step(0), 200, "4 threads x 50 steps: every step counted once")
+        # the same 200 steps on one thread give the same bits
+        v = np.zeros(200_000, np.float32)
+        one = distopt.NumpyOptimizer("adamw", lr=1e-3, weight_decay=0.0)
+        one.add_param(v)
+        for _ in range(200):
+            one.step([g])
+        self.assertTrue(np.array_equal(w.view(np.uint32), v.view(np.uint32)))
+
+    def test_close_during_step(self):
+        import threading
+        big = np.zeros(2_000_000, np.float32)
+        o = distopt.NumpyOptimizer("adamw")
+        o.add_param(big)
+        gb = np.ones_like(big)
+        seen = []
+
+        def stepper():
+            try:
+                for _ in range(50):
+                    o.step([gb])
+            except ValueError as e:  # closed: one line
+                seen.append(str(e))
+
+        t = threading.Thread(target=stepper)
+        t.start()
+        o.close()  # waits for a step under way, then destroys; the next step is refused
+        t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assertTrue(not seen or "the optimizer is closed" in seen[0], seen)
+
+    def test_resized_parameter(self):
+        a = np.zeros(10, np.float32)
+        o = distopt.NumpyOptimizer("adamw")
+        o.add_param(a)
+        a.resize(100000, refcheck=False)  # the buffer the library holds is freed
+        with self.assertRaises(distopt.Error) as cm:
+            o.step([np.zeros(100000, np.float32)])
+        self.assertIn("moved or was resized since add_param", str(cm.exception))
+
+    def test_ranges_nul_nan(self):
+        o = distopt.NumpyOptimizer("adamw")
+        o.add_param(np.zeros(3, np.float32))
+        cases = [(lambda: o.get_hparam("lr", group=2**40), "is not an index in [0, 2^31)"),
+                 (lambda: o.set_hparam("lr", 0.1, group=-1), "is not an index in [0, 2^31)"),
+                 (lambda: distopt.NumpyOptimizer("adamw\0x"), "holds a NUL character"),
+                 (lambda: o.get_hparam("l\0r"), "holds a NUL character"),
+                 (lambda: distopt.NumpyOptimizer("muon", lr=float("nan")), "lr=nan is NaN"),
+                 (lambda: o.set_hparam("lr", float("nan")), "lr=nan is NaN"),
+                 (lambda: o.set_hparam("weight_decay", float("nan")), "weight_decay=nan is NaN")]
+        for fn, needle in cases:
+            with self.assertRaises(distopt.Error) as cm:
+                fn()
+            self.assertIn(needle, str(cm.exception))
+            self.assertNotIn("\n", str(cm.exception))
+        o.set_hparam("lr", 0.5)
+        self.assertEqual(o.get_hparam("lr"), 0.5)
 
 
 if __name__ == "__main__":
