@@ -255,6 +255,9 @@ int vf_setup(vctx *c) {
   if (c->rtol > 0.0) {
     c->tol_param = c->tol_state = c->rtol;
     c->tol_source = "--rtol";
+  } else if (c->ref_path) { /* a replay of the same code on the same machine: bitwise, unless --rtol says why not */
+    c->tol_param = c->tol_state = 0.0;
+    c->tol_source = "exact: --reference replays the same code (--rtol for a reference that is not)";
   } else if (tol && (!c->stepwise || tol->step_param > 0)) {
     c->tol_param = c->stepwise ? tol->step_param : tol->param;
     c->tol_state = c->stepwise ? tol->step_state : tol->state;

@@ -553,18 +553,18 @@ def case_dtensor_torch2():
             "pipeline: every rank's pieces compared, both stages")
     summary(rep)
     # Muon by hand on FSDP2 shards against torch.optim.Muon itself (distopt.replay): the same torch operations on
-    # the same values, so bitwise (rtol=1e-30: any difference is beyond it; every tensor's max ULP must be 0);
+    # the same values, so bitwise (replay's default: exact; every tensor's max ULP must be 0);
     # the rows taken at rank x local rows are wrong where a short shard precedes nothing but ends the tensor:
     # rank 3's row of 0.weight ([10, 12]: 3, 3, 3, 1) and rank 2's of 4.weight ([5, 6]: 2, 2, 1, 0), at step 1
     from distopt.replay import replay
     for stepwise in (False, True):
-        res = replay(os.path.join(d, "muon_0.rec"), torch2.make_muon, stepwise=stepwise, rtol=1e-30)
+        res = replay(os.path.join(d, "muon_0.rec"), torch2.make_muon, stepwise=stepwise)  # exact by default
         H.check(res.ok, f"Muon on FSDP2 shards replays as torch.optim.Muon (stepwise={stepwise}): {res!r} {res.stderr}")
         ulp = max(t["max_ulp"] for t in res.report["tensors"])
         H.check(ulp == 0 and {t["rank"] for t in res.report["tensors"]} == {0, 1, 2, 3},
                 f"bitwise, every rank (max ULP {ulp})")
         H.check({t["state"] for t in res.report["tensors"]} == {None, "momentum_buffer"}, "parameters and momentum")
-        bad = replay(os.path.join(d, "muon_1.rec"), torch2.make_muon, stepwise=stepwise, rtol=1e-30)
+        bad = replay(os.path.join(d, "muon_1.rec"), torch2.make_muon, stepwise=stepwise)
         at1 = sorted((t["param"], t["rank"]) for t in bad.report["tensors"] if t["first_beyond"] == 1)
         H.check(bad.diverged and bad.verdict["step"] == 1 and at1 == [("0.weight", 3), ("4.weight", 2)],
                 f"Muon rows at the wrong offset named at step 1 on the short shards' ranks: {bad!r}, at step 1 {at1}")
