@@ -196,6 +196,12 @@ listing=$(ctest --test-dir "$BLD" -N -L "^($label_re)\$" ${excl_re:+-LE "^($excl
 TESTS=()
 while read -r name; do TESTS+=("$name"); done < <(printf '%s\n' "$listing" | sed -n 's/^ *Test *#[0-9]*: *//p')
 [ ${#TESTS[@]} -gt 0 ] || die "no test has the labels $LABELS"
+# each test's labels among the chosen ones (the score per label, below)
+declare -A T_LABELS=()
+for l in ${LABELS//,/ }; do
+  while read -r name; do T_LABELS[$name]+=" $l"; done < <(ctest --test-dir "$BLD" -N -L "^$l\$" |
+    sed -n 's/^ *Test *#[0-9]*: *//p')
+done
 
 # run_test NAME LIMIT LOG: ctest on one test under a wall-clock limit; sets RT_RC, RT_SECS
 # (in the background and waited for: `timeout` runs the test in its own process group, out of reach of
@@ -366,6 +372,21 @@ echo "baseline: build ${T_BASE_BUILD} s, tests ${T_BASE_TESTS} s; total wall ${T
 echo "mutation score: $caught / $scored non-equivalent mutations caught = $score %"
 echo "  survived (non-equivalent): $survived; marked equivalent: $eq_surv survived, $eq_caught caught;" \
   "identical objects: $ident; stale: $stale; build errors: $berr"
+# per label: a scored mutation counts for a label when a test of that label caught it; with --all-tests that is
+# the score a run of that label's tests alone would get, else only the first catching test counts
+declare -A L_CAUGHT=()
+for l in ${LABELS//,/ }; do
+  n=0
+  for i in "${SEL[@]}"; do
+    [ "${R_STATUS[i]}" = CAUGHT ] && [ "${M_EQUIV[i]}" = no ] || continue
+    for t in ${R_TEST[i]//,/ }; do
+      if [[ " ${T_LABELS[$t]:-} " == *" $l "* ]]; then n=$((n + 1)); break; fi
+    done
+  done
+  L_CAUGHT[$l]=$n
+  printf '  label %-9s %d / %d caught by its tests%s\n' "$l" "$n" "$scored" \
+    "$([ $ALL_TESTS -eq 1 ] && echo " (its own score)" || echo " (first catching test only; --all-tests: its own score)")"
+done
 for i in "${SEL[@]}"; do
   if [ "${R_STATUS[i]}" = SURVIVED ] && [ "${M_EQUIV[i]}" = no ]; then echo "  SURVIVOR ${M_ID[i]}: ${M_DESC[i]}"; fi
   if [ "${R_STATUS[i]}" = STALE ]; then echo "  STALE ${M_ID[i]} (${M_FILE[i]}, list line ${M_LINE[i]}): ${R_DETAIL[i]}"; fi
@@ -400,6 +421,10 @@ json=$WORK/results.json
   printf ']},\n  "total_s": %s,\n' "$T_TOTAL"
   printf '  "score": {"caught": %d, "scored": %d, "percent": %s, "survived": %d, "equivalent_survived": %d, "equivalent_caught": %d, "identical": %d, "stale": %d, "build_errors": %d},\n' \
     $caught $scored "$([ $scored -gt 0 ] && echo "$score" || echo null)" $survived $eq_surv $eq_caught $ident $stale $berr
+  printf '  "by_label": {'
+  sep=""
+  for l in ${LABELS//,/ }; do printf '%s%s: {"caught": %d, "scored": %d}' "$sep" "$(jstr "$l")" "${L_CAUGHT[$l]}" $scored; sep=", "; done
+  printf '},\n  "by_label_all_tests": %s,\n' "$([ $ALL_TESTS -eq 1 ] && echo true || echo false)"
   printf '  "mutations": [\n'
   sep=""
   for i in "${SEL[@]}"; do
