@@ -50,14 +50,16 @@
 
 
 static void usage(FILE *f) {
-  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--continues PREV] [--rtol X] [--json FILE] "
-        "[--plot FILE.svg] [--quiet]\n"
+  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--continues PREV] [--rtol X] [--rtol-param X]\n"
+        "                      [--rtol-state X] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "  Replays a run recorded by distopt.record (TRACE: its directory, or its index.json; docs/verify.md)\n"
         "  through the reference optimizer: the recorded initial parameters and gradients, step by step, and\n"
         "  compares every recorded parameter and state (per rank for sharded recordings) with the reference:\n"
         "  max abs error, max ULP distance, normwise relative error max|rec-ref|/max|ref|, first step beyond the\n"
         "  tolerance. Tolerance: the optimizer's declared one (normwise relative, parameters and states), or\n"
-        "  --rtol X for both. Step counters must be equal.\n"
+        "  --rtol X for both, --rtol-param X / --rtol-state X for one kind (the other: --rtol, else declared).\n"
+        "  States the arithmetic makes exact (declared per optimizer and upstream class: Muon's momentum_buffer)\n"
+        "  are compared bitwise whatever the bounds. Step counters must be equal.\n"
         "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
         "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
@@ -90,12 +92,13 @@ static int parse_args(vctx *c, int argc, char **argv) {
       else if (strcmp(a, "--plot") == 0) c->svg_path = v;
       else if (strcmp(a, "--reference") == 0) c->ref_path = v;
       else if (strcmp(a, "--continues") == 0) c->cont_path = v;
-      else if (strcmp(a, "--rtol") == 0) {
+      else if (strcmp(a, "--rtol") == 0 || strcmp(a, "--rtol-param") == 0 || strcmp(a, "--rtol-state") == 0) {
+        double *dst = a[6] == '\0' ? &c->rtol : a[7] == 'p' ? &c->rtol_param : &c->rtol_state;
         char *end;
         errno = 0;
-        c->rtol = strtod(v, &end);
-        if (end == v || *end || errno || !(c->rtol > 0.0) || !isfinite(c->rtol))
-          return cli_errorf(CMD, "--rtol '%s': expected a positive number", v);
+        *dst = strtod(v, &end);
+        if (end == v || *end || errno || !(*dst > 0.0) || !isfinite(*dst))
+          return cli_errorf(CMD, "%s '%s': expected a positive number", a, v);
       } else return cli_errorf(CMD, "unknown option '%s' (see --help)", a);
       continue;
     }

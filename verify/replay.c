@@ -133,7 +133,7 @@ static int compare_step(vctx *c, long t) {
           /* torch has state, the reference none: the parameter never stepped here */
           s->compared++;
           s->max_abs = INFINITY;
-          vf_record_result(c, pk->stat[j], t, INFINITY, c->tol_state);
+          vf_record_result(c, pk->stat[j], t, INFINITY, vf_state_tol(c, s->key));
           continue;
         }
         int mapped;
@@ -156,7 +156,7 @@ static int compare_step(vctx *c, long t) {
           return cli_errorf(CMD, "rank %d: tensor '%s' has %zu elements, expected %lld (the state range [%lld, %lld))",
                             r, key, rec.numel, (long long)len, (long long)lo, (long long)(lo + len));
         double rel = vf_compare_f32(s, rec.data, data + lo, (size_t)len);
-        vf_record_result(c, pk->stat[j], t, rel, c->tol_state);
+        vf_record_result(c, pk->stat[j], t, rel, vf_state_tol(c, s->key));
       }
       snprintf(key, sizeof key, "param/%ld/%s", t, vp->name);
       if (dopt_st_find(f, key, &rec) == DOPT_OK) {

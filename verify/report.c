@@ -77,9 +77,11 @@ void vf_print_table(const vctx *c) {
            "SVD)\n", c->proj_adopted, c->proj_adopted == 1 ? "" : "s", c->proj_none, c->proj_none == 1 ? "" : "es");
   if (ix->nchanges && !c->ref_path)
     printf("  %ld hyperparameter change%s replayed (an lr schedule)\n", ix->nchanges, ix->nchanges == 1 ? "" : "s");
-  printf("  tolerance (normwise relative max|rec-ref|/max|ref|): parameters %g, states %g (%s%s%s); step counts exact\n",
+  printf("  tolerance (normwise relative max|rec-ref|/max|ref|): parameters %g, states %g (%s%s%s); step counts exact"
+         "%s%s%s\n",
          c->tol_param, c->tol_state, c->tol_source, strncmp(c->tol_source, "declared", 8) == 0 ? " for " : "",
-         strncmp(c->tol_source, "declared", 8) == 0 ? ix->optimizer : "");
+         strncmp(c->tol_source, "declared", 8) == 0 ? ix->optimizer : "", c->exact_states ? "; exact (declared): " : "",
+         c->exact_states ? c->exact_states : "", c->exact_states ? " bitwise" : "");
   int *order = row_order(c);
   int namew = 6;
   char name[VR_MAX_NAME + VR_MAX_KEY + 2], piece[128];
@@ -156,7 +158,7 @@ void vf_print_table(const vctx *c) {
              c->verdict_step, ix->params[s->param].name, (long long)s->ev_ours, (long long)s->ev_rec);
     else
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: normwise relative error %.3g > %g)\n", c->verdict_step,
-             name, s->rank, c->verdict_value, s->key[0] ? c->tol_state : c->tol_param);
+             name, s->rank, c->verdict_value, s->key[0] ? vf_state_tol(c, s->key) : c->tol_param);
   }
 }
 
@@ -198,6 +200,14 @@ static int json_body(FILE *f, const void *ctx) {
     cJSON_AddNumberToObject(tol, "param", c->tol_param);
     cJSON_AddNumberToObject(tol, "state", c->tol_state);
     cJSON_AddStringToObject(tol, "source", c->tol_source);
+    cJSON *ex = cJSON_AddArrayToObject(tol, "exact_states"); /* schema 6: compared with bound 0 */
+    for (const char *e = c->exact_states; ex && e && *e;) {
+      const char *comma = strchr(e, ',');
+      char key[VR_MAX_KEY + 1];
+      snprintf(key, sizeof key, "%.*s", (int)(comma ? comma - e : (long)strlen(e)), e);
+      cJSON_AddItemToArray(ex, cJSON_CreateString(key));
+      e = comma ? comma + 1 : NULL;
+    }
   }
   cJSON_AddBoolToObject(root, "per_step_truncated", c->truncated);
   cJSON *ts = cJSON_AddArrayToObject(root, "tensors");

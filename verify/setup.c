@@ -252,7 +252,18 @@ int vf_setup(vctx *c) {
                            "(distopt.replay, docs/verify.md) and give --reference", c->rd.index_path,
                       ix->upstream[0] ? ix->upstream : "the recorded class");
   const verify_tol *tol = vf_find_tol(ix->optimizer);
-  if (c->rtol > 0.0) {
+  if (!c->ref_path) c->exact_states = vf_exact_states(ix->optimizer, ix->upstream);
+  if (c->rtol_param > 0.0 || c->rtol_state > 0.0) { /* per kind: the other kind from --rtol, else declared */
+    const double dp = c->rtol > 0 ? c->rtol : tol ? (c->stepwise ? tol->step_param : tol->param) : 0;
+    const double ds = c->rtol > 0 ? c->rtol : tol ? (c->stepwise ? tol->step_state : tol->state) : 0;
+    c->tol_param = c->rtol_param > 0 ? c->rtol_param : dp;
+    c->tol_state = c->rtol_state > 0 ? c->rtol_state : ds;
+    c->tol_source = "--rtol-param/--rtol-state";
+    if (!(c->tol_param > 0) || !(c->tol_state > 0))
+      return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared%s tolerance for %s (give --rtol-%s or --rtol)",
+                        c->rd.index_path, ix->optimizer[0] ? ix->optimizer : "null", c->stepwise ? " per-step" : "",
+                        c->tol_param > 0 ? "states" : "parameters", c->tol_param > 0 ? "state" : "param");
+  } else if (c->rtol > 0.0) {
     c->tol_param = c->tol_state = c->rtol;
     c->tol_source = "--rtol";
   } else if (c->ref_path) { /* a replay of the same code on the same machine: bitwise, unless --rtol says why not */
@@ -266,7 +277,7 @@ int vf_setup(vctx *c) {
     return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared%s tolerance (give --rtol)", c->rd.index_path,
                       ix->optimizer[0] ? ix->optimizer : "null", c->stepwise ? " per-step" : "");
   }
-  if (ix->grads == VR_GRADS_BF16 && c->rtol <= 0.0)
+  if (ix->grads == VR_GRADS_BF16 && c->rtol <= 0.0 && c->rtol_param <= 0.0 && c->rtol_state <= 0.0)
     return cli_errorf(CMD, "%s: record.grads is BF16: the replay's gradients are the recorded run's rounded to bf16, "
                            "so the declared tolerances do not apply (give --rtol; docs/verify.md)", c->rd.index_path);
   if (c->stepwise && (!ix->record_params || !ix->record_states))

@@ -45,8 +45,11 @@ static const char *const CMD = "verify";
  * or projected updates, no golden bound against torch here) need --rtol. */
 typedef struct verify_tol {
   const char *optimizer;
-  double param, state;           /* accumulated (the default mode) */
+  double param, state;           /* accumulated (the default mode; 0: no declared bound, --rtol needed) */
   double step_param, step_state; /* --stepwise: one step from the recorded states (0: no declared bound) */
+  const char *upstream;          /* the recorded class's prefix this entry is for (NULL: any class) */
+  const char *exact;             /* state keys the arithmetic makes exact ("a,b"): compared bitwise whatever the
+                                    other bounds (--rtol included); NULL: none */
 } verify_tol;
 /* ---- state of one run ------------------------------------------------------------------- */
 
@@ -85,6 +88,7 @@ typedef struct vctx {
   const char *json_path, *svg_path;
   const char *ref_path;   /* --reference: a recording of the reference values (distopt.replay) */
   double rtol;         /* > 0: --rtol */
+  double rtol_param, rtol_state; /* > 0: --rtol-param, --rtol-state (each kind's own bound) */
   int quiet;
   int stepwise;           /* --stepwise: teacher-forced */
   vr_reader rd;         /* the recording: its index, source pieces and one open file per rank */
@@ -114,6 +118,7 @@ typedef struct vctx {
   char hook_err[5120];    /* the projector hook's failure (exit 2) */
   double tol_param, tol_state;
   const char *tol_source;
+  const char *exact_states; /* the declared exact state keys ("a,b"; NULL: none), checked with bound 0 */
   dopt_optim *opt;
   float **data, **grad;   /* [nparams] */
   const float **gptr;     /* [nparams] by optimizer id (= index order) */
@@ -143,6 +148,10 @@ typedef struct early {
 /* One line "distopt verify: WHAT: <the library's last error>", CLI_USAGE. */
 int vf_lib_error(const char *what, dopt_status s);
 const verify_tol *vf_find_tol(const char *name);
+/* The declared exact state keys of this optimizer and recorded class (NULL: none). */
+const char *vf_exact_states(const char *name, const char *upstream);
+/* The bound a state key is judged against: 0 for a declared exact one, else c->tol_state. */
+double vf_state_tol(const vctx *c, const char *key);
 int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key);
 void vf_add_point(vctx *c, vstat *s, long step, double rel);
 double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n);

@@ -912,6 +912,43 @@ def galore_groups(model, cls, **kw):
                                    "proj_type": "std"}], **kw)
 
 
+def exact_momentum(good, bad):
+    """Muon's momentum is declared exact (one fp32 lerp per element everywhere): a copy of a clean recording with
+    one element of one momentum_buffer moved by one ULP after step 5 is named at step 5 even under --rtol 1e-2,
+    and --rtol-param / --rtol-state judge each kind by its own bound."""
+    import numpy
+    from distopt._safetensors import read, write
+    shutil.copytree(good, bad)
+    with open(os.path.join(bad, "index.json")) as f:
+        index = json.load(f)
+    done = False
+    for e in index["ranks"][0]["files"]:
+        path = os.path.join(bad, e["path"])
+        tensors, meta = read(path, ("kind", "rank", "first_step", "last_step"))
+        items = []
+        for name, (dt, shape, data) in tensors.items():
+            arr = numpy.frombuffer(data, dtype={"F32": numpy.float32, "F64": numpy.float64, "I64": numpy.int64,
+                                                "I32": numpy.int32, "BF16": numpy.uint16, "U8": numpy.uint8}[dt])
+            arr = arr.reshape(shape).copy()
+            if not done and name.startswith("state/5/") and name.endswith("/momentum_buffer"):
+                flat = arr.reshape(-1)
+                k = int(numpy.argmax(numpy.abs(flat)))
+                flat[k] = numpy.nextafter(flat[k], numpy.float32(numpy.inf))
+                done = name
+            items.append((name, arr))
+        write(path, items, meta)
+    H.check(done, "a momentum_buffer at step 5 to move")
+    out, rep = H.run_verify(bad, "--rtol", "1e-2", expect=1)
+    v = rep["verdict"]
+    H.check(v["step"] == 5 and v["tensor"].endswith("/momentum_buffer"), f"one ULP of momentum named at step 5: {v}")
+    print(f"exact momentum: {done} one ULP off, named under --rtol 1e-2: {v}")
+    out, rep = H.run_verify(good, "--rtol-param", "1e-6", "--rtol-state", "1e-5", expect=0)
+    H.check((rep["tolerance"]["param"], rep["tolerance"]["state"]) == (1e-6, 1e-5), f"per kind: {rep['tolerance']}")
+    p = subprocess.run([H.cli(), "verify", good, "--rtol-param", "1e-6"], capture_output=True, text=True)
+    H.check(p.returncode == 2 and "no declared tolerance for states (give --rtol-state or --rtol)" in p.stderr,
+            f"a kind without a bound: {p.stderr}")
+
+
 def case_upstream():
     """Upstream classes recorded with no hand-written names, through stand-ins written here (CI has none of the
     packages): came_pytorch.CAME, torch_optimizer.Lamb and muon's SingleDeviceMuonWithAuxAdam as distopt's own
@@ -937,6 +974,9 @@ def case_upstream():
             if tag == "muon":  # both kinds: momentum_buffer for the matrices, aux Adam's moments for the biases
                 keys = {t["state"] for t in rep["tensors"] if t["compared"]}
                 H.check({"momentum_buffer", "exp_avg", "exp_avg_sq"} <= keys, f"muon: the states of both kinds {keys}")
+                H.check(rep["tolerance"]["exact_states"] == ["momentum_buffer"], f"muon's exact states declared: "
+                        f"{rep['tolerance']}")
+                exact_momentum(os.path.join(d, "muon.rec"), os.path.join(d, "muon_momentum_ulp.rec"))
         else:
             H.check(rep["optimizer"] == "galore_adamw" and rep["projectors_adopted"] >= 6,
                     f"galore: projectors adopted ({rep['projectors_adopted']})")
