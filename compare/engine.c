@@ -274,6 +274,26 @@ static dopt_status run_sim(run_ctx *x) {
   return st;
 }
 
+/* --checkpoint-at: steps 1..K in x's layout, saved into dir; K+1..steps in the resume layout ob (stages
+ * rstages), loaded from it; run: the backend's (run_sim, or run_mpi in the same processes). */
+static dopt_status run_resumed(run_ctx *x, const cmp_options *ob, int *rstages, const char *dir,
+                               dopt_status (*run)(run_ctx *)) {
+  const cmp_options *o = x->o;
+  x->t_last = o->checkpoint_at;
+  x->save_dir = dir;
+  dopt_status st = run(x);
+  run_ctx y = *x;
+  y.o = ob;
+  y.t_first = o->checkpoint_at + 1;
+  y.t_last = o->steps;
+  y.save_dir = NULL;
+  y.load_dir = dir;
+  y.replay = o;
+  y.stages = rstages;
+  if (st == DOPT_OK) st = run(&y);
+  return st;
+}
+
 /* --checkpoint-dir, or a fresh directory under $TMPDIR (left for inspection). A given folder holds only this
  * run's generations, each save after its latest (dopt_ckpt_claim, on the template optimizer: the model,
  * optimizer and hyperparameters the save records), or is emptied first (--start-over). */
@@ -426,41 +446,17 @@ dopt_status cmp_run(const cmp_options *o, cmp_result *r, cmp_progress_fn progres
     st = run_nccl(&x);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0 && o->checkpoint_at > 0) {
-    /* the same processes: steps 1..K saved into --checkpoint-dir (every process sees it), K+1.. loaded from it in
-     * the resume layout (as many ranks) */
-    x.t_last = o->checkpoint_at;
-    x.save_dir = mpi_dir;
-    if (st == DOPT_OK) st = run_mpi(&x);
-    run_ctx y = x;
-    y.o = &ob;
-    y.t_first = o->checkpoint_at + 1;
-    y.t_last = o->steps;
-    y.save_dir = NULL;
-    y.load_dir = mpi_dir;
-    y.replay = o;
-    y.stages = rstages;
-    if (st == DOPT_OK) st = run_mpi(&y);
+    /* the same processes save into --checkpoint-dir (every process sees it) and resume in as many ranks */
+    st = run_resumed(&x, &ob, rstages, mpi_dir, run_mpi);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && strcmp(o->backend, "mpi") == 0) {
     st = run_mpi(&x);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK && o->checkpoint_at > 0) {
-    /* steps 1..K in the layout of o, saved; K+1..steps in the resume layout ob, loaded */
     char dir[600];
     st = checkpoint_dir(o, tmpl, dir, sizeof dir);
     if (st == DOPT_OK) st = dopt__mkdir_p(dir); /* a folder that cannot be made: said before the steps run */
-    x.t_last = o->checkpoint_at;
-    x.save_dir = dir;
-    if (st == DOPT_OK) st = run_sim(&x);
-    run_ctx y = x;
-    y.o = &ob;
-    y.t_first = o->checkpoint_at + 1;
-    y.t_last = o->steps;
-    y.save_dir = NULL;
-    y.load_dir = dir;
-    y.replay = o;
-    y.stages = rstages;
-    if (st == DOPT_OK) st = run_sim(&y);
+    if (st == DOPT_OK) st = run_resumed(&x, &ob, rstages, dir, run_sim);
     r->seconds = cmp_now_s() - x.t0;
   } else if (st == DOPT_OK) {
     st = run_sim(&x);

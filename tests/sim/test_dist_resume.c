@@ -232,16 +232,24 @@ static void test_resume_through_reference(void **st) {
 
 /* A checkpoint of another optimizer, or of other hyperparameters, is refused
  * on every rank (nothing stepped afterwards); the message names the key. */
+/* Case 0 at tp 2 x dp 2 x ZeRO 2, steps 1..K saved into a fresh dir; the uninterrupted reference into ref. */
+static const dt_layout SAVED_LAYOUT = {2, 2, 2, 0};
+static dt_case saved_case(char *dir, size_t cap, dt_result *ref) {
+  tmpdir(dir, cap);
+  dt_case c = make_case(0, 2);
+  dt_result got;
+  assert_ok(dt_run_reference(&c, 2, ref));
+  run_phase(&c, &SAVED_LAYOUT, 1, K, NULL, dir, ref, &got);
+  dt_result_free(&got);
+  return c;
+}
+
 static void test_resume_refused(void **st) {
   (void)st;
   char dir[512];
-  tmpdir(dir, sizeof dir);
-  dt_case c = make_case(0, 2);
   dt_result ref, got;
-  assert_ok(dt_run_reference(&c, 2, &ref));
-  const dt_layout l = {2, 2, 2, 0};
-  run_phase(&c, &l, 1, K, NULL, dir, &ref, &got);
-  dt_result_free(&got);
+  dt_case c = saved_case(dir, sizeof dir, &ref);
+  const dt_layout l = SAVED_LAYOUT;
   static const char *const other[][3] = {
       {"adamw", "lr=2e-2,weight_decay=0.01", "lr"}, /* another hyperparameter value */
       {"lamb", "lr=1e-2,weight_decay=0.01", "lamb"}, /* another optimizer */
@@ -299,13 +307,9 @@ static int retype_in(const char *file, const char *after) {
 static void test_resume_dtype_refused(void **st) {
   (void)st;
   char dir[512], path[700];
-  tmpdir(dir, sizeof dir);
-  dt_case c = make_case(0, 2);
   dt_result ref, got;
-  assert_ok(dt_run_reference(&c, 2, &ref));
-  const dt_layout l = {2, 2, 2, 0};
-  run_phase(&c, &l, 1, K, NULL, dir, &ref, &got);
-  dt_result_free(&got);
+  dt_case c = saved_case(dir, sizeof dir, &ref);
+  const dt_layout l = SAVED_LAYOUT;
   int changed = 0;
   snprintf(path, sizeof path, "%s/step-%09d/index.json", dir, K);
   changed += retype_in(path, "\"emb/exp_avg\"");

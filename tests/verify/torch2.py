@@ -229,19 +229,25 @@ def fsdp2_mixed(rank, world, out, steps=4):
     return sorted(type(p).__name__ for p in model.parameters())
 
 
-def hsdp_adamw(rank, world, out, steps=4, skip_reduce_rank=None):
-    """HSDP: fully_shard over a (replicate 2, shard 2) mesh, placements (Replicate(), Shard(0)); each replica
-    group its own data. The replicas' pieces are identical: the lowest rank's gradient drives the replay, every
-    rank's values are compared."""
+def _hsdp_model():
+    """Two under HSDP: fully_shard per layer and the root over a (replicate 2, shard 2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from distopt.record import record
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     H.seeded()
     model = Two()
     for m in (model.a, model.b, model.c):
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def hsdp_adamw(rank, world, out, steps=4, skip_reduce_rank=None):
+    """HSDP: fully_shard over a (replicate 2, shard 2) mesh, placements (Replicate(), Shard(0)); each replica
+    group its own data. The replicas' pieces are identical: the lowest rank's gradient drives the replay, every
+    rank's values are compared."""
+    from distopt.record import record
+    model = _hsdp_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
     with record(opt, out, names=model, flush_every=4):
         for t in range(1, steps + 1):
@@ -503,8 +509,6 @@ def reshard(rank, world, first, second, bad):
     (0, 2, 1, 3), the same wrong tensor on every rank (the planted bug: the second recording alone is
     consistent; verify --continues names it)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
     from distopt.record import record
     model = _fsdp2_model()
@@ -524,12 +528,8 @@ def reshard(rank, world, first, second, bad):
             dist.all_gather_object(parts, st["exp_avg_sq"].to_local())
             sq = torch.cat([parts[r] for r in (0, 2, 1, 3)])
         saved[n] = (p.detach().full_tensor(), st["exp_avg"].full_tensor(), sq, st["step"].clone())
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    H.seeded()
-    model2 = Two()
-    for m in (model2.a, model2.b, model2.c):
-        fully_shard(m, mesh=mesh)
-    fully_shard(model2, mesh=mesh)
+    model2 = _hsdp_model()
+    mesh = model2.a.weight.device_mesh
     opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-3, weight_decay=0.05, foreach=False)
     with torch.no_grad():
         for n, p in model2.named_parameters():
