@@ -272,16 +272,10 @@ static void test_resume_refused(void **st) {
 /* In `file`, the first "F32" after each occurrence of `after` becomes "I32" (the same length: a safetensors
  * header keeps its size); the number of changes. */
 static int retype_in(const char *file, const char *after) {
-  FILE *f = fopen(file, "rb");
-  if (!f) return 0;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *b = malloc((size_t)n + 1);
-  assert_non_null(b);
-  assert_int_equal(fread(b, 1, (size_t)n, f), (size_t)n);
-  fclose(f);
-  b[n] = '\0';
+  size_t len;
+  char *b = dt_slurp(file, &len);
+  if (!b) return 0;
+  const long n = (long)len;
   int changed = 0;
   const size_t al = strlen(after);
   for (long i = 0; i + (long)al < n; i++) {
@@ -293,7 +287,7 @@ static int retype_in(const char *file, const char *after) {
         break;
       }
   }
-  f = fopen(file, "wb");
+  FILE *f = fopen(file, "wb");
   assert_non_null(f);
   assert_int_equal(fwrite(b, 1, (size_t)n, f), (size_t)n);
   fclose(f);

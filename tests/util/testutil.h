@@ -69,6 +69,8 @@ int dt_run_with(const char *bin, const char *const *args, const char *out, const
  * runs, each commit covers another part, and N offsets cover all. Unset: every item. A malformed
  * value fails the test. */
 int dt_subset_keep(uint64_t group, int i, int n);
+/* The whole file, NUL-terminated (malloc'd; *n its bytes when n), or NULL when it cannot be read. */
+char *dt_slurp(const char *path, size_t *n);
 /* "every item" or "1 in N: DOPT_TEST_SUBSET=SEED/N, unset for all", for the test's summary line. */
 const char *dt_subset_desc(void);
 
