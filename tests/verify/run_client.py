@@ -570,6 +570,28 @@ def case_dtensor_torch2():
                 f"Muon rows at the wrong offset named at step 1 on the short shards' ranks: {bad!r}, at step 1 {at1}")
     print(f"Muon on FSDP2 shards: bitwise with torch.optim.Muon over 20 steps (both modes); wrong offset: "
           f"{bad.verdict}")
+    # torch.optim.Muon recorded by its class (one process): distopt's muon (use_muon true, adjust_lr_fn
+    # original); torch's addmm-form bf16 Newton-Schulz rounds otherwise than distopt's (one step: 5.1e-3 of a
+    # parameter here, 1.8e-2 on a 32-wide MLP): --stepwise --rtol 5e-2, while the momentum, declared exact, is
+    # bitwise at every step
+    from distopt.record import record
+    H.seeded()
+    tm = torch2.muon_model()
+    topt = torch.optim.Muon(tm.parameters(), lr=0.02, weight_decay=0.1)
+    trec = os.path.join(d, "torch_muon.rec")
+    with record(topt, trec, names=tm, flush_every=10):
+        for t in range(1, 21):
+            x, y = H.batch(t)
+            topt.zero_grad()
+            ((tm(x) - y) ** 2).mean().backward()
+            topt.step()
+    out, rep = H.run_verify(trec, "--stepwise", "--rtol", "5e-2", expect=0)
+    H.check(rep["optimizer"] == "muon" and rep["upstream"] == "torch.optim.Muon", f"torch.optim.Muon recorded by class")
+    moms = [t for t in rep["tensors"] if t["state"] == "momentum_buffer"]
+    H.check(len(moms) == 3 and all(t["max_ulp"] == 0 and t["compared"] for t in moms),
+            f"the momentum exact at every step: {[(t['name'], t['max_ulp']) for t in moms]}")
+    print(f"torch.optim.Muon: parameters within {max(t['max_rel'] for t in rep['tensors'] if t['state'] is None):.3g} "
+          f"per step, the momentum bitwise")
     # LAMB by hand on FSDP2 shards: trust ratios over the whole parameter; over the local shard named at step 1
     out, rep = H.run_verify(os.path.join(d, "lamb_0.rec"), expect=0)
     summary(rep)
