@@ -581,10 +581,7 @@ def case_dtensor_torch2():
     trec = os.path.join(d, "torch_muon.rec")
     with record(topt, trec, names=tm, flush_every=10):
         for t in range(1, 21):
-            x, y = H.batch(t)
-            topt.zero_grad()
-            ((tm(x) - y) ** 2).mean().backward()
-            topt.step()
+            H.train_step(tm, topt, t)
     out, rep = H.run_verify(trec, "--stepwise", "--rtol", "5e-2", expect=0)
     H.check(rep["optimizer"] == "muon" and rep["upstream"] == "torch.optim.Muon", f"torch.optim.Muon recorded by class")
     moms = [t for t in rep["tensors"] if t["state"] == "momentum_buffer"]
@@ -938,27 +935,21 @@ def exact_momentum(good, bad):
     """Muon's momentum is declared exact (one fp32 lerp per element everywhere): a copy of a clean recording with
     one element of one momentum_buffer moved by one ULP after step 5 is named at step 5 even under --rtol 1e-2,
     and --rtol-param / --rtol-state judge each kind by its own bound."""
-    import numpy
-    from distopt._safetensors import read, write
+    from distopt._safetensors import read, read_torch, write
     shutil.copytree(good, bad)
     with open(os.path.join(bad, "index.json")) as f:
         index = json.load(f)
     done = False
     for e in index["ranks"][0]["files"]:
         path = os.path.join(bad, e["path"])
-        tensors, meta = read(path, ("kind", "rank", "first_step", "last_step"))
-        items = []
-        for name, (dt, shape, data) in tensors.items():
-            arr = numpy.frombuffer(data, dtype={"F32": numpy.float32, "F64": numpy.float64, "I64": numpy.int64,
-                                                "I32": numpy.int32, "BF16": numpy.uint16, "U8": numpy.uint8}[dt])
-            arr = arr.reshape(shape).copy()
+        tensors = read_torch(path)
+        for name, x in tensors.items():
             if not done and name.startswith("state/5/") and name.endswith("/momentum_buffer"):
-                flat = arr.reshape(-1)
-                k = int(numpy.argmax(numpy.abs(flat)))
-                flat[k] = numpy.nextafter(flat[k], numpy.float32(numpy.inf))
+                flat = x.view(-1)
+                k = int(flat.abs().argmax())
+                flat[k] = torch.nextafter(flat[k], torch.tensor(math.inf))
                 done = name
-            items.append((name, arr))
-        write(path, items, meta)
+        write(path, tensors, read(path, ("kind", "rank", "first_step", "last_step"))[1])
     H.check(done, "a momentum_buffer at step 5 to move")
     out, rep = H.run_verify(bad, "--rtol", "1e-2", expect=1)
     v = rep["verdict"]

@@ -151,10 +151,7 @@ def fsdp2_adamw(rank, world, out, variant, steps=6):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.05, **kw)
     with record(opt, out, names=model, flush_every=4):
         for t in range(1, steps + 1):
-            x, y = H.batch(t, rank)
-            opt.zero_grad()
-            ((model(x) - y[:, :5]) ** 2).mean().backward()
-            opt.step()
+            H.train_step(model, opt, t, rank)
 
 
 def _fsdp2_model():
@@ -183,10 +180,7 @@ def fsdp2_layout_arg(rank, world, out, steps=4):
     lay = _layout_of(model)
     with record(opt, out, layout=lay, flush_every=4):
         for t in range(1, steps + 1):
-            x, y = H.batch(t, rank)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+            H.train_step(model, opt, t, rank)
     return sum(v is None for v in lay.values())
 
 
@@ -339,10 +333,7 @@ def tp_fsdp2_adamw(rank, world, out, steps=6):
     dp = mesh.get_coordinate()[0]
     with record(opt, out, names=model, flush_every=4):
         for t in range(1, steps + 1):
-            x, y = H.batch(t, dp)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+            H.train_step(model, opt, t, dp)
     return placed
 
 
@@ -452,10 +443,7 @@ def muon_fsdp2(rank, world, out, bad_offset, steps=20):
     opt = FSDP2Muon(model.parameters(), bad_offset=bad_offset)
     with record(opt, out, names=model, flush_every=10):  # no distopt name: recorded as it is, for distopt.replay
         for t in range(1, steps + 1):
-            x, y = H.batch(t, rank)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+            H.train_step(model, opt, t, rank)
 
 
 class FSDP2Lamb(torch.optim.Optimizer):
@@ -496,10 +484,7 @@ def lamb_fsdp2(rank, world, out, local_norms, steps=4):
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, adam=False, bias_correction=False)
     with record(opt, out, names=model, name="lamb", hparams=hp):
         for t in range(1, steps + 1):
-            x, y = H.batch(t, rank)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+            H.train_step(model, opt, t, rank)
 
 
 def reshard(rank, world, first, second, bad):
@@ -515,10 +500,7 @@ def reshard(rank, world, first, second, bad):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, foreach=False)
     with record(opt, first, names=model):
         for t in range(1, 4):
-            x, y = H.batch(t, rank)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+            H.train_step(model, opt, t, rank)
     saved = {}
     for n, p in model.named_parameters():
         st = opt.state[p]
@@ -539,10 +521,7 @@ def reshard(rank, world, first, second, bad):
             opt2.state[p] = {"step": step, "exp_avg": place(m1), "exp_avg_sq": place(m2)}
     with record(opt2, second, names=model2, start_step=3):
         for t in range(4, 7):
-            x, y = H.batch(t, rank)
-            opt2.zero_grad()
-            ((model2(x) - y) ** 2).mean().backward()
-            opt2.step()
+            H.train_step(model2, opt2, t, rank)
 
 
 def worker(rank, world, work):
