@@ -18,24 +18,14 @@
 #include "files.h"
 #include "verifier.h"
 
-/* The flat range of a recorded tensor of `got` elements of piece pc of a parameter of numel elements: the
- * parameter itself (key ""), a declared state range, the whole state of a whole piece, or an elementwise
- * state (the piece's own elements; *mapped for a block). -1: it cannot be placed. */
+/* The flat range of a recorded tensor of `got` elements of piece pc of a parameter of numel elements — the
+ * parameter itself (key "") or a state — by verify's one rule (vf_piece_state_range): no reference tells the
+ * state's size here, so it is `got` for a whole piece (any state) and numel otherwise (a declared range, or the
+ * piece's own elements). -1: it cannot be placed, or the tensor is not that range. */
 static int span(const vr_piece *pc, int64_t numel, const char *key, int64_t got, int64_t *lo, int64_t *len,
                 int *mapped) {
-  *mapped = 0;
-  if (key[0])
-    for (int i = 0; i < pc->nstates; i++)
-      if (strcmp(pc->states[i].key, key) == 0) {
-        *lo = pc->states[i].lo, *len = pc->states[i].len;
-        return got == *len ? 0 : -1;
-      }
-  if (key[0] && pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == numel) { /* a whole piece: any state */
-    *lo = 0, *len = got;
-    return 0;
-  }
-  *lo = pc->lp.lo, *len = pc->lp.len, *mapped = pc->lp.block_dim >= 0;
-  return got == *len ? 0 : -1;
+  const int whole = pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == numel;
+  return vf_piece_state_range(pc, numel, key, whole ? got : numel, lo, len, mapped) || got != *len ? -1 : 0;
 }
 
 static void tensor_name(char *buf, size_t cap, int prev, long k, const char *param, const char *key) {

@@ -367,11 +367,11 @@ int vf_setup(vctx *c) {
   return CLI_OK;
 }
 
-/* The flat range of `key`'s reference state (n elements) rank r's piece records; *mapped: its elements are
- * the piece's own (an elementwise state of a block piece: element i at vr_piece_elem(pc, i)), len of them. */
-int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
-                       int *mapped) {
-  const vr_param *vp = &c->rd.ix.params[pc->param];
+/* The flat range of `key`'s state (n elements) that piece pc of a parameter of numel elements records: a
+ * declared range, the whole state of a whole piece, or (n == numel) the piece's own elements; *mapped: those of
+ * a block piece (element i at vr_piece_elem(pc, i)). -1: none of these. */
+int vf_piece_state_range(const vr_piece *pc, int64_t numel, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                         int *mapped) {
   *mapped = 0;
   for (int i = 0; i < pc->nstates; i++)
     if (strcmp(pc->states[i].key, key) == 0) {
@@ -379,16 +379,22 @@ int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n
       *len = pc->states[i].len;
       return 0;
     }
-  if (pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == vp->numel) { /* the whole parameter: the whole state */
+  if (pc->lp.block_dim < 0 && pc->lp.lo == 0 && pc->lp.len == numel) { /* the whole parameter: the whole state */
     *lo = 0;
     *len = n;
     return 0;
   }
-  if (n == vp->numel) { /* elementwise */
+  if (n == numel) { /* elementwise */
     *lo = pc->lp.lo;
     *len = pc->lp.len;
     *mapped = pc->lp.block_dim >= 0;
     return 0;
   }
   return -1;
+}
+
+/* The range of `key`'s reference state (n elements) rank r's piece records (vf_piece_state_range). */
+int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                   int *mapped) {
+  return vf_piece_state_range(pc, c->rd.ix.params[pc->param].numel, key, n, lo, len, mapped);
 }

@@ -166,6 +166,8 @@ const float *vf_ref_param(vctx *c, int p, long t);
 double vf_scalar_value(const dopt_st_tensor *x);
 int vf_setup(vctx *c);
 int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len, int *mapped);
+int vf_piece_state_range(const vr_piece *pc, int64_t numel, const char *key, int64_t n, int64_t *lo, int64_t *len,
+                         int *mapped);
 
 /* ---- projectors.c ---- */
 int vf_check_refreshes(vctx *c, long t);
