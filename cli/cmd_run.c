@@ -364,6 +364,12 @@ static int save_ckpt(run_ctx *c, long t) {
   return cli_error(CMD, s); /* the computation ran; writing its result failed: an I/O failure, 2 */
 }
 
+/* Whether a generation is saved after step t: after the last step (also when it is the resumed one), and after
+ * every --save-every-th step in between. */
+static int saves_after(const run_ctx *c, long t) {
+  return t == c->steps || (c->save_every && t > c->start && t < c->steps && t % c->save_every == 0);
+}
+
 /* --save into the resumed checkpoint's folder: no save of this run may land on the generation being read
  * (step-N with N the step it was saved after, normally the resumed step itself). */
 static int check_save_into_resumed(const run_ctx *c) {
@@ -372,8 +378,7 @@ static int check_save_into_resumed(const run_ctx *c) {
   char *end;
   long n = strncmp(base, "step-", 5) == 0 ? strtol(base + 5, &end, 10) : -1;
   if (n < 0 || *end) return CLI_OK;
-  /* the saves: after the last step (also when it is the resumed one), and every K-th step in between */
-  if (n == c->steps || (c->save_every && n > c->start && n < c->steps && n % c->save_every == 0))
+  if (saves_after(c, n))
     return cli_errorf(CMD, "--save '%s' with --resume '%s': the save after step %ld would rewrite the generation being "
                       "read (%s); run to a later step or save elsewhere", c->save_path, c->resume_path, n, c->resume_gen);
   return CLI_OK;
@@ -415,7 +420,7 @@ static int resume(run_ctx *c) {
 /* --save: the folder holds only this run's generations, each save after its latest (dopt_ckpt_claim); with
  * --start-over its generations are removed first. After the resume, before the steps. */
 static int claim_save(run_ctx *c) {
-  long first = c->steps; /* the first save: the first multiple of --save-every after the start, else the last step */
+  long first = c->steps; /* the first t with saves_after: a multiple of --save-every after the start, else the last */
   if (c->save_every) {
     const long k = (c->start / c->save_every + 1) * c->save_every;
     if (k < c->steps) first = k;
@@ -447,8 +452,7 @@ static int run_steps(run_ctx *c) {
   char key[320];
   for (long t = c->start + 1; t <= c->steps && rc == CLI_OK; t++) {
     /* --save-every: a generation after every K-th step but the last (saved by the caller) */
-    if (c->save_every && t - 1 > c->start && (t - 1) % c->save_every == 0 && (rc = save_ckpt(c, t - 1)) != CLI_OK)
-      break;
+    if (c->save_path && saves_after(c, t - 1) && (rc = save_ckpt(c, t - 1)) != CLI_OK) break;
     for (int i = 0; i < c->np; i++) {
       dopt_st_tensor g;
       snprintf(key, sizeof key, "grad/%ld/%s", t, c->p[i].name);
