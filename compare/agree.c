@@ -250,6 +250,13 @@ static void report(const char *mine, size_t nm, const char *theirs, size_t nt, i
   else snprintf(msg, cap, "rank %d's configuration differs from rank 0's (SHA-256), though no option does", rank);
 }
 
+dopt_status cmp_lowest_flagged(const dopt_transport *world, int flagged, int *lowest) {
+  int64_t v = flagged ? world->rank : INT64_MAX;
+  DOPT_TRY(world->ops->all_reduce(world->comm, &v, &v, 1, DOPT_I64, DOPT_MIN));
+  *lowest = v == INT64_MAX ? -1 : (int)v;
+  return DOPT_OK;
+}
+
 dopt_status cmp_config_agree(const dopt_transport *world, const char *mine, size_t nm, int *first, char *msg, size_t cap) {
   *first = -1;
   if (cap) msg[0] = '\0';
@@ -265,11 +272,8 @@ dopt_status cmp_config_agree(const dopt_transport *world, const char *mine, size
     memcpy(b + DOPT_DIGEST_BYTES + 4, mine, nm);
   }
   if (s == DOPT_OK) s = world->ops->broadcast(world->comm, b, b, total, DOPT_U8, 0);
-  int64_t v = INT64_MAX;
-  if (s == DOPT_OK && memcmp(b, mine_d, DOPT_DIGEST_BYTES) != 0) v = world->rank;
-  if (s == DOPT_OK) s = world->ops->all_reduce(world->comm, &v, &v, 1, DOPT_I64, DOPT_MIN);
-  if (s == DOPT_OK && v != INT64_MAX) {
-    *first = (int)v;
+  if (s == DOPT_OK) s = cmp_lowest_flagged(world, memcmp(b, mine_d, DOPT_DIGEST_BYTES) != 0, first);
+  if (s == DOPT_OK && *first >= 0) {
     if (world->rank == *first) {
       size_t nt = 0;
       for (int i = 0; i < 4; i++) nt |= (size_t)b[DOPT_DIGEST_BYTES + i] << (8 * i);

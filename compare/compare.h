@@ -324,6 +324,9 @@ int cmp_config_diff(const char *mine, size_t nm, const char *theirs, size_t nt, 
 dopt_status cmp_config_agree(const dopt_transport *world, const char *mine, size_t nm, int *first, char *msg,
                              size_t cap);
 dopt_status cmp_config_agree_tcp(const char *mine, size_t nm, int *first, char *msg, size_t cap);
+/* Every rank of world says whether it is flagged (a differing configuration, a refusal); *lowest: the lowest
+ * flagged rank on every rank (-1: none). One all_reduce MIN. */
+dopt_status cmp_lowest_flagged(const dopt_transport *world, int flagged, int *lowest);
 
 /* Reports (cli/report.c). */
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r);

@@ -239,18 +239,18 @@ static dopt_status mpi_checks_agree(dopt_status mine, int *said_elsewhere) {
   dopt_mpi_comm *world = NULL;
   dopt_status st = dopt_mpi_init(120000, &world);
   dopt_transport wt;
+  int lowest = -1;
   if (st == DOPT_OK) st = dopt_mpi_transport(world, &wt);
-  int32_t me = mine != DOPT_OK ? (int32_t)wt.rank : INT32_MAX, lowest = INT32_MAX;
-  if (st == DOPT_OK) st = wt.ops->all_reduce(wt.comm, &me, &lowest, 1, DOPT_I32, DOPT_MIN);
+  if (st == DOPT_OK) st = cmp_lowest_flagged(&wt, mine != DOPT_OK, &lowest);
   dopt_mpi_destroy(world);
   if (st != DOPT_OK) return st;
-  if (lowest == INT32_MAX) return DOPT_OK;
+  if (lowest < 0) return DOPT_OK;
   if (mine != DOPT_OK) {
-    *said_elsewhere = me != lowest;
+    *said_elsewhere = wt.rank != lowest;
     return dopt__fail(mine, "%s", why);
   }
   *said_elsewhere = 1;
-  return dopt__fail(DOPT_ERR_INVALID_ARG, "rank %d refused the run before it started", (int)lowest);
+  return dopt__fail(DOPT_ERR_INVALID_ARG, "rank %d refused the run before it started", lowest);
 }
 
 /* The simulator backend: x->o's tp·dp rank threads in one world. */
