@@ -446,11 +446,11 @@ dopt_status ck_read_json(const char *path, cJSON **out) {
   char *text;
   size_t n;
   DOPT_TRY(dopt__read_all(path, CK_MAX_JSON, &text, &n));
-  const long nul = dopt__json_nul(text, n);
-  if (nul >= 0) {
+  const dopt_status nul = dopt__json_no_nul(text, n, path, 0);
+  if (nul != DOPT_OK) {
     free(text);
     *out = NULL;
-    return dopt__fail(DOPT_ERR_FORMAT, "%s: a NUL character at byte %ld (a string would be cut short there)", path, nul);
+    return nul;
   }
   const char *end = NULL;
   *out = cJSON_ParseWithLengthOpts(text, n, &end, 0);

@@ -99,14 +99,11 @@ static dopt_status check_files(dopt_ckpt_reader *r) {
     const char *end = NULL;
     if (s == DOPT_OK) {
       hdr[hlen] = '\0';
-      const long nul = dopt__json_nul(hdr, (size_t)hlen);
-      h = nul >= 0 ? NULL : cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
+      s = dopt__json_no_nul(hdr, (size_t)hlen, path, 8);
+      h = s != DOPT_OK ? NULL : cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
       int bad = !h || !cJSON_IsObject(h) || hdr[0] != '{';
       for (const char *c = end; !bad && c && c < hdr + hlen; c++) bad = *c != ' ';
-      if (nul >= 0)
-        s = dopt__fail(DOPT_ERR_FORMAT, "%s: a NUL character at byte %ld of the safetensors header (a string would be "
-                       "cut short there)", path, 8 + nul);
-      else if (bad)
+      if (s == DOPT_OK && bad)
         s = dopt__fail(DOPT_ERR_FORMAT, "%s: safetensors header is not a JSON object (corrupted)", path);
     }
     const uint64_t data_len = t->files[f].bytes - 8 - hlen;

@@ -152,6 +152,13 @@ long dopt__json_nul(const char *text, size_t n) {
   return -1;
 }
 
+dopt_status dopt__json_no_nul(const char *text, size_t n, const char *where, long base) {
+  const long at = dopt__json_nul(text, n);
+  return at < 0 ? DOPT_OK
+                : dopt__fail(DOPT_ERR_FORMAT, "%s: a NUL character at byte %ld (a string would be cut short there)",
+                             where, base + at);
+}
+
 dopt_status dopt__pread_all(int fd, void *buf, size_t n, uint64_t off, const char *path) {
   unsigned char *p = buf;
   while (n > 0) {

@@ -37,6 +37,8 @@ dopt_status dopt__read_all(const char *path, size_t max, char **text, size_t *le
  * in a string, where a parser cuts the string short (a name or a path that ends early) — or -1. Every JSON
  * reader (checkpoint index and rank headers, safetensors headers, recordings' index.json) refuses such a text. */
 long dopt__json_nul(const char *text, size_t n);
+/* The same as a status: DOPT_ERR_FORMAT naming `where` and the byte (base + the offset in text), or DOPT_OK. */
+dopt_status dopt__json_no_nul(const char *text, size_t n, const char *where, long base);
 /* Exactly n bytes at offset off (path: for messages); a short file is DOPT_ERR_FORMAT. */
 dopt_status dopt__pread_all(int fd, void *buf, size_t n, uint64_t off, const char *path);
 dopt_status dopt__pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path);

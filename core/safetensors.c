@@ -188,12 +188,7 @@ static dopt_status st_read(const char *path, int stream, dopt_st_file **out) {
     goto done;
   }
   hdr[hlen] = '\0';
-  const long nul = dopt__json_nul(hdr, (size_t)hlen);
-  if (nul >= 0) {
-    s = dopt__fail(DOPT_ERR_FORMAT, "%s: a NUL character at byte %ld of the header (a string would be cut short there)",
-                   path, 8 + nul);
-    goto done;
-  }
+  if ((s = dopt__json_no_nul(hdr, (size_t)hlen, path, 8)) != DOPT_OK) goto done;
   f->header = cJSON_ParseWithLength(hdr, (size_t)hlen);
   if (!f->header || !cJSON_IsObject(f->header)) {
     s = dopt__fail(DOPT_ERR_FORMAT, "%s: header is not a JSON object", path);
