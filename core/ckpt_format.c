@@ -14,14 +14,6 @@ static int dtype_by_name(const char *s) {
   return -1;
 }
 
-void ck_shape_str(int ndim, const int64_t *shape, char *out, size_t cap) {
-  size_t off = 0;
-  out[0] = '\0';
-  off += (size_t)snprintf(out, cap, "[");
-  for (int d = 0; d < ndim && off < cap; d++)
-    off += (size_t)snprintf(out + off, cap - off, "%s%lld", d ? "," : "", (long long)shape[d]);
-  if (off < cap) snprintf(out + off, cap - off, "]");
-}
 
 int ck_same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
   if (na != nb) return 0;

@@ -128,7 +128,6 @@ dopt_status ck_parse_piece(ck_table *t, const cJSON *e, int file, int with_tenso
 int ck_rank_file_name_ok(const char *s);
 dopt_status ck_read_json(const char *path, cJSON **out);
 int ck_same_shape(int na, const int64_t *a, int nb, const int64_t *b);
-void ck_shape_str(int ndim, const int64_t *shape, char *out, size_t cap);
 
 /* ---- the reader (ckpt_read.c) ------------------------------------------------------------ */
 

@@ -153,8 +153,8 @@ dopt_status dopt_ckpt_meta_check(const dopt_ckpt_meta *s, const dopt_ckpt_meta *
                         b->name);
     if (a->dtype != b->dtype || !ck_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
       char x[160], y[160];
-      ck_shape_str(a->ndim, a->shape, x, sizeof x);
-      ck_shape_str(b->ndim, b->shape, y, sizeof y);
+      dopt__shape_text(a->ndim, a->shape, x, sizeof x);
+      dopt__shape_text(b->ndim, b->shape, y, sizeof y);
       return dopt__fail(DOPT_ERR_SHAPE, "%s: parameter '%s' is %s %s in the checkpoint, %s %s here", where, a->name,
                         dopt_dtype_name(a->dtype), x, dopt_dtype_name(b->dtype), y);
     }
@@ -301,7 +301,7 @@ dopt_status dopt_optim_load(dopt_optim *o, const char *path) {
       const ck_tensor *x = ck_table_find(&r->t, names[t]);
       if (!x || x->dtype != dt || !ck_same_shape(x->ndim, x->shape, nd, sh)) {
         char a[160];
-        ck_shape_str(nd, sh, a, sizeof a);
+        dopt__shape_text(nd, sh, a, sizeof a);
         s = dopt__fail(DOPT_ERR_SHAPE, "%s: tensor '%s': expected %s %s, the checkpoint has %s", r->index_path,
                        names[t], dopt_dtype_name(dt), a, x ? dopt_dtype_name(x->dtype) : "none");
         break;

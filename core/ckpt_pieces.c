@@ -59,7 +59,7 @@ dopt_status ck_check_piece(dopt_status err, const char *where, const char *tenso
   dopt_piece_full(ndim, shape, &f);
   char sh[160];
   if (pc->b != f.b || pc->h != f.h || pc->w != f.w || pc->numel != f.numel || !pc->factored != !f.factored) {
-    ck_shape_str(ndim, shape, sh, sizeof sh);
+    dopt__shape_text(ndim, shape, sh, sizeof sh);
     return dopt__fail(err, "%s: tensor '%s': piece view [b=%zu, h=%zu, w=%zu] numel=%zu factored=%d does not fit its "
                       "shape %s ([%zu, %zu, %zu])", where, tensor, pc->b, pc->h, pc->w, pc->numel, pc->factored, sh,
                       f.b, f.h, f.w);
@@ -259,8 +259,8 @@ dopt_status ck_table_finish(ck_table *t, const char *where) {
       const ck_piece *p = t->sorted[j];
       if (p->dtype != p0->dtype || !ck_same_shape(p->ndim, p->shape, p0->ndim, p0->shape)) {
         char a[160], b[160];
-        ck_shape_str(p0->ndim, p0->shape, a, sizeof a);
-        ck_shape_str(p->ndim, p->shape, b, sizeof b);
+        dopt__shape_text(p0->ndim, p0->shape, a, sizeof a);
+        dopt__shape_text(p->ndim, p->shape, b, sizeof b);
         return dopt__fail(DOPT_ERR_FORMAT, "%s: tensor '%s' is %s %s in %s:%s but %s %s in %s:%s", where, p0->tensor,
                           dopt_dtype_name(p0->dtype), a, t->files[p0->file].name, p0->key, dopt_dtype_name(p->dtype), b,
                           t->files[p->file].name, p->key);

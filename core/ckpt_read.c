@@ -145,7 +145,7 @@ static dopt_status check_files(dopt_ckpt_reader *r) {
       int64_t flat[1] = {(int64_t)p->pc.len};
       if (dt != p->dtype || !(whole ? ck_same_shape(nd, sh, p->ndim, p->shape) : ck_same_shape(nd, sh, 1, flat))) {
         char a[160];
-        ck_shape_str(nd, sh, a, sizeof a);
+        dopt__shape_text(nd, sh, a, sizeof a);
         s = dopt__fail(DOPT_ERR_FORMAT, "%s: key '%s' is %s %s, index.json says %s with %zu elements", path, e->string,
                        dopt_dtype_name(dt), a, dopt_dtype_name(p->dtype), p->pc.len);
         break;

@@ -95,8 +95,8 @@ dopt_status dopt_ckpt_put(dopt_ckpt_writer *w, const char *tensor, dopt_dtype dt
   int first = dopt__index_find(&w->names, dopt__hash_str(tensor), same_tensor, w, tensor) - 1;
   if (first >= 0 && (w->p[first].dtype != dt || !ck_same_shape(w->p[first].ndim, w->p[first].shape, ndim, shape))) {
     char a[160], b[160];
-    ck_shape_str(w->p[first].ndim, w->p[first].shape, a, sizeof a);
-    ck_shape_str(ndim, shape, b, sizeof b);
+    dopt__shape_text(w->p[first].ndim, w->p[first].shape, a, sizeof a);
+    dopt__shape_text(ndim, shape, b, sizeof b);
     return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_ckpt_put: tensor '%s' was %s %s, now %s %s", tensor,
                       dopt_dtype_name(w->p[first].dtype), a, dopt_dtype_name(dt), b);
   }

@@ -22,6 +22,8 @@ dopt_status dopt__fail(dopt_status s, const char *fmt, ...) DOPT_PRINTF(2, 3);
  * and line/paragraph separators as \uXXXX, each byte of invalid UTF-8 as \xNN; other text, non-ASCII included,
  * as it is. Never splits an escape or a character; returns the bytes written. */
 size_t dopt__escape(const char *s, size_t n, char *out, size_t cap);
+/* "[d0,d1,...]" of a shape, for messages (core/shape.c). */
+void dopt__shape_text(int ndim, const int64_t *shape, char *out, size_t cap);
 
 /* Propagate a failing status (the callee already wrote the message). */
 #define DOPT_TRY(expr)                 \

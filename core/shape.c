@@ -4,6 +4,7 @@
  * in core/piece.h (pieces), core/zero_range.h (ZeRO ranges, Gemini's chunks)
  * and core/optim_impl.h (state specs). */
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "grid.h"
@@ -135,4 +136,13 @@ int dopt_layer_from_name(const char *name) {
     if (nd > 0 && (*d == '.' || *d == '\0')) return (int)v;
   }
   return -1;
+}
+
+void dopt__shape_text(int ndim, const int64_t *shape, char *out, size_t cap) {
+  size_t off = 0;
+  out[0] = '\0';
+  off += (size_t)snprintf(out, cap, "[");
+  for (int d = 0; d < ndim && off < cap; d++)
+    off += (size_t)snprintf(out + off, cap - off, "%s%lld", d ? "," : "", (long long)shape[d]);
+  if (off < cap) snprintf(out + off, cap - off, "]");
 }

@@ -196,12 +196,6 @@ int vf_force_states(vctx *c, long t, int strict) {
   return CLI_OK;
 }
 
-static void shape_text(int ndim, const int64_t *shape, char *buf, size_t cap) {
-  size_t o = (size_t)snprintf(buf, cap, "[");
-  for (int d = 0; d < ndim && o < cap; d++) o += (size_t)snprintf(buf + o, cap - o, "%s%lld", d ? ", " : "", (long long)shape[d]);
-  if (o < cap) snprintf(buf + o, cap - o, "]");
-}
-
 static int open_reference(vctx *c) {
   const vr_index *ix = &c->rd.ix;
   if (vr_reader_open(&c->ref, c->ref_path) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
@@ -233,8 +227,8 @@ static int open_reference(vctx *c) {
     for (int d = 0; same && d < a->ndim; d++) same = b->shape[d] == a->shape[d];
     if (!same) {
       char sa[160], sb[160];
-      shape_text(a->ndim, a->shape, sa, sizeof sa);
-      shape_text(b->ndim, b->shape, sb, sizeof sb);
+      dopt__shape_text(a->ndim, a->shape, sa, sizeof sa);
+      dopt__shape_text(b->ndim, b->shape, sb, sizeof sb);
       return cli_errorf(CMD, "--reference %s: parameter '%s' is %s in group %d, the recording's %s in group %d",
                         c->ref.index_path, a->name, sb, b->group, sa, a->group);
     }

@@ -753,8 +753,8 @@ def case_replay():
 
     for tag, fn, needle in (("name", set_name, "optimizer 'adamw', the recording's is 'null'"),
                             ("hparams", set_hp, "group 0's hyperparameters 'lr=0.5'"),
-                            ("shape", transpose, f"parameter 'w' is [{H.COLS}, {H.ROWS}] in group 0, the recording's "
-                                                 f"[{H.ROWS}, {H.COLS}]")):
+                            ("shape", transpose, f"parameter 'w' is [{H.COLS},{H.ROWS}] in group 0, the recording's "
+                                                 f"[{H.ROWS},{H.COLS}]")):
         p = subprocess.run([H.cli(), "verify", good, "--rtol", "1e-5", "--reference", tampered(tag, fn)],
                            capture_output=True, text=True)
         H.check(p.returncode == 2 and needle in p.stderr and p.stderr.count("\n") == 1,
