@@ -408,19 +408,8 @@ static void test_wrappers_distributed(void **st) {
   static const char *const wrappers[] = {"galore", "lisa"};
   for (int w = 0; w < 2; w++)
     for (int i = 0; i < dopt_optim_registry_count(); i++) {
-      dopt_optim_info in;
-      assert_ok(dopt_optim_registry_info(i, &in));
-      dopt_optim *probe = NULL;
-      const char *ex = dopt_optim_create(in.name, "", &probe) == DOPT_OK ? "" : in.example;
-      dopt_optim_destroy(probe);
       /* the inner's example keys under inner. (LISA routes them; galore's composite takes inner.KEY of the inner) */
-      int n = snprintf(hp, sizeof hp, "inner=%s", in.name);
-      for (const char *e = ex; *e && n < (int)sizeof hp;) {
-        const char *c = strchr(e, ',');
-        const int len = c ? (int)(c - e) : (int)strlen(e);
-        if (strncmp(e, "inner=", 6) != 0) n += snprintf(hp + n, sizeof hp - (size_t)n, ",inner.%.*s", len, e);
-        e += len + (c ? 1 : 0);
-      }
+      dt_wrapped_hparams(dopt_optim_registry_name(i), hp, sizeof hp, NULL);
       dopt_optim *o = NULL;
       if (dopt_optim_create(wrappers[w], hp, &o) != DOPT_OK) {
         refused++;

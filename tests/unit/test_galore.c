@@ -369,20 +369,10 @@ static void test_wrapped_defaults(void **st) {
     for (int i = 0; i < dopt_optim_registry_count(); i++) {
       const char *name = dopt_optim_registry_name(i);
       const dopt_optim_impl *im = dopt_find_impl(name);
-      dopt_optim_info info;
-      assert_ok(dopt_optim_registry_info(i, &info));
       dopt_optim *x = NULL, *o = NULL;
-      const char *ex = dopt_optim_create(name, "", &x) == DOPT_OK ? "" : info.example;
-      dopt_optim_destroy(x);
-      x = NULL;
+      const char *ex;
       char hp[512];
-      int n = snprintf(hp, sizeof hp, "inner=%s", name);
-      for (const char *e = ex; *e;) {
-        const char *c = strchr(e, ',');
-        const int len = c ? (int)(c - e) : (int)strlen(e);
-        if (strncmp(e, "inner=", 6) != 0) n += snprintf(hp + n, sizeof hp - (size_t)n, ",inner.%.*s", len, e);
-        e += len + (c ? 1 : 0);
-      }
+      dt_wrapped_hparams(name, hp, sizeof hp, &ex);
       if (dopt_optim_create(wrappers[w], hp, &o) != DOPT_OK) continue; /* an inner this wrapper refuses */
       assert_ok(dopt_optim_create(name, ex, &x));
       int go, gx;

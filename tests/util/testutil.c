@@ -1,5 +1,7 @@
 #include "testutil.h"
 
+#include "distopt/distopt.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <stdio.h>
@@ -145,4 +147,23 @@ char *dt_slurp(const char *path, size_t *n) {
     if (n) *n = (size_t)len;
   }
   return b;
+}
+
+void dt_wrapped_hparams(const char *inner, char *out, size_t cap, const char **alone) {
+  const char *ex = "";
+  dopt_optim *probe = NULL;
+  if (dopt_optim_create(inner, "", &probe) != DOPT_OK)
+    for (int i = 0; i < dopt_optim_registry_count(); i++) {
+      dopt_optim_info info;
+      if (dopt_optim_registry_info(i, &info) == DOPT_OK && strcmp(info.name, inner) == 0) ex = info.example;
+    }
+  dopt_optim_destroy(probe);
+  if (alone) *alone = ex;
+  int n = snprintf(out, cap, "inner=%s", inner);
+  for (const char *e = ex; *e && n >= 0 && (size_t)n < cap;) {
+    const char *c = strchr(e, ',');
+    const int len = c ? (int)(c - e) : (int)strlen(e);
+    if (strncmp(e, "inner=", 6) != 0) n += snprintf(out + n, cap - (size_t)n, ",inner.%.*s", len, e);
+    e += len + (c ? 1 : 0);
+  }
 }

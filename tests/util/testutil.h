@@ -69,6 +69,10 @@ int dt_run_with(const char *bin, const char *const *args, const char *out, const
  * runs, each commit covers another part, and N offsets cover all. Unset: every item. A malformed
  * value fails the test. */
 int dt_subset_keep(uint64_t group, int i, int n);
+/* A wrapper's hyperparameters around registry optimizer `inner`: "inner=NAME" and, where the inner's defaults
+ * are no optimizer (CAME's lr), its registry example's keys as inner.KEY; *alone: the inner's own hyperparameters
+ * that match ("" or the example). */
+void dt_wrapped_hparams(const char *inner, char *out, size_t cap, const char **alone);
 /* The whole file, NUL-terminated (malloc'd; *n its bytes when n), or NULL when it cannot be read. */
 char *dt_slurp(const char *path, size_t *n);
 /* "every item" or "1 in N: DOPT_TEST_SUBSET=SEED/N, unset for all", for the test's summary line. */
