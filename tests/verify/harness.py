@@ -84,7 +84,7 @@ def train_step(model, opt, step, rank=0):
     loss = ((model(x) - y) ** 2).mean()
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def tensors_by_rank(report):
