@@ -25,6 +25,7 @@ static void hparams_of(const dopt_optim_impl *im, const double *hp, dopt_ckpt_hp
     h->key = d->key;
     h->value = hp[k];
     h->choice = NULL;
+    h->is_default = hp[k] == d->def || (isnan(hp[k]) && isnan(d->def));
     if (d->kind == DOPT_HP_BOOL) h->kind = DOPT_CKPT_HP_BOOL;
     else if (d->kind == DOPT_HP_OPT && isnan(hp[k])) h->kind = DOPT_CKPT_HP_NONE;
     else if (d->kind == DOPT_HP_ENUM) {
@@ -104,6 +105,7 @@ static dopt_status hparams_check(const dopt_ckpt_hparam *s, int ns, const dopt_c
       if (s[j].key && strcmp(s[j].key, l[k].key) == 0) x = &s[j];
     char a[64], b[64];
     ck_hp_str(&l[k], b, sizeof b);
+    if (!x && l[k].is_default) continue; /* a key added since the checkpoint was written, at its default */
     if (!x)
       return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: %s: hyperparameter %s is missing in the checkpoint (optimizer %s)",
                         where, what, l[k].key, b);

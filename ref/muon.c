@@ -9,10 +9,13 @@
  *       every leading index of [..., h, w] its own (a 3-D expert stack
  *       [E, out, in] per expert, upstream's batched iteration); the quintic
  *       Newton–Schulz of ns.c, ns_steps times, in bf16 (ns_dtype=fp32: fp32)
- *   adjust_lr_fn none (upstream):     U ← U·√max(1, G.size(-2)/G.size(-1))   (in U's arithmetic; the
- *                                     unflattened gradient's last two dims, also for 4-D)
+ *       (flavor=torch: torch.optim.Muon's addmm form, ns.h)
+ *   adjust_lr_fn none (muon-optimizer): U ← U·√max(1, G.size(-2)/G.size(-1))   (in U's arithmetic; the
+ *                                     unflattened gradient's last two dims, also for 4-D); with flavor=torch,
+ *                                     torch's None: original
  *          original (torch.optim.Muon): lr' = lr·√max(1, A/B), A, B = P's first two dims
  *          match_rms_adamw:             lr' = lr·0.2·√max(A, B)
+ *          spectral_unclamped:          lr' = lr·√(A/B)
  *   P ← P·(1 − lr·weight_decay);  P ← P + (−lr')·U  (fused, as torch's add_ with alpha)
  * use_muon=false steps every parameter with upstream's aux Adam (states
  * exp_avg, exp_avg_sq; the step count is the parameter's):
@@ -21,9 +24,10 @@
  *   P ← P·(1 − lr·weight_decay);  P ← P + (−lr)·U
  * use_muon=auto (the default; upstream has no default and asserts the key):
  * Muon for every parameter of 2 or more dims, aux Adam for the others.
- * lr none: 0.02 for Muon, 3e-4 for aux Adam (upstream's per-kind defaults);
- * beta1, beta2, eps belong to aux Adam, momentum, nesterov, ns_steps,
- * ns_dtype and adjust_lr_fn to Muon.
+ * lr none: 0.02 for Muon (flavor=torch: 1e-3), 3e-4 for aux Adam (the
+ * upstreams' defaults); beta1, beta2, eps belong to aux Adam, momentum,
+ * nesterov, ns_steps, ns_dtype, adjust_lr_fn, flavor, ns_a/b/c and ns_eps
+ * to Muon.
  *
  * distributed/: a Muon matrix steps whole on its owner (the iteration needs
  * the whole matrix); aux Adam is elementwise and steps piecewise. */
@@ -34,17 +38,21 @@
 #include "ns.h"
 #include "registry.h"
 
-enum { LR, MOMENTUM, WD, USE_MUON, BETA1, BETA2, EPS, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR, NHP };
+enum { LR, MOMENTUM, WD, USE_MUON, BETA1, BETA2, EPS, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR, FLAVOR, NS_A, NS_B, NS_C,
+       NS_EPS, NHP };
 enum { NS_BF16, NS_FP32 };
-enum { ADJ_NONE, ADJ_ORIGINAL, ADJ_MATCH_RMS };
+enum { ADJ_NONE, ADJ_ORIGINAL, ADJ_MATCH_RMS, ADJ_SPECTRAL };
+enum { FLAVOR_MUON_OPTIMIZER, FLAVOR_TORCH };
 enum { USE_AUTO, USE_TRUE, USE_FALSE };
 
 static const char *const uses[] = {"auto", "true", "false", NULL};
 static const char *const ns_dtypes[] = {"bf16", "fp32", NULL};
-static const char *const adjusts[] = {"none", "original", "match_rms_adamw", NULL};
+static const char *const adjusts[] = {"none", "original", "match_rms_adamw", "spectral_unclamped", NULL};
+static const char *const flavors[] = {"muon_optimizer", "torch", NULL};
 
 static const dopt_hp_def hps[NHP] = {
-    [LR] = {"lr", DOPT_HP_OPT, NAN, "learning rate (none: 0.02 in a Muon group, 3e-4 in an aux Adam group)", NULL},
+    [LR] = {"lr", DOPT_HP_OPT, NAN,
+            "learning rate (none: 0.02 in a Muon group, 1e-3 with flavor=torch, 3e-4 in an aux Adam group)", NULL},
     [MOMENTUM] = {"momentum", DOPT_HP_REAL, 0.95, "Muon: momentum (M <- lerp(M, G, 1 - momentum))", NULL},
     [WD] = {"weight_decay", DOPT_HP_REAL, 0.0, "decoupled decay before the update (p *= 1 - lr*wd)", NULL},
     [USE_MUON] = {"use_muon", DOPT_HP_ENUM, USE_AUTO,
@@ -58,12 +66,29 @@ static const dopt_hp_def hps[NHP] = {
     [NS_STEPS] = {"ns_steps", DOPT_HP_INT, 5.0, "Muon: Newton-Schulz iterations (upstream: 5)", NULL},
     [NS_DTYPE] = {"ns_dtype", DOPT_HP_ENUM, NS_BF16, "Muon: the iteration's arithmetic (upstream: bf16)", ns_dtypes},
     [ADJUST_LR] = {"adjust_lr_fn", DOPT_HP_ENUM, ADJ_NONE,
-                   "Muon: none (upstream's sqrt(max(1, rows/cols)) on the update), original or match_rms_adamw "
-                   "(torch.optim.Muon's, on the lr)",
+                   "Muon: none (the flavour's own rule: muon-optimizer's sqrt(max(1, rows/cols)) on the update, "
+                   "torch's None = original), original, match_rms_adamw or spectral_unclamped (torch.optim.Muon's, "
+                   "on the lr)",
                    adjusts},
+    [FLAVOR] = {"flavor", DOPT_HP_ENUM, FLAVOR_MUON_OPTIMIZER,
+                "Muon: whose Newton-Schulz arithmetic and defaults: muon_optimizer (0.1.0: separate bf16 ops, "
+                "norm + eps) or torch (torch.optim.Muon: addmm, norm clamped at eps, lr 1e-3, adjust_lr_fn None)",
+                flavors},
+    [NS_A] = {"ns_a", DOPT_HP_REAL, DOPT_NS_A, "Muon: Newton-Schulz coefficient a (torch: ns_coefficients[0])", NULL},
+    [NS_B] = {"ns_b", DOPT_HP_REAL, DOPT_NS_B, "Muon: Newton-Schulz coefficient b (torch: ns_coefficients[1])", NULL},
+    [NS_C] = {"ns_c", DOPT_HP_REAL, DOPT_NS_C, "Muon: Newton-Schulz coefficient c (torch: ns_coefficients[2])", NULL},
+    [NS_EPS] = {"ns_eps", DOPT_HP_REAL, DOPT_NS_EPS,
+                "Muon: the Newton-Schulz normalisation's eps (torch.optim.Muon's eps; not aux Adam's eps)", NULL},
 };
 
 static int is_int(double v) { return v == floor(v); }
+
+/* lr none: the per-kind defaults (muon-optimizer's 0.02 for Muon, torch.optim.Muon's 1e-3 with flavor=torch,
+ * 3e-4 for aux Adam) */
+static double lr_of(const double *hp, int muon) {
+  if (!isnan(hp[LR])) return hp[LR];
+  return !muon ? 3e-4 : (int)hp[FLAVOR] == FLAVOR_TORCH ? 1e-3 : 0.02;
+}
 
 static dopt_status validate(const double *hp) {
   if (!isnan(hp[LR]) && hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: lr=%g must be >= 0", hp[LR]);
@@ -77,6 +102,13 @@ static dopt_status validate(const double *hp) {
   if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: eps=%g must be >= 0", hp[EPS]);
   if (!(hp[NS_STEPS] >= 0 && hp[NS_STEPS] <= 100 && is_int(hp[NS_STEPS])))
     return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: ns_steps=%g must be an integer in [0, 100]", hp[NS_STEPS]);
+  static const char *const coef[] = {"ns_a", "ns_b", "ns_c"};
+  for (int k = 0; k < 3; k++)
+    if (!isfinite(hp[NS_A + k]) || fabs(hp[NS_A + k]) > 1e4)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: %s=%g must be finite and within [-1e4, 1e4]", coef[k],
+                        hp[NS_A + k]);
+  if (!(hp[NS_EPS] >= 0 && hp[NS_EPS] <= 1))
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "muon: ns_eps=%g must be in [0, 1]", hp[NS_EPS]);
   return DOPT_OK;
 }
 
@@ -140,7 +172,7 @@ static inline float lerp(float start, float end, float w) {
 /* aux Adam, elementwise on any piece */
 static dopt_status adam_step(const dopt_step_args *a) {
   const double *hp = a->hp;
-  const double lr = isnan(hp[LR]) ? 3e-4 : hp[LR], t = (double)a->step;
+  const double lr = lr_of(hp, 0), t = (double)a->step;
   const float w1 = (float)(1.0 - hp[BETA1]), w2 = (float)(1.0 - hp[BETA2]);
   const float bc1 = (float)(1.0 - pow(hp[BETA1], t)), bc2 = (float)(1.0 - pow(hp[BETA2], t));
   const float eps = (float)hp[EPS], decay = (float)(1.0 - lr * hp[WD]), alpha = (float)(-lr);
@@ -168,7 +200,9 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
                       "muon: a Muon matrix needs whole matrices of %zu elements (got [%zu, +%zu) of %zu elements)", mat,
                       pc->lo, n, pc->numel);
   count = mat ? n / mat : 0;
-  const int bf16 = (int)hp[NS_DTYPE] == NS_BF16;
+  const int bf16 = (int)hp[NS_DTYPE] == NS_BF16, torch = (int)hp[FLAVOR] == FLAVOR_TORCH;
+  const dopt_ns_spec ns = {(int)hp[NS_STEPS], bf16, torch ? DOPT_NS_ADDMM : DOPT_NS_SEPARATE,
+                           hp[NS_A],          hp[NS_B], hp[NS_C], hp[NS_EPS]};
   float *p = a->param, *m = a->state[0];
   const float *g = a->grad;
   float *u = malloc((n ? n : 1) * sizeof *u);
@@ -180,26 +214,30 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   }
   dopt_status s = DOPT_OK;
   for (size_t k = 0; s == DOPT_OK && k < count; k++)
-    s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, (int)hp[NS_STEPS], bf16, a->par);
+    s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, &ns, a->par);
   dopt_count(a, DOPT_COUNTER_NS, (int64_t)count);
   dopt_count(a, DOPT_COUNTER_NS_ITERATIONS, (int64_t)count * (int64_t)hp[NS_STEPS]);
   if (s != DOPT_OK) {
     free(u);
     return s;
   }
-  /* the scale: upstream's on the update, from the unflattened gradient's last two dims; torch.optim.Muon's on
-   * the lr, from the parameter's first two */
-  const double lr = isnan(hp[LR]) ? 0.02 : hp[LR], d0 = (double)shape[0], d1 = (double)shape[1];
+  /* the scale: muon-optimizer's on the update, from the unflattened gradient's last two dims; torch.optim.Muon's
+   * on the lr, from the parameter's first two (its None: original) */
+  const double lr = lr_of(hp, 1), d0 = (double)shape[0], d1 = (double)shape[1];
   const double rows = (double)shape[ndim - 2], cols = (double)shape[ndim - 1];
+  int rule = (int)hp[ADJUST_LR];
+  if (rule == ADJ_NONE && torch) rule = ADJ_ORIGINAL;
   double lr_adj = lr;
-  if ((int)hp[ADJUST_LR] == ADJ_NONE) {
+  if (rule == ADJ_NONE) {
     const double sc = sqrt(rows / cols > 1.0 ? rows / cols : 1.0);
     const float f = bf16 ? dopt_round_bf16((float)sc) : (float)sc; /* a Python scalar factor on the update */
     for (size_t i = 0; i < n; i++) u[i] = bf16 ? dopt_round_bf16(u[i] * f) : u[i] * f;
-  } else if ((int)hp[ADJUST_LR] == ADJ_ORIGINAL) {
+  } else if (rule == ADJ_ORIGINAL) {
     lr_adj = lr * sqrt(d0 / d1 > 1.0 ? d0 / d1 : 1.0);
-  } else {
+  } else if (rule == ADJ_MATCH_RMS) {
     lr_adj = lr * 0.2 * sqrt(d0 > d1 ? d0 : d1);
+  } else {
+    lr_adj = lr * sqrt(d0 / d1);
   }
   const float decay = (float)(1.0 - lr * hp[WD]), alpha = (float)(-lr_adj);
   for (size_t i = 0; i < n; i++) p[i] = fmaf(alpha, u[i], p[i] * decay);
@@ -230,7 +268,7 @@ static dopt_status step(const dopt_step_args *a) {
  * 3e-4 in a use_muon=false group); the wrapper's default, −lr·weight_decay from the key, would be NaN there. */
 static int lowrank_decay(const double *hp, int64_t step, void *const *state, float *factor) {
   (void)step, (void)state;
-  const double lr = !isnan(hp[LR]) ? hp[LR] : is_muon(hp, 2) ? 0.02 : 3e-4;
+  const double lr = lr_of(hp, is_muon(hp, 2));
   *factor = hp[WD] != 0.0 ? (float)(-(lr * hp[WD])) : 0.0f;
   return 1;
 }
@@ -242,6 +280,7 @@ static const char *const grid[] = {
     "lr=2e-2,weight_decay=0.01",
     "lr=2e-2,ns_dtype=fp32,nesterov=false,ns_steps=3",
     "lr=2e-2,adjust_lr_fn=match_rms_adamw,momentum=0.9,beta1=0.8",
+    "flavor=torch,weight_decay=0.1,ns_a=3.0,ns_b=-3.2,ns_c=1.2,ns_eps=1e-6",
     NULL,
 };
 

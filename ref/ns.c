@@ -181,51 +181,83 @@ static void scale_add(float *out, float f, const float *x, const float *y, size_
   round_all(out, n, bf16);
 }
 
-dopt_status dopt_ns_orthogonalize(float *g, size_t h, size_t w, int steps, int bf16, const dopt_par *par) {
+/* out = bf16?(P + f·Y) per element, the fp32 combination of torch's addmm(Y, ·, ·, beta=f) (alpha 1) or of
+ * addmm(A, A, A, beta=f, alpha=fc) with P already scaled: each product rounded to fp32, the sum to fp32, then
+ * once to bf16; out may be P or Y. */
+static void fp32_combine(float *out, const float *P, float fp, float f, const float *Y, size_t n, int bf16) {
+  for (size_t i = 0; i < n; i++) {
+    const float v = fp * P[i] + f * Y[i];
+    out[i] = bf16 ? dopt_round_bf16(v) : v;
+  }
+}
+
+/* X / the normalisation's divisor: separate, bf16(bf16(sqrt(bf16(sum of bf16 squares))) + eps); addmm,
+ * max(bf16(sqrt(sum of exact squares)), bf16(eps)) (torch 2's vector norm, then clamp(min=eps): a NaN norm
+ * stays NaN) */
+static void normalize(float *X, float *T, size_t rc, const dopt_ns_spec *ns) {
+  const int bf16 = ns->bf16;
+  for (size_t i = 0; i < rc; i++) T[i] = X[i] * X[i];
+  if (ns->form == DOPT_NS_SEPARATE) round_all(T, rc, bf16);
+  float ss = (float)dopt_xsum(T, rc);
+  if (bf16 && ns->form == DOPT_NS_SEPARATE) ss = dopt_round_bf16(ss);
+  float nrm = sqrtf(ss);
+  if (bf16) nrm = dopt_round_bf16(nrm);
+  float den;
+  if (ns->form == DOPT_NS_SEPARATE) {
+    den = nrm + (float)ns->eps;
+    if (bf16) den = dopt_round_bf16(den);
+  } else {
+    const float e = bf16 ? dopt_round_bf16((float)ns->eps) : (float)ns->eps;
+    den = nrm < e ? e : nrm;
+  }
+  for (size_t i = 0; i < rc; i++) X[i] = X[i] / den;
+  round_all(X, rc, bf16);
+}
+
+dopt_status dopt_ns_orthogonalize(float *g, size_t h, size_t w, const dopt_ns_spec *ns, const dopt_par *par) {
   const int tall = h > w; /* upstream iterates X = Gᵀ, so that X·Xᵀ is the small side */
   const size_t r = tall ? w : h, c = tall ? h : w, rc = r * c, rr = r * r;
+  const int bf16 = ns->bf16, sep = ns->form == DOPT_NS_SEPARATE;
   if (rc == 0) return DOPT_OK;
   float *buf = malloc((3 * rc + 3 * rr) * sizeof *buf);
   if (!buf)
     return dopt__fail(DOPT_ERR_NO_MEMORY, "muon: Newton-Schulz buffers for a [%zu, %zu] matrix (%zu bytes)", h, w,
                       (3 * rc + 3 * rr) * sizeof *buf);
   float *X = buf, *XT = X + rc, *T = XT + rc, *A = T + rc, *CA = A + rr, *B = CA + rr;
-  /* scalar factors in the matrices' arithmetic (torch rounds a Python scalar factor to bf16) */
-  const float fa = bf16 ? dopt_round_bf16((float)DOPT_NS_A) : (float)DOPT_NS_A;
-  const float fb = bf16 ? dopt_round_bf16((float)DOPT_NS_B) : (float)DOPT_NS_B;
-  const float fc = bf16 ? dopt_round_bf16((float)DOPT_NS_C) : (float)DOPT_NS_C;
+  /* scalar factors: muon-optimizer's are Python scalars in bf16 tensor arithmetic (torch rounds them to bf16),
+   * addmm's alpha and beta are fp32 */
+  const float fa = bf16 && sep ? dopt_round_bf16((float)ns->a) : (float)ns->a;
+  const float fb = bf16 && sep ? dopt_round_bf16((float)ns->b) : (float)ns->b;
+  const float fc = bf16 && sep ? dopt_round_bf16((float)ns->c) : (float)ns->c;
   if (tall) transpose(g, h, w, X);
   else memcpy(X, g, rc * sizeof *X);
   round_all(X, rc, bf16); /* G.bfloat16() */
-  /* X / (‖X‖_F + eps), as torch 1.13's frobenius_norm: sqrt(sum(X·X)) in the tensors' arithmetic (bf16: the
-   * squares, their sum and its square root each rounded to bf16), the sum exact and rounded to fp32 first
-   * (torch's own float accumulation rounds in its order); + eps, an fp32 scalar addend */
-  for (size_t i = 0; i < rc; i++) T[i] = X[i] * X[i];
-  round_all(T, rc, bf16);
-  float ss = (float)dopt_xsum(T, rc);
-  if (bf16) ss = dopt_round_bf16(ss);
-  float nrm = sqrtf(ss);
-  if (bf16) nrm = dopt_round_bf16(nrm);
-  float den = nrm + (float)DOPT_NS_EPS;
-  if (bf16) den = dopt_round_bf16(den);
-  for (size_t i = 0; i < rc; i++) X[i] = X[i] / den;
-  round_all(X, rc, bf16);
+  normalize(X, T, rc, ns);
   dopt_status st = DOPT_OK;
-  for (int s = 0; s < steps && st == DOPT_OK; s++) {
+  for (int s = 0; s < ns->steps && st == DOPT_OK; s++) {
     /* A = X·Xᵀ [r, r] */
     transpose(X, r, c, XT);
     st = dopt_gemm_nn(r, r, c, X, XT, A, par);
     round_all(A, rr, bf16);
-    /* B = b·A + c·A·A, which Python evaluates as (b·A) + ((c·A)·A) */
-    for (size_t i = 0; i < rr; i++) CA[i] = fc * A[i];
-    round_all(CA, rr, bf16);
-    if (st == DOPT_OK) st = dopt_gemm_nn(r, r, r, CA, A, B, par);
-    round_all(B, rr, bf16);
-    scale_add(B, fb, A, B, rr, bf16);
-    /* X = a·X + B·X */
-    if (st == DOPT_OK) st = dopt_gemm_nn(r, c, r, B, X, T, par);
-    round_all(T, rc, bf16);
-    scale_add(X, fa, X, T, rc, bf16);
+    if (sep) {
+      /* B = b·A + c·A·A, which Python evaluates as (b·A) + ((c·A)·A) */
+      for (size_t i = 0; i < rr; i++) CA[i] = fc * A[i];
+      round_all(CA, rr, bf16);
+      if (st == DOPT_OK) st = dopt_gemm_nn(r, r, r, CA, A, B, par);
+      round_all(B, rr, bf16);
+      scale_add(B, fb, A, B, rr, bf16);
+      /* X = a·X + B·X */
+      if (st == DOPT_OK) st = dopt_gemm_nn(r, c, r, B, X, T, par);
+      round_all(T, rc, bf16);
+      scale_add(X, fa, X, T, rc, bf16);
+    } else {
+      /* B = addmm(A, A, A, beta=b, alpha=c): c·(A·A) + b·A rounded once */
+      if (st == DOPT_OK) st = dopt_gemm_nn(r, r, r, A, A, B, par);
+      fp32_combine(B, B, fc, fb, A, rr, bf16);
+      /* X = addmm(X, B, X, beta=a): B·X + a·X rounded once */
+      if (st == DOPT_OK) st = dopt_gemm_nn(r, c, r, B, X, T, par);
+      fp32_combine(X, T, 1.0f, fa, X, rc, bf16);
+    }
   }
   if (st == DOPT_OK && tall) transpose(X, r, c, g);
   else if (st == DOPT_OK) memcpy(g, X, rc * sizeof *X);

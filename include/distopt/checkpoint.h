@@ -58,6 +58,8 @@ typedef struct dopt_ckpt_hparam {
   dopt_ckpt_hp_kind kind;
   double value;
   const char *choice; /* DOPT_CKPT_HP_CHOICE: the choice's name; NULL otherwise */
+  int is_default;     /* the optimizer's side (dopt_ckpt_meta_from_optim): the key holds its default, so a
+                         checkpoint written before the key existed, which lacks it, matches */
 } dopt_ckpt_hparam;
 
 typedef struct dopt_ckpt_group {

@@ -769,6 +769,34 @@ static void test_crash_between_ranks(void **st) {
   model_free(&b);
 }
 
+/* A hyperparameter added to an optimizer after a checkpoint was written (muon's flavor, ns_a..ns_eps): the
+ * checkpoint lacks the key; it loads while the optimizer holds the key's default, and is refused, naming the
+ * key and the value, when it does not. */
+static void test_added_key_default(void **st) {
+  (void)st;
+  model a, b;
+  model_init(&a, 0, 1), model_init(&b, 0, 1);
+  dopt_optim *oa = build("muon", "lr=1e-2", NULL, &a), *ob = build("muon", "lr=1e-2,flavor=torch", NULL, &b);
+  dopt_ckpt_meta *saved, *here, *other;
+  assert_ok(dopt_ckpt_meta_from_optim(oa, NULL, &saved));
+  assert_ok(dopt_ckpt_meta_from_optim(oa, NULL, &here));
+  assert_ok(dopt_ckpt_meta_from_optim(ob, NULL, &other));
+  for (int g = 0; g < saved->ngroups; g++) { /* the saved side as written before the key existed */
+    dopt_ckpt_group *gr = &saved->groups[g];
+    int n = 0;
+    for (int k = 0; k < gr->nhparams; k++)
+      if (strcmp(gr->hparams[k].key, "flavor") != 0) gr->hparams[n++] = gr->hparams[k];
+    assert_int_equal(n, gr->nhparams - 1);
+    gr->nhparams = n;
+  }
+  assert_ok(dopt_ckpt_meta_check(saved, here, "ck"));
+  assert_status(dopt_ckpt_meta_check(saved, other, "ck"), DOPT_ERR_INVALID_ARG,
+                "ck: group 0: hyperparameter flavor is missing in the checkpoint (optimizer torch)");
+  dopt_ckpt_meta_free(saved), dopt_ckpt_meta_free(here), dopt_ckpt_meta_free(other);
+  dopt_optim_destroy(oa), dopt_optim_destroy(ob);
+  model_free(&a), model_free(&b);
+}
+
 /* ---- pieces --------------------------------------------------------------------------------- */
 
 /* The elements of piece pc of a logical tensor x (elements of size es). */
@@ -869,7 +897,7 @@ static void test_pieces(void **st) {
   put_split(w, 3, "u/codes", DOPT_U8, 2, s2, x2, 1, 4, 2, &turn);   /* row blocks [0,4) [4,6) */
   for (int r = 0; r < 3; r++) assert_ok(dopt_ckpt_writer_close(w[r]));
   /* the metadata of one parameter "w" of an adamw at step 1 */
-  dopt_ckpt_hparam hp[1] = {{"lr", DOPT_CKPT_HP_NUMBER, 1e-3, NULL}};
+  dopt_ckpt_hparam hp[1] = {{"lr", DOPT_CKPT_HP_NUMBER, 1e-3, NULL, 0}};
   dopt_ckpt_group grp = {1, hp};
   dopt_ckpt_param prm = {"w", DOPT_F32, 3, {2, 5, 7}, 0, -1, 1, 0, 1};
   dopt_ckpt_meta m = DOPT_CKPT_META_INIT;
@@ -963,7 +991,7 @@ static void test_commit_cover(void **st) {
   snprintf(ck, sizeof ck, "%s/cover", dir);
   const int64_t s2[2] = {4, 6};
   float x[24] = {0};
-  dopt_ckpt_hparam hp[1] = {{"lr", DOPT_CKPT_HP_NUMBER, 1e-3, NULL}};
+  dopt_ckpt_hparam hp[1] = {{"lr", DOPT_CKPT_HP_NUMBER, 1e-3, NULL, 0}};
   dopt_ckpt_group grp = {1, hp};
   dopt_ckpt_param prm = {"x", DOPT_F32, 2, {4, 6}, 0, -1, 0, 0, 0};
   dopt_ckpt_meta m = DOPT_CKPT_META_INIT;
@@ -1078,7 +1106,7 @@ static void test_large_files(void **st) {
   const size_t n = 2048u * 2100u;
   float *x = malloc(n * sizeof *x), *y = malloc(n * sizeof *y);
   for (size_t k = 0; k < n; k++) x[k] = (float)k * 0.5f - 7.0f;
-  dopt_ckpt_hparam hp[1] = {{"lr", DOPT_CKPT_HP_NUMBER, 1e-3, NULL}};
+  dopt_ckpt_hparam hp[1] = {{"lr", DOPT_CKPT_HP_NUMBER, 1e-3, NULL, 0}};
   dopt_ckpt_group grp = {1, hp};
   dopt_ckpt_param prm = {"big", DOPT_F32, 2, {2048, 2100}, 0, -1, 0, 0, 0};
   dopt_ckpt_meta m = DOPT_CKPT_META_INIT;
@@ -1158,6 +1186,7 @@ int main(void) {
       cmocka_unit_test(test_corruption),
       cmocka_unit_test(test_crash_between_ranks),
       cmocka_unit_test(test_pieces),
+      cmocka_unit_test(test_added_key_default),
       cmocka_unit_test(test_commit_cover),
       cmocka_unit_test(test_large_files),
       cmocka_unit_test(test_bench_4096),

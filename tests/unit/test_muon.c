@@ -31,20 +31,24 @@ static void one_step(const char *hp, size_t h, size_t w, const float *w0, const 
   dopt_optim_destroy(o);
 }
 
-/* torch.optim.Muon (torch >= 2.9, not installable here): its documented rules, transcribed. The update is
- * the Newton-Schulz of the Nesterov blend, unscaled; the lr is adjusted: original lr·sqrt(max(1, A/B)),
- * match_rms_adamw lr·0.2·sqrt(max(A, B)), A, B the parameter's first two dims; p ← p·(1 − lr·wd) +
- * (−lr')·update. After one step from zero momentum: M = 0.05·G, U = lerp(G, M, 0.95). */
+/* torch.optim.Muon's documented rules, transcribed. The update is the Newton-Schulz of the Nesterov blend,
+ * unscaled; the lr is adjusted: original lr·sqrt(max(1, A/B)), match_rms_adamw lr·0.2·sqrt(max(A, B)),
+ * spectral_unclamped lr·sqrt(A/B), A, B the parameter's first two dims; p ← p·(1 − lr·wd) + (−lr')·update.
+ * flavor=torch alone: its None (original), its lr default 1e-3 and its addmm-form iteration (ns.h). After one
+ * step from zero momentum: M = 0.05·G, U = lerp(G, M, 0.95). */
 static void test_adjust_lr_fn(void **st) {
   (void)st;
   const size_t shapes[][2] = {{24, 40}, {40, 24}};
+  static const char *const rules[] = {"adjust_lr_fn=original", "adjust_lr_fn=match_rms_adamw",
+                                      "adjust_lr_fn=spectral_unclamped", "flavor=torch"};
   for (size_t s = 0; s < 2; s++)
-    for (int rule = 0; rule < 2; rule++) {
+    for (int rule = 0; rule < 4; rule++) {
       const size_t h = shapes[s][0], w = shapes[s][1], n = h * w;
       float *w0 = filled(n, 3 + s, 0.5), *g = filled(n, 5 + s, 1.0), *got = malloc(n * sizeof *got);
-      const double lr = 0.02, wd = 0.1;
+      const double lr = rule == 3 ? 1e-3 : 0.02, wd = 0.1;
       char hp[128];
-      snprintf(hp, sizeof hp, "lr=%g,weight_decay=%g,adjust_lr_fn=%s", lr, wd, rule ? "match_rms_adamw" : "original");
+      if (rule == 3) snprintf(hp, sizeof hp, "weight_decay=%g,%s", wd, rules[rule]); /* lr: the flavour's default */
+      else snprintf(hp, sizeof hp, "lr=%g,weight_decay=%g,%s", lr, wd, rules[rule]);
       one_step(hp, h, w, w0, g, got);
       /* the transcription */
       float *u = malloc(n * sizeof *u);
@@ -53,9 +57,13 @@ static void test_adjust_lr_fn(void **st) {
         const float m = fmaf(wm, g[i] - 0.0f, 0.0f);
         u[i] = fmaf(beta - 1.0f, m - g[i], m); /* lerp(G, M, 0.95): w >= 0.5 */
       }
-      assert_ok(dopt_ns_orthogonalize(u, h, w, 5, 1, NULL));
+      dopt_ns_spec ns = DOPT_NS_SPEC(5, 1);
+      if (rule == 3) ns.form = DOPT_NS_ADDMM;
+      assert_ok(dopt_ns_orthogonalize(u, h, w, &ns, NULL));
       const double A = (double)h, B = (double)w;
-      const double adj = rule ? lr * 0.2 * sqrt(A > B ? A : B) : lr * sqrt(A / B > 1 ? A / B : 1);
+      const double adj = rule == 1   ? lr * 0.2 * sqrt(A > B ? A : B)
+                         : rule == 2 ? lr * sqrt(A / B)
+                                     : lr * sqrt(A / B > 1 ? A / B : 1);
       size_t bad = 0;
       for (size_t i = 0; i < n; i++) {
         const float want = fmaf((float)(-adj), u[i], w0[i] * (float)(1.0 - lr * wd));
@@ -81,7 +89,7 @@ static void test_kernel(void **st) {
     }
   const size_t h = 32, w = 64;
   float *x = filled(h * w, 9, 1.0), *xxt = malloc(h * h * sizeof *xxt), *xt = malloc(w * h * sizeof *xt);
-  assert_ok(dopt_ns_orthogonalize(x, h, w, 5, 1, NULL));
+  assert_ok(dopt_ns_orthogonalize(x, h, w, &DOPT_NS_SPEC(5, 1), NULL));
   for (size_t i = 0; i < h * w; i++) assert_true(x[i] == dopt_round_bf16(x[i])); /* bf16 values */
   for (size_t i = 0; i < h; i++)
     for (size_t j = 0; j < w; j++) xt[j * h + i] = x[i * w + j];
