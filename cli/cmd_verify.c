@@ -65,7 +65,7 @@ static void usage(FILE *f) {
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
         "  --continues PREV: TRACE is a window (a resumed run) of the run PREV recorded up to its start: every value\n"
         "  it starts from must be PREV's after that step, bit for bit, whatever each side's layout.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 6); --plot FILE.svg: error vs step per tensor.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 7); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -150,6 +150,10 @@ static void cleanup(vctx *c) {
   free(c->ev_stat);
   free(c->scratch);
   free(c->gath);
+  for (int p = 0; c->prev && p < c->rd.ix.nparams; p++) free(c->prev[p]);
+  free(c->prev);
+  free(c->stepped_ns);
+  free(c->gath_prev);
   free(c->mask);
   dopt_optim_destroy(c->opt);
   vr_reader_close(&c->rd);

@@ -83,6 +83,46 @@ static int ref_step(vctx *c, int p, long t, double *out) {
   return 1;
 }
 
+/* The update allowance (verify_tol.update) after the reference's step: every rank's piece of a parameter whose
+ * step counted the tolerance's counter (Muon's Newton-Schulz) grows by tol_update times the piece's largest
+ * change in that step, max|ref - prev| (--stepwise: this step's alone; accumulated: summed over the steps, as
+ * the differences of the updates add up). */
+static void grow_allowance(vctx *c) {
+  const vr_index *ix = &c->rd.ix;
+  for (int r = 0; r < ix->world_size; r++)
+    for (int i = 0; i < ix->ranks[r].npieces; i++) {
+      const vr_piece *pc = &ix->ranks[r].pieces[i];
+      vstat *s = &c->st[c->rt[r].keys[i].stat[0]];
+      if (c->stepwise) s->allow = 0.0;
+      if (!c->stepped_ns[pc->param]) continue;
+      const float *rp = c->data[pc->param], *pp = c->prev[pc->param];
+      if (pc->lp.block_dim >= 0) {
+        vr_piece_get(pc, rp, c->gath);
+        vr_piece_get(pc, pp, c->gath_prev);
+        rp = c->gath, pp = c->gath_prev;
+      } else {
+        rp += pc->lp.lo, pp += pc->lp.lo;
+      }
+      double du = 0.0;
+      for (int64_t k = 0; k < pc->lp.len; k++) {
+        const double d = fabs((double)rp[k] - (double)pp[k]);
+        if (d > du) du = d;
+      }
+      s->allow += c->tol_update * du;
+    }
+}
+
+/* A parameter piece's bound at this step: the declared (or given) one plus its update allowance relative to
+ * max|ref|, as the error is; keeps the worst error / bound for the report. */
+static double param_bound(vstat *s, double tol, const float *rp, int64_t n, double rel) {
+  double maxref = 0.0;
+  for (int64_t i = 0; s->allow > 0 && i < n; i++)
+    if (fabs((double)rp[i]) > maxref) maxref = fabs((double)rp[i]);
+  const double bound = tol + (s->allow > 0 && maxref > 0 ? s->allow / maxref : 0.0);
+  if (bound > 0 && rel / bound > s->worst_frac) s->worst_frac = rel / bound;
+  return bound;
+}
+
 static int compare_step(vctx *c, long t) {
   char key[VR_MAX_NAME + 128];
   if (c->ref_path && vr_reader_seek(&c->ref, 0, t) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
@@ -168,8 +208,9 @@ static int compare_step(vctx *c, long t) {
           vr_piece_get(pc, ref, c->gath);
           ref = c->gath;
         }
-        double rel = vf_compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo, (size_t)pc->lp.len);
-        vf_record_result(c, pk->stat[0], t, rel, c->tol_param);
+        const float *rp = pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo;
+        double rel = vf_compare_f32(s, rec.data, rp, (size_t)pc->lp.len);
+        vf_record_result(c, pk->stat[0], t, rel, param_bound(s, c->tol_param, rp, pc->lp.len, rel));
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
         return cli_errorf(CMD, "%s: rank %d's file for step %ld has no '%s' (record.params is true and every=%ld)",
@@ -330,6 +371,8 @@ int vf_replay(vctx *c) {
           continue;
         }
       }
+      for (int p = 0; c->prev && p < ix->nparams; p++) /* the update allowance: the parameters before */
+        memcpy(c->prev[p], c->data[p], (size_t)ix->params[p].numel * sizeof(float));
       dopt_status s = dopt_optim_step(c->opt, c->gptr);
       if (c->hook_err[0]) return cli_errorf(CMD, "%s", c->hook_err);
       if (s != DOPT_OK) {
@@ -337,6 +380,11 @@ int vf_replay(vctx *c) {
         snprintf(what, sizeof what, "step %ld: the reference step failed", t);
         return vf_lib_error(what, s);
       }
+      for (int p = 0; c->stepped_ns && p < ix->nparams; p++) {
+        dopt_counters k = DOPT_COUNTERS_INIT;
+        c->stepped_ns[p] = dopt_optim_counters(c->opt, p, &k) == DOPT_OK && k.last[c->update_counter] > 0;
+      }
+      if (c->prev) grow_allowance(c);
       if (ix->projectors && (rc = vf_check_refreshes(c, t))) return rc;
     }
     long before = 0;

@@ -82,6 +82,10 @@ void vf_print_table(const vctx *c) {
          c->tol_param, c->tol_state, c->tol_source, strncmp(c->tol_source, "declared", 8) == 0 ? " for " : "",
          strncmp(c->tol_source, "declared", 8) == 0 ? ix->optimizer : "", c->exact_states ? "; exact (declared): " : "",
          c->exact_states ? c->exact_states : "", c->exact_states ? " bitwise" : "");
+  if (c->tol_update > 0)
+    printf("  parameters whose step ran %s: + %g of %s change of the reference's parameter (a bf16 update; "
+           "docs/verify.md)\n", dopt_counter_name(c->update_counter), c->tol_update,
+           c->stepwise ? "the step's" : "each step's, summed,");
   int *order = row_order(c);
   int namew = 6;
   char name[VR_MAX_NAME + VR_MAX_KEY + 2], piece[128];
@@ -138,7 +142,10 @@ void vf_print_table(const vctx *c) {
     printf("verdict: %s\n", e.text);
   } else if (!c->verdict_step) {
     char pw[64] = "none recorded", sw[64] = "none recorded";
-    if (np) snprintf(pw, sizeof pw, "%.3g of %g", wp, c->tol_param);
+    double frac = 0;
+    for (int i = 0; i < c->nst; i++) frac = c->st[i].worst_frac > frac ? c->st[i].worst_frac : frac;
+    if (np && c->tol_update > 0) snprintf(pw, sizeof pw, "%.3g, at most %.2g of its bound", wp, frac);
+    else if (np) snprintf(pw, sizeof pw, "%.3g of %g", wp, c->tol_param);
     if (ns) snprintf(sw, sizeof sw, "%.3g of %g", ws, c->tol_state);
     printf("verdict: WITHIN TOLERANCE (worst normwise relative error: parameters %s, states %s; "
            "%d tensor%s, %ld recorded step%s, %d rank%s)\n",
@@ -157,8 +164,8 @@ void vf_print_table(const vctx *c) {
       printf("verdict: DIVERGED at step %ld (events: galore.refreshes of %s: reference %lld, recorded %lld)\n",
              c->verdict_step, ix->params[s->param].name, (long long)s->ev_ours, (long long)s->ev_rec);
     else
-      printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: normwise relative error %.3g > %g)\n", c->verdict_step,
-             name, s->rank, c->verdict_value, s->key[0] ? vf_state_tol(c, s->key) : c->tol_param);
+      printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: normwise relative error %.3g > %.3g)\n",
+             c->verdict_step, name, s->rank, c->verdict_value, s->tol_first);
   }
 }
 
@@ -200,6 +207,8 @@ static int json_body(FILE *f, const void *ctx) {
     cJSON_AddNumberToObject(tol, "param", c->tol_param);
     cJSON_AddNumberToObject(tol, "state", c->tol_state);
     cJSON_AddStringToObject(tol, "source", c->tol_source);
+    cJSON_AddNumberToObject(tol, "update", c->tol_update); /* schema 7: the update allowance (0: none) */
+    if (c->tol_update > 0) cJSON_AddStringToObject(tol, "update_counter", dopt_counter_name(c->update_counter));
     cJSON *ex = cJSON_AddArrayToObject(tol, "exact_states"); /* schema 6: compared with bound 0 */
     for (const char *e = c->exact_states; ex && e && *e;) {
       const char *comma = strchr(e, ',');

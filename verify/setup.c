@@ -267,6 +267,7 @@ int vf_setup(vctx *c) {
     c->tol_param = c->stepwise ? tol->step_param : tol->param;
     c->tol_state = c->stepwise ? tol->step_state : tol->state;
     c->tol_source = c->stepwise ? "declared per step" : "declared";
+    c->tol_update = tol->update, c->update_counter = tol->update_counter;
   } else {
     return cli_errorf(CMD, "%s: optimizer.name '%s' has no declared%s tolerance (give --rtol)", c->rd.index_path,
                       ix->optimizer[0] ? ix->optimizer : "null", c->stepwise ? " per-step" : "");
@@ -314,6 +315,16 @@ int vf_setup(vctx *c) {
     c->grad[p] = c->ref_path ? NULL : malloc(n * sizeof(float));
     if (!c->data[p] || (!c->ref_path && !c->grad[p]))
       return cli_errorf(CMD, "out of memory for parameter '%s' (%zu elements)", ix->params[p].name, n);
+  }
+  if (c->tol_update > 0 && !c->ref_path) { /* the update allowance: each step's change of the reference */
+    c->prev = calloc((size_t)np, sizeof *c->prev);
+    c->stepped_ns = calloc((size_t)np, sizeof *c->stepped_ns);
+    c->gath_prev = malloc(maxn * sizeof *c->gath_prev);
+    if (!c->prev || !c->stepped_ns || !c->gath_prev) return cli_errorf(CMD, "out of memory");
+    for (int p = 0; p < np; p++)
+      if (!(c->prev[p] = malloc((size_t)ix->params[p].numel * sizeof(float) + 1)))
+        return cli_errorf(CMD, "out of memory for parameter '%s' (%lld elements)", ix->params[p].name,
+                          (long long)ix->params[p].numel);
   }
   for (int r = 0; r < ix->world_size; r++) {
     const vr_rank *rk = &ix->ranks[r];

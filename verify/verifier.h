@@ -50,12 +50,17 @@ typedef struct verify_tol {
   const char *upstream;          /* the recorded class's prefix this entry is for (NULL: any class) */
   const char *exact;             /* state keys the arithmetic makes exact ("a,b"): compared bitwise whatever the
                                     other bounds (--rtol included); NULL: none */
+  double update;                 /* > 0: a parameter whose step counted update_counter is also allowed this
+                                    fraction of each step's change of the reference's parameter, summed over the
+                                    steps (accumulated) or of this step's (--stepwise): an update computed in a
+                                    coarser arithmetic than the parameter (Muon's bf16 Newton-Schulz) */
+  int update_counter;            /* the dopt_counter (its last step's count > 0) that marks such a step */
 } verify_tol;
 /* ---- state of one run ------------------------------------------------------------------- */
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 6              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count; 6: continues, the resume verdict */
+#define VR_JSON_SCHEMA 7              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count; 6: continues, the resume verdict; 7: tolerance.update, update_counter */
 
 typedef struct vstat {
   int rank, param;
@@ -68,6 +73,8 @@ typedef struct vstat {
   long first_beyond;        /* first step beyond tolerance (0: never) */
   int no_ref;               /* the reference has no state of this key: not compared */
   double tol_first;         /* the tolerance at first_beyond (a projector's sin theta bound varies per refresh) */
+  double allow;             /* a parameter's: the update allowance so far (absolute; verify_tol.update) */
+  double worst_frac;        /* a parameter's: the largest error / bound of a step (with an update allowance) */
   int64_t ev_ours, ev_rec;  /* an events(...) statistic at first_beyond: our count and the recording's */
   long npts, cappts;
   long *pt_step;
@@ -117,6 +124,11 @@ typedef struct vctx {
   long proj_adopted, proj_none; /* recorded projectors adopted / refreshes with no recorded projector */
   char hook_err[5120];    /* the projector hook's failure (exit 2) */
   double tol_param, tol_state;
+  double tol_update;      /* verify_tol.update when the declared bounds apply (0: none) */
+  int update_counter;
+  float **prev;           /* [nparams] with tol_update: the reference's parameters before the step */
+  int *stepped_ns;        /* [nparams] with tol_update: the last step counted update_counter */
+  float *gath_prev;       /* with tol_update: a block piece's elements of prev, gathered */
   const char *tol_source;
   const char *exact_states; /* the declared exact state keys ("a,b"; NULL: none), checked with bound 0 */
   dopt_optim *opt;

@@ -209,7 +209,7 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t6"));
+  assert_non_null(strstr(js, "\"schema_version\":\t7"));
   assert_non_null(strstr(js, "\"continues\":\tnull"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
