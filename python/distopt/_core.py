@@ -120,7 +120,10 @@ def format_value(key, v):
         if any(c in v for c in ",=\0") or not v.strip():
             raise ValueError(f"distopt: hyperparameter {key}={v!r}: not a valid value")
         return v.strip()
-    return repr(_number(v, key))
+    x = _number(v, key)
+    if isinstance(v, int) and x == int(v):  # an integer as one (ns_steps=5, not 5.0)
+        return str(int(v))
+    return repr(x)
 
 
 def format_hparams(values):

@@ -191,25 +191,21 @@ def _galore_adafactor(group):
     return g
 
 
-_TORCH_MUON_NS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default ns_coefficients (Keller Jordan's)
-
-
 def _torch_muon(group):
-    """torch.optim.Muon (torch >= 2.9) as distopt's muon: every parameter a Muon matrix (use_muon true); its
-    adjust_lr_fn None means "original" (sqrt(max(1, A/B)) on the lr: distopt's `original`); its eps (the
-    Newton-Schulz normalisation's, not an Adam's) and ns_coefficients only at their defaults, the ones distopt's
-    Newton-Schulz uses; torch's addmm-form bf16 iteration rounds otherwise than distopt's (muon-optimizer's), so
-    verify needs --rtol for the parameters while the momentum stays exact (docs/verify.md)."""
-    coeffs = tuple(float(c) for c in group.get("ns_coefficients", _TORCH_MUON_NS))
-    if coeffs != _TORCH_MUON_NS:
-        raise ValueError(f"torch.optim.Muon ns_coefficients={coeffs}: distopt's muon iterates with "
-                         f"{_TORCH_MUON_NS} only")
-    if float(group.get("eps", 1e-7)) != 1e-7:
-        raise ValueError(f"torch.optim.Muon eps={group.get('eps')}: distopt's muon normalises with eps 1e-7 only")
+    """torch.optim.Muon (torch >= 2.9) as distopt's muon with flavor=torch (its addmm-form Newton-Schulz, norm
+    clamped at eps, docs/muon.md): every parameter a Muon matrix (use_muon true); ns_coefficients as ns_a, ns_b,
+    ns_c; its eps (the Newton-Schulz normalisation's, not an Adam's) as ns_eps; adjust_lr_fn None as "none" (the
+    flavour's own rule: torch's original)."""
     g = {k: v for k, v in group.items() if k not in ("eps", "ns_coefficients", "adjust_lr_fn")}
+    coeffs = tuple(float(c) for c in group.get("ns_coefficients", (3.4445, -4.7750, 2.0315)))
+    if len(coeffs) != 3:
+        raise ValueError(f"torch.optim.Muon ns_coefficients={coeffs}: three values (a, b, c) expected")
+    g["ns_a"], g["ns_b"], g["ns_c"] = coeffs
+    g["ns_eps"] = float(group.get("eps", 1e-7))
     g["use_muon"] = True
+    g["flavor"] = "torch"
     fn = group.get("adjust_lr_fn")
-    g["adjust_lr_fn"] = "original" if fn in (None, "original") else fn
+    g["adjust_lr_fn"] = "none" if fn is None else fn
     return g
 
 

@@ -420,6 +420,10 @@ class FSDP2Muon(torch.optim.Optimizer):
                 w.add_(o[lo:lo + w.shape[0]].to(w.dtype), alpha=-_muon._adjust_lr(group["lr"], None, p.shape))
 
 
+# FSDP2Muon's hyperparameters as distopt's muon: torch.optim.Muon's arithmetic and lr rule (flavor torch)
+MUON_HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, use_muon=True, flavor="torch")
+
+
 def muon_model():
     """Matrices only (Muon's): [10, 12] in rows 3, 3, 3, 1 over 4 ranks; [6, 10] in 2, 2, 2, 0; [5, 6] in 2, 2, 1, 0."""
     L = torch.nn.Linear
@@ -441,7 +445,8 @@ def muon_fsdp2(rank, world, out, bad_offset, steps=20):
         fully_shard(model[i])
     fully_shard(model)
     opt = FSDP2Muon(model.parameters(), bad_offset=bad_offset)
-    with record(opt, out, names=model, flush_every=10):  # no distopt name: recorded as it is, for distopt.replay
+    # recorded as distopt's muon with torch's arithmetic (verify's reference), and replayable as it is
+    with record(opt, out, names=model, flush_every=10, name="muon", hparams=MUON_HPARAMS):
         for t in range(1, steps + 1):
             H.train_step(model, opt, t, rank)
 
