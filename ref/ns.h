@@ -63,6 +63,19 @@ float dopt_round_bf16(float x);
  * (no bit depends on them). DOPT_ERR_NO_MEMORY: the packed copy of B (K · N rounded up to 16 floats). */
 dopt_status dopt_gemm_nn(size_t M, size_t N, size_t K, const float *A, const float *B, float *C, const dopt_par *par);
 
+/* dopt_gemm_nn with hints that change no bit: DOPT_GEMM_BF16, every operand holds a bf16 value (two k per
+ * instruction where the CPU's vdpbf16ps is checked to add as the chain does, ns.c); DOPT_GEMM_SYM, C is
+ * symmetric (A·Aᵀ given as A and Aᵀ, or A·A of a symmetric A): the tiles from the diagonal's on are computed,
+ * the rest mirrored (each C[i][j] the same products as C[j][i], in the same order). */
+#define DOPT_GEMM_BF16 1u
+#define DOPT_GEMM_SYM 2u
+#define DOPT_GEMM_AAT 4u /* C = A·Aᵀ (M = N; B unused, may be NULL): symmetric, and no transpose of A is made where
+                            the pairs kernel runs */
+dopt_status dopt_gemm_ex(size_t M, size_t N, size_t K, const float *A, const float *B, float *C, unsigned flags,
+                         const dopt_par *par);
+/* 1 where DOPT_GEMM_BF16 products run two k per instruction on this CPU (vdpbf16ps, checked), else 0 */
+int dopt_gemm_pairs(void);
+
 /* Orthogonalises g [h, w] (row-major) in place as ns says (bf16: the result holds bf16 values). A tall matrix is
  * iterated transposed, as both upstreams do. */
 dopt_status dopt_ns_orthogonalize(float *g, size_t h, size_t w, const dopt_ns_spec *ns, const dopt_par *par);

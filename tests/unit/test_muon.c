@@ -87,6 +87,47 @@ static void test_kernel(void **st) {
       for (size_t k = 0; k < K; k++) acc = fmaf(A[i * K + k], B[k * N + j], acc);
       if (memcmp(&acc, &C[i * N + j], sizeof acc)) fail_msg("C[%zu][%zu] = %a, the k-order chain %a", i, j, (double)C[i * N + j], (double)acc);
     }
+  /* the hints change no bit: bf16 operands (two k per vdpbf16ps where the CPU has it), a symmetric product
+   * (X·Xᵀ: the tiles below the diagonal mirrored), odd K (the last pair padded with +0), two slabs of pairs, edge
+   * tiles; an operand below 2^-50 (its products could be subnormal, which the instruction flushes) takes the
+   * fmaf kernel: every case equals the plain chain bit for bit */
+  for (int tiny = 0; tiny < 2; tiny++) {
+    const size_t m = 70, kk = 301, nn = 90;
+    float *a = filled(m * kk, 11, 1.0), *b = filled(kk * nn, 12, 1.0), *c = malloc(m * nn * sizeof *c);
+    float *at = malloc(kk * m * sizeof *at), *cs = malloc(m * m * sizeof *cs);
+    for (size_t i = 0; i < m * kk; i++) a[i] = dopt_round_bf16(a[i]);
+    for (size_t i = 0; i < kk * nn; i++) b[i] = dopt_round_bf16(b[i]);
+    if (tiny) a[5] = 0x1p-60f;
+    for (size_t i = 0; i < m; i++)
+      for (size_t k = 0; k < kk; k++) at[k * m + i] = a[i * kk + k];
+    assert_ok(dopt_gemm_ex(m, nn, kk, a, b, c, DOPT_GEMM_BF16, NULL));
+    assert_ok(dopt_gemm_ex(m, m, kk, a, at, cs, DOPT_GEMM_BF16 | DOPT_GEMM_SYM, NULL));
+    float *ca = malloc(m * m * sizeof *ca), *cf = malloc(m * m * sizeof *cf); /* A·Aᵀ without Aᵀ: both kernels */
+    assert_ok(dopt_gemm_ex(m, m, kk, a, NULL, ca, DOPT_GEMM_BF16 | DOPT_GEMM_AAT, NULL));
+    assert_ok(dopt_gemm_ex(m, m, kk, a, NULL, cf, DOPT_GEMM_AAT, NULL));
+    assert_memory_equal(ca, cs, m * m * sizeof *ca);
+    assert_memory_equal(cf, cs, m * m * sizeof *cf);
+    free(ca), free(cf);
+    size_t bad = 0, bads = 0;
+    for (size_t i = 0; i < m; i++) {
+      for (size_t j = 0; j < nn; j++) {
+        float acc = 0.0f;
+        for (size_t k = 0; k < kk; k++) acc = fmaf(a[i * kk + k], b[k * nn + j], acc);
+        bad += memcmp(&acc, &c[i * nn + j], sizeof acc) != 0;
+      }
+      for (size_t j = 0; j < m; j++) {
+        float acc = 0.0f;
+        for (size_t k = 0; k < kk; k++) acc = fmaf(a[i * kk + k], at[k * m + j], acc);
+        bads += memcmp(&acc, &cs[i * m + j], sizeof acc) != 0;
+      }
+    }
+    printf("dopt_gemm_ex, bf16 operands%s: %s; %zu and %zu of %zu and %zu elements differ from the chain\n",
+           tiny ? " with one below 2^-50" : "",
+           dopt_gemm_pairs() && !tiny ? "two k per vdpbf16ps" : "the fmaf kernel", bad, bads, m * nn, m * m);
+    assert_int_equal(bad, 0);
+    assert_int_equal(bads, 0);
+    free(a), free(b), free(c), free(at), free(cs);
+  }
   const size_t h = 32, w = 64;
   float *x = filled(h * w, 9, 1.0), *xxt = malloc(h * h * sizeof *xxt), *xt = malloc(w * h * sizeof *xt);
   assert_ok(dopt_ns_orthogonalize(x, h, w, &DOPT_NS_SPEC(5, 1), NULL));
