@@ -168,6 +168,57 @@ static inline float lerp(float start, float end, float w) {
   return fabsf(w) < 0.5f ? fmaf(w, end - start, start) : fmaf(w - 1.0f, end - start, end);
 }
 
+/* A Muon matrix's two elementwise passes, split over the pool (each element on its own: no bit depends on the
+ * split) and, where the CPU has FMA, with fmaf as the instruction rather than libm's call (the same value: a fused
+ * multiply-add rounds once either way). MOMENTUM: M ← lerp(M, G, w), U ← nesterov ? lerp(G, M, beta) : M;
+ * UPDATE: P ← fmaf(alpha, U, P·decay). */
+enum { EW_MOMENTUM, EW_UPDATE };
+typedef struct ew_job {
+  int kind, nesterov;
+  float *m, *u, *p;
+  const float *g;
+  float w, beta, alpha, decay;
+  size_t n, parts;
+} ew_job;
+
+static inline __attribute__((always_inline)) void ew_body(const ew_job *e, size_t lo, size_t hi) {
+  float *m = e->m, *u = e->u, *p = e->p;
+  const float *g = e->g;
+  if (e->kind == EW_MOMENTUM) {
+    for (size_t i = lo; i < hi; i++) {
+      m[i] = lerp(m[i], g[i], e->w);
+      u[i] = e->nesterov ? lerp(g[i], m[i], e->beta) : m[i];
+    }
+  } else {
+    for (size_t i = lo; i < hi; i++) p[i] = fmaf(e->alpha, u[i], p[i] * e->decay);
+  }
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+__attribute__((target("fma"))) static void ew_body_fma(const ew_job *e, size_t lo, size_t hi) { ew_body(e, lo, hi); }
+static void ew_range(const ew_job *e, size_t lo, size_t hi) {
+  if (__builtin_cpu_supports("fma")) ew_body_fma(e, lo, hi);
+  else ew_body(e, lo, hi);
+}
+#else
+static void ew_range(const ew_job *e, size_t lo, size_t hi) { ew_body(e, lo, hi); }
+#endif
+
+static void ew_task(void *arg, size_t p) {
+  const ew_job *e = arg;
+  ew_range(e, e->n * p / e->parts, e->n * (p + 1) / e->parts);
+}
+
+/* parts of 2^16 elements or more */
+static void ew_run(const dopt_par *par, ew_job *e) {
+  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
+  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
+  while (parts > 1 && e->n / parts < ((size_t)1 << 16)) parts--;
+  e->parts = parts;
+  if (parts > 1) par->run(par->ctx, parts, ew_task, e);
+  else ew_range(e, 0, e->n);
+}
+
 
 /* aux Adam, elementwise on any piece */
 static dopt_status adam_step(const dopt_step_args *a) {
@@ -207,11 +258,9 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   const float *g = a->grad;
   float *u = malloc((n ? n : 1) * sizeof *u);
   if (!u) return dopt__fail(DOPT_ERR_NO_MEMORY, "muon: the update of a %zu-element matrix", n);
-  const float w = (float)(1.0 - hp[MOMENTUM]), beta = (float)hp[MOMENTUM];
-  for (size_t i = 0; i < n; i++) {
-    m[i] = lerp(m[i], g[i], w);
-    u[i] = hp[NESTEROV] != 0.0 ? lerp(g[i], m[i], beta) : m[i];
-  }
+  ew_job mom = {EW_MOMENTUM, hp[NESTEROV] != 0.0, m, u, NULL, g, (float)(1.0 - hp[MOMENTUM]), (float)hp[MOMENTUM],
+                0.0f, 0.0f, n, 1};
+  ew_run(a->par, &mom);
   dopt_status s = DOPT_OK;
   for (size_t k = 0; s == DOPT_OK && k < count; k++)
     s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, &ns, a->par);
@@ -240,7 +289,8 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
     lr_adj = lr * sqrt(d0 / d1);
   }
   const float decay = (float)(1.0 - lr * hp[WD]), alpha = (float)(-lr_adj);
-  for (size_t i = 0; i < n; i++) p[i] = fmaf(alpha, u[i], p[i] * decay);
+  ew_job upd = {EW_UPDATE, 0, NULL, u, p, NULL, 0.0f, 0.0f, alpha, decay, n, 1};
+  ew_run(a->par, &upd);
   free(u);
   return DOPT_OK;
 }
