@@ -238,6 +238,42 @@ static dopt_status adam_step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
+/* A stack's matrices: as many at once as the pool has threads, each on one (no bit depends on which), where
+ * there are at least as many as threads; else one after another, each splitting its products over the pool. A
+ * part stops at its first failure (the matrix is left as it was: dopt_ns_orthogonalize writes it only at its
+ * end) and the caller redoes that one and the part's rest itself, so that the error is reported from here. */
+typedef struct ns_job {
+  float *u;
+  size_t count, h, w, parts;
+  const dopt_ns_spec *ns;
+  size_t stop[DOPT_PAR_MAX]; /* part p's first matrix not done (count: all done) */
+} ns_job;
+
+static void ns_task(void *arg, size_t p) {
+  ns_job *j = arg;
+  j->stop[p] = j->count;
+  for (size_t k = p; k < j->count; k += j->parts)
+    if (dopt_ns_orthogonalize(j->u + k * j->h * j->w, j->h, j->w, j->ns, NULL) != DOPT_OK) {
+      j->stop[p] = k;
+      return;
+    }
+}
+
+static dopt_status orthogonalize_all(float *u, size_t count, size_t h, size_t w, const dopt_ns_spec *ns,
+                                     const dopt_par *par) {
+  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
+  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
+  if (parts > 1 && count >= parts) {
+    ns_job j = {u, count, h, w, parts, ns, {0}};
+    par->run(par->ctx, parts, ns_task, &j);
+    for (size_t p = 0; p < parts; p++)
+      for (size_t k = j.stop[p]; k < count; k += parts) DOPT_TRY(dopt_ns_orthogonalize(u + k * h * w, h, w, ns, NULL));
+    return DOPT_OK;
+  }
+  for (size_t k = 0; k < count; k++) DOPT_TRY(dopt_ns_orthogonalize(u + k * h * w, h, w, ns, par));
+  return DOPT_OK;
+}
+
 static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *shape) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
@@ -261,9 +297,7 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   ew_job mom = {EW_MOMENTUM, hp[NESTEROV] != 0.0, m, u, NULL, g, (float)(1.0 - hp[MOMENTUM]), (float)hp[MOMENTUM],
                 0.0f, 0.0f, n, 1};
   ew_run(a->par, &mom);
-  dopt_status s = DOPT_OK;
-  for (size_t k = 0; s == DOPT_OK && k < count; k++)
-    s = dopt_ns_orthogonalize(u + k * h * wd, h, wd, &ns, a->par);
+  dopt_status s = orthogonalize_all(u, count, h, wd, &ns, a->par);
   dopt_count(a, DOPT_COUNTER_NS, (int64_t)count);
   dopt_count(a, DOPT_COUNTER_NS_ITERATIONS, (int64_t)count * (int64_t)hp[NS_STEPS]);
   if (s != DOPT_OK) {
