@@ -112,6 +112,12 @@ typedef struct dopt_par {
   void (*run)(void *ctx, size_t n, void (*task)(void *arg, size_t i), void *arg);
 } dopt_par;
 
+/* fn(arg, lo, hi) over [0, n) in equal parts of at least `min` elements each, on par's threads (par NULL or
+ * one part: on the caller); returns when all are done. For elementwise passes, whose bits do not depend on
+ * the split. */
+void dopt__par_ranges(const dopt_par *par, size_t n, size_t min, void (*fn)(void *arg, size_t lo, size_t hi),
+                      void *arg);
+
 /* The blocks of a DOPT_STATE_BLOCKWISE state that several pieces of the tensor hold elements of: a value
  * per block (8-bit absmax) is then a MAX over those pieces, posted in one array per step. The list is the
  * same on every piece of the tensor (distributed/ derives it from every rank's piece); a piece that holds no

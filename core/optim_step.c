@@ -181,6 +181,30 @@ static void par_run(void *ctx, size_t n, void (*task)(void *arg, size_t i), void
   dopt__pool_run(o->pool, n, task, arg);
 }
 
+typedef struct range_job {
+  void (*fn)(void *arg, size_t lo, size_t hi);
+  void *arg;
+  size_t n, parts;
+} range_job;
+
+static void range_task(void *arg, size_t p) {
+  const range_job *j = arg;
+  j->fn(j->arg, j->n * p / j->parts, j->n * (p + 1) / j->parts);
+}
+
+void dopt__par_ranges(const dopt_par *par, size_t n, size_t min, void (*fn)(void *arg, size_t lo, size_t hi),
+                      void *arg) {
+  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
+  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
+  while (parts > 1 && n / parts < min) parts--;
+  if (parts <= 1) {
+    fn(arg, 0, n);
+    return;
+  }
+  range_job j = {fn, arg, n, parts};
+  par->run(par->ctx, parts, range_task, &j);
+}
+
 /* One round's task for one item: a whole parameter runs all its stages; a
  * piece runs its next stage. */
 static void item_task(void *ctx, size_t t) {

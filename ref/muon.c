@@ -178,7 +178,7 @@ typedef struct ew_job {
   float *m, *u, *p;
   const float *g;
   float w, beta, alpha, decay;
-  size_t n, parts;
+  size_t n;
 } ew_job;
 
 static inline __attribute__((always_inline)) void ew_body(const ew_job *e, size_t lo, size_t hi) {
@@ -196,28 +196,16 @@ static inline __attribute__((always_inline)) void ew_body(const ew_job *e, size_
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 __attribute__((target("fma"))) static void ew_body_fma(const ew_job *e, size_t lo, size_t hi) { ew_body(e, lo, hi); }
-static void ew_range(const ew_job *e, size_t lo, size_t hi) {
-  if (__builtin_cpu_supports("fma")) ew_body_fma(e, lo, hi);
-  else ew_body(e, lo, hi);
+static void ew_range(void *arg, size_t lo, size_t hi) {
+  if (__builtin_cpu_supports("fma")) ew_body_fma(arg, lo, hi);
+  else ew_body(arg, lo, hi);
 }
 #else
-static void ew_range(const ew_job *e, size_t lo, size_t hi) { ew_body(e, lo, hi); }
+static void ew_range(void *arg, size_t lo, size_t hi) { ew_body(arg, lo, hi); }
 #endif
 
-static void ew_task(void *arg, size_t p) {
-  const ew_job *e = arg;
-  ew_range(e, e->n * p / e->parts, e->n * (p + 1) / e->parts);
-}
-
 /* parts of 2^16 elements or more */
-static void ew_run(const dopt_par *par, ew_job *e) {
-  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
-  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
-  while (parts > 1 && e->n / parts < ((size_t)1 << 16)) parts--;
-  e->parts = parts;
-  if (parts > 1) par->run(par->ctx, parts, ew_task, e);
-  else ew_range(e, 0, e->n);
-}
+static void ew_run(const dopt_par *par, ew_job *e) { dopt__par_ranges(par, e->n, (size_t)1 << 16, ew_range, e); }
 
 
 /* aux Adam, elementwise on any piece */
@@ -295,7 +283,7 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   float *u = malloc((n ? n : 1) * sizeof *u);
   if (!u) return dopt__fail(DOPT_ERR_NO_MEMORY, "muon: the update of a %zu-element matrix", n);
   ew_job mom = {EW_MOMENTUM, hp[NESTEROV] != 0.0, m, u, NULL, g, (float)(1.0 - hp[MOMENTUM]), (float)hp[MOMENTUM],
-                0.0f, 0.0f, n, 1};
+                0.0f, 0.0f, n};
   ew_run(a->par, &mom);
   dopt_status s = orthogonalize_all(u, count, h, wd, &ns, a->par);
   dopt_count(a, DOPT_COUNTER_NS, (int64_t)count);
@@ -323,7 +311,7 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
     lr_adj = lr * sqrt(d0 / d1);
   }
   const float decay = (float)(1.0 - lr * hp[WD]), alpha = (float)(-lr_adj);
-  ew_job upd = {EW_UPDATE, 0, NULL, u, p, NULL, 0.0f, 0.0f, alpha, decay, n, 1};
+  ew_job upd = {EW_UPDATE, 0, NULL, u, p, NULL, 0.0f, 0.0f, alpha, decay, n};
   ew_run(a->par, &upd);
   free(u);
   return DOPT_OK;

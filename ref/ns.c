@@ -460,10 +460,11 @@ typedef struct ew_job {
   float *out;
   const float *x, *y;
   float f, fp;
-  size_t n, parts;
+  size_t n;
 } ew_job;
 
-static void ew_range(const ew_job *e, size_t lo, size_t hi) {
+static void ew_range(void *arg, size_t lo, size_t hi) {
+  const ew_job *e = arg;
   float *out = e->out;
   const float *x = e->x, *y = e->y, f = e->f, fp = e->fp;
   if (e->kind == EW_ROUND) {
@@ -478,29 +479,17 @@ static void ew_range(const ew_job *e, size_t lo, size_t hi) {
   }
 }
 
-static void ew_task(void *arg, size_t p) {
-  const ew_job *e = arg;
-  ew_range(e, e->n * p / e->parts, e->n * (p + 1) / e->parts);
-}
-
-static void ew_run(const dopt_par *par, ew_job *e) {
-  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
-  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
-  while (parts > 1 && e->n / parts < ((size_t)1 << 16)) parts--;
-  e->parts = parts;
-  if (parts > 1) par->run(par->ctx, parts, ew_task, e);
-  else ew_range(e, 0, e->n);
-}
+static void ew_run(const dopt_par *par, ew_job *e) { dopt__par_ranges(par, e->n, (size_t)1 << 16, ew_range, e); }
 
 static void round_all(float *x, size_t n, int bf16, const dopt_par *par) {
-  ew_job e = {EW_ROUND, bf16, x, NULL, NULL, 0.0f, 0.0f, n, 1};
+  ew_job e = {EW_ROUND, bf16, x, NULL, NULL, 0.0f, 0.0f, n};
   if (bf16) ew_run(par, &e);
 }
 
 /* out = f·x + y per element, as torch's bf16 `f * x + y` with a Python scalar f (each product rounded to bf16
  * first, the sum rounded again; fp32: plain); out may be x or y. */
 static void scale_add(float *out, float f, const float *x, const float *y, size_t n, int bf16, const dopt_par *par) {
-  ew_job e = {EW_SCALE_ADD, bf16, out, x, y, f, 0.0f, n, 1};
+  ew_job e = {EW_SCALE_ADD, bf16, out, x, y, f, 0.0f, n};
   ew_run(par, &e);
 }
 
@@ -508,7 +497,7 @@ static void scale_add(float *out, float f, const float *x, const float *y, size_
  * product rounded to fp32, the sum to fp32, then once to bf16; out may be P or Y. */
 static void fp32_combine(float *out, const float *P, float fp, float f, const float *Y, size_t n, int bf16,
                          const dopt_par *par) {
-  ew_job e = {EW_COMBINE, bf16, out, P, Y, f, fp, n, 1};
+  ew_job e = {EW_COMBINE, bf16, out, P, Y, f, fp, n};
   ew_run(par, &e);
 }
 
