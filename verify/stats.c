@@ -19,8 +19,11 @@
  * output element is a chain of at most k = 8 fp32 operations (mul, add, addcmul, sqrt, add eps, div, the
  * update and the weight decay), each rounded once on either side (torch fuses add_(alpha=): one rounding
  * where distopt has two), so |rec - ref| <= 2k·u·(the magnitudes in the chain), u = 2^-24; normwise
- * relative 2·8·2^-24 = 9.5e-7 -> 1e-6 for states; parameters p - lr·update: the p term's roundings dominate,
- * <= 4u = 2.4e-7 of max|p| plus lr·(the update's error) -> 1e-6 too, and at the declared accumulated
+ * relative 2·8·2^-24 = 9.5e-7 of the chain's magnitudes; the metric divides a moment's error by max|m| while
+ * the chain holds (1 - β1)|g| and (torch 2's lerp) |g - m|, and max|g| / max|m| grows as the gradients' noise
+ * averages out of m (fused AdamW, 1 000 steps: 1.69e-6 on exp_avg): states 1e-5; parameters p - lr·update: the
+ * p term's roundings dominate, <= 4u = 2.4e-7 of max|p| plus lr·(the update's error) -> 1e-6, and at the
+ * declared accumulated
  * bounds the two modes agree. Factored and norm-based optimizers (adafactor, came, lamb) add torch's fp32
  * reductions over a row, column or tensor of n elements: torch sums in fp32 with a cascade of vector
  * lanes, error <= (log2 n + 8)·u relative for sums of squares; through rsqrt and the update's RMS clipping
@@ -50,7 +53,7 @@
  * bound. */
 #define MUON_UPDATE 0.5
 static const verify_tol verify_tolerances[] = {
-    {"adamw", 1e-6, 1e-5, 1e-6, 1e-6, NULL, NULL, 0, -1},
+    {"adamw", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1}, /* per-step states: 1e-5 (the |g| / |m| note above) */
     {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"came", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"lamb", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},

@@ -584,7 +584,7 @@ def case_dtensor_torch2():
                 f"the wrong offset named at step 1 under the declared bounds {mode}: {rep['verdict']}, {at1}")
     # torch.optim.Muon recorded by its class (one process): distopt's muon with flavor torch (torch's addmm-form
     # bf16 Newton-Schulz), 20 steps, both modes under the declared bounds (no --rtol): the parameters within
-    # 1e-6 plus 2^-4 of the steps' updates, the momentum (declared exact) bitwise at every step; the momentum
+    # 1e-6 plus 2^-1 of the steps' updates, the momentum (declared exact) bitwise at every step; the momentum
     # corrupted by one part in 1e4 of one element after step 8 is named at step 9 in both modes
     from distopt.record import record
     for corrupt in (False, True):
