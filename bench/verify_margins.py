@@ -12,7 +12,8 @@ import subprocess
 import sys
 import tempfile
 
-CASES = ["adamw_default", "adamw_foreach", "adamw_fused", "hf_adafactor", "came", "lamb"]
+CASES = ["adamw_default", "adamw_foreach", "adamw_fused", "hf_adafactor", "came", "lamb", "adamw_fused_long"]
+LONG = 1000  # adamw_fused_long: a 32-128-128-8 MLP, 1 000 steps recorded every 10 (near convergence |g| >> |m|)
 
 
 def one(case, out):
@@ -21,8 +22,12 @@ def one(case, out):
     from distopt.record import record
     torch.manual_seed(20240611)
     torch.set_num_threads(1)
+    long = case == "adamw_fused_long"
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 24), torch.nn.Tanh(),
                                 torch.nn.Linear(24, 5))
+    if long:
+        model = torch.nn.Sequential(torch.nn.Linear(12, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128),
+                                    torch.nn.Tanh(), torch.nn.Linear(128, 5))
     if case.startswith("adamw"):
         kw = {"foreach": True} if case.endswith("foreach") else {"fused": True} if case.endswith("fused") else \
             {"foreach": False}
@@ -36,9 +41,9 @@ def one(case, out):
     else:
         import torch_optimizer
         opt = torch_optimizer.Lamb(model.parameters(), lr=1e-2, weight_decay=0.01)
-    with record(opt, out, names=model, flush_every=10):
-        for t in range(1, 31):
-            g = torch.Generator().manual_seed(7919 * t)
+    with record(opt, out, names=model, flush_every=10, every=10 if long else 1):
+        for t in range(1, (LONG if long else 30) + 1):
+            g = torch.Generator().manual_seed(7919 * (t if not long else 1))  # long: one batch, to convergence
             x, y = torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
             opt.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
@@ -55,7 +60,9 @@ def main():
     import torch
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; declared bounds: parameters / states")
     print(f"{'class':<16} {'kernel':<8} {'params':>9} {'states':>9} {'bounds':>13} {'margins':>13}")
-    for cap in (None, "avx2"):
+    for cap, mode in ((None, ""), ("avx2", ""), (None, "--stepwise")):
+        if mode:
+            print("--stepwise (declared per-step bounds):")
         for case in CASES:
             with tempfile.TemporaryDirectory() as d:
                 rec = os.path.join(d, "r.rec")
@@ -69,7 +76,8 @@ def main():
                     continue
                 kernel = p.stdout.strip().splitlines()[-1]
                 jp = os.path.join(d, "v.json")
-                v = subprocess.run([cli, "verify", rec, "--json", jp, "--quiet"], capture_output=True, text=True)
+                v = subprocess.run([cli, "verify", rec, "--json", jp, "--quiet"] + ([mode] if mode else []),
+                                   capture_output=True, text=True)
                 rep = json.load(open(jp)) if os.path.exists(jp) else None
                 if rep is None:
                     print(f"{case:<16} {kernel:<8} verify exit {v.returncode}: {v.stderr.strip()[:80]}")
