@@ -103,11 +103,7 @@ static uint32_t bits_of(float x) {
   return u;
 }
 
-typedef void (*pair_kernel)(size_t kb2, const uint32_t *a, size_t lda, const uint32_t *bp, size_t ldb, float *c,
-                            size_t ldc, int first, int panels);
-
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && __GNUC__ >= 11
-#define DOPT_HAVE_PAIRS 1
 /* MR rows × `panels` (1 or 2) panels of NR columns: 6 or 12 zmm accumulators; a[i·lda + k2] is row i's pair k2,
  * bp[k2·NR + j] panel 0's (the next panel ldb further) */
 __attribute__((target("avx512f,avx512bf16"))) static void kern_pairs(size_t kb2, const uint32_t *a, size_t lda,

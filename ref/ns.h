@@ -26,8 +26,9 @@
  *
  * Every element of every product is one chain of fused multiply-adds in a
  * fixed k order computed by one thread, so the result does not depend on the
- * thread count or the CPU (AVX2+FMA or the portable fmaf); nothing else is
- * contracted (the build's -ffp-contract=off). */
+ * thread count or the CPU (AVX2+FMA, the portable fmaf, or two k per
+ * AVX512-BF16 vdpbf16ps where that adds as the chain does: ns.c); nothing
+ * else is contracted (the build's -ffp-contract=off). */
 #ifndef DISTOPT_NS_H
 #define DISTOPT_NS_H
 
