@@ -41,19 +41,41 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   return n;
 }
 
-/* The element loop, compiled also for AVX2 and AVX-512 and picked at load time (GCC's target_clones): the
- * same IEEE operations on wider vectors, each element's bits unchanged (no contraction: -ffp-contract=off). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define DOPT_WIDE __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DOPT_WIDE
-#endif
-DOPT_WIDE static void adamw_loop(const dopt_adamw_q *q, size_t n, float *w, const float *g,
-                                 float *m, float *v, float *vmax) {
+/* The element loop, compiled also for AVX2 and AVX-512 and picked per call by the CPU's features: the same IEEE
+ * operations on wider vectors, each element's bits unchanged (no contraction: -ffp-contract=off). (Not GCC's
+ * target_clones: its load-time resolver runs before ThreadSanitizer's runtime and crashes it.) */
+static inline __attribute__((always_inline)) void adamw_body(const dopt_adamw_q *q, size_t n, float *w,
+                                                             const float *g, float *m, float *v, float *vmax) {
   if (vmax)
     for (size_t i = 0; i < n; i++) dopt_adamw_elem(q, &w[i], g[i], &m[i], &v[i], &vmax[i]);
   else
     for (size_t i = 0; i < n; i++) dopt_adamw_elem(q, &w[i], g[i], &m[i], &v[i], NULL);
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx512f"))) static void adamw_avx512(const dopt_adamw_q *q, size_t n, float *w,
+                                                            const float *g, float *m, float *v, float *vmax) {
+  adamw_body(q, n, w, g, m, v, vmax);
+}
+__attribute__((target("avx2"))) static void adamw_avx2(const dopt_adamw_q *q, size_t n, float *w, const float *g,
+                                                       float *m, float *v, float *vmax) {
+  adamw_body(q, n, w, g, m, v, vmax);
+}
+#endif
+
+static void adamw_loop(const dopt_adamw_q *q, size_t n, float *w, const float *g, float *m, float *v,
+                       float *vmax) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512f")) {
+    adamw_avx512(q, n, w, g, m, v, vmax);
+    return;
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    adamw_avx2(q, n, w, g, m, v, vmax);
+    return;
+  }
+#endif
+  adamw_body(q, n, w, g, m, v, vmax);
 }
 
 static dopt_status step(const dopt_step_args *a) {
