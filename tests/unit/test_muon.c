@@ -143,6 +143,50 @@ static void test_kernel(void **st) {
   free(A), free(B), free(C), free(x), free(xxt), free(xt);
 }
 
+/* dopt_gemm_ex on small shapes, every hint: M, N, K from 1 to 40 (K odd and even, one pair or many, N below one
+ * panel and across two, M below one row block), bf16 operands with exact zeros among them, 2 threads' split
+ * through a pool stand-in; each equal to the plain chain, bit for bit. */
+static void run_inline(void *ctx, size_t n, void (*task)(void *arg, size_t i), void *arg) {
+  (void)ctx;
+  for (size_t i = n; i-- > 0;) task(arg, i); /* the parts in reverse order: no bit may depend on it */
+}
+
+static void test_gemm_small_shapes(void **st) {
+  (void)st;
+  uint64_t seed = 99;
+  const dopt_par par = {NULL, 2, run_inline};
+  for (int trial = 0; trial < 60; trial++) {
+    const size_t M = 1 + dt_rand_u64(&seed) % 40, K = 1 + dt_rand_u64(&seed) % 40;
+    const size_t N = trial % 2 ? M : 1 + dt_rand_u64(&seed) % 40;
+    float *a = filled(M * K, 1000 + (uint64_t)trial, 1.0), *b = malloc(K * N * sizeof *b);
+    float *c = malloc(M * N * sizeof *c), *want = malloc(M * N * sizeof *want);
+    for (size_t i = 0; i < M * K; i++) a[i] = i % 7 == 3 ? 0.0f : dopt_round_bf16(a[i]);
+    /* N == M: B = Aᵀ (a symmetric product); else B random */
+    float *br = filled(K * N, 2000 + (uint64_t)trial, 1.0);
+    for (size_t k = 0; k < K; k++)
+      for (size_t j = 0; j < N; j++) b[k * N + j] = N == M && trial % 2 ? a[j * K + k] : dopt_round_bf16(br[k * N + j]);
+    for (size_t i = 0; i < M; i++)
+      for (size_t j = 0; j < N; j++) {
+        float acc = 0.0f;
+        for (size_t k = 0; k < K; k++) acc = fmaf(a[i * K + k], b[k * N + j], acc);
+        want[i * N + j] = acc;
+      }
+    const unsigned flags[] = {0u, DOPT_GEMM_BF16, DOPT_GEMM_SYM, DOPT_GEMM_BF16 | DOPT_GEMM_SYM, DOPT_GEMM_AAT,
+                              DOPT_GEMM_BF16 | DOPT_GEMM_AAT};
+    for (size_t f = 0; f < sizeof flags / sizeof flags[0]; f++) {
+      if ((flags[f] & (DOPT_GEMM_SYM | DOPT_GEMM_AAT)) && !(N == M && trial % 2)) continue;
+      for (int threads = 0; threads < 2; threads++) {
+        memset(c, 0xff, M * N * sizeof *c);
+        assert_ok(dopt_gemm_ex(M, N, K, a, flags[f] & DOPT_GEMM_AAT ? NULL : b, c, flags[f], threads ? &par : NULL));
+        if (memcmp(c, want, M * N * sizeof *c))
+          fail_msg("[%zu, %zu] x [%zu, %zu], flags %u, %s: differs from the chain", M, K, K, N, flags[f],
+                   threads ? "2 parts" : "1 part");
+      }
+    }
+    free(a), free(b), free(br), free(c), free(want);
+  }
+}
+
 /* use_muon: auto (Muon for matrices, aux Adam for the rest: states by kind), true (a 1-D parameter refused in
  * one line), false (aux Adam for a matrix); the per-kind lr defaults (0.02 / 3e-4) are the step's */
 static void test_groups_and_refusals(void **st) {
@@ -309,6 +353,7 @@ static void test_galore_around_muon(void **st) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(test_adjust_lr_fn), cmocka_unit_test(test_kernel),
+                                     cmocka_unit_test(test_gemm_small_shapes),
                                      cmocka_unit_test(test_groups_and_refusals), cmocka_unit_test(test_cost),
                                      cmocka_unit_test(test_units), cmocka_unit_test(test_galore_around_muon)};
   return cmocka_run_group_tests(tests, NULL, NULL);
