@@ -112,6 +112,8 @@ typedef struct dopt_par {
   void (*run)(void *ctx, size_t n, void (*task)(void *arg, size_t i), void *arg);
 } dopt_par;
 
+/* The most parts work may split into on par: its threads, at most DOPT_PAR_MAX (1 for NULL). */
+size_t dopt__par_parts(const dopt_par *par);
 /* fn(arg, lo, hi) over [0, n) in equal parts of at least `min` elements each, on par's threads (par NULL or
  * one part: on the caller); returns when all are done. For elementwise passes, whose bits do not depend on
  * the split. */

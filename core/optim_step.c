@@ -192,10 +192,14 @@ static void range_task(void *arg, size_t p) {
   j->fn(j->arg, j->n * p / j->parts, j->n * (p + 1) / j->parts);
 }
 
+size_t dopt__par_parts(const dopt_par *par) {
+  const size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
+  return parts > DOPT_PAR_MAX ? DOPT_PAR_MAX : parts;
+}
+
 void dopt__par_ranges(const dopt_par *par, size_t n, size_t min, void (*fn)(void *arg, size_t lo, size_t hi),
                       void *arg) {
-  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
-  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
+  size_t parts = dopt__par_parts(par);
   while (parts > 1 && n / parts < min) parts--;
   if (parts <= 1) {
     fn(arg, 0, n);

@@ -249,8 +249,7 @@ static void ns_task(void *arg, size_t p) {
 
 static dopt_status orthogonalize_all(float *u, size_t count, size_t h, size_t w, const dopt_ns_spec *ns,
                                      const dopt_par *par) {
-  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
-  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
+  const size_t parts = dopt__par_parts(par);
   if (parts > 1 && count >= parts) {
     ns_job j = {u, count, h, w, parts, ns, {0}};
     par->run(par->ctx, parts, ns_task, &j);

@@ -103,6 +103,9 @@ static uint32_t bits_of(float x) {
   return u;
 }
 
+/* the pair (k, k + 1) of bf16 values as vdpbf16ps reads it: k in the high half, added first */
+static uint32_t pair_of(float k, float k1) { return (bits_of(k) & 0xffff0000u) | (bits_of(k1) >> 16); }
+
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && __GNUC__ >= 11
 /* MR rows × `panels` (1 or 2) panels of NR columns: 6 or 12 zmm accumulators; a[i·lda + k2] is row i's pair k2,
  * bp[k2·NR + j] panel 0's (the next panel ldb further) */
@@ -157,7 +160,7 @@ static int pairs_ok(void) {
           x0 = round_bf16((float)(int32_t)(seed >> 32) * 0x1p-31f);
           x1 = round_bf16((float)(int32_t)seed * 0x1p-31f);
         }
-        a[i * 4 + k] = (bits_of(x0) & 0xffff0000u) | (bits_of(x1) >> 16);
+        a[i * 4 + k] = pair_of(x0, x1);
       }
     float bv[8][2 * NR];
     for (size_t k = 0; k < 8; k++)
@@ -168,8 +171,7 @@ static int pairs_ok(void) {
     for (size_t p = 0; p < 2; p++)
       for (size_t k2 = 0; k2 < 4; k2++)
         for (size_t j = 0; j < NR; j++)
-          b[p * 4 * NR + k2 * NR + j] =
-              (bits_of(bv[2 * k2][p * NR + j]) & 0xffff0000u) | (bits_of(bv[2 * k2 + 1][p * NR + j]) >> 16);
+          b[p * 4 * NR + k2 * NR + j] = pair_of(bv[2 * k2][p * NR + j], bv[2 * k2 + 1][p * NR + j]);
     for (size_t i = 0; i < MR; i++)
       for (size_t j = 0; j < 2 * NR; j++) {
         float acc = 1.0f;
@@ -222,9 +224,9 @@ static void pack_panels(const gemm_job *g, size_t p0, size_t p1) {
         const float *r0 = g->B + 2 * k2 * g->N + j0, *r1 = r0 + g->N;
         uint32_t *d = dst + k2 * NR;
         if (2 * k2 + 1 < g->K)
-          for (size_t j = 0; j < nb; j++) d[j] = (bits_of(r0[j]) & 0xffff0000u) | (bits_of(r1[j]) >> 16);
+          for (size_t j = 0; j < nb; j++) d[j] = pair_of(r0[j], r1[j]);
         else
-          for (size_t j = 0; j < nb; j++) d[j] = bits_of(r0[j]) & 0xffff0000u;
+          for (size_t j = 0; j < nb; j++) d[j] = pair_of(r0[j], 0.0f);
         for (size_t j = nb; j < NR; j++) d[j] = 0u;
       }
       continue;
@@ -346,9 +348,8 @@ static void pack_a_task(void *arg, size_t p) {
   for (size_t i = g->M * p / g->parts; i < g->M * (p + 1) / g->parts; i++) {
     const float *row = g->A + i * g->K;
     uint32_t *d = g->apairs + i * g->K2;
-    for (size_t k2 = 0; k2 < g->K / 2; k2++)
-      d[k2] = (bits_of(row[2 * k2]) & 0xffff0000u) | (bits_of(row[2 * k2 + 1]) >> 16);
-    if (g->K % 2) d[g->K / 2] = bits_of(row[g->K - 1]) & 0xffff0000u;
+    for (size_t k2 = 0; k2 < g->K / 2; k2++) d[k2] = pair_of(row[2 * k2], row[2 * k2 + 1]);
+    if (g->K % 2) d[g->K / 2] = pair_of(row[g->K - 1], 0.0f);
   }
 }
 
@@ -370,6 +371,12 @@ static void mirror_task(void *arg, size_t p) {
 static void run_parts(const dopt_par *par, gemm_job *g, void (*fn)(void *, size_t)) {
   if (g->parts > 1) par->run(par->ctx, g->parts, fn, g);
   else fn(g, 0);
+}
+
+/* out[cols, rows] = in[rows, cols]ᵀ */
+static void transpose(const float *in, size_t rows, size_t cols, float *out) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) out[j * rows + i] = in[i * cols + j];
 }
 
 /* every value a bf16 one (its low 16 bits zero), finite, and 0 or of magnitude in [2^-50, 2^50] (the pairs
@@ -401,8 +408,7 @@ dopt_status dopt_gemm_ex(size_t M, size_t N, size_t K, const float *A, const flo
   if (aat && !pairs) {
     if (!(bt = malloc(K * M * sizeof *bt)))
       return dopt__fail(DOPT_ERR_NO_MEMORY, "muon: the %zu x %zu transpose of a product's operand", K, M);
-    for (size_t i = 0; i < M; i++)
-      for (size_t k = 0; k < K; k++) bt[k * M + i] = A[i * K + k];
+    transpose(A, M, K, bt);
     g.B = bt;
   }
   if (pairs) {
@@ -421,8 +427,7 @@ dopt_status dopt_gemm_ex(size_t M, size_t N, size_t K, const float *A, const flo
     }
   }
   /* threads only where each gets real work: 2^20 multiply-adds (the split changes no bit) */
-  size_t parts = par && par->threads > 1 ? (size_t)par->threads : 1;
-  if (parts > DOPT_PAR_MAX) parts = DOPT_PAR_MAX;
+  size_t parts = dopt__par_parts(par);
   while (parts > 1 && (g.nblocks < parts || M * N * K / parts < ((size_t)1 << 20))) parts--;
   g.parts = parts;
   if (g.apairs) run_parts(par, &g, pack_a_task); /* before B's panels: A·Aᵀ's are A's pairs */
@@ -441,12 +446,6 @@ dopt_status dopt_gemm_nn(size_t M, size_t N, size_t K, const float *A, const flo
 }
 
 int dopt_gemm_pairs(void) { return pairs_ok(); }
-
-/* out[cols, rows] = in[rows, cols]ᵀ */
-static void transpose(const float *in, size_t rows, size_t cols, float *out) {
-  for (size_t i = 0; i < rows; i++)
-    for (size_t j = 0; j < cols; j++) out[j * rows + i] = in[i * cols + j];
-}
 
 /* The elementwise passes over whole matrices, split over the pool where each part gets 2^16 elements or more
  * (every element computed on its own: no bit depends on the split). */

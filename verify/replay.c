@@ -113,11 +113,8 @@ static void grow_allowance(vctx *c) {
 }
 
 /* A parameter piece's bound at this step: the declared (or given) one plus its update allowance relative to
- * max|ref|, as the error is; keeps the worst error / bound for the report. */
-static double param_bound(vstat *s, double tol, const float *rp, int64_t n, double rel) {
-  double maxref = 0.0;
-  for (int64_t i = 0; s->allow > 0 && i < n; i++)
-    if (fabs((double)rp[i]) > maxref) maxref = fabs((double)rp[i]);
+ * max|ref| (the comparison's), as the error is; keeps the worst error / bound for the report. */
+static double param_bound(vstat *s, double tol, double maxref, double rel) {
   const double bound = tol + (s->allow > 0 && maxref > 0 ? s->allow / maxref : 0.0);
   if (bound > 0 && rel / bound > s->worst_frac) s->worst_frac = rel / bound;
   return bound;
@@ -195,7 +192,7 @@ static int compare_step(vctx *c, long t) {
         if ((int64_t)rec.numel != len)
           return cli_errorf(CMD, "rank %d: tensor '%s' has %zu elements, expected %lld (the state range [%lld, %lld))",
                             r, key, rec.numel, (long long)len, (long long)lo, (long long)(lo + len));
-        double rel = vf_compare_f32(s, rec.data, data + lo, (size_t)len);
+        double rel = vf_compare_f32(s, rec.data, data + lo, (size_t)len, NULL);
         vf_record_result(c, pk->stat[j], t, rel, vf_state_tol(c, s->key));
       }
       snprintf(key, sizeof key, "param/%ld/%s", t, vp->name);
@@ -208,9 +205,10 @@ static int compare_step(vctx *c, long t) {
           vr_piece_get(pc, ref, c->gath);
           ref = c->gath;
         }
-        const float *rp = pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo;
-        double rel = vf_compare_f32(s, rec.data, rp, (size_t)pc->lp.len);
-        vf_record_result(c, pk->stat[0], t, rel, param_bound(s, c->tol_param, rp, pc->lp.len, rel));
+        double maxref;
+        double rel = vf_compare_f32(s, rec.data, pc->lp.block_dim >= 0 ? ref : ref + pc->lp.lo, (size_t)pc->lp.len,
+                                    &maxref);
+        vf_record_result(c, pk->stat[0], t, rel, param_bound(s, c->tol_param, maxref, rel));
       } else if (c->rd.ix.record_params && t % c->rd.ix.every == 0) {
         /* a recorded step without the parameter: a lost or wrong block would otherwise pass unchecked */
         return cli_errorf(CMD, "%s: rank %d's file for step %ld has no '%s' (record.params is true and every=%ld)",

@@ -143,8 +143,8 @@ static int64_t ordered(float x) {
 }
 
 /* Compares rec (recorded, n elements, possibly unaligned) with ref; updates s; returns the
- * normwise relative error max|rec - ref| / max|ref| of this step. */
-double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n) {
+ * normwise relative error max|rec - ref| / max|ref| of this step (max|ref| in *maxref_out, when not NULL). */
+double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n, double *maxref_out) {
   double maxdiff = 0.0, maxref = 0.0;
   uint64_t maxulp = 0, nanpairs = 0;
   const unsigned char *rb = rec_bytes;
@@ -174,6 +174,7 @@ double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t 
   if (maxdiff > s->max_abs || isnan(s->max_abs)) s->max_abs = maxdiff;
   if (maxulp > s->max_ulp) s->max_ulp = maxulp;
   if (nanpairs > s->nan_pairs) s->nan_pairs = nanpairs;
+  if (maxref_out) *maxref_out = maxref;
   return rel;
 }
 

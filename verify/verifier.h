@@ -166,7 +166,7 @@ const char *vf_exact_states(const char *name, const char *upstream);
 double vf_state_tol(const vctx *c, const char *key);
 int vf_new_stat(vctx *c, int rank, const vr_piece *pc, const char *key);
 void vf_add_point(vctx *c, vstat *s, long step, double rel);
-double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n);
+double vf_compare_f32(vstat *s, const void *rec_bytes, const float *ref, size_t n, double *maxref_out);
 void vf_record_result(vctx *c, int si, long t, double rel, double tol);
 
 /* ---- setup.c ---- */
