@@ -249,6 +249,14 @@ static void test_groups_and_refusals(void **st) {
   assert_status(dopt_optim_create("muon", "ns_steps=2.5", &o), DOPT_ERR_INVALID_ARG, "ns_steps=2.5");
   assert_status(dopt_optim_create("muon", "momentum=1", &o), DOPT_ERR_INVALID_ARG, "momentum=1");
   assert_status(dopt_optim_create("muon", "use_muon=maybe", &o), DOPT_ERR_INVALID_ARG, "maybe");
+  /* torch.optim.Muon's keys: coefficients finite and within [-1e4, 1e4], the normalisation's eps in [0, 1], the
+   * flavour and the lr rule by name */
+  assert_status(dopt_optim_create("muon", "ns_b=-2e4", &o), DOPT_ERR_INVALID_ARG,
+                "muon: ns_b=-20000 must be finite and within [-1e4, 1e4]");
+  assert_status(dopt_optim_create("muon", "ns_eps=2", &o), DOPT_ERR_INVALID_ARG, "muon: ns_eps=2 must be in [0, 1]");
+  assert_status(dopt_optim_create("muon", "ns_eps=-1e-7", &o), DOPT_ERR_INVALID_ARG, "ns_eps=-1e-07");
+  assert_status(dopt_optim_create("muon", "flavor=pytorch", &o), DOPT_ERR_INVALID_ARG, "pytorch");
+  assert_status(dopt_optim_create("muon", "adjust_lr_fn=spectral", &o), DOPT_ERR_INVALID_ARG, "spectral");
 }
 
 /* The cost that balances owners: Newton-Schulz multiply-adds per matrix (3-D: per batch index), aux Adam 8
