@@ -260,6 +260,7 @@ static void free_items(dopt_optim *o) {
   for (int i = 0; i < o->items_cap; i++) {
     free(o->items[i].frame);
     free(o->items[i].whole);
+    free(o->items[i].g32);
     free(o->items[i].posts);
   }
   free(o->items);

@@ -244,6 +244,11 @@ typedef struct dopt_optim_impl {
    * 8-bit blocks of the logical tensor) and distributed/ runs it whole on one
    * owner rank per parameter (docs/distributed.md, owner mode). */
   int distributable;
+  /* 1: every element's update reads only that element of the parameter, the gradient and the elementwise states
+   * (no statistic over elements, one stage, no reducer), so a step on any sub-range is the step on those
+   * elements: the reference runs a bf16 parameter's step in cache-sized runs, each widened, stepped and rounded
+   * back in one pass (optim_step.c). 0: the step runs on whole pieces. */
+  int pointwise;
   /* Per parameter, for an optimizer that is not distributable: 1 when this
    * parameter's step needs the whole tensor (owner mode), 0 when it runs on
    * any piece (a GaLore parameter that is not projected is plain AdamW; an

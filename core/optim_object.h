@@ -31,6 +31,8 @@ typedef struct item {
   dopt_piece pc;
   void *frame, *whole; /* the step's frame; part > 0: private copies of the whole states */
   size_t frame_cap, whole_cap;
+  float *g32; /* a bf16 gradient widened (pieces of an optimizer that is not pointwise), [g32_cap] */
+  size_t g32_cap;
   void *state[DOPT_MAX_STATES];
   dopt_reducer red;
   post *posts;

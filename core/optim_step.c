@@ -5,8 +5,10 @@
  * back to back for one tensor on a device (docs/threads.md). */
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 
+#include "elem.h"
 #include "optim_impl.h"
 #include "optim_object.h"
 #include "pool.h"
@@ -168,7 +170,8 @@ static dopt_status setup_item(dopt_optim *o, item *it, int i, int part, int part
 
 typedef struct step_run {
   dopt_optim *o;
-  const float *const *grads;
+  const void *const *grads;
+  const dopt_dtype *gdt; /* [nparams] the gradients' types (NULL: every one fp32) */
   int *todo;  /* item_task: the items of this round */
   int *split; /* reduce_task: the first items of the split parameters of this round */
   dopt_par par; /* for solo items */
@@ -209,6 +212,112 @@ void dopt__par_ranges(const dopt_par *par, size_t n, size_t min, void (*fn)(void
   par->run(par->ctx, parts, range_task, &j);
 }
 
+/* ---- bf16 parameters and gradients -------------------------------------------------------------------------
+ * A bf16 parameter steps its fp32 master (p->data) and keeps its working copy (p->work) the master rounded to
+ * nearest even. Before the step, an element whose working copy is no longer its master rounded was written
+ * outside the optimizer (a loaded model, p.data.copy_): its master takes the working copy's value; elements
+ * nobody wrote keep their master's low bits. A bf16 gradient is widened to fp32, exactly. The loops are compiled
+ * also for AVX2 and AVX-512 and picked per call (the same bits: integer operations and exact widening). */
+static inline __attribute__((always_inline)) void bf16_in_body(float *m, const uint16_t *w, const uint16_t *gb,
+                                                               float *g, size_t n) {
+  if (w)
+    for (size_t k = 0; k < n; k++) {
+      uint32_t u, wu = (uint32_t)w[k] << 16;
+      memcpy(&u, &m[k], sizeof u);
+      u = dopt_bf16_of_bits(u) == w[k] ? u : wu;
+      memcpy(&m[k], &u, sizeof u);
+    }
+  if (gb)
+    for (size_t k = 0; k < n; k++) {
+      const uint32_t u = (uint32_t)gb[k] << 16;
+      memcpy(&g[k], &u, sizeof u);
+    }
+}
+
+static inline __attribute__((always_inline)) void bf16_out_body(const float *m, uint16_t *w, size_t n) {
+  for (size_t k = 0; k < n; k++) {
+    uint32_t u;
+    memcpy(&u, &m[k], sizeof u);
+    w[k] = dopt_bf16_of_bits(u);
+  }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw"))) static void bf16_in_avx512(float *m, const uint16_t *w,
+                                                                      const uint16_t *gb, float *g, size_t n) {
+  bf16_in_body(m, w, gb, g, n);
+}
+__attribute__((target("avx2"))) static void bf16_in_avx2(float *m, const uint16_t *w, const uint16_t *gb, float *g,
+                                                         size_t n) {
+  bf16_in_body(m, w, gb, g, n);
+}
+__attribute__((target("avx512f,avx512bw"))) static void bf16_out_avx512(const float *m, uint16_t *w, size_t n) {
+  bf16_out_body(m, w, n);
+}
+__attribute__((target("avx2"))) static void bf16_out_avx2(const float *m, uint16_t *w, size_t n) {
+  bf16_out_body(m, w, n);
+}
+#endif
+
+/* Elements [0, n): the master m follows its working copy w where that was written outside (w NULL: an fp32
+ * parameter), and the bf16 gradient gb is widened into g (gb NULL: none). */
+static void bf16_in(float *m, const uint16_t *w, const uint16_t *gb, float *g, size_t n) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512bw")) {
+    bf16_in_avx512(m, w, gb, g, n);
+    return;
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    bf16_in_avx2(m, w, gb, g, n);
+    return;
+  }
+#endif
+  bf16_in_body(m, w, gb, g, n);
+}
+
+/* Elements [0, n): the working copy w ← the master m rounded to nearest even. */
+static void bf16_out(const float *m, uint16_t *w, size_t n) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512bw")) {
+    bf16_out_avx512(m, w, n);
+    return;
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    bf16_out_avx2(m, w, n);
+    return;
+  }
+#endif
+  bf16_out_body(m, w, n);
+}
+
+/* Elements per run of a pointwise step on a bf16 parameter or gradient: its gradient run, parameter, states
+ * and working copy stay in L1/L2 between widening, stepping and rounding. */
+enum { BF16_RUN = 8192 };
+
+/* A pointwise optimizer's step (dopt_optim_impl.pointwise) on item it of a bf16 parameter or with a bf16
+ * gradient, in runs of BF16_RUN elements: per run the master follows outside writes, the gradient is widened,
+ * the run is stepped as a piece of its own and its working copy rounded. a: the item's arguments. */
+static dopt_status pointwise_runs(const dopt_param *p, const item *it, const dopt_step_args *a, const float *gf,
+                                  const uint16_t *gb) {
+  float g[BF16_RUN];
+  void *st[DOPT_MAX_STATES];
+  dopt_step_args r = *a;
+  dopt_piece sub = it->pc;
+  const size_t lo = it->pc.lo;
+  for (size_t off = 0; off < it->pc.len; off += BF16_RUN) {
+    const size_t n = it->pc.len - off < BF16_RUN ? it->pc.len - off : BF16_RUN;
+    sub.lo = lo + off, sub.len = n;
+    for (int k = 0; k < p->nstates; k++) /* pointwise: every state is elementwise */
+      st[k] = (unsigned char *)it->state[k] + off * dopt_dtype_size(p->st[k].dtype);
+    r.piece = &sub, r.param = p->data + lo + off, r.state = st;
+    r.grad = gb ? g : gf + lo + off;
+    bf16_in(p->data + lo + off, p->work ? p->work + lo + off : NULL, gb ? gb + lo + off : NULL, g, gb ? n : 0);
+    DOPT_TRY(dopt__run_stages(NULL, &r));
+    if (p->work) bf16_out(p->data + lo + off, p->work + lo + off, n);
+  }
+  return DOPT_OK;
+}
+
 /* One round's task for one item: a whole parameter runs all its stages; a
  * piece runs its next stage. */
 static void item_task(void *ctx, size_t t) {
@@ -217,13 +326,16 @@ static void item_task(void *ctx, size_t t) {
   item *it = &o->items[r->todo[t]];
   dopt_param *p = &o->params[it->param];
   const size_t lo = it->pc.lo;
+  const int gbf = r->gdt && r->gdt[it->param] == DOPT_BF16;
+  const float *gf = gbf ? NULL : r->grads[it->param];
+  const uint16_t *gb = gbf ? r->grads[it->param] : NULL;
   it->red = (dopt_reducer){it, post_max, post_sum}; /* here: the items array moves while it grows */
   dopt_step_args a = {.impl = o->impl,
                       .hp = o->groups[p->group].hp,
                       .step = p->step,
                       .piece = &it->pc,
                       .param = p->data + lo,
-                      .grad = r->grads[it->param] + lo,
+                      .grad = gbf ? it->g32 : gf + lo,
                       .state = it->state,
                       .frame = it->frame,
                       .red = it->parts > 1 ? &it->red : NULL,
@@ -236,7 +348,13 @@ static void item_task(void *ctx, size_t t) {
                       .ndim = p->ndim,
                       .shape = p->shape};
   dopt_status s;
-  if (it->parts == 1) {
+  const int runs = o->impl->pointwise && (p->work || gbf);
+  if (!runs && it->stage == 0 && (p->work || gbf)) /* the master follows outside writes; the gradient widened */
+    bf16_in(p->data + lo, p->work ? p->work + lo : NULL, gb ? gb + lo : NULL, it->g32, gb ? it->pc.len : 0);
+  if (runs) {
+    s = pointwise_runs(p, it, &a, gf, gb);
+    it->more = 0;
+  } else if (it->parts == 1) {
     s = dopt__run_stages(NULL, &a); /* no reducer: the stages follow each other directly */
     it->more = 0;
   } else {
@@ -250,7 +368,7 @@ static void item_task(void *ctx, size_t t) {
     return;
   }
   /* mixed precision: the working bf16 copy is the rounded master */
-  for (size_t k = lo; !it->more && p->work && k < lo + it->pc.len; k++) p->work[k] = dopt_f32_to_bf16(p->data[k]);
+  if (!runs && !it->more && p->work) bf16_out(p->data + lo, p->work + lo, it->pc.len);
 }
 
 /* The reduction between two stages of one split parameter whose first piece
@@ -295,8 +413,16 @@ static dopt_status first_failure(const dopt_optim *o) {
 }
 
 dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
+  return dopt_optim_step_typed(o, (const void *const *)grads, NULL);
+}
+
+dopt_status dopt_optim_step_typed(dopt_optim *o, const void *const *grads, const dopt_dtype *dtypes) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_step: optimizer=NULL");
   DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");
+  for (int i = 0; dtypes && i < o->nparams; i++)
+    if (grads[i] && dtypes[i] != DOPT_F32 && dtypes[i] != DOPT_BF16)
+      return dopt__fail(DOPT_ERR_INVALID_ARG, "dopt_optim_step: the gradient of parameter %d ('%s') is %s; F32 or BF16",
+                        i, o->params[i].name, dopt_dtype_name(dtypes[i]));
   int threads = 1;
   DOPT_TRY(ensure_pool(o, &threads));
   for (int i = 0; i < o->nparams; i++) memset(o->params[i].cnt_last, 0, sizeof o->params[i].cnt_last);
@@ -324,14 +450,20 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
     }
     p->step++;
     p->cnt_last[DOPT_COUNTER_STEPS] = 1;
-    for (size_t k = 0; k < parts; k++) DOPT_TRY(setup_item(o, &o->items[o->nitems++], i, (int)k, (int)parts));
+    for (size_t k = 0; k < parts; k++) {
+      item *it = &o->items[o->nitems++];
+      DOPT_TRY(setup_item(o, it, i, (int)k, (int)parts));
+      if (dtypes && dtypes[i] == DOPT_BF16 && !o->impl->pointwise) /* widened for the whole step: its stages */
+        DOPT_TRY(grow((void **)&it->g32, &it->g32_cap, (it->pc.len ? it->pc.len : 1) * sizeof(float), "gradient",
+                      p->name));
+    }
     /* a large whole tensor steps alone, its independent blocks over the threads */
     o->items[o->nitems - 1].solo = threads > 1 && whole && p->numel / chunk >= 2;
     if ((int)parts > o->last_parts) o->last_parts = (int)parts;
   }
   int *todo = malloc(2 * (size_t)(o->nitems > 0 ? o->nitems : 1) * sizeof *todo), *split = todo + o->nitems;
   if (!todo) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_optim_step: %d work items", o->nitems);
-  step_run run = {o, grads, todo, split, {NULL, threads, par_run}};
+  step_run run = {o, grads, dtypes, todo, split, {NULL, threads, par_run}};
   run.par.ctx = &run;
   /* the solo items one after the other; round 0: every other item; then the
    * split parameters' later stages */

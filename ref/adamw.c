@@ -107,5 +107,6 @@ const dopt_optim_impl dopt_impl_adamw = {
     .layout = layout,
     .step = step,
     .distributable = 1,
+    .pointwise = 1,
     .grid = grid,
 };

@@ -110,6 +110,14 @@ DOPT_API const char *dopt_optim_param_name(const dopt_optim *o, int param);
  * state and its step count untouched, as torch does for grad None. */
 DOPT_API dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads);
 
+/* dopt_optim_step with each gradient's element type: dtypes[i] DOPT_F32 (grads[i] is float[numel]) or DOPT_BF16
+ * (uint16_t[numel], widened to fp32 exactly as the step reads it); dtypes NULL: every gradient fp32. A bf16
+ * parameter (dopt_param_config.dtype DOPT_BF16) steps its fp32 master and leaves its working copy the new master
+ * rounded to nearest even; before its step, an element whose working copy is no longer its master rounded
+ * (written outside the optimizer: a loaded model, p.data.copy_) takes the working copy's value as its master
+ * (docs/api.md "bf16 parameters"). The same bits as the fp32 gradients widened by the caller. */
+DOPT_API dopt_status dopt_optim_step_typed(dopt_optim *o, const void *const *grads, const dopt_dtype *dtypes);
+
 /* Threads of the step, the caller included: 1..256, or 0 for the default —
  * DOPT_NUM_THREADS from the environment when set, else the cores this process
  * may run on (read at the next step). Large parameters of the optimizers

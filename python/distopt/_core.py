@@ -241,7 +241,9 @@ class Handle:
             self.enum_names[(group, key)] = value.strip() if isinstance(value, str) else value
 
     # parameters
-    def add_param(self, group, address, shape, name):
+    def add_param(self, group, address, shape, name, master=None):
+        """address: the parameter's fp32 storage; or, with master (the address of its fp32 master weights), its
+        bf16 working copy, which every step leaves the master rounded (include/distopt/optim.h)."""
         shape = tuple(int(d) for d in shape)
         if len(shape) > _lib.MAX_DIMS:
             raise ValueError(f"distopt: parameter '{name}' has {len(shape)} dimensions (at most {_lib.MAX_DIMS})")
@@ -253,9 +255,9 @@ class Handle:
         pc.ndim = len(shape)
         for i, d in enumerate(shape):
             pc.shape[i] = d
-        pc.dtype = _lib.F32
+        pc.dtype = _lib.F32 if master is None else _lib.BF16
         pc.data = address
-        pc.master = None
+        pc.master = master
         pc.layer = lib.dopt_layer_from_name(bname)
         pid = ctypes.c_int()
         call(lib.dopt_optim_add_param, self._live(), _c_int(group, "group"), ctypes.byref(pc), ctypes.byref(pid))
@@ -264,13 +266,18 @@ class Handle:
     def num_params(self):
         return lib.dopt_optim_num_params(self._live())
 
-    def step(self, grad_addresses):
-        """grad_addresses[i]: the address of parameter i's fp32 gradient, or None (no gradient)."""
+    def step(self, grad_addresses, bf16=None):
+        """grad_addresses[i]: the address of parameter i's fp32 gradient, or None (no gradient); bf16[i] true:
+        that gradient is bf16 (widened exactly by the library)."""
         n = self.num_params()
         if len(grad_addresses) != n:
             raise ValueError(f"distopt {self.name}: {len(grad_addresses)} gradients for {n} parameters")
         arr = (ctypes.c_void_p * max(n, 1))(*grad_addresses)
-        call(lib.dopt_optim_step, self._live(), arr if n else None)
+        if bf16 is None or not any(bf16):
+            call(lib.dopt_optim_step, self._live(), arr if n else None)
+            return
+        types = (ctypes.c_int * max(n, 1))(*[_lib.BF16 if b else _lib.F32 for b in bf16])
+        call(lib.dopt_optim_step_typed, self._live(), arr if n else None, types)
 
     # states
     def get_step(self, param):

@@ -16,6 +16,7 @@ OPTIM_INFO_VERSION = 1  # DOPT_OPTIM_INFO_VERSION
 DTYPES = {0: ("F32", 4), 1: ("F64", 8), 2: ("BF16", 2), 3: ("F16", 2), 4: ("I32", 4), 5: ("I64", 8),
           6: ("U8", 1), 7: ("I8", 1)}
 F32 = 0
+BF16 = 2
 
 
 class Error(RuntimeError):
@@ -149,6 +150,7 @@ _PROTOTYPES = {
     "dopt_optim_add_param": (_I, [_P, _I, ctypes.POINTER(ParamConfig), ctypes.POINTER(_I)]),
     "dopt_optim_num_params": (_I, [_P]),
     "dopt_optim_step": (_I, [_P, ctypes.POINTER(_P)]),
+    "dopt_optim_step_typed": (_I, [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.c_int)]),
     "dopt_optim_num_states": (_I, [_P, _I]),
     "dopt_optim_state": (_I, [_P, _I, _I, ctypes.POINTER(StateView)]),
     "dopt_optim_init_state": (_I, [_P, _I]),

@@ -30,6 +30,25 @@ def _check_param(p, where):
         raise ValueError(f"distopt: {where} is empty")
 
 
+def _mode(d):
+    """How the library holds d: 0 its fp32 storage, stepped in place; 1 its bf16 storage as the working copy of
+    an fp32 master kept here, written by every step (the master follows elements written outside); 2 a staged
+    fp32 copy (fp16, non-contiguous) copied in and out around each step."""
+    if d.is_contiguous() and d.dtype == torch.float32:
+        return 0
+    return 1 if d.is_contiguous() and d.dtype == torch.bfloat16 else 2
+
+
+def _register(h, group, d, st, name):
+    """d (a parameter's data) registered in group of handle h as _mode(d) says; st: its _stage_for."""
+    if st is None:
+        h.add_param(group, d.data_ptr(), d.shape, name)
+    elif _mode(d) == 1:
+        h.add_param(group, d.data_ptr(), d.shape, name, master=st.data_ptr())
+    else:
+        h.add_param(group, st.data_ptr(), d.shape, name)
+
+
 def _stage_for(d):
     """None when the library can step d's storage itself (fp32, contiguous); else the fp32 contiguous tensor
     it steps instead: the fp32 master of a bf16/fp16 parameter (kept across steps, written back rounded to
@@ -154,7 +173,7 @@ class Optimizer(torch.optim.Optimizer):
             touched = True
             applied = self._h.read_group(cg, values)
             for k, (d, st) in enumerate(zip(snaps, stages)):
-                self._h.add_param(cg, (d if st is None else st).data_ptr(), d.shape, f"param_groups[{n_before}][{k}]")
+                _register(self._h, cg, d, st, f"param_groups[{n_before}][{k}]")
         except BaseException:
             del self.param_groups[n_before:]
             if touched:  # the library has the group (and maybe some of its parameters): rebuild without them
@@ -164,7 +183,7 @@ class Optimizer(torch.optim.Optimizer):
         for p, d, st in zip(plist, snaps, stages):
             self._params.append(p)
             self._stage.append(st)
-            self._addr.append((d.data_ptr(), tuple(d.shape)))
+            self._addr.append((d.data_ptr(), tuple(d.shape), _mode(d), d.dtype))
             self._keep.append(d)  # keeps this storage alive while the library holds its address
         self._cgroups.append(cg)
         self._applied.append(applied)
@@ -189,18 +208,15 @@ class Optimizer(torch.optim.Optimizer):
         for i, p in enumerate(self._params):
             d = p.detach()  # one read of p.data
             _check_storage(d, f"distopt: parameter {i}")
-            staged = self._stage[i] is not None
-            direct = d.dtype == torch.float32 and d.is_contiguous()
-            if staged == direct or (direct and d.data_ptr() != self._addr[i][0]) or tuple(d.shape) != self._addr[i][1]:
+            ptr, shape, mode, dtype = self._addr[i]
+            now = _mode(d)
+            if now != mode or (now < 2 and d.data_ptr() != ptr) or tuple(d.shape) != shape or d.dtype != dtype:
                 _check_param(d, f"parameter {i}")
-                if tuple(d.shape) != self._addr[i][1]:
-                    raise ValueError(f"distopt: parameter {i} changed shape from {self._addr[i][1]} to "
-                                     f"{tuple(d.shape)}")
-                if staged == direct:  # p.data became (or stopped being) fp32 contiguous: another address
+                if tuple(d.shape) != shape:
+                    raise ValueError(f"distopt: parameter {i} changed shape from {shape} to {tuple(d.shape)}")
+                if (now == 0) != (mode == 0) or d.dtype != dtype:  # another kind of storage: a new master
                     self._stage[i] = _stage_for(d)
-                    moved = True
-                elif direct:
-                    moved = True
+                moved = True  # the master of a bf16 parameter that moved is kept: it follows the new values
         if moved:
             self._rebuild([dict(a) for a in self._applied], None)
 
@@ -217,8 +233,7 @@ class Optimizer(torch.optim.Optimizer):
                 for j in range(len(group["params"])):
                     d, st = snaps[k], self._stage[k]
                     _check_storage(d, f"distopt: param_groups[{gi}] parameter {j}")
-                    h.add_param(cgroups[gi], (d if st is None else st).data_ptr(), d.shape,
-                                f"param_groups[{gi}][{j}]")
+                    _register(h, cgroups[gi], d, st, f"param_groups[{gi}][{j}]")
                     k += 1
             if states is None:
                 for i in range(len(self._params)):
@@ -237,7 +252,7 @@ class Optimizer(torch.optim.Optimizer):
         old, self._h = self._h, h
         old.close()
         self._cgroups, self._applied = cgroups, applied
-        self._addr = [(d.data_ptr(), tuple(d.shape)) for d in snaps]
+        self._addr = [(d.data_ptr(), tuple(d.shape), _mode(d), d.dtype) for d in snaps]
         self._keep = snaps
 
     # ---- step ------------------------------------------------------------------------------------------
@@ -249,9 +264,10 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad(), self._h.lock:  # one step at a time on this optimizer (threads serialised)
             self._sync()
-            keep, addrs, back = [], [], []
+            keep, addrs, back, bf16 = [], [], [], []
             for i, p in enumerate(self._params):
                 g = p.grad
+                bf16.append(False)
                 if g is None:
                     addrs.append(None)
                     continue
@@ -262,19 +278,26 @@ class Optimizer(torch.optim.Optimizer):
                 if g.shape != p.shape:
                     raise ValueError(f"distopt: the gradient of parameter {i} has shape {tuple(g.shape)}, "
                                      f"the parameter {tuple(p.shape)}")
-                g = g.float().contiguous()  # bf16/fp16 -> fp32 exactly
+                mode = self._addr[i][2]
+                if mode == 1 and g.dtype == torch.bfloat16 and g.is_contiguous():
+                    bf16[i] = True  # widened by the library, exactly
+                else:
+                    g = g.float().contiguous()  # bf16/fp16 -> fp32 exactly
                 _check_storage(g, f"distopt: the gradient of parameter {i}")
                 keep.append(g)
                 addrs.append(g.data_ptr())
                 st = self._stage[i]
-                if st is not None:
+                if st is not None and mode == 2:
                     d = p.detach()
                     if d.dtype == torch.float32:
                         st.copy_(d)  # a non-contiguous fp32 parameter: its values, exactly
-                    elif not torch.equal(st.to(d.dtype), d):
-                        st.copy_(d)  # the low-precision weights changed outside: the master follows them
+                    else:
+                        r = st.to(d.dtype)
+                        if not torch.equal(r, d):  # written outside: those elements' masters follow them
+                            ch = r != d
+                            st[ch] = d[ch].float()
                     back.append((d, st))
-            self._h.step(addrs)
+            self._h.step(addrs, bf16)
             for d, st in back:
                 d.copy_(st)  # to bf16/fp16: round to nearest even (fp16 overflows to inf); fp32: exact
         return loss

@@ -586,23 +586,37 @@ class TestErrors(Base):
             masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
             opt = distopt.Optimizer("adamw", model.parameters(), lr=1e-2)
             topt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+            m32 = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+            opt32 = distopt.Optimizer("adamw", m32, lr=1e-2)  # the same step on fp32 masters: bitwise
             for s in range(6):
+                if s == 3:  # every 5th weight written outside: those masters follow, the others keep their bits
+                    with torch.no_grad():
+                        w = model[0].weight.view(-1)
+                        new = torch.linspace(-0.5, 0.5, w[::5].numel()).to(dt)
+                        changed = new != m32[0].detach().view(-1)[::5].to(dt)
+                        w[::5] = new
+                        m32[0].view(-1)[::5][changed] = new[changed].float()
+                        masters[0].view(-1)[::5][changed] = new[changed].float()
+                    self.assertTrue(bool(changed.any()))
                 opt.zero_grad(set_to_none=True)
                 if dt == torch.bfloat16:  # a real backward in bf16
                     ((model(X[:16].to(dt)).float() - Y[:16]) ** 2).mean().backward()
                 else:  # torch 1.13 has no fp16 matmul on the CPU: fp16 gradients drawn
                     for p in model.parameters():
                         p.grad = (0.1 * torch.randn(p.shape)).to(dt)
-                for p, m in zip(model.parameters(), masters):
+                for p, m, q in zip(model.parameters(), masters, m32):
                     m.grad = p.grad.float()
+                    q.grad = p.grad.float()
                 opt.step()
                 topt.step()
+                opt32.step()
             sd = opt.state_dict()
             for i, (p, m) in enumerate(zip(model.parameters(), masters)):
                 self.assertEqual(p.dtype, dt)
                 mine = sd["state"][i]["master"]
                 self.assertTrue(torch.equal(p.detach().view(torch.int16), mine.to(dt).view(torch.int16)),
                                 f"{dt} parameter {i}: not its master rounded")
+                self.assertEqual(bits(mine), bits(m32[i].detach()), f"{dt} master {i}: not the fp32 step's bits")
                 e = common.normwise_rel(mine.numpy(), m.detach().numpy())
                 self.assertLessEqual(e, PARAM_TOL, f"{dt} master {i}: {e:.3g}")
                 self.assertIn("exp_avg", opt.state[p])
