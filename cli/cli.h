@@ -21,6 +21,18 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
+/* The progress line of a long run (compare, verify): on standard error, only where that is a terminal and once
+ * the run has lasted CLI_PROGRESS_AFTER_S seconds, at most every 0.25 s: "\r<what>: step 12/100  0.84 s/step
+ * ETA 1m14s  <extra>"; s/step from the steps after the first (setup excluded). cli_progress_end clears it. */
+#define CLI_PROGRESS_AFTER_S 3.0
+typedef struct cli_progress {
+  double t0, t1, last; /* the start, the first step's end, the last line */
+  int on, shown;       /* a terminal and not --quiet; a line is on the screen */
+} cli_progress;
+void cli_progress_init(cli_progress *p, int quiet);
+void cli_progress_step(cli_progress *p, const char *what, long done, long total, const char *extra);
+void cli_progress_end(cli_progress *p);
+
 /* A path a command reads or writes, named by its option ("--out", "TRACE"); dir: a folder. */
 typedef struct cli_path {
   const char *opt, *path;

@@ -108,12 +108,13 @@ static int copy_opt(const char *opt, const char *v, char *dst, size_t cap) {
   return CLI_OK;
 }
 
+/* The engine's step callback (the lead, after each step): cli_progress's line, with the worst ULP so far. */
 static void progress(int step, int steps, double elapsed, uint64_t worst, void *user) {
-  (void)user;
-  if (worst == UINT64_MAX) printf("\rstep %d/%d  %.1f s  worst: NaN mismatch   ", step, steps, elapsed);
-  else printf("\rstep %d/%d  %.1f s  worst ULP so far: %llu   ", step, steps, elapsed, (unsigned long long)worst);
-  if (step == steps) printf("\r%60s\r", "");
-  fflush(stdout);
+  (void)elapsed;
+  char extra[64];
+  if (worst == UINT64_MAX) snprintf(extra, sizeof extra, "worst: NaN mismatch");
+  else snprintf(extra, sizeof extra, "worst ULP so far: %llu", (unsigned long long)worst);
+  cli_progress_step(user, "compare", step, steps, extra);
 }
 
 /* The measured compatibility matrix: every registered optimizer under every
@@ -492,8 +493,10 @@ static int compare_with(cmp_options *o, int argc, char **argv) {
   if (strcmp(o->backend, "mpi") == 0 && (rc = mpi_begin(o, &mpi_world, &mpi_rank)) != CLI_OK) return rc;
   if (strcmp(o->backend, "nccl") == 0 && (rc = agree(o, NULL)) != CLI_OK) return rc;
   cmp_result r;
-  int tty = !o->quiet && isatty(STDOUT_FILENO) && mpi_rank == 0;
-  dopt_status s = cmp_run(o, &r, tty ? progress : NULL, NULL);
+  cli_progress pg;
+  cli_progress_init(&pg, o->quiet || mpi_rank != 0);
+  dopt_status s = cmp_run(o, &r, pg.on ? progress : NULL, &pg);
+  cli_progress_end(&pg);
   if (s != DOPT_OK) {
     if (mpi_world && r.before_work) { /* refused by its checks on some rank, agreed by all: one line, exit 2 */
       rc = r.said_elsewhere ? CLI_USAGE : cli_error(CMD, s);

@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -947,4 +948,46 @@ dopt_status cmp_write_svg(const char *path, const cmp_options *o, const cmp_resu
   DOPT_CHECK_ARG(r->ntensors == 0 || r->t != NULL, "cmp_write_svg: r->t=NULL with ntensors=%d", r->ntensors);
   svg_ctx c = {o, r};
   return write_atomic(path, svg_body, &c);
+}
+
+/* ---- the progress line ------------------------------------------------------------------------------- */
+
+static double mono_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void cli_progress_init(cli_progress *p, int quiet) {
+  memset(p, 0, sizeof *p);
+  p->on = !quiet && isatty(STDERR_FILENO);
+  p->t0 = mono_s();
+}
+
+/* "1h02m", "3m07s", "12s" */
+static void eta_text(double s, char *out, size_t cap) {
+  const long t = s < 0 ? 0 : (long)(s + 0.5);
+  if (t >= 3600) snprintf(out, cap, "%ldh%02ldm", t / 3600, t / 60 % 60);
+  else if (t >= 60) snprintf(out, cap, "%ldm%02lds", t / 60, t % 60);
+  else snprintf(out, cap, "%lds", t);
+}
+
+void cli_progress_step(cli_progress *p, const char *what, long done, long total, const char *extra) {
+  if (!p->on) return;
+  const double now = mono_s();
+  if (done == 1 || p->t1 == 0.0) p->t1 = now;
+  if (now - p->t0 < CLI_PROGRESS_AFTER_S || (p->shown && now - p->last < 0.25 && done < total)) return;
+  const double per = done > 1 && now > p->t1 ? (now - p->t1) / (double)(done - 1) : (now - p->t0) / (double)(done ? done : 1);
+  char eta[32];
+  eta_text(per * (double)(total - done), eta, sizeof eta);
+  fprintf(stderr, "\r%s: step %ld/%ld  %.2f s/step  ETA %s  %s   ", what, done, total, per, eta, extra ? extra : "");
+  fflush(stderr);
+  p->shown = 1, p->last = now;
+}
+
+void cli_progress_end(cli_progress *p) {
+  if (!p->shown) return;
+  fprintf(stderr, "\r%100s\r", "");
+  fflush(stderr);
+  p->shown = 0;
 }

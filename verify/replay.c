@@ -333,7 +333,23 @@ static int recorded_after(const vctx *c, long t) {
   return t == c->rd.ix.start_step || (c->rd.ix.record_params && c->rd.ix.record_states && t % c->rd.ix.every == 0);
 }
 
+static int replay_steps(vctx *c, cli_progress *pg);
+
 int vf_replay(vctx *c) {
+  cli_progress pg;
+  cli_progress_init(&pg, c->quiet);
+  const int rc = replay_steps(c, &pg);
+  cli_progress_end(&pg);
+  if (rc) return rc;
+  long compared = 0;
+  for (int i = 0; i < c->nst; i++) compared += c->st[i].compared;
+  if (compared == 0)
+    return cli_errorf(CMD, "%s: no recorded parameter or state (param/<t>/..., state/<t>/...) to compare", c->rd.index_path);
+  return CLI_OK;
+}
+
+/* vf_replay's steps, each announced on the progress line. */
+static int replay_steps(vctx *c, cli_progress *pg) {
   const vr_index *ix = &c->rd.ix;
   long ch = 0;
   int synced = 1; /* --stepwise: the reference's state is the recorded run's (0 after a skipped step) */
@@ -391,10 +407,7 @@ int vf_replay(vctx *c) {
     long after = 0;
     for (int i = 0; i < c->nst; i++) after += c->st[i].compared;
     if (after > before) c->compared_steps++;
+    cli_progress_step(pg, "verify", t - ix->start_step, ix->steps - ix->start_step, NULL);
   }
-  long compared = 0;
-  for (int i = 0; i < c->nst; i++) compared += c->st[i].compared;
-  if (compared == 0)
-    return cli_errorf(CMD, "%s: no recorded parameter or state (param/<t>/..., state/<t>/...) to compare", c->rd.index_path);
   return CLI_OK;
 }
