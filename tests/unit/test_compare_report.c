@@ -13,8 +13,10 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "compare.h"
 
 #define STEPS 5
@@ -498,9 +500,50 @@ static void test_svg(void **st) {
   assert_int_not_equal(access(path, F_OK), 0);
 }
 
+/* The progress line (cli_progress, compare's and verify's): nothing where standard error is not a terminal (here) or
+ * before CLI_PROGRESS_AFTER_S; then "what: step d/n  X s/step  ETA ..." with the rate of the steps after the
+ * first, at most every 0.25 s but always the last step, and a clearing line at the end. */
+static void test_progress_line(void **st) {
+  (void)st;
+  char path[] = "/tmp/dopt_progress_XXXXXX";
+  const int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  fflush(stderr);
+  const int saved = dup(STDERR_FILENO);
+  assert_true(saved >= 0 && dup2(fd, STDERR_FILENO) >= 0);
+  cli_progress p;
+  cli_progress_init(&p, 0);
+  const int tty = p.on;
+  cli_progress_step(&p, "verify", 1, 10, NULL); /* not a terminal: nothing */
+  cli_progress_init(&p, 0);
+  p.on = 1;                                       /* as on a terminal */
+  cli_progress_step(&p, "verify", 1, 10, NULL);   /* the first step, under 3 s: nothing */
+  p.t0 -= 10.0, p.t1 -= 4.0;                      /* 10 s since the start, 4 s since step 1 */
+  cli_progress_step(&p, "verify", 3, 10, "x=1");  /* 2 s/step over the 2 steps after the first: ETA 14 s */
+  cli_progress_step(&p, "verify", 4, 10, NULL);   /* within 0.25 s of the last line: nothing */
+  cli_progress_step(&p, "verify", 10, 10, NULL);  /* the last step: shown */
+  cli_progress_end(&p);
+  fflush(stderr);
+  assert_true(dup2(saved, STDERR_FILENO) >= 0);
+  close(saved);
+  char buf[1024] = {0};
+  FILE *f = fdopen(fd, "r");
+  assert_non_null(f);
+  rewind(f);
+  const size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  unlink(path);
+  assert_false(tty);
+  const char *a = strstr(buf, "\rverify: step 3/10  2.00 s/step  ETA 14s  x=1");
+  if (!a || strstr(buf, "step 1/10") || strstr(buf, "step 4/10") || !strstr(a, "\rverify: step 10/10") ||
+      buf[n - 1] != '\r')
+    fail_msg("progress lines: '%s'", buf);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_table),
+      cmocka_unit_test(test_progress_line),
       cmocka_unit_test(test_json),
       cmocka_unit_test(test_verdict_kinds),
       cmocka_unit_test(test_digest),
