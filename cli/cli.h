@@ -22,11 +22,12 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
     ;
 
 /* The progress line of a long run (compare, verify): on standard error, only where that is a terminal and once
- * the run has lasted CLI_PROGRESS_AFTER_S seconds, at most every 0.25 s: "\r<what>: step 12/100  0.84 s/step
- * ETA 1m14s  <extra>"; s/step from the steps after the first (setup excluded). cli_progress_end clears it. */
+ * the run has lasted CLI_PROGRESS_AFTER_S seconds (DOPT_PROGRESS_AFTER from the environment: another delay, in
+ * [0, 86400]), at most every 0.25 s: "\r<what>: step 12/100  0.84 s/step  ETA 1m14s  <extra>"; s/step from the
+ * steps after the first (setup excluded). cli_progress_end clears it. */
 #define CLI_PROGRESS_AFTER_S 3.0
 typedef struct cli_progress {
-  double t0, t1, last; /* the start, the first step's end, the last line */
+  double t0, t1, last, after; /* the start, the first step's end, the last line; the delay */
   int on, shown;       /* a terminal and not --quiet; a line is on the screen */
 } cli_progress;
 void cli_progress_init(cli_progress *p, int quiet);

@@ -962,6 +962,11 @@ void cli_progress_init(cli_progress *p, int quiet) {
   memset(p, 0, sizeof *p);
   p->on = !quiet && isatty(STDERR_FILENO);
   p->t0 = mono_s();
+  p->after = CLI_PROGRESS_AFTER_S;
+  const char *e = getenv("DOPT_PROGRESS_AFTER"); /* seconds before the first line (tests: 0) */
+  char *end = NULL;
+  const double v = e && *e ? strtod(e, &end) : -1.0;
+  if (end && *end == '\0' && v >= 0.0 && v <= 86400.0) p->after = v;
 }
 
 /* "1h02m", "3m07s", "12s" */
@@ -976,7 +981,7 @@ void cli_progress_step(cli_progress *p, const char *what, long done, long total,
   if (!p->on) return;
   const double now = mono_s();
   if (done == 1 || p->t1 == 0.0) p->t1 = now;
-  if (now - p->t0 < CLI_PROGRESS_AFTER_S || (p->shown && now - p->last < 0.25 && done < total)) return;
+  if (now - p->t0 < p->after || (p->shown && now - p->last < 0.25 && done < total)) return;
   const double per = done > 1 && now > p->t1 ? (now - p->t1) / (double)(done - 1) : (now - p->t0) / (double)(done ? done : 1);
   char eta[32];
   eta_text(per * (double)(total - done), eta, sizeof eta);

@@ -11,6 +11,7 @@ import pty
 import re
 import shutil
 import subprocess
+import tempfile
 import sys
 
 EXE, SRC, WORK = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -50,12 +51,15 @@ def fresh():
 
 
 def run(args, tty=False):
-    """(exit code, stdout, stderr) of distopt ARGS in SOURCE_DIR; tty: stdout is a terminal."""
+    """(exit code, stdout, stderr) of distopt ARGS in SOURCE_DIR; tty: stderr is a terminal (the progress line's,
+    shown from the first step: DOPT_PROGRESS_AFTER=0)."""
     if not tty:
         p = subprocess.run([EXE] + args, cwd=SRC, capture_output=True, text=True, timeout=300)
         return p.returncode, p.stdout, p.stderr
     master, slave = pty.openpty()
-    p = subprocess.Popen([EXE] + args, cwd=SRC, stdout=slave, stderr=subprocess.PIPE)
+    env = dict(os.environ, DOPT_PROGRESS_AFTER="0")
+    sink = tempfile.TemporaryFile()  # standard output (a pipe nobody reads while the terminal is read could fill)
+    p = subprocess.Popen([EXE] + args, cwd=SRC, stdout=sink, stderr=slave, env=env)
     os.close(slave)
     out = b""
     while True:
@@ -68,7 +72,10 @@ def run(args, tty=False):
         out += chunk
     p.wait(timeout=300)
     os.close(master)
-    return p.returncode, out.decode(errors="replace"), p.stderr.read().decode(errors="replace")
+    sink.seek(0)
+    text = sink.read().decode(errors="replace")
+    sink.close()
+    return p.returncode, text, out.decode(errors="replace")
 
 
 def digest(cmd, rc, out, err, what, args=None):
@@ -119,8 +126,8 @@ def walk(row):
         return eff
     if eff == "tty":
         r_without, r_with = run(base, tty=True), run(argv(base, row["tried"]), tty=True)
-        if "step 1/" not in r_without[1] or "step 1/" in r_with[1]:
-            fails.append(f"{what}: on a terminal the progress line is {'kept' if 'step 1/' in r_with[1] else 'absent without it'}")
+        if "step 1/" not in r_without[2] or "step 1/" in r_with[2]:
+            fails.append(f"{what}: on a terminal the progress line is {'kept' if 'step 1/' in r_with[2] else 'absent without it'}")
         return eff
     if eff == "stdout":
         r_without, r_with = run(base), run(argv(base, row["tried"]))
