@@ -230,11 +230,14 @@ typedef struct rank_state {
   dopt_dist_config cfg;
   size_t maxn, parts;
   /* per parameter: the reference's values, averaged gradient and bf16 copy (lead); this rank's TP block of the
-   * gradient; the bf16 copies of an own template (without a shared one); TP roles; the gradients passed (this
-   * stage's parameters' blocks) */
+   * gradient (allocated when first needed: the first micro-batch's is written into the distributed optimizer's
+   * accumulator, dopt_dist_grad_buffer); the bf16 copies of an own template (without a shared one); TP roles;
+   * whether this rank holds each (this stage's, this ep rank's), and the gradients passed */
   float **rdata, **avg, **loc;
+  size_t *lnumel;
   uint16_t **work, **rwork;
   dopt_tp_role *roles;
+  unsigned char *held;
   const float **gp;
   /* whole-tensor buffers (the largest tensor): a recording's gradient before it is sliced (synthetic and trace
    * gradients come as this rank's block); the lead's reference gradients (acc: every dp part), gathers and bf16
@@ -285,6 +288,7 @@ static dopt_status rank_alloc(rank_state *k) {
   k->work = calloc(npc, sizeof *k->work), k->rwork = calloc(npc, sizeof *k->rwork);
   k->roles = calloc(npc, sizeof *k->roles);
   k->gp = calloc(npc, sizeof *k->gp);
+  k->held = calloc(npc, 1), k->lnumel = calloc(npc, sizeof *k->lnumel);
   k->maxn = 1;
   for (int i = 0; i < np; i++) k->maxn = s->numel[i] > k->maxn ? s->numel[i] : k->maxn;
   k->parts = (size_t)o->dp * (size_t)ce_micro_of(o, s);
@@ -302,7 +306,8 @@ static dopt_status rank_alloc(rank_state *k) {
   const size_t ncnt = (size_t)np * DOPT_NCOUNTERS;
   k->cprev = lead ? calloc(2 * ncnt + 1, sizeof *k->cprev) : NULL;
   k->cstep = k->cprev ? k->cprev + ncnt : NULL;
-  return k->rdata && k->avg && k->loc && k->work && k->rwork && k->roles && k->gp && (k->full || !whole) &&
+  return k->rdata && k->avg && k->loc && k->work && k->rwork && k->roles && k->gp && k->held && k->lnumel &&
+                 (k->full || !whole) &&
                  (k->acc || !lead) && (k->got || !lead) && (k->wgot || !o->bf16 || !lead) &&
                  (k->wf || !o->bf16 || !lead) && k->rep && (k->cprev || !lead)
              ? DOPT_OK
@@ -339,16 +344,14 @@ static dopt_status rank_setup(rank_state *k) {
     size_t lnumel = 0;
     st = dopt_dist_local_shape(k->d, i, &ndim, shape, &lnumel); /* this rank's TP block */
     if (st != DOPT_OK) break;
-    k->loc[i] = malloc((lnumel ? lnumel : 1) * sizeof(float));
+    k->lnumel[i] = lnumel;
     if (k->lead) k->avg[i] = malloc((s->numel[i] ? s->numel[i] : 1) * sizeof(float));
-    if (!k->loc[i] || (k->lead && !k->avg[i]))
+    if (k->lead && !k->avg[i])
       st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: parameter '%s' (%zu elements)", s->p[i].name, s->numel[i]);
   }
   /* this rank's parameters: its stage's, and with moe_hybrid of the experts its ep rank's only */
   for (int i = 0; st == DOPT_OK && i < k->np; i++)
-    k->gp[i] = (x->stages[i] == k->cfg.pp.rank || k->cfg.pp.size <= 1) && ce_holds_param(o, s, i, k->cfg.dp.rank)
-                   ? k->loc[i]
-                   : NULL;
+    k->held[i] = (x->stages[i] == k->cfg.pp.rank || k->cfg.pp.size <= 1) && ce_holds_param(o, s, i, k->cfg.dp.rank);
   if (st == DOPT_OK && x->load_dir) st = dopt_dist_load(k->d, k->plain, x->load_dir);
   for (int t = 1; st == DOPT_OK && k->lead && x->replay && t < x->t_first; t++) {
     int bad = 0; /* its skips were counted before the save */
@@ -367,19 +370,28 @@ static dopt_status rank_step(rank_state *k, int t) {
   dopt_status st = DOPT_OK;
   for (int m = 0; m < k->micro && st == DOPT_OK; m++) {
     for (int i = 0; i < k->np && st == DOPT_OK; i++) {
-      if (!k->gp[i]) continue; /* another stage's parameter */
+      k->gp[i] = NULL;
+      if (!k->held[i]) continue; /* another stage's parameter */
+      float *g = NULL; /* where the gradient goes: in place in the accumulator, or this rank's own buffer */
+      if ((st = dopt_dist_grad_buffer(k->d, i, &g)) != DOPT_OK) break;
+      if (!g && !k->loc[i] && !(k->loc[i] = malloc((k->lnumel[i] ? k->lnumel[i] : 1) * sizeof(float))))
+        st = dopt__fail(DOPT_ERR_NO_MEMORY, "compare buffers: parameter '%s' (%zu elements)", s->p[i].name,
+                        k->lnumel[i]);
+      if (st != DOPT_OK) break;
+      if (!g) g = k->loc[i];
+      k->gp[i] = g;
       const int sh = ce_shard_of(o, s, k->cfg.dp.rank, m);
       dopt_piece pc;
       dopt_tp_block(s->p[i].ndim, s->p[i].shape, s->p[i].role, o->tp, k->cfg.tp.rank, &pc);
       if (k->sliced) { /* a recording: read whole, then sliced */
         st = ce_shard_grad(s, i, t, sh, k->full);
-        tp_slice(&s->p[i], o->tp, k->cfg.tp.rank, k->full, k->loc[i]);
+        tp_slice(&s->p[i], o->tp, k->cfg.tp.rank, k->full, g);
       } else if (s->trace) { /* a trace: this rank's block alone, from the file */
         char key[200];
         ce_grad_key(key, sizeof key, t, sh, s->p[i].name);
-        st = dopt_st_read_f32_block(s->trace, key, pc.b, pc.h, pc.w, pc.h0, pc.hl, pc.w0, pc.wl, k->loc[i]);
+        st = dopt_st_read_f32_block(s->trace, key, pc.b, pc.h, pc.w, pc.h0, pc.hl, pc.w0, pc.wl, g);
       } else { /* synthetic: only this rank's block */
-        (s->fast ? ce_synth_fast : ce_synth_block)(s, i, t, sh, pc.h0, pc.hl, pc.w0, pc.wl, k->loc[i]);
+        (s->fast ? ce_synth_fast : ce_synth_block)(s, i, t, sh, pc.h0, pc.hl, pc.w0, pc.wl, g);
       }
     }
     if (st == DOPT_OK) st = dopt_dist_backward(k->d, k->gp);
@@ -561,7 +573,7 @@ static void rank_free(rank_state *k) {
     if (k->loc) free(k->loc[i]);
   }
   free(k->work), free(k->rdata), free(k->rwork), free(k->avg), free(k->loc);
-  free(k->roles), free(k->gp);
+  free(k->roles), free(k->gp), free(k->held), free(k->lnumel);
   free(k->full), free(k->acc), free(k->got), free(k->wgot), free(k->wf);
   free(k->rep), free(k->cprev), free(k->sgot);
   dopt_digest_destroy(k->dg);

@@ -134,15 +134,20 @@ static dopt_status check_config(const dopt_dist_config *cfg) {
  * extent it holds. At creation and after an owner step. */
 dopt_status dd_load_values(dopt_dist_optim *d, dist_param *p, const float *full) {
   const dopt_piece *pc = &p->pc;
-  unsigned char *bb = NULL;
-  DOPT_TRY(dd_ghost(d, 1, (p->lnumel ? p->lnumel : 1) * sizeof(float), &bb));
-  float *blk = (float *)(void *)bb;
+  /* the TP block assembled in place where the master holds all of it in host memory, else in a scratch */
+  const int direct = DEV(d)->host_chunk && !p->master_sharded;
+  float *blk = p->master;
+  if (!direct) {
+    unsigned char *bb = NULL;
+    DOPT_TRY(dd_ghost(d, 1, (p->lnumel ? p->lnumel : 1) * sizeof(float), &bb));
+    blk = (float *)(void *)bb;
+  }
   for (size_t bi = 0; bi < pc->b; bi++)
     for (size_t i = 0; i < pc->hl; i++)
       memcpy(blk + (bi * pc->hl + i) * pc->wl, full + (bi * pc->h + pc->h0 + i) * pc->w + pc->w0,
              pc->wl * sizeof(float));
   size_t from = p->master_sharded ? pc->lo : 0, count = p->master_sharded ? pc->len : p->lnumel;
-  dopt_status s = DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
+  dopt_status s = direct ? DOPT_OK : DEV(d)->upload(DCTX(d), p->master, blk + from, count * sizeof(float));
   if (s == DOPT_OK && p->bf16) { /* the working copy of the extent this rank holds */
     size_t wfrom = d->zero == 3 ? pc->lo : 0, wcount = d->zero == 3 ? pc->len : p->lnumel;
     unsigned char *hb = NULL;
@@ -529,6 +534,10 @@ dopt_status dopt_dist_create(const dopt_optim *plain, const dopt_dist_config *cf
     d->codes = NULL;
     dopt_dist_destroy(d);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_create: the dp sum's block codes of %d parameters", d->np);
+  }
+  for (int k = 0; k < 3; k++) { /* the loading scratch (a ZeRO-3 shard's TP block, bf16 copies): not kept */
+    free(d->ghost[k]);
+    d->ghost[k] = NULL, d->ghost_cap[k] = 0;
   }
   *out = d;
   return DOPT_OK;

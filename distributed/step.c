@@ -35,7 +35,8 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
       continue;
     }
     if (!p->acc) { /* the first gradient since the step is copied: acc = g0, then acc + g1 + ... */
-      DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, grads[i], p->lnumel * sizeof(float)));
+      if (grads[i] != p->grad) /* else written in place (dopt_dist_grad_buffer) */
+        DOPT_TRY(DEV(d)->upload(DCTX(d), p->grad, grads[i], p->lnumel * sizeof(float)));
       p->acc = 1;
       continue;
     }
@@ -44,6 +45,14 @@ dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads) {
     DOPT_TRY(DEV(d)->add(DCTX(d), p->grad, d->up, p->lnumel));
   }
   d->micro++;
+  return DOPT_OK;
+}
+
+dopt_status dopt_dist_grad_buffer(dopt_dist_optim *d, int param, float **out) {
+  DOPT_CHECK_ARG(d && out, "dopt_dist_grad_buffer: NULL argument");
+  DOPT_CHECK_ARG(param >= 0 && param < d->np, "dopt_dist_grad_buffer: param=%d out of range [0,%d)", param, d->np);
+  const dist_param *p = &d->p[param];
+  *out = !d->keep && !p->acc && p->lnumel && DEV(d)->host_chunk && dd_present(d, p) ? p->grad : NULL;
   return DOPT_OK;
 }
 

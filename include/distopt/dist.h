@@ -191,6 +191,14 @@ DOPT_API dopt_status dopt_dist_layout(const dopt_dist_optim *d, int param, dopt_
  * have one contributes zeros (DDP's unused parameters). */
 DOPT_API dopt_status dopt_dist_backward(dopt_dist_optim *d, const float *const *grads);
 
+/* Where this rank's TP-local gradient of parameter i for the next micro-batch may be written in place (as DDP's
+ * gradient_as_bucket_view): its accumulator (dopt_dist_local_shape's numel floats), when the next
+ * dopt_dist_backward is the first since the step, micro-batches are summed (not batch invariant), the device's
+ * buffers are host memory and this rank holds the parameter; else *out = NULL and the caller passes a buffer of
+ * its own. A gradient handed to dopt_dist_backward at this address is taken where it is (no copy); the buffer may
+ * be written until that call, and not after it. */
+DOPT_API dopt_status dopt_dist_grad_buffer(dopt_dist_optim *d, int param, float **out);
+
 typedef struct dopt_dist_step_info {
   int skipped;        /* 1: a non-finite gradient; nothing was updated */
   double grad_norm;   /* global norm of the averaged gradients, before clipping */

@@ -358,9 +358,18 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
   if (s == DOPT_OK && x->load_dir) s = dopt_dist_load(d, plain, x->load_dir);
   for (int t = x->t_first; t <= x->t_last && s == DOPT_OK; t++) {
     for (int m = 0; m < c->micro && s == DOPT_OK; m++) {
+      const float *gp[DT_MAXP];
       for (int i = 0; i < c->nparams; i++) {
+        gp[i] = lp[i];
         if (!lp[i]) continue;
-        /* this rank's TP block of the logical micro-batch gradient */
+        /* this rank's TP block of the logical micro-batch gradient: on odd steps written in place into the
+         * accumulator where dopt_dist_grad_buffer offers it (the first micro-batch), else into loc (copied) */
+        float *dst = loc[i];
+        if (t % 2 == 1) {
+          float *in = NULL;
+          if ((s = dopt_dist_grad_buffer(d, i, &in)) != DOPT_OK) break;
+          if (in) dst = in, gp[i] = in;
+        }
         const dt_param *pp = &c->params[i];
         dt_gradient(c, i, t, m, dprank, full);
         dopt_piece pc;
@@ -375,9 +384,9 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
         }
         for (size_t bi = 0; bi < pc.b; bi++)
           for (size_t ii = 0; ii < hl; ii++)
-            memcpy(loc[i] + (bi * hl + ii) * wl, full + (bi * pc.h + h0 + ii) * pc.w + w0, wl * sizeof(float));
+            memcpy(dst + (bi * hl + ii) * wl, full + (bi * pc.h + h0 + ii) * pc.w + w0, wl * sizeof(float));
       }
-      s = dopt_dist_backward(d, lp);
+      if (s == DOPT_OK) s = dopt_dist_backward(d, gp);
       if (s == DOPT_OK && dt_step_per_micro && m + 1 < c->micro) s = dopt_dist_step(d, NULL); /* a planted bug */
     }
     dopt_sim_stats before[2] = {DOPT_SIM_STATS_INIT, DOPT_SIM_STATS_INIT}, after[2] = {DOPT_SIM_STATS_INIT, DOPT_SIM_STATS_INIT};
