@@ -84,6 +84,7 @@ void dopt_dist_destroy(dopt_dist_optim *d) {
   if (d->xr) DEV(d)->free(DCTX(d), d->xr);
   free(d->xc);
   free(d->views);
+  free(d->nviews), free(d->nsends), free(d->ncnt);
   dd_gather_batch_free(d);
   free(d->xoff);
   free(d->xlist);

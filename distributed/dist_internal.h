@@ -162,7 +162,11 @@ struct dopt_dist_optim {
   size_t xn;        /* max(tp, dp) */
   size_t *xc;       /* host [5 · xn]: an exchange's send counts and offsets, receive counts and offsets, cursors */
   const void **views; /* host [xn]: the bucketed dp sum's sources read in place (all_to_allv_view, dp_sum.c) */
-  int viewing;      /* the current bucket's parts are read through views until its view_release */
+  int viewing;      /* the current bucket's parts are read through views until its view_release (2: through
+                     * nviews, all_to_allv_view_n: each parameter's where its gradient lies) */
+  int view_b0;      /* viewing 2: the bucket's first parameter */
+  const void **nviews, **nsends; /* host [nb·dp], [nb]: all_to_allv_view_n's views and sends (dp_sum.c) */
+  size_t *ncnt, ncap;            /* host [3·ncap]: its counts and displacements; ncap: nb·dp entries held */
   size_t *xoff;     /* [np] a parameter's offset in the exchange's receive buffer */
   int *xlist, *xord; /* [np] a batch of owned parameters; one owner row's of them in exchange order */
   int gather_lead;  /* DOPT_DIST_GATHER_LEAD: gathers deliver to the lead only (gather.c; set_gather

@@ -2,6 +2,8 @@
  * blocks' codes in one MAX over the world, the fixed-point words in one
  * integer SUM over dp, decoded into each rank's piece — or fp32 in the
  * transport's order. Owner mode: each dp row sums the units its ranks own. */
+#include <stdlib.h>
+
 #include "dist_internal.h"
 
 /* SUM over dp of x[padded·per] (all-reduce for zero 0/1; reduce-scatter for
@@ -71,6 +73,7 @@ static const float *part_ptr(const dopt_dist_optim *d, int i, size_t q, size_t m
   const dist_param *p = &d->p[i];
   const size_t me = (size_t)dd_dpg(d, p)->rank;
   if (self_direct(d) && q == me) return p->grad + lo;
+  if (d->viewing == 2) return (const float *)d->nviews[(size_t)(i - d->view_b0) * (size_t)dd_dpg(d, p)->size + q];
   if (d->viewing) return (const float *)d->views[q] + d->part_at[i] + m * len;
   return d->parts + q * R + d->part_at[i] + m * len;
 }
@@ -83,12 +86,45 @@ static int can_view(const dopt_dist_optim *d, const dopt_transport *G) {
   return G->ops->all_to_allv_view && G->ops->view_release && DEV(d)->host_chunk;
 }
 
-/* The exchange of what d->xc describes, from send: copied into d->parts, or read in place (d->views). */
-static dopt_status exchange(dopt_dist_optim *d, const dopt_transport *G, const float *send) {
+/* The exchange of what d->xc describes, from send: copied into d->parts (D·R floats), or read in place
+ * (d->views). */
+static dopt_status exchange(dopt_dist_optim *d, const dopt_transport *G, const float *send, size_t DR) {
   size_t *sc = d->xc, *sd = sc + d->xn, *rc = sd + d->xn, *rd = rc + d->xn;
-  if (!can_view(d, G)) return G->ops->all_to_allv(G->comm, send, sc, sd, d->parts, rc, rd, DOPT_F32);
+  if (!can_view(d, G)) {
+    DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (DR ? DR : 1) * sizeof(float)));
+    return G->ops->all_to_allv(G->comm, send, sc, sd, d->parts, rc, rd, DOPT_F32);
+  }
   d->viewing = 1;
   return G->ops->all_to_allv_view(G->comm, send, sc, sd, d->views, rc, DOPT_F32);
+}
+
+/* A bucket of several parameters [b0, b1) read where their accumulators lie (all_to_allv_view_n): exchange b,
+ * parameter b0 + b, sends each rank q of the group its segment; this rank's parts arrive as d->nviews[b·D + q]
+ * (part_ptr). No pack buffer: the bucket's gradients are not copied. */
+static dopt_status exchange_n(dopt_dist_optim *d, const dopt_transport *G, int b0, int b1) {
+  const size_t D = (size_t)G->size, me = (size_t)G->rank, nb = (size_t)(b1 - b0), n = nb * D;
+  if (n > d->ncap) {
+    const void **v = realloc(d->nviews, n * sizeof *v);
+    if (v) d->nviews = v;
+    const void **sn = v ? realloc(d->nsends, nb * sizeof *sn) : NULL;
+    if (sn) d->nsends = sn;
+    size_t *c = sn ? realloc(d->ncnt, 3 * n * sizeof *c) : NULL;
+    if (!c) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed dp sum: views of %zu parameters x %zu ranks", nb, D);
+    d->ncnt = c, d->ncap = n;
+  }
+  size_t *sc = d->ncnt, *sd = sc + n, *rc = sd + n, lo, len, mlo, mlen;
+  for (size_t b = 0; b < nb; b++) {
+    const dist_param *p = &d->p[b0 + (int)b];
+    d->nsends[b] = p->grad;
+    seg_of(d, p, me, &mlo, &mlen);
+    for (size_t q = 0; q < D; q++) {
+      seg_of(d, p, q, &lo, &len);
+      sc[b * D + q] = q == me ? 0 : len, sd[b * D + q] = lo;
+      rc[b * D + q] = q == me ? 0 : mlen;
+    }
+  }
+  d->viewing = 2, d->view_b0 = b0;
+  return G->ops->all_to_allv_view_n(G->comm, (int)nb, d->nsends, sc, sd, d->nviews, rc, DOPT_F32);
 }
 
 /* The bucket [b0, b1)'s exchange: every other rank's parts of what this rank sums arrive in d->parts, from source
@@ -109,12 +145,12 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
   *R = 0;
   for (int i = b0; i < b1; i++) seg_of(d, &d->p[i], me, &lo, &len), d->part_at[i] = *R, *R += P * len;
   for (size_t q = 0; q < D; q++) rc[q] = self && q == me ? 0 : *R, rd[q] = q * *R;
-  DOPT_TRY(dd_grow_dev(d, (void **)&d->parts, &d->parts_cap, (D * *R > 0 ? D * *R : 1) * sizeof(float)));
   if (b1 == b0 + 1 && P == 1) { /* one parameter's gradient: each destination's segment sent from where it is */
     const dist_param *p = &d->p[b0];
     for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
-    return exchange(d, G, p->grad);
+    return exchange(d, G, p->grad, D * *R);
   }
+  if (P == 1 && can_view(d, G) && G->ops->all_to_allv_view_n) return exchange_n(d, G, b0, b1);
   DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
     size_t at = sd[q];
@@ -128,7 +164,7 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
       }
     }
   }
-  return exchange(d, G, d->pack);
+  return exchange(d, G, d->pack, D * *R);
 }
 
 /* ---- spans: what can be summed before the codes' MAX -------------------------------------------------------

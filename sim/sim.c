@@ -332,19 +332,22 @@ static void validate_locked(sim_group *g) {
   sim_sig acc = g->arr[0].sig;
   if (acc.kind == DOPT_SIM_KIND_ALL_TO_ALLV) { /* every pair agrees; accounted: the busiest sender's elements */
     size_t most = 0;
+    const int nb = g->arr[0].nb; /* the same on every rank (in the signature) */
     for (int i = 0; i < g->n; i++) {
       size_t off = 0;
-      for (int j = 0; j < g->n; j++) {
-        size_t sent = g->arr[i].scounts[j], expected = g->arr[j].rcounts[i];
-        if (sent != expected) {
-          g->op_err = DOPT_ERR_MISMATCH;
-          snprintf(g->op_msg, sizeof g->op_msg,
-                   "comm '%s' op %llu: all_to_allv: rank %d sends %zu elements to rank %d, which expects %zu",
-                   g->label, (unsigned long long)seq, i, sent, j, expected);
-          return;
+      for (int b = 0; b < nb; b++)
+        for (int j = 0; j < g->n; j++) {
+          const size_t at = (size_t)b * (size_t)g->n, sent = g->arr[i].scounts[at + (size_t)j],
+                       expected = g->arr[j].rcounts[at + (size_t)i];
+          if (sent != expected) {
+            g->op_err = DOPT_ERR_MISMATCH;
+            snprintf(g->op_msg, sizeof g->op_msg,
+                     "comm '%s' op %llu: all_to_allv: rank %d sends %zu elements to rank %d, which expects %zu%s",
+                     g->label, (unsigned long long)seq, i, sent, j, expected, nb > 1 ? " (in one of its exchanges)" : "");
+            return;
+          }
+          off += j != i ? sent : 0;
         }
-        off += j != i ? sent : 0;
-      }
       most = off > most ? off : most;
     }
     acc.count = most;
@@ -574,9 +577,13 @@ static dopt_status run_data(sim_call *k, const sim_arrival *a) {
     break;
   case DOPT_SIM_KIND_ALL_TO_ALLV: /* from rank j's send at its sdispls[i] into this rank's recv at rdispls[j] */
     cnt = 0;
-    if (a->views) { /* by reference: where rank j's elements for this rank are */
-      for (int j = 0; j < n; j++)
-        a->views[j] = a->rcounts[j] ? (const char *)arr[j].send + arr[j].sdispls[i] * esz : NULL;
+    if (a->views) { /* by reference: where rank j's elements for this rank are (exchange b: in its send b) */
+      for (int b = 0; b < a->nb; b++)
+        for (int j = 0; j < n; j++) {
+          const size_t at = (size_t)b * (size_t)n;
+          const char *base = arr[j].sends ? (const char *)arr[j].sends[b] : (const char *)arr[j].send;
+          a->views[at + (size_t)j] = a->rcounts[at + (size_t)j] ? base + arr[j].sdispls[at + (size_t)i] * esz : NULL;
+        }
       break;
     }
     for (int j = 0; j < n; j++) {
@@ -707,14 +714,17 @@ static size_t extent(const size_t *counts, const size_t *displs, int n, size_t e
   return hi;
 }
 
-/* all_to_allv, copied into recv at rdispls, or (by_ref) by reference into views. */
+/* all_to_allv, copied into recv at rdispls, or (by_ref) by reference into views; sends non-NULL: nb exchanges by
+ * reference, each from its own send buffer (dopt_sim_all_to_allv_view_n). */
 static dopt_status all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
                                const size_t *rcounts, const size_t *rdispls, const void **views, int by_ref,
-                               dopt_dtype dt, dopt_sim_comm *comm) {
+                               int multi, int nb, const void *const *sends, dopt_dtype dt, dopt_sim_comm *comm) {
   sim_call k;
   DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_TO_ALLV));
-  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_TO_ALLV, send, recv, 0, dt, -1, -1);
+  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_TO_ALLV, send, recv, multi ? (size_t)(nb > 0 ? nb : 0) : 0, dt, -1, -1);
   a.sig.view = by_ref;
+  a.nb = multi && nb > 0 ? nb : 1;
+  a.sends = multi ? sends : NULL;
   a.scounts = scounts;
   a.sdispls = sdispls;
   a.rcounts = rcounts;
@@ -730,7 +740,17 @@ static dopt_status all_to_allv(const void *send, const size_t *scounts, const si
   if (!scounts || !sdispls || !rcounts || (!by_ref && !rdispls))
     arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: scounts=%p sdispls=%p rcounts=%p rdispls=%p must not be NULL",
              (const void *)scounts, (const void *)sdispls, (const void *)rcounts, (const void *)rdispls);
-  if (a.status == DOPT_OK) {
+  if (multi && a.status == DOPT_OK) { /* nb exchanges by reference: each send buffer against its own counts */
+    if (nb < 1) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv_view_n: nb=%d must be >= 1", nb);
+    else if (!sends) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv_view_n: sends=NULL");
+    for (int b = 0; a.status == DOPT_OK && b < nb; b++) {
+      int bad = 0;
+      const size_t at = (size_t)b * (size_t)n, sn = extent(scounts + at, sdispls + at, n, dopt_dtype_size(dt), &bad);
+      if (bad) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv_view_n: exchange %d: a displacement plus its count overflows", b);
+      else if (sn && !sends[b])
+        arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv_view_n: exchange %d: sends[%d]=NULL with %zu elements", b, b, sn);
+    }
+  } else if (a.status == DOPT_OK) {
     int bad = 0;
     size_t esz = dopt_dtype_size(dt);
     size_t sn = extent(scounts, sdispls, n, esz, &bad), rn = by_ref ? 0 : extent(rcounts, rdispls, n, esz, &bad);
@@ -753,13 +773,19 @@ static dopt_status all_to_allv(const void *send, const size_t *scounts, const si
 dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
                                  const size_t *rcounts, const size_t *rdispls, dopt_dtype dt,
                                  dopt_sim_comm *comm) {
-  return all_to_allv(send, scounts, sdispls, recv, rcounts, rdispls, NULL, 0, dt, comm);
+  return all_to_allv(send, scounts, sdispls, recv, rcounts, rdispls, NULL, 0, 0, 1, NULL, dt, comm);
 }
 
 dopt_status dopt_sim_all_to_allv_view(const void *send, const size_t *scounts, const size_t *sdispls,
                                       const void **views, const size_t *rcounts, dopt_dtype dt,
                                       dopt_sim_comm *comm) {
-  return all_to_allv(send, scounts, sdispls, NULL, rcounts, NULL, views, 1, dt, comm);
+  return all_to_allv(send, scounts, sdispls, NULL, rcounts, NULL, views, 1, 0, 1, NULL, dt, comm);
+}
+
+dopt_status dopt_sim_all_to_allv_view_n(int nb, const void *const *sends, const size_t *scounts,
+                                        const size_t *sdispls, const void **views, const size_t *rcounts,
+                                        dopt_dtype dt, dopt_sim_comm *comm) {
+  return all_to_allv(NULL, scounts, sdispls, NULL, rcounts, NULL, views, 1, 1, nb, sends, dt, comm);
 }
 
 int dopt__sim_views_ok(const dopt_sim_comm *comm) { return comm && comm->g && comm->g->w->views_ok; }

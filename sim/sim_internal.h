@@ -46,8 +46,10 @@ typedef struct sim_arrival {
   dopt_status status;          /* argument check result on this rank */
   char msg[192];
   struct dopt_sim_comm *result; /* split: this rank's new handle */
-  const size_t *scounts, *sdispls, *rcounts, *rdispls; /* all_to_allv: [n] each */
-  const void **views;                                  /* all_to_allv by reference: [n], filled */
+  const size_t *scounts, *sdispls, *rcounts, *rdispls; /* all_to_allv: [nb·n] each (rdispls: [n]) */
+  const void **views;                                  /* all_to_allv by reference: [nb·n], filled */
+  int nb;                                              /* all_to_allv: exchanges in the call (1; _view_n: nb) */
+  const void *const *sends;                            /* all_to_allv_view_n: [nb] send buffers (else NULL) */
 } sim_arrival;
 
 /* An eager point-to-point message (data follows the header). */

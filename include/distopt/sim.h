@@ -241,6 +241,13 @@ DOPT_API dopt_status dopt_sim_all_to_allv(const void *send, const size_t *scount
 DOPT_API dopt_status dopt_sim_all_to_allv_view(const void *send, const size_t *scounts, const size_t *sdispls,
                                                const void **views, const size_t *rcounts, dopt_dtype dt,
                                                dopt_sim_comm *comm);
+/* nb all_to_allv by reference in one call (the transport's all_to_allv_view_n): exchange b sent from
+ * sends[b], its counts, displacements and views at [b·n, (b+1)·n) of scounts, sdispls, rcounts and views (n:
+ * the group's size); the checks of dopt_sim_all_to_allv_view for each exchange, every rank the same nb (else
+ * DOPT_ERR_MISMATCH), accounted and logged as one all_to_allv of all the elements; the same release rule. */
+DOPT_API dopt_status dopt_sim_all_to_allv_view_n(int nb, const void *const *sends, const size_t *scounts,
+                                                 const size_t *sdispls, const void **views, const size_t *rcounts,
+                                                 dopt_dtype dt, dopt_sim_comm *comm);
 /* all_gather by reference (the transport's all_gather_view): the checks,
  * accounting and log entry of dopt_sim_all_gather, but nothing is copied:
  * views[j] (an array of the group's size) receives rank j's send (NULL where

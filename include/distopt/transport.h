@@ -80,6 +80,15 @@ typedef struct dopt_transport_ops {
    * every rank's send buffer stays unchanged, until the group's view_release. NULL: distributed/ uses
    * all_gather. */
   dopt_status (*all_gather_view)(void *comm, const void *send, const void **views, size_t sendcount, dopt_dtype dt);
+  /* Optional, appended in 0.5.0, under the same conditions: nb all_to_allv by reference in one call, exchange b
+   * sent from its own buffer sends[b] (every rank passes the same nb). scounts, sdispls, rcounts and views hold
+   * nb arrays of the group's size one after the other: exchange b's at [b·size, (b+1)·size); views[b·size + r]
+   * receives the address of the rcounts[b·size + r] elements rank r's exchange b sends this rank (NULL where 0).
+   * Accounted as one all_to_allv of all nb exchanges' elements; released by view_release. The dp sum reads a
+   * bucket's parameters' gradients where they lie with it instead of packing them into one buffer. NULL:
+   * distributed/ packs the bucket and uses all_to_allv_view. */
+  dopt_status (*all_to_allv_view_n)(void *comm, int nb, const void *const *sends, const size_t *scounts,
+                                    const size_t *sdispls, const void **views, const size_t *rcounts, dopt_dtype dt);
 } dopt_transport_ops;
 
 typedef struct dopt_transport {

@@ -573,6 +573,113 @@ static void test_all_to_allv_view_rules(void **st) {
   free(res);
 }
 
+/* nb all_to_allv by reference in one call (dopt_sim_all_to_allv_view_n): exchange b from its own send buffer,
+ * views[b·n + j] rank j's exchange-b region for this rank (the values, NULL for empty ones, its own inside its
+ * own send b); one op accounted as the busiest sender's off-rank elements over all exchanges; a count that does
+ * not match its peer's in one exchange, or another nb on one rank, fails every rank; refused with
+ * copy_exchanges, whose transport does not offer it. */
+enum { AVN_NB = 3 };
+
+static size_t avn_count(int i, int j, int b) { return (size_t)((i * 3 + j * 5 + b * 7) % 4) * (size_t)(1 + (i + j + b) % 3); }
+
+typedef struct avn_res {
+  int bad; /* 1: rank 1 expects one more element from rank 0 in exchange 1; 2: rank 2 passes nb - 1 */
+  char msg[MAX_RANKS][256];
+} avn_res;
+
+static dopt_status avn_body(dopt_sim_comm *c, int rank, void *user) {
+  avn_res *res = user;
+  int n;
+  DOPT_TRY(dopt_sim_comm_size(c, &n));
+  const size_t N = (size_t)n;
+  size_t sc[AVN_NB * MAX_RANKS], sd[AVN_NB * MAX_RANKS], rc[AVN_NB * MAX_RANKS];
+  float send[AVN_NB][AV_CAP];
+  const void *sends[AVN_NB], *views[AVN_NB * MAX_RANKS];
+  for (int b = 0; b < AVN_NB; b++) {
+    size_t off = 1 + (size_t)b; /* gaps, and another first offset per exchange */
+    for (int e = 0; e < AV_CAP; e++) send[b][e] = -1.0f;
+    for (int j = 0; j < n; j++) {
+      const size_t at = (size_t)b * N + (size_t)j;
+      sc[at] = avn_count(rank, j, b), sd[at] = off;
+      rc[at] = avn_count(j, rank, b) + (res->bad == 1 && b == 1 && rank == 1 && j == 0);
+      for (size_t e = 0; e < sc[at]; e++) send[b][off + e] = av_value(rank, j, e) + 10000.0f * (float)b;
+      off += sc[at] + AV_GAP;
+      views[at] = &views; /* must be overwritten */
+    }
+    sends[b] = send[b];
+  }
+  const int nb = res->bad == 2 && rank == 2 ? AVN_NB - 1 : AVN_NB;
+  dopt_status s = dopt_sim_all_to_allv_view_n(nb, sends, sc, sd, views, rc, DOPT_F32, c);
+  for (int b = 0; b < AVN_NB && s == DOPT_OK; b++)
+    for (int j = 0; j < n && s == DOPT_OK; j++) {
+      const size_t at = (size_t)b * N + (size_t)j;
+      const float *v = views[at];
+      if ((rc[at] == 0) != (v == NULL) || (j == rank && rc[at] && v != send[b] + sd[at])) s = DOPT_ERR_STATE;
+      for (size_t e = 0; e < rc[at] && s == DOPT_OK; e++)
+        if (v[e] != av_value(j, rank, e) + 10000.0f * (float)b) s = DOPT_ERR_STATE;
+      if (s != DOPT_OK) snprintf(res->msg[rank], sizeof res->msg[rank], "exchange %d from rank %d: wrong view", b, j);
+    }
+  if (s == DOPT_OK) s = dopt_sim_barrier(c);
+  if (s != DOPT_OK && !res->msg[rank][0]) snprintf(res->msg[rank], sizeof res->msg[rank], "%s", dopt_last_error());
+  return s;
+}
+
+static void test_all_to_allv_view_n(void **st) {
+  (void)st;
+  avn_res *res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  dopt_status s[MAX_RANKS];
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    memset(res, 0, sizeof *res);
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = n;
+    dopt_sim_world *w;
+    st_run(&cfg, avn_body, res, s, NULL, &w);
+    size_t most = 0;
+    for (int r = 0; r < n; r++) {
+      if (s[r] != DOPT_OK) fail_msg("all_to_allv_view_n n=%d rank %d: %s", n, r, res->msg[r]);
+      size_t sent = 0;
+      for (int b = 0; b < AVN_NB; b++)
+        for (int j = 0; j < n; j++) sent += j != r ? avn_count(r, j, b) : 0;
+      most = sent > most ? sent : most;
+    }
+    dopt_sim_comm *c0;
+    dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
+    assert_ok(dopt_sim_world_comm(w, 0, &c0));
+    assert_ok(dopt_sim_comm_stats(c0, &stats));
+    assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_TO_ALLV], 1);
+    assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_TO_ALLV], most * sizeof(float));
+    dopt_transport t;
+    assert_ok(dopt_sim_transport(c0, &t));
+    assert_non_null(t.ops->all_to_allv_view_n);
+    dopt_sim_world_destroy(w);
+  }
+  for (int bad = 1; bad <= 3; bad++) { /* a count in exchange 1, another nb, a copy_exchanges world */
+    memset(res, 0, sizeof *res);
+    res->bad = bad < 3 ? bad : 0;
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = 3;
+    cfg.copy_exchanges = bad == 3;
+    dopt_sim_world *w;
+    st_run(&cfg, avn_body, res, s, NULL, &w);
+    const char *want = bad == 1 ? "rank 0 sends" : bad == 2 ? "all_to_allv" : "copy_exchanges";
+    for (int r = 0; r < 3; r++) {
+      assert_int_equal(s[r], bad == 3 ? DOPT_ERR_UNSUPPORTED : DOPT_ERR_MISMATCH);
+      if (!strstr(res->msg[r], want) || (bad == 1 && !strstr(res->msg[r], "in one of its exchanges")))
+        fail_msg("case %d rank %d: '%s' lacks '%s'", bad, r, res->msg[r], want);
+    }
+    if (bad == 3) {
+      dopt_sim_comm *c0;
+      dopt_transport t;
+      assert_ok(dopt_sim_world_comm(w, 0, &c0));
+      assert_ok(dopt_sim_transport(c0, &t));
+      assert_null(t.ops->all_to_allv_view_n);
+    }
+    dopt_sim_world_destroy(w);
+  }
+  free(res);
+}
+
 /* all_gather by reference (dopt_sim_all_gather_view): views[j] holds rank j's values (its own: its send), NULL
  * for an empty send; accounted as the copying all_gather (one op, count · size · n bytes), with the release
  * counted as a barrier; a rank copying against ranks viewing is a mismatch on every rank; refused under
@@ -678,6 +785,7 @@ int main(void) {
       cmocka_unit_test(test_all_gather_view),
       cmocka_unit_test(test_all_to_allv), cmocka_unit_test(test_all_to_allv_mismatch),
       cmocka_unit_test(test_all_to_allv_faults), cmocka_unit_test(test_all_to_allv_view_rules),
+      cmocka_unit_test(test_all_to_allv_view_n),
       cmocka_unit_test(test_collectives_n1), cmocka_unit_test(test_collectives_n2),
       cmocka_unit_test(test_collectives_n3), cmocka_unit_test(test_collectives_n4),
       cmocka_unit_test(test_collectives_n5), cmocka_unit_test(test_collectives_n8),
