@@ -100,12 +100,53 @@ static void tp_slice(const cmp_param *p, int tp, int r, const float *full, float
       memcpy(blk + (bi * pc.hl + i) * pc.wl, full + (bi * pc.h + pc.h0 + i) * pc.w + pc.w0, pc.wl * sizeof(float));
 }
 
-/* The reference's gradient for step t: each DP rank's micro-batches summed
- * in order, the dp sum of those (exact, or fp32 in rank order:
- * dopt_dp_sum), one division by dp·micro; batch invariant: the exact sum of
- * all dp·micro micro-batch gradients. moe_hybrid: an expert's over the dp
- * ranks of its ep rank only (its moe_dp group), divided by moe_dp·micro.
- * acc: [dp · micro · max numel]. */
+/* Elements of one reference chunk: the dp · micro parts of a synthetic gradient are generated, summed and averaged
+ * a chunk of whole rows at a time, each chunk's start a multiple of the exact
+ * sum's 256-element blocks (DOPT_GRID_BLOCK), so its codes — and every bit — are those of the whole tensor's sum,
+ * while the reference holds parts × a chunk instead of parts × the largest tensor. */
+enum { REF_CHUNK = 1 << 18 };
+
+/* Parameter i's reference chunk: its elements (0: whole — a trace or recording, a tensor with b > 1, one row or an
+ * expert stack, or one no larger than a chunk), and the rows per chunk. */
+static size_t ref_chunk(const cmp_options *o, const source *s, int i, size_t *rows) {
+  dopt_piece pc;
+  dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
+  *rows = pc.h;
+  if (s->trace || s->rec || pc.b != 1 || pc.h == 1 || ce_ep_stack(o, s, i) || s->numel[i] <= REF_CHUNK) return 0;
+  size_t g = DOPT_GRID_BLOCK, w = pc.w; /* rows whose elements are whole blocks: a multiple of 256 / gcd(w, 256) */
+  for (size_t a = w, b = DOPT_GRID_BLOCK; b;) g = b, b = a % b, a = g;
+  const size_t step = DOPT_GRID_BLOCK / g;
+  size_t r = REF_CHUNK / w / step * step;
+  if (r == 0) r = step;
+  if (r >= pc.h) return 0;
+  *rows = r;
+  return r * w;
+}
+
+/* The most elements a reference chunk of any parameter holds (a whole parameter where it is not chunked). */
+static size_t ref_chunk_max(const cmp_options *o, const source *s) {
+  size_t most = 1, rows;
+  for (int i = 0; i < s->np; i++) {
+    const size_t c = ref_chunk(o, s, i, &rows), n = c ? c : s->numel[i];
+    most = n > most ? n : most;
+  }
+  return most;
+}
+
+/* Part of parameter i's gradient (step t, shard sh): the rows of the chunk at element c0 (ce: its elements, rows
+ * per chunk), or the whole tensor (ce 0). */
+static dopt_status ref_part(const source *s, int i, int t, int sh, size_t ce, size_t rows, size_t c0, float *out) {
+  if (!ce) return ce_shard_grad(s, i, t, sh, out);
+  dopt_piece pc;
+  dopt_piece_full(s->p[i].ndim, s->p[i].shape, &pc);
+  const size_t h0 = c0 / pc.w, hl = pc.h - h0 < rows ? pc.h - h0 : rows;
+  (s->fast ? ce_synth_fast : ce_synth_block)(s, i, t, sh, h0, hl, 0, pc.w, out);
+  return DOPT_OK;
+}
+
+/* The reference's averaged gradients of step t: for each parameter, chunk by chunk (ref_chunk), every dp rank's
+ * micro-batch gradients (their sum per rank, or each one: batch invariant) into acc, their exact sum
+ * (dopt_dp_sum) divided by dp · micro into avg; *nonfinite: a non-finite averaged element. */
 static dopt_status reference_grads(const cmp_options *o, const source *s, int t, float **avg, float *acc, float *g,
                                    int *nonfinite) {
   const int micro = ce_micro_of(o, s);
@@ -114,33 +155,38 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
   dopt_status st = DOPT_OK;
   *nonfinite = 0;
   for (int i = 0; i < s->np; i++) {
-    size_t n = s->numel[i];
-    int np = 0, nd = 0; /* parts; the dp ranks that hold the parameter (moe_hybrid: an expert's moe_dp group) */
-    for (int d = 0; d < o->dp; d++) {
-      if (!ce_holds_param(o, s, i, d)) continue;
-      nd++;
-      if (o->batch_invariant) { /* every micro-batch gradient is a part of its own */
-        for (int m = 0; m < micro; m++) {
-          float *a = acc + (size_t)np * n;
-          if ((st = ce_shard_grad(s, i, t, ce_shard_of(o, s, d, m), a)) != DOPT_OK) goto done;
-          if (ce_ep_stack(o, s, i)) ce_own_experts_only(o, s, i, d, a);
-          pv[np++] = a;
+    size_t rows, len;
+    const size_t ce = ref_chunk(o, s, i, &rows), n = s->numel[i];
+    for (size_t c0 = 0; c0 < n || (n == 0 && c0 == 0); c0 += len) {
+      len = ce ? (n - c0 < ce ? n - c0 : ce) : n;
+      int np = 0, nd = 0; /* parts; the dp ranks that hold the parameter (moe_hybrid: an expert's moe_dp group) */
+      for (int d = 0; d < o->dp; d++) {
+        if (!ce_holds_param(o, s, i, d)) continue;
+        nd++;
+        if (o->batch_invariant) { /* every micro-batch gradient is a part of its own */
+          for (int m = 0; m < micro; m++) {
+            float *a = acc + (size_t)np * len;
+            if ((st = ref_part(s, i, t, ce_shard_of(o, s, d, m), ce, rows, c0, a)) != DOPT_OK) goto done;
+            if (ce_ep_stack(o, s, i)) ce_own_experts_only(o, s, i, d, a);
+            pv[np++] = a;
+          }
+          continue;
         }
-        continue;
+        float *a = acc + (size_t)np * len;
+        for (int m = 0; m < micro; m++) {
+          if ((st = ref_part(s, i, t, ce_shard_of(o, s, d, m), ce, rows, c0, g)) != DOPT_OK) goto done;
+          for (size_t k = 0; k < len; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
+        }
+        if (ce_ep_stack(o, s, i)) ce_own_experts_only(o, s, i, d, a);
+        pv[np++] = a;
       }
-      float *a = acc + (size_t)np * n;
-      for (int m = 0; m < micro; m++) {
-        if ((st = ce_shard_grad(s, i, t, ce_shard_of(o, s, d, m), g)) != DOPT_OK) goto done;
-        for (size_t k = 0; k < n; k++) a[k] = m == 0 ? g[k] : a[k] + g[k];
+      if ((st = dopt_dp_sum(pv, np, o->dp_sum_words, len, avg[i] + c0)) != DOPT_OK) goto done;
+      const float denom = (float)((double)(ce_ep_stack(o, s, i) ? o->dp / o->ep : nd) * (double)micro);
+      for (size_t k = c0; k < c0 + len; k++) {
+        avg[i][k] = avg[i][k] / denom;
+        *nonfinite |= !isfinite(avg[i][k]);
       }
-      if (ce_ep_stack(o, s, i)) ce_own_experts_only(o, s, i, d, a);
-      pv[np++] = a;
-    }
-    if ((st = dopt_dp_sum(pv, np, o->dp_sum_words, n, avg[i])) != DOPT_OK) goto done;
-    const float denom = (float)((double)(ce_ep_stack(o, s, i) ? o->dp / o->ep : nd) * (double)micro);
-    for (size_t k = 0; k < n; k++) {
-      avg[i][k] = avg[i][k] / denom;
-      *nonfinite |= !isfinite(avg[i][k]);
+      if (n == 0) break;
     }
   }
 done:
@@ -296,8 +342,11 @@ static dopt_status rank_alloc(rank_state *k) {
     k->parts = (size_t)k->x->replay->dp * (size_t)ce_micro_of(k->x->replay, s);
   const size_t maxn = k->maxn;
   const int whole = lead || k->sliced;
-  k->full = whole ? malloc(maxn * sizeof(float)) : NULL;
-  k->acc = lead ? malloc(k->parts * maxn * sizeof(float)) : NULL;
+  /* the lead's reference gradients, a chunk at a time (ref_chunk); a recording's gradient before it is sliced */
+  size_t chunk = ref_chunk_max(o, s);
+  if (k->x->replay && ref_chunk_max(k->x->replay, s) > chunk) chunk = ref_chunk_max(k->x->replay, s);
+  k->full = whole ? malloc((k->sliced ? maxn : chunk) * sizeof(float)) : NULL;
+  k->acc = lead ? malloc(k->parts * chunk * sizeof(float)) : NULL;
   k->got = lead ? malloc(maxn * sizeof(float)) : NULL;
   k->wgot = o->bf16 && lead ? malloc(maxn * sizeof(uint16_t)) : NULL;
   k->wf = o->bf16 && lead ? malloc(2 * maxn * sizeof(float)) : NULL;
