@@ -17,7 +17,7 @@
  *  - The JSON record carries "schema_version" (CMP_JSON_SCHEMA; 2 added
  *    "digest"; 3 per-tensor "nan_pairs", the verdict kinds "replica_drift"
  *    and "step_counter" and the verdict's "rank"; 4 "gradients.model"; 5 "events" (the
- *    counters) and the verdict kind "events", docs/cli.md); a consumer
+ *    counters) and the verdict kind "events"; 6 "cpu_seconds", docs/cli.md); a consumer
  *    checks it before reading fields.
  *  - JSON and SVG files are written to "PATH.tmp.PID" and renamed into place;
  *    on failure the temporary file is removed and PATH is untouched.
@@ -39,7 +39,7 @@
 #include "internal.h"
 
 /* The JSON record's layout version: 1 (unversioned) until the digest, 2 with "digest". */
-#define CMP_JSON_SCHEMA 5
+#define CMP_JSON_SCHEMA 6
 
 /* " | gradients: ..." of the header lines: the trace, or the synthetic model and seed. */
 static void print_gradients(FILE *f, const cmp_options *o) {
@@ -375,6 +375,11 @@ static cJSON *build_json(const cmp_options *o, const cmp_result *r, jb *b) {
   }
   jadd(b, root, "steps", cJSON_CreateNumber(r->steps));
   jadd(b, root, "seconds", cJSON_CreateNumber(r->seconds));
+  cJSON *cpu = cJSON_CreateObject(); /* schema 6 */
+  jadd(b, cpu, "steps", cJSON_CreateNumber(r->cpu_steps));
+  jadd(b, cpu, "process", cJSON_CreateNumber(r->cpu_process));
+  jadd(b, cpu, "reference", cJSON_CreateNumber(r->cpu_reference));
+  jadd(b, root, "cpu_seconds", cpu);
   jadd(b, root, "declared_ulp", ju64(r->declared_ulp));
   cJSON *sk = jadd(b, root, "skipped", cJSON_CreateObject());
   if (sk) {

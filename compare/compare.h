@@ -193,6 +193,11 @@ typedef struct cmp_result {
   cmp_tensor_stat *t;
   int64_t skipped_ref, skipped_dist;
   double seconds;
+  /* CPU over the steps after the first (setup and first touches excluded), cpu_steps of them: the process's, and
+   * the lead thread's in the reference's own work — its dp · micro gradients, their exact sum, its optimizer step
+   * (all of it with --threads 1; with more, the reference's pool threads are not in it) */
+  double cpu_process, cpu_reference;
+  int cpu_steps;
   uint64_t declared_ulp;   /* the optimizer's declared tolerance (0: bitwise) */
   int equivalent;          /* every tensor within declared_ulp at every step, same skips */
   int rank;                /* this process's rank (backends nccl, mpi); only rank 0 reports (nccl: only it

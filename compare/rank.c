@@ -24,6 +24,12 @@
 #include "verify.h"
 #include "harness.h"
 
+/* A CPU clock in seconds (CLOCK_THREAD_CPUTIME_ID, CLOCK_PROCESS_CPUTIME_ID). */
+static double cpu_now(clockid_t c) {
+  struct timespec ts;
+  return clock_gettime(c, &ts) == 0 ? (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec : 0.0;
+}
+
 /* ---- the optimizer on one rank ---------------------------------------------------------- */
 
 /* The plain optimizer of the source's parameters. data [np]: each parameter's own copy of its initial
@@ -450,7 +456,9 @@ static dopt_status rank_step(rank_state *k, int t) {
   if (st == DOPT_OK && info.skipped && k->lead) r->skipped_dist++;
   if (st == DOPT_OK && k->lead) {
     int bad = 0;
+    const double c0 = cpu_now(CLOCK_THREAD_CPUTIME_ID);
     st = reference_step(o, s, t, k->ref, k->avg, k->acc, k->full, &bad);
+    if (t > k->x->t_first) r->cpu_reference += cpu_now(CLOCK_THREAD_CPUTIME_ID) - c0;
     if (st == DOPT_OK && bad) r->skipped_ref++;
   }
   if (st == DOPT_OK && k->lead) st = reference_counts(k->ref, k->np, k->cprev, k->cstep);
@@ -644,11 +652,17 @@ dopt_status ce_rank_run(run_ctx *x, int rank, const rank_groups *rg) {
   rank_config(x, rg, &k.cfg);
   dopt_status st = rank_alloc(&k);
   if (st == DOPT_OK) st = rank_setup(&k);
+  double c0 = 0.0;
   for (int t = x->t_first; t <= x->t_last && st == DOPT_OK; t++) {
     const int last = k.lead && t == k.o->steps;
     st = rank_step(&k, t);
     if (st == DOPT_OK) st = rank_measure(&k, t, last);
     if (st == DOPT_OK) st = rank_checks(&k, t, last);
+    if (rank == 0 && t == x->t_first) c0 = cpu_now(CLOCK_PROCESS_CPUTIME_ID);
+  }
+  if (st == DOPT_OK && rank == 0 && x->t_last > x->t_first) {
+    k.r->cpu_process = cpu_now(CLOCK_PROCESS_CPUTIME_ID) - c0;
+    k.r->cpu_steps = x->t_last - x->t_first;
   }
   if (st == DOPT_OK && x->save_dir) {
     st = dopt_dist_save(k.d, k.plain, x->save_dir, x->t_last);

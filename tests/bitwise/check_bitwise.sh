@@ -7,7 +7,7 @@
 #   - `distopt run` replaying every golden case file (datasets/golden/);
 #   - `distopt compare --json` of every optimizer (piecewise and owner mode) in several
 #     layouts (tp, dp, zero, bf16, clipping, accumulation), with the one
-#     wall-clock field ("seconds") removed, and "schema_version" (a layout
+#     wall-clock and CPU fields ("seconds", "cpu_seconds") removed, and "schema_version" (a layout
 #     bump adds fields; the fields both have must still be equal).
 #
 # usage: tests/bitwise/check_bitwise.sh [BASE_REV] [NEW_DISTOPT]
@@ -85,7 +85,7 @@ for f in "$SRC"/datasets/golden/*.safetensors "$SRC"/datasets/golden/*/*.safeten
 done
 
 # compare --json, the wall-clock field removed
-strip() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d.pop("seconds",None); d.pop("schema_version",None); print(json.dumps(d,sort_keys=True))' "$1"; }
+strip() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d.pop("seconds",None); d.pop("cpu_seconds",None); d.pop("schema_version",None); print(json.dumps(d,sort_keys=True))' "$1"; }
 cmp_case() { # args for distopt compare
   tag=cmp_$n
   n=$((n + 1))

@@ -514,7 +514,7 @@ static void test_compare(void **st) {
     assert_int_equal(system(cmd), 0);
     snprintf(cmd, sizeof cmd,
              "python3 -c \"import sys, json; d = json.load(open(sys.argv[1])); "
-             "assert d['schema_version'] == 5 and d['events']['first_difference'] is None and d['digest']['distributed'] == d['digest']['reference'] == sys.argv[2]\" "
+             "assert d['schema_version'] == 6 and d['events']['first_difference'] is None and d['digest']['distributed'] == d['digest']['reference'] == sys.argv[2]\" "
              "%s %s",
              json, hex);
     assert_int_equal(system(cmd), 0);

@@ -1,6 +1,6 @@
 /* cli/report.c on a synthetic result (a bitwise-equal parameter and its
  * state diverging at step 3): the table's marks, rows and verdict; the JSON
- * parses with cJSON, has schema_version 5 and carries per-step arrays of the
+ * parses with cJSON, has schema_version 6 and carries per-step arrays of the
  * right length; the digest is the table's last line and the JSON's "digest"
  * object (equal or differing from the reference's); the SVG
  * is well-formed XML (a C check always, plus Python's xml.etree when python3
@@ -205,8 +205,12 @@ static void test_json(void **st) {
   assert_int_equal(cJSON_GetObjectItemCaseSensitive(v, "step")->valueint, 3);
   assert_string_equal(cJSON_GetObjectItemCaseSensitive(v, "tensor")->valuestring, "fc1.weight/exp_avg");
   assert_non_null(strstr(cJSON_GetObjectItemCaseSensitive(v, "text")->valuestring, "DIVERGED at step 3"));
-  assert_int_equal(cJSON_GetObjectItemCaseSensitive(j, "schema_version")->valueint, 5); /* 3: nan_pairs, drift; 4: gradients.model; 5: events */
+  assert_int_equal(cJSON_GetObjectItemCaseSensitive(j, "schema_version")->valueint, 6); /* 3: nan_pairs, drift; 4: gradients.model; 5: events; 6: cpu_seconds */
   assert_true(cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(j, "events")));
+  cJSON *cpu = cJSON_GetObjectItemCaseSensitive(j, "cpu_seconds");
+  assert_true(cJSON_IsObject(cpu) && cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(cpu, "steps")) &&
+              cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(cpu, "process")) &&
+              cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(cpu, "reference")));
   assert_true(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(j, "digest"))); /* this result has none */
   cJSON_Delete(j);
 
