@@ -150,7 +150,7 @@ static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R
     for (size_t q = 0; q < D; q++) seg_of(d, p, q, &lo, &len), sd[q] = lo;
     return exchange(d, G, p->grad, D * *R);
   }
-  if (P == 1 && can_view(d, G) && G->ops->all_to_allv_view_n) return exchange_n(d, G, b0, b1);
+  if (self && can_view(d, G) && G->ops->all_to_allv_view_n) return exchange_n(d, G, b0, b1); /* accumulators */
   DOPT_TRY(dd_grow_dev(d, (void **)&d->pack, &d->pack_cap, (stot ? stot : 1) * sizeof(float)));
   for (size_t q = 0; q < D; q++) { /* by destination, then parameter, then part */
     size_t at = sd[q];
