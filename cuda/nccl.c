@@ -411,7 +411,7 @@ static dopt_status t_all_to_allv(void *comm, const void *send, const size_t *sco
 }
 
 static const dopt_transport_ops nccl_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
-                                            t_all_to_allv, NULL, NULL, NULL, NULL}; /* device buffers on other GPUs: no views */
+                                            t_all_to_allv, NULL, NULL, NULL, NULL, NULL}; /* device buffers on other GPUs: no views */
 
 dopt_status dopt_nccl_transport(dopt_nccl_comm *comm, dopt_transport *out) {
   DOPT_CHECK_ARG(comm && out, "dopt_nccl_transport: NULL argument");

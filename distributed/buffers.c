@@ -21,6 +21,20 @@ dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t byte
   return DOPT_OK;
 }
 
+dopt_status dd_grow_views(dopt_dist_optim *d, size_t nb, size_t D) {
+  const size_t n = nb * D;
+  if (n <= d->ncap && nb <= d->nsends_cap) return DOPT_OK;
+  const size_t cn = n > d->ncap ? n : d->ncap, cb = nb > d->nsends_cap ? nb : d->nsends_cap;
+  const void **v = realloc(d->nviews, cn * sizeof *v);
+  if (v) d->nviews = v;
+  const void **sn = v ? realloc(d->nsends, cb * sizeof *sn) : NULL;
+  if (sn) d->nsends = sn, d->nsends_cap = cb;
+  size_t *c = sn ? realloc(d->ncnt, 3 * cn * sizeof *c) : NULL;
+  if (!c) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed: views of %zu exchanges x %zu ranks", nb, D);
+  d->ncnt = c, d->ncap = cn;
+  return DOPT_OK;
+}
+
 /* Host zeros, at least `bytes`. */
 static dopt_status zeros_of(dopt_dist_optim *d, size_t bytes, const float **out) {
   if (bytes > d->zeros_cap) {

@@ -167,6 +167,7 @@ struct dopt_dist_optim {
   int view_b0;      /* viewing 2: the bucket's first parameter */
   const void **nviews, **nsends; /* host [nb·dp], [nb]: all_to_allv_view_n's views and sends (dp_sum.c) */
   size_t *ncnt, ncap;            /* host [3·ncap]: its counts and displacements; ncap: nb·dp entries held */
+  size_t nsends_cap;             /* entries of nsends held */
   size_t *xoff;     /* [np] a parameter's offset in the exchange's receive buffer */
   int *xlist, *xord; /* [np] a batch of owned parameters; one owner row's of them in exchange order */
   int gather_lead;  /* DOPT_DIST_GATHER_LEAD: gathers deliver to the lead only (gather.c; set_gather
@@ -245,6 +246,8 @@ static inline int64_t dd_world_rank(const dopt_dist_optim *d) {
 
 dopt_status dd_dalloc(dopt_dist_optim *d, size_t bytes, void **out);
 dopt_status dd_grow_dev(dopt_dist_optim *d, void **buf, size_t *cap, size_t bytes);
+/* d->nviews, d->nsends and d->ncnt for nb exchanges over a group of D ranks (the transports' *_view_n). */
+dopt_status dd_grow_views(dopt_dist_optim *d, size_t nb, size_t D);
 dopt_status dd_zero_dev(dopt_dist_optim *d, void *x, size_t bytes);
 dopt_status dd_gdev(dopt_dist_optim *d, int k, size_t bytes, void **out);
 dopt_status dd_ghost(dopt_dist_optim *d, int k, size_t bytes, unsigned char **out);

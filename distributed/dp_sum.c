@@ -2,8 +2,6 @@
  * blocks' codes in one MAX over the world, the fixed-point words in one
  * integer SUM over dp, decoded into each rank's piece — or fp32 in the
  * transport's order. Owner mode: each dp row sums the units its ranks own. */
-#include <stdlib.h>
-
 #include "dist_internal.h"
 
 /* SUM over dp of x[padded·per] (all-reduce for zero 0/1; reduce-scatter for
@@ -103,15 +101,7 @@ static dopt_status exchange(dopt_dist_optim *d, const dopt_transport *G, const f
  * (part_ptr). No pack buffer: the bucket's gradients are not copied. */
 static dopt_status exchange_n(dopt_dist_optim *d, const dopt_transport *G, int b0, int b1) {
   const size_t D = (size_t)G->size, me = (size_t)G->rank, nb = (size_t)(b1 - b0), n = nb * D;
-  if (n > d->ncap) {
-    const void **v = realloc(d->nviews, n * sizeof *v);
-    if (v) d->nviews = v;
-    const void **sn = v ? realloc(d->nsends, nb * sizeof *sn) : NULL;
-    if (sn) d->nsends = sn;
-    size_t *c = sn ? realloc(d->ncnt, 3 * n * sizeof *c) : NULL;
-    if (!c) return dopt__fail(DOPT_ERR_NO_MEMORY, "distributed dp sum: views of %zu parameters x %zu ranks", nb, D);
-    d->ncnt = c, d->ncap = n;
-  }
+  DOPT_TRY(dd_grow_views(d, nb, D));
   size_t *sc = d->ncnt, *sd = sc + n, *rc = sd + n, lo, len, mlo, mlen;
   for (size_t b = 0; b < nb; b++) {
     const dist_param *p = &d->p[b0 + (int)b];

@@ -231,6 +231,32 @@ static int by_ref(const dopt_dist_optim *d, const dopt_transport *g) {
   return g->ops->all_gather_view && g->ops->view_release && DEV(d)->host_chunk && (size_t)g->size <= d->xn;
 }
 
+/* gather_weights for a bucket [b0, b1) of n > 1 gathered parameters over g, by reference in one call
+ * (all_gather_view_n): gather b sends the b-th parameter's own shard from where it lies in its weights; every other
+ * rank's shard is copied into place from its view. */
+static dopt_status gather_weights_n(dopt_dist_optim *d, const dopt_transport *g, int b0, int b1, int n) {
+  const size_t D = (size_t)g->size, me = (size_t)g->rank;
+  DOPT_TRY(dd_grow_views(d, (size_t)n, D));
+  size_t *cnt = d->ncnt, es, b = 0;
+  for (int i = b0; i < b1; i++) {
+    if (!gathers(d, i)) continue;
+    unsigned char *w = weights_of(&d->p[i], &es);
+    d->nsends[b] = w + me * d->p[i].chunk * es, cnt[b] = d->p[i].chunk * es;
+    b++;
+  }
+  DOPT_TRY(g->ops->all_gather_view_n(g->comm, n, d->nsends, cnt, d->nviews, DOPT_U8));
+  b = 0;
+  for (int i = b0; i < b1; i++) { /* rank q's shard into place: at q · chunk of each parameter's weights */
+    const dist_param *p = &d->p[i];
+    if (!gathers(d, i)) continue;
+    unsigned char *w = weights_of(p, &es);
+    for (size_t q = 0; q < D; q++)
+      if (q != me && p->chunk) DOPT_TRY(DEV(d)->copy(DCTX(d), w + q * p->chunk * es, d->nviews[b * D + q], p->chunk * es));
+    b++;
+  }
+  return g->ops->view_release(g->comm);
+}
+
 static dopt_status gather_weights(dopt_dist_optim *d) {
   for (int i = 0; i < d->np; i++)
     if (dd_ep_stack(d, &d->p[i]) && !d->skip[i] && !d->p[i].owned && d->dp.size > 1)
@@ -248,6 +274,11 @@ static dopt_status gather_weights(dopt_dist_optim *d) {
     for (int i = b0; i < b1; i++)
       if (gathers(d, i)) n++, last = i, (void)weights_of(&d->p[i], &es), T += d->p[i].chunk * es;
     const int view = by_ref(d, g); /* the other ranks' shards read where they lie: no receive buffer */
+    if (n > 1 && view && g->ops->all_gather_view_n) { /* and no pack: each parameter's shard where it lies */
+      DOPT_TRY(gather_weights_n(d, g, b0, b1, n));
+      b0 = b1;
+      continue;
+    }
     if (n == 1 && !view) { /* in place */
       unsigned char *w = weights_of(&d->p[last], &es);
       DOPT_TRY(g->ops->all_gather(g->comm, w + me * d->p[last].chunk * es, w, d->p[last].chunk * es, DOPT_U8));

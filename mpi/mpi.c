@@ -598,7 +598,7 @@ static dopt_status t_all_to_allv(void *comm, const void *send, const size_t *sco
 }
 
 static const dopt_transport_ops mpi_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
-                                           t_all_to_allv, NULL, NULL, NULL, NULL}; /* no shared address space: no views */
+                                           t_all_to_allv, NULL, NULL, NULL, NULL, NULL}; /* no shared address space: no views */
 
 dopt_status dopt_mpi_transport(dopt_mpi_comm *comm, dopt_transport *out) {
   DOPT_CHECK_ARG(comm && out, "dopt_mpi_transport: NULL argument");

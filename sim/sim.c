@@ -330,6 +330,19 @@ static void validate_locked(sim_group *g) {
     }
   }
   sim_sig acc = g->arr[0].sig;
+  if (acc.kind == DOPT_SIM_KIND_ALL_GATHER) /* by reference in nb gathers: every rank the same nb and counts */
+    for (int j = 1; j < g->n; j++) {
+      const sim_arrival *x = &g->arr[0], *y = &g->arr[j];
+      int same = (x->sends != NULL) == (y->sends != NULL) && (!x->sends || x->nb == y->nb);
+      for (int b = 0; same && x->sends && b < x->nb; b++) same = x->scounts[b] == y->scounts[b];
+      if (!same) {
+        g->op_err = DOPT_ERR_MISMATCH;
+        snprintf(g->op_msg, sizeof g->op_msg, "comm '%s' op %llu: all_gather by reference: rank 0 gathers %d tensors, "
+                 "rank %d %d, or their counts differ", g->label, (unsigned long long)seq, x->sends ? x->nb : 1, j,
+                 y->sends ? y->nb : 1);
+        return;
+      }
+    }
   if (acc.kind == DOPT_SIM_KIND_ALL_TO_ALLV) { /* every pair agrees; accounted: the busiest sender's elements */
     size_t most = 0;
     const int nb = g->arr[0].nb; /* the same on every rank (in the signature) */
@@ -551,6 +564,12 @@ static dopt_status run_data(sim_call *k, const sim_arrival *a) {
     dopt__sim_reduce(k->w->mem, dt, op, recv, deposited_sends(k), n, order_start(k, i), (size_t)i * cnt, cnt);
     break;
   case DOPT_SIM_KIND_ALL_GATHER:
+    if (a->views && a->sends) { /* nb gathers by reference: where rank j's elements of gather b are */
+      for (int b = 0; b < a->nb; b++)
+        for (int j = 0; j < n; j++)
+          a->views[(size_t)b * (size_t)n + (size_t)j] = a->scounts[b] ? arr[j].sends[b] : NULL;
+      break;
+    }
     if (a->views) { /* by reference: where rank j's elements are */
       for (int j = 0; j < n; j++) a->views[j] = cnt ? arr[j].send : NULL;
       break;
@@ -681,6 +700,29 @@ dopt_status dopt_sim_all_gather_view(const void *send, const void **views, size_
     arg_fail(&a, DOPT_ERR_UNSUPPORTED, "all_gather by reference: not in a world with a fault plan, memops or copy_exchanges");
   if (!views) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather by reference: views=NULL");
   check_ptr(&a, send, "send");
+  return run_collective(&k, &a);
+}
+
+dopt_status dopt_sim_all_gather_view_n(int nb, const void *const *sends, const size_t *counts, const void **views,
+                                       dopt_dtype dt, dopt_sim_comm *comm) {
+  sim_call k;
+  DOPT_TRY(call_begin(&k, comm, DOPT_SIM_KIND_ALL_GATHER));
+  size_t total = 0;
+  for (int b = 0; counts && b < nb; b++) total += counts[b];
+  sim_arrival a = arrival_init(DOPT_SIM_KIND_ALL_GATHER, NULL, NULL, total, dt, -1, -1);
+  a.sig.view = 1;
+  a.views = views;
+  a.nb = nb;
+  a.sends = sends;
+  a.scounts = counts;
+  check_common(&a, comm, 1, 0);
+  if (!comm->g->w->views_ok)
+    arg_fail(&a, DOPT_ERR_UNSUPPORTED, "all_gather by reference: not in a world with a fault plan, memops or copy_exchanges");
+  if (nb < 1 || !sends || !counts || !views)
+    arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather_view_n: nb=%d sends=%p counts=%p views=%p", nb, (const void *)sends,
+             (const void *)counts, (const void *)views);
+  for (int b = 0; a.status == DOPT_OK && b < nb; b++)
+    if (counts[b] && !sends[b]) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather_view_n: sends[%d]=NULL with %zu elements", b, counts[b]);
   return run_collective(&k, &a);
 }
 

@@ -37,12 +37,17 @@ static dopt_status t_all_to_allv_view_n(void *c, int nb, const void *const *s, c
   return dopt_sim_all_to_allv_view_n(nb, s, sc, sd, v, rc, dt, c);
 }
 
+static dopt_status t_all_gather_view_n(void *c, int nb, const void *const *s, const size_t *n, const void **v,
+                                       dopt_dtype dt) {
+  return dopt_sim_all_gather_view_n(nb, s, n, v, dt, c);
+}
+
 static const dopt_transport_ops sim_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
-                                           t_all_to_allv, NULL, NULL, NULL, NULL};
+                                           t_all_to_allv, NULL, NULL, NULL, NULL, NULL};
 /* a world whose ranks may read each other's send buffers in place (host buffers, no fault plan) */
 static const dopt_transport_ops sim_view_ops = {t_all_reduce, t_reduce_scatter, t_all_gather, t_broadcast, t_reduce,
                                                 t_all_to_allv, t_all_to_allv_view, t_view_release,
-                                                t_all_gather_view, t_all_to_allv_view_n};
+                                                t_all_gather_view, t_all_to_allv_view_n, t_all_gather_view_n};
 
 dopt_status dopt_sim_transport(dopt_sim_comm *comm, dopt_transport *out) {
   DOPT_CHECK_ARG(comm != NULL && out != NULL, "dopt_sim_transport: comm/out NULL");

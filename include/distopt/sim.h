@@ -248,6 +248,12 @@ DOPT_API dopt_status dopt_sim_all_to_allv_view(const void *send, const size_t *s
 DOPT_API dopt_status dopt_sim_all_to_allv_view_n(int nb, const void *const *sends, const size_t *scounts,
                                                  const size_t *sdispls, const void **views, const size_t *rcounts,
                                                  dopt_dtype dt, dopt_sim_comm *comm);
+/* nb all_gather by reference in one call (the transport's all_gather_view_n): gather b of counts[b] elements
+ * from sends[b], views[b·n + j] rank j's sends[b] (NULL where counts[b] is 0); every rank the same nb and counts
+ * (else DOPT_ERR_MISMATCH); accounted and logged as one all_gather of all the elements; the same release rule and
+ * refusals as dopt_sim_all_gather_view. */
+DOPT_API dopt_status dopt_sim_all_gather_view_n(int nb, const void *const *sends, const size_t *counts,
+                                                const void **views, dopt_dtype dt, dopt_sim_comm *comm);
 /* all_gather by reference (the transport's all_gather_view): the checks,
  * accounting and log entry of dopt_sim_all_gather, but nothing is copied:
  * views[j] (an array of the group's size) receives rank j's send (NULL where

@@ -89,6 +89,13 @@ typedef struct dopt_transport_ops {
    * distributed/ packs the bucket and uses all_to_allv_view. */
   dopt_status (*all_to_allv_view_n)(void *comm, int nb, const void *const *sends, const size_t *scounts,
                                     const size_t *sdispls, const void **views, const size_t *rcounts, dopt_dtype dt);
+  /* Optional, appended in 0.5.0, under the same conditions: nb all_gather by reference in one call, gather b of
+   * counts[b] elements from sends[b] (every rank the same nb and counts); views[b·size + r] receives the address
+   * of rank r's sends[b] (NULL where counts[b] is 0). Accounted as one all_gather of all nb gathers' elements;
+   * released by view_release. The ZeRO 1/2 weight gather reads a bucket's shards where they lie with it. NULL:
+   * distributed/ packs the bucket and uses all_gather_view. */
+  dopt_status (*all_gather_view_n)(void *comm, int nb, const void *const *sends, const size_t *counts,
+                                   const void **views, dopt_dtype dt);
 } dopt_transport_ops;
 
 typedef struct dopt_transport {

@@ -719,6 +719,92 @@ static dopt_status agv_body(dopt_sim_comm *c, int rank, void *user) {
   return s;
 }
 
+/* nb all_gather by reference in one call (dopt_sim_all_gather_view_n): views[b·n + j] is rank j's sends[b] (its
+ * own: its own buffer; NULL for an empty gather); one op accounted as an all_gather of all the elements; another
+ * count on one rank fails every rank; refused with copy_exchanges, whose transport does not offer it. */
+enum { AGN_NB = 3 };
+static const size_t AGN_COUNT[AGN_NB] = {2, 0, 5};
+
+typedef struct agn_res {
+  int bad; /* rank 2 gathers one element fewer in gather 2 */
+  char msg[MAX_RANKS][256];
+} agn_res;
+
+static dopt_status agn_body(dopt_sim_comm *c, int rank, void *user) {
+  agn_res *res = user;
+  int n;
+  DOPT_TRY(dopt_sim_comm_size(c, &n));
+  float send[AGN_NB][8];
+  size_t cnt[AGN_NB];
+  const void *sends[AGN_NB], *views[AGN_NB * MAX_RANKS];
+  for (int b = 0; b < AGN_NB; b++) {
+    cnt[b] = AGN_COUNT[b] - (res->bad && rank == 2 && b == 2);
+    for (int e = 0; e < 8; e++) send[b][e] = (float)(rank * 100 + b * 10 + e);
+    sends[b] = send[b];
+  }
+  for (int k = 0; k < AGN_NB * n; k++) views[k] = &views; /* must be overwritten */
+  dopt_status s = dopt_sim_all_gather_view_n(AGN_NB, sends, cnt, views, DOPT_F32, c);
+  for (int b = 0; b < AGN_NB && s == DOPT_OK; b++)
+    for (int j = 0; j < n && s == DOPT_OK; j++) {
+      const float *v = views[b * n + j];
+      if ((cnt[b] == 0) != (v == NULL) || (j == rank && v && v != send[b])) s = DOPT_ERR_STATE;
+      for (size_t e = 0; v && e < cnt[b] && s == DOPT_OK; e++)
+        if (v[e] != (float)(j * 100 + b * 10 + (int)e)) s = DOPT_ERR_STATE;
+      if (s != DOPT_OK) snprintf(res->msg[rank], sizeof res->msg[rank], "gather %d, rank %d: wrong view", b, j);
+    }
+  if (s == DOPT_OK) s = dopt_sim_barrier(c);
+  if (s != DOPT_OK && !res->msg[rank][0]) snprintf(res->msg[rank], sizeof res->msg[rank], "%s", dopt_last_error());
+  return s;
+}
+
+static void test_all_gather_view_n(void **st) {
+  (void)st;
+  agn_res *res = calloc(1, sizeof *res);
+  assert_non_null(res);
+  dopt_status s[MAX_RANKS];
+  for (int n = 1; n <= MAX_RANKS; n++) {
+    memset(res, 0, sizeof *res);
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = n;
+    dopt_sim_world *w;
+    st_run(&cfg, agn_body, res, s, NULL, &w);
+    for (int r = 0; r < n; r++)
+      if (s[r] != DOPT_OK) fail_msg("all_gather_view_n n=%d rank %d: %s", n, r, res->msg[r]);
+    dopt_sim_comm *c0;
+    dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
+    assert_ok(dopt_sim_world_comm(w, 0, &c0));
+    assert_ok(dopt_sim_comm_stats(c0, &stats));
+    assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_GATHER], 1);
+    assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_GATHER], 7 * sizeof(float) * (size_t)n);
+    dopt_transport t;
+    assert_ok(dopt_sim_transport(c0, &t));
+    assert_non_null(t.ops->all_gather_view_n);
+    dopt_sim_world_destroy(w);
+  }
+  for (int k = 0; k < 2; k++) { /* another count on rank 2; a copy_exchanges world */
+    memset(res, 0, sizeof *res);
+    res->bad = k == 0;
+    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+    cfg.nranks = 3;
+    cfg.copy_exchanges = k == 1;
+    dopt_sim_world *w;
+    st_run(&cfg, agn_body, res, s, NULL, &w);
+    for (int r = 0; r < 3; r++) {
+      assert_int_equal(s[r], k == 0 ? DOPT_ERR_MISMATCH : DOPT_ERR_UNSUPPORTED);
+      if (!strstr(res->msg[r], k == 0 ? "all_gather" : "copy_exchanges")) fail_msg("case %d rank %d: '%s'", k, r, res->msg[r]);
+    }
+    if (k == 1) {
+      dopt_sim_comm *c0;
+      dopt_transport t;
+      assert_ok(dopt_sim_world_comm(w, 0, &c0));
+      assert_ok(dopt_sim_transport(c0, &t));
+      assert_null(t.ops->all_gather_view_n);
+    }
+    dopt_sim_world_destroy(w);
+  }
+  free(res);
+}
+
 static void test_all_gather_view(void **st) {
   (void)st;
   agv_res *res = calloc(1, sizeof *res);
@@ -786,6 +872,7 @@ int main(void) {
       cmocka_unit_test(test_all_to_allv), cmocka_unit_test(test_all_to_allv_mismatch),
       cmocka_unit_test(test_all_to_allv_faults), cmocka_unit_test(test_all_to_allv_view_rules),
       cmocka_unit_test(test_all_to_allv_view_n),
+      cmocka_unit_test(test_all_gather_view_n),
       cmocka_unit_test(test_collectives_n1), cmocka_unit_test(test_collectives_n2),
       cmocka_unit_test(test_collectives_n3), cmocka_unit_test(test_collectives_n4),
       cmocka_unit_test(test_collectives_n5), cmocka_unit_test(test_collectives_n8),

@@ -305,11 +305,11 @@ static dopt_status w_all_to_allv(void *comm, const void *send, const size_t *sco
 }
 
 static const dopt_transport_ops w_ops = {w_all_reduce, w_reduce_scatter, w_all_gather, w_broadcast, w_reduce,
-                                         w_all_to_allv, NULL, NULL, NULL, NULL}; /* device memory: no views */
+                                         w_all_to_allv, NULL, NULL, NULL, NULL, NULL}; /* device memory: no views */
 /* a transport of the first interface: no reduce, no all_to_allv (distributed/ falls back) */
 static const dopt_transport_ops w_ops_basic = {w_all_reduce, w_reduce_scatter, w_all_gather, w_broadcast,
                                                NULL,         NULL,             NULL,         NULL,
-                                               NULL,         NULL};
+                                               NULL,         NULL,             NULL};
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
 
