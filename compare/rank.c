@@ -286,6 +286,7 @@ typedef struct rank_state {
    * accumulator, dopt_dist_grad_buffer); the bf16 copies of an own template (without a shared one); TP roles;
    * whether this rank holds each (this stage's, this ep rank's), and the gradients passed */
   float **rdata, **avg, **loc;
+  int ref_in_place; /* rdata are the source's initial values (not freed here) */
   size_t *lnumel;
   uint16_t **work, **rwork;
   dopt_tp_role *roles;
@@ -370,6 +371,18 @@ static dopt_status rank_alloc(rank_state *k) {
                           k->parts, k->repn);
 }
 
+/* Every rank thread has created its distributed optimizer (read the shared template's values): one 1-int
+ * all_reduce over tp, then dp, then pp — after the three, every rank of the grid has passed the first. Before the
+ * reference's first step modifies those values in place. */
+static dopt_status created_barrier(rank_state *k) {
+  const dopt_transport *g[3] = {&k->cfg.tp, &k->cfg.dp, &k->cfg.pp};
+  for (int j = 0; j < 3; j++) {
+    int32_t one = 1;
+    if (g[j]->size > 1) DOPT_TRY(g[j]->ops->all_reduce(g[j]->comm, &one, &one, 1, DOPT_I32, DOPT_SUM));
+  }
+  return DOPT_OK;
+}
+
 /* The distributed optimizer and the lead's reference; each parameter's block buffer; what this rank passes;
  * resumed: the distributed optimizer loads the checkpoint and the reference replays the steps before it in the
  * saving layout (the uninterrupted run). */
@@ -386,7 +399,12 @@ static dopt_status rank_setup(rank_state *k) {
   for (int i = 0; st == DOPT_OK && i < k->np; i++) k->roles[i] = s->p[i].role;
   if (st == DOPT_OK) st = dopt_dist_create(k->plain, &k->cfg, k->roles, &k->d);
   if (st == DOPT_OK && k->to_lead) st = dopt_dist_set_gather(k->d, DOPT_DIST_GATHER_LEAD);
-  if (st == DOPT_OK && k->lead) st = ce_build_plain(o, s, 0, k->rdata, k->rwork, &k->ref);
+  /* the reference steps the source's initial values in place where no later world replays from them (no
+   * checkpoint, no resume); the rank threads reading them through the shared template have all created their
+   * optimizers before its first step (rank_run's barrier) */
+  k->ref_in_place = !x->save_dir && !x->load_dir && !x->replay;
+  if (st == DOPT_OK && k->lead) st = ce_build_plain(o, s, 0, k->ref_in_place ? NULL : k->rdata, k->rwork, &k->ref);
+  for (int i = 0; st == DOPT_OK && k->lead && k->ref_in_place && i < k->np; i++) k->rdata[i] = s->init[i];
   /* The reference steps on the lead while the other ranks wait for its
    * gather: in the simulator they sleep (condition variables), so it may use
    * every core; other ranks' processes may busy-poll (MPI, NCCL), so there
@@ -624,7 +642,7 @@ static dopt_status rank_checks(rank_state *k, int t, int last) {
 static void rank_free(rank_state *k) {
   for (int i = 0; i < k->np; i++) {
     if (k->work) free(k->work[i]);
-    if (k->rdata) free(k->rdata[i]);
+    if (k->rdata && !k->ref_in_place) free(k->rdata[i]);
     if (k->rwork) free(k->rwork[i]);
     if (k->avg) free(k->avg[i]);
     if (k->loc) free(k->loc[i]);
@@ -652,6 +670,7 @@ dopt_status ce_rank_run(run_ctx *x, int rank, const rank_groups *rg) {
   rank_config(x, rg, &k.cfg);
   dopt_status st = rank_alloc(&k);
   if (st == DOPT_OK) st = rank_setup(&k);
+  if (st == DOPT_OK && k.ref_in_place && x->plain) st = created_barrier(&k);
   double c0 = 0.0;
   for (int t = x->t_first; t <= x->t_last && st == DOPT_OK; t++) {
     const int last = k.lead && t == k.o->steps;
