@@ -36,7 +36,7 @@ static cJSON *json_of(const cmp_options *o, const cmp_result *r) {
   buf[n] = '\0';
   cJSON *root = cJSON_Parse(buf);
   assert_non_null(root);
-  assert_int_equal(cJSON_GetObjectItem(root, "schema_version")->valueint, 5);
+  assert_int_equal(cJSON_GetObjectItem(root, "schema_version")->valueint, 6);
   return root;
 }
 
