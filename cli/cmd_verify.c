@@ -176,10 +176,12 @@ int cmd_verify(int argc, char **argv) {
     /* the verdict line alone */
     early e;
     if (vf_early_verdict(&c, &e)) {
-      printf("verdict: %s\n", e.text);
+      char et[4 * sizeof e.text];
+      vf_escaped(e.text, et, sizeof et);
+      printf("verdict: %s\n", et);
     } else if (c.verdict_step) {
-      char name[VR_MAX_NAME + VR_MAX_KEY + 2];
-      vf_stat_name(&c, &c.st[c.verdict_stat], name, sizeof name);
+      char name[4 * (VR_MAX_NAME + VR_MAX_KEY + 2)];
+      vf_stat_label(&c, &c.st[c.verdict_stat], name, sizeof name);
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d)\n", c.verdict_step, name, c.st[c.verdict_stat].rank);
     } else {
       printf("verdict: WITHIN TOLERANCE\n");

@@ -20,6 +20,18 @@ void vf_stat_name(const vctx *c, const vstat *s, char *buf, size_t cap) {
   else snprintf(buf, cap, "%s", pn);
 }
 
+/* What the terminal report echoes from the recording (names, keys, hyperparameter and version strings): escaped
+ * by the one rule (dopt__escape: C1 controls, bidi and zero-width characters, invalid UTF-8); the JSON and SVG
+ * reports carry the raw text in their own escaping. */
+static void esc(const char *s, char *buf, size_t cap) { dopt__escape(s, strlen(s), buf, cap); }
+void vf_escaped(const char *s, char *buf, size_t cap) { esc(s, buf, cap); }
+
+void vf_stat_label(const vctx *c, const vstat *s, char *buf, size_t cap) {
+  char raw[VR_MAX_NAME + VR_MAX_KEY + 2];
+  vf_stat_name(c, s, raw, sizeof raw);
+  esc(raw, buf, cap);
+}
+
 static void piece_text(const vctx *c, const vstat *s, char *buf, size_t cap) {
   const vr_param *vp = &c->rd.ix.params[s->param];
   const dopt_layout_piece *lp = &s->pc->lp;
@@ -56,13 +68,20 @@ static int *row_order(const vctx *c) {
 
 void vf_print_table(const vctx *c) {
   const vr_index *ix = &c->rd.ix;
-  printf("verify: %s %s%s%s\n", ix->optimizer[0] ? ix->optimizer : "(no distopt optimizer)",
-         ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)", ix->upstream[0] ? " | recorded from " : "",
-         ix->upstream);
-  for (int g = 1; g < ix->ngroups; g++) printf("  group %d: %s\n", g, ix->group_hparams[g]);
-  printf("  torch %s (CPU capability %s) | world size %d | %ld step%s, parameters and states every %ld | %s%s\n",
-         ix->torch_version[0] ? ix->torch_version : "?", ix->cpu_capability[0] ? ix->cpu_capability : "?",
-         ix->world_size, ix->steps, ix->steps == 1 ? "" : "s", ix->every, c->trace,
+  char e1[4 * sizeof ix->optimizer], e2[4 * sizeof ix->group_hparams[0]], e3[4 * sizeof ix->upstream];
+  esc(ix->optimizer[0] ? ix->optimizer : "(no distopt optimizer)", e1, sizeof e1);
+  esc(ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)", e2, sizeof e2);
+  esc(ix->upstream, e3, sizeof e3);
+  printf("verify: %s %s%s%s\n", e1, e2, ix->upstream[0] ? " | recorded from " : "", e3);
+  for (int g = 1; g < ix->ngroups; g++) {
+    esc(ix->group_hparams[g], e2, sizeof e2);
+    printf("  group %d: %s\n", g, e2);
+  }
+  char e4[4 * sizeof ix->torch_version], e5[4 * sizeof ix->cpu_capability];
+  esc(ix->torch_version[0] ? ix->torch_version : "?", e4, sizeof e4);
+  esc(ix->cpu_capability[0] ? ix->cpu_capability : "?", e5, sizeof e5);
+  printf("  torch %s (CPU capability %s) | world size %d | %ld step%s, parameters and states every %ld | %s%s\n", e4,
+         e5, ix->world_size, ix->steps, ix->steps == 1 ? "" : "s", ix->every, c->trace,
          ix->complete ? "" : " (interrupted: a prefix)");
   if (c->ref_path) printf("  reference: %s (a recording of reference values, distopt.replay)\n", c->ref_path);
   printf("  mode: %s\n", c->stepwise ? "stepwise (teacher-forced: each step starts from the recorded state before it)"
@@ -88,9 +107,9 @@ void vf_print_table(const vctx *c) {
            c->stepwise ? "the step's" : "each step's, summed,");
   int *order = row_order(c);
   int namew = 6;
-  char name[VR_MAX_NAME + VR_MAX_KEY + 2], piece[128];
+  char name[4 * (VR_MAX_NAME + VR_MAX_KEY + 2)], piece[128];
   for (int i = 0; i < c->nst; i++) {
-    vf_stat_name(c, &c->st[i], name, sizeof name);
+    vf_stat_label(c, &c->st[i], name, sizeof name);
     int w = text_width(name) + (c->st[i].key[0] ? 2 : 0);
     if (w > namew) namew = w;
   }
@@ -99,7 +118,7 @@ void vf_print_table(const vctx *c) {
   for (int k = 0; k < c->nst; k++) {
     const vstat *s = &c->st[order ? order[k] : k];
     if (s->compared == 0 && !s->no_ref) continue; /* nothing recorded for it */
-    vf_stat_name(c, s, name, sizeof name);
+    vf_stat_label(c, s, name, sizeof name);
     piece_text(c, s, piece, sizeof piece);
     int ind = s->key[0] ? 2 : 0;
     printf("%4d  %*s%s%*s  %-13s", s->rank, ind, "", name, namew - ind - text_width(name), "", s->key[0] ? "" : piece);
@@ -139,7 +158,9 @@ void vf_print_table(const vctx *c) {
            c->cont_step ? "not all equal" : "all equal, bit for bit");
   early e;
   if (vf_early_verdict(c, &e)) {
-    printf("verdict: %s\n", e.text);
+    char et[4 * sizeof e.text];
+    esc(e.text, et, sizeof et);
+    printf("verdict: %s\n", et);
   } else if (!c->verdict_step) {
     char pw[64] = "none recorded", sw[64] = "none recorded";
     double frac = 0;
@@ -153,7 +174,7 @@ void vf_print_table(const vctx *c) {
            ix->world_size == 1 ? "" : "s");
   } else {
     const vstat *s = &c->st[c->verdict_stat];
-    vf_stat_name(c, s, name, sizeof name);
+    vf_stat_label(c, s, name, sizeof name);
     if (strcmp(s->key, "step") == 0)
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: the step count differs from the reference's)\n",
              c->verdict_step, name, s->rank);

@@ -277,6 +277,29 @@ static void test_agreement_compared_none(void **st) {
   assert_non_null(strstr(js, "\"gradients_compared\":\t0"));
 }
 
+/* What the terminal report echoes from index.json is escaped by the one rule (dopt__escape): a bidi override in
+ * the torch version and a C1 control (CSI) in the upstream name appear as \u202e and \u009b, never as the raw
+ * characters that reorder or drive a terminal; the JSON keeps the text as it is. */
+static void test_report_escapes(void **st) {
+  (void)st;
+  char root[400], out[16384], js[65536];
+  snprintf(root, sizeof root, "%s/escapes", dir);
+  make_trace(root, 0);
+  char *a = replaced(INDEX, "\"version\": \"none\"", "\"version\": \"2.15\\u202e1\"");
+  char *b = replaced(a, "\"upstream\": \"test\"", "\"upstream\": \"te\\u009bst\"");
+  free(a);
+  write_index(root, b);
+  free(b);
+  const char *args[] = {"verify", root, "--json", jsonfile, NULL};
+  assert_int_equal(run(args), 0);
+  slurp(outfile, out, sizeof out);
+  if (!strstr(out, "torch 2.15\\u202e1 (") || !strstr(out, "recorded from te\\u009bst") ||
+      strstr(out, "\xE2\x80\xAE") || strstr(out, "\xC2\x9B"))
+    fail_msg("the report echoes the recording's text unescaped: %s", out);
+  slurp(jsonfile, js, sizeof js);
+  assert_non_null(strstr(js, "\xE2\x80\xAE")); /* the JSON: the text itself, in JSON's own escaping (UTF-8) */
+}
+
 static void test_block_layout(void **st) {
   (void)st;
   char root[400];
@@ -858,6 +881,7 @@ int main(int argc, char **argv) {
   bin = argv[1];
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_faithful_recording_verifies), cmocka_unit_test(test_agreement_compared_none),
+      cmocka_unit_test(test_report_escapes),
       cmocka_unit_test(test_block_layout),
       cmocka_unit_test(test_stage_expert_layout), cmocka_unit_test(test_piece_runs),
       cmocka_unit_test(test_perturbed_state_diverges),
