@@ -225,13 +225,20 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
     fprintf(f, "  group %d: %s: %s\n", g + 1, o->groups[g].glob, o->groups[g].hp[0] ? o->groups[g].hp : "(defaults)");
 }
 
+/* A tensor name as the text report shows it: escaped by the one rule (dopt__escape), since a trace's or a
+ * recording's names are the file's text (a C1 control, a bidi override); the JSON and SVG keep it raw in their
+ * own escaping. */
+static void name_text(const char *s, char *buf, size_t cap) { dopt__escape(s, strlen(s), buf, cap); }
+
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (!f || !o || !r) return;
   print_header(f, o, r);
   int *order = row_order(r);
   int namew = 6;
+  char nm[4 * sizeof r->t[0].name];
   for (int i = 0; i < r->ntensors; i++) {
-    int w = text_width(r->t[i].name) + (r->t[i].is_state ? 2 : 0);
+    name_text(r->t[i].name, nm, sizeof nm);
+    int w = text_width(nm) + (r->t[i].is_state ? 2 : 0);
     if (w > namew) namew = w;
   }
   fprintf(f, "%-*s  %12s  %10s  %7s  %10s\n", namew, "tensor", "max abs err", "max ULP", "bitwise", "first diff");
@@ -239,8 +246,9 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
     const cmp_tensor_stat *t = &r->t[order ? order[k] : k];
     int ind = t->is_state ? 2 : 0;
     pad(f, ind);
-    fputs(t->name, f);
-    pad(f, namew - ind - text_width(t->name));
+    name_text(t->name, nm, sizeof nm);
+    fputs(nm, f);
+    pad(f, namew - ind - text_width(nm));
     char first[24];
     if (t->first_diff > 0) snprintf(first, sizeof first, "%d", t->first_diff);
     else snprintf(first, sizeof first, "-");
@@ -250,13 +258,15 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   }
   free(order);
   verdict v = compute_verdict(r);
-  char text[256];
+  char text[512], etext[4 * sizeof text];
   verdict_text(r, &v, text, sizeof text);
-  fprintf(f, "verdict: %s\n", text);
+  name_text(text, etext, sizeof etext);
+  fprintf(f, "verdict: %s\n", etext);
   int nanrows = 0; /* NaN on both sides is equal (docs/nan-policy.md), and listed */
   for (int k = 0; k < r->ntensors; k++)
     if (r->t[k].nan_pairs) {
-      fprintf(f, "%s %s: %llu", nanrows++ ? "," : "NaN on both sides (equal under the NaN policy):", r->t[k].name,
+      name_text(r->t[k].name, nm, sizeof nm);
+      fprintf(f, "%s %s: %llu", nanrows++ ? "," : "NaN on both sides (equal under the NaN policy):", nm,
               (unsigned long long)r->t[k].nan_pairs);
     }
   if (nanrows) fputc('\n', f);
@@ -571,10 +581,16 @@ void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells,
                 (unsigned long long)c->worst_ulp);
         break;
       case CMP_CELL_DIVERGED:
-        if (c->step > 0)
-          fprintf(f, "diverged at step %d, tensor %s (worst %llu ULP)\n", c->step, c->tensor,
+        if (c->step > 0) {
+          char tn[4 * sizeof c->tensor];
+          name_text(c->tensor, tn, sizeof tn);
+          fprintf(f, "diverged at step %d, tensor %s (worst %llu ULP)\n", c->step, tn,
                   (unsigned long long)c->worst_ulp);
-        else fprintf(f, "diverged: %s\n", c->message);
+        } else {
+          fputs("diverged: ", f);
+          put_escaped(f, c->message);
+          fputc('\n', f);
+        }
         break;
       case CMP_CELL_ERROR:
       case CMP_CELL_SKIPPED:

@@ -131,6 +131,17 @@ static void test_table(void **st) {
   assert_null(strstr(t, "skipped"));
   free(t);
 
+  /* a name from a hostile trace: its ESC (C0), CSI (C1) and bidi override are escaped in the table and the
+   * verdict, one rule (dopt__escape); the columns still line up */
+  snprintf(r.t[0].name, sizeof r.t[0].name, "fc1.w\x1b[2J\xC2\x9B\xE2\x80\xAE/exp_avg");
+  t = table_text(&o, &r);
+  if (strchr(t, '\x1b') || strstr(t, "\xC2\x9B") || strstr(t, "\xE2\x80\xAE") ||
+      !strstr(t, "fc1.w\\x1b[2J\\u009b\\u202e/exp_avg") ||
+      !strstr(t, "verdict: DIVERGED at step 3 (tensor fc1.w\\x1b[2J\\u009b\\u202e/exp_avg)"))
+    fail_msg("the table echoes a tensor name unescaped: %s", t);
+  free(t);
+  snprintf(r.t[0].name, sizeof r.t[0].name, "fc1.weight/exp_avg");
+
   /* a declared tolerance moves the divergence to the first step beyond it */
   r.declared_ulp = 16;
   t = table_text(&o, &r);
