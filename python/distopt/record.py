@@ -907,6 +907,8 @@ class Recorder:
                         # buffer: the piece's
                         v = _local(pc, v)
                     self.block.append((f"{base}/{k}", v.detach().to("cpu", copy=True).contiguous()))
+                elif isinstance(v, float):  # a Python float state (an optimizer's running scalar): 0-d F32
+                    self.block.append((f"{base}/{k}", torch.tensor(v, dtype=torch.float32)))
             if t is None and self.projectors:
                 cur = self._projector_of(p)
                 for k, v in cur.items():

@@ -651,6 +651,36 @@ class TestErrors(Base):
         with self.assertRaises(TypeError):  # still refused: other dtypes
             distopt.Optimizer("adamw", [torch.zeros(3, dtype=torch.float64, requires_grad=True)])
 
+    def test_record_float_state(self):
+        """A state an optimizer keeps as a Python float (HF-style running scalars, ColossalAI's RMS) is recorded as
+        a 0-d F32 tensor, not dropped; verify shows it as not compared where the reference keeps no such state,
+        and the recording still verifies within tolerance."""
+        class ScaledAdamW(torch.optim.AdamW):
+            def step(self, closure=None):
+                loss = super().step(closure)
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        st = self.state[p]
+                        st["scale"] = 0.5 * float(st["step"]) + 0.25  # a Python float
+                return loss
+
+        model = make_model(5)
+        opt = ScaledAdamW(model.parameters(), lr=1e-2, foreach=False)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            with distopt.record(opt, path, names=model, name="adamw",
+                                hparams=dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01,
+                                             amsgrad=False)):
+                train(model, opt, 3)
+            found = []
+            for f in sorted(os.listdir(os.path.join(path, "rank0"))):
+                with open(os.path.join(path, "rank0", f), "rb") as fh:
+                    head = fh.read(65536)
+                found += [k for k in (b"state/3/0.weight/scale", b"state/2/2.bias/scale") if k in head]
+            self.assertEqual(len(found), 2, f"float states recorded: {found}")
+            res = distopt.verify(path)
+            self.assertEqual(res.verdict["kind"], "within_tolerance")
+
     def test_record_distopt_optimizer(self):
         """distopt.record knows distopt.Optimizer by its name and records its states (opt.state)."""
         model = make_model(3)
