@@ -119,8 +119,8 @@ static dopt_status exchange_n(dopt_dist_optim *d, const dopt_transport *G, int b
 
 /* The bucket [b0, b1)'s exchange: every other rank's parts of what this rank sums arrive in d->parts, from source
  * q at q·R, parameter i's P parts at d->part_at[i] within it, each `len` long (this rank's own slot unused when
- * its part is read in place: the buffer keeps the size the parameters' all-gather reuses, so it is not grown
- * twice a step); or read in place (can_view), the same layout at d->views[q]. */
+ * its part is read in place); or read in place (can_view), the same layout at d->views[q] — or, for a bucket of
+ * several accumulators with all_to_allv_view_n, each parameter's where it lies (exchange_n, d->nviews). */
 static dopt_status bucket_exchange(dopt_dist_optim *d, int b0, int b1, size_t *R) {
   const dopt_transport *G = dd_dpg(d, &d->p[b0]);
   const size_t D = (size_t)G->size, P = nparts(d), me = (size_t)G->rank;
