@@ -582,13 +582,39 @@ enum { AVN_NB = 3 };
 
 static size_t avn_count(int i, int j, int b) { return (size_t)((i * 3 + j * 5 + b * 7) % 4) * (size_t)(1 + (i + j + b) % 3); }
 
-typedef struct avn_res {
-  int bad; /* 1: rank 1 expects one more element from rank 0 in exchange 1; 2: rank 2 passes nb - 1 */
+/* The *_view_n tests' shared result: bad, the case a body plants (0: none); each rank's message. */
+typedef struct vn_res {
+  int bad;
   char msg[MAX_RANKS][256];
-} avn_res;
+} vn_res;
+
+/* One *_view_n world of n ranks (copy_exchanges: copy) running body with res->bad = bad; s: each rank's status. */
+static dopt_sim_world *vn_run(dopt_sim_rank_fn body, vn_res *res, int n, int bad,
+                              int copy, dopt_status *s) {
+  memset(res, 0, sizeof *res);
+  res->bad = bad;
+  dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
+  cfg.nranks = n;
+  cfg.copy_exchanges = copy;
+  dopt_sim_world *w;
+  st_run(&cfg, body, res, s, NULL, &w);
+  return w;
+}
+
+/* Rank 0's transport ops and its counts of kind (ops, bytes) in world w. */
+static const dopt_transport_ops *vn_ops(dopt_sim_world *w, dopt_sim_kind kind, uint64_t *ops, uint64_t *bytes) {
+  dopt_sim_comm *c0;
+  dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
+  dopt_transport t;
+  assert_ok(dopt_sim_world_comm(w, 0, &c0));
+  assert_ok(dopt_sim_comm_stats(c0, &stats));
+  assert_ok(dopt_sim_transport(c0, &t));
+  *ops = stats.ops[kind], *bytes = stats.bytes[kind];
+  return t.ops;
+}
 
 static dopt_status avn_body(dopt_sim_comm *c, int rank, void *user) {
-  avn_res *res = user;
+  vn_res *res = user; /* bad 1: rank 1 expects one more element from rank 0 in exchange 1; 2: rank 2 passes nb - 1 */
   int n;
   DOPT_TRY(dopt_sim_comm_size(c, &n));
   const size_t N = (size_t)n;
@@ -626,15 +652,12 @@ static dopt_status avn_body(dopt_sim_comm *c, int rank, void *user) {
 
 static void test_all_to_allv_view_n(void **st) {
   (void)st;
-  avn_res *res = calloc(1, sizeof *res);
+  vn_res *res = calloc(1, sizeof *res);
   assert_non_null(res);
   dopt_status s[MAX_RANKS];
+  uint64_t ops, bytes;
   for (int n = 1; n <= MAX_RANKS; n++) {
-    memset(res, 0, sizeof *res);
-    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-    cfg.nranks = n;
-    dopt_sim_world *w;
-    st_run(&cfg, avn_body, res, s, NULL, &w);
+    dopt_sim_world *w = vn_run(avn_body, res, n, 0, 0, s);
     size_t most = 0;
     for (int r = 0; r < n; r++) {
       if (s[r] != DOPT_OK) fail_msg("all_to_allv_view_n n=%d rank %d: %s", n, r, res->msg[r]);
@@ -643,38 +666,20 @@ static void test_all_to_allv_view_n(void **st) {
         for (int j = 0; j < n; j++) sent += j != r ? avn_count(r, j, b) : 0;
       most = sent > most ? sent : most;
     }
-    dopt_sim_comm *c0;
-    dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
-    assert_ok(dopt_sim_world_comm(w, 0, &c0));
-    assert_ok(dopt_sim_comm_stats(c0, &stats));
-    assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_TO_ALLV], 1);
-    assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_TO_ALLV], most * sizeof(float));
-    dopt_transport t;
-    assert_ok(dopt_sim_transport(c0, &t));
-    assert_non_null(t.ops->all_to_allv_view_n);
+    assert_non_null(vn_ops(w, DOPT_SIM_KIND_ALL_TO_ALLV, &ops, &bytes)->all_to_allv_view_n);
+    assert_int_equal(ops, 1);
+    assert_int_equal(bytes, most * sizeof(float));
     dopt_sim_world_destroy(w);
   }
   for (int bad = 1; bad <= 3; bad++) { /* a count in exchange 1, another nb, a copy_exchanges world */
-    memset(res, 0, sizeof *res);
-    res->bad = bad < 3 ? bad : 0;
-    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-    cfg.nranks = 3;
-    cfg.copy_exchanges = bad == 3;
-    dopt_sim_world *w;
-    st_run(&cfg, avn_body, res, s, NULL, &w);
+    dopt_sim_world *w = vn_run(avn_body, res, 3, bad < 3 ? bad : 0, bad == 3, s);
     const char *want = bad == 1 ? "rank 0 sends" : bad == 2 ? "all_to_allv" : "copy_exchanges";
     for (int r = 0; r < 3; r++) {
       assert_int_equal(s[r], bad == 3 ? DOPT_ERR_UNSUPPORTED : DOPT_ERR_MISMATCH);
       if (!strstr(res->msg[r], want) || (bad == 1 && !strstr(res->msg[r], "in one of its exchanges")))
         fail_msg("case %d rank %d: '%s' lacks '%s'", bad, r, res->msg[r], want);
     }
-    if (bad == 3) {
-      dopt_sim_comm *c0;
-      dopt_transport t;
-      assert_ok(dopt_sim_world_comm(w, 0, &c0));
-      assert_ok(dopt_sim_transport(c0, &t));
-      assert_null(t.ops->all_to_allv_view_n);
-    }
+    if (bad == 3) assert_null(vn_ops(w, DOPT_SIM_KIND_ALL_TO_ALLV, &ops, &bytes)->all_to_allv_view_n);
     dopt_sim_world_destroy(w);
   }
   free(res);
@@ -725,13 +730,9 @@ static dopt_status agv_body(dopt_sim_comm *c, int rank, void *user) {
 enum { AGN_NB = 3 };
 static const size_t AGN_COUNT[AGN_NB] = {2, 0, 5};
 
-typedef struct agn_res {
-  int bad; /* rank 2 gathers one element fewer in gather 2 */
-  char msg[MAX_RANKS][256];
-} agn_res;
 
 static dopt_status agn_body(dopt_sim_comm *c, int rank, void *user) {
-  agn_res *res = user;
+  vn_res *res = user; /* bad: rank 2 gathers one element fewer in gather 2 */
   int n;
   DOPT_TRY(dopt_sim_comm_size(c, &n));
   float send[AGN_NB][8];
@@ -759,47 +760,26 @@ static dopt_status agn_body(dopt_sim_comm *c, int rank, void *user) {
 
 static void test_all_gather_view_n(void **st) {
   (void)st;
-  agn_res *res = calloc(1, sizeof *res);
+  vn_res *res = calloc(1, sizeof *res);
   assert_non_null(res);
   dopt_status s[MAX_RANKS];
+  uint64_t ops, bytes;
   for (int n = 1; n <= MAX_RANKS; n++) {
-    memset(res, 0, sizeof *res);
-    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-    cfg.nranks = n;
-    dopt_sim_world *w;
-    st_run(&cfg, agn_body, res, s, NULL, &w);
+    dopt_sim_world *w = vn_run(agn_body, res, n, 0, 0, s);
     for (int r = 0; r < n; r++)
       if (s[r] != DOPT_OK) fail_msg("all_gather_view_n n=%d rank %d: %s", n, r, res->msg[r]);
-    dopt_sim_comm *c0;
-    dopt_sim_stats stats = DOPT_SIM_STATS_INIT;
-    assert_ok(dopt_sim_world_comm(w, 0, &c0));
-    assert_ok(dopt_sim_comm_stats(c0, &stats));
-    assert_int_equal(stats.ops[DOPT_SIM_KIND_ALL_GATHER], 1);
-    assert_int_equal(stats.bytes[DOPT_SIM_KIND_ALL_GATHER], 7 * sizeof(float) * (size_t)n);
-    dopt_transport t;
-    assert_ok(dopt_sim_transport(c0, &t));
-    assert_non_null(t.ops->all_gather_view_n);
+    assert_non_null(vn_ops(w, DOPT_SIM_KIND_ALL_GATHER, &ops, &bytes)->all_gather_view_n);
+    assert_int_equal(ops, 1);
+    assert_int_equal(bytes, 7 * sizeof(float) * (size_t)n);
     dopt_sim_world_destroy(w);
   }
   for (int k = 0; k < 2; k++) { /* another count on rank 2; a copy_exchanges world */
-    memset(res, 0, sizeof *res);
-    res->bad = k == 0;
-    dopt_sim_config cfg = DOPT_SIM_CONFIG_INIT;
-    cfg.nranks = 3;
-    cfg.copy_exchanges = k == 1;
-    dopt_sim_world *w;
-    st_run(&cfg, agn_body, res, s, NULL, &w);
+    dopt_sim_world *w = vn_run(agn_body, res, 3, k == 0, k == 1, s);
     for (int r = 0; r < 3; r++) {
       assert_int_equal(s[r], k == 0 ? DOPT_ERR_MISMATCH : DOPT_ERR_UNSUPPORTED);
       if (!strstr(res->msg[r], k == 0 ? "all_gather" : "copy_exchanges")) fail_msg("case %d rank %d: '%s'", k, r, res->msg[r]);
     }
-    if (k == 1) {
-      dopt_sim_comm *c0;
-      dopt_transport t;
-      assert_ok(dopt_sim_world_comm(w, 0, &c0));
-      assert_ok(dopt_sim_transport(c0, &t));
-      assert_null(t.ops->all_gather_view_n);
-    }
+    if (k == 1) assert_null(vn_ops(w, DOPT_SIM_KIND_ALL_GATHER, &ops, &bytes)->all_gather_view_n);
     dopt_sim_world_destroy(w);
   }
   free(res);
