@@ -29,6 +29,7 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 typedef struct cli_progress {
   double t0, t1, last, after; /* the start, the first step's end, the last line; the delay */
   int on, shown;       /* a terminal and not --quiet; a line is on the screen */
+  const char *unit;    /* what is counted: "step" (cli_progress_init), "layout" (compare --sweep) */
 } cli_progress;
 void cli_progress_init(cli_progress *p, int quiet);
 void cli_progress_step(cli_progress *p, const char *what, long done, long total, const char *extra);

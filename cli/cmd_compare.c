@@ -193,10 +193,11 @@ static int run_matrix(int steps) {
   return failed ? CLI_USAGE : all ? CLI_OK : CLI_FAIL;
 }
 
-static void sweep_progress(int k, int n, int pp, int tp, int dp, int zero, double elapsed) {
-  if (k < n) printf("\rlayout %d/%d: pp %d x tp %d x dp %d x zero %d  %.1f s   ", k + 1, n, pp, tp, dp, zero, elapsed);
-  else printf("\r%60s\r", "");
-  fflush(stdout);
+/* --sweep's progress line (cli_progress): layouts done, s/layout, ETA, the layout starting. */
+static void sweep_progress(cli_progress *pg, int k, int n, int pp, int tp, int dp, int zero) {
+  char extra[96];
+  snprintf(extra, sizeof extra, "now pp %d \xC3\x97 tp %d \xC3\x97 dp %d \xC3\x97 zero %d", pp, tp, dp, zero);
+  cli_progress_step(pg, "compare --sweep", k, n, extra);
 }
 
 /* --sweep: the optimizer of *base in every layout tp x dp x zero, each compared with the reference as a
@@ -221,7 +222,9 @@ static int run_sweep(const cmp_options *base) {
     shards = sh ? atoi(sh) : 0;
     dopt_st_free(tf);
   }
-  const int tty = !base->quiet && isatty(STDOUT_FILENO);
+  cli_progress pg;
+  cli_progress_init(&pg, base->quiet);
+  pg.unit = "layout";
   const double t0 = cmp_now_s();
   int rc = CLI_OK, k = 0;
   for (int pp = 1; pp <= base->max_pp; pp++)
@@ -243,14 +246,14 @@ static int run_sweep(const cmp_options *base) {
                    shards);
           continue;
         }
-        if (tty) sweep_progress(k, n, pp, tp, dp, zero, cmp_now_s() - t0);
+        sweep_progress(&pg, k, n, pp, tp, dp, zero);
         cmp_options o = *base;
         snprintf(o.plugin, sizeof o.plugin, "%s", c->plugin);
         o.tp = tp, o.dp = dp, o.zero = zero, o.ranks = 0, o.pp = pp, o.nlps = 0;
         cmp_result r;
         dopt_status s = cmp_run(&o, &r, NULL, NULL);
         if (s != DOPT_OK && k == 0) {
-          if (tty) sweep_progress(n, n, 0, 0, 0, 0, 0);
+          cli_progress_end(&pg);
           free(cells);
           return lib_error(s);
         }
@@ -262,7 +265,7 @@ static int run_sweep(const cmp_options *base) {
         cmp_sweep_cell_set(c, &r);
         cmp_result_free(&r);
       }
-  if (tty) sweep_progress(n, n, 0, 0, 0, 0, 0);
+  cli_progress_end(&pg);
   cmp_print_sweep(stdout, base, cells, n);
   printf("time: %.1f s\n", cmp_now_s() - t0);
   dopt_status s;

@@ -984,6 +984,7 @@ void cli_progress_init(cli_progress *p, int quiet) {
   p->on = !quiet && isatty(STDERR_FILENO);
   p->t0 = mono_s();
   p->after = CLI_PROGRESS_AFTER_S;
+  p->unit = "step";
   const char *e = getenv("DOPT_PROGRESS_AFTER"); /* seconds before the first line (tests: 0) */
   char *end = NULL;
   const double v = e && *e ? strtod(e, &end) : -1.0;
@@ -1006,7 +1007,8 @@ void cli_progress_step(cli_progress *p, const char *what, long done, long total,
   const double per = done > 1 && now > p->t1 ? (now - p->t1) / (double)(done - 1) : (now - p->t0) / (double)(done ? done : 1);
   char eta[32];
   eta_text(per * (double)(total - done), eta, sizeof eta);
-  fprintf(stderr, "\r%s: step %ld/%ld  %.2f s/step  ETA %s  %s   ", what, done, total, per, eta, extra ? extra : "");
+  fprintf(stderr, "\r%s: %s %ld/%ld  %.2f s/%s  ETA %s  %s   ", what, p->unit, done, total, per, p->unit, eta,
+          extra ? extra : "");
   fflush(stderr);
   p->shown = 1, p->last = now;
 }
