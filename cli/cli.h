@@ -21,6 +21,11 @@ int cli_errorf(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
+/* s as a text report shows what it echoes from a file (a trace's or a recording's names and strings): escaped by
+ * the one rule (dopt__escape: C0/C1 controls, bidi and zero-width characters, invalid UTF-8) into buf; 4 ×
+ * strlen(s) + 1 bytes always suffice. The JSON and SVG reports keep the text in their own escaping. */
+void cli_escaped(const char *s, char *buf, size_t cap);
+
 /* The progress line of a long run (compare, verify): on standard error, only where that is a terminal and once
  * the run has lasted CLI_PROGRESS_AFTER_S seconds (DOPT_PROGRESS_AFTER from the environment: another delay, in
  * [0, 86400]), at most every 0.25 s: "\r<what>: step 12/100  0.84 s/step  ETA 1m14s  <extra>"; s/step from the

@@ -177,7 +177,7 @@ int cmd_verify(int argc, char **argv) {
     early e;
     if (vf_early_verdict(&c, &e)) {
       char et[4 * sizeof e.text];
-      vf_escaped(e.text, et, sizeof et);
+      cli_escaped(e.text, et, sizeof et);
       printf("verdict: %s\n", et);
     } else if (c.verdict_step) {
       char name[4 * (VR_MAX_NAME + VR_MAX_KEY + 2)];

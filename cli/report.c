@@ -33,7 +33,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -225,10 +224,7 @@ static void print_header(FILE *f, const cmp_options *o, const cmp_result *r) {
     fprintf(f, "  group %d: %s: %s\n", g + 1, o->groups[g].glob, o->groups[g].hp[0] ? o->groups[g].hp : "(defaults)");
 }
 
-/* A tensor name as the text report shows it: escaped by the one rule (dopt__escape), since a trace's or a
- * recording's names are the file's text (a C1 control, a bidi override); the JSON and SVG keep it raw in their
- * own escaping. */
-static void name_text(const char *s, char *buf, size_t cap) { dopt__escape(s, strlen(s), buf, cap); }
+void cli_escaped(const char *s, char *buf, size_t cap) { dopt__escape(s, strlen(s), buf, cap); }
 
 void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   if (!f || !o || !r) return;
@@ -237,7 +233,7 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   int namew = 6;
   char nm[4 * sizeof r->t[0].name];
   for (int i = 0; i < r->ntensors; i++) {
-    name_text(r->t[i].name, nm, sizeof nm);
+    cli_escaped(r->t[i].name, nm, sizeof nm);
     int w = text_width(nm) + (r->t[i].is_state ? 2 : 0);
     if (w > namew) namew = w;
   }
@@ -246,7 +242,7 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
     const cmp_tensor_stat *t = &r->t[order ? order[k] : k];
     int ind = t->is_state ? 2 : 0;
     pad(f, ind);
-    name_text(t->name, nm, sizeof nm);
+    cli_escaped(t->name, nm, sizeof nm);
     fputs(nm, f);
     pad(f, namew - ind - text_width(nm));
     char first[24];
@@ -260,12 +256,12 @@ void cmp_print_table(FILE *f, const cmp_options *o, const cmp_result *r) {
   verdict v = compute_verdict(r);
   char text[512], etext[4 * sizeof text];
   verdict_text(r, &v, text, sizeof text);
-  name_text(text, etext, sizeof etext);
+  cli_escaped(text, etext, sizeof etext);
   fprintf(f, "verdict: %s\n", etext);
   int nanrows = 0; /* NaN on both sides is equal (docs/nan-policy.md), and listed */
   for (int k = 0; k < r->ntensors; k++)
     if (r->t[k].nan_pairs) {
-      name_text(r->t[k].name, nm, sizeof nm);
+      cli_escaped(r->t[k].name, nm, sizeof nm);
       fprintf(f, "%s %s: %llu", nanrows++ ? "," : "NaN on both sides (equal under the NaN policy):", nm,
               (unsigned long long)r->t[k].nan_pairs);
     }
@@ -523,10 +519,10 @@ static void cell_text(const cmp_sweep_cell *c, char *buf, size_t cap) {
   }
 }
 
-/* s escaped by the one rule (dopt__escape; messages echo input). */
+/* s escaped by the one rule (cli_escaped; messages echo input). */
 static void put_escaped(FILE *f, const char *s) {
   char line[4096];
-  dopt__escape(s, strlen(s), line, sizeof line);
+  cli_escaped(s, line, sizeof line);
   fputs(line, f);
 }
 
@@ -583,7 +579,7 @@ void cmp_print_sweep(FILE *f, const cmp_options *o, const cmp_sweep_cell *cells,
       case CMP_CELL_DIVERGED:
         if (c->step > 0) {
           char tn[4 * sizeof c->tensor];
-          name_text(c->tensor, tn, sizeof tn);
+          cli_escaped(c->tensor, tn, sizeof tn);
           fprintf(f, "diverged at step %d, tensor %s (worst %llu ULP)\n", c->step, tn,
                   (unsigned long long)c->worst_ulp);
         } else {
@@ -973,16 +969,10 @@ dopt_status cmp_write_svg(const char *path, const cmp_options *o, const cmp_resu
 
 /* ---- the progress line ------------------------------------------------------------------------------- */
 
-static double mono_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void cli_progress_init(cli_progress *p, int quiet) {
   memset(p, 0, sizeof *p);
   p->on = !quiet && isatty(STDERR_FILENO);
-  p->t0 = mono_s();
+  p->t0 = cmp_now_s();
   p->after = CLI_PROGRESS_AFTER_S;
   p->unit = "step";
   const char *e = getenv("DOPT_PROGRESS_AFTER"); /* seconds before the first line (tests: 0) */
@@ -1001,7 +991,7 @@ static void eta_text(double s, char *out, size_t cap) {
 
 void cli_progress_step(cli_progress *p, const char *what, long done, long total, const char *extra) {
   if (!p->on) return;
-  const double now = mono_s();
+  const double now = cmp_now_s();
   if (done == 1 || p->t1 == 0.0) p->t1 = now;
   if (now - p->t0 < p->after || (p->shown && now - p->last < 0.25 && done < total)) return;
   const double per = done > 1 && now > p->t1 ? (now - p->t1) / (double)(done - 1) : (now - p->t0) / (double)(done ? done : 1);

@@ -150,9 +150,11 @@ static dopt_status ref_part(const source *s, int i, int t, int sh, size_t ce, si
   return DOPT_OK;
 }
 
-/* The reference's averaged gradients of step t: for each parameter, chunk by chunk (ref_chunk), every dp rank's
- * micro-batch gradients (their sum per rank, or each one: batch invariant) into acc, their exact sum
- * (dopt_dp_sum) divided by dp · micro into avg; *nonfinite: a non-finite averaged element. */
+/* The reference's averaged gradients of step t, for each parameter chunk by chunk (ref_chunk): each DP rank's
+ * micro-batches summed in order, the dp sum of those (exact, or fp32 in rank order: dopt_dp_sum), one division
+ * by dp · micro; batch invariant: the exact sum of all dp · micro micro-batch gradients. moe_hybrid: an expert's
+ * over the dp ranks of its ep rank only (its moe_dp group), divided by moe_dp · micro. acc: [dp · micro ·
+ * ref_chunk_max]; *nonfinite: a non-finite averaged element. */
 static dopt_status reference_grads(const cmp_options *o, const source *s, int t, float **avg, float *acc, float *g,
                                    int *nonfinite) {
   const int micro = ce_micro_of(o, s);
@@ -161,9 +163,9 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
   dopt_status st = DOPT_OK;
   *nonfinite = 0;
   for (int i = 0; i < s->np; i++) {
-    size_t rows, len;
+    size_t rows, len, c0 = 0;
     const size_t ce = ref_chunk(o, s, i, &rows), n = s->numel[i];
-    for (size_t c0 = 0; c0 < n || (n == 0 && c0 == 0); c0 += len) {
+    do { /* once for an empty parameter */
       len = ce ? (n - c0 < ce ? n - c0 : ce) : n;
       int np = 0, nd = 0; /* parts; the dp ranks that hold the parameter (moe_hybrid: an expert's moe_dp group) */
       for (int d = 0; d < o->dp; d++) {
@@ -192,8 +194,8 @@ static dopt_status reference_grads(const cmp_options *o, const source *s, int t,
         avg[i][k] = avg[i][k] / denom;
         *nonfinite |= !isfinite(avg[i][k]);
       }
-      if (n == 0) break;
-    }
+      c0 += len;
+    } while (c0 < n);
   }
 done:
   free(pv);
@@ -350,8 +352,8 @@ static dopt_status rank_alloc(rank_state *k) {
   const size_t maxn = k->maxn;
   const int whole = lead || k->sliced;
   /* the lead's reference gradients, a chunk at a time (ref_chunk); a recording's gradient before it is sliced */
-  size_t chunk = ref_chunk_max(o, s);
-  if (k->x->replay && ref_chunk_max(k->x->replay, s) > chunk) chunk = ref_chunk_max(k->x->replay, s);
+  size_t chunk = ref_chunk_max(o, s), rchunk = k->x->replay ? ref_chunk_max(k->x->replay, s) : 0;
+  if (rchunk > chunk) chunk = rchunk;
   k->full = whole ? malloc((k->sliced ? maxn : chunk) * sizeof(float)) : NULL;
   k->acc = lead ? malloc(k->parts * chunk * sizeof(float)) : NULL;
   k->got = lead ? malloc(maxn * sizeof(float)) : NULL;
@@ -401,7 +403,7 @@ static dopt_status rank_setup(rank_state *k) {
   if (st == DOPT_OK && k->to_lead) st = dopt_dist_set_gather(k->d, DOPT_DIST_GATHER_LEAD);
   /* the reference steps the source's initial values in place where no later world replays from them (no
    * checkpoint, no resume); the rank threads reading them through the shared template have all created their
-   * optimizers before its first step (rank_run's barrier) */
+   * optimizers before its first step (ce_rank_run's created_barrier) */
   k->ref_in_place = !x->save_dir && !x->load_dir && !x->replay;
   if (st == DOPT_OK && k->lead) st = ce_build_plain(o, s, 0, k->ref_in_place ? NULL : k->rdata, k->rwork, &k->ref);
   for (int i = 0; st == DOPT_OK && k->lead && k->ref_in_place && i < k->np; i++) k->rdata[i] = s->init[i];

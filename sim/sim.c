@@ -688,6 +688,14 @@ dopt_status dopt_sim_all_gather(const void *send, void *recv, size_t sendcount, 
   return collective(comm, DOPT_SIM_KIND_ALL_GATHER, send, recv, sendcount, dt, -1, -1);
 }
 
+/* The checks every collective by reference makes: a world whose ranks may read each other's buffers, and views. */
+static void check_by_ref(sim_arrival *a, const dopt_sim_comm *c, const void **views) {
+  const char *k = dopt_sim_kind_name(a->sig.kind);
+  if (!c->g->w->views_ok)
+    arg_fail(a, DOPT_ERR_UNSUPPORTED, "%s by reference: not in a world with a fault plan, memops or copy_exchanges", k);
+  if (!views) arg_fail(a, DOPT_ERR_INVALID_ARG, "%s by reference: views=NULL", k);
+}
+
 dopt_status dopt_sim_all_gather_view(const void *send, const void **views, size_t sendcount, dopt_dtype dt,
                                      dopt_sim_comm *comm) {
   sim_call k;
@@ -696,9 +704,7 @@ dopt_status dopt_sim_all_gather_view(const void *send, const void **views, size_
   a.sig.view = 1;
   a.views = views;
   check_common(&a, comm, 1, 0);
-  if (!comm->g->w->views_ok)
-    arg_fail(&a, DOPT_ERR_UNSUPPORTED, "all_gather by reference: not in a world with a fault plan, memops or copy_exchanges");
-  if (!views) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather by reference: views=NULL");
+  check_by_ref(&a, comm, views);
   check_ptr(&a, send, "send");
   return run_collective(&k, &a);
 }
@@ -716,11 +722,10 @@ dopt_status dopt_sim_all_gather_view_n(int nb, const void *const *sends, const s
   a.sends = sends;
   a.scounts = counts;
   check_common(&a, comm, 1, 0);
-  if (!comm->g->w->views_ok)
-    arg_fail(&a, DOPT_ERR_UNSUPPORTED, "all_gather by reference: not in a world with a fault plan, memops or copy_exchanges");
-  if (nb < 1 || !sends || !counts || !views)
-    arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather_view_n: nb=%d sends=%p counts=%p views=%p", nb, (const void *)sends,
-             (const void *)counts, (const void *)views);
+  check_by_ref(&a, comm, views);
+  if (nb < 1 || !sends || !counts)
+    arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather_view_n: nb=%d sends=%p counts=%p", nb, (const void *)sends,
+             (const void *)counts);
   for (int b = 0; a.status == DOPT_OK && b < nb; b++)
     if (counts[b] && !sends[b]) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_gather_view_n: sends[%d]=NULL with %zu elements", b, counts[b]);
   return run_collective(&k, &a);
@@ -774,10 +779,7 @@ static dopt_status all_to_allv(const void *send, const size_t *scounts, const si
   a.views = by_ref ? views : NULL;
   check_common(&a, comm, 0, 0);
   const int n = comm->g->n;
-  if (by_ref && !comm->g->w->views_ok)
-    arg_fail(&a, DOPT_ERR_UNSUPPORTED,
-             "all_to_allv by reference: not in a world with a fault plan, memops or copy_exchanges");
-  if (by_ref && !views) arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv by reference: views=NULL");
+  if (by_ref) check_by_ref(&a, comm, views);
   /* reported to every rank before any count is read */
   if (!scounts || !sdispls || !rcounts || (!by_ref && !rdispls))
     arg_fail(&a, DOPT_ERR_INVALID_ARG, "all_to_allv: scounts=%p sdispls=%p rcounts=%p rdispls=%p must not be NULL",

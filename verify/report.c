@@ -20,16 +20,12 @@ void vf_stat_name(const vctx *c, const vstat *s, char *buf, size_t cap) {
   else snprintf(buf, cap, "%s", pn);
 }
 
-/* What the terminal report echoes from the recording (names, keys, hyperparameter and version strings): escaped
- * by the one rule (dopt__escape: C1 controls, bidi and zero-width characters, invalid UTF-8); the JSON and SVG
- * reports carry the raw text in their own escaping. */
-static void esc(const char *s, char *buf, size_t cap) { dopt__escape(s, strlen(s), buf, cap); }
-void vf_escaped(const char *s, char *buf, size_t cap) { esc(s, buf, cap); }
-
+/* What the terminal report echoes from the recording (names, keys, hyperparameter and version strings) goes
+ * through cli_escaped; the JSON and SVG reports carry the raw text in their own escaping. */
 void vf_stat_label(const vctx *c, const vstat *s, char *buf, size_t cap) {
   char raw[VR_MAX_NAME + VR_MAX_KEY + 2];
   vf_stat_name(c, s, raw, sizeof raw);
-  esc(raw, buf, cap);
+  cli_escaped(raw, buf, cap);
 }
 
 static void piece_text(const vctx *c, const vstat *s, char *buf, size_t cap) {
@@ -69,17 +65,17 @@ static int *row_order(const vctx *c) {
 void vf_print_table(const vctx *c) {
   const vr_index *ix = &c->rd.ix;
   char e1[4 * sizeof ix->optimizer], e2[4 * sizeof ix->group_hparams[0]], e3[4 * sizeof ix->upstream];
-  esc(ix->optimizer[0] ? ix->optimizer : "(no distopt optimizer)", e1, sizeof e1);
-  esc(ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)", e2, sizeof e2);
-  esc(ix->upstream, e3, sizeof e3);
+  cli_escaped(ix->optimizer[0] ? ix->optimizer : "(no distopt optimizer)", e1, sizeof e1);
+  cli_escaped(ix->group_hparams[0][0] ? ix->group_hparams[0] : "(defaults)", e2, sizeof e2);
+  cli_escaped(ix->upstream, e3, sizeof e3);
   printf("verify: %s %s%s%s\n", e1, e2, ix->upstream[0] ? " | recorded from " : "", e3);
   for (int g = 1; g < ix->ngroups; g++) {
-    esc(ix->group_hparams[g], e2, sizeof e2);
+    cli_escaped(ix->group_hparams[g], e2, sizeof e2);
     printf("  group %d: %s\n", g, e2);
   }
   char e4[4 * sizeof ix->torch_version], e5[4 * sizeof ix->cpu_capability];
-  esc(ix->torch_version[0] ? ix->torch_version : "?", e4, sizeof e4);
-  esc(ix->cpu_capability[0] ? ix->cpu_capability : "?", e5, sizeof e5);
+  cli_escaped(ix->torch_version[0] ? ix->torch_version : "?", e4, sizeof e4);
+  cli_escaped(ix->cpu_capability[0] ? ix->cpu_capability : "?", e5, sizeof e5);
   printf("  torch %s (CPU capability %s) | world size %d | %ld step%s, parameters and states every %ld | %s%s\n", e4,
          e5, ix->world_size, ix->steps, ix->steps == 1 ? "" : "s", ix->every, c->trace,
          ix->complete ? "" : " (interrupted: a prefix)");
@@ -159,7 +155,7 @@ void vf_print_table(const vctx *c) {
   early e;
   if (vf_early_verdict(c, &e)) {
     char et[4 * sizeof e.text];
-    esc(e.text, et, sizeof et);
+    cli_escaped(e.text, et, sizeof et);
     printf("verdict: %s\n", et);
   } else if (!c->verdict_step) {
     char pw[64] = "none recorded", sw[64] = "none recorded";

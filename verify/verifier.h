@@ -203,8 +203,6 @@ void vf_print_table(const vctx *c);
 void vf_stat_name(const vctx *c, const vstat *s, char *buf, size_t cap);
 /* vf_stat_name escaped by the one rule (dopt__escape), for the terminal (cap: 4× the name's bytes suffice) */
 void vf_stat_label(const vctx *c, const vstat *s, char *buf, size_t cap);
-/* s escaped by the one rule, for the terminal (cap: 4× strlen(s) + 1 suffice) */
-void vf_escaped(const char *s, char *buf, size_t cap);
 /* --json FILE, --plot FILE.svg: CLI_OK, or CLI_USAGE (2) after one line. */
 int vf_write_json(const vctx *c, const char *path);
 int vf_write_svg(const vctx *c, const char *path);
