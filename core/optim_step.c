@@ -311,7 +311,7 @@ static dopt_status pointwise_runs(const dopt_param *p, const item *it, const dop
       st[k] = (unsigned char *)it->state[k] + off * dopt_dtype_size(p->st[k].dtype);
     r.piece = &sub, r.param = p->data + lo + off, r.state = st;
     r.grad = gb ? g : gf + lo + off;
-    bf16_in(p->data + lo + off, p->work ? p->work + lo + off : NULL, gb ? gb + lo + off : NULL, g, gb ? n : 0);
+    bf16_in(p->data + lo + off, p->work ? p->work + lo + off : NULL, gb ? gb + lo + off : NULL, g, n);
     DOPT_TRY(dopt__run_stages(NULL, &r));
     if (p->work) bf16_out(p->data + lo + off, p->work + lo + off, n);
   }
@@ -350,7 +350,7 @@ static void item_task(void *ctx, size_t t) {
   dopt_status s;
   const int runs = o->impl->pointwise && (p->work || gbf);
   if (!runs && it->stage == 0 && (p->work || gbf)) /* the master follows outside writes; the gradient widened */
-    bf16_in(p->data + lo, p->work ? p->work + lo : NULL, gb ? gb + lo : NULL, it->g32, gb ? it->pc.len : 0);
+    bf16_in(p->data + lo, p->work ? p->work + lo : NULL, gb ? gb + lo : NULL, it->g32, it->pc.len);
   if (runs) {
     s = pointwise_runs(p, it, &a, gf, gb);
     it->more = 0;

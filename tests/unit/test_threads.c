@@ -259,11 +259,13 @@ static void test_bf16_typed(void **st) {
         ga[i] = dt[i] == DOPT_BF16 ? (const void *)gb[i] : (const void *)a.grad[i];
         gf[i] = b.grad[i];
       }
-      if (t == 5) /* written outside: every 7th element of the matrix's working copy */
-        for (size_t k = 0; k < a.numel[0]; k += 7) {
-          a.work[0][k] = dopt_f32_to_bf16(0.25f + (float)(k % 11) * 0.125f);
-          if (a.work[0][k] != dopt_f32_to_bf16(b.data[0][k])) /* a value it already rounds to: unchanged */
-            b.data[0][k] = dopt_bf16_to_f32(a.work[0][k]);
+      /* written outside: every 7th element of the matrix's working copy at step 5 (bf16 gradients), every 3rd of
+       * the vector's at step 7 (its gradient fp32 then) */
+      for (int i = 0; i < 2 && (t == 5 || t == 7); i++)
+        for (size_t k = 0; i == (t == 7) && k < a.numel[i]; k += i ? 3 : 7) {
+          a.work[i][k] = dopt_f32_to_bf16(0.25f + (float)(k % 11) * 0.125f);
+          if (a.work[i][k] != dopt_f32_to_bf16(b.data[i][k])) /* a value it already rounds to: unchanged */
+            b.data[i][k] = dopt_bf16_to_f32(a.work[i][k]);
         }
       assert_ok(dopt_optim_step_typed(a.o, ga, dt));
       assert_ok(dopt_optim_step(b.o, gf));
