@@ -322,6 +322,7 @@ static cJSON *meta_json(const dopt_ckpt_meta *m, int *oom) {
   ck_jadd(r, "global_step", ck_jnum((double)m->global_step), oom);
   ck_jadd(r, "optimizer_steps", ck_jnum((double)m->optimizer_steps), oom);
   ck_jadd(r, "skipped_steps", ck_jnum((double)m->skipped_steps), oom);
+  if (m->eval_mode) ck_jadd(r, "mode", cJSON_CreateString("eval"), oom); /* absent: train mode */
   cJSON *w = ck_jadd(r, "world", cJSON_CreateObject(), oom);
   ck_jadd(w, "plugin", cJSON_CreateString(m->world.plugin ? m->world.plugin : "reference"), oom);
   ck_jadd(w, "tp", ck_jnum(m->world.tp), oom);
@@ -368,6 +369,12 @@ dopt_status ck_parse_meta(const cJSON *r, const char *where, meta_box *mb) {
     return dopt__fail(DOPT_ERR_FORMAT, "%s: global_step %lld is less than optimizer_steps %lld + skipped_steps %lld "
                       "(the counters disagree)", where, (long long)m->global_step, (long long)m->optimizer_steps,
                       (long long)m->skipped_steps);
+  if (cJSON_GetObjectItemCaseSensitive(r, "mode")) { /* optional: "eval" (saved in evaluation mode) or "train" */
+    DOPT_TRY(ck_jstr(r, "mode", where, "index", &s));
+    if (strcmp(s, "eval") != 0 && strcmp(s, "train") != 0)
+      return dopt__fail(DOPT_ERR_FORMAT, "%s: index key 'mode' is \"%.40s\" (\"train\" or \"eval\")", where, s);
+    m->eval_mode = strcmp(s, "eval") == 0;
+  }
   DOPT_TRY(ck_jget(r, "world", where, "index", &v));
   DOPT_TRY(ck_jstr(v, "plugin", where, "world", &s));
   if (!(m->world.plugin = ck_ar_strdup(ar, s))) return dopt__fail(DOPT_ERR_NO_MEMORY, "%s", where);

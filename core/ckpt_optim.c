@@ -83,6 +83,7 @@ dopt_status dopt_ckpt_meta_from_optim(const dopt_optim *o, const dopt_ckpt_info 
     return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_ckpt_meta_from_optim: the description of %d parameters", m->nparams);
   }
   m->optimizer_steps = dopt__optim_gstep(o);
+  m->eval_mode = dopt_optim_get_mode(o);
   m->skipped_steps = extra ? extra->skipped_steps : 0;
   m->global_step = extra && extra->global_step >= 0 ? extra->global_step : m->optimizer_steps + m->skipped_steps;
   *out = m;
@@ -351,6 +352,7 @@ dopt_status dopt_optim_load(dopt_optim *o, const char *path) {
       p->step = sp->step;
     }
     s = dopt_optim_set_gstep(o, sm->optimizer_steps);
+    if (s == DOPT_OK) s = dopt_optim_declare_mode(o, sm->eval_mode); /* the weights loaded are that mode's point */
   }
   dopt__index_free(&ix);
   ck_ar_free(&ar);

@@ -298,6 +298,11 @@ typedef struct dopt_optim_impl {
    * ran) and returns 1 to decay before the update, 0 after; *factor = 0: no
    * decay. hp: the inner's keys. */
   int (*lowrank_decay)(const double *hp, int64_t step, void *const *state, float *factor);
+  /* Non-NULL: the parameter holds different points in training and in evaluation (Schedule-Free's y and x):
+   * moves n elements of a parameter stepped `step` times between them, elementwise (to_eval 1: train → eval,
+   * 0: back); state: its elementwise states at those elements. dopt_optim_set_mode and dopt_dist_set_mode run
+   * it on every piece; the step runs in train mode only. NULL: one point (dopt_optim_set_mode is refused). */
+  void (*swap)(const double *hp, int to_eval, int64_t step, size_t n, float *param, void *const *state);
 } dopt_optim_impl;
 
 /* The cost of an elementwise step per element, in multiply-adds (an Adam update: two moments, a square root,

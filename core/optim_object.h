@@ -60,6 +60,7 @@ struct dopt_optim {
   int nitems, items_cap;
   int last_parts;          /* most pieces any parameter had in the last step */
   dopt_proj_hook hook;     /* dopt_optim_set_projector_hook (fn NULL: none) */
+  int eval;                /* dopt_optim_set_mode: 1 in evaluation mode (an impl with swap), the step refused */
 };
 
 /* Allocates a parameter's states from the layout (zeros, step 0; no-op when it has them); core/optim.c. */

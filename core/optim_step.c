@@ -416,8 +416,43 @@ dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads) {
   return dopt_optim_step_typed(o, (const void *const *)grads, NULL);
 }
 
+dopt_status dopt_optim_set_mode(dopt_optim *o, int eval) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_set_mode: optimizer=NULL");
+  DOPT_CHECK_ARG(eval == 0 || eval == 1, "dopt_optim_set_mode: eval=%d (0 train, 1 evaluation)", eval);
+  if (!o->impl->swap)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_optim_set_mode: optimizer '%s' has one point for training and "
+                      "evaluation (no modes; adamw_schedulefree has two)", o->impl->name);
+  if (o->eval == eval) return DOPT_OK;
+  for (int i = 0; i < o->nparams; i++) {
+    dopt_param *p = &o->params[i];
+    if (p->nstates == 0 || p->step < 1) continue; /* never stepped: upstream has no z for it */
+    void *st[DOPT_MAX_STATES];
+    for (int k = 0; k < p->nstates; k++) st[k] = p->st[k].data;
+    if (p->work) bf16_in(p->data, p->work, NULL, NULL, p->numel); /* outside writes first, as a step */
+    o->impl->swap(o->groups[p->group].hp, eval, p->step, p->numel, p->data, st);
+    if (p->work) bf16_out(p->data, p->work, p->numel);
+  }
+  o->eval = eval;
+  return DOPT_OK;
+}
+
+int dopt_optim_get_mode(const dopt_optim *o) { return o ? o->eval : 0; }
+
+dopt_status dopt_optim_declare_mode(dopt_optim *o, int eval) {
+  DOPT_CHECK_ARG(o != NULL, "dopt_optim_declare_mode: optimizer=NULL");
+  DOPT_CHECK_ARG(eval == 0 || eval == 1, "dopt_optim_declare_mode: eval=%d (0 train, 1 evaluation)", eval);
+  if (!o->impl->swap && eval)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_optim_declare_mode: optimizer '%s' has no evaluation mode",
+                      o->impl->name);
+  o->eval = eval;
+  return DOPT_OK;
+}
+
 dopt_status dopt_optim_step_typed(dopt_optim *o, const void *const *grads, const dopt_dtype *dtypes) {
   DOPT_CHECK_ARG(o != NULL, "dopt_optim_step: optimizer=NULL");
+  if (o->eval)
+    return dopt__fail(DOPT_ERR_STATE, "dopt_optim_step: optimizer '%s' is in evaluation mode (set train mode with "
+                      "dopt_optim_set_mode(o, 0) before stepping)", o->impl->name);
   DOPT_CHECK_ARG(grads != NULL || o->nparams == 0, "dopt_optim_step: grads=NULL");
   for (int i = 0; dtypes && i < o->nparams; i++)
     if (grads[i] && dtypes[i] != DOPT_F32 && dtypes[i] != DOPT_BF16)

@@ -137,6 +137,7 @@ struct dopt_dist_optim {
   int skip_nonfinite;
   int micro;        /* micro-batches accumulated since the last step */
   int64_t skipped;
+  int eval;         /* dopt_dist_set_mode: evaluation mode (an impl with swap), the step refused */
   float *up;        /* device buffer for uploading one gradient */
   size_t up_cap;    /* bytes */
   size_t bucket_bytes; /* frame budget of one bucket of steps (0: one bucket) */

@@ -136,6 +136,7 @@ dopt_status dopt_dist_save(dopt_dist_optim *d, const dopt_optim *plain, const ch
     }
     if (s == DOPT_OK) {
       m->optimizer_steps = d->gstep;
+      m->eval_mode = d->eval;
       m->world.plugin = d->ep.size > 1 ? "moe_hybrid" : d->zero == 3 ? "fsdp" : "hybrid";
       m->world.tp = d->tp.size;
       m->world.dp = d->dp.size;
@@ -230,6 +231,7 @@ static dopt_status read_pieces(dopt_dist_optim *d, dopt_ckpt_reader *r, const do
     p->nmb = 0;
   }
   d->gstep = m->optimizer_steps;
+  d->eval = m->eval_mode && d->impl->swap; /* the weights loaded are that mode's point */
   d->skipped = m->skipped_steps;
   d->micro = 0;
   memset(d->has, 0, (size_t)d->np);

@@ -337,8 +337,51 @@ static dopt_status stages_steps(dopt_dist_optim *d) {
   return s;
 }
 
+/* Train/eval (dopt_optim_set_mode on the shards): every rank moves its piece of every parameter that has stepped,
+ * master and elementwise states where they lie (the swap is elementwise: a piece needs nothing of the others),
+ * rounds its working copy, and ZeRO 1/2 all-gather the new weights as after a step, so that every replica of
+ * every element moved once. */
+dopt_status dopt_dist_set_mode(dopt_dist_optim *d, int eval) {
+  DOPT_CHECK_ARG(d != NULL, "dopt_dist_set_mode: optimizer=NULL");
+  DOPT_CHECK_ARG(eval == 0 || eval == 1, "dopt_dist_set_mode: eval=%d (0 train, 1 evaluation)", eval);
+  if (!d->impl->swap)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_set_mode: optimizer '%s' has one point for training and "
+                      "evaluation (no modes; adamw_schedulefree has two)", d->impl->name);
+  if (!DEV(d)->host_chunk)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_set_mode: '%s' on a device whose memory is not the host's",
+                      d->impl->name);
+  if (d->nowned)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "dopt_dist_set_mode: %d parameters step in owner mode", d->nowned);
+  if (d->batch) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_set_mode: inside dopt_dist_gather_begin/end");
+  if (d->eval == eval) return DOPT_OK;
+  for (int i = 0; i < d->np; i++) {
+    dist_param *p = &d->p[i];
+    if (p->step < 1 || p->pc.len == 0) continue; /* never stepped (upstream: no z), or nothing here */
+    float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
+    d->impl->swap(d->hp[p->group], eval, p->step, p->pc.len, param, p->state);
+    if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
+  }
+  if (d->zero == 1 || d->zero == 2) { /* every parameter's weights, as after a step where every one stepped */
+    unsigned char *keep = malloc(d->np ? (size_t)d->np : 1);
+    if (!keep) return dopt__fail(DOPT_ERR_NO_MEMORY, "dopt_dist_set_mode: %d flags", d->np);
+    memcpy(keep, d->skip, (size_t)d->np);
+    memset(d->skip, 0, (size_t)d->np);
+    const dopt_status s = gather_weights(d);
+    memcpy(d->skip, keep, (size_t)d->np);
+    free(keep);
+    DOPT_TRY(s);
+  }
+  d->eval = eval;
+  return DOPT_OK;
+}
+
+int dopt_dist_get_mode(const dopt_dist_optim *d) { return d ? d->eval : 0; }
+
 dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info) {
   DOPT_CHECK_ARG(d != NULL, "dopt_dist_step: optimizer=NULL");
+  if (d->eval)
+    return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: optimizer '%s' is in evaluation mode (dopt_dist_set_mode(d, 0) "
+                      "before stepping)", d->impl->name);
   if (d->micro == 0) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: no gradients (call dopt_dist_backward first)");
   if (d->batch) return dopt__fail(DOPT_ERR_STATE, "dopt_dist_step: inside dopt_dist_gather_begin/end (call end first)");
   dopt_dist_step_info local = {0, -1.0, d->micro};

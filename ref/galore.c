@@ -473,6 +473,10 @@ static dopt_status compose(const dopt_optim_impl *self, const double *whp, const
   if (!in || in->wrap || in->compose || in->projection)
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore: inner=%s is a wrapper or a GaLore optimizer; choose one that "
                       "steps itself (adamw, adafactor, came, lamb, adamw8bit, ...)", name);
+  if (in->swap) /* its parameter is an iterate (Schedule-Free's y), not a weight an update is added to */
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore: inner=%s keeps its iterates in the parameter (train/eval "
+                      "points); a projected step has no parameter of its own: choose an inner that returns an update",
+                      name);
   if (NOWN + in->nhp > DOPT_MAX_HPARAMS)
     return dopt__fail(DOPT_ERR_UNSUPPORTED, "galore: inner=%s has %d hyperparameters; at most %d fit beside the "
                       "projector's %d", name, in->nhp, DOPT_MAX_HPARAMS - NOWN, NOWN);

@@ -104,11 +104,13 @@ typedef struct dopt_ckpt_meta {
   int nparams;
   dopt_ckpt_param *params;     /* in the optimizer's parameter order */
   dopt_ckpt_world world;
+  int eval_mode;               /* 1: saved in evaluation mode (dopt_optim_set_mode: the parameters hold the
+                                * evaluation point; index.json "mode": "eval"), 0: train mode (no key) */
 } dopt_ckpt_meta;
 
 #define DOPT_CKPT_META_VERSION 1
 #define DOPT_CKPT_META_INIT \
-  { sizeof(dopt_ckpt_meta), DOPT_CKPT_META_VERSION, NULL, 0, NULL, NULL, 0, NULL, 0, 0, 0, 0, NULL, {"reference", 1, 1, 0} }
+  { sizeof(dopt_ckpt_meta), DOPT_CKPT_META_VERSION, NULL, 0, NULL, NULL, 0, NULL, 0, 0, 0, 0, NULL, {"reference", 1, 1, 0}, 0 }
 
 /* What the caller adds to a save (all optional). */
 typedef struct dopt_ckpt_info {

@@ -210,6 +210,11 @@ typedef struct dopt_dist_step_info {
  * dp·micro_batches, check finiteness,
  * clip, step every parameter's piece, re-gather parameters (zero 1/2). [C] */
 DOPT_API dopt_status dopt_dist_step(dopt_dist_optim *d, dopt_dist_step_info *info);
+/* Train or evaluation mode (dopt_optim_set_mode, distributed): every rank moves its pieces of every parameter that
+ * has stepped, and ZeRO 1/2 all-gather the new weights; a collective call of every rank. The step is refused in
+ * evaluation mode. DOPT_ERR_UNSUPPORTED: an optimizer without modes, a device whose memory is not the host's. */
+DOPT_API dopt_status dopt_dist_set_mode(dopt_dist_optim *d, int eval);
+DOPT_API int dopt_dist_get_mode(const dopt_dist_optim *d);
 DOPT_API int64_t dopt_dist_skipped_steps(const dopt_dist_optim *d);
 
 /* Whether every rank holds the same `bytes` bytes (e.g. digests of what each

@@ -118,6 +118,19 @@ DOPT_API dopt_status dopt_optim_step(dopt_optim *o, const float *const *grads);
  * (docs/api.md "bf16 parameters"). The same bits as the fp32 gradients widened by the caller. */
 DOPT_API dopt_status dopt_optim_step_typed(dopt_optim *o, const void *const *grads, const dopt_dtype *dtypes);
 
+/* Train or evaluation mode (eval 1 / 0) of an optimizer whose parameters hold a different point in each
+ * (adamw_schedulefree: y to train at, the average x to evaluate; schedulefree's optimizer.eval()/.train()):
+ * every parameter that has stepped moves to the other point, elementwise, its bf16 working copy with it.
+ * Setting the current mode changes nothing. A step in evaluation mode is refused (DOPT_ERR_STATE); an optimizer
+ * starts in train mode. Other optimizers: DOPT_ERR_UNSUPPORTED. docs/optimizers.md, "Schedule-Free AdamW". */
+DOPT_API dopt_status dopt_optim_set_mode(dopt_optim *o, int eval);
+/* 1 in evaluation mode, 0 in train mode (or o NULL). */
+DOPT_API int dopt_optim_get_mode(const dopt_optim *o);
+/* Declares the mode the parameters are in without moving them: after loading weights and states saved in
+ * evaluation mode (schedulefree's advice: save in eval mode), dopt_optim_declare_mode(o, 1), then
+ * dopt_optim_set_mode(o, 0) to train on. */
+DOPT_API dopt_status dopt_optim_declare_mode(dopt_optim *o, int eval);
+
 /* Threads of the step, the caller included: 1..256, or 0 for the default —
  * DOPT_NUM_THREADS from the environment when set, else the cores this process
  * may run on (read at the next step). Large parameters of the optimizers

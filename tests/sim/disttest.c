@@ -228,6 +228,9 @@ dopt_status dt_run_reference_from(const dt_case *c, int dp, const char *load_dir
       for (int q = 0; s == DOPT_OK && q < DOPT_NCOUNTERS; q++) r->counts[(size_t)i * DOPT_NCOUNTERS + (size_t)q] = k.total[q];
     }
     if (s != DOPT_OK || !is_checkpoint(c, t)) continue;
+    /* an optimizer with train/eval points (adamw_schedulefree) is captured in evaluation mode, and set back to
+     * train: both swaps run at every checkpoint, on the whole tensors here and on every rank's shards below */
+    const int modes = dopt_optim_set_mode(o, 1) == DOPT_OK;
     int ck = r->nck++;
     r->ck_step[ck] = t;
     for (int i = 0; i < c->nparams; i++) {
@@ -248,6 +251,7 @@ dopt_status dt_run_reference_from(const dt_case *c, int dp, const char *load_dir
         if (r->state[ck][i][k]) memcpy(r->state[ck][i][k], v.data, v.bytes);
       }
     }
+    if (modes) s = dopt_optim_set_mode(o, 0);
   }
   dopt_optim_state_bytes(o, -1, &r->ref_state_mem, NULL);
   dopt_optim_destroy(o);
@@ -410,6 +414,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
      * x->r: with only replicated tensors no collective orders the other
      * ranks' reads after its nck++) */
     int keep = rank == 0, ck = keep ? x->r->nck : 0;
+    const int modes = dopt_dist_set_mode(d, 1) == DOPT_OK; /* as the reference: captured in evaluation mode */
     uint8_t rep[DT_MAXP][DOPT_DIGEST_BYTES]; /* this rank's copy of each parameter, digested */
     for (int i = 0; i < c->nparams && s == DOPT_OK; i++) {
       size_t n = numel_of(&c->params[i]);
@@ -453,6 +458,7 @@ static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
     int drank = -1;
     size_t doff = 0;
     if (s == DOPT_OK) s = dopt_dist_check_replicas(d, rep, (size_t)c->nparams * DOPT_DIGEST_BYTES, &drank, &doff);
+    if (s == DOPT_OK && modes) s = dopt_dist_set_mode(d, 0);
     if (s == DOPT_OK && keep && drank >= 0 && x->r->drift_step == 0) {
       x->r->drift_step = t;
       x->r->drift_rank = drank;
