@@ -24,7 +24,10 @@ Venvs: ``<repo>/.golden-venv/<optimizer>/`` (git-ignored), made with
 ``/usr/bin/python3 -m venv --system-site-packages`` on top of Debian's
 ``python3-torch``; the entry's pins are installed with ``pip install
 --no-deps`` and a stamp file records them, so a venv is reused until its pins
-change.  The inputs (``inputs.safetensors``, ``inputs_long.safetensors``) are
+change.  An entry with ``TORCH = "2"`` (an upstream that needs torch >= 2,
+torch's own optimizers among them) runs on the project's torch-2 venv
+(``cmake/torch2.sh``, its pinned PyPI torch) instead: its venv sees that
+venv's packages through a ``.pth`` file, and its pins go on top.  The inputs (``inputs.safetensors``, ``inputs_long.safetensors``) are
 rewritten on every run; ``manifest.json`` records per registered optimizer its
 entry, upstream versions and case files, or who checks it, or why it is
 exempt (read by tests/unit/test_golden.c).  Output is deterministic.
@@ -43,6 +46,7 @@ import tempfile
 
 DEBIAN_APT = ["python3-torch", "python3-venv"]  # torch 1.13.1+dfsg (CPU)
 TORCH_EXPECTED = "1.13"                          # Debian 1.13.1 reports 1.13.0a0
+TORCH2_SCRIPT = "cmake/torch2.sh"                # an entry's TORCH = "2": the project's torch-2 venv
 SYS_PY = "/usr/bin/python3"
 # Installed into every entry venv: only --check uses it, to read files back.
 DRIVER_PINS = ["safetensors==0.4.1"]
@@ -100,7 +104,18 @@ MATRIX_STEPS = 200
 MATRIX_SEED = 20261204
 MATRIX_ZERO_GRAD_STEPS = (7, 8, 100)
 
-INPUT_SETS = {"base": INPUTS_NAME, "long": LONG_INPUTS_NAME, "matrices": MATRIX_INPUTS_NAME}
+# Tiny gradients: most elements ~1e-8, whose squares (1e-16) lie below the floors optimizers put under a second
+# moment (torch's Adafactor clamps at eps1² = 1.4e-14 by default), so a defaults-only case on them checks those
+# floors' defaults; one row of `mat` and every 4th element of `vec` at 1e-3, so the floors and the gradients
+# that clear them meet in one tensor. Zero gradients at step 5.
+TINY_INPUTS_NAME = "inputs_tiny.safetensors"
+TINY_SHAPES = [("vec", [13]), ("mat", [9, 11]), ("t3", [2, 3, 5])]
+TINY_STEPS = 20
+TINY_SEED = 20261206
+TINY_ZERO_GRAD_STEPS = (5,)
+
+INPUT_SETS = {"base": INPUTS_NAME, "long": LONG_INPUTS_NAME, "matrices": MATRIX_INPUTS_NAME,
+              "tiny": TINY_INPUTS_NAME}
 
 
 # --------------------------------------------------------------------------
@@ -172,19 +187,45 @@ def ensure_system_torch():
         sys.exit("need Debian packages: apt-get install -y " + " ".join(DEBIAN_APT))
 
 
+def entry_torch(e):
+    """The torch an entry's upstream runs on: "1.13" (Debian's) or "2" (cmake/torch2.sh's pinned PyPI torch)."""
+    t = getattr(e, "TORCH", TORCH_EXPECTED)
+    if t not in (TORCH_EXPECTED, "2"):
+        sys.exit("%s: TORCH = %r (%s or \"2\")" % (e.PATH, t, TORCH_EXPECTED))
+    return t
+
+
+def torch2_site():
+    """site-packages of the torch-2 venv (installed by cmake/torch2.sh when missing)."""
+    out = subprocess.run(["bash", os.path.join(REPO, TORCH2_SCRIPT)], capture_output=True, text=True)
+    py = out.stdout.strip()
+    if out.returncode != 0 or not py:
+        sys.exit("torch 2 is not available here (%s: %s)" % (TORCH2_SCRIPT, out.stderr.strip()[-300:]))
+    return subprocess.check_output([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+
+
 def ensure_venv(e):
     """.golden-venv/<optimizer>/ with the entry's pins; reused while its stamp matches."""
     venv = os.path.join(VENVS, e.OPTIMIZER)
     py = os.path.join(venv, "bin", "python")
     stamp = os.path.join(venv, STAMP_NAME)
-    wanted = json.dumps({"python": SYS_PY, "pins": entry_pins(e),
+    base = torch2_site() if entry_torch(e) == "2" else None
+    wanted = json.dumps({"python": SYS_PY, "pins": entry_pins(e), "torch2": base,
                          "fetch": getattr(e, "FETCH", [])}, indent=1, sort_keys=True) + "\n"
     have = open(stamp).read() if os.path.exists(stamp) else ""
     if have == wanted and os.path.exists(py):
         return py
     if os.path.exists(venv):
         shutil.rmtree(venv)  # pins changed: start clean so nothing stale stays installed
-    _run([SYS_PY, "-m", "venv", "--system-site-packages", venv])
+    if base is None:
+        _run([SYS_PY, "-m", "venv", "--system-site-packages", venv])
+    else:  # the torch-2 venv's packages (torch, numpy) under this venv's own
+        _run([SYS_PY, "-m", "venv", venv])
+        site = subprocess.check_output([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                       text=True).strip()
+        with open(os.path.join(site, "zz-distopt-torch2.pth"), "w") as fh:
+            fh.write(base + "\n")
     pip = [py, "-m", "pip", "--disable-pip-version-check"]
     _run(pip + ["install", "-q", "--no-deps"] + entry_pins(e))
     downloads = os.path.join(venv, "downloads")
@@ -336,6 +377,22 @@ def make_matrix_inputs(torch):
     return init, grads
 
 
+def make_tiny_inputs(torch):
+    g = torch.Generator().manual_seed(TINY_SEED)
+    init = {name: torch.randn(shape, generator=g, dtype=torch.float32) * 0.5 for name, shape in TINY_SHAPES}
+    grads = {}
+    for t in range(1, TINY_STEPS + 1):
+        for name, shape in TINY_SHAPES:
+            gr = torch.randn(shape, generator=g, dtype=torch.float32) * 1e-8
+            big = torch.randn(shape, generator=g, dtype=torch.float32) * 1e-3
+            if name == "mat":
+                gr[4] = big[4]
+            elif name == "vec":
+                gr[::4] = big[::4]
+            grads[(t, name)] = (torch.zeros(shape) if t in TINY_ZERO_GRAD_STEPS else gr).contiguous()
+    return init, grads
+
+
 def inputs_tensors(torch, order, steps, init, grads):
     tensors = [("init/" + n, to_np(torch, init[n])) for n in order]
     for t in range(1, steps + 1):
@@ -353,6 +410,14 @@ def inputs_meta(which):
             "seed": str(MATRIX_SEED),
             "generator": GENERATOR_REL,
             "zero_grad_steps": ",".join(str(t) for t in MATRIX_ZERO_GRAD_STEPS),
+        }
+    if which == "tiny":
+        return {
+            "params": ",".join(n for n, _ in TINY_SHAPES),
+            "steps": str(TINY_STEPS),
+            "seed": str(TINY_SEED),
+            "generator": GENERATOR_REL,
+            "zero_grad_steps": ",".join(str(t) for t in TINY_ZERO_GRAD_STEPS),
         }
     if which == "base":
         return {
@@ -388,7 +453,11 @@ def write_inputs(out_dir):
     write_safetensors(os.path.join(out_dir, MATRIX_INPUTS_NAME),
                       inputs_tensors(torch, [n for n, _ in MATRIX_SHAPES], MATRIX_STEPS, minit, mgrads),
                       inputs_meta("matrices"))
-    print("wrote %s, %s and %s" % (INPUTS_NAME, LONG_INPUTS_NAME, MATRIX_INPUTS_NAME), flush=True)
+    tinit, tgrads = make_tiny_inputs(torch)
+    write_safetensors(os.path.join(out_dir, TINY_INPUTS_NAME),
+                      inputs_tensors(torch, [n for n, _ in TINY_SHAPES], TINY_STEPS, tinit, tgrads),
+                      inputs_meta("tiny"))
+    print("wrote %s" % ", ".join(INPUT_SETS.values()), flush=True)
 
 
 def load_inputs(torch, out_dir, which):
@@ -494,6 +563,10 @@ class Ctx:
 
 
 def torch_info(torch):
+    if not torch.__version__.startswith(TORCH_EXPECTED):  # cmake/torch2.sh's pinned PyPI wheel
+        pin = "torch==%s (PyPI, %s)" % (torch.__version__, TORCH2_SCRIPT)
+        cap = torch.backends.cpu.get_cpu_capability()
+        return pin, cap
     try:
         deb = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "python3-torch"],
                              capture_output=True, text=True).stdout.strip()
@@ -583,6 +656,7 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
             d = {"params": [params[n] for n in names]}
             d.update(group_kwargs(e, hp, ov))
             pg.append(d)
+    ctx.names = {id(params[n]): n for n in order}  # for an upstream that takes named parameters (Adam-mini)
     optim = e.build(ctx, pg, kwargs)
     if hasattr(e, "check_defaults"):  # an upstream whose defaults are not its constructor's signature
         e.check_defaults(ctx, optim)
@@ -590,12 +664,19 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
         check_defaults(e, optim)
     state_name = {up: mine for mine, up in e.STATES.items()}
 
+    # mode="eval": an upstream with train/eval points (schedulefree's optimizer.train()/.eval()) steps in train
+    # mode and is recorded in evaluation mode after every step
+    eval_mode = case.get("mode") == "eval"
     tensors = []
     for t in range(1, steps + 1):
         for n in order:
             g = grads.get((t, n))
             params[n].grad = None if g is None else g.clone()
+        if eval_mode:
+            optim.train()
         optim.step()
+        if eval_mode:
+            optim.eval()
         if t % every:
             continue
         for n in order:
@@ -604,6 +685,8 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
             st = optim.state.get(params[n], {})
             for k, v in st.items():
                 if isinstance(v, bool) or not isinstance(v, (torch.Tensor, int, float)):
+                    continue
+                if k in getattr(e, "IGNORE_STATES", ()):  # upstream's bookkeeping, not optimizer state
                     continue
                 if k != "step" and k not in state_name:
                     sys.exit("%s: upstream state %r is not in the entry's STATES" % (e.OPTIMIZER, k))
@@ -640,6 +723,10 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
             meta["defaults_differ"] = ",".join(e.DEFAULTS_DIFFER)
     if every != 1:
         meta["record_every"] = str(every)
+    if eval_mode:
+        meta["mode"] = "eval"
+    if getattr(e, "EXTRA_STATES", None):  # distopt's states upstream keeps elsewhere (not compared)
+        meta["extra_states"] = ",".join(e.EXTRA_STATES)
     for k in ("tol_param", "tol_state"):
         if k in case:
             meta[k] = repr(float(case[k]))
@@ -651,8 +738,9 @@ def inner_main(args):
     import torch
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    assert torch.__version__.startswith(TORCH_EXPECTED), torch.__version__
     e = load_entry(os.path.join(args["entries"], args["inner"] + ".py"))
+    want = entry_torch(e)
+    assert torch.__version__.startswith(want if want != "2" else "2."), (torch.__version__, want)
     ctx = Ctx(e, os.path.realpath(sys.prefix))
     pin, cap = torch_info(torch)
     versions = upstream_versions(e, torch)
@@ -818,7 +906,7 @@ def main():
     if args["check"]:
         total = 0
         print("%-24s %-10s %10s" % ("file", "optimizer", "bytes"))
-        for n in (INPUTS_NAME, LONG_INPUTS_NAME):
+        for n in INPUT_SETS.values():
             s = os.path.getsize(os.path.join(args["out"], n))
             total += s
             print("%-24s %-10s %10d" % (n[:-12], "-", s))

@@ -95,6 +95,18 @@ typedef struct case_info {
   double tol_param, tol_state;
 } case_info;
 
+/* 1 when name is one of the comma-separated names of list (NULL: none). */
+static int listed(const char *list, const char *name) {
+  const size_t n = strlen(name);
+  for (const char *p = list; p && *p;) {
+    const char *comma = strchr(p, ',');
+    const size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    if (len == n && strncmp(p, name, n) == 0) return 1;
+    p = comma ? comma + 1 : NULL;
+  }
+  return 0;
+}
+
 /* A declared tolerance: a finite number in (0, TOL_LIMIT]. */
 static double meta_tol(const dopt_st_file *cf, const char *file, const char *key, double def) {
   const char *v = dopt_st_meta(cf, key);
@@ -186,6 +198,10 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
   ci->tol_state = meta_tol(cf, file, "tol_state", TOL_STATE);
   const char *dflt = dopt_st_meta(cf, "defaults_only");
   ci->defaults_only = dflt && strcmp(dflt, "1") == 0;
+  /* mode=eval: upstream stepped in train mode and was recorded in evaluation mode (schedulefree's train()/eval()) */
+  const char *mode = dopt_st_meta(cf, "mode");
+  if (mode && strcmp(mode, "eval") != 0) fail_msg("%s: mode=%s (eval, or no mode key)", file, mode);
+  const int eval = mode != NULL;
 
   dopt_optim *o;
   assert_ok(dopt_optim_create(optname, dopt_st_meta(cf, "hparams"), &o));
@@ -254,7 +270,9 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
         gp[i] = grad[i];
       }
     }
+    if (eval) assert_ok(dopt_optim_set_mode(o, 0));
     assert_ok(dopt_optim_step(o, gp));
+    if (eval) assert_ok(dopt_optim_set_mode(o, 1));
     for (int i = 0; i < np; i++) {
       assert_ok(dopt_digest_bytes(dg, data[i], numel[i] * sizeof(float)));
       for (int s = 0; s < dopt_optim_num_states(o, i); s++) {
@@ -311,7 +329,13 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
         }
         if (!found) fail_msg("%s: upstream state '%s' has no counterpart", file, st.name);
       }
-      if (upstream_keys != ns && !(upstream_keys == 0 && gp[i] == NULL && ns == 0))
+      int extra = 0; /* distopt's states upstream keeps elsewhere (metadata extra_states: its param group) */
+      for (int s = 0; s < ns; s++) {
+        dopt_state_view v;
+        assert_ok(dopt_optim_state(o, i, s, &v));
+        extra += listed(dopt_st_meta(cf, "extra_states"), v.name);
+      }
+      if (upstream_keys != ns - extra && !(upstream_keys == 0 && gp[i] == NULL && ns == 0))
         fail_msg("%s: param %s step %d: %d states here, %d upstream", file, names[i], t, ns, upstream_keys);
     }
   }
