@@ -458,7 +458,7 @@ int cmd_mem(int argc, char **argv) {
   if (m->experts > 0) snprintf(moe, sizeof moe, ", %d experts", m->experts);
   printf("%s: %.3f B parameters (%.0f; hidden %d, intermediate %d, %d layers%s, vocab %d); weights %.2f GiB bf16, %.2f GiB fp32\n",
          m->name, params / 1e9, params, m->hidden, m->inter, m->layers, moe, m->vocab, params * 2 / gib, params * 4 / gib);
-  printf("%-18s %-22s %12s %10s %10s\n", "optimizer", "hyperparameters", "states GiB", "B/param", "vs adamw");
+  printf("%-18s %-28s %12s %10s %10s\n", "optimizer", "hyperparameters", "states GiB", "B/param", "vs adamw");
   int okw;
   double adamw = model_state_bytes(m, "adamw", "", rank, &okw);
   char hp[64];
@@ -474,19 +474,19 @@ int cmd_mem(int argc, char **argv) {
         double b = model_state_bytes(m, name, hx, rank, &ok);
         if (!ok) continue;
         snprintf(hp, sizeof hp, "%s, rank=%d", in, rank);
-        printf("%-18s %-22s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
+        printf("%-18s %-28s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
       }
       continue;
     }
     double b = model_state_bytes(m, name, h, rank, &ok);
     if (!ok) {
-      printf("%-18s %-22s %12s\n", name, h, "n/a");
+      printf("%-18s %-28s %12s\n", name, h, "n/a");
       continue;
     }
     snprintf(hp, sizeof hp, "%s", h);
     if (strstr(name, "galore")) snprintf(hp, sizeof hp, "rank=%d (attn+mlp)", rank);
     if (strcmp(name, "lisa") == 0) snprintf(hp, sizeof hp, "adamw, all layers seen");
-    printf("%-18s %-22s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
+    printf("%-18s %-28s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
   }
   /* the GaLore paper's Table 2 accounting: BF16 weights and states (2 bytes) */
   if (m->paper_full_gb > 0) {

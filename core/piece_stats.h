@@ -93,6 +93,21 @@ dopt_status dopt_rc_accum_gen(dopt_rc_stat *s, const dopt_piece *pc, const dopt_
                               void *gctx);
 void dopt_rc_means(const dopt_rc_stat *s, const dopt_piece *pc, float *row_mean, float *col_mean);
 
+/* Σx² per segment: the logical flattened tensor cut into nseg segments of S consecutive elements (Adam-mini's
+ * heads and neurons, one segment for the whole tensor), x given as the piece's local elements; two phases as
+ * dopt_ss_* (MAX of each segment's largest square, then SUM of its words), every rank posting all nseg segments,
+ * so the sums are identical on every rank whatever the pieces. */
+typedef struct dopt_seg_stat {
+  size_t S, nseg;
+  double *m;      /* [nseg] max of the squares */
+  dopt_xacc *acc; /* [nseg] */
+} dopt_seg_stat;
+/* Maps (f->base NULL: sizes) the arrays of nseg = numel / S segments. */
+void dopt_seg_take(dopt_frame *f, size_t numel, size_t S, dopt_seg_stat *out);
+dopt_status dopt_seg_begin(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red);
+dopt_status dopt_seg_accum(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red);
+double dopt_seg_value(const dopt_seg_stat *s, size_t k);
+
 /* The frame of the update-norm steps (Adafactor, CAME, LAMB): Σw² and Σu²;
  * with row/column statistics on a factored piece (Adafactor and CAME) their
  * means, reduction and factors, the update being generated from them (no

@@ -59,6 +59,48 @@ dopt_status dopt_ss_accum(dopt_ss_stat *s, const float *x, size_t n, const dopt_
 
 double dopt_ss_value(const dopt_ss_stat *s) { return dopt_xacc_value(&s->acc, dopt_xsum_scale(s->m)); }
 
+void dopt_seg_take(dopt_frame *f, size_t numel, size_t S, dopt_seg_stat *out) {
+  out->S = S ? S : 1;
+  out->nseg = numel / out->S;
+  out->m = dopt_frame_take(f, (out->nseg ? out->nseg : 1) * sizeof *out->m);
+  out->acc = dopt_frame_take(f, (out->nseg ? out->nseg : 1) * sizeof *out->acc);
+}
+
+/* Every part of the piece's local x that lies within one segment: its largest square into m (accum 0), or its
+ * squares into the segment's words (accum 1). Local [off, off + len) of a run lies at logical [at, at + len). */
+static void seg_walk(dopt_seg_stat *s, const float *x, const dopt_piece *pc, int accum) {
+  size_t off = 0;
+  dopt_run run;
+  while (dopt_piece_next_run(pc, &off, &run)) {
+    for (size_t j = 0; j < run.len;) {
+      const size_t at = run.at + j, k = at / s->S, left = (k + 1) * s->S - at;
+      const size_t n = left < run.len - j ? left : run.len - j;
+      const float *xp = x + run.off + j;
+      if (accum) {
+        dopt_xacc_add_sq_n(&s->acc[k], dopt_xsum_scale(s->m[k]), xp, n);
+      } else {
+        const double a = (double)dopt__absmax_run(xp, n);
+        if (a * a > s->m[k]) s->m[k] = a * a; /* exact in double */
+      }
+      j += n;
+    }
+  }
+}
+
+dopt_status dopt_seg_begin(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red) {
+  for (size_t k = 0; k < s->nseg; k++) s->m[k] = 0.0;
+  seg_walk(s, x, pc, 0);
+  return red ? red->post_max_f64(red->ctx, s->m, s->nseg) : DOPT_OK;
+}
+
+dopt_status dopt_seg_accum(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red) {
+  memset(s->acc, 0, s->nseg * sizeof *s->acc);
+  seg_walk(s, x, pc, 1);
+  return red ? red->post_sum_i64(red->ctx, &s->acc[0].w[0], s->nseg * DOPT_XSUM_WORDS) : DOPT_OK;
+}
+
+double dopt_seg_value(const dopt_seg_stat *s, size_t k) { return dopt_xacc_value(&s->acc[k], dopt_xsum_scale(s->m[k])); }
+
 /* The Σx² step (dopt__impl_sumsq): the gradient norms of global clipping. */
 static dopt_status sumsq_step(const dopt_step_args *a) {
   dopt_ss_stat *s = a->frame;

@@ -55,6 +55,15 @@
 static const verify_tol verify_tolerances[] = {
     {"adamw", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1}, /* per-step states: 1e-5 (the |g| / |m| note above) */
     {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
+    /* torch.optim.Adafactor: the factored bound above (its row/column norms and ‖U‖ are torch's fp32 reductions;
+     * its lerps fused as distopt's); golden, 200 steps: params 2.4e-7, states 3.7e-7 */
+    {"torch_adafactor", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
+    /* Schedule-Free AdamW: elementwise as adamw (at most 10 fp32 operations per element, lerp and add(alpha=)
+     * fused as torch's); golden, 200 steps, recorded in eval mode: params 2.4e-7, states 1.4e-7 */
+    {"adamw_schedulefree", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
+    /* Adam-mini: adamw's chain per element, one fp32 block mean (torch's reduction) per head, row or tensor as
+     * the factored ones; golden, 200 steps: params 1.0e-7, states 1.9e-7 */
+    {"adam_mini", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"came", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"lamb", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"muon", 1e-6, 1e-5, 1e-6, 1e-5, NULL, "momentum_buffer", MUON_UPDATE, DOPT_COUNTER_NS},

@@ -51,6 +51,33 @@ def hparams(name, **overrides):
         h.close()
 
 
+def adam_mini_groups(named_parameters, dim=2048, n_heads=32, n_kv_heads=None, weight_decay=0.0):
+    """Param groups for distopt.Optimizer("adam_mini", ...) from a model's named parameters, by adam-mini 1.1.1's
+    rules (docs/optimizers.md "Adam-mini"): a name with bias steps plain Adam (block=elementwise), q_proj/k_proj/
+    wq/wk/query/key one second moment per head of dim*dim/n_heads elements, embed/lm_head/v_proj/mlp/o_proj/...
+    one per row (neuron), anything else one per tensor; names with norm, ln or bias get weight_decay 0. Frozen
+    parameters (requires_grad False) are left out, as upstream does. Parameters with the same settings share a
+    group, in first-seen order."""
+    if n_kv_heads is not None and n_heads % n_kv_heads:
+        raise ValueError(f"adam_mini_groups: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+    head_numel = dim * dim // n_heads
+    from . import _upstream
+    groups, at = [], {}
+    for name, p in named_parameters:
+        if not getattr(p, "requires_grad", True):
+            continue
+        block, hn, decays = _upstream.adam_mini_block(name, head_numel)
+        key = (block, hn, decays)
+        if key not in at:
+            at[key] = len(groups)
+            g = {"params": [], "block": block, "weight_decay": weight_decay if decays else 0.0}
+            if block == "head":
+                g["head_numel"] = hn
+            groups.append(g)
+        groups[at[key]]["params"].append(p)
+    return groups
+
+
 def __getattr__(attr):
     if attr == "Optimizer":
         from ._torch_api import Optimizer  # imports torch

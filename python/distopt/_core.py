@@ -279,6 +279,17 @@ class Handle:
         types = (ctypes.c_int * max(n, 1))(*[_lib.BF16 if b else _lib.F32 for b in bf16])
         call(lib.dopt_optim_step_typed, self._live(), arr if n else None, types)
 
+    def set_mode(self, eval_mode):
+        """Train (False) or evaluation (True) mode: dopt_optim_set_mode."""
+        call(lib.dopt_optim_set_mode, self._live(), 1 if eval_mode else 0)
+
+    def declare_mode(self, eval_mode):
+        """The parameters are already in this mode (a loaded checkpoint): dopt_optim_declare_mode."""
+        call(lib.dopt_optim_declare_mode, self._live(), 1 if eval_mode else 0)
+
+    def get_mode(self):
+        return bool(lib.dopt_optim_get_mode(self._live()))
+
     # states
     def get_step(self, param):
         v = ctypes.c_int64()

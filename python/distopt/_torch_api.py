@@ -241,6 +241,8 @@ class Optimizer(torch.optim.Optimizer):
                     if exported is not None:
                         h.import_state(i, exported)
                 h.set_gstep(self._h.get_gstep())
+                if self._h.get_mode():  # the parameters still hold the evaluation point
+                    h.declare_mode(True)
             else:
                 for i, st in enumerate(states):
                     if st is not None:
@@ -286,21 +288,46 @@ class Optimizer(torch.optim.Optimizer):
                 _check_storage(g, f"distopt: the gradient of parameter {i}")
                 keep.append(g)
                 addrs.append(g.data_ptr())
-                st = self._stage[i]
-                if st is not None and mode == 2:
-                    d = p.detach()
-                    if d.dtype == torch.float32:
-                        st.copy_(d)  # a non-contiguous fp32 parameter: its values, exactly
-                    else:
-                        r = st.to(d.dtype)
-                        if not torch.equal(r, d):  # written outside: those elements' masters follow them
-                            ch = r != d
-                            st[ch] = d[ch].float()
-                    back.append((d, st))
+                self._stage_in(i, p, back)
             self._h.step(addrs, bf16)
             for d, st in back:
                 d.copy_(st)  # to bf16/fp16: round to nearest even (fp16 overflows to inf); fp32: exact
         return loss
+
+    def _stage_in(self, i, p, back):
+        """A staged parameter (mode 2: fp16, non-contiguous): its stage takes the values written outside, and
+        (d, stage) joins `back`, copied back after the library changed the stage."""
+        st = self._stage[i]
+        if st is None or self._addr[i][2] != 2:
+            return
+        d = p.detach()
+        if d.dtype == torch.float32:
+            st.copy_(d)  # a non-contiguous fp32 parameter: its values, exactly
+        else:
+            r = st.to(d.dtype)
+            if not torch.equal(r, d):  # written outside: those elements' masters follow them
+                ch = r != d
+                st[ch] = d[ch].float()
+        back.append((d, st))
+
+    def train(self, mode=True):
+        """Train mode (mode False: evaluation mode), for an optimizer whose parameters hold a different point in
+        each (adamw_schedulefree, as schedulefree's optimizer.train()/.eval()): every parameter that has stepped
+        moves to the other point. Others: distopt.Error (DOPT_ERR_UNSUPPORTED). step() in evaluation mode is
+        refused. Returns self."""
+        with torch.no_grad(), self._h.lock:
+            self._sync()
+            back = []
+            for i, p in enumerate(self._params):
+                self._stage_in(i, p, back)
+            self._h.set_mode(not mode)
+            for d, st in back:
+                d.copy_(st)
+        return self
+
+    def eval(self):
+        """Evaluation mode: train(False)."""
+        return self.train(False)
 
     def counters(self, param=None):
         """What the steps did, {name: count} since creation (docs/api.md "Counters": steps,
@@ -338,6 +365,7 @@ class Optimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             packed = {key: v for key, v in group.items() if key != "params"}
             packed["params"] = list(range(k, k + len(group["params"])))
+            _to_group(self._dname, packed, [state.get(j) for j in packed["params"]], self._h.get_mode())
             k += len(group["params"])
             groups.append(packed)
         sd = {"state": state, "param_groups": groups}
@@ -370,7 +398,7 @@ class Optimizer(torch.optim.Optimizer):
         if len(saved) != len(self.param_groups):
             raise ValueError(f"distopt: the state_dict has {len(saved)} parameter groups, the optimizer "
                              f"{len(self.param_groups)}")
-        index, values, rests = {}, [], []
+        index, values, rests, group_of = {}, [], [], {}
         k = 0
         for gi, (sg, og) in enumerate(zip(saved, self.param_groups)):
             if len(sg["params"]) != len(og["params"]):
@@ -378,6 +406,7 @@ class Optimizer(torch.optim.Optimizer):
                                  f"the optimizer's {len(og['params'])}")
             for j, pid in enumerate(sg["params"]):
                 index[pid] = k + j
+                group_of[pid] = sg
             k += len(og["params"])
             if not isinstance(sg, dict) or "params" not in sg:
                 raise _lib.invalid(f"distopt {self._dname}: param_groups[{gi}] of the state_dict is not a dict "
@@ -392,7 +421,7 @@ class Optimizer(torch.optim.Optimizer):
         for pid, st in state_dict["state"].items():
             if pid not in index:
                 raise ValueError(f"distopt: the state_dict has a state for parameter {pid}, which no group lists")
-            states[index[pid]] = _from_upstream_state(self._dname, st, pid)
+            states[index[pid]] = _from_upstream_state(self._dname, st, pid, group_of[pid])
             k = index[pid]
             m = states[k][1].pop("master", None)  # a bf16/fp16 parameter's fp32 master (else ignored)
             if m is not None and self._stage[k] is not None and self._params[k].dtype != torch.float32:
@@ -405,6 +434,9 @@ class Optimizer(torch.optim.Optimizer):
         if "distopt" in state_dict and "gstep" in state_dict["distopt"]:
             gstep = _lib.count(state_dict["distopt"]["gstep"], "the state_dict's distopt.gstep")
         self._rebuild(values, states)
+        mode_key = _upstream.entry(self._dname).get("group_mode")
+        if mode_key and saved and mode_key in saved[0]:  # saved in eval mode: the weights loaded are x
+            self._h.declare_mode(not saved[0][mode_key])
         for k, m in masters.items():
             self._stage[k].copy_(m)
         if gstep is not None:
@@ -498,18 +530,40 @@ def _same(a, b):
         return False
 
 
-def _from_upstream_state(name, st, pid):
+def _to_group(name, packed, states, eval_mode):
+    """An upstream that keeps per group what distopt keeps per parameter (_upstream TABLE group_states,
+    group_step, group_mode): the group's values from its first parameter with state, its mode as upstream's
+    flag."""
+    e = _upstream.entry(name)
+    if "group_mode" in e:
+        packed[e["group_mode"]] = not eval_mode
+    first = next((st for st in states if st is not None), None)
+    if first is None:
+        return
+    for c_key, g_key in e.get("group_states", {}).items():
+        packed[g_key] = float(first[_upstream.state_key(name, c_key)])
+    if "group_step" in e:
+        packed[e["group_step"]] = int(first["step"])
+
+
+def _from_upstream_state(name, st, pid, group):
     if not isinstance(st, dict):
         raise _lib.invalid(f"distopt: the state of parameter {pid} is a {type(st).__name__}, not a dict")
-    if "step" not in st and not _upstream.entry(name).get("step_optional"):
+    e = _upstream.entry(name)
+    if "step" not in st and "group_step" in e and e["group_step"] in group:  # upstream's group clock
+        st = dict(st, step=group[e["group_step"]])
+    if "step" not in st and not e.get("step_optional"):
         raise ValueError(f"distopt: the state of parameter {pid} has no 'step'")
     step = _lib.count(st.get("step", 0), f"the step of parameter {pid}")
-    reverse = {up: c for c, up in _upstream.entry(name)["states"].items()}
-    drop = _upstream.entry(name).get("drop", ())
+    reverse = {up: c for c, up in e["states"].items()}
+    drop = e.get("drop", ())
     tensors = {}
     for key, v in st.items():
         if key != "step" and key not in drop:
             tensors[reverse.get(key, key)] = v
+    for c_key, g_key in e.get("group_states", {}).items():  # kept per group upstream
+        if c_key not in tensors and g_key in group:
+            tensors[c_key] = torch.tensor(float(group[g_key]), dtype=torch.float64)
     return step, tensors, pid
 
 

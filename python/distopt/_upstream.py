@@ -16,6 +16,10 @@ One table per optimizer:
            maximize, capturable, differentiable, fused), in every param_groups entry at upstream's defaults
   drop:    per-parameter state keys upstream writes as diagnostics of the last step (not read by its next
            step): ignored on load (torch_optimizer.Lamb's and ColossalAI's weight_norm, adam_norm, trust_ratio).
+  group_states, group_step, group_mode: what upstream keeps per param group that distopt keeps per parameter
+           (schedulefree: {distopt state: group key}, the step as the group's clock k, train mode as a bool):
+           a state_dict carries them in each group (from its first parameter with state) and a loaded one
+           that lacks them per parameter takes the group's.
 Optimizers without an entry use distopt's names and an int step.
 """
 
@@ -58,7 +62,28 @@ TABLE = {
         "step": "int",
         "drop": ("weight_norm", "adam_norm", "trust_ratio"),
     },
+    "torch_adafactor": {  # torch.optim.Adafactor (torch >= 2.5)
+        "group": [("lr", "lr", None), ("beta2_decay", "beta2_decay", None), ("eps1", "eps", 0), ("eps2", "eps", 1),
+                  ("d", "d", None), ("weight_decay", "weight_decay", None)],
+        "ignore": ("foreach",),
+        "fixed": {"maximize": False},
+        "defaults": {"foreach": None, "maximize": False},
+        "states": {},
+        "step": "tensor",
+    },
 }
+# schedulefree 1.4.1's AdamWScheduleFree: betas; its group keeps the clock and the average's weights (k, weight_sum,
+# lr_max, scheduled_lr, train_mode): read by distopt per parameter (its states weight_sum, lr_max and its step),
+# dropped on input; no per-parameter step upstream (read as 0)
+TABLE["adamw_schedulefree"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)],
+                               "ignore": ("foreach", "k", "train_mode", "weight_sum", "lr_max", "scheduled_lr"),
+                               "fixed": {}, "states": {}, "step": "int", "step_optional": True,
+                               "group_states": {"weight_sum": "weight_sum", "lr_max": "lr_max"},
+                               "group_step": "k", "group_mode": "train_mode"}
+# adam-mini 1.1.1's Adam_mini: one group per parameter, beta1/beta2 as group keys (distopt's names), its "name"
+# read into block/head_numel (_adam_mini_group); betas=(...) as distopt.Optimizer writes them
+TABLE["adam_mini"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {}, "states": {},
+                      "step": "int", "drop": ("head_per_gpu", "neuron_per_gpu", "block_numel", "reduced")}
 # muon-optimizer 0.1.0 (SingleDeviceMuonWithAuxAdam): use_muon a bool (distopt's enum true/false; auto stays a
 # string), betas for the aux Adam groups, and a Muon parameter's state without a step (its update has no bias
 # correction): missing on load, it reads as 0
@@ -163,6 +188,7 @@ def to_upstream(name, values):
 #   name:      the distopt optimizer
 #   group:     None, or a function(param_groups entry) -> the entry in the upstream spelling TABLE[name] reads
 #              (galore's keys for a group without them, torch_optimizer's `debias`, an `inner`)
+#   group_opt: the same with the optimizer as a second argument (Adam-mini: its name sets and head_numel)
 #   attrs:     optimizer attributes (not group keys) that are distopt hyperparameters of every group:
 #              {attribute: distopt key} (torch_optimizer.Lamb's debias and adam)
 #   drop:      per-parameter state keys that are not optimizer state (diagnostics): never recorded
@@ -209,9 +235,53 @@ def _torch_muon(group):
     return g
 
 
+# Adam-mini (adam-mini 1.1.1): upstream derives each parameter's block from its lower-cased name, in this order
+ADAM_MINI_NAMES = {
+    "adam_block_names": ("bias",),                                         # plain Adam per element
+    "wqk_names": ("k_proj", "q_proj", "wq", "wk", "query", "key"),        # one v per head
+    "embd_names": ("embed", "embd", "wte"),                                # one v per row (neuron), as the three below
+    "output_names": ("lm_head", "output", "final_layer"),
+    "wv_names": ("v_proj", "wv", "value"),
+    "attn_proj_names": ("o_proj", "wo", "attn.proj"),
+    "mlp_names": ("feed_forward", "linear", "mlp"),
+}
+
+
+def adam_mini_block(name, head_numel, sets=None):
+    """(block, head_numel, decays) of a parameter named `name` under Adam-mini's rules (sets: upstream's name
+    sets, e.g. an Adam_mini optimizer's own, which users extend; default ADAM_MINI_NAMES): block tensor for
+    anything unnamed; decays False for names with norm, ln or bias (upstream sets their weight_decay to 0)."""
+    n = str(name).lower()
+    s = {k: tuple(getattr(sets, k, v)) if sets is not None else v for k, v in ADAM_MINI_NAMES.items()}
+    decays = not ("norm" in n or "ln" in n or "bias" in n)
+    if any(x in n for x in s["adam_block_names"]):
+        return "elementwise", 0, decays
+    if any(x in n for x in s["wqk_names"]):
+        return "head", int(head_numel), decays
+    if any(x in n for k in ("embd_names", "output_names", "wv_names", "mlp_names", "attn_proj_names")
+           for x in s[k]):
+        return "neuron", 0, decays
+    return "tensor", 0, decays
+
+
+def _adam_mini_group(group, opt):
+    """An Adam_mini group (one parameter, its "name"): its block from the optimizer's own name sets and
+    head_numel; beta1/beta2 are group keys upstream."""
+    g = {k: v for k, v in group.items() if k != "name"}
+    block, hn, _ = adam_mini_block(group.get("name", ""), getattr(opt, "head_numel", 0), opt)
+    g["block"] = block
+    if block == "head":
+        g["head_numel"] = hn
+    return g
+
+
 CLASSES = {
     ("torch", "AdamW"): {"name": "adamw"},
     ("torch", "Muon"): {"name": "muon", "group": _torch_muon},
+    ("torch", "Adafactor"): {"name": "torch_adafactor"},
+    ("schedulefree", "AdamWScheduleFree"): {"name": "adamw_schedulefree"},
+    ("adam_mini", "Adam_mini"): {"name": "adam_mini", "group_opt": _adam_mini_group,
+                                 "drop": ("head_per_gpu", "neuron_per_gpu", "block_numel", "reduced")},
     ("transformers", "Adafactor"): {"name": "adafactor"},
     ("came_pytorch", "CAME"): {"name": "came"},
     # torch_optimizer.Lamb: debias and adam are attributes; its clamp_value bounds ||p|| in the trust ratio,

@@ -27,7 +27,8 @@ gradient from the owners. A plain optimizer in a distributed job (DDP): every ra
 optimizer passes `layout=`: for each local tensor the global parameter it is a piece of and which flat elements
 (and which state elements) it holds.
 
-Optimizers known by class (distopt._upstream.CLASSES: torch AdamW, HF Adafactor, came_pytorch CAME,
+Optimizers known by class (distopt._upstream.CLASSES: torch AdamW, Adafactor and Muon, HF Adafactor, schedulefree's
+AdamWScheduleFree, adam-mini's Adam_mini, came_pytorch CAME,
 torch_optimizer Lamb, galore_torch's AdamW, Adafactor and AdamW8bit with their projectors, bitsandbytes'
 AdamW8bit) and distopt.Optimizer are recorded with no names to write; ZeroRedundancyOptimizer -> its inner
 optimizer. Any other class is recorded as it is (optimizer.name null: distopt.replay verifies it against your
@@ -108,7 +109,8 @@ class _Groups:
 
     def _adapt(self, group):
         fn = self.entry.get("group") if self.entry else None
-        out = fn(group) if fn else dict(group)
+        fo = self.entry.get("group_opt") if self.entry else None
+        out = fo(group, self.inner) if fo else fn(group) if fn else dict(group)
         for attr, key in (self.entry or {}).get("attrs", {}).items():
             if hasattr(self.inner, attr):
                 out[key] = getattr(self.inner, attr)

@@ -15,6 +15,7 @@ also compute their gradients from their own (slightly different) parameters. Eve
 distopt against the C library through the CLI, two distopt runs, a state_dict round trip, moved storage.
 """
 import copy
+import importlib.util
 import io
 import os
 import subprocess
@@ -93,7 +94,8 @@ class Base(unittest.TestCase):
                     self.assertEqual(v, w, f"state[{i}][{k}]")
         self.assertEqual(sa["param_groups"], sb["param_groups"])
 
-    def assert_close_to_torch(self, model, opt, tmodel, topt, label):
+    def assert_close_to_torch(self, model, opt, tmodel, topt, label, extra=()):
+        """extra: distopt's state keys upstream keeps elsewhere (schedulefree: its param group's clock)."""
         worst_p = worst_s = 0.0
         for (n, p), q in zip(model.named_parameters(), tmodel.parameters()):
             e = common.normwise_rel(p.detach().numpy(), q.detach().numpy())
@@ -103,9 +105,10 @@ class Base(unittest.TestCase):
         self.assertEqual(sorted(sd["state"]), sorted(td["state"]), f"{label}: parameters with state")
         for i, ts in td["state"].items():
             ds = sd["state"][i]
-            self.assertEqual(sorted(ds), sorted(ts), f"{label}: state keys of parameter {i} (upstream's)")
-            self.assertIsInstance(ds["step"], torch.Tensor, "AdamW's step is a tensor, as torch keeps it")
-            self.assertEqual(float(ds["step"]), float(ts["step"]), f"{label}: step of parameter {i}")
+            self.assertEqual(sorted(ds), sorted(set(ts) | set(extra)), f"{label}: state keys of parameter {i} (upstream's)")
+            if "step" in ts:
+                self.assertIsInstance(ds["step"], torch.Tensor, "AdamW's step is a tensor, as torch keeps it")
+                self.assertEqual(float(ds["step"]), float(ts["step"]), f"{label}: step of parameter {i}")
             for k in ts:
                 if k != "step":
                     e = common.normwise_rel(ds[k].numpy(), ts[k].numpy())
@@ -360,6 +363,146 @@ class TestTorchStateDict(Base):
         train(again, aopt, 2, start=3)
         for a, b in zip(model.parameters(), again.parameters()):
             self.assertTrue(torch.equal(a, b))
+
+    @unittest.skipUnless(hasattr(torch.optim, "Adafactor"), "torch.optim.Adafactor needs torch >= 2.5")
+    def test_torch_adafactor(self):
+        """torch.optim.Adafactor as torch_adafactor: its param_groups spelling (eps=(eps1, eps2), d, beta2_decay,
+        maximize, foreach), its state_dict (row_var [h, 1], col_var [1, w], variance, a tensor step) loaded both
+        ways, the runs within the golden bounds of each other; recorded from the class with no names written and
+        verified; maximize=True refused."""
+        hp = dict(lr=2e-2, beta2_decay=-0.6, eps=(1e-6, 1e-3), d=1.5, weight_decay=0.05)
+        tmodel = make_model()
+        topt = torch.optim.Adafactor(tmodel.parameters(), **hp)
+        model = make_model()
+        opt = distopt.Optimizer("torch_adafactor", model.parameters(), **hp)
+        for k in ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize", "foreach"):
+            self.assertEqual(opt.param_groups[0][k], topt.param_groups[0][k], k)
+        train(tmodel, topt, 6, none_at=(2,))
+        train(model, opt, 6, none_at=(2,))
+        self.assert_close_to_torch(model, opt, tmodel, topt, "torch_adafactor against torch.optim.Adafactor")
+        sd, td = opt.state_dict(), topt.state_dict()
+        for i, ts in td["state"].items():  # upstream's names and shapes
+            self.assertEqual(sorted(sd["state"][i]), sorted(ts), i)
+            for k, v in ts.items():
+                self.assertEqual(tuple(torch.as_tensor(sd["state"][i][k]).shape), tuple(v.shape), (i, k))
+        again = make_model(seed=5)
+        again.load_state_dict(tmodel.state_dict())
+        aopt = distopt.Optimizer("torch_adafactor", again.parameters())
+        aopt.load_state_dict(td)  # torch's dict, hyperparameters included
+        for i, ts in td["state"].items():
+            for k, v in ts.items():
+                self.assert_same_bits(aopt.state_dict()["state"][i][k], v, f"loaded state[{i}][{k}]")
+        back = torch.optim.Adafactor(make_model(seed=6).parameters())
+        back.load_state_dict(opt.state_dict())  # and distopt's dict into torch's class
+        self.assertEqual(back.param_groups[0]["eps"], (1e-6, 1e-3))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            rmodel = make_model(2)
+            ropt = torch.optim.Adafactor(rmodel.parameters(), **hp)
+            with distopt.record(ropt, path, names=rmodel):
+                train(rmodel, ropt, 4)
+            res = distopt.verify(path)
+            self.assertEqual(res.verdict["kind"], "within_tolerance")
+        with self.assertRaises(ValueError):
+            distopt.Optimizer("torch_adafactor", make_model().parameters(), maximize=True)
+
+    @unittest.skipUnless(importlib.util.find_spec("schedulefree"), "schedulefree is in the torch-2 test set only")
+    def test_adamw_schedulefree(self):
+        """schedulefree's AdamWScheduleFree as adamw_schedulefree: steps in train mode and eval()/train() swaps
+        within the golden bounds of upstream, a step in eval mode refused as upstream refuses it, z and
+        exp_avg_sq under upstream's names; recorded from the class with no names written and verified; modes
+        refused on an optimizer without them."""
+        import schedulefree
+        hp = dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, warmup_steps=3, r=0.5)
+        tmodel, model = make_model(), make_model()
+        topt = schedulefree.AdamWScheduleFree(tmodel.parameters(), **hp)
+        opt = distopt.Optimizer("adamw_schedulefree", model.parameters(), **hp)
+        self.assertEqual(opt.param_groups[0]["betas"], (0.8, 0.99))
+        for start in (0, 4):
+            topt.train()
+            self.assertIs(opt.train(), opt)
+            train(tmodel, topt, 4, start=start)
+            train(model, opt, 4, start=start)
+            topt.eval()
+            opt.eval()
+            self.assert_close_to_torch(model, opt, tmodel, topt, f"adamw_schedulefree in eval mode after {start + 4}",
+                                       extra=("step", "weight_sum", "lr_max"))
+        with self.assertRaises(distopt.Error):  # upstream: "Optimizer was not in train mode"
+            train(model, opt, 1, start=8)
+        opt.train()
+        sd = opt.state_dict()
+        self.assertEqual(sorted(sd["state"][0]), ["exp_avg_sq", "lr_max", "step", "weight_sum", "z"])
+        # upstream's checkpoint, saved in eval mode (its group keeps k, weight_sum, lr_max, train_mode): loaded, the
+        # weights are x until train(); both go on and agree; and upstream loads distopt's state_dict
+        again = make_model(seed=7)
+        again.load_state_dict(tmodel.state_dict())
+        aopt = distopt.Optimizer("adamw_schedulefree", again.parameters(), **hp)
+        aopt.load_state_dict(topt.state_dict())
+        for o in (topt, aopt):
+            o.train()
+        train(tmodel, topt, 3, start=8)
+        train(again, aopt, 3, start=8)
+        self.assert_close_to_torch(again, aopt, tmodel, topt, "adamw_schedulefree resumed from upstream's eval-mode "
+                                   "state_dict", extra=("step", "weight_sum", "lr_max"))
+        back = schedulefree.AdamWScheduleFree(make_model(seed=8).parameters())
+        back.load_state_dict(aopt.state_dict())
+        self.assertEqual((back.param_groups[0]["k"], back.param_groups[0]["train_mode"]), (11, True))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            rmodel = make_model(2)
+            ropt = schedulefree.AdamWScheduleFree(rmodel.parameters(), **hp)
+            ropt.train()
+            with distopt.record(ropt, path, names=rmodel):
+                train(rmodel, ropt, 4)
+            res = distopt.verify(path)
+            self.assertEqual(res.verdict["kind"], "within_tolerance", res.stderr)
+        with self.assertRaises(distopt.Error):
+            distopt.Optimizer("adamw", make_model().parameters()).eval()
+
+    @unittest.skipUnless(importlib.util.find_spec("adam_mini"), "adam-mini is in the torch-2 test set only")
+    def test_adam_mini(self):
+        """adam-mini's Adam_mini as adam_mini: distopt.adam_mini_groups gives each named parameter upstream's
+        block (heads of dim*dim/n_heads, neurons, one per tensor, plain Adam for biases) and decay, and the runs
+        agree within the golden bounds; recorded from the class (its one-parameter named groups) with no names
+        written and verified."""
+        from adam_mini import Adam_mini
+
+        class Mini(torch.nn.Module):
+            def __init__(self, seed):
+                super().__init__()
+                torch.manual_seed(seed)
+                self.embed = torch.nn.Linear(6, 8, bias=False)
+                self.q_proj = torch.nn.Linear(8, 8)
+                self.norm = torch.nn.LayerNorm(8)
+                self.mlp = torch.nn.Linear(8, 3)
+
+            def forward(self, x):
+                h = torch.tanh(self.embed(x))
+                return self.mlp(self.norm(h + self.q_proj(h)))
+
+        dims = dict(dim=8, n_heads=2)  # a head: 32 elements, 4 rows of q_proj
+        tmodel, model = Mini(3), Mini(3)
+        topt = Adam_mini(tmodel.named_parameters(), lr=1e-2, weight_decay=0.1, verbose=False, **dims)
+        groups = distopt.adam_mini_groups(model.named_parameters(), weight_decay=0.1, **dims)
+        self.assertEqual([(g["block"], g.get("head_numel"), g["weight_decay"], len(g["params"])) for g in groups],
+                         [("neuron", None, 0.1, 2), ("head", 32, 0.1, 1), ("elementwise", None, 0.0, 3),
+                          ("tensor", None, 0.0, 1)])
+        opt = distopt.Optimizer("adam_mini", groups, lr=1e-2)
+        train(tmodel, topt, 6)
+        train(model, opt, 6)
+        for (n, p), q in zip(model.named_parameters(), tmodel.parameters()):
+            e = common.normwise_rel(p.detach().numpy(), q.detach().numpy())
+            self.assertLessEqual(e, PARAM_TOL, f"adam_mini {n}: {e:.3g}")
+        vq = opt.state[model.q_proj.weight]["vmean"]
+        self.assertEqual(tuple(vq.shape), (2, 1))  # one second moment per head, upstream's shape
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            rmodel = Mini(4)
+            ropt = Adam_mini(rmodel.named_parameters(), lr=1e-2, weight_decay=0.1, verbose=False, **dims)
+            with distopt.record(ropt, path, names=rmodel):
+                train(rmodel, ropt, 4)
+            res = distopt.verify(path)
+            self.assertEqual(res.verdict["kind"], "within_tolerance", res.stderr)
 
     def test_counters(self):
         """Counters through the binding: muon's Newton-Schulz calls per matrix and its aux Adam steps, per

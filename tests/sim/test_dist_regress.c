@@ -20,6 +20,7 @@
 
 #include "disttest.h"
 #include "distopt/dpsum.h"
+#include "optim_impl.h"
 #include "distopt/optim.h"
 #include "distopt/xsum.h"
 
@@ -691,9 +692,92 @@ static void test_uneven_tp_empty_ranks(void **st) {
   }
 }
 
+/* ---- the optimizers of 2026-12 (issue 70): block statistics and train/eval points on every cut ------------- */
+
+/* Adam-mini's heads (2 rows of 8) and neurons cut by TP blocks of 3 rows (tp 4 on 12 rows), uneven column
+ * splits and ZeRO ranges anywhere: every head's and row's exact sum through the reducer. */
+static const dt_param P_MINI[] = {
+    {"q", 2, {12, 8}, DOPT_TP_COLUMN, 0}, /* 6 heads of 16 elements; tp 4: 3 rows per rank, heads cut */
+    {"k", 2, {10, 8}, DOPT_TP_ROW, 0},    /* 5 heads; columns split 2+2+2+2 or 4+4 */
+    {"emb", 2, {9, 7}, DOPT_TP_ROW, 1},   /* group 1: neurons (rows of 7), or elementwise */
+    {"norm", 1, {11}, DOPT_TP_REPLICATED, 1},
+};
+
+/* The registry's implementation of an optimizer (static data: valid after its optimizer is gone). */
+static const dopt_optim_impl *impl_of(const char *name) {
+  dopt_optim *o;
+  if (dopt_optim_create(name, NULL, &o) != DOPT_OK) return NULL;
+  const dopt_optim_impl *im = dopt__optim_impl(o);
+  dopt_optim_destroy(o);
+  return im;
+}
+
+/* A block statistic from the local shard: the step without its reducer (each rank's sums of its own elements). */
+static dopt_optim_impl local_blocks;
+static const dopt_optim_impl *mini_impl, *sf_impl;
+static dopt_status local_blocks_step(const dopt_step_args *a) {
+  dopt_step_args b = *a;
+  b.red = NULL;
+  return mini_impl->step(&b);
+}
+
+/* A train/eval swap that misses the last element of every piece (a shard boundary's element kept at y). */
+static dopt_optim_impl tail_missed;
+static void tail_missed_swap(const double *hp, int to_eval, int64_t step, size_t n, float *param, void *const *state) {
+  sf_impl->swap(hp, to_eval, step, n ? n - 1 : 0, param, state);
+}
+
+/* Runs layout l with the planted implementation and requires a difference from ref. */
+static void expect_caught(const dt_case *c, const dt_layout *l, const dopt_optim_impl *bug, const char *what) {
+  dt_result ref, got;
+  assert_ok(dt_run_reference(c, l->dp, &ref));
+  dt_expect(&got, &ref);
+  char err[512] = "", msg[512] = "";
+  dt_dist_impl = bug;
+  const dopt_status s = dt_run_dist(c, l, &got, err, sizeof err);
+  dt_dist_impl = NULL;
+  if (s != DOPT_OK) fail_msg("%s: %s", what, err);
+  if (!dt_compare(c, &ref, &got, msg, sizeof msg)) fail_msg("%s tp%d dp%d zero%d: the planted bug passed", what, l->tp,
+                                                            l->dp, l->zero);
+  printf("  planted, caught: %s tp%d dp%d zero%d: %s\n", what, l->tp, l->dp, l->zero, msg);
+  dt_result_free(&ref);
+  dt_result_free(&got);
+}
+
+static void test_new_optimizers_cuts(void **st) {
+  (void)st;
+  static const dt_layout lays[] = {{2, 1, 0, 0}, {4, 1, 0, 0}, {2, 2, 2, 0}, {1, 3, 1, 0}, {4, 2, 3, 0}, {2, 3, 2, 0}};
+  const int nl = (int)(sizeof lays / sizeof lays[0]);
+  const dt_case mini[] = {
+      {"adam_mini", "lr=1e-2,weight_decay=0.05,block=head,head_numel=16", "block=neuron,weight_decay=0", P_MINI, 4,
+       STEPS, 1, 0.0, 0, 911, 0.05, 0, 1, 0, 0, 0, 0, 0},
+      {"adam_mini", "lr=1e-2,block=tensor", "block=elementwise,weight_decay=0", P_MINI, 4, STEPS, 2, 0.0, 1, 912, 0.05,
+       0, 2, 0, 0, 0, 0, 0},
+  };
+  for (int i = 0; i < 2; i++) expect_bitwise_all(&mini[i], lays, nl);
+  const dt_case sf = {"adamw_schedulefree", "lr=1e-2,weight_decay=0.05,warmup_steps=3", "weight_decay=0", P_MINI, 4,
+                      STEPS, 1, 0.0, 1, 913, 0.05, 0, 2, 0, 0, 0, 0, 0};
+  expect_bitwise_all(&sf, lays, nl);
+  const dt_case tadf = {"torch_adafactor", "weight_decay=0.05,eps1=1e-3", NULL, P_MINI, 4, STEPS, 1, 0.0, 0, 914, 0.05,
+                        0, 1, 0, 0, 0, 0, 0};
+  expect_bitwise_all(&tadf, lays, nl);
+  /* the planted bugs each is caught by */
+  mini_impl = impl_of("adam_mini"), sf_impl = impl_of("adamw_schedulefree");
+  assert_non_null(mini_impl);
+  assert_non_null(sf_impl);
+  local_blocks = *mini_impl;
+  local_blocks.step = local_blocks_step;
+  expect_caught(&mini[0], &lays[1], &local_blocks, "adam_mini: block sums of the local shard");
+  expect_caught(&mini[1], &lays[3], &local_blocks, "adam_mini: block sums of the local shard");
+  tail_missed = *sf_impl;
+  tail_missed.swap = tail_missed_swap;
+  expect_caught(&sf, &lays[2], &tail_missed, "adamw_schedulefree: a swap that misses a piece's last element");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_row_mean_row_split),
+      cmocka_unit_test(test_new_optimizers_cuts),
       cmocka_unit_test(test_lamb_trust_ratio_per_shard),
       cmocka_unit_test(test_zero_column_stats_adafactor),
       cmocka_unit_test(test_zero_column_stats_came),

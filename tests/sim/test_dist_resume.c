@@ -49,6 +49,10 @@ static const struct {
     {"adamw8bit", "lr=1e-2,min_8bit_size=16,block_size=64,percentile_clipping=5,weight_decay=0.01", 1},
     /* Muon's matrices on owners (3-D per batch index), aux Adam piecewise */
     {"muon", "lr=2e-2,weight_decay=0.01", 1},
+    /* issue 70's: lerp'd whole row/col states; z, v and the double weight_sum/lr_max; block sums per row */
+    {"torch_adafactor", "weight_decay=0.05,beta2_decay=-0.5", 0},
+    {"adamw_schedulefree", "lr=1e-2,weight_decay=0.01,warmup_steps=3,r=0.5", 1},
+    {"adam_mini", "lr=1e-2,block=neuron,weight_decay=0.01", 0},
 };
 #define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
 

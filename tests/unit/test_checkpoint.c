@@ -206,6 +206,15 @@ static const resume_case cases[] = {
     {"muon", "lr=2e-2,weight_decay=0.01", "use_muon=false,weight_decay=0", 1},
     {"muon", "lr=2e-2,ns_dtype=fp32,nesterov=false,adjust_lr_fn=original", NULL, 0},
     {"lisa", "inner=muon,n_layers=1,interval=2,lr=2e-2", NULL, 0},
+    /* torch.optim.Adafactor: lerp'd factored moments (whole row/col states) and the 1-D variance */
+    {"torch_adafactor", "weight_decay=0.05,beta2_decay=-0.5", "eps1=1e-3,d=2", 1},
+    {"galore", "inner=torch_adafactor,rank=2,update_proj_gap=2,lr=1e-2", NULL, 0},
+    /* Schedule-Free AdamW: z, v and the double weight_sum/lr_max; saved in evaluation mode (resume_one) */
+    {"adamw_schedulefree", "lr=1e-2,weight_decay=0.05,warmup_steps=2,r=0.5", "beta1=0.5", 1},
+    {"lisa", "inner=adamw_schedulefree,n_layers=1,interval=2,lr=1e-2", NULL, 0},
+    /* Adam-mini: a second moment per row (whole [rows, 1] states), plain Adam in group 1; one per tensor */
+    {"adam_mini", "lr=1e-2,block=neuron,weight_decay=0.05", "block=elementwise,weight_decay=0", 1},
+    {"adam_mini", "lr=1e-2,block=tensor", NULL, 0},
 };
 
 static void resume_one(const resume_case *c, int K, int N) {
@@ -219,8 +228,14 @@ static void resume_one(const resume_case *c, int K, int N) {
   model_init(&b, c->bf16, 1);
   dopt_optim *oa = build(c->name, c->hp, c->group, &a);
   dopt_optim *ob = build(c->name, c->hp, c->group, &b);
-  for (int t = 1; t <= K + N; t++) step(oa, &a, t);
+  /* an optimizer with train/eval points (adamw_schedulefree) is saved in evaluation mode, as schedulefree advises:
+   * the checkpoint says so, the loaded optimizer is in that mode, and train mode takes both back to y */
+  for (int t = 1; t <= K; t++) step(oa, &a, t);
+  const int modes = dopt_optim_set_mode(oa, 1) == DOPT_OK;
+  if (modes) assert_ok(dopt_optim_set_mode(oa, 0));
+  for (int t = K + 1; t <= K + N; t++) step(oa, &a, t);
   for (int t = 1; t <= K; t++) step(ob, &b, t);
+  if (modes) assert_ok(dopt_optim_set_mode(ob, 1));
   assert_ok(dopt_optim_save(ob, ck, NULL));
   dopt_optim_destroy(ob);
   model_free(&b);
@@ -228,6 +243,8 @@ static void resume_one(const resume_case *c, int K, int N) {
   model_init(&b, c->bf16, 99);
   ob = build(c->name, c->hp, c->group, &b);
   assert_ok(dopt_optim_load(ob, ck));
+  assert_int_equal(dopt_optim_get_mode(ob), modes);
+  if (modes) assert_ok(dopt_optim_set_mode(ob, 0));
   for (int t = K + 1; t <= K + N; t++) step(ob, &b, t);
   assert_same(oa, &a, ob, &b, what);
   dopt_optim_destroy(oa);
@@ -250,7 +267,7 @@ static void test_resume_bitwise(void **st) {
     if (!found) fail_msg("optimizer %s has no resume case", dopt_optim_registry_name(r));
     names++;
   }
-  assert_int_equal(names, 11); /* a registry that lost one fails here */
+  assert_int_equal(names, 14); /* a registry that lost one fails here */
 }
 
 /* Save before any step (no states), and save twice at the same step (the generation is replaced). */
