@@ -42,7 +42,7 @@ home=${HOME:-$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f6)}  # CI's envi
 root=${XDG_CACHE_HOME:-${home:-/var/tmp}/.cache}/distopt
 key=$( (cat "$pins"; echo "python $ver") | sha256sum | cut -c1-16)
 venv=$root/torch2-$key
-probe='import torch, numpy, torch.distributed.tensor, torch.distributed.fsdp, came_pytorch, torch_optimizer, pytorch_ranger, transformers.optimization, schedulefree, adam_mini
+probe='import torch, numpy, torch.distributed.tensor, torch.distributed.fsdp, came_pytorch, torch_optimizer, pytorch_ranger, transformers.optimization, schedulefree, adam_mini, pytorch_optimizer
 assert torch.__version__.split("+")[0] == "2.15.0", torch.__version__'
 
 valid() {

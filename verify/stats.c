@@ -52,6 +52,7 @@
  * "Muon's Newton-Schulz"). The aux Adam parameters (no Newton-Schulz: counter muon.ns 0) keep the plain
  * bound. */
 #define MUON_UPDATE 0.5
+#define NORMUON_STATE 0.5
 static const verify_tol verify_tolerances[] = {
     {"adamw", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1}, /* per-step states: 1e-5 (the |g| / |m| note above) */
     {"adafactor", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
@@ -67,6 +68,11 @@ static const verify_tol verify_tolerances[] = {
     {"came", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"lamb", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"muon", 1e-6, 1e-5, 1e-6, 1e-5, NULL, "momentum_buffer", MUON_UPDATE, DOPT_COUNTER_NS},
+    /* NorMuon: Muon's bound for the parameters (its bf16 Newton-Schulz is torch.optim.Muon's form) and its exact
+     * momentum; the rows' second moment is a mean of the orthogonalised update's squares, so it carries ΔO
+     * (up to 0.10 of max|O|, squared: 0.21): states NORMUON_STATE, the momentum still bitwise and every
+     * parameter (the AdamW groups' included) at the parameter bounds */
+    {"normuon", 1e-6, NORMUON_STATE, 1e-6, NORMUON_STATE, NULL, "momentum_buffer", MUON_UPDATE, DOPT_COUNTER_NS},
 };
 
 const verify_tol *vf_find_tol(const char *name) {

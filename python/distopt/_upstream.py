@@ -84,6 +84,11 @@ TABLE["adamw_schedulefree"] = {"group": [("beta1", "betas", 0), ("beta2", "betas
 # read into block/head_numel (_adam_mini_group); betas=(...) as distopt.Optimizer writes them
 TABLE["adam_mini"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {}, "states": {},
                       "step": "int", "drop": ("head_per_gpu", "neuron_per_gpu", "block_numel", "reduced")}
+# pytorch-optimizer 4.1.0's NorMuon: its AdamW groups' betas; use_muon a bool; the group clock "step" (per
+# parameter here; a loaded state_dict takes it from the group); ns_coeffs read by _normuon
+TABLE["normuon"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": ("foreach", "step"),
+                    "fixed": {}, "states": {}, "step": "int", "step_optional": True, "group_step": "step",
+                    "bools": ("use_muon",)}
 # muon-optimizer 0.1.0 (SingleDeviceMuonWithAuxAdam): use_muon a bool (distopt's enum true/false; auto stays a
 # string), betas for the aux Adam groups, and a Muon parameter's state without a step (its update has no bias
 # correction): missing on load, it reads as 0
@@ -275,11 +280,27 @@ def _adam_mini_group(group, opt):
     return g
 
 
+def _normuon(group):
+    """pytorch_optimizer.NorMuon's groups: ns_coeffs (a preset's list of (a, b, c)) as ns_a, ns_b, ns_c (one tuple
+    only: a schedule of several is refused); a Muon group's beta2 is its rows' second moment, an AdamW group's
+    betas[1] its second moment, distopt's beta2 both; use_muon as distopt's enum."""
+    g = {k: v for k, v in group.items() if k != "ns_coeffs"}
+    if "ns_coeffs" in group:
+        cs = [tuple(float(x) for x in c) for c in group["ns_coeffs"]]
+        if len(cs) != 1 or len(cs[0]) != 3:
+            raise ValueError(f"pytorch_optimizer.NorMuon ns_coeffs={group['ns_coeffs']!r}: distopt's normuon takes "
+                             f"one (a, b, c) for every iteration, not a schedule")
+        g["ns_a"], g["ns_b"], g["ns_c"] = cs[0]
+    g["use_muon"] = "true" if group.get("use_muon") else "false"
+    return g
+
+
 CLASSES = {
     ("torch", "AdamW"): {"name": "adamw"},
     ("torch", "Muon"): {"name": "muon", "group": _torch_muon},
     ("torch", "Adafactor"): {"name": "torch_adafactor"},
     ("schedulefree", "AdamWScheduleFree"): {"name": "adamw_schedulefree"},
+    ("pytorch_optimizer", "NorMuon"): {"name": "normuon", "group": _normuon},
     ("adam_mini", "Adam_mini"): {"name": "adam_mini", "group_opt": _adam_mini_group,
                                  "drop": ("head_per_gpu", "neuron_per_gpu", "block_numel", "reduced")},
     ("transformers", "Adafactor"): {"name": "adafactor"},

@@ -504,6 +504,47 @@ class TestTorchStateDict(Base):
             res = distopt.verify(path)
             self.assertEqual(res.verdict["kind"], "within_tolerance", res.stderr)
 
+    @unittest.skipUnless(importlib.util.find_spec("pytorch_optimizer"), "pytorch-optimizer is in the torch-2 set")
+    def test_normuon(self):
+        """pytorch-optimizer's NorMuon as normuon: with upstream's own Newton-Schulz in fp32 (its dtype argument)
+        and ns_dtype=fp32 the runs agree within the golden bounds (1e-5); a bf16 run (upstream's default),
+        recorded from the class with no names written, verifies within Muon's declared bound."""
+        import functools
+        import pytorch_optimizer
+        from pytorch_optimizer.optimizer.muon import normuon as nm
+        hp = dict(lr=2e-2, weight_decay=0.01, beta2=0.9)
+
+        def groups(m, fp32):
+            mats = [p for p in m.parameters() if p.ndim >= 2]
+            vecs = [p for p in m.parameters() if p.ndim < 2]
+            extra = dict(ns_dtype="fp32") if fp32 else {}
+            return [dict(params=mats, use_muon=True, **hp, **extra),
+                    dict(params=vecs, use_muon=False, lr=3e-4, betas=(0.9, 0.95), **extra)]
+
+        orig = nm.zero_power_via_newton_schulz_5
+        nm.zero_power_via_newton_schulz_5 = functools.partial(orig, dtype=torch.float32)
+        try:
+            tmodel, model = make_model(), make_model()
+            topt = pytorch_optimizer.NorMuon([{k: v for k, v in g.items() if k != "ns_dtype"}
+                                              for g in groups(tmodel, True)], foreach=False)
+            opt = distopt.Optimizer("normuon", groups(model, True))
+            train(tmodel, topt, 6)
+            train(model, opt, 6)
+        finally:
+            nm.zero_power_via_newton_schulz_5 = orig
+        for (n, p), q in zip(model.named_parameters(), tmodel.parameters()):
+            e = common.normwise_rel(p.detach().numpy(), q.detach().numpy())
+            self.assertLessEqual(e, 1e-5, f"normuon {n}: {e:.3g}")
+        self.assertEqual(tuple(opt.state[model[0].weight]["second_momentum_buffer"].shape), (12, 1))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            rmodel = make_model(2)
+            ropt = pytorch_optimizer.NorMuon(groups(rmodel, False), foreach=False)
+            with distopt.record(ropt, path, names=rmodel):
+                train(rmodel, ropt, 4)
+            res = distopt.verify(path)
+            self.assertEqual(res.verdict["kind"], "within_tolerance", res.stderr)
+
     def test_counters(self):
         """Counters through the binding: muon's Newton-Schulz calls per matrix and its aux Adam steps, per
         parameter and summed (docs/api.md "Counters")."""

@@ -727,6 +727,20 @@ static void tail_missed_swap(const double *hp, int to_eval, int64_t step, size_t
   sf_impl->swap(hp, to_eval, step, n ? n - 1 : 0, param, state);
 }
 
+/* A NorMuon matrix orthogonalised shard by shard (the FSDP1 flat-parameter class): each rank's piece as a matrix of
+ * its own, one row of its local elements. */
+static dopt_optim_impl shard_ns;
+static const dopt_optim_impl *nmu_impl;
+static dopt_status shard_ns_step(const dopt_step_args *a) {
+  if (a->piece->len == 0) return DOPT_OK;
+  dopt_step_args b = *a;
+  dopt_piece pc = *a->piece;
+  pc.lo = 0, pc.numel = pc.len;
+  const int64_t shape[2] = {1, (int64_t)pc.len};
+  b.piece = &pc, b.ndim = 2, b.shape = shape;
+  return nmu_impl->step(&b);
+}
+
 /* Runs layout l with the planted implementation and requires a difference from ref. */
 static void expect_caught(const dt_case *c, const dt_layout *l, const dopt_optim_impl *bug, const char *what) {
   dt_result ref, got;
@@ -761,6 +775,11 @@ static void test_new_optimizers_cuts(void **st) {
   const dt_case tadf = {"torch_adafactor", "weight_decay=0.05,eps1=1e-3", NULL, P_MINI, 4, STEPS, 1, 0.0, 0, 914, 0.05,
                         0, 1, 0, 0, 0, 0, 0};
   expect_bitwise_all(&tadf, lays, nl);
+  /* NorMuon's matrices whole on their owners (the rows' second moment of the whole orthogonalised update),
+   * AdamW piecewise on the vector */
+  const dt_case nmu = {"normuon", "lr=2e-2,weight_decay=0.01", "use_muon=false", P_MINI, 4, STEPS, 1, 0.0, 1, 915,
+                       0.05, 0, 2, 0, 0, 0, 0, 0};
+  expect_bitwise_all(&nmu, lays, nl);
   /* the planted bugs each is caught by */
   mini_impl = impl_of("adam_mini"), sf_impl = impl_of("adamw_schedulefree");
   assert_non_null(mini_impl);
@@ -769,6 +788,11 @@ static void test_new_optimizers_cuts(void **st) {
   local_blocks.step = local_blocks_step;
   expect_caught(&mini[0], &lays[1], &local_blocks, "adam_mini: block sums of the local shard");
   expect_caught(&mini[1], &lays[3], &local_blocks, "adam_mini: block sums of the local shard");
+  nmu_impl = impl_of("normuon");
+  assert_non_null(nmu_impl);
+  shard_ns = *nmu_impl;
+  shard_ns.distributable = 1, shard_ns.whole = NULL, shard_ns.step = shard_ns_step;
+  expect_caught(&nmu, &lays[2], &shard_ns, "normuon: each rank orthogonalises its own shard");
   tail_missed = *sf_impl;
   tail_missed.swap = tail_missed_swap;
   expect_caught(&sf, &lays[2], &tail_missed, "adamw_schedulefree: a swap that misses a piece's last element");

@@ -53,6 +53,7 @@ static const struct {
     {"torch_adafactor", "weight_decay=0.05,beta2_decay=-0.5", 0},
     {"adamw_schedulefree", "lr=1e-2,weight_decay=0.01,warmup_steps=3,r=0.5", 1},
     {"adam_mini", "lr=1e-2,block=neuron,weight_decay=0.01", 0},
+    {"normuon", "lr=2e-2,weight_decay=0.01", 1},
 };
 #define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
 

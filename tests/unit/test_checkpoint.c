@@ -215,6 +215,9 @@ static const resume_case cases[] = {
     /* Adam-mini: a second moment per row (whole [rows, 1] states), plain Adam in group 1; one per tensor */
     {"adam_mini", "lr=1e-2,block=neuron,weight_decay=0.05", "block=elementwise,weight_decay=0", 1},
     {"adam_mini", "lr=1e-2,block=tensor", NULL, 0},
+    /* NorMuon: momentum and the rows' [d0, 1] second moment on the matrices, AdamW on the rest; fp32 iteration */
+    {"normuon", "lr=2e-2,weight_decay=0.01", "use_muon=false,weight_decay=0", 1},
+    {"normuon", "lr=2e-2,ns_dtype=fp32,update_scale=match_rms,nesterov=false", NULL, 0},
 };
 
 static void resume_one(const resume_case *c, int K, int N) {
@@ -267,7 +270,7 @@ static void test_resume_bitwise(void **st) {
     if (!found) fail_msg("optimizer %s has no resume case", dopt_optim_registry_name(r));
     names++;
   }
-  assert_int_equal(names, 14); /* a registry that lost one fails here */
+  assert_int_equal(names, 15); /* a registry that lost one fails here */
 }
 
 /* Save before any step (no states), and save twice at the same step (the generation is replaced). */

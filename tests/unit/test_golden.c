@@ -95,18 +95,6 @@ typedef struct case_info {
   double tol_param, tol_state;
 } case_info;
 
-/* 1 when name is one of the comma-separated names of list (NULL: none). */
-static int listed(const char *list, const char *name) {
-  const size_t n = strlen(name);
-  for (const char *p = list; p && *p;) {
-    const char *comma = strchr(p, ',');
-    const size_t len = comma ? (size_t)(comma - p) : strlen(p);
-    if (len == n && strncmp(p, name, n) == 0) return 1;
-    p = comma ? comma + 1 : NULL;
-  }
-  return 0;
-}
-
 /* A declared tolerance: a finite number in (0, TOL_LIMIT]. */
 static double meta_tol(const dopt_st_file *cf, const char *file, const char *key, double def) {
   const char *v = dopt_st_meta(cf, key);
@@ -133,7 +121,7 @@ static int in_list(const char *list, const char *key, size_t klen) {
  * or one declared in defaults_differ (distopt's default deliberately differs)
  * whose value is not distopt's default. Anything else would hide a default. */
 static void check_defaults_only(const char *file, const char *optname, const char *hparams, const char *differ,
-                                const dopt_optim *o) {
+                                const char *fixed, const dopt_optim *o) {
   char buf[1024], rest[1024];
   snprintf(buf, sizeof buf, "%s", hparams ? hparams : "");
   char *items[64];
@@ -151,6 +139,10 @@ static void check_defaults_only(const char *file, const char *optname, const cha
     snprintf(key, sizeof key, "%.*s", (int)klen, items[i]);
     dopt_optim *o2 = NULL;
     if (dopt_optim_create(optname, rest, &o2) != DOPT_OK) continue; /* required by distopt */
+    if (in_list(fixed, items[i], klen)) { /* set on both sides (the entry's DEFAULTS_FIXED, its reason there) */
+      dopt_optim_destroy(o2);
+      continue;
+    }
     double mine = NAN, theirs = NAN;
     dopt_status s1 = dopt_optim_get_hparam(o2, 0, key, &mine), s2 = dopt_optim_get_hparam(o, 0, key, &theirs);
     dopt_optim_destroy(o2);
@@ -210,7 +202,8 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
   dopt_digest *dg;
   assert_ok(dopt_digest_create(&dg));
   if (ci->defaults_only)
-    check_defaults_only(file, optname, dopt_st_meta(cf, "hparams"), dopt_st_meta(cf, "defaults_differ"), o);
+    check_defaults_only(file, optname, dopt_st_meta(cf, "hparams"), dopt_st_meta(cf, "defaults_differ"),
+                        dopt_st_meta(cf, "defaults_fixed"), o);
 
   /* parameters and groups */
   char names[MAXP][64];
@@ -333,7 +326,7 @@ static int run_case(const char *dir, const char *file, errstat *ep, errstat *es,
       for (int s = 0; s < ns; s++) {
         dopt_state_view v;
         assert_ok(dopt_optim_state(o, i, s, &v));
-        extra += listed(dopt_st_meta(cf, "extra_states"), v.name);
+        extra += in_list(dopt_st_meta(cf, "extra_states"), v.name, strlen(v.name));
       }
       if (upstream_keys != ns - extra && !(upstream_keys == 0 && gp[i] == NULL && ns == 0))
         fail_msg("%s: param %s step %d: %d states here, %d upstream", file, names[i], t, ns, upstream_keys);
