@@ -192,6 +192,13 @@ DOPT_EL float dopt_axpy_elem(float w, float alpha, float u) { return DOPT_FADD(w
 /* U = G² + eps1 */
 DOPT_EL float dopt_sq_eps_elem(float g, float eps1) { return DOPT_FADD(DOPT_FMUL(g, g), eps1); }
 
+/* torch's CPU lerp(self, end, w) with a scalar weight, as its vector kernel computes it: one fused multiply-add,
+ * self + w·(end − self) for |w| < 0.5, else end + (w − 1)·(end − self) (Muon's and NorMuon's momentum, the second
+ * moments of torch's Adafactor and Adam-mini, Schedule-Free's iterates) */
+DOPT_EL float dopt_lerp_elem(float self, float end, float w) {
+  return fabsf(w) < 0.5f ? fmaf(w, DOPT_FSUB(end, self), self) : fmaf(DOPT_FSUB(w, 1.0f), DOPT_FSUB(end, self), end);
+}
+
 /* stat·b + (1−b)·x: a row or column statistic's EMA, and the unfactored (1-D) second moment */
 DOPT_EL float dopt_ema_elem(float stat, float b, float omb, float x) {
   return DOPT_FADD(DOPT_FMUL(stat, b), DOPT_FMUL(omb, x));

@@ -91,10 +91,6 @@ static size_t frame(const double *hp, const dopt_piece *pc) {
   return f.off;
 }
 
-static inline float lerp_elem(float self, float end, float w) {
-  return fabsf(w) < 0.5f ? fmaf(w, end - self, self) : fmaf(w - 1.0f, end - self, end);
-}
-
 /* Stages (blocks): S0 MAX the blocks' largest squares; S1 SUM their words; S2 the moments and the update.
  * Elementwise: one stage. */
 static dopt_status step(const dopt_step_args *a) {
@@ -113,7 +109,7 @@ static dopt_status step(const dopt_step_args *a) {
     for (size_t i = 0; i < n; i++) {
       v[i] = v[i] * b2 + (omb2 * g[i]) * g[i]; /* mul_(beta2).addcmul_(g, g, value=1 - beta2) */
       const float pi = use_wd ? p[i] * decay : p[i];
-      m[i] = lerp_elem(m[i], g[i], omb1);
+      m[i] = dopt_lerp_elem(m[i], g[i], omb1);
       const float hi = sqrtf(v[i]) / bc2s + eps;
       p[i] = pi + (neg_step * m[i]) / hi; /* addcdiv_(m, h, value=-lr/bc1) */
     }
@@ -149,7 +145,7 @@ static dopt_status step(const dopt_step_args *a) {
       const float stepsize = (1.0f / hk) * c1; /* (1/bc1)/h: h.reciprocal() * (1/bc1) */
       for (size_t i = run.off + j, e = i + len; i < e; i++) {
         const float pi = use_wd ? p[i] * decay : p[i];
-        m[i] = lerp_elem(m[i], g[i], omb1);
+        m[i] = dopt_lerp_elem(m[i], g[i], omb1);
         p[i] = pi + -((m[i] * stepsize) * lr); /* update = m·stepsize; update.mul_(lr); p.add_(-update) */
       }
       j += len;

@@ -15,6 +15,7 @@
  * per parameter in double (a parameter stepped at every step of its group has the group's values). */
 #include <math.h>
 
+#include "elem.h"
 #include "registry.h"
 
 enum { LR, BETA1, BETA2, EPS, WD, WARMUP, R, WLP, NHP };
@@ -58,11 +59,6 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   return 4;
 }
 
-/* lerp as torch's CPU vector kernel (|w| < 0.5: from self, else from end) */
-static inline float lerp_elem(float self, float end, float w) {
-  return fabsf(w) < 0.5f ? fmaf(w, end - self, self) : fmaf(w - 1.0f, end - self, end);
-}
-
 static dopt_status step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const size_t n = a->piece->len;
@@ -89,7 +85,7 @@ static dopt_status step(const dopt_step_args *a) {
     v[i] = v[i] * b2 + (c2 * g[i]) * g[i]; /* mul_(beta2).addcmul_(g, g, value=1 - beta2) */
     float gn = g[i] / (sqrtf(v[i] / bc2f) + eps);
     if (use_wd) gn = fmaf(y[i], wd, gn); /* add_(y, alpha=wd) */
-    const float yl = lerp_elem(y[i], z[i], c);
+    const float yl = dopt_lerp_elem(y[i], z[i], c);
     y[i] = fmaf(gn, ay, yl);
     z[i] = fmaf(gn, az, z[i]); /* sub_(ĝ, alpha=lr) */
   }
@@ -101,7 +97,7 @@ static void swap(const double *hp, int to_eval, int64_t step, size_t n, float *p
   if (step < 1) return;
   const float *z = state[S_Z];
   const float w = (float)(to_eval ? 1.0 - 1.0 / hp[BETA1] : 1.0 - hp[BETA1]);
-  for (size_t i = 0; i < n; i++) param[i] = lerp_elem(param[i], z[i], w);
+  for (size_t i = 0; i < n; i++) param[i] = dopt_lerp_elem(param[i], z[i], w);
 }
 
 /* settings that reach every path: decay with a warm-up and polynomial weights; plain defaults at a larger lr */

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elem.h"
 #include "ns.h"
 #include "registry.h"
 
@@ -162,12 +163,6 @@ static double cost(const double *hp, int ndim, const int64_t *shape) {
   return (double)count * dopt_ns_cost(h, w, (int)hp[NS_STEPS]) + 8.0 * (double)numel;
 }
 
-/* torch's lerp(start, end, weight) with a scalar weight, as its AVX2 kernel computes it: one fused multiply-add,
- * start + w·(end − start) for |w| < 0.5, else end + (w − 1)·(end − start). */
-static inline float lerp(float start, float end, float w) {
-  return fabsf(w) < 0.5f ? fmaf(w, end - start, start) : fmaf(w - 1.0f, end - start, end);
-}
-
 /* A Muon matrix's two elementwise passes, split over the pool (each element on its own: no bit depends on the
  * split) and, where the CPU has FMA, with fmaf as the instruction rather than libm's call (the same value: a fused
  * multiply-add rounds once either way). MOMENTUM: M ← lerp(M, G, w), U ← nesterov ? lerp(G, M, beta) : M;
@@ -186,8 +181,8 @@ static inline __attribute__((always_inline)) void ew_body(const ew_job *e, size_
   const float *g = e->g;
   if (e->kind == EW_MOMENTUM) {
     for (size_t i = lo; i < hi; i++) {
-      m[i] = lerp(m[i], g[i], e->w);
-      u[i] = e->nesterov ? lerp(g[i], m[i], e->beta) : m[i];
+      m[i] = dopt_lerp_elem(m[i], g[i], e->w);
+      u[i] = e->nesterov ? dopt_lerp_elem(g[i], m[i], e->beta) : m[i];
     }
   } else {
     for (size_t i = lo; i < hi; i++) p[i] = fmaf(e->alpha, u[i], p[i] * e->decay);
@@ -218,8 +213,8 @@ static dopt_status adam_step(const dopt_step_args *a) {
   float *p = a->param, *m = a->state[0], *v = a->state[1];
   const float *g = a->grad;
   for (size_t i = 0; i < a->piece->len; i++) {
-    m[i] = lerp(m[i], g[i], w1);
-    v[i] = lerp(v[i], g[i] * g[i], w2);
+    m[i] = dopt_lerp_elem(m[i], g[i], w1);
+    v[i] = dopt_lerp_elem(v[i], g[i] * g[i], w2);
     const float u = (m[i] / bc1) / (sqrtf(v[i] / bc2) + eps);
     p[i] = fmaf(alpha, u, p[i] * decay);
   }

@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "elem.h"
 #include "ns.h"
 #include "registry.h"
 
@@ -104,10 +105,6 @@ static double cost(const double *hp, int ndim, const int64_t *shape) {
   return dopt_ns_cost(h, w, (int)hp[NS_STEPS]) + 12.0 * (double)numel;
 }
 
-static inline float lerp(float start, float end, float w) {
-  return fabsf(w) < 0.5f ? fmaf(w, end - start, start) : fmaf(w - 1.0f, end - start, end);
-}
-
 /* upstream's AdamW groups, elementwise on any piece */
 static dopt_status adamw_step(const dopt_step_args *a) {
   const double *hp = a->hp, lr = lr_of(hp, 0), t = (double)a->step;
@@ -120,8 +117,8 @@ static dopt_status adamw_step(const dopt_step_args *a) {
     float g = a->grad[i];
     if (use_wd && decouple) p[i] = p[i] * decay;
     else if (use_wd) g = fmaf(p[i], wd, g); /* grad.add_(p, alpha=wd) */
-    m[i] = lerp(m[i], g, w1);
-    v[i] = lerp(v[i], g * g, w2);
+    m[i] = dopt_lerp_elem(m[i], g, w1);
+    v[i] = dopt_lerp_elem(v[i], g * g, w2);
     p[i] = p[i] + (neg * m[i]) / (sqrtf(v[i]) / bc2s + eps); /* addcdiv_(m, denom, value=-lr/bc1) */
   }
   return DOPT_OK;
@@ -145,8 +142,8 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
     float g = a->grad[i];
     if (use_wd && decouple) p[i] = p[i] * decay;
     else if (use_wd) g = fmaf(p[i], wd, g);
-    m[i] = lerp(m[i], g, wm);
-    u[i] = nesterov ? lerp(g, m[i], beta) : m[i];
+    m[i] = dopt_lerp_elem(m[i], g, wm);
+    u[i] = nesterov ? dopt_lerp_elem(g, m[i], beta) : m[i];
   }
   const dopt_ns_spec ns = {(int)hp[NS_STEPS], (int)hp[NS_DTYPE] == NS_BF16, DOPT_NS_ADDMM, hp[NS_A], hp[NS_B],
                            hp[NS_C], DOPT_NS_EPS};
@@ -160,7 +157,7 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   const float n0 = (float)sqrt(dopt_sumsq(u, n)); /* update.norm() */
   for (size_t r = 0; r < h; r++) {               /* V ← lerp(V, mean_row(U²)); U ← U / (√V + eps) */
     float *row = u + r * w;
-    v[r] = lerp(v[r], (float)(dopt_sumsq(row, w) / (double)w), w2);
+    v[r] = dopt_lerp_elem(v[r], (float)(dopt_sumsq(row, w) / (double)w), w2);
     const float den = sqrtf(v[r]) + eps;
     for (size_t j = 0; j < w; j++) row[j] = row[j] / den;
   }

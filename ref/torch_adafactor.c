@@ -69,11 +69,6 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
 static float eps1_of(const double *hp) { return isnan(hp[EPS1]) ? 0x1p-23f : (float)hp[EPS1]; }
 /* clamp_(min=lo) as torch's: NaN stays NaN */
 static inline float clamp_min(float x, float lo) { return x < lo ? lo : x; }
-/* lerp(self, end, w) as torch's CPU vector kernel: fma(w, end − self, self) for |w| < 0.5, else
- * fma(w − 1, end − self, end) */
-static inline float lerp_elem(float self, float end, float w) {
-  return fabsf(w) < 0.5f ? fmaf(w, end - self, self) : fmaf(w - 1.0f, end - self, end);
-}
 /* a mean of squares as upstream forms it: vector_norm(·) (fp32), squared, divided by the count */
 static inline float norm_sq_mean(double sumsq, double count) {
   const float nrm = (float)sqrt(sumsq);
@@ -155,7 +150,7 @@ static dopt_status step(const dopt_step_args *a) {
     if (pc->factored) return dopt_second_moment_stage(a, 0, &f, row, col, 0.0f, 0.0f, 0.0f);
     DOPT_TRY(dopt_ss_begin(f.pss, ws, nw, a->red));
     for (size_t i = 0; i < n; i++) {
-      row[i] = lerp_elem(row[i], g[i] * g[i], omega);
+      row[i] = dopt_lerp_elem(row[i], g[i] * g[i], omega);
       f.u[i] = dopt_rsqrt_elem(clamp_min(row[i], eps_sq)) * g[i];
     }
     return dopt_ss_begin(f.uss, f.u, n, a->red);
@@ -169,9 +164,9 @@ static dopt_status step(const dopt_step_args *a) {
     {
       const size_t nr = pc->b * pc->h, nc = pc->b * pc->w;
       for (size_t i = 0; i < nr; i++)
-        row[i] = lerp_elem(row[i], norm_sq_mean(dopt_xacc_value(&f.rc.acc[i], f.rc.scale[i]), (double)pc->w), omega);
+        row[i] = dopt_lerp_elem(row[i], norm_sq_mean(dopt_xacc_value(&f.rc.acc[i], f.rc.scale[i]), (double)pc->w), omega);
       for (size_t i = 0; i < nc; i++)
-        col[i] = lerp_elem(col[i], norm_sq_mean(dopt_xacc_value(&f.rc.acc[nr + i], f.rc.scale[nr + i]), (double)pc->h),
+        col[i] = dopt_lerp_elem(col[i], norm_sq_mean(dopt_xacc_value(&f.rc.acc[nr + i], f.rc.scale[nr + i]), (double)pc->h),
                            omega);
       for (size_t bi = 0; bi < pc->b; bi++) /* row_var.mean(dim=-2).clamp_(min=eps1) */
         den[bi] = clamp_min(dopt_mean_elem(dopt_xsum(row + bi * pc->h, pc->h), (double)pc->h), eps1);
