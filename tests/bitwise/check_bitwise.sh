@@ -3,7 +3,7 @@
 # temporary directory and compares, byte for byte (cmp), what both builds
 # write for
 #   - `distopt run` on the same generated input (tests/bitwise/gen_input.py)
-#     for all ten registry optimizers and several hyperparameter sets;
+#     for every registry optimizer and several hyperparameter sets;
 #   - `distopt run` replaying every golden case file (datasets/golden/);
 #   - `distopt compare --json` of every optimizer (piecewise and owner mode) in several
 #     layouts (tp, dp, zero, bf16, clipping, accumulation), with the one
@@ -72,6 +72,12 @@ run_case lisa ""
 run_case lisa "inner=adafactor,n_layers=1,interval=2"
 run_case muon ""
 run_case muon "ns_dtype=fp32,nesterov=false,weight_decay=0.1"
+run_case torch_adafactor "weight_decay=0.05,beta2_decay=-0.5"
+run_case adamw_schedulefree "lr=1e-2,weight_decay=0.05,warmup_steps=2,r=0.5"
+run_case adam_mini "lr=1e-2,block=neuron,weight_decay=0.1"
+run_case adam_mini "lr=1e-2,block=elementwise"
+run_case normuon "lr=2e-2,weight_decay=0.01"
+run_case normuon "lr=2e-2,ns_dtype=fp32,update_scale=match_rms,weight_decouple=false,weight_decay=0.1"
 
 # golden case files replayed (their optimizer, hyperparameters and inputs come from the file)
 for f in "$SRC"/datasets/golden/*.safetensors "$SRC"/datasets/golden/*/*.safetensors; do
@@ -104,7 +110,8 @@ cmp_case() { # args for distopt compare
 for o in adamw adafactor "came --hparams lr=2e-4" lamb adamw8bit "galore_adamw --hparams rank=4,update_proj_gap=2" \
   "galore_adamw8bit --hparams rank=8,update_proj_gap=3,min_8bit_size=16" \
   "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" \
-  "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa muon; do
+  "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa muon torch_adafactor \
+  "adamw_schedulefree --hparams lr=1e-2,weight_decay=0.05" "adam_mini --hparams lr=1e-2,block=neuron" normuon; do
   # shellcheck disable=SC2086
   set -- --optimizer $o
   cmp_case "$@"
