@@ -79,6 +79,11 @@ static int delivered(const char *cmd, int rc) {
 }
 
 int main(int argc, char **argv) {
+  /* Not a terminal: standard output fully buffered, 1 MiB, so that a command's output (list, mem, help, a run's
+   * table) reaches the device in the final flush, where delivered() reads the device's own error (ENOSPC,
+   * EPIPE); a buffer that filled earlier fails while printing, and stdio keeps only its error flag (EIO then). */
+  static char outbuf[(size_t)1 << 20]; /* glibc sizes a buffer it allocates by the device, whatever size says */
+  if (!isatty(STDOUT_FILENO)) setvbuf(stdout, outbuf, _IOFBF, sizeof outbuf);
   if (argc < 2) {
     usage(stderr);
     return CLI_USAGE;
