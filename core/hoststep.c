@@ -17,10 +17,9 @@ int dopt__step_buffers(const dopt_step_args *a, size_t frame_bytes, dopt_step_bu
   if (a->state && a->impl->layout) { /* the states of the parameter's logical shape (else its piece's [b, h, w]):
                                         * a whole state may follow a dimension the view folds (NorMuon's [d0, 1]) */
     const dopt_piece *pc = a->piece;
-    int64_t view[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
-    if (!pc->factored) view[0] = (int64_t)pc->numel;
-    const int ndim = a->shape ? a->ndim : pc->factored ? 3 : 1;
-    const int64_t *shape = a->shape ? a->shape : view;
+    int64_t view[3];
+    int ndim;
+    const int64_t *shape = dopt_step_shape(a, view, &ndim);
     dopt_state_spec spec[DOPT_MAX_STATES];
     const int ns = a->impl->layout(a->hp, ndim, shape, spec);
     for (int s = 0; s < ns; s++) {

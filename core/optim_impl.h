@@ -215,6 +215,15 @@ typedef struct dopt_proj_hook {
   void *user;
 } dopt_proj_hook;
 
+/* The shape a step reads: the parameter's logical one (a->shape) where the caller gave it, else its piece's
+ * [b, h, w] view ([w] for a vector); view: the caller's storage for the latter. */
+static inline const int64_t *dopt_step_shape(const dopt_step_args *a, int64_t view[3], int *ndim) {
+  const dopt_piece *pc = a->piece;
+  view[0] = (int64_t)pc->b, view[1] = (int64_t)pc->h, view[2] = (int64_t)pc->w;
+  *ndim = a->shape ? a->ndim : pc->factored ? 3 : 1;
+  return a->shape ? a->shape : pc->factored ? view : view + 2;
+}
+
 /* The tensor a step takes its parameter statistics from (dopt_step_args.wstat): *w and *n the local
  * elements to reduce, *numel the logical count the RMS divides by. */
 static inline void dopt_wstat(const dopt_step_args *a, const float **w, size_t *n, size_t *numel) {

@@ -180,9 +180,10 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
 
 static dopt_status step(const dopt_step_args *a) {
   const dopt_piece *pc = a->piece;
-  const int64_t view[3] = {(int64_t)pc->b, (int64_t)pc->h, (int64_t)pc->w};
-  const int ndim = a->shape ? a->ndim : pc->factored ? 3 : 1;
-  const int64_t *shape = a->shape ? a->shape : pc->factored ? view : view + 2;
+  /* the parameter's logical shape (a conv filter's 4 dims matter), or the piece's view */
+  int64_t view[3];
+  int ndim;
+  const int64_t *shape = dopt_step_shape(a, view, &ndim);
   if (!is_muon(a->hp, ndim)) {
     dopt_count(a, DOPT_COUNTER_AUX_ADAM, 1);
     return adamw_step(a);

@@ -403,21 +403,16 @@ def inputs_tensors(torch, order, steps, init, grads):
 
 
 def inputs_meta(which):
-    if which == "matrices":
+    own = {"matrices": (MATRIX_SHAPES, MATRIX_STEPS, MATRIX_SEED, MATRIX_ZERO_GRAD_STEPS),
+           "tiny": (TINY_SHAPES, TINY_STEPS, TINY_SEED, TINY_ZERO_GRAD_STEPS)}
+    if which in own:  # the sets with shapes and a seed of their own
+        shapes, steps, seed, zeros = own[which]
         return {
-            "params": ",".join(n for n, _ in MATRIX_SHAPES),
-            "steps": str(MATRIX_STEPS),
-            "seed": str(MATRIX_SEED),
+            "params": ",".join(n for n, _ in shapes),
+            "steps": str(steps),
+            "seed": str(seed),
             "generator": GENERATOR_REL,
-            "zero_grad_steps": ",".join(str(t) for t in MATRIX_ZERO_GRAD_STEPS),
-        }
-    if which == "tiny":
-        return {
-            "params": ",".join(n for n, _ in TINY_SHAPES),
-            "steps": str(TINY_STEPS),
-            "seed": str(TINY_SEED),
-            "generator": GENERATOR_REL,
-            "zero_grad_steps": ",".join(str(t) for t in TINY_ZERO_GRAD_STEPS),
+            "zero_grad_steps": ",".join(str(t) for t in zeros),
         }
     if which == "base":
         return {
