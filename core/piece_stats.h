@@ -107,6 +107,10 @@ void dopt_seg_take(dopt_frame *f, size_t numel, size_t S, dopt_seg_stat *out);
 dopt_status dopt_seg_begin(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red);
 dopt_status dopt_seg_accum(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red);
 double dopt_seg_value(const dopt_seg_stat *s, size_t k);
+/* The piece's local elements cut at segment boundaries (segments of S logical elements): fn(ctx, k, off, n) for
+ * each part, local [off, off + n) of segment k, in order. The statistics above and a step that applies a
+ * per-segment value (Adam-mini's update) walk the same parts. */
+void dopt_seg_parts(size_t S, const dopt_piece *pc, void (*fn)(void *ctx, size_t k, size_t off, size_t n), void *ctx);
 
 /* The frame of the update-norm steps (Adafactor, CAME, LAMB): Σw² and Σu²;
  * with row/column statistics on a factored piece (Adafactor and CAME) their

@@ -66,36 +66,44 @@ void dopt_seg_take(dopt_frame *f, size_t numel, size_t S, dopt_seg_stat *out) {
   out->acc = dopt_frame_take(f, (out->nseg ? out->nseg : 1) * sizeof *out->acc);
 }
 
-/* Every part of the piece's local x that lies within one segment: its largest square into m (accum 0), or its
- * squares into the segment's words (accum 1). Local [off, off + len) of a run lies at logical [at, at + len). */
-static void seg_walk(dopt_seg_stat *s, const float *x, const dopt_piece *pc, int accum) {
+void dopt_seg_parts(size_t S, const dopt_piece *pc, void (*fn)(void *ctx, size_t k, size_t off, size_t n), void *ctx) {
   size_t off = 0;
   dopt_run run;
-  while (dopt_piece_next_run(pc, &off, &run)) {
+  while (dopt_piece_next_run(pc, &off, &run)) { /* local [run.off, +len) lies at logical [run.at, +len) */
     for (size_t j = 0; j < run.len;) {
-      const size_t at = run.at + j, k = at / s->S, left = (k + 1) * s->S - at;
+      const size_t at = run.at + j, k = at / S, left = (k + 1) * S - at;
       const size_t n = left < run.len - j ? left : run.len - j;
-      const float *xp = x + run.off + j;
-      if (accum) {
-        dopt_xacc_add_sq_n(&s->acc[k], dopt_xsum_scale(s->m[k]), xp, n);
-      } else {
-        const double a = (double)dopt__absmax_run(xp, n);
-        if (a * a > s->m[k]) s->m[k] = a * a; /* exact in double */
-      }
+      fn(ctx, k, run.off + j, n);
       j += n;
     }
   }
 }
 
+typedef struct seg_ctx {
+  dopt_seg_stat *s;
+  const float *x;
+} seg_ctx;
+static void seg_max(void *ctx, size_t k, size_t off, size_t n) {
+  const seg_ctx *c = ctx;
+  const double a = (double)dopt__absmax_run(c->x + off, n);
+  if (a * a > c->s->m[k]) c->s->m[k] = a * a; /* exact in double */
+}
+static void seg_words(void *ctx, size_t k, size_t off, size_t n) {
+  const seg_ctx *c = ctx;
+  dopt_xacc_add_sq_n(&c->s->acc[k], dopt_xsum_scale(c->s->m[k]), c->x + off, n);
+}
+
 dopt_status dopt_seg_begin(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red) {
   for (size_t k = 0; k < s->nseg; k++) s->m[k] = 0.0;
-  seg_walk(s, x, pc, 0);
+  seg_ctx c = {s, x};
+  dopt_seg_parts(s->S, pc, seg_max, &c);
   return red ? red->post_max_f64(red->ctx, s->m, s->nseg) : DOPT_OK;
 }
 
 dopt_status dopt_seg_accum(dopt_seg_stat *s, const float *x, const dopt_piece *pc, const dopt_reducer *red) {
   memset(s->acc, 0, s->nseg * sizeof *s->acc);
-  seg_walk(s, x, pc, 1);
+  seg_ctx c = {s, x};
+  dopt_seg_parts(s->S, pc, seg_words, &c);
   return red ? red->post_sum_i64(red->ctx, &s->acc[0].w[0], s->nseg * DOPT_XSUM_WORDS) : DOPT_OK;
 }
 

@@ -18,7 +18,6 @@
  * take the bias branch's addcdiv: P ← P + (−lr/bc1)·m / h. Every block sum is exact (a segment statistic over
  * the logical tensor), so a sharded step gives the single device's bits whatever cuts the blocks. */
 #include <math.h>
-#include <string.h>
 
 #include "elem.h"
 #include "registry.h"
@@ -91,6 +90,24 @@ static size_t frame(const double *hp, const dopt_piece *pc) {
   return f.off;
 }
 
+/* The update of one block's local elements [off, off + n) (block k). */
+typedef struct update_parts {
+  float *p, *m;
+  const float *g, *vmean;
+  float decay, omb1, bc2s, eps, c1, lr;
+  int use_wd;
+} update_parts;
+static void update_part(void *ctx, size_t k, size_t off, size_t n) {
+  const update_parts *u = ctx;
+  const float hk = sqrtf(u->vmean[k]) / u->bc2s + u->eps;
+  const float stepsize = (1.0f / hk) * u->c1; /* (1/bc1)/h: h.reciprocal() * (1/bc1) */
+  for (size_t i = off; i < off + n; i++) {
+    const float pi = u->use_wd ? u->p[i] * u->decay : u->p[i];
+    u->m[i] = dopt_lerp_elem(u->m[i], u->g[i], u->omb1);
+    u->p[i] = pi + -((u->m[i] * stepsize) * u->lr); /* update = m·stepsize; update.mul_(lr); p.add_(-update) */
+  }
+}
+
 /* Stages (blocks): S0 MAX the blocks' largest squares; S1 SUM their words; S2 the moments and the update.
  * Elementwise: one stage. */
 static dopt_status step(const dopt_step_args *a) {
@@ -135,22 +152,8 @@ static dopt_status step(const dopt_step_args *a) {
     const float mean = (float)(dopt_seg_value(&sg, k) / (double)S);
     vmean[k] = fmaf(mean, omb2, vmean[k] * b2); /* mul_(beta2).add_(mean, alpha=1 - beta2) */
   }
-  const float c1 = (float)(1.0 / bc1), lr = (float)hp[LR];
-  size_t off = 0;
-  dopt_run run;
-  while (dopt_piece_next_run(pc, &off, &run)) {
-    for (size_t j = 0; j < run.len;) {
-      const size_t at = run.at + j, k = at / S, left = (k + 1) * S - at, len = left < run.len - j ? left : run.len - j;
-      const float hk = sqrtf(vmean[k]) / bc2s + eps;
-      const float stepsize = (1.0f / hk) * c1; /* (1/bc1)/h: h.reciprocal() * (1/bc1) */
-      for (size_t i = run.off + j, e = i + len; i < e; i++) {
-        const float pi = use_wd ? p[i] * decay : p[i];
-        m[i] = dopt_lerp_elem(m[i], g[i], omb1);
-        p[i] = pi + -((m[i] * stepsize) * lr); /* update = m·stepsize; update.mul_(lr); p.add_(-update) */
-      }
-      j += len;
-    }
-  }
+  update_parts u = {p, m, g, vmean, decay, omb1, bc2s, eps, (float)(1.0 / bc1), (float)hp[LR], use_wd};
+  dopt_seg_parts(S, pc, update_part, &u);
   return DOPT_OK;
 }
 

@@ -124,7 +124,7 @@ static dopt_status adamw_step(const dopt_step_args *a) {
   return DOPT_OK;
 }
 
-static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *shape) {
+static dopt_status muon_step(const dopt_step_args *a, const int64_t *shape) {
   const double *hp = a->hp;
   const dopt_piece *pc = a->piece;
   const size_t n = pc->numel, h = (size_t)shape[0], w = h ? n / h : 0;
@@ -174,7 +174,6 @@ static dopt_status muon_step(const dopt_step_args *a, int ndim, const int64_t *s
   const float alpha = (float)(-lr_adj);
   for (size_t i = 0; i < n; i++) p[i] = fmaf(u[i] * f, alpha, p[i]); /* p.add_(update, alpha=-lr) */
   free(u);
-  (void)ndim;
   return DOPT_OK;
 }
 
@@ -191,7 +190,7 @@ static dopt_status step(const dopt_step_args *a) {
   if (ndim < 2)
     return dopt__fail(DOPT_ERR_SHAPE, "normuon: a %d-D parameter of %zu elements cannot be orthogonalised "
                       "(use_muon=true); put it in a use_muon=false group or leave use_muon=auto", ndim, pc->numel);
-  return muon_step(a, ndim, shape);
+  return muon_step(a, shape);
 }
 
 /* settings that reach every path: bf16 with decay on the matrices, AdamW on the rest; fp32 without Nesterov,
