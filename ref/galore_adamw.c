@@ -15,51 +15,47 @@
 #include <math.h>
 
 #include "galore_proj.h"
+#include "hf_adamw.h"
 #include "registry.h"
 
 /* the HF AdamW keys, then the projector's */
-enum { LR, BETA1, BETA2, EPS, WD, CORRECT_BIAS, PROJ, NHP = PROJ + DOPT_GP_COUNT };
+enum { LR = DOPT_HF_LR, BETA1, BETA2, EPS, WD, CORRECT_BIAS, PROJ = DOPT_HF_NKEYS, NHP = PROJ + DOPT_GP_COUNT };
 
 static const dopt_hp_def hps[NHP] = {
-    [LR] = {"lr", DOPT_HP_REAL, 1e-3, "learning rate", NULL},
-    [BETA1] = {"beta1", DOPT_HP_REAL, 0.9, "first-moment decay", NULL},
-    [BETA2] = {"beta2", DOPT_HP_REAL, 0.999, "second-moment decay", NULL},
-    [EPS] = {"eps", DOPT_HP_REAL, 1e-6, "added to sqrt(v) (not bias-corrected, HF style)", NULL},
-    [WD] = {"weight_decay", DOPT_HP_REAL, 0.0, "decoupled decay after the update: p -= lr*wd*p", NULL},
-    [CORRECT_BIAS] = {"correct_bias", DOPT_HP_BOOL, 1.0, "step_size = lr*sqrt(1-beta2^t)/(1-beta1^t)", NULL},
+    DOPT_HF_ADAMW_HPS,
     DOPT_GALORE_HPS_CORE("projection rank (0 = plain HF AdamW for this group)", DOPT_GALORE_GAP_DOC),
     DOPT_GALORE_HPS_SVD,
 };
 
 /* ---- HF AdamW (the inner; not registered): its keys are hps[0..PROJ) ---- */
 
-static dopt_status hf_validate(const double *hp) {
-  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: lr=%g must be >= 0", hp[LR]);
-  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: eps=%g must be >= 0", hp[EPS]);
+dopt_status dopt_hf_validate(const char *who, const double *hp) {
+  if (hp[LR] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: lr=%g must be >= 0", who, hp[LR]);
+  if (hp[EPS] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: eps=%g must be >= 0", who, hp[EPS]);
   if (!(hp[BETA1] >= 0 && hp[BETA1] < 1))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: beta1=%g must be in [0, 1)", hp[BETA1]);
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: beta1=%g must be in [0, 1)", who, hp[BETA1]);
   if (!(hp[BETA2] >= 0 && hp[BETA2] < 1))
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: beta2=%g must be in [0, 1)", hp[BETA2]);
-  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "galore_adamw: weight_decay=%g must be >= 0", hp[WD]);
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: beta2=%g must be in [0, 1)", who, hp[BETA2]);
+  if (hp[WD] < 0) return dopt__fail(DOPT_ERR_INVALID_ARG, "%s: weight_decay=%g must be >= 0", who, hp[WD]);
   return DOPT_OK;
 }
 
-static int hf_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
+static dopt_status hf_validate(const double *hp) { return dopt_hf_validate("galore_adamw", hp); }
+
+int dopt_hf_layout(const double *hp, int ndim, const int64_t *shape, dopt_state_spec *out) {
   (void)hp;
   dopt_state_def(&out[0], "exp_avg", ndim, shape, 1);
   dopt_state_def(&out[1], "exp_avg_sq", ndim, shape, 1);
   return 2;
 }
 
-/* −step_size = −lr·√bc2/bc1 (correct_bias) or −lr, as fp32 */
-static float neg_step(const double *hp, int64_t step) {
+float dopt_hf_neg_step(const double *hp, int64_t step) {
   double t = (double)step, step_size = hp[LR];
   if (hp[CORRECT_BIAS] != 0.0) step_size = step_size * sqrt(1.0 - pow(hp[BETA2], t)) / (1.0 - pow(hp[BETA1], t));
   return (float)(-step_size);
 }
 
-/* HF AdamW moments and normalised update N of g[n]; returns the multiplier −step_size. */
-static float hf_direction(const double *hp, int64_t step, const float *g, void *const *state, float *N, size_t n) {
+float dopt_hf_direction(const double *hp, int64_t step, const float *g, void *const *state, float *N, size_t n) {
   const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
   const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
   const float eps = (float)hp[EPS];
@@ -71,16 +67,15 @@ static float hf_direction(const double *hp, int64_t step, const float *g, void *
     v[i] = vi;
     N[i] = mi / (sqrtf(vi) + eps);
   }
-  return neg_step(hp, step);
+  return dopt_hf_neg_step(hp, step);
 }
 
-/* An unprojected piece, elementwise: p ← p + (−step_size)·N, then p ← p + (−lr·wd)·p (element by element: the same
- * operations as two passes) */
-static dopt_status hf_step(const dopt_step_args *a) {
+/* element by element: the same operations as two passes */
+dopt_status dopt_hf_step(const dopt_step_args *a) {
   const double *hp = a->hp;
   const float b1 = (float)hp[BETA1], omb1 = (float)(1.0 - hp[BETA1]);
   const float b2 = (float)hp[BETA2], omb2 = (float)(1.0 - hp[BETA2]);
-  const float eps = (float)hp[EPS], ns = neg_step(hp, a->step), neg_decay = (float)(-hp[LR] * hp[WD]);
+  const float eps = (float)hp[EPS], ns = dopt_hf_neg_step(hp, a->step), neg_decay = (float)(-hp[LR] * hp[WD]);
   const int decay = hp[WD] > 0.0;
   float *w = a->param, *m = a->state[0], *v = a->state[1];
   const float *g = a->grad;
@@ -101,8 +96,8 @@ static const dopt_optim_impl hf_adamw = {
     .hp = hps,
     .nhp = PROJ,
     .validate = hf_validate,
-    .layout = hf_layout,
-    .step = hf_step,
+    .layout = dopt_hf_layout,
+    .step = dopt_hf_step,
     .distributable = 1,
 };
 
@@ -110,7 +105,7 @@ static const dopt_optim_impl hf_adamw = {
 
 static dopt_galore_spec spec(const double *hp) {
   (void)hp;
-  dopt_galore_spec sp = {"galore_adamw", &hf_adamw, 0, PROJ, DOPT_GP_COUNT, LR, WD, hf_direction, -1, -1, -1};
+  dopt_galore_spec sp = {"galore_adamw", &hf_adamw, 0, PROJ, DOPT_GP_COUNT, LR, WD, dopt_hf_direction, -1, -1, -1};
   return sp;
 }
 

@@ -1,6 +1,7 @@
 /* GaLore projector: plan, SVD (exact / randomized), sign convention,
  * projection GEMMs. Semantics in ref/galore_proj.h and docs/galore.md. */
 #include "galore_proj.h"
+#include "ctr_rng.h"
 
 #include <cblas.h>
 #include <lapacke.h>
@@ -62,20 +63,8 @@ void dopt_galore_plan_make(int proj_type, size_t m, size_t n, size_t rank, dopt_
 
 /* ---- counter-based Gaussian ------------------------------------------------------ */
 
-static uint64_t mix64(uint64_t z) { /* splitmix64 finaliser */
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 float dopt_galore_gauss(uint64_t seed, int64_t iter, uint64_t index) {
-  uint64_t h = mix64(mix64(mix64(seed) ^ (uint64_t)iter) ^ index);
-  uint64_t h2 = mix64(h);
-  /* u1 in (0, 1], u2 in [0, 1): 53-bit uniforms; Box-Muller in double */
-  double u1 = ((double)(h >> 11) + 1.0) * 0x1.0p-53;
-  double u2 = (double)(h2 >> 11) * 0x1.0p-53;
-  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+  return dopt_ctr_normal(dopt_ctr_mix64(dopt_ctr_mix64(dopt_ctr_mix64(seed) ^ (uint64_t)iter) ^ index));
 }
 
 /* ---- SVD ---------------------------------------------------------------------------- */
