@@ -198,7 +198,8 @@ DOPT_API dopt_status dopt_optim_events(const dopt_optim *o, int param, unsigned 
   X(SVD_FAILURES, "galore.svd_failures", DOPT_COUNT_SUM)     /* both SVDs failed: the previous projector kept */       \
   X(NS, "muon.ns", DOPT_COUNT_SUM)                           /* Newton-Schulz calls (one per matrix) */                \
   X(AUX_ADAM, "muon.adam", DOPT_COUNT_EACH)                  /* steps on Muon's auxiliary Adam path */                 \
-  X(NS_ITERATIONS, "muon.ns_iterations", DOPT_COUNT_SUM)     /* Newton-Schulz iterations (calls x ns_steps) */
+  X(NS_ITERATIONS, "muon.ns_iterations", DOPT_COUNT_SUM)     /* Newton-Schulz iterations (calls x ns_steps) */   \
+  X(LIMITED, "apollo.limited", DOPT_COUNT_SUM)               /* steps whose norm-growth limiter scaled the update */
 
 #define DOPT_COUNT_EACH 0
 #define DOPT_COUNT_SUM 1
