@@ -12,9 +12,9 @@
  *   p ← p + (−lr·wd)·p                                    (after the update, wd > 0)
  * APOLLO-Mini is the setting rank=1,scale_type=tensor (the paper's scale 128). Groups with rank 0, and
  * parameters that are not 2-D, are plain HF AdamW on any piece (upstream's groups without "rank"). A projected
- * matrix steps whole (owner mode): its projection is a product over rows or columns. The projection is never
- * stored: every step regenerates it from its keys, so a checkpoint holds the low-rank moments and one float.
- * Norms are exact sums of squares (core's exact reduction) rounded once; products are dopt_gemm_nn's (fp32, one
+ * matrix steps whole (owner mode): its projection is a product over rows or columns. The projection is kept as
+ * the state `projector` (upstream's ortho_matrix, [r, n] or [m, r]) and redrawn at every refresh, or taken from
+ * the caller's projector hook there (dopt_optim_set_projector_hook: a recorded upstream run's draws). Norms are exact sums of squares (core's exact reduction) rounded once; products are dopt_gemm_nn's (fp32, one
  * rounding per k in k order). docs/optimizers.md ("APOLLO") lists what differs from apollo_torch. */
 #include <math.h>
 #include <stdlib.h>
@@ -81,9 +81,11 @@ static int layout(const double *hp, int ndim, const int64_t *shape, dopt_state_s
   const int64_t low[2] = {(int64_t)p.rows, (int64_t)p.cols};
   dopt_state_def(&out[0], "exp_avg", 2, low, 0);
   dopt_state_def(&out[1], "exp_avg_sq", 2, low, 0);
-  if (hp[DISABLE_NL] != 0.0) return 2;
-  dopt_state_def(&out[2], "scaled_grad", 0, low, 0); /* ‖S‖ after the limiter: one float */
-  return 3;
+  const int64_t ps[2] = {(int64_t)(p.left ? p.m : p.r), (int64_t)(p.left ? p.r : p.n)};
+  dopt_state_def(&out[2], "projector", 2, ps, 0);
+  if (hp[DISABLE_NL] != 0.0) return 3;
+  dopt_state_def(&out[3], "scaled_grad", 0, low, 0); /* ‖S‖ after the limiter: one float */
+  return 4;
 }
 
 static int whole(const double *hp, int ndim, const int64_t *shape) {
@@ -105,18 +107,34 @@ static double cost(const double *hp, int ndim, const int64_t *shape) {
 /* ‖x‖ of n floats at stride 1: the exact sum of squares, its square root rounded once to fp32 */
 static float norm_of(const float *x, size_t n) { return (float)sqrt(dopt_sumsq(x, n)); }
 
-/* The projection's transpose for dopt_gemm_nn, from the generator: right: Pᵀ [n, r] with P[k][j] the draw of
- * element k·n + j; left: Pᵀ [r, m] with P[i][k] the draw of element i·r + k (P's row-major order, upstream's). */
-static void projection(const plan *p, const double *hp, uint64_t tensor, uint64_t q, float *Pt) {
-  const uint64_t seed = (uint64_t)hp[SEED];
-  const float sq = (float)sqrt((double)p->r);
-  if (p->left) {
-    for (size_t i = 0; i < p->m; i++)
-      for (size_t k = 0; k < p->r; k++) Pt[k * p->m + i] = dopt_ctr_gauss(seed, tensor, q, i * p->r + k) / sq;
-  } else {
-    for (size_t k = 0; k < p->r; k++)
-      for (size_t j = 0; j < p->n; j++) Pt[j * p->r + k] = dopt_ctr_gauss(seed, tensor, q, k * p->n + j) / sq;
+/* A new projection P (row-major, [m, r] left or [r, n] right) at a refresh: the caller's hook's, else the
+ * generator's, element e of P the draw (seed, tensor, q, e) divided by √r in fp32 (upstream's randn / sqrt(rank)).
+ * Returns 0, or -1 when the hook failed (*st set). */
+static int draw(const dopt_step_args *a, const plan *p, uint64_t q, float *P, dopt_status *st) {
+  if (a->proj_hook) {
+    const int given = a->proj_hook->fn(a->proj_hook->user, (int)a->tensor, a->step, a->grad, (int64_t)p->m,
+                                       (int64_t)p->n, (int64_t)p->r, p->left ? P : NULL, p->left ? NULL : P);
+    if (given < 0) {
+      *st = dopt__fail(DOPT_ERR_INVALID_ARG, "apollo: the projector hook failed for parameter %d at step %lld",
+                       (int)a->tensor, (long long)a->step);
+      return -1;
+    }
+    if (given > 0) {
+      dopt_count(a, DOPT_COUNTER_SUPPLIED, 1);
+      return 0;
+    }
   }
+  const uint64_t seed = (uint64_t)a->hp[SEED];
+  const float sq = (float)sqrt((double)p->r);
+  const size_t np = p->r * (p->left ? p->m : p->n);
+  for (size_t e = 0; e < np; e++) P[e] = dopt_ctr_gauss(seed, a->tensor, q, e) / sq;
+  return 0;
+}
+
+static int all_zero(const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (x[i] != 0.0f) return 0;
+  return 1;
 }
 
 static dopt_status projected_step(const dopt_step_args *a, const plan *p) {
@@ -135,8 +153,16 @@ static dopt_status projected_step(const dopt_step_args *a, const plan *p) {
     goto done;
   }
   dopt_count(a, DOPT_COUNTER_PROJECTED, 1);
-  if (iter % gap == 0) dopt_count(a, DOPT_COUNTER_REFRESHES, 1);
-  projection(p, hp, a->tensor, (uint64_t)(iter / gap), Pt);
+  /* a new projection at 0-based steps 0, T, 2T, ... and whenever there is none (all zeros: a fresh state) */
+  float *P = a->state[2];
+  if (iter % gap == 0 || all_zero(P, np)) {
+    dopt_count(a, DOPT_COUNTER_REFRESHES, 1);
+    if (draw(a, p, (uint64_t)(iter / gap), P, &st)) goto done;
+  }
+  /* its transpose for dopt_gemm_nn: right Pᵀ [n, r], left Pᵀ [r, m] */
+  const size_t pr = p->left ? m : p->r, pc = p->left ? p->r : n;
+  for (size_t i = 0; i < pr; i++)
+    for (size_t k = 0; k < pc; k++) Pt[k * pr + i] = P[i * pc + k];
   st = p->left ? dopt_gemm_nn(p->r, n, m, Pt, a->grad, R, a->par) : dopt_gemm_nn(m, p->r, n, a->grad, Pt, R, a->par);
   if (st != DOPT_OK) goto done;
   const float ns = dopt_hf_direction(hp, a->step, R, a->state, N, nl);
@@ -165,7 +191,7 @@ static dopt_status projected_step(const dopt_step_args *a, const plan *p) {
   /* the norm-growth limiter (Fira's), against the last step's ‖S‖ */
   float lim = 0.0f; /* 0: S as is */
   if (hp[DISABLE_NL] == 0.0) {
-    float *prev = a->state[2];
+    float *prev = a->state[3];
     const float sn = norm_of(S, mn);
     if (a->step > 1) {
       const float ratio = sn / (prev[0] + 1e-8f);
@@ -226,6 +252,7 @@ const dopt_optim_impl dopt_impl_apollo = {
     .distributable = 0,
     .whole = whole,
     .cost = cost,
+    .projector_hook = 1,
     .example = "rank=2,update_proj_gap=2",
     .grid = grid,
 };

@@ -36,6 +36,8 @@ GLOBAL_ONLY = ("scale_front", "disable_nl")
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "scaled_grad": "scaled_grad"}
 # state["seed"]: the projector's generator key (here distopt's), not state the step evolves
 IGNORE_STATES = ("seed",)
+# distopt's state that upstream keeps in an object (compared through the parameters)
+EXTRA_STATES = {"projector": "state['projector'].ortho_matrix (a GradientProjector)"}
 # group keys: upstream has no defaults for them (a group with "rank" must give them all)
 GROUP_KEYS = ("rank", "update_proj_gap", "scale", "proj_type", "scale_type", "seed")
 # distopt's defaults for the group keys, where upstream's README and paper point: APOLLO's channel scaling, the
