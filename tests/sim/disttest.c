@@ -282,7 +282,10 @@ size_t dt_chunk;
 
 int dt_stage(int i, int n, int pp) { return pp > 1 && n > 0 ? (int)((long)i * pp / n) : 0; }
 
+_Thread_local int dt_thread_rank = -1;
+
 static dopt_status rank_body(dopt_sim_comm *world, int rank, void *user) {
+  dt_thread_rank = rank;
   run_ctx *x = user;
   const dt_case *c = x->c;
   const dt_layout *l = x->l;

@@ -59,6 +59,8 @@ extern int dt_host_steps;
 struct dopt_optim_impl;
 extern const struct dopt_optim_impl *dt_dist_impl;
 extern int dt_step_per_micro;
+/* The world rank of the calling rank thread (-1 elsewhere): what a planted bug keys on to differ per rank. */
+extern _Thread_local int dt_thread_rank;
 
 /* The plain (single-device) optimizer of a case with its initial values:
  * data[i] (fp32; with bf16 the master), work[i] (bf16 or NULL), updated in

@@ -741,6 +741,16 @@ static dopt_status shard_ns_step(const dopt_step_args *a) {
   return nmu_impl->step(&b);
 }
 
+/* An APOLLO projection drawn with a key that differs per rank (a generator seeded per process, torch's default
+ * RNG on each rank): the owner's draw is its own, not the reference's. */
+static dopt_optim_impl rank_seed;
+static const dopt_optim_impl *apollo_impl;
+static dopt_status rank_seed_step(const dopt_step_args *a) {
+  dopt_step_args b = *a;
+  b.tensor = a->tensor + 1000u * (uint64_t)(dt_thread_rank > 0 ? dt_thread_rank : 0);
+  return apollo_impl->step(&b);
+}
+
 /* Runs layout l with the planted implementation and requires a difference from ref. */
 static void expect_caught(const dt_case *c, const dt_layout *l, const dopt_optim_impl *bug, const char *what) {
   dt_result ref, got;
@@ -780,7 +790,18 @@ static void test_new_optimizers_cuts(void **st) {
   const dt_case nmu = {"normuon", "lr=2e-2,weight_decay=0.01", "use_muon=false", P_MINI, 4, STEPS, 1, 0.0, 1, 915,
                        0.05, 0, 2, 0, 0, 0, 0, 0};
   expect_bitwise_all(&nmu, lays, nl);
+  /* APOLLO's projected matrices whole on their owners (a projection per matrix, every rank's draw the same keys),
+   * channel scaling in group 0, APOLLO-Mini (rank 1, tensor scaling) in group 1, the vector plain HF AdamW */
+  const dt_case apo = {"apollo", "lr=1e-2,rank=3,update_proj_gap=4,weight_decay=0.05",
+                       "rank=1,scale_type=tensor,scale=128,update_proj_gap=5", P_MINI, 4, STEPS, 1, 0.0, 1, 916, 0.05,
+                       0, 2, 0, 0, 0, 0, 0};
+  expect_bitwise_all(&apo, lays, nl);
   /* the planted bugs each is caught by */
+  apollo_impl = impl_of("apollo");
+  assert_non_null(apollo_impl);
+  rank_seed = *apollo_impl;
+  rank_seed.step = rank_seed_step;
+  expect_caught(&apo, &lays[2], &rank_seed, "apollo: a projection seeded per rank");
   mini_impl = impl_of("adam_mini"), sf_impl = impl_of("adamw_schedulefree");
   assert_non_null(mini_impl);
   assert_non_null(sf_impl);
