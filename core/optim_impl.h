@@ -297,7 +297,7 @@ typedef struct dopt_optim_impl {
   dopt_status (*compose)(const struct dopt_optim_impl *self, const double *whp, const struct dopt_optim_impl **out);
   int composed;   /* 1: built by compose (heap; hp[0] is `inner` and fixed for the optimizer's life) */
   int nown;       /* a composite: hp[0, nown) are the wrapper's own keys, the inner's follow */
-  int projection; /* 1: GaLore or one of its fixed-inner aliases (not an inner for a projection wrapper) */
+  int projection; /* 1: a gradient projection (GaLore, its fixed-inner aliases, APOLLO): not a projection wrapper's inner */
   int projector_hook; /* 1: its refreshes call dopt_step_args.proj_hook (dopt_galore_step) */
   /* A projection wrapper around this optimizer decays the full weight
    * itself (the inner's weight_decay is zeroed in its low-rank step):

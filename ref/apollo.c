@@ -252,6 +252,7 @@ const dopt_optim_impl dopt_impl_apollo = {
     .distributable = 0,
     .whole = whole,
     .cost = cost,
+    .projection = 1,
     .projector_hook = 1,
     .example = "rank=2,update_proj_gap=2",
     .grid = grid,

@@ -471,7 +471,7 @@ static dopt_status compose(const dopt_optim_impl *self, const double *whp, const
   const char *name = dopt__registry_names[(int)whp[INNER]];
   const dopt_optim_impl *in = dopt_find_impl(name);
   if (!in || in->wrap || in->compose || in->projection)
-    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore: inner=%s is a wrapper or a GaLore optimizer; choose one that "
+    return dopt__fail(DOPT_ERR_INVALID_ARG, "galore: inner=%s is a wrapper or projects its own gradient; choose one that "
                       "steps itself (adamw, adafactor, came, lamb, adamw8bit, ...)", name);
   if (in->swap) /* its parameter is an iterate (Schedule-Free's y), not a weight an update is added to */
     return dopt__fail(DOPT_ERR_INVALID_ARG, "galore: inner=%s keeps its iterates in the parameter (train/eval "

@@ -78,6 +78,8 @@ run_case adam_mini "lr=1e-2,block=neuron,weight_decay=0.1"
 run_case adam_mini "lr=1e-2,block=elementwise"
 run_case normuon "lr=2e-2,weight_decay=0.01"
 run_case normuon "lr=2e-2,ns_dtype=fp32,update_scale=match_rms,weight_decouple=false,weight_decay=0.1"
+run_case apollo "lr=1e-2,rank=2,update_proj_gap=3,weight_decay=0.05"
+run_case apollo "lr=1e-2,rank=1,scale_type=tensor,scale=128,proj_type=left,scale_front=true"
 
 # golden case files replayed (their optimizer, hyperparameters and inputs come from the file)
 for f in "$SRC"/datasets/golden/*.safetensors "$SRC"/datasets/golden/*/*.safetensors; do
@@ -111,7 +113,8 @@ for o in adamw adafactor "came --hparams lr=2e-4" lamb adamw8bit "galore_adamw -
   "galore_adamw8bit --hparams rank=8,update_proj_gap=3,min_8bit_size=16" \
   "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" \
   "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa muon torch_adafactor \
-  "adamw_schedulefree --hparams lr=1e-2,weight_decay=0.05" "adam_mini --hparams lr=1e-2,block=neuron" normuon; do
+  "adamw_schedulefree --hparams lr=1e-2,weight_decay=0.05" "adam_mini --hparams lr=1e-2,block=neuron" normuon \
+  "apollo --hparams lr=1e-2,rank=2,update_proj_gap=3"; do
   # shellcheck disable=SC2086
   set -- --optimizer $o
   cmp_case "$@"

@@ -54,6 +54,8 @@ static const struct {
     {"adamw_schedulefree", "lr=1e-2,weight_decay=0.01,warmup_steps=3,r=0.5", 1},
     {"adam_mini", "lr=1e-2,block=neuron,weight_decay=0.01", 0},
     {"normuon", "lr=2e-2,weight_decay=0.01", 1},
+    /* APOLLO: low-rank moments, projector and the limiter's norm on the matrices' owners */
+    {"apollo", "lr=1e-2,rank=2,update_proj_gap=3,weight_decay=0.01", 0},
 };
 #define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
 

@@ -218,6 +218,10 @@ static const resume_case cases[] = {
     /* NorMuon: momentum and the rows' [d0, 1] second moment on the matrices, AdamW on the rest; fp32 iteration */
     {"normuon", "lr=2e-2,weight_decay=0.01", "use_muon=false,weight_decay=0", 1},
     {"normuon", "lr=2e-2,ns_dtype=fp32,update_scale=match_rms,nesterov=false", NULL, 0},
+    /* APOLLO: low-rank moments, the projector between refreshes and the limiter's norm; APOLLO-Mini in group 1 */
+    {"apollo", "lr=1e-2,rank=2,update_proj_gap=3,weight_decay=0.05", "rank=1,scale_type=tensor,scale=128", 1},
+    {"apollo", "lr=1e-2,rank=3,update_proj_gap=4,proj_type=left,scale_type=tensor,scale_front=true", NULL, 0},
+    {"lisa", "inner=apollo,n_layers=1,interval=2,rank=2,update_proj_gap=3,lr=1e-2", NULL, 0},
 };
 
 static void resume_one(const resume_case *c, int K, int N) {
@@ -270,7 +274,7 @@ static void test_resume_bitwise(void **st) {
     if (!found) fail_msg("optimizer %s has no resume case", dopt_optim_registry_name(r));
     names++;
   }
-  assert_int_equal(names, 15); /* a registry that lost one fails here */
+  assert_int_equal(names, 16); /* a registry that lost one fails here */
 }
 
 /* Save before any step (no states), and save twice at the same step (the generation is replaced). */
