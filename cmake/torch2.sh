@@ -42,7 +42,8 @@ home=${HOME:-$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f6)}  # CI's envi
 root=${XDG_CACHE_HOME:-${home:-/var/tmp}/.cache}/distopt
 key=$( (cat "$pins"; echo "python $ver") | sha256sum | cut -c1-16)
 venv=$root/torch2-$key
-probe='import torch, numpy, torch.distributed.tensor, torch.distributed.fsdp, came_pytorch, torch_optimizer, pytorch_ranger, transformers.optimization, schedulefree, adam_mini, pytorch_optimizer
+probe='import torch, numpy, torch.distributed.tensor, torch.distributed.fsdp, came_pytorch, torch_optimizer, pytorch_ranger, transformers.optimization, schedulefree, adam_mini, pytorch_optimizer, importlib.util
+assert importlib.util.find_spec("apollo_torch"), "apollo_torch"
 assert torch.__version__.split("+")[0] == "2.15.0", torch.__version__'
 
 valid() {

@@ -1,5 +1,5 @@
 /* distopt verify, GaLore projectors (verifier.h): each recorded projector checked against ours (sin theta)
- * and adopted, and the recorded refreshes against ours. */
+ * and adopted (APOLLO's random projections adopted as drawn), and the recorded refreshes against ours. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -186,6 +186,13 @@ int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t
                (long long)(side ? n : r));
       return -1;
     }
+  }
+  if (strcmp(ix->optimizer, "apollo") == 0) { /* a random projection (upstream's draws): no subspace to check it
+                                                * against, adopted as recorded (docs/verify.md) */
+    for (int side = 0; side < 2; side++)
+      if (rec[side]) memcpy(side ? right : left, rec[side], (size_t)(side ? r * n : m * r) * sizeof(float));
+    c->proj_adopted++;
+    return 1;
   }
   const size_t k = (size_t)(r < (m < n ? m : n) ? r + 1 : r); /* sigma_{r+1} too, when there is one */
   float *U = malloc((size_t)m * k * sizeof *U), *S = malloc(k * sizeof *S), *Vt = malloc(k * (size_t)n * sizeof *Vt);

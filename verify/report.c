@@ -87,7 +87,10 @@ void vf_print_table(const vctx *c) {
   if (ix->grads == VR_GRADS_BF16) printf("  gradients recorded as bf16 (the replay's gradients are rounded)\n");
   if (c->not_replayed) printf("  %ld step%s not replayed (only gradient digests, or no recorded state before)\n",
                               c->not_replayed, c->not_replayed == 1 ? "" : "s");
-  if (c->proj_adopted || c->proj_none)
+  if ((c->proj_adopted || c->proj_none) && strcmp(ix->optimizer, "apollo") == 0)
+    printf("  APOLLO projections: %ld recorded draw%s adopted, %ld refresh%s without one (our generator)\n",
+           c->proj_adopted, c->proj_adopted == 1 ? "" : "s", c->proj_none, c->proj_none == 1 ? "" : "es");
+  else if (c->proj_adopted || c->proj_none)
     printf("  GaLore projectors: %ld recorded one%s adopted after the subspace check, %ld refresh%s without one (our "
            "SVD)\n", c->proj_adopted, c->proj_adopted == 1 ? "" : "s", c->proj_none, c->proj_none == 1 ? "" : "es");
   if (ix->nchanges && !c->ref_path)

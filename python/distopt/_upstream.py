@@ -94,7 +94,7 @@ TABLE["normuon"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ig
 # correction): missing on load, it reads as 0
 TABLE["muon"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {}, "states": {},
                  "step": "int", "step_optional": True, "bools": ("use_muon",)}
-for _name in ("adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore"):  # bitsandbytes / galore_torch: betas
+for _name in ("adamw8bit", "galore_adamw", "galore_adamw8bit", "q_galore", "apollo"):  # bitsandbytes / galore_torch: betas
     TABLE[_name] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": (), "fixed": {},
                     "states": {}, "step": "int"}
 _PLAIN = {"group": [], "ignore": (), "fixed": {}, "states": {}, "step": "int"}
@@ -222,6 +222,23 @@ def _galore_adafactor(group):
     return g
 
 
+def _apollo_group(group, opt):
+    """apollo_torch's APOLLOAdamW groups: a group without `rank` is not projected (distopt's rank=0); proj="random"
+    is distopt's apollo (proj="svd" is GaLore's projector, refused); scale_front and disable_nl are the optimizer's
+    attributes, every group's keys here."""
+    g = {k: v for k, v in group.items() if k != "proj"}
+    if "rank" not in g:
+        for k in ("update_proj_gap", "scale", "proj_type", "scale_type"):
+            g.pop(k, None)
+        g["rank"] = 0
+    elif group.get("proj", "random") != "random":
+        raise ValueError(f"apollo_torch APOLLOAdamW proj={group.get('proj')!r}: distopt's apollo has the random "
+                         f"projection only (proj='svd' is GaLore's projector: galore_adamw)")
+    for attr in ("scale_front", "disable_nl"):
+        g[attr] = bool(getattr(opt, attr, False))
+    return g
+
+
 def _torch_muon(group):
     """torch.optim.Muon (torch >= 2.9) as distopt's muon with flavor=torch (its addmm-form Newton-Schulz, norm
     clamped at eps, docs/muon.md): every parameter a Muon matrix (use_muon true); ns_coefficients as ns_a, ns_b,
@@ -310,6 +327,10 @@ CLASSES = {
     ("torch_optimizer", "Lamb"): {"name": "lamb", "attrs": {"debias": "bias_correction", "adam": "adam"},
                                   "drop": ("weight_norm", "adam_norm", "trust_ratio")},
     ("galore_torch", "AdamW"): {"name": "galore_adamw", "group": _galore_group(), "projector": True},
+    # apollo-torch 1.0.3's APOLLOAdamW (apollo_torch.apollo.AdamW; the package's other AdamW classes are GaLore's):
+    # its draws recorded at every refresh (state["projector"].ortho_matrix) and fed back by verify
+    ("apollo_torch.apollo", "AdamW"): {"name": "apollo", "group_opt": _apollo_group, "projector": True,
+                                       "drop": ("seed",)},
     ("galore_torch", "Adafactor"): {"name": "galore", "group": _galore_adafactor, "projector": True},
     ("galore_torch", "AdamW8bit"): {"name": "galore_adamw8bit", "group": _galore_group(), "projector": True},
     ("bitsandbytes", "AdamW8bit"): {"name": "adamw8bit"},
@@ -322,6 +343,7 @@ CLASSES = {
 
 
 def upstream_class(cls):
-    """The CLASSES entry of an optimizer class (its top-level package and name; a subclass is not matched:
-    it may compute something else), or None."""
-    return CLASSES.get((cls.__module__.split(".")[0], cls.__name__))
+    """The CLASSES entry of an optimizer class (its module and name, else its top-level package and name, for a
+    package with several classes of one name; a subclass is not matched: it may compute something else), or
+    None."""
+    return CLASSES.get((cls.__module__, cls.__name__)) or CLASSES.get((cls.__module__.split(".")[0], cls.__name__))

@@ -497,12 +497,13 @@ class Recorder:
             raise ValueError(f"distopt.record: name={name!r} for {_qualname(inner)} needs hparams= (distopt keys)")
         if name is not None and name not in _core.names():
             raise ValueError(f"distopt.record: {name!r} is not a distopt optimizer (known: {', '.join(_core.names())})")
-        if start_step is None and any(len(v) for v in inner.state.values()):
+        entry = _upstream.upstream_class(type(inner)) if known == name else None
+        self.drop = set(entry.get("drop", ())) if entry else set()
+        # what a constructor puts in state before any step (APOLLOAdamW's per-parameter seed) is in `drop`
+        if start_step is None and any(set(v) - self.drop for v in inner.state.values()):
             raise ValueError("distopt.record: the optimizer has stepped already (it holds state): pass start_step= "
                              "(the steps taken so far) to record a window, its states at the start recorded first")
         self.name = name
-        entry = _upstream.upstream_class(type(inner)) if known == name else None
-        self.drop = set(entry.get("drop", ())) if entry else set()
         self.projectors = bool(entry and entry.get("projector"))
         self.proj_seen = {}  # id(parameter) -> the projector tensor(s) last recorded
         self.groups = _Groups(name, hparams, zero if zero is not None else optimizer, inner)

@@ -545,6 +545,75 @@ class TestTorchStateDict(Base):
             res = distopt.verify(path)
             self.assertEqual(res.verdict["kind"], "within_tolerance", res.stderr)
 
+    def test_apollo(self):
+        """apollo-torch's APOLLOAdamW as apollo. Upstream draws its projections with torch's generator: a run
+        recorded from the class (no names written) records each draw at its refresh (state["projector"]) and
+        verify feeds them back (the projector hook), so the rest of the step is checked within the declared
+        bounds; the same for APOLLO-Mini (rank 1, tensor scaling, scale 128). distopt's own draws give another
+        run: with both sides on distopt's draws (upstream's stable_randn patched, as the golden entry does) the
+        runs agree within the golden bound."""
+        import importlib
+        import importlib.util
+        import sys
+        import types
+        if "apollo_torch" not in sys.modules:  # the package's __init__ imports bitsandbytes (GaLoreAdamW8bit only)
+            pkg = types.ModuleType("apollo_torch")
+            pkg.__path__ = list(importlib.util.find_spec("apollo_torch").submodule_search_locations)
+            sys.modules["apollo_torch"] = pkg
+        apollo = importlib.import_module("apollo_torch.apollo")
+
+        def groups(m, mini):
+            mats = [p for p in m.parameters() if p.ndim == 2]
+            vecs = [p for p in m.parameters() if p.ndim < 2]
+            proj = (dict(rank=1, scale_type="tensor", scale=128.0) if mini else
+                    dict(rank=2, scale_type="channel", scale=1.0))
+            return [dict(params=mats, proj="random", update_proj_gap=3, proj_type="std", **proj),
+                    dict(params=vecs, weight_decay=0.0)]
+
+        for mini in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "run.rec")
+                rmodel = make_model(3)
+                ropt = apollo.AdamW(groups(rmodel, mini), lr=1e-2, weight_decay=0.01)
+                with distopt.record(ropt, path, names=rmodel):
+                    train(rmodel, ropt, 8)
+                res = distopt.verify(path)
+                self.assertEqual((res.verdict or {}).get("kind"), "within_tolerance", res.stderr)
+        # distopt's draws on both sides: upstream's generator replaced for this run only
+        rp = importlib.import_module("apollo_torch.random_projector")
+        tmodel, model = make_model(), make_model()
+        # distopt's draw key of a parameter: its index in the optimizer, groups in order (upstream's count too)
+        flat = [p for g in groups(tmodel, False) for p in g["params"]]
+        order = {id(p): i for i, p in enumerate(flat)}
+        spec = importlib.util.spec_from_file_location(  # the golden entry's port of distopt's generator
+            "golden_apollo", os.path.join(common.source_dir(), "datasets", "golden", "entries", "apollo.py"))
+        entry = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(entry)
+
+        def stable_randn(shape, seed, device=None, dtype=torch.float32):
+            t, q = seed & 0xFFFFFFFF, seed >> 32
+            rows, cols = shape
+            vals = [entry._gauss(0, t, q, e) for e in range(rows * cols)]
+            return torch.tensor(vals, dtype=torch.float64).reshape(rows, cols).to(dtype)
+
+        saved = (rp.stable_randn, rp.next_seed)
+        rp.stable_randn, rp.next_seed = stable_randn, lambda seed, adv=0xF: seed + (1 << 32)
+        try:
+            topt = apollo.AdamW(groups(tmodel, False), lr=1e-2, weight_decay=0.01)
+            for p in tmodel.parameters():
+                topt.state[p]["seed"] = order[id(p)]
+            opt = distopt.Optimizer("apollo", [{k: v for k, v in g.items() if k != "proj"}
+                                               for g in groups(model, False)], lr=1e-2, weight_decay=0.01)
+            train(tmodel, topt, 8)
+            train(model, opt, 8)
+        finally:
+            rp.stable_randn, rp.next_seed = saved
+        for (n, p), q in zip(model.named_parameters(), tmodel.parameters()):
+            e = common.normwise_rel(p.detach().numpy(), q.detach().numpy())
+            self.assertLessEqual(e, 1e-6, f"apollo {n}: {e:.3g}")
+        self.assertEqual(tuple(opt.state[model[0].weight]["exp_avg"].shape), (12, 2))
+        self.assertEqual(opt.counters(model[0].weight)["galore.refreshes"], 3)
+
     def test_counters(self):
         """Counters through the binding: muon's Newton-Schulz calls per matrix and its aux Adam steps, per
         parameter and summed (docs/api.md "Counters")."""
