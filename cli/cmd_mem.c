@@ -69,13 +69,33 @@ static int classes_of(const cmp_model *m, stage_sel ss, pclass *c) {
 
 static int classes(const cmp_model *m, pclass *c) { return classes_of(m, (stage_sel){0, 1}, c); }
 
-/* The hyperparameters of optimizer opt for one tensor: hp, and for a GaLore optimizer its rank on the projected
- * tensors (the attention and MLP linears, as the paper) and 0, no projection, on the others. */
+/* 1 when optimizer opt projects gradients at a `rank` (GaLore's forms, Q-GaLore, APOLLO): it has the key. */
+static int projects(const char *opt) {
+  dopt_optim *o;
+  double v;
+  if (dopt_optim_create(opt, NULL, &o) != DOPT_OK) return strstr(opt, "galore") != NULL; /* needs keys (q_galore) */
+  const int has = dopt_optim_get_hparam(o, 0, "rank", &v) == DOPT_OK;
+  dopt_optim_destroy(o);
+  return has;
+}
+
+/* The hyperparameters of optimizer opt for one tensor: hp, and for a projecting optimizer its rank on the
+ * projected tensors (the attention and MLP linears, as the GaLore paper) and 0, no projection, on the others;
+ * a rank already in hp (APOLLO-Mini's 1) is kept. */
 static void tensor_hparams(const char *opt, const char *hp, int projected, int rank, char *h, size_t cap) {
   if (!hp) hp = "";
-  if (strstr(opt, "galore")) snprintf(h, cap, "%s%srank=%d", hp, hp[0] ? "," : "", projected ? rank : 0);
+  if (projects(opt) && strncmp(hp, "rank=", 5) != 0 && !strstr(hp, ",rank="))
+    snprintf(h, cap, "%s%srank=%d", hp, hp[0] ? "," : "", projected ? rank : 0);
+  else if (projects(opt) && !projected) snprintf(h, cap, "%s%srank=0", hp, hp[0] ? "," : "");
   else snprintf(h, cap, "%s", hp);
 }
+
+/* Named settings that get a row of their own after their optimizer's (the paper's memory figure). */
+static const struct {
+  const char *opt, *hp, *label;
+} SETTINGS[] = {
+    {"apollo", "rank=1,scale_type=tensor,scale=128", "rank=1, tensor (APOLLO-Mini)"},
+};
 
 /* Total state bytes of the model for one optimizer; -1 if unavailable. */
 static double model_state_bytes(const cmp_model *m, const char *opt, const char *hp, int rank, int *ok) {
@@ -484,9 +504,16 @@ int cmd_mem(int argc, char **argv) {
       continue;
     }
     snprintf(hp, sizeof hp, "%s", h);
-    if (strstr(name, "galore")) snprintf(hp, sizeof hp, "rank=%d (attn+mlp)", rank);
+    if (projects(name)) snprintf(hp, sizeof hp, "rank=%d (attn+mlp)", rank);
     if (strcmp(name, "lisa") == 0) snprintf(hp, sizeof hp, "adamw, all layers seen");
     printf("%-18s %-28s %12.2f %10.2f %9.1f%%\n", name, hp, b / gib, b / params, okw ? 100.0 * b / adamw : 0.0);
+    for (size_t j = 0; j < sizeof SETTINGS / sizeof SETTINGS[0]; j++) {
+      if (strcmp(SETTINGS[j].opt, name) != 0) continue;
+      b = model_state_bytes(m, name, SETTINGS[j].hp, rank, &ok);
+      if (ok)
+        printf("%-18s %-28s %12.2f %10.2f %9.1f%%\n", name, SETTINGS[j].label, b / gib, b / params,
+               okw ? 100.0 * b / adamw : 0.0);
+    }
   }
   /* the GaLore paper's Table 2 accounting: BF16 weights and states (2 bytes) */
   if (m->paper_full_gb > 0) {
