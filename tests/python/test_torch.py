@@ -545,6 +545,7 @@ class TestTorchStateDict(Base):
             res = distopt.verify(path)
             self.assertEqual(res.verdict["kind"], "within_tolerance", res.stderr)
 
+    @unittest.skipUnless(importlib.util.find_spec("apollo_torch"), "apollo-torch is in the torch-2 set only")
     def test_apollo(self):
         """apollo-torch's APOLLOAdamW as apollo. Upstream draws its projections with torch's generator: a run
         recorded from the class (no names written) records each draw at its refresh (state["projector"]) and
@@ -552,8 +553,6 @@ class TestTorchStateDict(Base):
         bounds; the same for APOLLO-Mini (rank 1, tensor scaling, scale 128). distopt's own draws give another
         run: with both sides on distopt's draws (upstream's stable_randn patched, as the golden entry does) the
         runs agree within the golden bound."""
-        import importlib
-        import importlib.util
         import sys
         import types
         if "apollo_torch" not in sys.modules:  # the package's __init__ imports bitsandbytes (GaLoreAdamW8bit only)
