@@ -23,13 +23,13 @@
  * see each other's unpinning in the middle of a call. Code outside distopt
  * that changes the count concurrently is not covered (docs/galore.md). */
 static pthread_mutex_t blas_mu = PTHREAD_MUTEX_INITIALIZER;
-static int blas_pin(void) {
+int dopt_blas_pin(void) {
   pthread_mutex_lock(&blas_mu);
   int t = openblas_get_num_threads();
   if (t != 1) openblas_set_num_threads(1);
   return t;
 }
-static void blas_unpin(int t) {
+void dopt_blas_unpin(int t) {
   if (t != 1) openblas_set_num_threads(t);
   pthread_mutex_unlock(&blas_mu);
 }
@@ -174,9 +174,9 @@ dopt_status dopt_galore_svd(size_t m, size_t n, size_t r, const float *g, const 
     free(U), free(s), free(Vt), free(a);
     return dopt__fail(DOPT_ERR_NO_MEMORY, "galore: SVD buffers for a [%zu, %zu] gradient", m, n);
   }
-  int th = blas_pin();
+  int th = dopt_blas_pin();
   int rc = randomized ? randomized_svd(m, n, k, g, opt, U, s, Vt, events) : thin_svd(m, n, g, a, U, s, Vt, events);
-  blas_unpin(th);
+  dopt_blas_unpin(th);
   if (rc == 0) {
     fix_signs(m, n, k, r, U, Vt, sign_on_left);
     for (size_t i = 0; Uo && i < m; i++) memcpy(Uo + i * r, U + i * k, r * sizeof *U);
@@ -216,7 +216,7 @@ dopt_status dopt_galore_refresh(const dopt_galore_plan *p, const float *g, const
 void dopt_galore_project(const dopt_galore_plan *p, const float *g, const float *A, const float *B, float *R,
                          float *ws) {
   const int M = (int)p->m, N = (int)p->n, r = (int)p->r;
-  int th = blas_pin();
+  int th = dopt_blas_pin();
   if (p->left && p->right) { /* Aᵀ·G [r, n], then ·Bᵀ */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, N, M, 1.0f, A, r, g, N, 0.0f, ws, N);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, r, N, 1.0f, ws, N, B, N, 0.0f, R, r);
@@ -225,13 +225,13 @@ void dopt_galore_project(const dopt_galore_plan *p, const float *g, const float 
   } else { /* Aᵀ·G [r, n] */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, N, M, 1.0f, A, r, g, N, 0.0f, R, N);
   }
-  blas_unpin(th);
+  dopt_blas_unpin(th);
 }
 
 void dopt_galore_project_back(const dopt_galore_plan *p, const float *Nl, const float *A, const float *B, float scale,
                               float *out, float *ws) {
   const int M = (int)p->m, N = (int)p->n, r = (int)p->r;
-  int th = blas_pin();
+  int th = dopt_blas_pin();
   if (p->left && p->right) { /* (A·N) [m, r], then ·B */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, r, r, 1.0f, A, r, Nl, r, 0.0f, ws, r);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, r, 1.0f, ws, r, B, N, 0.0f, out, N);
@@ -240,7 +240,7 @@ void dopt_galore_project_back(const dopt_galore_plan *p, const float *Nl, const 
   } else { /* A·N */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, r, 1.0f, A, r, Nl, N, 0.0f, out, N);
   }
-  blas_unpin(th);
+  dopt_blas_unpin(th);
   for (size_t i = 0; i < p->m * p->n; i++) out[i] = out[i] * scale;
 }
 

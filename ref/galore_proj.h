@@ -14,6 +14,11 @@
 #include "distopt/status.h"
 #include "optim_impl.h"
 
+/* OpenBLAS pinned to one thread around a BLAS/LAPACK call, in a process-wide critical section (galore_proj.c
+ * says why); SOAP's eigendecompositions and QRs (ref/soap.c) take the same pin. Returns the count to restore. */
+int dopt_blas_pin(void);
+void dopt_blas_unpin(int threads);
+
 /* proj_type, in the order of galore_adamw's enum choices */
 enum { DOPT_PROJ_STD = 0, DOPT_PROJ_REVERSE_STD, DOPT_PROJ_LEFT, DOPT_PROJ_RIGHT, DOPT_PROJ_FULL, DOPT_PROJ_COUNT_ };
 /* svd, in the order of galore_adamw's enum choices */

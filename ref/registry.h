@@ -37,4 +37,10 @@ int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dop
 
 const dopt_optim_impl *dopt_find_impl(const char *name);
 
+/* Tests only (tests/sim/test_dist_regress.c's planted bug): while set on the calling thread, SOAP's QR refresh
+ * re-sorts an eigenbasis without permuting v with it (the class of NeMo Emerging-Optimizers PR #266). */
+#ifndef __cplusplus /* (CUDA's bench includes this header as C++) */
+extern _Thread_local int dopt__soap_unpermuted;
+#endif
+
 #endif

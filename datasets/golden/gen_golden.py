@@ -668,6 +668,7 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
     # mode and is recorded in evaluation mode after every step
     eval_mode = case.get("mode") == "eval"
     tensors = []
+    adopted = {}
     for t in range(1, steps + 1):
         for n in order:
             g = grads.get((t, n))
@@ -677,13 +678,30 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
         optim.step()
         if eval_mode:
             optim.eval()
+        # ADOPT_STATES (SOAP's bases): every new value, at the step it appears, as adopt/<t>/<param>/<key>
+        for n in order if getattr(e, "ADOPT_STATES", None) else ():
+            for k, v in optim.state.get(params[n], {}).items():
+                for i, x in enumerate(v if isinstance(v, (list, tuple)) else []):
+                    key = "%s%d" % (k, i)
+                    if key not in e.ADOPT_STATES or not isinstance(x, torch.Tensor):
+                        continue
+                    old = adopted.get((n, key))
+                    if old is None or not torch.equal(old, x):
+                        tensors.append(("adopt/%d/%s/%s" % (t, n, key), to_np(torch, x)))
+                        adopted[(n, key)] = x.clone()
         if t % every:
             continue
         for n in order:
             tensors.append(("param/%d/%s" % (t, n), to_np(torch, params[n])))
         for n in order:
             st = optim.state.get(params[n], {})
-            for k, v in st.items():
+            items = []
+            for k, v in st.items():  # a list of tensors (SOAP's GG, Q: one per dimension, [] for none) as k0, k1, ...
+                if isinstance(v, (list, tuple)) and all(isinstance(x, (torch.Tensor, list)) for x in v):
+                    items += [("%s%d" % (k, i), x) for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
+                else:
+                    items.append((k, v))
+            for k, v in items:
                 if isinstance(v, bool) or not isinstance(v, (torch.Tensor, int, float)):
                     continue
                 if k in getattr(e, "IGNORE_STATES", ()):  # upstream's bookkeeping, not optimizer state
@@ -727,6 +745,8 @@ def run_case(e, ctx, case, out_dir, pin, cap, versions):
         meta["record_every"] = str(every)
     if eval_mode:
         meta["mode"] = "eval"
+    if getattr(e, "ADOPT_STATES", None):  # upstream's value taken at the parameter's first step (after a check)
+        meta["adopt_states"] = ",".join(e.ADOPT_STATES)
     if getattr(e, "EXTRA_STATES", None):  # distopt's states upstream keeps elsewhere (not compared)
         meta["extra_states"] = ",".join(e.EXTRA_STATES)
     for k in ("tol_param", "tol_state"):

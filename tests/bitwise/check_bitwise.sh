@@ -80,6 +80,8 @@ run_case normuon "lr=2e-2,weight_decay=0.01"
 run_case normuon "lr=2e-2,ns_dtype=fp32,update_scale=match_rms,weight_decouple=false,weight_decay=0.1"
 run_case apollo "lr=1e-2,rank=2,update_proj_gap=3,weight_decay=0.05"
 run_case apollo "lr=1e-2,rank=1,scale_type=tensor,scale=128,proj_type=left,scale_front=true"
+run_case soap "lr=1e-2,precondition_frequency=3,weight_decay=0.05"
+run_case soap "lr=1e-2,precondition_frequency=2,precondition_1d=true,normalize_gradient=true"
 
 # golden case files replayed (their optimizer, hyperparameters and inputs come from the file)
 for f in "$SRC"/datasets/golden/*.safetensors "$SRC"/datasets/golden/*/*.safetensors; do
@@ -114,7 +116,7 @@ for o in adamw adafactor "came --hparams lr=2e-4" lamb adamw8bit "galore_adamw -
   "q_galore --hparams rank=4,update_proj_gap=2,proj_group_size=-1" \
   "galore --hparams inner=adafactor,rank=4,update_proj_gap=2,beta1=0.9" lisa muon torch_adafactor \
   "adamw_schedulefree --hparams lr=1e-2,weight_decay=0.05" "adam_mini --hparams lr=1e-2,block=neuron" normuon \
-  "apollo --hparams lr=1e-2,rank=2,update_proj_gap=3"; do
+  "apollo --hparams lr=1e-2,rank=2,update_proj_gap=3" "soap --hparams lr=1e-2,precondition_frequency=3"; do
   # shellcheck disable=SC2086
   set -- --optimizer $o
   cmp_case "$@"

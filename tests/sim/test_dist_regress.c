@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "disttest.h"
+#include "registry.h"
 #include "distopt/dpsum.h"
 #include "optim_impl.h"
 #include "distopt/optim.h"
@@ -751,6 +752,17 @@ static dopt_status rank_seed_step(const dopt_step_args *a) {
   return apollo_impl->step(&b);
 }
 
+/* SOAP's QR refresh re-sorting a basis without permuting v with it, on the distributed side only (the reference
+ * steps on the main thread, the ranks on their own) */
+static dopt_optim_impl unpermuted;
+static const dopt_optim_impl *soap_impl;
+static dopt_status unpermuted_step(const dopt_step_args *a) {
+  dopt__soap_unpermuted = 1;
+  const dopt_status s = soap_impl->step(a);
+  dopt__soap_unpermuted = 0;
+  return s;
+}
+
 /* Runs layout l with the planted implementation and requires a difference from ref. */
 static void expect_caught(const dt_case *c, const dt_layout *l, const dopt_optim_impl *bug, const char *what) {
   dt_result ref, got;
@@ -796,7 +808,18 @@ static void test_new_optimizers_cuts(void **st) {
                        "rank=1,scale_type=tensor,scale=128,update_proj_gap=5", P_MINI, 4, STEPS, 1, 0.0, 1, 916, 0.05,
                        0, 2, 0, 0, 0, 0, 0};
   expect_bitwise_all(&apo, lays, nl);
+  /* SOAP's preconditioned matrices whole on their owners (eigendecompositions, QR refreshes every 3 steps, v
+   * permuted with each basis), the vector Adam piecewise; group 1 preconditions its vector too */
+  const dt_case soap = {"soap", "lr=1e-2,precondition_frequency=3,weight_decay=0.05",
+                        "precondition_1d=true,weight_decay=0", P_MINI, 4, STEPS, 1, 0.0, 1, 917, 0.05, 0, 2, 0, 0, 0,
+                        0, 0};
+  expect_bitwise_all(&soap, lays, nl);
   /* the planted bugs each is caught by */
+  soap_impl = impl_of("soap");
+  assert_non_null(soap_impl);
+  unpermuted = *soap_impl;
+  unpermuted.step = unpermuted_step;
+  expect_caught(&soap, &lays[4], &unpermuted, "soap: an eigenbasis re-sorted without permuting v");
   apollo_impl = impl_of("apollo");
   assert_non_null(apollo_impl);
   rank_seed = *apollo_impl;

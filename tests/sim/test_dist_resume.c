@@ -56,6 +56,8 @@ static const struct {
     {"normuon", "lr=2e-2,weight_decay=0.01", 1},
     /* APOLLO: low-rank moments, projector and the limiter's norm on the matrices' owners */
     {"apollo", "lr=1e-2,rank=2,update_proj_gap=3,weight_decay=0.01", 0},
+    /* SOAP: preconditioners, eigenbases and v in the eigenbasis on the owners, refreshes after the cut */
+    {"soap", "lr=1e-2,precondition_frequency=3,weight_decay=0.01", 1},
 };
 #define NOPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
 
