@@ -37,6 +37,16 @@ int dopt__adamw8bit_layout(const double *hp, int ndim, const int64_t *shape, dop
 
 const dopt_optim_impl *dopt_find_impl(const char *name);
 
+/* SOAP: a basis from another implementation (upstream's, recorded) checked before it is adopted (test_golden's
+ * adopt_states, distopt verify); the bounds are derived in docs/optimizers.md ("SOAP"). d: its size; A: our
+ * preconditioner GG [d, d] after the step; prev: the basis the refresh started from, NULL for the first basis
+ * (an eigendecomposition); theirs: the new basis; ours: the one we computed (a refresh; unused for the first).
+ * Orthonormal within (2d + 4)·u; the first an eigenbasis of A in descending order within (2d + 4)·u·‖A‖_F; a
+ * refresh's column k within √2·(4d + 8)·u·κ₂(P_{:,1..k}) of ours, P = A·prev sorted as the refresh sorts it.
+ * Returns 0, or -1 and a one-line reason in why[cap]; *worst: the largest measured / bound. */
+int dopt__soap_basis_check(size_t d, const float *A, const float *prev, const float *theirs, const float *ours,
+                           double *worst, char *why, size_t cap);
+
 /* Tests only (tests/sim/test_dist_regress.c's planted bug): while set on the calling thread, SOAP's QR refresh
  * re-sorts an eigenbasis without permuting v with it (the class of NeMo Emerging-Optimizers PR #266). */
 #ifndef __cplusplus /* (CUDA's bench includes this header as C++) */

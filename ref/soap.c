@@ -19,6 +19,7 @@
  * A preconditioned parameter steps whole (owner mode); the others are elementwise (Adam on any piece). */
 #include <lapacke.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -338,6 +339,124 @@ done:
   free(wd);
   free(idx);
   return st;
+}
+
+/* ---- upstream's bases, checked before they are adopted (test_golden, distopt verify) ------------------------ */
+
+/* The extreme eigenvalues of a symmetric n x n matrix G (double, destroyed): cyclic Jacobi rotations until the
+ * off-diagonal is below 1e-15 of the diagonal's scale. */
+static void sym_extremes(double *G, size_t n, double *lo, double *hi) {
+  for (int sweep = 0; sweep < 100; sweep++) {
+    double off = 0, dia = 0;
+    for (size_t p = 0; p < n; p++)
+      for (size_t q = 0; q < n; q++) {
+        if (p == q) dia += G[p * n + q] * G[p * n + q];
+        else off += G[p * n + q] * G[p * n + q];
+      }
+    if (off <= 1e-30 * dia) break;
+    for (size_t p = 0; p < n; p++)
+      for (size_t q = p + 1; q < n; q++) {
+        if (G[p * n + q] == 0) continue;
+        const double th = (G[q * n + q] - G[p * n + p]) / (2 * G[p * n + q]);
+        const double t = (th >= 0 ? 1 : -1) / (fabs(th) + sqrt(th * th + 1)), c = 1 / sqrt(t * t + 1), sn = t * c;
+        for (size_t k = 0; k < n; k++) { /* columns p, q */
+          const double x = G[k * n + p], y = G[k * n + q];
+          G[k * n + p] = c * x - sn * y, G[k * n + q] = sn * x + c * y;
+        }
+        for (size_t k = 0; k < n; k++) { /* rows p, q */
+          const double x = G[p * n + k], y = G[q * n + k];
+          G[p * n + k] = c * x - sn * y, G[q * n + k] = sn * x + c * y;
+        }
+      }
+  }
+  *lo = INFINITY, *hi = -INFINITY;
+  for (size_t p = 0; p < n; p++) *lo = fmin(*lo, G[p * n + p]), *hi = fmax(*hi, G[p * n + p]);
+}
+
+int dopt__soap_basis_check(size_t d, const float *A, const float *prev, const float *theirs, const float *ours,
+                           double *worst, char *why, size_t cap) {
+  const double u = 0x1p-24;
+  double fro = 0, orth = 0, off = 0, rise = 0, last = INFINITY;
+  double *lam = malloc(d * sizeof *lam), *P = malloc(d * d * sizeof *P), *G = malloc(d * d * sizeof *G);
+  size_t *ord = malloc(d * sizeof *ord);
+  int rc = 0;
+  *worst = 0;
+  if (!lam || !P || !G || !ord) {
+    snprintf(why, cap, "no memory for a [%zu, %zu] basis check", d, d);
+    rc = -1;
+    goto done;
+  }
+  for (size_t k = 0; k < d * d; k++) fro += (double)A[k] * (double)A[k];
+  fro = sqrt(fro);
+  const float *B = prev ? prev : theirs; /* whose QᵀAQ: the new basis, or the one the refresh started from */
+  for (size_t a = 0; a < d; a++)
+    for (size_t b = 0; b < d; b++) {
+      double qq = 0, qaq = 0;
+      for (size_t r = 0; r < d; r++) {
+        qq += (double)theirs[r * d + a] * (double)theirs[r * d + b];
+        double aq = 0;
+        for (size_t c = 0; c < d; c++) aq += (double)A[r * d + c] * (double)B[c * d + b];
+        qaq += (double)B[r * d + a] * aq;
+      }
+      orth = fmax(orth, fabs(qq - (a == b ? 1.0 : 0.0)));
+      if (a != b) off = fmax(off, fabs(qaq));
+      else rise = fmax(rise, qaq - last), last = qaq, lam[a] = qaq;
+    }
+  const double bo = (2.0 * (double)d + 4.0) * u;
+  *worst = orth / bo;
+  if (!(orth <= bo)) {
+    snprintf(why, cap, "not orthonormal: max|QᵀQ - I| %.3g, beyond %.3g", orth, bo);
+    rc = -1;
+    goto done;
+  }
+  if (!prev) {
+    const double be = (2.0 * (double)d + 4.0) * u * fro;
+    *worst = fmax(*worst, fmax(off, rise) / be);
+    if (!(off <= be) || !(rise <= be)) {
+      snprintf(why, cap, "not an eigenbasis of the preconditioner in descending order (off-diagonal %.3g, order %.3g, "
+               "beyond %.3g)", off, rise, be);
+      rc = -1;
+    }
+    goto done;
+  }
+  for (size_t k = 0; k < d; k++) ord[k] = k;
+  for (size_t a = 1; a < d; a++) { /* stable, descending: the refresh's order */
+    const size_t x = ord[a];
+    size_t j = a;
+    while (j > 0 && lam[ord[j - 1]] < lam[x]) ord[j] = ord[j - 1], j--;
+    ord[j] = x;
+  }
+  for (size_t r = 0; r < d; r++)
+    for (size_t k = 0; k < d; k++) {
+      double x = 0;
+      for (size_t c = 0; c < d; c++) x += (double)A[r * d + c] * (double)prev[c * d + ord[k]];
+      P[r * d + k] = x;
+    }
+  for (size_t k = 0; k < d; k++) {
+    const size_t n = k + 1;
+    for (size_t a = 0; a < n; a++)
+      for (size_t b = 0; b < n; b++) {
+        double x = 0;
+        for (size_t r = 0; r < d; r++) x += P[r * d + a] * P[r * d + b];
+        G[a * n + b] = x;
+      }
+    double lo, hi;
+    sym_extremes(G, n, &lo, &hi);
+    const double kappa = lo > 0 ? sqrt(hi / lo) : INFINITY;
+    double e = 0;
+    for (size_t r = 0; r < d; r++)
+      e += ((double)theirs[r * d + k] - ours[r * d + k]) * ((double)theirs[r * d + k] - ours[r * d + k]);
+    const double bk = sqrt(2.0) * (4.0 * (double)d + 8.0) * u * kappa;
+    if (bk < INFINITY) *worst = fmax(*worst, sqrt(e) / bk);
+    if (!(sqrt(e) <= bk)) {
+      snprintf(why, cap, "column %zu is %.3g from ours, beyond %.3g (kappa %.3g)", k, sqrt(e), bk, kappa);
+      rc = -1;
+      goto done;
+    }
+  }
+done:
+  free(lam), free(P), free(G), free(ord);
+  return rc;
 }
 
 /* settings that exercise every path (dopt_optim_impl.example/grid): QR refreshes inside 100 steps, a dimension

@@ -50,6 +50,7 @@
 #include "distopt/distopt.h"
 #include "distopt/safetensors.h"
 #include "optim_impl.h"
+#include "registry.h"
 
 #define TOL_PARAM 1e-6
 #define TOL_STATE 1e-5
@@ -160,53 +161,14 @@ static void check_defaults_only(const char *file, const char *optname, const cha
  * element, so every parameter of an optimizer that takes pieces is split) and
  * checks every recorded step against upstream; dig gets the SHA-256 of every
  * parameter and state after every step, for the thread-count comparison. */
-/* The extreme eigenvalues of a symmetric n x n matrix G (double, destroyed): cyclic Jacobi rotations until the
- * off-diagonal is below 1e-15 of the diagonal's scale (n <= 64 here: a golden basis' leading columns). */
-static void sym_extremes(double *G, size_t n, double *lo, double *hi) {
-  for (int sweep = 0; sweep < 100; sweep++) {
-    double off = 0, dia = 0;
-    for (size_t p = 0; p < n; p++)
-      for (size_t q = 0; q < n; q++) {
-        if (p == q) dia += G[p * n + q] * G[p * n + q];
-        else off += G[p * n + q] * G[p * n + q];
-      }
-    if (off <= 1e-30 * dia) break;
-    for (size_t p = 0; p < n; p++)
-      for (size_t q = p + 1; q < n; q++) {
-        if (G[p * n + q] == 0) continue;
-        const double th = (G[q * n + q] - G[p * n + p]) / (2 * G[p * n + q]);
-        const double t = (th >= 0 ? 1 : -1) / (fabs(th) + sqrt(th * th + 1)), c = 1 / sqrt(t * t + 1), sn = t * c;
-        for (size_t k = 0; k < n; k++) { /* columns p, q */
-          const double a = G[k * n + p], b = G[k * n + q];
-          G[k * n + p] = c * a - sn * b, G[k * n + q] = sn * a + c * b;
-        }
-        for (size_t k = 0; k < n; k++) { /* rows p, q */
-          const double a = G[p * n + k], b = G[q * n + k];
-          G[p * n + k] = c * a - sn * b, G[q * n + k] = sn * a + c * b;
-        }
-      }
-  }
-  *lo = INFINITY, *hi = -INFINITY;
-  for (size_t p = 0; p < n; p++) *lo = fmin(*lo, G[p * n + p]), *hi = fmax(*hi, G[p * n + p]);
-}
-
 /* metadata adopt_states (SOAP's eigenbases Q0, Q1, ...): a state distopt recomputes at discrete events (the
  * first step's eigendecomposition, the QR refreshes) that upstream recorded at every change (adopt/<t>/<p>/<key>).
  * The events must coincide (distopt's value changed at step t exactly when upstream's did), and at each one
- * upstream's value is checked and taken into distopt's state, so the later steps compare at the golden bounds
- * whatever LAPACK chose. Checks (u = 2^-24, d the basis' size, products in double):
- *   - orthonormal: max|QᵀQ − I| <= (2·d + 4)·u (Householder's orthogonality error is a modest multiple of d·u;
- *     4·u for the fp32 storage of each entry: measured 3.4e-7 on a 2 x 2, of 4.8e-7);
- *   - the first step (torch's eigh; its signs and, on a degenerate eigenspace, its vectors are LAPACK's choice): an
- *     eigenbasis of distopt's own preconditioner A = GG<k> (compared with upstream's at the golden bounds), in
- *     descending order: max|offdiag(QᵀAQ)| and every rise of its diagonal <= (2·d + 4)·u·‖A‖_F (fp32 eigh is
- *     backward stable, ‖E‖₂ <= p(d)·u·‖A‖₂, p(d) taken as 2·d; 4·u covers A's own golden-level error);
- *   - a refresh (Householder QR of P = A·Q_prev, its columns sorted by diag(Q_prevᵀAQ_prev) descending): column
- *     k of upstream's Q within √2·(4·d + 8)·u·κ₂(P_{:,1..k}) of distopt's: Q's first-order perturbation for a
- *     relative column perturbation ε of P_{:,1..k} is at most √2·κ₂·ε (Sun's bound), ε the QR's backward error
- *     γ_{2d} on each side plus P's own golden-level difference (8·u); κ₂ from the leading columns' Gram matrix
- *     (Jacobi, double). A different sort moves v's rows, which the state comparison then names.
- * mine/prev: distopt's value now and before the step (NULL: none kept yet). */
+ * upstream's value is checked (dopt__soap_basis_check: orthonormal; the first an eigenbasis of distopt's own
+ * GG<k> in descending order; a refresh's columns within the QR's derived bound of ours) and taken into
+ * distopt's state, so the later steps compare at the golden bounds whatever LAPACK chose. A different sort
+ * moves v's rows, which the state comparison then names. prev[s]: distopt's state s after the last step. */
+static double adopt_worst; /* the largest measured / bound of the checks, printed with the table */
 static void adopt(dopt_st_file *cf, const char *file, dopt_optim *o, int i, const char *name, int t, float **prev) {
   const char *list = dopt_st_meta(cf, "adopt_states");
   int64_t step;
@@ -239,72 +201,13 @@ static void adopt(dopt_st_file *cf, const char *file, dopt_optim *o, int i, cons
     if (!A) fail_msg("%s: %s: no %s state here to check the basis against", file, key, gname);
     float *Q = malloc(d * d * sizeof *Q);
     memcpy(Q, up.data, d * d * sizeof *Q);
-    const double u = 0x1p-24;
-    double fro = 0, orth = 0, off = 0, rise = 0, last = INFINITY;
-    for (size_t k = 0; k < d * d; k++) fro += (double)A[k] * (double)A[k];
-    fro = sqrt(fro);
-    const float *B = step == 1 ? Q : prev[s]; /* whose QᵀAQ: the new basis, or the one the refresh started from */
-    double *lam = malloc(d * sizeof *lam);
-    for (size_t a = 0; a < d; a++)
-      for (size_t b = 0; b < d; b++) {
-        double qq = 0, qaq = 0;
-        for (size_t r = 0; r < d; r++) {
-          qq += (double)Q[r * d + a] * (double)Q[r * d + b];
-          double aq = 0;
-          for (size_t c = 0; c < d; c++) aq += (double)A[r * d + c] * (double)B[c * d + b];
-          qaq += (double)B[r * d + a] * aq;
-        }
-        orth = fmax(orth, fabs(qq - (a == b ? 1.0 : 0.0)));
-        if (a != b) off = fmax(off, fabs(qaq));
-        else rise = fmax(rise, qaq - last), last = qaq, lam[a] = qaq;
-      }
-    const double bo = (2.0 * (double)d + 4.0) * u;
-    if (!(orth <= bo)) fail_msg("%s: %s: upstream's basis is not orthonormal (%.3g of %.3g)", file, key, orth, bo);
-    if (step == 1) {
-      const double be = (2.0 * (double)d + 4.0) * u * fro;
-      if (!(off <= be) || !(rise <= be))
-        fail_msg("%s: %s: upstream's basis does not diagonalise GG here (off-diagonal %.3g, order %.3g of %.3g)",
-                 file, key, off, rise, be);
-    } else { /* the refresh: column k against ours, at κ₂ of P's leading k columns (sorted as the refresh did) */
-      size_t *ord = malloc(d * sizeof *ord);
-      double *P = malloc(d * d * sizeof *P), *G = malloc(d * d * sizeof *G);
-      for (size_t k = 0; k < d; k++) ord[k] = k;
-      for (size_t a = 1; a < d; a++) { /* stable, descending: the refresh's order */
-        const size_t x = ord[a];
-        size_t j = a;
-        while (j > 0 && lam[ord[j - 1]] < lam[x]) ord[j] = ord[j - 1], j--;
-        ord[j] = x;
-      }
-      for (size_t r = 0; r < d; r++)
-        for (size_t k = 0; k < d; k++) {
-          double x = 0;
-          for (size_t c = 0; c < d; c++) x += (double)A[r * d + c] * (double)B[c * d + ord[k]];
-          P[r * d + k] = x;
-        }
-      const float *ours = v.data;
-      for (size_t k = 0; k < d; k++) {
-        const size_t n = k + 1;
-        for (size_t a = 0; a < n; a++)
-          for (size_t b = 0; b < n; b++) {
-            double x = 0;
-            for (size_t r = 0; r < d; r++) x += P[r * d + a] * P[r * d + b];
-            G[a * n + b] = x;
-          }
-        double lo, hi;
-        sym_extremes(G, n, &lo, &hi);
-        const double kappa = lo > 0 ? sqrt(hi / lo) : INFINITY;
-        double e = 0;
-        for (size_t r = 0; r < d; r++) e += ((double)Q[r * d + k] - ours[r * d + k]) * ((double)Q[r * d + k] - ours[r * d + k]);
-        const double bk = sqrt(2.0) * (4.0 * (double)d + 8.0) * u * kappa;
-        if (!(sqrt(e) <= bk))
-          fail_msg("%s: %s: column %zu of upstream's refreshed basis is %.3g from ours, beyond %.3g (kappa %.3g)", file,
-                   key, k, sqrt(e), bk, kappa);
-      }
-      free(ord), free(P), free(G);
-    }
+    char why[256];
+    double w;
+    if (dopt__soap_basis_check(d, A, step == 1 ? NULL : prev[s], Q, v.data, &w, why, sizeof why))
+      fail_msg("%s: %s: upstream's basis: %s", file, key, why);
+    adopt_worst = fmax(adopt_worst, w);
     memcpy(v.data, Q, d * d * sizeof *Q);
     free(Q);
-    free(lam);
   }
   for (int s = 0; s < dopt_optim_num_states(o, i); s++) { /* the values the next step starts from */
     dopt_state_view v;
@@ -674,6 +577,7 @@ static void test_golden(void **st) {
     if (!claimed[i]) fail_msg("%s/%s belongs to no optimizer in manifest.json (stale? rerun gen_golden.py)", dir, files[i]);
   printf("\ncoverage of the %d registered optimizers:\n", nreg);
   for (int r = 0; r < nreg; r++) printf("  %-18s %s\n", dopt_optim_registry_name(r), cover[r]);
+  printf("adopted bases (adopt_states): the largest check measured at %.3g of its derived bound\n", adopt_worst);
   free(cover);
   for (int i = 0; i < nf; i++) free(files[i]);
   cJSON_Delete(man);
