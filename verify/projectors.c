@@ -11,6 +11,7 @@
 #include <cjson/cJSON.h>
 
 #include "galore_proj.h" /* the projector check: dopt_galore_svd */
+#include "registry.h"    /* SOAP's basis check: dopt__soap_basis_check */
 #include "verifier.h"
 
 /* ---- GaLore projectors: the recorded one checked against ours and adopted --------------------
@@ -254,3 +255,95 @@ int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t
 
 /* --reference: REF holds, for the run's parameters (same names, shapes), the reference values at the steps the
  * run records; one rank, whole pieces. */
+
+/* ---- SOAP's bases: the recorded ones checked and adopted -----------------------------------------------------
+ *
+ * A SOAP run's first basis is its LAPACK's eigendecomposition (its signs, and on a degenerate eigenspace its
+ * vectors, are that LAPACK's choice) and every later one a QR refresh of it: a replay with our own first basis
+ * follows another, equally valid, trajectory. So, as the golden test does, each recorded basis that changed at
+ * step t is checked against ours (dopt__soap_basis_check: orthonormal; the first an eigenbasis of our GG<k> in
+ * descending order; a refresh's columns within the QR's derived bound of ours) and adopted. The statistic
+ * bases(Q) of a parameter holds the largest check / its bound (1 = at the bound; a different step of change on
+ * the two sides: infinite). */
+
+/* The recorded F32 state `key` of parameter p after step t, on the first rank that holds a piece of p. */
+static const float *recorded_state(vctx *c, int p, long t, const char *key, size_t *numel) {
+  const vr_index *ix = &c->rd.ix;
+  char name[VR_MAX_NAME + VR_MAX_KEY + 64];
+  if (t == ix->start_step) snprintf(name, sizeof name, "init_state/%s/%s", ix->params[p].name, key);
+  else snprintf(name, sizeof name, "state/%ld/%s/%s", t, ix->params[p].name, key);
+  for (int rk = 0; rk < ix->world_size; rk++) {
+    const void *x = vr_rank_piece(ix, rk, p) ? vr_reader_f32(&c->rd, rk, t == ix->start_step ? t + 1 : t, name, numel) : NULL;
+    if (x) return x;
+  }
+  return NULL;
+}
+
+/* parameter p's bases(Q) statistic, made on its first rank's piece at first use; -1 when there is no room */
+static int bases_stat(vctx *c, int p) {
+  if (c->proj_stat[p] >= 0) return c->proj_stat[p];
+  const vr_index *ix = &c->rd.ix;
+  for (int rk = 0; rk < ix->world_size; rk++) {
+    const int pi = vr_rank_piece(ix, rk, p) ? vf_piece_index(c, rk, p) : -1;
+    if (pi < 0) continue;
+    vpiece_keys *pk = &c->rt[rk].keys[pi];
+    const int si = pk->nkeys < VR_MAX_KEYS ? vf_new_stat(c, rk, &ix->ranks[rk].pieces[pi], "bases(Q)") : -1;
+    if (si >= 0) pk->stat[++pk->nkeys] = si;
+    return c->proj_stat[p] = si;
+  }
+  return -1;
+}
+
+int vf_adopt_bases(vctx *c, long t) {
+  const vr_index *ix = &c->rd.ix;
+  if (strcmp(ix->optimizer, "soap") != 0) return CLI_OK;
+  if (!c->basis_prev && !(c->basis_prev = calloc((size_t)ix->nparams * DOPT_MAX_STATES, sizeof *c->basis_prev)))
+    return cli_errorf(CMD, "out of memory");
+  for (int p = 0; p < ix->nparams; p++) {
+    int64_t step = 0;
+    if (dopt_optim_get_step(c->opt, p, &step) != DOPT_OK) continue;
+    for (int s = 0; s < dopt_optim_num_states(c->opt, p) && s < DOPT_MAX_STATES; s++) {
+      dopt_state_view v;
+      if (dopt_optim_state(c->opt, p, s, &v) != DOPT_OK || v.name[0] != 'Q' || v.ndim != 2) continue;
+      const size_t d = (size_t)v.shape[0], bytes = d * d * sizeof(float);
+      float **prev = &c->basis_prev[(size_t)p * DOPT_MAX_STATES + (size_t)s];
+      size_t numel = 0;
+      if (!*prev && t - 1 == ix->start_step && ix->start_step > 0) {
+        const float *init = recorded_state(c, p, t - 1, v.name, &numel); /* a window's start: its recorded basis */
+        if (init && numel == d * d && (*prev = malloc(bytes))) memcpy(*prev, init, bytes);
+      }
+      const float *rec = recorded_state(c, p, t, v.name, &numel);
+      if (!rec)
+        return cli_errorf(CMD, "%s: soap: step %ld has no recorded '%s' of '%s': verify adopts SOAP's bases where "
+                               "they change, so it needs the states of every step (distopt.record every=1)",
+                          c->rd.index_path, t, v.name, ix->params[p].name);
+      if (numel != d * d)
+        return cli_errorf(CMD, "%s: soap: the recorded '%s' of '%s' at step %ld has %zu elements, expected %zu",
+                          c->rd.index_path, v.name, ix->params[p].name, t, numel, d * d);
+      const int theirs = !*prev || memcmp(*prev, rec, bytes) != 0;
+      const int ours = !*prev || memcmp(*prev, v.data, bytes) != 0;
+      const int si = theirs || ours ? bases_stat(c, p) : -1;
+      if (theirs != ours) {
+        if (si >= 0) vf_record_result(c, si, t, INFINITY, 1.0);
+      } else if (theirs) {
+        const float *A = NULL; /* Q<k> is GG<k>'s */
+        for (int s2 = 0; s2 < dopt_optim_num_states(c->opt, p); s2++) {
+          dopt_state_view g;
+          if (dopt_optim_state(c->opt, p, s2, &g) == DOPT_OK && g.name[0] == 'G' && strcmp(g.name + 2, v.name + 1) == 0)
+            A = g.data;
+        }
+        char why[256];
+        double w = 0;
+        const int bad = !A || dopt__soap_basis_check(d, A, step == 1 ? NULL : *prev, rec, v.data, &w, why, sizeof why);
+        if (si >= 0) {
+          if (w > c->st[si].max_abs) c->st[si].max_abs = w;
+          vf_record_result(c, si, t, bad ? INFINITY : w, 1.0);
+        }
+        if (!bad) memcpy(v.data, rec, bytes), c->bases_adopted++;
+      }
+      if (!*prev && !(*prev = malloc(bytes))) return cli_errorf(CMD, "out of memory");
+      memcpy(*prev, rec, bytes);
+    }
+  }
+  return CLI_OK;
+}

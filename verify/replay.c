@@ -400,6 +400,7 @@ static int replay_steps(vctx *c, cli_progress *pg) {
       }
       if (c->prev) grow_allowance(c);
       if (ix->projectors && (rc = vf_check_refreshes(c, t))) return rc;
+      if ((rc = vf_adopt_bases(c, t))) return rc;
     }
     long before = 0;
     for (int i = 0; i < c->nst; i++) before += c->st[i].compared;

@@ -87,6 +87,9 @@ void vf_print_table(const vctx *c) {
   if (ix->grads == VR_GRADS_BF16) printf("  gradients recorded as bf16 (the replay's gradients are rounded)\n");
   if (c->not_replayed) printf("  %ld step%s not replayed (only gradient digests, or no recorded state before)\n",
                               c->not_replayed, c->not_replayed == 1 ? "" : "s");
+  if (c->bases_adopted)
+    printf("  SOAP bases: %ld recorded one%s adopted after the check (the first: an eigenbasis of our preconditioner; "
+           "refreshes: within the QR's bound of ours)\n", c->bases_adopted, c->bases_adopted == 1 ? "" : "s");
   if ((c->proj_adopted || c->proj_none) && strcmp(ix->optimizer, "apollo") == 0)
     printf("  APOLLO projections: %ld recorded draw%s adopted, %ld refresh%s without one (our generator)\n",
            c->proj_adopted, c->proj_adopted == 1 ? "" : "s", c->proj_none, c->proj_none == 1 ? "" : "es");
@@ -141,6 +144,7 @@ void vf_print_table(const vctx *c) {
     if (!s->compared) continue;
     ncmp++;
     if (strcmp(s->key, "step") == 0) continue;
+    if (strncmp(s->key, "bases(", 6) == 0) continue; /* a check against its own bound (its row says how close) */
     if (s->key[0]) ws = s->max_rel > ws ? s->max_rel : ws, ns++;
     else wp = s->max_rel > wp ? s->max_rel : wp, np++;
   }
@@ -180,6 +184,10 @@ void vf_print_table(const vctx *c) {
     else if (strncmp(s->key, "sin_theta(", 10) == 0)
       printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: the recorded projector's subspace is %.3g from ours, "
              "beyond the bound %.3g)\n", c->verdict_step, name, s->rank, c->verdict_value, s->tol_first);
+    else if (strncmp(s->key, "bases(", 6) == 0)
+      printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: a recorded SOAP basis fails its check against ours "
+             "(%.3g of its bound; inf: changed on one side only))\n", c->verdict_step, name, s->rank,
+             c->verdict_value);
     else if (strncmp(s->key, "events(", 7) == 0)
       printf("verdict: DIVERGED at step %ld (events: galore.refreshes of %s: reference %lld, recorded %lld)\n",
              c->verdict_step, ix->params[s->param].name, (long long)s->ev_ours, (long long)s->ev_rec);
@@ -221,6 +229,7 @@ static int json_body(FILE *f, const void *ctx) {
   cJSON_AddStringToObject(root, "grads", ix->grads == VR_GRADS_BF16 ? "BF16" : "F32");
   cJSON_AddNumberToObject(root, "not_replayed", (double)c->not_replayed);
   cJSON_AddNumberToObject(root, "projectors_adopted", (double)c->proj_adopted);
+  cJSON_AddNumberToObject(root, "bases_adopted", (double)c->bases_adopted);
   cJSON *tol = cJSON_AddObjectToObject(root, "tolerance");
   if (tol) {
     cJSON_AddStringToObject(tol, "metric", "normwise_relative");
@@ -309,6 +318,7 @@ static int json_body(FILE *f, const void *ctx) {
     vf_stat_name(c, s, name, sizeof name);
     cJSON_AddStringToObject(v, "kind", strcmp(s->key, "step") == 0                ? "step_counter"
                                        : strncmp(s->key, "sin_theta(", 10) == 0 ? "projector"
+                                       : strncmp(s->key, "bases(", 6) == 0      ? "basis"
                                        : strncmp(s->key, "events(", 7) == 0     ? "events"
                                                                                 : "diverged");
     cJSON_AddNumberToObject(v, "step", (double)c->verdict_step);

@@ -72,6 +72,12 @@ static const verify_tol verify_tolerances[] = {
      * --rtol-state); the scaling factor is a ratio of norms over r or n elements of R and N, its error averaged,
      * and reaches the parameter damped by lr. Golden, 200 steps: params 3.4e-7, states 7.8e-7 */
     {"apollo", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
+    /* SOAP: the recorded bases adopted where they change (checked against ours: dopt__soap_basis_check, statistic
+     * bases(Q)), the rest is Adam's elementwise chain between mode products (fp32 dot products of d terms, in k
+     * order here and in blocks by torch's GEMM: about √d·u relative) and the preconditioners' outer products
+     * (numel/d terms): the state bound holds for d and numel/d <= 2^14 as APOLLO's; golden, 200 steps: params
+     * 4.5e-7, states 6.3e-7 */
+    {"soap", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"came", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"lamb", 1e-6, 1e-5, 1e-6, 1e-5, NULL, NULL, 0, -1},
     {"muon", 1e-6, 1e-5, 1e-6, 1e-5, NULL, "momentum_buffer", MUON_UPDATE, DOPT_COUNTER_NS},

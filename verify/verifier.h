@@ -122,6 +122,8 @@ typedef struct vctx {
   size_t scratch_n;
   long not_replayed;      /* --stepwise: steps skipped (only a gradient digest, or no recorded state before) */
   long proj_adopted, proj_none; /* recorded projectors adopted / refreshes with no recorded projector */
+  float **basis_prev;     /* [nparams · DOPT_MAX_STATES] SOAP: each basis' last recorded value (NULL: none yet) */
+  long bases_adopted;     /* SOAP: recorded bases checked and adopted */
   char hook_err[5120];    /* the projector hook's failure (exit 2) */
   double tol_param, tol_state;
   double tol_update;      /* verify_tol.update when the declared bounds apply (0: none) */
@@ -186,6 +188,10 @@ int vf_check_refreshes(vctx *c, long t);
 double vf_sin_theta(const float *Q, size_t ldq, const float *P, size_t rows, size_t r, int tr, double *defect);
 
 /* The projector hook (dopt_projector_fn): the recorded projector of this refresh, checked and adopted. */
+/* SOAP (optimizer.name soap): after the reference's step t, every basis Q<k> whose recorded value changed at t
+ * (the first step's eigendecomposition, each QR refresh) is checked (dopt__soap_basis_check) and adopted; the
+ * reference must have computed a new one at the same step. Statistic bases(Q) per parameter. */
+int vf_adopt_bases(vctx *c, long t);
 int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r, float *left,
                  float *right);
 

@@ -89,6 +89,12 @@ TABLE["adam_mini"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "
 TABLE["normuon"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": ("foreach", "step"),
                     "fixed": {}, "states": {}, "step": "int", "step_optional": True, "group_step": "step",
                     "bools": ("use_muon",)}
+# pytorch-optimizer 4.1.0's SOAP: betas; the group clock "step" (per parameter here, as NorMuon's); its lists GG and
+# Q recorded as GG0, GG1, ... and Q0, Q1, ...; a parameter's copies of the group's precondition_frequency and
+# shampoo_beta are not state
+TABLE["soap"] = {"group": [("beta1", "betas", 0), ("beta2", "betas", 1)], "ignore": ("step",), "fixed": {},
+                 "states": {}, "step": "int", "step_optional": True, "group_step": "step",
+                 "drop": ("precondition_frequency", "shampoo_beta")}
 # muon-optimizer 0.1.0 (SingleDeviceMuonWithAuxAdam): use_muon a bool (distopt's enum true/false; auto stays a
 # string), betas for the aux Adam groups, and a Muon parameter's state without a step (its update has no bias
 # correction): missing on load, it reads as 0
@@ -239,6 +245,14 @@ def _apollo_group(group, opt):
     return g
 
 
+def _soap_group(group, opt):
+    """pytorch_optimizer.SOAP's groups as they are; its maximize attribute is refused (distopt's soap minimises;
+    merge_dims=True is refused by distopt's validation)."""
+    if getattr(opt, "maximize", False):
+        raise ValueError("pytorch_optimizer.SOAP maximize=True: distopt's soap minimises (negate the loss)")
+    return dict(group)
+
+
 def _torch_muon(group):
     """torch.optim.Muon (torch >= 2.9) as distopt's muon with flavor=torch (its addmm-form Newton-Schulz, norm
     clamped at eps, docs/muon.md): every parameter a Muon matrix (use_muon true); ns_coefficients as ns_a, ns_b,
@@ -318,6 +332,8 @@ CLASSES = {
     ("torch", "Adafactor"): {"name": "torch_adafactor"},
     ("schedulefree", "AdamWScheduleFree"): {"name": "adamw_schedulefree"},
     ("pytorch_optimizer", "NorMuon"): {"name": "normuon", "group": _normuon},
+    ("pytorch_optimizer", "SOAP"): {"name": "soap", "group_opt": _soap_group,
+                                    "drop": ("precondition_frequency", "shampoo_beta")},
     ("adam_mini", "Adam_mini"): {"name": "adam_mini", "group_opt": _adam_mini_group,
                                  "drop": ("head_per_gpu", "neuron_per_gpu", "block_numel", "reduced")},
     ("transformers", "Adafactor"): {"name": "adafactor"},

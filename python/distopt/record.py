@@ -893,7 +893,14 @@ class Recorder:
             if not self.want_states and t is not None:
                 continue
             base = f"state/{t}/{n}" if t is not None else f"init_state/{n}"
-            for key, v in self.inner.state.get(p, {}).items():
+            items = []
+            for key, v in self.inner.state.get(p, {}).items():  # a list of tensors (SOAP's GG, Q: one per
+                # dimension, [] where none) as key0, key1, ...
+                if isinstance(v, (list, tuple)) and all(torch.is_tensor(x) or x == [] for x in v):
+                    items += [(f"{key}{i}", x) for i, x in enumerate(v) if torch.is_tensor(x)]
+                else:
+                    items.append((key, v))
+            for key, v in items:
                 k = str(key)
                 if not k or "/" in k or len(k) > 63 or k in self.drop:
                     continue

@@ -613,6 +613,38 @@ class TestTorchStateDict(Base):
         self.assertEqual(tuple(opt.state[model[0].weight]["exp_avg"].shape), (12, 2))
         self.assertEqual(opt.counters(model[0].weight)["galore.refreshes"], 3)
 
+    @unittest.skipUnless(importlib.util.find_spec("pytorch_optimizer"), "pytorch-optimizer is in the torch-2 set")
+    def test_soap(self):
+        """pytorch-optimizer's SOAP as soap, recorded from the class with no names written: verify adopts each
+        recorded basis where it changes (the first: torch's eigh, whose signs and degenerate eigenvectors are its
+        LAPACK's; then the QR refreshes, checked against ours) and checks the rest within the declared bounds.
+        The model's first layer (12 x 6) has a rank-deficient first preconditioner (G·Gᵀ of rank 6), so without
+        the adoption the replay would follow another basis. A basis refreshed at another step is named."""
+        import pytorch_optimizer
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            rmodel = make_model(4)
+            ropt = pytorch_optimizer.SOAP(rmodel.parameters(), lr=1e-2, precondition_frequency=3, weight_decay=0.01)
+            with distopt.record(ropt, path, names=rmodel):
+                train(rmodel, ropt, 10)
+            res = distopt.verify(path)
+            self.assertEqual((res.verdict or {}).get("kind"), "within_tolerance", res.stdout + res.stderr)
+            self.assertIn("SOAP bases:", res.stdout)
+            print("\n" + "\n".join(l for l in res.stdout.splitlines() if "SOAP bases" in l or "verdict" in l or
+                                   "bases(Q)" in l))
+        # the same run with upstream's refreshes one step later than distopt's schedule: named as a basis
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.rec")
+            rmodel = make_model(4)
+            ropt = pytorch_optimizer.SOAP(rmodel.parameters(), lr=1e-2, precondition_frequency=3, weight_decay=0.01)
+            with distopt.record(ropt, path, names=rmodel):
+                train(rmodel, ropt, 1)
+                for st in ropt.state.values():
+                    st["precondition_frequency"] = 4  # upstream reads each parameter's own copy
+                train(rmodel, ropt, 8, start=1)
+            res = distopt.verify(path)
+            self.assertEqual((res.verdict or {}).get("kind"), "basis", res.stdout + res.stderr)
+
     def test_counters(self):
         """Counters through the binding: muon's Newton-Schulz calls per matrix and its aux Adam steps, per
         parameter and summed (docs/api.md "Counters")."""
