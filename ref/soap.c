@@ -170,14 +170,29 @@ static void fix_signs(float *Q, size_t d) {
 
 /* Q ← the eigenvectors of GG + 1e−30·I, eigenvalues descending (upstream: torch.linalg.eigh, then flipped;
  * in float64 when the float32 one fails). w: d floats (the eigenvalues), wd: d·d + d doubles. */
-static dopt_status eigh(const float *GG, size_t d, float *Q, float *w, double *wd) {
+static dopt_status eigh(const float *GG, size_t d, float *Q, float *w, double *wd, int *fp64) {
   float *a = Q;
   for (size_t k = 0; k < d * d; k++) a[k] = GG[k];
   for (size_t k = 0; k < d; k++) a[k * d + k] = a[k * d + k] + 1e-30f;
+  /* the workspace sized here, not by LAPACK's query: ssyevd returns its size as a float, which rounds 1 + 6d + 2d²
+   * down past 2^24 (d = 4096: 33 579 009, the call then refuses it as illegal and xerbla prints) */
+  const size_t lw = 1 + 6 * d + 2 * d * d, liw = 3 + 5 * d;
+  if (lw > 2147483647u)
+    return dopt__fail(DOPT_ERR_UNSUPPORTED, "soap: a [%zu, %zu] preconditioner's eigendecomposition needs %zu floats "
+                      "of workspace, past LAPACK's 32-bit sizes (max_precondition_dim <= 32766)", d, d, lw);
+  float *work = malloc(lw * sizeof *work);
+  lapack_int *iwork = malloc(liw * sizeof *iwork);
+  if (!work || !iwork) {
+    free(work), free(iwork);
+    return dopt__fail(DOPT_ERR_NO_MEMORY, "soap: the eigendecomposition's workspace for a [%zu, %zu] preconditioner", d, d);
+  }
   const int th = dopt_blas_pin();
-  lapack_int info = LAPACKE_ssyevd(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)d, a, (lapack_int)d, w);
+  lapack_int info = LAPACKE_ssyevd_work(LAPACK_ROW_MAJOR, 'V', 'U', (lapack_int)d, a, (lapack_int)d, w, work,
+                                        (lapack_int)lw, iwork, (lapack_int)liw);
+  free(work), free(iwork);
   int ok = info == 0;
   for (size_t k = 0; ok && k < d * d; k++) ok = isfinite(a[k]);
+  *fp64 = !ok;
   if (!ok) { /* upstream's fallback: float64 */
     double *ad = wd, *wv = wd + d * d;
     for (size_t k = 0; k < d * d; k++) ad[k] = (double)GG[k];
@@ -324,8 +339,10 @@ static dopt_status step(const dopt_step_args *a) {
     if (!pre[i]) continue;
     const size_t d = (size_t)shape[i];
     if (a->step == 1) {
-      if ((st = eigh(GGs[i], d, Qs[i], ws, wd)) != DOPT_OK) goto done;
+      int fp64 = 0;
+      if ((st = eigh(GGs[i], d, Qs[i], ws, wd, &fp64)) != DOPT_OK) goto done;
       dopt_count(a, DOPT_COUNTER_EIGH, 1);
+      if (fp64) dopt_count(a, DOPT_COUNTER_EIGH_FP64, 1);
     } else if (s % (int64_t)hp[FREQ] == 0) {
       if ((st = refresh(GGs[i], Qs[i], v, ndim, shape, i, ws, idx, tmp, a->par)) != DOPT_OK) goto done;
       dopt_count(a, DOPT_COUNTER_QR, 1);
@@ -460,11 +477,13 @@ done:
 }
 
 /* settings that exercise every path (dopt_optim_impl.example/grid): QR refreshes inside 100 steps, a dimension
- * above max_precondition_dim (identity), preconditioned vectors, the normalised update, shampoo_beta apart */
+ * above max_precondition_dim (identity), preconditioned vectors, the normalised update, shampoo_beta apart; every
+ * one caps the preconditioners at 64 (the test models' 4096-wide tensors would take a 4096 x 4096 eigendecomposition
+ * and d³ products a refresh: seconds each) */
 static const char *const grid[] = {
-    "lr=1e-2,precondition_frequency=4,weight_decay=0.05",
+    "lr=1e-2,precondition_frequency=4,weight_decay=0.05,max_precondition_dim=64",
     "lr=1e-2,precondition_frequency=3,max_precondition_dim=8,precondition_1d=true,shampoo_beta=0.9",
-    "lr=1e-2,precondition_frequency=5,normalize_gradient=true,correct_bias=false,weight_decay=0",
+    "lr=1e-2,precondition_frequency=5,normalize_gradient=true,correct_bias=false,weight_decay=0,max_precondition_dim=64",
     NULL,
 };
 
@@ -479,6 +498,6 @@ const dopt_optim_impl dopt_impl_soap = {
     .distributable = 0,
     .whole = whole,
     .cost = cost,
-    .example = "lr=1e-2,precondition_frequency=2",
+    .example = "lr=1e-2,precondition_frequency=2,max_precondition_dim=64",
     .grid = grid,
 };

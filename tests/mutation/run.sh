@@ -34,7 +34,7 @@ TFACTOR=4
 # the classes a mutation may name (docs/mutation.md#classes)
 CLASSES="dropped-reduction logical-count group-size zero-padding sharding exact-sum dp-sum clipping defaults
 replica-drift step-counter bias-correction wd-order quantiser galore lisa checkpoint digest nonfinite rounding
-loader simulator bucketing harness config train-eval formula"
+loader simulator bucketing harness config train-eval formula eigenbasis"
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
 die() { printf 'mutation: %s\n' "$*" >&2; exit 2; }

@@ -167,8 +167,9 @@ static void check_setting(const char *opt, const char *hp, const pdef *defs, int
     /* the split really happened (or, for whole-tensor optimizers, did not; LISA: its inner one's); whole is per
      * parameter (dopt__impl_whole: GaLore's unprojected tensors split, Muon's matrices do not) */
     /* a whole-tensor step may split its own work (dopt_par): Muon's (and NorMuon's) Newton-Schulz products split the 64 rows of
-     * [64, 4096] in blocks of 6 rows (11 blocks), each part at least 2^20 multiply-adds (X·Xᵀ: 2^24; ns.c) */
-    const int ns = strcmp(opt, "muon") == 0 || strcmp(opt, "normuon") == 0; /* NorMuon's iteration alike */
+     * [64, 4096] in blocks of 6 rows (11 blocks), each part at least 2^20 multiply-adds (X·Xᵀ: 2^24; ns.c); SOAP's
+     * mode products and G·Gᵀ of the 64-row side alike (64·64·4096 = 2^24) */
+    const int ns = strcmp(opt, "muon") == 0 || strcmp(opt, "normuon") == 0 || strcmp(opt, "soap") == 0;
     const int par_parts = chunk == 0 && ns ? 11 : 1;
     int split = 0;
     for (int i = 0; i < np; i++)
