@@ -430,6 +430,7 @@ dopt_status dopt_optim_set_mode(dopt_optim *o, int eval) {
     for (int k = 0; k < p->nstates; k++) st[k] = p->st[k].data;
     if (p->work) bf16_in(p->data, p->work, NULL, NULL, p->numel); /* outside writes first, as a step */
     o->impl->swap(o->groups[p->group].hp, eval, p->step, p->numel, p->data, st);
+    p->cnt_total[DOPT_COUNTER_SWAPS]++; /* not a step's: the totals only */
     if (p->work) bf16_out(p->data, p->work, p->numel);
   }
   o->eval = eval;

@@ -359,6 +359,7 @@ dopt_status dopt_dist_set_mode(dopt_dist_optim *d, int eval) {
     if (p->step < 1 || p->pc.len == 0) continue; /* never stepped (upstream: no z), or nothing here */
     float *param = p->master + (p->master_sharded ? 0 : p->pc.lo);
     d->impl->swap(d->hp[p->group], eval, p->step, p->pc.len, param, p->state);
+    p->cnt_total[DOPT_COUNTER_SWAPS]++; /* not a step's: the totals only (every piece alike) */
     if (p->bf16) DOPT_TRY(DEV(d)->to_bf16(DCTX(d), param, p->work + (d->zero == 3 ? 0 : p->pc.lo), p->pc.len));
   }
   if (d->zero == 1 || d->zero == 2) { /* every parameter's weights, as after a step where every one stepped */

@@ -202,7 +202,8 @@ DOPT_API dopt_status dopt_optim_events(const dopt_optim *o, int param, unsigned 
   X(LIMITED, "apollo.limited", DOPT_COUNT_SUM)               /* steps whose norm-growth limiter scaled the update */ \
   X(EIGH, "soap.eigh", DOPT_COUNT_SUM)                       /* eigendecompositions (a preconditioner's first basis) */ \
   X(QR, "soap.qr", DOPT_COUNT_SUM)                           /* eigenbasis refreshes by power iteration and QR */ \
-  X(EIGH_FP64, "soap.eigh_fp64", DOPT_COUNT_SUM)             /* first bases that took the float64 fallback */
+  X(EIGH_FP64, "soap.eigh_fp64", DOPT_COUNT_SUM)             /* first bases that took the float64 fallback */ \
+  X(SWAPS, "schedulefree.swaps", DOPT_COUNT_EACH)            /* train/eval swaps of its points (in the totals only) */
 
 #define DOPT_COUNT_EACH 0
 #define DOPT_COUNT_SUM 1

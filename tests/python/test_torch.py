@@ -430,6 +430,8 @@ class TestTorchStateDict(Base):
         with self.assertRaises(distopt.Error):  # upstream: "Optimizer was not in train mode"
             train(model, opt, 1, start=8)
         opt.train()
+        # eval, train, eval, train: four swaps of every parameter (a call in the current mode swaps nothing)
+        self.assertEqual(opt.counters(model[0].weight)["schedulefree.swaps"], 4)
         sd = opt.state_dict()
         self.assertEqual(sorted(sd["state"][0]), ["exp_avg_sq", "lr_max", "step", "weight_sum", "z"])
         # upstream's checkpoint, saved in eval mode (its group keeps k, weight_sum, lr_max, train_mode): loaded, the
