@@ -817,7 +817,8 @@ def check_files(out_dir, names):
         order = meta.get("case_params", meta["params"]).split(",")
         params = {"param/%d/%s" % (t, n) for t in range(every, steps + 1, every) for n in order}
         assert params <= set(mine), name
-        assert all(k in params or k.startswith("state/") for k in mine), name
+        assert all(k in params or k.startswith("state/") or (k.startswith("adopt/") and meta.get("adopt_states"))
+                   for k in mine), name
         print("checked %s (%d tensors)" % (name, len(mine)), flush=True)
 
 
