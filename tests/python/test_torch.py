@@ -623,29 +623,30 @@ class TestTorchStateDict(Base):
         The model's first layer (12 x 6) has a rank-deficient first preconditioner (G·Gᵀ of rank 6), so without
         the adoption the replay would follow another basis. A basis refreshed at another step is named."""
         import pytorch_optimizer
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "run.rec")
-            rmodel = make_model(4)
-            ropt = pytorch_optimizer.SOAP(rmodel.parameters(), lr=1e-2, precondition_frequency=3, weight_decay=0.01)
-            with distopt.record(ropt, path, names=rmodel):
-                train(rmodel, ropt, 10)
-            res = distopt.verify(path)
-            self.assertEqual((res.verdict or {}).get("kind"), "within_tolerance", res.stdout + res.stderr)
-            self.assertIn("SOAP bases:", res.stdout)
-            print("\n" + "\n".join(l for l in res.stdout.splitlines() if "SOAP bases" in l or "verdict" in l or
-                                   "bases(Q)" in l))
-        # the same run with upstream's refreshes one step later than distopt's schedule: named as a basis
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "run.rec")
-            rmodel = make_model(4)
-            ropt = pytorch_optimizer.SOAP(rmodel.parameters(), lr=1e-2, precondition_frequency=3, weight_decay=0.01)
-            with distopt.record(ropt, path, names=rmodel):
-                train(rmodel, ropt, 1)
-                for st in ropt.state.values():
-                    st["precondition_frequency"] = 4  # upstream reads each parameter's own copy
-                train(rmodel, ropt, 8, start=1)
-            res = distopt.verify(path)
-            self.assertEqual((res.verdict or {}).get("kind"), "basis", res.stdout + res.stderr)
+
+        def recorded(freq_after_first=None):
+            """distopt.verify of a recorded 10-step SOAP run; freq_after_first: upstream's refresh period from
+            step 2 on (each parameter's own copy, which upstream reads), distopt's stays 3."""
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "run.rec")
+                rmodel = make_model(4)
+                ropt = pytorch_optimizer.SOAP(rmodel.parameters(), lr=1e-2, precondition_frequency=3,
+                                              weight_decay=0.01)
+                with distopt.record(ropt, path, names=rmodel):
+                    train(rmodel, ropt, 1)
+                    for st in ropt.state.values():
+                        st["precondition_frequency"] = freq_after_first or 3
+                    train(rmodel, ropt, 9, start=1)
+                return distopt.verify(path)
+
+        res = recorded()
+        self.assertEqual((res.verdict or {}).get("kind"), "within_tolerance", res.stdout + res.stderr)
+        self.assertIn("SOAP bases:", res.stdout)
+        print("\n" + "\n".join(l for l in res.stdout.splitlines() if "SOAP bases" in l or "verdict" in l or
+                               "bases(Q)" in l))
+        # upstream's refreshes on another schedule than distopt's: named as a basis
+        res = recorded(freq_after_first=4)
+        self.assertEqual((res.verdict or {}).get("kind"), "basis", res.stdout + res.stderr)
 
     def test_counters(self):
         """Counters through the binding: muon's Newton-Schulz calls per matrix and its aux Adam steps, per
