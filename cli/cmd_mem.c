@@ -84,10 +84,9 @@ static int projects(const char *opt) {
  * a rank already in hp (APOLLO-Mini's 1) is kept. */
 static void tensor_hparams(const char *opt, const char *hp, int projected, int rank, char *h, size_t cap) {
   if (!hp) hp = "";
-  if (projects(opt) && strncmp(hp, "rank=", 5) != 0 && !strstr(hp, ",rank="))
-    snprintf(h, cap, "%s%srank=%d", hp, hp[0] ? "," : "", projected ? rank : 0);
-  else if (projects(opt) && !projected) snprintf(h, cap, "%s%srank=0", hp, hp[0] ? "," : "");
-  else snprintf(h, cap, "%s", hp);
+  const int own = strncmp(hp, "rank=", 5) == 0 || strstr(hp, ",rank=") != NULL; /* hp names a rank */
+  if (!projects(opt) || (own && projected)) snprintf(h, cap, "%s", hp);
+  else snprintf(h, cap, "%s%srank=%d", hp, hp[0] ? "," : "", projected ? rank : 0); /* a later key wins */
 }
 
 /* Named settings that get a row of their own after their optimizer's (the paper's memory figure). */

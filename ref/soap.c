@@ -307,8 +307,8 @@ static dopt_status step(const dopt_step_args *a) {
   const float wgg = (float)(1.0 - (isnan(hp[SHAMPOO_BETA]) ? hp[BETA2] : hp[SHAMPOO_BETA]));
   float *p = a->param, *m = a->state[0], *v = a->state[1];
   const float *g = a->grad;
+  const int64_t s = a->step - 1; /* the update's number (upstream's step - 1), and the refresh clock */
   if (a->step >= 2) {
-    const int64_t s = a->step - 1;
     const float w1 = (float)(1.0 - hp[BETA1]), w2 = (float)(1.0 - hp[BETA2]), eps = (float)hp[EPS];
     memcpy(X, g, numel * sizeof *X); /* G' = project(G) */
     if ((st = project(X, ndim, shape, pre, Qs, 0, tmp, ws, a->par)) != DOPT_OK) goto done;
@@ -334,7 +334,6 @@ static dopt_status step(const dopt_step_args *a) {
   /* the preconditioners, then the bases: the first by eigendecomposition, later ones by power iteration */
   for (int i = 0; i < ndim; i++)
     if (pre[i] && (st = outer(GGs[i], g, ndim, shape, i, wgg, X, C, a->par)) != DOPT_OK) goto done;
-  const int64_t s = a->step - 1;
   for (int i = 0; i < ndim; i++) {
     if (!pre[i]) continue;
     const size_t d = (size_t)shape[i];

@@ -163,6 +163,15 @@ int vf_check_refreshes(vctx *c, long t) {
   return CLI_OK;
 }
 
+/* The recorded projector(s) rec[0] (left [m, r]) / rec[1] (right [r, n]) into the hook's outputs: adopted. */
+static int adopt_recorded(vctx *c, const void *const rec[2], int64_t m, int64_t n, int64_t r, float *left,
+                          float *right) {
+  for (int side = 0; side < 2; side++)
+    if (rec[side]) memcpy(side ? right : left, rec[side], (size_t)(side ? r * n : m * r) * sizeof(float));
+  c->proj_adopted++;
+  return 1;
+}
+
 /* The projector hook (dopt_projector_fn): the recorded projector of this refresh, checked and adopted. */
 int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r,
                     float *left, float *right) {
@@ -190,10 +199,7 @@ int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t
   }
   if (strcmp(ix->optimizer, "apollo") == 0) { /* a random projection (upstream's draws): no subspace to check it
                                                 * against, adopted as recorded (docs/verify.md) */
-    for (int side = 0; side < 2; side++)
-      if (rec[side]) memcpy(side ? right : left, rec[side], (size_t)(side ? r * n : m * r) * sizeof(float));
-    c->proj_adopted++;
-    return 1;
+    return adopt_recorded(c, rec, m, n, r, left, right);
   }
   const size_t k = (size_t)(r < (m < n ? m : n) ? r + 1 : r); /* sigma_{r+1} too, when there is one */
   float *U = malloc((size_t)m * k * sizeof *U), *S = malloc(k * sizeof *S), *Vt = malloc(k * (size_t)n * sizeof *Vt);
@@ -246,11 +252,8 @@ int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t
     free(P);
     return 0; /* named by the verdict; the replay goes on with our own projector */
   }
-  for (int side = 0; side < 2; side++)
-    if (rec[side]) memcpy(side ? right : left, rec[side], (size_t)(side ? r * n : m * r) * sizeof(float));
   free(P);
-  c->proj_adopted++;
-  return 1;
+  return adopt_recorded(c, rec, m, n, r, left, right);
 }
 
 /* --reference: REF holds, for the run's parameters (same names, shapes), the reference values at the steps the
