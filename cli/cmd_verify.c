@@ -50,8 +50,8 @@
 
 
 static void usage(FILE *f) {
-  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--continues PREV] [--rtol X] [--rtol-param X]\n"
-        "                      [--rtol-state X] [--json FILE] [--plot FILE.svg] [--quiet]\n"
+  fputs("usage: distopt verify TRACE [--stepwise] [--reference REF] [--twin TWIN] [--continues PREV] [--rtol X]\n"
+        "                      [--rtol-param X] [--rtol-state X] [--json FILE] [--plot FILE.svg] [--quiet]\n"
         "  Replays a run recorded by distopt.record (TRACE: its directory, or its index.json; docs/verify.md)\n"
         "  through the reference optimizer: the recorded initial parameters and gradients, step by step, and\n"
         "  compares every recorded parameter and state (per rank for sharded recordings) with the reference:\n"
@@ -63,9 +63,12 @@ static void usage(FILE *f) {
         "  --stepwise: teacher-forced; each step starts from the recorded parameters and states of the step before,\n"
         "  so the error is one step's rounding and the verdict names the step where the computations parted.\n"
         "  --reference REF: compare with REF, a recording of reference values (distopt.replay), not the C reference.\n"
+        "  --twin TWIN: also check each step's gradient against TWIN, a single-process twin of the training\n"
+        "  (distopt.twin), and every step count against its training steps. A recording made with clipping\n"
+        "  (record.clip) has its norms, coefficients and clipped gradients checked, and the replay clips.\n"
         "  --continues PREV: TRACE is a window (a resumed run) of the run PREV recorded up to its start: every value\n"
         "  it starts from must be PREV's after that step, bit for bit, whatever each side's layout.\n"
-        "  --json FILE: the per-step record (\"schema_version\": 7); --plot FILE.svg: error vs step per tensor.\n"
+        "  --json FILE: the per-step record (\"schema_version\": 8); --plot FILE.svg: error vs step per tensor.\n"
         "  Exit: 0 within tolerance, 1 diverged (names the first step, tensor and rank), 2 bad usage or input.\n",
         f);
 }
@@ -92,6 +95,7 @@ static int parse_args(vctx *c, int argc, char **argv) {
       else if (strcmp(a, "--plot") == 0) c->svg_path = v;
       else if (strcmp(a, "--reference") == 0) c->ref_path = v;
       else if (strcmp(a, "--continues") == 0) c->cont_path = v;
+      else if (strcmp(a, "--twin") == 0) c->twin_path = v;
       else if (strcmp(a, "--rtol") == 0 || strcmp(a, "--rtol-param") == 0 || strcmp(a, "--rtol-state") == 0) {
         double *dst = a[6] == '\0' ? &c->rtol : a[7] == 'p' ? &c->rtol_param : &c->rtol_state;
         char *end;
@@ -110,6 +114,9 @@ static int parse_args(vctx *c, int argc, char **argv) {
   if (c->svg_path && !c->svg_path[0]) return cli_errorf(CMD, "--plot: empty path");
   if (c->ref_path && !c->ref_path[0]) return cli_errorf(CMD, "--reference: empty path");
   if (c->cont_path && !c->cont_path[0]) return cli_errorf(CMD, "--continues: empty path");
+  if (c->twin_path && !c->twin_path[0]) return cli_errorf(CMD, "--twin: empty path");
+  if (c->twin_path && c->ref_path)
+    return cli_errorf(CMD, "--twin with --reference: the twin's check runs beside the C reference's replay only");
   /* the one rule for outputs; neither may be, or lie inside, the recording (its folder) */
   char rec[4096];
   struct stat st;
@@ -118,13 +125,16 @@ static int parse_args(vctx *c, int argc, char **argv) {
   char refdir[4096];
   if (c->ref_path && stat(c->ref_path, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->ref_path, refdir);
   else snprintf(refdir, sizeof refdir, "%s", c->ref_path ? c->ref_path : "");
+  char twindir[4096];
+  if (c->twin_path && stat(c->twin_path, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->twin_path, twindir);
+  else snprintf(twindir, sizeof twindir, "%s", c->twin_path ? c->twin_path : "");
   char contdir[4096];
   if (c->cont_path && stat(c->cont_path, &st) == 0 && !S_ISDIR(st.st_mode)) dopt__path_parent(c->cont_path, contdir);
   else snprintf(contdir, sizeof contdir, "%s", c->cont_path ? c->cont_path : "");
   const cli_path outs[] = {{"--json", c->json_path, 0}, {"--plot", c->svg_path, 0}};
   const cli_path ins[] = {{"TRACE", rec, 1}, {"--reference", c->ref_path ? refdir : NULL, 1},
-                          {"--continues", c->cont_path ? contdir : NULL, 1}};
-  return cli_check_paths(CMD, outs, 2, ins, 3);
+                          {"--continues", c->cont_path ? contdir : NULL, 1}, {"--twin", c->twin_path ? twindir : NULL, 1}};
+  return cli_check_paths(CMD, outs, 2, ins, 4);
 }
 
 /* ---- entry --------------------------------------------------------------------------- */
@@ -159,6 +169,7 @@ static void cleanup(vctx *c) {
   vr_reader_close(&c->rd);
   if (c->ref_path) vr_reader_close(&c->ref);
   if (c->cont_path) vr_reader_close(&c->cont);
+  if (c->twin_path) vr_reader_close(&c->twin);
 }
 
 int cmd_verify(int argc, char **argv) {
@@ -187,7 +198,8 @@ int cmd_verify(int argc, char **argv) {
       printf("verdict: WITHIN TOLERANCE\n");
     }
   }
-  if (rc == CLI_OK && (c.verdict_step || c.agree_step || c.rd.ix.disagree.step || c.cont_step)) rc = CLI_FAIL;
+  if (rc == CLI_OK && (c.verdict_step || c.agree_step || c.rd.ix.disagree.step || c.cont_step || c.tw_step))
+    rc = CLI_FAIL;
   fflush(stdout);
   cleanup(&c);
   return rc;

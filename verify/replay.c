@@ -307,23 +307,26 @@ static void hp_value_text(double v, char *buf, size_t cap) {
 }
 
 int vf_early_verdict(const vctx *c, early *e) {
-  const long hs = c->rd.ix.disagree.step, as = c->agree_step, vs = c->verdict_step;
+  const long hs = c->rd.ix.disagree.step, as = c->agree_step, vs = c->verdict_step, ts = c->tw_step;
   memset(e, 0, sizeof *e);
   if (c->cont_step) { /* the window's start: before any step it replays */
     e->kind = "resume", e->step = c->cont_step, e->rank = c->cont_rank, e->tensor = c->cont_tensor;
     snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (the window's start, tensor %s, rank %d: %s)", e->step,
              e->tensor, e->rank, c->cont_why);
-  } else if (hs && (!vs || hs <= vs) && (!as || hs <= as)) {
+  } else if (hs && (!vs || hs <= vs) && (!as || hs <= as) && (!ts || hs <= ts)) {
     char a[40], b[40];
     hp_value_text(c->rd.ix.disagree.value, a, sizeof a);
     hp_value_text(c->rd.ix.disagree.rank0, b, sizeof b);
     e->kind = "hparams", e->step = hs, e->rank = c->rd.ix.disagree.rank, e->tensor = c->rd.ix.disagree.key;
     snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (hyperparameters: rank %d's %s of group %d is %s, rank "
              "0's %s, which the replay uses)", hs, e->rank, e->tensor, c->rd.ix.disagree.group, a, b);
-  } else if (as && (!vs || as <= vs)) {
+  } else if (as && (!vs || as <= vs) && (!ts || as <= ts)) {
     e->kind = "gradients", e->step = as, e->rank = c->agree_rank, e->tensor = c->rd.ix.params[c->agree_param].name;
     snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (gradient of %s: rank %d differs from rank %d)", as,
              e->tensor, c->agree_rank, c->agree_base);
+  } else if (ts && (!vs || ts <= vs)) { /* twin.c: gradient, norm/clip, step counter */
+    e->kind = c->tw_kind, e->step = ts, e->rank = c->tw_rank, e->tensor = c->rd.ix.params[c->tw_param].name;
+    snprintf(e->text, sizeof e->text, "DIVERGED at step %ld (%s)", ts, c->tw_why);
   }
   return e->kind != NULL;
 }
@@ -378,6 +381,7 @@ static int replay_steps(vctx *c, cli_progress *pg) {
       if (digest_only && !c->stepwise)
         return cli_errorf(CMD, "%s: step %ld keeps only gradient digests: the accumulated replay needs every step's "
                                "gradient (--stepwise replays the steps whose gradients are kept)", c->rd.index_path, t);
+      if (!digest_only && (rc = vf_twin_step(c, t))) return rc;
       if (c->stepwise) {
         if (digest_only || !synced) { /* not replayed: the next step starts from its recorded state again */
           c->not_replayed++;

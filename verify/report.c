@@ -96,6 +96,20 @@ void vf_print_table(const vctx *c) {
   else if (c->proj_adopted || c->proj_none)
     printf("  GaLore projectors: %ld recorded one%s adopted after the subspace check, %ld refresh%s without one (our "
            "SVD)\n", c->proj_adopted, c->proj_adopted == 1 ? "" : "s", c->proj_none, c->proj_none == 1 ? "" : "es");
+  if (ix->clip_max_norm > 0)
+    printf("  clipping (record.clip, max_norm %g): %ld clipped step%s replayed from the gradients before clipping; "
+           "recorded norms at most %.3g of their bound, %ld clipped piece%s equal to the piece times its coefficient\n",
+           ix->clip_max_norm, c->clip_steps, c->clip_steps == 1 ? "" : "s", c->clip_worst, c->clip_digests,
+           c->clip_digests == 1 ? "" : "s");
+  if (ix->construction_steps)
+    printf("  construction steps: %ld of the %ld steps before the window were the framework's, not training steps\n",
+           ix->construction_steps, ix->start_step);
+  if (c->twin_path)
+    printf("  twin: %s (%ld micro-batch gradients a step, %ld construction step%s declared): %lld gradient elements "
+           "at most %.3g of their bound, %lld step counts compared\n",
+           c->twin_path, c->twin.ix.twin_terms, c->twin.ix.twin_construction,
+           c->twin.ix.twin_construction == 1 ? "" : "s", (long long)c->tw_grad_compared, c->tw_grad_worst,
+           (long long)c->tw_counters_compared);
   if (ix->nchanges && !c->ref_path)
     printf("  %ld hyperparameter change%s replayed (an lr schedule)\n", ix->nchanges, ix->nchanges == 1 ? "" : "s");
   printf("  tolerance (normwise relative max|rec-ref|/max|ref|): parameters %g, states %g (%s%s%s); step counts exact"
@@ -192,8 +206,9 @@ void vf_print_table(const vctx *c) {
       printf("verdict: DIVERGED at step %ld (events: galore.refreshes of %s: reference %lld, recorded %lld)\n",
              c->verdict_step, ix->params[s->param].name, (long long)s->ev_ours, (long long)s->ev_rec);
     else
-      printf("verdict: DIVERGED at step %ld (tensor %s, rank %d: normwise relative error %.3g > %.3g)\n",
-             c->verdict_step, name, s->rank, c->verdict_value, s->tol_first);
+      printf("verdict: DIVERGED at step %ld (%stensor %s, rank %d: normwise relative error %.3g > %.3g)\n",
+             c->verdict_step, c->twin_path || ix->clip_max_norm > 0 ? "update: " : "", name, s->rank,
+             c->verdict_value, s->tol_first);
   }
 }
 
@@ -291,6 +306,21 @@ static int json_body(FILE *f, const void *ctx) {
   free(order);
   cJSON *v = cJSON_AddObjectToObject(root, "verdict");
   cJSON_AddNumberToObject(root, "gradients_compared", (double)c->agree_compared); /* digests compared (schema 5) */
+  if (c->twin_path || c->rd.ix.clip_max_norm > 0) { /* schema 8: the gradient side (twin.c) */
+    cJSON *o = cJSON_AddObjectToObject(root, "gradient_side");
+    if (o) {
+      if (c->twin_path) cJSON_AddStringToObject(o, "twin", c->twin.index_path);
+      else cJSON_AddNullToObject(o, "twin");
+      cJSON_AddNumberToObject(o, "gradient_elements", (double)c->tw_grad_compared);
+      cJSON_AddNumberToObject(o, "gradient_worst_of_bound", c->tw_grad_worst);
+      cJSON_AddNumberToObject(o, "step_counts", (double)c->tw_counters_compared);
+      cJSON_AddNumberToObject(o, "clip_steps", (double)c->clip_steps);
+      cJSON_AddNumberToObject(o, "clip_norm_worst_of_bound", c->clip_worst);
+      cJSON_AddNumberToObject(o, "clipped_pieces", (double)c->clip_digests);
+    }
+  } else {
+    cJSON_AddNullToObject(root, "gradient_side");
+  }
   if (c->cont_path) { /* schema 6: --continues PREV */
     cJSON *o = cJSON_AddObjectToObject(root, "continues");
     if (o) {

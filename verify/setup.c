@@ -286,7 +286,12 @@ int vf_setup(vctx *c) {
   if (c->ref_path) {
     int rc = open_reference(c);
     if (rc) return rc;
+    if (ix->clip_max_norm > 0)
+      return cli_errorf(CMD, "%s: recorded before clipping (record.clip): --reference's replay does not clip; verify it "
+                             "against the C reference", c->rd.index_path);
   } else {
+    int rc = vf_twin_open(c);
+    if (rc) return rc;
     if ((s = dopt_optim_create(ix->optimizer, ix->group_hparams[0], &c->opt)) != DOPT_OK)
       return vf_lib_error(c->rd.index_path, s);
     for (int g = 1; g < ix->ngroups; g++) {

@@ -60,7 +60,7 @@ typedef struct verify_tol {
 
 #define VR_MAX_KEYS 32               /* distinct state keys per piece */
 #define VR_MAX_POINTS (16L << 20)    /* per-step errors kept for --json and --plot, all tensors together */
-#define VR_JSON_SCHEMA 7              /* 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count; 6: continues, the resume verdict; 7: tolerance.update, update_counter */
+#define VR_JSON_SCHEMA 8              /* 8: gradient_side, verdict kinds gradient, clip, step_counter (twin.c); 2: mode, reference, start_step, grads, not_replayed, tolerance per stat; 3: the events verdict and rows; 4: tensors' stage, expert, the hparams verdict; 5: gradients_compared a count; 6: continues, the resume verdict; 7: tolerance.update, update_counter */
 
 typedef struct vstat {
   int rank, param;
@@ -94,6 +94,18 @@ typedef struct vctx {
   const char *trace;
   const char *json_path, *svg_path;
   const char *ref_path;   /* --reference: a recording of the reference values (distopt.replay) */
+  const char *twin_path;  /* --twin: a single-process twin's recording (distopt.twin) */
+  vr_reader twin;
+  /* twin.c: the first failure on the gradient side (0: none), its category ("gradient", "clip", "step_counter"),
+   * parameter, rank (-1: none) and one line; what was compared */
+  long tw_step;
+  const char *tw_kind;
+  int tw_param, tw_rank;
+  char tw_why[2 * VR_MAX_NAME + 400];
+  double tw_grad_worst;   /* the largest |g - G| / bound of a gradient element */
+  int64_t tw_grad_compared, tw_counters_compared;
+  double clip_worst;      /* the largest recorded norm's relative error / its bound */
+  long clip_steps, clip_digests;
   double rtol;         /* > 0: --rtol */
   double rtol_param, rtol_state; /* > 0: --rtol-param, --rtol-state (each kind's own bound) */
   int quiet;
@@ -151,7 +163,7 @@ typedef struct vctx {
  * digests; the first of them at or before the values' first divergence, at its step the hyperparameters
  * first (a cause precedes its consequences: a wrong gradient, values). */
 typedef struct early {
-  const char *kind; /* "resume", "hparams", "gradients"; NULL: none */
+  const char *kind; /* "resume", "hparams", "gradients", "gradient", "clip", "step_counter"; NULL: none */
   long step;
   int rank;
   const char *tensor; /* the key or the parameter */
@@ -194,6 +206,13 @@ double vf_sin_theta(const float *Q, size_t ldq, const float *P, size_t rows, siz
 int vf_adopt_bases(vctx *c, long t);
 int vf_proj_hook(void *user, int param, int64_t step, const float *grad, int64_t m, int64_t n, int64_t r, float *left,
                  float *right);
+
+/* ---- twin.c ---- */
+/* --twin TWIN opened and checked against the recording (CLI_USAGE after one line). */
+int vf_twin_open(vctx *c);
+/* Step t, its gradients assembled (before the reference's step): against the twin's, the recorded clipping
+ * checked and applied to them, the step counts against the twin's. */
+int vf_twin_step(vctx *c, long t);
 
 /* ---- continues.c ---- */
 /* --continues: every element of the window's start (init/, init_state/) against PREV's after step start_step,

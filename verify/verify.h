@@ -16,7 +16,7 @@
 #include "distopt/layout.h"
 #include "distopt/safetensors.h"
 
-#define VR_SCHEMA_VERSION 5     /* the newest this distopt writes and reads */
+#define VR_SCHEMA_VERSION 6     /* the newest this distopt writes and reads */
 #define VR_SCHEMA_OLDEST 1      /* schema 1 (no window, F32 gradients, no projectors) still reads */
 #define VR_KIND "distopt-record"
 
@@ -123,6 +123,14 @@ typedef struct vr_index {
                              of, as grad_agree/<t>/<p> (SHA-256, 32 U8), whether or not it holds a piece; schema
                              5: the digest of the rank's pieces of p in its pieces' order (of the whole gradient
                              where it holds no piece of p), compared among the ranks holding the same pieces */
+  double clip_max_norm;   /* schema 6 record.clip.max_norm: the gradients are recorded before clipping, each clipped
+                             step's total norm and coefficient as clip/<t>/norm, clip/<t>/coef on every rank and the
+                             clipped gradient's digest as clipped_digest/<t>/<p>; the replay clips (0: not recorded) */
+  long construction_steps;/* schema 6: of the start_step steps before the window, how many the framework's optimizer
+                             took before training (a step at construction, a warm-up): not training steps */
+  long twin_terms;        /* schema 6, a twin's recording (distopt.twin): the micro-batch gradients summed into each
+                             step's gradient (world x accumulation), grad_abs/<t>/<p> their absolute sum; 0: no twin */
+  long twin_construction; /* the construction steps the twin was told the framework takes by design */
   int stages;             /* schema 4: pipeline stages (0: not pipelined); every piece then names its stage */
   int experts;            /* schema 4: experts (0: none); a piece's expert id is below it */
   long nchanges;

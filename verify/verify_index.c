@@ -537,12 +537,20 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   static const char *const keys4[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
                                       "world_size", "record", "ranks", "steps", "complete", "hparam_changes",
                                       "start_step", "stages", "experts", "hparam_disagreement", NULL};
+  static const char *const keys6[] = {"schema_version", "kind", "generator", "optimizer", "groups", "params", "torch",
+                                      "world_size", "record", "ranks", "steps", "complete", "hparam_changes",
+                                      "start_step", "stages", "experts", "hparam_disagreement", "construction_steps",
+                                      "twin", NULL};
   static const char *const okeys[] = {"name", "upstream", NULL};
   static const char *const tkeys[] = {"version", "cpu_capability", "num_threads", NULL};
   static const char *const rkeys1[] = {"every", "params", "states", "flush_every", NULL};
   static const char *const rkeys2[] = {"every", "params", "states", "flush_every", "grads", "projectors", NULL};
   static const char *const rkeys3[] = {"every", "params", "states", "flush_every", "grads", "projectors", "grad_agree",
                                        NULL};
+  static const char *const rkeys6[] = {"every", "params", "states", "flush_every", "grads", "projectors", "grad_agree",
+                                       "clip", NULL};
+  static const char *const ckeys[] = {"max_norm", "norm_type", NULL};
+  static const char *const wkeys[] = {"terms", "construction_steps", NULL};
   char b[96];
   long long v;
   if (get_object(c, root, "(top level)")) return -1;
@@ -553,7 +561,8 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
                 VR_SCHEMA_VERSION);
   ix->schema_version = (int)v;
   const int v2 = ix->schema_version >= 2;
-  if (check_keys(c, root, "(top level)", ix->schema_version >= 4 ? keys4 : v2 ? keys2 : keys1)) return -1;
+  const int v6 = ix->schema_version >= 6;
+  if (check_keys(c, root, "(top level)", v6 ? keys6 : ix->schema_version >= 4 ? keys4 : v2 ? keys2 : keys1)) return -1;
   const cJSON *kind = member(root, "kind");
   if (!kind || !cJSON_IsString(kind) || strcmp(kind->valuestring, VR_KIND) != 0)
     return fail(c, "kind: %s, expected \"%s\"", value_text(kind, b, sizeof b), VR_KIND);
@@ -579,7 +588,7 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   }
   const cJSON *rj = member(root, "record");
   if (get_object(c, rj, "record") ||
-      check_keys(c, rj, "record", ix->schema_version >= 3 ? rkeys3 : v2 ? rkeys2 : rkeys1))
+      check_keys(c, rj, "record", v6 ? rkeys6 : ix->schema_version >= 3 ? rkeys3 : v2 ? rkeys2 : rkeys1))
     return -1;
   if (get_int(c, member(rj, "every"), "record.every", 1, VR_MAX_STEPS, &v)) return -1;
   ix->every = (long)v;
@@ -597,10 +606,33 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   if (member(rj, "projectors") && get_bool(c, member(rj, "projectors"), "record.projectors", &ix->projectors)) return -1;
   if (member(rj, "grad_agree") && get_bool(c, member(rj, "grad_agree"), "record.grad_agree", &ix->grad_agree)) return -1;
   if (member(rj, "flush_every") && get_int(c, member(rj, "flush_every"), "record.flush_every", 1, VR_MAX_STEPS, &v)) return -1;
+  const cJSON *cj = member(rj, "clip");
+  if (cj && !cJSON_IsNull(cj)) { /* schema 6: the gradients before clipping, the norm and coefficient applied */
+    if (get_object(c, cj, "record.clip") || check_keys(c, cj, "record.clip", ckeys)) return -1;
+    const cJSON *mn = member(cj, "max_norm"), *nt = member(cj, "norm_type");
+    if (!mn || !cJSON_IsNumber(mn) || !(mn->valuedouble > 0) || !isfinite(mn->valuedouble))
+      return fail(c, "record.clip.max_norm: %s, expected a finite number > 0", value_text(mn, b, sizeof b));
+    if (!nt || !cJSON_IsNumber(nt) || nt->valuedouble != 2.0)
+      return fail(c, "record.clip.norm_type: %s, expected 2 (the 2-norm; no other is recorded)",
+                  value_text(nt, b, sizeof b));
+    ix->clip_max_norm = mn->valuedouble;
+  }
   if (member(root, "start_step") && get_int(c, member(root, "start_step"), "start_step", 0, VR_MAX_STEPS, &v)) return -1;
   ix->start_step = member(root, "start_step") ? (long)v : 0;
   if (get_int(c, member(root, "steps"), "steps", ix->start_step, VR_MAX_STEPS, &v)) return -1;
   ix->steps = (long)v;
+  if (member(root, "construction_steps") &&
+      get_int(c, member(root, "construction_steps"), "construction_steps", 0, ix->start_step, &v))
+    return -1;
+  ix->construction_steps = member(root, "construction_steps") ? (long)v : 0;
+  const cJSON *wj = member(root, "twin");
+  if (wj && !cJSON_IsNull(wj)) { /* schema 6: a twin's recording (distopt.twin) */
+    if (get_object(c, wj, "twin") || check_keys(c, wj, "twin", wkeys)) return -1;
+    if (get_int(c, member(wj, "terms"), "twin.terms", 1, 1LL << 30, &v)) return -1;
+    ix->twin_terms = (long)v;
+    if (get_int(c, member(wj, "construction_steps"), "twin.construction_steps", 0, VR_MAX_STEPS, &v)) return -1;
+    ix->twin_construction = (long)v;
+  }
   if (get_bool(c, member(root, "complete"), "complete", &ix->complete)) return -1;
   if (get_int(c, member(root, "world_size"), "world_size", 1, VR_MAX_RANKS, &v)) return -1;
   ix->world_size = (int)v;

@@ -143,8 +143,13 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     char pname[VR_MAX_NAME + 1], key[VR_MAX_KEY + 1] = "";
     /* kinds: init, init_state (a window's states at its start), grad, grad_digest, param, state, proj,
      * grad_agree (schema 3 with record.grad_agree: of any parameter, held or not) */
-    static const char *const stepped[] = {"grad_digest", "grad_agree", "grad", "param", "state", "proj", NULL};
+    static const char *const stepped[] = {"grad_digest", "grad_agree", "grad", "param", "state", "proj",
+                                          "clipped_digest", "grad_abs", "clip", NULL};
     const int v2 = ix->schema_version >= 2;
+    /* each kind's schema: 0, 1: grad_digest and grad_agree (2, record.grad_agree); 2-4 any; 5 (2); 6-8 (6 with
+     * record.clip: the clip's digests and clip/<t>/norm|coef; a twin's grad_abs) */
+    const int allowed[] = {v2, ix->grad_agree, 1, 1, 1, v2, ix->clip_max_norm > 0, ix->twin_terms > 0,
+                           ix->clip_max_norm > 0};
     int keyed = 0; /* the name ends in /<key> */
     kind = NULL;
     if (strncmp(nm, "init/", 5) == 0 || (v2 && strncmp(nm, "init_state/", 11) == 0)) {
@@ -155,13 +160,12 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     } else {
       for (int j = 0; stepped[j] && !kind; j++) {
         size_t kl = strlen(stepped[j]);
-        if (strncmp(nm, stepped[j], kl) == 0 && nm[kl] == '/' &&
-            (j == 1 ? ix->grad_agree : v2 || j == 2 || j == 3 || j == 4))
-          kind = stepped[j];
+        if (strncmp(nm, stepped[j], kl) == 0 && nm[kl] == '/' && allowed[j]) kind = stepped[j];
       }
       if (!kind)
-        return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/%s%s", fpath, nm,
-                     v2 ? " (or init_state/, grad_digest/, proj/)" : "", ix->grad_agree ? " or grad_agree/" : "");
+        return rfail(rd, E, "%s: tensor '%s': expected init/, grad/, param/ or state/%s%s%s%s", fpath, nm,
+                     v2 ? " (or init_state/, grad_digest/, proj/)" : "", ix->grad_agree ? " or grad_agree/" : "",
+                     ix->clip_max_norm > 0 ? " or clip/, clipped_digest/" : "", ix->twin_terms > 0 ? " or grad_abs/" : "");
       keyed = strcmp(kind, "state") == 0 || strcmp(kind, "proj") == 0;
       rest = parse_step(nm + strlen(kind) + 1, &step);
       if (!rest)
@@ -170,6 +174,14 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
       if (step < vf->first || step > vf->last)
         return rfail(rd, E, "%s: tensor '%s': step %ld is outside the file's steps %ld..%ld", fpath, nm, step, vf->first,
                      vf->last);
+    }
+    if (strcmp(kind, "clip") == 0) { /* clip/<t>/norm, clip/<t>/coef: the rank's total norm and coefficient */
+      if (strcmp(rest, "norm") != 0 && strcmp(rest, "coef") != 0)
+        return rfail(rd, E, "%s: tensor '%s': expected clip/<step>/norm or clip/<step>/coef", fpath, nm);
+      if (t.numel != 1 || t.dtype != DOPT_F32)
+        return rfail(rd, E, "%s: tensor '%s': one F32 element expected (got %s, %zu elements)", fpath, nm,
+                     dopt_dtype_name(t.dtype), t.numel);
+      continue;
     }
     size_t rl = strlen(rest);
     if (keyed) {
@@ -195,8 +207,8 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     if (pi < 0) return rfail(rd, E, "%s: tensor '%s': rank %d's layout has no parameter '%s'", fpath, nm, r, pname);
     const vr_piece *pc = &ix->ranks[r].pieces[pi];
     const int is_state = strcmp(kind, "state") == 0 || strcmp(kind, "init_state") == 0;
-    const int is_grad = strcmp(kind, "grad") == 0;
-    if (strcmp(kind, "grad_digest") == 0) {
+    const int is_grad = strcmp(kind, "grad") == 0; /* (grad_abs: F32 always) */
+    if (strcmp(kind, "grad_digest") == 0 || strcmp(kind, "clipped_digest") == 0) {
       if (t.numel != 32 || t.dtype != DOPT_U8)
         return rfail(rd, E, "%s: tensor '%s': a gradient digest is 32 U8 (SHA-256; got %s, %zu elements)", fpath, nm,
                      dopt_dtype_name(t.dtype), t.numel);

@@ -7,6 +7,7 @@
     with distopt.record(torch_optimizer, "run.rec"): ...           # record a torch run (docs/verify.md)
     distopt.verify("run.rec")                        # replay it through the reference (the distopt CLI)
     distopt.replay("run.rec", make_optimizer)        # ... or through your own single-device torch optimizer
+    distopt.twin("run.rec", make_model, loss_fn, batches, world=2)  # ... and its gradients against a twin
 
 Importing distopt needs neither torch nor numpy: distopt.Optimizer imports torch, distopt.NumpyOptimizer
 numpy, on first use. Every failing library call raises distopt.Error (a RuntimeError) with the library's
@@ -23,6 +24,7 @@ import warnings as _warnings
 _warnings.filterwarnings("ignore", message=r"'distopt\.replay' found in sys\.modules after import of package",
                          category=RuntimeWarning)
 from .replay import replay  # noqa: F401,E402 (your own torch optimizer as the reference; docs/verify.md)
+from .twin import twin  # noqa: F401,E402 (a single-process twin of a distributed training; docs/verify.md)
 
 __version__ = "0.5.0"  # = include/distopt/distopt.h DOPT_VERSION_* (tests/python checks it)
 
@@ -88,6 +90,6 @@ def __getattr__(attr):
     raise AttributeError(f"module 'distopt' has no attribute {attr!r}")
 
 
-__all__ = ["Error", "Optimizer", "NumpyOptimizer", "list", "describe", "hparams", "library_path", "record", "verify", "replay",
+__all__ = ["Error", "Optimizer", "NumpyOptimizer", "list", "describe", "hparams", "library_path", "record", "verify", "replay", "twin",
            "dtensor_layout",
            "__version__"]

@@ -47,7 +47,7 @@ from ._safetensors import write as _write_safetensors
 from ._safetensors import write_bytes as _write_bytes
 from .verify import verify  # noqa: F401 (distopt.record and distopt.verify are one pair)
 
-SCHEMA_VERSION = 5  # 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/, blocks;
+SCHEMA_VERSION = 6  # 6: record.clip (clip/, clipped_digest/), construction_steps, a twin's twin and grad_abs/; 2: start_step, init_state/, record.grads (BF16), grad_digest/, proj/; 3: grad_agree/, blocks;
 #                    4: stages, experts (docs/verify.md)
 # schema 5: grad_agree/<t>/<p> is the digest of the rank's pieces of p (in its pieces' order), for every piece
 # form, compared among the ranks whose pieces of p are the same; a rank without a piece of p records its whole
@@ -455,7 +455,7 @@ class Recorder:
 
     def __init__(self, optimizer, path, every=1, params=True, states=True, *, flush_every=16, names=None,
                  name=None, hparams=None, layout=None, start_step=None, grads="f32", grad_steps=None,
-                 grad_agree=None, stages=None, experts=None, stage=None):
+                 grad_agree=None, stages=None, experts=None, stage=None, construction_steps=None):
         import torch
         import torch.distributed as dist
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -476,7 +476,18 @@ class Recorder:
             kept = set(int(t) for t in grad_steps)
             grad_steps = kept.__contains__
         self.grad_dtype, self.grad_steps = grads, grad_steps
+        if construction_steps is not None:  # the framework's steps before training (a step at construction, a
+            # warm-up): a window whose start is after them, the index saying they were no training steps
+            if not isinstance(construction_steps, int) or isinstance(construction_steps, bool) or construction_steps < 0:
+                raise ValueError(f"distopt.record: construction_steps={construction_steps!r} must be an integer >= 0")
+            if start_step is None:
+                start_step = construction_steps
+            elif start_step < construction_steps:
+                raise ValueError(f"distopt.record: start_step={start_step} counts every optimizer step before the "
+                                 f"window, the construction_steps={construction_steps} among them")
+        self.construction = construction_steps or 0
         self.start = start_step or 0
+        self.clip_max, self.pre, self.clip_rec = None, None, None  # clip_grad_norm_
         self.closed = False
         self.t = self.start
 
@@ -502,7 +513,9 @@ class Recorder:
         # what a constructor puts in state before any step (APOLLOAdamW's per-parameter seed) is in `drop`
         if start_step is None and any(set(v) - self.drop for v in inner.state.values()):
             raise ValueError("distopt.record: the optimizer has stepped already (it holds state): pass start_step= "
-                             "(the steps taken so far) to record a window, its states at the start recorded first")
+                             "(the steps taken so far) to record a window, its states at the start recorded first, "
+                             "or construction_steps= for steps the framework took before training (a step at "
+                             "construction, a warm-up; docs/verify.md)")
         self.name = name
         self.projectors = bool(entry and entry.get("projector"))
         self.proj_seen = {}  # id(parameter) -> the projector tensor(s) last recorded
@@ -844,6 +857,10 @@ class Recorder:
             out = self._orig_step(*args, **kwargs)
             grads = box[0] if box else ([], [])
         self.t = t
+        if self.pre is not None:  # clipped this step (clip_grad_norm_): the gradients before, the clip's record
+            self.block.extend(self._clip_tensors(t, grads[0]))
+            grads = self.pre
+        self.pre = None
         self.block.extend(self._grad_tensors(t, grads))
         if self.projectors:
             self._projectors(t)
@@ -852,6 +869,43 @@ class Recorder:
         if t - self.block_first + 1 >= self.flush_every:
             self._flush()
         return out
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2.0, clip=None, **kw):
+        """Clips the gradients as torch.nn.utils.clip_grad_norm_ (or `clip`, the framework's or your own
+        function of (parameters, max_norm, **kw) returning the total norm it computed and applying its
+        coefficient) and records the gradients before clipping, the total norm returned, the coefficient
+        fp32(min(1, max_norm / (norm + 1e-6))) and, at the step, the SHA-256 of each clipped gradient piece. Call it
+        between backward() and step() on every rank; returns the clip's total norm. `distopt verify` checks the
+        norm against the exact norm of the recorded gradient, the coefficient against the norm and each clipped
+        piece against the piece times the coefficient, and replays the clipping itself (docs/verify.md)."""
+        import torch
+        if norm_type not in (2, 2.0):
+            raise ValueError(f"distopt.record: clip_grad_norm_(norm_type={norm_type!r}): only the 2-norm is recorded")
+        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and 0 < float(max_norm) < float("inf")):
+            raise ValueError(f"distopt.record: clip_grad_norm_(max_norm={max_norm!r}): a finite number > 0")
+        if self.grad_dtype != "f32":
+            raise ValueError("distopt.record: clip_grad_norm_ with grads='bf16': the clipped gradients' check needs "
+                             "the F32 gradients")
+        if self.clip_max is not None and float(max_norm) != self.clip_max:
+            raise ValueError(f"distopt.record: clip_grad_norm_(max_norm={max_norm!r}): this recording clips at "
+                             f"{self.clip_max!r} (one max_norm a recording)")
+        if self.closed:
+            return (clip or torch.nn.utils.clip_grad_norm_)(parameters, max_norm, **kw)
+        self.clip_max = float(max_norm)
+        self.pre = self._grads()
+        total = (clip or torch.nn.utils.clip_grad_norm_)(parameters, max_norm, **kw)
+        norm = total.full_tensor() if _is_dtensor(total) else total
+        norm = torch.as_tensor(norm, dtype=torch.float32).detach().to("cpu").reshape(())
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        self.clip_rec = (norm.clone(), coef)
+        return total
+
+    def _clip_tensors(self, t, clipped):
+        """clip/<t>/norm, clip/<t>/coef and clipped_digest/<t>/<p> (each piece's gradient as the step took it)."""
+        import torch
+        norm, coef = self.clip_rec
+        return [(f"clip/{t}/norm", norm), (f"clip/{t}/coef", coef)] + [
+            (f"clipped_digest/{t}/{n}", torch.tensor(list(_sha256(g)), dtype=torch.uint8)) for n, g in clipped]
 
     def _projector_of(self, p):
         """galore_torch's projector of p: {distopt state name: tensor}, empty before its first refresh."""
@@ -1001,7 +1055,9 @@ class Recorder:
             "world_size": self.world,
             "record": {"every": self.every, "params": self.want_params, "states": self.want_states,
                        "flush_every": self.flush_every, "grads": "BF16" if self.grad_dtype == "bf16" else "F32",
-                       "projectors": self.projectors, "grad_agree": self.grad_agree},
+                       "projectors": self.projectors, "grad_agree": self.grad_agree,
+                       **({"clip": {"max_norm": self.clip_max, "norm_type": 2}} if self.clip_max else {})},
+            **({"construction_steps": self.construction} if self.construction else {}),
             "ranks": [{"rank": r, "pieces": self.layouts[r], "files": self.files[r]} for r in range(self.world)],
             **({"stages": self.stages} if self.stages else {}),
             **({"experts": self.experts} if self.experts else {}),

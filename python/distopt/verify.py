@@ -18,7 +18,7 @@ from ._cli import packaged_cli
 
 __all__ = ["verify", "run_verify", "VerifyResult", "find_cli"]
 
-JSON_SCHEMA_VERSION = 7  # the verify record's schema_version this module reads (2: mode, reference, window; 3: events; 4: stage, expert; 5: gradients_compared a count; 6: continues; 7: tolerance.update)
+JSON_SCHEMA_VERSION = 8  # the verify record's schema_version this module reads (2: mode, reference, window; 3: events; 4: stage, expert; 5: gradients_compared a count; 6: continues; 7: tolerance.update; 8: gradient_side)
 
 
 class VerifyResult:

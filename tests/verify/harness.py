@@ -52,7 +52,7 @@ def run_verify(trace, *extra, expect):
     if os.path.exists(jp):
         with open(jp) as f:
             report = json.load(f)
-        check(report.get("schema_version") == 7, f"verify JSON schema_version {report.get('schema_version')}")
+        check(report.get("schema_version") == 8, f"verify JSON schema_version {report.get('schema_version')}")
     return p.stdout, report
 
 

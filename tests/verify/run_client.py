@@ -748,7 +748,7 @@ def case_replay():
     H.launch(H.normalized_worker, 2, bad, 12, 5)
     with open(os.path.join(good, "index.json")) as f:
         index = json.load(f)
-    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 5, "an unknown class is recorded as is")
+    H.check(index["optimizer"]["name"] is None and index["schema_version"] == 6, "an unknown class is recorded as is")
     res = verify(good)
     H.check(res.returncode == 2 and "optimizer.name is null" in res.stderr, f"verify without a reference: {res!r}")
     for stepwise in (False, True):
@@ -1129,10 +1129,84 @@ def case_upstream_real():
         if tag.startswith("galore"):
             H.check(rep["projectors_adopted"] >= 6, f"{tag}: projectors adopted ({rep['projectors_adopted']})")
 
+def _twins(d, tags, world, expected, **kw):
+    """distopt.twin on each recording d/<tag>.rec; expected[tag]: None (passes) or (category, step). Prints the
+    verdicts and the measured margins; fails on any miss or false alarm."""
+    import distopt
+    import frameworks as F
+    misses = []
+    for tag in tags:
+        extra = kw.get(tag, {})
+        res = distopt.twin(os.path.join(d, f"{tag}.rec"), F.make_model, F.loss_fn, F.batches, world=world,
+                           gas=F.GAS, **extra)
+        rep = res.report or {}
+        v = rep.get("verdict", {})
+        side = rep.get("gradient_side") or {}
+        line = next((ln for ln in res.stdout.splitlines() if ln.startswith("verdict:")), res.stderr.strip())
+        print(f"{tag:>18}{' ' + str(extra) if extra else ''}: exit {res.returncode}; {line}")
+        want = expected[tag]
+        if want is None:
+            print(f"{'':>18}  gradients at most {side.get('gradient_worst_of_bound', float('nan')):.3g} of their bound "
+                  f"({side.get('gradient_elements')} elements), norms at most "
+                  f"{side.get('clip_norm_worst_of_bound', float('nan')):.3g} of theirs, {side.get('clipped_pieces')} "
+                  f"clipped pieces, {side.get('step_counts')} step counts")
+            if res.returncode != 0:
+                misses.append(f"{tag}: a false alarm (exit {res.returncode})")
+        elif res.returncode != 1 or (v.get("kind"), v.get("step")) != want:
+            misses.append(f"{tag}: expected {want}, got exit {res.returncode} {v.get('kind')} at {v.get('step')}")
+    H.check(not misses, "; ".join(misses))
+
+
+def case_twin():
+    """A hand-written data-parallel training (2 gloo ranks, accumulation 2, clipping, torch AdamW) and ten planted
+    gradient-side bugs (tests/verify/frameworks.py), one spawned job; each checked with distopt.twin: the correct run
+    passes, each bug is named at its step with its category (gradient, clip, step_counter)."""
+    import frameworks as F
+    d = H.work_dir("twin")
+    H.launch(F.dp_worker, 2, d)
+    expected = {"dp_good": None, "dp_drop_micro": ("gradient", 3), "dp_twice": ("gradient", 2),
+                "dp_loss_scale": ("gradient", 1), "dp_warmup": ("step_counter", 2),
+                "dp_warmup_rec": ("step_counter", 1), "dp_local_norm": ("clip", 1), "dp_replicated": ("clip", 1),
+                "dp_not_applied": ("clip", 1), "dp_expert": ("gradient", 1), "dp_dp_power": ("gradient", 1)}
+    tags = ["dp_good"] + [f"dp_{b}" for b in F.BUGS]
+    _twins(d, tags, 2, expected)
+    # the warm-up by design (a framework's construction step): the twin told, it passes
+    import distopt
+    res = distopt.twin(os.path.join(d, "dp_warmup.rec"), F.make_model, F.loss_fn, F.batches, world=2, gas=F.GAS,
+                       construction_steps=1)
+    print(f"dp_warmup, construction_steps=1: exit {res.returncode}; "
+          f"{next((ln for ln in res.stdout.splitlines() if ln.startswith('verdict:')), res.stderr.strip())}")
+    H.check(res.returncode == 0, "the declared construction step passes")
+    # refusals, one line each (exit 2): a recording that is no twin's, a twin with --reference
+    good = os.path.join(d, "dp_good.rec")
+    out, _ = H.run_verify(good, "--twin", os.path.join(d, "dp_twice.rec"), expect=2)
+    out, _ = H.run_verify(good, "--twin", good, "--reference", good, expect=2)
+    # plain verify (no twin) is blind to the gradient-side bugs whose gradients are consistent: it passes them
+    blind = [b for b in ("drop_micro", "loss_scale", "expert", "dp_power")
+             if distopt.verify(os.path.join(d, f"dp_{b}.rec")).returncode == 0]
+    print(f"plain verify (no twin) passes {len(blind)} of 4 gradient bugs: {', '.join(blind)}")
+
+
+def case_twin_fsdp2():
+    """FSDP2 (fully_shard, 2 gloo ranks, accumulation 2 without sync, clip_grad_norm_ on DTensor gradients) against
+    its twin: passes; a rank's micro-batch dropped (gradient, step 3) and the local shard's clip norm (clip, step 1)
+    named. Skipped (77) on torch without FSDP2."""
+    try:
+        getattr(__import__("torch.distributed.fsdp", fromlist=["fully_shard"]), "fully_shard")
+    except Exception as e:  # noqa: BLE001
+        print(f"skipped: torch {torch.__version__} has no FSDP2 ({type(e).__name__}: {e}); cmake/torch2.sh installs "
+              f"torch 2 (docs/python.md)")
+        sys.exit(77)
+    import frameworks as F
+    d = H.work_dir("twin_fsdp2")
+    H.launch(F.fsdp2_worker, 2, d)
+    _twins(d, ["fsdp2_good", "fsdp2_drop_micro", "fsdp2_local_norm"], 2,
+           {"fsdp2_good": None, "fsdp2_drop_micro": ("gradient", 3), "fsdp2_local_norm": ("clip", 1)})
+
 
 CASES = {"adamw": case_adamw, "zero": case_zero, "sharded": case_sharded, "tp": case_tp, "fsdp": case_fsdp, "moe": case_moe, "dtensor": case_dtensor, "dtensor_torch2": case_dtensor_torch2, "pipeline": case_pipeline, "hf_adafactor": case_hf_adafactor,
          "replay": case_replay, "stepwise": case_stepwise, "upstream": case_upstream,
-         "upstream_real": case_upstream_real}
+         "upstream_real": case_upstream_real, "twin": case_twin, "twin_fsdp2": case_twin_fsdp2}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in CASES:

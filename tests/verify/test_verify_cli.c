@@ -209,7 +209,7 @@ static void test_faithful_recording_verifies(void **st) {
   assert_null(strstr(out, "\xE2\x9C\x97"));
   char js[65536];
   slurp(jsonfile, js, sizeof js);
-  assert_non_null(strstr(js, "\"schema_version\":\t7"));
+  assert_non_null(strstr(js, "\"schema_version\":\t8"));
   assert_non_null(strstr(js, "\"continues\":\tnull"));
   assert_non_null(strstr(js, "\"kind\":\t\"within_tolerance\""));
   /* the index file itself as TRACE */
@@ -581,8 +581,28 @@ static void test_bad_input(void **st) {
   expect_bad(root, "unknown option '--bogus'", (const char *const[]){"--bogus", "1", NULL});
   write_index(root, "{\"schema_version\": 1,");
   expect_bad(root, "index.json: not valid JSON", NULL);
-  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 6",
-            "index.json: schema_version: 6 is not supported (this distopt reads 1 to 5)");
+  bad_index(root, "\"schema_version\": 1", "\"schema_version\": 7",
+            "index.json: schema_version: 7 is not supported (this distopt reads 1 to 6)");
+  /* schema 6's keys: refused in older schemas, checked in 6 */
+  bad_index(root, "\"flush_every\": 4}", "\"flush_every\": 4, \"clip\": {\"max_norm\": 1, \"norm_type\": 2}}",
+            "index.json: record: unknown key 'clip'");
+  static const struct { const char *to, *needle; } v6[] = {
+      {"\"flush_every\": 4, \"clip\": {\"max_norm\": 1, \"norm_type\": 1}}",
+       "record.clip.norm_type: 1, expected 2 (the 2-norm; no other is recorded)"},
+      {"\"flush_every\": 4, \"clip\": {\"max_norm\": -1, \"norm_type\": 2}}",
+       "record.clip.max_norm: -1, expected a finite number > 0"},
+      {"\"flush_every\": 4, \"clip\": {\"max_norm\": 1, \"norm\": 2}}", "record.clip: unknown key 'norm'"},
+      {"\"flush_every\": 4}, \"twin\": {\"terms\": 0, \"construction_steps\": 0}",
+       "twin.terms: 0 is outside [1, 1073741824]"},
+      {"\"flush_every\": 4}, \"construction_steps\": 1", "construction_steps: 1 is outside [0, 0]"},
+  };
+  for (size_t i = 0; i < sizeof v6 / sizeof v6[0]; i++) {
+    char *a = replaced(INDEX, "\"schema_version\": 1", "\"schema_version\": 6");
+    char *b = replaced(a, "\"flush_every\": 4}", v6[i].to);
+    write_index(root, b);
+    free(a), free(b);
+    expect_bad(root, v6[i].needle, NULL);
+  }
   bad_index(root, "\"distopt-record\"", "\"other\"", "index.json: kind: 'other', expected \"distopt-record\"");
   bad_index(root, "\"generator\"", "\"generatr\"", "index.json: (top level): unknown key 'generatr'");
   bad_index(root, "\"world_size\": 2", "\"world_size\": 5000", "world_size: 5000 is outside [1, 4096]");
