@@ -10,12 +10,13 @@ pkgs=(cmake make gcc libc6-dev pkg-config libopenblas-dev liblapacke-dev libcmoc
 # --python: Debian's python3 with numpy, venv and torch (1.13), and then the pinned torch 2 venv
 #           (cmake/torch2.sh: outside the clone, where the CUDA 13 runtime its wheel links to exists; one
 #           line says which); tests/python, the verify clients (tests/verify) and the interop tests run on
-#           torch 2 where it installed, else on Debian's torch 1.13 (docs/python.md)
+#           torch 2 where it installed, else on Debian's torch 1.13 (docs/python.md); g++, ninja-build and
+#           python3-dev for the op DeepSpeed's CPU accelerator JIT-builds at start-up (tests/verify's deepspeed)
 python=0
 for arg in "$@"; do
   case "$arg" in
     --fuzz) pkgs+=(clang libclang-rt-14-dev) ;;
-    --python) pkgs+=(python3 python3-numpy python3-venv python3-torch) python=1 ;;
+    --python) pkgs+=(python3 python3-numpy python3-venv python3-torch g++ ninja-build python3-dev) python=1 ;;
     *) echo "deps: unknown option '$arg' (--fuzz, --python)" >&2; exit 2 ;;
   esac
 done

@@ -44,6 +44,7 @@ key=$( (cat "$pins"; echo "python $ver") | sha256sum | cut -c1-16)
 venv=$root/torch2-$key
 probe='import torch, numpy, torch.distributed.tensor, torch.distributed.fsdp, came_pytorch, torch_optimizer, pytorch_ranger, transformers.optimization, schedulefree, adam_mini, pytorch_optimizer, importlib.util
 assert importlib.util.find_spec("apollo_torch"), "apollo_torch"
+assert importlib.util.find_spec("deepspeed"), "deepspeed"
 assert torch.__version__.split("+")[0] == "2.15.0", torch.__version__'
 
 valid() {
@@ -71,8 +72,9 @@ trap 'rm -rf "$tmp"' EXIT
 "$py" -m venv "$tmp" >/dev/null
 pip=("$tmp/bin/python" -m pip --disable-pip-version-check --no-input)
 install() {
-  PIP_FIND_LINKS='' "${pip[@]}" install -q --no-deps --no-compile --no-index --find-links "$root/wheels" \
-    --require-hashes -r "$pins" >"$tmp/install.log" 2>&1
+  # --no-build-isolation: DeepSpeed's source release is built here with the venv's setuptools (no index)
+  PIP_FIND_LINKS='' DS_BUILD_OPS=0 "${pip[@]}" install -q --no-deps --no-compile --no-index --no-build-isolation \
+    --find-links "$root/wheels" --require-hashes -r "$pins" >"$tmp/install.log" 2>&1
 }
 fetch() {
   PIP_FIND_LINKS='' timeout 900 "${pip[@]}" download -q --no-deps --require-hashes -r "$pins" -d "$root/wheels" \
@@ -80,7 +82,7 @@ fetch() {
 }
 if ! install; then
   # a wheel missing, or cached but corrupt: a download (pip checks every hash) and one more try
-  grep -q "THESE PACKAGES DO NOT MATCH THE HASHES" "$tmp/install.log" && rm -f "$root"/wheels/*.whl
+  grep -q "THESE PACKAGES DO NOT MATCH THE HASHES" "$tmp/install.log" && rm -f "$root"/wheels/*.whl "$root"/wheels/*.tar.gz
   if ! fetch; then
     say "torch 2: downloading the pinned wheels failed ($(grep -m1 ERROR "$tmp/download.log" || tail -1 "$tmp/download.log")): the Python tests run on Debian's torch 1.13"
     exit 0

@@ -131,6 +131,7 @@ typedef struct vr_index {
   long twin_terms;        /* schema 6, a twin's recording (distopt.twin): the micro-batch gradients summed into each
                              step's gradient (world x accumulation), grad_abs/<t>/<p> their absolute sum; 0: no twin */
   long twin_construction; /* the construction steps the twin was told the framework takes by design */
+  int twin_bf16;          /* twin.grad_dtype "BF16": the run sums its micro-batch gradients in bf16 (unit 2^-8) */
   int stages;             /* schema 4: pipeline stages (0: not pipelined); every piece then names its stage */
   int experts;            /* schema 4: experts (0: none); a piece's expert id is below it */
   long nchanges;

@@ -550,7 +550,7 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
   static const char *const rkeys6[] = {"every", "params", "states", "flush_every", "grads", "projectors", "grad_agree",
                                        "clip", NULL};
   static const char *const ckeys[] = {"max_norm", "norm_type", NULL};
-  static const char *const wkeys[] = {"terms", "construction_steps", NULL};
+  static const char *const wkeys[] = {"terms", "construction_steps", "grad_dtype", NULL};
   char b[96];
   long long v;
   if (get_object(c, root, "(top level)")) return -1;
@@ -632,6 +632,10 @@ static int parse_top(vctx *c, const cJSON *root, vr_index *ix, vr_lookup *lk) {
     ix->twin_terms = (long)v;
     if (get_int(c, member(wj, "construction_steps"), "twin.construction_steps", 0, VR_MAX_STEPS, &v)) return -1;
     ix->twin_construction = (long)v;
+    const cJSON *gd = member(wj, "grad_dtype");
+    if (gd && (!cJSON_IsString(gd) || (strcmp(gd->valuestring, "F32") != 0 && strcmp(gd->valuestring, "BF16") != 0)))
+      return fail(c, "twin.grad_dtype: %s, expected \"F32\" or \"BF16\"", value_text(gd, b, sizeof b));
+    ix->twin_bf16 = gd && strcmp(gd->valuestring, "BF16") == 0;
   }
   if (get_bool(c, member(root, "complete"), "complete", &ix->complete)) return -1;
   if (get_int(c, member(root, "world_size"), "world_size", 1, VR_MAX_RANKS, &v)) return -1;

@@ -79,8 +79,14 @@ def _torch_info(torch):
             "num_threads": int(torch.get_num_threads())}
 
 
+def _unwrap(inner):
+    """The optimizer a framework's view stands for (distopt._deepspeed's flat partitions of a torch optimizer)."""
+    return getattr(inner, "_distopt_inner", inner)
+
+
 def _known_name(inner):
     """The distopt optimizer of an upstream class (distopt._upstream.CLASSES) or of distopt.Optimizer, else None."""
+    inner = _unwrap(inner)
     entry = _upstream.upstream_class(type(inner))
     if entry:
         return entry["name"]
@@ -91,7 +97,7 @@ def _known_name(inner):
 
 
 def _qualname(obj):
-    cls = type(obj)
+    cls = type(_unwrap(obj))
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -99,8 +105,8 @@ class _Groups:
     """The distopt hyperparameters of each param group, as read before every step."""
 
     def __init__(self, name, hparams, outer, inner):
-        self.name, self.fixed, self.outer, self.inner = name, hparams, outer, inner
-        self.entry = _upstream.upstream_class(type(inner)) if name is not None else None
+        self.name, self.fixed, self.outer, self.inner = name, hparams, outer, _unwrap(inner)
+        self.entry = _upstream.upstream_class(type(self.inner)) if name is not None else None
         self.keys = set(_core.Spec(name).kinds) if name is not None else set()
         if name is not None and self.fixed is None:  # a wrapper's (galore's) inner keys are its keys too
             inner_name = self._adapt(dict(outer.param_groups[0])).get("inner")
@@ -500,7 +506,8 @@ class Recorder:
         except ImportError:
             pass
         inner = zero.optim if zero is not None else optimizer
-        self.upstream = _qualname(inner) + (" under " + _qualname(zero) if zero is not None else "")
+        self.upstream = _qualname(inner) + (" under " + _qualname(zero) if zero is not None else "") + \
+            getattr(inner, "_distopt_under", "")
         known = _known_name(inner)
         if name is None:
             name = known  # None: no distopt optimizer, recorded as it is for distopt.replay
@@ -508,7 +515,7 @@ class Recorder:
             raise ValueError(f"distopt.record: name={name!r} for {_qualname(inner)} needs hparams= (distopt keys)")
         if name is not None and name not in _core.names():
             raise ValueError(f"distopt.record: {name!r} is not a distopt optimizer (known: {', '.join(_core.names())})")
-        entry = _upstream.upstream_class(type(inner)) if known == name else None
+        entry = _upstream.upstream_class(type(_unwrap(inner))) if known == name else None
         self.drop = set(entry.get("drop", ())) if entry else set()
         # what a constructor puts in state before any step (APOLLOAdamW's per-parameter seed) is in `drop`
         if start_step is None and any(set(v) - self.drop for v in inner.state.values()):
@@ -837,8 +844,24 @@ class Recorder:
                     self.changes.append({"step": t, "group": g, "key": k,
                                          "value": None if v is None else (v if isinstance(v, bool) else float(v))})
         self.last_hp = hp
+        out, grads = self._run_step(args, kwargs)
+        self.t = t
+        if self.pre is not None:  # clipped this step (clip_grad_norm_): the gradients before, the clip's record
+            self.block.extend(self._clip_tensors(t, grads[0]))
+            grads = self.pre
+        self.pre = None
+        self.block.extend(self._grad_tensors(t, grads))
+        if self.projectors:
+            self._projectors(t)
+        if t % self.every == 0:
+            self._snapshot(t)
+        if t - self.block_first + 1 >= self.flush_every:
+            self._flush()
+        return out
+
+    def _run_step(self, args, kwargs):
+        """The wrapped step run; (its result, the gradients it took: _grads())."""
         closure = args[0] if args else kwargs.get("closure")
-        grads = None
         if closure is None:
             grads = self._grads()
             out = self._orig_step(*args, **kwargs)
@@ -856,19 +879,7 @@ class Recorder:
                 kwargs = dict(kwargs, closure=wrapped)
             out = self._orig_step(*args, **kwargs)
             grads = box[0] if box else ([], [])
-        self.t = t
-        if self.pre is not None:  # clipped this step (clip_grad_norm_): the gradients before, the clip's record
-            self.block.extend(self._clip_tensors(t, grads[0]))
-            grads = self.pre
-        self.pre = None
-        self.block.extend(self._grad_tensors(t, grads))
-        if self.projectors:
-            self._projectors(t)
-        if t % self.every == 0:
-            self._snapshot(t)
-        if t - self.block_first + 1 >= self.flush_every:
-            self._flush()
-        return out
+        return out, grads
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2.0, clip=None, **kw):
         """Clips the gradients as torch.nn.utils.clip_grad_norm_ (or `clip`, the framework's or your own
@@ -896,7 +907,17 @@ class Recorder:
         total = (clip or torch.nn.utils.clip_grad_norm_)(parameters, max_norm, **kw)
         norm = total.full_tensor() if _is_dtensor(total) else total
         norm = torch.as_tensor(norm, dtype=torch.float32).detach().to("cpu").reshape(())
-        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        # the coefficient the clip applied: torch's max_norm / (norm + 1e-6) (a Python float over a tensor: a
+        # reciprocal times max_norm), or a true division (DeepSpeed's tensor over tensor); the one that makes the
+        # first piece's clipped gradient (verify checks every piece's), else torch's
+        cands = [torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0),
+                 torch.clamp(torch.tensor(float(max_norm)) / (norm + 1e-6), max=1.0)]
+        after = self._grads()[0]
+        coef = cands[0]
+        for (_, g0), (_, g1) in zip(self.pre[0], after):
+            if g0.numel():
+                coef = next((c for c in cands if torch.equal(g0 * c, g1)), cands[0])
+                break
         self.clip_rec = (norm.clone(), coef)
         return total
 
@@ -1130,4 +1151,7 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
     An optimizer class distopt does not implement (no mapping, no name=) is recorded as it is: its states under
     its own keys, its groups' numeric values as hyperparameter changes, for distopt.replay.
     """
+    from . import _deepspeed
+    if _deepspeed.is_deepspeed(optimizer):  # an engine or its ZeRO optimizer: pieces from DeepSpeed's own map
+        return _deepspeed.recorder(optimizer, path, every, params, states, **kw)
     return Recorder(optimizer, path, every, params, states, **kw)

@@ -40,7 +40,7 @@ from .verify import run_verify
 __all__ = ["twin"]
 
 
-def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, construction_steps=0,
+def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, construction_steps=0, dtype=None,
          stepwise=False, rtol=None, json_path=None, plot=None, cli=None, work=None, timeout=None):
     """Runs the single-process twin of the recorded training and verifies the recording against it and the C
     reference (`distopt verify RUN --twin TWIN`); returns a VerifyResult (returncode 0, 1 diverged, 2 bad input).
@@ -51,6 +51,9 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
     world, gas:                 the ranks whose batches make one step, and the micro-steps of each
     scale:                      what each micro-batch's gradient counts in the step's (default 1 / (world * gas))
     construction_steps:         optimizer steps the framework takes before training by design
+    dtype:                      torch.bfloat16: the run's model is bf16 (DeepSpeed's bf16): the twin's model too,
+                                its parameters the recorded fp32 ones rounded, the gradients summed in bf16 by the
+                                run (the bound's unit 2^-8)
     work:                       a folder for the twin's recording (default: a temporary one, removed)"""
     import torch
     for k, v in (("world", world), ("gas", gas), ("construction_steps", construction_steps)):
@@ -66,7 +69,11 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
                          f"record them after every step (every=1, params=True; this recording: every={rec.every}, "
                          f"params={ix['record'].get('params')})")
     scale = 1.0 / (world * gas) if scale is None else float(scale)
+    if dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"distopt.twin: dtype={dtype!r}: torch.float32 or torch.bfloat16")
     model = make_model()
+    if dtype is not None:
+        model = model.to(dtype)
     named = dict(model.named_parameters())
     for p in rec.params:
         q = named.get(p["name"])
@@ -100,7 +107,7 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
                 if x is None:
                     raise ValueError(f"distopt.twin: no init/{n} in the recording")
                 named[n].copy_(x.reshape(named[n].shape))
-                block.append((f"init/{n}", x.clone()))
+                block.append((f"init/{n}", x.clone()))  # (as recorded: fp32)
         for t in range(rec.start + 1, rec.steps + 1):
             if t - 1 > rec.start:
                 with torch.no_grad():
@@ -140,7 +147,8 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
             "world_size": 1, "record": {"every": 1, "params": False, "states": False, "flush_every": flush},
             "ranks": [{"rank": 0, "pieces": [{"param": n} for n in names], "files": files}],
             "start_step": rec.start, "steps": rec.steps, "complete": True,
-            "twin": {"terms": world * gas, "construction_steps": construction_steps},
+            "twin": {"terms": world * gas, "construction_steps": construction_steps,
+                     "grad_dtype": "BF16" if dtype == torch.bfloat16 else "F32"},
         }
         _write_json_atomic(os.path.join(out, "index.json"), index)
         extra = ["--twin", out] + (["--stepwise"] if stepwise else [])

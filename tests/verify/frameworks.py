@@ -41,7 +41,8 @@ def make_model():
 
 def loss_fn(model, b):
     x, y = b
-    return ((model(x) - y) ** 2).mean()
+    dt = next(model.parameters()).dtype  # a bf16 model (DeepSpeed's bf16) takes bf16 batches
+    return ((model(x.to(dt)).float() - y) ** 2).mean()
 
 
 def batches(step, rank, micro):
@@ -160,3 +161,48 @@ def fsdp2_worker(rank, world, work):
     fsdp2_training(rank, world, os.path.join(work, "fsdp2_good.rec"))
     for bug in ("drop_micro", "local_norm"):
         fsdp2_training(rank, world, os.path.join(work, f"fsdp2_{bug}.rec"), bug)
+
+
+# ---- DeepSpeed (pinned in cmake/torch2.txt): the engine's ZeRO optimizer recorded unchanged --------------------
+
+def deepspeed_training(rank, world, out, stage, bug=None, bf16=False):
+    """deepspeed.initialize over the job's gloo group: ZeRO `stage`, torch's AdamW (torch_adam), accumulation GAS,
+    gradient_clipping MAX_NORM; record(engine) unchanged. bug "drop_micro": rank 1's first micro-batch at step 3
+    contributes nothing (its loss times 0); "default_clip": no gradient_clipping in the config (DeepSpeed's default,
+    1.0 since 0.19: the recording must say so, the twin pass)."""
+    import logging
+    import deepspeed
+    from distopt.record import record
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    model = make_model()
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": GAS,
+           **({} if bug == "default_clip" else {"gradient_clipping": MAX_NORM}),
+           "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9, "bf16": {"enabled": bf16},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.01,
+                                                     "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with record(engine, out, flush_every=4):
+        for j in range(1, STEPS + 1):
+            for m in range(GAS):
+                loss = loss_fn(engine, batches(j, rank, m))
+                if bug == "drop_micro" and rank == 1 and j == 3 and m == 0:
+                    loss = loss * 0
+                engine.backward(loss)
+                engine.step()
+    engine.destroy()
+
+
+def deepspeed_configs():
+    """(tag, stage, bug, bf16): ZeRO 0-3 in fp32 and in bf16, a dropped micro-batch under ZeRO 2 and 3 (all of it
+    about 10 s: the issue's budget put bf16 and ZeRO 0 under --long; they fit the regular run)."""
+    out = [(f"ds_zero{s}", s, None, False) for s in (0, 1, 2, 3)]
+    out += [(f"ds_bf16_zero{s}", s, None, True) for s in (0, 1, 2, 3)]
+    out += [(f"ds_zero{s}_drop_micro", s, "drop_micro", False) for s in (2, 3)]
+    out += [("ds_zero2_default_clip", 2, "default_clip", False)]  # no gradient_clipping: DeepSpeed's default
+    return out
+
+
+def deepspeed_worker(rank, world, work):
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    for tag, stage, bug, bf16 in deepspeed_configs():
+        deepspeed_training(rank, world, os.path.join(work, f"{tag}.rec"), stage, bug, bf16)
