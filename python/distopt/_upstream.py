@@ -358,6 +358,42 @@ CLASSES = {
 }
 
 
+# ColossalAI 0.5.0 (colossalai.nn.optimizer): the distributed optimizers its plugins cast the single-device ones to
+# (cast_to_distributed), recorded by class; the shards they step (setup_distributed's TP d-tensors and ZeRO shards)
+# are the user's layout=. "differs": where the class computes otherwise than the upstream distopt matches, read
+# from its source: record() warns once, and verify names it at its step (the reference is never bent to it).
+def _colossal_galore(group, opt):
+    """DistGaloreAwamW / GaLoreAdamW8bit: galore_torch's group keys; bitsandbytes' settings from opt.args."""
+    g = _galore_group()(group)
+    args = getattr(opt, "args", None)
+    for key in ("min_8bit_size", "percentile_clipping"):
+        if args is not None and getattr(args, key, None) is not None:
+            g[key] = getattr(args, key)
+    return g
+
+
+_COLOSSAL_ADAFACTOR = ("state RMS is never updated (its line is commented out): the relative step's parameter scale "
+                       "is eps[1], not max(eps[1], RMS(p)) as transformers' Adafactor: verify names step 1")
+CLASSES.update({
+    ("colossalai", "Lamb"): {"name": "lamb", "attrs": {"adam": "adam"},
+                             "drop": ("weight_norm", "adam_norm", "trust_ratio")},
+    # no adam flag; bias_correction a group key (default True, the single-device Lamb's False)
+    ("colossalai", "DistributedLamb"): {"name": "lamb", "group": lambda g: dict(g, adam=False)},
+    ("colossalai", "Adafactor"): {"name": "adafactor", "differs": _COLOSSAL_ADAFACTOR},
+    ("colossalai", "DistributedAdaFactor"): {
+        "name": "adafactor",
+        "differs": _COLOSSAL_ADAFACTOR + "; under ZeRO with the rows divisible by dp each shard is factored as its "
+                                         "own block (column means over the local rows)"},
+    ("colossalai", "CAME"): {"name": "came"},
+    ("colossalai", "DistributedCAME"): {
+        "name": "came",
+        "differs": "from step 2 exp_avg_res_row/col are the squared-gradient statistics (an alias), and a "
+                   "non-factored parameter's exp_avg is scaled by lr in place: verify names step 1 or 2"},
+    ("colossalai", "GaLoreAdamW8bit"): {"name": "galore_adamw8bit", "group_opt": _colossal_galore, "projector": True},
+    ("colossalai", "DistGaloreAwamW"): {"name": "galore_adamw8bit", "group_opt": _colossal_galore, "projector": True},
+})
+
+
 def upstream_class(cls):
     """The CLASSES entry of an optimizer class (its module and name, else its top-level package and name, for a
     package with several classes of one name; a subclass is not matched: it may compute something else), or

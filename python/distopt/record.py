@@ -517,6 +517,9 @@ class Recorder:
             raise ValueError(f"distopt.record: {name!r} is not a distopt optimizer (known: {', '.join(_core.names())})")
         entry = _upstream.upstream_class(type(_unwrap(inner))) if known == name else None
         self.drop = set(entry.get("drop", ())) if entry else set()
+        if entry and entry.get("differs"):  # a recognised class that computes otherwise (distopt._upstream)
+            warnings.warn(f"distopt.record: {_qualname(inner)} differs from the {name} distopt matches: "
+                          f"{entry['differs']}", stacklevel=3)
         # what a constructor puts in state before any step (APOLLOAdamW's per-parameter seed) is in `drop`
         if start_step is None and any(set(v) - self.drop for v in inner.state.values()):
             raise ValueError("distopt.record: the optimizer has stepped already (it holds state): pass start_step= "
@@ -992,8 +995,9 @@ class Recorder:
                         # buffer: the piece's
                         v = _local(pc, v)
                     self.block.append((f"{base}/{k}", v.detach().to("cpu", copy=True).contiguous()))
-                elif isinstance(v, float):  # a Python float state (an optimizer's running scalar): 0-d F32
-                    self.block.append((f"{base}/{k}", torch.tensor(v, dtype=torch.float32)))
+                elif isinstance(v, (float, int)) and not isinstance(v, bool):  # a Python number state (an
+                    # optimizer's running scalar, ColossalAI's int RMS): 0-d F32
+                    self.block.append((f"{base}/{k}", torch.tensor(float(v), dtype=torch.float32)))
             if t is None and self.projectors:
                 cur = self._projector_of(p)
                 for k, v in cur.items():

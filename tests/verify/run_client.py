@@ -947,7 +947,90 @@ class _MuonStandIn(__import__("distopt").Optimizer):
         super().__init__("muon", param_groups)
 
 
+class _DistLambStandIn(__import__("distopt").Optimizer):
+    """distopt's LAMB under ColossalAI 0.5.0's DistributedLamb: its constructor (eps 1e-6, bias_correction True by
+    default, a group key) and its groups without an adam key (it has no adam mode)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, bias_correction=True):
+        super().__init__("lamb", params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction, adam=False)
+        for g in self.param_groups:
+            g.pop("adam", None)
+
+
+class _DistCAMEStandIn(_CAMEStandIn):
+    """distopt's CAME under ColossalAI's DistributedCAME (came_pytorch's constructor)."""
+
+
+class _TorchAdafactor(torch.optim.Optimizer):
+    """transformers' Adafactor written in torch (relative step, factored second moment, update clipping), and with
+    colossal=True ColossalAI 0.5.0's (Distributed)AdaFactor: its state RMS an int 0 never updated, so the relative
+    step's parameter scale is eps[1]."""
+    colossal = False
+
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
+                 weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False):
+        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
+                                      beta1=beta1, weight_decay=weight_decay, scale_parameter=scale_parameter,
+                                      relative_step=relative_step, warmup_init=warmup_init))
+
+    @staticmethod
+    def _rms(t):
+        return t.norm(2) / (t.numel() ** 0.5)
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad, st = p.grad, self.state[p]
+                factored = grad.dim() >= 2
+                if not st:
+                    st["step"] = 0
+                    if factored:
+                        st["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1])
+                        st["exp_avg_sq_col"] = torch.zeros(grad.shape[:-2] + grad.shape[-1:])
+                    else:
+                        st["exp_avg_sq"] = torch.zeros_like(grad)
+                    st["RMS"] = 0
+                st["step"] += 1
+                if not self.colossal:
+                    st["RMS"] = self._rms(p)
+                lr = max(g["eps"][1], st["RMS"]) * min(1e-2, 1.0 / math.sqrt(st["step"]))
+                beta2t = 1.0 - math.pow(st["step"], g["decay_rate"])
+                update = grad ** 2 + g["eps"][0]
+                if factored:
+                    row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
+                    row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
+                    col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
+                    r = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                    update = torch.mul(r, col.unsqueeze(-2).rsqrt()).mul_(grad)
+                else:
+                    v = st["exp_avg_sq"]
+                    v.mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+                    update = v.rsqrt().mul_(grad)
+                update.div_((self._rms(update) / g["clip_threshold"]).clamp_(min=1.0))
+                update.mul_(lr)
+                if g["weight_decay"] != 0:
+                    p.add_(p, alpha=-g["weight_decay"] * lr)
+                p.add_(-update)
+
+
+class _HFAdafactorStandIn(_TorchAdafactor):
+    pass
+
+
+class _DistAdaFactorStandIn(_TorchAdafactor):
+    colossal = True
+
+
 _CAMEStandIn.__module__, _CAMEStandIn.__name__, _CAMEStandIn.__qualname__ = "came_pytorch.CAME", "CAME", "CAME"
+for _cls, _mod, _nm in ((_DistLambStandIn, "colossalai.nn.optimizer.distributed_lamb", "DistributedLamb"),
+                        (_DistCAMEStandIn, "colossalai.nn.optimizer.distributed_came", "DistributedCAME"),
+                        (_HFAdafactorStandIn, "transformers.optimization", "Adafactor"),
+                        (_DistAdaFactorStandIn, "colossalai.nn.optimizer.distributed_adafactor", "DistributedAdaFactor")):
+    _cls.__module__, _cls.__name__, _cls.__qualname__ = _mod, _nm, _nm
 _MuonStandIn.__module__ = "muon"
 _MuonStandIn.__name__ = _MuonStandIn.__qualname__ = "SingleDeviceMuonWithAuxAdam"
 _LambStandIn.__module__, _LambStandIn.__name__, _LambStandIn.__qualname__ = "torch_optimizer.lamb", "Lamb", "Lamb"
@@ -1044,6 +1127,7 @@ def case_upstream():
             H.check(p.returncode == 2 and "no declared tolerance for states (give --rtol-state or --rtol)" in p.stderr,
                     f"a kind without a bound: {p.stderr}")
             H.check(any(t["state"] == "sin_theta(projector)" for t in rep["tensors"]), "the sin theta rows")
+    colossal_classes(d)
     from distopt.record import record
     model = _small_model()
     opt = galore_groups(model, H.GaLoreAdamWStandIn, lr=1e-3, bad_refresh=6)
@@ -1063,6 +1147,49 @@ def case_upstream():
     H.check((v["kind"], v["step"]) == ("events", 5) and v["tensor"].endswith("/events(galore.refreshes)")
             and "(events: galore.refreshes of 0.weight: reference 1, recorded 0)" in out,
             f"a refresh the recording does not have is named by the counters at its step: {v}")
+
+
+def colossal_classes(d):
+    """ColossalAI 0.5.0's distributed optimizers recognised by class (stand-ins: ColossalAI pins torch <= 2.5.1 and
+    does not import on torch 2.15): DistributedLamb and DistributedCAME as distopt's own under their names and
+    constructors (error exactly 0: names, hyperparameters and states mapped; DistributedCAME warned as differing);
+    DistributedAdaFactor as its own arithmetic written in torch (an int RMS never updated), recorded with its float
+    states: verify names the difference at step 1, while the same code with RMS updated, recorded as transformers'
+    Adafactor, verifies within Adafactor's declared tolerance."""
+    import warnings as w
+    from distopt.record import record
+    runs = [("colossal_lamb", lambda m: _DistLambStandIn(m.parameters(), lr=1e-2, weight_decay=0.01), []),
+            ("colossal_came", lambda m: _DistCAMEStandIn(m.parameters(), lr=1e-3, weight_decay=0.01), [])]
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        for tag, rep in _upstream_runs(d, runs):
+            H.check(all(t["max_abs"] == 0 for t in rep["tensors"] if t["compared"]), f"{tag}: bitwise (error 0)")
+            H.check(rep["upstream"].startswith("colossalai.nn.optimizer.distributed_"), f"{tag}: {rep['upstream']}")
+    lamb_hp = json.load(open(os.path.join(d, "colossal_lamb.rec", "index.json")))["groups"][0]["hparams"]
+    H.check("bias_correction=true" in lamb_hp and "adam=false" in lamb_hp and "eps=1e-06" in lamb_hp,
+            f"DistributedLamb's defaults recorded: {lamb_hp}")
+    said = [str(x.message) for x in caught if "differs from" in str(x.message)]
+    H.check(len(said) == 1 and "DistributedCAME" in said[0] and "exp_avg_res_row" in said[0],
+            f"DistributedCAME named as differing, once: {said}")
+    print(f"record warned: {said[0]}")
+    for tag, cls, expect in (("hf_adafactor_torch", _HFAdafactorStandIn, 0),
+                             ("colossal_adafactor", _DistAdaFactorStandIn, 1)):
+        model = _small_model()
+        opt = cls(model.parameters())
+        trace = os.path.join(d, tag + ".rec")
+        with w.catch_warnings():
+            w.simplefilter("ignore")
+            with record(opt, trace, names=model, flush_every=5):
+                _train(model, opt, 12)
+        out, rep = H.run_verify(trace, expect=expect)
+        rms = [t for t in rep["tensors"] if t["state"] == "RMS"]
+        H.check(rms and all(t["compared"] for t in rms), f"{tag}: the RMS states recorded and compared")
+        if expect:
+            v = rep["verdict"]
+            H.check(v["step"] == 1, f"{tag}: the difference named at step 1: {v}")
+            print(f"{tag}: named at step {v['step']} ({v['tensor']}), RMS recorded {rms[0]['max_abs']:.3g} from ours")
+        else:
+            summary(rep)
 
 
 def upstream_python():
