@@ -348,6 +348,8 @@ int vf_replay(vctx *c) {
   for (int i = 0; i < c->nst; i++) compared += c->st[i].compared;
   if (compared == 0)
     return cli_errorf(CMD, "%s: no recorded parameter or state (param/<t>/..., state/<t>/...) to compare", c->rd.index_path);
+  if (c->twin_path && !c->tw_step && c->tw_grad_compared == 0) /* a twin's check that compared nothing is no pass */
+    return cli_errorf(CMD, "--twin %s: no step had a gradient on both sides to compare", c->twin.index_path);
   return CLI_OK;
 }
 
