@@ -158,6 +158,31 @@ class _Recording:
         return t == self.start or (rec.get("params") and rec.get("states") and t % self.every == 0)
 
 
+class _Writer:
+    """A one-rank recording's tensor files: (name, tensor) pairs of steps first.., written as a file of their
+    block when flush(last) is called (rank0/<first>-<last>.safetensors); files: the index's list."""
+
+    def __init__(self, out, first, flush_every):
+        self.out, self.first, self.flush_every = out, first, flush_every
+        self.block, self.files = [], []
+        os.makedirs(os.path.join(out, "rank0"), exist_ok=True)
+
+    def add(self, name, tensor):
+        self.block.append((name, tensor))
+
+    def after_step(self, t):
+        if t - self.first + 1 >= self.flush_every:
+            self.flush(t)
+
+    def flush(self, last):
+        if last >= self.first:
+            rel = f"rank0/{self.first:09d}-{last:09d}.safetensors"
+            _write_safetensors(os.path.join(self.out, rel), self.block,
+                               {"kind": KIND, "rank": 0, "first_step": self.first, "last_step": last})
+            self.files.append({"path": rel, "first_step": self.first, "last_step": last})
+        self.block, self.first = [], last + 1
+
+
 def _block_key(blk):
     return (-1, 0, 0) if blk is None else (int(blk["dim"]), int(blk["lo"]), int(blk["len"]))
 
@@ -257,20 +282,10 @@ def replay(recording, make_optimizer, stepwise=False, rtol=None, json_path=None,
         changes.setdefault(int(ch["step"]), []).append(ch)
     tmp = tempfile.TemporaryDirectory(prefix="distopt-replay-") if work is None else None
     out = os.path.join(tmp.name if tmp else os.fspath(work), "reference.rec")
-    os.makedirs(os.path.join(out, "rank0"), exist_ok=True)
-    files, block, first = [], [], rec.start + 1
     flush = int(ix["record"].get("flush_every", 16))
-
-    def write_block(last):
-        nonlocal block, first
-        if last >= first:
-            rel = f"rank0/{first:09d}-{last:09d}.safetensors"
-            _write_safetensors(os.path.join(out, rel), block, {"kind": KIND, "rank": 0, "first_step": first,
-                                                                "last_step": last})
-            files.append({"path": rel, "first_step": first, "last_step": last})
-        block, first = [], last + 1
-
-    block.extend((f"init/{n}", p.detach().clone()) for n, p in params.named())
+    wr = _Writer(out, rec.start + 1, flush)
+    for n, p in params.named():
+        wr.add(f"init/{n}", p.detach().clone())
     synced = True
     if rec.start:
         _force(rec, opt, params, rec.start, True)
@@ -298,24 +313,23 @@ def replay(recording, make_optimizer, stepwise=False, rtol=None, json_path=None,
             if t % rec.every == 0:
                 sd = opt.state_dict()["state"]
                 for n, p in params.named():
-                    block.append((f"param/{t}/{n}", p.detach().clone()))
+                    wr.add(f"param/{t}/{n}", p.detach().clone())
                     for k, v in sd.get(index_of.get(id(p), -1), {}).items():
                         k = str(k)
                         if k == "step":
                             s = v.item() if torch.is_tensor(v) else v
-                            block.append((f"state/{t}/{n}/step", torch.tensor(float(s), dtype=torch.float32)
-                                          if torch.is_tensor(v) else torch.tensor(int(s), dtype=torch.int64)))
+                            wr.add(f"state/{t}/{n}/step", torch.tensor(float(s), dtype=torch.float32)
+                                   if torch.is_tensor(v) else torch.tensor(int(s), dtype=torch.int64))
                         elif torch.is_tensor(v) and v.dtype == torch.float32 and "/" not in k and 0 < len(k) <= 63:
-                            block.append((f"state/{t}/{n}/{k}", v.detach().clone().contiguous()))
-        if t - first + 1 >= flush:
-            write_block(t)
-    write_block(rec.steps)
+                            wr.add(f"state/{t}/{n}/{k}", v.detach().clone().contiguous())
+        wr.after_step(t)
+    wr.flush(rec.steps)
     index = {
         "schema_version": SCHEMA_VERSION, "kind": KIND, "generator": "distopt.replay (python)",
         "optimizer": {"name": name, "upstream": f"{type(opt).__module__}.{type(opt).__qualname__}"},
         "groups": ix["groups"], "params": ix["params"], "torch": _torch_info(torch), "world_size": 1,
         "record": {"every": rec.every, "params": True, "states": True, "flush_every": flush},
-        "ranks": [{"rank": 0, "pieces": [{"param": n} for n in params.names], "files": files}],
+        "ranks": [{"rank": 0, "pieces": [{"param": n} for n in params.names], "files": wr.files}],
         "start_step": rec.start, "steps": rec.steps, "complete": True,
     }
     _write_json_atomic(os.path.join(out, "index.json"), index)

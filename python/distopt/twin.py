@@ -32,9 +32,8 @@ whose split matmuls round otherwise); scale a power of two or applied to the gra
 import os
 import tempfile
 
-from ._safetensors import write as _write_safetensors
 from .record import KIND, SCHEMA_VERSION, _torch_info, _write_json_atomic
-from .replay import _Recording
+from .replay import _Recording, _Writer
 from .verify import run_verify
 
 __all__ = ["twin"]
@@ -87,18 +86,8 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
     cs_run = int(ix.get("construction_steps", 0))
     tmp = tempfile.TemporaryDirectory(prefix="distopt-twin-") if work is None else None
     out = os.path.join(tmp.name if tmp else os.fspath(work), "twin.rec")
-    os.makedirs(os.path.join(out, "rank0"), exist_ok=True)
-    files, block, first = [], [], rec.start + 1
     flush = int(ix["record"].get("flush_every", 16))
-
-    def write_block(last):
-        nonlocal block, first
-        if last >= first:
-            rel = f"rank0/{first:09d}-{last:09d}.safetensors"
-            _write_safetensors(os.path.join(out, rel), block, {"kind": KIND, "rank": 0, "first_step": first,
-                                                                "last_step": last})
-            files.append({"path": rel, "first_step": first, "last_step": last})
-        block, first = [], last + 1
+    wr = _Writer(out, rec.start + 1, flush)
 
     try:
         with torch.no_grad():
@@ -107,7 +96,7 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
                 if x is None:
                     raise ValueError(f"distopt.twin: no init/{n} in the recording")
                 named[n].copy_(x.reshape(named[n].shape))
-                block.append((f"init/{n}", x.clone()))  # (as recorded: fp32)
+                wr.add(f"init/{n}", x.clone())  # (as recorded: fp32)
         for t in range(rec.start + 1, rec.steps + 1):
             if t - 1 > rec.start:
                 with torch.no_grad():
@@ -134,18 +123,17 @@ def twin(recording, make_model, loss_fn, batches, *, world, gas=1, scale=None, c
                         mag[n] = g.abs() if mag[n] is None else mag[n] + g.abs()
             for n in names:
                 if total[n] is not None:
-                    block.append((f"grad/{t}/{n}", (total[n] * scale).to(torch.float32)))
-                    block.append((f"grad_abs/{t}/{n}", (mag[n] * abs(scale)).to(torch.float32)))
-            if t - first + 1 >= flush:
-                write_block(t)
-        write_block(rec.steps)
+                    wr.add(f"grad/{t}/{n}", (total[n] * scale).to(torch.float32))
+                    wr.add(f"grad_abs/{t}/{n}", (mag[n] * abs(scale)).to(torch.float32))
+            wr.after_step(t)
+        wr.flush(rec.steps)
         for q in named.values():
             q.grad = None
         index = {
             "schema_version": SCHEMA_VERSION, "kind": KIND, "generator": "distopt.twin (python)",
             "optimizer": ix["optimizer"], "groups": ix["groups"], "params": ix["params"], "torch": _torch_info(torch),
             "world_size": 1, "record": {"every": 1, "params": False, "states": False, "flush_every": flush},
-            "ranks": [{"rank": 0, "pieces": [{"param": n} for n in names], "files": files}],
+            "ranks": [{"rank": 0, "pieces": [{"param": n} for n in names], "files": wr.files}],
             "start_step": rec.start, "steps": rec.steps, "complete": True,
             "twin": {"terms": world * gas, "construction_steps": construction_steps,
                      "grad_dtype": "BF16" if dtype == torch.bfloat16 else "F32"},

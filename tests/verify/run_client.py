@@ -476,12 +476,8 @@ def case_dtensor():
             H.check(needle in str(e) and "\n" not in str(e), f"{places} refused in one line: {e}")
 
 
-def case_dtensor_torch2():
-    """torch >= 2 (skipped, 77, with the reason on torch 1.13): one job of 4 gloo ranks (tests/verify/torch2.py):
-    dtensor_layout held against the local tensors torch places for every mesh, shape and placements of the sweep
-    (uneven and empty shards, _StridedShard) and against compute_local_shape_and_global_offset; FSDP2 + AdamW
-    (default, foreach, fused; a layer with 3 rows: an empty shard on rank 3) and the 2-D recipe (ColwiseParallel,
-    RowwiseParallel, then fully_shard over dp) recorded with distopt.record unchanged: each verifies (exit 0)."""
+def _need_fsdp2():
+    """Exit 77 (skipped, with the reason) where this torch has no DTensor or FSDP2 (torch 1.13)."""
     import importlib
     try:
         importlib.import_module("torch.distributed.tensor")
@@ -490,6 +486,15 @@ def case_dtensor_torch2():
         print(f"skipped: torch {torch.__version__} at {sys.executable} has no DTensor/FSDP2 ({type(e).__name__}: {e});"
               f" cmake/torch2.sh installs torch 2 where the CUDA 13 runtime is (docs/python.md)")
         sys.exit(77)
+
+
+def case_dtensor_torch2():
+    """torch >= 2 (skipped, 77, with the reason on torch 1.13): one job of 4 gloo ranks (tests/verify/torch2.py):
+    dtensor_layout held against the local tensors torch places for every mesh, shape and placements of the sweep
+    (uneven and empty shards, _StridedShard) and against compute_local_shape_and_global_offset; FSDP2 + AdamW
+    (default, foreach, fused; a layer with 3 rows: an empty shard on rank 3) and the 2-D recipe (ColwiseParallel,
+    RowwiseParallel, then fully_shard over dp) recorded with distopt.record unchanged: each verifies (exit 0)."""
+    _need_fsdp2()
     import torch2
     d = H.work_dir("dtensor_torch2")
     H.launch(torch2.worker, 4, d)
@@ -1318,12 +1323,7 @@ def case_twin_fsdp2():
     """FSDP2 (fully_shard, 2 gloo ranks, accumulation 2 without sync, clip_grad_norm_ on DTensor gradients) against
     its twin: passes; a rank's micro-batch dropped (gradient, step 3) and the local shard's clip norm (clip, step 1)
     named. Skipped (77) on torch without FSDP2."""
-    try:
-        getattr(__import__("torch.distributed.fsdp", fromlist=["fully_shard"]), "fully_shard")
-    except Exception as e:  # noqa: BLE001
-        print(f"skipped: torch {torch.__version__} has no FSDP2 ({type(e).__name__}: {e}); cmake/torch2.sh installs "
-              f"torch 2 (docs/python.md)")
-        sys.exit(77)
+    _need_fsdp2()
     import frameworks as F
     d = H.work_dir("twin_fsdp2")
     H.launch(F.fsdp2_worker, 2, d)
