@@ -83,7 +83,7 @@ int vf_twin_open(vctx *c) {
  * is exact), its conversion to fp32 and the twin's G (the exact fp64 sum rounded once) once each. u is fp32's, or
  * bf16's 2^-8 when the run sums in bf16 (twin.grad_dtype: the twin's micro-batch gradients are then the bf16
  * model's, the same bits as each rank's). */
-static void twin_grads(vctx *c, long t) {
+static int twin_grads(vctx *c, long t) {
   const vr_index *ix = &c->rd.ix;
   const double K = (double)(c->twin.ix.twin_terms + 1) * (c->twin.ix.twin_bf16 ? 0x1p-8 : U32);
   char name[VR_MAX_NAME + 64];
@@ -96,21 +96,33 @@ static void twin_grads(vctx *c, long t) {
     const int64_t n = ix->params[p].numel;
     size_t ng = 0, na = 0;
     snprintf(name, sizeof name, "grad/%ld/%s", t, ix->params[p].name);
-    const float *G = vr_reader_f32(&c->twin, 0, t, name, &ng);
+    const void *Gb = vr_reader_f32(&c->twin, 0, t, name, &ng);
     snprintf(name, sizeof name, "grad_abs/%ld/%s", t, ix->params[p].name);
-    const float *A = vr_reader_f32(&c->twin, 0, t, name, &na);
+    const void *Ab = vr_reader_f32(&c->twin, 0, t, name, &na);
     const float *g = c->gptr[p];
+    /* the file's bytes may be unaligned: copied into aligned buffers (ng and na checked against n below) */
+    float *G = NULL, *A = NULL;
+    if (Gb && Ab && (int64_t)ng == n && (int64_t)na == n) {
+      G = malloc((size_t)n * sizeof *G + 1), A = malloc((size_t)n * sizeof *A + 1);
+      if (!G || !A) {
+        free(G), free(A);
+        return vf_lib_error(NULL, dopt__fail(DOPT_ERR_NO_MEMORY, "--twin: %lld elements of '%s'", (long long)n,
+                                             ix->params[p].name));
+      }
+      memcpy(G, Gb, (size_t)n * sizeof *G), memcpy(A, Ab, (size_t)n * sizeof *A);
+    }
+    if (Gb && !G) {
+      if (bad_p < 0) bad_p = p, bad_why = "the twin's gradient or grad_abs has another element count, or is missing";
+      continue;
+    }
     if (!G != !g) { /* a gradient on one side only */
       if (bad_p < 0) bad_p = p, bad_why = g ? "the twin has none" : "the recording has none";
-      if (g)
-        for (int64_t i = 0; i < n && all_zero; i++) all_zero = g[i] == 0.0f;
+      for (int64_t i = 0; g && i < n && all_zero; i++) all_zero = g[i] == 0.0f;
+      for (int64_t i = 0; G && i < n && !twin_nonzero; i++) twin_nonzero = G[i] != 0.0f;
+      free(G), free(A);
       continue;
     }
     if (!G) continue;
-    if ((int64_t)ng != n || (int64_t)na != n) {
-      if (bad_p < 0) bad_p = p, bad_why = "the twin's gradient or grad_abs has another element count";
-      continue;
-    }
     for (int64_t i = 0; i < n; i++) {
       all_zero &= g[i] == 0.0f;
       twin_nonzero |= G[i] != 0.0f;
@@ -121,20 +133,21 @@ static void twin_grads(vctx *c, long t) {
       if ((r > 1 || nan) && bad_p < 0) bad_p = p, bad_e = i, bad_g = g[i], bad_G = G[i], bad_b = b;
     }
     c->tw_grad_compared += n;
+    free(G), free(A);
   }
   if (worst > c->tw_grad_worst) c->tw_grad_worst = worst;
-  if (bad_p < 0) return;
+  if (bad_p < 0) return CLI_OK;
   if (all_zero && twin_nonzero) {
     tw_fail(c, t, "step_counter", 0, -1,
-            "step counter: every recorded gradient of step %ld is zero on every rank, the twin's are not: a "
+            "step counter: every recorded gradient of step %ld is zero or absent on every rank, the twin's are not: a "
             "zero-gradient warm-up step recorded as a training step (it advances the step counter: the training's "
             "steps are one behind from here); record after it, declared as construction_steps",
             t);
-    return;
+    return CLI_OK;
   }
   if (bad_why) {
     tw_fail(c, t, "gradient", bad_p, -1, "gradient of %s: %s", ix->params[bad_p].name, bad_why);
-    return;
+    return CLI_OK;
   }
   bad_rank = source_rank(c, bad_p, bad_e);
   tw_fail(c, t, "gradient", bad_p, bad_rank,
@@ -142,6 +155,7 @@ static void twin_grads(vctx *c, long t) {
           "%.3g of the sum of %ld micro-batch gradients",
           ix->params[bad_p].name, (long long)bad_e, bad_rank, bad_g, bad_G, fabs(bad_g - bad_G), bad_b,
           c->twin.ix.twin_terms);
+  return CLI_OK;
 }
 
 /* Step t's recorded step counts (states recorded at t) against the twin's: the training step of recorded step t
@@ -256,11 +270,9 @@ static int clip_step(vctx *c, long t) {
 }
 
 int vf_twin_step(vctx *c, long t) {
-  if (c->twin_path && !c->tw_step) twin_grads(c, t);
-  if (c->rd.ix.clip_max_norm > 0) {
-    int rc = clip_step(c, t);
-    if (rc) return rc;
-  }
+  int rc;
+  if (c->twin_path && !c->tw_step && (rc = twin_grads(c, t))) return rc;
+  if (c->rd.ix.clip_max_norm > 0 && (rc = clip_step(c, t))) return rc;
   if (c->twin_path && !c->tw_step) twin_counters(c, t);
   return CLI_OK;
 }

@@ -168,7 +168,8 @@ const vr_piece *vr_rank_piece(const vr_index *ix, int r, int param);
  * past it, or an earlier one when it moves back), so memory is one block per
  * rank besides the index. Every file is checked when it is loaded against the
  * index (metadata rank, tensor names init/, grad/<t>/, param/<t>/, state/<t>/.../<key>
- * and, schema 2, init_state/<p>/<key> (first file), grad_digest/<t>/<p>, proj/<t>/<p>/<key>,
+ * and, schema 2, init_state/<p>/<key> (first file), grad_digest/<t>/<p>, proj/<t>/<p>/<key>; schema 6 with
+ * record.clip clip/<t>/norm|coef and clipped_digest/<t>/<p>, in a twin's recording grad_abs/<t>/<p>,
  * with t inside the file's block, parameters of the rank's layout, F32 (BF16 gradients when
  * record.grads says so) with the piece's element count; step counts one F32/F64/I32/I64
  * element; a digest 32 U8). Not thread

@@ -142,7 +142,8 @@ static dopt_status check_file(vr_reader *rd, int r, int k, const char *fpath) {
     long step = 0;
     char pname[VR_MAX_NAME + 1], key[VR_MAX_KEY + 1] = "";
     /* kinds: init, init_state (a window's states at its start), grad, grad_digest, param, state, proj,
-     * grad_agree (schema 3 with record.grad_agree: of any parameter, held or not) */
+     * grad_agree (schema 3 with record.grad_agree: of any parameter, held or not), clipped_digest and clip (schema
+     * 6 with record.clip), grad_abs (a twin's) */
     static const char *const stepped[] = {"grad_digest", "grad_agree", "grad", "param", "state", "proj",
                                           "clipped_digest", "grad_abs", "clip", NULL};
     const int v2 = ix->schema_version >= 2;
