@@ -35,7 +35,9 @@ def _loss_scale(ds):
 
 
 def _engine(obj):
-    return obj if hasattr(obj, "module") and hasattr(obj, "optimizer") and hasattr(obj, "backward") else None
+    """obj if it is a DeepSpeed engine (ZeRO 3's optimizer has module, optimizer and backward too), else None."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    return obj if isinstance(obj, DeepSpeedEngine) else None
 
 
 def recorder(obj, path, every, params, states, **kw):
@@ -158,12 +160,17 @@ class DeepSpeedRecorder(Recorder):
         if "layout" in kw:
             raise ValueError("distopt.record: a DeepSpeed engine's layout comes from DeepSpeed's own map (no layout=)")
         self.ds, model, view, layout, self.kind = _adapter(obj, names)
-        if kw.get("start_step") is None and kw.get("construction_steps") is None and any(view.state.values()):
-            # DeepSpeed's bf16 optimizers step on zero gradients at construction: recorded as such (the window
-            # starts after them; verify's report and the twin name them unless it is told construction_steps=)
-            steps = [int(v["step"].item() if torch.is_tensor(v["step"]) else v["step"])
-                     for v in view.state.values() if "step" in v]
-            kw["construction_steps"] = max(steps, default=1)
+        if getattr(self.ds, "_distopt_recorder", None) is not None:
+            raise RuntimeError("distopt.record: this DeepSpeed optimizer is already being recorded (close the other "
+                               "recorder)")
+        steps = [int(v["step"].item() if torch.is_tensor(v["step"]) else v["step"])
+                 for v in view.state.values() if "step" in v]
+        if kw.get("start_step") is None and kw.get("construction_steps") is None and self.kind in (_BF16, _UNFUSED) \
+                and steps and max(steps) == 1:
+            # DeepSpeed's bf16 optimizers step once on zero gradients at construction: recorded as such (the window
+            # starts after it; verify's report and the twin name it unless it is told construction_steps=1). Any
+            # other state already there is a run under way: Recorder refuses it without start_step=
+            kw["construction_steps"] = 1
         self._ds_pre, self._ds_post, self._ds_clip = [], [], None
         super().__init__(view, path, every, params, states, layout=layout, **kw)
 
@@ -179,7 +186,7 @@ class DeepSpeedRecorder(Recorder):
             return rec._clip_hook(args, kwargs)
 
         ds.step, ds.unscale_and_clip_grads = step, clip
-        self.optimizer._distopt_recorder = self
+        self.optimizer._distopt_recorder = ds._distopt_recorder = self
 
     def _restore(self):
         ds = self.ds
@@ -190,6 +197,7 @@ class DeepSpeedRecorder(Recorder):
             else:
                 ds.__dict__.pop(attr, None)
         self.optimizer.__dict__.pop("_distopt_recorder", None)
+        ds.__dict__.pop("_distopt_recorder", None)
 
     def _clip_hook(self, args, kwargs):
         """DeepSpeed's unscale_and_clip_grads(partition(s) or sub group, total_norm): the gradients of the

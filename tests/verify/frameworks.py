@@ -182,6 +182,11 @@ def deepspeed_training(rank, world, out, stage, bug=None, bf16=False):
                                                      "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     with record(engine, out, flush_every=4):
+        try:  # one recorder at a time (refused on every rank before any collective)
+            record(engine.optimizer, out + ".second", names=model)
+            raise AssertionError("a second recorder of the same DeepSpeed optimizer was accepted")
+        except RuntimeError as e:
+            assert "already being recorded" in str(e), e
         for j in range(1, STEPS + 1):
             for m in range(GAS):
                 loss = loss_fn(engine, batches(j, rank, m))
