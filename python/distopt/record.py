@@ -28,7 +28,7 @@ optimizer passes `layout=`: for each local tensor the global parameter it is a p
 (and which state elements) it holds.
 
 Optimizers known by class (distopt._upstream.CLASSES: torch AdamW, Adafactor and Muon, HF Adafactor, schedulefree's
-AdamWScheduleFree, adam-mini's Adam_mini, came_pytorch CAME,
+AdamWScheduleFree, adam-mini's Adam_mini, came_pytorch CAME, ColossalAI's distributed optimizers,
 torch_optimizer Lamb, galore_torch's AdamW, Adafactor and AdamW8bit with their projectors, bitsandbytes'
 AdamW8bit) and distopt.Optimizer are recorded with no names to write; ZeroRedundancyOptimizer -> its inner
 optimizer. Any other class is recorded as it is (optimizer.name null: distopt.replay verifies it against your
@@ -1152,6 +1152,11 @@ def record(optimizer, path, every=1, params=True, states=True, **kw):
     stage, stages: a pipeline: this rank's stage (every piece it records is on it; or "stage" in layout=
                   entries) and the number of stages (default: one more than the largest stage named)
     experts:      the number of experts when layout= entries name an "expert" id
+    construction_steps: steps the framework's optimizer took before training (a step at construction, a warm-up):
+                  a window starting after them, named as such for distopt.twin (docs/verify.md)
+    Clipping: call rec.clip_grad_norm_(params, max_norm) where the training clips: the gradients are recorded
+    before clipping with the norm and coefficient, and verify checks and replays the clip. A DeepSpeed engine (or
+    its optimizer with names=) is recorded unchanged, its clipping included (distopt._deepspeed).
     An optimizer class distopt does not implement (no mapping, no name=) is recorded as it is: its states under
     its own keys, its groups' numeric values as hyperparameter changes, for distopt.replay.
     """
