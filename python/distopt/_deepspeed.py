@@ -214,8 +214,7 @@ class DeepSpeedRecorder(Recorder):
         total = kwargs.get("total_norm", args[0] if self.kind == _UNFUSED else args[-1] if args else None)
         if float(ds.clip_grad) > 0 and total is not None:
             # DeepSpeed's 1 / max(1, (norm + 1e-6) / clip) in the norm's own dtype (fp32 in ZeRO 1-2, fp64 in ZeRO 3
-            # on the CPU, a Python float in the unfused optimizer) or in fp64; the one that makes the first piece's
-            # clipped gradient (verify checks every piece's)
+            # on the CPU, a Python float in the unfused optimizer) or in fp64 (Recorder._clip_tensors chooses)
             cands = []
             if torch.is_tensor(total):
                 for dt in (None, torch.float64):
@@ -224,13 +223,8 @@ class DeepSpeedRecorder(Recorder):
                     cands.append((1. / c).to(torch.float32).reshape(()))
             c = max(1.0, (float(total) + 1e-6) / float(ds.clip_grad))  # Python floats (the unfused optimizer)
             cands.append(torch.tensor(1. / c, dtype=torch.float32))
-            coef = cands[0]
-            for (_, g0), (_, g1) in zip(pre, post):
-                if g0.numel():
-                    coef = next((c for c in cands if torch.equal(g0 * c, g1)), cands[0])
-                    break
             norm = torch.as_tensor(total).detach().to("cpu", torch.float32).reshape(())
-            self._ds_clip = (float(ds.clip_grad), norm, coef)
+            self._ds_clip = (float(ds.clip_grad), norm, cands)
         return out
 
     def _run_step(self, args, kwargs):
@@ -239,9 +233,9 @@ class DeepSpeedRecorder(Recorder):
         pre = [x for part in self._ds_pre for x in part]
         post = [x for part in self._ds_post for x in part]
         if self._ds_clip is not None:
-            max_norm, norm, coef = self._ds_clip
+            max_norm, norm, cands = self._ds_clip
             if self.clip_max is not None and max_norm != self.clip_max:
                 raise ValueError(f"distopt.record: DeepSpeed's gradient_clipping changed from {self.clip_max!r} to "
                                  f"{max_norm!r} (one max_norm a recording)")
-            self.clip_max, self.clip_rec, self.pre = max_norm, (norm, coef), (pre, [])
+            self.clip_max, self.clip_rec, self.pre = max_norm, (norm, cands), (pre, [])
         return out, (post, [])

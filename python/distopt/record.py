@@ -911,23 +911,23 @@ class Recorder:
         norm = total.full_tensor() if _is_dtensor(total) else total
         norm = torch.as_tensor(norm, dtype=torch.float32).detach().to("cpu").reshape(())
         # the coefficient the clip applied: torch's max_norm / (norm + 1e-6) (a Python float over a tensor: a
-        # reciprocal times max_norm), or a true division (DeepSpeed's tensor over tensor); the one that makes the
-        # first piece's clipped gradient (verify checks every piece's), else torch's
-        cands = [torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0),
-                 torch.clamp(torch.tensor(float(max_norm)) / (norm + 1e-6), max=1.0)]
-        after = self._grads()[0]
-        coef = cands[0]
-        for (_, g0), (_, g1) in zip(self.pre[0], after):
-            if g0.numel():
-                coef = next((c for c in cands if torch.equal(g0 * c, g1)), cands[0])
-                break
-        self.clip_rec = (norm.clone(), coef)
+        # reciprocal times max_norm), or a true division (DeepSpeed's tensor over tensor): _clip_tensors chooses
+        self.clip_rec = (norm.clone(), [torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0),
+                                        torch.clamp(torch.tensor(float(max_norm)) / (norm + 1e-6), max=1.0)])
         return total
 
     def _clip_tensors(self, t, clipped):
-        """clip/<t>/norm, clip/<t>/coef and clipped_digest/<t>/<p> (each piece's gradient as the step took it)."""
+        """clip/<t>/norm, clip/<t>/coef and clipped_digest/<t>/<p> (each piece's gradient as the step took it).
+        clip_rec holds the norm and the candidate coefficients (the arithmetic of the clips met so far); the one
+        recorded makes the first non-empty piece's clipped gradient from its gradient before (self.pre; verify checks
+        every piece's), else the first candidate."""
         import torch
-        norm, coef = self.clip_rec
+        norm, cands = self.clip_rec
+        coef = cands[0]
+        for (_, g0), (_, g1) in zip(self.pre[0], clipped):
+            if g0.numel():
+                coef = next((c for c in cands if torch.equal(g0 * c, g1)), cands[0])
+                break
         return [(f"clip/{t}/norm", norm), (f"clip/{t}/coef", coef)] + [
             (f"clipped_digest/{t}/{n}", torch.tensor(list(_sha256(g)), dtype=torch.uint8)) for n, g in clipped]
 
