@@ -196,18 +196,42 @@ int vf_force_states(vctx *c, long t, int strict) {
   return CLI_OK;
 }
 
+int vf_single_device_of(const vctx *c, const vr_reader *other, const char *opt, const char *what) {
+  const vr_index *ix = &c->rd.ix, *rx = &other->ix;
+  if (rx->world_size != 1)
+    return cli_errorf(CMD, "%s %s: world_size %d, expected 1 (%s)", opt, other->index_path, rx->world_size, what);
+  if (rx->nparams != ix->nparams)
+    return cli_errorf(CMD, "%s %s: %d parameters, the recording has %d", opt, other->index_path, rx->nparams,
+                      ix->nparams);
+  for (int p = 0; p < ix->nparams; p++) {
+    const vr_param *a = &ix->params[p];
+    int q = vr_index_find_param(rx, a->name);
+    if (q < 0) return cli_errorf(CMD, "%s %s: parameter '%s' is missing", opt, other->index_path, a->name);
+    const vr_param *b = &rx->params[q];
+    int same = b->ndim == a->ndim && b->group == a->group;
+    for (int d = 0; same && d < a->ndim; d++) same = b->shape[d] == a->shape[d];
+    if (!same) {
+      char sa[160], sb[160];
+      dopt__shape_text(a->ndim, a->shape, sa, sizeof sa);
+      dopt__shape_text(b->ndim, b->shape, sb, sizeof sb);
+      return cli_errorf(CMD, "%s %s: parameter '%s' is %s in group %d, the recording's %s in group %d", opt,
+                        other->index_path, a->name, sb, b->group, sa, a->group);
+    }
+  }
+  if (rx->start_step > ix->start_step || rx->steps < ix->steps)
+    return cli_errorf(CMD, "%s %s: steps %ld..%ld, the recording's are %ld..%ld", opt, other->index_path,
+                      rx->start_step + 1, rx->steps, ix->start_step + 1, ix->steps);
+  return CLI_OK;
+}
+
 static int open_reference(vctx *c) {
   const vr_index *ix = &c->rd.ix;
   if (vr_reader_open(&c->ref, c->ref_path) != DOPT_OK) return cli_errorf(CMD, "--reference: %s", c->ref.err);
   const vr_index *rx = &c->ref.ix;
-  if (rx->world_size != 1)
-    return cli_errorf(CMD, "--reference %s: world_size %d, expected 1 (the single-device reference)", c->ref.index_path,
-                      rx->world_size);
-  if (rx->nparams != ix->nparams)
-    return cli_errorf(CMD, "--reference %s: %d parameters, the recording has %d", c->ref.index_path, rx->nparams,
-                      ix->nparams);
-  /* the same computation: optimizer, hyperparameters of every group, every parameter's shape and group; what a
-   * single-device twin legitimately differs in passes (its world size, a longer window, its gradients' dtype) */
+  /* the same computation: every parameter's shape and group, the optimizer, hyperparameters of every group; what
+   * a single-device twin legitimately differs in passes (its world size, a longer window, its gradients' dtype) */
+  int rc = vf_single_device_of(c, &c->ref, "--reference", "the single-device reference");
+  if (rc) return rc;
   if (strcmp(rx->optimizer, ix->optimizer) != 0)
     return cli_errorf(CMD, "--reference %s: optimizer '%s', the recording's is '%s'", c->ref.index_path,
                       rx->optimizer[0] ? rx->optimizer : "null", ix->optimizer[0] ? ix->optimizer : "null");
@@ -218,24 +242,6 @@ static int open_reference(vctx *c) {
     if (strcmp(rx->group_hparams[g], ix->group_hparams[g]) != 0)
       return cli_errorf(CMD, "--reference %s: group %d's hyperparameters '%.200s', the recording's '%.200s'",
                         c->ref.index_path, g, rx->group_hparams[g], ix->group_hparams[g]);
-  for (int p = 0; p < ix->nparams; p++) {
-    const vr_param *a = &ix->params[p];
-    int q = vr_index_find_param(rx, a->name);
-    if (q < 0) return cli_errorf(CMD, "--reference %s: parameter '%s' is missing", c->ref.index_path, a->name);
-    const vr_param *b = &rx->params[q];
-    int same = b->ndim == a->ndim && b->group == a->group;
-    for (int d = 0; same && d < a->ndim; d++) same = b->shape[d] == a->shape[d];
-    if (!same) {
-      char sa[160], sb[160];
-      dopt__shape_text(a->ndim, a->shape, sa, sizeof sa);
-      dopt__shape_text(b->ndim, b->shape, sb, sizeof sb);
-      return cli_errorf(CMD, "--reference %s: parameter '%s' is %s in group %d, the recording's %s in group %d",
-                        c->ref.index_path, a->name, sb, b->group, sa, a->group);
-    }
-  }
-  if (rx->start_step > ix->start_step || rx->steps < ix->steps)
-    return cli_errorf(CMD, "--reference %s: steps %ld..%ld, the recording's are %ld..%ld", c->ref.index_path,
-                      rx->start_step + 1, rx->steps, ix->start_step + 1, ix->steps);
   return CLI_OK;
 }
 

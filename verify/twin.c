@@ -52,29 +52,10 @@ static int source_rank(const vctx *c, int p, int64_t e) {
 int vf_twin_open(vctx *c) {
   if (!c->twin_path) return CLI_OK;
   if (vr_reader_open(&c->twin, c->twin_path) != DOPT_OK) return cli_errorf(CMD, "--twin: %s", c->twin.err);
-  const vr_index *ix = &c->rd.ix, *tx = &c->twin.ix;
-  if (tx->twin_terms <= 0)
+  if (c->twin.ix.twin_terms <= 0)
     return cli_errorf(CMD, "--twin %s: not a twin's recording (no \"twin\" key: distopt.twin writes one)",
                       c->twin.index_path);
-  if (tx->world_size != 1)
-    return cli_errorf(CMD, "--twin %s: world_size %d, expected 1 (a single-process twin)", c->twin.index_path,
-                      tx->world_size);
-  if (tx->nparams != ix->nparams)
-    return cli_errorf(CMD, "--twin %s: %d parameters, the recording has %d", c->twin.index_path, tx->nparams,
-                      ix->nparams);
-  for (int p = 0; p < ix->nparams; p++) {
-    const vr_param *a = &ix->params[p];
-    const int q = vr_index_find_param(tx, a->name);
-    if (q < 0) return cli_errorf(CMD, "--twin %s: parameter '%s' is missing", c->twin.index_path, a->name);
-    const vr_param *b = &tx->params[q];
-    int same = a->ndim == b->ndim;
-    for (int d = 0; same && d < a->ndim; d++) same = a->shape[d] == b->shape[d];
-    if (!same) return cli_errorf(CMD, "--twin %s: parameter '%s' has another shape", c->twin.index_path, a->name);
-  }
-  if (tx->start_step > ix->start_step || tx->steps < ix->steps)
-    return cli_errorf(CMD, "--twin %s: steps %ld..%ld, the recording's are %ld..%ld", c->twin.index_path,
-                      tx->start_step + 1, tx->steps, ix->start_step + 1, ix->steps);
-  return CLI_OK;
+  return vf_single_device_of(c, &c->twin, "--twin", "a single-process twin");
 }
 
 /* Step t's assembled gradients (c->gptr) against the twin's: |g - G| <= (terms + 1) u A per element, A the

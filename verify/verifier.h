@@ -191,6 +191,9 @@ int vf_piece_index(const vctx *c, int r, int param);
 const float *vf_ref_param(vctx *c, int p, long t);
 double vf_scalar_value(const dopt_st_tensor *x);
 int vf_setup(vctx *c);
+/* `other` (--reference REF, --twin TWIN: opt) is a one-process recording of the recording's parameters (names,
+ * shapes, groups) over at least its steps; else CLI_USAGE after one line ("expected 1 (what)"). */
+int vf_single_device_of(const vctx *c, const vr_reader *other, const char *opt, const char *what);
 int vf_state_range(const vctx *c, const vr_piece *pc, const char *key, int64_t n, int64_t *lo, int64_t *len, int *mapped);
 int vf_piece_state_range(const vr_piece *pc, int64_t numel, const char *key, int64_t n, int64_t *lo, int64_t *len,
                          int *mapped);
